@@ -1,0 +1,1 @@
+"""Code shared by the scheduler, the parameter servers and the workers."""

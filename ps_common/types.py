@@ -1,0 +1,23 @@
+"""Small value types shared by the store, the client and the codec."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+
+class SliceKey(NamedTuple):
+    """One slice of one parameter: `part` numbers the contiguous pieces of a big tensor."""
+
+    key: str
+    part: int = 0
+
+    def __str__(self) -> str:
+        return f"{self.key}[{self.part}]" if self.part else self.key
+
+
+class Stamp(NamedTuple):
+    """Who sent a push or pull, from which incarnation, at which clock."""
+
+    worker_id: str
+    generation: int
+    clock: int

@@ -1,0 +1,1 @@
+"""The parameter server: shard store, consistency policies, optimizers, gRPC servicer."""
