@@ -1,0 +1,1 @@
+"""pshard workers: the PSClient, the torch integration and the training CLI."""
