@@ -1,0 +1,300 @@
+"""The one codec: numpy/torch <-> protobuf, and the Exchange stream's frames.
+
+Tensors travel as {dtype, shape, bytes} (little-endian, C order). bfloat16 has no
+numpy dtype: on the wire and in numpy it is its raw 16-bit pattern (a uint16
+array) tagged "bfloat16"; `bf16_to_f32`/`f32_to_bf16` convert. Never pickle.
+
+Arrays in this module travel with a logical dtype name (`WireArray`), because
+a uint16 array may be bfloat16.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from typing import NamedTuple
+
+import numpy as np
+
+from ps_api.v1 import parameter_server_pb2 as ps_pb
+from ps_api.v1 import scheduler_pb2 as sched_pb
+from ps_api.v1 import tensor_pb2 as tensor_pb
+from ps_common.errors import DTypeMismatchError, InvalidArgumentError, PayloadSizeError
+from ps_common.job import JobConfig, OptimizerConfig
+from ps_common.layout import Layout, LayoutSlice, ParamSpec
+from ps_common.types import SliceKey, Stamp
+
+# Logical dtype name -> (proto enum, numpy storage dtype). "<" pins little-endian on the wire.
+_DTYPES: dict[str, tuple[int, np.dtype]] = {
+    "float32": (tensor_pb.FLOAT32, np.dtype("<f4")),
+    "float64": (tensor_pb.FLOAT64, np.dtype("<f8")),
+    "float16": (tensor_pb.FLOAT16, np.dtype("<f2")),
+    "bfloat16": (tensor_pb.BFLOAT16, np.dtype("<u2")),
+    "int8": (tensor_pb.INT8, np.dtype("i1")),
+    "int16": (tensor_pb.INT16, np.dtype("<i2")),
+    "int32": (tensor_pb.INT32, np.dtype("<i4")),
+    "int64": (tensor_pb.INT64, np.dtype("<i8")),
+    "uint8": (tensor_pb.UINT8, np.dtype("u1")),
+    "bool": (tensor_pb.BOOL, np.dtype("?")),
+}
+_BY_ENUM = {enum: name for name, (enum, _) in _DTYPES.items()}
+_BY_NUMPY = {np.dtype(d).newbyteorder("="): name for name, (_, d) in _DTYPES.items() if name != "bfloat16"}
+
+DTYPE_NAMES = tuple(_DTYPES)
+
+
+class WireArray(NamedTuple):
+    """A numpy array and its logical dtype (bfloat16 arrays are stored as uint16)."""
+
+    array: np.ndarray
+    dtype: str
+
+
+def numpy_dtype(name: str) -> np.dtype:
+    try:
+        return _DTYPES[name][1]
+    except KeyError:
+        raise DTypeMismatchError(f"dtype: got {name!r}, expected one of {DTYPE_NAMES}") from None
+
+
+def dtype_to_proto(name: str) -> int:
+    numpy_dtype(name)
+    return _DTYPES[name][0]
+
+
+def dtype_from_proto(enum: int, field: str = "dtype") -> str:
+    try:
+        return _BY_ENUM[enum]
+    except KeyError:
+        raise DTypeMismatchError(f"{field}: got enum value {enum}, expected one of {DTYPE_NAMES}") from None
+
+
+def dtype_name_of(array: np.ndarray) -> str:
+    try:
+        return _BY_NUMPY[array.dtype.newbyteorder("=")]
+    except KeyError:
+        raise DTypeMismatchError(f"dtype: numpy {array.dtype} has no wire type; expected one of "
+                                 f"{DTYPE_NAMES}") from None
+
+
+# ---- bfloat16 ----
+
+def bf16_to_f32(bits: np.ndarray) -> np.ndarray:
+    """bfloat16 is the top half of a float32: widen by shifting into the high 16 bits."""
+    return (bits.astype(np.uint32) << 16).view(np.float32)
+
+
+def f32_to_bf16(values: np.ndarray) -> np.ndarray:
+    """Round to nearest even, as torch does; NaN stays NaN (its payload is kept quiet)."""
+    bits = np.ascontiguousarray(values, dtype=np.float32).view(np.uint32)
+    rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
+    nan = np.isnan(values)
+    if nan.any():
+        rounded[nan] = ((bits[nan] >> 16) | 0x0040).astype(np.uint16)
+    return rounded
+
+
+def cast(wire: WireArray, dtype: str) -> WireArray:
+    """Convert between float dtypes (the wire compression casts), via float32 for bfloat16."""
+    if wire.dtype == dtype:
+        return wire
+    values = bf16_to_f32(wire.array) if wire.dtype == "bfloat16" else wire.array
+    if dtype == "bfloat16":
+        return WireArray(f32_to_bf16(values), dtype)
+    return WireArray(values.astype(numpy_dtype(dtype)), dtype)
+
+
+# ---- tensors ----
+
+def check_nbytes(what: str, dtype: str, shape: Sequence[int], nbytes: int) -> int:
+    """The byte length a (dtype, shape) needs; PayloadSizeError naming both when `nbytes` differs."""
+    if any(d < 0 for d in shape):
+        raise InvalidArgumentError(f"{what}: shape {tuple(shape)} has a negative dimension")
+    want = math.prod(shape) * numpy_dtype(dtype).itemsize
+    if nbytes != want:
+        raise PayloadSizeError(f"{what}: got {nbytes} bytes, dtype {dtype} and shape {tuple(shape)} "
+                               f"need {want}")
+    return want
+
+
+def array_from_buffer(buffer: bytes | memoryview, dtype: str, shape: Sequence[int],
+                      what: str = "tensor") -> np.ndarray:
+    """Zero-copy view of `buffer` (read-only when the buffer is bytes)."""
+    check_nbytes(what, dtype, shape, len(buffer))
+    return np.frombuffer(buffer, dtype=numpy_dtype(dtype)).reshape(tuple(shape))
+
+
+def tensor_to_proto(wire: WireArray) -> tensor_pb.Tensor:
+    array = np.ascontiguousarray(wire.array, dtype=numpy_dtype(wire.dtype))
+    return tensor_pb.Tensor(dtype=dtype_to_proto(wire.dtype), shape=array.shape, data=array.tobytes())
+
+
+def tensor_from_proto(t: tensor_pb.Tensor, what: str = "tensor") -> WireArray:
+    dtype = dtype_from_proto(t.dtype, f"{what} dtype")
+    return WireArray(array_from_buffer(t.data, dtype, tuple(t.shape), what), dtype)
+
+
+def slice_id_to_proto(key: SliceKey) -> tensor_pb.SliceId:
+    return tensor_pb.SliceId(key=key.key, part=key.part)
+
+
+def slice_id_from_proto(s: tensor_pb.SliceId) -> SliceKey:
+    return SliceKey(s.key, s.part)
+
+
+def slice_tensor_to_proto(key: SliceKey, wire: WireArray, version: int = 0) -> tensor_pb.SliceTensor:
+    return tensor_pb.SliceTensor(id=slice_id_to_proto(key), tensor=tensor_to_proto(wire), version=version)
+
+
+def slice_tensor_from_proto(s: tensor_pb.SliceTensor) -> tuple[SliceKey, WireArray]:
+    key = slice_id_from_proto(s.id)
+    return key, tensor_from_proto(s.tensor, f"slice {str(key)!r}")
+
+
+# ---- torch (imported lazily: the parameter server has no torch) ----
+
+def torch_to_wire(tensor: object) -> WireArray:
+    """CPU torch tensor -> WireArray without a copy when it is contiguous."""
+    import torch
+
+    assert isinstance(tensor, torch.Tensor)
+    t = tensor.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    t = t.contiguous()
+    if t.dtype == torch.bfloat16:
+        return WireArray(t.view(torch.int16).numpy().view(np.uint16), "bfloat16")
+    array = t.numpy()
+    return WireArray(array, dtype_name_of(array))
+
+
+def wire_to_torch(wire: WireArray) -> object:
+    import torch
+
+    array = wire.array if wire.array.flags.writeable else wire.array.copy()
+    if wire.dtype == "bfloat16":
+        return torch.from_numpy(array.view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(array)
+
+
+# ---- stamps, job config ----
+
+def stamp_to_proto(stamp: Stamp) -> ps_pb.Stamp:
+    return ps_pb.Stamp(worker_id=stamp.worker_id, generation=stamp.generation, clock=stamp.clock)
+
+
+def stamp_from_proto(s: ps_pb.Stamp) -> Stamp:
+    if not s.worker_id:
+        raise InvalidArgumentError("stamp.worker_id: got '', expected the worker's id")
+    return Stamp(s.worker_id, s.generation, s.clock)
+
+
+_MODE_TO_PROTO = {"sync": ps_pb.SYNC, "async": ps_pb.ASYNC, "ssp": ps_pb.SSP}
+_MODE_FROM_PROTO = {v: k for k, v in _MODE_TO_PROTO.items()}
+
+
+def job_to_proto(job: JobConfig) -> ps_pb.JobConfig:
+    o = job.optimizer
+    return ps_pb.JobConfig(
+        mode=_MODE_TO_PROTO[job.mode], staleness=job.staleness, backup_workers=job.backup_workers,
+        wire_dtype=dtype_to_proto(job.wire_dtype) if job.wire_dtype else tensor_pb.DTYPE_UNSPECIFIED,
+        optimizer=ps_pb.OptimizerConfig(
+            name=o.name, lr=o.lr, momentum=o.momentum, dampening=o.dampening, nesterov=o.nesterov,
+            weight_decay=o.weight_decay, beta1=o.betas[0], beta2=o.betas[1], eps=o.eps, amsgrad=o.amsgrad,
+            lr_decay=o.lr_decay, initial_accumulator_value=o.initial_accumulator_value))
+
+
+def job_from_proto(p: ps_pb.JobConfig) -> JobConfig:
+    if p.mode not in _MODE_FROM_PROTO:
+        raise InvalidArgumentError(f"config.mode: got {p.mode}, expected SYNC, ASYNC or SSP")
+    o = p.optimizer
+    return JobConfig(
+        mode=_MODE_FROM_PROTO[p.mode], staleness=p.staleness, backup_workers=p.backup_workers,
+        wire_dtype="" if p.wire_dtype == tensor_pb.DTYPE_UNSPECIFIED
+        else dtype_from_proto(p.wire_dtype, "config.wire_dtype"),
+        optimizer=OptimizerConfig(
+            name=o.name, lr=o.lr, momentum=o.momentum, dampening=o.dampening, nesterov=o.nesterov,
+            weight_decay=o.weight_decay, betas=(o.beta1, o.beta2), eps=o.eps, amsgrad=o.amsgrad,
+            lr_decay=o.lr_decay, initial_accumulator_value=o.initial_accumulator_value))
+
+
+# ---- layout ----
+
+def param_spec_to_proto(p: ParamSpec) -> sched_pb.ParamSpec:
+    return sched_pb.ParamSpec(key=p.key, dtype=dtype_to_proto(p.dtype), shape=p.shape)
+
+
+def param_spec_from_proto(p: sched_pb.ParamSpec) -> ParamSpec:
+    return ParamSpec(p.key, dtype_from_proto(p.dtype, f"param {p.key!r} dtype"), tuple(p.shape))
+
+
+def layout_to_proto(layout: Layout) -> sched_pb.Layout:
+    return sched_pb.Layout(
+        version=layout.version, params=[param_spec_to_proto(p) for p in layout.params],
+        servers=layout.servers, slice_bytes=layout.slice_bytes,
+        slices=[sched_pb.LayoutSlice(key=s.key, part=s.part, server=s.server, offset=s.offset,
+                                     numel=s.numel) for s in layout.slices])
+
+
+def layout_from_proto(p: sched_pb.Layout) -> Layout:
+    return Layout(
+        params=tuple(param_spec_from_proto(x) for x in p.params), servers=tuple(p.servers),
+        slice_bytes=p.slice_bytes, version=p.version,
+        slices=tuple(LayoutSlice(s.key, s.part, s.server, s.offset, s.numel) for s in p.slices))
+
+
+# ---- Exchange frames ----
+# A data frame is the protobuf encoding of Frame{data: bytes}: tag 0x12 (field 2,
+# length-delimited), a varint length, the bytes. We write and read that encoding
+# ourselves so a 4 MiB chunk is copied once, not three times through message objects,
+# while staying an ordinary protobuf message for any other client.
+
+_DATA_TAG = 0x12
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while True:
+        byte = n & 0x7F
+        n >>= 7
+        if n:
+            out.append(byte | 0x80)
+        else:
+            out.append(byte)
+            return bytes(out)
+
+
+def encode_data_frame(parts: Iterable[bytes | memoryview | np.ndarray]) -> bytes:
+    """One data frame carrying the concatenation of `parts` (one copy, by bytes.join)."""
+    views = [memoryview(p).cast("B") if not isinstance(p, bytes) else p for p in parts]
+    size = sum(len(v) for v in views)
+    return b"".join([bytes((_DATA_TAG,)) + _varint(size), *views])
+
+
+def decode_data_frame(frame: bytes) -> memoryview | None:
+    """The payload of a data frame as a zero-copy view, or None when it is another kind of frame."""
+    if not frame or frame[0] != _DATA_TAG:
+        return None
+    size, shift, pos = 0, 0, 1
+    while True:
+        if pos >= len(frame) or shift > 63:
+            raise PayloadSizeError(f"data frame: truncated length prefix ({len(frame)} bytes)")
+        byte = frame[pos]
+        size |= (byte & 0x7F) << shift
+        pos += 1
+        shift += 7
+        if not byte & 0x80:
+            break
+    if pos + size != len(frame):
+        raise PayloadSizeError(f"data frame: prefix says {size} bytes, frame holds {len(frame) - pos}")
+    return memoryview(frame)[pos:]
+
+
+def encode_frame(message: ps_pb.Frame) -> bytes:
+    return message.SerializeToString()
+
+
+def decode_frame(frame: bytes) -> ps_pb.Frame:
+    message = ps_pb.Frame()
+    message.ParseFromString(frame)
+    return message

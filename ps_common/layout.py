@@ -1,0 +1,142 @@
+"""Parameter layout: which server holds which slice of which parameter.
+
+A parameter whose bytes exceed `slice_bytes` is cut into contiguous pieces of its
+flattened elements, so one big layer is spread over all servers instead of
+loading one. Slices are then placed greedily, largest first, on the server with
+the fewest bytes so far (ties: lowest index) — deterministic for a given set of
+(key, shape, dtype) and server list, so every worker that computes the layout
+gets the same one. The scheduler stores the first proposal and hands it out.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from ps_common.errors import EmptyRequestError, InvalidArgumentError, LayoutConflictError
+from ps_common.types import SliceKey
+
+# 4 MiB: the largest chunk the data plane sends, so every slice travels in one frame
+# and the server can use it zero-copy. Small enough to spread a 32 MiB layer over servers.
+DEFAULT_SLICE_BYTES = 4 * 2**20
+
+ITEMSIZE = {"float32": 4, "float64": 8, "float16": 2, "bfloat16": 2, "int8": 1, "int16": 2,
+            "int32": 4, "int64": 8, "uint8": 1, "bool": 1}
+
+
+@dataclass(frozen=True)
+class ParamSpec:
+    key: str
+    dtype: str
+    shape: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        if not self.key:
+            raise InvalidArgumentError("param key: got '', expected a non-empty name")
+        if self.dtype not in ITEMSIZE:
+            raise InvalidArgumentError(f"param {self.key!r} dtype: got {self.dtype!r}, expected one of "
+                                       f"{sorted(ITEMSIZE)}")
+        if any(d < 0 for d in self.shape):
+            raise InvalidArgumentError(f"param {self.key!r} shape: got {self.shape}, dims must be >= 0")
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * ITEMSIZE[self.dtype]
+
+
+@dataclass(frozen=True)
+class LayoutSlice:
+    key: str
+    part: int
+    server: int
+    offset: int
+    numel: int
+
+    @property
+    def slice_key(self) -> SliceKey:
+        return SliceKey(self.key, self.part)
+
+
+@dataclass(frozen=True)
+class Layout:
+    params: tuple[ParamSpec, ...]
+    servers: tuple[str, ...]
+    slice_bytes: int
+    slices: tuple[LayoutSlice, ...]
+    version: int = 0
+    _by_key: dict[str, tuple[LayoutSlice, ...]] = field(default_factory=dict, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        by_key: dict[str, list[LayoutSlice]] = {}
+        for s in self.slices:
+            by_key.setdefault(s.key, []).append(s)
+        self._by_key.update({k: tuple(sorted(v, key=lambda s: s.part)) for k, v in by_key.items()})
+
+    def param(self, key: str) -> ParamSpec:
+        for p in self.params:
+            if p.key == key:
+                return p
+        raise LayoutConflictError(f"key {key!r} is not in the layout (it has {len(self.params)} params)")
+
+    def slices_of(self, key: str) -> tuple[LayoutSlice, ...]:
+        return self._by_key[key]
+
+    def slices_on(self, server: int) -> tuple[LayoutSlice, ...]:
+        return tuple(s for s in self.slices if s.server == server)
+
+    def bytes_per_server(self) -> list[int]:
+        loads = [0] * len(self.servers)
+        for s in self.slices:
+            loads[s.server] += s.numel * ITEMSIZE[self.param(s.key).dtype]
+        return loads
+
+    def same_params(self, other: Layout) -> str | None:
+        """None when both describe the same parameters; else what differs first."""
+        mine = {p.key: p for p in self.params}
+        theirs = {p.key: p for p in other.params}
+        for key in sorted(mine.keys() | theirs.keys()):
+            a, b = mine.get(key), theirs.get(key)
+            if a != b:
+                return (f"param {key!r}: stored layout has "
+                        f"{(a.dtype, a.shape) if a else 'nothing'}, proposal has "
+                        f"{(b.dtype, b.shape) if b else 'nothing'}")
+        return None
+
+
+def plan_layout(params: Sequence[ParamSpec], servers: Sequence[str],
+                slice_bytes: int = DEFAULT_SLICE_BYTES) -> Layout:
+    if not servers:
+        raise EmptyRequestError("servers: got none, a layout needs at least one parameter server")
+    if slice_bytes < 64:
+        raise InvalidArgumentError(f"slice_bytes: got {slice_bytes}, expected >= 64")
+    seen: set[str] = set()
+    for p in params:
+        if p.key in seen:
+            raise InvalidArgumentError(f"param key {p.key!r} appears twice")
+        seen.add(p.key)
+    pieces: list[tuple[str, int, int, int, int]] = []  # (key, part, offset, numel, nbytes)
+    for p in sorted(params, key=lambda p: p.key):
+        itemsize = ITEMSIZE[p.dtype]
+        per_slice = max(1, slice_bytes // itemsize)
+        parts = max(1, math.ceil(p.numel / per_slice))
+        # Equal-sized parts (not full slices plus a runt) balance better across servers.
+        base, extra = divmod(p.numel, parts)
+        offset = 0
+        for part in range(parts):
+            n = base + (1 if part < extra else 0)
+            pieces.append((p.key, part, offset, n, n * itemsize))
+            offset += n
+    loads = [0] * len(servers)
+    placed: list[LayoutSlice] = []
+    # Largest first onto the least-loaded server: the classic LPT heuristic, within 4/3 of optimal.
+    for key, part, offset, numel, nbytes in sorted(pieces, key=lambda x: (-x[4], x[0], x[1])):
+        server = min(range(len(servers)), key=lambda i: (loads[i], i))
+        loads[server] += nbytes
+        placed.append(LayoutSlice(key, part, server, offset, numel))
+    placed.sort(key=lambda s: (s.key, s.part))
+    return Layout(tuple(params), tuple(servers), slice_bytes, tuple(placed))
