@@ -1,0 +1,64 @@
+"""The one mapping between pshard's errors and gRPC status, in both directions.
+
+A servicer catches a `PSError` and calls `abort(context, err)`: the status code comes from
+`err.status`, the message is the error's own (it carries the values), and trailing metadata
+``ps-error-type`` names the class. A client calls `raise_from_rpc_error(e)` and gets the same class
+back, so callers catch `StaleGenerationError` whether it happened locally or on a server.
+"""
+
+from __future__ import annotations
+
+from typing import NoReturn
+
+import grpc
+import grpc.aio
+
+from ps_common.errors import (
+    InvalidArgumentError,
+    MessageTooLargeError,
+    PSError,
+    PullTimeoutError,
+    UnavailableError,
+    error_classes,
+)
+
+ERROR_TYPE_KEY = "ps-error-type"
+
+# Without a ps-error-type (a proxy answered, or the transport failed), the code alone picks a class.
+_BY_CODE: dict[grpc.StatusCode, type[PSError]] = {
+    grpc.StatusCode.UNAVAILABLE: UnavailableError,
+    grpc.StatusCode.DEADLINE_EXCEEDED: PullTimeoutError,
+    grpc.StatusCode.INVALID_ARGUMENT: InvalidArgumentError,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: MessageTooLargeError,
+}
+
+
+def to_grpc_status(err: PSError) -> grpc.StatusCode:
+    """The status named by `err.status` (INTERNAL if the name is not a gRPC code)."""
+    return grpc.StatusCode.__members__.get(err.status, grpc.StatusCode.INTERNAL)
+
+
+async def abort(context: grpc.aio.ServicerContext, err: PSError) -> NoReturn:
+    """End the RPC with `err`'s status and message; the class name travels as trailing metadata."""
+    await context.abort(to_grpc_status(err), str(err),
+                        trailing_metadata=((ERROR_TYPE_KEY, type(err).__name__),))
+    raise AssertionError("context.abort returned")  # it always raises; this line keeps NoReturn honest
+
+
+def error_from_rpc_error(e: grpc.RpcError) -> PSError:
+    """The PSError a failed call stands for: the server's own class when it named one."""
+    if not isinstance(e, grpc.Call | grpc.aio.AioRpcError):
+        return UnavailableError(f"RPC failed: {e}")
+    code, details = e.code(), e.details() or ""
+    metadata = e.trailing_metadata() or ()
+    name = next((str(v) for k, v in metadata if k == ERROR_TYPE_KEY), None)
+    cls = error_classes().get(name) if name else None
+    if cls is not None:
+        return cls(details)
+    fallback = _BY_CODE.get(code, PSError)
+    return fallback(f"{code.name if code else 'UNKNOWN'}: {details}")
+
+
+def raise_from_rpc_error(e: grpc.RpcError) -> NoReturn:
+    """Re-raise a failed call as the PSError class the server raised (chained to `e`)."""
+    raise error_from_rpc_error(e) from e
