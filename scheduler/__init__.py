@@ -1,0 +1,1 @@
+"""The scheduler: cluster membership, barriers and the shared parameter layout (soft state)."""
