@@ -1,0 +1,166 @@
+"""Save and load one shard: weights, optimizer state and clocks (DESIGN §9).
+
+A checkpoint named `name` is two files in `directory`:
+
+- `<name>.ckpt-<token>.npz`: every array (values, optimizer state arrays, pending sync
+  sums), written with `np.savez` and read with `allow_pickle=False`;
+- `<name>.json`: everything else (job config, keys, dtypes, versions, clocks, scalar
+  optimizer state), and the name of the npz it belongs to.
+
+Each file is written to a temporary name, fsync'ed and moved into place with
+`os.replace`; the json goes last. A fresh token per save means a new npz never
+overwrites the one the current json names, so a crash at any point leaves the
+previous checkpoint loadable: the old json still names the old, complete npz.
+Older npz files of the same name are deleted only after the new json is in place.
+One save per name at a time (the servicer serializes checkpoints).
+
+Never pickle: arrays go through npz, the rest through JSON.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, BinaryIO
+
+import numpy as np
+
+from ps_common.errors import PSError
+from ps_common.job import JobConfig, OptimizerConfig
+from ps_common.types import SliceKey
+from ps_server.optimizers import SliceState
+from ps_server.store import ShardSnapshot, SliceSnapshot
+
+FORMAT = 1
+_TMP_SUFFIX = ".tmp"
+
+
+def save_shard(directory: str | os.PathLike[str], snapshot: ShardSnapshot, name: str) -> Path:
+    """Write `snapshot` as checkpoint `name`; returns the path of its json (the file that commits it)."""
+    if not name or os.sep in name or name.startswith("."):
+        raise ValueError(f"checkpoint name: got {name!r}, expected a plain file name")
+    folder = Path(directory)
+    folder.mkdir(parents=True, exist_ok=True)
+    arrays_name = f"{name}.ckpt-{uuid.uuid4().hex[:12]}.npz"
+    arrays: dict[str, Any] = {}  # Any: savez's stubs type **kwds like its allow_pickle flag
+    slices = [_slice_meta(i, s, arrays) for i, s in enumerate(snapshot.slices)]
+    # allow_pickle=False: an object array fails here instead of turning into a pickle.
+    _write_atomically(folder / arrays_name, lambda f: np.savez(f, allow_pickle=False, **arrays))
+    meta = {
+        "format": FORMAT,
+        "arrays": arrays_name,
+        "config": dataclasses.asdict(snapshot.config),
+        "generations": snapshot.generations,
+        "quorum": snapshot.quorum,
+        "seen": list(snapshot.seen),
+        "counters": snapshot.counters,
+        "slices": slices,
+    }
+    encoded = json.dumps(meta, indent=1).encode()
+    meta_path = folder / f"{name}.json"
+    _write_atomically(meta_path, lambda f: f.write(encoded))
+    _sync_directory(folder)
+    _remove_superseded(folder, name, keep=arrays_name)
+    return meta_path
+
+
+def load_shard(directory: str | os.PathLike[str], name: str) -> ShardSnapshot | None:
+    """The last completely written checkpoint `name`, or None if there is none."""
+    folder = Path(directory)
+    meta_path = folder / f"{name}.json"
+    try:
+        meta = json.loads(meta_path.read_bytes())
+    except FileNotFoundError:
+        return None
+    if meta.get("format") != FORMAT:
+        raise PSError(f"checkpoint {meta_path}: got format {meta.get('format')!r}, expected {FORMAT}")
+    arrays_path = folder / meta["arrays"]
+    if not arrays_path.exists():
+        raise PSError(f"checkpoint {meta_path}: names {arrays_path.name}, which is missing")
+    with np.load(arrays_path, allow_pickle=False) as npz:
+        arrays = {k: npz[k] for k in npz.files}
+    return ShardSnapshot(
+        config=_config_from_json(meta["config"]),
+        slices=tuple(_slice_from_meta(i, m, arrays) for i, m in enumerate(meta["slices"])),
+        generations={w: int(g) for w, g in meta["generations"].items()},
+        quorum=None if meta["quorum"] is None else {w: int(g) for w, g in meta["quorum"].items()},
+        seen=tuple(meta["seen"]),
+        counters={k: int(v) for k, v in meta["counters"].items()},
+    )
+
+
+# ---- one slice ----
+
+def _slice_meta(i: int, s: SliceSnapshot, arrays: dict[str, np.ndarray]) -> dict[str, Any]:
+    arrays[f"s{i}.value"] = s.value
+    if s.pending is not None:
+        arrays[f"s{i}.pending"] = s.pending
+    state_arrays: list[str] = []
+    scalars: dict[str, int | float] = {}
+    for name, v in s.opt_state.items():
+        if isinstance(v, np.ndarray):
+            # Named by position: optimizer state names need not be valid file names inside a zip.
+            arrays[f"s{i}.opt{len(state_arrays)}"] = v
+            state_arrays.append(name)
+        else:
+            scalars[name] = v.item() if isinstance(v, np.generic) else v
+    return {
+        "key": s.key.key, "part": s.key.part, "dtype": s.dtype, "version": s.version,
+        "clocks": s.clocks, "floors": s.floors, "contributors": list(s.contributors),
+        "pending": s.pending is not None, "state_arrays": state_arrays, "state_scalars": scalars,
+    }
+
+
+def _slice_from_meta(i: int, m: dict[str, Any], arrays: dict[str, np.ndarray]) -> SliceSnapshot:
+    state: SliceState = {name: arrays[f"s{i}.opt{j}"] for j, name in enumerate(m["state_arrays"])}
+    state.update(m["state_scalars"])
+    return SliceSnapshot(
+        key=SliceKey(m["key"], int(m["part"])), dtype=m["dtype"], value=arrays[f"s{i}.value"],
+        version=int(m["version"]), opt_state=state,
+        clocks={w: int(c) for w, c in m["clocks"].items()},
+        floors={w: int(c) for w, c in m["floors"].items()},
+        pending=arrays[f"s{i}.pending"] if m["pending"] else None,
+        contributors=tuple(m["contributors"]),
+    )
+
+
+def _config_from_json(d: dict[str, Any]) -> JobConfig:
+    opt = dict(d["optimizer"])
+    opt["betas"] = tuple(opt["betas"])  # JSON has no tuples
+    return JobConfig(**{**d, "optimizer": OptimizerConfig(**opt)})
+
+
+# ---- files ----
+
+def _write_atomically(path: Path, write: Callable[[BinaryIO], object]) -> None:
+    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}{_TMP_SUFFIX}")
+    try:
+        with open(tmp, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())  # the bytes must be on disk before the name points at them
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def _sync_directory(folder: Path) -> None:
+    # The renames themselves live in the directory: sync it so they survive a power cut.
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _remove_superseded(folder: Path, name: str, keep: str) -> None:
+    ours = re.compile(rf"^(?:{re.escape(name)}\.ckpt-[0-9a-f]{{12}}\.npz"
+                      rf"|\.{re.escape(name)}\.(?:json|ckpt-[0-9a-f]{{12}}\.npz)\.[0-9a-f]{{8}}{re.escape(_TMP_SUFFIX)})$")
+    for entry in folder.iterdir():
+        if entry.name != keep and ours.match(entry.name):
+            entry.unlink(missing_ok=True)

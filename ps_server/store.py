@@ -1,0 +1,457 @@
+"""The shard store: a parameter server's slices, their optimizer state and clocks.
+
+Pure core (DESIGN §1): no grpc, no environment, no I/O. The servicer drives it from
+an asyncio loop and an executor, tests drive it from threads.
+
+Validation before mutation: every request is checked completely (keys, shapes,
+dtypes, stamp, clocks) before anything changes, so a refused request leaves the
+store byte-for-byte as it was.
+
+At most once. Per slice and worker the store keeps the last clock pushed; a push
+for a clock at or below it is a duplicate (a retry) and is dropped. A worker's
+pushes to one slice therefore go in clock order, as its steps do. Every dropped
+gradient counts in `pushes_dropped`; those of a clock that completed without them
+(sync) also count in `late_gradients_dropped`.
+
+Locking. Each slice has its own lock (`Slot.lock`): one update at a time per slice,
+different slices in parallel. A request takes the locks of all its slices in key
+order (so two requests cannot deadlock), then `_meta` briefly for the store-wide
+tables (membership, generations, counters). `_meta` is never held while taking a
+slice lock. Waiters are woken after the locks are released.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ps_common.errors import (
+    DTypeMismatchError,
+    EmptyRequestError,
+    InvalidArgumentError,
+    PullTimeoutError,
+    ShapeMismatchError,
+    StaleGenerationError,
+    UnknownKeyError,
+)
+from ps_common.job import JobConfig
+from ps_common.types import SliceKey, Stamp
+from ps_server.optimizers import Optimizer, SliceState, make_optimizer
+from ps_server.policies import NO_CLOCK, Aggregate, ConsistencyPolicy, Roster, Slot, make_policy
+
+# Slices hold floating point values only: gradients of anything else mean nothing.
+FLOAT_DTYPES = (np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64))
+# float16 slices are updated in a float32 master copy, as mixed-precision training does:
+# small updates would otherwise round away to nothing.
+_MASTER = {np.dtype(np.float16): np.dtype(np.float32)}
+_WIRE_GRAD_DTYPES = frozenset({np.dtype(np.float16), np.dtype(np.float32)})
+
+
+@dataclass(frozen=True)
+class PushOutcome:
+    applied: int  # gradients accepted: applied at once, or (sync) added to the pending clock
+    dropped: int  # duplicates of an accepted (worker, clock, slice), and late gradients
+
+
+@dataclass(frozen=True)
+class Waiting:
+    """Why a pull is not ready: `workers` have yet to push `clock` of `keys`."""
+
+    workers: tuple[str, ...]
+    clock: int
+    keys: tuple[SliceKey, ...]
+
+    def __str__(self) -> str:
+        keys = [str(k) for k in self.keys]
+        if not self.workers:
+            return f"waiting for clock {self.clock} of {keys}, but no quorum is known yet"
+        return f"waiting for workers {list(self.workers)} to push clock {self.clock} of {keys}"
+
+
+@dataclass(frozen=True)
+class StoreStats:
+    slices: int
+    bytes_stored: int  # of the values as held (float16 slices count their float32 master copy)
+    pushes_applied: int
+    pushes_dropped: int  # every dropped gradient, late ones included
+    late_gradients_dropped: int
+    quorum: tuple[str, ...]  # live workers, sorted; empty when not known
+    worker_clocks: dict[str, int]  # worker -> last clock it pushed (to any slice)
+    min_version: int
+    max_version: int
+
+
+@dataclass(frozen=True)
+class SliceSnapshot:
+    key: SliceKey
+    dtype: str  # declared dtype
+    value: np.ndarray  # master copy (float32 for float16 slices), so a restore loses no precision
+    version: int
+    opt_state: SliceState
+    clocks: dict[str, int]  # worker -> last clock pushed to this slice
+    floors: dict[str, int]  # SSP join clocks
+    pending: np.ndarray | None  # sync: sum of the gradients of clock `version` received so far
+    contributors: tuple[str, ...]  # sync: who those gradients came from
+
+
+@dataclass(frozen=True)
+class ShardSnapshot:
+    config: JobConfig
+    slices: tuple[SliceSnapshot, ...]
+    generations: dict[str, int]  # worker -> highest generation seen
+    quorum: dict[str, int] | None
+    seen: tuple[str, ...]
+    counters: dict[str, int] = field(default_factory=dict)
+
+    def diff(self, other: ShardSnapshot) -> list[str]:
+        """Every difference from `other`, compared byte for byte; empty when they are equal."""
+        out = [f"{name}: {a!r} != {b!r}" for name, a, b in (
+            ("config", self.config, other.config), ("generations", self.generations, other.generations),
+            ("quorum", self.quorum, other.quorum), ("seen", self.seen, other.seen),
+            ("counters", self.counters, other.counters),
+            ("keys", [s.key for s in self.slices], [s.key for s in other.slices])) if a != b]
+        for mine, theirs in zip(self.slices, other.slices, strict=False):
+            out.extend(f"{mine.key}: {d}" for d in _slice_diff(mine, theirs))
+        return out
+
+
+def _same_array(a: object, b: object) -> bool:
+    if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
+        return (isinstance(a, np.ndarray) and isinstance(b, np.ndarray) and a.dtype == b.dtype
+                and a.shape == b.shape and a.tobytes() == b.tobytes())
+    return bool(a == b)  # scalars (step counts): a checkpoint may turn numpy scalars into Python ones
+
+
+def _slice_diff(a: SliceSnapshot, b: SliceSnapshot) -> list[str]:
+    out = [name for name in ("dtype", "version", "clocks", "floors", "contributors")
+           if getattr(a, name) != getattr(b, name)]
+    out += [name for name in ("value", "pending") if not _same_array(getattr(a, name), getattr(b, name))]
+    if a.opt_state.keys() != b.opt_state.keys():
+        out.append(f"opt_state keys {sorted(a.opt_state)} != {sorted(b.opt_state)}")
+    else:
+        out += [f"opt_state[{k!r}]" for k in a.opt_state if not _same_array(a.opt_state[k], b.opt_state[k])]
+    return out
+
+
+def _copy_state(state: SliceState) -> SliceState:
+    return {k: v.copy() if isinstance(v, np.ndarray) else v for k, v in state.items()}
+
+
+class ShardStore:
+    def __init__(self, config: JobConfig, *, quorum: Mapping[str, int] | None = None,
+                 optimizer: Optimizer | None = None) -> None:
+        """`quorum`: worker id -> generation of the live workers; None or empty = not known yet.
+
+        `optimizer` overrides `make_optimizer(config.optimizer)` (tests inject instrumented ones).
+        """
+        self.config = config
+        self.policy: ConsistencyPolicy = make_policy(config)
+        self._optimizer = optimizer if optimizer is not None else make_optimizer(config.optimizer)
+        self._meta = threading.Lock()
+        self._quorum_change = threading.Lock()  # one set_quorum at a time: re-checks see old -> new in order
+        self._changed = threading.Condition()
+        self._change_count = 0
+        self._subscribers: list[Callable[[], None]] = []
+        self._slots: dict[SliceKey, Slot] = {}
+        self._generations: dict[str, int] = {}
+        self._quorum: dict[str, int] | None = None
+        self._seen: set[str] = set()
+        self._roster = Roster(None, frozenset())
+        self._worker_clocks: dict[str, int] = {}
+        self._counters = {"pushes_applied": 0, "pushes_dropped": 0, "late_gradients_dropped": 0}
+        if quorum:
+            self._install_quorum(quorum)
+
+    # ---- declaring ----
+
+    def declare(self, items: Sequence[tuple[SliceKey, np.ndarray]]) -> list[bool]:
+        """Create missing slices with copies of the values; per item, True if this call created it.
+
+        An existing slice keeps its value (the first declaration wins) but must agree on dtype and shape.
+        """
+        if not items:
+            raise EmptyRequestError("declare: no slices")
+        with self._meta:
+            known: dict[SliceKey, tuple[np.dtype, tuple[int, ...]]] = {
+                k: (s.dtype, s.value.shape) for k, s in self._slots.items()}
+            created: list[bool] = []
+            for key, value in items:
+                dtype = np.dtype(value.dtype.name)  # native byte order
+                if dtype not in FLOAT_DTYPES:
+                    raise DTypeMismatchError(
+                        f"key {str(key)!r}: got dtype {dtype}, the store holds float16, float32 or float64")
+                if key in known:
+                    _check_like(key, "declared", known[key], dtype, value.shape)
+                    created.append(False)
+                else:
+                    known[key] = (dtype, value.shape)
+                    created.append(True)
+            for (key, value), new in zip(items, created, strict=True):
+                if new:
+                    self._slots[key] = self._new_slot(key, value)
+        return created
+
+    def keys(self) -> list[SliceKey]:
+        """Every declared slice, in declaration order."""
+        with self._meta:
+            return list(self._slots)
+
+    def _new_slot(self, key: SliceKey, value: np.ndarray) -> Slot:
+        dtype = np.dtype(value.dtype.name)
+        master = np.array(value, dtype=_MASTER.get(dtype, dtype), order="C", copy=True)
+        return Slot(key=key, dtype=dtype, value=master, optimizer=self._optimizer,
+                    opt_state=self._optimizer.init_state(master))
+
+    # ---- pushing ----
+
+    def push(self, stamp: Stamp, grads: Mapping[SliceKey, np.ndarray]) -> PushOutcome:
+        """Apply (or, in sync mode, accumulate) gradients for `stamp.clock`; each (worker, clock, slice) once.
+
+        The arrays are only read during the call (they may be read-only views of network buffers).
+        """
+        worker, clock = stamp.worker_id, stamp.clock
+        if not grads:
+            raise EmptyRequestError(f"push from worker {worker!r} at clock {clock}: no gradients")
+        slots = self._lookup(grads)
+        for slot, grad in zip(slots, grads.values(), strict=True):
+            self._check_grad(slot, grad)
+        with self._locked(slots):
+            with self._meta:
+                self._check_stamp(stamp)
+            # None = duplicate, False = late, True = accept; FutureClockError leaves everything as it was.
+            verdicts = [None if clock <= slot.last_clock.get(worker, NO_CLOCK)
+                        else self.policy.admit_push(slot, clock) for slot in slots]
+            with self._meta:
+                self._record_stamp(stamp)
+                roster = self._roster
+            applied = late = 0
+            for slot, grad, verdict in zip(slots, grads.values(), verdicts, strict=True):
+                if verdict is None:
+                    continue
+                slot.last_clock[worker] = clock
+                slot.max_clock = max(slot.max_clock, clock)
+                if verdict:
+                    self.policy.accept(slot, worker, clock, grad, roster)
+                    applied += 1
+                else:
+                    late += 1
+            dropped = len(slots) - applied
+            with self._meta:
+                self._counters["pushes_applied"] += applied
+                self._counters["pushes_dropped"] += dropped
+                self._counters["late_gradients_dropped"] += late
+                if applied or late:
+                    self._worker_clocks[worker] = max(self._worker_clocks.get(worker, NO_CLOCK), clock)
+        if applied:
+            self._notify()
+        return PushOutcome(applied=applied, dropped=dropped)
+
+    def _check_grad(self, slot: Slot, grad: np.ndarray) -> None:
+        if grad.shape != slot.value.shape:
+            raise ShapeMismatchError(
+                f"key {str(slot.key)!r}: got shape {tuple(grad.shape)}, store has {slot.value.shape}")
+        if grad.dtype != slot.dtype and not (self.config.wire_dtype and grad.dtype in _WIRE_GRAD_DTYPES):
+            wire = f" (wire dtype {self.config.wire_dtype})" if self.config.wire_dtype else ""
+            raise DTypeMismatchError(
+                f"key {str(slot.key)!r}: got gradient dtype {grad.dtype}, store has {slot.dtype}{wire}")
+
+    # ---- pulling ----
+
+    def pull_status(self, stamp: Stamp, keys: Sequence[SliceKey]) -> Waiting | None:
+        """None if every key is readable at `stamp.clock`, else what the pull is waiting for."""
+        if not keys:
+            raise EmptyRequestError(f"pull from worker {stamp.worker_id!r} at clock {stamp.clock}: no keys")
+        slots = self._lookup(keys)
+        with self._meta:
+            self._check_stamp(stamp)
+            roster = Roster(self._roster.quorum, self._roster.seen | {stamp.worker_id})
+        waits: list[tuple[SliceKey, frozenset[str], int]] = []
+        for slot in slots:
+            with slot.lock:
+                self.policy.check_pull(slot, stamp.clock)
+                wait = self.policy.waiting_for(slot, stamp.clock, roster)
+            if wait is not None:
+                waits.append((slot.key, *wait))
+        with self._meta:
+            self._record_stamp(stamp)
+        if not waits:
+            return None
+        return Waiting(workers=tuple(sorted(set().union(*(w for _, w, _ in waits)))),
+                       clock=min(c for _, _, c in waits), keys=tuple(k for k, _, _ in waits))
+
+    def read(self, keys: Sequence[SliceKey]) -> list[tuple[np.ndarray, int]]:
+        """(copy of the value in the declared dtype, version) per key; each slice read under its lock."""
+        out = []
+        for slot in self._lookup(keys):
+            with slot.lock:
+                # astype always copies, and for float16 slices it is the one conversion needed anyway.
+                out.append((slot.value.astype(slot.dtype), slot.version))
+        return out
+
+    def wait_pull(self, stamp: Stamp, keys: Sequence[SliceKey],
+                  timeout_s: float) -> list[tuple[np.ndarray, int]]:
+        """Block (this thread) until the pull is ready, then read. For threaded callers and tests."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            with self._changed:
+                seen_changes = self._change_count
+            waiting = self.pull_status(stamp, keys)
+            if waiting is None:
+                return self.read(keys)
+            with self._changed:
+                # Compare change counts instead of waiting blindly: a change between the
+                # check above and this wait must not be slept through.
+                while self._change_count == seen_changes:
+                    remaining = deadline - time.monotonic()
+                    if remaining <= 0:
+                        raise PullTimeoutError(
+                            f"pull by worker {stamp.worker_id!r} at clock {stamp.clock} timed out "
+                            f"after {timeout_s:g} s: {waiting}")
+                    self._changed.wait(remaining)
+
+    # ---- membership ----
+
+    def set_quorum(self, quorum: Mapping[str, int]) -> None:
+        """The live workers (id -> generation); empty = not known. Pending sync clocks are re-checked at once.
+
+        A worker that leaves keeps what it already contributed to a pending clock and is
+        not waited for from now on; a worker that joins is expected from the pending clock on.
+        """
+        with self._quorum_change:
+            with self._meta:
+                old = self._roster
+                self._install_quorum(quorum)
+                new = self._roster
+                slots = sorted(self._slots.values(), key=lambda s: s.key)
+            for slot in slots:
+                with slot.lock:
+                    self.policy.on_roster_change(slot, old, new)
+        self._notify()
+
+    def _install_quorum(self, quorum: Mapping[str, int]) -> None:
+        self._quorum = dict(quorum) if quorum else None
+        for worker, generation in quorum.items():
+            self._generations[worker] = max(self._generations.get(worker, generation), generation)
+        self._roster = Roster(frozenset(self._quorum) if self._quorum is not None else None,
+                              frozenset(self._seen))
+
+    def _check_stamp(self, stamp: Stamp) -> None:
+        worker, generation = stamp.worker_id, stamp.generation
+        if stamp.clock < 0:
+            raise InvalidArgumentError(f"worker {worker!r}: got clock {stamp.clock}, expected >= 0")
+        newest = self._generations.get(worker)
+        if newest is not None and generation < newest:
+            raise StaleGenerationError(
+                f"worker {worker!r}: got generation {generation}, but generation {newest} "
+                f"was already seen; re-register")
+        if self._quorum is not None and worker not in self._quorum:
+            raise StaleGenerationError(
+                f"worker {worker!r} is not a live member (quorum: {sorted(self._quorum)}); re-register")
+
+    def _record_stamp(self, stamp: Stamp) -> None:
+        worker = stamp.worker_id
+        self._generations[worker] = max(self._generations.get(worker, stamp.generation), stamp.generation)
+        if worker not in self._seen:
+            self._seen.add(worker)
+            self._roster = Roster(self._roster.quorum, frozenset(self._seen))
+
+    # ---- observing ----
+
+    def subscribe(self, callback: Callable[[], None]) -> None:
+        """Call `callback` (outside every lock) after each change that may make a waiting pull ready."""
+        with self._meta:
+            self._subscribers.append(callback)
+
+    def _notify(self) -> None:
+        with self._changed:
+            self._change_count += 1
+            self._changed.notify_all()
+        with self._meta:
+            subscribers = list(self._subscribers)
+        for callback in subscribers:
+            callback()
+
+    def stats(self) -> StoreStats:
+        with self._meta:
+            slots = list(self._slots.values())
+            versions = [s.version for s in slots] or [0]
+            return StoreStats(
+                slices=len(slots), bytes_stored=sum(s.value.nbytes for s in slots),
+                pushes_applied=self._counters["pushes_applied"],
+                pushes_dropped=self._counters["pushes_dropped"],
+                late_gradients_dropped=self._counters["late_gradients_dropped"],
+                quorum=tuple(sorted(self._quorum or ())), worker_clocks=dict(self._worker_clocks),
+                min_version=min(versions), max_version=max(versions))
+
+    # ---- snapshots ----
+
+    def snapshot(self) -> ShardSnapshot:
+        """A consistent deep copy: every slice lock is held while copying."""
+        with self._meta:
+            slots = list(self._slots.values())
+        with self._locked(slots), self._meta:
+            return ShardSnapshot(
+                config=self.config,
+                slices=tuple(_slice_snapshot(s) for s in sorted(slots, key=lambda s: s.key)),
+                generations=dict(self._generations),
+                quorum=dict(self._quorum) if self._quorum is not None else None,
+                seen=tuple(sorted(self._seen)), counters=dict(self._counters))
+
+    @classmethod
+    def restore(cls, snap: ShardSnapshot, *, optimizer: Optimizer | None = None) -> ShardStore:
+        store = cls(snap.config, quorum=snap.quorum, optimizer=optimizer)
+        store._generations.update(snap.generations)
+        store._seen.update(snap.seen)
+        store._roster = Roster(store._roster.quorum, frozenset(store._seen))
+        store._counters.update(snap.counters)
+        for s in snap.slices:
+            value = np.array(s.value, order="C", copy=True)
+            aggregate = Aggregate(None if s.pending is None else np.array(s.pending, copy=True),
+                                  set(s.contributors))
+            store._slots[s.key] = Slot(
+                key=s.key, dtype=np.dtype(s.dtype), value=value, optimizer=store._optimizer,
+                opt_state=_copy_state(s.opt_state), version=s.version, last_clock=dict(s.clocks),
+                max_clock=max(s.clocks.values(), default=NO_CLOCK), aggregate=aggregate,
+                floors=dict(s.floors))
+            for worker, clock in s.clocks.items():
+                store._worker_clocks[worker] = max(store._worker_clocks.get(worker, NO_CLOCK), clock)
+        return store
+
+    # ---- helpers ----
+
+    def _lookup(self, keys: Iterable[SliceKey]) -> list[Slot]:
+        with self._meta:
+            try:
+                return [self._slots[k] for k in keys]
+            except KeyError as e:
+                raise UnknownKeyError(f"key {str(e.args[0])!r} is not declared on this server") from None
+
+    @staticmethod
+    def _locked(slots: Iterable[Slot]) -> contextlib.ExitStack:
+        """Hold the locks of `slots` (each once, in key order: no two requests can deadlock)."""
+        stack = contextlib.ExitStack()
+        for slot in sorted({id(s): s for s in slots}.values(), key=lambda s: s.key):
+            stack.enter_context(slot.lock)
+        return stack
+
+
+def _check_like(key: SliceKey, what: str, have: tuple[np.dtype, tuple[int, ...]],
+                dtype: np.dtype, shape: tuple[int, ...]) -> None:
+    if tuple(shape) != have[1]:
+        raise ShapeMismatchError(f"key {str(key)!r}: {what} with shape {tuple(shape)}, store has {have[1]}")
+    if dtype != have[0]:
+        raise DTypeMismatchError(f"key {str(key)!r}: {what} with dtype {dtype}, store has {have[0]}")
+
+
+def _slice_snapshot(slot: Slot) -> SliceSnapshot:
+    agg = slot.aggregate
+    return SliceSnapshot(
+        key=slot.key, dtype=slot.dtype.name, value=slot.value.copy(), version=slot.version,
+        opt_state=_copy_state(slot.opt_state), clocks=dict(slot.last_clock), floors=dict(slot.floors),
+        pending=agg.total.copy() if agg.contributors and agg.total is not None else None,
+        contributors=tuple(sorted(agg.contributors)))
