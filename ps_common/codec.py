@@ -81,17 +81,22 @@ def dtype_name_of(array: np.ndarray) -> str:
 
 def bf16_to_f32(bits: np.ndarray) -> np.ndarray:
     """bfloat16 is the top half of a float32: widen by shifting into the high 16 bits."""
-    return (bits.astype(np.uint32) << 16).view(np.float32)
+    wide = np.asarray(bits).astype(np.uint32)
+    wide <<= 16  # in place: `wide << 16` would turn a 0-d array into a numpy scalar
+    return wide.view(np.float32)
 
 
 def f32_to_bf16(values: np.ndarray) -> np.ndarray:
     """Round to nearest even, as torch does; NaN stays NaN (its payload is kept quiet)."""
-    bits = np.ascontiguousarray(values, dtype=np.float32).view(np.uint32)
+    values = np.asarray(values, dtype=np.float32)
+    # Work flat: ascontiguousarray would make a 0-d array 1-d, and 0-d arithmetic yields scalars.
+    flat = values.reshape(-1)
+    bits = flat.view(np.uint32)
     rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
-    nan = np.isnan(values)
+    nan = np.isnan(flat)
     if nan.any():
         rounded[nan] = ((bits[nan] >> 16) | 0x0040).astype(np.uint16)
-    return rounded
+    return rounded.reshape(values.shape)
 
 
 def cast(wire: WireArray, dtype: str) -> WireArray:
@@ -125,7 +130,8 @@ def array_from_buffer(buffer: bytes | memoryview, dtype: str, shape: Sequence[in
 
 
 def tensor_to_proto(wire: WireArray) -> tensor_pb.Tensor:
-    array = np.ascontiguousarray(wire.array, dtype=numpy_dtype(wire.dtype))
+    # Not ascontiguousarray: it makes a 0-d array 1-d. tobytes() is C order whatever the strides.
+    array = np.asarray(wire.array, dtype=numpy_dtype(wire.dtype))
     return tensor_pb.Tensor(dtype=dtype_to_proto(wire.dtype), shape=array.shape, data=array.tobytes())
 
 
@@ -264,9 +270,18 @@ def _varint(n: int) -> bytes:
             return bytes(out)
 
 
+def byte_view(buf: bytes | memoryview | np.ndarray) -> memoryview:
+    """The raw bytes of `buf` (C order) as a flat view, copying only a non-contiguous array."""
+    if isinstance(buf, np.ndarray):
+        # Through a flat uint8 array: memoryview.cast refuses shapes with a 0 in them, like (0, 4).
+        return np.ascontiguousarray(buf).reshape(-1).view(np.uint8).data
+    view = memoryview(buf)
+    return view.cast("B") if view.nbytes else memoryview(b"")
+
+
 def encode_data_frame(parts: Iterable[bytes | memoryview | np.ndarray]) -> bytes:
     """One data frame carrying the concatenation of `parts` (one copy, by bytes.join)."""
-    views = [memoryview(p).cast("B") if not isinstance(p, bytes) else p for p in parts]
+    views = [p if isinstance(p, bytes) else byte_view(p) for p in parts]
     size = sum(len(v) for v in views)
     return b"".join([bytes((_DATA_TAG,)) + _varint(size), *views])
 

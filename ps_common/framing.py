@@ -12,16 +12,10 @@ from collections.abc import Iterable, Iterator, Sequence
 
 import numpy as np
 
-from ps_common.codec import encode_data_frame
+from ps_common.codec import byte_view, encode_data_frame
 from ps_common.errors import PayloadSizeError
 
 Buffer = bytes | memoryview | np.ndarray
-
-
-def _bytes_view(buf: Buffer) -> memoryview:
-    if isinstance(buf, np.ndarray):
-        buf = np.ascontiguousarray(buf)
-    return memoryview(buf).cast("B")
 
 
 class FramePacker:
@@ -36,7 +30,7 @@ class FramePacker:
 
     def add(self, buf: Buffer) -> list[bytes]:
         """Queue one slice; returns the frames that became full."""
-        view = _bytes_view(buf)
+        view = byte_view(buf)
         frames: list[bytes] = []
         while len(view):
             room = self._chunk - self._size

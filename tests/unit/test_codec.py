@@ -1,0 +1,435 @@
+"""The codec: numpy/torch <-> protobuf bit for bit, bfloat16 rounding, casts, and Exchange data frames."""
+
+from __future__ import annotations
+
+import itertools
+import re
+
+import hypothesis.extra.numpy as hnp
+import numpy as np
+import pytest
+import torch
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
+
+from ps_api.v1 import parameter_server_pb2 as ps_pb
+from ps_api.v1 import tensor_pb2 as tensor_pb
+from ps_common import codec
+from ps_common.codec import WireArray
+from ps_common.errors import DTypeMismatchError, InvalidArgumentError, PayloadSizeError
+from ps_common.job import MODES, OPTIMIZERS, WIRE_DTYPES, JobConfig, OptimizerConfig
+from ps_common.layout import ParamSpec, plan_layout
+from ps_common.types import SliceKey, Stamp
+
+FLOATS = ("float32", "float64", "float16", "bfloat16")
+SHAPES = hnp.array_shapes(min_dims=0, max_dims=4, min_side=0, max_side=5)
+# Every bit pattern of a float dtype (NaN payloads, signalling NaNs) comes from its same-width uint.
+_BITS = {"float32": np.dtype("<u4"), "float64": np.dtype("<u8"), "float16": np.dtype("<u2"),
+         "bfloat16": np.dtype("<u2")}
+
+
+def wire_arrays(dtype: str) -> st.SearchStrategy[WireArray]:
+    storage = codec.numpy_dtype(dtype)
+    return hnp.arrays(_BITS.get(dtype, storage), SHAPES).map(lambda a: WireArray(a.view(storage), dtype))
+
+
+def assert_same_bits(got: WireArray, want: WireArray) -> None:
+    assert got.dtype == want.dtype
+    assert got.array.dtype == codec.numpy_dtype(want.dtype)
+    assert got.array.shape == want.array.shape
+    assert got.array.tobytes() == want.array.tobytes()
+
+
+def bf16_bits(values: np.ndarray) -> np.ndarray:
+    """Reference: torch's own float32 -> bfloat16 conversion, as raw bits."""
+    return torch.from_numpy(values.copy()).to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
+
+
+def is_bf16_nan(bits: np.ndarray) -> np.ndarray:
+    return ((bits & 0x7F80) == 0x7F80) & ((bits & 0x007F) != 0)
+
+
+# ---- numpy <-> proto ----
+
+@pytest.mark.parametrize("dtype", codec.DTYPE_NAMES)
+@settings(max_examples=40, deadline=None)
+@given(data=st.data())
+def test_tensor_round_trips_bit_for_bit_for_every_dtype(dtype: str, data: st.DataObject) -> None:
+    wire = data.draw(wire_arrays(dtype))
+
+    encoded = codec.tensor_to_proto(wire).SerializeToString()
+
+    back = codec.tensor_from_proto(tensor_pb.Tensor.FromString(encoded))
+
+    assert_same_bits(back, wire)
+
+
+@pytest.mark.parametrize("dtype", codec.DTYPE_NAMES)
+def test_dtype_enum_round_trips_and_names_agree_with_numpy(dtype: str) -> None:
+    assert codec.dtype_from_proto(codec.dtype_to_proto(dtype)) == dtype
+    if dtype != "bfloat16":
+        assert codec.dtype_name_of(np.zeros(1, codec.numpy_dtype(dtype))) == dtype
+
+
+def test_wire_bytes_are_little_endian_whatever_the_input_byte_order() -> None:
+    values = np.arange(6, dtype=">f4").reshape(2, 3)
+
+    t = codec.tensor_to_proto(WireArray(values, "float32"))
+
+    assert t.data == values.astype("<f4").tobytes()
+    assert list(t.shape) == [2, 3]
+
+
+def test_non_contiguous_arrays_travel_in_c_order() -> None:
+    values = np.arange(12, dtype=np.int32).reshape(3, 4).T
+
+    back = codec.tensor_from_proto(codec.tensor_to_proto(WireArray(values, "int32")))
+
+    np.testing.assert_array_equal(back.array, values)
+
+
+def test_decoded_array_is_a_read_only_view_of_the_message_bytes() -> None:
+    t = codec.tensor_to_proto(WireArray(np.ones(4, np.float32), "float32"))
+
+    back = codec.tensor_from_proto(t)
+
+    assert not back.array.flags.writeable
+
+
+@pytest.mark.parametrize(("dtype", "shape", "nbytes", "need"), [
+    ("float32", (2, 3), 23, 24), ("float32", (2, 3), 25, 24), ("float64", (), 0, 8),
+    ("bfloat16", (0, 5), 2, 0), ("bool", (7,), 8, 7),
+])
+def test_wrong_byte_length_is_a_payload_size_error_naming_both_counts(
+        dtype: str, shape: tuple[int, ...], nbytes: int, need: int) -> None:
+    t = tensor_pb.Tensor(dtype=codec.dtype_to_proto(dtype), shape=shape, data=b"\0" * nbytes)
+
+    with pytest.raises(PayloadSizeError, match=rf"got {nbytes} bytes.*need {need}\b"):
+        codec.tensor_from_proto(t, "slice 'fc.w'")
+
+
+def test_negative_dimension_is_invalid() -> None:
+    t = tensor_pb.Tensor(dtype=tensor_pb.FLOAT32, shape=[-1, 4], data=b"")
+
+    with pytest.raises(InvalidArgumentError, match=re.escape("(-1, 4)")):
+        codec.tensor_from_proto(t)
+
+
+@pytest.mark.parametrize("enum", [tensor_pb.DTYPE_UNSPECIFIED, 99])
+def test_unknown_dtype_enum_is_a_dtype_mismatch_naming_the_value(enum: int) -> None:
+    t = tensor_pb.Tensor(dtype=enum, shape=[1], data=b"\0")
+
+    with pytest.raises(DTypeMismatchError, match=rf"enum value {enum}\b"):
+        codec.tensor_from_proto(t)
+
+
+def test_unknown_dtype_name_and_numpy_dtype_are_dtype_mismatches() -> None:
+    with pytest.raises(DTypeMismatchError, match="complex64"):
+        codec.dtype_to_proto("complex64")
+    with pytest.raises(DTypeMismatchError, match="complex64"):
+        codec.dtype_name_of(np.zeros(1, np.complex64))
+
+
+def test_slice_tensor_round_trips_with_its_key() -> None:
+    wire = WireArray(np.arange(5, dtype=np.float16), "float16")
+
+    key, back = codec.slice_tensor_from_proto(codec.slice_tensor_to_proto(SliceKey("fc.w", 3), wire, 7))
+
+    assert key == SliceKey("fc.w", 3)
+    assert_same_bits(back, wire)
+
+
+def test_slice_tensor_size_error_names_the_slice() -> None:
+    s = tensor_pb.SliceTensor(id=tensor_pb.SliceId(key="fc.w", part=2),
+                              tensor=tensor_pb.Tensor(dtype=tensor_pb.FLOAT32, shape=[2], data=b"\0" * 7))
+
+    with pytest.raises(PayloadSizeError, match=re.escape("slice 'fc.w[2]'")):
+        codec.slice_tensor_from_proto(s)
+
+
+# ---- torch ----
+
+TORCH_DTYPES = {torch.float32: "float32", torch.float64: "float64", torch.float16: "float16",
+                torch.bfloat16: "bfloat16", torch.int8: "int8", torch.int16: "int16", torch.int32: "int32",
+                torch.int64: "int64", torch.uint8: "uint8", torch.bool: "bool"}
+_TORCH_BITS = {torch.float32: torch.int32, torch.float64: torch.int64, torch.float16: torch.int16,
+               torch.bfloat16: torch.int16}
+
+
+def torch_bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(_TORCH_BITS[t.dtype]) if t.dtype in _TORCH_BITS else t
+
+
+@pytest.mark.parametrize("torch_dtype", list(TORCH_DTYPES), ids=str)
+@settings(max_examples=30, deadline=None)
+@given(data=st.data())
+def test_torch_tensor_round_trips_bit_for_bit(torch_dtype: torch.dtype, data: st.DataObject) -> None:
+    name = TORCH_DTYPES[torch_dtype]
+    bits = data.draw(wire_arrays(name)).array
+    tensor = torch.from_numpy(bits.view(np.int16)).view(torch.bfloat16) if name == "bfloat16" \
+        else torch.from_numpy(bits)
+
+    wire = codec.torch_to_wire(tensor)
+    back = codec.wire_to_torch(codec.tensor_from_proto(codec.tensor_to_proto(wire)))
+
+    assert wire.dtype == name
+    assert isinstance(back, torch.Tensor)
+    assert back.dtype == torch_dtype
+    assert back.shape == tensor.shape
+    assert torch.equal(torch_bits(back), torch_bits(tensor))
+
+
+def test_bfloat16_travels_as_its_uint16_bit_pattern() -> None:
+    tensor = torch.tensor([1.0, -2.0, float("inf")], dtype=torch.bfloat16)
+
+    wire = codec.torch_to_wire(tensor)
+
+    assert wire.array.dtype == np.uint16
+    assert wire.array.tolist() == [0x3F80, 0xC000, 0x7F80]
+
+
+def test_torch_to_wire_shares_memory_with_a_contiguous_cpu_tensor() -> None:
+    tensor = torch.zeros(4)
+
+    wire = codec.torch_to_wire(tensor)
+    tensor[1] = 5.0
+
+    assert wire.array[1] == 5.0
+
+
+def test_non_contiguous_torch_tensor_keeps_its_logical_order() -> None:
+    tensor = torch.arange(6, dtype=torch.int64).reshape(2, 3).T
+
+    back = codec.wire_to_torch(codec.tensor_from_proto(codec.tensor_to_proto(codec.torch_to_wire(tensor))))
+
+    assert torch.equal(back, tensor)
+
+
+def test_wire_to_torch_of_a_received_tensor_is_writable() -> None:
+    back = codec.wire_to_torch(codec.tensor_from_proto(codec.tensor_to_proto(
+        WireArray(np.ones(3, np.float32), "float32"))))
+
+    back.add_(1.0)  # torch would warn about, then scribble on, a read-only buffer
+
+    assert back.tolist() == [2.0, 2.0, 2.0]
+
+
+# ---- bfloat16 rounding ----
+
+_SPECIAL_F32 = [0x00000000, 0x80000000, 0x7F800000, 0xFF800000,  # +-0, +-inf
+                0x00000001, 0x807FFFFF, 0x00008000, 0x00018000,  # subnormals, incl. ties
+                0x3F808000, 0x3F818000, 0xBF808000, 0x3F807FFF, 0x3F808001,  # ties to even, either side
+                0x7F7FFFFF, 0xFF7FFFFF, 0x7F7F8000, 0x7F7F7FFF,  # overflow to inf at the top
+                0x7FC00000, 0xFFC00000, 0x7F800001, 0xFFFFFFFF, 0x7FFFFFFF]  # NaNs (quiet, signalling)
+f32_bits = st.one_of(st.sampled_from(_SPECIAL_F32), st.integers(0, 2**32 - 1),
+                     st.integers(0, 0x007FFFFF), st.integers(0, 2**16 - 1).map(lambda h: h << 16 | 0x8000))
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(f32_bits, max_size=64))
+@example(_SPECIAL_F32)
+def test_f32_to_bf16_rounds_exactly_as_torch(bits: list[int]) -> None:
+    values = np.array(bits, dtype=np.uint32).view(np.float32)
+
+    got, want = codec.f32_to_bf16(values), bf16_bits(values)
+
+    assert got.dtype == np.uint16
+    nan = np.isnan(values)
+    # NaN bits are not portable (torch's vector kernel writes 0xFFFF, its scalar path 0x7FC0): NaN stays NaN.
+    assert is_bf16_nan(got[nan]).all()
+    assert [hex(b) for b in got[~nan]] == [hex(b) for b in want[~nan]]
+
+
+def test_bf16_to_f32_widens_every_bit_pattern_as_torch_does() -> None:
+    bits = np.arange(2**16, dtype=np.uint16)
+
+    got = codec.bf16_to_f32(bits)
+    want = torch.from_numpy(bits.view(np.int16)).view(torch.bfloat16).float().numpy()
+
+    assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
+
+
+def test_every_bfloat16_value_survives_widening_and_rounding_back() -> None:
+    bits = np.arange(2**16, dtype=np.uint16)
+    bits = bits[~is_bf16_nan(bits)]
+
+    assert np.array_equal(codec.f32_to_bf16(codec.bf16_to_f32(bits)), bits)
+
+
+@pytest.mark.parametrize("value", [1.5, np.nan, -np.inf])
+def test_bfloat16_conversions_keep_a_0d_shape(value: float) -> None:
+    bits = codec.f32_to_bf16(np.array(value, dtype=np.float32))
+    wide = codec.bf16_to_f32(bits)
+
+    assert isinstance(bits, np.ndarray) and bits.shape == ()
+    assert isinstance(wide, np.ndarray) and wide.shape == ()
+    np.testing.assert_array_equal(wide, np.float32(value))
+
+
+# ---- casts (wire compression) ----
+
+def reference_cast(wire: WireArray, dtype: str) -> np.ndarray:
+    """torch's `.to(dtype)`, except float64 -> float16: torch rounds twice (via float32), pshard once."""
+    if wire.dtype == "float64" and dtype == "float16":
+        return wire.array.astype(np.float16)
+    names = {v: k for k, v in TORCH_DTYPES.items()}
+    source = torch.from_numpy(wire.array.view(np.int16)).view(torch.bfloat16) if wire.dtype == "bfloat16" \
+        else torch.from_numpy(wire.array)
+    out = source.to(names[dtype])
+    return out.view(torch.int16).numpy().view(np.uint16) if dtype == "bfloat16" else out.numpy()
+
+
+@pytest.mark.parametrize("source", FLOATS)
+@pytest.mark.parametrize("target", FLOATS)
+@settings(max_examples=25, deadline=None)
+@given(data=st.data())
+def test_cast_between_float_dtypes_matches_torch(source: str, target: str, data: st.DataObject) -> None:
+    wire = data.draw(wire_arrays(source))
+
+    with np.errstate(over="ignore", invalid="ignore"):
+        got = codec.cast(wire, target)
+        want = reference_cast(wire, target)
+
+    assert got.dtype == target
+    assert got.array.dtype == codec.numpy_dtype(target)
+    assert got.array.shape == wire.array.shape
+    wide_got = codec.bf16_to_f32(got.array) if target == "bfloat16" else got.array
+    wide_want = codec.bf16_to_f32(want) if target == "bfloat16" else want
+    np.testing.assert_array_equal(np.isnan(wide_got), np.isnan(wide_want))
+    ok = ~np.isnan(wide_want)
+    assert wide_got[ok].tobytes() == wide_want[ok].tobytes()
+
+
+def test_cast_to_the_same_dtype_is_the_identity() -> None:
+    wire = WireArray(np.ones(3, np.float32), "float32")
+
+    assert codec.cast(wire, "float32") is wire
+
+
+# ---- data frames ----
+
+FRAME_SIZES = [0, 1, 127, 128, 129, 16383, 16384, 16385, 2**21 - 1, 2**21, 3 * 2**20 + 7]
+
+
+@settings(max_examples=30, deadline=None)
+@given(size=st.one_of(st.sampled_from(FRAME_SIZES), st.integers(0, 4 * 2**20)),
+       cuts=st.lists(st.floats(0, 1), max_size=3), seed=st.integers(0, 2**32 - 1))
+def test_data_frame_is_an_ordinary_frame_protobuf(size: int, cuts: list[float], seed: int) -> None:
+    payload = np.random.default_rng(seed).integers(0, 256, size, dtype=np.uint8).tobytes()
+    edges = [0, *sorted(int(c * size) for c in cuts), size]
+    kinds = [bytes, memoryview, lambda b: np.frombuffer(b, np.uint8)]
+    parts = [kinds[i % 3](payload[a:b]) for i, (a, b) in enumerate(itertools.pairwise(edges))]
+
+    frame = codec.encode_data_frame(parts)
+    parsed = ps_pb.Frame.FromString(frame)
+
+    assert parsed.WhichOneof("body") == "data"
+    assert parsed.data == payload
+    assert frame == ps_pb.Frame(data=payload).SerializeToString()
+    view = codec.decode_data_frame(frame)
+    assert view is not None and view.obj is frame and bytes(view) == payload
+
+
+def test_data_frame_takes_typed_arrays_as_their_raw_bytes() -> None:
+    parts = [np.arange(3, dtype=np.float32), np.array([True, False]), np.zeros((0, 4), np.float64),
+             np.array(7, np.int16), np.arange(6, dtype=np.int32).reshape(2, 3).T]
+
+    frame = codec.encode_data_frame(parts)
+
+    assert ps_pb.Frame.FromString(frame).data == b"".join(np.ascontiguousarray(p).tobytes() for p in parts)
+
+
+@pytest.mark.parametrize("frame", [
+    ps_pb.Frame(header=ps_pb.ExchangeHeader(op=ps_pb.PUSH_PULL, timeout_ms=5)),
+    ps_pb.Frame(summary=ps_pb.ExchangeSummary(versions=[3], applied=1)),
+    ps_pb.Frame(),
+], ids=["header", "summary", "empty"])
+def test_decode_data_frame_returns_none_for_other_frames(frame: ps_pb.Frame) -> None:
+    encoded = codec.encode_frame(frame)
+
+    assert codec.decode_data_frame(encoded) is None
+    assert codec.decode_frame(encoded) == frame
+
+
+@pytest.mark.parametrize("size", [1, 200, 20000])
+def test_truncated_data_frame_is_a_payload_size_error(size: int) -> None:
+    frame = codec.encode_data_frame([b"x" * size])
+
+    with pytest.raises(PayloadSizeError, match=rf"prefix says {size} bytes, frame holds {size - 1}"):
+        codec.decode_data_frame(frame[:-1])
+    with pytest.raises(PayloadSizeError, match=rf"prefix says {size} bytes, frame holds {size + 1}"):
+        codec.decode_data_frame(frame + b"y")
+
+
+def test_data_frame_cut_inside_its_length_prefix_is_a_payload_size_error() -> None:
+    frame = codec.encode_data_frame([b"x" * 20000])  # three-byte varint
+
+    with pytest.raises(PayloadSizeError, match="truncated length prefix"):
+        codec.decode_data_frame(frame[:2])
+
+
+# ---- stamps, job config, layout ----
+
+def test_stamp_round_trips() -> None:
+    stamp = Stamp("worker-1", 3, 2**40)
+
+    assert codec.stamp_from_proto(codec.stamp_to_proto(stamp)) == stamp
+
+
+def test_stamp_without_worker_id_is_invalid() -> None:
+    with pytest.raises(InvalidArgumentError, match="worker_id"):
+        codec.stamp_from_proto(ps_pb.Stamp(worker_id="", generation=1, clock=1))
+
+
+_NONNEG = st.floats(0, 1e6, allow_nan=False)
+
+
+@st.composite
+def job_configs(draw: st.DrawFn) -> JobConfig:
+    name = draw(st.sampled_from(OPTIMIZERS))
+    nesterov = draw(st.booleans())
+    optimizer = OptimizerConfig(
+        name=name, lr=draw(_NONNEG), nesterov=nesterov,
+        momentum=draw(st.floats(0.01, 0.99)) if nesterov else draw(_NONNEG),
+        dampening=0.0 if nesterov else draw(_NONNEG), weight_decay=draw(_NONNEG),
+        betas=(draw(st.floats(0, 0.999)), draw(st.floats(0, 0.999))), eps=draw(_NONNEG),
+        amsgrad=draw(st.booleans()), lr_decay=draw(_NONNEG), initial_accumulator_value=draw(_NONNEG))
+    return JobConfig(mode=draw(st.sampled_from(MODES)), staleness=draw(st.integers(0, 2**32 - 1)),
+                     optimizer=optimizer, backup_workers=draw(st.integers(0, 2**32 - 1)),
+                     wire_dtype=draw(st.sampled_from(WIRE_DTYPES)))
+
+
+@settings(max_examples=50, deadline=None)
+@given(job_configs())
+def test_job_config_round_trips(job: JobConfig) -> None:
+    p = ps_pb.JobConfig.FromString(codec.job_to_proto(job).SerializeToString())
+
+    assert codec.job_from_proto(p) == job
+
+
+def test_job_config_without_a_mode_is_invalid() -> None:
+    with pytest.raises(InvalidArgumentError, match=r"config\.mode"):
+        codec.job_from_proto(ps_pb.JobConfig(optimizer=ps_pb.OptimizerConfig(name="sgd")))
+
+
+def test_job_config_with_an_unknown_wire_dtype_names_the_field() -> None:
+    p = codec.job_to_proto(JobConfig())
+    p.wire_dtype = 99
+
+    with pytest.raises(DTypeMismatchError, match=r"config\.wire_dtype"):
+        codec.job_from_proto(p)
+
+
+def test_layout_round_trips() -> None:
+    params = [ParamSpec("fc.w", "float32", (300, 7)), ParamSpec("fc.b", "bfloat16", (7,)),
+              ParamSpec("empty", "float16", (0, 3)), ParamSpec("scale", "float64", ()),
+              ParamSpec("mask", "bool", (5,)), ParamSpec("ids", "int64", (2, 2))]
+    layout = plan_layout(params, ["ps-0:7100", "ps-1:7100", "ps-2:7100"], slice_bytes=1024)
+    layout = type(layout)(layout.params, layout.servers, layout.slice_bytes, layout.slices, version=4)
+
+    back = codec.layout_from_proto(type(codec.layout_to_proto(layout)).FromString(
+        codec.layout_to_proto(layout).SerializeToString()))
+
+    assert back == layout
+    assert back.version == 4
+    assert back.slices_of("fc.w") == layout.slices_of("fc.w")
