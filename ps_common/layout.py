@@ -1,10 +1,11 @@
 """Parameter layout: which server holds which slice of which parameter.
 
 A parameter whose bytes exceed `slice_bytes` is cut into contiguous pieces of its
-flattened elements, so one big layer is spread over all servers instead of
-loading one. Slices are then placed greedily, largest first, on the server with
-the fewest bytes so far (ties: lowest index) — deterministic for a given set of
-(key, shape, dtype) and server list, so every worker that computes the layout
+flattened elements, at least one per server, so one big layer is spread over all
+servers instead of loading one. Each such tensor first puts one piece on every
+server; the remaining slices are then placed greedily, largest first, on the server
+with the fewest bytes so far (ties: lowest index) — deterministic for a given set
+of (key, shape, dtype) and server list, so every worker that computes the layout
 gets the same one. The scheduler stores the first proposal and hands it out.
 """
 
@@ -119,24 +120,42 @@ def plan_layout(params: Sequence[ParamSpec], servers: Sequence[str],
         if p.key in seen:
             raise InvalidArgumentError(f"param key {p.key!r} appears twice")
         seen.add(p.key)
+    n = len(servers)
+    spread: list[list[tuple[str, int, int, int, int]]] = []  # one piece per server of each split tensor
     pieces: list[tuple[str, int, int, int, int]] = []  # (key, part, offset, numel, nbytes)
-    for p in sorted(params, key=lambda p: p.key):
+    # Sorted by key: the layout (params included) must not depend on the order they were given in.
+    params = sorted(params, key=lambda p: p.key)
+    for p in params:
         itemsize = ITEMSIZE[p.dtype]
         per_slice = max(1, slice_bytes // itemsize)
         parts = max(1, math.ceil(p.numel / per_slice))
+        if parts > 1:
+            parts = max(parts, min(n, p.numel))
         # Equal-sized parts (not full slices plus a runt) balance better across servers.
         base, extra = divmod(p.numel, parts)
-        offset = 0
+        cut, offset = [], 0
         for part in range(parts):
-            n = base + (1 if part < extra else 0)
-            pieces.append((p.key, part, offset, n, n * itemsize))
-            offset += n
-    loads = [0] * len(servers)
+            size = base + (1 if part < extra else 0)
+            cut.append((p.key, part, offset, size, size * itemsize))
+            offset += size
+        if parts > 1:
+            spread.append(cut[:n])
+            cut = cut[n:]
+        pieces.extend(cut)
+    loads = [0] * n
     placed: list[LayoutSlice] = []
-    # Largest first onto the least-loaded server: the classic LPT heuristic, within 4/3 of optimal.
-    for key, part, offset, numel, nbytes in sorted(pieces, key=lambda x: (-x[4], x[0], x[1])):
-        server = min(range(len(servers)), key=lambda i: (loads[i], i))
+
+    def place(piece: tuple[str, int, int, int, int], server: int) -> None:
+        key, part, offset, numel, nbytes = piece
         loads[server] += nbytes
         placed.append(LayoutSlice(key, part, server, offset, numel))
+
+    # Equal pieces on distinct servers (least loaded first) add the same load to each: balance is kept.
+    for first in spread:
+        for piece, server in zip(first, sorted(range(n), key=lambda i: (loads[i], i)), strict=False):
+            place(piece, server)
+    # Largest first onto the least-loaded server: the classic LPT heuristic, within 4/3 of optimal.
+    for piece in sorted(pieces, key=lambda x: (-x[4], x[0], x[1])):
+        place(piece, min(range(n), key=lambda i: (loads[i], i)))
     placed.sort(key=lambda s: (s.key, s.part))
     return Layout(tuple(params), tuple(servers), slice_bytes, tuple(placed))
