@@ -268,7 +268,7 @@ class ShardStore:
             raise EmptyRequestError(f"pull from worker {stamp.worker_id!r} at clock {stamp.clock}: no keys")
         slots = self._lookup(keys)
         with self._meta:
-            self._check_stamp(stamp)
+            self._check_stamp(stamp, writes=False)
             roster = Roster(self._roster.quorum, self._roster.seen | {stamp.worker_id})
         waits: list[tuple[SliceKey, frozenset[str], int]] = []
         for slot in slots:
@@ -340,7 +340,10 @@ class ShardStore:
         self._roster = Roster(frozenset(self._quorum) if self._quorum is not None else None,
                               frozenset(self._seen))
 
-    def _check_stamp(self, stamp: Stamp) -> None:
+    def _check_stamp(self, stamp: Stamp, writes: bool = True) -> None:
+        # Fencing guards writes: an old incarnation, or a worker the scheduler declared dead, must not
+        # change the model. Reads only need a current generation, so a chief that has left the quorum
+        # (letting slower peers finish) can still fetch the final weights.
         worker, generation = stamp.worker_id, stamp.generation
         if stamp.clock < 0:
             raise InvalidArgumentError(f"worker {worker!r}: got clock {stamp.clock}, expected >= 0")
@@ -349,7 +352,7 @@ class ShardStore:
             raise StaleGenerationError(
                 f"worker {worker!r}: got generation {generation}, but generation {newest} "
                 f"was already seen; re-register")
-        if self._quorum is not None and worker not in self._quorum:
+        if writes and self._quorum is not None and worker not in self._quorum:
             raise StaleGenerationError(
                 f"worker {worker!r} is not a live member (quorum: {sorted(self._quorum)}); re-register")
 

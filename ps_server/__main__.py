@@ -1,0 +1,135 @@
+"""python -m ps_server: run one parameter server.
+
+With TF_CONFIG (task type "ps"), the server binds its own address's port, registers
+with the scheduler and follows its cluster view: the sync quorum is the set of live
+workers. Without a scheduler, --workers names the quorum.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import sys
+from collections.abc import Mapping, Sequence
+
+from ps_common.cluster import (
+    ClusterSpec,
+    add_cluster_arguments,
+    cluster_config_given,
+    cluster_spec_from_args,
+    exit_on_config_error,
+    split_address,
+)
+from ps_common.errors import ClusterConfigError, PSError
+from ps_common.job import MODES, OPTIMIZERS, JobConfig, OptimizerConfig
+from ps_common.rpc import DEFAULT_MAX_MESSAGE_BYTES
+from ps_server import service
+from ps_server.servicer import ServerSettings
+
+log = logging.getLogger("pshard.ps")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m ps_server",
+        description="pshard parameter server: holds a shard of the model and answers push/pull over gRPC.",
+        epilog="The job's consistency mode and optimizer normally come from the workers (their first "
+               "Declare); the --mode/--optimizer flags set them for clients that send none.")
+    add_cluster_arguments(p)
+    p.add_argument("--bind", metavar="HOST:PORT",
+                   help="listen address (default: 0.0.0.0 and the port of this task's TF_CONFIG address; "
+                        "127.0.0.1:0 without TF_CONFIG)")
+    p.add_argument("--workers", metavar="ID[,ID...]",
+                   help="static sync quorum of worker ids (e.g. worker-0,worker-1) when no scheduler is used")
+    p.add_argument("--no-scheduler", action="store_true",
+                   help="do not register with a scheduler even if TF_CONFIG names one")
+    job = p.add_argument_group("job defaults", "used only when the workers' Declare carries no job config")
+    job.add_argument("--mode", choices=MODES, help="consistency mode")
+    job.add_argument("--staleness", type=int, default=0, help="SSP staleness bound s (default 0)")
+    job.add_argument("--optimizer", choices=OPTIMIZERS, default="sgd", help="server-side optimizer")
+    job.add_argument("--lr", type=float, default=0.01, help="learning rate (default 0.01)")
+    job.add_argument("--momentum", type=float, default=0.0, help="SGD momentum (default 0)")
+    p.add_argument("--pull-timeout-s", type=float, default=120.0,
+                   help="longest a pull waits for its consistency condition (default 120)")
+    p.add_argument("--checkpoint-dir", metavar="DIR",
+                   help="save the shard here (weights, optimizer state, clocks) and restore it on start")
+    p.add_argument("--checkpoint-interval-s", type=float, default=0.0,
+                   help="also checkpoint every N seconds (default 0: only on request and at shutdown)")
+    p.add_argument("--max-message-mb", type=int, default=DEFAULT_MAX_MESSAGE_BYTES // 2**20,
+                   help="largest unary message accepted, MiB (default 64; bigger payloads use Exchange)")
+    p.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
+    return p
+
+
+def _bind(args: argparse.Namespace, spec: ClusterSpec | None) -> str:
+    if args.bind:
+        return args.bind
+    if spec is not None and spec.own_address:
+        return f"0.0.0.0:{split_address(spec.own_address)[1]}"
+    return "127.0.0.1:0"
+
+
+def _static_quorum(args: argparse.Namespace) -> Mapping[str, int] | None:
+    if not args.workers:
+        return None
+    return {w.strip(): 0 for w in args.workers.split(",") if w.strip()}
+
+
+def _settings(args: argparse.Namespace) -> ServerSettings:
+    default_job = None
+    if args.mode:
+        default_job = JobConfig(mode=args.mode, staleness=args.staleness,
+                                optimizer=OptimizerConfig(name=args.optimizer, lr=args.lr,
+                                                          momentum=args.momentum))
+    return ServerSettings(default_job=default_job, static_quorum=_static_quorum(args),
+                          pull_timeout_s=args.pull_timeout_s, checkpoint_dir=args.checkpoint_dir)
+
+
+async def _run(args: argparse.Namespace, spec: ClusterSpec | None) -> int:
+    running = await service.start(_settings(args), _bind(args, spec), args.max_message_mb * 2**20)
+    print(f"pshard ps: listening on port {running.port}", flush=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    follower = None
+    if spec is not None and not args.no_scheduler:
+        follower = service.follow_scheduler(running, spec, loop)
+    tasks = [asyncio.ensure_future(stop.wait())]
+    if args.checkpoint_dir and args.checkpoint_interval_s > 0:
+        tasks.append(asyncio.ensure_future(service.checkpoint_every(running, args.checkpoint_interval_s)))
+    await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+    log.info("stopping")
+    if follower is not None:
+        follower.close()
+    if args.checkpoint_dir and running.servicer.has_store:
+        path, version = await running.servicer.checkpoint(0, 30.0)
+        log.info("final checkpoint at version %d: %s", version, path)
+    await running.stop(grace_s=5.0)
+    for task in tasks:
+        task.cancel()
+    return 0
+
+
+@exit_on_config_error(prog="python -m ps_server")
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
+                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    spec = None
+    if cluster_config_given(args, os.environ):
+        spec = cluster_spec_from_args(args, os.environ, default_task_type="ps")
+        if spec.task_type != "ps":
+            raise ClusterConfigError(f"task.type: got {spec.task_type!r}, python -m ps_server runs 'ps' tasks")
+    try:
+        return asyncio.run(_run(args, spec))
+    except PSError as err:
+        print(f"python -m ps_server: error: {err}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

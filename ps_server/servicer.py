@@ -1,0 +1,414 @@
+"""gRPC servicer of the parameter server: a thin layer over ShardStore.
+
+It decodes requests, checks them against the declared slices, hands them to the
+store and waits (as coroutines, never as threads) until the store's consistency
+policy lets a pull through. All semantics live in ps_server.store/policies.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import numpy as np
+
+from ps_api.v1 import parameter_server_pb2 as pb
+from ps_common import codec
+from ps_common.errors import (
+    DTypeMismatchError,
+    EmptyRequestError,
+    InvalidArgumentError,
+    LayoutConflictError,
+    PSError,
+    PullTimeoutError,
+    ShapeMismatchError,
+    UnknownKeyError,
+)
+from ps_common.framing import FramePacker, SliceReader
+from ps_common.job import JobConfig
+from ps_common.rpc import CHUNK_BYTES
+from ps_common.rpc_status import abort
+from ps_common.types import SliceKey, Stamp
+from ps_server.checkpoint import load_shard, save_shard
+from ps_server.store import ShardStore
+from ps_server.waiters import ChangeSignal
+
+log = logging.getLogger("pshard.ps")
+
+_MODE_ENUM = {"sync": pb.SYNC, "async": pb.ASYNC, "ssp": pb.SSP}
+_FLOATS = ("float16", "float32", "float64")
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    """Parsed once in __main__ (or built by tests)."""
+
+    # Job used when the first Declare carries none; None = the first Declare's config decides.
+    default_job: JobConfig | None = None
+    # Workers expected before any scheduler view arrives: worker id -> generation.
+    static_quorum: Mapping[str, int] | None = None
+    pull_timeout_s: float = 60.0
+    chunk_bytes: int = CHUNK_BYTES
+    checkpoint_dir: str | None = None
+    shard_name: str = "shard"
+
+
+class ParameterServerServicer:
+    def __init__(self, settings: ServerSettings, loop: asyncio.AbstractEventLoop) -> None:
+        self._settings = settings
+        self._signal = ChangeSignal(loop)
+        self._store: ShardStore | None = None
+        self._specs: dict[SliceKey, tuple[str, tuple[int, ...]]] = {}
+        self._quorum: dict[str, int] | None = (dict(settings.static_quorum)
+                                               if settings.static_quorum else None)
+        self._config_lock = asyncio.Lock()
+        # Generation of the newest scheduler view applied; None when no scheduler is followed.
+        self._view_generation: int | None = None
+        self.pulls_served = 0
+        self.pulls_timed_out = 0
+        if settings.checkpoint_dir:
+            snap = load_shard(Path(settings.checkpoint_dir), settings.shard_name)
+            if snap is not None:
+                self._install(ShardStore.restore(snap))
+                log.info("restored %d slices from %s", len(self._specs), settings.checkpoint_dir)
+        if self._store is None and settings.default_job is not None:
+            self._install(ShardStore(settings.default_job, quorum=self._quorum))
+
+    # ---- state ----
+
+    def _install(self, store: ShardStore) -> None:
+        if self._quorum is not None:
+            store.set_quorum(self._quorum)
+        store.subscribe(self._signal.notify)
+        self._specs = {key: (codec.dtype_name_of(value), value.shape)
+                       for key, (value, _) in zip(store.keys(), store.read(store.keys()), strict=True)}
+        self._store = store
+
+    @property
+    def store(self) -> ShardStore:
+        if self._store is None:
+            raise LayoutConflictError("no parameters declared yet: call Declare (with the job config) first")
+        return self._store
+
+    @property
+    def has_store(self) -> bool:
+        return self._store is not None
+
+    def follow_views(self) -> None:
+        """From now on membership comes from scheduler views (see _await_view)."""
+        self._view_generation = self._view_generation or 0
+
+    def set_quorum(self, quorum: Mapping[str, int], generation: int | None = None) -> None:
+        """Membership changed (scheduler view): only live workers are waited for."""
+        self._quorum = dict(quorum)
+        if generation is not None:
+            self._view_generation = max(generation, self._view_generation or 0)
+        if self._store is not None:
+            self._store.set_quorum(self._quorum)
+        self._signal.notify()
+
+    async def _await_view(self, stamp: Stamp, deadline: float) -> None:
+        """A stamp newer than our view means the view is on its way (a worker that just
+        registered can reach us before the scheduler's Watch does): wait for it rather than
+        refuse the worker as a non-member."""
+        if self._view_generation is None or stamp.generation <= self._view_generation:
+            return
+        await self._signal.wait_for(
+            lambda: True if (self._view_generation or 0) >= stamp.generation else None,
+            min(deadline, time.monotonic() + 10.0))
+
+    def _spec(self, key: SliceKey) -> tuple[str, tuple[int, ...]]:
+        try:
+            return self._specs[key]
+        except KeyError:
+            raise UnknownKeyError(f"slice {str(key)!r} is not declared on this server "
+                                  f"({len(self._specs)} slices are)") from None
+
+    def _check_push_meta(self, key: SliceKey, dtype: str, shape: tuple[int, ...]) -> None:
+        stored_dtype, stored_shape = self._spec(key)
+        if shape != stored_shape:
+            raise ShapeMismatchError(f"key {str(key)!r}: got shape {shape}, store has {stored_shape}")
+        wire = self.store.config.wire_dtype
+        if dtype != stored_dtype and not (wire and dtype == wire and stored_dtype in _FLOATS):
+            allowed = stored_dtype + (f" or {wire}" if wire else "")
+            raise DTypeMismatchError(f"key {str(key)!r}: got dtype {dtype}, store has {allowed}")
+
+    def _to_store(self, key: SliceKey, wire: codec.WireArray) -> np.ndarray:
+        stored_dtype, _ = self._specs[key]
+        return codec.cast(wire, stored_dtype).array
+
+    def _to_wire(self, key: SliceKey, value: np.ndarray) -> codec.WireArray:
+        stored = codec.WireArray(value, self._specs[key][0])
+        wire = self.store.config.wire_dtype
+        return codec.cast(stored, wire) if wire and stored.dtype in _FLOATS else stored
+
+    # ---- declare ----
+
+    async def _configure(self, job: JobConfig | None) -> ShardStore:
+        async with self._config_lock:
+            if self._store is None:
+                self._install(ShardStore(job or JobConfig(), quorum=self._quorum))
+                log.info("configured: %s", job or JobConfig())
+            elif job is not None and job != self._store.config:
+                raise LayoutConflictError(f"config: got {job}, this server runs {self._store.config}")
+            return self._store  # type: ignore[return-value]
+
+    async def _declare(self, job: JobConfig | None,
+                       items: Sequence[tuple[SliceKey, codec.WireArray]]) -> tuple[list[bool], list[np.ndarray]]:
+        if not items:
+            raise EmptyRequestError("Declare: no slices given")
+        for key, wire in items:
+            if wire.dtype not in _FLOATS:
+                raise DTypeMismatchError(f"key {str(key)!r}: got dtype {wire.dtype}, parameters must be "
+                                         f"one of {_FLOATS} (declare bfloat16 models as float32 and set "
+                                         "wire_dtype=bfloat16)")
+        store = await self._configure(job)
+        keys = [k for k, _ in items]
+        created = store.declare([(k, w.array) for k, w in items])
+        for (key, wire), new in zip(items, created, strict=True):
+            if new:
+                self._specs[key] = (wire.dtype, tuple(wire.array.shape))
+        return created, [v for v, _ in store.read(keys)]
+
+    async def Declare(self, request: pb.DeclareRequest, context: grpc.aio.ServicerContext
+                      ) -> pb.DeclareResponse:
+        try:
+            job = codec.job_from_proto(request.config) if request.HasField("config") else None
+            items = [codec.slice_tensor_from_proto(s) for s in request.slices]
+            created, values = await self._declare(job, items)
+            return pb.DeclareResponse(created=created, slices=[
+                codec.slice_tensor_to_proto(k, self._to_wire(k, v))
+                for (k, _), v in zip(items, values, strict=True)])
+        except PSError as err:
+            await abort(context, err)
+            raise
+
+    # ---- push / pull ----
+
+    def _push(self, stamp: Stamp, items: Sequence[tuple[SliceKey, codec.WireArray]]) -> tuple[int, int]:
+        for key, wire in items:
+            self._check_push_meta(key, wire.dtype, tuple(wire.array.shape))
+        outcome = self.store.push(stamp, {k: self._to_store(k, w) for k, w in items})
+        return outcome.applied, outcome.dropped
+
+    async def _wait_readable(self, stamp: Stamp, keys: Sequence[SliceKey], deadline: float) -> None:
+        store = self.store
+        status = store.pull_status(stamp, keys)  # validates; raises on bad keys or clocks
+        if status is None:
+            return
+        ready = await self._signal.wait_for(
+            lambda: True if store.pull_status(stamp, keys) is None else None, deadline)
+        if ready is None:
+            self.pulls_timed_out += 1
+            waiting = store.pull_status(stamp, keys)
+            if waiting is None:
+                return
+            raise PullTimeoutError(
+                f"pull by {stamp.worker_id!r} at clock {stamp.clock} timed out after "
+                f"{self._timeout_s(0):.1f}s waiting for workers {list(waiting.workers)} "
+                f"to reach clock {waiting.clock} (slices {[str(k) for k in waiting.keys][:5]})")
+
+    def _timeout_s(self, timeout_ms: int) -> float:
+        return timeout_ms / 1000 if timeout_ms else self._settings.pull_timeout_s
+
+    async def Push(self, request: pb.PushRequest, context: grpc.aio.ServicerContext) -> pb.PushResponse:
+        try:
+            stamp = codec.stamp_from_proto(request.stamp)
+            items = [codec.slice_tensor_from_proto(g) for g in request.gradients]
+            if not items:
+                raise EmptyRequestError(f"Push from {stamp.worker_id!r}: no gradients given")
+            await self._await_view(stamp, time.monotonic() + self._settings.pull_timeout_s)
+            applied, dropped = self._push(stamp, items)
+            return pb.PushResponse(applied=applied, dropped=dropped)
+        except PSError as err:
+            await abort(context, err)
+            raise
+
+    async def Pull(self, request: pb.PullRequest, context: grpc.aio.ServicerContext) -> pb.PullResponse:
+        try:
+            stamp = codec.stamp_from_proto(request.stamp)
+            keys = [codec.slice_id_from_proto(s) for s in request.slices]
+            if not keys:
+                raise EmptyRequestError(f"Pull from {stamp.worker_id!r}: no slices given")
+            for key in keys:
+                self._spec(key)
+            deadline = time.monotonic() + self._timeout_s(request.timeout_ms)
+            await self._await_view(stamp, deadline)
+            await self._wait_readable(stamp, keys, deadline)
+            values = self.store.read(keys)
+            self.pulls_served += 1
+            return pb.PullResponse(slices=[
+                codec.slice_tensor_to_proto(k, self._to_wire(k, v), version)
+                for k, (v, version) in zip(keys, values, strict=True)])
+        except PSError as err:
+            await abort(context, err)
+            raise
+
+    # ---- Exchange: chunked push + pull on one stream ----
+
+    async def Exchange(self, frames: AsyncIterator[bytes], context: grpc.aio.ServicerContext
+                       ) -> AsyncIterator[bytes]:
+        try:
+            async for out in self._exchange(frames):
+                yield out
+        except PSError as err:
+            await abort(context, err)
+
+    async def _exchange(self, frames: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+        first = await anext(frames, None)
+        if first is None:
+            raise EmptyRequestError("Exchange: the stream ended before its header frame")
+        message = codec.decode_frame(first)
+        if message.WhichOneof("body") != "header":
+            raise InvalidArgumentError(f"Exchange: first frame must be a header, got {message.WhichOneof('body')}")
+        header = message.header
+        metas = [(codec.slice_id_from_proto(m.id), codec.dtype_from_proto(m.dtype, "push dtype"),
+                  tuple(m.shape)) for m in header.push]
+        if header.op == pb.DECLARE:
+            async for out in self._exchange_declare(header, metas, frames):
+                yield out
+        elif header.op == pb.PUSH_PULL:
+            async for out in self._exchange_push_pull(header, metas, frames):
+                yield out
+        else:
+            raise InvalidArgumentError(f"Exchange header.op: got {header.op}, expected PUSH_PULL or DECLARE")
+
+    async def _read_slices(self, metas: Sequence[tuple[SliceKey, str, tuple[int, ...]]],
+                           frames: AsyncIterator[bytes]) -> AsyncIterator[tuple[int, codec.WireArray]]:
+        sizes = [codec.check_nbytes(f"slice {str(k)!r}", d, s,
+                                    int(np.prod(s, dtype=np.int64)) * codec.numpy_dtype(d).itemsize)
+                 for k, d, s in metas]
+        reader = SliceReader(sizes, [str(k) for k, _, _ in metas])
+        for index, buf in reader.initial():
+            yield index, codec.WireArray(codec.array_from_buffer(buf, metas[index][1], metas[index][2]),
+                                         metas[index][1])
+        async for frame in frames:
+            payload = codec.decode_data_frame(frame)
+            if payload is None:
+                raise InvalidArgumentError("Exchange: expected only data frames after the header")
+            for index, buf in reader.feed(payload):
+                key, dtype, shape = metas[index]
+                yield index, codec.WireArray(codec.array_from_buffer(buf, dtype, shape, f"slice {str(key)!r}"),
+                                             dtype)
+        reader.finish()
+
+    async def _exchange_declare(self, header: pb.ExchangeHeader, metas: list, frames: AsyncIterator[bytes]
+                                ) -> AsyncIterator[bytes]:
+        job = codec.job_from_proto(header.config) if header.HasField("config") else None
+        items: list[tuple[SliceKey, codec.WireArray]] = []
+        async for index, wire in self._read_slices(metas, frames):
+            # Frames are reused by grpc only after we drop them; copy, since declare keeps values.
+            items.append((metas[index][0], wire))
+        created, values = await self._declare(job, items)
+        packer = FramePacker(self._settings.chunk_bytes)
+        for (key, _), value in zip(items, values, strict=True):
+            for out in packer.add(self._to_wire(key, value).array):
+                yield out
+        last = packer.flush()
+        if last is not None:
+            yield last
+        yield codec.encode_frame(pb.Frame(summary=pb.ExchangeSummary(created=created)))
+
+    async def _exchange_push_pull(self, header: pb.ExchangeHeader, metas: list,
+                                  frames: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+        stamp = codec.stamp_from_proto(header.stamp)
+        for key, dtype, shape in metas:
+            self._check_push_meta(key, dtype, shape)
+        pull_keys = [codec.slice_id_from_proto(s) for s in header.pull]
+        for key in pull_keys:
+            self._spec(key)
+        if not metas and not pull_keys:
+            raise EmptyRequestError(f"Exchange from {stamp.worker_id!r}: nothing to push or pull")
+        deadline = time.monotonic() + self._timeout_s(header.timeout_ms)
+        await self._await_view(stamp, deadline)
+        # The worker pushed step `clock`; what it pulls back is for its next step.
+        pull_stamp = stamp._replace(clock=stamp.clock + 1) if metas else stamp
+        counts = [0, 0]
+
+        async def consume() -> None:
+            async for index, wire in self._read_slices(metas, frames):
+                applied, dropped = self._push(stamp, [(metas[index][0], wire)])
+                counts[0] += applied
+                counts[1] += dropped
+
+        reader = asyncio.ensure_future(consume())
+        try:
+            packer = FramePacker(self._settings.chunk_bytes)
+            versions: list[int] = []
+            for key in pull_keys:
+                if self.store.pull_status(pull_stamp, [key]) is not None:
+                    # Not ready: send what is packed so the client can use it while we wait.
+                    pending = packer.flush()
+                    if pending is not None:
+                        yield pending
+                    await self._wait_ready_or_failed(pull_stamp, key, deadline, reader)
+                [(value, version)] = self.store.read([key])
+                versions.append(version)
+                for out in packer.add(self._to_wire(key, value).array):
+                    yield out
+            last = packer.flush()
+            if last is not None:
+                yield last
+            await reader  # the push side must be complete (and its errors raised) before the summary
+            self.pulls_served += bool(pull_keys)
+            yield codec.encode_frame(pb.Frame(summary=pb.ExchangeSummary(
+                versions=versions, applied=counts[0], dropped=counts[1])))
+        finally:
+            if not reader.done():
+                reader.cancel()
+
+    async def _wait_ready_or_failed(self, stamp: Stamp, key: SliceKey, deadline: float,
+                                    reader: asyncio.Future) -> None:
+        """Wait for `key` to be readable; a failed push side ends the wait with its error at once."""
+        waiter = asyncio.ensure_future(self._wait_readable(stamp, [key], deadline))
+        try:
+            await asyncio.wait({waiter, reader}, return_when=asyncio.FIRST_COMPLETED)
+            if reader.done() and reader.exception() is not None:
+                raise reader.exception()  # type: ignore[misc]
+            await waiter
+        finally:
+            waiter.cancel()
+
+    # ---- operations ----
+
+    async def GetStats(self, request: pb.GetStatsRequest, context: grpc.aio.ServicerContext
+                       ) -> pb.GetStatsResponse:
+        if self._store is None:
+            return pb.GetStatsResponse(pulls_waiting=self._signal.waiting)
+        s = self._store.stats()
+        job = self._store.config
+        return pb.GetStatsResponse(
+            mode=_MODE_ENUM[job.mode], staleness=job.staleness, optimizer=job.optimizer.name,
+            slices=s.slices, bytes_stored=s.bytes_stored, pushes_applied=s.pushes_applied,
+            pushes_dropped=s.pushes_dropped, late_gradients_dropped=s.late_gradients_dropped,
+            pulls_served=self.pulls_served, pulls_waiting=self._signal.waiting,
+            pulls_timed_out=self.pulls_timed_out, quorum=sorted(s.quorum),
+            worker_clocks=dict(s.worker_clocks), min_version=s.min_version, max_version=s.max_version)
+
+    async def checkpoint(self, at_version: int = 0, timeout_s: float = 60.0) -> tuple[Path, int]:
+        if not self._settings.checkpoint_dir:
+            raise InvalidArgumentError("checkpoint: this server was started without --checkpoint-dir")
+        store = self.store
+        ok = await self._signal.wait_for(
+            lambda: True if store.stats().min_version >= at_version else None, time.monotonic() + timeout_s)
+        if ok is None:
+            raise PullTimeoutError(f"checkpoint at version {at_version}: slices are still at "
+                                   f"version {store.stats().min_version} after {timeout_s:.1f}s")
+        snap = store.snapshot()
+        path = await asyncio.get_running_loop().run_in_executor(
+            None, save_shard, Path(self._settings.checkpoint_dir), snap, self._settings.shard_name)
+        return path, store.stats().min_version
+
+    async def Checkpoint(self, request: pb.CheckpointRequest, context: grpc.aio.ServicerContext
+                         ) -> pb.CheckpointResponse:
+        try:
+            path, version = await self.checkpoint(request.at_version, self._timeout_s(request.timeout_ms))
+            return pb.CheckpointResponse(path=str(path), min_version=version)
+        except PSError as err:
+            await abort(context, err)
+            raise

@@ -1,0 +1,320 @@
+"""PSClient: talks to every parameter server of a job, in parallel, one stream each per step.
+
+Every call is batched per server (all of this worker's slices for that server in
+one Exchange stream) and the servers are contacted concurrently. Payloads of any
+size travel as 4 MiB frames. Pushes, pulls and declarations are idempotent on the
+server (a (worker, clock, slice) is applied at most once; the first declaration
+wins), so a call that fails with UNAVAILABLE is retried with backoff until its
+deadline; nothing else is retried.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import TypeVar
+
+import grpc
+import numpy as np
+
+from ps_api.v1 import parameter_server_pb2 as pb
+from ps_api.v1 import parameter_server_pb2_grpc as pb_grpc
+from ps_common import codec
+from ps_common.errors import InvalidArgumentError, PSError, ShapeMismatchError, UnavailableError
+from ps_common.framing import SliceReader, pack_frames
+from ps_common.job import JobConfig
+from ps_common.layout import DEFAULT_SLICE_BYTES, Layout, LayoutSlice, ParamSpec, plan_layout
+from ps_common.rpc import CHUNK_BYTES, EXCHANGE_METHOD, channel_options, identity
+from ps_common.rpc_status import raise_from_rpc_error
+from ps_common.types import Stamp
+
+log = logging.getLogger("pshard.client")
+
+T = TypeVar("T")
+_FLOATS = ("float16", "float32", "float64")
+
+
+@dataclass(frozen=True)
+class PushResult:
+    applied: int
+    dropped: int
+    # Versions of the slices pulled back (fused push_pull), lowest first; empty for a plain push.
+    min_version: int = 0
+    max_version: int = 0
+
+
+class PSClient:
+    def __init__(self, servers: Sequence[str], worker_id: str, *, generation: int = 0,
+                 layout: Layout | None = None, chunk_bytes: int = CHUNK_BYTES, timeout_s: float = 120.0,
+                 retry_budget_s: float = 60.0) -> None:
+        if not servers:
+            raise InvalidArgumentError("servers: got none, expected at least one parameter server address")
+        self.servers = tuple(servers)
+        self.worker_id = worker_id
+        self.generation = generation
+        self.layout = layout
+        self.job: JobConfig | None = None
+        self._chunk = chunk_bytes
+        self._timeout_s = timeout_s
+        self._retry_budget_s = retry_budget_s
+        self._channels = [grpc.insecure_channel(a, options=channel_options()) for a in self.servers]
+        self._stubs = [pb_grpc.ParameterServerStub(c) for c in self._channels]
+        self._exchange = [c.stream_stream(EXCHANGE_METHOD, request_serializer=identity,
+                                          response_deserializer=identity) for c in self._channels]
+        # One thread per server drives its stream; a second set lets a push future overlap a pull.
+        self._pool = ThreadPoolExecutor(max_workers=2 * len(self.servers), thread_name_prefix="psclient")
+        self._dtypes: dict[str, str] = {}
+        self._closed = threading.Event()
+
+    # ---- lifecycle ----
+
+    def close(self) -> None:
+        if self._closed.is_set():
+            return
+        self._closed.set()
+        self._pool.shutdown(wait=True, cancel_futures=True)
+        for channel in self._channels:
+            channel.close()
+
+    def __enter__(self) -> PSClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ---- declare ----
+
+    def declare(self, params: Mapping[str, np.ndarray], job: JobConfig,
+                slice_bytes: int = DEFAULT_SLICE_BYTES) -> dict[str, np.ndarray]:
+        """Create the parameters on their servers; returns the values the servers hold.
+
+        Idempotent: the first worker's initial values win (like MXNet's rank-0 init), and
+        every worker should load what this returns. Plans the layout unless one was given
+        (the scheduler's); either way it is deterministic, so all workers agree.
+        """
+        specs = []
+        for key, value in params.items():
+            dtype = codec.dtype_name_of(value)
+            if dtype not in _FLOATS:
+                raise InvalidArgumentError(f"param {key!r}: dtype {dtype} cannot be trained; expected one "
+                                           f"of {_FLOATS}")
+            specs.append(ParamSpec(key, dtype, tuple(value.shape)))
+        if self.layout is None:
+            self.layout = plan_layout(specs, self.servers, slice_bytes)
+        else:
+            problem = self.layout.same_params(Layout(tuple(specs), self.servers, slice_bytes, ()))
+            if problem:
+                raise ShapeMismatchError(f"declare: {problem}")
+        self.job = job
+        self._dtypes = {p.key: p.dtype for p in specs}
+        out = {key: np.empty(value.shape, value.dtype) for key, value in params.items()}
+        flat = {key: np.ascontiguousarray(value).reshape(-1) for key, value in params.items()}
+
+        def run(server: int) -> None:
+            slices = self.layout.slices_on(server)  # type: ignore[union-attr]
+            header = pb.ExchangeHeader(
+                op=pb.DECLARE, config=codec.job_to_proto(job),
+                push=[self._meta(s, self._dtypes[s.key]) for s in slices],
+                timeout_ms=int(self._timeout_s * 1000))
+            buffers = [flat[s.key][s.offset:s.offset + s.numel] for s in slices]
+            self._exchange_call(server, header, buffers, slices, out)
+
+        self._all_servers(run)
+        return out
+
+    # ---- push / pull ----
+
+    def push(self, grads: Mapping[str, np.ndarray], clock: int) -> Future[PushResult]:
+        """Send gradients for `clock`; returns at once with a future (see `wait`)."""
+        self._check_grads(grads)
+        return self._pool.submit(self._push_pull, grads, clock, None, False)
+
+    def wait(self, future: Future[T], timeout_s: float | None = None) -> T:
+        return future.result(timeout=timeout_s if timeout_s is not None else self._timeout_s)
+
+    def pull(self, clock: int, keys: Iterable[str] | None = None,
+             out: Mapping[str, np.ndarray] | None = None) -> dict[str, np.ndarray]:
+        """Fetch parameters as of `clock` (waiting as the consistency mode demands)."""
+        layout = self._need_layout()
+        wanted = list(keys) if keys is not None else [p.key for p in layout.params]
+        result = self._outputs(wanted, out)
+        wanted_set = set(wanted)
+
+        def run(server: int) -> tuple[int, int]:
+            slices = [s for s in layout.slices_on(server) if s.key in wanted_set]
+            if not slices:
+                return (1 << 62, 0)
+            header = pb.ExchangeHeader(op=pb.PUSH_PULL, stamp=self._stamp(clock),
+                                       pull=[codec.slice_id_to_proto(s.slice_key) for s in slices],
+                                       timeout_ms=int(self._timeout_s * 1000))
+            summary = self._exchange_call(server, header, [], slices, result)
+            return (min(summary.versions, default=0), max(summary.versions, default=0))
+
+        self.last_versions = self._all_servers(run)
+        return result
+
+    def push_pull(self, grads: Mapping[str, np.ndarray], clock: int,
+                  out: Mapping[str, np.ndarray] | None = None) -> dict[str, np.ndarray]:
+        """Fused step: push gradients for `clock` and receive the weights for `clock + 1`.
+
+        Both directions share one stream per server, and the server sends each slice
+        back as soon as its update is applied, so sending and receiving overlap.
+        """
+        self._check_grads(grads)
+        result = self._outputs(list(grads), out)
+        self.last_result = self._push_pull(grads, clock, result, True)
+        return result
+
+    def _push_pull(self, grads: Mapping[str, np.ndarray], clock: int,
+                   out: dict[str, np.ndarray] | None, pull: bool) -> PushResult:
+        layout = self._need_layout()
+        wire = self.job.wire_dtype if self.job else ""
+        flat = {}
+        for key, g in grads.items():
+            g = np.ascontiguousarray(g).reshape(-1)
+            flat[key] = codec.cast(codec.WireArray(g, self._dtypes[key]), wire).array if wire else g
+
+        def run(server: int) -> pb.ExchangeSummary:
+            slices = [s for s in layout.slices_on(server) if s.key in flat]
+            if not slices:
+                return pb.ExchangeSummary()
+            header = pb.ExchangeHeader(
+                op=pb.PUSH_PULL, stamp=self._stamp(clock),
+                push=[self._meta(s, wire or self._dtypes[s.key]) for s in slices],
+                pull=[codec.slice_id_to_proto(s.slice_key) for s in slices] if pull else [],
+                timeout_ms=int(self._timeout_s * 1000))
+            buffers = [flat[s.key][s.offset:s.offset + s.numel] for s in slices]
+            return self._exchange_call(server, header, buffers, slices if pull else [], out or {})
+
+        summaries = self._all_servers(run)
+        versions = [v for s in summaries for v in s.versions]
+        return PushResult(sum(s.applied for s in summaries), sum(s.dropped for s in summaries),
+                          min(versions, default=0), max(versions, default=0))
+
+    # ---- operations ----
+
+    def stats(self) -> list[pb.GetStatsResponse]:
+        return self._all_servers(lambda i: self._unary(i, lambda stub, t: stub.GetStats(
+            pb.GetStatsRequest(), timeout=t)))
+
+    def checkpoint(self, at_version: int = 0) -> list[str]:
+        """Each server writes its shard once every slice has reached `at_version`."""
+        return self._all_servers(lambda i: self._unary(i, lambda stub, t: stub.Checkpoint(
+            pb.CheckpointRequest(at_version=at_version, timeout_ms=int(t * 1000)), timeout=t + 5).path))
+
+    # ---- internals ----
+
+    def _need_layout(self) -> Layout:
+        if self.layout is None:
+            raise InvalidArgumentError("no layout yet: call declare() first (or pass the scheduler's layout)")
+        return self.layout
+
+    def _stamp(self, clock: int) -> pb.Stamp:
+        return codec.stamp_to_proto(Stamp(self.worker_id, self.generation, clock))
+
+    @staticmethod
+    def _meta(s: LayoutSlice, dtype: str) -> pb.SliceMeta:
+        return pb.SliceMeta(id=codec.slice_id_to_proto(s.slice_key), dtype=codec.dtype_to_proto(dtype),
+                            shape=[s.numel])
+
+    def _check_grads(self, grads: Mapping[str, np.ndarray]) -> None:
+        layout = self._need_layout()
+        for key, g in grads.items():
+            spec = layout.param(key)
+            if tuple(g.shape) != spec.shape and g.size != spec.numel:
+                raise ShapeMismatchError(f"gradient {key!r}: got shape {tuple(g.shape)}, parameter has "
+                                         f"{spec.shape}")
+
+    def _outputs(self, keys: Sequence[str], out: Mapping[str, np.ndarray] | None) -> dict[str, np.ndarray]:
+        layout = self._need_layout()
+        result: dict[str, np.ndarray] = {}
+        for key in keys:
+            spec = layout.param(key)
+            given = out.get(key) if out else None
+            if given is not None:
+                if given.size != spec.numel or not given.flags.c_contiguous:
+                    raise ShapeMismatchError(f"out[{key!r}]: got shape {given.shape}, expected a contiguous "
+                                             f"array of {spec.shape}")
+                result[key] = given
+            else:
+                result[key] = np.empty(spec.shape, codec.numpy_dtype(self._dtypes.get(key, spec.dtype)))
+        return result
+
+    def _all_servers(self, fn: Callable[[int], T]) -> list[T]:
+        """Run fn(server) for every server concurrently; the first error wins, after all have ended."""
+        if len(self.servers) == 1:
+            return [fn(0)]
+        futures = [self._pool.submit(fn, i) for i in range(len(self.servers))]
+        return [f.result() for f in futures]
+
+    def _retrying(self, what: str, call: Callable[[float], T]) -> T:
+        """Retry idempotent calls on UNAVAILABLE with jittered exponential backoff, within the budget."""
+        start = time.monotonic()
+        delay = 0.05
+        while True:
+            try:
+                return call(self._timeout_s)
+            except grpc.RpcError as err:
+                code = err.code() if hasattr(err, "code") else None
+                elapsed = time.monotonic() - start
+                if code != grpc.StatusCode.UNAVAILABLE or self._closed.is_set():
+                    raise_from_rpc_error(err)
+                if elapsed + delay > self._retry_budget_s:
+                    raise UnavailableError(f"{what}: unavailable for {elapsed:.1f}s "
+                                           f"(retry budget {self._retry_budget_s:.0f}s): {err.details()}"
+                                           ) from err
+                log.warning("%s: %s; retrying in %.2fs", what, err.details(), delay)
+                time.sleep(delay * (0.5 + random.random()))
+                delay = min(delay * 2, 2.0)
+
+    def _unary(self, server: int, call: Callable[[pb_grpc.ParameterServerStub, float], T]) -> T:
+        return self._retrying(f"server {self.servers[server]}", lambda t: call(self._stubs[server], t))
+
+    def _exchange_call(self, server: int, header: pb.ExchangeHeader, buffers: Sequence[np.ndarray],
+                       pulled: Sequence[LayoutSlice], out: Mapping[str, np.ndarray]) -> pb.ExchangeSummary:
+        return self._retrying(f"server {self.servers[server]}",
+                              lambda t: self._exchange_once(server, header, buffers, pulled, out, t))
+
+    def _exchange_once(self, server: int, header: pb.ExchangeHeader, buffers: Sequence[np.ndarray],
+                       pulled: Sequence[LayoutSlice], out: Mapping[str, np.ndarray],
+                       timeout_s: float) -> pb.ExchangeSummary:
+        def frames() -> Iterator[bytes]:
+            yield codec.encode_frame(pb.Frame(header=header))
+            yield from pack_frames(buffers, self._chunk)
+
+        wire = (self.job.wire_dtype if self.job else "") or ""
+        dtypes = [self._dtypes.get(s.key, self.layout.param(s.key).dtype) for s in pulled]  # type: ignore[union-attr]
+        wire_dtypes = [wire if wire and d in _FLOATS else d for d in dtypes]
+        sizes = [s.numel * codec.numpy_dtype(d).itemsize for s, d in zip(pulled, wire_dtypes, strict=True)]
+        reader = SliceReader(sizes, [str(s.slice_key) for s in pulled])
+        summary: pb.ExchangeSummary | None = None
+
+        def place(index: int, buf: memoryview) -> None:
+            s = pulled[index]
+            values = np.frombuffer(buf, dtype=codec.numpy_dtype(wire_dtypes[index]))
+            if wire_dtypes[index] != dtypes[index]:
+                values = codec.cast(codec.WireArray(values, wire_dtypes[index]), dtypes[index]).array
+            out[s.key].reshape(-1)[s.offset:s.offset + s.numel] = values
+
+        for index, buf in reader.initial():
+            place(index, buf)
+        call = self._exchange[server](frames(), timeout=timeout_s, wait_for_ready=True)
+        for frame in call:
+            payload = codec.decode_data_frame(frame)
+            if payload is None:
+                message = codec.decode_frame(frame)
+                if message.WhichOneof("body") != "summary":
+                    raise PSError(f"server {self.servers[server]}: unexpected {message.WhichOneof('body')} frame")
+                summary = message.summary
+                continue
+            for index, buf in reader.feed(payload):
+                place(index, buf)
+        reader.finish()
+        if summary is None:
+            raise PSError(f"server {self.servers[server]}: stream ended without a summary")
+        return summary
