@@ -1,0 +1,351 @@
+"""`SchedulerClient`: how parameter servers and workers join the cluster and follow its view.
+
+Synchronous, with two daemon threads: one sends heartbeats at the interval the scheduler asks
+for, one follows the Watch stream and keeps `view` current (calling `on_view` callbacks in
+generation order). Calls retry with exponential backoff while the scheduler is UNAVAILABLE, up to
+a deadline. When the scheduler restarts it has forgotten everyone (soft state) and answers
+NOT_FOUND: the client re-registers with the same node id, its rank as the hint and the newest
+generation it has seen, so ranks are kept, generations keep growing and training goes on.
+
+    with SchedulerClient("scheduler:7000", "worker", node_id="worker-1", rank_hint=1) as client:
+        client.register()
+        client.barrier("start", count=spec.world_size, timeout_s=60)
+        layout = client.get_layout(timeout_s=60)
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, TypeVar
+
+import grpc
+
+from ps_api.v1 import scheduler_pb2 as pb
+from ps_api.v1 import scheduler_pb2_grpc as pb_grpc
+from ps_common.codec import layout_from_proto, param_spec_to_proto
+from ps_common.errors import (
+    PSError,
+    PullTimeoutError,
+    StaleGenerationError,
+    UnavailableError,
+    UnknownNodeError,
+)
+from ps_common.layout import DEFAULT_SLICE_BYTES, Layout, ParamSpec
+from ps_common.rpc import channel_options
+from ps_common.rpc_status import error_from_rpc_error
+from scheduler.membership import ClusterView, Registration
+from scheduler.wire import view_from_proto
+
+log = logging.getLogger("pshard.scheduler.client")
+
+ViewCallback = Callable[[ClusterView], None]
+T = TypeVar("T")
+
+# Extra time on a waiting call's gRPC deadline, so the scheduler's own timeout (which names what
+# was missing) arrives before a bare DEADLINE_EXCEEDED.
+_WAIT_MARGIN_S = 2.0
+_BACKOFF_START_S = 0.05
+_BACKOFF_MAX_S = 1.0
+# Watch calls get a deadline too (every wait has one); the stream is simply reopened when it ends.
+_WATCH_DEADLINE_S = 300.0
+
+
+class SchedulerClient:
+    def __init__(self, address: str, role: str, own_address: str = "", node_id: str | None = None,
+                 rank_hint: int | None = None, *, on_view: ViewCallback | None = None,
+                 rpc_timeout_s: float = 5.0, connect_timeout_s: float = 30.0) -> None:
+        self.address = address
+        self.role = role
+        self.own_address = own_address
+        self._node_id = node_id or ""
+        self._rank_hint = rank_hint
+        self._rank: int | None = None
+        self._generation = 0
+        self._max_generation = 0  # newest generation seen anywhere: the floor after a scheduler restart
+        self._heartbeat_interval_s = 1.0
+        self._heartbeat_timeout_s = 5.0
+        self._progress = 0
+        self._rpc_timeout_s = rpc_timeout_s
+        self._connect_timeout_s = connect_timeout_s
+        self._channel = grpc.insecure_channel(address, options=channel_options())
+        self._stub = pb_grpc.SchedulerStub(self._channel)
+        self._lock = threading.Lock()
+        self._view_changed = threading.Condition(self._lock)
+        self._view: ClusterView | None = None
+        self._deliver = threading.Lock()  # one view at a time through the callbacks, in order
+        self._register_lock = threading.Lock()
+        self._callbacks: list[ViewCallback] = [on_view] if on_view else []
+        self._closed = threading.Event()
+        self._heartbeats_stopped = threading.Event()
+        self._fenced: PSError | None = None
+        self._watch_call: Any = None
+        self._threads: list[threading.Thread] = []
+
+    # ---- state ----
+
+    @property
+    def node_id(self) -> str:
+        return self._node_id
+
+    @property
+    def rank(self) -> int:
+        if self._rank is None:
+            raise UnknownNodeError(f"{self.role} at {self.own_address or '-'}: not registered yet")
+        return self._rank
+
+    @property
+    def generation(self) -> int:
+        """This incarnation's generation: stamp requests to servers with it."""
+        return self._generation
+
+    @property
+    def view(self) -> ClusterView | None:
+        with self._lock:
+            return self._view
+
+    @property
+    def heartbeat_interval_s(self) -> float:
+        return self._heartbeat_interval_s
+
+    def add_view_callback(self, callback: ViewCallback) -> None:
+        self._callbacks.append(callback)
+
+    def report_clock(self, clock: int) -> None:
+        """Progress (a worker's clock) sent with the next heartbeats."""
+        self._progress = clock
+
+    def wait_for_view(self, predicate: Callable[[ClusterView], bool], timeout_s: float) -> ClusterView:
+        """Block until a view satisfies `predicate`; PullTimeoutError after `timeout_s`."""
+        with self._view_changed:
+            ok = self._view_changed.wait_for(
+                lambda: self._view is not None and predicate(self._view), timeout=timeout_s)
+            if not ok:
+                generation = self._view.generation if self._view else 0
+                raise PullTimeoutError(
+                    f"scheduler {self.address}: no cluster view matched within {timeout_s:g} s "
+                    f"(latest generation {generation})")
+            assert self._view is not None
+            return self._view
+
+    # ---- membership ----
+
+    def register(self) -> Registration:
+        """Join (or re-join) the cluster; starts the heartbeat and Watch threads the first time."""
+        self._check_usable()
+        with self._register_lock:
+            reg = self._register(self._connect_timeout_s)
+        if not self._threads:
+            self._start_thread(self._heartbeat_loop, "heartbeat")
+            self._start_thread(self._watch_loop, "watch")
+        return reg
+
+    def _register(self, timeout_s: float) -> Registration:
+        rank_hint = self._rank if self._rank is not None else self._rank_hint
+        request = pb.RegisterRequest(
+            role=self.role, address=self.own_address, node_id=self._node_id,
+            rank_hint=-1 if rank_hint is None else rank_hint, last_generation=self._max_generation)
+        reply = self._call("Register", lambda t: self._stub.Register(request, timeout=t), timeout_s)
+        with self._view_changed:
+            self._node_id, self._rank, self._generation = reply.node_id, reply.rank, reply.generation
+            # The Watch stream may have delivered this incarnation's view already: wake waiters
+            # whose predicates also look at our generation.
+            self._view_changed.notify_all()
+        self._heartbeat_interval_s = max(reply.heartbeat_interval_ms / 1000, 0.01)
+        self._heartbeat_timeout_s = max(reply.heartbeat_timeout_ms / 1000, self._heartbeat_interval_s)
+        view = view_from_proto(reply.view)
+        self._offer_view(view)
+        log.info("registered %s (%s rank %d) with scheduler %s; generation %d",
+                 self._node_id, self.role, self._rank, self.address, self._generation)
+        return Registration(self._node_id, self._rank, self._generation, view)
+
+    def _reregister(self, failed_generation: int) -> None:
+        """Register again after NOT_FOUND, unless another thread already did."""
+        with self._register_lock:
+            if self._generation == failed_generation and not self._closed.is_set():
+                log.warning("scheduler %s forgot %s (restarted, or declared it dead): registering again",
+                            self.address, self._node_id)
+                self._register(self._connect_timeout_s)
+
+    def leave(self) -> None:
+        """Leave the cluster on purpose (a worker that finished). Heartbeats stop first."""
+        self._heartbeats_stopped.set()
+        if self._rank is None:
+            return
+        request = pb.LeaveRequest(node_id=self._node_id, generation=self._generation)
+        reply = self._call("Leave", lambda t: self._stub.Leave(request, timeout=t), self._rpc_timeout_s)
+        self._offer_view(view_from_proto(reply.view))
+
+    # ---- barriers and layout ----
+
+    def barrier(self, name: str, count: int, timeout_s: float) -> int:
+        """Wait until `count` nodes reached barrier `name`; returns the generation at release.
+
+        BarrierTimeoutError after `timeout_s`, naming who did not arrive.
+        """
+        def attempt(t: float) -> pb.BarrierResponse:
+            request = pb.BarrierRequest(name=name, count=count, node_id=self._node_id,
+                                        timeout_ms=max(1, round(max(t - _WAIT_MARGIN_S, 0.001) * 1000)))
+            return self._stub.Barrier(request, timeout=t)
+
+        reply = self._call_registered("Barrier", attempt, timeout_s + _WAIT_MARGIN_S)
+        return int(reply.generation)
+
+    def propose_layout(self, params: Iterable[ParamSpec], slice_bytes: int = DEFAULT_SLICE_BYTES,
+                       servers: Sequence[str] = ()) -> Layout:
+        """Propose a layout; the first proposal wins and everyone gets the stored one back.
+
+        LayoutConflictError when the stored layout describes other parameters. `servers` empty =
+        the live parameter servers the scheduler knows, in rank order.
+        """
+        request = pb.ProposeLayoutRequest(params=[param_spec_to_proto(p) for p in params],
+                                          slice_bytes=slice_bytes, servers=list(servers))
+        reply = self._call("ProposeLayout", lambda t: self._stub.ProposeLayout(request, timeout=t),
+                           self._rpc_timeout_s * 2)
+        return layout_from_proto(reply.layout)
+
+    def get_layout(self, timeout_s: float) -> Layout:
+        """The stored layout, waiting up to `timeout_s` for someone to propose one."""
+        def attempt(t: float) -> pb.GetLayoutResponse:
+            request = pb.GetLayoutRequest(timeout_ms=max(1, round(max(t - _WAIT_MARGIN_S, 0.001) * 1000)))
+            return self._stub.GetLayout(request, timeout=t)
+
+        reply = self._call("GetLayout", attempt, timeout_s + _WAIT_MARGIN_S)
+        return layout_from_proto(reply.layout)
+
+    # ---- lifecycle ----
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Stop the threads and close the channel (without leaving: the node will expire)."""
+        if self._closed.is_set():
+            return
+        self._closed.set()
+        self._heartbeats_stopped.set()
+        with self._lock:
+            call = self._watch_call
+        if call is not None:
+            call.cancel()
+        for thread in self._threads:
+            if thread is not threading.current_thread():
+                thread.join(timeout_s)
+        self._channel.close()
+
+    def __enter__(self) -> SchedulerClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ---- machinery ----
+
+    def _check_usable(self) -> None:
+        if self._closed.is_set():
+            raise UnavailableError(f"scheduler client for {self._node_id or self.role}: closed")
+        if self._fenced is not None:
+            raise self._fenced
+
+    def _start_thread(self, target: Callable[[], None], what: str) -> None:
+        thread = threading.Thread(target=target, name=f"scheduler-{what}-{self._node_id}", daemon=True)
+        self._threads.append(thread)
+        thread.start()
+
+    def _call(self, what: str, fn: Callable[[float], T], timeout_s: float) -> T:
+        """`fn(attempt_timeout)` with retries on UNAVAILABLE until `timeout_s` has passed."""
+        deadline = time.monotonic() + timeout_s
+        backoff = _BACKOFF_START_S
+        while True:
+            remaining = deadline - time.monotonic()
+            try:
+                return fn(max(remaining, 0.001))
+            except grpc.RpcError as e:
+                err = error_from_rpc_error(e)
+                remaining = deadline - time.monotonic()
+                if not isinstance(err, UnavailableError) or remaining <= 0 or self._closed.is_set():
+                    if isinstance(err, UnavailableError):
+                        raise UnavailableError(f"scheduler {self.address}: {what} failed for "
+                                               f"{timeout_s:g} s: {err}") from e
+                    raise err from e
+            self._closed.wait(min(backoff, max(remaining, 0.0)))
+            backoff = min(backoff * 2, _BACKOFF_MAX_S)
+
+    def _call_registered(self, what: str, fn: Callable[[float], T], timeout_s: float) -> T:
+        """`_call` for RPCs that need a registered node: re-register once on NOT_FOUND."""
+        self._check_usable()
+        deadline = time.monotonic() + timeout_s
+        generation = self._generation
+        try:
+            return self._call(what, fn, timeout_s)
+        except UnknownNodeError:
+            self._reregister(generation)
+            return self._call(what, fn, max(deadline - time.monotonic(), 0.001))
+
+    def _offer_view(self, view: ClusterView) -> None:
+        """Adopt `view` if it is newer than the one we have, then tell the callbacks."""
+        with self._deliver:
+            with self._lock:
+                if self._view is not None and view.generation <= self._view.generation:
+                    return
+                self._view = view
+                self._max_generation = max(self._max_generation, view.generation)
+                self._view_changed.notify_all()
+            for callback in list(self._callbacks):
+                try:
+                    callback(view)
+                except Exception:
+                    log.exception("on_view callback failed for generation %d", view.generation)
+
+    def _heartbeat_loop(self) -> None:
+        unreachable_since: float | None = None
+        while not self._heartbeats_stopped.wait(self._heartbeat_interval_s):
+            generation = self._generation
+            request = pb.HeartbeatRequest(node_id=self._node_id, generation=generation, clock=self._progress)
+            try:
+                reply = self._stub.Heartbeat(request, timeout=min(self._rpc_timeout_s,
+                                                                  self._heartbeat_timeout_s / 2))
+                self._offer_view(view_from_proto(reply.view))
+                if unreachable_since is not None:
+                    log.info("scheduler %s reachable again after %.1f s", self.address,
+                             time.monotonic() - unreachable_since)
+                    unreachable_since = None
+                continue
+            except grpc.RpcError as e:
+                err = error_from_rpc_error(e)
+            if self._heartbeats_stopped.is_set():
+                return
+            if isinstance(err, UnknownNodeError):
+                try:
+                    self._reregister(generation)
+                except PSError as again:
+                    log.warning("re-registering %s failed: %s", self._node_id, again)
+            elif isinstance(err, StaleGenerationError):
+                # A newer incarnation of this node id exists: this process is fenced out for good.
+                log.error("%s is fenced out by a newer incarnation: %s", self._node_id, err)
+                self._fenced = err
+                return
+            elif unreachable_since is None:
+                unreachable_since = time.monotonic()
+                log.warning("heartbeat to scheduler %s failed: %s", self.address, err)
+
+    def _watch_loop(self) -> None:
+        backoff = _BACKOFF_START_S
+        while not self._closed.is_set():
+            call = self._stub.Watch(pb.WatchRequest(after_generation=self._max_generation),
+                                    timeout=_WATCH_DEADLINE_S)
+            with self._lock:
+                self._watch_call = call
+            if self._closed.is_set():  # close() ran before the call was visible to it
+                call.cancel()
+                return
+            try:
+                for message in call:
+                    self._offer_view(view_from_proto(message))
+                    backoff = _BACKOFF_START_S
+            except grpc.RpcError as e:
+                if self._closed.is_set():
+                    return
+                if e.code() != grpc.StatusCode.DEADLINE_EXCEEDED:  # type: ignore[attr-defined]
+                    log.debug("watch stream from %s ended: %s", self.address, e)
+            self._closed.wait(backoff)
+            backoff = min(backoff * 2, _BACKOFF_MAX_S)

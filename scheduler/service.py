@@ -1,0 +1,156 @@
+"""Assemble and run the scheduler: the Scheduler service, health, expiry, graceful stop.
+
+`serve()` runs in an asyncio loop until told to stop (``python -m scheduler``);
+`start_scheduler_thread()` runs one in a daemon thread with its own loop, for tests and for a
+chief or worker 0 that hosts the scheduler in-process when the cluster has no scheduler task.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import threading
+from dataclasses import dataclass, field
+
+import grpc
+import grpc.aio
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from ps_api.v1 import scheduler_pb2_grpc as pb_grpc
+from ps_common.rpc import server_options
+from scheduler.membership import Clock, Membership
+from scheduler.servicer import SchedulerServicer
+
+log = logging.getLogger("pshard.scheduler")
+
+SERVICE_NAME = "ps_api.v1.Scheduler"
+DEFAULT_HEARTBEAT_INTERVAL_S = 1.0
+DEFAULT_HEARTBEAT_TIMEOUT_S = 5.0
+# Expiry runs at this fraction of the timeout, so a silent node is declared dead within 1.25x it.
+_EXPIRY_FRACTION = 0.25
+
+
+@dataclass
+class RunningScheduler:
+    server: grpc.aio.Server
+    servicer: SchedulerServicer
+    health: health.aio.HealthServicer  # type: ignore[name-defined]
+    port: int
+    expiry: asyncio.Task[None]
+    stopped: asyncio.Event = field(default_factory=asyncio.Event)
+
+    async def stop(self, grace_s: float = 2.0) -> None:
+        """NOT_SERVING first (load balancers stop routing), end the Watch streams, then drain RPCs."""
+        if self.stopped.is_set():
+            return
+        await self.health.enter_graceful_shutdown()
+        self.servicer.close()
+        self.expiry.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self.expiry
+        await self.server.stop(grace_s)
+        self.stopped.set()
+        log.info("scheduler on port %d stopped", self.port)
+
+
+async def start(bind: str = "127.0.0.1:0", *, heartbeat_interval_s: float = DEFAULT_HEARTBEAT_INTERVAL_S,
+                heartbeat_timeout_s: float = DEFAULT_HEARTBEAT_TIMEOUT_S,
+                clock: Clock | None = None) -> RunningScheduler:
+    """Start serving on `bind` (port 0 picks a free port); raises OSError if it cannot listen."""
+    membership = Membership(heartbeat_timeout_s, clock)
+    servicer = SchedulerServicer(membership, heartbeat_interval_s)
+    server = grpc.aio.server(options=server_options())
+    pb_grpc.add_SchedulerServicer_to_server(servicer, server)
+    health_servicer = health.aio.HealthServicer()  # type: ignore[attr-defined]
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    try:
+        port = server.add_insecure_port(bind)
+    except RuntimeError as e:
+        raise OSError(f"scheduler: cannot listen on {bind}: {e}") from None
+    if port == 0:  # older grpc releases report a failed bind this way
+        raise OSError(f"scheduler: cannot listen on {bind}: port in use or address not local")
+    await server.start()
+    for service in ("", SERVICE_NAME):
+        await health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
+    expiry = asyncio.create_task(servicer.run_expiry(max(heartbeat_timeout_s * _EXPIRY_FRACTION, 0.01)))
+    log.info("scheduler listening on %s (port %d); heartbeat every %g s, timeout %g s",
+             bind, port, heartbeat_interval_s, heartbeat_timeout_s)
+    return RunningScheduler(server, servicer, health_servicer, port, expiry)
+
+
+async def serve(bind: str, stop: asyncio.Event, *, heartbeat_interval_s: float = DEFAULT_HEARTBEAT_INTERVAL_S,
+                heartbeat_timeout_s: float = DEFAULT_HEARTBEAT_TIMEOUT_S, grace_s: float = 2.0) -> None:
+    """Serve until `stop` is set, then stop gracefully."""
+    running = await start(bind, heartbeat_interval_s=heartbeat_interval_s,
+                          heartbeat_timeout_s=heartbeat_timeout_s)
+    try:
+        await stop.wait()
+    finally:
+        await running.stop(grace_s)
+
+
+@dataclass
+class SchedulerHandle:
+    """A scheduler running in a daemon thread with its own event loop."""
+
+    port: int
+    _loop: asyncio.AbstractEventLoop
+    _stop: asyncio.Event
+    _thread: threading.Thread
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """Stop gracefully (with the grace given at start) and wait at most `timeout_s` for the thread."""
+        if self._thread.is_alive():
+            self._loop.call_soon_threadsafe(self._stop.set)
+            self._thread.join(timeout_s)
+            if self._thread.is_alive():
+                raise TimeoutError(
+                    f"scheduler on port {self.port}: still running {timeout_s:g} s after stop()")
+
+
+def start_scheduler_thread(bind: str = "127.0.0.1:0", *,
+                           heartbeat_interval_s: float = DEFAULT_HEARTBEAT_INTERVAL_S,
+                           heartbeat_timeout_s: float = DEFAULT_HEARTBEAT_TIMEOUT_S,
+                           grace_s: float = 2.0, start_timeout_s: float = 10.0) -> SchedulerHandle:
+    """Run a scheduler in a daemon thread; returns once it is serving (or raises why it is not)."""
+    loop = asyncio.new_event_loop()
+    ready = threading.Event()
+    outcome: dict[str, object] = {}
+
+    async def main() -> None:
+        stop = asyncio.Event()
+        try:
+            running = await start(bind, heartbeat_interval_s=heartbeat_interval_s,
+                                  heartbeat_timeout_s=heartbeat_timeout_s)
+        except BaseException as e:
+            outcome["error"] = e
+            ready.set()
+            return
+        outcome["port"], outcome["stop"] = running.port, stop
+        ready.set()
+        try:
+            await stop.wait()
+        finally:
+            await running.stop(grace_s)
+
+    def run() -> None:
+        try:
+            loop.run_until_complete(main())
+        finally:
+            loop.close()
+
+    thread = threading.Thread(target=run, name=f"scheduler-{bind}", daemon=True)
+    thread.start()
+    if not ready.wait(start_timeout_s):
+        raise TimeoutError(f"scheduler on {bind}: not serving within {start_timeout_s:g} s")
+    error = outcome.get("error")
+    if isinstance(error, BaseException):
+        raise error
+    port, stop = outcome["port"], outcome["stop"]
+    assert isinstance(port, int) and isinstance(stop, asyncio.Event)
+    return SchedulerHandle(port, loop, stop, thread)

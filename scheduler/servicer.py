@@ -1,0 +1,200 @@
+"""The Scheduler gRPC service: a thin asyncio layer over `Membership`.
+
+All handlers run on one event loop, so the membership table needs no lock. Waiting RPCs
+(Watch, Barrier, GetLayout) await an `asyncio.Event` that is replaced and set on every change:
+a waiter costs a coroutine, never a thread, so any number of them cannot starve the heartbeats
+and registrations they are waiting for.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, TypeVar
+
+import grpc
+import grpc.aio
+
+from ps_api.v1 import scheduler_pb2 as pb
+from ps_api.v1 import scheduler_pb2_grpc as pb_grpc
+from ps_common.codec import layout_to_proto, param_spec_from_proto
+from ps_common.errors import EmptyRequestError, PSError, PullTimeoutError
+from ps_common.layout import DEFAULT_SLICE_BYTES, plan_layout
+from ps_common.rpc_status import abort
+from scheduler.membership import Membership
+from scheduler.wire import view_to_proto
+
+log = logging.getLogger("pshard.scheduler")
+
+# A Barrier or GetLayout without timeout_ms waits this long at most (and never past the RPC's deadline).
+DEFAULT_WAIT_S = 60.0
+# Answer a wait's timeout this much before the caller's own gRPC deadline, so the caller gets our
+# message naming what was missing instead of a bare DEADLINE_EXCEEDED.
+_DEADLINE_MARGIN_S = 0.2
+
+R = TypeVar("R")
+Handler = Callable[[Any, Any, grpc.aio.ServicerContext], Awaitable[R]]
+
+
+def _maps_errors(method: Handler[R]) -> Handler[R]:
+    """A PSError raised by the core becomes the gRPC status it names (see ps_common.rpc_status)."""
+
+    @functools.wraps(method)
+    async def wrapper(self: Any, request: Any, context: grpc.aio.ServicerContext) -> R:
+        try:
+            return await method(self, request, context)
+        except PSError as err:
+            await abort(context, err)
+
+    return wrapper
+
+
+class SchedulerServicer(pb_grpc.SchedulerServicer):
+    def __init__(self, membership: Membership, heartbeat_interval_s: float) -> None:
+        self._members = membership
+        self._heartbeat_interval_s = heartbeat_interval_s
+        self._changed = asyncio.Event()
+        self._closed = False
+
+    # ---- change notification ----
+
+    def _publish(self) -> None:
+        """Wake every waiter; they re-read the state. A fresh event for the next change."""
+        changed, self._changed = self._changed, asyncio.Event()
+        changed.set()
+
+    async def _wait_change(self, timeout_s: float) -> None:
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(self._changed.wait(), timeout=max(timeout_s, 0.0))
+
+    def _wait_budget(self, timeout_ms: int, context: grpc.aio.ServicerContext) -> float:
+        budget = timeout_ms / 1000 if timeout_ms else DEFAULT_WAIT_S
+        remaining = context.time_remaining()
+        if remaining is not None:
+            budget = min(budget, remaining - _DEADLINE_MARGIN_S)
+        return max(budget, 0.0)
+
+    def close(self) -> None:
+        """End every Watch stream and wake every waiter (the server is stopping)."""
+        self._closed = True
+        self._publish()
+
+    async def run_expiry(self, period_s: float) -> None:
+        """Declare silent nodes dead every `period_s` and publish the new view. Runs until cancelled."""
+        while not self._closed:
+            await asyncio.sleep(period_s)
+            dead = self._members.expire()
+            for node in dead:
+                log.info("declared %s dead (%s rank %d at %s): silent for %.1f s; generation %d",
+                         node.node_id, node.role, node.rank, node.address or "-",
+                         self._members.silent_for(node.node_id), self._members.generation)
+            if dead:
+                self._publish()
+
+    # ---- membership ----
+
+    @_maps_errors
+    async def Register(self, request: pb.RegisterRequest, context: grpc.aio.ServicerContext
+                       ) -> pb.RegisterResponse:
+        before = self._members.view().node(request.node_id) if request.node_id else None
+        reg = self._members.register(
+            request.role, request.address, node_id=request.node_id or None,
+            rank_hint=request.rank_hint if request.rank_hint >= 0 else None,
+            last_generation=request.last_generation)
+        log.info("%s %s (%s rank %d at %s); generation %d",
+                 "re-registered" if before else "registered", reg.node_id, request.role, reg.rank,
+                 request.address or "-", reg.generation)
+        self._publish()
+        return pb.RegisterResponse(
+            node_id=reg.node_id, rank=reg.rank, generation=reg.generation, view=view_to_proto(reg.view),
+            heartbeat_interval_ms=round(self._heartbeat_interval_s * 1000),
+            heartbeat_timeout_ms=round(self._members.heartbeat_timeout_s * 1000))
+
+    @_maps_errors
+    async def Heartbeat(self, request: pb.HeartbeatRequest, context: grpc.aio.ServicerContext
+                        ) -> pb.HeartbeatResponse:
+        view = self._members.heartbeat(request.node_id, request.generation, request.clock)
+        return pb.HeartbeatResponse(view=view_to_proto(view))
+
+    @_maps_errors
+    async def Leave(self, request: pb.LeaveRequest, context: grpc.aio.ServicerContext) -> pb.LeaveResponse:
+        before = self._members.generation
+        view = self._members.leave(request.node_id, request.generation)
+        if view.generation != before:
+            log.info("%s left; generation %d", request.node_id, view.generation)
+            self._publish()
+        return pb.LeaveResponse(view=view_to_proto(view))
+
+    async def Watch(self, request: pb.WatchRequest, context: grpc.aio.ServicerContext
+                    ) -> AsyncIterator[pb.ClusterView]:
+        sent = request.after_generation
+        while not self._closed:
+            changed = self._changed  # taken before reading the view, so no change slips between
+            view = self._members.view()
+            if view.generation > sent:
+                yield view_to_proto(view)
+                sent = view.generation
+            await changed.wait()
+
+    # ---- barriers ----
+
+    @_maps_errors
+    async def Barrier(self, request: pb.BarrierRequest, context: grpc.aio.ServicerContext
+                      ) -> pb.BarrierResponse:
+        arrival = self._members.arrive(request.name, request.count, request.node_id)
+        if arrival.released:
+            self._publish()
+        loop = asyncio.get_running_loop()
+        budget = self._wait_budget(request.timeout_ms, context)
+        deadline = loop.time() + budget
+        try:
+            while not self._members.barrier_released(arrival.name, arrival.round):
+                remaining = deadline - loop.time()
+                if remaining <= 0 or self._closed:
+                    raise self._members.barrier_timeout(arrival.name, arrival.round, request.node_id, budget)
+                await self._wait_change(remaining)
+        except asyncio.CancelledError:
+            # The caller went away: it must not be counted in a round it no longer waits for.
+            if not self._members.barrier_released(arrival.name, arrival.round):
+                self._members.barrier_timeout(arrival.name, arrival.round, request.node_id, budget)
+            raise
+        return pb.BarrierResponse(generation=self._members.generation)
+
+    # ---- layout ----
+
+    @_maps_errors
+    async def ProposeLayout(self, request: pb.ProposeLayoutRequest, context: grpc.aio.ServicerContext
+                            ) -> pb.ProposeLayoutResponse:
+        params = [param_spec_from_proto(p) for p in request.params]
+        if not params:
+            raise EmptyRequestError("params: got none, a layout needs at least one parameter")
+        servers = list(request.servers) or [n.address for n in self._members.view().live("ps")]
+        existing = self._members.layout()
+        if not servers and existing is not None:
+            servers = list(existing.servers)  # only compared, never re-planned
+        if not servers:
+            raise EmptyRequestError("servers: got none, and no parameter server is registered and live")
+        layout, created = self._members.propose_layout(
+            plan_layout(params, servers, request.slice_bytes or DEFAULT_SLICE_BYTES))
+        if created:
+            log.info("layout version %d: %d params in %d slices on %d servers; generation %d",
+                     layout.version, len(layout.params), len(layout.slices), len(layout.servers),
+                     self._members.generation)
+            self._publish()
+        return pb.ProposeLayoutResponse(layout=layout_to_proto(layout), created=created)
+
+    @_maps_errors
+    async def GetLayout(self, request: pb.GetLayoutRequest, context: grpc.aio.ServicerContext
+                        ) -> pb.GetLayoutResponse:
+        loop = asyncio.get_running_loop()
+        budget = self._wait_budget(request.timeout_ms, context)
+        deadline = loop.time() + budget
+        while (layout := self._members.layout()) is None:
+            remaining = deadline - loop.time()
+            if remaining <= 0 or self._closed:
+                raise PullTimeoutError(f"layout: none proposed within {budget:.3g} s (layout version 0)")
+            await self._wait_change(remaining)
+        return pb.GetLayoutResponse(layout=layout_to_proto(layout))
