@@ -25,7 +25,13 @@ import numpy as np
 from ps_api.v1 import parameter_server_pb2 as pb
 from ps_api.v1 import parameter_server_pb2_grpc as pb_grpc
 from ps_common import codec
-from ps_common.errors import InvalidArgumentError, PSError, ShapeMismatchError, UnavailableError
+from ps_common.errors import (
+    InvalidArgumentError,
+    PSError,
+    ShapeMismatchError,
+    StaleGenerationError,
+    UnavailableError,
+)
 from ps_common.framing import SliceReader, pack_frames
 from ps_common.job import JobConfig
 from ps_common.layout import DEFAULT_SLICE_BYTES, Layout, LayoutSlice, ParamSpec, plan_layout
@@ -49,14 +55,17 @@ class PushResult:
 
 
 class PSClient:
-    def __init__(self, servers: Sequence[str], worker_id: str, *, generation: int = 0,
+    def __init__(self, servers: Sequence[str], worker_id: str, *, generation: int | Callable[[], int] = 0,
                  layout: Layout | None = None, chunk_bytes: int = CHUNK_BYTES, timeout_s: float = 120.0,
                  retry_budget_s: float = 60.0) -> None:
         if not servers:
             raise InvalidArgumentError("servers: got none, expected at least one parameter server address")
         self.servers = tuple(servers)
         self.worker_id = worker_id
-        self.generation = generation
+        # A callable (e.g. the SchedulerClient's `generation`) is read at every call, so requests
+        # carry the newest incarnation after a re-registration.
+        self._generation_source = generation if callable(generation) else None
+        self._generation = 0 if callable(generation) else generation
         self.layout = layout
         self.job: JobConfig | None = None
         self._chunk = chunk_bytes
@@ -214,6 +223,15 @@ class PSClient:
             raise InvalidArgumentError("no layout yet: call declare() first (or pass the scheduler's layout)")
         return self.layout
 
+    @property
+    def generation(self) -> int:
+        return self._generation_source() if self._generation_source else self._generation
+
+    @generation.setter
+    def generation(self, value: int) -> None:
+        self._generation_source = None
+        self._generation = value
+
     def _stamp(self, clock: int) -> pb.Stamp:
         return codec.stamp_to_proto(Stamp(self.worker_id, self.generation, clock))
 
@@ -277,8 +295,18 @@ class PSClient:
 
     def _exchange_call(self, server: int, header: pb.ExchangeHeader, buffers: Sequence[np.ndarray],
                        pulled: Sequence[LayoutSlice], out: Mapping[str, np.ndarray]) -> pb.ExchangeSummary:
-        return self._retrying(f"server {self.servers[server]}",
-                              lambda t: self._exchange_once(server, header, buffers, pulled, out, t))
+        def call(t: float) -> pb.ExchangeSummary:
+            return self._exchange_once(server, header, buffers, pulled, out, t)
+
+        try:
+            return self._retrying(f"server {self.servers[server]}", call)
+        except StaleGenerationError:
+            # We re-registered (e.g. after a scheduler restart) while this request was on its way:
+            # the server already knows our new generation. Resend once under it; pushes are idempotent.
+            if not header.HasField("stamp") or self.generation <= header.stamp.generation:
+                raise
+            header.stamp.generation = self.generation
+            return self._retrying(f"server {self.servers[server]}", call)
 
     def _exchange_once(self, server: int, header: pb.ExchangeHeader, buffers: Sequence[np.ndarray],
                        pulled: Sequence[LayoutSlice], out: Mapping[str, np.ndarray],

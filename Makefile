@@ -1,0 +1,83 @@
+# One way to run everything. `make test` and `make demo` work on a fresh machine:
+# they create .venv, install what is needed (torch 2.13.0 CPU, grpcio, ...) and
+# generate the gRPC stubs first.
+
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+STAMP := $(VENV)/.pshard-installed
+DATA_DIR ?= /usr/share/datasets/fashion-mnist
+PROTOS := $(wildcard proto/ps_api/v1/*.proto)
+STUBS := ps_api/v1/parameter_server_pb2.py
+COMPOSE_BIN = $(shell $(PY) -c "import importlib.util, pathlib; print(pathlib.Path(importlib.util.find_spec('compose').origin).parent / 'docker-compose')")
+PYTEST_ARGS ?=
+
+.PHONY: install proto data test test-unit test-service test-e2e demo up bench lint clean help
+
+help:
+	@echo "make install   create $(VENV) and install pshard with torch (CPU), grpc and the dev tools"
+	@echo "make proto     generate the gRPC stubs in ps_api/ from proto/"
+	@echo "make test      run the whole test suite (unit, service, e2e)"
+	@echo "make demo      train Fashion-MNIST with a local cluster: scheduler, 2 servers, 2 workers"
+	@echo "make up        docker compose up (needs a Docker engine)"
+	@echo "make bench     run the benchmarks in bench/ and print JSON lines"
+	@echo "make lint      ruff, mypy, compose config and hadolint"
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install --quiet --upgrade pip
+	# torch first and pinned: 2.13.0 is the CPU build; an unpinned torch pulls multi-GB CUDA wheels.
+	$(PIP) install --quiet torch==2.13.0
+	$(PIP) install --quiet "grpcio-tools==1.85.1"
+	$(PY) -m grpc_tools.protoc -I proto --python_out=. --pyi_out=. --grpc_python_out=. $(PROTOS)
+	$(PIP) install --quiet -e ".[worker,dev]"
+	touch $(STAMP)
+
+install: $(STAMP) $(STUBS)
+
+$(STUBS): $(PROTOS) | $(STAMP)
+	$(PY) -m grpc_tools.protoc -I proto --python_out=. --pyi_out=. --grpc_python_out=. $(PROTOS)
+
+proto: $(STAMP)
+	$(PY) -m grpc_tools.protoc -I proto --python_out=. --pyi_out=. --grpc_python_out=. $(PROTOS)
+
+# Fashion-MNIST from Debian's dataset-fashion-mnist package; without it (not root, no apt)
+# the workers fall back to scikit-learn's bundled digits and say so.
+data:
+	@if [ -d "$(DATA_DIR)" ]; then echo "dataset: $(DATA_DIR)"; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq dataset-fashion-mnist; \
+	else echo "dataset: $(DATA_DIR) missing and cannot apt-get install dataset-fashion-mnist; the demo will use scikit-learn digits"; fi
+
+test: install data
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+test-unit: install
+	$(PY) -m pytest -q tests/unit $(PYTEST_ARGS)
+
+test-service: install
+	$(PY) -m pytest -q tests/service $(PYTEST_ARGS)
+
+test-e2e: install data
+	$(PY) -m pytest -q tests/e2e $(PYTEST_ARGS)
+
+demo: install data
+	$(PY) -m launcher --ps 2 --workers 2 -- --mode sync --epochs 2 --model cnn \
+		--optimizer sgd --lr 0.05 --momentum 0.9 \
+		--output runs/demo/model.pt --metrics runs/demo/metrics.jsonl
+
+up:
+	docker compose up --build
+
+bench: install
+	$(PY) -m bench.run_all
+
+lint: install
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/mypy ps_common ps_server scheduler worker launcher
+	$(COMPOSE_BIN) -f docker-compose.yml config -q
+	$(VENV)/bin/hadolint docker/Dockerfile.server docker/Dockerfile.worker
+
+clean:
+	rm -rf ps_api runs .pytest_cache .ruff_cache .mypy_cache .hypothesis
