@@ -123,7 +123,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if cluster_config_given(args, os.environ):
         spec = cluster_spec_from_args(args, os.environ, default_task_type="ps")
         if spec.task_type != "ps":
-            raise ClusterConfigError(f"task.type: got {spec.task_type!r}, python -m ps_server runs 'ps' tasks")
+            raise ClusterConfigError(
+                f"task.type: got {spec.task_type!r}, python -m ps_server runs 'ps' tasks")
     try:
         return asyncio.run(_run(args, spec))
     except PSError as err:

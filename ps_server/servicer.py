@@ -159,7 +159,8 @@ class ParameterServerServicer:
             return self._store  # type: ignore[return-value]
 
     async def _declare(self, job: JobConfig | None,
-                       items: Sequence[tuple[SliceKey, codec.WireArray]]) -> tuple[list[bool], list[np.ndarray]]:
+                       items: Sequence[tuple[SliceKey, codec.WireArray]]
+                       ) -> tuple[list[bool], list[np.ndarray]]:
         if not items:
             raise EmptyRequestError("Declare: no slices given")
         for key, wire in items:
@@ -265,7 +266,8 @@ class ParameterServerServicer:
             raise EmptyRequestError("Exchange: the stream ended before its header frame")
         message = codec.decode_frame(first)
         if message.WhichOneof("body") != "header":
-            raise InvalidArgumentError(f"Exchange: first frame must be a header, got {message.WhichOneof('body')}")
+            kind = message.WhichOneof("body")
+            raise InvalidArgumentError(f"Exchange: first frame must be a header, got {kind}")
         header = message.header
         metas = [(codec.slice_id_from_proto(m.id), codec.dtype_from_proto(m.dtype, "push dtype"),
                   tuple(m.shape)) for m in header.push]
@@ -293,8 +295,8 @@ class ParameterServerServicer:
                 raise InvalidArgumentError("Exchange: expected only data frames after the header")
             for index, buf in reader.feed(payload):
                 key, dtype, shape = metas[index]
-                yield index, codec.WireArray(codec.array_from_buffer(buf, dtype, shape, f"slice {str(key)!r}"),
-                                             dtype)
+                array = codec.array_from_buffer(buf, dtype, shape, f"slice {str(key)!r}")
+                yield index, codec.WireArray(array, dtype)
         reader.finish()
 
     async def _exchange_declare(self, header: pb.ExchangeHeader, metas: list, frames: AsyncIterator[bytes]

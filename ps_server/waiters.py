@@ -9,6 +9,7 @@ that will release them (DESIGN §5: no thread-starvation deadlock).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import Callable
 from typing import TypeVar
@@ -50,9 +51,7 @@ class ChangeSignal:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     return None
-                try:
+                with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(event.wait(), remaining)
-                except TimeoutError:
-                    pass
         finally:
             self.waiting -= 1

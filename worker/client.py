@@ -337,7 +337,8 @@ class PSClient:
             if payload is None:
                 message = codec.decode_frame(frame)
                 if message.WhichOneof("body") != "summary":
-                    raise PSError(f"server {self.servers[server]}: unexpected {message.WhichOneof('body')} frame")
+                    kind = message.WhichOneof("body")
+                    raise PSError(f"server {self.servers[server]}: unexpected {kind} frame")
                 summary = message.summary
                 continue
             for index, buf in reader.feed(payload):
