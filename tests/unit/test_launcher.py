@@ -1,0 +1,199 @@
+"""The launcher's pure parts: ports, the cluster plan and its TF_CONFIGs, child commands, output."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import sys
+
+import pytest
+
+from launcher.launch import (
+    ROOT,
+    ClusterPlan,
+    LinePrefixer,
+    Options,
+    child_environment,
+    child_specs,
+    describe_exit,
+    free_ports,
+    join_address,
+    parse_options,
+    status_of,
+    summary_line,
+)
+from ps_common.cluster import ClusterSpec
+
+
+def fake_ports(count: int, host: str) -> list[int]:
+    return list(range(7000, 7000 + count))
+
+
+# ---- ports ----
+
+
+def test_free_ports_are_distinct_and_bindable() -> None:
+    ports = free_ports(5)
+    assert len(set(ports)) == 5
+    for port in ports:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", port))
+
+
+def test_ipv6_addresses_get_brackets() -> None:
+    assert join_address("::1", 7000) == "[::1]:7000"
+    assert join_address("127.0.0.1", 7000) == "127.0.0.1:7000"
+
+
+# ---- cluster plan ----
+
+
+def test_plan_gives_every_task_its_own_port_in_role_order() -> None:
+    plan = ClusterPlan.allocate(2, 2, ports=fake_ports)
+    assert plan.cluster() == {
+        "scheduler": ["127.0.0.1:7000"],
+        "ps": ["127.0.0.1:7001", "127.0.0.1:7002"],
+        "worker": ["127.0.0.1:7003", "127.0.0.1:7004"],
+    }
+    assert [t.name for t in plan.servers] == ["scheduler", "ps-0", "ps-1"]
+    assert [t.name for t in plan.trainers] == ["worker-0", "worker-1"]
+
+
+def test_chief_is_an_extra_task_listed_before_the_workers() -> None:
+    plan = ClusterPlan.allocate(1, 2, chief=True, ports=fake_ports)
+    assert plan.cluster()["chief"] == ["127.0.0.1:7002"]
+    assert plan.worker == ("127.0.0.1:7003", "127.0.0.1:7004")
+    assert [t.name for t in plan.trainers] == ["chief-0", "worker-0", "worker-1"]
+
+
+@pytest.mark.parametrize("chief", [False, True])
+def test_each_tf_config_parses_to_its_own_task(chief: bool) -> None:
+    plan = ClusterPlan.allocate(2, 2, chief=chief, ports=fake_ports)
+    for task in [*plan.servers, *plan.trainers]:
+        spec = ClusterSpec.from_tf_config(plan.tf_config(task))
+        assert (spec.task_type, spec.task_index) == (task.task_type, task.index)
+        assert spec.own_address == task.address
+        assert spec.scheduler_address == plan.scheduler
+        assert spec.ps == plan.ps
+        assert spec.world_size == 2 + chief
+
+
+@pytest.mark.parametrize(("num_ps", "num_workers", "chief"), [(0, 2, False), (1, 0, False), (1, -1, True)])
+def test_plan_needs_a_server_and_a_trainer(num_ps: int, num_workers: int, chief: bool) -> None:
+    with pytest.raises(ValueError, match="num_"):
+        ClusterPlan.allocate(num_ps, num_workers, chief=chief, ports=fake_ports)
+
+
+# ---- child commands ----
+
+
+def test_servers_bind_their_planned_address_and_get_the_scheduler_timings() -> None:
+    plan = ClusterPlan.allocate(2, 1, ports=fake_ports)
+    options = Options(heartbeat_interval_ms=200, heartbeat_timeout_ms=1500, checkpoint_dir="/ck")
+    specs = {s.name: s for s in child_specs(plan, options, python="py")}
+    assert specs["scheduler"].argv == ("py", "-m", "scheduler", "--bind", "127.0.0.1:7000",
+                                       "--heartbeat-interval-ms", "200", "--heartbeat-timeout-ms", "1500")
+    assert specs["ps-1"].argv == ("py", "-m", "ps_server", "--bind", "127.0.0.1:7002",
+                                  "--checkpoint-dir", os.path.join("/ck", "ps-1"))
+    assert specs["ps-1"].health_address == "127.0.0.1:7002"
+    assert json.loads(specs["ps-1"].env["TF_CONFIG"])["task"] == {"type": "ps", "index": 1}
+
+
+def test_servers_start_before_workers_and_workers_have_no_health_check() -> None:
+    specs = child_specs(ClusterPlan.allocate(1, 2, ports=fake_ports), Options())
+    assert [s.name for s in specs] == ["scheduler", "ps-0", "worker-0", "worker-1"]
+    assert [s.health_address is None for s in specs] == [False, False, True, True]
+
+
+def test_worker_args_go_to_every_worker_with_its_name_filled_in() -> None:
+    plan = ClusterPlan.allocate(1, 2, ports=fake_ports)
+    options = Options(worker_cmd=("w",), worker_args=("--mode", "sync", "--metrics", "m-{task}.jsonl"))
+    workers = [s for s in child_specs(plan, options) if s.name.startswith("worker")]
+    assert [s.argv for s in workers] == [("w", "--mode", "sync", "--metrics", "m-worker-0.jsonl"),
+                                         ("w", "--mode", "sync", "--metrics", "m-worker-1.jsonl")]
+
+
+def test_child_environment_puts_the_repository_first_on_the_path() -> None:
+    env = child_environment({"TF_CONFIG": "{}"}, {"PATH": "/bin", "PYTHONPATH": f"/x{os.pathsep}{ROOT}"})
+    assert env["PYTHONPATH"].split(os.pathsep) == [str(ROOT), "/x"]
+    assert env["PATH"] == "/bin" and env["TF_CONFIG"] == "{}"
+
+
+# ---- output ----
+
+
+def test_prefixer_emits_only_complete_lines() -> None:
+    p = LinePrefixer("ps-0")
+    assert p.feed(b"hello\nwor") == ["[ps-0] hello"]
+    assert p.feed(b"ld\n") == ["[ps-0] world"]
+    assert p.close() == []
+
+
+def test_prefixer_cuts_progress_bar_redraws_and_drops_blank_lines() -> None:
+    p = LinePrefixer("w")
+    assert p.feed(b"\r 10%|#\r 20%|##\r\n\nstep 3\r\n") == ["[w]  10%|#", "[w]  20%|##", "[w] step 3"]
+
+
+def test_prefixer_decodes_a_character_split_between_reads() -> None:
+    p = LinePrefixer("w")
+    encoded = "loss ≈ 0.1\n".encode()
+    cut = encoded.index("≈".encode()) + 1
+    assert p.feed(encoded[:cut]) == []
+    assert p.feed(encoded[cut:]) == ["[w] loss ≈ 0.1"]
+
+
+def test_prefixer_flushes_an_unterminated_last_line_and_replaces_bad_bytes() -> None:
+    p = LinePrefixer("w")
+    assert p.feed(b"bye \xff") == []
+    assert p.close() == ["[w] bye \ufffd"]
+
+
+# ---- exit status and summary ----
+
+
+def test_summary_names_each_workers_exit() -> None:
+    line = summary_line({"worker-0": 0, "worker-1": -9, "worker-2": None}, 1)
+    assert line == "launcher: exit 1: worker-0=0 worker-1=SIGKILL worker-2=not-started"
+
+
+@pytest.mark.parametrize(("code", "status"), [(2, 2), (-15, 143), (-9, 137), (300, 1)])
+def test_status_of_a_failing_child(code: int, status: int) -> None:
+    assert status_of(code) == status
+
+
+def test_describe_exit_of_an_unknown_signal() -> None:
+    assert describe_exit(-200) == "signal-200"
+
+
+# ---- command line ----
+
+
+def test_arguments_after_double_dash_and_unknown_flags_go_to_workers() -> None:
+    options = parse_options(["--ps", "1", "--mode", "sync", "--lr", "-0.5", "--workers", "3",
+                             "--", "--epochs", "2", "--ps", "x"])
+    assert (options.ps, options.workers) == (1, 3)
+    assert options.worker_args == ("--mode", "sync", "--lr", "-0.5", "--epochs", "2", "--ps", "x")
+    assert options.worker_cmd == (sys.executable, "-m", "worker")
+
+
+def test_worker_cmd_is_split_like_a_shell_does() -> None:
+    assert parse_options(["--worker-cmd", "python -c 'print(1)'"]).worker_cmd == ("python", "-c", "print(1)")
+
+
+@pytest.mark.parametrize("argv", [
+    ["--ps", "0"],
+    ["--workers", "0"],
+    ["--scheduler-interval-ms", "500", "--scheduler-timeout-ms", "500"],
+    ["--grace-s", "0"],
+    ["--worker-cmd", ""],
+])
+def test_bad_launcher_flags_are_usage_errors(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        parse_options(argv)
+    assert exit_info.value.code == 2
+    assert "error:" in capsys.readouterr().err
+
+
+def test_workers_zero_is_fine_with_a_chief() -> None:
+    assert parse_options(["--workers", "0", "--chief"]).chief
