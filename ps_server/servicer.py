@@ -331,24 +331,31 @@ class ParameterServerServicer:
         # The worker pushed step `clock`; what it pulls back is for its next step.
         pull_stamp = stamp._replace(clock=stamp.clock + 1) if metas else stamp
         counts = [0, 0]
+        # Set once this request's own gradient for the slice has been handed to the store: the pull
+        # must not be checked (or read) before it, or an async pull at clock + 1 looks like a read from
+        # the future, a bad push's error loses to a pull error, and the read misses the worker's own update.
+        pushed = {key: asyncio.Event() for key, _, _ in metas}
 
         async def consume() -> None:
             async for index, wire in self._read_slices(metas, frames):
                 applied, dropped = self._push(stamp, [(metas[index][0], wire)])
                 counts[0] += applied
                 counts[1] += dropped
+                pushed[metas[index][0]].set()
 
         reader = asyncio.ensure_future(consume())
         try:
             packer = FramePacker(self._settings.chunk_bytes)
             versions: list[int] = []
             for key in pull_keys:
-                if self.store.pull_status(pull_stamp, [key]) is not None:
+                own = pushed.get(key)
+                if ((own is not None and not own.is_set())
+                        or self.store.pull_status(pull_stamp, [key]) is not None):
                     # Not ready: send what is packed so the client can use it while we wait.
                     pending = packer.flush()
                     if pending is not None:
                         yield pending
-                    await self._wait_ready_or_failed(pull_stamp, key, deadline, reader)
+                    await self._wait_ready_or_failed(pull_stamp, key, deadline, reader, own)
                 [(value, version)] = self.store.read([key])
                 versions.append(version)
                 for out in packer.add(self._to_wire(key, value).array):
@@ -365,9 +372,20 @@ class ParameterServerServicer:
                 reader.cancel()
 
     async def _wait_ready_or_failed(self, stamp: Stamp, key: SliceKey, deadline: float,
-                                    reader: asyncio.Future) -> None:
-        """Wait for `key` to be readable; a failed push side ends the wait with its error at once."""
-        waiter = asyncio.ensure_future(self._wait_readable(stamp, [key], deadline))
+                                    reader: asyncio.Future, own: asyncio.Event | None) -> None:
+        """Wait for the request's own push of `key` (if any), then for `key` to be readable;
+        a failed push side ends the wait with its error at once."""
+        async def ready() -> None:
+            if own is not None:
+                try:
+                    await asyncio.wait_for(own.wait(), max(0.0, deadline - time.monotonic()))
+                except TimeoutError:
+                    raise PullTimeoutError(f"Exchange from {stamp.worker_id!r}: the gradient of slice "
+                                           f"{str(key)!r} did not arrive within {self._timeout_s(0):.1f}s"
+                                           ) from None
+            await self._wait_readable(stamp, [key], deadline)
+
+        waiter = asyncio.ensure_future(ready())
         try:
             await asyncio.wait({waiter, reader}, return_when=asyncio.FIRST_COMPLETED)
             if reader.done() and reader.exception() is not None:

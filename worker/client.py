@@ -43,6 +43,10 @@ log = logging.getLogger("pshard.client")
 
 T = TypeVar("T")
 _FLOATS = ("float16", "float32", "float64")
+# The RPC deadline outlives the wait the server is granted (header.timeout_ms) by this much, so a
+# pull that cannot be satisfied ends with the server's error naming whom it waited for, instead
+# of a bare client-side DEADLINE_EXCEEDED racing it, and the server has time to send the slices.
+DEADLINE_SLACK_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -331,7 +335,7 @@ class PSClient:
 
         for index, buf in reader.initial():
             place(index, buf)
-        call = self._exchange[server](frames(), timeout=timeout_s, wait_for_ready=True)
+        call = self._exchange[server](frames(), timeout=timeout_s + DEADLINE_SLACK_S, wait_for_ready=True)
         for frame in call:
             payload = codec.decode_data_frame(frame)
             if payload is None:
