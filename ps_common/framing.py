@@ -2,8 +2,9 @@
 
 Frames are packed independently of slice boundaries: many small slices share a
 frame (fewer messages), a slice bigger than a chunk spans several. The layout's
-default slice bound equals the chunk size, so in practice every slice lies inside
-one frame and the receiver reads it with no copy at all.
+default slice bound equals the chunk size, so with `whole_slices` (what the client
+and server use) every such slice lies inside one frame and the receiver reads it with
+no copy at all.
 """
 
 from __future__ import annotations
@@ -19,12 +20,19 @@ Buffer = bytes | memoryview | np.ndarray
 
 
 class FramePacker:
-    """Accumulates slice buffers into data frames of at most `chunk_bytes` payload."""
+    """Accumulates slice buffers into data frames of at most `chunk_bytes` payload.
 
-    def __init__(self, chunk_bytes: int) -> None:
+    With `whole_slices`, a slice that fits in one frame never spans two: when it does
+    not fit in the room left, the partly filled frame is sent first. The receiver then
+    reads every such slice as a zero-copy view instead of assembling it from two frames
+    (a copy, and the memory it lands in). The price is a few frames that are not full.
+    """
+
+    def __init__(self, chunk_bytes: int, *, whole_slices: bool = False) -> None:
         if chunk_bytes <= 0:
             raise ValueError(f"chunk_bytes: got {chunk_bytes}, expected > 0")
         self._chunk = chunk_bytes
+        self._whole = whole_slices
         self._parts: list[memoryview] = []
         self._size = 0
 
@@ -32,6 +40,8 @@ class FramePacker:
         """Queue one slice; returns the frames that became full."""
         view = byte_view(buf)
         frames: list[bytes] = []
+        if self._whole and self._size and self._size + len(view) > self._chunk >= len(view):
+            frames.append(self._emit())
         while len(view):
             room = self._chunk - self._size
             take = view[:room]
@@ -52,8 +62,9 @@ class FramePacker:
         return frame
 
 
-def pack_frames(buffers: Iterable[Buffer], chunk_bytes: int) -> Iterator[bytes]:
-    packer = FramePacker(chunk_bytes)
+def pack_frames(buffers: Iterable[Buffer], chunk_bytes: int, *,
+                whole_slices: bool = False) -> Iterator[bytes]:
+    packer = FramePacker(chunk_bytes, whole_slices=whole_slices)
     for buf in buffers:
         yield from packer.add(buf)
     last = packer.flush()

@@ -345,7 +345,7 @@ class ParameterServerServicer:
 
         reader = asyncio.ensure_future(consume())
         try:
-            packer = FramePacker(self._settings.chunk_bytes)
+            packer = FramePacker(self._settings.chunk_bytes, whole_slices=True)
             versions: list[int] = []
             for key in pull_keys:
                 own = pushed.get(key)

@@ -317,7 +317,7 @@ class PSClient:
                        timeout_s: float) -> pb.ExchangeSummary:
         def frames() -> Iterator[bytes]:
             yield codec.encode_frame(pb.Frame(header=header))
-            yield from pack_frames(buffers, self._chunk)
+            yield from pack_frames(buffers, self._chunk, whole_slices=True)
 
         wire = (self.job.wire_dtype if self.job else "") or ""
         dtypes = [self._dtypes.get(s.key, self.layout.param(s.key).dtype) for s in pulled]  # type: ignore[union-attr]

@@ -1,0 +1,267 @@
+"""What every benchmark shares: the machine description, JSON lines, server processes, timing.
+
+Every process is started with spawn or subprocess, never a bare fork: grpc's
+threads do not survive fork(). Times are time.monotonic(), which on Linux is one
+clock for every process, so spans can be taken across workers.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+MB = 10**6  # figures are in decimal megabytes
+
+
+def machine() -> dict[str, object]:
+    """The description every figure carries, with the load at the time it was taken."""
+    import grpc
+    import numpy
+
+    model = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {"cpu": model, "cores": os.cpu_count(), "python": platform.python_version(),
+            "grpcio": grpc.__version__, "numpy": numpy.__version__, "platform": platform.platform()}
+
+
+def load_average() -> float:
+    try:
+        return round(os.getloadavg()[0], 2)
+    except OSError:
+        return -1.0
+
+
+def emit(figure: str, **values: object) -> dict[str, object]:
+    """Print one figure as a JSON line (flushed, so a pipe sees it at once) and return it."""
+    record: dict[str, object] = {"figure": figure, **values, "load1": load_average(), "machine": machine()}
+    print(json.dumps(record), flush=True)
+    return record
+
+
+def percentile(samples: Sequence[float], q: float) -> float:
+    """Nearest-rank percentile, q in [0, 100]."""
+    ordered = sorted(samples)
+    rank = max(0, min(len(ordered) - 1, round(q / 100 * len(ordered) + 0.5) - 1))
+    return ordered[rank]
+
+
+def summarize_latencies(samples_s: Sequence[float]) -> dict[str, float]:
+    """p50/p99/mean in microseconds."""
+    return {"p50_us": round(percentile(samples_s, 50) * 1e6, 1),
+            "p99_us": round(percentile(samples_s, 99) * 1e6, 1),
+            "mean_us": round(statistics.fmean(samples_s) * 1e6, 1)}
+
+
+def ensure_repo_on_path() -> None:
+    """`python bench/x.py` puts bench/ first on sys.path; the packages live one level up."""
+    if str(REPO) not in sys.path:
+        sys.path.insert(0, str(REPO))
+
+
+@dataclass
+class ServerProcess:
+    proc: subprocess.Popen[str]
+    port: int
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+
+def start_ps_servers(count: int, workers: Sequence[str], extra: Sequence[str] = (),
+                     timeout_s: float = 60.0, profile_dir: str | None = None) -> list[ServerProcess]:
+    """`count` parameter servers (python -m ps_server) on 127.0.0.1, quorum `workers`.
+
+    They are started together (Python start-up is most of their start-up time) and
+    each is ready once it prints its port. With `profile_dir` each runs under cProfile
+    (its event loop, hence every handler, is on the main thread) and writes serverN.prof
+    when stopped.
+    """
+    args = ["--bind", "127.0.0.1:0", "--no-scheduler", "--workers", ",".join(workers),
+            "--log-level", "WARNING", *extra]
+
+    def command(i: int) -> list[str]:
+        if profile_dir:
+            return [sys.executable, "-m", "cProfile", "-o", str(Path(profile_dir) / f"server{i}.prof"),
+                    "-m", "ps_server", *args]
+        return [sys.executable, "-m", "ps_server", *args]
+
+    cmd = command(0)
+    path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
+    env = {**os.environ, "PYTHONPATH": path}
+    env.pop("TF_CONFIG", None)
+    procs = [subprocess.Popen(command(i), cwd=REPO, env=env, stdout=subprocess.PIPE, text=True)
+             for i in range(count)]
+    servers = []
+    try:
+        deadline = time.monotonic() + timeout_s
+        for proc in procs:
+            line = ""
+            while "listening on port" not in line:
+                if time.monotonic() > deadline or proc.poll() is not None:
+                    raise RuntimeError(f"parameter server did not start (exit code {proc.poll()}); "
+                                       f"command: {' '.join(cmd)}")
+                line = proc.stdout.readline()  # type: ignore[union-attr]
+            servers.append(ServerProcess(proc, int(line.rsplit(" ", 1)[1])))
+    except BaseException:
+        stop_processes(procs)
+        raise
+    return servers
+
+
+def stop_processes(procs: Sequence[subprocess.Popen[str]], grace_s: float = 10.0) -> None:
+    for proc in procs:
+        if proc.poll() is None:
+            proc.terminate()
+    for proc in procs:
+        try:
+            proc.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+# ---- the dense model ----
+
+# 25M float32 parameters in 16 tensors: one of 8M, eight of 2M, seven small ones (1M together).
+DEFAULT_SIZES = "8000000,2000000*8,400000,300000,200000,50000,30000,15000,5000"
+
+
+def parse_sizes(text: str) -> list[int]:
+    """"8000000,2000000*8,5000" -> [8000000, 2000000, ... (8 times), 5000]."""
+    sizes: list[int] = []
+    for item in text.split(","):
+        count = 1
+        if "*" in item:
+            item, times = item.split("*", 1)
+            count = int(times)
+        sizes.extend([int(item)] * count)
+    if not sizes or any(n <= 0 for n in sizes):
+        raise ValueError(f"sizes: got {text!r}, expected positive element counts like 8000000,2000000*8")
+    return sizes
+
+
+# ---- worker processes ----
+
+@dataclass(frozen=True)
+class WorkerRun:
+    """What a benchmark's worker function gets: its index and the shared start barrier."""
+
+    index: int
+    barrier: object  # multiprocessing Barrier: wait() before warm-up and before the timed steps
+
+    def sync(self) -> None:
+        self.barrier.wait(timeout=300)  # type: ignore[attr-defined]
+
+
+def _worker_entry(target: object, run: WorkerRun, args: tuple, results: object) -> None:
+    import traceback
+
+    try:
+        out = target(run, *args)  # type: ignore[operator]
+        results.put((run.index, out, None))  # type: ignore[attr-defined]
+    except BaseException:
+        results.put((run.index, None, traceback.format_exc()))  # type: ignore[attr-defined]
+        run.barrier.abort()  # type: ignore[attr-defined]
+
+
+def run_workers(target: object, count: int, args: tuple, timeout_s: float = 600.0) -> list[dict]:
+    """Run target(WorkerRun, *args) in `count` spawned processes; their returned dicts, by index.
+
+    A worker's dict must hold `start` and `end` (time.monotonic() around its timed steps).
+    """
+    import multiprocessing as mp
+    import queue
+
+    ctx = mp.get_context("spawn")
+    barrier = ctx.Barrier(count)
+    results = ctx.Queue()
+    procs = [ctx.Process(target=_worker_entry, args=(target, WorkerRun(i, barrier), args, results),
+                         daemon=True) for i in range(count)]
+    for p in procs:
+        p.start()
+    out: dict[int, dict] = {}
+    errors: list[str] = []
+    try:
+        deadline = time.monotonic() + timeout_s
+        while len(out) + len(errors) < count:
+            try:
+                index, value, error = results.get(timeout=max(0.1, deadline - time.monotonic()))
+            except queue.Empty:
+                raise TimeoutError(f"workers did not finish within {timeout_s:.0f}s") from None
+            if error:
+                errors.append(f"worker {index}:\n{error}")
+            else:
+                out[index] = value
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.terminate()
+                p.join()
+    if errors:
+        raise RuntimeError("\n".join(errors))
+    return [out[i] for i in range(count)]
+
+
+def span_s(results: Sequence[dict]) -> float:
+    """Wall time of the timed steps of all workers together."""
+    return max(r["end"] for r in results) - min(r["start"] for r in results)
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process (all its threads) so far, from /proc; 0.0 elsewhere."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+class CpuMeter:
+    """CPU seconds used by some server processes and by this process between start() and stop()."""
+
+    def __init__(self, server_pids: Sequence[int]) -> None:
+        self._pids = list(server_pids)
+        self._servers = 0.0
+        self._own = 0.0
+
+    def start(self) -> None:
+        self._servers = -sum(cpu_seconds(p) for p in self._pids)
+        self._own = -time.process_time()
+
+    def stop(self) -> None:
+        self._servers += sum(cpu_seconds(p) for p in self._pids)
+        self._own += time.process_time()
+
+    def result(self) -> dict[str, float]:
+        return {"server_cpu_s": self._servers, "own_cpu_s": self._own}
+
+
+def cpu_figures(results: Sequence[dict], steps: int, elapsed_s: float) -> dict[str, object]:
+    """CPU seconds per step of the servers and the workers, and how busy that kept the machine.
+
+    Every worker measured the servers over its own window; the windows are nearly the same,
+    so their mean is used.
+    """
+    servers = statistics.fmean(r["server_cpu_s"] for r in results)
+    workers = sum(r["own_cpu_s"] for r in results)
+    cores = os.cpu_count() or 1
+    return {"server_cpu_s_per_step": round(servers / steps, 4),
+            "worker_cpu_s_per_step": round(workers / steps, 4),
+            "cpu_busy_fraction": round((servers + workers) / (elapsed_s * cores), 3)}

@@ -1,0 +1,122 @@
+"""Dense bandwidth: fused push_pull of a whole model, 2 parameter servers x 2 workers.
+
+Parameter servers are `python -m ps_server` processes, workers spawned processes with
+a PSClient each, all on 127.0.0.1, sync mode, server-side SGD. Every step each worker
+pushes every gradient and gets every updated weight back in one push_pull. MB/s
+counts the bytes pushed plus the bytes pulled by all workers (decimal MB).
+
+    python -m bench.dense [--sizes 8000000,2000000*8,...] [--steps 8] [--profile DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+if __package__ in (None, ""):
+    sys.path.insert(0, __import__("os").path.dirname(__import__("os").path.dirname(__file__)))
+
+from bench.common import (
+    DEFAULT_SIZES,
+    MB,
+    CpuMeter,
+    WorkerRun,
+    cpu_figures,
+    emit,
+    parse_sizes,
+    run_workers,
+    span_s,
+    start_ps_servers,
+    stop_processes,
+)
+
+
+def _dense_worker(run: WorkerRun, addresses: list[str], sizes: list[int], lr: float, warmup: int,
+                  steps: int, profile_dir: str | None, server_pids: list[int]) -> dict[str, float]:
+    import numpy as np
+
+    from ps_common.job import JobConfig, OptimizerConfig
+    from worker.client import PSClient
+
+    rng = np.random.default_rng(run.index)
+    params = {f"t{i:02d}": rng.standard_normal(n, dtype=np.float32) for i, n in enumerate(sizes)}
+    grads = {k: rng.standard_normal(v.size, dtype=np.float32) for k, v in params.items()}
+    job = JobConfig(mode="sync", optimizer=OptimizerConfig(name="sgd", lr=lr))
+    with PSClient(addresses, f"w{run.index}") as client:
+        weights = client.declare(params, job)
+        first = weights["t00"][:4].copy()
+        run.sync()
+        clock = 0
+        for _ in range(warmup):
+            client.push_pull(grads, clock, out=weights)
+            clock += 1
+        run.sync()
+        profiler = None
+        if profile_dir:
+            import cProfile
+
+            profiler = cProfile.Profile()
+            profiler.enable()
+        meter = CpuMeter(server_pids)
+        meter.start()
+        start = time.monotonic()
+        for _ in range(steps):
+            client.push_pull(grads, clock, out=weights)
+            clock += 1
+        end = time.monotonic()
+        meter.stop()
+        if profiler is not None and profile_dir:
+            profiler.disable()
+            profiler.dump_stats(str(Path(profile_dir) / f"worker{run.index}.prof"))
+    # Sanity: every step moved the weights (sum of both workers' gradients, times lr).
+    if np.array_equal(first, weights["t00"][:4]) or not np.isfinite(weights["t00"]).all():
+        raise RuntimeError("dense: the weights did not change as SGD should have changed them")
+    return {"start": start, "end": end, **meter.result()}
+
+
+def dense(sizes: list[int], servers: int = 2, workers: int = 2, warmup: int = 2, steps: int = 8,
+          lr: float = 1e-4, profile_dir: str | None = None) -> dict[str, object]:
+    names = [f"w{i}" for i in range(workers)]
+    extra: list[str] = []
+    if profile_dir:
+        Path(profile_dir).mkdir(parents=True, exist_ok=True)
+    procs = start_ps_servers(servers, names, extra, profile_dir=profile_dir)
+    try:
+        results = run_workers(_dense_worker, workers, ([p.address for p in procs], sizes, lr, warmup, steps,
+                                                        profile_dir, [p.proc.pid for p in procs]))
+    finally:
+        stop_processes([p.proc for p in procs])
+    elapsed = span_s(results)
+    model_bytes = 4 * sum(sizes)
+    moved = 2 * model_bytes * workers * steps  # every worker pushes and pulls the whole model
+    return {"mb_per_s": round(moved / MB / elapsed, 1), "steps_per_s": round(steps / elapsed, 3),
+            "bytes_per_step": moved // steps, "params": sum(sizes), "tensors": len(sizes),
+            "servers": servers, "workers": workers, "steps": steps, **cpu_figures(results, steps, elapsed)}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m bench.dense", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    p.add_argument("--sizes", default=DEFAULT_SIZES,
+                   help=f"float32 tensor sizes, N*K = K tensors of N (default {DEFAULT_SIZES}: 25M in 16)")
+    p.add_argument("--servers", type=int, default=2, help="parameter server processes (default 2)")
+    p.add_argument("--workers", type=int, default=2, help="worker processes (default 2)")
+    p.add_argument("--warmup", type=int, default=2, help="untimed steps first (default 2)")
+    p.add_argument("--steps", type=int, default=8, help="timed steps (default 8)")
+    p.add_argument("--lr", type=float, default=1e-4, help="server SGD learning rate (default 1e-4)")
+    p.add_argument("--profile", metavar="DIR",
+                   help="write cProfile stats of the workers' timed steps and of the servers to DIR")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    emit("dense_push_pull", **dense(parse_sizes(args.sizes), args.servers, args.workers, args.warmup,
+                                    args.steps, args.lr, args.profile))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

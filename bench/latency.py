@@ -1,0 +1,74 @@
+"""Latency of a small fused push+pull: one tensor, one worker, one parameter server process.
+
+The worker is this process; the server is `python -m ps_server` in sync mode with
+this worker as its whole quorum, so every push_pull is applied and answered at once.
+
+    python -m bench.latency [--numel 1000] [--iterations 2000] [--warmup 200]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+if __package__ in (None, ""):
+    sys.path.insert(0, __import__("os").path.dirname(__import__("os").path.dirname(__file__)))
+
+from bench.common import CpuMeter, emit, start_ps_servers, stop_processes, summarize_latencies
+
+
+def latency(numel: int = 1000, iterations: int = 2000, warmup: int = 200) -> dict[str, object]:
+    import numpy as np
+
+    from ps_common.job import JobConfig, OptimizerConfig
+    from worker.client import PSClient
+
+    [server] = start_ps_servers(1, ["w0"])
+    try:
+        with PSClient([server.address], "w0") as client:
+            params = {"w": np.zeros(numel, np.float32)}
+            weights = client.declare(params, JobConfig(mode="sync", optimizer=OptimizerConfig("sgd", lr=0.1)))
+            grads = {"w": np.ones(numel, np.float32)}
+            samples = []
+            meter = CpuMeter([server.proc.pid])
+            for clock in range(warmup + iterations):
+                if clock == warmup:
+                    meter.start()
+                t0 = time.perf_counter()
+                client.push_pull(grads, clock, out=weights)
+                if clock >= warmup:
+                    samples.append(time.perf_counter() - t0)
+            meter.stop()
+            expected = -0.1 * (warmup + iterations)
+            if not np.allclose(weights["w"], expected, rtol=1e-3):
+                raise RuntimeError(f"latency: weights are {weights['w'][:3]}, SGD should give {expected}")
+    finally:
+        stop_processes([server.proc])
+    return {**summarize_latencies(samples), **cpu_per_call(meter, iterations), "numel": numel,
+            "payload_bytes": 4 * numel, "iterations": iterations}
+
+
+def cpu_per_call(meter: CpuMeter, calls: int) -> dict[str, float]:
+    cpu = meter.result()
+    return {"server_cpu_us_per_call": round(cpu["server_cpu_s"] / calls * 1e6, 1),
+            "client_cpu_us_per_call": round(cpu["own_cpu_s"] / calls * 1e6, 1)}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m bench.latency", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    p.add_argument("--numel", type=int, default=1000, help="float32 elements of the tensor (default 1000)")
+    p.add_argument("--iterations", type=int, default=2000, help="timed push_pulls (default 2000)")
+    p.add_argument("--warmup", type=int, default=200, help="untimed push_pulls first (default 200)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    emit("latency_small_push_pull", **latency(args.numel, args.iterations, args.warmup))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
