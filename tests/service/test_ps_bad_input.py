@@ -303,52 +303,55 @@ def test_malformed_exchange_is_refused_naming_the_values_and_leaves_the_store_un
 
 # ---- PSClient: the server's error class, re-raised ----
 
-def _client_bad_calls(new_client, server) -> dict[str, tuple[Callable[[], object], type[PSError], tuple]]:
-    def declared(worker: str, generation: int = GENERATION):
-        client = new_client([server], worker, generation=generation)
-        client.declare(PARAMS, JOB)
-        return client
-
-    grads = {k: np.ones_like(v) for k, v in PARAMS.items()}
-    with_extra_key = plan_layout([*(ParamSpec(k, "float32", v.shape) for k, v in PARAMS.items()),
-                                  ParamSpec("fc.extra", "float32", (2,))], [server.address])
-    return {
-        "declare with another shape": (
-            lambda: new_client([server], "w0").declare({"fc.weight": np.ones((4, 4), np.float32)}, JOB),
-            ShapeMismatchError, ("'fc.weight'", "(16,)", "(12,)")),
-        "declare with another dtype": (
-            lambda: new_client([server], "w0").declare({"fc.bias": np.ones(4, np.float64)}, JOB),
-            DTypeMismatchError, ("'fc.bias'", "float64", "float32")),
-        "declare with another job": (
-            lambda: new_client([server], "w0").declare(PARAMS, JobConfig(mode="async")),
-            LayoutConflictError, ("mode='async'", "mode='sync'")),
-        "pull of a key the server does not hold": (
-            lambda: new_client([server], "w0", layout=with_extra_key).pull(1, keys=["fc.extra"]),
-            UnknownKeyError, ("'fc.extra'",)),
-        "push at a clock far in the future": (
-            lambda: declared("w0").push_pull(grads, 1000),
-            FutureClockError, ("clock 1000", "version is 1")),
-        "push from a stale generation": (
-            lambda: declared("w0", GENERATION - 1).push_pull(grads, 1),
-            StaleGenerationError, ("'w0'", f"generation {GENERATION - 1}", f"generation {GENERATION}")),
-        "push from a non-member": (
-            lambda: declared("intruder").push_pull(grads, 1),
-            StaleGenerationError, ("'intruder'", "['w0', 'w1']")),
-    }
+GRADS = {k: np.ones_like(v) for k, v in PARAMS.items()}
+WITH_EXTRA_KEY = [*(ParamSpec(k, "float32", v.shape) for k, v in PARAMS.items()),
+                  ParamSpec("fc.extra", "float32", (2,))]
 
 
-CLIENT_CASES = ["declare with another shape", "declare with another dtype", "declare with another job",
-                "pull of a key the server does not hold", "push at a clock far in the future",
-                "push from a stale generation", "push from a non-member"]
+def _declared(client):
+    client.declare(PARAMS, JOB)
+    return client
 
 
-@pytest.mark.parametrize("case", CLIENT_CASES)
+# name -> (call given a PSClient factory and the server, class, values the message must name)
+CLIENT_CALLS: dict[str, tuple[Callable, type[PSError], tuple]] = {
+    "declare with another shape": (
+        lambda make, server: make("w0").declare({"fc.weight": np.ones((4, 4), np.float32)}, JOB),
+        ShapeMismatchError, ("'fc.weight'", "(16,)", "(12,)")),
+    "declare with another dtype": (
+        lambda make, server: make("w0").declare({"fc.bias": np.ones(4, np.float64)}, JOB),
+        DTypeMismatchError, ("'fc.bias'", "float64", "float32")),
+    "declare with another job": (
+        lambda make, server: make("w0").declare(PARAMS, JobConfig(mode="async")),
+        LayoutConflictError, ("mode='async'", "mode='sync'")),
+    "pull of a key the server does not hold": (
+        lambda make, server: make("w0", layout=plan_layout(WITH_EXTRA_KEY, [server.address])).pull(
+            1, keys=["fc.extra"]),
+        UnknownKeyError, ("'fc.extra'",)),
+    "push at a clock far in the future": (
+        lambda make, server: _declared(make("w0")).push_pull(GRADS, 1000),
+        FutureClockError, ("clock 1000", "version is 1")),
+    "push from a stale generation": (
+        lambda make, server: _declared(make("w0", generation=GENERATION - 1)).push_pull(GRADS, 1),
+        StaleGenerationError, ("'w0'", f"generation {GENERATION - 1}", f"generation {GENERATION}")),
+    "push from a non-member": (
+        lambda make, server: _declared(make("intruder")).push_pull(GRADS, 1),
+        StaleGenerationError, ("'intruder'", "['w0', 'w1']")),
+}
+
+
+@pytest.mark.parametrize("case", list(CLIENT_CALLS))
 def test_psclient_reraises_the_servers_error_class_and_the_store_is_unchanged(primed, new_client, case):
-    call, error_class, values = _client_bad_calls(new_client, primed.server)[case]
+    call, error_class, values = CLIENT_CALLS[case]
+
+    def make(worker: str, **kwargs: object):
+        kwargs.setdefault("generation", GENERATION)
+        return new_client([primed.server], worker, **kwargs)
+
     before = primed.state()
 
     with pytest.raises(PSError) as caught:
-        call()
+        call(make, primed.server)
 
     assert type(caught.value) is error_class, repr(caught.value)
     for value in values:

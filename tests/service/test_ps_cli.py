@@ -1,0 +1,100 @@
+"""`python -m ps_server` as a real process: usage, configuration errors, serving, graceful stop."""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import re
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from ps_common.health import probe
+from ps_common.job import JobConfig
+from ps_server.checkpoint import load_shard
+from ps_server.service import SERVICE_NAME
+from worker.client import PSClient
+
+REPO = Path(__file__).resolve().parents[2]
+WAIT_S = 15.0  # a fresh interpreter importing grpc and numpy on busy cores
+
+
+def _env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k != "TF_CONFIG"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    return env
+
+
+def _run(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "ps_server", *args], cwd=REPO, env=env or _env(),
+                          capture_output=True, text=True, timeout=WAIT_S)
+
+
+def test_help_exits_0_and_lists_the_flags():
+    result = _run("--help")
+
+    assert result.returncode == 0, result.stderr
+    for flag in ("--bind", "--mode", "--workers", "--checkpoint-dir", "--max-message-mb"):
+        assert flag in result.stdout
+
+
+@pytest.mark.parametrize(("tf_config", "field"), [
+    ({"cluster": {"ps": ["127.0.0.1:7000"]}, "task": {"type": "ps"}}, "task.index"),
+    ({"cluster": {"ps": ["127.0.0.1"]}, "task": {"type": "ps", "index": 0}}, "cluster.ps[0]"),
+    ({"cluster": {"ps": ["127.0.0.1:7000"], "worker": ["127.0.0.1:7001"]}, "task": {"type": "worker",
+                                                                                   "index": 0}}, "task.type"),
+])
+def test_bad_tf_config_exits_2_naming_the_field(tf_config, field):
+    result = _run(env={**_env(), "TF_CONFIG": json.dumps(tf_config)})
+
+    assert result.returncode == 2, (result.returncode, result.stderr)
+    assert f"error: {field}" in result.stderr, result.stderr
+
+
+def _read_lines(stream, lines: queue.Queue) -> None:
+    for line in stream:
+        lines.put(line)
+    lines.put(None)
+
+
+def test_server_process_serves_and_stops_gracefully_on_sigterm_with_a_final_checkpoint(tmp_path):
+    stderr = open(tmp_path / "stderr.log", "w+")  # noqa: SIM115 - the process writes it until the end
+    process = subprocess.Popen(
+        [sys.executable, "-m", "ps_server", "--bind", "127.0.0.1:0", "--mode", "async",
+         "--checkpoint-dir", str(tmp_path / "ckpt")],
+        cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=stderr, text=True)
+    lines: queue.Queue[str | None] = queue.Queue()
+    threading.Thread(target=_read_lines, args=(process.stdout, lines), daemon=True).start()
+    try:
+        line = lines.get(timeout=WAIT_S)
+        match = re.search(r"listening on port (\d+)", line or "")
+        assert match, f"first line {line!r}; stderr: {stderr.seek(0) or stderr.read()}"
+        address = f"127.0.0.1:{match.group(1)}"
+        for service in ("", SERVICE_NAME):
+            serving, reason = probe(address, service, timeout_s=WAIT_S)
+            assert serving, reason
+        with PSClient([address], "w0", timeout_s=WAIT_S, retry_budget_s=WAIT_S) as client:
+            client.declare({"a": np.zeros(4, np.float32)}, JobConfig(mode="async"))  # the --mode defaults
+            stepped = client.push_pull({"a": np.ones(4, np.float32)}, 0)
+
+        process.send_signal(signal.SIGTERM)
+        code = process.wait(timeout=WAIT_S)
+
+        assert code == 0, stderr.seek(0) or stderr.read()
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait(timeout=WAIT_S)
+        stderr.close()
+    np.testing.assert_array_equal(stepped["a"], np.full(4, -0.01, np.float32))
+    snapshot = load_shard(tmp_path / "ckpt", "shard")
+    assert snapshot is not None, "no final checkpoint"
+    [saved] = snapshot.slices
+    assert (saved.key.key, saved.version, saved.clocks) == ("a", 1, {"w0": 0})
+    np.testing.assert_array_equal(saved.value, stepped["a"])
