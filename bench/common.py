@@ -35,8 +35,11 @@ def machine() -> dict[str, object]:
                 break
     except OSError:
         pass
+    # glibc malloc tuning changes the figures a lot (see bench.run_all), so it is part of the description.
+    malloc = {k: v for k, v in os.environ.items() if k.startswith("MALLOC_")}
     return {"cpu": model, "cores": os.cpu_count(), "python": platform.python_version(),
-            "grpcio": grpc.__version__, "numpy": numpy.__version__, "platform": platform.platform()}
+            "grpcio": grpc.__version__, "numpy": numpy.__version__, "platform": platform.platform(),
+            "malloc_env": malloc}
 
 
 def load_average() -> float:

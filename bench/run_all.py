@@ -6,6 +6,13 @@ figure are taken alternately, `--repeats` times each, and the best of each is us
 on a shared machine the best of a few runs is the least disturbed one.
 
     python -m bench.run_all [--repeats 3] [--quick]      (make bench)
+
+Every process (servers, workers, ceilings) inherits the environment. With glibc's default
+malloc each 4 MiB message (grpc's received bytes, our encoded frames) lands in freshly
+mmap'd pages, so every message costs ~1,000 page faults: on the 2-core dev machine that is
+about a fifth of the CPU of a dense step, ceilings included. To see the figures without it:
+
+    MALLOC_MMAP_THRESHOLD_=67108864 MALLOC_TRIM_THRESHOLD_=268435456 make bench
 """
 
 from __future__ import annotations
