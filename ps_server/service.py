@@ -34,6 +34,8 @@ def _handlers(servicer: ParameterServerServicer) -> grpc.GenericRpcHandler:
                          pb.DeclareResponse.SerializeToString),
         "Push": unary(servicer.Push, pb.PushRequest.FromString, pb.PushResponse.SerializeToString),
         "Pull": unary(servicer.Pull, pb.PullRequest.FromString, pb.PullResponse.SerializeToString),
+        "PushPull": unary(servicer.PushPull, pb.PushPullRequest.FromString,
+                          pb.PullResponse.SerializeToString),
         "GetStats": unary(servicer.GetStats, pb.GetStatsRequest.FromString,
                           pb.GetStatsResponse.SerializeToString),
         "Checkpoint": unary(servicer.Checkpoint, pb.CheckpointRequest.FromString,

@@ -19,6 +19,7 @@ import numpy as np
 
 from ps_api.v1 import parameter_server_pb2 as pb
 from ps_common import codec
+from ps_common.codec import encode_data_frame
 from ps_common.errors import (
     DTypeMismatchError,
     EmptyRequestError,
@@ -42,6 +43,9 @@ log = logging.getLogger("pshard.ps")
 
 _MODE_ENUM = {"sync": pb.SYNC, "async": pb.ASYNC, "ssp": pb.SSP}
 _FLOATS = ("float16", "float32", "float64")
+# Slices at least this big are sent as a frame of their own (cached and shared in sync mode);
+# smaller ones are packed together so a model of many tiny tensors is not many tiny messages.
+_OWN_FRAME_BYTES = 256 * 1024
 
 
 @dataclass(frozen=True)
@@ -67,6 +71,9 @@ class ParameterServerServicer:
         self._quorum: dict[str, int] | None = (dict(settings.static_quorum)
                                                if settings.static_quorum else None)
         self._config_lock = asyncio.Lock()
+        # Sync mode: every worker pulls the same version of a slice, so its encoding is made once
+        # and shared (slice -> (version, bytes, is a whole data frame)). Costs one copy of the shard.
+        self._encoded: dict[SliceKey, tuple[int, bytes, bool]] = {}
         # Generation of the newest scheduler view applied; None when no scheduler is followed.
         self._view_generation: int | None = None
         self.pulls_served = 0
@@ -141,6 +148,29 @@ class ParameterServerServicer:
     def _to_store(self, key: SliceKey, wire: codec.WireArray) -> np.ndarray:
         stored_dtype, _ = self._specs[key]
         return codec.cast(wire, stored_dtype).array
+
+    def _encode(self, key: SliceKey) -> tuple[int, bytes, bool]:
+        """(version, wire bytes, whether they form a whole data frame) of a slice's current value.
+
+        The value is copied once, under the slice's lock, straight into the bytes that go on the
+        wire; a slice of at least _OWN_FRAME_BYTES travels as its own frame.
+        """
+        cached = self._encoded.get(key)
+        if cached is not None and cached[0] == self.store.version(key):
+            return cached
+
+        def encode(value: np.ndarray, dtype: np.dtype, version: int) -> tuple[int, bytes, bool]:
+            if value.dtype != dtype:
+                value = value.astype(dtype)
+            wire = self._to_wire(key, value).array
+            if wire.nbytes >= _OWN_FRAME_BYTES:
+                return version, encode_data_frame([wire]), True
+            return version, wire.tobytes(), False
+
+        result = self.store.read_with(key, encode)
+        if self.store.config.mode == "sync":
+            self._encoded[key] = result
+        return result
 
     def _to_wire(self, key: SliceKey, value: np.ndarray) -> codec.WireArray:
         stored = codec.WireArray(value, self._specs[key][0])
@@ -244,6 +274,31 @@ class ParameterServerServicer:
             values = self.store.read(keys)
             self.pulls_served += 1
             return pb.PullResponse(slices=[
+                codec.slice_tensor_to_proto(k, self._to_wire(k, v), version)
+                for k, (v, version) in zip(keys, values, strict=True)])
+        except PSError as err:
+            await abort(context, err)
+            raise
+
+    async def PushPull(self, request: pb.PushPullRequest, context: grpc.aio.ServicerContext
+                       ) -> pb.PullResponse:
+        try:
+            stamp = codec.stamp_from_proto(request.stamp)
+            items = [codec.slice_tensor_from_proto(g) for g in request.gradients]
+            keys = [codec.slice_id_from_proto(s) for s in request.pull]
+            if not items and not keys:
+                raise EmptyRequestError(f"PushPull from {stamp.worker_id!r}: nothing to push or pull")
+            for key in keys:
+                self._spec(key)
+            deadline = time.monotonic() + self._timeout_s(request.timeout_ms)
+            await self._await_view(stamp, deadline)
+            applied, dropped = self._push(stamp, items) if items else (0, 0)
+            pull_stamp = stamp._replace(clock=stamp.clock + 1) if items else stamp
+            if keys:
+                await self._wait_readable(pull_stamp, keys, deadline)
+                self.pulls_served += 1
+            values = self.store.read(keys) if keys else []
+            return pb.PullResponse(applied=applied, dropped=dropped, slices=[
                 codec.slice_tensor_to_proto(k, self._to_wire(k, v), version)
                 for k, (v, version) in zip(keys, values, strict=True)])
         except PSError as err:
@@ -356,10 +411,16 @@ class ParameterServerServicer:
                     if pending is not None:
                         yield pending
                     await self._wait_ready_or_failed(pull_stamp, key, deadline, reader, own)
-                [(value, version)] = self.store.read([key])
+                version, data, whole_frame = self._encode(key)
                 versions.append(version)
-                for out in packer.add(self._to_wire(key, value).array):
-                    yield out
+                if whole_frame:
+                    pending = packer.flush()
+                    if pending is not None:
+                        yield pending
+                    yield data
+                else:
+                    for out in packer.add(data):
+                        yield out
             last = packer.flush()
             if last is not None:
                 yield last

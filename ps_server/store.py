@@ -27,6 +27,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import numpy as np
 
@@ -50,6 +51,8 @@ FLOAT_DTYPES = (np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64)
 # small updates would otherwise round away to nothing.
 _MASTER = {np.dtype(np.float16): np.dtype(np.float32)}
 _WIRE_GRAD_DTYPES = frozenset({np.dtype(np.float16), np.dtype(np.float32)})
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -292,6 +295,17 @@ class ShardStore:
                 # astype always copies, and for float16 slices it is the one conversion needed anyway.
                 out.append((slot.value.astype(slot.dtype), slot.version))
         return out
+
+    def read_with(self, key: SliceKey, fn: Callable[[np.ndarray, np.dtype, int], T]) -> T:
+        """fn(value, declared dtype, version) under the slice's lock, for encoders that copy the value
+        once, straight into their own buffer. `value` is the live master copy: fn must not keep it."""
+        [slot] = self._lookup([key])
+        with slot.lock:
+            return fn(slot.value, slot.dtype, slot.version)
+
+    def version(self, key: SliceKey) -> int:
+        [slot] = self._lookup([key])
+        return slot.version
 
     def wait_pull(self, stamp: Stamp, keys: Sequence[SliceKey],
                   timeout_s: float) -> list[tuple[np.ndarray, int]]:
