@@ -1,0 +1,214 @@
+"""PSTrainer against real parameter servers (in-process, 127.0.0.1 port 0).
+
+The sync contract (DESIGN §5): two workers on disjoint halves of each batch end with the
+weights one process gets on the whole batch. Also the aggregate-only mode with a local
+torch optimizer, and the README's example, run exactly as it is quoted.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from ps_common.errors import InvalidArgumentError
+from ps_common.job import JobConfig, OptimizerConfig
+from ps_common.layout import ParamSpec, plan_layout
+from ps_server.service import ServerThread, start_server_thread
+from ps_server.servicer import ServerSettings
+from worker.client import PSClient
+from worker.torch_api import PSTrainer
+
+WAIT_S = 20.0
+WORKERS = ("w0", "w1")
+STEPS = 4
+
+# Quoted in the README. Start the servers it talks to with
+#   python -m ps_server --bind 127.0.0.1:7100 --workers worker-0   (and :7101)
+README_EXAMPLE = """\
+import torch
+from ps_common.job import JobConfig, OptimizerConfig
+from worker.client import PSClient
+from worker.torch_api import PSTrainer
+
+model = torch.nn.Sequential(torch.nn.Linear(4, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3))
+client = PSClient(["127.0.0.1:7100", "127.0.0.1:7101"], worker_id="worker-0")
+job = JobConfig(mode="sync", optimizer=OptimizerConfig(name="sgd", lr=0.1, momentum=0.9))
+x, y = torch.randn(256, 4), torch.randint(0, 3, (256,))
+
+with PSTrainer(model, client, job) as trainer:  # declares the parameters; the first worker's win
+    for batch in torch.arange(256).split(32):
+        trainer.zero_grad()
+        torch.nn.functional.cross_entropy(model(x[batch]), y[batch]).backward()
+        trainer.step()  # pushes the gradients, pulls the new weights into the model
+print(f"clock {trainer.clock}")
+"""
+
+
+@pytest.fixture
+def start_servers() -> Iterator[Callable[[int, tuple[str, ...]], list[ServerThread]]]:
+    started: list[ServerThread] = []
+
+    def start(n: int, quorum: tuple[str, ...] = WORKERS) -> list[ServerThread]:
+        settings = ServerSettings(static_quorum={w: 0 for w in quorum}, pull_timeout_s=WAIT_S)
+        servers = [start_server_thread(settings) for _ in range(n)]
+        started.extend(servers)
+        return servers
+
+    yield start
+    for server in started:
+        server.stop(grace_s=0.2)
+
+
+def make_model(seed: int) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(6, 12), nn.Tanh(), nn.Linear(12, 4))
+
+
+def make_data(seed: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, 6, generator=g), torch.randint(0, 4, (n,), generator=g)
+
+
+def halves(step: int, batch: int, rank: int) -> slice:
+    """Worker `rank`'s half of batch `step`: the two halves together are the whole batch."""
+    start = step * batch + rank * batch // 2
+    return slice(start, start + batch // 2)
+
+
+def train_worker(trainer: PSTrainer, x: torch.Tensor, y: torch.Tensor, rank: int, batch: int) -> None:
+    for step in range(STEPS):
+        part = halves(step, batch, rank)
+        trainer.zero_grad()
+        F.cross_entropy(trainer.model(x[part]), y[part]).backward()
+        trainer.step()
+
+
+def run_two_workers(servers: list[ServerThread], job: JobConfig, x: torch.Tensor, y: torch.Tensor,
+                    batch: int, *, slice_bytes: int | None = None,
+                    local: Callable[[nn.Module], torch.optim.Optimizer] | None = None) -> list[PSTrainer]:
+    """Two trainers in threads, each on its half of every batch; returns them after STEPS steps."""
+    addresses = [s.address for s in servers]
+
+    # Built here, not in the threads: torch's global RNG is shared, so concurrent seeding races.
+    models = [make_model(seed=0) for _ in range(2)]
+
+    def start(rank: int) -> PSTrainer:
+        model = models[rank]
+        layout = None
+        if slice_bytes is not None:  # small slices: every tensor is cut and spread over both servers
+            specs = [ParamSpec(k, "float32", tuple(p.shape)) for k, p in model.named_parameters()]
+            layout = plan_layout(specs, addresses, slice_bytes)
+        client = PSClient(addresses, WORKERS[rank], layout=layout, timeout_s=WAIT_S, retry_budget_s=WAIT_S)
+        trainer = PSTrainer(model, client, job, local_optimizer=local(model) if local else None)
+        train_worker(trainer, x, y, rank, batch)
+        return trainer
+
+    with ThreadPoolExecutor(2) as pool:
+        futures = [pool.submit(start, rank) for rank in range(2)]
+        return [f.result(timeout=WAIT_S * 3) for f in futures]
+
+
+def reference(opt: Callable[[nn.Module], torch.optim.Optimizer], x: torch.Tensor, y: torch.Tensor,
+              batch: int) -> nn.Module:
+    """One process, torch.optim, the whole of every batch, from the same initial weights."""
+    model = make_model(seed=0)
+    optimizer = opt(model)
+    for step in range(STEPS):
+        part = slice(step * batch, (step + 1) * batch)
+        optimizer.zero_grad()
+        F.cross_entropy(model(x[part]), y[part]).backward()
+        optimizer.step()
+    return model
+
+
+def assert_same_weights(got: nn.Module, want: nn.Module) -> None:
+    for (key, a), (_, b) in zip(got.state_dict().items(), want.state_dict().items(), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=lambda m, k=key: f"{k}: {m}")
+
+
+@pytest.mark.parametrize("slice_bytes", [None, 64], ids=["whole-tensors", "split-tensors"])
+def test_sync_training_matches_single_process_on_union_batch(start_servers, slice_bytes) -> None:
+    servers = start_servers(2)
+    x, y = make_data(seed=7, n=STEPS * 32)
+    job = JobConfig(mode="sync", optimizer=OptimizerConfig(name="sgd", lr=0.2, momentum=0.9,
+                                                           weight_decay=0.01))
+
+    trainers = run_two_workers(servers, job, x, y, batch=32, slice_bytes=slice_bytes)
+
+    want = reference(lambda m: torch.optim.SGD(m.parameters(), lr=0.2, momentum=0.9, weight_decay=0.01),
+                     x, y, batch=32)
+    assert [t.clock for t in trainers] == [STEPS, STEPS]
+    for trainer in trainers:
+        assert_same_weights(trainer.model, want)
+        trainer.close()
+
+
+def test_aggregate_mode_with_local_adam_matches_single_process_adam(start_servers) -> None:
+    servers = start_servers(2)
+    x, y = make_data(seed=8, n=STEPS * 32)
+    job = JobConfig(mode="sync", optimizer=OptimizerConfig(name="aggregate"))
+
+    def adam(m: nn.Module) -> torch.optim.Optimizer:
+        return torch.optim.Adam(m.parameters(), lr=0.01)
+
+    trainers = run_two_workers(servers, job, x, y, batch=32, local=adam)
+
+    want = reference(adam, x, y, batch=32)
+    for trainer in trainers:
+        assert_same_weights(trainer.model, want)
+        trainer.close()
+
+
+def test_every_worker_loads_the_first_declared_initial_weights(start_servers) -> None:
+    servers = start_servers(1)
+    job = JobConfig(mode="sync")
+    first = PSTrainer(make_model(seed=1), PSClient([servers[0].address], "w0", timeout_s=WAIT_S), job)
+    second = PSTrainer(make_model(seed=2), PSClient([servers[0].address], "w1", timeout_s=WAIT_S), job)
+
+    assert_same_weights(second.model, make_model(seed=1))
+    assert (first.clock, second.clock) == (0, 0)
+    first.close()
+    second.close()
+
+
+def test_bfloat16_parameters_are_held_as_float32_and_trained(start_servers) -> None:
+    servers = start_servers(1, quorum=("w0",))
+    model = make_model(seed=0).to(torch.bfloat16)
+    before = [p.detach().clone() for p in model.parameters()]
+    job = JobConfig(mode="sync", optimizer=OptimizerConfig(name="sgd", lr=0.5), wire_dtype="bfloat16")
+    x, y = make_data(seed=9, n=32)
+
+    with PSTrainer(model, PSClient([servers[0].address], "w0", timeout_s=WAIT_S), job) as trainer:
+        assert {p.dtype for p in trainer.client.layout.params} == {"float32"}
+        F.cross_entropy(model(x.to(torch.bfloat16)), y).backward()
+        grads = [p.grad.float() for p in model.parameters()]
+        trainer.step()
+
+    for p, b, g in zip(model.parameters(), before, grads, strict=True):
+        assert p.dtype == torch.bfloat16
+        torch.testing.assert_close(p.float(), (b.float() - 0.5 * g).bfloat16().float(), rtol=0.02, atol=0.02)
+
+
+def test_aggregate_mode_needs_a_local_optimizer(start_servers) -> None:
+    servers = start_servers(1, quorum=("w0",))
+    client = PSClient([servers[0].address], "w0", timeout_s=WAIT_S)
+    with pytest.raises(InvalidArgumentError, match="local_optimizer"):
+        PSTrainer(make_model(seed=0), client, JobConfig(optimizer=OptimizerConfig(name="aggregate")))
+    client.close()
+
+
+def test_readme_example_runs_as_written(start_servers, capsys) -> None:
+    servers = start_servers(2, quorum=("worker-0",))
+    # The only edit: the example's fixed ports become the test servers' free ones.
+    code = README_EXAMPLE.replace('"127.0.0.1:7100", "127.0.0.1:7101"',
+                                  f'"{servers[0].address}", "{servers[1].address}"')
+    assert code != README_EXAMPLE
+
+    exec(compile(code, "README example", "exec"), {"__name__": "readme_example"})
+
+    assert capsys.readouterr().out == "clock 8\n"

@@ -1,0 +1,150 @@
+"""python -m worker: train a model on the pshard cluster this process's TF_CONFIG describes.
+
+Flags and the environment (TF_CONFIG, PSHARD_DATA_DIR) are read here, once, into a frozen
+`TrainConfig`; worker.train does the rest. Exit status: 0 trained, 1 a training stage failed
+(the message names it), 2 a configuration error.
+"""
+
+from __future__ import annotations
+
+import os
+
+# Set before torch is imported. OpenMP's threads busy-wait after every torch op by default; on a
+# host the worker shares with servers and peers, that spinning starves the gRPC threads carrying
+# the push/pull (a loaded 2-core run measured 430 ms per step instead of 25 ms). Passive waiting
+# keeps torch's parallelism.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import argparse
+import logging
+import sys
+from collections.abc import Mapping, Sequence
+
+from ps_common.cluster import ClusterSpec, add_cluster_arguments, cluster_spec_from_args, exit_on_config_error
+from ps_common.errors import ClusterConfigError, InvalidArgumentError
+from ps_common.job import MODES, OPTIMIZERS, WIRE_DTYPES, JobConfig, OptimizerConfig
+from worker.data import default_data_dir
+from worker.device import DEVICES, select_device
+from worker.model import MODELS
+from worker.train import LOCAL_OPTIMIZERS, TrainConfig, run
+
+PROG = "python -m worker"
+# Learning rates that train the default CNN well, per optimizer (aggregate: per local optimizer).
+DEFAULT_LR = {"sgd": 0.05, "adam": 1e-3, "adamw": 1e-3, "adagrad": 0.01}
+
+
+def build_parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog=PROG, description="pshard worker: trains on its shard of the data, pushing gradients to and "
+        "pulling weights from the parameter servers. The chief (or worker 0 without one) evaluates and "
+        "saves the model; every process prints one 'final:' line.")
+    add_cluster_arguments(p)
+    job = p.add_argument_group("job", "must be the same on every worker (the first declaration wins)")
+    job.add_argument("--mode", choices=MODES, default="sync", help="consistency mode (default sync)")
+    job.add_argument("--staleness", metavar="N", type=int, default=0,
+                     help="ssp: how many clocks the fastest worker may run ahead (default 0)")
+    job.add_argument("--optimizer", choices=OPTIMIZERS, default="sgd",
+                     help="server-side optimizer; 'aggregate' = servers average, workers apply "
+                          "--local-optimizer (default sgd)")
+    job.add_argument("--local-optimizer", choices=LOCAL_OPTIMIZERS, default="sgd",
+                     help="aggregate mode: the torch optimizer each worker runs (default sgd)")
+    job.add_argument("--lr", type=float, default=None,
+                     help="learning rate (default: sgd 0.05, adam/adamw 0.001, adagrad 0.01)")
+    job.add_argument("--momentum", type=float, default=0.9, help="SGD momentum (default 0.9)")
+    job.add_argument("--weight-decay", type=float, default=0.0, help="weight decay (default 0)")
+    job.add_argument("--wire-dtype", choices=WIRE_DTYPES, default="",
+                     help="cast gradients and weights to this on the wire (default '': as stored)")
+    train = p.add_argument_group("training")
+    train.add_argument("--model", choices=MODELS, default="cnn", help="model (default cnn)")
+    train.add_argument("--epochs", metavar="N", type=int, default=2, help="epochs (default 2)")
+    train.add_argument("--batch-size", metavar="N", type=int, default=64,
+                       help="batch size per worker (default 64)")
+    train.add_argument("--max-steps", metavar="N", type=int, default=0,
+                       help="stop after N steps (default 0: no limit)")
+    train.add_argument("--seed", metavar="N", type=int, default=0,
+                       help="seed of the initial weights and of the shuffling (default 0)")
+    train.add_argument("--threads", metavar="N", type=int, default=0,
+                       help="torch CPU threads (default 0: torch's default, one per core)")
+    train.add_argument("--device", choices=DEVICES, default="auto",
+                       help="auto = CUDA when available, else CPU (default auto)")
+    train.add_argument("--data-dir", metavar="DIR", default=default_data_dir(environ),
+                       help="Fashion-MNIST IDX files; scikit-learn's digits when absent (default "
+                            "$PSHARD_DATA_DIR or /usr/share/datasets/fashion-mnist)")
+    out = p.add_argument_group("output")
+    out.add_argument("--output", metavar="PATH", help="the chief saves the final state_dict here")
+    out.add_argument("--metrics", metavar="PATH", help="append JSON-lines metrics here ('-' = stdout)")
+    out.add_argument("--log-every", metavar="N", type=int, default=100,
+                     help="a 'step' metrics line every N steps (default 100)")
+    out.add_argument("--log-level", default="INFO", help="logging level on stderr (default INFO)")
+    limits = p.add_argument_group("timeouts")
+    limits.add_argument("--startup-timeout-s", metavar="S", type=float, default=300.0,
+                        help="longest wait for the scheduler, the servers and the other workers "
+                             "(default 300)")
+    limits.add_argument("--step-timeout-s", metavar="S", type=float, default=120.0,
+                        help="longest one push/pull may take, waiting for peers included (default 120)")
+    return p
+
+
+def _check_numbers(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    for flag, value, least in (("--epochs", args.epochs, 1), ("--batch-size", args.batch_size, 1),
+                               ("--max-steps", args.max_steps, 0), ("--log-every", args.log_every, 1),
+                               ("--staleness", args.staleness, 0), ("--seed", args.seed, 0),
+                               ("--threads", args.threads, 0)):
+        if value < least:
+            parser.error(f"{flag}: got {value}, expected >= {least}")
+    for flag, seconds in (("--startup-timeout-s", args.startup_timeout_s),
+                          ("--step-timeout-s", args.step_timeout_s)):
+        if not seconds > 0:
+            parser.error(f"{flag}: got {seconds}, expected > 0")
+
+
+def _cluster(args: argparse.Namespace, environ: Mapping[str, str]) -> ClusterSpec:
+    spec = cluster_spec_from_args(args, environ, default_task_type="worker")
+    if spec.task_type == "evaluator":
+        raise ClusterConfigError("task.type: got 'evaluator', which is not supported yet; the chief "
+                                 "(or worker 0) evaluates the final model")
+    if spec.task_type not in ("chief", "worker"):
+        program = "python -m ps_server" if spec.task_type == "ps" else "python -m scheduler"
+        raise ClusterConfigError(f"task.type: got {spec.task_type!r}, which {PROG} does not run; "
+                                 f"start it with {program}")
+    if not spec.ps:
+        raise ClusterConfigError("cluster.ps: got no parameter servers, a worker needs at least one")
+    return spec
+
+
+def _job(args: argparse.Namespace) -> JobConfig:
+    local = args.local_optimizer if args.optimizer == "aggregate" else args.optimizer
+    sgd = local == "sgd"
+    try:
+        return JobConfig(mode=args.mode, staleness=args.staleness, wire_dtype=args.wire_dtype,
+                         optimizer=OptimizerConfig(name=args.optimizer,
+                                                   lr=DEFAULT_LR[local] if args.lr is None else args.lr,
+                                                   momentum=args.momentum if sgd else 0.0,
+                                                   weight_decay=args.weight_decay))
+    except InvalidArgumentError as e:
+        raise ClusterConfigError(str(e)) from None
+
+
+def config_from_args(argv: Sequence[str] | None, environ: Mapping[str, str]) -> TrainConfig:
+    parser = build_parser(environ)
+    args = parser.parse_args(argv)
+    _check_numbers(parser, args)
+    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
+                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    select_device(args.device)  # asking for CUDA where there is none is a configuration error
+    return TrainConfig(
+        spec=_cluster(args, environ), job=_job(args), data_dir=args.data_dir, model=args.model,
+        epochs=args.epochs, batch_size=args.batch_size, max_steps=args.max_steps, seed=args.seed,
+        device=args.device, threads=args.threads, output=args.output, metrics=args.metrics,
+        local_optimizer=args.local_optimizer, log_every=args.log_every,
+        startup_timeout_s=args.startup_timeout_s, step_timeout_s=args.step_timeout_s)
+
+
+@exit_on_config_error(prog=PROG)
+def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None) -> int:
+    cfg = config_from_args(argv, os.environ if environ is None else environ)
+    return run(cfg)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,213 @@
+"""`PSTrainer`: train your own torch model on the parameter servers, in the spirit of Horovod.
+
+Wrap the model once; after every backward pass `step()` pushes the gradients and pulls
+the fresh weights back into the parameters in one fused exchange per server:
+
+    trainer = PSTrainer(model, PSClient(servers, worker_id="worker-0"),
+                        JobConfig(mode="sync", optimizer=OptimizerConfig(name="sgd", lr=0.1)))
+    for x, y in batches:
+        trainer.zero_grad()
+        loss_fn(model(x), y).backward()
+        trainer.step()
+    trainer.close()
+
+What travels: the parameters that require gradients (buffers stay local, since running
+statistics are not gradients). bfloat16 parameters are held as float32 on the servers
+(numpy has no bfloat16; set the job's wire_dtype="bfloat16" to keep the traffic small).
+
+Aggregate-only mode (optimizer "aggregate"): the servers return the mean gradient, the
+trainer writes it into `.grad` and steps the torch optimizer you pass as
+`local_optimizer=`. Every worker then applies the same update to the same weights.
+
+CPU training on a host shared with servers or peers: start Python with
+OMP_WAIT_POLICY=PASSIVE (`python -m worker` sets it). OpenMP's default busy-waiting starves
+the gRPC threads that carry the push/pull and made steps ~20x slower on a loaded 2-core box.
+"""
+
+from __future__ import annotations
+
+import logging
+from types import TracebackType
+
+import numpy as np
+import torch
+from torch import nn
+
+from ps_common.errors import InvalidArgumentError
+from ps_common.job import JobConfig
+from ps_common.layout import ParamSpec
+from worker.client import PSClient, PushResult
+from worker.device import HostStaging, select_device
+
+log = logging.getLogger("pshard.trainer")
+
+# dtypes the servers hold as they are; anything else that is a float travels as float32.
+_NATIVE = (torch.float16, torch.float32, torch.float64)
+_DTYPE_NAMES = {torch.float16: "float16", torch.float32: "float32", torch.float64: "float64"}
+
+
+def param_specs(model: nn.Module) -> list[ParamSpec]:
+    """What PSTrainer declares for `model`: every parameter that requires gradients, bf16 as float32."""
+    return [ParamSpec(key, _DTYPE_NAMES[_declared_dtype(p)], tuple(p.shape))
+            for key, p in model.named_parameters() if p.requires_grad]
+
+
+class PSTrainer:
+    """Keeps a model's parameters on the parameter servers and its clock in step with them.
+
+    Construction declares the parameters (the first worker's initial values win; every
+    worker loads what the servers hold) and picks up the clock where the servers are, so
+    a worker that restarts or joins late continues rather than replaying clock 0.
+    """
+
+    def __init__(self, model: nn.Module, client: PSClient, job: JobConfig, *,
+                 device: torch.device | str | None = None,
+                 local_optimizer: torch.optim.Optimizer | None = None, clock: int | None = None) -> None:
+        self.model = model
+        self.client = client
+        self.job = job
+        self.aggregate = job.optimizer.name == "aggregate"
+        if self.aggregate and local_optimizer is None:
+            raise InvalidArgumentError("local_optimizer: aggregate mode needs a torch optimizer over the "
+                                       "model's parameters (the servers only average the gradients)")
+        if not self.aggregate and local_optimizer is not None:
+            raise InvalidArgumentError(f"local_optimizer: given, but the servers run "
+                                       f"{job.optimizer.name!r}; use optimizer 'aggregate' for a local one")
+        self.local_optimizer = local_optimizer
+        if device is not None:
+            model.to(select_device(device) if isinstance(device, str) else device)
+        self.params = {k: p for k, p in model.named_parameters() if p.requires_grad}
+        if not self.params:
+            raise InvalidArgumentError("model: has no parameters that require gradients")
+        first = next(iter(self.params.values()))
+        self.device = first.device
+        self._staging = HostStaging(self.device)
+        self._buffers: dict[str, np.ndarray] = {}
+        self._zeros: dict[str, torch.Tensor] = {}
+        self.last_result: PushResult | None = None
+        self._clock = self._declare() if clock is None else clock
+
+    # ---- the training-loop API ----
+
+    @property
+    def clock(self) -> int:
+        """Steps this worker has taken in the job (sync: the version the servers are at)."""
+        return self._clock
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for p in self.params.values():
+            if set_to_none:
+                p.grad = None
+            elif p.grad is not None:
+                p.grad.zero_()
+
+    def step(self) -> PushResult:
+        """Push the gradients of this clock, pull the weights of the next one (into the parameters)."""
+        grads = self._grads_on_host()
+        out = self._landing()
+        self.client.push_pull(grads, self._clock, out=out)
+        result = self.client.last_result
+        self.last_result = result
+        # Sync: the servers' version is the clock (a late push jumps to it); otherwise one step each.
+        self._clock = max(result.min_version, self._clock + 1) if self.job.mode == "sync" else self._clock + 1
+        if self.aggregate:
+            self._load(out, grads=True)
+            assert self.local_optimizer is not None
+            self.local_optimizer.step()
+        else:
+            self._load(out)
+        return result
+
+    def pull(self) -> None:
+        """Fetch the weights as of the current clock into the parameters."""
+        if self.aggregate:
+            raise InvalidArgumentError("pull: in aggregate mode the servers hold the mean gradient, not the "
+                                       "weights; the weights are the ones in your model")
+        out = self._landing()
+        self.client.pull(self._clock, out=out)
+        self._load(out)
+
+    def close(self) -> None:
+        """Close the client (the trainer owns it from construction on)."""
+        self.client.close()
+
+    def __enter__(self) -> PSTrainer:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.close()
+
+    # ---- internals ----
+
+    def _declare(self) -> int:
+        """Declare the parameters, load what the servers hold, return the clock to continue from."""
+        values = self._staging.to_host({k: _declared(p.detach()) for k, p in self.params.items()})
+        held = self.client.declare(values, self.job)
+        stats = [s for s in self.client.stats() if s.slices]
+        started = any(s.max_version > 0 for s in stats)
+        if self.aggregate and started:
+            # The slices hold the last mean gradient by now: the weights exist only on the workers.
+            log.warning("aggregate mode: the job is under way, keeping this model's own initial weights")
+        else:
+            self._staging.to_device(held, {k: p.detach() for k, p in self.params.items()})
+        if self.job.mode == "sync":
+            return min((s.min_version for s in stats), default=0)
+        # Async/SSP: the servers drop pushes at or below a worker's last clock (at-most-once).
+        return 1 + max((s.worker_clocks.get(self.client.worker_id, -1) for s in stats), default=-1)
+
+    def _grads_on_host(self) -> dict[str, np.ndarray]:
+        tensors: dict[str, torch.Tensor] = {}
+        for key, p in self.params.items():
+            grad = p.grad
+            if grad is None:
+                # An unused parameter still owes its slice a gradient, or a sync clock never completes.
+                grad = self._zeros.get(key)
+                if grad is None:
+                    grad = self._zeros[key] = torch.zeros_like(p, dtype=_declared_dtype(p))
+            if grad.is_sparse:
+                raise InvalidArgumentError(f"param {key!r}: sparse gradients are not supported")
+            tensors[key] = _declared(grad.detach())
+        return self._staging.to_host(tensors)
+
+    def _landing(self) -> dict[str, np.ndarray]:
+        """Where the pulled values land: CPU weights straight in the parameters, else a host buffer."""
+        out: dict[str, np.ndarray] = {}
+        for key, p in self.params.items():
+            if not self.aggregate and _writable_in_place(p):
+                out[key] = p.detach().numpy()
+                continue
+            buf = self._buffers.get(key)
+            if buf is None:
+                buf = self._buffers[key] = np.empty(tuple(p.shape), _numpy_dtype(_declared_dtype(p)))
+            out[key] = buf
+        return out
+
+    def _load(self, out: dict[str, np.ndarray], grads: bool = False) -> None:
+        if grads:
+            targets = {}
+            for key, p in self.params.items():
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+                targets[key] = p.grad
+            self._staging.to_device(out, targets)
+            return
+        staged = {k: a for k, a in out.items() if a is self._buffers.get(k)}
+        if staged:
+            self._staging.to_device(staged, {k: self.params[k].detach() for k in staged})
+
+
+def _declared_dtype(p: torch.Tensor) -> torch.dtype:
+    return p.dtype if p.dtype in _NATIVE else torch.float32
+
+
+def _declared(t: torch.Tensor) -> torch.Tensor:
+    return t if t.dtype in _NATIVE else t.float()
+
+
+def _numpy_dtype(dtype: torch.dtype) -> np.dtype:
+    return np.dtype({torch.float16: np.float16, torch.float32: np.float32, torch.float64: np.float64}[dtype])
+
+
+def _writable_in_place(p: torch.Tensor) -> bool:
+    return p.device.type == "cpu" and p.dtype in _NATIVE and p.is_contiguous()
