@@ -60,6 +60,8 @@ class Slot:
     aggregate: Aggregate = field(default_factory=Aggregate)  # sync only
     # SSP only: worker -> clock it joined the quorum at; it is not waited for below it.
     floors: dict[str, int] = field(default_factory=dict)
+    # Restored from a checkpoint and not yet caught up with the clock the workers are at.
+    behind: bool = False
     # Taken by the store around every policy call: one update at a time per slice,
     # while different slices update in parallel (numpy releases the GIL on big arrays).
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
@@ -70,6 +72,7 @@ class Slot:
             grad = grad.astype(self.value.dtype)  # float16 off the wire: optimizers work in master precision
         self.optimizer.step(self.value, grad, self.opt_state)
         self.version += 1
+        self.behind = False  # a restored slice is back in step once it applies an update
 
     def progress(self, worker: str) -> int:
         """The last clock `worker` counts as having pushed here, for SSP waiting."""
@@ -110,6 +113,12 @@ class ConsistencyPolicy(Protocol):
         """Membership changed: release whatever no longer needs to wait."""
         ...
 
+    def catch_up(self, slot: Slot, clock: int) -> None:
+        """A slice restored from a checkpoint meets the clock the workers have reached: move its
+        clocks (and, in sync mode, its version) up to it. The updates made after the checkpoint
+        are lost, as when a TensorFlow parameter server restarts from its last checkpoint."""
+        ...
+
 
 def _future(slot: Slot, what: str, clock: int, reached: str) -> FutureClockError:
     return FutureClockError(f"key {str(slot.key)!r}: {what} at clock {clock}, but {reached}")
@@ -127,6 +136,9 @@ class _AppliesAtOnce:
 
     def check_pull(self, slot: Slot, clock: int) -> None:
         self.check_clock(slot, "pull", clock)
+
+    def catch_up(self, slot: Slot, clock: int) -> None:
+        slot.max_clock = max(slot.max_clock, clock - 1)
 
     @staticmethod
     def check_clock(slot: Slot, what: str, clock: int) -> None:
@@ -212,6 +224,12 @@ class SyncPolicy:
             np.copyto(agg.total, grad)  # no zeroing pass on the first gradient of a clock
         agg.contributors.add(worker)
         self._apply_if_complete(slot, roster)
+
+    def catch_up(self, slot: Slot, clock: int) -> None:
+        if clock > slot.version:
+            slot.version = clock
+            slot.aggregate.contributors.clear()
+        slot.max_clock = max(slot.max_clock, clock - 1)
 
     def check_pull(self, slot: Slot, clock: int) -> None:
         if clock > slot.version + 1:

@@ -229,6 +229,7 @@ class ParameterServerServicer:
 
     async def _wait_readable(self, stamp: Stamp, keys: Sequence[SliceKey], deadline: float) -> None:
         store = self.store
+        started = time.monotonic()
         status = store.pull_status(stamp, keys)  # validates; raises on bad keys or clocks
         if status is None:
             return
@@ -241,7 +242,7 @@ class ParameterServerServicer:
                 return
             raise PullTimeoutError(
                 f"pull by {stamp.worker_id!r} at clock {stamp.clock} timed out after "
-                f"{self._timeout_s(0):.1f}s waiting for workers {list(waiting.workers)} "
+                f"{time.monotonic() - started:.1f}s waiting for workers {list(waiting.workers)} "
                 f"to reach clock {waiting.clock} (slices {[str(k) for k in waiting.keys][:5]})")
 
     def _timeout_s(self, timeout_ms: int) -> float:
@@ -442,7 +443,7 @@ class ParameterServerServicer:
                     await asyncio.wait_for(own.wait(), max(0.0, deadline - time.monotonic()))
                 except TimeoutError:
                     raise PullTimeoutError(f"Exchange from {stamp.worker_id!r}: the gradient of slice "
-                                           f"{str(key)!r} did not arrive within {self._timeout_s(0):.1f}s"
+                                           f"{str(key)!r} did not arrive before the request's deadline"
                                            ) from None
             await self._wait_readable(stamp, [key], deadline)
 

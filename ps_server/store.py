@@ -226,6 +226,12 @@ class ShardStore:
         with self._locked(slots):
             with self._meta:
                 self._check_stamp(stamp)
+            for slot in slots:
+                # Until a restored slice has applied a step of its own, the newest clock pushed to it
+                # is where the workers are: after a crash they may be a clock apart (one retrying the
+                # step whose reply it lost), and the slice must follow the faster one.
+                if slot.behind:
+                    self.policy.catch_up(slot, clock)
             # None = duplicate, False = late, True = accept; FutureClockError leaves everything as it was.
             verdicts = [None if clock <= slot.last_clock.get(worker, NO_CLOCK)
                         else self.policy.admit_push(slot, clock) for slot in slots]
@@ -434,7 +440,7 @@ class ShardStore:
                 key=s.key, dtype=np.dtype(s.dtype), value=value, optimizer=store._optimizer,
                 opt_state=_copy_state(s.opt_state), version=s.version, last_clock=dict(s.clocks),
                 max_clock=max(s.clocks.values(), default=NO_CLOCK), aggregate=aggregate,
-                floors=dict(s.floors))
+                floors=dict(s.floors), behind=True)
             for worker, clock in s.clocks.items():
                 store._worker_clocks[worker] = max(store._worker_clocks.get(worker, NO_CLOCK), clock)
         return store

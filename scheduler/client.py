@@ -175,7 +175,14 @@ class SchedulerClient:
         if self._rank is None:
             return
         request = pb.LeaveRequest(node_id=self._node_id, generation=self._generation)
-        reply = self._call("Leave", lambda t: self._stub.Leave(request, timeout=t), self._rpc_timeout_s)
+        try:
+            reply = self._call("Leave", lambda t: self._stub.Leave(request, timeout=t), self._rpc_timeout_s)
+        except UnknownNodeError:
+            # The scheduler restarted and we never re-registered: its views do not have us, so the
+            # servers no longer wait for us either. Leaving is already done.
+            log.info("leave: scheduler %s does not know %s (it restarted); nothing to leave",
+                     self.address, self._node_id)
+            return
         self._offer_view(view_from_proto(reply.view))
 
     # ---- barriers and layout ----

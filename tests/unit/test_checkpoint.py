@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from ps_common.errors import FutureClockError
 from ps_common.job import JobConfig, OptimizerConfig
 from ps_common.types import SliceKey, Stamp
 from ps_server import checkpoint
@@ -163,3 +164,69 @@ def test_the_arrays_load_without_pickle(tmp_path: Path) -> None:
 def test_a_checkpoint_name_with_a_path_in_it_is_refused(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="plain file name"):
         save_shard(tmp_path, trained_store(MomentumStub()).snapshot(), "../elsewhere")
+
+
+def _two_worker_sync_store() -> ShardStore:
+    store = ShardStore(JobConfig(mode="sync", optimizer=OptimizerConfig("sgd", lr=1.0)),
+                       quorum={"a": 0, "b": 0})
+    store.declare([(SliceKey("w"), np.zeros(2, np.float32))])
+    return store
+
+
+def _sync_step(store: ShardStore, clock: int) -> None:
+    for worker in ("a", "b"):
+        store.push(Stamp(worker, 0, clock), {SliceKey("w"): np.ones(2, np.float32)})
+
+
+def test_a_restored_sync_shard_catches_up_with_the_workers_clock_and_goes_on() -> None:
+    store = _two_worker_sync_store()
+    _sync_step(store, 0)
+    snap = store.snapshot()  # the checkpoint: version 1
+    for clock in (1, 2, 3):
+        _sync_step(store, clock)  # updates the crash will lose
+
+    restored = ShardStore.restore(snap)
+    _sync_step(restored, 4)  # the workers carry on at their own clock
+
+    [(value, version)] = restored.read([SliceKey("w")])
+    assert version == 5
+    assert value.tolist() == [-2.0, -2.0]  # the checkpoint's -1, one more step; clocks 1-3 are lost
+    assert restored.pull_status(Stamp("a", 0, 5), [SliceKey("w")]) is None
+
+
+def test_a_store_that_was_not_restored_still_refuses_a_clock_from_the_future() -> None:
+    store = _two_worker_sync_store()
+    _sync_step(store, 0)
+
+    with pytest.raises(FutureClockError, match="clock 4"):
+        store.push(Stamp("a", 0, 4), {SliceKey("w"): np.ones(2, np.float32)})
+
+
+def test_a_restored_async_shard_accepts_the_workers_clock() -> None:
+    store = ShardStore(JobConfig(mode="async", optimizer=OptimizerConfig("sgd", lr=1.0)))
+    store.declare([(SliceKey("w"), np.zeros(2, np.float32))])
+    store.push(Stamp("a", 0, 0), {SliceKey("w"): np.ones(2, np.float32)})
+    restored = ShardStore.restore(store.snapshot())
+
+    outcome = restored.push(Stamp("a", 0, 7), {SliceKey("w"): np.ones(2, np.float32)})
+
+    assert outcome.applied == 1
+    assert restored.read([SliceKey("w")])[0][0].tolist() == [-2.0, -2.0]
+
+
+def test_a_restored_sync_shard_follows_the_faster_worker_when_the_two_are_a_clock_apart() -> None:
+    # The crash caught worker a still retrying clock 1 (its pull had not come back) while b had
+    # moved on to clock 2. Whatever order their retries arrive in, the shard must follow the
+    # newest clock and neither worker may be refused or left waiting.
+    for first in ("a", "b"):
+        store = _two_worker_sync_store()
+        store.push(Stamp("a", 0, 0), {SliceKey("w"): np.ones(2, np.float32)})
+        snap = store.snapshot()  # version 0, a's clock-0 gradient pending
+        restored = ShardStore.restore(snap)
+        pushes = {"a": Stamp("a", 0, 1), "b": Stamp("b", 0, 2)}
+        for worker in (first, "b" if first == "a" else "a"):
+            restored.push(pushes[worker], {SliceKey("w"): np.ones(2, np.float32)})
+
+        assert restored.pull_status(Stamp("a", 0, 2), [SliceKey("w")]) is None  # a gets clock 2's weights
+        restored.push(Stamp("a", 0, 2), {SliceKey("w"): np.ones(2, np.float32)})
+        assert restored.read([SliceKey("w")])[0][1] == 3, first  # clock 2 completed with both
