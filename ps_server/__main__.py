@@ -78,7 +78,22 @@ def _static_quorum(args: argparse.Namespace) -> Mapping[str, int] | None:
     return {w.strip(): 0 for w in args.workers.split(",") if w.strip()}
 
 
+def _check_checkpoint_dir(path: str) -> None:
+    """Fail at start, naming the flag, rather than at the first checkpoint minutes later."""
+    try:
+        os.makedirs(path, exist_ok=True)
+        probe = os.path.join(path, ".pshard-write-test")
+        with open(probe, "w"):
+            pass
+        os.remove(probe)
+    except OSError as err:
+        raise ClusterConfigError(f"--checkpoint-dir: {path!r} is not a writable directory "
+                                 f"({err.strerror or err})") from None
+
+
 def _settings(args: argparse.Namespace) -> ServerSettings:
+    if args.checkpoint_dir:
+        _check_checkpoint_dir(args.checkpoint_dir)
     default_job = None
     if args.mode:
         default_job = JobConfig(mode=args.mode, staleness=args.staleness,
@@ -88,8 +103,8 @@ def _settings(args: argparse.Namespace) -> ServerSettings:
                           pull_timeout_s=args.pull_timeout_s, checkpoint_dir=args.checkpoint_dir)
 
 
-async def _run(args: argparse.Namespace, spec: ClusterSpec | None) -> int:
-    running = await service.start(_settings(args), _bind(args, spec), args.max_message_mb * 2**20)
+async def _run(args: argparse.Namespace, spec: ClusterSpec | None, settings: ServerSettings) -> int:
+    running = await service.start(settings, _bind(args, spec), args.max_message_mb * 2**20)
     print(f"pshard ps: listening on port {running.port}", flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -125,8 +140,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         if spec.task_type != "ps":
             raise ClusterConfigError(
                 f"task.type: got {spec.task_type!r}, python -m ps_server runs 'ps' tasks")
+    settings = _settings(args)
     try:
-        return asyncio.run(_run(args, spec))
+        return asyncio.run(_run(args, spec, settings))
     except PSError as err:
         print(f"python -m ps_server: error: {err}", file=sys.stderr)
         return 1

@@ -57,6 +57,17 @@ def test_bad_tf_config_exits_2_naming_the_field(tf_config, field):
     assert f"error: {field}" in result.stderr, result.stderr
 
 
+def test_an_unusable_checkpoint_dir_exits_2_naming_the_flag_and_the_path(tmp_path):
+    not_a_dir = tmp_path / "file"
+    not_a_dir.write_text("")
+
+    result = _run("--bind", "127.0.0.1:0", "--checkpoint-dir", str(not_a_dir / "ckpt"))
+
+    assert result.returncode == 2, (result.returncode, result.stderr)
+    assert "--checkpoint-dir" in result.stderr and str(not_a_dir / "ckpt") in result.stderr, result.stderr
+    assert "Traceback" not in result.stderr
+
+
 def _read_lines(stream, lines: queue.Queue) -> None:
     for line in stream:
         lines.put(line)
