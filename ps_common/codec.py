@@ -25,7 +25,7 @@ from ps_common.layout import Layout, LayoutSlice, ParamSpec
 from ps_common.types import SliceKey, Stamp
 
 # Logical dtype name -> (proto enum, numpy storage dtype). "<" pins little-endian on the wire.
-_DTYPES: dict[str, tuple[int, np.dtype]] = {
+_DTYPES: dict[str, tuple[tensor_pb.DType, np.dtype]] = {
     "float32": (tensor_pb.FLOAT32, np.dtype("<f4")),
     "float64": (tensor_pb.FLOAT64, np.dtype("<f8")),
     "float16": (tensor_pb.FLOAT16, np.dtype("<f2")),
@@ -37,7 +37,7 @@ _DTYPES: dict[str, tuple[int, np.dtype]] = {
     "uint8": (tensor_pb.UINT8, np.dtype("u1")),
     "bool": (tensor_pb.BOOL, np.dtype("?")),
 }
-_BY_ENUM = {enum: name for name, (enum, _) in _DTYPES.items()}
+_BY_ENUM: dict[int, str] = {int(enum): name for name, (enum, _) in _DTYPES.items()}
 _BY_NUMPY = {np.dtype(d).newbyteorder("="): name for name, (_, d) in _DTYPES.items() if name != "bfloat16"}
 
 DTYPE_NAMES = tuple(_DTYPES)
@@ -57,7 +57,7 @@ def numpy_dtype(name: str) -> np.dtype:
         raise DTypeMismatchError(f"dtype: got {name!r}, expected one of {DTYPE_NAMES}") from None
 
 
-def dtype_to_proto(name: str) -> int:
+def dtype_to_proto(name: str) -> tensor_pb.DType:
     numpy_dtype(name)
     return _DTYPES[name][0]
 

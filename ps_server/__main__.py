@@ -113,7 +113,7 @@ async def _run(args: argparse.Namespace, spec: ClusterSpec | None, settings: Ser
     follower = None
     if spec is not None and not args.no_scheduler:
         follower = service.follow_scheduler(running, spec, loop)
-    tasks = [asyncio.ensure_future(stop.wait())]
+    tasks: list[asyncio.Future[object]] = [asyncio.ensure_future(stop.wait())]
     if args.checkpoint_dir and args.checkpoint_interval_s > 0:
         tasks.append(asyncio.ensure_future(service.checkpoint_every(running, args.checkpoint_interval_s)))
     await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
