@@ -52,6 +52,12 @@ class Optimizer(Protocol):
         ...
 
 
+def fold_scale(optimizer: Optimizer) -> bool:
+    """Whether `SGD.step_scaled(param, sum, 1/n)` may replace dividing the sum first."""
+    return (isinstance(optimizer, SGD) and optimizer.config.momentum == 0
+            and optimizer.config.weight_decay == 0)
+
+
 class _ScratchPool:
     """Reusable scratch arrays, shared by all threads that apply updates.
 
@@ -151,6 +157,13 @@ class SGD:
             # torch: param.add_(d_p, alpha=-lr)
             np.multiply(d_p, param.dtype.type(-c.lr), out=update)
             param += update
+
+    def step_scaled(self, param: np.ndarray, grad_sum: np.ndarray, scale: float) -> None:
+        """Plain SGD on the mean `grad_sum * scale` in two passes instead of three: the sync
+        aggregate's division folds into the learning rate (`fold_scale` says when). The rounding
+        differs from dividing first by at most an ulp or so per element."""
+        np.multiply(grad_sum, param.dtype.type(-self.config.lr * scale), out=grad_sum)
+        param += grad_sum
 
     def _momentum(self, d_p: np.ndarray, state: SliceState, out: np.ndarray) -> np.ndarray:
         """Advance the momentum buffer; return the direction to step along (the buffer or `out`)."""

@@ -24,7 +24,7 @@ import numpy as np
 from ps_common.errors import FutureClockError
 from ps_common.job import JobConfig
 from ps_common.types import SliceKey
-from ps_server.optimizers import Optimizer, SliceState
+from ps_server.optimizers import Optimizer, SliceState, fold_scale
 
 NO_CLOCK = -1  # "has pushed nothing yet": clock 0 is then the next one
 
@@ -73,6 +73,17 @@ class Slot:
         self.optimizer.step(self.value, grad, self.opt_state)
         self.version += 1
         self.behind = False  # a restored slice is back in step once it applies an update
+
+    def apply_mean(self, total: np.ndarray, count: int) -> None:
+        """One optimizer step with total / count; `total` is scratch the step may overwrite."""
+        if count > 1 and total.dtype == self.value.dtype and fold_scale(self.optimizer):
+            self.optimizer.step_scaled(self.value, total, 1.0 / count)  # type: ignore[attr-defined]
+            self.version += 1
+            self.behind = False
+            return
+        if count > 1:
+            total /= count
+        self.apply(total)
 
     def progress(self, worker: str) -> int:
         """The last clock `worker` counts as having pushed here, for SSP waiting."""
@@ -256,8 +267,7 @@ class SyncPolicy:
         if not agg.contributors or not self._complete(agg.contributors, roster):
             return
         assert agg.total is not None
-        agg.total /= len(agg.contributors)
-        slot.apply(agg.total)
+        slot.apply_mean(agg.total, len(agg.contributors))
         agg.contributors.clear()
 
 

@@ -237,3 +237,23 @@ def test_clocks_advance_one_aggregate_step_each() -> None:
 
     assert value(store) == ([7, 14], 3)
     assert store.stats().worker_clocks == {"a": 2, "b": 2}
+
+
+def test_plain_sgd_folds_the_mean_into_the_learning_rate_within_an_ulp() -> None:
+    # Three workers, plain SGD: the store multiplies the sum by -lr/3 instead of dividing first.
+    rng = np.random.default_rng(7)
+    start = rng.standard_normal(4096).astype(np.float32)
+    grads = [rng.standard_normal(4096).astype(np.float32) for _ in range(3)]
+    store = ShardStore(JobConfig(mode="sync", optimizer=OptimizerConfig("sgd", lr=0.3)),
+                       quorum={"a": 0, "b": 0, "c": 0})
+    store.declare([(SliceKey("w"), start)])
+
+    for worker, grad in zip("abc", grads, strict=True):
+        store.push(Stamp(worker, 0, 0), {SliceKey("w"): grad})
+
+    [(value, version)] = store.read([SliceKey("w")])
+    mean = (grads[0] + grads[1] + grads[2]) / np.float32(3)
+    expected = start - np.float32(0.3) * mean
+    assert version == 1
+    ulp = np.finfo(np.float32).eps * np.abs(start).max()
+    np.testing.assert_allclose(value, expected, rtol=0, atol=4 * ulp)
