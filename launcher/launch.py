@@ -40,6 +40,7 @@ from pathlib import Path
 from types import FrameType
 from typing import TextIO
 
+from ps_common.argtypes import positive_float
 from ps_common.health import probe
 
 PROG = "python -m launcher"
@@ -477,14 +478,6 @@ def _count(minimum: int) -> Callable[[str], int]:
     return parse
 
 
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = float("nan")
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"got {text!r}, expected a number > 0")
-    return value
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -518,9 +511,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--worker-cmd", metavar="CMD", default=None,
                         help="command that runs one worker, split like a shell does "
                              f"(default: '{Path(sys.executable).name} -m worker' with this Python)")
-    parser.add_argument("--startup-timeout-s", metavar="S", type=_positive_float, default=60.0,
+    parser.add_argument("--startup-timeout-s", metavar="S", type=positive_float, default=60.0,
                         help="longest wait for the scheduler and servers to become healthy (default 60)")
-    parser.add_argument("--grace-s", metavar="S", type=_positive_float, default=10.0,
+    parser.add_argument("--grace-s", metavar="S", type=positive_float, default=10.0,
                         help="time between SIGTERM and SIGKILL when stopping a process (default 10)")
     return parser
 

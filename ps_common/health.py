@@ -15,6 +15,8 @@ from collections.abc import Sequence
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from ps_common.argtypes import positive_float
+
 DEFAULT_TIMEOUT_S = 3.0
 
 
@@ -52,7 +54,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--service", default="", help="service name to ask about (default: the server as a whole)"
     )
     parser.add_argument(
-        "--timeout-s", type=_positive_float, default=DEFAULT_TIMEOUT_S, help="deadline of the check, seconds"
+        "--timeout-s", type=positive_float, default=DEFAULT_TIMEOUT_S, help="deadline of the check, seconds"
     )
     try:
         args = parser.parse_args(argv)
@@ -72,14 +74,6 @@ def _target(value: str) -> str:
     return value
 
 
-def _positive_float(value: str) -> float:
-    try:
-        number = float(value)
-    except ValueError:
-        number = float("nan")
-    if not number > 0:
-        raise argparse.ArgumentTypeError(f"expected a number of seconds > 0, got {value!r}")
-    return number
 
 
 def _one_line(text: str, limit: int = 200) -> str:
