@@ -47,7 +47,8 @@ proto: $(STAMP)
 data:
 	@if [ -d "$(DATA_DIR)" ]; then echo "dataset: $(DATA_DIR)"; \
 	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
-		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq dataset-fashion-mnist; \
+		{ apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq dataset-fashion-mnist; } \
+			|| echo "dataset: apt-get install dataset-fashion-mnist failed; workers will use scikit-learn digits"; \
 	else echo "dataset: $(DATA_DIR) missing and cannot apt-get install dataset-fashion-mnist; the demo will use scikit-learn digits"; fi
 
 test: install data
