@@ -151,3 +151,18 @@ def test_a_killed_server_restarts_from_its_checkpoint_and_training_finishes(proc
 
     finals = [assert_trained(w) for w in workers]
     assert chief_accuracy(*finals) > DIGITS_ACCURACY_BAR, finals
+
+
+def test_uneven_shards_never_deadlock_the_last_sync_step(procs: Procs) -> None:
+    # digits' 1438 training images over 3 workers: shards of 480, 479 and 479. With batches of 479,
+    # worker 0 takes 2 steps an epoch and the others 1, so from the first epoch on worker 0 has a
+    # step the others never push: it completes only because they leave the quorum when done.
+    cluster = LocalCluster(procs, num_workers=3)
+    cluster.start_servers()
+    workers = [cluster.start_worker(i, *SYNC, "--epochs", "3", "--batch-size", "479", *TIMEOUTS)
+               for i in range(3)]
+
+    finals = [assert_trained(w) for w in workers]
+
+    steps = sorted(int(f["steps"]) for f in finals)
+    assert steps[0] < steps[-1], finals  # the shards really were uneven
