@@ -13,7 +13,7 @@ STUBS := ps_api/v1/parameter_server_pb2.py
 COMPOSE_BIN = $(shell $(PY) -c "import importlib.util, pathlib; print(pathlib.Path(importlib.util.find_spec('compose').origin).parent / 'docker-compose')")
 PYTEST_ARGS ?=
 
-.PHONY: install proto data test test-unit test-service test-e2e demo up bench lint clean help
+.PHONY: install proto data test test-unit test-service test-e2e demo demo-args up bench lint clean help
 
 help:
 	@echo "make install   create $(VENV) and install pshard with torch (CPU), grpc and the dev tools"
@@ -63,10 +63,15 @@ test-service: install
 test-e2e: install data
 	$(PY) -m pytest -q tests/e2e $(PYTEST_ARGS)
 
+# The demo's training flags; tests/e2e/test_demo.py runs exactly these (make demo-args prints them).
+DEMO_ARGS := --mode sync --epochs 2 --model cnn --optimizer sgd --lr 0.05 --momentum 0.9
+
 demo: install data
-	$(PY) -m launcher --ps 2 --workers 2 -- --mode sync --epochs 2 --model cnn \
-		--optimizer sgd --lr 0.05 --momentum 0.9 \
+	$(PY) -m launcher --ps 2 --workers 2 -- $(DEMO_ARGS) \
 		--output runs/demo/model.pt --metrics runs/demo/metrics.jsonl
+
+demo-args:
+	@echo $(DEMO_ARGS)
 
 up:
 	docker compose up --build
