@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
@@ -18,6 +19,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from ps_api.v1 import parameter_server_pb2 as pb
 from ps_common.cluster import ClusterSpec
 from ps_common.rpc import DEFAULT_MAX_MESSAGE_BYTES, server_options
+from ps_server.quorum import QuorumFollower
 from ps_server.servicer import ParameterServerServicer, ServerSettings
 from scheduler.client import SchedulerClient
 from scheduler.membership import ClusterView
@@ -145,9 +147,18 @@ def follow_scheduler(running: RunningServer, spec: ClusterSpec,
     """
     servicer = running.servicer
     servicer.follow_views()
+    # Workers a restarted scheduler forgot are waited for while they re-register (see quorum.py);
+    # the grace is set from the scheduler's heartbeat timeout once we are registered.
+    follower = QuorumFollower(grace_s=10.0, now=time.monotonic)
+
+    def install(view: ClusterView | None = None) -> None:
+        servicer.set_quorum(follower.apply(view), view.generation if view is not None else None)
+        deadline = follower.next_deadline()
+        if deadline is not None:
+            loop.call_later(max(0.0, deadline - time.monotonic()) + 0.01, install)
 
     def on_view(view: ClusterView) -> None:
-        loop.call_soon_threadsafe(servicer.set_quorum, view.live_workers(), view.generation)
+        loop.call_soon_threadsafe(install, view)
 
     client = SchedulerClient(spec.scheduler_address, "ps", own_address=spec.own_address or "",
                              node_id=spec.node_id, rank_hint=spec.task_index, on_view=on_view,
@@ -156,6 +167,7 @@ def follow_scheduler(running: RunningServer, spec: ClusterSpec,
     def register() -> None:
         try:
             registration = client.register()
+            follower.grace_s = 2 * client.heartbeat_timeout_s
             log.info("registered with scheduler %s as %s (rank %d, generation %d)", spec.scheduler_address,
                      registration.node_id, registration.rank, registration.generation)
         except Exception:

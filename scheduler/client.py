@@ -107,6 +107,11 @@ class SchedulerClient:
             return self._view
 
     @property
+    def heartbeat_timeout_s(self) -> float:
+        """How long the scheduler lets a node stay silent before declaring it dead."""
+        return self._heartbeat_timeout_s
+
+    @property
     def heartbeat_interval_s(self) -> float:
         return self._heartbeat_interval_s
 
