@@ -25,6 +25,7 @@ from ps_common.errors import ClusterConfigError, InvalidArgumentError
 from ps_common.job import MODES, OPTIMIZERS, WIRE_DTYPES, JobConfig, OptimizerConfig
 from worker.data import default_data_dir
 from worker.device import DEVICES, select_device
+from worker.evaluate import run_evaluator
 from worker.model import MODELS
 from worker.train import LOCAL_OPTIMIZERS, TrainConfig, run
 
@@ -73,6 +74,8 @@ def build_parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
     out = p.add_argument_group("output")
     out.add_argument("--output", metavar="PATH", help="the chief saves the final state_dict here")
     out.add_argument("--metrics", metavar="PATH", help="append JSON-lines metrics here ('-' = stdout)")
+    out.add_argument("--eval-interval-s", metavar="S", type=float, default=30.0,
+                     help="evaluator tasks: seconds between evaluations of the latest weights (default 30)")
     out.add_argument("--log-every", metavar="N", type=int, default=100,
                      help="a 'step' metrics line every N steps (default 100)")
     out.add_argument("--log-level", default="INFO", help="logging level on stderr (default INFO)")
@@ -93,17 +96,15 @@ def _check_numbers(parser: argparse.ArgumentParser, args: argparse.Namespace) ->
         if value < least:
             parser.error(f"{flag}: got {value}, expected >= {least}")
     for flag, seconds in (("--startup-timeout-s", args.startup_timeout_s),
-                          ("--step-timeout-s", args.step_timeout_s)):
+                          ("--step-timeout-s", args.step_timeout_s),
+                          ("--eval-interval-s", args.eval_interval_s)):
         if not seconds > 0:
             parser.error(f"{flag}: got {seconds}, expected > 0")
 
 
 def _cluster(args: argparse.Namespace, environ: Mapping[str, str]) -> ClusterSpec:
     spec = cluster_spec_from_args(args, environ, default_task_type="worker")
-    if spec.task_type == "evaluator":
-        raise ClusterConfigError("task.type: got 'evaluator', which is not supported yet; the chief "
-                                 "(or worker 0) evaluates the final model")
-    if spec.task_type not in ("chief", "worker"):
+    if spec.task_type not in ("chief", "worker", "evaluator"):
         program = "python -m ps_server" if spec.task_type == "ps" else "python -m scheduler"
         raise ClusterConfigError(f"task.type: got {spec.task_type!r}, which {PROG} does not run; "
                                  f"start it with {program}")
@@ -137,12 +138,15 @@ def config_from_args(argv: Sequence[str] | None, environ: Mapping[str, str]) -> 
         epochs=args.epochs, batch_size=args.batch_size, max_steps=args.max_steps, seed=args.seed,
         device=args.device, threads=args.threads, output=args.output, metrics=args.metrics,
         local_optimizer=args.local_optimizer, log_every=args.log_every,
-        startup_timeout_s=args.startup_timeout_s, step_timeout_s=args.step_timeout_s)
+        startup_timeout_s=args.startup_timeout_s, step_timeout_s=args.step_timeout_s,
+        eval_interval_s=args.eval_interval_s)
 
 
 @exit_on_config_error(prog=PROG)
 def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None) -> int:
     cfg = config_from_args(argv, os.environ if environ is None else environ)
+    if cfg.spec.task_type == "evaluator":
+        return run_evaluator(cfg)
     return run(cfg)
 
 

@@ -66,6 +66,7 @@ class TrainConfig:
     log_every: int = 100  # a "step" metrics line every N steps
     startup_timeout_s: float = 120.0
     step_timeout_s: float = 120.0
+    eval_interval_s: float = 30.0  # evaluator tasks: seconds between evaluations
 
     @property
     def is_chief(self) -> bool:
