@@ -41,6 +41,8 @@ _BY_ENUM: dict[int, str] = {int(enum): name for name, (enum, _) in _DTYPES.items
 _BY_NUMPY = {np.dtype(d).newbyteorder("="): name for name, (_, d) in _DTYPES.items() if name != "bfloat16"}
 
 DTYPE_NAMES = tuple(_DTYPES)
+# What a parameter server stores and trains (bfloat16 models declare float32 masters).
+PARAM_DTYPES = ("float16", "float32", "float64")
 
 
 class WireArray(NamedTuple):
@@ -111,11 +113,16 @@ def cast(wire: WireArray, dtype: str) -> WireArray:
 
 # ---- tensors ----
 
-def check_nbytes(what: str, dtype: str, shape: Sequence[int], nbytes: int) -> int:
-    """The byte length a (dtype, shape) needs; PayloadSizeError naming both when `nbytes` differs."""
+def nbytes_of(what: str, dtype: str, shape: Sequence[int]) -> int:
+    """The byte length a (dtype, shape) needs; a negative dimension is an error naming `what`."""
     if any(d < 0 for d in shape):
         raise InvalidArgumentError(f"{what}: shape {tuple(shape)} has a negative dimension")
-    want = math.prod(shape) * numpy_dtype(dtype).itemsize
+    return math.prod(shape) * numpy_dtype(dtype).itemsize
+
+
+def check_nbytes(what: str, dtype: str, shape: Sequence[int], nbytes: int) -> int:
+    """The byte length a (dtype, shape) needs; PayloadSizeError naming both when `nbytes` differs."""
+    want = nbytes_of(what, dtype, shape)
     if nbytes != want:
         raise PayloadSizeError(f"{what}: got {nbytes} bytes, dtype {dtype} and shape {tuple(shape)} "
                                f"need {want}")

@@ -8,16 +8,19 @@ policy lets a pull through. All semantics live in ps_server.store/policies.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, TypeVar
 
 import grpc
 import numpy as np
 
 from ps_api.v1 import parameter_server_pb2 as pb
+from ps_api.v1 import tensor_pb2 as tensor_pb
 from ps_common import codec
 from ps_common.codec import encode_data_frame
 from ps_common.errors import (
@@ -41,8 +44,22 @@ from ps_server.waiters import ChangeSignal
 
 log = logging.getLogger("pshard.ps")
 
+Request = TypeVar("Request")
+Response = TypeVar("Response")
+Handler = Callable[[Any, Request, grpc.aio.ServicerContext], Awaitable[Response]]
+
+
+def _unary(handler: Handler[Request, Response]) -> Handler[Request, Response]:
+    """A unary handler whose PSErrors end the call with their status (the one mapping, rpc_status)."""
+    @functools.wraps(handler)
+    async def wrapper(self: Any, request: Request, context: grpc.aio.ServicerContext) -> Response:
+        try:
+            return await handler(self, request, context)
+        except PSError as err:
+            await abort(context, err)
+    return wrapper
+
 _MODE_ENUM = {"sync": pb.SYNC, "async": pb.ASYNC, "ssp": pb.SSP}
-_FLOATS = ("float16", "float32", "float64")
 # Slices at least this big are sent as a frame of their own (cached and shared in sync mode);
 # smaller ones are packed together so a model of many tiny tensors is not many tiny messages.
 _OWN_FRAME_BYTES = 256 * 1024
@@ -92,8 +109,10 @@ class ParameterServerServicer:
         if self._quorum is not None:
             store.set_quorum(self._quorum)
         store.subscribe(self._signal.notify)
-        self._specs = {key: (codec.dtype_name_of(value), value.shape)
-                       for key, (value, _) in zip(store.keys(), store.read(store.keys()), strict=True)}
+        # Dtype as declared (a float16 slice keeps a float32 master) and shape, without copying values.
+        declared = store.keys()
+        self._specs = {key: store.read_with(key, lambda value, dtype, _: (dtype.name, value.shape))
+                       for key in declared}
         self._store = store
 
     @property
@@ -141,7 +160,7 @@ class ParameterServerServicer:
         if shape != stored_shape:
             raise ShapeMismatchError(f"key {str(key)!r}: got shape {shape}, store has {stored_shape}")
         wire = self.store.config.wire_dtype
-        if dtype != stored_dtype and not (wire and dtype == wire and stored_dtype in _FLOATS):
+        if dtype != stored_dtype and not (wire and dtype == wire and stored_dtype in codec.PARAM_DTYPES):
             allowed = stored_dtype + (f" or {wire}" if wire else "")
             raise DTypeMismatchError(f"key {str(key)!r}: got dtype {dtype}, store has {allowed}")
 
@@ -175,7 +194,7 @@ class ParameterServerServicer:
     def _to_wire(self, key: SliceKey, value: np.ndarray) -> codec.WireArray:
         stored = codec.WireArray(value, self._specs[key][0])
         wire = self.store.config.wire_dtype
-        return codec.cast(stored, wire) if wire and stored.dtype in _FLOATS else stored
+        return codec.cast(stored, wire) if wire and stored.dtype in codec.PARAM_DTYPES else stored
 
     # ---- declare ----
 
@@ -194,10 +213,10 @@ class ParameterServerServicer:
         if not items:
             raise EmptyRequestError("Declare: no slices given")
         for key, wire in items:
-            if wire.dtype not in _FLOATS:
+            if wire.dtype not in codec.PARAM_DTYPES:
                 raise DTypeMismatchError(f"key {str(key)!r}: got dtype {wire.dtype}, parameters must be "
-                                         f"one of {_FLOATS} (declare bfloat16 models as float32 and set "
-                                         "wire_dtype=bfloat16)")
+                                         f"one of {codec.PARAM_DTYPES} (declare bfloat16 models as float32 "
+                                         "and set wire_dtype=bfloat16)")
         store = await self._configure(job)
         keys = [k for k, _ in items]
         created = store.declare([(k, w.array) for k, w in items])
@@ -206,18 +225,15 @@ class ParameterServerServicer:
                 self._specs[key] = (wire.dtype, tuple(wire.array.shape))
         return created, [v for v, _ in store.read(keys)]
 
+    @_unary
     async def Declare(self, request: pb.DeclareRequest, context: grpc.aio.ServicerContext
                       ) -> pb.DeclareResponse:
-        try:
-            job = codec.job_from_proto(request.config) if request.HasField("config") else None
-            items = [codec.slice_tensor_from_proto(s) for s in request.slices]
-            created, values = await self._declare(job, items)
-            return pb.DeclareResponse(created=created, slices=[
-                codec.slice_tensor_to_proto(k, self._to_wire(k, v))
-                for (k, _), v in zip(items, values, strict=True)])
-        except PSError as err:
-            await abort(context, err)
-            raise
+        job = codec.job_from_proto(request.config) if request.HasField("config") else None
+        items = [codec.slice_tensor_from_proto(s) for s in request.slices]
+        created, values = await self._declare(job, items)
+        return pb.DeclareResponse(created=created, slices=[
+            codec.slice_tensor_to_proto(k, self._to_wire(k, v))
+            for (k, _), v in zip(items, values, strict=True)])
 
     # ---- push / pull ----
 
@@ -248,63 +264,51 @@ class ParameterServerServicer:
     def _timeout_s(self, timeout_ms: int) -> float:
         return timeout_ms / 1000 if timeout_ms else self._settings.pull_timeout_s
 
+    async def _push_then_pull(self, stamp: Stamp, items: Sequence[tuple[SliceKey, codec.WireArray]],
+                              keys: Sequence[SliceKey], timeout_ms: int
+                              ) -> tuple[int, int, list[tensor_pb.SliceTensor]]:
+        """What the unary Push, Pull and PushPull share: push (whole request atomically), then pull
+        at the next clock (or at `stamp.clock` when nothing was pushed)."""
+        for key in keys:
+            self._spec(key)
+        deadline = time.monotonic() + self._timeout_s(timeout_ms)
+        await self._await_view(stamp, deadline)
+        applied, dropped = self._push(stamp, items) if items else (0, 0)
+        if not keys:
+            return applied, dropped, []
+        await self._wait_readable(stamp._replace(clock=stamp.clock + 1) if items else stamp, keys, deadline)
+        self.pulls_served += 1
+        return applied, dropped, [codec.slice_tensor_to_proto(k, self._to_wire(k, v), version)
+                                  for k, (v, version) in zip(keys, self.store.read(keys), strict=True)]
+
+    @_unary
     async def Push(self, request: pb.PushRequest, context: grpc.aio.ServicerContext) -> pb.PushResponse:
-        try:
-            stamp = codec.stamp_from_proto(request.stamp)
-            items = [codec.slice_tensor_from_proto(g) for g in request.gradients]
-            if not items:
-                raise EmptyRequestError(f"Push from {stamp.worker_id!r}: no gradients given")
-            await self._await_view(stamp, time.monotonic() + self._settings.pull_timeout_s)
-            applied, dropped = self._push(stamp, items)
-            return pb.PushResponse(applied=applied, dropped=dropped)
-        except PSError as err:
-            await abort(context, err)
-            raise
+        stamp = codec.stamp_from_proto(request.stamp)
+        items = [codec.slice_tensor_from_proto(g) for g in request.gradients]
+        if not items:
+            raise EmptyRequestError(f"Push from {stamp.worker_id!r}: no gradients given")
+        applied, dropped, _ = await self._push_then_pull(stamp, items, [], 0)
+        return pb.PushResponse(applied=applied, dropped=dropped)
 
+    @_unary
     async def Pull(self, request: pb.PullRequest, context: grpc.aio.ServicerContext) -> pb.PullResponse:
-        try:
-            stamp = codec.stamp_from_proto(request.stamp)
-            keys = [codec.slice_id_from_proto(s) for s in request.slices]
-            if not keys:
-                raise EmptyRequestError(f"Pull from {stamp.worker_id!r}: no slices given")
-            for key in keys:
-                self._spec(key)
-            deadline = time.monotonic() + self._timeout_s(request.timeout_ms)
-            await self._await_view(stamp, deadline)
-            await self._wait_readable(stamp, keys, deadline)
-            values = self.store.read(keys)
-            self.pulls_served += 1
-            return pb.PullResponse(slices=[
-                codec.slice_tensor_to_proto(k, self._to_wire(k, v), version)
-                for k, (v, version) in zip(keys, values, strict=True)])
-        except PSError as err:
-            await abort(context, err)
-            raise
+        stamp = codec.stamp_from_proto(request.stamp)
+        keys = [codec.slice_id_from_proto(s) for s in request.slices]
+        if not keys:
+            raise EmptyRequestError(f"Pull from {stamp.worker_id!r}: no slices given")
+        _, _, slices = await self._push_then_pull(stamp, [], keys, request.timeout_ms)
+        return pb.PullResponse(slices=slices)
 
+    @_unary
     async def PushPull(self, request: pb.PushPullRequest, context: grpc.aio.ServicerContext
                        ) -> pb.PullResponse:
-        try:
-            stamp = codec.stamp_from_proto(request.stamp)
-            items = [codec.slice_tensor_from_proto(g) for g in request.gradients]
-            keys = [codec.slice_id_from_proto(s) for s in request.pull]
-            if not items and not keys:
-                raise EmptyRequestError(f"PushPull from {stamp.worker_id!r}: nothing to push or pull")
-            for key in keys:
-                self._spec(key)
-            deadline = time.monotonic() + self._timeout_s(request.timeout_ms)
-            await self._await_view(stamp, deadline)
-            applied, dropped = self._push(stamp, items) if items else (0, 0)
-            pull_stamp = stamp._replace(clock=stamp.clock + 1) if items else stamp
-            if keys:
-                await self._wait_readable(pull_stamp, keys, deadline)
-                self.pulls_served += 1
-            values = self.store.read(keys) if keys else []
-            return pb.PullResponse(applied=applied, dropped=dropped, slices=[
-                codec.slice_tensor_to_proto(k, self._to_wire(k, v), version)
-                for k, (v, version) in zip(keys, values, strict=True)])
-        except PSError as err:
-            await abort(context, err)
-            raise
+        stamp = codec.stamp_from_proto(request.stamp)
+        items = [codec.slice_tensor_from_proto(g) for g in request.gradients]
+        keys = [codec.slice_id_from_proto(s) for s in request.pull]
+        if not items and not keys:
+            raise EmptyRequestError(f"PushPull from {stamp.worker_id!r}: nothing to push or pull")
+        applied, dropped, slices = await self._push_then_pull(stamp, items, keys, request.timeout_ms)
+        return pb.PullResponse(applied=applied, dropped=dropped, slices=slices)
 
     # ---- Exchange: chunked push + pull on one stream ----
 
@@ -338,21 +342,22 @@ class ParameterServerServicer:
 
     async def _read_slices(self, metas: Sequence[tuple[SliceKey, str, tuple[int, ...]]],
                            frames: AsyncIterator[bytes]) -> AsyncIterator[tuple[int, codec.WireArray]]:
-        sizes = [codec.check_nbytes(f"slice {str(k)!r}", d, s,
-                                    int(np.prod(s, dtype=np.int64)) * codec.numpy_dtype(d).itemsize)
-                 for k, d, s in metas]
-        reader = SliceReader(sizes, [str(k) for k, _, _ in metas])
+        names = [f"slice {str(k)!r}" for k, _, _ in metas]
+        reader = SliceReader([codec.nbytes_of(n, d, s) for n, (_, d, s) in zip(names, metas, strict=True)],
+                             names)
+
+        def wire(index: int, buf: memoryview) -> tuple[int, codec.WireArray]:
+            _, dtype, shape = metas[index]
+            return index, codec.WireArray(codec.array_from_buffer(buf, dtype, shape, names[index]), dtype)
+
         for index, buf in reader.initial():
-            yield index, codec.WireArray(codec.array_from_buffer(buf, metas[index][1], metas[index][2]),
-                                         metas[index][1])
+            yield wire(index, buf)
         async for frame in frames:
             payload = codec.decode_data_frame(frame)
             if payload is None:
                 raise InvalidArgumentError("Exchange: expected only data frames after the header")
             for index, buf in reader.feed(payload):
-                key, dtype, shape = metas[index]
-                array = codec.array_from_buffer(buf, dtype, shape, f"slice {str(key)!r}")
-                yield index, codec.WireArray(array, dtype)
+                yield wire(index, buf)
         reader.finish()
 
     async def _exchange_declare(self, header: pb.ExchangeHeader, metas: list, frames: AsyncIterator[bytes]
@@ -360,7 +365,7 @@ class ParameterServerServicer:
         job = codec.job_from_proto(header.config) if header.HasField("config") else None
         items: list[tuple[SliceKey, codec.WireArray]] = []
         async for index, wire in self._read_slices(metas, frames):
-            # Frames are reused by grpc only after we drop them; copy, since declare keeps values.
+            # Views of the frames; store.declare copies what it keeps.
             items.append((metas[index][0], wire))
         created, values = await self._declare(job, items)
         packer = FramePacker(self._settings.chunk_bytes)
@@ -486,11 +491,8 @@ class ParameterServerServicer:
             None, save_shard, Path(self._settings.checkpoint_dir), snap, self._settings.shard_name)
         return path, store.stats().min_version
 
+    @_unary
     async def Checkpoint(self, request: pb.CheckpointRequest, context: grpc.aio.ServicerContext
                          ) -> pb.CheckpointResponse:
-        try:
-            path, version = await self.checkpoint(request.at_version, self._timeout_s(request.timeout_ms))
-            return pb.CheckpointResponse(path=str(path), min_version=version)
-        except PSError as err:
-            await abort(context, err)
-            raise
+        path, version = await self.checkpoint(request.at_version, self._timeout_s(request.timeout_ms))
+        return pb.CheckpointResponse(path=str(path), min_version=version)

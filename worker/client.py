@@ -43,7 +43,6 @@ from ps_common.types import Stamp
 log = logging.getLogger("pshard.client")
 
 T = TypeVar("T")
-_FLOATS = ("float16", "float32", "float64")
 # The RPC deadline outlives the wait the server is granted (header.timeout_ms) by this much, so a
 # pull that cannot be satisfied ends with the server's error naming whom it waited for, instead
 # of a bare client-side DEADLINE_EXCEEDED racing it, and the server has time to send the slices.
@@ -61,6 +60,12 @@ class PushResult:
     # Versions of the slices pulled back (fused push_pull), lowest first; empty for a plain push.
     min_version: int = 0
     max_version: int = 0
+
+
+def _result(summaries: Sequence[pb.ExchangeSummary]) -> PushResult:
+    versions = [v for s in summaries for v in s.versions]
+    return PushResult(sum(s.applied for s in summaries), sum(s.dropped for s in summaries),
+                      min(versions, default=0), max(versions, default=0))
 
 
 class PSClient:
@@ -88,6 +93,9 @@ class PSClient:
         self._pool = ThreadPoolExecutor(max_workers=2 * len(self.servers), thread_name_prefix="psclient")
         self._dtypes: dict[str, str] = {}
         self._closed = threading.Event()
+        # What the last push_pull did (its versions are the sync clock to follow), and the last pull.
+        self.last_result: PushResult | None = None
+        self.last_pull: PushResult | None = None
 
     # ---- lifecycle ----
 
@@ -118,9 +126,9 @@ class PSClient:
         specs = []
         for key, value in params.items():
             dtype = codec.dtype_name_of(value)
-            if dtype not in _FLOATS:
+            if dtype not in codec.PARAM_DTYPES:
                 raise InvalidArgumentError(f"param {key!r}: dtype {dtype} cannot be trained; expected one "
-                                           f"of {_FLOATS}")
+                                           f"of {codec.PARAM_DTYPES}")
             specs.append(ParamSpec(key, dtype, tuple(value.shape)))
         if self.layout is None:
             self.layout = plan_layout(specs, self.servers, slice_bytes)
@@ -163,17 +171,16 @@ class PSClient:
         result = self._outputs(wanted, out)
         wanted_set = set(wanted)
 
-        def run(server: int) -> tuple[int, int]:
+        def run(server: int) -> pb.ExchangeSummary:
             slices = [s for s in layout.slices_on(server) if s.key in wanted_set]
             if not slices:
-                return (1 << 62, 0)
+                return pb.ExchangeSummary()
             header = pb.ExchangeHeader(op=pb.PUSH_PULL, stamp=self._stamp(clock),
                                        pull=[codec.slice_id_to_proto(s.slice_key) for s in slices],
                                        timeout_ms=int(self._timeout_s * 1000))
-            summary = self._exchange_call(server, header, [], slices, result)
-            return (min(summary.versions, default=0), max(summary.versions, default=0))
+            return self._exchange_call(server, header, [], slices, result)
 
-        self.last_versions = self._all_servers(run)
+        self.last_pull = _result(self._all_servers(run))
         return result
 
     def push_pull(self, grads: Mapping[str, np.ndarray], clock: int,
@@ -211,10 +218,7 @@ class PSClient:
                 return self._unary_push_pull(server, header, buffers, slices if pull else [], out or {})
             return self._exchange_call(server, header, buffers, slices if pull else [], out or {})
 
-        summaries = self._all_servers(run)
-        versions = [v for s in summaries for v in s.versions]
-        return PushResult(sum(s.applied for s in summaries), sum(s.dropped for s in summaries),
-                          min(versions, default=0), max(versions, default=0))
+        return _result(self._all_servers(run))
 
     # ---- operations ----
 
@@ -271,7 +275,7 @@ class PSClient:
                                              f"array of {spec.shape}")
                 result[key] = given
             else:
-                result[key] = np.empty(spec.shape, codec.numpy_dtype(self._dtypes.get(key, spec.dtype)))
+                result[key] = np.empty(spec.shape, codec.numpy_dtype(self._param_dtype(key)))
         return result
 
     def _all_servers(self, fn: Callable[[int], T]) -> list[T]:
@@ -313,38 +317,42 @@ class PSClient:
                                                                               data=b.tobytes()))
                        for m, b in zip(header.push, buffers, strict=True)])
 
-        def call(t: float) -> pb.PullResponse:
-            return self._stubs[server].PushPull(request, timeout=t + DEADLINE_SLACK_S, wait_for_ready=True)
-
-        try:
-            response = self._retrying(f"server {self.servers[server]}", call)
-        except StaleGenerationError:
-            if self.generation <= request.stamp.generation:
-                raise
-            request.stamp.generation = self.generation  # re-registered meanwhile: see _exchange_call
-            response = self._retrying(f"server {self.servers[server]}", call)
+        response = self._call_stamped(server, request.stamp, lambda t: self._stubs[server].PushPull(
+            request, timeout=t + DEADLINE_SLACK_S, wait_for_ready=True))
         for s, got in zip(pulled, response.slices, strict=True):
-            _, wire = codec.slice_tensor_from_proto(got)
-            dtype = self._dtypes.get(s.key, wire.dtype)
-            values = codec.cast(wire, dtype).array.reshape(-1)
-            out[s.key].reshape(-1)[s.offset:s.offset + s.numel] = values
+            self._place(s, codec.slice_tensor_from_proto(got)[1], out)
         return pb.ExchangeSummary(versions=[s.version for s in response.slices],
                                   applied=response.applied, dropped=response.dropped)
 
     def _exchange_call(self, server: int, header: pb.ExchangeHeader, buffers: Sequence[np.ndarray],
                        pulled: Sequence[LayoutSlice], out: Mapping[str, np.ndarray]) -> pb.ExchangeSummary:
-        def call(t: float) -> pb.ExchangeSummary:
-            return self._exchange_once(server, header, buffers, pulled, out, t)
+        return self._call_stamped(server, header.stamp,
+                                  lambda t: self._exchange_once(server, header, buffers, pulled, out, t))
 
+    def _call_stamped(self, server: int, stamp: pb.Stamp, call: Callable[[float], T]) -> T:
+        """`_retrying`, plus one resend when the server fenced off a generation we have since left.
+
+        We re-registered (e.g. after a scheduler restart) while the request was on its way, and the
+        server already knows our new generation. Resending under it is safe: pushes are idempotent.
+        `stamp` is the request's own, updated in place.
+        """
+        what = f"server {self.servers[server]}"
         try:
-            return self._retrying(f"server {self.servers[server]}", call)
+            return self._retrying(what, call)
         except StaleGenerationError:
-            # We re-registered (e.g. after a scheduler restart) while this request was on its way:
-            # the server already knows our new generation. Resend once under it; pushes are idempotent.
-            if not header.HasField("stamp") or self.generation <= header.stamp.generation:
+            if self.generation <= stamp.generation:
                 raise
-            header.stamp.generation = self.generation
-            return self._retrying(f"server {self.servers[server]}", call)
+            stamp.generation = self.generation
+            return self._retrying(what, call)
+
+    def _param_dtype(self, key: str) -> str:
+        """The parameter's dtype here: as declared, else the layout's (for a reader that never declared)."""
+        return self._dtypes.get(key) or self._need_layout().param(key).dtype
+
+    def _place(self, s: LayoutSlice, wire: codec.WireArray, out: Mapping[str, np.ndarray]) -> None:
+        """Write a pulled slice into its parameter's array, undoing any wire compression."""
+        values = codec.cast(wire, self._param_dtype(s.key)).array.reshape(-1)
+        out[s.key].reshape(-1)[s.offset:s.offset + s.numel] = values
 
     def _exchange_once(self, server: int, header: pb.ExchangeHeader, buffers: Sequence[np.ndarray],
                        pulled: Sequence[LayoutSlice], out: Mapping[str, np.ndarray],
@@ -354,18 +362,15 @@ class PSClient:
             yield from pack_frames(buffers, self._chunk, whole_slices=True)
 
         wire = (self.job.wire_dtype if self.job else "") or ""
-        dtypes = [self._dtypes.get(s.key, self.layout.param(s.key).dtype) for s in pulled]  # type: ignore[union-attr]
-        wire_dtypes = [wire if wire and d in _FLOATS else d for d in dtypes]
+        dtypes = [self._param_dtype(s.key) for s in pulled]
+        wire_dtypes = [wire if wire and d in codec.PARAM_DTYPES else d for d in dtypes]
         sizes = [s.numel * codec.numpy_dtype(d).itemsize for s, d in zip(pulled, wire_dtypes, strict=True)]
         reader = SliceReader(sizes, [str(s.slice_key) for s in pulled])
         summary: pb.ExchangeSummary | None = None
 
         def place(index: int, buf: memoryview) -> None:
-            s = pulled[index]
             values = np.frombuffer(buf, dtype=codec.numpy_dtype(wire_dtypes[index]))
-            if wire_dtypes[index] != dtypes[index]:
-                values = codec.cast(codec.WireArray(values, wire_dtypes[index]), dtypes[index]).array
-            out[s.key].reshape(-1)[s.offset:s.offset + s.numel] = values
+            self._place(pulled[index], codec.WireArray(values, wire_dtypes[index]), out)
 
         for index, buf in reader.initial():
             place(index, buf)

@@ -78,9 +78,9 @@ def run_evaluator(cfg: TrainConfig, stdout: IO[str] | None = None) -> int:
                         param.copy_(torch.from_numpy(values[key]).reshape(param.shape))
                 accuracy, loss = evaluate(model, data, device)
                 evals += 1
-                versions = getattr(client, "last_versions", [])
+                pulled = client.last_pull
                 metrics.log("eval", test_accuracy=accuracy, test_loss=loss, final=done,
-                            version=min((v for v, _ in versions), default=0))
+                            version=pulled.min_version if pulled else 0)
                 log.info("eval %d: test_accuracy=%.4f test_loss=%.4f%s", evals, accuracy, loss,
                          " (final weights)" if done else "")
         code = 0

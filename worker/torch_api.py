@@ -107,6 +107,7 @@ class PSTrainer:
         out = self._landing()
         self.client.push_pull(grads, self._clock, out=out)
         result = self.client.last_result
+        assert result is not None  # push_pull always records what it did
         self.last_result = result
         # Sync: the servers' version is the clock (a late push jumps to it); otherwise one step each.
         self._clock = max(result.min_version, self._clock + 1) if self.job.mode == "sync" else self._clock + 1
