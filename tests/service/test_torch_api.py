@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 import torch
@@ -27,26 +28,13 @@ WAIT_S = 20.0
 WORKERS = ("w0", "w1")
 STEPS = 4
 
-# Quoted in the README. Start the servers it talks to with
-#   python -m ps_server --bind 127.0.0.1:7100 --workers worker-0   (and :7101)
-README_EXAMPLE = """\
-import torch
-from ps_common.job import JobConfig, OptimizerConfig
-from worker.client import PSClient
-from worker.torch_api import PSTrainer
+README = Path(__file__).resolve().parents[2] / "README.md"
 
-model = torch.nn.Sequential(torch.nn.Linear(4, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3))
-client = PSClient(["127.0.0.1:7100", "127.0.0.1:7101"], worker_id="worker-0")
-job = JobConfig(mode="sync", optimizer=OptimizerConfig(name="sgd", lr=0.1, momentum=0.9))
-x, y = torch.randn(256, 4), torch.randint(0, 3, (256,))
 
-with PSTrainer(model, client, job) as trainer:  # declares the parameters; the first worker's win
-    for batch in torch.arange(256).split(32):
-        trainer.zero_grad()
-        torch.nn.functional.cross_entropy(model(x[batch]), y[batch]).backward()
-        trainer.step()  # pushes the gradients, pulls the new weights into the model
-print(f"clock {trainer.clock}")
-"""
+def readme_example() -> str:
+    """The README's PSTrainer example, read from the README itself so the two cannot drift apart."""
+    section = README.read_text(encoding="utf-8").split("## Using it from your own training loop", 1)[1]
+    return section.split("```python\n", 1)[1].split("```", 1)[0]
 
 
 @pytest.fixture
@@ -205,9 +193,10 @@ def test_aggregate_mode_needs_a_local_optimizer(start_servers) -> None:
 def test_readme_example_runs_as_written(start_servers, capsys) -> None:
     servers = start_servers(2, quorum=("worker-0",))
     # The only edit: the example's fixed ports become the test servers' free ones.
-    code = README_EXAMPLE.replace('"127.0.0.1:7100", "127.0.0.1:7101"',
-                                  f'"{servers[0].address}", "{servers[1].address}"')
-    assert code != README_EXAMPLE
+    example = readme_example()
+    code = example.replace('"127.0.0.1:7100", "127.0.0.1:7101"',
+                           f'"{servers[0].address}", "{servers[1].address}"')
+    assert code != example
 
     exec(compile(code, "README example", "exec"), {"__name__": "readme_example"})
 
