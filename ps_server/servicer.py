@@ -152,8 +152,10 @@ class ParameterServerServicer:
         try:
             return self._specs[key]
         except KeyError:
-            raise UnknownKeyError(f"slice {str(key)!r} is not declared on this server "
-                                  f"({len(self._specs)} slices are)") from None
+            held = (f"{len(self._specs)} slices are" if self._specs else
+                    # The usual way to get here mid-run: a server restarted with nothing to restore.
+                    "it holds none: restarted without a checkpoint? see --checkpoint-dir")
+            raise UnknownKeyError(f"slice {str(key)!r} is not declared on this server ({held})") from None
 
     def _check_push_meta(self, key: SliceKey, dtype: str, shape: tuple[int, ...]) -> None:
         stored_dtype, stored_shape = self._spec(key)

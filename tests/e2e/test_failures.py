@@ -158,8 +158,10 @@ def test_a_killed_server_restarts_from_its_checkpoint_and_training_finishes(proc
         wait_healthy(cluster.task(proc.name).address, proc=proc)
     workers = [cluster.start_worker(i, *SYNC, *LONG_RUN, *TIMEOUTS) for i in (0, 1)]
     wait_for_progress(cluster, "worker-0", "worker-1")
-    wait_until(lambda: any(cluster.checkpoint_dir("ps-1").glob("*")), PROGRESS_TIMEOUT_S,
-               "ps-1 to write a checkpoint")
+    # The json, not any file: a checkpoint's files appear one by one (npz first, then the json that
+    # commits it), and a server killed between the two leaves nothing a restart could restore.
+    committed = cluster.checkpoint_dir("ps-1") / "shard.json"
+    wait_until(committed.exists, PROGRESS_TIMEOUT_S, f"ps-1 to commit a checkpoint at {committed}")
 
     kill_while_running(servers[1])
     restarted = cluster.start_ps(1, *ps_args(1))

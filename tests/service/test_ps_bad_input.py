@@ -205,6 +205,19 @@ def test_bad_declare_is_refused_naming_the_values_and_leaves_the_store_unchanged
     assert primed.state() == before
 
 
+def test_push_to_a_server_holding_nothing_points_at_a_missing_checkpoint(start_server, wire):
+    # What a worker sees mid-run when a server came back without a checkpoint to restore.
+    server = start_server(ServerSettings(static_quorum={"w0": GENERATION}))
+
+    with pytest.raises(grpc.RpcError) as caught:
+        wire.stub(server).Push(pb.PushRequest(stamp=wire.stamp("w0", 3, GENERATION), gradients=[
+            wire.tensor("fc.bias", np.ones(4, np.float32))]), timeout=10)
+
+    _assert_error(caught.value, CODE.NOT_FOUND, UnknownKeyError, "'fc.bias'", "holds none",
+                  "--checkpoint-dir")
+    assert wire.stats(server).slices == 0
+
+
 def test_unary_message_over_the_servers_limit_is_refused_before_it_reaches_the_store(start_server, wire):
     # gRPC's limit is raised to fit one Exchange frame whatever is asked for: that is the floor.
     limit = CHUNK_BYTES + FRAME_SLACK_BYTES
