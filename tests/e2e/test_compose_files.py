@@ -366,11 +366,13 @@ def test_probe_of_a_closed_port_fails_at_once() -> None:
         sock.bind(("127.0.0.1", 0))
         target = f"127.0.0.1:{sock.getsockname()[1]}"
         started = time.monotonic()
-        result = run_probe(target, "--timeout-s", "5")
+        result = run_probe(target, "--timeout-s", "60")
         elapsed = time.monotonic() - started
     assert result.returncode == 1
     assert result.stderr.startswith(f"{target}: server: UNAVAILABLE") and result.stderr.count("\n") == 1
-    assert elapsed < 5  # refused at once rather than waiting out the deadline
+    # Refused at once rather than waiting out the deadline; the margin is for starting Python on a
+    # loaded machine.
+    assert elapsed < 30
 
 
 def test_probe_of_a_silent_peer_gives_up_at_its_deadline() -> None:

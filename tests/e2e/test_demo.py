@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import Procs
-from test_launcher import finals, launcher
+
+from tests.e2e.harness import Procs, finals, launcher
 
 pytestmark = pytest.mark.e2e
 

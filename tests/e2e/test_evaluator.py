@@ -5,10 +5,17 @@ from __future__ import annotations
 import json
 
 import pytest
-from conftest import LocalCluster, Procs, read_metrics
-from test_failures import SYNC, TIMEOUTS, assert_trained, chief_accuracy
 
 from launcher.launch import Task
+from tests.e2e.harness import (
+    SYNC,
+    TIMEOUTS,
+    LocalCluster,
+    Procs,
+    assert_trained,
+    chief_accuracy,
+    read_metrics,
+)
 
 pytestmark = pytest.mark.e2e
 

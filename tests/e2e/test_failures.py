@@ -12,10 +12,21 @@ import signal
 
 import grpc
 import pytest
-from conftest import LocalCluster, Proc, Procs, wait_healthy, wait_until
 
 from ps_api.v1.parameter_server_pb2 import GetStatsRequest
 from ps_api.v1.parameter_server_pb2_grpc import ParameterServerStub
+from tests.e2e.harness import (
+    FINISH_TIMEOUT_S,
+    SYNC,
+    TIMEOUTS,
+    LocalCluster,
+    Proc,
+    Procs,
+    assert_trained,
+    chief_accuracy,
+    wait_healthy,
+    wait_until,
+)
 
 pytestmark = pytest.mark.e2e
 
@@ -25,12 +36,8 @@ LONG_RUN = ("--epochs", "8", "--batch-size", "32")
 # The scheduler restart needs steps left after the workers are thawed (re-registering takes a
 # heartbeat or two): 12 epochs are 276 steps, 1-20 s depending on the load.
 RESTART_RUN = ("--epochs", "12", "--batch-size", "32")
-SYNC = ("--mode", "sync", "--optimizer", "sgd", "--lr", "0.1", "--momentum", "0.9")
-# Worker flags that bound each wait inside the worker, so a bug fails the test instead of hanging it.
-TIMEOUTS = ("--step-timeout-s", "30", "--startup-timeout-s", "30")
 STEPS_BEFORE_KILL = 5
 PROGRESS_TIMEOUT_S = 45
-FINISH_TIMEOUT_S = 60
 # Measured with these settings on digits (chance is 0.10): sync 0.96-0.98, async 0.98, SSP(2) 0.94.
 # 0.90 leaves room for the run-to-run noise of asynchronous interleavings and still fails a model
 # that did not train.
@@ -47,19 +54,6 @@ def kill_while_running(proc: Proc) -> None:
     assert proc.alive(), f"{proc.name} ended before it could be killed:\n{proc.output()}"
     proc.kill()
     assert proc.popen.returncode == -signal.SIGKILL, f"{proc.name} exited on its own:\n{proc.output()}"
-
-
-def assert_trained(proc: Proc) -> dict[str, str]:
-    code = proc.wait(FINISH_TIMEOUT_S)
-    assert code == 0, proc.output()
-    final = proc.final()
-    assert final is not None, f"{proc.name} printed no final line:\n{proc.output()}"
-    return final
-
-
-def chief_accuracy(*finals: dict[str, str]) -> float:
-    (accuracy,) = [float(f["test_accuracy"]) for f in finals if "test_accuracy" in f]
-    return accuracy
 
 
 def test_sync_training_goes_on_after_a_worker_is_killed(procs: Procs) -> None:

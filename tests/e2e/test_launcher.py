@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import PYTHON, Proc, Procs, parse_final, wait_until
 
 from ps_common.health import probe
+from tests.e2e.harness import PYTHON, Proc, Procs, finals, launcher, wait_until
 
 pytestmark = pytest.mark.e2e
 
@@ -30,25 +30,10 @@ QUICK_TIMEOUT_S = 45
 DIGITS_ACCURACY_BAR = 0.90
 
 
-def launcher(procs: Procs, *args: str) -> Proc:
-    return procs.python("launcher", "-m", "launcher", *args)
-
-
 def child_lines(proc: Proc, name: str) -> list[str]:
     """Lines the launcher relayed from child `name`, without the prefix."""
     prefix = f"[{name}] "
     return [line[len(prefix):] for line in proc.lines if line.startswith(prefix)]
-
-
-def finals(proc: Proc) -> dict[str, dict[str, str]]:
-    """Each child's `final:` line fields, by child name."""
-    found: dict[str, dict[str, str]] = {}
-    for line in proc.lines:
-        match = re.match(r"^\[([\w-]+)\] (final:.*)$", line)
-        if match and (fields := parse_final(match.group(2))) is not None:
-            assert match.group(1) not in found, f"two final lines from {match.group(1)}"
-            found[match.group(1)] = fields
-    return found
 
 
 def server_addresses(proc: Proc) -> list[str]:
