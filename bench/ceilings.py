@@ -20,9 +20,6 @@ import contextlib
 import sys
 import time
 
-if __package__ in (None, ""):
-    sys.path.insert(0, __import__("os").path.dirname(__import__("os").path.dirname(__file__)))
-
 from bench.common import (
     DEFAULT_SIZES,
     MB,

@@ -70,12 +70,6 @@ def summarize_latencies(samples_s: Sequence[float]) -> dict[str, float]:
             "mean_us": round(statistics.fmean(samples_s) * 1e6, 1)}
 
 
-def ensure_repo_on_path() -> None:
-    """`python bench/x.py` puts bench/ first on sys.path; the packages live one level up."""
-    if str(REPO) not in sys.path:
-        sys.path.insert(0, str(REPO))
-
-
 @dataclass
 class ServerProcess:
     proc: subprocess.Popen[str]

@@ -15,9 +15,6 @@ import sys
 import time
 from pathlib import Path
 
-if __package__ in (None, ""):
-    sys.path.insert(0, __import__("os").path.dirname(__import__("os").path.dirname(__file__)))
-
 from bench.common import (
     DEFAULT_SIZES,
     MB,

@@ -12,9 +12,6 @@ import argparse
 import sys
 import time
 
-if __package__ in (None, ""):
-    sys.path.insert(0, __import__("os").path.dirname(__import__("os").path.dirname(__file__)))
-
 from bench.common import CpuMeter, emit, start_ps_servers, stop_processes, summarize_latencies
 
 

@@ -20,9 +20,6 @@ from __future__ import annotations
 import argparse
 import sys
 
-if __package__ in (None, ""):
-    sys.path.insert(0, __import__("os").path.dirname(__import__("os").path.dirname(__file__)))
-
 from bench import ceilings
 from bench.common import DEFAULT_SIZES, emit, load_average, machine, parse_sizes
 from bench.dense import dense
