@@ -293,7 +293,7 @@ def compose_binary() -> Path | None:
     return binary if binary.is_file() else None
 
 
-def launcher(procs: Procs, *args: str) -> Proc:
+def start_launcher(procs: Procs, *args: str) -> Proc:
     return procs.python("launcher", "-m", "launcher", *args)
 
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.e2e.harness import Procs, finals, launcher
+from tests.e2e.harness import Procs, finals, start_launcher
 
 pytestmark = pytest.mark.e2e
 
@@ -35,8 +35,8 @@ def demo_args() -> list[str]:
                     reason=f"Fashion-MNIST is not in {DATA_DIR} (apt-get install dataset-fashion-mnist)")
 def test_the_demo_trains_fashion_mnist_to_the_promised_accuracy(procs: Procs, tmp_path: Path) -> None:
     model = tmp_path / "model.pt"
-    run = launcher(procs, "--ps", "2", "--workers", "2", "--", *demo_args(), "--data-dir", str(DATA_DIR),
-                   "--output", str(model))
+    run = start_launcher(procs, "--ps", "2", "--workers", "2", "--", *demo_args(),
+                         "--data-dir", str(DATA_DIR), "--output", str(model))
 
     code = run.wait(DEMO_TIMEOUT_S)
 

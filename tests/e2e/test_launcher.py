@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from ps_common.health import probe
-from tests.e2e.harness import PYTHON, Proc, Procs, finals, launcher, wait_until
+from tests.e2e.harness import PYTHON, Proc, Procs, finals, start_launcher, wait_until
 
 pytestmark = pytest.mark.e2e
 
@@ -70,11 +70,11 @@ def test_sync_training_on_digits_finishes_and_saves_a_state_dict(procs: Procs, t
     data_dir = tmp_path / "empty-data"
     data_dir.mkdir()
     model_path = tmp_path / "model.pt"
-    run = launcher(procs, "--ps", "2", "--workers", "2", "--",
-                   "--mode", "sync", "--epochs", "3", "--batch-size", "32", "--model", "mlp",
-                   "--optimizer", "sgd", "--lr", "0.1", "--momentum", "0.9", "--seed", "0",
-                   "--data-dir", str(data_dir), "--output", str(model_path),
-                   "--metrics", str(tmp_path / "metrics-{task}.jsonl"))
+    run = start_launcher(procs, "--ps", "2", "--workers", "2", "--",
+                         "--mode", "sync", "--epochs", "3", "--batch-size", "32", "--model", "mlp",
+                         "--optimizer", "sgd", "--lr", "0.1", "--momentum", "0.9", "--seed", "0",
+                         "--data-dir", str(data_dir), "--output", str(model_path),
+                         "--metrics", str(tmp_path / "metrics-{task}.jsonl"))
     code = run.wait(RUN_TIMEOUT_S)
     assert code == 0, run.output()
     assert run.lines[-1] == "launcher: exit 0: worker-0=0 worker-1=0", run.output()
@@ -93,7 +93,7 @@ def test_sync_training_on_digits_finishes_and_saves_a_state_dict(procs: Procs, t
 
 
 def test_a_failing_worker_stops_everything_and_fails_the_launch(procs: Procs) -> None:
-    run = launcher(procs, "--ps", "1", "--workers", "2", "--grace-s", "5", "--", "--no-such-flag")
+    run = start_launcher(procs, "--ps", "1", "--workers", "2", "--grace-s", "5", "--", "--no-such-flag")
     servers = server_addresses(run)
     code = run.wait(QUICK_TIMEOUT_S)
     assert code == 2, run.output()  # argparse's usage-error status, passed through
@@ -108,8 +108,8 @@ def test_a_server_that_cannot_start_fails_the_launch_before_any_worker(procs: Pr
     # A stand-in worker that would say so if it ran; --checkpoint-dir on a file makes ps fail.
     blocker = procs.tmp_path / "not-a-dir"
     blocker.write_text("")
-    run = launcher(procs, "--ps", "1", "--workers", "1", "--checkpoint-dir", str(blocker),
-                   "--worker-cmd", f"{PYTHON} -c 'print(\"worker ran\")'")
+    run = start_launcher(procs, "--ps", "1", "--workers", "1", "--checkpoint-dir", str(blocker),
+                         "--worker-cmd", f"{PYTHON} -c 'print(\"worker ran\")'")
     code = run.wait(QUICK_TIMEOUT_S)
     assert code == 1, run.output()
     assert "worker ran" not in "\n".join(run.lines)
@@ -131,8 +131,8 @@ STAND_IN = textwrap.dedent("""
 def test_sigterm_stops_every_child_and_grandchild(procs: Procs, tmp_path: Path) -> None:
     script = tmp_path / "stand_in.py"
     script.write_text(STAND_IN)
-    run = launcher(procs, "--ps", "1", "--workers", "2", "--grace-s", "1",
-                   "--worker-cmd", f"{PYTHON} {script}")
+    run = start_launcher(procs, "--ps", "1", "--workers", "2", "--grace-s", "1",
+                         "--worker-cmd", f"{PYTHON} {script}")
     servers = server_addresses(run)
     pids = []
     for name in ("worker-0", "worker-1"):
@@ -153,8 +153,8 @@ def test_sigterm_stops_every_child_and_grandchild(procs: Procs, tmp_path: Path) 
 
 
 def test_every_child_line_is_prefixed_with_its_name(procs: Procs) -> None:
-    run = launcher(procs, "--ps", "2", "--workers", "1", "--chief",
-                   "--worker-cmd", f"{PYTHON} -c 'import os; print(os.environ[\"TF_CONFIG\"])'")
+    run = start_launcher(procs, "--ps", "2", "--workers", "1", "--chief",
+                         "--worker-cmd", f"{PYTHON} -c 'import os; print(os.environ[\"TF_CONFIG\"])'")
     assert run.wait(QUICK_TIMEOUT_S) == 0, run.output()
     names = {"scheduler", "ps-0", "ps-1", "chief-0", "worker-0"}
     for line in run.lines:
