@@ -8,8 +8,8 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.pshard-installed
 DATA_DIR ?= /usr/share/datasets/fashion-mnist
-PROTOS := $(wildcard proto/ps_api/v1/*.proto)
-STUBS := ps_api/v1/parameter_server_pb2.py
+PROTOS := $(wildcard proto/pshard/api/v1/*.proto)
+STUBS := pshard/api/v1/parameter_server_pb2.py
 COMPOSE_BIN = $(shell $(PY) -c "import importlib.util, pathlib; print(pathlib.Path(importlib.util.find_spec('compose').origin).parent / 'docker-compose')")
 PYTEST_ARGS ?=
 
@@ -17,30 +17,29 @@ PYTEST_ARGS ?=
 
 help:
 	@echo "make install   create $(VENV) and install pshard with torch (CPU), grpc and the dev tools"
-	@echo "make proto     generate the gRPC stubs in ps_api/ from proto/"
+	@echo "make proto     regenerate the gRPC stubs (pshard/api/v1) from proto/"
 	@echo "make test      run the whole test suite (unit, service, e2e)"
 	@echo "make demo      train Fashion-MNIST with a local cluster: scheduler, 2 servers, 2 workers"
 	@echo "make up        docker compose up (needs a Docker engine)"
 	@echo "make bench     run the benchmarks in bench/ and print JSON lines"
 	@echo "make lint      ruff, mypy, compose config and hadolint"
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml setup.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install --quiet --upgrade pip
-	# torch first and pinned: 2.13.0 is the CPU build; an unpinned torch pulls multi-GB CUDA wheels.
-	$(PIP) install --quiet torch==2.13.0
-	$(PIP) install --quiet "grpcio-tools==1.85.1"
-	$(PY) -m grpc_tools.protoc -I proto --python_out=. --pyi_out=. --grpc_python_out=. $(PROTOS)
+	# Every pin lives in pyproject.toml; torch==2.13.0 there is the CPU build on this disk (an unpinned
+	# torch pulls multi-GB CUDA wheels). The editable install generates the stubs (setup.py).
 	$(PIP) install --quiet -e ".[worker,dev]"
 	touch $(STAMP)
 
 install: $(STAMP) $(STUBS)
 
+# Editing a .proto regenerates the stubs through the same build hook that pip uses.
 $(STUBS): $(PROTOS) | $(STAMP)
-	$(PY) -m grpc_tools.protoc -I proto --python_out=. --pyi_out=. --grpc_python_out=. $(PROTOS)
+	$(PIP) install --quiet --no-deps -e .
 
 proto: $(STAMP)
-	$(PY) -m grpc_tools.protoc -I proto --python_out=. --pyi_out=. --grpc_python_out=. $(PROTOS)
+	$(PIP) install --quiet --no-deps -e .
 
 # Fashion-MNIST from Debian's dataset-fashion-mnist package; without it (not root, no apt)
 # the workers fall back to scikit-learn's bundled digits and say so.
@@ -67,7 +66,7 @@ test-e2e: install data
 DEMO_ARGS := --mode sync --epochs 2 --model cnn --optimizer sgd --lr 0.05 --momentum 0.9
 
 demo: install data
-	$(PY) -m launcher --ps 2 --workers 2 -- $(DEMO_ARGS) \
+	$(VENV)/bin/pshard launch --ps 2 --workers 2 -- $(DEMO_ARGS) \
 		--output runs/demo/model.pt --metrics runs/demo/metrics.jsonl
 
 demo-args:
@@ -86,4 +85,4 @@ lint: install
 	$(VENV)/bin/hadolint docker/Dockerfile.server docker/Dockerfile.worker
 
 clean:
-	rm -rf ps_api runs .pytest_cache .ruff_cache .mypy_cache .hypothesis
+	rm -rf pshard/api/v1/*_pb2* runs .pytest_cache .ruff_cache .mypy_cache .hypothesis

@@ -97,8 +97,7 @@ def _echo_server(conn: object) -> None:
     import asyncio
 
     import grpc
-
-    from ps_common.rpc import server_options
+    from pshard.common.rpc import server_options
 
     async def echo(requests: object, context: object) -> object:
         async for message in requests:  # type: ignore[attr-defined]
@@ -170,8 +169,7 @@ def _echo_worker(run: WorkerRun, addresses: list[str], bytes_per_server: int, ch
     from concurrent.futures import ThreadPoolExecutor
 
     import grpc
-
-    from ps_common.rpc import channel_options, identity
+    from pshard.common.rpc import channel_options, identity
 
     channels = [grpc.insecure_channel(a, options=channel_options()) for a in addresses]
     calls = [c.stream_stream(ECHO_METHOD, request_serializer=identity, response_deserializer=identity)
@@ -212,7 +210,7 @@ def _echo_worker(run: WorkerRun, addresses: list[str], bytes_per_server: int, ch
 def grpc_dense(model_bytes: int, servers: int = 2, workers: int = 2, warmup: int = 2, steps: int = 8,
                chunk_bytes: int | None = None) -> dict[str, object]:
     """Bytes sent plus received by all workers per second, through plain grpcio echo streams."""
-    from ps_common.rpc import CHUNK_BYTES
+    from pshard.common.rpc import CHUNK_BYTES
 
     chunk = chunk_bytes or CHUNK_BYTES
     per_server = model_bytes // servers
@@ -231,8 +229,7 @@ def grpc_dense(model_bytes: int, servers: int = 2, workers: int = 2, warmup: int
 def grpc_small(payload_bytes: int = 4000, iterations: int = 2000, warmup: int = 200) -> dict[str, object]:
     """Round trip of one `payload_bytes` message on a new bidi stream per call, from this process."""
     import grpc
-
-    from ps_common.rpc import channel_options, identity
+    from pshard.common.rpc import channel_options, identity
 
     message = b"\x01" * payload_bytes
     from bench.latency import cpu_per_call

@@ -82,7 +82,7 @@ class ServerProcess:
 
 def start_ps_servers(count: int, workers: Sequence[str], extra: Sequence[str] = (),
                      timeout_s: float = 60.0, profile_dir: str | None = None) -> list[ServerProcess]:
-    """`count` parameter servers (python -m ps_server) on 127.0.0.1, quorum `workers`.
+    """`count` parameter servers (python -m pshard.ps_server) on 127.0.0.1, quorum `workers`.
 
     They are started together (Python start-up is most of their start-up time) and
     each is ready once it prints its port. With `profile_dir` each runs under cProfile
@@ -95,8 +95,8 @@ def start_ps_servers(count: int, workers: Sequence[str], extra: Sequence[str] = 
     def command(i: int) -> list[str]:
         if profile_dir:
             return [sys.executable, "-m", "cProfile", "-o", str(Path(profile_dir) / f"server{i}.prof"),
-                    "-m", "ps_server", *args]
-        return [sys.executable, "-m", "ps_server", *args]
+                    "-m", "pshard.ps_server", *args]
+        return [sys.executable, "-m", "pshard.ps_server", *args]
 
     cmd = command(0)
     path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))

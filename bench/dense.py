@@ -1,6 +1,6 @@
 """Dense bandwidth: fused push_pull of a whole model, 2 parameter servers x 2 workers.
 
-Parameter servers are `python -m ps_server` processes, workers spawned processes with
+Parameter servers are `python -m pshard.ps_server` processes, workers spawned processes with
 a PSClient each, all on 127.0.0.1, sync mode, server-side SGD. Every step each worker
 pushes every gradient and gets every updated weight back in one push_pull. MB/s
 counts the bytes pushed plus the bytes pulled by all workers (decimal MB).
@@ -33,9 +33,8 @@ from bench.common import (
 def _dense_worker(run: WorkerRun, addresses: list[str], sizes: list[int], lr: float, warmup: int,
                   steps: int, profile_dir: str | None, server_pids: list[int]) -> dict[str, float]:
     import numpy as np
-
-    from ps_common.job import JobConfig, OptimizerConfig
-    from worker.client import PSClient
+    from pshard.common.job import JobConfig, OptimizerConfig
+    from pshard.worker.client import PSClient
 
     rng = np.random.default_rng(run.index)
     params = {f"t{i:02d}": rng.standard_normal(n, dtype=np.float32) for i, n in enumerate(sizes)}

@@ -1,6 +1,6 @@
 """Latency of a small fused push+pull: one tensor, one worker, one parameter server process.
 
-The worker is this process; the server is `python -m ps_server` in sync mode with
+The worker is this process; the server is `python -m pshard.ps_server` in sync mode with
 this worker as its whole quorum, so every push_pull is applied and answered at once.
 
     python -m bench.latency [--numel 1000] [--iterations 2000] [--warmup 200]
@@ -17,9 +17,8 @@ from bench.common import CpuMeter, emit, start_ps_servers, stop_processes, summa
 
 def latency(numel: int = 1000, iterations: int = 2000, warmup: int = 200) -> dict[str, object]:
     import numpy as np
-
-    from ps_common.job import JobConfig, OptimizerConfig
-    from worker.client import PSClient
+    from pshard.common.job import JobConfig, OptimizerConfig
+    from pshard.worker.client import PSClient
 
     [server] = start_ps_servers(1, ["w0"])
     try:

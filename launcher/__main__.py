@@ -1,6 +1,6 @@
 import sys
 
-from launcher.launch import main
+from pshard.launcher.launch import main
 
 if __name__ == "__main__":
     sys.exit(main())

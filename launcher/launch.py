@@ -1,9 +1,9 @@
-"""``python -m launcher``: a whole pshard cluster as real OS processes on one host (DESIGN §10).
+"""``python -m pshard.launcher``: a whole pshard cluster as real OS processes on one host (DESIGN §10).
 
-    python -m launcher --ps 2 --workers 2 -- --mode sync --epochs 2 --output runs/model.pt
+    python -m pshard.launcher --ps 2 --workers 2 -- --mode sync --epochs 2 --output runs/model.pt
 
-starts ``python -m scheduler`` and N ``python -m ps_server``, waits until each answers its gRPC
-health check, then starts M ``python -m worker`` (plus a chief with ``--chief``). Each child
+starts ``python -m pshard.scheduler`` and N ``python -m pshard.ps_server``, waits until each answers its gRPC
+health check, then starts M ``python -m pshard.worker`` (plus a chief with ``--chief``). Each child
 gets its own TF_CONFIG naming the whole cluster on free ports of ``--host``. Every line a child
 writes is printed prefixed with its name (``[ps-0] ...``). The exit status is the workers': 0
 only when every worker exited 0. A failing child, Ctrl-C or SIGTERM stops every child: SIGTERM
@@ -40,10 +40,10 @@ from pathlib import Path
 from types import FrameType
 from typing import TextIO
 
-from ps_common.argtypes import positive_float
-from ps_common.health import probe
+from pshard.common.argtypes import positive_float
+from pshard.common.health import probe
 
-PROG = "python -m launcher"
+PROG = "python -m pshard.launcher"
 # The repository root: children import `scheduler`, `ps_server` and `worker` from the same tree
 # as the launcher, whatever the current directory.
 ROOT = Path(__file__).resolve().parents[1]
@@ -159,7 +159,7 @@ class Options:
     heartbeat_interval_ms: int = 1000
     heartbeat_timeout_ms: int = 5000
     checkpoint_dir: str | None = None
-    worker_cmd: tuple[str, ...] = (sys.executable, "-m", "worker")
+    worker_cmd: tuple[str, ...] = (sys.executable, "-m", "pshard.worker")
     worker_args: tuple[str, ...] = ()
     startup_timeout_s: float = 60.0
     grace_s: float = 10.0
@@ -183,11 +183,11 @@ def child_specs(plan: ClusterPlan, options: Options, python: str = sys.executabl
         # --bind names the address explicitly: without it the services listen on 0.0.0.0, while
         # a local cluster should stay on --host.
         if task.task_type == "scheduler":
-            argv = [python, "-m", "scheduler", "--bind", task.address,
+            argv = [python, "-m", "pshard.scheduler", "--bind", task.address,
                     "--heartbeat-interval-ms", str(options.heartbeat_interval_ms),
                     "--heartbeat-timeout-ms", str(options.heartbeat_timeout_ms)]
         else:
-            argv = [python, "-m", "ps_server", "--bind", task.address]
+            argv = [python, "-m", "pshard.ps_server", "--bind", task.address]
             if options.checkpoint_dir:
                 argv += ["--checkpoint-dir", str(Path(options.checkpoint_dir) / task.name)]
         specs.append(ChildSpec(task.name, tuple(argv), _child_env(plan, task), task.address))

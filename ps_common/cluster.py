@@ -29,7 +29,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields, replace
 from typing import Any, TypeVar, overload
 
-from ps_common.errors import ClusterConfigError
+from pshard.common.errors import ClusterConfigError
 
 # Cluster jobs we read, in the order they are listed; "master" is folded into "chief".
 JOBS = ("scheduler", "chief", "ps", "worker", "evaluator")
@@ -346,7 +346,7 @@ def exit_on_config_error(fn: None = None, *, prog: str | None = None) -> Callabl
 def exit_on_config_error(fn: F | None = None, *, prog: str | None = None) -> F | Callable[[F], F]:
     """Decorate an entry point: a ClusterConfigError prints ``<prog>: error: <message>`` and exits 2.
 
-    Use as ``@exit_on_config_error`` or ``@exit_on_config_error(prog="python -m scheduler")``;
+    Use as ``@exit_on_config_error`` or ``@exit_on_config_error(prog="python -m pshard.scheduler")``;
     the default prog is argparse's (the script's base name). Exit status 2 matches argparse's
     usage errors: the process never started, nothing to retry.
     """

@@ -15,14 +15,15 @@ from collections.abc import Iterable, Sequence
 from typing import NamedTuple
 
 import numpy as np
+from pshard.common.errors import DTypeMismatchError, InvalidArgumentError, PayloadSizeError
+from pshard.common.job import JobConfig, OptimizerConfig
+from pshard.common.layout import Layout, LayoutSlice, ParamSpec
+from pshard.common.types import SliceKey, Stamp
+from pshard.common.view import ClusterView, Node, NodeState
 
-from ps_api.v1 import parameter_server_pb2 as ps_pb
-from ps_api.v1 import scheduler_pb2 as sched_pb
-from ps_api.v1 import tensor_pb2 as tensor_pb
-from ps_common.errors import DTypeMismatchError, InvalidArgumentError, PayloadSizeError
-from ps_common.job import JobConfig, OptimizerConfig
-from ps_common.layout import Layout, LayoutSlice, ParamSpec
-from ps_common.types import SliceKey, Stamp
+from pshard.api.v1 import parameter_server_pb2 as ps_pb
+from pshard.api.v1 import scheduler_pb2 as sched_pb
+from pshard.api.v1 import tensor_pb2 as tensor_pb
 
 # Logical dtype name -> (proto enum, numpy storage dtype). "<" pins little-endian on the wire.
 _DTYPES: dict[str, tuple[tensor_pb.DType, np.dtype]] = {
@@ -320,3 +321,30 @@ def decode_frame(frame: bytes) -> ps_pb.Frame:
     message = ps_pb.Frame()
     message.ParseFromString(frame)
     return message
+
+
+# ---- cluster views (scheduler messages) ----
+
+_STATE_TO_PROTO = {NodeState.LIVE: sched_pb.LIVE, NodeState.DEAD: sched_pb.DEAD,
+                   NodeState.LEFT: sched_pb.LEFT}
+_STATE_FROM_PROTO = {v: k for k, v in _STATE_TO_PROTO.items()}
+
+
+def node_to_proto(node: Node) -> sched_pb.Node:
+    return sched_pb.Node(node_id=node.node_id, role=node.role, rank=node.rank, address=node.address,
+                   state=_STATE_TO_PROTO[node.state], generation=node.generation)
+
+
+def node_from_proto(p: sched_pb.Node) -> Node:
+    # A state this version does not know (a newer scheduler) is safest read as not live.
+    state = _STATE_FROM_PROTO.get(p.state, NodeState.DEAD)
+    return Node(p.node_id, p.role, p.rank, p.address, state, p.generation)
+
+
+def view_to_proto(view: ClusterView) -> sched_pb.ClusterView:
+    return sched_pb.ClusterView(generation=view.generation, nodes=[node_to_proto(n) for n in view.nodes],
+                          layout_version=view.layout_version)
+
+
+def view_from_proto(p: sched_pb.ClusterView) -> ClusterView:
+    return ClusterView(p.generation, tuple(node_from_proto(n) for n in p.nodes), p.layout_version)

@@ -12,9 +12,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator, Sequence
 
 import numpy as np
-
-from ps_common.codec import byte_view, encode_data_frame
-from ps_common.errors import PayloadSizeError
+from pshard.common.codec import byte_view, encode_data_frame
+from pshard.common.errors import PayloadSizeError
 
 Buffer = bytes | memoryview | np.ndarray
 

@@ -1,4 +1,4 @@
-"""A standard gRPC health probe: `python -m ps_common.health HOST:PORT [--service NAME] [--timeout-s S]`.
+"""A standard gRPC health probe: `python -m pshard.common.health HOST:PORT [--service NAME] [--timeout-s S]`.
 
 Exit 0 when the server answers SERVING; exit 1 otherwise, with one line on stderr saying
 why. That is the contract of a Docker (or Kubernetes exec) health check, and it keeps the
@@ -14,8 +14,7 @@ from collections.abc import Sequence
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-
-from ps_common.argtypes import positive_float
+from pshard.common.argtypes import positive_float
 
 DEFAULT_TIMEOUT_S = 3.0
 
@@ -43,7 +42,7 @@ def probe(target: str, service: str = "", timeout_s: float = DEFAULT_TIMEOUT_S) 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m ps_common.health",
+        prog="python -m pshard.common.health",
         description="Ask a gRPC server's standard health service (grpc.health.v1) whether it is SERVING. "
         "Exit 0 if so, 1 otherwise with a one-line reason on stderr.",
     )

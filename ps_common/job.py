@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ps_common.errors import InvalidArgumentError
+from pshard.common.errors import InvalidArgumentError
 
 MODES = ("sync", "async", "ssp")
 OPTIMIZERS = ("sgd", "adam", "adamw", "adagrad", "aggregate")

@@ -15,8 +15,8 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from ps_common.errors import EmptyRequestError, InvalidArgumentError, LayoutConflictError
-from ps_common.types import SliceKey
+from pshard.common.errors import EmptyRequestError, InvalidArgumentError, LayoutConflictError
+from pshard.common.types import SliceKey
 
 # 4 MiB: the largest chunk the data plane sends, so every slice travels in one frame
 # and the server can use it zero-copy. Small enough to spread a 32 MiB layer over servers.

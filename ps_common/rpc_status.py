@@ -12,8 +12,7 @@ from typing import NoReturn
 
 import grpc
 import grpc.aio
-
-from ps_common.errors import (
+from pshard.common.errors import (
     InvalidArgumentError,
     MessageTooLargeError,
     PSError,

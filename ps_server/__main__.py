@@ -1,4 +1,4 @@
-"""python -m ps_server: run one parameter server.
+"""python -m pshard.ps_server: run one parameter server.
 
 With TF_CONFIG (task type "ps"), the server binds its own address's port, registers
 with the scheduler and follows its cluster view: the sync quorum is the set of live
@@ -15,7 +15,7 @@ import signal
 import sys
 from collections.abc import Mapping, Sequence
 
-from ps_common.cluster import (
+from pshard.common.cluster import (
     ClusterSpec,
     add_cluster_arguments,
     cluster_config_given,
@@ -23,18 +23,18 @@ from ps_common.cluster import (
     exit_on_config_error,
     split_address,
 )
-from ps_common.errors import ClusterConfigError, PSError
-from ps_common.job import MODES, OPTIMIZERS, JobConfig, OptimizerConfig
-from ps_common.rpc import DEFAULT_MAX_MESSAGE_BYTES
-from ps_server import service
-from ps_server.servicer import ServerSettings
+from pshard.common.errors import ClusterConfigError, PSError
+from pshard.common.job import MODES, OPTIMIZERS, JobConfig, OptimizerConfig
+from pshard.common.rpc import DEFAULT_MAX_MESSAGE_BYTES
+from pshard.ps_server import service
+from pshard.ps_server.servicer import ServerSettings
 
 log = logging.getLogger("pshard.ps")
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m ps_server",
+        prog="python -m pshard.ps_server",
         description="pshard parameter server: holds a shard of the model and answers push/pull over gRPC.",
         epilog="The job's consistency mode and optimizer normally come from the workers (their first "
                "Declare); the --mode/--optimizer flags set them for clients that send none.")
@@ -129,7 +129,7 @@ async def _run(args: argparse.Namespace, spec: ClusterSpec | None, settings: Ser
     return 0
 
 
-@exit_on_config_error(prog="python -m ps_server")
+@exit_on_config_error(prog="python -m pshard.ps_server")
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
@@ -139,12 +139,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         spec = cluster_spec_from_args(args, os.environ, default_task_type="ps")
         if spec.task_type != "ps":
             raise ClusterConfigError(
-                f"task.type: got {spec.task_type!r}, python -m ps_server runs 'ps' tasks")
+                f"task.type: got {spec.task_type!r}, python -m pshard.ps_server runs 'ps' tasks")
     settings = _settings(args)
     try:
         return asyncio.run(_run(args, spec, settings))
     except PSError as err:
-        print(f"python -m ps_server: error: {err}", file=sys.stderr)
+        print(f"python -m pshard.ps_server: error: {err}", file=sys.stderr)
         return 1
 
 

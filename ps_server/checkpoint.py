@@ -29,12 +29,11 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 import numpy as np
-
-from ps_common.errors import PSError
-from ps_common.job import JobConfig, OptimizerConfig
-from ps_common.types import SliceKey
-from ps_server.optimizers import SliceState
-from ps_server.store import ShardSnapshot, SliceSnapshot
+from pshard.common.errors import PSError
+from pshard.common.job import JobConfig, OptimizerConfig
+from pshard.common.types import SliceKey
+from pshard.ps_server.optimizers import SliceState
+from pshard.ps_server.store import ShardSnapshot, SliceSnapshot
 
 FORMAT = 1
 _TMP_SUFFIX = ".tmp"

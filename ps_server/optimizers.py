@@ -29,9 +29,8 @@ from contextlib import contextmanager
 from typing import Protocol, cast
 
 import numpy as np
-
-from ps_common.errors import DTypeMismatchError
-from ps_common.job import OptimizerConfig
+from pshard.common.errors import DTypeMismatchError
+from pshard.common.job import OptimizerConfig
 
 # Per-slice optimizer state: named arrays (same shape as the slice) and scalars such as the step count.
 # Plain data, so a checkpoint can store it with np.savez and JSON (never pickle).

@@ -20,11 +20,10 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 import numpy as np
-
-from ps_common.errors import FutureClockError
-from ps_common.job import JobConfig
-from ps_common.types import SliceKey
-from ps_server.optimizers import Optimizer, SliceState, fold_scale
+from pshard.common.errors import FutureClockError
+from pshard.common.job import JobConfig
+from pshard.common.types import SliceKey
+from pshard.ps_server.optimizers import Optimizer, SliceState, fold_scale
 
 NO_CLOCK = -1  # "has pushed nothing yet": clock 0 is then the next one
 

@@ -13,9 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from scheduler.membership import ClusterView, NodeState
-
-_WORKER_ROLES = ("chief", "worker")
+from pshard.common.view import TRAINER_ROLES, ClusterView, NodeState
 
 
 class QuorumFollower:
@@ -36,7 +34,7 @@ class QuorumFollower:
         self._last = view
         live = view.live_workers()
         accounted = set(live) | {n.node_id for n in view.nodes
-                                 if n.role in _WORKER_ROLES and n.state is not NodeState.LIVE}
+                                 if n.role in TRAINER_ROLES and n.state is not NodeState.LIVE}
         now = self._now()
         quorum = dict(live)
         for worker, generation in self._quorum.items():

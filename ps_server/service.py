@@ -1,6 +1,6 @@
 """Assemble and run a parameter server: gRPC handlers, health, graceful stop.
 
-`serve()` runs inside an asyncio loop (python -m ps_server); `start_server_thread()`
+`serve()` runs inside an asyncio loop (python -m pshard.ps_server); `start_server_thread()`
 runs one in a background thread with its own loop, for tests and embedding.
 """
 
@@ -15,18 +15,18 @@ from dataclasses import dataclass, field
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from pshard.common.cluster import ClusterSpec
+from pshard.common.rpc import DEFAULT_MAX_MESSAGE_BYTES, server_options
+from pshard.common.scheduler_client import SchedulerClient
+from pshard.common.view import ClusterView
+from pshard.ps_server.quorum import QuorumFollower
+from pshard.ps_server.servicer import ParameterServerServicer, ServerSettings
 
-from ps_api.v1 import parameter_server_pb2 as pb
-from ps_common.cluster import ClusterSpec
-from ps_common.rpc import DEFAULT_MAX_MESSAGE_BYTES, server_options
-from ps_server.quorum import QuorumFollower
-from ps_server.servicer import ParameterServerServicer, ServerSettings
-from scheduler.client import SchedulerClient
-from scheduler.membership import ClusterView
+from pshard.api.v1 import parameter_server_pb2 as pb
 
 log = logging.getLogger("pshard.ps")
 
-SERVICE_NAME = "ps_api.v1.ParameterServer"
+SERVICE_NAME = "pshard.api.v1.ParameterServer"
 
 
 def _handlers(servicer: ParameterServerServicer) -> grpc.GenericRpcHandler:

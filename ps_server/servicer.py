@@ -18,12 +18,9 @@ from typing import Any, TypeVar
 
 import grpc
 import numpy as np
-
-from ps_api.v1 import parameter_server_pb2 as pb
-from ps_api.v1 import tensor_pb2 as tensor_pb
-from ps_common import codec
-from ps_common.codec import encode_data_frame
-from ps_common.errors import (
+from pshard.common import codec
+from pshard.common.codec import encode_data_frame
+from pshard.common.errors import (
     DTypeMismatchError,
     EmptyRequestError,
     InvalidArgumentError,
@@ -33,14 +30,17 @@ from ps_common.errors import (
     ShapeMismatchError,
     UnknownKeyError,
 )
-from ps_common.framing import FramePacker, SliceReader
-from ps_common.job import JobConfig
-from ps_common.rpc import CHUNK_BYTES
-from ps_common.rpc_status import abort
-from ps_common.types import SliceKey, Stamp
-from ps_server.checkpoint import load_shard, save_shard
-from ps_server.store import ShardStore
-from ps_server.waiters import ChangeSignal
+from pshard.common.framing import FramePacker, SliceReader
+from pshard.common.job import JobConfig
+from pshard.common.rpc import CHUNK_BYTES
+from pshard.common.rpc_status import abort
+from pshard.common.types import SliceKey, Stamp
+from pshard.ps_server.checkpoint import load_shard, save_shard
+from pshard.ps_server.store import ShardStore
+from pshard.ps_server.waiters import ChangeSignal
+
+from pshard.api.v1 import parameter_server_pb2 as pb
+from pshard.api.v1 import tensor_pb2 as tensor_pb
 
 log = logging.getLogger("pshard.ps")
 

@@ -30,8 +30,7 @@ from dataclasses import dataclass, field
 from typing import TypeVar
 
 import numpy as np
-
-from ps_common.errors import (
+from pshard.common.errors import (
     DTypeMismatchError,
     EmptyRequestError,
     InvalidArgumentError,
@@ -40,10 +39,10 @@ from ps_common.errors import (
     StaleGenerationError,
     UnknownKeyError,
 )
-from ps_common.job import JobConfig
-from ps_common.types import SliceKey, Stamp
-from ps_server.optimizers import Optimizer, SliceState, make_optimizer
-from ps_server.policies import NO_CLOCK, Aggregate, ConsistencyPolicy, Roster, Slot, make_policy
+from pshard.common.job import JobConfig
+from pshard.common.types import SliceKey, Stamp
+from pshard.ps_server.optimizers import Optimizer, SliceState, make_optimizer
+from pshard.ps_server.policies import NO_CLOCK, Aggregate, ConsistencyPolicy, Roster, Slot, make_policy
 
 # Slices hold floating point values only: gradients of anything else mean nothing.
 FLOAT_DTYPES = (np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64))

@@ -1,4 +1,4 @@
-"""``python -m scheduler``: run the pshard scheduler until SIGTERM or SIGINT.
+"""``python -m pshard.scheduler``: run the pshard scheduler until SIGTERM or SIGINT.
 
 Where to listen: ``--bind``; else the port of this task's address in TF_CONFIG (the scheduler
 task, or the chief / worker 0 that hosts the scheduler when the cluster has none), on every
@@ -15,17 +15,17 @@ import signal
 import sys
 from collections.abc import Mapping, Sequence
 
-from ps_common.cluster import (
+from pshard.common.cluster import (
     add_cluster_arguments,
     cluster_config_given,
     cluster_spec_from_args,
     exit_on_config_error,
     split_address,
 )
-from ps_common.errors import ClusterConfigError
-from scheduler.service import serve
+from pshard.common.errors import ClusterConfigError
+from pshard.scheduler.service import serve
 
-PROG = "python -m scheduler"
+PROG = "python -m pshard.scheduler"
 DEFAULT_PORT = 7000
 
 

@@ -15,12 +15,9 @@ counter jumps above it, so generations stay monotonic across scheduler restarts.
 from __future__ import annotations
 
 import dataclasses
-import enum
-import time
 from dataclasses import dataclass
-from typing import Protocol
 
-from ps_common.errors import (
+from pshard.common.errors import (
     BarrierTimeoutError,
     EmptyRequestError,
     InvalidArgumentError,
@@ -28,86 +25,19 @@ from ps_common.errors import (
     StaleGenerationError,
     UnknownNodeError,
 )
-from ps_common.layout import Layout
+from pshard.common.layout import Layout
+from pshard.common.view import (
+    RANK_SPACE,
+    ROLES,
+    Clock,
+    ClusterView,
+    MonotonicClock,
+    Node,
+    NodeState,
+    Registration,
+)
 
-ROLES = ("scheduler", "ps", "chief", "worker", "evaluator")
-# Workers and the chief are the data-parallel ranks and share one rank space; a chief without a
-# rank hint asks for rank 0, so the chief comes first as in ClusterSpec.worker_ids.
-RANK_SPACE = {"scheduler": "scheduler", "ps": "ps", "chief": "worker", "worker": "worker",
-              "evaluator": "evaluator"}
 _SPACE_ORDER = {"scheduler": 0, "ps": 1, "worker": 2, "evaluator": 3}
-
-
-class Clock(Protocol):
-    def now(self) -> float:
-        """Seconds on a clock that never goes backwards."""
-        ...
-
-
-class MonotonicClock:
-    def now(self) -> float:
-        return time.monotonic()
-
-
-class ManualClock:
-    """A clock that moves only when told to: tests advance it instead of sleeping."""
-
-    def __init__(self, start: float = 0.0) -> None:
-        self._now = start
-
-    def now(self) -> float:
-        return self._now
-
-    def advance(self, seconds: float) -> None:
-        if seconds < 0:
-            raise ValueError(f"advance: got {seconds} s, a clock cannot go backwards")
-        self._now += seconds
-
-
-class NodeState(enum.Enum):
-    LIVE = "live"
-    DEAD = "dead"  # silent for longer than the heartbeat timeout
-    LEFT = "left"  # left on purpose (finished)
-
-
-@dataclass(frozen=True)
-class Node:
-    node_id: str
-    role: str
-    rank: int
-    address: str
-    state: NodeState
-    # Generation of the view in which this incarnation registered: the fencing stamp.
-    generation: int
-    # Progress the node last reported (a worker's clock).
-    clock: int = 0
-
-
-@dataclass(frozen=True)
-class ClusterView:
-    generation: int
-    nodes: tuple[Node, ...] = ()
-    layout_version: int = 0
-
-    def node(self, node_id: str) -> Node | None:
-        return next((n for n in self.nodes if n.node_id == node_id), None)
-
-    def live(self, *roles: str) -> tuple[Node, ...]:
-        """LIVE nodes of the given roles (all roles when none given), in rank order."""
-        return tuple(n for n in self.nodes if n.state is NodeState.LIVE and (not roles or n.role in roles))
-
-    def live_workers(self) -> dict[str, int]:
-        """{node_id: generation} of the LIVE chief and workers: the sync quorum and its fencing stamps."""
-        return {n.node_id: n.generation for n in self.live("chief", "worker")}
-
-
-@dataclass(frozen=True)
-class Registration:
-    node_id: str
-    rank: int
-    generation: int
-    view: ClusterView
-
 
 @dataclass(frozen=True)
 class BarrierArrival:

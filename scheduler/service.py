@@ -1,6 +1,6 @@
 """Assemble and run the scheduler: the Scheduler service, health, expiry, graceful stop.
 
-`serve()` runs in an asyncio loop until told to stop (``python -m scheduler``);
+`serve()` runs in an asyncio loop until told to stop (``python -m pshard.scheduler``);
 `start_scheduler_thread()` runs one in a daemon thread with its own loop, for tests and for a
 chief or worker 0 that hosts the scheduler in-process when the cluster has no scheduler task.
 """
@@ -16,15 +16,16 @@ from dataclasses import dataclass, field
 import grpc
 import grpc.aio
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from pshard.common.rpc import server_options
+from pshard.common.view import Clock
+from pshard.scheduler.membership import Membership
+from pshard.scheduler.servicer import SchedulerServicer
 
-from ps_api.v1 import scheduler_pb2_grpc as pb_grpc
-from ps_common.rpc import server_options
-from scheduler.membership import Clock, Membership
-from scheduler.servicer import SchedulerServicer
+from pshard.api.v1 import scheduler_pb2_grpc as pb_grpc
 
 log = logging.getLogger("pshard.scheduler")
 
-SERVICE_NAME = "ps_api.v1.Scheduler"
+SERVICE_NAME = "pshard.api.v1.Scheduler"
 DEFAULT_HEARTBEAT_INTERVAL_S = 1.0
 DEFAULT_HEARTBEAT_TIMEOUT_S = 5.0
 # Expiry runs at this fraction of the timeout, so a silent node is declared dead within 1.25x it.

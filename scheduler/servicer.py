@@ -17,15 +17,14 @@ from typing import Any, TypeVar
 
 import grpc
 import grpc.aio
+from pshard.common.codec import layout_to_proto, param_spec_from_proto, view_to_proto
+from pshard.common.errors import EmptyRequestError, PSError, PullTimeoutError
+from pshard.common.layout import DEFAULT_SLICE_BYTES, plan_layout
+from pshard.common.rpc_status import abort
+from pshard.scheduler.membership import Membership
 
-from ps_api.v1 import scheduler_pb2 as pb
-from ps_api.v1 import scheduler_pb2_grpc as pb_grpc
-from ps_common.codec import layout_to_proto, param_spec_from_proto
-from ps_common.errors import EmptyRequestError, PSError, PullTimeoutError
-from ps_common.layout import DEFAULT_SLICE_BYTES, plan_layout
-from ps_common.rpc_status import abort
-from scheduler.membership import Membership
-from scheduler.wire import view_to_proto
+from pshard.api.v1 import scheduler_pb2 as pb
+from pshard.api.v1 import scheduler_pb2_grpc as pb_grpc
 
 log = logging.getLogger("pshard.scheduler")
 

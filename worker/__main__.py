@@ -1,4 +1,4 @@
-"""python -m worker: train a model on the pshard cluster this process's TF_CONFIG describes.
+"""python -m pshard.worker: train a model on the pshard cluster this process's TF_CONFIG describes.
 
 Flags and the environment (TF_CONFIG, PSHARD_DATA_DIR) are read here, once, into a frozen
 `TrainConfig`; worker.train does the rest. Exit status: 0 trained, 1 a training stage failed
@@ -20,16 +20,21 @@ import logging
 import sys
 from collections.abc import Mapping, Sequence
 
-from ps_common.cluster import ClusterSpec, add_cluster_arguments, cluster_spec_from_args, exit_on_config_error
-from ps_common.errors import ClusterConfigError, InvalidArgumentError
-from ps_common.job import MODES, OPTIMIZERS, WIRE_DTYPES, JobConfig, OptimizerConfig
-from worker.data import default_data_dir
-from worker.device import DEVICES, select_device
-from worker.evaluate import run_evaluator
-from worker.model import MODELS
-from worker.train import LOCAL_OPTIMIZERS, TrainConfig, run
+from pshard.common.cluster import (
+    ClusterSpec,
+    add_cluster_arguments,
+    cluster_spec_from_args,
+    exit_on_config_error,
+)
+from pshard.common.errors import ClusterConfigError, InvalidArgumentError
+from pshard.common.job import MODES, OPTIMIZERS, WIRE_DTYPES, JobConfig, OptimizerConfig
+from pshard.worker.data import default_data_dir
+from pshard.worker.device import DEVICES, select_device
+from pshard.worker.evaluate import run_evaluator
+from pshard.worker.model import MODELS
+from pshard.worker.train import LOCAL_OPTIMIZERS, TrainConfig, run
 
-PROG = "python -m worker"
+PROG = "python -m pshard.worker"
 # Learning rates that train the default CNN well, per optimizer (aggregate: per local optimizer).
 DEFAULT_LR = {"sgd": 0.05, "adam": 1e-3, "adamw": 1e-3, "adagrad": 0.01}
 
@@ -105,7 +110,7 @@ def _check_numbers(parser: argparse.ArgumentParser, args: argparse.Namespace) ->
 def _cluster(args: argparse.Namespace, environ: Mapping[str, str]) -> ClusterSpec:
     spec = cluster_spec_from_args(args, environ, default_task_type="worker")
     if spec.task_type not in ("chief", "worker", "evaluator"):
-        program = "python -m ps_server" if spec.task_type == "ps" else "python -m scheduler"
+        program = "python -m pshard.ps_server" if spec.task_type == "ps" else "python -m pshard.scheduler"
         raise ClusterConfigError(f"task.type: got {spec.task_type!r}, which {PROG} does not run; "
                                  f"start it with {program}")
     if not spec.ps:

@@ -21,24 +21,24 @@ from typing import TypeVar
 
 import grpc
 import numpy as np
-
-from ps_api.v1 import parameter_server_pb2 as pb
-from ps_api.v1 import parameter_server_pb2_grpc as pb_grpc
-from ps_api.v1 import tensor_pb2 as tensor_pb
-from ps_common import codec
-from ps_common.errors import (
+from pshard.common import codec
+from pshard.common.errors import (
     InvalidArgumentError,
     PSError,
     ShapeMismatchError,
     StaleGenerationError,
     UnavailableError,
 )
-from ps_common.framing import SliceReader, pack_frames
-from ps_common.job import JobConfig
-from ps_common.layout import DEFAULT_SLICE_BYTES, Layout, LayoutSlice, ParamSpec, plan_layout
-from ps_common.rpc import CHUNK_BYTES, EXCHANGE_METHOD, channel_options, identity
-from ps_common.rpc_status import raise_from_rpc_error
-from ps_common.types import Stamp
+from pshard.common.framing import SliceReader, pack_frames
+from pshard.common.job import JobConfig
+from pshard.common.layout import DEFAULT_SLICE_BYTES, Layout, LayoutSlice, ParamSpec, plan_layout
+from pshard.common.rpc import CHUNK_BYTES, EXCHANGE_METHOD, channel_options, identity
+from pshard.common.rpc_status import raise_from_rpc_error
+from pshard.common.types import Stamp
+
+from pshard.api.v1 import parameter_server_pb2 as pb
+from pshard.api.v1 import parameter_server_pb2_grpc as pb_grpc
+from pshard.api.v1 import tensor_pb2 as tensor_pb
 
 log = logging.getLogger("pshard.client")
 

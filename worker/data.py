@@ -19,8 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-
-from ps_common.errors import PSError
+from pshard.common.errors import PSError
 
 log = logging.getLogger(__name__)
 

@@ -11,8 +11,7 @@ from collections.abc import Mapping
 
 import numpy as np
 import torch
-
-from ps_common.errors import ClusterConfigError, ShapeMismatchError
+from pshard.common.errors import ClusterConfigError, ShapeMismatchError
 
 DEVICES = ("auto", "cpu", "cuda")
 

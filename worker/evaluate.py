@@ -15,16 +15,15 @@ import time
 from typing import IO
 
 import torch
-
-from ps_common.errors import PullTimeoutError
-from scheduler.client import SchedulerClient
-from scheduler.membership import ClusterView, NodeState
-from worker.client import PSClient
-from worker.data import load_dataset
-from worker.device import select_device
-from worker.metrics import MetricsLog
-from worker.model import build_model
-from worker.train import StageError, TrainConfig, evaluate, stage
+from pshard.common.errors import PullTimeoutError
+from pshard.common.scheduler_client import SchedulerClient
+from pshard.common.view import ClusterView, NodeState
+from pshard.worker.client import PSClient
+from pshard.worker.data import load_dataset
+from pshard.worker.device import select_device
+from pshard.worker.metrics import MetricsLog
+from pshard.worker.model import build_model
+from pshard.worker.train import StageError, TrainConfig, evaluate, stage
 
 log = logging.getLogger("pshard.evaluator")
 
@@ -85,7 +84,7 @@ def run_evaluator(cfg: TrainConfig, stdout: IO[str] | None = None) -> int:
                          " (final weights)" if done else "")
         code = 0
     except StageError as e:
-        print(f"python -m worker: error: {e}", file=sys.stderr, flush=True)
+        print(f"python -m pshard.worker: error: {e}", file=sys.stderr, flush=True)
         failed, code = e.stage, 1
     finally:
         if client is not None:

@@ -10,9 +10,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from pshard.common.errors import InvalidArgumentError
 from torch import nn
-
-from ps_common.errors import InvalidArgumentError
 
 MODELS = ("mlp", "cnn")
 

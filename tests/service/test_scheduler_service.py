@@ -16,15 +16,20 @@ from pathlib import Path
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from pshard.common.errors import (
+    BarrierTimeoutError,
+    LayoutConflictError,
+    PullTimeoutError,
+    StaleGenerationError,
+)
+from pshard.common.layout import ParamSpec
+from pshard.common.rpc_status import ERROR_TYPE_KEY, raise_from_rpc_error
+from pshard.common.scheduler_client import SchedulerClient
+from pshard.common.view import NodeState
+from pshard.scheduler.service import SchedulerHandle, start_scheduler_thread
 
-from ps_api.v1 import scheduler_pb2 as pb
-from ps_api.v1 import scheduler_pb2_grpc as pb_grpc
-from ps_common.errors import BarrierTimeoutError, LayoutConflictError, PullTimeoutError, StaleGenerationError
-from ps_common.layout import ParamSpec
-from ps_common.rpc_status import ERROR_TYPE_KEY, raise_from_rpc_error
-from scheduler.client import SchedulerClient
-from scheduler.membership import NodeState
-from scheduler.service import SchedulerHandle, start_scheduler_thread
+from pshard.api.v1 import scheduler_pb2 as pb
+from pshard.api.v1 import scheduler_pb2_grpc as pb_grpc
 
 REPO = Path(__file__).resolve().parents[2]
 WAIT_S = 10.0  # generous upper bound for anything that should happen within a few heartbeats
@@ -241,8 +246,8 @@ def run_scheduler(*args: str, env: dict[str, str] | None = None) -> subprocess.P
     # The test's own TF_CONFIG (if any) must not leak into the child.
     inherited = {k: v for k, v in os.environ.items() if k != "TF_CONFIG"}
     full_env = {**inherited, "PYTHONPATH": str(REPO), **(env or {})}
-    return subprocess.Popen([sys.executable, "-m", "scheduler", *args], cwd=REPO, env=full_env, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    return subprocess.Popen([sys.executable, "-m", "pshard.scheduler", *args], cwd=REPO, env=full_env,
+                            text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
 
 
 def test_help_exits_zero():
@@ -260,8 +265,8 @@ def test_bad_tf_config_exits_2_naming_the_field():
         _, err = proc.communicate(timeout=WAIT_S * 3)
 
     assert proc.returncode == 2
-    assert err.strip() == ("python -m scheduler: error: task.index: got 3, but cluster.worker has 1 entry "
-                           "(valid: 0..0)")
+    assert err.strip() == ("python -m pshard.scheduler: error: task.index: got 3, but cluster.worker has "
+                           "1 entry (valid: 0..0)")
 
 
 def test_sigterm_stops_the_scheduler_gracefully():

@@ -13,16 +13,15 @@ from pathlib import Path
 
 import pytest
 import torch
+from pshard.common.errors import InvalidArgumentError
+from pshard.common.job import JobConfig, OptimizerConfig
+from pshard.common.layout import ParamSpec, plan_layout
+from pshard.ps_server.service import ServerThread, start_server_thread
+from pshard.ps_server.servicer import ServerSettings
+from pshard.worker.client import PSClient
+from pshard.worker.torch_api import PSTrainer
 from torch import nn
 from torch.nn import functional as F
-
-from ps_common.errors import InvalidArgumentError
-from ps_common.job import JobConfig, OptimizerConfig
-from ps_common.layout import ParamSpec, plan_layout
-from ps_server.service import ServerThread, start_server_thread
-from ps_server.servicer import ServerSettings
-from worker.client import PSClient
-from worker.torch_api import PSTrainer
 
 WAIT_S = 20.0
 WORKERS = ("w0", "w1")

@@ -9,12 +9,11 @@ from collections.abc import Callable, Iterator
 
 import numpy as np
 import pytest
-
-from ps_common.errors import FutureClockError
-from ps_common.job import JobConfig, OptimizerConfig
-from ps_common.types import SliceKey, Stamp
-from ps_server.optimizers import Optimizer, SliceState
-from ps_server.store import PushOutcome, ShardStore
+from pshard.common.errors import FutureClockError
+from pshard.common.job import JobConfig, OptimizerConfig
+from pshard.common.types import SliceKey, Stamp
+from pshard.ps_server.optimizers import Optimizer, SliceState
+from pshard.ps_server.store import PushOutcome, ShardStore
 
 TIMEOUT_S = 30.0
 # Big enough that numpy releases the GIL mid-update: unlocked updates would lose each other.

@@ -8,14 +8,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
-from ps_common.errors import FutureClockError
-from ps_common.job import JobConfig, OptimizerConfig
-from ps_common.types import SliceKey, Stamp
-from ps_server import checkpoint
-from ps_server.checkpoint import load_shard, save_shard
-from ps_server.optimizers import Optimizer, SliceState, make_optimizer
-from ps_server.store import ShardStore
+from pshard.common.errors import FutureClockError
+from pshard.common.job import JobConfig, OptimizerConfig
+from pshard.common.types import SliceKey, Stamp
+from pshard.ps_server import checkpoint
+from pshard.ps_server.checkpoint import load_shard, save_shard
+from pshard.ps_server.optimizers import Optimizer, SliceState, make_optimizer
+from pshard.ps_server.store import ShardStore
 
 W = SliceKey("fc.weight")
 H = SliceKey("emb", part=2)

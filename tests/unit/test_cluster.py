@@ -7,8 +7,7 @@ import dataclasses
 import json
 
 import pytest
-
-from ps_common.cluster import (
+from pshard.common.cluster import (
     ClusterSpec,
     add_cluster_arguments,
     cluster_config_given,
@@ -16,7 +15,7 @@ from ps_common.cluster import (
     exit_on_config_error,
     split_address,
 )
-from ps_common.errors import ClusterConfigError
+from pshard.common.errors import ClusterConfigError
 
 # Exactly what Kubeflow's TFJob controller writes into a worker pod (tensorflow.go genTFConfigJSONStr).
 TFJOB_TF_CONFIG = json.dumps({

@@ -11,15 +11,15 @@ import pytest
 import torch
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
+from pshard.common import codec
+from pshard.common.codec import WireArray
+from pshard.common.errors import DTypeMismatchError, InvalidArgumentError, PayloadSizeError
+from pshard.common.job import MODES, OPTIMIZERS, WIRE_DTYPES, JobConfig, OptimizerConfig
+from pshard.common.layout import ParamSpec, plan_layout
+from pshard.common.types import SliceKey, Stamp
 
-from ps_api.v1 import parameter_server_pb2 as ps_pb
-from ps_api.v1 import tensor_pb2 as tensor_pb
-from ps_common import codec
-from ps_common.codec import WireArray
-from ps_common.errors import DTypeMismatchError, InvalidArgumentError, PayloadSizeError
-from ps_common.job import MODES, OPTIMIZERS, WIRE_DTYPES, JobConfig, OptimizerConfig
-from ps_common.layout import ParamSpec, plan_layout
-from ps_common.types import SliceKey, Stamp
+from pshard.api.v1 import parameter_server_pb2 as ps_pb
+from pshard.api.v1 import tensor_pb2 as tensor_pb
 
 FLOATS = ("float32", "float64", "float16", "bfloat16")
 SHAPES = hnp.array_shapes(min_dims=0, max_dims=4, min_side=0, max_side=5)

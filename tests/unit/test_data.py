@@ -9,10 +9,17 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
-from ps_common.errors import PSError
-from worker import data
-from worker.data import DatasetError, batches, default_data_dir, load_dataset, num_batches, read_idx, shard
+from pshard.common.errors import PSError
+from pshard.worker import data
+from pshard.worker.data import (
+    DatasetError,
+    batches,
+    default_data_dir,
+    load_dataset,
+    num_batches,
+    read_idx,
+    shard,
+)
 
 FASHION_DIR = Path(data.DEFAULT_DATA_DIR)
 needs_fashion = pytest.mark.skipif(

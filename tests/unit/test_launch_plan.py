@@ -8,8 +8,8 @@ import socket
 import sys
 
 import pytest
-
-from launcher.launch import (
+from pshard.common.cluster import ClusterSpec
+from pshard.launcher.launch import (
     ROOT,
     ClusterPlan,
     LinePrefixer,
@@ -23,7 +23,6 @@ from launcher.launch import (
     status_of,
     summary_line,
 )
-from ps_common.cluster import ClusterSpec
 
 
 def fake_ports(count: int, host: str) -> list[int]:
@@ -92,9 +91,9 @@ def test_servers_bind_their_planned_address_and_get_the_scheduler_timings() -> N
     plan = ClusterPlan.allocate(2, 1, ports=fake_ports)
     options = Options(heartbeat_interval_ms=200, heartbeat_timeout_ms=1500, checkpoint_dir="/ck")
     specs = {s.name: s for s in child_specs(plan, options, python="py")}
-    assert specs["scheduler"].argv == ("py", "-m", "scheduler", "--bind", "127.0.0.1:7000",
+    assert specs["scheduler"].argv == ("py", "-m", "pshard.scheduler", "--bind", "127.0.0.1:7000",
                                        "--heartbeat-interval-ms", "200", "--heartbeat-timeout-ms", "1500")
-    assert specs["ps-1"].argv == ("py", "-m", "ps_server", "--bind", "127.0.0.1:7002",
+    assert specs["ps-1"].argv == ("py", "-m", "pshard.ps_server", "--bind", "127.0.0.1:7002",
                                   "--checkpoint-dir", os.path.join("/ck", "ps-1"))
     assert specs["ps-1"].health_address == "127.0.0.1:7002"
     assert json.loads(specs["ps-1"].env["TF_CONFIG"])["task"] == {"type": "ps", "index": 1}
@@ -174,7 +173,7 @@ def test_arguments_after_double_dash_and_unknown_flags_go_to_workers() -> None:
                              "--", "--epochs", "2", "--ps", "x"])
     assert (options.ps, options.workers) == (1, 3)
     assert options.worker_args == ("--mode", "sync", "--lr", "-0.5", "--epochs", "2", "--ps", "x")
-    assert options.worker_cmd == (sys.executable, "-m", "worker")
+    assert options.worker_cmd == (sys.executable, "-m", "pshard.worker")
 
 
 def test_worker_cmd_is_split_like_a_shell_does() -> None:

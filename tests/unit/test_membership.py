@@ -5,16 +5,16 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-
-from ps_common.errors import (
+from pshard.common.errors import (
     BarrierTimeoutError,
     InvalidArgumentError,
     LayoutConflictError,
     StaleGenerationError,
     UnknownNodeError,
 )
-from ps_common.layout import ParamSpec, plan_layout
-from scheduler.membership import ManualClock, Membership, NodeState
+from pshard.common.layout import ParamSpec, plan_layout
+from pshard.common.view import ManualClock, NodeState
+from pshard.scheduler.membership import Membership
 
 
 @pytest.fixture

@@ -10,8 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-
-from worker.metrics import MetricsLog, Progress
+from pshard.worker.metrics import MetricsLog, Progress
 
 
 class FakeClock:

@@ -8,10 +8,9 @@ from typing import TypeVar
 import numpy as np
 import pytest
 import torch
-
-from ps_common.errors import ClusterConfigError, InvalidArgumentError, ShapeMismatchError
-from worker.device import HostStaging, select_device
-from worker.model import MODELS, build_model
+from pshard.common.errors import ClusterConfigError, InvalidArgumentError, ShapeMismatchError
+from pshard.worker.device import HostStaging, select_device
+from pshard.worker.model import MODELS, build_model
 
 F = TypeVar("F", bound=Callable[..., object])
 
@@ -70,7 +69,7 @@ def test_cnn_rejects_images_too_small_for_its_pools() -> None:
 
 def test_mlp_learns_digits_quickly() -> None:
     # A cheap check that the models train, on data that is always present (no Fashion-MNIST needed).
-    from worker.data import batches, load_dataset, shard
+    from pshard.worker.data import batches, load_dataset, shard
 
     torch.manual_seed(0)
     ds = load_dataset("/nonexistent-so-digits")

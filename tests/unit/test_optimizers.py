@@ -23,10 +23,9 @@ from typing import Any
 
 import numpy as np
 import pytest
-
-from ps_common.errors import DTypeMismatchError
-from ps_common.job import OPTIMIZERS, OptimizerConfig
-from ps_server.optimizers import SliceState, make_optimizer
+from pshard.common.errors import DTypeMismatchError
+from pshard.common.job import OPTIMIZERS, OptimizerConfig
+from pshard.ps_server.optimizers import SliceState, make_optimizer
 
 torch = pytest.importorskip("torch")  # only the parameter server's image goes without torch
 

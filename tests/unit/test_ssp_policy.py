@@ -9,10 +9,9 @@ from dataclasses import dataclass
 
 import numpy as np
 import pytest
-
-from ps_common.job import JobConfig, OptimizerConfig
-from ps_common.types import SliceKey, Stamp
-from ps_server.store import ShardStore, Waiting
+from pshard.common.job import JobConfig, OptimizerConfig
+from pshard.common.types import SliceKey, Stamp
+from pshard.ps_server.store import ShardStore, Waiting
 
 W = SliceKey("w")
 TIMEOUT_S = 20.0

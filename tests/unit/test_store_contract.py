@@ -11,8 +11,7 @@ from collections.abc import Callable
 
 import numpy as np
 import pytest
-
-from ps_common.errors import (
+from pshard.common.errors import (
     DTypeMismatchError,
     EmptyRequestError,
     FutureClockError,
@@ -21,10 +20,10 @@ from ps_common.errors import (
     StaleGenerationError,
     UnknownKeyError,
 )
-from ps_common.job import JobConfig, OptimizerConfig
-from ps_common.types import SliceKey, Stamp
-from ps_server.policies import AsyncPolicy, BoundedStalenessPolicy, SyncPolicy
-from ps_server.store import ShardStore
+from pshard.common.job import JobConfig, OptimizerConfig
+from pshard.common.types import SliceKey, Stamp
+from pshard.ps_server.policies import AsyncPolicy, BoundedStalenessPolicy, SyncPolicy
+from pshard.ps_server.store import ShardStore
 
 W = SliceKey("fc.weight")
 B = SliceKey("fc.bias")

@@ -6,12 +6,11 @@ import threading
 
 import numpy as np
 import pytest
-
-from ps_common.errors import FutureClockError, PullTimeoutError
-from ps_common.job import JobConfig, OptimizerConfig
-from ps_common.types import SliceKey, Stamp
-from ps_server.optimizers import SliceState
-from ps_server.store import PushOutcome, ShardStore, Waiting
+from pshard.common.errors import FutureClockError, PullTimeoutError
+from pshard.common.job import JobConfig, OptimizerConfig
+from pshard.common.types import SliceKey, Stamp
+from pshard.ps_server.optimizers import SliceState
+from pshard.ps_server.store import PushOutcome, ShardStore, Waiting
 
 W = SliceKey("w")
 TIMEOUT_S = 10.0  # upper bound for waits that should end at once

@@ -22,22 +22,21 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any, TypeVar
 
 import grpc
-
-from ps_api.v1 import scheduler_pb2 as pb
-from ps_api.v1 import scheduler_pb2_grpc as pb_grpc
-from ps_common.codec import layout_from_proto, param_spec_to_proto
-from ps_common.errors import (
+from pshard.common.codec import layout_from_proto, param_spec_to_proto, view_from_proto
+from pshard.common.errors import (
     PSError,
     PullTimeoutError,
     StaleGenerationError,
     UnavailableError,
     UnknownNodeError,
 )
-from ps_common.layout import DEFAULT_SLICE_BYTES, Layout, ParamSpec
-from ps_common.rpc import channel_options
-from ps_common.rpc_status import error_from_rpc_error
-from scheduler.membership import ClusterView, Registration
-from scheduler.wire import view_from_proto
+from pshard.common.layout import DEFAULT_SLICE_BYTES, Layout, ParamSpec
+from pshard.common.rpc import channel_options
+from pshard.common.rpc_status import error_from_rpc_error
+from pshard.common.view import ClusterView, Registration
+
+from pshard.api.v1 import scheduler_pb2 as pb
+from pshard.api.v1 import scheduler_pb2_grpc as pb_grpc
 
 log = logging.getLogger("pshard.scheduler.client")
 

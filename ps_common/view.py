@@ -1,0 +1,93 @@
+"""What every node knows of the cluster: roles, node states, nodes and the versioned cluster view.
+
+Shared by the scheduler (which decides them), the parameter servers (which follow them for the sync
+quorum) and the workers. Pure types: no grpc, no environment. The wire form is in `pshard.common.codec`.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass
+from typing import Protocol
+
+ROLES = ("scheduler", "ps", "chief", "worker", "evaluator")
+# The data-parallel ranks: they push gradients and form the sync quorum.
+TRAINER_ROLES = ("chief", "worker")
+# Workers and the chief are the data-parallel ranks and share one rank space; a chief without a
+# rank hint asks for rank 0, so the chief comes first as in ClusterSpec.worker_ids.
+RANK_SPACE = {"scheduler": "scheduler", "ps": "ps", "chief": "worker", "worker": "worker",
+              "evaluator": "evaluator"}
+
+
+class Clock(Protocol):
+    def now(self) -> float:
+        """Seconds on a clock that never goes backwards."""
+        ...
+
+
+class MonotonicClock:
+    def now(self) -> float:
+        return time.monotonic()
+
+
+class ManualClock:
+    """A clock that moves only when told to: tests advance it instead of sleeping."""
+
+    def __init__(self, start: float = 0.0) -> None:
+        self._now = start
+
+    def now(self) -> float:
+        return self._now
+
+    def advance(self, seconds: float) -> None:
+        if seconds < 0:
+            raise ValueError(f"advance: got {seconds} s, a clock cannot go backwards")
+        self._now += seconds
+
+
+class NodeState(enum.Enum):
+    LIVE = "live"
+    DEAD = "dead"  # silent for longer than the heartbeat timeout
+    LEFT = "left"  # left on purpose (finished)
+
+
+@dataclass(frozen=True)
+class Node:
+    node_id: str
+    role: str
+    rank: int
+    address: str
+    state: NodeState
+    # Generation of the view in which this incarnation registered: the fencing stamp.
+    generation: int
+    # Progress the node last reported (a worker's clock).
+    clock: int = 0
+
+
+@dataclass(frozen=True)
+class ClusterView:
+    generation: int
+    nodes: tuple[Node, ...] = ()
+    layout_version: int = 0
+
+    def node(self, node_id: str) -> Node | None:
+        return next((n for n in self.nodes if n.node_id == node_id), None)
+
+    def live(self, *roles: str) -> tuple[Node, ...]:
+        """LIVE nodes of the given roles (all roles when none given), in rank order."""
+        return tuple(n for n in self.nodes if n.state is NodeState.LIVE and (not roles or n.role in roles))
+
+    def live_workers(self) -> dict[str, int]:
+        """{node_id: generation} of the LIVE chief and workers: the sync quorum and its fencing stamps."""
+        return {n.node_id: n.generation for n in self.live(*TRAINER_ROLES)}
+
+
+@dataclass(frozen=True)
+class Registration:
+    node_id: str
+    rank: int
+    generation: int
+    view: ClusterView
+
+

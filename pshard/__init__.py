@@ -1,0 +1,13 @@
+"""pshard: a parameter server for PyTorch training, built as gRPC microservices.
+
+One import namespace over the project's folders (see pyproject.toml's package-dir):
+
+- ``pshard.common``    (``ps_common/``): cluster config, codec, layout, errors, RPC kit, scheduler client
+- ``pshard.ps_server`` (``ps_server/``): shard store, policies, optimizers, handlers, servicer
+- ``pshard.scheduler`` (``scheduler/``): the scheduler service
+- ``pshard.worker``    (``worker/``):    PSClient, cluster session, torch integration, training CLI
+- ``pshard.launcher``  (``launcher/``):  a local cluster as real processes
+- ``pshard.api.v1``:   gRPC stubs generated from ``proto/`` at build time (never committed)
+"""
+
+__version__ = "0.2.0"

@@ -1,0 +1,1 @@
+"""Generated gRPC stubs (``pshard.api.v1``), built from ``proto/pshard/api/v1`` by setup.py."""
