@@ -2,8 +2,9 @@
 
 Synchronous, with two daemon threads: one sends heartbeats at the interval the scheduler asks
 for, one follows the Watch stream and keeps `view` current (calling `on_view` callbacks in
-generation order). Calls retry with exponential backoff while the scheduler is UNAVAILABLE, up to
-a deadline. When the scheduler restarts it has forgotten everyone (soft state) and answers
+generation order). Unary calls wait for a scheduler that is not up yet and retry while it is
+UNAVAILABLE, up to their deadline, through gRPC's own retry policy (`pshard.common.retry`).
+When the scheduler restarts it has forgotten everyone (soft state) and answers
 NOT_FOUND: the client re-registers with the same node id, its rank as the hint and the newest
 generation it has seen, so ranks are kept, generations keep growing and training goes on.
 
@@ -31,8 +32,9 @@ from pshard.common.errors import (
     UnknownNodeError,
 )
 from pshard.common.layout import DEFAULT_SLICE_BYTES, Layout, ParamSpec
+from pshard.common.retry import Backoff, scheduler_channel_options
 from pshard.common.rpc import channel_options
-from pshard.common.rpc_status import error_from_rpc_error
+from pshard.common.rpc_status import ERROR_TYPE_KEY, error_from_rpc_error
 from pshard.common.view import ClusterView, Registration
 
 from pshard.api.v1 import scheduler_pb2 as pb
@@ -46,8 +48,6 @@ T = TypeVar("T")
 # Extra time on a waiting call's gRPC deadline, so the scheduler's own timeout (which names what
 # was missing) arrives before a bare DEADLINE_EXCEEDED.
 _WAIT_MARGIN_S = 2.0
-_BACKOFF_START_S = 0.05
-_BACKOFF_MAX_S = 1.0
 # Watch calls get a deadline too (every wait has one); the stream is simply reopened when it ends.
 _WATCH_DEADLINE_S = 300.0
 
@@ -69,7 +69,8 @@ class SchedulerClient:
         self._progress = 0
         self._rpc_timeout_s = rpc_timeout_s
         self._connect_timeout_s = connect_timeout_s
-        self._channel = grpc.insecure_channel(address, options=channel_options())
+        self._channel = grpc.insecure_channel(address,
+                                              options=[*channel_options(), *scheduler_channel_options()])
         self._stub = pb_grpc.SchedulerStub(self._channel)
         self._lock = threading.Lock()
         self._view_changed = threading.Condition(self._lock)
@@ -151,7 +152,7 @@ class SchedulerClient:
         request = pb.RegisterRequest(
             role=self.role, address=self.own_address, node_id=self._node_id,
             rank_hint=-1 if rank_hint is None else rank_hint, last_generation=self._max_generation)
-        reply = self._call("Register", lambda t: self._stub.Register(request, timeout=t), timeout_s)
+        reply = self._call("Register", self._stub.Register, request, timeout_s)
         with self._view_changed:
             self._node_id, self._rank, self._generation = reply.node_id, reply.rank, reply.generation
             # The Watch stream may have delivered this incarnation's view already: wake waiters
@@ -180,7 +181,7 @@ class SchedulerClient:
             return
         request = pb.LeaveRequest(node_id=self._node_id, generation=self._generation)
         try:
-            reply = self._call("Leave", lambda t: self._stub.Leave(request, timeout=t), self._rpc_timeout_s)
+            reply = self._call("Leave", self._stub.Leave, request, self._rpc_timeout_s)
         except UnknownNodeError:
             # The scheduler restarted and we never re-registered: its views do not have us, so the
             # servers no longer wait for us either. Leaving is already done.
@@ -196,12 +197,9 @@ class SchedulerClient:
 
         BarrierTimeoutError after `timeout_s`, naming who did not arrive.
         """
-        def attempt(t: float) -> pb.BarrierResponse:
-            request = pb.BarrierRequest(name=name, count=count, node_id=self._node_id,
-                                        timeout_ms=max(1, round(max(t - _WAIT_MARGIN_S, 0.001) * 1000)))
-            return self._stub.Barrier(request, timeout=t)
-
-        reply = self._call_registered("Barrier", attempt, timeout_s + _WAIT_MARGIN_S)
+        request = pb.BarrierRequest(name=name, count=count, node_id=self._node_id,
+                                    timeout_ms=max(1, round(timeout_s * 1000)))
+        reply = self._call_registered("Barrier", self._stub.Barrier, request, timeout_s + _WAIT_MARGIN_S)
         return int(reply.generation)
 
     def propose_layout(self, params: Iterable[ParamSpec], slice_bytes: int = DEFAULT_SLICE_BYTES,
@@ -213,17 +211,13 @@ class SchedulerClient:
         """
         request = pb.ProposeLayoutRequest(params=[param_spec_to_proto(p) for p in params],
                                           slice_bytes=slice_bytes, servers=list(servers))
-        reply = self._call("ProposeLayout", lambda t: self._stub.ProposeLayout(request, timeout=t),
-                           self._rpc_timeout_s * 2)
+        reply = self._call("ProposeLayout", self._stub.ProposeLayout, request, self._rpc_timeout_s * 2)
         return layout_from_proto(reply.layout)
 
     def get_layout(self, timeout_s: float) -> Layout:
         """The stored layout, waiting up to `timeout_s` for someone to propose one."""
-        def attempt(t: float) -> pb.GetLayoutResponse:
-            request = pb.GetLayoutRequest(timeout_ms=max(1, round(max(t - _WAIT_MARGIN_S, 0.001) * 1000)))
-            return self._stub.GetLayout(request, timeout=t)
-
-        reply = self._call("GetLayout", attempt, timeout_s + _WAIT_MARGIN_S)
+        request = pb.GetLayoutRequest(timeout_ms=max(1, round(timeout_s * 1000)))
+        reply = self._call("GetLayout", self._stub.GetLayout, request, timeout_s + _WAIT_MARGIN_S)
         return layout_from_proto(reply.layout)
 
     # ---- lifecycle ----
@@ -262,35 +256,28 @@ class SchedulerClient:
         self._threads.append(thread)
         thread.start()
 
-    def _call(self, what: str, fn: Callable[[float], T], timeout_s: float) -> T:
-        """`fn(attempt_timeout)` with retries on UNAVAILABLE until `timeout_s` has passed."""
-        deadline = time.monotonic() + timeout_s
-        backoff = _BACKOFF_START_S
-        while True:
-            remaining = deadline - time.monotonic()
-            try:
-                return fn(max(remaining, 0.001))
-            except grpc.RpcError as e:
-                err = error_from_rpc_error(e)
-                remaining = deadline - time.monotonic()
-                if not isinstance(err, UnavailableError) or remaining <= 0 or self._closed.is_set():
-                    if isinstance(err, UnavailableError):
-                        raise UnavailableError(f"scheduler {self.address}: {what} failed for "
-                                               f"{timeout_s:g} s: {err}") from e
-                    raise err from e
-            self._closed.wait(min(backoff, max(remaining, 0.0)))
-            backoff = min(backoff * 2, _BACKOFF_MAX_S)
+    def _call(self, what: str, method: Callable[..., T], request: Any, timeout_s: float) -> T:
+        """One unary call made with wait_for_ready: gRPC waits for a scheduler that is not up yet and
+        retries UNAVAILABLE (the channel's retry policy), all within `timeout_s`."""
+        try:
+            return method(request, timeout=timeout_s, wait_for_ready=True)
+        except grpc.RpcError as e:
+            err = error_from_rpc_error(e)
+            if isinstance(err, UnavailableError) or _gave_up_waiting(e):
+                raise UnavailableError(f"scheduler {self.address}: {what} got no answer within "
+                                       f"{timeout_s:g} s: {err}") from e
+            raise err from e
 
-    def _call_registered(self, what: str, fn: Callable[[float], T], timeout_s: float) -> T:
+    def _call_registered(self, what: str, method: Callable[..., T], request: Any, timeout_s: float) -> T:
         """`_call` for RPCs that need a registered node: re-register once on NOT_FOUND."""
         self._check_usable()
         deadline = time.monotonic() + timeout_s
         generation = self._generation
         try:
-            return self._call(what, fn, timeout_s)
+            return self._call(what, method, request, timeout_s)
         except UnknownNodeError:
             self._reregister(generation)
-            return self._call(what, fn, max(deadline - time.monotonic(), 0.001))
+            return self._call(what, method, request, max(deadline - time.monotonic(), 0.001))
 
     def _offer_view(self, view: ClusterView) -> None:
         """Adopt `view` if it is newer than the one we have, then tell the callbacks."""
@@ -340,7 +327,8 @@ class SchedulerClient:
                 log.warning("heartbeat to scheduler %s failed: %s", self.address, err)
 
     def _watch_loop(self) -> None:
-        backoff = _BACKOFF_START_S
+        # A stream: gRPC cannot retry it once views came back, so this loop reopens it.
+        backoff = Backoff(stop=self._closed)
         while not self._closed.is_set():
             call = self._stub.Watch(pb.WatchRequest(after_generation=self._max_generation),
                                     timeout=_WATCH_DEADLINE_S)
@@ -352,11 +340,17 @@ class SchedulerClient:
             try:
                 for message in call:
                     self._offer_view(view_from_proto(message))
-                    backoff = _BACKOFF_START_S
+                    backoff.reset()
             except grpc.RpcError as e:
                 if self._closed.is_set():
                     return
                 if e.code() != grpc.StatusCode.DEADLINE_EXCEEDED:  # type: ignore[attr-defined]
                     log.debug("watch stream from %s ended: %s", self.address, e)
-            self._closed.wait(backoff)
-            backoff = min(backoff * 2, _BACKOFF_MAX_S)
+            backoff.wait()
+
+
+def _gave_up_waiting(e: grpc.RpcError) -> bool:
+    """The client's own deadline passed (the scheduler never answered), not a timeout it reported."""
+    if not isinstance(e, grpc.Call) or e.code() != grpc.StatusCode.DEADLINE_EXCEEDED:
+        return False
+    return not any(key == ERROR_TYPE_KEY for key, _ in (e.trailing_metadata() or ()))
