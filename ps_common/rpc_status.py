@@ -1,6 +1,7 @@
 """The one mapping between pshard's errors and gRPC status, in both directions.
 
-A servicer catches a `PSError` and calls `abort(context, err)`: the status code comes from
+A servicer method decorated with `maps_errors` (unary) or `maps_stream_errors` (streaming) lets
+a `PSError` end the call through `abort(context, err)`: the status code comes from
 `err.status`, the message is the error's own (it carries the values), and trailing metadata
 ``ps-error-type`` names the class. A client calls `raise_from_rpc_error(e)` and gets the same class
 back, so callers catch `StaleGenerationError` whether it happened locally or on a server.
@@ -8,7 +9,9 @@ back, so callers catch `StaleGenerationError` whether it happened locally or on 
 
 from __future__ import annotations
 
-from typing import NoReturn
+import functools
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, NoReturn, TypeVar
 
 import grpc
 import grpc.aio
@@ -42,6 +45,38 @@ async def abort(context: grpc.aio.ServicerContext, err: PSError) -> NoReturn:
     await context.abort(to_grpc_status(err), str(err),
                         trailing_metadata=((ERROR_TYPE_KEY, type(err).__name__),))
     raise AssertionError("context.abort returned")  # it always raises; this line keeps NoReturn honest
+
+
+Response = TypeVar("Response")
+UnaryMethod = Callable[[Any, Any, grpc.aio.ServicerContext], Awaitable[Response]]
+StreamMethod = Callable[[Any, Any, grpc.aio.ServicerContext], AsyncIterator[Response]]
+
+
+def maps_errors(method: UnaryMethod[Response]) -> UnaryMethod[Response]:
+    """A unary servicer method whose PSErrors end the call with their own status and message."""
+
+    @functools.wraps(method)
+    async def wrapper(self: Any, request: Any, context: grpc.aio.ServicerContext) -> Response:
+        try:
+            return await method(self, request, context)
+        except PSError as err:
+            await abort(context, err)
+
+    return wrapper
+
+
+def maps_stream_errors(method: StreamMethod[Response]) -> StreamMethod[Response]:
+    """The same for a response-streaming method (an async generator): messages already sent stay sent."""
+
+    @functools.wraps(method)
+    async def wrapper(self: Any, request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Response]:
+        try:
+            async for response in method(self, request, context):
+                yield response
+        except PSError as err:
+            await abort(context, err)
+
+    return wrapper
 
 
 def error_from_rpc_error(e: grpc.RpcError) -> PSError:

@@ -10,13 +10,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import threading
 from dataclasses import dataclass, field
+from typing import TypeAlias
 
 import grpc
 import grpc.aio
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from pshard.common.rpc import server_options
+from pshard.common.serving import ServerThread, start_in_thread
 from pshard.common.view import Clock
 from pshard.scheduler.membership import Membership
 from pshard.scheduler.servicer import SchedulerServicer
@@ -91,27 +92,8 @@ async def serve(bind: str, stop: asyncio.Event, *, heartbeat_interval_s: float =
         await running.stop(grace_s)
 
 
-@dataclass
-class SchedulerHandle:
-    """A scheduler running in a daemon thread with its own event loop."""
-
-    port: int
-    _loop: asyncio.AbstractEventLoop
-    _stop: asyncio.Event
-    _thread: threading.Thread
-
-    @property
-    def address(self) -> str:
-        return f"127.0.0.1:{self.port}"
-
-    def stop(self, timeout_s: float = 10.0) -> None:
-        """Stop gracefully (with the grace given at start) and wait at most `timeout_s` for the thread."""
-        if self._thread.is_alive():
-            self._loop.call_soon_threadsafe(self._stop.set)
-            self._thread.join(timeout_s)
-            if self._thread.is_alive():
-                raise TimeoutError(
-                    f"scheduler on port {self.port}: still running {timeout_s:g} s after stop()")
+# A scheduler running in a daemon thread with its own event loop.
+SchedulerHandle: TypeAlias = ServerThread[RunningScheduler]
 
 
 def start_scheduler_thread(bind: str = "127.0.0.1:0", *,
@@ -119,39 +101,7 @@ def start_scheduler_thread(bind: str = "127.0.0.1:0", *,
                            heartbeat_timeout_s: float = DEFAULT_HEARTBEAT_TIMEOUT_S,
                            grace_s: float = 2.0, start_timeout_s: float = 10.0) -> SchedulerHandle:
     """Run a scheduler in a daemon thread; returns once it is serving (or raises why it is not)."""
-    loop = asyncio.new_event_loop()
-    ready = threading.Event()
-    outcome: dict[str, object] = {}
-
-    async def main() -> None:
-        stop = asyncio.Event()
-        try:
-            running = await start(bind, heartbeat_interval_s=heartbeat_interval_s,
-                                  heartbeat_timeout_s=heartbeat_timeout_s)
-        except BaseException as e:
-            outcome["error"] = e
-            ready.set()
-            return
-        outcome["port"], outcome["stop"] = running.port, stop
-        ready.set()
-        try:
-            await stop.wait()
-        finally:
-            await running.stop(grace_s)
-
-    def run() -> None:
-        try:
-            loop.run_until_complete(main())
-        finally:
-            loop.close()
-
-    thread = threading.Thread(target=run, name=f"scheduler-{bind}", daemon=True)
-    thread.start()
-    if not ready.wait(start_timeout_s):
-        raise TimeoutError(f"scheduler on {bind}: not serving within {start_timeout_s:g} s")
-    error = outcome.get("error")
-    if isinstance(error, BaseException):
-        raise error
-    port, stop = outcome["port"], outcome["stop"]
-    assert isinstance(port, int) and isinstance(stop, asyncio.Event)
-    return SchedulerHandle(port, loop, stop, thread)
+    return start_in_thread(
+        lambda: start(bind, heartbeat_interval_s=heartbeat_interval_s,
+                      heartbeat_timeout_s=heartbeat_timeout_s),
+        name=f"scheduler-{bind}", grace_s=grace_s, start_timeout_s=start_timeout_s)

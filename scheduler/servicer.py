@@ -1,26 +1,25 @@
 """The Scheduler gRPC service: a thin asyncio layer over `Membership`.
 
 All handlers run on one event loop, so the membership table needs no lock. Waiting RPCs
-(Watch, Barrier, GetLayout) await an `asyncio.Event` that is replaced and set on every change:
-a waiter costs a coroutine, never a thread, so any number of them cannot starve the heartbeats
-and registrations they are waiting for.
+(Watch, Barrier, GetLayout) wait on a `ChangeSignal` fired on every change: a waiter costs a
+coroutine, never a thread, so any number of them cannot starve the heartbeats and registrations
+they are waiting for.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import functools
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any, TypeVar
+import time
+from collections.abc import AsyncIterator
 
-import grpc
 import grpc.aio
+from pshard.common.changes import ChangeSignal
 from pshard.common.codec import layout_to_proto, param_spec_from_proto, view_to_proto
-from pshard.common.errors import EmptyRequestError, PSError, PullTimeoutError
-from pshard.common.layout import DEFAULT_SLICE_BYTES, plan_layout
-from pshard.common.rpc_status import abort
+from pshard.common.errors import EmptyRequestError, PullTimeoutError
+from pshard.common.layout import DEFAULT_SLICE_BYTES
+from pshard.common.rpc_status import maps_errors
+from pshard.common.view import ClusterView
 from pshard.scheduler.membership import Membership
 
 from pshard.api.v1 import scheduler_pb2 as pb
@@ -34,40 +33,18 @@ DEFAULT_WAIT_S = 60.0
 # message naming what was missing instead of a bare DEADLINE_EXCEEDED.
 _DEADLINE_MARGIN_S = 0.2
 
-R = TypeVar("R")
-Handler = Callable[[Any, Any, grpc.aio.ServicerContext], Awaitable[R]]
-
-
-def _maps_errors(method: Handler[R]) -> Handler[R]:
-    """A PSError raised by the core becomes the gRPC status it names (see ps_common.rpc_status)."""
-
-    @functools.wraps(method)
-    async def wrapper(self: Any, request: Any, context: grpc.aio.ServicerContext) -> R:
-        try:
-            return await method(self, request, context)
-        except PSError as err:
-            await abort(context, err)
-
-    return wrapper
-
-
 class SchedulerServicer(pb_grpc.SchedulerServicer):
     def __init__(self, membership: Membership, heartbeat_interval_s: float) -> None:
         self._members = membership
         self._heartbeat_interval_s = heartbeat_interval_s
-        self._changed = asyncio.Event()
+        self._changes = ChangeSignal()
         self._closed = False
 
     # ---- change notification ----
 
     def _publish(self) -> None:
-        """Wake every waiter; they re-read the state. A fresh event for the next change."""
-        changed, self._changed = self._changed, asyncio.Event()
-        changed.set()
-
-    async def _wait_change(self, timeout_s: float) -> None:
-        with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(self._changed.wait(), timeout=max(timeout_s, 0.0))
+        """Wake every waiter; they re-read the state."""
+        self._changes.notify()
 
     def _wait_budget(self, timeout_ms: int, context: grpc.aio.ServicerContext) -> float:
         budget = timeout_ms / 1000 if timeout_ms else DEFAULT_WAIT_S
@@ -95,7 +72,7 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
 
     # ---- membership ----
 
-    @_maps_errors
+    @maps_errors
     async def Register(self, request: pb.RegisterRequest, context: grpc.aio.ServicerContext
                        ) -> pb.RegisterResponse:
         before = self._members.view().node(request.node_id) if request.node_id else None
@@ -112,13 +89,13 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
             heartbeat_interval_ms=round(self._heartbeat_interval_s * 1000),
             heartbeat_timeout_ms=round(self._members.heartbeat_timeout_s * 1000))
 
-    @_maps_errors
+    @maps_errors
     async def Heartbeat(self, request: pb.HeartbeatRequest, context: grpc.aio.ServicerContext
                         ) -> pb.HeartbeatResponse:
         view = self._members.heartbeat(request.node_id, request.generation, request.clock)
         return pb.HeartbeatResponse(view=view_to_proto(view))
 
-    @_maps_errors
+    @maps_errors
     async def Leave(self, request: pb.LeaveRequest, context: grpc.aio.ServicerContext) -> pb.LeaveResponse:
         before = self._members.generation
         view = self._members.leave(request.node_id, request.generation)
@@ -130,31 +107,32 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
     async def Watch(self, request: pb.WatchRequest, context: grpc.aio.ServicerContext
                     ) -> AsyncIterator[pb.ClusterView]:
         sent = request.after_generation
-        while not self._closed:
-            changed = self._changed  # taken before reading the view, so no change slips between
+
+        def newer() -> ClusterView | None:
             view = self._members.view()
-            if view.generation > sent:
+            return view if view.generation > sent or self._closed else None
+
+        while not self._closed:
+            view = await self._changes.wait_for(newer)
+            if view is not None and view.generation > sent:
                 yield view_to_proto(view)
                 sent = view.generation
-            await changed.wait()
 
     # ---- barriers ----
 
-    @_maps_errors
+    @maps_errors
     async def Barrier(self, request: pb.BarrierRequest, context: grpc.aio.ServicerContext
                       ) -> pb.BarrierResponse:
         arrival = self._members.arrive(request.name, request.count, request.node_id)
         if arrival.released:
             self._publish()
-        loop = asyncio.get_running_loop()
         budget = self._wait_budget(request.timeout_ms, context)
-        deadline = loop.time() + budget
         try:
-            while not self._members.barrier_released(arrival.name, arrival.round):
-                remaining = deadline - loop.time()
-                if remaining <= 0 or self._closed:
-                    raise self._members.barrier_timeout(arrival.name, arrival.round, request.node_id, budget)
-                await self._wait_change(remaining)
+            released = await self._changes.wait_for(
+                lambda: True if self._members.barrier_released(arrival.name, arrival.round) else
+                False if self._closed else None, time.monotonic() + budget)
+            if not released:
+                raise self._members.barrier_timeout(arrival.name, arrival.round, request.node_id, budget)
         except asyncio.CancelledError:
             # The caller went away: it must not be counted in a round it no longer waits for.
             if not self._members.barrier_released(arrival.name, arrival.round):
@@ -164,9 +142,11 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
 
     # ---- layout ----
 
-    @_maps_errors
+    @maps_errors
     async def ProposeLayout(self, request: pb.ProposeLayoutRequest, context: grpc.aio.ServicerContext
                             ) -> pb.ProposeLayoutResponse:
+        # Counts first: decoding and planning cost CPU on the event loop every caller shares.
+        self._members.check_layout_request(len(request.params), request.servers)
         params = [param_spec_from_proto(p) for p in request.params]
         if not params:
             raise EmptyRequestError("params: got none, a layout needs at least one parameter")
@@ -177,7 +157,7 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
         if not servers:
             raise EmptyRequestError("servers: got none, and no parameter server is registered and live")
         layout, created = self._members.propose_layout(
-            plan_layout(params, servers, request.slice_bytes or DEFAULT_SLICE_BYTES))
+            self._members.plan(params, servers, request.slice_bytes or DEFAULT_SLICE_BYTES))
         if created:
             log.info("layout version %d: %d params in %d slices on %d servers; generation %d",
                      layout.version, len(layout.params), len(layout.slices), len(layout.servers),
@@ -185,15 +165,12 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
             self._publish()
         return pb.ProposeLayoutResponse(layout=layout_to_proto(layout), created=created)
 
-    @_maps_errors
+    @maps_errors
     async def GetLayout(self, request: pb.GetLayoutRequest, context: grpc.aio.ServicerContext
                         ) -> pb.GetLayoutResponse:
-        loop = asyncio.get_running_loop()
         budget = self._wait_budget(request.timeout_ms, context)
-        deadline = loop.time() + budget
-        while (layout := self._members.layout()) is None:
-            remaining = deadline - loop.time()
-            if remaining <= 0 or self._closed:
-                raise PullTimeoutError(f"layout: none proposed within {budget:.3g} s (layout version 0)")
-            await self._wait_change(remaining)
+        layout = await self._changes.wait_for(
+            lambda: self._members.layout() or (False if self._closed else None), time.monotonic() + budget)
+        if not layout:
+            raise PullTimeoutError(f"layout: none proposed within {budget:.3g} s (layout version 0)")
         return pb.GetLayoutResponse(layout=layout_to_proto(layout))
