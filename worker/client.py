@@ -4,14 +4,16 @@ Every call is batched per server (all of this worker's slices for that server in
 one Exchange stream) and the servers are contacted concurrently. Payloads of any
 size travel as 4 MiB frames. Pushes, pulls and declarations are idempotent on the
 server (a (worker, clock, slice) is applied at most once; the first declaration
-wins), so a call that fails with UNAVAILABLE is retried with backoff until its
-deadline; nothing else is retried.
+wins), so a call that fails with UNAVAILABLE is retried until its deadline: unary calls by
+gRPC's own retry policy (`pshard.common.retry`), the Exchange stream by a loop here within
+`retry_budget_s`. Nothing else is retried, except one resend under a newer generation after a
+re-registration overtook a request (`_call_stamped`).
 """
 
 from __future__ import annotations
 
+import functools
 import logging
-import random
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -32,8 +34,9 @@ from pshard.common.errors import (
 from pshard.common.framing import SliceReader, pack_frames
 from pshard.common.job import JobConfig
 from pshard.common.layout import DEFAULT_SLICE_BYTES, Layout, LayoutSlice, ParamSpec, plan_layout
+from pshard.common.retry import Backoff, parameter_server_channel_options
 from pshard.common.rpc import CHUNK_BYTES, EXCHANGE_METHOD, channel_options, identity
-from pshard.common.rpc_status import raise_from_rpc_error
+from pshard.common.rpc_status import error_from_rpc_error, raise_from_rpc_error
 from pshard.common.types import Stamp
 
 from pshard.api.v1 import parameter_server_pb2 as pb
@@ -51,6 +54,9 @@ DEADLINE_SLACK_S = 5.0
 # twice a unary call's fixed overhead, which dominates small payloads. Above, Exchange's 4 MiB
 # frames win.
 SMALL_PAYLOAD_BYTES = 1 << 20
+# Waits until this worker's generation is newer than the first argument, at most the second (in
+# seconds); True once it is. The SchedulerClient provides it (see worker/session.py).
+GenerationWait = Callable[[int, float], bool]
 
 
 @dataclass(frozen=True)
@@ -71,7 +77,7 @@ def _result(summaries: Sequence[pb.ExchangeSummary]) -> PushResult:
 class PSClient:
     def __init__(self, servers: Sequence[str], worker_id: str, *, generation: int | Callable[[], int] = 0,
                  layout: Layout | None = None, chunk_bytes: int = CHUNK_BYTES, timeout_s: float = 120.0,
-                 retry_budget_s: float = 60.0) -> None:
+                 retry_budget_s: float = 60.0, await_generation: GenerationWait | None = None) -> None:
         if not servers:
             raise InvalidArgumentError("servers: got none, expected at least one parameter server address")
         self.servers = tuple(servers)
@@ -85,7 +91,14 @@ class PSClient:
         self._chunk = chunk_bytes
         self._timeout_s = timeout_s
         self._retry_budget_s = retry_budget_s
-        self._channels = [grpc.insecure_channel(a, options=channel_options()) for a in self.servers]
+        self._await_generation = await_generation
+        options = [*channel_options(), *parameter_server_channel_options()]
+        self._channels = [grpc.insecure_channel(a, options=options) for a in self.servers]
+        # gRPC retries unary calls silently; say once when a server drops out and when it is back.
+        self._unreachable: set[str] = set()
+        self._watchers = [functools.partial(self._on_connectivity, a) for a in self.servers]
+        for channel, watcher in zip(self._channels, self._watchers, strict=True):
+            channel.subscribe(watcher, try_to_connect=False)
         self._stubs = [pb_grpc.ParameterServerStub(c) for c in self._channels]
         self._exchange = [c.stream_stream(EXCHANGE_METHOD, request_serializer=identity,
                                           response_deserializer=identity) for c in self._channels]
@@ -104,7 +117,8 @@ class PSClient:
             return
         self._closed.set()
         self._pool.shutdown(wait=True, cancel_futures=True)
-        for channel in self._channels:
+        for channel, watcher in zip(self._channels, self._watchers, strict=True):
+            channel.unsubscribe(watcher)
             channel.close()
 
     def __enter__(self) -> PSClient:
@@ -223,13 +237,15 @@ class PSClient:
     # ---- operations ----
 
     def stats(self) -> list[pb.GetStatsResponse]:
-        return self._all_servers(lambda i: self._unary(i, lambda stub, t: stub.GetStats(
-            pb.GetStatsRequest(), timeout=t)))
+        return self._all_servers(lambda i: self._unary(i, lambda stub: stub.GetStats(
+            pb.GetStatsRequest(), timeout=self._timeout_s, wait_for_ready=True)))
 
     def checkpoint(self, at_version: int = 0) -> list[str]:
         """Each server writes its shard once every slice has reached `at_version`."""
-        return self._all_servers(lambda i: self._unary(i, lambda stub, t: stub.Checkpoint(
-            pb.CheckpointRequest(at_version=at_version, timeout_ms=int(t * 1000)), timeout=t + 5).path))
+        t = self._timeout_s
+        return self._all_servers(lambda i: self._unary(i, lambda stub: stub.Checkpoint(
+            pb.CheckpointRequest(at_version=at_version, timeout_ms=int(t * 1000)),
+            timeout=t + DEADLINE_SLACK_S, wait_for_ready=True).path))
 
     # ---- internals ----
 
@@ -285,28 +301,46 @@ class PSClient:
         futures = [self._pool.submit(fn, i) for i in range(len(self.servers))]
         return [f.result() for f in futures]
 
-    def _retrying(self, what: str, call: Callable[[float], T]) -> T:
-        """Retry idempotent calls on UNAVAILABLE with jittered exponential backoff, within the budget."""
+    def _on_connectivity(self, address: str, state: grpc.ChannelConnectivity) -> None:
+        if self._closed.is_set():
+            return
+        if state is grpc.ChannelConnectivity.TRANSIENT_FAILURE and address not in self._unreachable:
+            self._unreachable.add(address)
+            log.warning("server %s unreachable: calls wait for it, retrying until their deadline", address)
+        elif state is grpc.ChannelConnectivity.READY and address in self._unreachable:
+            self._unreachable.discard(address)
+            log.info("server %s reachable again", address)
+
+    def _unary(self, server: int, call: Callable[[pb_grpc.ParameterServerStub], T]) -> T:
+        """A unary call; gRPC retries it on UNAVAILABLE (the channel's retry policy)."""
+        try:
+            return call(self._stubs[server])
+        except grpc.RpcError as err:
+            raise error_from_rpc_error(err) from err
+
+    def _stream_retrying(self, what: str, call: Callable[[], T]) -> T:
+        """Retry an Exchange stream on UNAVAILABLE with jittered backoff, within the retry budget.
+
+        gRPC does not retry a stream once frames came back, so this loop does.
+        """
         start = time.monotonic()
-        delay = 0.05
+        backoff = Backoff(stop=self._closed)
         while True:
             try:
-                return call(self._timeout_s)
+                return call()
             except grpc.RpcError as err:
-                code = err.code() if hasattr(err, "code") else None
+                code = err.code() if isinstance(err, grpc.Call) else None
                 elapsed = time.monotonic() - start
                 if code != grpc.StatusCode.UNAVAILABLE or self._closed.is_set():
                     raise_from_rpc_error(err)
+                delay = backoff.next_delay()
                 if elapsed + delay > self._retry_budget_s:
                     raise UnavailableError(f"{what}: unavailable for {elapsed:.1f}s "
                                            f"(retry budget {self._retry_budget_s:.0f}s): {err.details()}"
                                            ) from err
                 log.warning("%s: %s; retrying in %.2fs", what, err.details(), delay)
-                time.sleep(delay * (0.5 + random.random()))
-                delay = min(delay * 2, 2.0)
-
-    def _unary(self, server: int, call: Callable[[pb_grpc.ParameterServerStub, float], T]) -> T:
-        return self._retrying(f"server {self.servers[server]}", lambda t: call(self._stubs[server], t))
+                if self._closed.wait(delay):
+                    raise_from_rpc_error(err)
 
     def _unary_push_pull(self, server: int, header: pb.ExchangeHeader, buffers: Sequence[np.ndarray],
                          pulled: Sequence[LayoutSlice], out: Mapping[str, np.ndarray]) -> pb.ExchangeSummary:
@@ -317,8 +351,9 @@ class PSClient:
                                                                               data=b.tobytes()))
                        for m, b in zip(header.push, buffers, strict=True)])
 
-        response = self._call_stamped(server, request.stamp, lambda t: self._stubs[server].PushPull(
-            request, timeout=t + DEADLINE_SLACK_S, wait_for_ready=True))
+        deadline_s = self._timeout_s + DEADLINE_SLACK_S
+        response = self._call_stamped(server, request.stamp, lambda: self._unary(
+            server, lambda stub: stub.PushPull(request, timeout=deadline_s, wait_for_ready=True)))
         for s, got in zip(pulled, response.slices, strict=True):
             self._place(s, codec.slice_tensor_from_proto(got)[1], out)
         return pb.ExchangeSummary(versions=[s.version for s in response.slices],
@@ -326,24 +361,33 @@ class PSClient:
 
     def _exchange_call(self, server: int, header: pb.ExchangeHeader, buffers: Sequence[np.ndarray],
                        pulled: Sequence[LayoutSlice], out: Mapping[str, np.ndarray]) -> pb.ExchangeSummary:
-        return self._call_stamped(server, header.stamp,
-                                  lambda t: self._exchange_once(server, header, buffers, pulled, out, t))
-
-    def _call_stamped(self, server: int, stamp: pb.Stamp, call: Callable[[float], T]) -> T:
-        """`_retrying`, plus one resend when the server fenced off a generation we have since left.
-
-        We re-registered (e.g. after a scheduler restart) while the request was on its way, and the
-        server already knows our new generation. Resending under it is safe: pushes are idempotent.
-        `stamp` is the request's own, updated in place.
-        """
         what = f"server {self.servers[server]}"
+        return self._call_stamped(server, header.stamp, lambda: self._stream_retrying(
+            what, lambda: self._exchange_once(server, header, buffers, pulled, out, self._timeout_s)))
+
+    def _call_stamped(self, server: int, stamp: pb.Stamp, call: Callable[[], T]) -> T:
+        """`call()`, and once more under our newer generation when the server fenced off the old one.
+
+        This is the one stale-generation recovery. After a scheduler restart we re-register, and a
+        server can hear of our new generation (through its own Watch) before our SchedulerClient
+        has the Register reply, so it refuses a request stamped with the old one. With
+        `await_generation` we wait (up to the call's timeout) for the reply, then resend. Resending
+        is safe: a server drops slices it already has. `stamp` is the request's own, updated in place.
+        """
         try:
-            return self._retrying(what, call)
+            return call()
         except StaleGenerationError:
-            if self.generation <= stamp.generation:
+            if not self._newer_generation(stamp.generation):
                 raise
+            log.info("server %s: re-registered as generation %d (was %d), resending", self.servers[server],
+                     self.generation, stamp.generation)
             stamp.generation = self.generation
-            return self._retrying(what, call)
+            return call()
+
+    def _newer_generation(self, stamped: int) -> bool:
+        if self.generation > stamped:
+            return True
+        return self._await_generation is not None and self._await_generation(stamped, self._timeout_s)
 
     def _param_dtype(self, key: str) -> str:
         """The parameter's dtype here: as declared, else the layout's (for a reader that never declared)."""
