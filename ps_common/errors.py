@@ -77,6 +77,12 @@ class MessageTooLargeError(PSError):
     status = "RESOURCE_EXHAUSTED"
 
 
+class QuotaExceededError(PSError):
+    """A count or rate limit of a service is used up (members per job, registrations per minute)."""
+
+    status = "RESOURCE_EXHAUSTED"
+
+
 class ClusterConfigError(PSError):
     """Bad TF_CONFIG or flags. Entry points print it and exit non-zero."""
 

@@ -10,11 +10,16 @@ every request from it carries that stamp: anything older is refused (fencing), s
 declared dead cannot act again before it re-registers. The state is soft: a restarted scheduler
 starts empty, nodes re-register with the newest generation they saw (`last_generation`), and the
 counter jumps above it, so generations stay monotonic across scheduler restarts.
+
+Limits. Anything a request can ask of the scheduler is bounded (`MembershipLimits`) and checked
+before any state moves: a refused request leaves the table, the generation, the barriers, the
+layout and the registration budget as they were.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from pshard.common.errors import (
@@ -22,10 +27,11 @@ from pshard.common.errors import (
     EmptyRequestError,
     InvalidArgumentError,
     LayoutConflictError,
+    QuotaExceededError,
     StaleGenerationError,
     UnknownNodeError,
 )
-from pshard.common.layout import Layout
+from pshard.common.layout import ITEMSIZE, Layout, ParamSpec, plan_layout
 from pshard.common.view import (
     RANK_SPACE,
     ROLES,
@@ -38,6 +44,78 @@ from pshard.common.view import (
 )
 
 _SPACE_ORDER = {"scheduler": 0, "ps": 1, "worker": 2, "evaluator": 3}
+
+
+@dataclass(frozen=True)
+class MembershipLimits:
+    """What one job may ask of the scheduler. Every limit is checked before any state moves."""
+
+    max_node_id_chars: int = 256
+    max_role_chars: int = 32
+    max_address_chars: int = 512
+    max_barrier_name_chars: int = 256
+    # Parameter names in a proposed layout (torch state_dict names are far shorter).
+    max_key_chars: int = 1024
+    # Nodes in the table, live, dead or left: ranks of dead and departed nodes stay reserved.
+    max_members: int = 4096
+    # A token bucket on the injected clock. The burst lets every member of a full job re-register at
+    # once after a scheduler restart; the rate only stops a client that registers in a loop.
+    registrations_per_minute: float = 6000.0
+    registration_burst: int = 4096
+    # Generations and clocks from the wire. 2**62 is beyond any real count (a change every
+    # microsecond for 146,000 years) and leaves 2**62 increments before the uint64 fields (or an
+    # int64 in another language) could overflow, so a restarted scheduler that jumps to a node's
+    # last_generation still grows monotonically and always fits on the wire.
+    max_generation: int = 2**62
+    max_clock: int = 2**62
+    # Distinct barrier names (each costs a table entry for the life of the scheduler).
+    max_barriers: int = 1024
+    # Proposed layouts. Planning runs on the event loop every caller shares and costs about
+    # slices x servers steps: 2**22 of them take about half a second on one core.
+    max_layout_params: int = 65536
+    max_layout_servers: int = 256
+    max_layout_slices: int = 65536
+    max_layout_work: int = 2**22
+    max_dims: int = 32
+    max_param_elements: int = 2**48
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if not value > 0:
+                raise InvalidArgumentError(f"scheduler limit {f.name}: got {value}, expected > 0")
+
+    @staticmethod
+    def check_chars(field: str, value: str, limit: int) -> None:
+        if len(value) > limit:
+            raise InvalidArgumentError(
+                f"{field}: got {len(value)} characters ({value[:40]!r}...), expected at most {limit}")
+
+    @staticmethod
+    def check_int(field: str, value: int, limit: int) -> None:
+        if value > limit:
+            raise InvalidArgumentError(f"{field}: got {value}, expected at most {limit}")
+
+
+class TokenBucket:
+    """`rate_per_s` tokens a second, at most `burst` saved up; time from the injected clock."""
+
+    def __init__(self, rate_per_s: float, burst: int, clock: Clock) -> None:
+        self._rate = rate_per_s
+        self._burst = float(burst)
+        self._clock = clock
+        self._tokens = float(burst)
+        self._at = clock.now()
+
+    def wait_s(self) -> float:
+        """0 when a token is there now; else the seconds until one will be."""
+        now = self._clock.now()
+        self._tokens = min(self._burst, self._tokens + (now - self._at) * self._rate)
+        self._at = now
+        return 0.0 if self._tokens >= 1 else (1 - self._tokens) / self._rate
+
+    def take(self) -> None:
+        self._tokens -= 1
 
 @dataclass(frozen=True)
 class BarrierArrival:
@@ -72,11 +150,15 @@ class _Barrier:
 
 
 class Membership:
-    def __init__(self, heartbeat_timeout_s: float, clock: Clock | None = None) -> None:
+    def __init__(self, heartbeat_timeout_s: float, clock: Clock | None = None,
+                 limits: MembershipLimits | None = None) -> None:
         if heartbeat_timeout_s <= 0:
             raise InvalidArgumentError(f"heartbeat_timeout_s: got {heartbeat_timeout_s}, expected > 0")
         self.heartbeat_timeout_s = heartbeat_timeout_s
+        self.limits = limits or MembershipLimits()
         self._clock: Clock = clock or MonotonicClock()
+        self._registrations = TokenBucket(self.limits.registrations_per_minute / 60,
+                                          self.limits.registration_burst, self._clock)
         self._generation = 0
         self._members: dict[str, _Member] = {}
         self._barriers: dict[str, _Barrier] = {}
@@ -95,18 +177,33 @@ class Membership:
     def register(self, role: str, address: str, node_id: str | None = None, rank_hint: int | None = None,
                  last_generation: int = 0) -> Registration:
         """Admit a node, or a new incarnation of a known one (which keeps its rank)."""
+        limits = self.limits
+        limits.check_chars("role", role, limits.max_role_chars)
+        limits.check_chars("address", address, limits.max_address_chars)
+        limits.check_chars("node_id", node_id or "", limits.max_node_id_chars)
         if not role:
             raise EmptyRequestError("role: got '', expected one of " + ", ".join(ROLES))
         if role not in RANK_SPACE:
             raise InvalidArgumentError(f"role: got {role!r}, expected one of {', '.join(ROLES)}")
+        limits.check_int("last_generation", last_generation, limits.max_generation)
+        known = self._members.get(node_id) if node_id else None
+        if known is not None and RANK_SPACE[known.role] != RANK_SPACE[role]:
+            raise InvalidArgumentError(
+                f"node {node_id!r}: registered as {known.role!r}, now as {role!r}; a node id keeps its role")
+        if known is None and len(self._members) >= limits.max_members:
+            raise QuotaExceededError(
+                f"members: the job has {len(self._members)} (live, dead or left), the limit is "
+                f"{limits.max_members}; node {node_id or role!r} not admitted")
+        wait_s = self._registrations.wait_s()
+        if wait_s > 0:
+            raise QuotaExceededError(
+                f"registrations: more than {limits.registrations_per_minute:g} a minute (burst "
+                f"{limits.registration_burst}); retry in {wait_s:.3g} s")
+        # Every check passed: from here on the registration happens.
+        self._registrations.take()
         # Soft state: after a scheduler restart, continue above what the node has already seen.
         self._generation = max(self._generation, last_generation)
-        known = self._members.get(node_id) if node_id else None
         if known is not None:
-            if RANK_SPACE[known.role] != RANK_SPACE[role]:
-                raise InvalidArgumentError(
-                    f"node {node_id!r}: registered as {known.role!r}, now as {role!r}; "
-                    "a node id keeps its role")
             rank = known.rank
         else:
             if role == "chief" and rank_hint is None:
@@ -120,6 +217,7 @@ class Membership:
         return Registration(node_id, rank, generation, self.view())
 
     def heartbeat(self, node_id: str, generation: int, clock: int = 0) -> ClusterView:
+        self.limits.check_int(f"node {node_id[:40]!r} heartbeat clock", clock, self.limits.max_clock)
         member = self._current(node_id, generation, "heartbeat")
         member.last_seen = self._clock.now()
         member.clock = clock
@@ -127,6 +225,7 @@ class Membership:
 
     def leave(self, node_id: str, generation: int) -> ClusterView:
         member = self._member(node_id)
+        self._check_known_generation(generation, "leave")
         self._check_generation(member, generation, "leave")
         if member.state is not NodeState.LEFT:  # a retried leave changes nothing
             member.state = NodeState.LEFT
@@ -159,6 +258,7 @@ class Membership:
         return self._member(node_id).snapshot()
 
     def _member(self, node_id: str) -> _Member:
+        self.limits.check_chars("node_id", node_id, self.limits.max_node_id_chars)
         member = self._members.get(node_id)
         if member is None:
             raise UnknownNodeError(
@@ -168,6 +268,7 @@ class Membership:
     def _current(self, node_id: str, generation: int, what: str) -> _Member:
         """The node's LIVE incarnation stamped `generation`, or the error that tells it to re-register."""
         member = self._member(node_id)
+        self._check_known_generation(generation, what)
         self._check_generation(member, generation, what)
         if member.state is NodeState.DEAD:
             raise UnknownNodeError(
@@ -176,6 +277,14 @@ class Membership:
         if member.state is NodeState.LEFT:
             raise UnknownNodeError(f"node {node_id!r}: has left the cluster; register again to rejoin")
         return member
+
+    def _check_known_generation(self, generation: int, what: str) -> None:
+        # No incarnation can carry a generation this scheduler has not reached: a malformed request,
+        # not a stale node (an unknown node, as after a scheduler restart, is told to re-register first).
+        if generation > self._generation:
+            raise InvalidArgumentError(
+                f"{what} generation: got {generation}, expected at most {self._generation} "
+                "(the scheduler's current generation)")
 
     @staticmethod
     def _check_generation(member: _Member, generation: int, what: str) -> None:
@@ -209,11 +318,19 @@ class Membership:
         A released barrier starts a new round at its next arrival, so names are reusable
         (a checkpoint barrier every N steps). Arriving twice in one round counts once.
         """
+        limits = self.limits
+        limits.check_chars("barrier name", name, limits.max_barrier_name_chars)
         if not name:
             raise EmptyRequestError("barrier name: got '', expected a name")
         if count < 1:
             raise InvalidArgumentError(f"barrier {name!r} count: got {count}, expected >= 1")
+        # More than the job can ever have would never release: refuse now rather than time out.
+        limits.check_int(f"barrier {name!r} count", count, limits.max_members)
         self._member(node_id)
+        if name not in self._barriers and len(self._barriers) >= limits.max_barriers:
+            raise QuotaExceededError(
+                f"barriers: {len(self._barriers)} names in use, the limit is {limits.max_barriers}; "
+                f"barrier {name!r} not opened")
         barrier = self._barriers.setdefault(name, _Barrier())
         if barrier.arrived and count != barrier.count:
             raise InvalidArgumentError(
@@ -252,6 +369,32 @@ class Membership:
             f"({', '.join(arrived)}); not arrived: {', '.join(missing) or 'no other registered node'}")
 
     # ---- layout ----
+
+    def check_layout_request(self, params: int, servers: Sequence[str]) -> None:
+        """Counts and server addresses of a ProposeLayout, checked before its params are decoded."""
+        limits = self.limits
+        limits.check_int("layout params", params, limits.max_layout_params)
+        limits.check_int("layout servers", len(servers), limits.max_layout_servers)
+        for i, server in enumerate(servers):
+            limits.check_chars(f"layout server {i}", server, limits.max_address_chars)
+
+    def plan(self, params: Sequence[ParamSpec], servers: Sequence[str], slice_bytes: int) -> Layout:
+        """`plan_layout` once the request is known to stay within the limits (planning is CPU-bound)."""
+        self.check_layout_request(len(params), servers)
+        limits = self.limits
+        slices = 0
+        for p in params:
+            limits.check_chars("param key", p.key, limits.max_key_chars)
+            limits.check_int(f"param {p.key!r} dims", len(p.shape), limits.max_dims)
+            limits.check_int(f"param {p.key!r} elements", p.numel, limits.max_param_elements)
+            # As plan_layout cuts it: at least one piece per server once a tensor is split.
+            per_slice = max(1, slice_bytes // ITEMSIZE[p.dtype])
+            parts = max(1, -(-p.numel // per_slice))
+            slices += max(parts, min(len(servers), p.numel)) if parts > 1 else 1
+        limits.check_int(f"layout slices (slice_bytes {slice_bytes})", slices, limits.max_layout_slices)
+        limits.check_int(f"layout slices x servers ({slices} x {len(servers)})", slices * len(servers),
+                         limits.max_layout_work)
+        return plan_layout(params, servers, slice_bytes)
 
     def propose_layout(self, layout: Layout) -> tuple[Layout, bool]:
         """Store the first proposal (with the next version); later ones must describe the same params.

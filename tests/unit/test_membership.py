@@ -3,18 +3,20 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import pytest
 from pshard.common.errors import (
     BarrierTimeoutError,
     InvalidArgumentError,
     LayoutConflictError,
+    QuotaExceededError,
     StaleGenerationError,
     UnknownNodeError,
 )
 from pshard.common.layout import ParamSpec, plan_layout
 from pshard.common.view import ManualClock, NodeState
-from pshard.scheduler.membership import Membership
+from pshard.scheduler.membership import Membership, MembershipLimits
 
 
 @pytest.fixture
@@ -256,3 +258,174 @@ def test_replaced_layout_gets_the_next_version(members):
     replaced = members.replace_layout(plan_layout(PARAMS, ["p0:1", "p1:1"]))
 
     assert replaced.version == 2 and members.view().layout_version == 2
+
+
+# ---- limits: refused before any state moves ----
+
+def snapshot(members: Membership) -> tuple[object, ...]:
+    """Everything a refused request must leave as it was."""
+    return (members.view(), members.layout(), {n: dataclasses.replace(b, arrived=dict(b.arrived))
+                                               for n, b in members._barriers.items()})
+
+
+def test_last_generation_beyond_the_bound_is_refused_naming_field_and_value(members):
+    members.register("worker", "w:1", node_id="worker-0")
+    before = snapshot(members)
+
+    with pytest.raises(InvalidArgumentError,
+                       match=rf"last_generation: got {2**64 - 1}, expected at most {2**62}"):
+        members.register("worker", "w:1", node_id="worker-0", last_generation=2**64 - 1)
+
+    assert snapshot(members) == before
+
+
+def test_last_generation_at_the_bound_is_accepted_and_later_changes_still_fit_the_wire(members):
+    reg = members.register("worker", "w:1", last_generation=2**62)
+    members.leave(reg.node_id, reg.generation)
+
+    assert 2**62 < members.generation < 2**63
+
+
+@pytest.mark.parametrize(("field", "kwargs", "limit_name"), [
+    ("role", {"role": "w" * 33}, "max_role_chars"),
+    ("address", {"address": "a" * 513}, "max_address_chars"),
+    ("node_id", {"node_id": "n" * 257}, "max_node_id_chars"),
+])
+def test_overlong_strings_are_refused_naming_the_field_and_the_limit(members, field, kwargs, limit_name):
+    request = {"role": "worker", "address": "w:1", **kwargs}
+    before = snapshot(members)
+
+    with pytest.raises(InvalidArgumentError) as info:
+        members.register(**request)
+
+    limit = getattr(members.limits, limit_name)
+    assert str(info.value).startswith(f"{field}: got {limit + 1} characters")
+    assert f"expected at most {limit}" in str(info.value)
+    assert snapshot(members) == before
+
+
+def test_limits_are_settable_and_must_be_positive(clock):
+    limits = MembershipLimits(max_node_id_chars=4)
+    members = Membership(10, clock, limits)
+
+    with pytest.raises(InvalidArgumentError, match="node_id: got 5 characters"):
+        members.register("worker", "w:1", node_id="abcde")
+    with pytest.raises(InvalidArgumentError, match="max_members: got 0, expected > 0"):
+        MembershipLimits(max_members=0)
+
+
+def test_members_per_job_are_bounded_but_known_nodes_may_reregister(clock):
+    members = Membership(10, clock, MembershipLimits(max_members=2))
+    members.register("worker", "w0:1", node_id="worker-0")
+    members.register("worker", "w1:1", node_id="worker-1")
+    before = snapshot(members)
+
+    with pytest.raises(QuotaExceededError, match=r"members: the job has 2 .* the limit is 2"):
+        members.register("worker", "w2:1", node_id="worker-2")
+
+    assert snapshot(members) == before
+    assert members.register("worker", "w1:2", node_id="worker-1").rank == 1
+
+
+def test_registrations_per_minute_are_a_token_bucket_on_the_clock(clock):
+    members = Membership(1000, clock, MembershipLimits(registrations_per_minute=60, registration_burst=3))
+    for i in range(3):
+        members.register("worker", f"w{i}:1")
+    before = snapshot(members)
+
+    with pytest.raises(QuotaExceededError, match=r"registrations: more than 60 a minute .* retry in 1 s"):
+        members.register("worker", "w3:1")
+    assert snapshot(members) == before
+
+    clock.advance(0.5)
+    with pytest.raises(QuotaExceededError, match=r"retry in 0.5 s"):
+        members.register("worker", "w3:1")
+    clock.advance(0.5)
+    assert members.register("worker", "w3:1").rank == 3
+    clock.advance(3600)  # saving up stops at the burst
+    for i in range(3):
+        members.register("ps", f"p{i}:1")
+    with pytest.raises(QuotaExceededError):
+        members.register("ps", "p3:1")
+
+
+def test_refused_registrations_spend_no_token(clock):
+    members = Membership(10, clock, MembershipLimits(registration_burst=1))
+    with pytest.raises(InvalidArgumentError):
+        members.register("trainer", "t:1")
+
+    assert members.register("worker", "w:1").rank == 0
+
+
+def test_a_refused_role_change_does_not_move_the_generation(members):
+    members.register("worker", "w:1", node_id="n1")
+    before = snapshot(members)
+
+    with pytest.raises(InvalidArgumentError, match="a node id keeps its role"):
+        members.register("ps", "w:1", node_id="n1", last_generation=1000)
+
+    assert snapshot(members) == before
+
+
+def test_heartbeat_clock_and_generations_from_the_wire_are_bounded(members):
+    reg = members.register("worker", "w:1")
+    before = snapshot(members)
+
+    with pytest.raises(InvalidArgumentError, match=rf"heartbeat clock: got {2**64 - 1}, expected at most"):
+        members.heartbeat(reg.node_id, reg.generation, clock=2**64 - 1)
+    with pytest.raises(InvalidArgumentError,
+                       match=rf"heartbeat generation: got {2**64 - 1}, expected at most {reg.generation}"):
+        members.heartbeat(reg.node_id, 2**64 - 1)
+    with pytest.raises(InvalidArgumentError, match=rf"leave generation: got {2**63}"):
+        members.leave(reg.node_id, 2**63)
+    with pytest.raises(InvalidArgumentError, match="node_id: got 257 characters"):
+        members.heartbeat("n" * 257, reg.generation)
+
+    assert snapshot(members) == before
+    assert members.heartbeat(reg.node_id, reg.generation, clock=2**62).node(reg.node_id).clock == 2**62
+
+
+def test_barrier_count_name_and_number_of_barriers_are_bounded(clock):
+    members = Membership(10, clock, MembershipLimits(max_members=4, max_barriers=1))
+    members.register("worker", "w:1", node_id="worker-0")
+    members.arrive("start", 2, "worker-0")
+    before = snapshot(members)
+
+    with pytest.raises(InvalidArgumentError, match=r"barrier 'x' count: got 5, expected at most 4"):
+        members.arrive("x", 5, "worker-0")
+    with pytest.raises(InvalidArgumentError, match="barrier name: got 257 characters"):
+        members.arrive("b" * 257, 1, "worker-0")
+    with pytest.raises(QuotaExceededError, match="barriers: 1 names in use, the limit is 1"):
+        members.arrive("second", 1, "worker-0")
+
+    assert snapshot(members) == before
+
+
+@pytest.mark.parametrize(("params", "servers", "slice_bytes", "message"), [
+    ([ParamSpec("k" * 1025, "float32", (1,))], ["p:1"], 1024, "param key: got 1025 characters"),
+    ([ParamSpec("w", "float32", (1,) * 33)], ["p:1"], 1024, "param 'w' dims: got 33, expected at most 32"),
+    ([ParamSpec("w", "float32", (2**62, 4))], ["p:1"], 2**64 - 1, f"param 'w' elements: got {2**64}"),
+    ([ParamSpec("w", "float32", (2**40,))], ["p:1"], 64, "layout slices (slice_bytes 64): got 68719476736"),
+    ([ParamSpec("w", "float32", (2**16,))], [f"p:{i}" for i in range(256)], 64,
+     "layout slices x servers (4096 x 256): got 1048576"),
+    ([ParamSpec("w", "float32", (1,))], [f"p:{i}" for i in range(257)], 64, "layout servers: got 257"),
+    ([ParamSpec("w", "float32", (1,))], ["p" * 513], 64, "layout server 0: got 513 characters"),
+])
+def test_layouts_beyond_the_limits_are_refused_before_planning(clock, params, servers, slice_bytes, message):
+    members = Membership(10, clock, MembershipLimits(max_layout_work=2**19))
+
+    with pytest.raises(InvalidArgumentError, match=re.escape(message)):
+        members.plan(params, servers, slice_bytes)
+
+    assert members.layout() is None and members.generation == 0
+
+
+def test_layout_params_are_counted_before_they_are_decoded(members):
+    with pytest.raises(InvalidArgumentError, match="layout params: got 65537, expected at most 65536"):
+        members.check_layout_request(65537, ["p:1"])
+
+
+def test_a_layout_within_the_limits_is_planned_as_before(members):
+    planned = members.plan(PARAMS, ["p0:1", "p1:1"], 64)
+
+    assert planned == plan_layout(PARAMS, ["p0:1", "p1:1"], 64)
