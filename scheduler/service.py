@@ -19,8 +19,8 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from pshard.common.rpc import server_options
 from pshard.common.serving import ServerThread, start_in_thread
 from pshard.common.view import Clock
-from pshard.scheduler.membership import Membership
-from pshard.scheduler.servicer import SchedulerServicer
+from pshard.scheduler.membership import Membership, MembershipLimits
+from pshard.scheduler.servicer import DecodeErrors, SchedulerServicer
 
 from pshard.api.v1 import scheduler_pb2_grpc as pb_grpc
 
@@ -58,11 +58,11 @@ class RunningScheduler:
 
 async def start(bind: str = "127.0.0.1:0", *, heartbeat_interval_s: float = DEFAULT_HEARTBEAT_INTERVAL_S,
                 heartbeat_timeout_s: float = DEFAULT_HEARTBEAT_TIMEOUT_S,
-                clock: Clock | None = None) -> RunningScheduler:
+                clock: Clock | None = None, limits: MembershipLimits | None = None) -> RunningScheduler:
     """Start serving on `bind` (port 0 picks a free port); raises OSError if it cannot listen."""
-    membership = Membership(heartbeat_timeout_s, clock)
+    membership = Membership(heartbeat_timeout_s, clock, limits)
     servicer = SchedulerServicer(membership, heartbeat_interval_s)
-    server = grpc.aio.server(options=server_options())
+    server = grpc.aio.server(options=server_options(), interceptors=[DecodeErrors()])
     pb_grpc.add_SchedulerServicer_to_server(servicer, server)
     health_servicer = health.aio.HealthServicer()  # type: ignore[attr-defined]
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
