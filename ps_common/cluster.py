@@ -140,13 +140,14 @@ class ClusterSpec:
             raise ClusterConfigError(f"TF_CONFIG: not valid JSON ({e}): {_clip(raw)}") from None
         if not isinstance(config, dict):
             raise ClusterConfigError(f"TF_CONFIG: got {_clip(raw)}, expected a JSON object")
-        cluster = _require_object(config, "cluster")
+        cluster = _lower_case_jobs(_require_object(config, "cluster"))
         task = _require_object(config, "task")
         if "type" not in task:
             raise ClusterConfigError(f"task.type: missing in {_clip(json.dumps(task))}")
         if "index" not in task:
             raise ClusterConfigError(f"task.index: missing in {_clip(json.dumps(task))}")
         task_type = task["type"]
+        # TensorFlow's TFConfigClusterResolver takes the type in any case ("Worker", "PS").
         if not isinstance(task_type, str) or task_type.lower() not in TASK_TYPES:
             raise ClusterConfigError(f"task.type: got {task_type!r}, expected one of {TASK_TYPES}")
         if "chief" in cluster and "master" in cluster:
@@ -155,7 +156,7 @@ class ClusterSpec:
                 "'master' is the old name of 'chief', give only one")
         jobs = {job: _job_addresses(cluster, job) for job in ("scheduler", "ps", "worker", "evaluator")}
         jobs["chief"] = _job_addresses(cluster, "master" if "master" in cluster else "chief")
-        return cls(task_type=task_type.lower(), task_index=task["index"], **jobs)
+        return cls(task_type=task_type.lower(), task_index=_task_index(task["index"]), **jobs)
 
     # ---- derived facts ----
 
@@ -231,6 +232,31 @@ def _require_object(config: Mapping[str, Any], key: str) -> dict[str, Any]:
     return value
 
 
+def _lower_case_jobs(cluster: Mapping[str, Any]) -> dict[str, Any]:
+    """Job names folded to lower case, as task types are; two spellings of one job are an error."""
+    folded: dict[str, Any] = {}
+    spelled: dict[str, str] = {}
+    for name, value in cluster.items():
+        job = name.lower()
+        if job in folded:
+            raise ClusterConfigError(
+                f"cluster.{name}: got {_clip(json.dumps(value))} next to cluster.{spelled[job]}; "
+                "job names are read in any case, give each job once")
+        folded[job], spelled[job] = value, name
+    return folded
+
+
+def _task_index(value: object) -> Any:
+    """task.index as TensorFlow reads it (``int(task['index'])``): ``1`` or ``"1"``.
+
+    Anything else (1.5, true, "one") is left for ClusterSpec to refuse, naming the value, rather
+    than truncated the way TensorFlow's ``int()`` would.
+    """
+    if isinstance(value, str) and value.strip().isascii() and value.strip().isdigit():
+        return int(value.strip())
+    return value
+
+
 def _job_addresses(cluster: Mapping[str, Any], job: str) -> tuple[str, ...]:
     value = cluster.get(job, [])
     if isinstance(value, dict):
@@ -278,7 +304,7 @@ def add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--tf-config", metavar="JSON", default=None,
                        help="cluster and task as TF_CONFIG JSON (default: the TF_CONFIG environment "
                             "variable)")
-    group.add_argument("--task-type", metavar="TYPE", choices=TASK_TYPES, default=None,
+    group.add_argument("--task-type", metavar="TYPE", type=str.lower, choices=TASK_TYPES, default=None,
                        help=f"this process's role, overrides task.type; one of {', '.join(TASK_TYPES)} "
                             "('master' is read as 'chief')")
     group.add_argument("--task-index", metavar="N", type=int, default=None,
@@ -346,9 +372,10 @@ def exit_on_config_error(fn: None = None, *, prog: str | None = None) -> Callabl
 def exit_on_config_error(fn: F | None = None, *, prog: str | None = None) -> F | Callable[[F], F]:
     """Decorate an entry point: a ClusterConfigError prints ``<prog>: error: <message>`` and exits 2.
 
-    Use as ``@exit_on_config_error`` or ``@exit_on_config_error(prog="python -m pshard.scheduler")``;
-    the default prog is argparse's (the script's base name). Exit status 2 matches argparse's
-    usage errors: the process never started, nothing to retry.
+    Use as ``@exit_on_config_error`` or ``@exit_on_config_error(prog="python -m pshard.scheduler")``.
+    A ``prog`` keyword given to the call (``main(argv, prog="pshard scheduler")``, as the pshard
+    command does) wins over the decorator's; the last resort is argparse's (the script's base name).
+    Exit status 2 matches argparse's usage errors: the process never started, nothing to retry.
     """
 
     def decorate(func: F) -> F:
@@ -357,7 +384,7 @@ def exit_on_config_error(fn: F | None = None, *, prog: str | None = None) -> F |
             try:
                 return func(*a, **kw)
             except ClusterConfigError as e:
-                name = prog or os.path.basename(sys.argv[0]) or "pshard"
+                name = kw.get("prog") or prog or os.path.basename(sys.argv[0]) or "pshard"
                 print(f"{name}: error: {e}", file=sys.stderr)
                 raise SystemExit(2) from None
 

@@ -1,4 +1,6 @@
-"""A standard gRPC health probe: `python -m pshard.common.health HOST:PORT [--service NAME] [--timeout-s S]`.
+"""A standard gRPC health probe: `pshard health HOST:PORT [--service NAME] [--timeout-s S]`.
+
+(`python -m pshard.common.health` is the same probe.)
 
 Exit 0 when the server answers SERVING; exit 1 otherwise, with one line on stderr saying
 why. That is the contract of a Docker (or Kubernetes exec) health check, and it keeps the
@@ -40,9 +42,9 @@ def probe(target: str, service: str = "", timeout_s: float = DEFAULT_TIMEOUT_S) 
     return reply.status == health_pb2.HealthCheckResponse.SERVING, f"{target}: {name}: {status_name}"
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def main(argv: Sequence[str] | None = None, *, prog: str = "python -m pshard.common.health") -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m pshard.common.health",
+        prog=prog,
         description="Ask a gRPC server's standard health service (grpc.health.v1) whether it is SERVING. "
         "Exit 0 if so, 1 otherwise with a one-line reason on stderr.",
     )
@@ -71,8 +73,6 @@ def _target(value: str) -> str:
     if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
         raise argparse.ArgumentTypeError(f"expected HOST:PORT with a port in 1..65535, got {value!r}")
     return value
-
-
 
 
 def _one_line(text: str, limit: int = 200) -> str:

@@ -1,20 +1,30 @@
-"""python -m pshard.ps_server: run one parameter server.
+"""``pshard ps`` (or ``python -m pshard.ps_server``): run one parameter server.
 
 With TF_CONFIG (task type "ps"), the server binds its own address's port, registers
 with the scheduler and follows its cluster view: the sync quorum is the set of live
 workers. Without a scheduler, --workers names the quorum.
+
+Start-up problems (a bad TF_CONFIG or flag, a port in use, a checkpoint that cannot be read or
+written) are one line, ``<prog>: error: <problem>``, and exit status 2. SIGTERM or SIGINT at any
+moment stops the server quietly with status 0, after a final checkpoint once it is serving.
 """
 
 from __future__ import annotations
 
+if __name__ == "__main__":  # before the heavy imports below: a stop during them is quiet too
+    from pshard.common.entry import stop_quietly_on_signals
+
+    stop_quietly_on_signals()
+
 import argparse
 import asyncio
+import json
 import logging
 import os
-import signal
 import sys
 from collections.abc import Mapping, Sequence
 
+from pshard.common.argtypes import listen_address, positive_float
 from pshard.common.cluster import (
     ClusterSpec,
     add_cluster_arguments,
@@ -23,23 +33,27 @@ from pshard.common.cluster import (
     exit_on_config_error,
     split_address,
 )
+from pshard.common.entry import STOP_SIGNALS, check_can_listen
 from pshard.common.errors import ClusterConfigError, PSError
 from pshard.common.job import MODES, OPTIMIZERS, JobConfig, OptimizerConfig
+from pshard.common.logs import add_log_level_argument, configure_logging
 from pshard.common.rpc import DEFAULT_MAX_MESSAGE_BYTES
 from pshard.ps_server import service
 from pshard.ps_server.servicer import ServerSettings
 
 log = logging.getLogger("pshard.ps")
 
+PROG = "python -m pshard.ps_server"
 
-def build_parser() -> argparse.ArgumentParser:
+
+def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m pshard.ps_server",
+        prog=prog,
         description="pshard parameter server: holds a shard of the model and answers push/pull over gRPC.",
         epilog="The job's consistency mode and optimizer normally come from the workers (their first "
                "Declare); the --mode/--optimizer flags set them for clients that send none.")
     add_cluster_arguments(p)
-    p.add_argument("--bind", metavar="HOST:PORT",
+    p.add_argument("--bind", metavar="HOST:PORT", type=listen_address,
                    help="listen address (default: 0.0.0.0 and the port of this task's TF_CONFIG address; "
                         "127.0.0.1:0 without TF_CONFIG)")
     p.add_argument("--workers", metavar="ID[,ID...]",
@@ -52,15 +66,16 @@ def build_parser() -> argparse.ArgumentParser:
     job.add_argument("--optimizer", choices=OPTIMIZERS, default="sgd", help="server-side optimizer")
     job.add_argument("--lr", type=float, default=0.01, help="learning rate (default 0.01)")
     job.add_argument("--momentum", type=float, default=0.0, help="SGD momentum (default 0)")
-    p.add_argument("--pull-timeout-s", type=float, default=120.0,
-                   help="longest a pull waits for its consistency condition (default 120)")
+    p.add_argument("--pull-timeout-s", type=positive_float, default=ServerSettings.pull_timeout_s,
+                   help="longest a pull waits for its consistency condition "
+                        f"(default {ServerSettings.pull_timeout_s:g})")
     p.add_argument("--checkpoint-dir", metavar="DIR",
                    help="save the shard here (weights, optimizer state, clocks) and restore it on start")
     p.add_argument("--checkpoint-interval-s", type=float, default=0.0,
                    help="also checkpoint every N seconds (default 0: only on request and at shutdown)")
     p.add_argument("--max-message-mb", type=int, default=DEFAULT_MAX_MESSAGE_BYTES // 2**20,
                    help="largest unary message accepted, MiB (default 64; bigger payloads use Exchange)")
-    p.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
+    add_log_level_argument(p)
     return p
 
 
@@ -78,8 +93,12 @@ def _static_quorum(args: argparse.Namespace) -> Mapping[str, int] | None:
     return {w.strip(): 0 for w in args.workers.split(",") if w.strip()}
 
 
-def _check_checkpoint_dir(path: str) -> None:
-    """Fail at start, naming the flag, rather than at the first checkpoint minutes later."""
+def _check_checkpoint_dir(path: str, shard_name: str) -> None:
+    """Fail at start, naming the flag, rather than at the first checkpoint minutes later.
+
+    The directory must be writable, and a checkpoint already in it readable: its manifest is
+    parsed here (cheap); the arrays are read when the store restores them.
+    """
     try:
         os.makedirs(path, exist_ok=True)
         probe = os.path.join(path, ".pshard-write-test")
@@ -89,11 +108,21 @@ def _check_checkpoint_dir(path: str) -> None:
     except OSError as err:
         raise ClusterConfigError(f"--checkpoint-dir: {path!r} is not a writable directory "
                                  f"({err.strerror or err})") from None
+    manifest = os.path.join(path, f"{shard_name}.json")
+    try:
+        with open(manifest, "rb") as f:
+            json.load(f)
+    except FileNotFoundError:
+        return
+    except (OSError, ValueError) as err:
+        reason = err.strerror if isinstance(err, OSError) and err.strerror else str(err)
+        raise ClusterConfigError(f"--checkpoint-dir: cannot read the checkpoint {manifest!r} "
+                                 f"({reason})") from None
 
 
 def _settings(args: argparse.Namespace) -> ServerSettings:
     if args.checkpoint_dir:
-        _check_checkpoint_dir(args.checkpoint_dir)
+        _check_checkpoint_dir(args.checkpoint_dir, ServerSettings.shard_name)
     default_job = None
     if args.mode:
         default_job = JobConfig(mode=args.mode, staleness=args.staleness,
@@ -103,13 +132,15 @@ def _settings(args: argparse.Namespace) -> ServerSettings:
                           pull_timeout_s=args.pull_timeout_s, checkpoint_dir=args.checkpoint_dir)
 
 
-async def _run(args: argparse.Namespace, spec: ClusterSpec | None, settings: ServerSettings) -> int:
-    running = await service.start(settings, _bind(args, spec), args.max_message_mb * 2**20)
-    print(f"pshard ps: listening on port {running.port}", flush=True)
+async def _run(args: argparse.Namespace, spec: ClusterSpec | None, settings: ServerSettings,
+               bind: str) -> int:
+    # Handlers first: from here on a signal stops the server gracefully, start-up included.
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
+    for sig in STOP_SIGNALS:
         loop.add_signal_handler(sig, stop.set)
+    running = await service.start(settings, bind, args.max_message_mb * 2**20)
+    print(f"pshard ps: listening on port {running.port}", flush=True)
     follower = None
     if spec is not None and not args.no_scheduler:
         follower = service.follow_scheduler(running, spec, loop)
@@ -129,22 +160,27 @@ async def _run(args: argparse.Namespace, spec: ClusterSpec | None, settings: Ser
     return 0
 
 
-@exit_on_config_error(prog="python -m pshard.ps_server")
-def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
-                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+@exit_on_config_error(prog=PROG)
+def main(argv: Sequence[str] | None = None, *, prog: str = PROG) -> int:
+    args = build_parser(prog).parse_args(argv)
+    configure_logging(args.log_level)
     spec = None
     if cluster_config_given(args, os.environ):
         spec = cluster_spec_from_args(args, os.environ, default_task_type="ps")
         if spec.task_type != "ps":
             raise ClusterConfigError(
-                f"task.type: got {spec.task_type!r}, python -m pshard.ps_server runs 'ps' tasks")
+                f"task.type: got {spec.task_type!r} (index {spec.task_index}), but {prog} runs 'ps' "
+                f"tasks; start a {spec.task_type!r} task with 'pshard run' or its own command")
     settings = _settings(args)
+    bind = _bind(args, spec)
+    check_can_listen(bind)
     try:
-        return asyncio.run(_run(args, spec, settings))
+        return asyncio.run(_run(args, spec, settings, bind))
+    except OSError as err:  # the checkpoint's arrays, or the port lost since check_can_listen
+        print(f"{prog}: error: {err}", file=sys.stderr)
+        return 2
     except PSError as err:
-        print(f"python -m pshard.ps_server: error: {err}", file=sys.stderr)
+        print(f"{prog}: error: {err}", file=sys.stderr)
         return 1
 
 

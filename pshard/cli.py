@@ -8,63 +8,89 @@
     pshard health ...      the gRPC health probe that containers and pods use
 
 Each subcommand takes the same flags as ``python -m pshard.<service>``; everything after the
-subcommand is handed to it unchanged. Services are imported only when chosen, so ``pshard --help`` and
-``pshard ps`` never import torch.
+subcommand is handed to it unchanged, and its usage and error lines name it ``pshard <command>``.
+Services are imported only when chosen, so ``pshard --help`` and ``pshard ps`` never import torch.
 """
 
 from __future__ import annotations
 
 import importlib
+import inspect
 import json
 import os
 import sys
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 
-# subcommand -> (module whose main(argv) runs it, one line of help)
-COMMANDS: dict[str, tuple[str, str]] = {
-    "scheduler": ("pshard.scheduler.__main__", "run the scheduler (membership, barriers, layout)"),
-    "ps": ("pshard.ps_server.__main__", "run one parameter server"),
-    "worker": ("pshard.worker.__main__", "run one worker, chief or evaluator"),
-    "launch": ("pshard.launcher.__main__", "run a whole local cluster as real processes"),
-    "run": ("", "run the role TF_CONFIG's task.type names"),
-    "health": ("pshard.common.health", "probe a service's gRPC health check"),
+
+@dataclass(frozen=True)
+class Command:
+    module: str  # whose main(argv) runs it
+    help: str
+    # Servers stop quietly on SIGTERM from the first line (pshard.common.entry); the worker and the
+    # launcher handle signals themselves.
+    quiet_stop: bool = False
+
+
+COMMANDS: dict[str, Command] = {
+    "scheduler": Command("pshard.scheduler.__main__", "run the scheduler (membership, barriers, layout)",
+                         quiet_stop=True),
+    "ps": Command("pshard.ps_server.__main__", "run one parameter server", quiet_stop=True),
+    "worker": Command("pshard.worker.__main__", "run one worker, chief or evaluator"),
+    "launch": Command("pshard.launcher.__main__", "run a whole local cluster as real processes"),
+    "run": Command("", "run the role TF_CONFIG's task.type names"),
+    "health": Command("pshard.common.health", "probe a service's gRPC health check"),
 }
 
-# TF_CONFIG task type -> subcommand (TensorFlow's old "master" is the chief).
-_ROLE_COMMAND = {"scheduler": "scheduler", "ps": "ps", "chief": "worker", "master": "worker",
-                 "worker": "worker", "evaluator": "worker"}
+# TF_CONFIG task type (any case, as TensorFlow reads it) -> subcommand; "master" is the old chief.
+ROLE_COMMAND = {"scheduler": "scheduler", "ps": "ps", "chief": "worker", "master": "worker",
+                "worker": "worker", "evaluator": "worker"}
+
+RUN_HELP = """usage: pshard run [flags of the role's command]
+
+Starts the role that TF_CONFIG's task.type names, so that one image serves every replica of a
+TFJob: scheduler -> 'pshard scheduler', ps -> 'pshard ps', chief, master, worker and evaluator ->
+'pshard worker'. Flags after 'run' go to that command; 'pshard <command> --help' lists them."""
 
 
 def _usage() -> str:
     lines = ["usage: pshard <command> [args...]", "", "pshard: a parameter server for PyTorch training.",
              "", "commands:"]
-    lines += [f"  {name:<10} {text}" for name, (_, text) in COMMANDS.items()]
+    lines += [f"  {name:<10} {command.help}" for name, command in COMMANDS.items()]
     lines += ["", "'pshard <command> --help' describes a command's flags."]
     return "\n".join(lines)
 
 
-def _entry(command: str) -> Callable[[Sequence[str]], int]:
-    module = importlib.import_module(COMMANDS[command][0])
-    main: Callable[[Sequence[str]], int] = module.main
-    return main
-
-
 def role_command(environ: Mapping[str, str]) -> str:
-    """The subcommand for TF_CONFIG's task.type; a missing or bad TF_CONFIG is a clean error."""
+    """The subcommand for TF_CONFIG's task.type; a missing or unknown one is a clean error."""
     raw = environ.get("TF_CONFIG")
     if not raw:
         raise SystemExit("pshard run: error: TF_CONFIG is not set; 'pshard run' starts the role its "
                          "task.type names (or use 'pshard scheduler|ps|worker')")
     try:
-        task = json.loads(raw).get("task", {})
-        task_type = str(task.get("type", "")).lower()
-    except (ValueError, AttributeError):
-        # The service's own parser names the field and the value; let it say so.
+        task = json.loads(raw)["task"]
+        task_type = task["type"]
+    except (ValueError, TypeError, KeyError):
+        # Not JSON, or no task.type: the worker's own TF_CONFIG parser names the field and the value.
         return "worker"
-    if task_type not in _ROLE_COMMAND:
-        raise SystemExit(f"pshard run: error: task.type: got {task.get('type')!r}, expected one of "
-                         f"{sorted(_ROLE_COMMAND)}")
-    return _ROLE_COMMAND[task_type]
+    command = ROLE_COMMAND.get(task_type.lower()) if isinstance(task_type, str) else None
+    if command is None:
+        raise SystemExit(f"pshard run: error: task.type: got {task_type!r}, expected one of "
+                         f"{sorted(ROLE_COMMAND)}")
+    return command
+
+
+def run_command(command: str, argv: Sequence[str], prog: str) -> int:
+    """Import `command`'s module and run its main; usage and errors name `prog`."""
+    if COMMANDS[command].quiet_stop:
+        # Before the import: grpc and numpy take a while to load on a busy machine.
+        from pshard.common.entry import stop_quietly_on_signals
+
+        stop_quietly_on_signals()
+    main: Callable[..., int | None] = importlib.import_module(COMMANDS[command].module).main
+    if "prog" in inspect.signature(main).parameters:
+        return int(main(argv, prog=prog) or 0)
+    return int(main(argv) or 0)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -74,20 +100,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     if args[0] == "--version":
         from pshard import __version__
+
         print(f"pshard {__version__}")
         return 0
     command, rest = args[0], args[1:]
     if command not in COMMANDS:
         print(f"{_usage()}\n\npshard: error: unknown command {command!r}", file=sys.stderr)
         return 2
+    prog = f"pshard {command}"
     if command == "run":
         if rest[:1] in (["-h"], ["--help"]):
-            print("usage: pshard run [flags of the role's command]\n\nStarts the role that TF_CONFIG's "
-                  "task.type names: scheduler -> 'pshard scheduler', ps -> 'pshard ps', chief/worker/"
-                  "evaluator -> 'pshard worker'. Flags after 'run' go to that command.")
+            print(RUN_HELP)
             return 0
         command = role_command(os.environ)
-    return int(_entry(command)(rest) or 0)
+    return run_command(command, rest, prog)
 
 
 if __name__ == "__main__":

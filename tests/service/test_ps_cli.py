@@ -1,4 +1,4 @@
-"""`python -m pshard.ps_server` as a real process: usage, configuration errors, serving, graceful stop."""
+"""`python -m pshard.ps_server` (`pshard ps`) as a real process: usage, start-up errors, serving, stopping."""
 
 from __future__ import annotations
 
@@ -10,7 +10,6 @@ import signal
 import subprocess
 import sys
 import threading
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -20,8 +19,7 @@ from pshard.ps_server.checkpoint import load_shard
 from pshard.ps_server.service import SERVICE_NAME
 from pshard.worker.client import PSClient
 
-REPO = Path(__file__).resolve().parents[2]
-WAIT_S = 15.0  # a fresh interpreter importing grpc and numpy on busy cores
+from tests.service.entrypoints import REPO, WAIT_S, port_in_use, wait_until_catching
 
 
 def _env() -> dict[str, str]:
@@ -108,3 +106,110 @@ def test_server_process_serves_and_stops_gracefully_on_sigterm_with_a_final_chec
     [saved] = snapshot.slices
     assert (saved.key.key, saved.version, saved.clocks) == ("a", 1, {"w0": 0})
     np.testing.assert_array_equal(saved.value, stepped["a"])
+
+
+# ---- start-up failures are one line and exit 2; a stop at any moment is quiet ----
+
+def _one_error_line(result: subprocess.CompletedProcess[str], prog: str = "python -m pshard.ps_server",
+                    ) -> str:
+    assert result.returncode == 2, (result.returncode, result.stderr)
+    assert result.stderr.count("\n") == 1 and "Traceback" not in result.stderr, result.stderr
+    assert result.stderr.startswith(f"{prog}: error: "), result.stderr
+    return result.stderr.strip()
+
+
+def test_a_port_in_use_is_one_line_naming_the_address():
+    with port_in_use() as port:
+        result = _run("--bind", f"127.0.0.1:{port}")
+
+    assert _one_error_line(result).endswith(f"cannot listen on 127.0.0.1:{port}: address already in use")
+
+
+def test_a_port_in_use_from_tf_config_is_one_line_too():
+    with port_in_use() as port:
+        tf_config = {"cluster": {"scheduler": ["127.0.0.1:1"], "ps": [f"127.0.0.1:{port}"]},
+                     "task": {"type": "ps", "index": 0}}
+        result = _run("--no-scheduler", env={**_env(), "TF_CONFIG": json.dumps(tf_config)})
+
+    assert _one_error_line(result).endswith(f"cannot listen on 0.0.0.0:{port}: address already in use")
+
+
+@pytest.mark.parametrize("make_unreadable", [
+    lambda manifest: manifest.write_text("{not json"),
+    lambda manifest: manifest.mkdir(),
+], ids=["corrupt", "a-directory"])
+def test_an_unreadable_checkpoint_is_one_line_naming_the_file(tmp_path, make_unreadable):
+    manifest = tmp_path / "ckpt" / "shard.json"
+    manifest.parent.mkdir()
+    make_unreadable(manifest)
+
+    result = _run("--bind", "127.0.0.1:0", "--checkpoint-dir", str(manifest.parent))
+
+    line = _one_error_line(result)
+    assert "--checkpoint-dir" in line and str(manifest) in line, line
+
+
+def test_a_workers_tf_config_is_refused_in_one_line_naming_the_role():
+    tf_config = {"cluster": {"ps": ["127.0.0.1:7000"], "worker": ["127.0.0.1:7001"]},
+                 "task": {"type": "Worker", "index": 0}}
+
+    result = _run(env={**_env(), "TF_CONFIG": json.dumps(tf_config)})
+
+    assert "task.type: got 'worker' (index 0)" in _one_error_line(result)
+
+
+def test_the_pshard_command_names_itself_in_errors_and_usage():
+    with port_in_use() as port:
+        result = subprocess.run([sys.executable, "-m", "pshard", "ps", "--bind", f"127.0.0.1:{port}"],
+                                cwd=REPO, env=_env(), capture_output=True, text=True, timeout=WAIT_S)
+    usage = subprocess.run([sys.executable, "-m", "pshard", "ps", "--help"], cwd=REPO, env=_env(),
+                           capture_output=True, text=True, timeout=WAIT_S)
+
+    _one_error_line(result, prog="pshard ps")
+    assert usage.returncode == 0 and usage.stdout.startswith("usage: pshard ps "), usage.stdout
+
+
+def test_sigterm_during_start_up_is_a_quiet_stop():
+    process = subprocess.Popen([sys.executable, "-m", "pshard.ps_server", "--bind", "127.0.0.1:0"],
+                               cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               text=True)
+    try:
+        wait_until_catching(process, signal.SIGTERM)  # the first line of __main__ ran; imports go on
+        process.send_signal(signal.SIGTERM)
+        out, err = process.communicate(timeout=WAIT_S)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait(timeout=WAIT_S)
+
+    assert (process.returncode, err) == (0, "")
+    assert "listening" not in out  # it was stopped before it served
+
+
+def test_log_level_warning_leaves_a_served_and_stopped_server_silent():
+    process = subprocess.Popen(
+        [sys.executable, "-m", "pshard.ps_server", "--bind", "127.0.0.1:0", "--log-level", "warning"],
+        cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        lines: queue.Queue[str | None] = queue.Queue()
+        threading.Thread(target=_read_lines, args=(process.stdout, lines), daemon=True).start()
+        match = re.search(r"listening on port (\d+)", lines.get(timeout=WAIT_S) or "")
+        assert match
+        serving, reason = probe(f"127.0.0.1:{match.group(1)}", timeout_s=WAIT_S)
+        assert serving, reason
+
+        process.send_signal(signal.SIGTERM)
+        _, err = process.communicate(timeout=WAIT_S)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait(timeout=WAIT_S)
+
+    assert (process.returncode, err) == (0, "")
+
+
+def test_pull_timeout_default_is_the_servers_own():
+    from pshard.ps_server.__main__ import build_parser
+    from pshard.ps_server.servicer import ServerSettings
+
+    assert build_parser().parse_args([]).pull_timeout_s == ServerSettings().pull_timeout_s

@@ -117,7 +117,8 @@ def test_split_address_strips_ipv6_brackets():
     (json.dumps({"cluster": {"worker": ["w:1"]}, "task": {"type": "worker"}}), "task.index", "missing"),
     (tf_config("trainer", 0), "task.type", "'trainer'"),
     (tf_config("chief", 0), "task.type", "no 'chief' entry"),
-    (tf_config("worker", "1"), "task.index", "'1'"),
+    (tf_config("worker", "one"), "task.index", "'one'"),
+    (tf_config("worker", "1.0"), "task.index", "'1.0'"),
     (tf_config("worker", 1.5), "task.index", "1.5"),
     (tf_config("worker", True), "task.index", "True"),
     (tf_config("worker", -1), "task.index", "-1"),
@@ -134,6 +135,7 @@ def test_split_address_strips_ipv6_brackets():
     (tf_config("worker", 0, worker=[7000]), "cluster.worker[0]", "7000"),
     (tf_config("worker", 0, worker=["w:1"], scheduler=["s:1", "t:1"]), "cluster.scheduler", "exactly one"),
     (tf_config("chief", 0, chief=["c:1"], master=["m:1"]), "cluster.master", "m:1"),
+    (tf_config("worker", 0, worker=["w:1"], Worker=["v:1"]), "cluster.Worker", "v:1"),
     (tf_config("ps", 0, ps=["p:1"]), "cluster", "host the scheduler"),
     (tf_config("worker", 1, worker={"1": "w1:1"}), "cluster.worker", "[1]"),
 ])
@@ -151,6 +153,35 @@ def test_index_out_of_range_says_how_many_entries():
         ClusterSpec.from_tf_config(tf_config("ps", 5))
 
     assert str(info.value) == "task.index: got 5, but cluster.ps has 2 entries (valid: 0..1)"
+
+
+def test_task_index_may_be_a_string_as_tensorflow_reads_it():
+    spec = ClusterSpec.from_tf_config(tf_config("worker", "1"))
+
+    assert (spec.task_index, spec.node_id, spec.own_address) == (1, "worker-1", "worker-1:7200")
+
+
+@pytest.mark.parametrize(("written", "read"), [
+    ("Worker", "worker"), ("PS", "ps"), ("Chief", "chief"), ("MASTER", "chief"), ("Scheduler", "scheduler"),
+])
+def test_task_type_is_read_in_any_case(written, read):
+    raw = tf_config(written, 0, scheduler=["s:1"], chief=["c:1"], ps=["p:1"], worker=["w:1"])
+
+    spec = ClusterSpec.from_tf_config(raw)
+
+    assert spec.task_type == read
+
+
+def test_cluster_job_names_are_read_in_any_case():
+    spec = ClusterSpec.from_tf_config(tf_config("PS", 1, Chief=["c:1"], PS=["p0:1", "p1:1"]))
+
+    assert (spec.task_type, spec.own_address, spec.chief) == ("ps", "p1:1", ("c:1",))
+
+
+def test_task_type_flag_is_read_in_any_case():
+    spec = parse(["--task-type", "PS", "--ps", "p:1", "--scheduler", "s:1"])
+
+    assert spec.task_type == "ps"
 
 
 def test_complete_sparse_cluster_map_is_accepted():
