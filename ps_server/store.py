@@ -1,11 +1,13 @@
 """The shard store: a parameter server's slices, their optimizer state and clocks.
 
-Pure core (DESIGN §1): no grpc, no environment, no I/O. The servicer drives it from
-an asyncio loop and an executor, tests drive it from threads.
+Pure core (docs/architecture.md, 1 Layers): no grpc, no environment, no I/O. The request
+handlers drive it from an asyncio loop, tests drive it from threads.
 
-Validation before mutation: every request is checked completely (keys, shapes,
-dtypes, stamp, clocks) before anything changes, so a refused request leaves the
-store byte-for-byte as it was.
+The store is the one holder of the slices' specs (declared dtype and shape) and the one place
+that validates requests against them. Validation before mutation: every request is checked
+completely (keys, shapes, dtypes, stamp, clocks) before anything changes, so a refused request
+leaves the store byte-for-byte as it was. `check_push`/`check_declare` validate a request's
+metadata alone, for transports that must refuse a stream before its data arrives.
 
 At most once. Per slice and worker the store keeps the last clock pushed; a push
 for a clock at or below it is a duplicate (a retry) and is dropped. A worker's
@@ -24,17 +26,15 @@ from __future__ import annotations
 
 import contextlib
 import threading
-import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import NamedTuple, TypeVar
 
 import numpy as np
 from pshard.common.errors import (
     DTypeMismatchError,
     EmptyRequestError,
     InvalidArgumentError,
-    PullTimeoutError,
     ShapeMismatchError,
     StaleGenerationError,
     UnknownKeyError,
@@ -45,13 +45,35 @@ from pshard.ps_server.optimizers import Optimizer, SliceState, make_optimizer
 from pshard.ps_server.policies import NO_CLOCK, Aggregate, ConsistencyPolicy, Roster, Slot, make_policy
 
 # Slices hold floating point values only: gradients of anything else mean nothing.
-FLOAT_DTYPES = (np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64))
+FLOAT_DTYPE_NAMES = ("float16", "float32", "float64")
 # float16 slices are updated in a float32 master copy, as mixed-precision training does:
 # small updates would otherwise round away to nothing.
 _MASTER = {np.dtype(np.float16): np.dtype(np.float32)}
-_WIRE_GRAD_DTYPES = frozenset({np.dtype(np.float16), np.dtype(np.float32)})
 
 T = TypeVar("T")
+
+
+class SliceMeta(NamedTuple):
+    """What a request says about one slice before its data: key, logical dtype name, shape."""
+
+    key: SliceKey
+    dtype: str  # "bfloat16" included: its numpy arrays are uint16
+    shape: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class SliceSpec:
+    """A declared slice: its dtype as declared (float16 slices keep a float32 master) and shape."""
+
+    dtype: str
+    shape: tuple[int, ...]
+
+
+def unknown_key_error(key: SliceKey, held: int) -> UnknownKeyError:
+    held_text = (f"{held} slices are" if held else
+                 # The usual way to get here mid-run: a server restarted with nothing to restore.
+                 "it holds none: restarted without a checkpoint? see --checkpoint-dir")
+    return UnknownKeyError(f"slice {str(key)!r} is not declared on this server ({held_text})")
 
 
 @dataclass(frozen=True)
@@ -156,8 +178,6 @@ class ShardStore:
         self._optimizer = optimizer if optimizer is not None else make_optimizer(config.optimizer)
         self._meta = threading.Lock()
         self._quorum_change = threading.Lock()  # one set_quorum at a time: re-checks see old -> new in order
-        self._changed = threading.Condition()
-        self._change_count = 0
         self._subscribers: list[Callable[[], None]] = []
         self._slots: dict[SliceKey, Slot] = {}
         self._generations: dict[str, int] = {}
@@ -176,27 +196,45 @@ class ShardStore:
 
         An existing slice keeps its value (the first declaration wins) but must agree on dtype and shape.
         """
-        if not items:
-            raise EmptyRequestError("declare: no slices")
         with self._meta:
-            known: dict[SliceKey, tuple[np.dtype, tuple[int, ...]]] = {
-                k: (s.dtype, s.value.shape) for k, s in self._slots.items()}
-            created: list[bool] = []
-            for key, value in items:
-                dtype = np.dtype(value.dtype.name)  # native byte order
-                if dtype not in FLOAT_DTYPES:
-                    raise DTypeMismatchError(
-                        f"key {str(key)!r}: got dtype {dtype}, the store holds float16, float32 or float64")
-                if key in known:
-                    _check_like(key, "declared", known[key], dtype, value.shape)
-                    created.append(False)
-                else:
-                    known[key] = (dtype, value.shape)
-                    created.append(True)
+            created = self._check_declare([SliceMeta(k, v.dtype.name, v.shape) for k, v in items])
             for (key, value), new in zip(items, created, strict=True):
                 if new:
                     self._slots[key] = self._new_slot(key, value)
         return created
+
+    def check_declare(self, metas: Sequence[SliceMeta]) -> list[bool]:
+        """Validate a declaration without its values; per item, True if declare() would create it."""
+        with self._meta:
+            return self._check_declare(metas)
+
+    def _check_declare(self, metas: Sequence[SliceMeta]) -> list[bool]:
+        if not metas:
+            raise EmptyRequestError("declare: no slices")
+        known = {k: SliceSpec(s.dtype.name, s.value.shape) for k, s in self._slots.items()}
+        created: list[bool] = []
+        for key, dtype, shape in metas:
+            if dtype not in FLOAT_DTYPE_NAMES:
+                raise DTypeMismatchError(
+                    f"key {str(key)!r}: got dtype {dtype}, the store holds {', '.join(FLOAT_DTYPE_NAMES)} "
+                    "(declare bfloat16 models as float32 and set wire_dtype=bfloat16)")
+            have = known.get(key)
+            if have is not None:
+                if tuple(shape) != have.shape:
+                    raise ShapeMismatchError(
+                        f"key {str(key)!r}: declared with shape {tuple(shape)}, store has {have.shape}")
+                if dtype != have.dtype:
+                    raise DTypeMismatchError(
+                        f"key {str(key)!r}: declared with dtype {dtype}, store has {have.dtype}")
+                created.append(False)
+            else:
+                known[key] = SliceSpec(dtype, tuple(shape))
+                created.append(True)
+        return created
+
+    def specs(self, keys: Sequence[SliceKey]) -> list[SliceSpec]:
+        """The declared dtype and shape of each key; UnknownKeyError for the first undeclared one."""
+        return [SliceSpec(slot.dtype.name, slot.value.shape) for slot in self._lookup(keys)]
 
     def keys(self) -> list[SliceKey]:
         """Every declared slice, in declaration order."""
@@ -221,7 +259,7 @@ class ShardStore:
             raise EmptyRequestError(f"push from worker {worker!r} at clock {clock}: no gradients")
         slots = self._lookup(grads)
         for slot, grad in zip(slots, grads.values(), strict=True):
-            self._check_grad(slot, grad)
+            self._check_push_meta(slot, grad.dtype.name, grad.shape)
         with self._locked(slots):
             with self._meta:
                 self._check_stamp(stamp)
@@ -259,14 +297,26 @@ class ShardStore:
             self._notify()
         return PushOutcome(applied=applied, dropped=dropped)
 
-    def _check_grad(self, slot: Slot, grad: np.ndarray) -> None:
-        if grad.shape != slot.value.shape:
+    def check_push(self, metas: Sequence[SliceMeta]) -> list[SliceSpec]:
+        """Validate a push's gradients by their metadata alone; the specs of their slices.
+
+        A gradient may come in the slice's declared dtype or in the job's wire dtype (float16 or
+        bfloat16 for a float32 slice); push() itself takes numpy dtypes, so a caller converts
+        bfloat16 gradients to the declared dtype first.
+        """
+        slots = self._lookup([m.key for m in metas])
+        for slot, meta in zip(slots, metas, strict=True):
+            self._check_push_meta(slot, meta.dtype, meta.shape)
+        return [SliceSpec(slot.dtype.name, slot.value.shape) for slot in slots]
+
+    def _check_push_meta(self, slot: Slot, dtype: str, shape: tuple[int, ...]) -> None:
+        if tuple(shape) != slot.value.shape:
             raise ShapeMismatchError(
-                f"key {str(slot.key)!r}: got shape {tuple(grad.shape)}, store has {slot.value.shape}")
-        if grad.dtype != slot.dtype and not (self.config.wire_dtype and grad.dtype in _WIRE_GRAD_DTYPES):
-            wire = f" (wire dtype {self.config.wire_dtype})" if self.config.wire_dtype else ""
-            raise DTypeMismatchError(
-                f"key {str(slot.key)!r}: got gradient dtype {grad.dtype}, store has {slot.dtype}{wire}")
+                f"key {str(slot.key)!r}: got shape {tuple(shape)}, store has {slot.value.shape}")
+        wire = self.config.wire_dtype
+        if dtype != slot.dtype.name and not (wire and dtype == wire):
+            allowed = slot.dtype.name + (f" or the job's wire dtype {wire}" if wire else "")
+            raise DTypeMismatchError(f"key {str(slot.key)!r}: got dtype {dtype}, store has {allowed}")
 
     # ---- pulling ----
 
@@ -311,27 +361,6 @@ class ShardStore:
     def version(self, key: SliceKey) -> int:
         [slot] = self._lookup([key])
         return slot.version
-
-    def wait_pull(self, stamp: Stamp, keys: Sequence[SliceKey],
-                  timeout_s: float) -> list[tuple[np.ndarray, int]]:
-        """Block (this thread) until the pull is ready, then read. For threaded callers and tests."""
-        deadline = time.monotonic() + timeout_s
-        while True:
-            with self._changed:
-                seen_changes = self._change_count
-            waiting = self.pull_status(stamp, keys)
-            if waiting is None:
-                return self.read(keys)
-            with self._changed:
-                # Compare change counts instead of waiting blindly: a change between the
-                # check above and this wait must not be slept through.
-                while self._change_count == seen_changes:
-                    remaining = deadline - time.monotonic()
-                    if remaining <= 0:
-                        raise PullTimeoutError(
-                            f"pull by worker {stamp.worker_id!r} at clock {stamp.clock} timed out "
-                            f"after {timeout_s:g} s: {waiting}")
-                    self._changed.wait(remaining)
 
     # ---- membership ----
 
@@ -390,9 +419,6 @@ class ShardStore:
             self._subscribers.append(callback)
 
     def _notify(self) -> None:
-        with self._changed:
-            self._change_count += 1
-            self._changed.notify_all()
         with self._meta:
             subscribers = list(self._subscribers)
         for callback in subscribers:
@@ -451,7 +477,7 @@ class ShardStore:
             try:
                 return [self._slots[k] for k in keys]
             except KeyError as e:
-                raise UnknownKeyError(f"key {str(e.args[0])!r} is not declared on this server") from None
+                raise unknown_key_error(e.args[0], len(self._slots)) from None
 
     @staticmethod
     def _locked(slots: Iterable[Slot]) -> contextlib.ExitStack:
@@ -460,14 +486,6 @@ class ShardStore:
         for slot in sorted({id(s): s for s in slots}.values(), key=lambda s: s.key):
             stack.enter_context(slot.lock)
         return stack
-
-
-def _check_like(key: SliceKey, what: str, have: tuple[np.dtype, tuple[int, ...]],
-                dtype: np.dtype, shape: tuple[int, ...]) -> None:
-    if tuple(shape) != have[1]:
-        raise ShapeMismatchError(f"key {str(key)!r}: {what} with shape {tuple(shape)}, store has {have[1]}")
-    if dtype != have[0]:
-        raise DTypeMismatchError(f"key {str(key)!r}: {what} with dtype {dtype}, store has {have[0]}")
 
 
 def _slice_snapshot(slot: Slot) -> SliceSnapshot:

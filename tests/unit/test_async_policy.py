@@ -15,6 +15,8 @@ from pshard.common.types import SliceKey, Stamp
 from pshard.ps_server.optimizers import Optimizer, SliceState
 from pshard.ps_server.store import PushOutcome, ShardStore
 
+from tests.unit.store_waits import wait_pull
+
 TIMEOUT_S = 30.0
 # Big enough that numpy releases the GIL mid-update: unlocked updates would lose each other.
 SIZE = 1 << 16
@@ -126,7 +128,7 @@ def test_pulls_never_wait_and_see_the_latest_value() -> None:
         store.push(Stamp("a", 1, clock), {key: np.ones(SIZE, np.float32)})
 
     assert store.pull_status(Stamp("b", 1, 0), [key]) is None
-    [(value, version)] = store.wait_pull(Stamp("a", 1, 3), [key], timeout_s=1)
+    [(value, version)] = wait_pull(store, Stamp("a", 1, 3), [key], timeout_s=1)
     assert version == 3 and value[0] == -3
 
 

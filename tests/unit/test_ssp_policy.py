@@ -13,6 +13,8 @@ from pshard.common.job import JobConfig, OptimizerConfig
 from pshard.common.types import SliceKey, Stamp
 from pshard.ps_server.store import ShardStore, Waiting
 
+from tests.unit.store_waits import wait_pull
+
 W = SliceKey("w")
 TIMEOUT_S = 20.0
 
@@ -91,7 +93,7 @@ def test_a_worker_leaving_releases_the_others_at_once() -> None:
     push(store, "a", 0)
     results: list[object] = []
     pull = Stamp("a", 1, 1)
-    waiter = threading.Thread(target=lambda: results.append(store.wait_pull(pull, [W], TIMEOUT_S)))
+    waiter = threading.Thread(target=lambda: results.append(wait_pull(store, pull, [W], TIMEOUT_S)))
     waiter.start()
 
     store.set_quorum({"a": 1})
@@ -137,7 +139,7 @@ def test_threaded_run_every_read_contains_all_updates_older_than_the_staleness_b
         rng = random.Random(1000 * staleness + w)
         try:
             for c in range(clocks):
-                [(value, _)] = store.wait_pull(Stamp(str(w), 1, c), [W], TIMEOUT_S)
+                [(value, _)] = wait_pull(store, Stamp(str(w), 1, c), [W], TIMEOUT_S)
                 with lock:
                     records.append(ReadRecord(w, c, value.reshape(workers, clocks) == 1))
                 time.sleep(rng.uniform(0, 0.003))  # uneven compute time, so the workers drift apart

@@ -25,6 +25,8 @@ from pshard.common.types import SliceKey, Stamp
 from pshard.ps_server.policies import AsyncPolicy, BoundedStalenessPolicy, SyncPolicy
 from pshard.ps_server.store import ShardStore
 
+from tests.unit.store_waits import wait_pull
+
 W = SliceKey("fc.weight")
 B = SliceKey("fc.bias")
 BIG = SliceKey("emb", part=3)
@@ -207,7 +209,7 @@ class TestStoreContract:
         store.push(stamp(0), {W: f32(2, 2, 2)})
 
         assert store.pull_status(stamp(1), [W]) is None
-        assert store.wait_pull(stamp(1), [W], timeout_s=5)[0][1] == 1
+        assert wait_pull(store, stamp(1), [W], timeout_s=5)[0][1] == 1
 
     @pytest.mark.parametrize(("pull", "error", "words"), [
         (lambda: (stamp(0), [W, SliceKey("nope")]), UnknownKeyError, ("nope",)),

@@ -12,6 +12,8 @@ from pshard.common.types import SliceKey, Stamp
 from pshard.ps_server.optimizers import SliceState
 from pshard.ps_server.store import PushOutcome, ShardStore, Waiting
 
+from tests.unit.store_waits import wait_pull
+
 W = SliceKey("w")
 TIMEOUT_S = 10.0  # upper bound for waits that should end at once
 
@@ -92,7 +94,7 @@ def test_sync_training_on_disjoint_batches_matches_one_process_on_the_union() ->
     for clock in range(steps):
         for rank in range(2):
             stamp = Stamp(f"w{rank}", 1, clock)
-            weights = store.wait_pull(stamp, keys, timeout_s=TIMEOUT_S)
+            weights = wait_pull(store, stamp, keys, timeout_s=TIMEOUT_S)
             model.load_state_dict({k.key: torch.from_numpy(v)
                                    for k, (v, _) in zip(keys, weights, strict=True)})
             model.zero_grad()
@@ -154,7 +156,7 @@ def test_a_worker_leaving_mid_clock_releases_the_others_at_once() -> None:
     push(store, "b", 0, 4, 4)
     results: list[object] = []
     pull = Stamp("a", 1, 1)
-    waiter = threading.Thread(target=lambda: results.append(store.wait_pull(pull, [W], TIMEOUT_S)))
+    waiter = threading.Thread(target=lambda: results.append(wait_pull(store, pull, [W], TIMEOUT_S)))
     waiter.start()
 
     store.set_quorum({"a": 1, "b": 1})
@@ -208,7 +210,7 @@ def test_a_pull_that_can_never_be_satisfied_times_out_naming_the_missing_workers
     push(store, "a", 0, 1, 1)
 
     with pytest.raises(PullTimeoutError) as info:
-        store.wait_pull(Stamp("a", 1, 1), [W], timeout_s=0.05)
+        wait_pull(store, Stamp("a", 1, 1), [W], timeout_s=0.05)
 
     message = str(info.value)
     assert "['b', 'c']" in message and "clock 0" in message and "'a'" in message
