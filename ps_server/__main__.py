@@ -39,7 +39,7 @@ from pshard.common.job import MODES, OPTIMIZERS, JobConfig, OptimizerConfig
 from pshard.common.logs import add_log_level_argument, configure_logging
 from pshard.common.rpc import DEFAULT_MAX_MESSAGE_BYTES
 from pshard.ps_server import service
-from pshard.ps_server.servicer import ServerSettings
+from pshard.ps_server.settings import ServerSettings
 
 log = logging.getLogger("pshard.ps")
 

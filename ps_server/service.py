@@ -1,6 +1,6 @@
-"""Assemble and run a parameter server: gRPC handlers, health, graceful stop.
+"""Assemble and run a parameter server: handlers, their gRPC servicer, health, graceful stop.
 
-`serve()` runs inside an asyncio loop (python -m pshard.ps_server); `start_server_thread()`
+`start()` runs inside an asyncio loop (python -m pshard.ps_server); `start_server_thread()`
 runs one in a background thread with its own loop, for tests and embedding.
 """
 
@@ -10,17 +10,21 @@ import asyncio
 import logging
 import threading
 import time
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from typing import TypeAlias
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from pshard.common.cluster import ClusterSpec
 from pshard.common.rpc import DEFAULT_MAX_MESSAGE_BYTES, server_options
 from pshard.common.scheduler_client import SchedulerClient
+from pshard.common.serving import ServerThread as _ServerThread
+from pshard.common.serving import start_in_thread
 from pshard.common.view import ClusterView
+from pshard.ps_server.handlers import ParameterServerHandlers
 from pshard.ps_server.quorum import QuorumFollower
-from pshard.ps_server.servicer import ParameterServerServicer, ServerSettings
+from pshard.ps_server.servicer import ParameterServerServicer
+from pshard.ps_server.settings import ServerSettings
 
 from pshard.api.v1 import parameter_server_pb2 as pb
 
@@ -29,7 +33,7 @@ log = logging.getLogger("pshard.ps")
 SERVICE_NAME = "pshard.api.v1.ParameterServer"
 
 
-def _handlers(servicer: ParameterServerServicer) -> grpc.GenericRpcHandler:
+def _rpc_handlers(servicer: ParameterServerServicer) -> grpc.GenericRpcHandler:
     unary = grpc.unary_unary_rpc_method_handler
     return grpc.method_handlers_generic_handler(SERVICE_NAME, {
         "Declare": unary(servicer.Declare, pb.DeclareRequest.FromString,
@@ -50,23 +54,25 @@ def _handlers(servicer: ParameterServerServicer) -> grpc.GenericRpcHandler:
 @dataclass
 class RunningServer:
     server: grpc.aio.Server
-    servicer: ParameterServerServicer
+    handlers: ParameterServerHandlers
     health: health.aio.HealthServicer  # type: ignore[name-defined]
     port: int
-    stopped: asyncio.Event = field(default_factory=asyncio.Event)
+
+    @property
+    def servicer(self) -> ParameterServerHandlers:
+        """The old name of `handlers`, until __main__ uses the new one."""
+        return self.handlers
 
     async def stop(self, grace_s: float = 5.0) -> None:
         await self.health.enter_graceful_shutdown()
         await self.server.stop(grace_s)
-        self.stopped.set()
 
 
 async def start(settings: ServerSettings, bind: str = "127.0.0.1:0",
                 max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> RunningServer:
-    loop = asyncio.get_running_loop()
-    servicer = ParameterServerServicer(settings, loop)
+    handlers = ParameterServerHandlers(settings, asyncio.get_running_loop())
     server = grpc.aio.server(options=server_options(max_message_bytes))
-    server.add_generic_rpc_handlers([_handlers(servicer)])
+    server.add_generic_rpc_handlers([_rpc_handlers(ParameterServerServicer(handlers, settings.chunk_bytes))])
     health_servicer = health.aio.HealthServicer()  # type: ignore[attr-defined]
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     port = server.add_insecure_port(bind)
@@ -76,66 +82,16 @@ async def start(settings: ServerSettings, bind: str = "127.0.0.1:0",
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     log.info("parameter server listening on port %d", port)
-    return RunningServer(server, servicer, health_servicer, port)
+    return RunningServer(server, handlers, health_servicer, port)
 
 
-@dataclass
-class ServerThread:
-    """A parameter server on its own event loop in a daemon thread."""
-
-    port: int
-    running: RunningServer
-    loop: asyncio.AbstractEventLoop
-    thread: threading.Thread
-
-    @property
-    def address(self) -> str:
-        return f"127.0.0.1:{self.port}"
-
-    def call(self, fn: Callable[[], object]) -> object:
-        """Run `fn` on the server's loop (e.g. set_quorum) and return its result."""
-        async def run() -> object:
-            return fn()
-        return asyncio.run_coroutine_threadsafe(run(), self.loop).result(timeout=10)
-
-    def set_quorum(self, quorum: Mapping[str, int]) -> None:
-        self.call(lambda: self.running.servicer.set_quorum(quorum))
-
-    def stop(self, grace_s: float = 1.0) -> None:
-        if self.loop.is_closed():
-            return
-        asyncio.run_coroutine_threadsafe(self.running.stop(grace_s), self.loop).result(timeout=grace_s + 10)
-        self.thread.join(timeout=10)
+# A parameter server on its own event loop in a daemon thread.
+ServerThread: TypeAlias = _ServerThread[RunningServer]
 
 
 def start_server_thread(settings: ServerSettings, bind: str = "127.0.0.1:0",
                         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> ServerThread:
-    started: dict[str, object] = {}
-    ready = threading.Event()
-
-    def main() -> None:
-        async def run() -> None:
-            try:
-                started["running"] = await start(settings, bind, max_message_bytes)
-                started["loop"] = asyncio.get_running_loop()
-            except BaseException as err:  # surface start-up failures to the caller
-                started["error"] = err
-                ready.set()
-                return
-            ready.set()
-            running: RunningServer = started["running"]  # type: ignore[assignment]
-            await running.stopped.wait()
-
-        asyncio.run(run())
-
-    thread = threading.Thread(target=main, name=f"ps-server-{bind}", daemon=True)
-    thread.start()
-    if not ready.wait(timeout=30):
-        raise TimeoutError(f"parameter server on {bind} did not start within 30 s")
-    if "error" in started:
-        raise started["error"]  # type: ignore[misc]
-    running: RunningServer = started["running"]  # type: ignore[assignment]
-    return ServerThread(running.port, running, started["loop"], thread)  # type: ignore[arg-type]
+    return start_in_thread(lambda: start(settings, bind, max_message_bytes), name=f"ps-server-{bind}")
 
 
 def follow_scheduler(running: RunningServer, spec: ClusterSpec,
@@ -145,14 +101,14 @@ def follow_scheduler(running: RunningServer, spec: ClusterSpec,
     Registration retries in the client's own thread (the scheduler may start after us);
     views arrive on the client's Watch thread and are handed to the event loop.
     """
-    servicer = running.servicer
-    servicer.follow_views()
+    handlers = running.handlers
+    handlers.follow_views()
     # Workers a restarted scheduler forgot are waited for while they re-register (see quorum.py);
     # the grace is set from the scheduler's heartbeat timeout once we are registered.
     follower = QuorumFollower(grace_s=10.0, now=time.monotonic)
 
     def install(view: ClusterView | None = None) -> None:
-        servicer.set_quorum(follower.apply(view), view.generation if view is not None else None)
+        handlers.set_quorum(follower.apply(view), view.generation if view is not None else None)
         deadline = follower.next_deadline()
         if deadline is not None:
             loop.call_later(max(0.0, deadline - time.monotonic()) + 0.01, install)
@@ -181,9 +137,9 @@ async def checkpoint_every(running: RunningServer, interval_s: float) -> None:
     """Periodic shard checkpoints, so a killed server loses at most `interval_s` of training."""
     while True:
         await asyncio.sleep(interval_s)
-        if running.servicer.has_store:
+        if running.handlers.has_store:
             try:
-                path, version = await running.servicer.checkpoint(0, interval_s)
+                path, version = await running.handlers.checkpoint(0, interval_s)
                 log.info("checkpoint at version %d: %s", version, path)
             except Exception:
                 log.exception("periodic checkpoint failed")

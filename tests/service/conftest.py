@@ -17,7 +17,7 @@ from pshard.common.job import JobConfig
 from pshard.common.rpc import DEFAULT_MAX_MESSAGE_BYTES, EXCHANGE_METHOD, channel_options, identity
 from pshard.common.types import SliceKey, Stamp
 from pshard.ps_server.service import ServerThread, start_server_thread
-from pshard.ps_server.servicer import ServerSettings
+from pshard.ps_server.settings import ServerSettings
 from pshard.worker.client import PSClient
 
 from pshard.api.v1 import parameter_server_pb2 as pb

@@ -28,7 +28,7 @@ from pshard.common.job import JobConfig, OptimizerConfig
 from pshard.common.layout import ParamSpec, plan_layout
 from pshard.common.rpc import CHUNK_BYTES, FRAME_SLACK_BYTES
 from pshard.common.rpc_status import ERROR_TYPE_KEY, error_from_rpc_error
-from pshard.ps_server.servicer import ServerSettings
+from pshard.ps_server.settings import ServerSettings
 
 from pshard.api.v1 import parameter_server_pb2 as pb
 from pshard.api.v1 import tensor_pb2

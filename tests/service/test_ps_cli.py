@@ -210,6 +210,6 @@ def test_log_level_warning_leaves_a_served_and_stopped_server_silent():
 
 def test_pull_timeout_default_is_the_servers_own():
     from pshard.ps_server.__main__ import build_parser
-    from pshard.ps_server.servicer import ServerSettings
+    from pshard.ps_server.settings import ServerSettings
 
     assert build_parser().parse_args([]).pull_timeout_s == ServerSettings().pull_timeout_s

@@ -11,7 +11,7 @@ import pytest
 import torch
 from pshard.common import codec
 from pshard.common.job import JobConfig, OptimizerConfig
-from pshard.ps_server.servicer import ServerSettings
+from pshard.ps_server.settings import ServerSettings
 
 from pshard.api.v1 import parameter_server_pb2 as pb
 
@@ -205,7 +205,7 @@ def test_quorum_change_releases_a_waiting_sync_pull_at_once(start_server, wire):
         stamp=wire.stamp("w0", 1), slices=[wire.slice_id("a")], timeout_ms=600_000), timeout=600)
     wire.wait_stats(server, lambda s: s.pulls_waiting == 1, "w0's pull parked")
 
-    server.set_quorum({"w0": 0})  # w1 left
+    server.call(lambda: server.running.handlers.set_quorum({"w0": 0}))  # w1 left
 
     [got] = pull.result(timeout=WAIT_S).slices
     assert (got.version, got.tensor.data) == (1, np.full(4, -2, np.float32).tobytes())

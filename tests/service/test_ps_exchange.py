@@ -10,7 +10,7 @@ import pytest
 from pshard.common import codec
 from pshard.common.job import JobConfig, OptimizerConfig
 from pshard.common.rpc import CHUNK_BYTES
-from pshard.ps_server.servicer import ServerSettings
+from pshard.ps_server.settings import ServerSettings
 
 from pshard.api.v1 import parameter_server_pb2 as pb
 

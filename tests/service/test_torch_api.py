@@ -17,7 +17,7 @@ from pshard.common.errors import InvalidArgumentError
 from pshard.common.job import JobConfig, OptimizerConfig
 from pshard.common.layout import ParamSpec, plan_layout
 from pshard.ps_server.service import ServerThread, start_server_thread
-from pshard.ps_server.servicer import ServerSettings
+from pshard.ps_server.settings import ServerSettings
 from pshard.worker.client import PSClient
 from pshard.worker.torch_api import PSTrainer
 from torch import nn

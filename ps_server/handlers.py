@@ -1,0 +1,375 @@
+"""What a parameter server does with a request, whatever transport brought it.
+
+Handlers take decoded requests (slice keys, `WireArray`s, stamps, a job config, timeouts in
+seconds) and return plain results or raise `PSError`s. They know no gRPC and no protobuf: the
+gRPC servicer is one adapter over them (decode, call, encode), and a shared-memory or raw-socket
+transport is another (docs/architecture.md, 11 Transports).
+
+Here live the server's semantics above the store: fencing requests on the scheduler's view,
+waiting (as coroutines, never threads) until the consistency policy lets a pull through, the
+wire dtype on the way out, the encodings that sync mode shares between workers, and the
+Exchange core that overlaps a push's data with the pull of what is already ready.
+Requests are validated once, by the store, which alone holds the slices' specs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Callable, Hashable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Generic, TypeVar
+
+import numpy as np
+from pshard.common.changes import ChangeSignal
+from pshard.common.codec import WireArray, cast
+from pshard.common.errors import (
+    EmptyRequestError,
+    InvalidArgumentError,
+    LayoutConflictError,
+    PullTimeoutError,
+)
+from pshard.common.job import JobConfig
+from pshard.common.types import SliceKey, Stamp
+from pshard.ps_server.checkpoint import load_shard, save_shard
+from pshard.ps_server.settings import ServerSettings
+from pshard.ps_server.store import PushOutcome, ShardStore, SliceMeta, StoreStats, unknown_key_error
+
+log = logging.getLogger("pshard.ps")
+
+P = TypeVar("P")
+# Turns a slice's value, in the wire dtype, into what a transport sends. The array may be the
+# live value, read under the slice's lock: the encoder copies it (once, into its own buffer)
+# and keeps no reference. Encoders must be hashable (a module-level function is): sync mode
+# caches their results per encoder.
+Encoder = Callable[[WireArray], P]
+
+# A view newer than ours is on its way from the scheduler: wait this long for it at most.
+_VIEW_WAIT_S = 10.0
+
+
+@dataclass(frozen=True)
+class PulledSlice:
+    key: SliceKey
+    value: WireArray  # a copy, in the job's wire dtype
+    version: int
+
+
+@dataclass(frozen=True)
+class PushPullResult:
+    applied: int
+    dropped: int
+    slices: list[PulledSlice]
+
+
+@dataclass(frozen=True)
+class Stall:
+    """Exchange: the next pulled slice is not ready; a transport sends what it has buffered."""
+
+
+@dataclass(frozen=True)
+class EncodedSlice(Generic[P]):
+    """Exchange: one pulled slice, as the transport's encoder made it."""
+
+    key: SliceKey
+    version: int
+    payload: P
+
+
+@dataclass(frozen=True)
+class ExchangeDone:
+    """Exchange: the last event; every gradient was handed to the store."""
+
+    versions: list[int]  # of the pulled slices, in request order
+    applied: int
+    dropped: int
+
+
+ExchangeEvent = Stall | EncodedSlice[P] | ExchangeDone
+
+
+@dataclass(frozen=True)
+class ServerStats:
+    job: JobConfig | None  # None until the first Declare (or a default job) configures the server
+    store: StoreStats | None
+    pulls_served: int
+    pulls_waiting: int  # right now
+    pulls_timed_out: int
+
+
+class ParameterServerHandlers:
+    def __init__(self, settings: ServerSettings, loop: asyncio.AbstractEventLoop | None = None) -> None:
+        """`loop`: where the handlers run (default: the running one); the store may notify from any thread."""
+        self._settings = settings
+        self._changes = ChangeSignal(loop)
+        self._store: ShardStore | None = None
+        self._quorum: dict[str, int] | None = dict(settings.static_quorum) if settings.static_quorum else None
+        self._config_lock = asyncio.Lock()
+        # Sync mode: every worker pulls the same version of a slice, so its encoding is made once
+        # and shared: (encoder, slice) -> (version, payload). Costs one copy of the shard.
+        self._encoded: dict[tuple[Hashable, SliceKey], tuple[int, object]] = {}
+        # Generation of the newest scheduler view applied; None when no scheduler is followed.
+        self._view_generation: int | None = None
+        self.pulls_served = 0
+        self.pulls_timed_out = 0
+        if settings.checkpoint_dir:
+            snap = load_shard(Path(settings.checkpoint_dir), settings.shard_name)
+            if snap is not None:
+                self._install(ShardStore.restore(snap))
+                log.info("restored %d slices from %s", len(snap.slices), settings.checkpoint_dir)
+        if self._store is None and settings.default_job is not None:
+            self._install(ShardStore(settings.default_job, quorum=self._quorum))
+
+    # ---- state ----
+
+    def _install(self, store: ShardStore) -> None:
+        if self._quorum is not None:
+            store.set_quorum(self._quorum)
+        store.subscribe(self._changes.notify)
+        self._store = store
+
+    @property
+    def store(self) -> ShardStore:
+        if self._store is None:
+            raise LayoutConflictError("no parameters declared yet: call Declare (with the job config) first")
+        return self._store
+
+    @property
+    def has_store(self) -> bool:
+        return self._store is not None
+
+    def _store_holding(self, keys: Sequence[SliceKey]) -> ShardStore:
+        """The store, or (none yet) the error a request for `keys` gets from a server holding nothing."""
+        if self._store is None and keys:
+            raise unknown_key_error(keys[0], 0)
+        return self.store
+
+    def follow_views(self) -> None:
+        """From now on membership comes from scheduler views (see _await_view)."""
+        self._view_generation = self._view_generation or 0
+
+    def set_quorum(self, quorum: Mapping[str, int], generation: int | None = None) -> None:
+        """Membership changed (scheduler view): only live workers are waited for."""
+        self._quorum = dict(quorum)
+        if generation is not None:
+            self._view_generation = max(generation, self._view_generation or 0)
+        if self._store is not None:
+            self._store.set_quorum(self._quorum)
+        self._changes.notify()
+
+    async def _await_view(self, stamp: Stamp, deadline: float) -> None:
+        """A stamp newer than our view means the view is on its way (a worker that just
+        registered can reach us before the scheduler's Watch does): wait for it rather than
+        refuse the worker as a non-member."""
+        if self._view_generation is None or stamp.generation <= self._view_generation:
+            return
+        await self._changes.wait_for(
+            lambda: True if (self._view_generation or 0) >= stamp.generation else None,
+            min(deadline, time.monotonic() + _VIEW_WAIT_S))
+
+    def _deadline(self, timeout_s: float | None) -> float:
+        return time.monotonic() + (timeout_s if timeout_s else self._settings.pull_timeout_s)
+
+    def _to_wire(self, value: WireArray) -> WireArray:
+        wire = self._store.config.wire_dtype if self._store is not None else ""
+        return cast(value, wire) if wire else value
+
+    # ---- declare ----
+
+    async def declare(self, job: JobConfig | None, items: Sequence[tuple[SliceKey, WireArray]]
+                      ) -> tuple[list[bool], list[WireArray]]:
+        """Create the slices not declared yet (the first declaration wins); per item, whether this
+        call created it, and the slice's value (in the wire dtype). The first Declare configures
+        the server with `job` (None: the default job)."""
+        async with self._config_lock:
+            store = self._store
+            if store is None:
+                store = ShardStore(job or JobConfig(), quorum=self._quorum)
+            elif job is not None and job != store.config:
+                raise LayoutConflictError(f"config: got {job}, this server runs {store.config}")
+            store.check_declare([SliceMeta(k, w.dtype, tuple(w.array.shape)) for k, w in items])
+            created = store.declare([(k, w.array) for k, w in items])
+            if self._store is None:  # installed only once it holds the request's slices
+                self._install(store)
+                log.info("configured: %s", store.config)
+        values = store.read([k for k, _ in items])
+        return created, [self._to_wire(WireArray(v, v.dtype.name)) for v, _ in values]
+
+    # ---- push / pull ----
+
+    def _push_now(self, store: ShardStore, stamp: Stamp, items: Sequence[tuple[SliceKey, WireArray]]
+                  ) -> PushOutcome:
+        specs = store.check_push([SliceMeta(k, w.dtype, tuple(w.array.shape)) for k, w in items])
+        # Wire-dtype gradients become the declared dtype (bfloat16 has no numpy dtype of its own).
+        return store.push(stamp, {k: cast(w, spec.dtype).array
+                                  for (k, w), spec in zip(items, specs, strict=True)})
+
+    async def _wait_readable(self, stamp: Stamp, keys: Sequence[SliceKey], deadline: float) -> None:
+        store = self.store
+        started = time.monotonic()
+        if store.pull_status(stamp, keys) is None:  # validates; raises on bad keys or clocks
+            return
+        ready = await self._changes.wait_for(
+            lambda: True if store.pull_status(stamp, keys) is None else None, deadline)
+        if ready is None:
+            self.pulls_timed_out += 1
+            waiting = store.pull_status(stamp, keys)
+            if waiting is None:
+                return
+            raise PullTimeoutError(
+                f"pull by {stamp.worker_id!r} at clock {stamp.clock} timed out after "
+                f"{time.monotonic() - started:.1f}s waiting for workers {list(waiting.workers)} "
+                f"to reach clock {waiting.clock} (slices {[str(k) for k in waiting.keys][:5]})")
+
+    async def push(self, stamp: Stamp, items: Sequence[tuple[SliceKey, WireArray]]) -> PushOutcome:
+        """Apply (sync: accumulate) the gradients of `stamp.clock`, all or none."""
+        if not items:
+            raise EmptyRequestError(f"push from {stamp.worker_id!r}: no gradients given")
+        result = await self.push_pull(stamp, items, [])
+        return PushOutcome(result.applied, result.dropped)
+
+    async def pull(self, stamp: Stamp, keys: Sequence[SliceKey], timeout_s: float | None = None
+                   ) -> list[PulledSlice]:
+        """The slices' values once the consistency policy lets a read at `stamp.clock` through."""
+        if not keys:
+            raise EmptyRequestError(f"pull from {stamp.worker_id!r}: no slices given")
+        return (await self.push_pull(stamp, [], keys, timeout_s)).slices
+
+    async def push_pull(self, stamp: Stamp, items: Sequence[tuple[SliceKey, WireArray]],
+                        keys: Sequence[SliceKey], timeout_s: float | None = None) -> PushPullResult:
+        """Push (the whole request atomically), then pull at the next clock (or at `stamp.clock`
+        when nothing was pushed). `timeout_s` None or 0: the server's pull timeout."""
+        if not items and not keys:
+            raise EmptyRequestError(f"push-pull from {stamp.worker_id!r}: nothing to push or pull")
+        store = self._store_holding([k for k, _ in items] or keys)
+        store.specs(keys)
+        deadline = self._deadline(timeout_s)
+        await self._await_view(stamp, deadline)
+        outcome = self._push_now(store, stamp, items) if items else PushOutcome(0, 0)
+        if not keys:
+            return PushPullResult(outcome.applied, outcome.dropped, [])
+        await self._wait_readable(stamp._replace(clock=stamp.clock + 1) if items else stamp, keys, deadline)
+        self.pulls_served += 1
+        return PushPullResult(outcome.applied, outcome.dropped, [
+            PulledSlice(k, self._to_wire(WireArray(v, v.dtype.name)), version)
+            for k, (v, version) in zip(keys, store.read(keys), strict=True)])
+
+    # ---- Exchange: a push streamed in, overlapped with the pull streamed out ----
+
+    async def exchange(self, stamp: Stamp, push: Sequence[SliceMeta], pull: Sequence[SliceKey],
+                       gradients: AsyncIterator[tuple[int, WireArray]], encode: Encoder[P],
+                       timeout_s: float | None = None) -> AsyncIterator[ExchangeEvent[P]]:
+        """Push the gradients announced in `push` as they arrive and pull `pull` (at the next clock
+        when pushing), yielding each pulled slice as soon as it is ready.
+
+        The announcement is validated whole before any gradient is read. `gradients` yields
+        (index into `push`, value) and must end after the last one; it is only read while
+        iterating. A slice this request pushes is pulled only after its own gradient landed.
+        Events: a Stall before each wait, an EncodedSlice per pulled slice, then ExchangeDone.
+        """
+        if not push and not pull:
+            raise EmptyRequestError(f"exchange from {stamp.worker_id!r}: nothing to push or pull")
+        store = self._store_holding([m.key for m in push] or pull)
+        store.check_push(push)
+        store.specs(pull)
+        deadline = self._deadline(timeout_s)
+        await self._await_view(stamp, deadline)
+        # The worker pushed step `clock`; what it pulls back is for its next step.
+        pull_stamp = stamp._replace(clock=stamp.clock + 1) if push else stamp
+        counts = [0, 0]
+        # Set once this request's own gradient for the slice has been handed to the store: the pull
+        # must not be checked (or read) before it, or an async pull at clock + 1 looks like a read from
+        # the future, a bad push's error loses to a pull error, and the read misses the worker's own update.
+        pushed = {m.key: asyncio.Event() for m in push}
+
+        async def consume() -> None:
+            async for index, wire in gradients:
+                key = push[index].key
+                outcome = self._push_now(store, stamp, [(key, wire)])
+                counts[0] += outcome.applied
+                counts[1] += outcome.dropped
+                pushed[key].set()
+
+        reader = asyncio.ensure_future(consume())
+        try:
+            versions: list[int] = []
+            for key in pull:
+                own = pushed.get(key)
+                if (own is not None and not own.is_set()) or store.pull_status(pull_stamp, [key]) is not None:
+                    yield Stall()
+                    await self._wait_ready_or_failed(pull_stamp, key, deadline, reader, own)
+                version, payload = self._encode(store, key, encode)
+                versions.append(version)
+                yield EncodedSlice(key, version, payload)
+            await reader  # the push side must be complete (and its errors raised) before the summary
+            self.pulls_served += bool(pull)
+            yield ExchangeDone(versions, counts[0], counts[1])
+        finally:
+            if not reader.done():
+                reader.cancel()
+
+    async def _wait_ready_or_failed(self, stamp: Stamp, key: SliceKey, deadline: float,
+                                    reader: asyncio.Future[None], own: asyncio.Event | None) -> None:
+        """Wait for the request's own push of `key` (if any), then for `key` to be readable;
+        a failed push side ends the wait with its error at once."""
+        async def ready() -> None:
+            if own is not None:
+                try:
+                    await asyncio.wait_for(own.wait(), max(0.0, deadline - time.monotonic()))
+                except TimeoutError:
+                    raise PullTimeoutError(f"exchange from {stamp.worker_id!r}: the gradient of slice "
+                                           f"{str(key)!r} did not arrive before the request's deadline"
+                                           ) from None
+            await self._wait_readable(stamp, [key], deadline)
+
+        waiter = asyncio.ensure_future(ready())
+        try:
+            await asyncio.wait({waiter, reader}, return_when=asyncio.FIRST_COMPLETED)
+            if reader.done() and reader.exception() is not None:
+                raise reader.exception()  # type: ignore[misc]
+            await waiter
+        finally:
+            waiter.cancel()
+
+    def _encode(self, store: ShardStore, key: SliceKey, encode: Encoder[P]) -> tuple[int, P]:
+        """(version, encode(value in the wire dtype)): the value is copied once, under the slice's
+        lock, by the encoder itself; in sync mode the result is shared by every worker's pull."""
+        cached = self._encoded.get((encode, key))
+        if cached is not None and cached[0] == store.version(key):
+            return cached  # type: ignore[return-value]
+
+        def encode_value(value: np.ndarray, dtype: np.dtype, version: int) -> tuple[int, P]:
+            if value.dtype != dtype:  # a float16 slice's float32 master
+                value = value.astype(dtype)
+            return version, encode(self._to_wire(WireArray(value, dtype.name)))
+
+        result = store.read_with(key, encode_value)
+        if store.config.mode == "sync":
+            self._encoded[(encode, key)] = result
+        return result
+
+    # ---- operations ----
+
+    def stats(self) -> ServerStats:
+        store = self._store
+        return ServerStats(job=store.config if store else None, store=store.stats() if store else None,
+                           pulls_served=self.pulls_served, pulls_waiting=self._changes.waiting,
+                           pulls_timed_out=self.pulls_timed_out)
+
+    async def checkpoint(self, at_version: int = 0, timeout_s: float | None = None) -> tuple[Path, int]:
+        """Save the shard once every slice reached `at_version`; (path, the slices' min version)."""
+        if not self._settings.checkpoint_dir:
+            raise InvalidArgumentError("checkpoint: this server was started without --checkpoint-dir")
+        store = self.store
+        timeout_s = timeout_s or self._settings.pull_timeout_s
+        ok = await self._changes.wait_for(
+            lambda: True if store.stats().min_version >= at_version else None, time.monotonic() + timeout_s)
+        if ok is None:
+            raise PullTimeoutError(f"checkpoint at version {at_version}: slices are still at "
+                                   f"version {store.stats().min_version} after {timeout_s:.1f}s")
+        snap = store.snapshot()
+        path = await asyncio.get_running_loop().run_in_executor(
+            None, save_shard, Path(self._settings.checkpoint_dir), snap, self._settings.shard_name)
+        return path, store.stats().min_version

@@ -1,0 +1,28 @@
+"""A parameter server's settings, parsed once (by __main__, or built by tests and embedders).
+
+Every server default is defined here and only here; the command line reads its flag defaults
+from `ServerSettings` rather than repeating them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from pshard.common.job import JobConfig
+from pshard.common.rpc import CHUNK_BYTES
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    # Job used when the first Declare carries none; None = the first Declare's config decides.
+    default_job: JobConfig | None = None
+    # Workers expected before any scheduler view arrives: worker id -> generation.
+    static_quorum: Mapping[str, int] | None = None
+    # Longest a pull (or a checkpoint) waits when the request names no timeout. Generous: a sync pull
+    # waits for the slowest worker's whole step, which can take minutes on a loaded machine.
+    pull_timeout_s: float = 120.0
+    # Exchange frames are at most this big (ps_common.rpc).
+    chunk_bytes: int = CHUNK_BYTES
+    checkpoint_dir: str | None = None
+    shard_name: str = "shard"  # checkpoint file name
