@@ -1,11 +1,23 @@
-"""python -m pshard.worker: train a model on the pshard cluster this process's TF_CONFIG describes.
+"""python -m pshard.worker (or pshard worker): train on the pshard cluster this process's TF_CONFIG describes.
 
 Flags and the environment (TF_CONFIG, PSHARD_DATA_DIR) are read here, once, into a frozen
-`TrainConfig`; worker.train does the rest. Exit status: 0 trained, 1 a training stage failed
-(the message names it), 2 a configuration error.
+`TrainConfig`; worker.train does the rest (worker.evaluate for an evaluator task).
+
+Exit status: 0 trained; 1 a training stage failed (the message names it); 2 a configuration
+error, one line ``<prog>: error: <problem>`` and no traceback: a bad flag or TF_CONFIG, a task
+type this command does not run (ps, scheduler), an --output or --metrics path it cannot write, or
+(the chief hosting the scheduler) a port in use. SIGTERM or SIGINT at any moment, start-up
+included, is a quiet stop with status 128 + the signal (143 for SIGTERM): the run did not finish,
+so the launcher, like a shell, must not count it as trained. A worker stopped after joining
+leaves the cluster first, so its peers do not wait for it.
 """
 
 from __future__ import annotations
+
+if __name__ == "__main__":  # before torch's import, which takes seconds: a stop during it is quiet too
+    from pshard.worker.config import exit_on_signals_at_once
+
+    exit_on_signals_at_once()
 
 import os
 
@@ -16,9 +28,9 @@ import os
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import argparse
-import logging
 import sys
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 
 from pshard.common.cluster import (
     ClusterSpec,
@@ -28,20 +40,23 @@ from pshard.common.cluster import (
 )
 from pshard.common.errors import ClusterConfigError, InvalidArgumentError
 from pshard.common.job import MODES, OPTIMIZERS, WIRE_DTYPES, JobConfig, OptimizerConfig
+from pshard.common.logs import add_log_level_argument, configure_logging
+from pshard.worker.config import LOCAL_OPTIMIZERS, Defaults, Stopped, TrainConfig, stop_on_signals
 from pshard.worker.data import default_data_dir
 from pshard.worker.device import DEVICES, select_device
 from pshard.worker.evaluate import run_evaluator
 from pshard.worker.model import MODELS
-from pshard.worker.train import LOCAL_OPTIMIZERS, TrainConfig, run
+from pshard.worker.train import run
 
 PROG = "python -m pshard.worker"
 # Learning rates that train the default CNN well, per optimizer (aggregate: per local optimizer).
 DEFAULT_LR = {"sgd": 0.05, "adam": 1e-3, "adamw": 1e-3, "adagrad": 0.01}
+D = Defaults
 
 
-def build_parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
+def build_parser(environ: Mapping[str, str], prog: str = PROG) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog=PROG, description="pshard worker: trains on its shard of the data, pushing gradients to and "
+        prog=prog, description="pshard worker: trains on its shard of the data, pushing gradients to and "
         "pulling weights from the parameter servers. The chief (or worker 0 without one) evaluates and "
         "saves the model; every process prints one 'final:' line.")
     add_cluster_arguments(p)
@@ -52,8 +67,9 @@ def build_parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
     job.add_argument("--optimizer", choices=OPTIMIZERS, default="sgd",
                      help="server-side optimizer; 'aggregate' = servers average, workers apply "
                           "--local-optimizer (default sgd)")
-    job.add_argument("--local-optimizer", choices=LOCAL_OPTIMIZERS, default="sgd",
-                     help="aggregate mode: the torch optimizer each worker runs (default sgd)")
+    job.add_argument("--local-optimizer", choices=LOCAL_OPTIMIZERS, default=D.LOCAL_OPTIMIZER,
+                     help="aggregate mode: the torch optimizer each worker runs "
+                          f"(default {D.LOCAL_OPTIMIZER})")
     job.add_argument("--lr", type=float, default=None,
                      help="learning rate (default: sgd 0.05, adam/adamw 0.001, adagrad 0.01)")
     job.add_argument("--momentum", type=float, default=0.9, help="SGD momentum (default 0.9)")
@@ -61,17 +77,18 @@ def build_parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
     job.add_argument("--wire-dtype", choices=WIRE_DTYPES, default="",
                      help="cast gradients and weights to this on the wire (default '': as stored)")
     train = p.add_argument_group("training")
-    train.add_argument("--model", choices=MODELS, default="cnn", help="model (default cnn)")
-    train.add_argument("--epochs", metavar="N", type=int, default=2, help="epochs (default 2)")
-    train.add_argument("--batch-size", metavar="N", type=int, default=64,
-                       help="batch size per worker (default 64)")
-    train.add_argument("--max-steps", metavar="N", type=int, default=0,
+    train.add_argument("--model", choices=MODELS, default=D.MODEL, help=f"model (default {D.MODEL})")
+    train.add_argument("--epochs", metavar="N", type=int, default=D.EPOCHS,
+                       help=f"epochs (default {D.EPOCHS})")
+    train.add_argument("--batch-size", metavar="N", type=int, default=D.BATCH_SIZE,
+                       help=f"batch size per worker (default {D.BATCH_SIZE})")
+    train.add_argument("--max-steps", metavar="N", type=int, default=D.MAX_STEPS,
                        help="stop after N steps (default 0: no limit)")
-    train.add_argument("--seed", metavar="N", type=int, default=0,
-                       help="seed of the initial weights and of the shuffling (default 0)")
-    train.add_argument("--threads", metavar="N", type=int, default=0,
+    train.add_argument("--seed", metavar="N", type=int, default=D.SEED,
+                       help=f"seed of the initial weights and of the shuffling (default {D.SEED})")
+    train.add_argument("--threads", metavar="N", type=int, default=D.THREADS,
                        help="torch CPU threads (default 0: torch's default, one per core)")
-    train.add_argument("--device", choices=DEVICES, default="auto",
+    train.add_argument("--device", choices=DEVICES, default=D.DEVICE,
                        help="auto = CUDA when available, else CPU (default auto)")
     train.add_argument("--data-dir", metavar="DIR", default=default_data_dir(environ),
                        help="Fashion-MNIST IDX files; scikit-learn's digits when absent (default "
@@ -79,17 +96,19 @@ def build_parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
     out = p.add_argument_group("output")
     out.add_argument("--output", metavar="PATH", help="the chief saves the final state_dict here")
     out.add_argument("--metrics", metavar="PATH", help="append JSON-lines metrics here ('-' = stdout)")
-    out.add_argument("--eval-interval-s", metavar="S", type=float, default=30.0,
-                     help="evaluator tasks: seconds between evaluations of the latest weights (default 30)")
-    out.add_argument("--log-every", metavar="N", type=int, default=100,
-                     help="a 'step' metrics line every N steps (default 100)")
-    out.add_argument("--log-level", default="INFO", help="logging level on stderr (default INFO)")
+    out.add_argument("--eval-interval-s", metavar="S", type=float, default=D.EVAL_INTERVAL_S,
+                     help="evaluator tasks: seconds between evaluations of the latest weights "
+                          f"(default {D.EVAL_INTERVAL_S:g})")
+    out.add_argument("--log-every", metavar="N", type=int, default=D.LOG_EVERY,
+                     help=f"a 'step' metrics line every N steps (default {D.LOG_EVERY})")
+    add_log_level_argument(p)
     limits = p.add_argument_group("timeouts")
-    limits.add_argument("--startup-timeout-s", metavar="S", type=float, default=300.0,
+    limits.add_argument("--startup-timeout-s", metavar="S", type=float, default=D.STARTUP_TIMEOUT_S,
                         help="longest wait for the scheduler, the servers and the other workers "
-                             "(default 300)")
-    limits.add_argument("--step-timeout-s", metavar="S", type=float, default=120.0,
-                        help="longest one push/pull may take, waiting for peers included (default 120)")
+                             f"(default {D.STARTUP_TIMEOUT_S:g})")
+    limits.add_argument("--step-timeout-s", metavar="S", type=float, default=D.STEP_TIMEOUT_S,
+                        help="longest one push/pull may take, waiting for peers included "
+                             f"(default {D.STEP_TIMEOUT_S:g})")
     return p
 
 
@@ -107,11 +126,36 @@ def _check_numbers(parser: argparse.ArgumentParser, args: argparse.Namespace) ->
             parser.error(f"{flag}: got {seconds}, expected > 0")
 
 
-def _cluster(args: argparse.Namespace, environ: Mapping[str, str]) -> ClusterSpec:
+def _check_writable(flag: str, path: str, *, create: bool) -> None:
+    """Fail now, not after an hour of training, when `path` cannot be written.
+
+    `create`: the file is appended to from the start (metrics), so opening it is the test. Else
+    (the model, written at the end) a probe file in its directory, which is created as the save
+    would create it.
+    """
+    target = Path(path)
+    try:
+        if target.is_dir():
+            raise IsADirectoryError(21, "is a directory")
+        if create:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            with target.open("a"):
+                pass
+            return
+        target.parent.mkdir(parents=True, exist_ok=True)
+        probe = target.with_name(f".{target.name}.{os.getpid()}.write-test")
+        with probe.open("w"):
+            pass
+        probe.unlink()
+    except OSError as err:
+        raise ClusterConfigError(f"{flag}: cannot write {path!r} ({err.strerror or err})") from None
+
+
+def _cluster(args: argparse.Namespace, environ: Mapping[str, str], prog: str) -> ClusterSpec:
     spec = cluster_spec_from_args(args, environ, default_task_type="worker")
     if spec.task_type not in ("chief", "worker", "evaluator"):
-        program = "python -m pshard.ps_server" if spec.task_type == "ps" else "python -m pshard.scheduler"
-        raise ClusterConfigError(f"task.type: got {spec.task_type!r}, which {PROG} does not run; "
+        program = "pshard ps" if spec.task_type == "ps" else "pshard scheduler"
+        raise ClusterConfigError(f"task.type: got {spec.task_type!r}, which {prog} does not run; "
                                  f"start it with {program}")
     if not spec.ps:
         raise ClusterConfigError("cluster.ps: got no parameter servers, a worker needs at least one")
@@ -131,15 +175,19 @@ def _job(args: argparse.Namespace) -> JobConfig:
         raise ClusterConfigError(str(e)) from None
 
 
-def config_from_args(argv: Sequence[str] | None, environ: Mapping[str, str]) -> TrainConfig:
-    parser = build_parser(environ)
+def config_from_args(argv: Sequence[str] | None, environ: Mapping[str, str], prog: str = PROG) -> TrainConfig:
+    parser = build_parser(environ, prog)
     args = parser.parse_args(argv)
     _check_numbers(parser, args)
-    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
-                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    configure_logging(args.log_level)
+    spec = _cluster(args, environ, prog)
     select_device(args.device)  # asking for CUDA where there is none is a configuration error
+    if args.output:
+        _check_writable("--output", args.output, create=False)
+    if args.metrics and args.metrics != "-":
+        _check_writable("--metrics", args.metrics, create=True)
     return TrainConfig(
-        spec=_cluster(args, environ), job=_job(args), data_dir=args.data_dir, model=args.model,
+        spec=spec, job=_job(args), data_dir=args.data_dir, model=args.model,
         epochs=args.epochs, batch_size=args.batch_size, max_steps=args.max_steps, seed=args.seed,
         device=args.device, threads=args.threads, output=args.output, metrics=args.metrics,
         local_optimizer=args.local_optimizer, log_every=args.log_every,
@@ -148,11 +196,20 @@ def config_from_args(argv: Sequence[str] | None, environ: Mapping[str, str]) -> 
 
 
 @exit_on_config_error(prog=PROG)
-def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None) -> int:
-    cfg = config_from_args(argv, os.environ if environ is None else environ)
+def _main(argv: Sequence[str] | None, environ: Mapping[str, str], prog: str) -> int:
+    cfg = config_from_args(argv, environ, prog)
     if cfg.spec.task_type == "evaluator":
         return run_evaluator(cfg)
     return run(cfg)
+
+
+def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None,
+         prog: str = PROG) -> int:
+    with stop_on_signals():
+        try:
+            return _main(argv, os.environ if environ is None else environ, prog=prog)
+        except Stopped as stop:  # before the run began; a running one reports it itself
+            return stop.exit_status
 
 
 if __name__ == "__main__":

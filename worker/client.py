@@ -116,10 +116,12 @@ class PSClient:
         if self._closed.is_set():
             return
         self._closed.set()
-        self._pool.shutdown(wait=True, cancel_futures=True)
+        # Channels first: closing one cancels its calls, so a pool thread blocked in a sync pull
+        # (a stop, SIGTERM, in mid-step) ends now instead of at its deadline.
         for channel, watcher in zip(self._channels, self._watchers, strict=True):
             channel.unsubscribe(watcher)
             channel.close()
+        self._pool.shutdown(wait=True, cancel_futures=True)
 
     def __enter__(self) -> PSClient:
         return self

@@ -15,25 +15,14 @@ import time
 from typing import IO
 
 import torch
-from pshard.common.errors import PullTimeoutError
-from pshard.common.scheduler_client import SchedulerClient
-from pshard.common.view import ClusterView, NodeState
-from pshard.worker.client import PSClient
+from pshard.worker.config import StageError, Stopped, TrainConfig, stage
 from pshard.worker.data import load_dataset
 from pshard.worker.device import select_device
 from pshard.worker.metrics import MetricsLog
-from pshard.worker.model import build_model
-from pshard.worker.train import StageError, TrainConfig, evaluate, stage
+from pshard.worker.model import build_model, evaluate
+from pshard.worker.session import ClusterSession
 
 log = logging.getLogger("pshard.evaluator")
-
-_TRAINERS = ("chief", "worker")
-
-
-def training_over(view: ClusterView) -> bool:
-    """Some worker has joined, and none is live any more."""
-    trainers = [n for n in view.nodes if n.role in _TRAINERS]
-    return bool(trainers) and all(n.state is not NodeState.LIVE for n in trainers)
 
 
 def run_evaluator(cfg: TrainConfig, stdout: IO[str] | None = None) -> int:
@@ -42,8 +31,8 @@ def run_evaluator(cfg: TrainConfig, stdout: IO[str] | None = None) -> int:
     started = time.monotonic()
     metrics = MetricsLog(None if cfg.metrics in (None, "-") else cfg.metrics,
                          stream=stdout if cfg.metrics == "-" else None)
-    sched: SchedulerClient | None = None
-    client: PSClient | None = None
+    session = ClusterSession(cfg.spec, startup_timeout_s=cfg.startup_timeout_s,
+                             step_timeout_s=cfg.step_timeout_s)
     evals, accuracy, failed = 0, None, None
     try:
         with stage("data", "loading data"):
@@ -52,24 +41,14 @@ def run_evaluator(cfg: TrainConfig, stdout: IO[str] | None = None) -> int:
             device = select_device(cfg.device)
             torch.manual_seed(cfg.seed)
             model = build_model(cfg.model, data.image_shape, data.num_classes).to(device)
-        with stage("register", f"joining the cluster at {cfg.spec.scheduler_address}"):
-            sched = SchedulerClient(cfg.spec.scheduler_address, "evaluator", cfg.spec.own_address or "",
-                                    node_id=cfg.spec.node_id, rank_hint=cfg.spec.task_index,
-                                    connect_timeout_s=cfg.startup_timeout_s)
-            sched.register()
-            layout = sched.get_layout(timeout_s=cfg.startup_timeout_s)
-            client = PSClient(layout.servers, cfg.spec.node_id, layout=layout,
-                              generation=lambda: sched.generation,  # type: ignore[union-attr]
-                              timeout_s=cfg.step_timeout_s)
-            client.job = cfg.job  # the wire dtype pulled values arrive in
+        session.register()
+        client = session.connect(session.await_layout())
+        client.job = cfg.job  # the wire dtype pulled values arrive in
         params = dict(model.named_parameters())
         done = False
         while not done:
-            try:
-                sched.wait_for_view(training_over, timeout_s=cfg.eval_interval_s)
-                done = True
-            except PullTimeoutError:
-                pass  # an interval passed: evaluate the weights as they are now
+            # Wakes early when the training ends; otherwise an interval passed: evaluate as they are now.
+            done = session.wait_for_training_over(cfg.eval_interval_s)
             with stage("eval", "pulling and evaluating the weights"):
                 values = client.pull(clock=0, keys=list(params))
                 with torch.no_grad():
@@ -86,11 +65,11 @@ def run_evaluator(cfg: TrainConfig, stdout: IO[str] | None = None) -> int:
     except StageError as e:
         print(f"python -m pshard.worker: error: {e}", file=sys.stderr, flush=True)
         failed, code = e.stage, 1
+    except Stopped as stop:
+        log.info("got %s: stopping", stop)
+        failed, code = "stopped", stop.exit_status
     finally:
-        if client is not None:
-            client.close()
-        if sched is not None:
-            sched.close()
+        session.close()
     parts = ["final: role=evaluator"] + ([f"failed={failed}"] if failed else [])
     if accuracy is not None:
         parts.append(f"test_accuracy={accuracy:.4f}")

@@ -10,8 +10,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import torch
 from pshard.common.errors import InvalidArgumentError
+from pshard.worker.data import Dataset
 from torch import nn
+from torch.nn import functional as F
 
 MODELS = ("mlp", "cnn")
 
@@ -63,3 +66,22 @@ def _cnn(channels: int, height: int, width: int, num_classes: int) -> nn.Module:
         nn.ReLU(),
         nn.Linear(128, num_classes),
     )
+
+
+_EVAL_BATCH = 1000
+
+
+def evaluate(model: nn.Module, data: Dataset, device: torch.device) -> tuple[float, float]:
+    """(accuracy, mean loss) on the test split; shared by the chief and the evaluator task."""
+    model.eval()
+    correct, total_loss = 0, 0.0
+    with torch.no_grad():
+        for start in range(0, len(data.test_y), _EVAL_BATCH):
+            x = torch.from_numpy(data.test_x[start:start + _EVAL_BATCH]).to(device)
+            y = torch.from_numpy(data.test_y[start:start + _EVAL_BATCH]).to(device)
+            logits = model(x)
+            total_loss += float(F.cross_entropy(logits, y, reduction="sum"))
+            correct += int((logits.argmax(dim=1) == y).sum())
+    model.train()
+    n = max(len(data.test_y), 1)
+    return correct / n, total_loss / n

@@ -1,0 +1,144 @@
+"""What a worker, chief or evaluator task runs with (`TrainConfig`), its defaults, and how a run fails.
+
+Every default is written once, in `Defaults`; the flags of ``python -m pshard.worker`` and the
+dataclass both read it. A run is a sequence of named stages (register, barrier, training, ...);
+a failure in one becomes a `StageError` whose stage ends up in the task's `final:` line.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
+from types import FrameType
+
+from pshard.common.cluster import ClusterSpec
+from pshard.common.errors import ClusterConfigError, PSError
+from pshard.common.job import JobConfig
+
+LOCAL_OPTIMIZERS = ("sgd", "adam", "adamw", "adagrad")
+
+
+class Defaults:
+    """One place for every worker default (flags and `TrainConfig` alike)."""
+
+    MODEL = "cnn"
+    EPOCHS = 2
+    BATCH_SIZE = 64  # per worker
+    MAX_STEPS = 0  # 0 = no limit
+    SEED = 0
+    DEVICE = "auto"
+    THREADS = 0  # 0 = torch's default
+    LOCAL_OPTIMIZER = "sgd"
+    LOG_EVERY = 100
+    # Longest wait for the scheduler, the servers and the other workers. Generous: in a TFJob the
+    # pods start in any order, and pulling an image can take minutes.
+    STARTUP_TIMEOUT_S = 300.0
+    # Longest one push/pull may take, waiting for peers included.
+    STEP_TIMEOUT_S = 120.0
+    EVAL_INTERVAL_S = 30.0
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    spec: ClusterSpec
+    job: JobConfig
+    data_dir: str
+    model: str = Defaults.MODEL
+    epochs: int = Defaults.EPOCHS
+    batch_size: int = Defaults.BATCH_SIZE
+    max_steps: int = Defaults.MAX_STEPS
+    seed: int = Defaults.SEED
+    device: str = Defaults.DEVICE
+    threads: int = Defaults.THREADS  # torch CPU threads
+    output: str | None = None  # the chief saves the final state_dict here
+    metrics: str | None = None  # JSON lines; "-" = stdout
+    local_optimizer: str = Defaults.LOCAL_OPTIMIZER  # aggregate mode: the torch optimizer each worker runs
+    log_every: int = Defaults.LOG_EVERY  # a "step" metrics line every N steps
+    startup_timeout_s: float = Defaults.STARTUP_TIMEOUT_S
+    step_timeout_s: float = Defaults.STEP_TIMEOUT_S
+    eval_interval_s: float = Defaults.EVAL_INTERVAL_S  # evaluator tasks: seconds between evaluations
+
+    @property
+    def is_chief(self) -> bool:
+        """The chief, or worker 0 when the cluster has none (TensorFlow's rule)."""
+        spec = self.spec
+        return spec.task_type == "chief" or (spec.task_type == "worker" and spec.task_index == 0
+                                             and not spec.chief)
+
+
+class StageError(PSError):
+    """A run failed; `stage` is a short name for the final line, the message says what and why."""
+
+    def __init__(self, stage: str, what: str, cause: BaseException) -> None:
+        super().__init__(f"{what}: {type(cause).__name__}: {cause}")
+        self.stage = stage
+
+
+@contextlib.contextmanager
+def stage(name: str, what: str) -> Iterator[None]:
+    """Run a stage of the run; any failure in it becomes a StageError naming it.
+
+    A ClusterConfigError passes through: the entry point reports it as a configuration error.
+    """
+    try:
+        yield
+    except (StageError, ClusterConfigError):
+        raise
+    except Exception as e:
+        raise StageError(name, what, e) from e
+
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+class Stopped(BaseException):
+    """SIGTERM or SIGINT arrived: unwinds the run like KeyboardInterrupt, leaving the cluster on the way.
+
+    A BaseException, so that `stage()` and `except Exception` let it through.
+    """
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+    @property
+    def exit_status(self) -> int:
+        """128 + the signal, as a shell reports a process the signal ended: not a finished run."""
+        return 128 + self.signum
+
+
+def _exit_at_once(signum: int, frame: FrameType | None) -> None:
+    raise SystemExit(128 + signum)
+
+
+def exit_on_signals_at_once() -> None:
+    """Until `stop_on_signals` takes over: SIGTERM and SIGINT end the process at once, quietly.
+
+    For the start-up, while torch is imported: nothing to leave or close yet.
+    """
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, _exit_at_once)
+
+
+@contextlib.contextmanager
+def stop_on_signals() -> Iterator[None]:
+    """Inside, SIGTERM and SIGINT raise `Stopped` in the main thread. Further ones are ignored: the
+    stop is under way, and whoever insists sends SIGKILL (as the launcher does after its grace)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield  # only the main thread may set handlers; an embedding caller owns signals
+        return
+
+    def handle(signum: int, frame: FrameType | None) -> None:
+        for sig in STOP_SIGNALS:
+            signal.signal(sig, signal.SIG_IGN)
+        raise Stopped(signum)
+
+    previous = {sig: signal.signal(sig, handle) for sig in STOP_SIGNALS}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)

@@ -1,0 +1,247 @@
+"""`ClusterSession`: one task's part in the cluster protocol, shared by the trainer and the evaluator.
+
+    host the scheduler (the chief, or worker 0, of a cluster without a scheduler task)
+    register -> trainers propose the layout / the evaluator waits for it -> a PSClient on it
+    trainers: barrier "start" -> every server counts every worker (sync and ssp)
+    ... the caller trains or evaluates, reporting its clock ...
+    leave (the chief first waits until its peers are done)
+
+Heartbeats and the Watch stream run in the SchedulerClient's threads, and so does re-registering
+after a scheduler restart. The one stale-generation recovery is the PSClient's resend, which
+waits here for the re-registration (`_await_generation`). See docs/architecture.md, sections 3
+(Membership) and 9 (Failures).
+
+Each step runs as a named stage: a failure raises `StageError`, which names it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import Sequence
+from typing import Protocol
+
+from pshard.common.cluster import ClusterSpec, split_address
+from pshard.common.entry import check_can_listen
+from pshard.common.errors import ClusterConfigError, PSError, PullTimeoutError
+from pshard.common.layout import Layout, ParamSpec
+from pshard.common.scheduler_client import SchedulerClient
+from pshard.common.view import TRAINER_ROLES, ClusterView, NodeState
+from pshard.worker.client import PSClient
+from pshard.worker.config import stage
+
+log = logging.getLogger("pshard.worker")
+
+_QUORUM_POLL_START_S = 0.02
+_QUORUM_POLL_MAX_S = 0.5
+
+
+class _Stoppable(Protocol):
+    def stop(self, timeout_s: float = ...) -> None: ...
+
+
+def training_over(view: ClusterView) -> bool:
+    """Some worker has joined, and none is live any more."""
+    trainers = [n for n in view.nodes if n.role in TRAINER_ROLES]
+    return bool(trainers) and all(n.state is not NodeState.LIVE for n in trainers)
+
+
+class ClusterSession:
+    """Membership of one chief, worker or evaluator task; `close()` it in a `finally`."""
+
+    def __init__(self, spec: ClusterSpec, *, startup_timeout_s: float, step_timeout_s: float) -> None:
+        self.spec = spec
+        self.startup_timeout_s = startup_timeout_s
+        self.step_timeout_s = step_timeout_s
+        self.scheduler: SchedulerClient | None = None
+        self.client: PSClient | None = None
+        self._hosted: _Stoppable | None = None
+        self._left = False
+
+    @property
+    def rank(self) -> int:
+        """The data-parallel rank (chief first); evaluators have none and read as 0."""
+        return self.spec.data_rank or 0
+
+    # ---- joining ----
+
+    def host_scheduler_if_needed(self) -> None:
+        """The chief (or worker 0) of a cluster without a scheduler task runs the scheduler in-process.
+
+        A port it cannot listen on is a ClusterConfigError (exit 2): TF_CONFIG names this address.
+        """
+        if not self.spec.hosts_scheduler:
+            return
+        bind = f"0.0.0.0:{split_address(self.spec.scheduler_address)[1]}"
+        where = (f"{self.spec.node_id} hosts the scheduler at {self.spec.scheduler_address} (the cluster "
+                 "has no scheduler task)")
+        try:
+            check_can_listen(bind)
+        except ClusterConfigError as e:
+            raise ClusterConfigError(f"{where}, but {e}") from None
+        with stage("scheduler", "starting the in-process scheduler"):
+            # The one place a worker imports the scheduler service, and only when it hosts it.
+            from pshard.scheduler.service import start_scheduler_thread
+
+            try:
+                self._hosted = start_scheduler_thread(bind)
+            except OSError as e:  # taken between the check and the bind
+                raise ClusterConfigError(f"{where}, but {e}") from None
+
+    def register(self) -> SchedulerClient:
+        spec = self.spec
+        with stage("register", f"registering with the scheduler at {spec.scheduler_address}"):
+            rank_hint = spec.data_rank if spec.task_type in TRAINER_ROLES else spec.task_index
+            self.scheduler = SchedulerClient(spec.scheduler_address, spec.task_type,
+                                             own_address=spec.own_address or "", node_id=spec.node_id,
+                                             rank_hint=rank_hint, connect_timeout_s=self.startup_timeout_s)
+            self.scheduler.register()
+        return self.scheduler
+
+    def propose_layout(self, params: Sequence[ParamSpec]) -> Layout:
+        """Trainers: propose the layout of `params`; the first proposal wins and everyone gets it."""
+        sched = self._registered()
+        with stage("layout", "agreeing on the parameter layout"):
+            return sched.propose_layout(params, servers=self.spec.ps)
+
+    def await_layout(self) -> Layout:
+        """Readers (the evaluator): the layout the trainers agreed on, once one has proposed it."""
+        sched = self._registered()
+        with stage("register", f"waiting for the layout at {self.spec.scheduler_address}"):
+            return sched.get_layout(timeout_s=self.startup_timeout_s)
+
+    def connect(self, layout: Layout) -> PSClient:
+        """A PSClient on the layout's servers, stamping every request with our current generation."""
+        sched = self._registered()
+        # Read at every request: after a scheduler restart the SchedulerClient re-registers under a
+        # new generation, and the servers refuse requests stamped with the old one (fencing).
+        self.client = PSClient(layout.servers, self.spec.node_id, layout=layout,
+                               generation=lambda: sched.generation, await_generation=self._await_generation,
+                               timeout_s=self.step_timeout_s)
+        return self.client
+
+    def await_start(self, clock: int, *, wait_for_quorum: bool) -> None:
+        """Trainers: the start barrier (unless resuming mid-job), then every server's full quorum."""
+        sched = self._registered()
+        world = self.spec.world_size
+        if clock == 0:  # a worker restarted mid-job must not wait for a start everyone passed
+            with stage("barrier", f"waiting for {world} workers at the start barrier"):
+                sched.barrier("start", count=world, timeout_s=self.startup_timeout_s)
+        if wait_for_quorum:
+            with stage("quorum", "waiting for the servers to see every worker"):
+                view = sched.view
+                self._await_server_quorum(set(view.live_workers()) if view else set())
+
+    def _await_server_quorum(self, expected: set[str]) -> None:
+        """Before clock 0, every server must count every worker, or a sync clock completes without one.
+
+        The barrier proves the scheduler has everyone; the servers learn it from the Watch stream,
+        a moment later. Polling GetStats is cheap and happens once.
+        """
+        client = self._connected()
+        deadline = time.monotonic() + self.startup_timeout_s
+        delay = _QUORUM_POLL_START_S
+        while True:
+            quorums = [set(s.quorum) for s in client.stats()]
+            if all(expected <= q for q in quorums):
+                return
+            if time.monotonic() > deadline:
+                raise PullTimeoutError(f"after {self.startup_timeout_s:g} s the servers' quorums are "
+                                       f"{[sorted(q) for q in quorums]}, expected {sorted(expected)}")
+            time.sleep(delay)
+            delay = min(delay * 2, _QUORUM_POLL_MAX_S)
+
+    # ---- while running ----
+
+    def report_clock(self, clock: int) -> None:
+        self._registered().report_clock(clock)
+
+    def wait_for_training_over(self, timeout_s: float) -> bool:
+        """True once no worker is live any more; False when `timeout_s` passed first."""
+        try:
+            self._registered().wait_for_view(training_over, timeout_s=timeout_s)
+            return True
+        except PullTimeoutError:
+            return False
+
+    def _await_generation(self, stamped: int, timeout_s: float) -> bool:
+        """For the PSClient: wait until we re-registered under a generation newer than `stamped`."""
+        sched = self._registered()
+        try:
+            sched.wait_for_view(lambda _view: sched.generation > stamped, timeout_s)
+        except PullTimeoutError:
+            log.warning("fenced out at generation %d and not re-registered within %g s", stamped, timeout_s)
+            return False
+        return True
+
+    # ---- the end ----
+
+    def await_peers(self) -> None:
+        """The chief: until no other worker is live; gives up (saying so) when none progressed for a
+        step timeout."""
+        sched = self._registered()
+        me = self.spec.node_id
+
+        def nobody_else(view: ClusterView) -> bool:
+            return not set(view.live_workers()) - {me}
+
+        with stage("peers", "waiting for the other workers to finish"):
+            progress = self._peer_clocks()
+            while True:
+                try:
+                    sched.wait_for_view(nobody_else, timeout_s=self.step_timeout_s)
+                    return
+                except PullTimeoutError:
+                    now = self._peer_clocks()
+                    if now == progress:
+                        view = sched.view
+                        log.warning("workers %s are live but made no progress in %g s; using the weights "
+                                    "as they are", sorted(set(view.live_workers()) - {me}) if view else "?",
+                                    self.step_timeout_s)
+                        return
+                    progress = now
+
+    def _peer_clocks(self) -> dict[str, int]:
+        clocks: dict[str, int] = {}
+        with contextlib.suppress(PSError):
+            for stats in self._connected().stats():
+                for worker, clock in stats.worker_clocks.items():
+                    clocks[worker] = max(clocks.get(worker, -1), clock)
+        return clocks
+
+    def leave(self) -> None:
+        """Out of data: leave, so the sync quorum shrinks at this clock boundary and peers go on."""
+        if self.scheduler is not None and not self._left:
+            with stage("leave", "leaving the cluster"):
+                self.scheduler.leave()
+            self._left = True
+
+    def leave_quietly(self) -> None:
+        """After a failure: leave if we can, so nobody waits for us; the failure is reported already."""
+        try:
+            self.leave()
+        except PSError as e:
+            log.warning("%s", e)
+
+    def close(self) -> None:
+        """Close the PSClient and the scheduler client; stop a hosted scheduler. Safe to call twice."""
+        if self.client is not None:
+            self.client.close()
+        if self.scheduler is not None:
+            self.scheduler.close()
+        if self._hosted is not None:
+            self._hosted.stop()
+            self._hosted = None
+
+    # ---- internals ----
+
+    def _registered(self) -> SchedulerClient:
+        if self.scheduler is None:
+            raise PSError("cluster session: register() first")
+        return self.scheduler
+
+    def _connected(self) -> PSClient:
+        if self.client is None:
+            raise PSError("cluster session: connect() first")
+        return self.client
