@@ -132,35 +132,6 @@ class ShardSnapshot:
     seen: tuple[str, ...]
     counters: dict[str, int] = field(default_factory=dict)
 
-    def diff(self, other: ShardSnapshot) -> list[str]:
-        """Every difference from `other`, compared byte for byte; empty when they are equal."""
-        out = [f"{name}: {a!r} != {b!r}" for name, a, b in (
-            ("config", self.config, other.config), ("generations", self.generations, other.generations),
-            ("quorum", self.quorum, other.quorum), ("seen", self.seen, other.seen),
-            ("counters", self.counters, other.counters),
-            ("keys", [s.key for s in self.slices], [s.key for s in other.slices])) if a != b]
-        for mine, theirs in zip(self.slices, other.slices, strict=False):
-            out.extend(f"{mine.key}: {d}" for d in _slice_diff(mine, theirs))
-        return out
-
-
-def _same_array(a: object, b: object) -> bool:
-    if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
-        return (isinstance(a, np.ndarray) and isinstance(b, np.ndarray) and a.dtype == b.dtype
-                and a.shape == b.shape and a.tobytes() == b.tobytes())
-    return bool(a == b)  # scalars (step counts): a checkpoint may turn numpy scalars into Python ones
-
-
-def _slice_diff(a: SliceSnapshot, b: SliceSnapshot) -> list[str]:
-    out = [name for name in ("dtype", "version", "clocks", "floors", "contributors")
-           if getattr(a, name) != getattr(b, name)]
-    out += [name for name in ("value", "pending") if not _same_array(getattr(a, name), getattr(b, name))]
-    if a.opt_state.keys() != b.opt_state.keys():
-        out.append(f"opt_state keys {sorted(a.opt_state)} != {sorted(b.opt_state)}")
-    else:
-        out += [f"opt_state[{k!r}]" for k in a.opt_state if not _same_array(a.opt_state[k], b.opt_state[k])]
-    return out
-
 
 def _copy_state(state: SliceState) -> SliceState:
     return {k: v.copy() if isinstance(v, np.ndarray) else v for k, v in state.items()}
@@ -235,11 +206,6 @@ class ShardStore:
     def specs(self, keys: Sequence[SliceKey]) -> list[SliceSpec]:
         """The declared dtype and shape of each key; UnknownKeyError for the first undeclared one."""
         return [SliceSpec(slot.dtype.name, slot.value.shape) for slot in self._lookup(keys)]
-
-    def keys(self) -> list[SliceKey]:
-        """Every declared slice, in declaration order."""
-        with self._meta:
-            return list(self._slots)
 
     def _new_slot(self, key: SliceKey, value: np.ndarray) -> Slot:
         dtype = np.dtype(value.dtype.name)

@@ -16,6 +16,8 @@ from pshard.ps_server.checkpoint import load_shard, save_shard
 from pshard.ps_server.optimizers import Optimizer, SliceState, make_optimizer
 from pshard.ps_server.store import ShardStore
 
+from tests.unit.snapshots import snapshot_diff
+
 W = SliceKey("fc.weight")
 H = SliceKey("emb", part=2)
 
@@ -60,7 +62,7 @@ def test_save_then_load_round_trips_values_versions_optimizer_state_and_clocks(t
     loaded = load_shard(tmp_path, "shard-0")
 
     assert loaded is not None
-    assert loaded.diff(snap) == []
+    assert snapshot_diff(loaded, snap) == []
     by_key = {s.key: s for s in loaded.slices}
     assert by_key[W].version == 2 and by_key[W].clocks == {"a": 2, "b": 1}
     assert by_key[W].contributors == ("a",)
@@ -79,7 +81,7 @@ def test_a_restored_store_continues_exactly_like_the_original(tmp_path: Path) ->
     for s in (store, restored):
         s.push(Stamp("b", 4, 2), {W: np.full((3, 2), 2, np.float32)})  # completes the pending clock
 
-    assert restored.snapshot().diff(store.snapshot()) == []
+    assert snapshot_diff(restored.snapshot(), store.snapshot()) == []
     assert restored.read([W, H])[1][0].dtype == np.float16
 
 
@@ -97,7 +99,7 @@ def test_round_trip_with_the_servers_stateful_optimizers(tmp_path: Path) -> None
         save_shard(tmp_path, snap, f"shard-{opt.name}")
         loaded = load_shard(tmp_path, f"shard-{opt.name}")
 
-        assert loaded is not None and loaded.diff(snap) == []
+        assert loaded is not None and snapshot_diff(loaded, snap) == []
 
 
 def test_loading_a_checkpoint_that_was_never_written_gives_none(tmp_path: Path) -> None:
@@ -127,7 +129,7 @@ def test_a_crash_mid_save_leaves_the_previous_checkpoint_loadable(tmp_path: Path
 
     loaded = load_shard(tmp_path, "shard-0")
 
-    assert loaded is not None and loaded.diff(first) == []
+    assert loaded is not None and snapshot_diff(loaded, first) == []
 
 
 def test_a_later_save_replaces_the_checkpoint_and_removes_what_it_superseded(tmp_path: Path) -> None:
@@ -142,7 +144,7 @@ def test_a_later_save_replaces_the_checkpoint_and_removes_what_it_superseded(tmp
     loaded = load_shard(tmp_path, "shard-0")
 
     assert path == tmp_path / "shard-0.json"
-    assert loaded is not None and loaded.diff(second) == []
+    assert loaded is not None and snapshot_diff(loaded, second) == []
     names = sorted(p.name for p in tmp_path.iterdir())
     arrays = json.loads(path.read_text())["arrays"]
     assert [n for n in names if n.startswith("shard-0")] == sorted(["shard-0.json", arrays])
