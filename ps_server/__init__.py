@@ -1,1 +1,1 @@
-"""The parameter server: shard store, consistency policies, optimizers, gRPC servicer."""
+"""The parameter server: shard store, consistency policies, optimizers, request handlers, gRPC servicer."""

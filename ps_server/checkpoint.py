@@ -1,4 +1,4 @@
-"""Save and load one shard: weights, optimizer state and clocks (DESIGN §9).
+"""Save and load one shard: weights, optimizer state and clocks (docs/architecture.md, 9 Failures).
 
 A checkpoint named `name` is two files in `directory`:
 

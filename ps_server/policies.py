@@ -1,4 +1,4 @@
-"""Consistency policies (DESIGN §5) as types behind one small protocol.
+"""Consistency policies (docs/architecture.md, 5 Consistency) as types behind one small protocol.
 
 The store owns the data, the locks, validation and at-most-once bookkeeping; a
 policy only answers the questions where sync, async and bounded staleness differ:

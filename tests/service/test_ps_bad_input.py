@@ -1,6 +1,6 @@
 """Every malformed or unacceptable request, through a real server: the right gRPC status, a message
 naming the key and both values, the ps-error-type trailer, PSClient re-raising the same class,
-and the store byte-for-byte as it was (DESIGN §7)."""
+and the store byte-for-byte as it was (docs/architecture.md, 7 Wire)."""
 
 from __future__ import annotations
 

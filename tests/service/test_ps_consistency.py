@@ -1,4 +1,4 @@
-"""The consistency contract (DESIGN §5) through real servers and real channels."""
+"""The consistency contract (docs/architecture.md, 5 Consistency) through real servers and real channels."""
 
 from __future__ import annotations
 
