@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import TypeVar
 
 from pshard.common.health import probe
-from pshard.launcher.launch import ClusterPlan, Task, free_ports
+from pshard.launcher.plan import ClusterPlan, Task, free_ports
 
 ROOT = Path(__file__).resolve().parents[2]
 PYTHON = sys.executable

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from pshard.launcher.launch import Task
+from pshard.launcher.plan import Task
 
 from tests.e2e.harness import (
     SYNC,

@@ -9,20 +9,16 @@ import sys
 
 import pytest
 from pshard.common.cluster import ClusterSpec
-from pshard.launcher.launch import (
-    ROOT,
+from pshard.launcher.cli import parse_options
+from pshard.launcher.plan import (
     ClusterPlan,
-    LinePrefixer,
     Options,
     child_environment,
     child_specs,
-    describe_exit,
     free_ports,
     join_address,
-    parse_options,
-    status_of,
-    summary_line,
 )
+from pshard.launcher.supervisor import LinePrefixer, describe_exit, status_of, summary_line
 
 
 def fake_ports(count: int, host: str) -> list[int]:
@@ -113,10 +109,22 @@ def test_worker_args_go_to_every_worker_with_its_name_filled_in() -> None:
                                          ("w", "--mode", "sync", "--metrics", "m-worker-1.jsonl")]
 
 
-def test_child_environment_puts_the_repository_first_on_the_path() -> None:
-    env = child_environment({"TF_CONFIG": "{}"}, {"PATH": "/bin", "PYTHONPATH": f"/x{os.pathsep}{ROOT}"})
-    assert env["PYTHONPATH"].split(os.pathsep) == [str(ROOT), "/x"]
-    assert env["PATH"] == "/bin" and env["TF_CONFIG"] == "{}"
+def test_child_environment_is_the_launchers_plus_the_task_and_leaves_pythonpath_alone() -> None:
+    # Children import the installed package: the launcher adds no path of its own.
+    env = child_environment({"TF_CONFIG": "{}"}, {"PATH": "/bin", "PYTHONPATH": "/x", "TF_CONFIG": "old"})
+    assert env == {"PATH": "/bin", "PYTHONPATH": "/x", "TF_CONFIG": "{}"}
+    assert "PYTHONPATH" not in child_environment({"TF_CONFIG": "{}"}, {"PATH": "/bin"})
+
+
+def test_children_run_the_installed_package_by_module_name() -> None:
+    specs = child_specs(ClusterPlan.allocate(1, 1, ports=fake_ports), Options(), python="py")
+    assert [s.argv[:3] for s in specs] == [("py", "-m", "pshard.scheduler"), ("py", "-m", "pshard.ps_server"),
+                                           (sys.executable, "-m", "pshard.worker")]
+
+
+def test_a_non_default_log_level_goes_to_the_servers() -> None:
+    specs = child_specs(ClusterPlan.allocate(1, 1, ports=fake_ports), Options(log_level="WARNING"))
+    assert [s.argv[-2:] for s in specs[:2]] == [("--log-level", "WARNING")] * 2
 
 
 # ---- output ----

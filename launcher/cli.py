@@ -1,0 +1,145 @@
+"""``pshard launch`` (or ``python -m pshard.launcher``): a whole pshard cluster as local processes.
+
+    pshard launch --ps 2 --workers 2 -- --mode sync --epochs 2 --output runs/model.pt
+
+starts ``python -m pshard.scheduler`` and N ``python -m pshard.ps_server``, waits until each answers its gRPC
+health check, then starts M ``python -m pshard.worker`` (plus a chief with ``--chief``). Each child
+gets its own TF_CONFIG naming the whole cluster on free ports of ``--host``. Every line a child
+writes is printed prefixed with its name (``[ps-0] ...``). The exit status is the workers': 0
+only when every worker exited 0. A failing child, Ctrl-C or SIGTERM stops every child: SIGTERM
+to its process group, SIGKILL after ``--grace-s``; the launcher then exits 128 + the signal.
+
+A problem found before anything starts (a bad flag, a --host nothing can listen on, a
+--worker-cmd that is not a program, an unwritable --checkpoint-dir) is one line
+``<prog>: error: <problem>`` and exit status 2.
+
+`pshard.launcher.plan` plans (pure), `pshard.launcher.supervisor` runs the processes; this module
+is the command line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import shutil
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from pshard.common.argtypes import positive_float
+from pshard.common.logs import add_log_level_argument, configure_logging
+from pshard.launcher.plan import TASK_PLACEHOLDER, ClusterPlan, Options
+from pshard.launcher.supervisor import run
+
+PROG = "python -m pshard.launcher"
+
+
+class LaunchError(Exception):
+    """Found before any process started: reported as ``<prog>: error: ...``, exit status 2."""
+
+
+def _count(minimum: int) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        if not (text.isdigit() and int(text) >= minimum):
+            raise argparse.ArgumentTypeError(f"got {text!r}, expected a whole number >= {minimum}")
+        return int(text)
+
+    parse.__name__ = "count"
+    return parse
+
+
+
+
+def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog=prog, allow_abbrev=False,
+        usage=f"{prog} [options] [--] [WORKER_ARG ...]",
+        description="Run a local pshard cluster as real processes: a scheduler, N parameter servers "
+        "and M workers on free ports of one host, each with its own TF_CONFIG. Workers start once "
+        "the scheduler and every server are healthy. Output lines are prefixed with the process "
+        "name. Exit status: 0 only if every worker exited 0.",
+        epilog="Arguments after '--' (and any the launcher does not know) go to every worker; "
+        f"'{TASK_PLACEHOLDER}' in them becomes the worker's name, e.g. "
+        f"--metrics runs/metrics-{TASK_PLACEHOLDER}.jsonl. "
+        f"Example: {prog} --ps 2 --workers 2 -- --mode sync --epochs 2 --output runs/model.pt")
+    parser.add_argument("--ps", metavar="N", type=_count(1), default=2,
+                        help="number of parameter servers (default 2)")
+    parser.add_argument("--workers", metavar="M", type=_count(0), default=2,
+                        help="number of worker tasks (default 2)")
+    parser.add_argument("--chief", action="store_true",
+                        help="also run a chief task (TF_CONFIG type 'chief': the worker that evaluates "
+                             "and saves), in addition to the M workers")
+    parser.add_argument("--host", default="127.0.0.1",
+                        help="address every process binds and is reached at (default 127.0.0.1)")
+    parser.add_argument("--scheduler-interval-ms", metavar="MS", type=_count(1), default=1000,
+                        help="heartbeat interval the scheduler asks of nodes (default 1000)")
+    parser.add_argument("--scheduler-timeout-ms", metavar="MS", type=_count(1), default=5000,
+                        help="a node silent for this long is declared dead and leaves the sync quorum "
+                             "(default 5000)")
+    parser.add_argument("--checkpoint-dir", metavar="DIR",
+                        help="parameter servers checkpoint their shards to DIR/ps-<i>")
+    parser.add_argument("--worker-cmd", metavar="CMD", default=None,
+                        help="command that runs one worker, split like a shell does "
+                             f"(default: '{Path(sys.executable).name} -m pshard.worker' with this Python)")
+    parser.add_argument("--startup-timeout-s", metavar="S", type=positive_float, default=60.0,
+                        help="longest wait for the scheduler and servers to become healthy (default 60)")
+    parser.add_argument("--grace-s", metavar="S", type=positive_float, default=10.0,
+                        help="time between SIGTERM and SIGKILL when stopping a process (default 10)")
+    add_log_level_argument(parser)
+    return parser
+
+
+def parse_options(argv: Sequence[str], prog: str = PROG) -> Options:
+    """Launcher flags up to '--'; everything after it, and unknown flags before it, go to workers."""
+    argv = list(argv)
+    split = argv.index("--") if "--" in argv else len(argv)
+    parser = build_parser(prog)
+    args, unknown = parser.parse_known_args(argv[:split])
+    if args.workers == 0 and not args.chief:
+        parser.error("--workers: got 0 without --chief, expected at least one training process")
+    if args.scheduler_timeout_ms <= args.scheduler_interval_ms:
+        parser.error(f"--scheduler-timeout-ms: got {args.scheduler_timeout_ms}, expected more than "
+                     f"--scheduler-interval-ms ({args.scheduler_interval_ms})")
+    worker_cmd = Options.worker_cmd if args.worker_cmd is None else tuple(shlex.split(args.worker_cmd))
+    if not worker_cmd:
+        parser.error("--worker-cmd: got an empty command")
+    return Options(ps=args.ps, workers=args.workers, chief=args.chief, host=args.host,
+                   heartbeat_interval_ms=args.scheduler_interval_ms,
+                   heartbeat_timeout_ms=args.scheduler_timeout_ms, checkpoint_dir=args.checkpoint_dir,
+                   worker_cmd=worker_cmd, worker_args=(*unknown, *argv[split + 1:]),
+                   startup_timeout_s=args.startup_timeout_s, grace_s=args.grace_s,
+                   log_level=args.log_level)
+
+
+def check_startable(options: Options) -> None:
+    """What would only fail once servers run, checked before any starts; LaunchError names it."""
+    program = options.worker_cmd[0]
+    if shutil.which(program) is None:
+        raise LaunchError(f"--worker-cmd: {program!r} is not an executable program")
+    if options.checkpoint_dir:
+        path = Path(options.checkpoint_dir)
+        try:
+            path.mkdir(parents=True, exist_ok=True)
+            if not os.access(path, os.W_OK | os.X_OK):
+                raise PermissionError(13, "Permission denied")
+        except OSError as err:
+            raise LaunchError(f"--checkpoint-dir: {str(path)!r} is not a writable directory "
+                              f"({err.strerror or err})") from None
+
+
+def main(argv: Sequence[str] | None = None, prog: str = PROG) -> int:
+    options = parse_options(sys.argv[1:] if argv is None else argv, prog)
+    configure_logging(options.log_level)
+    try:
+        check_startable(options)
+        try:
+            ClusterPlan.allocate(options.ps, options.workers, chief=options.chief, host=options.host)
+        except OSError as err:
+            raise LaunchError(f"--host: cannot listen on {options.host!r} ({err.strerror or err})") from None
+        return run(options)
+    except LaunchError as err:
+        print(f"{prog}: error: {err}", file=sys.stderr)
+        return 2
+
+

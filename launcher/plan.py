@@ -1,0 +1,174 @@
+"""The launcher's plan of a local cluster (pure): free ports, every task's TF_CONFIG, every child's argv.
+
+Nothing here starts a process; `pshard.launcher.supervisor` does. Children run the installed
+package (``python -m pshard.<service>`` with this interpreter), so they import the same pshard
+as the launcher whatever the current directory, with no PYTHONPATH of ours.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import sys
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+from pshard.common.logs import DEFAULT_LOG_LEVEL
+
+TASK_PLACEHOLDER = "{task}"
+
+
+# ---- ports and the cluster plan ----
+
+
+def join_address(host: str, port: int) -> str:
+    """``('127.0.0.1', 7000)`` -> ``'127.0.0.1:7000'``; IPv6 hosts get brackets."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
+    """`count` distinct ports that were free on `host` a moment ago.
+
+    Every socket stays bound until all ports are read, so the ports differ from each other. They
+    are closed before the children bind them, which leaves a short window in which another
+    program could take one; the child then fails to bind, and the launcher reports that.
+    """
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sockets: list[socket.socket] = []
+    try:
+        for _ in range(count):
+            sock = socket.socket(family, socket.SOCK_STREAM)
+            sockets.append(sock)
+            sock.bind((host, 0))
+        return [int(sock.getsockname()[1]) for sock in sockets]
+    finally:
+        for sock in sockets:
+            sock.close()
+
+
+@dataclass(frozen=True)
+class Task:
+    """One process of the cluster: its TF_CONFIG task and address."""
+
+    task_type: str
+    index: int
+    address: str
+
+    @property
+    def name(self) -> str:
+        """'scheduler' (there is only one), else the node id, e.g. 'ps-0' or 'worker-1'."""
+        return "scheduler" if self.task_type == "scheduler" else f"{self.task_type}-{self.index}"
+
+
+@dataclass(frozen=True)
+class ClusterPlan:
+    """Addresses of every task; the same cluster JSON goes into each child's TF_CONFIG."""
+
+    scheduler: str
+    ps: tuple[str, ...]
+    worker: tuple[str, ...]
+    chief: tuple[str, ...] = ()
+
+    @classmethod
+    def allocate(cls, num_ps: int, num_workers: int, *, chief: bool = False, host: str = "127.0.0.1",
+                 ports: Callable[[int, str], list[int]] = free_ports) -> ClusterPlan:
+        """A plan on free ports of `host`: one scheduler, `num_ps` servers, an optional chief and
+        `num_workers` workers. Workers get addresses too because TF_CONFIG names every task."""
+        if num_ps < 1:
+            raise ValueError(f"num_ps: got {num_ps}, expected at least 1")
+        if num_workers < 0 or num_workers + chief < 1:
+            raise ValueError(f"num_workers: got {num_workers} (chief={chief}), expected at least one "
+                             "training process")
+        addresses = [join_address(host, p) for p in ports(1 + num_ps + int(chief) + num_workers, host)]
+        ps_end = 1 + num_ps
+        chief_end = ps_end + int(chief)
+        return cls(scheduler=addresses[0], ps=tuple(addresses[1:ps_end]),
+                   chief=tuple(addresses[ps_end:chief_end]), worker=tuple(addresses[chief_end:]))
+
+    def cluster(self) -> dict[str, list[str]]:
+        jobs = {"scheduler": [self.scheduler], "ps": list(self.ps)}
+        if self.chief:
+            jobs["chief"] = list(self.chief)
+        jobs["worker"] = list(self.worker)
+        return jobs
+
+    def tf_config(self, task: Task) -> str:
+        return json.dumps({"cluster": self.cluster(), "task": {"type": task.task_type, "index": task.index}})
+
+    @property
+    def servers(self) -> list[Task]:
+        """The scheduler and the parameter servers: started first, and health-checked."""
+        return [Task("scheduler", 0, self.scheduler), *(Task("ps", i, a) for i, a in enumerate(self.ps))]
+
+    @property
+    def trainers(self) -> list[Task]:
+        """The chief (if any) and the workers, in data-rank order."""
+        return [*(Task("chief", i, a) for i, a in enumerate(self.chief)),
+                *(Task("worker", i, a) for i, a in enumerate(self.worker))]
+
+
+# ---- what each child runs ----
+
+
+@dataclass(frozen=True)
+class Options:
+    """The launcher's settings, as parsed from its command line."""
+
+    ps: int = 2
+    workers: int = 2
+    chief: bool = False
+    host: str = "127.0.0.1"
+    heartbeat_interval_ms: int = 1000
+    heartbeat_timeout_ms: int = 5000
+    checkpoint_dir: str | None = None
+    worker_cmd: tuple[str, ...] = (sys.executable, "-m", "pshard.worker")
+    worker_args: tuple[str, ...] = ()
+    startup_timeout_s: float = 60.0
+    grace_s: float = 10.0
+    log_level: str = DEFAULT_LOG_LEVEL  # the launcher's, and its servers'
+
+
+@dataclass(frozen=True)
+class ChildSpec:
+    """A child process to start: its name, command, added environment, and health address
+    (servers only; workers have no health service)."""
+
+    name: str
+    argv: tuple[str, ...]
+    env: Mapping[str, str]
+    health_address: str | None = None
+
+
+def child_specs(plan: ClusterPlan, options: Options, python: str = sys.executable) -> list[ChildSpec]:
+    """Servers first (scheduler, then ps in rank order), then the trainers."""
+    specs: list[ChildSpec] = []
+    for task in plan.servers:
+        # --bind names the address explicitly: without it the services listen on 0.0.0.0, while
+        # a local cluster should stay on --host.
+        if task.task_type == "scheduler":
+            argv = [python, "-m", "pshard.scheduler", "--bind", task.address,
+                    "--heartbeat-interval-ms", str(options.heartbeat_interval_ms),
+                    "--heartbeat-timeout-ms", str(options.heartbeat_timeout_ms)]
+        else:
+            argv = [python, "-m", "pshard.ps_server", "--bind", task.address]
+            if options.checkpoint_dir:
+                argv += ["--checkpoint-dir", str(Path(options.checkpoint_dir) / task.name)]
+        if options.log_level != DEFAULT_LOG_LEVEL:
+            argv += ["--log-level", options.log_level]
+        specs.append(ChildSpec(task.name, tuple(argv), _child_env(plan, task), task.address))
+    for task in plan.trainers:
+        args = [a.replace(TASK_PLACEHOLDER, task.name) for a in options.worker_args]
+        specs.append(ChildSpec(task.name, (*options.worker_cmd, *args), _child_env(plan, task)))
+    return specs
+
+
+def _child_env(plan: ClusterPlan, task: Task) -> dict[str, str]:
+    # Unbuffered: otherwise a child's output reaches the launcher in 8 KiB blocks, late and
+    # out of order with the other children's.
+    return {"TF_CONFIG": plan.tf_config(task), "PYTHONUNBUFFERED": "1"}
+
+
+def child_environment(added: Mapping[str, str], base: Mapping[str, str]) -> dict[str, str]:
+    """`base` with `added` laid over it; the package is installed, so nothing is added to PYTHONPATH."""
+    return {**base, **added}
