@@ -10,8 +10,7 @@ only when every worker exited 0. A failing child, Ctrl-C or SIGTERM stops every 
 to its process group, SIGKILL after ``--grace-s``; the launcher then exits 128 + the signal.
 
 A problem found before anything starts (a bad flag, a --host nothing can listen on, a
---worker-cmd that is not a program, an unwritable --checkpoint-dir) is one line
-``<prog>: error: <problem>`` and exit status 2.
+--worker-cmd that is not a program) is one line ``<prog>: error: <problem>`` and exit status 2.
 
 `pshard.launcher.plan` plans (pure), `pshard.launcher.supervisor` runs the processes; this module
 is the command line.
@@ -20,7 +19,6 @@ is the command line.
 from __future__ import annotations
 
 import argparse
-import os
 import shlex
 import shutil
 import sys
@@ -117,15 +115,8 @@ def check_startable(options: Options) -> None:
     program = options.worker_cmd[0]
     if shutil.which(program) is None:
         raise LaunchError(f"--worker-cmd: {program!r} is not an executable program")
-    if options.checkpoint_dir:
-        path = Path(options.checkpoint_dir)
-        try:
-            path.mkdir(parents=True, exist_ok=True)
-            if not os.access(path, os.W_OK | os.X_OK):
-                raise PermissionError(13, "Permission denied")
-        except OSError as err:
-            raise LaunchError(f"--checkpoint-dir: {str(path)!r} is not a writable directory "
-                              f"({err.strerror or err})") from None
+    # An unusable --checkpoint-dir is left to the parameter server, which names it (exit 2) and
+    # which the launcher then reports as a server that did not start.
 
 
 def main(argv: Sequence[str] | None = None, prog: str = PROG) -> int:
