@@ -167,3 +167,55 @@ def test_every_child_line_is_prefixed_with_its_name(procs: Procs) -> None:
         assert json.loads(tf_config)["task"] == {"type": task_type, "index": int(index)}
         assert set(json.loads(tf_config)["cluster"]) == {"scheduler", "ps", "chief", "worker"}
     assert run.lines[-1] == "launcher: exit 0: chief-0=0 worker-0=0"
+
+
+def test_sigterm_mid_training_stops_real_workers_quietly(procs: Procs, tmp_path: Path) -> None:
+    data_dir = tmp_path / "empty-data"
+    data_dir.mkdir()
+    run = start_launcher(procs, "--ps", "1", "--workers", "2", "--grace-s", "20", "--",
+                         "--mode", "sync", "--epochs", "1000", "--batch-size", "32", "--model", "mlp",
+                         "--data-dir", str(data_dir), "--metrics", "-", "--log-every", "1")
+    for name in ("worker-0", "worker-1"):
+        run.wait_for_line(rf'^\[{name}\] .*"event": "step"', RUN_TIMEOUT_S)
+
+    run.signal_group(signal.SIGTERM)
+    code = run.wait(QUICK_TIMEOUT_S)
+
+    assert code == 128 + signal.SIGTERM, run.output()
+    # Each worker took the launcher's SIGTERM as a stop: left, reported it, exited 128 + 15.
+    assert run.lines[-1] == "launcher: exit 143: worker-0=143 worker-1=143", run.output()
+    results = finals(run)
+    assert {name: fields.get("failed") for name, fields in results.items()} == {
+        "worker-0": "stopped", "worker-1": "stopped"}, run.output()
+    assert not any("Traceback" in line for line in run.lines), run.output()
+    assert not any("still running" in line for line in run.lines), run.output()
+
+
+@pytest.mark.parametrize(("args", "names"), [
+    (("--host", "192.0.2.1"), "--host: cannot listen on '192.0.2.1'"),  # TEST-NET: never local
+    (("--worker-cmd", "no-such-program-here --x"), "--worker-cmd: 'no-such-program-here'"),
+])
+def test_a_launch_that_cannot_start_is_one_error_line_before_any_process(procs: Procs, args: tuple[str, ...],
+                                                                          names: str) -> None:
+    import subprocess
+
+    result = subprocess.run([PYTHON, "-m", "pshard.launcher", *args], capture_output=True, text=True,
+                            timeout=QUICK_TIMEOUT_S)
+
+    assert result.returncode == 2, result.stderr
+    assert result.stdout == ""  # no cluster line: nothing started
+    (line,) = result.stderr.strip().splitlines()
+    assert line.startswith("python -m pshard.launcher: error: ") and names in line, line
+
+
+def test_sigterm_while_the_launcher_starts_is_a_quiet_stop(procs: Procs) -> None:
+    from tests.service.entrypoints import wait_until_catching
+
+    run = start_launcher(procs, "--ps", "1", "--workers", "1")
+    wait_until_catching(run.popen, signal.SIGTERM, QUICK_TIMEOUT_S)
+
+    run.signal_group(signal.SIGTERM)
+    code = run.wait(QUICK_TIMEOUT_S)
+
+    assert code == 128 + signal.SIGTERM, run.output()
+    assert not any("Traceback" in line for line in run.lines), run.output()
