@@ -61,22 +61,24 @@ def _usage() -> str:
     return "\n".join(lines)
 
 
+class RoleError(Exception):
+    """TF_CONFIG names no role that 'pshard run' can start."""
+
+
 def role_command(environ: Mapping[str, str]) -> str:
-    """The subcommand for TF_CONFIG's task.type; a missing or unknown one is a clean error."""
+    """The subcommand for TF_CONFIG's task.type; raises RoleError when it is missing or unknown."""
     raw = environ.get("TF_CONFIG")
     if not raw:
-        raise SystemExit("pshard run: error: TF_CONFIG is not set; 'pshard run' starts the role its "
-                         "task.type names (or use 'pshard scheduler|ps|worker')")
+        raise RoleError("TF_CONFIG is not set; 'pshard run' starts the role its task.type names "
+                        "(or use 'pshard scheduler|ps|worker')")
     try:
-        task = json.loads(raw)["task"]
-        task_type = task["type"]
+        task_type = json.loads(raw)["task"]["type"]
     except (ValueError, TypeError, KeyError):
-        # Not JSON, or no task.type: the worker's own TF_CONFIG parser names the field and the value.
+        # Not JSON, or no task.type: the worker's TF_CONFIG parser names the field and the value.
         return "worker"
     command = ROLE_COMMAND.get(task_type.lower()) if isinstance(task_type, str) else None
     if command is None:
-        raise SystemExit(f"pshard run: error: task.type: got {task_type!r}, expected one of "
-                         f"{sorted(ROLE_COMMAND)}")
+        raise RoleError(f"task.type: got {task_type!r}, expected one of {sorted(ROLE_COMMAND)}")
     return command
 
 
@@ -112,7 +114,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         if rest[:1] in (["-h"], ["--help"]):
             print(RUN_HELP)
             return 0
-        command = role_command(os.environ)
+        try:
+            command = role_command(os.environ)
+        except RoleError as err:
+            print(f"{prog}: error: {err}", file=sys.stderr)
+            return 2
     return run_command(command, rest, prog)
 
 
