@@ -15,7 +15,6 @@ Services are imported only when chosen, so ``pshard --help`` and ``pshard ps`` n
 from __future__ import annotations
 
 import importlib
-import inspect
 import json
 import os
 import sys
@@ -90,9 +89,7 @@ def run_command(command: str, argv: Sequence[str], prog: str) -> int:
 
         stop_quietly_on_signals()
     main: Callable[..., int | None] = importlib.import_module(COMMANDS[command].module).main
-    if "prog" in inspect.signature(main).parameters:
-        return int(main(argv, prog=prog) or 0)
-    return int(main(argv) or 0)
+    return int(main(argv, prog=prog) or 0)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
