@@ -78,6 +78,15 @@ up:
 bench: install
 	$(PY) -m bench.run_all
 
+# The fuzzer in tests/fuzz, at length: 100,000 cases shared by its tests (or PSHARD_FUZZ_SECONDS of them)
+# from a random seed that is printed; PSHARD_FUZZ_SEED=<seed> replays a run. `make test` runs a fixed,
+# derandomized share of more than 5,000 cases.
+.PHONY: fuzz
+fuzz: install
+	@seed=$${PSHARD_FUZZ_SEED:-$$(od -An -N4 -tu4 /dev/urandom | tr -d ' ')}; \
+	echo "fuzz seed: $$seed (replay: make fuzz PSHARD_FUZZ_SEED=$$seed)"; \
+	PSHARD_FUZZ=1 PSHARD_FUZZ_SEED=$$seed $(PY) -m pytest -q -p no:cacheprovider --timeout=3600 tests/fuzz $(PYTEST_ARGS)
+
 lint: install
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/mypy ps_common ps_server scheduler worker launcher
