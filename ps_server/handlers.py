@@ -35,7 +35,14 @@ from pshard.common.job import JobConfig
 from pshard.common.types import SliceKey, Stamp
 from pshard.ps_server.checkpoint import load_shard, save_shard
 from pshard.ps_server.settings import ServerSettings
-from pshard.ps_server.store import PushOutcome, ShardStore, SliceMeta, StoreStats, unknown_key_error
+from pshard.ps_server.store import (
+    PushOutcome,
+    ShardStore,
+    SliceMeta,
+    StoreStats,
+    dtype_name,
+    unknown_key_error,
+)
 
 log = logging.getLogger("pshard.ps")
 
@@ -195,7 +202,7 @@ class ParameterServerHandlers:
                 self._install(store)
                 log.info("configured: %s", store.config)
         values = store.read([k for k, _ in items])
-        return created, [self._to_wire(WireArray(v, v.dtype.name)) for v, _ in values]
+        return created, [self._to_wire(WireArray(v, dtype_name(v.dtype))) for v, _ in values]
 
     # ---- push / pull ----
 
@@ -253,7 +260,7 @@ class ParameterServerHandlers:
         await self._wait_readable(stamp._replace(clock=stamp.clock + 1) if items else stamp, keys, deadline)
         self.pulls_served += 1
         return PushPullResult(outcome.applied, outcome.dropped, [
-            PulledSlice(k, self._to_wire(WireArray(v, v.dtype.name)), version)
+            PulledSlice(k, self._to_wire(WireArray(v, dtype_name(v.dtype))), version)
             for k, (v, version) in zip(keys, store.read(keys), strict=True)])
 
     # ---- Exchange: a push streamed in, overlapped with the pull streamed out ----
@@ -343,7 +350,7 @@ class ParameterServerHandlers:
         def encode_value(value: np.ndarray, dtype: np.dtype, version: int) -> tuple[int, P]:
             if value.dtype != dtype:  # a float16 slice's float32 master
                 value = value.astype(dtype)
-            return version, encode(self._to_wire(WireArray(value, dtype.name)))
+            return version, encode(self._to_wire(WireArray(value, dtype_name(dtype))))
 
         result = store.read_with(key, encode_value)
         if store.config.mode == "sync":

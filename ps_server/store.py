@@ -46,6 +46,7 @@ from pshard.ps_server.policies import NO_CLOCK, Aggregate, ConsistencyPolicy, Ro
 
 # Slices hold floating point values only: gradients of anything else mean nothing.
 FLOAT_DTYPE_NAMES = ("float16", "float32", "float64")
+_FLOAT_DTYPES = {np.dtype(name): name for name in FLOAT_DTYPE_NAMES}
 # float16 slices are updated in a float32 master copy, as mixed-precision training does:
 # small updates would otherwise round away to nothing.
 _MASTER = {np.dtype(np.float16): np.dtype(np.float32)}
@@ -67,6 +68,12 @@ class SliceSpec:
 
     dtype: str
     shape: tuple[int, ...]
+
+
+def dtype_name(dtype: np.dtype) -> str:
+    """numpy computes `dtype.name` in Python on every access (microseconds, several per request):
+    the store's own dtypes are looked up instead."""
+    return _FLOAT_DTYPES.get(dtype) or dtype.name
 
 
 def unknown_key_error(key: SliceKey, held: int) -> UnknownKeyError:
@@ -168,7 +175,7 @@ class ShardStore:
         An existing slice keeps its value (the first declaration wins) but must agree on dtype and shape.
         """
         with self._meta:
-            created = self._check_declare([SliceMeta(k, v.dtype.name, v.shape) for k, v in items])
+            created = self._check_declare([SliceMeta(k, dtype_name(v.dtype), v.shape) for k, v in items])
             for (key, value), new in zip(items, created, strict=True):
                 if new:
                     self._slots[key] = self._new_slot(key, value)
@@ -182,7 +189,7 @@ class ShardStore:
     def _check_declare(self, metas: Sequence[SliceMeta]) -> list[bool]:
         if not metas:
             raise EmptyRequestError("declare: no slices")
-        known = {k: SliceSpec(s.dtype.name, s.value.shape) for k, s in self._slots.items()}
+        known = {k: SliceSpec(dtype_name(s.dtype), s.value.shape) for k, s in self._slots.items()}
         created: list[bool] = []
         for key, dtype, shape in metas:
             if dtype not in FLOAT_DTYPE_NAMES:
@@ -205,7 +212,7 @@ class ShardStore:
 
     def specs(self, keys: Sequence[SliceKey]) -> list[SliceSpec]:
         """The declared dtype and shape of each key; UnknownKeyError for the first undeclared one."""
-        return [SliceSpec(slot.dtype.name, slot.value.shape) for slot in self._lookup(keys)]
+        return [SliceSpec(dtype_name(slot.dtype), slot.value.shape) for slot in self._lookup(keys)]
 
     def _new_slot(self, key: SliceKey, value: np.ndarray) -> Slot:
         dtype = np.dtype(value.dtype.name)
@@ -225,7 +232,8 @@ class ShardStore:
             raise EmptyRequestError(f"push from worker {worker!r} at clock {clock}: no gradients")
         slots = self._lookup(grads)
         for slot, grad in zip(slots, grads.values(), strict=True):
-            self._check_push_meta(slot, grad.dtype.name, grad.shape)
+            if grad.dtype != slot.dtype or grad.shape != slot.value.shape:
+                self._check_push_meta(slot, dtype_name(grad.dtype), grad.shape)
         with self._locked(slots):
             with self._meta:
                 self._check_stamp(stamp)
@@ -273,15 +281,16 @@ class ShardStore:
         slots = self._lookup([m.key for m in metas])
         for slot, meta in zip(slots, metas, strict=True):
             self._check_push_meta(slot, meta.dtype, meta.shape)
-        return [SliceSpec(slot.dtype.name, slot.value.shape) for slot in slots]
+        return [SliceSpec(dtype_name(slot.dtype), slot.value.shape) for slot in slots]
 
     def _check_push_meta(self, slot: Slot, dtype: str, shape: tuple[int, ...]) -> None:
         if tuple(shape) != slot.value.shape:
             raise ShapeMismatchError(
                 f"key {str(slot.key)!r}: got shape {tuple(shape)}, store has {slot.value.shape}")
         wire = self.config.wire_dtype
-        if dtype != slot.dtype.name and not (wire and dtype == wire):
-            allowed = slot.dtype.name + (f" or the job's wire dtype {wire}" if wire else "")
+        declared = dtype_name(slot.dtype)
+        if dtype != declared and not (wire and dtype == wire):
+            allowed = declared + (f" or the job's wire dtype {wire}" if wire else "")
             raise DTypeMismatchError(f"key {str(slot.key)!r}: got dtype {dtype}, store has {allowed}")
 
     # ---- pulling ----
