@@ -22,10 +22,10 @@ import argparse
 import shlex
 import shutil
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
-from pshard.common.argtypes import positive_float
+from pshard.common.argtypes import positive_float, positive_int
 from pshard.common.logs import add_log_level_argument, configure_logging
 from pshard.launcher.plan import TASK_PLACEHOLDER, ClusterPlan, Options
 from pshard.launcher.supervisor import run
@@ -35,18 +35,6 @@ PROG = "python -m pshard.launcher"
 
 class LaunchError(Exception):
     """Found before any process started: reported as ``<prog>: error: ...``, exit status 2."""
-
-
-def _count(minimum: int) -> Callable[[str], int]:
-    def parse(text: str) -> int:
-        if not (text.isdigit() and int(text) >= minimum):
-            raise argparse.ArgumentTypeError(f"got {text!r}, expected a whole number >= {minimum}")
-        return int(text)
-
-    parse.__name__ = "count"
-    return parse
-
-
 
 
 def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
@@ -61,18 +49,18 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
         f"'{TASK_PLACEHOLDER}' in them becomes the worker's name, e.g. "
         f"--metrics runs/metrics-{TASK_PLACEHOLDER}.jsonl. "
         f"Example: {prog} --ps 2 --workers 2 -- --mode sync --epochs 2 --output runs/model.pt")
-    parser.add_argument("--ps", metavar="N", type=_count(1), default=2,
+    parser.add_argument("--ps", metavar="N", type=positive_int, default=2,
                         help="number of parameter servers (default 2)")
-    parser.add_argument("--workers", metavar="M", type=_count(0), default=2,
+    parser.add_argument("--workers", metavar="M", type=int, default=2,
                         help="number of worker tasks (default 2)")
     parser.add_argument("--chief", action="store_true",
                         help="also run a chief task (TF_CONFIG type 'chief': the worker that evaluates "
                              "and saves), in addition to the M workers")
     parser.add_argument("--host", default="127.0.0.1",
                         help="address every process binds and is reached at (default 127.0.0.1)")
-    parser.add_argument("--scheduler-interval-ms", metavar="MS", type=_count(1), default=1000,
+    parser.add_argument("--scheduler-interval-ms", metavar="MS", type=positive_int, default=1000,
                         help="heartbeat interval the scheduler asks of nodes (default 1000)")
-    parser.add_argument("--scheduler-timeout-ms", metavar="MS", type=_count(1), default=5000,
+    parser.add_argument("--scheduler-timeout-ms", metavar="MS", type=positive_int, default=5000,
                         help="a node silent for this long is declared dead and leaves the sync quorum "
                              "(default 5000)")
     parser.add_argument("--checkpoint-dir", metavar="DIR",
@@ -94,6 +82,8 @@ def parse_options(argv: Sequence[str], prog: str = PROG) -> Options:
     split = argv.index("--") if "--" in argv else len(argv)
     parser = build_parser(prog)
     args, unknown = parser.parse_known_args(argv[:split])
+    if args.workers < 0:
+        parser.error(f"--workers: got {args.workers}, expected a whole number >= 0")
     if args.workers == 0 and not args.chief:
         parser.error("--workers: got 0 without --chief, expected at least one training process")
     if args.scheduler_timeout_ms <= args.scheduler_interval_ms:

@@ -32,6 +32,7 @@ import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+from pshard.common.argtypes import positive_float, positive_int
 from pshard.common.cluster import (
     ClusterSpec,
     add_cluster_arguments,
@@ -78,9 +79,9 @@ def build_parser(environ: Mapping[str, str], prog: str = PROG) -> argparse.Argum
                      help="cast gradients and weights to this on the wire (default '': as stored)")
     train = p.add_argument_group("training")
     train.add_argument("--model", choices=MODELS, default=D.MODEL, help=f"model (default {D.MODEL})")
-    train.add_argument("--epochs", metavar="N", type=int, default=D.EPOCHS,
+    train.add_argument("--epochs", metavar="N", type=positive_int, default=D.EPOCHS,
                        help=f"epochs (default {D.EPOCHS})")
-    train.add_argument("--batch-size", metavar="N", type=int, default=D.BATCH_SIZE,
+    train.add_argument("--batch-size", metavar="N", type=positive_int, default=D.BATCH_SIZE,
                        help=f"batch size per worker (default {D.BATCH_SIZE})")
     train.add_argument("--max-steps", metavar="N", type=int, default=D.MAX_STEPS,
                        help="stop after N steps (default 0: no limit)")
@@ -96,34 +97,28 @@ def build_parser(environ: Mapping[str, str], prog: str = PROG) -> argparse.Argum
     out = p.add_argument_group("output")
     out.add_argument("--output", metavar="PATH", help="the chief saves the final state_dict here")
     out.add_argument("--metrics", metavar="PATH", help="append JSON-lines metrics here ('-' = stdout)")
-    out.add_argument("--eval-interval-s", metavar="S", type=float, default=D.EVAL_INTERVAL_S,
+    out.add_argument("--eval-interval-s", metavar="S", type=positive_float, default=D.EVAL_INTERVAL_S,
                      help="evaluator tasks: seconds between evaluations of the latest weights "
                           f"(default {D.EVAL_INTERVAL_S:g})")
-    out.add_argument("--log-every", metavar="N", type=int, default=D.LOG_EVERY,
+    out.add_argument("--log-every", metavar="N", type=positive_int, default=D.LOG_EVERY,
                      help=f"a 'step' metrics line every N steps (default {D.LOG_EVERY})")
     add_log_level_argument(p)
     limits = p.add_argument_group("timeouts")
-    limits.add_argument("--startup-timeout-s", metavar="S", type=float, default=D.STARTUP_TIMEOUT_S,
+    limits.add_argument("--startup-timeout-s", metavar="S", type=positive_float, default=D.STARTUP_TIMEOUT_S,
                         help="longest wait for the scheduler, the servers and the other workers "
                              f"(default {D.STARTUP_TIMEOUT_S:g})")
-    limits.add_argument("--step-timeout-s", metavar="S", type=float, default=D.STEP_TIMEOUT_S,
+    limits.add_argument("--step-timeout-s", metavar="S", type=positive_float, default=D.STEP_TIMEOUT_S,
                         help="longest one push/pull may take, waiting for peers included "
                              f"(default {D.STEP_TIMEOUT_S:g})")
     return p
 
 
 def _check_numbers(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    for flag, value, least in (("--epochs", args.epochs, 1), ("--batch-size", args.batch_size, 1),
-                               ("--max-steps", args.max_steps, 0), ("--log-every", args.log_every, 1),
-                               ("--staleness", args.staleness, 0), ("--seed", args.seed, 0),
-                               ("--threads", args.threads, 0)):
-        if value < least:
-            parser.error(f"{flag}: got {value}, expected >= {least}")
-    for flag, seconds in (("--startup-timeout-s", args.startup_timeout_s),
-                          ("--step-timeout-s", args.step_timeout_s),
-                          ("--eval-interval-s", args.eval_interval_s)):
-        if not seconds > 0:
-            parser.error(f"{flag}: got {seconds}, expected > 0")
+    # Where 0 means something (no limit, torch's default), so positive_int does not fit.
+    for flag, value in (("--max-steps", args.max_steps), ("--staleness", args.staleness),
+                        ("--seed", args.seed), ("--threads", args.threads)):
+        if value < 0:
+            parser.error(f"{flag}: got {value}, expected >= 0")
 
 
 def _check_writable(flag: str, path: str, *, create: bool) -> None:

@@ -81,6 +81,15 @@ def test_an_unknown_log_level_is_a_usage_error():
     assert "--log-level" in result.stderr and "Traceback" not in result.stderr
 
 
+@pytest.mark.parametrize(("flag", "value"), [("--epochs", "0"), ("--startup-timeout-s", "0"),
+                                             ("--step-timeout-s", "nan"), ("--threads", "-1")])
+def test_a_number_out_of_range_is_a_usage_error_naming_the_flag(flag: str, value: str):
+    result = run(["-m", "pshard.worker", flag, value], env=child_env(TF_CONFIG=tf_config()))
+
+    assert result.returncode == 2
+    assert flag in result.stderr and repr(value)[1:-1] in result.stderr and "Traceback" not in result.stderr
+
+
 def _start(env: dict[str, str], *args: str) -> subprocess.Popen[str]:
     return subprocess.Popen([sys.executable, "-m", "pshard.worker", *args], cwd=REPO, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
