@@ -1,21 +1,23 @@
-"""The one codec: numpy/torch <-> protobuf, and the Exchange stream's frames.
+"""The one codec: numpy <-> protobuf, and the Exchange stream's frames.
 
 Tensors travel as {dtype, shape, bytes} (little-endian, C order). bfloat16 has no
 numpy dtype: on the wire and in numpy it is its raw 16-bit pattern (a uint16
 array) tagged "bfloat16"; `bf16_to_f32`/`f32_to_bf16` convert. Never pickle.
 
 Arrays in this module travel with a logical dtype name (`WireArray`), because
-a uint16 array may be bfloat16.
+a uint16 array may be bfloat16. The facts about each dtype live in `pshard.common.dtypes`.
 """
 
 from __future__ import annotations
 
 import math
+import typing
 from collections.abc import Iterable, Sequence
 from typing import NamedTuple
 
 import numpy as np
-from pshard.common.errors import DTypeMismatchError, InvalidArgumentError, PayloadSizeError
+from pshard.common import dtypes
+from pshard.common.errors import InvalidArgumentError, PayloadSizeError
 from pshard.common.job import JobConfig, OptimizerConfig
 from pshard.common.layout import Layout, LayoutSlice, ParamSpec
 from pshard.common.types import SliceKey, Stamp
@@ -25,25 +27,9 @@ from pshard.api.v1 import parameter_server_pb2 as ps_pb
 from pshard.api.v1 import scheduler_pb2 as sched_pb
 from pshard.api.v1 import tensor_pb2 as tensor_pb
 
-# Logical dtype name -> (proto enum, numpy storage dtype). "<" pins little-endian on the wire.
-_DTYPES: dict[str, tuple[tensor_pb.DType, np.dtype]] = {
-    "float32": (tensor_pb.FLOAT32, np.dtype("<f4")),
-    "float64": (tensor_pb.FLOAT64, np.dtype("<f8")),
-    "float16": (tensor_pb.FLOAT16, np.dtype("<f2")),
-    "bfloat16": (tensor_pb.BFLOAT16, np.dtype("<u2")),
-    "int8": (tensor_pb.INT8, np.dtype("i1")),
-    "int16": (tensor_pb.INT16, np.dtype("<i2")),
-    "int32": (tensor_pb.INT32, np.dtype("<i4")),
-    "int64": (tensor_pb.INT64, np.dtype("<i8")),
-    "uint8": (tensor_pb.UINT8, np.dtype("u1")),
-    "bool": (tensor_pb.BOOL, np.dtype("?")),
-}
-_BY_ENUM: dict[int, str] = {int(enum): name for name, (enum, _) in _DTYPES.items()}
-_BY_NUMPY = {np.dtype(d).newbyteorder("="): name for name, (_, d) in _DTYPES.items() if name != "bfloat16"}
-
-DTYPE_NAMES = tuple(_DTYPES)
-# What a parameter server stores and trains (bfloat16 models declare float32 masters).
-PARAM_DTYPES = ("float16", "float32", "float64")
+# The registry's names, for callers that still read them here.
+DTYPE_NAMES = dtypes.NAMES
+PARAM_DTYPES = dtypes.PARAM_DTYPES
 
 
 class WireArray(NamedTuple):
@@ -54,30 +40,19 @@ class WireArray(NamedTuple):
 
 
 def numpy_dtype(name: str) -> np.dtype:
-    try:
-        return _DTYPES[name][1]
-    except KeyError:
-        raise DTypeMismatchError(f"dtype: got {name!r}, expected one of {DTYPE_NAMES}") from None
+    return dtypes.numpy_dtype(name)
 
 
 def dtype_to_proto(name: str) -> tensor_pb.DType:
-    numpy_dtype(name)
-    return _DTYPES[name][0]
+    return typing.cast(tensor_pb.DType, dtypes.info(name).proto)
 
 
 def dtype_from_proto(enum: int, field: str = "dtype") -> str:
-    try:
-        return _BY_ENUM[enum]
-    except KeyError:
-        raise DTypeMismatchError(f"{field}: got enum value {enum}, expected one of {DTYPE_NAMES}") from None
+    return dtypes.from_proto(enum, field).name
 
 
 def dtype_name_of(array: np.ndarray) -> str:
-    try:
-        return _BY_NUMPY[array.dtype.newbyteorder("=")]
-    except KeyError:
-        raise DTypeMismatchError(f"dtype: numpy {array.dtype} has no wire type; expected one of "
-                                 f"{DTYPE_NAMES}") from None
+    return dtypes.of_numpy(array.dtype).name
 
 
 # ---- bfloat16 ----
@@ -163,32 +138,6 @@ def slice_tensor_to_proto(key: SliceKey, wire: WireArray, version: int = 0) -> t
 def slice_tensor_from_proto(s: tensor_pb.SliceTensor) -> tuple[SliceKey, WireArray]:
     key = slice_id_from_proto(s.id)
     return key, tensor_from_proto(s.tensor, f"slice {str(key)!r}")
-
-
-# ---- torch (imported lazily: the parameter server has no torch) ----
-
-def torch_to_wire(tensor: object) -> WireArray:
-    """CPU torch tensor -> WireArray without a copy when it is contiguous."""
-    import torch
-
-    assert isinstance(tensor, torch.Tensor)
-    t = tensor.detach()
-    if t.device.type != "cpu":
-        t = t.cpu()
-    t = t.contiguous()
-    if t.dtype == torch.bfloat16:
-        return WireArray(t.view(torch.int16).numpy().view(np.uint16), "bfloat16")
-    array = t.numpy()
-    return WireArray(array, dtype_name_of(array))
-
-
-def wire_to_torch(wire: WireArray) -> object:
-    import torch
-
-    array = wire.array if wire.array.flags.writeable else wire.array.copy()
-    if wire.dtype == "bfloat16":
-        return torch.from_numpy(array.view(np.int16)).view(torch.bfloat16)
-    return torch.from_numpy(array)
 
 
 # ---- stamps, job config ----

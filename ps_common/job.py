@@ -9,11 +9,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from pshard.common.dtypes import WIRE_DTYPES
 from pshard.common.errors import InvalidArgumentError
 
+# The wire's enums (ConsistencyMode, Optimizer) carry these as CONSISTENCY_MODE_SYNC, OPTIMIZER_SGD,
+# ...; pshard.common.codec converts.
 MODES = ("sync", "async", "ssp")
 OPTIMIZERS = ("sgd", "adam", "adamw", "adagrad", "aggregate")
-WIRE_DTYPES = ("", "float16", "bfloat16")
+__all__ = ["MODES", "OPTIMIZERS", "WIRE_DTYPES", "JobConfig", "OptimizerConfig"]
 
 
 @dataclass(frozen=True)

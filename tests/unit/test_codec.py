@@ -11,7 +11,7 @@ import pytest
 import torch
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
-from pshard.common import codec
+from pshard.common import codec, dtypes
 from pshard.common.codec import WireArray
 from pshard.common.errors import DTypeMismatchError, InvalidArgumentError, PayloadSizeError
 from pshard.common.job import MODES, OPTIMIZERS, WIRE_DTYPES, JobConfig, OptimizerConfig
@@ -51,7 +51,7 @@ def is_bf16_nan(bits: np.ndarray) -> np.ndarray:
 
 # ---- numpy <-> proto ----
 
-@pytest.mark.parametrize("dtype", codec.DTYPE_NAMES)
+@pytest.mark.parametrize("dtype", dtypes.NAMES)
 @settings(max_examples=40, deadline=None)
 @given(data=st.data())
 def test_tensor_round_trips_bit_for_bit_for_every_dtype(dtype: str, data: st.DataObject) -> None:
@@ -64,7 +64,7 @@ def test_tensor_round_trips_bit_for_bit_for_every_dtype(dtype: str, data: st.Dat
     assert_same_bits(back, wire)
 
 
-@pytest.mark.parametrize("dtype", codec.DTYPE_NAMES)
+@pytest.mark.parametrize("dtype", dtypes.NAMES)
 def test_dtype_enum_round_trips_and_names_agree_with_numpy(dtype: str) -> None:
     assert codec.dtype_from_proto(codec.dtype_to_proto(dtype)) == dtype
     if dtype != "bfloat16":
@@ -160,6 +160,33 @@ def torch_bits(t: torch.Tensor) -> torch.Tensor:
     return t.view(_TORCH_BITS[t.dtype]) if t.dtype in _TORCH_BITS else t
 
 
+# The worker moves tensors through worker/device.py; these two are the codec's contract spelled in
+# torch, kept here because only tests need them.
+def torch_to_wire(tensor: torch.Tensor) -> WireArray:
+    """CPU torch tensor -> WireArray without a copy when it is contiguous."""
+    t = tensor.detach().cpu().contiguous()
+    if t.dtype == torch.bfloat16:
+        return WireArray(t.view(torch.int16).numpy().view(np.uint16), "bfloat16")
+    array = t.numpy()
+    return WireArray(array, codec.dtype_name_of(array))
+
+
+def wire_to_torch(wire: WireArray) -> torch.Tensor:
+    array = wire.array if wire.array.flags.writeable else wire.array.copy()
+    if wire.dtype == "bfloat16":
+        return torch.from_numpy(array.view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(array)
+
+
+@pytest.mark.parametrize("torch_dtype", list(TORCH_DTYPES), ids=str)
+def test_dtype_registry_names_the_torch_dtype(torch_dtype: torch.dtype) -> None:
+    info = dtypes.of_torch(torch_dtype)
+
+    assert info.name == TORCH_DTYPES[torch_dtype]
+    assert getattr(torch, info.torch_name) is torch_dtype
+    assert torch.empty(0, dtype=torch_dtype).element_size() == info.itemsize
+
+
 @pytest.mark.parametrize("torch_dtype", list(TORCH_DTYPES), ids=str)
 @settings(max_examples=30, deadline=None)
 @given(data=st.data())
@@ -169,8 +196,8 @@ def test_torch_tensor_round_trips_bit_for_bit(torch_dtype: torch.dtype, data: st
     tensor = torch.from_numpy(bits.view(np.int16)).view(torch.bfloat16) if name == "bfloat16" \
         else torch.from_numpy(bits)
 
-    wire = codec.torch_to_wire(tensor)
-    back = codec.wire_to_torch(codec.tensor_from_proto(codec.tensor_to_proto(wire)))
+    wire = torch_to_wire(tensor)
+    back = wire_to_torch(codec.tensor_from_proto(codec.tensor_to_proto(wire)))
 
     assert wire.dtype == name
     assert isinstance(back, torch.Tensor)
@@ -182,7 +209,7 @@ def test_torch_tensor_round_trips_bit_for_bit(torch_dtype: torch.dtype, data: st
 def test_bfloat16_travels_as_its_uint16_bit_pattern() -> None:
     tensor = torch.tensor([1.0, -2.0, float("inf")], dtype=torch.bfloat16)
 
-    wire = codec.torch_to_wire(tensor)
+    wire = torch_to_wire(tensor)
 
     assert wire.array.dtype == np.uint16
     assert wire.array.tolist() == [0x3F80, 0xC000, 0x7F80]
@@ -191,7 +218,7 @@ def test_bfloat16_travels_as_its_uint16_bit_pattern() -> None:
 def test_torch_to_wire_shares_memory_with_a_contiguous_cpu_tensor() -> None:
     tensor = torch.zeros(4)
 
-    wire = codec.torch_to_wire(tensor)
+    wire = torch_to_wire(tensor)
     tensor[1] = 5.0
 
     assert wire.array[1] == 5.0
@@ -200,13 +227,13 @@ def test_torch_to_wire_shares_memory_with_a_contiguous_cpu_tensor() -> None:
 def test_non_contiguous_torch_tensor_keeps_its_logical_order() -> None:
     tensor = torch.arange(6, dtype=torch.int64).reshape(2, 3).T
 
-    back = codec.wire_to_torch(codec.tensor_from_proto(codec.tensor_to_proto(codec.torch_to_wire(tensor))))
+    back = wire_to_torch(codec.tensor_from_proto(codec.tensor_to_proto(torch_to_wire(tensor))))
 
     assert torch.equal(back, tensor)
 
 
 def test_wire_to_torch_of_a_received_tensor_is_writable() -> None:
-    back = codec.wire_to_torch(codec.tensor_from_proto(codec.tensor_to_proto(
+    back = wire_to_torch(codec.tensor_from_proto(codec.tensor_to_proto(
         WireArray(np.ones(3, np.float32), "float32"))))
 
     back.add_(1.0)  # torch would warn about, then scribble on, a read-only buffer
@@ -433,3 +460,28 @@ def test_layout_round_trips() -> None:
     assert back == layout
     assert back.version == 4
     assert back.slices_of("fc.w") == layout.slices_of("fc.w")
+
+
+# ---- the dtype registry against the stubs ----
+
+@pytest.mark.parametrize("name", dtypes.NAMES)
+def test_dtype_registry_agrees_with_the_proto_enum(name: str) -> None:
+    info = dtypes.info(name)
+
+    assert tensor_pb.DType.Name(info.proto) == name.upper()
+    assert info.itemsize == codec.numpy_dtype(name).itemsize
+    assert info.numpy == info.numpy.newbyteorder("<")  # the wire is little-endian
+
+
+def test_every_proto_dtype_has_a_registry_entry() -> None:
+    numbers = set(tensor_pb.DType.values()) - {tensor_pb.DTYPE_UNSPECIFIED}
+
+    assert {dtypes.info(n).proto for n in dtypes.NAMES} == numbers
+
+
+def test_parameter_dtypes_are_the_floats_numpy_has_and_float16_keeps_a_float32_master() -> None:
+    assert dtypes.PARAM_DTYPES == ("float32", "float64", "float16")
+    assert dtypes.master_dtype(np.dtype(np.float16)) == np.float32
+    assert dtypes.master_dtype(np.dtype(np.float64)) == np.float64
+    assert set(dtypes.MASTER_DTYPES) == {"float32", "float64"}
+    assert WIRE_DTYPES == ("", "float16", "bfloat16")
