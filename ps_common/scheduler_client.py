@@ -222,6 +222,11 @@ class SchedulerClient:
 
     # ---- lifecycle ----
 
+    @property
+    def closed(self) -> bool:
+        """close() was called: a call failing now is the stop, not a fault."""
+        return self._closed.is_set()
+
     def close(self, timeout_s: float = 5.0) -> None:
         """Stop the threads and close the channel (without leaving: the node will expire)."""
         if self._closed.is_set():

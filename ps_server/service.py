@@ -127,7 +127,8 @@ def follow_scheduler(running: RunningServer, spec: ClusterSpec,
             log.info("registered with scheduler %s as %s (rank %d, generation %d)", spec.scheduler_address,
                      registration.node_id, registration.rank, registration.generation)
         except Exception:
-            log.exception("could not register with scheduler %s", spec.scheduler_address)
+            if not client.closed:  # a stop (SIGTERM) during registration is not a failure
+                log.exception("could not register with scheduler %s", spec.scheduler_address)
 
     threading.Thread(target=register, name="ps-register", daemon=True).start()
     return client

@@ -7,6 +7,7 @@ import os
 import queue
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -213,3 +214,27 @@ def test_pull_timeout_default_is_the_servers_own():
     from pshard.ps_server.settings import ServerSettings
 
     assert build_parser().parse_args([]).pull_timeout_s == ServerSettings().pull_timeout_s
+
+
+def test_sigterm_while_registering_with_an_absent_scheduler_is_a_quiet_stop():
+    with socket.socket() as absent:  # bound, never listening: the scheduler is not up (yet)
+        absent.bind(("127.0.0.1", 0))
+        tf_config = {"cluster": {"scheduler": [f"127.0.0.1:{absent.getsockname()[1]}"],
+                                 "ps": ["127.0.0.1:7100"]}, "task": {"type": "ps", "index": 0}}
+        process = subprocess.Popen(
+            [sys.executable, "-m", "pshard.ps_server", "--bind", "127.0.0.1:0", "--log-level", "WARNING"],
+            cwd=REPO, env={**_env(), "TF_CONFIG": json.dumps(tf_config)}, stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE, text=True)
+        try:
+            lines: queue.Queue[str | None] = queue.Queue()
+            threading.Thread(target=_read_lines, args=(process.stdout, lines), daemon=True).start()
+            assert "listening on port" in (lines.get(timeout=WAIT_S) or "")  # registering from now on
+
+            process.send_signal(signal.SIGTERM)
+            _, err = process.communicate(timeout=WAIT_S)
+        finally:
+            if process.poll() is None:
+                process.kill()
+                process.wait(timeout=WAIT_S)
+
+    assert (process.returncode, err) == (0, "")
