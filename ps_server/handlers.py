@@ -20,7 +20,7 @@ import time
 from collections.abc import AsyncIterator, Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Generic, TypeVar
+from typing import Generic, NamedTuple, TypeVar
 
 import numpy as np
 from pshard.common.changes import ChangeSignal
@@ -57,8 +57,7 @@ Encoder = Callable[[WireArray], P]
 _VIEW_WAIT_S = 10.0
 
 
-@dataclass(frozen=True)
-class PulledSlice:
+class PulledSlice(NamedTuple):
     key: SliceKey
     value: WireArray  # a copy, in the job's wire dtype
     version: int

@@ -62,8 +62,7 @@ class SliceMeta(NamedTuple):
     shape: tuple[int, ...]
 
 
-@dataclass(frozen=True)
-class SliceSpec:
+class SliceSpec(NamedTuple):  # a tuple: made several times per request, where a dataclass costs µs
     """A declared slice: its dtype as declared (float16 slices keep a float32 master) and shape."""
 
     dtype: str
