@@ -88,6 +88,29 @@ def test_mlp_learns_digits_quickly() -> None:
     assert acc > 0.9
 
 
+def test_evaluate_scores_the_test_split_and_leaves_the_model_training() -> None:
+    import numpy as np
+    from pshard.worker.data import Dataset
+    from pshard.worker.model import evaluate
+
+    # 1500 test images (more than one evaluation batch) of which the model gets exactly the first
+    # 1200 right: it always answers class 0.
+    labels = np.array([0] * 1200 + [1] * 300, np.int64)
+    images = np.zeros((1500, 1, 4, 4), np.float32)
+    data = Dataset("fixed", images[:2], labels[:2], images, labels, 2, (1, 4, 4))
+    model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(16, 2))
+    with torch.no_grad():
+        model[1].weight.zero_()
+        model[1].bias.copy_(torch.tensor([1.0, 0.0]))
+
+    accuracy, loss = evaluate(model, data, torch.device("cpu"))
+
+    assert accuracy == pytest.approx(0.8)
+    p0 = float(torch.softmax(torch.tensor([1.0, 0.0]), 0)[0])
+    assert loss == pytest.approx(-(0.8 * np.log(p0) + 0.2 * np.log(1 - p0)), rel=1e-5)
+    assert model.training
+
+
 # --- device choice ---
 
 
