@@ -23,6 +23,10 @@ def generate_stubs() -> None:
 
     include = Path(protoc.__file__).parent / "_proto"  # google/protobuf/*.proto
     protos = sorted(str(p.relative_to(PROTO_ROOT)) for p in PROTO_ROOT.rglob("*.proto"))
+    if not protos:
+        # A wheel without its stubs would install and then fail at the first import.
+        raise SystemExit(f"no .proto files under {PROTO_ROOT}: the stubs cannot be generated "
+                         "(an sdist must carry proto/; see MANIFEST.in)")
     args = ["grpc_tools.protoc", f"-I{PROTO_ROOT}", f"-I{include}", f"--python_out={ROOT}",
             f"--pyi_out={ROOT}", f"--grpc_python_out={ROOT}", *protos]
     if protoc.main(args) != 0:

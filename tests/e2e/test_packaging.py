@@ -14,6 +14,7 @@ import os
 import shutil
 import subprocess
 import sys
+import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -123,3 +124,24 @@ def test_without_the_worker_extra_nothing_installs_torch(installed: Installed) -
                                    "print(json.dumps(importlib.util.find_spec('torch') is not None))")
 
     assert found is False
+
+
+def test_a_wheel_built_from_the_sdist_has_the_stubs(installed: Installed, tmp_path: Path) -> None:
+    # The sdist carries proto/ (MANIFEST.in) but no generated stub; pip builds a wheel from it as it
+    # would from a release on the package index, generating the stubs on the way.
+    sdist = subprocess.run([sys.executable, "-c", "import sys; from setuptools import build_meta; "
+                            "print(build_meta.build_sdist(sys.argv[1]))", str(tmp_path / "sdist")],
+                           cwd=installed.source, env=_env(), capture_output=True, text=True,
+                           timeout=RUN_TIMEOUT_S)
+    assert sdist.returncode == 0, sdist.stderr
+    archive = tmp_path / "sdist" / sdist.stdout.split()[-1]
+    built = subprocess.run([str(installed.python), "-m", "pip", "wheel", "--quiet", "--no-deps",
+                            "--wheel-dir", str(tmp_path / "wheel"), str(archive)], cwd=tmp_path,
+                           env=_env(), capture_output=True, text=True, timeout=INSTALL_TIMEOUT_S)
+    assert built.returncode == 0, built.stdout + built.stderr
+
+    [wheel] = (tmp_path / "wheel").glob("pshard-*.whl")
+    names = set(zipfile.ZipFile(wheel).namelist())
+    for stub in ("parameter_server_pb2", "parameter_server_pb2_grpc", "scheduler_pb2", "tensor_pb2"):
+        assert f"pshard/api/v1/{stub}.py" in names, stub
+    assert {name.split("/")[0] for name in names} == {"pshard", wheel.name.split("-py3")[0] + ".dist-info"}
