@@ -1,0 +1,68 @@
+"""ClusterSession against a real scheduler: hosting it in-process, joining, the start barrier, leaving.
+
+Worker 0 of a cluster without a scheduler task hosts the scheduler at its own address, a port the
+OS picked a moment before.
+"""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+from pshard.common.cluster import ClusterSpec
+from pshard.common.errors import ClusterConfigError
+from pshard.common.view import ClusterView, Node, NodeState
+from pshard.worker.session import ClusterSession, training_over
+
+from tests.service.conftest import WAIT_S
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _node(node_id: str, role: str, state: NodeState) -> Node:
+    return Node(node_id, role, 0, "", state, 1)
+
+
+def test_training_is_over_once_some_trainer_joined_and_none_is_live() -> None:
+    live, left, dead = NodeState.LIVE, NodeState.LEFT, NodeState.DEAD
+    chief_left = _node("chief-0", "chief", left)
+    assert not training_over(ClusterView(1, (_node("ps-0", "ps", live),)))  # nobody joined yet
+    assert not training_over(ClusterView(2, (chief_left, _node("worker-0", "worker", live))))
+    assert training_over(ClusterView(3, (chief_left, _node("worker-0", "worker", dead),
+                                         _node("evaluator-0", "evaluator", live))))
+
+
+def test_worker_0_hosts_the_scheduler_joins_passes_the_barrier_and_leaves() -> None:
+    port = _free_port()
+    spec = ClusterSpec("worker", 0, ps=(f"127.0.0.1:{_free_port()}",), worker=(f"127.0.0.1:{port}",))
+    session = ClusterSession(spec, startup_timeout_s=WAIT_S, step_timeout_s=WAIT_S)
+    try:
+        session.host_scheduler_if_needed()
+        scheduler = session.register()
+        assert (scheduler.node_id, scheduler.rank) == ("worker-0", 0)
+
+        session.await_start(0, wait_for_quorum=False)  # a barrier of one: this worker
+        assert not session.wait_for_training_over(0.05)
+        session.leave()
+
+        assert session.wait_for_training_over(WAIT_S)
+    finally:
+        session.close()
+    with socket.socket() as sock:  # the hosted scheduler stopped with the session
+        sock.bind(("0.0.0.0", port))
+
+
+def test_a_taken_port_is_a_configuration_error_naming_the_address() -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        address = f"127.0.0.1:{taken.getsockname()[1]}"
+        spec = ClusterSpec("worker", 0, ps=(f"127.0.0.1:{_free_port()}",), worker=(address,))
+        session = ClusterSession(spec, startup_timeout_s=WAIT_S, step_timeout_s=WAIT_S)
+        with pytest.raises(ClusterConfigError, match=f"worker-0 hosts the scheduler at {address}"):
+            session.host_scheduler_if_needed()
+        session.close()
