@@ -7,6 +7,7 @@ ends the call with its status (ps_common.rpc_status).
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import AsyncIterator, Sequence
 
 import grpc.aio
@@ -146,20 +147,22 @@ class ParameterServerServicer:
         events = self._handlers.exchange(
             codec.stamp_from_proto(header.stamp), metas, [codec.slice_id_from_proto(s) for s in header.pull],
             _read_slices(metas, frames), _frame_or_bytes, _seconds(header.timeout_ms))
-        async for event in events:
-            if isinstance(event, EncodedSlice) and not event.payload[1]:
-                for out in packer.add(event.payload[0]):
-                    yield out
-                continue
-            # A slice of its own frame, a wait (send what is packed so the client can use it), or the end.
-            pending = packer.flush()
-            if pending is not None:
-                yield pending
-            if isinstance(event, EncodedSlice):
-                yield event.payload[0]
-            elif isinstance(event, ExchangeDone):
-                yield codec.encode_frame(pb.Frame(summary=pb.ExchangeSummary(
-                    versions=event.versions, applied=event.applied, dropped=event.dropped)))
+        # aclosing: a cancelled call stops the handler's push side at once, not when collected.
+        async with contextlib.aclosing(events):
+            async for event in events:
+                if isinstance(event, EncodedSlice) and not event.payload[1]:
+                    for out in packer.add(event.payload[0]):
+                        yield out
+                    continue
+                # A slice of its own frame, a wait (send what is packed for the client to use), or the end.
+                pending = packer.flush()
+                if pending is not None:
+                    yield pending
+                if isinstance(event, EncodedSlice):
+                    yield event.payload[0]
+                elif isinstance(event, ExchangeDone):
+                    yield codec.encode_frame(pb.Frame(summary=pb.ExchangeSummary(
+                        versions=event.versions, applied=event.applied, dropped=event.dropped)))
 
 
 async def _read_slices(metas: Sequence[SliceMeta], frames: AsyncIterator[bytes]
