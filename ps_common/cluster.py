@@ -209,6 +209,22 @@ class ClusterSpec:
         return (self.scheduler or self.chief or self.worker)[0]
 
     @property
+    def listen_address(self) -> str:
+        """Where this task's server listens: every interface, on the port of its cluster address.
+
+        Not the cluster host name: a Kubernetes Service name resolves to a virtual IP that is not
+        an address of the pod, so listening on it would fail. An IPv6 cluster address listens on
+        ``[::]``. A task that hosts the scheduler in-process does so at its own address, so this is
+        the scheduler's listen address too.
+        """
+        address = self.own_address
+        if address is None:
+            raise ClusterConfigError(
+                f"task.type: {self.task_type!r} has no address in the cluster to listen on")
+        port = split_address(address)[1]
+        return f"[::]:{port}" if address.startswith("[") else f"0.0.0.0:{port}"
+
+    @property
     def hosts_scheduler(self) -> bool:
         """True for the scheduler task, and for the chief (or worker 0) when there is no scheduler entry."""
         if self.task_type == "scheduler":

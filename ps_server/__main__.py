@@ -31,7 +31,6 @@ from pshard.common.cluster import (
     cluster_config_given,
     cluster_spec_from_args,
     exit_on_config_error,
-    split_address,
 )
 from pshard.common.entry import STOP_SIGNALS, check_can_listen
 from pshard.common.errors import ClusterConfigError, PSError
@@ -83,7 +82,7 @@ def _bind(args: argparse.Namespace, spec: ClusterSpec | None) -> str:
     if args.bind:
         return args.bind
     if spec is not None and spec.own_address:
-        return f"0.0.0.0:{split_address(spec.own_address)[1]}"
+        return spec.listen_address
     return "127.0.0.1:0"
 
 

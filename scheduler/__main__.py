@@ -29,7 +29,6 @@ from pshard.common.cluster import (
     cluster_config_given,
     cluster_spec_from_args,
     exit_on_config_error,
-    split_address,
 )
 from pshard.common.entry import STOP_SIGNALS, check_can_listen
 from pshard.common.errors import ClusterConfigError
@@ -70,11 +69,7 @@ def bind_address(args: argparse.Namespace, environ: Mapping[str, str], prog: str
         raise ClusterConfigError(
             f"task.type: got {spec.task_type!r} (index {spec.task_index}), but {prog} runs the "
             f"'scheduler' task; {host}")
-    if args.bind:
-        return str(args.bind)
-    # Every interface, not the cluster host name: a Kubernetes Service name resolves to a virtual
-    # IP that is not an address of this pod, so listening on it would fail.
-    return f"0.0.0.0:{split_address(spec.scheduler_address)[1]}"
+    return str(args.bind) if args.bind else spec.listen_address
 
 
 async def _run(bind: str, interval_s: float, timeout_s: float) -> None:

@@ -22,7 +22,7 @@ import time
 from collections.abc import Sequence
 from typing import Protocol
 
-from pshard.common.cluster import ClusterSpec, split_address
+from pshard.common.cluster import ClusterSpec
 from pshard.common.entry import check_can_listen
 from pshard.common.errors import ClusterConfigError, PSError, PullTimeoutError
 from pshard.common.layout import Layout, ParamSpec
@@ -73,7 +73,7 @@ class ClusterSession:
         """
         if not self.spec.hosts_scheduler:
             return
-        bind = f"0.0.0.0:{split_address(self.spec.scheduler_address)[1]}"
+        bind = self.spec.listen_address
         where = (f"{self.spec.node_id} hosts the scheduler at {self.spec.scheduler_address} (the cluster "
                  "has no scheduler task)")
         try:

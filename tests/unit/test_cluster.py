@@ -287,3 +287,27 @@ def test_exit_on_config_error_without_arguments_passes_results_through():
         return x + 1
 
     assert main(1) == 2
+
+
+@pytest.mark.parametrize(("task_type", "index", "listen"), [
+    ("ps", 1, "0.0.0.0:7100"),
+    ("scheduler", 0, "0.0.0.0:7000"),
+    ("worker", 0, "0.0.0.0:7200"),
+])
+def test_a_task_listens_on_every_interface_at_its_cluster_port(task_type, index, listen):
+    spec = ClusterSpec.from_tf_config(tf_config(task_type, index))
+
+    assert spec.listen_address == listen
+
+
+def test_an_ipv6_cluster_address_listens_on_every_ipv6_interface():
+    spec = ClusterSpec.from_tf_config(tf_config("chief", 0, chief=["[fd00::1]:2222"], ps=["p:1"]))
+
+    assert (spec.hosts_scheduler, spec.listen_address) == (True, "[::]:2222")
+
+
+def test_an_evaluator_outside_the_cluster_has_nowhere_to_listen():
+    spec = ClusterSpec.from_tf_config(tf_config("evaluator", 0))
+
+    with pytest.raises(ClusterConfigError, match="no address"):
+        _ = spec.listen_address
