@@ -1,6 +1,7 @@
 """pshard: a parameter server for PyTorch training, built as gRPC microservices.
 
-One import namespace over the project's folders (see pyproject.toml's package-dir):
+One import namespace over the project's folders (pyproject.toml's package-dir; the layers and the
+direction of their dependencies are in docs/architecture.md, 1 Layers):
 
 - ``pshard.common``    (``ps_common/``): cluster config, codec, layout, errors, RPC kit, scheduler client
 - ``pshard.ps_server`` (``ps_server/``): shard store, policies, optimizers, handlers, servicer
