@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import queue
 import re
 import signal
@@ -20,13 +19,12 @@ from pshard.ps_server.checkpoint import load_shard
 from pshard.ps_server.service import SERVICE_NAME
 from pshard.worker.client import PSClient
 
-from tests.service.entrypoints import REPO, WAIT_S, port_in_use, wait_until_catching
+from tests.service.entrypoints import REPO, WAIT_S, child_env, port_in_use, wait_until_catching
 
 
 def _env() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k != "TF_CONFIG"}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
-    return env
+    # The installed package (`pip install -e .`), not the repository's folders on PYTHONPATH.
+    return child_env()
 
 
 def _run(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
