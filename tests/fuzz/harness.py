@@ -74,7 +74,7 @@ def run_cases(strategy: st.SearchStrategy[Any], check: Callable[[Any], None], ca
     ends = time.monotonic() + FUZZ_SECONDS / COUNTER.fuzz_tests if FUZZ_SECONDS else None
     done, round_ = 0, 0
     while done < share and (ends is None or time.monotonic() < ends):
-        batch = min(250, share - done)
+        batch = min(100, share - done)
 
         @seed((FUZZ_SEED ^ zlib.crc32(f"{name}/{round_}".encode())) & 0xFFFFFFFF)
         @settings(max_examples=batch, deadline=None, database=None, suppress_health_check=quiet)

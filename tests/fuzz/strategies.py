@@ -185,9 +185,22 @@ def mutated(draw: st.DrawFn, valid: Sequence[Message]) -> Message:
     base = draw(st.sampled_from(valid))
     message = type(base)()
     message.CopyFrom(base)
+    donors = [v for v in valid if v is not base and v.DESCRIPTOR is base.DESCRIPTOR]
     for _ in range(draw(st.integers(1, 3))):
-        _mutate_one(draw, message, depth=0)
+        if donors and draw(st.integers(0, 3)) == 0:
+            _splice(draw, message, draw(st.sampled_from(donors)))
+        else:
+            _mutate_one(draw, message, depth=0)
     return message
+
+
+def _splice(draw: st.DrawFn, message: Message, donor: Message) -> None:
+    """One field of another valid request in place of this one's: each is valid, together maybe not."""
+    fields = [f for f, _ in donor.ListFields()]
+    if fields:
+        field = draw(st.sampled_from(fields))
+        message.ClearField(field.name)
+        _assign(message, field, getattr(donor, field.name))
 
 
 def _mutate_one(draw: st.DrawFn, message: Message, depth: int) -> None:

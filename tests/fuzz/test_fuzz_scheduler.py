@@ -38,7 +38,7 @@ SCHEDULER = pb.DESCRIPTOR.services_by_name["Scheduler"]
 METHODS = list(SCHEDULER.methods)
 # Calls that wait by design; the fuzzer gives them a short deadline, which the scheduler answers at once.
 WAITING = {"Watch", "Barrier", "GetLayout"}
-CASES = 125  # per test and kind of case: 7 methods x 3 kinds
+CASES = 160  # per test and kind of case: 7 methods x 3 kinds
 
 
 @dataclass
