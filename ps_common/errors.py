@@ -83,6 +83,16 @@ class QuotaExceededError(PSError):
     status = "RESOURCE_EXHAUSTED"
 
 
+class OverloadedError(PSError):
+    """A server's in-flight byte budget is used up; `retry_after_ms` says when to come back."""
+
+    status = "RESOURCE_EXHAUSTED"
+
+    def __init__(self, message: str, retry_after_ms: int | None = None) -> None:
+        super().__init__(message)
+        self.retry_after_ms = retry_after_ms
+
+
 class ClusterConfigError(PSError):
     """Bad TF_CONFIG or flags. Entry points print it and exit non-zero."""
 

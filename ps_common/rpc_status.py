@@ -18,6 +18,7 @@ import grpc.aio
 from pshard.common.errors import (
     InvalidArgumentError,
     MessageTooLargeError,
+    OverloadedError,
     PSError,
     PullTimeoutError,
     UnavailableError,
@@ -25,6 +26,8 @@ from pshard.common.errors import (
 )
 
 ERROR_TYPE_KEY = "ps-error-type"
+# Trailing metadata of an OverloadedError: how long the client should wait before retrying.
+RETRY_AFTER_KEY = "ps-retry-after-ms"
 
 # Without a ps-error-type (a proxy answered, or the transport failed), the code alone picks a class.
 _BY_CODE: dict[grpc.StatusCode, type[PSError]] = {
@@ -42,8 +45,10 @@ def to_grpc_status(err: PSError) -> grpc.StatusCode:
 
 async def abort(context: grpc.aio.ServicerContext, err: PSError) -> NoReturn:
     """End the RPC with `err`'s status and message; the class name travels as trailing metadata."""
-    await context.abort(to_grpc_status(err), str(err),
-                        trailing_metadata=((ERROR_TYPE_KEY, type(err).__name__),))
+    metadata: tuple[tuple[str, str], ...] = ((ERROR_TYPE_KEY, type(err).__name__),)
+    if isinstance(err, OverloadedError) and err.retry_after_ms is not None:
+        metadata += ((RETRY_AFTER_KEY, str(err.retry_after_ms)),)
+    await context.abort(to_grpc_status(err), str(err), trailing_metadata=metadata)
     raise AssertionError("context.abort returned")  # it always raises; this line keeps NoReturn honest
 
 
@@ -87,6 +92,9 @@ def error_from_rpc_error(e: grpc.RpcError) -> PSError:
     metadata = e.trailing_metadata() or ()
     name = next((str(v) for k, v in metadata if k == ERROR_TYPE_KEY), None)
     cls = error_classes().get(name) if name else None
+    if name == OverloadedError.__name__:
+        hint = next((str(v) for k, v in metadata if k == RETRY_AFTER_KEY), "")
+        return OverloadedError(details, int(hint) if hint.isdigit() else None)
     if cls is not None:
         return cls(details)
     fallback = _BY_CODE.get(code, PSError)
