@@ -75,7 +75,8 @@ class SliceReader:
     """Cuts a stream of frame payloads back into slices of known sizes.
 
     A slice inside one payload comes back as a zero-copy memoryview of it; one that
-    spans payloads is assembled in a bytearray.
+    spans payloads is assembled in a bytearray that grows as its bytes arrive: a header that
+    announces a huge slice costs nothing until the bytes are actually sent.
     """
 
     def __init__(self, sizes: Sequence[int], names: Sequence[str]) -> None:
@@ -87,6 +88,11 @@ class SliceReader:
         self.received = 0
         self.expected = sum(sizes)
         self._leading = self._skip_empty()
+
+    @property
+    def pending(self) -> int:
+        """Bytes held for a slice still being assembled across payloads."""
+        return self._filled
 
     @property
     def done(self) -> bool:
@@ -120,14 +126,14 @@ class SliceReader:
                 done.extend(self._skip_empty())
                 continue
             if self._partial is None:
-                self._partial, self._filled = bytearray(size), 0
+                self._partial, self._filled = bytearray(), 0
             take = min(size - self._filled, len(payload))
-            self._partial[self._filled:self._filled + take] = payload[:take]
+            self._partial += payload[:take]
             self._filled += take
             payload = payload[take:]
             if self._filled == size:
                 done.append((self._index, memoryview(self._partial)))
-                self._partial = None
+                self._partial, self._filled = None, 0
                 self._index += 1
                 done.extend(self._skip_empty())
         return done

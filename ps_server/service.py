@@ -10,10 +10,12 @@ import asyncio
 import logging
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TypeAlias
+from typing import Any, TypeAlias
 
 import grpc
+from google.protobuf.message import Message
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from pshard.common.cluster import ClusterSpec
 from pshard.common.rpc import DEFAULT_MAX_MESSAGE_BYTES, server_options
@@ -21,6 +23,7 @@ from pshard.common.scheduler_client import SchedulerClient
 from pshard.common.serving import ServerThread as _ServerThread
 from pshard.common.serving import start_in_thread
 from pshard.common.view import ClusterView
+from pshard.ps_server.budget import InflightBudget
 from pshard.ps_server.handlers import ParameterServerHandlers
 from pshard.ps_server.quorum import QuorumFollower
 from pshard.ps_server.servicer import ParameterServerServicer
@@ -31,22 +34,23 @@ from pshard.api.v1 import parameter_server_pb2 as pb
 log = logging.getLogger("pshard.ps")
 
 SERVICE_NAME = "pshard.api.v1.ParameterServer"
+_ENCODE_THREADS = 2
 
 
 def _rpc_handlers(servicer: ParameterServerServicer) -> grpc.GenericRpcHandler:
-    unary = grpc.unary_unary_rpc_method_handler
+    # No (de)serializers: the servicer gets the raw bytes, reserves their size in the in-flight
+    # budget and only then parses them (and encodes large replies off the event loop).
+    def unary(name: str, request_type: type[Message], method: Any) -> grpc.RpcMethodHandler:
+        return grpc.unary_unary_rpc_method_handler(servicer.unary(name, request_type, method))
+
     return grpc.method_handlers_generic_handler(SERVICE_NAME, {
-        "Declare": unary(servicer.Declare, pb.DeclareRequest.FromString,
-                         pb.DeclareResponse.SerializeToString),
-        "Push": unary(servicer.Push, pb.PushRequest.FromString, pb.PushResponse.SerializeToString),
-        "Pull": unary(servicer.Pull, pb.PullRequest.FromString, pb.PullResponse.SerializeToString),
-        "PushPull": unary(servicer.PushPull, pb.PushPullRequest.FromString,
-                          pb.PullResponse.SerializeToString),
-        "GetStats": unary(servicer.GetStats, pb.GetStatsRequest.FromString,
-                          pb.GetStatsResponse.SerializeToString),
-        "Checkpoint": unary(servicer.Checkpoint, pb.CheckpointRequest.FromString,
-                            pb.CheckpointResponse.SerializeToString),
-        # No (de)serializers: frames are encoded by ps_common.codec, one copy per chunk.
+        "Declare": unary("Declare", pb.DeclareRequest, servicer.Declare),
+        "Push": unary("Push", pb.PushRequest, servicer.Push),
+        "Pull": unary("Pull", pb.PullRequest, servicer.Pull),
+        "PushPull": unary("PushPull", pb.PushPullRequest, servicer.PushPull),
+        "GetStats": unary("GetStats", pb.GetStatsRequest, servicer.GetStats),
+        "Checkpoint": unary("Checkpoint", pb.CheckpointRequest, servicer.Checkpoint),
+        # Frames are encoded by ps_common.codec, one copy per chunk.
         "Exchange": grpc.stream_stream_rpc_method_handler(servicer.Exchange),
     })
 
@@ -57,6 +61,8 @@ class RunningServer:
     handlers: ParameterServerHandlers
     health: health.aio.HealthServicer  # type: ignore[name-defined]
     port: int
+    budget: InflightBudget
+    executor: ThreadPoolExecutor
 
     @property
     def servicer(self) -> ParameterServerHandlers:
@@ -66,13 +72,18 @@ class RunningServer:
     async def stop(self, grace_s: float = 5.0) -> None:
         await self.health.enter_graceful_shutdown()
         await self.server.stop(grace_s)
+        self.executor.shutdown(wait=False, cancel_futures=True)
 
 
 async def start(settings: ServerSettings, bind: str = "127.0.0.1:0",
                 max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> RunningServer:
     handlers = ParameterServerHandlers(settings, asyncio.get_running_loop())
+    budget = InflightBudget(settings.max_inflight_bytes)
+    # Two threads: the machine's cores; replies waiting for them wait as coroutines, not threads.
+    executor = ThreadPoolExecutor(max_workers=_ENCODE_THREADS, thread_name_prefix="ps-encode")
     server = grpc.aio.server(options=server_options(max_message_bytes))
-    server.add_generic_rpc_handlers([_rpc_handlers(ParameterServerServicer(handlers, settings.chunk_bytes))])
+    server.add_generic_rpc_handlers([_rpc_handlers(ParameterServerServicer(
+        handlers, settings.chunk_bytes, budget, executor, settings.pull_timeout_s))])
     health_servicer = health.aio.HealthServicer()  # type: ignore[attr-defined]
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     port = server.add_insecure_port(bind)
@@ -82,7 +93,7 @@ async def start(settings: ServerSettings, bind: str = "127.0.0.1:0",
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     log.info("parameter server listening on port %d", port)
-    return RunningServer(server, handlers, health_servicer, port)
+    return RunningServer(server, handlers, health_servicer, port, budget, executor)
 
 
 # A parameter server on its own event loop in a daemon thread.

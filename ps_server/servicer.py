@@ -3,19 +3,33 @@
 Everything the server means by a request lives in ps_server.handlers (and the store below it);
 this module only knows the protobuf messages, the Exchange stream's frames, and that a PSError
 ends the call with its status (ps_common.rpc_status).
+
+It also keeps the server's in-flight byte budget (ps_server.budget): a unary request reserves its
+serialized size before it is parsed (the methods receive raw bytes, see `unary`), an Exchange stream
+reserves each frame as it arrives and gives it back once the frame's slices are applied. Large
+replies are encoded on a small thread pool, so one big pull does not stall the event loop that
+every other caller shares.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Sequence
+import time
+from collections import Counter
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from concurrent.futures import Executor
+from typing import TypeVar
 
 import grpc.aio
+from google.protobuf.message import DecodeError, Message
 from pshard.common import codec
 from pshard.common.codec import WireArray, encode_data_frame
-from pshard.common.errors import EmptyRequestError, InvalidArgumentError
+from pshard.common.errors import EmptyRequestError, InvalidArgumentError, PSError, PullTimeoutError
 from pshard.common.framing import FramePacker, SliceReader
-from pshard.common.rpc_status import maps_errors, maps_stream_errors
+from pshard.common.rpc_status import abort, maps_errors, maps_stream_errors
+from pshard.common.types import SliceKey
+from pshard.ps_server.budget import InflightBudget, Reservation
 from pshard.ps_server.handlers import EncodedSlice, ExchangeDone, ParameterServerHandlers, PulledSlice
 from pshard.ps_server.store import SliceMeta
 
@@ -26,6 +40,11 @@ _MODE_ENUM = {"sync": pb.SYNC, "async": pb.ASYNC, "ssp": pb.SSP}
 # Slices at least this big are sent as a frame of their own (cached and shared in sync mode);
 # smaller ones are packed together so a model of many tiny tensors is not many tiny messages.
 _OWN_FRAME_BYTES = 256 * 1024
+# Replies at least this big are encoded on the servicer's thread pool instead of the event loop.
+_OFFLOAD_BYTES = 1 << 20
+
+Request = TypeVar("Request", bound=Message)
+UnaryHandler = Callable[[bytes, grpc.aio.ServicerContext], Awaitable[bytes]]
 
 
 def _frame_or_bytes(wire: WireArray) -> tuple[bytes, bool]:
@@ -43,10 +62,68 @@ def _slices_to_proto(slices: Sequence[PulledSlice]) -> list[tensor_pb.SliceTenso
     return [codec.slice_tensor_to_proto(s.key, s.value, s.version) for s in slices]
 
 
+def _pull_response(applied: int, dropped: int, slices: Sequence[PulledSlice]) -> bytes:
+    return pb.PullResponse(applied=applied, dropped=dropped,
+                           slices=_slices_to_proto(slices)).SerializeToString()
+
+
+def _unique(keys: list[SliceKey], what: str) -> list[SliceKey]:
+    """`keys`, refused when one repeats: a pull naming a slice thousands of times would encode
+    and send it thousands of times."""
+    if len(set(keys)) != len(keys):
+        key, count = Counter(keys).most_common(1)[0]
+        raise InvalidArgumentError(f"{what}: slice {str(key)!r} named {count} times, each slice at most once")
+    return keys
+
+
+def _parse(message_type: type[Request], raw: bytes, method: str) -> Request:
+    try:
+        return message_type.FromString(raw)
+    except DecodeError as err:
+        raise InvalidArgumentError(f"{method}: {len(raw)} bytes are not a {message_type.__name__} "
+                                   f"({err})") from None
+
+
 class ParameterServerServicer:
-    def __init__(self, handlers: ParameterServerHandlers, chunk_bytes: int) -> None:
+    def __init__(self, handlers: ParameterServerHandlers, chunk_bytes: int, budget: InflightBudget,
+                 executor: Executor, pull_timeout_s: float) -> None:
+        """`executor`: a small bounded pool for encoding large replies off the event loop;
+        `pull_timeout_s`: the deadline of an Exchange whose header names no timeout_ms."""
         self._handlers = handlers
+        self._pull_timeout_s = pull_timeout_s
         self._chunk_bytes = chunk_bytes
+        self._budget = budget
+        self._executor = executor
+
+    def unary(self, name: str, message_type: type[Request],
+              method: Callable[[Request, grpc.aio.ServicerContext], Awaitable[Message | bytes]]
+              ) -> UnaryHandler:
+        """`method` as a gRPC handler of raw bytes: their size is reserved in the budget before they
+        are parsed, and held until the reply is encoded."""
+        async def handle(raw: bytes, context: grpc.aio.ServicerContext) -> bytes:
+            held = self._budget.reservation(name)
+            try:
+                held.add(len(raw))
+                reply = await method(_parse(message_type, raw, name), context)
+                return reply if isinstance(reply, bytes) else await self._encode(reply)
+            except PSError as err:
+                await abort(context, err)
+                raise  # not reached: abort raises
+            finally:
+                held.release()
+
+        return handle
+
+    async def _encode(self, reply: Message) -> bytes:
+        if reply.ByteSize() < _OFFLOAD_BYTES:
+            return reply.SerializeToString()
+        return await asyncio.get_running_loop().run_in_executor(self._executor, reply.SerializeToString)
+
+    async def _pull_reply(self, applied: int, dropped: int, slices: Sequence[PulledSlice]) -> bytes:
+        if sum(s.value.array.nbytes for s in slices) < _OFFLOAD_BYTES:
+            return _pull_response(applied, dropped, slices)
+        return await asyncio.get_running_loop().run_in_executor(
+            self._executor, _pull_response, applied, dropped, slices)
 
     # ---- unary ----
 
@@ -66,21 +143,21 @@ class ParameterServerServicer:
         return pb.PushResponse(applied=outcome.applied, dropped=outcome.dropped)
 
     @maps_errors
-    async def Pull(self, request: pb.PullRequest, context: grpc.aio.ServicerContext) -> pb.PullResponse:
-        slices = await self._handlers.pull(codec.stamp_from_proto(request.stamp),
-                                           [codec.slice_id_from_proto(s) for s in request.slices],
-                                           _seconds(request.timeout_ms))
-        return pb.PullResponse(slices=_slices_to_proto(slices))
+    async def Pull(self, request: pb.PullRequest, context: grpc.aio.ServicerContext) -> bytes:
+        slices = await self._handlers.pull(
+            codec.stamp_from_proto(request.stamp),
+            _unique([codec.slice_id_from_proto(s) for s in request.slices], "Pull"),
+            _seconds(request.timeout_ms))
+        return await self._pull_reply(0, 0, slices)
 
     @maps_errors
-    async def PushPull(self, request: pb.PushPullRequest, context: grpc.aio.ServicerContext
-                       ) -> pb.PullResponse:
+    async def PushPull(self, request: pb.PushPullRequest, context: grpc.aio.ServicerContext) -> bytes:
         result = await self._handlers.push_pull(
             codec.stamp_from_proto(request.stamp),
             [codec.slice_tensor_from_proto(g) for g in request.gradients],
-            [codec.slice_id_from_proto(s) for s in request.pull], _seconds(request.timeout_ms))
-        return pb.PullResponse(applied=result.applied, dropped=result.dropped,
-                               slices=_slices_to_proto(result.slices))
+            _unique([codec.slice_id_from_proto(s) for s in request.pull], "PushPull"),
+            _seconds(request.timeout_ms))
+        return await self._pull_reply(result.applied, result.dropped, result.slices)
 
     async def GetStats(self, request: pb.GetStatsRequest, context: grpc.aio.ServicerContext
                        ) -> pb.GetStatsResponse:
@@ -107,31 +184,39 @@ class ParameterServerServicer:
     @maps_stream_errors
     async def Exchange(self, frames: AsyncIterator[bytes], context: grpc.aio.ServicerContext
                        ) -> AsyncIterator[bytes]:
-        first = await anext(frames, None)
-        if first is None:
-            raise EmptyRequestError("Exchange: the stream ended before its header frame")
-        message = codec.decode_frame(first)
-        if message.WhichOneof("body") != "header":
-            kind = message.WhichOneof("body")
-            raise InvalidArgumentError(f"Exchange: first frame must be a header, got {kind}")
-        header = message.header
-        metas = [SliceMeta(codec.slice_id_from_proto(m.id), codec.dtype_from_proto(m.dtype, "push dtype"),
-                           tuple(m.shape)) for m in header.push]
-        if header.op == pb.DECLARE:
-            replies = self._exchange_declare(header, metas, frames)
-        elif header.op == pb.PUSH_PULL:
-            replies = self._exchange_push_pull(header, metas, frames)
-        else:
-            raise InvalidArgumentError(f"Exchange header.op: got {header.op}, expected PUSH_PULL or DECLARE")
-        async for out in replies:
-            yield out
+        with self._budget.reservation("Exchange") as held:
+            first = await anext(frames, None)
+            if first is None:
+                raise EmptyRequestError("Exchange: the stream ended before its header frame")
+            held.add(len(first))
+            message = codec.decode_frame(first)
+            if message.WhichOneof("body") != "header":
+                kind = message.WhichOneof("body")
+                raise InvalidArgumentError(f"Exchange: first frame must be a header, got {kind}")
+            header = message.header
+            held.release()  # the header is decoded; the data frames reserve their own bytes
+            metas = [SliceMeta(codec.slice_id_from_proto(m.id), codec.dtype_from_proto(m.dtype, "push dtype"),
+                               tuple(m.shape)) for m in header.push]
+            # Frames stop being waited for at the request's own deadline, a push or a declare too.
+            deadline = time.monotonic() + (_seconds(header.timeout_ms) or self._pull_timeout_s)
+            if header.op == pb.DECLARE:
+                replies = self._exchange_declare(header, metas, _FrameSource(frames, held, deadline, False))
+            elif header.op == pb.PUSH_PULL:
+                replies = self._exchange_push_pull(header, metas, _FrameSource(frames, held, deadline, True))
+            else:
+                raise InvalidArgumentError(f"Exchange header.op: got {header.op}, "
+                                           "expected PUSH_PULL or DECLARE")
+            async for out in replies:
+                yield out
 
     async def _exchange_declare(self, header: pb.ExchangeHeader, metas: Sequence[SliceMeta],
-                                frames: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+                                frames: _FrameSource) -> AsyncIterator[bytes]:
         job = codec.job_from_proto(header.config) if header.HasField("config") else None
-        # Views of the frames; the store copies what it keeps.
+        # Views of the frames, all held (and reserved) until the store has copied what it keeps.
         items = [(metas[index].key, wire) async for index, wire in _read_slices(metas, frames)]
         created, values = await self._handlers.declare(job, items)
+        del items
+        frames.release()
         packer = FramePacker(self._chunk_bytes)
         for value in values:
             for out in packer.add(value.array):
@@ -142,10 +227,11 @@ class ParameterServerServicer:
         yield codec.encode_frame(pb.Frame(summary=pb.ExchangeSummary(created=created)))
 
     async def _exchange_push_pull(self, header: pb.ExchangeHeader, metas: Sequence[SliceMeta],
-                                  frames: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+                                  frames: _FrameSource) -> AsyncIterator[bytes]:
         packer = FramePacker(self._chunk_bytes, whole_slices=True)
+        pull = _unique([codec.slice_id_from_proto(s) for s in header.pull], "Exchange header.pull")
         events = self._handlers.exchange(
-            codec.stamp_from_proto(header.stamp), metas, [codec.slice_id_from_proto(s) for s in header.pull],
+            codec.stamp_from_proto(header.stamp), metas, pull,
             _read_slices(metas, frames), _frame_or_bytes, _seconds(header.timeout_ms))
         # aclosing: a cancelled call stops the handler's push side at once, not when collected.
         async with contextlib.aclosing(events):
@@ -165,9 +251,45 @@ class ParameterServerServicer:
                         versions=event.versions, applied=event.applied, dropped=event.dropped)))
 
 
-async def _read_slices(metas: Sequence[SliceMeta], frames: AsyncIterator[bytes]
+class _FrameSource:
+    """An Exchange call's data frames, each reserved in the budget as it arrives and waited for
+    no later than the request's deadline.
+
+    With `release_applied`, reading the next frame gives back the previous ones' bytes: the handler
+    applies (copies) every slice a frame completes before it asks for more. Bytes of a slice still
+    being assembled across frames stay reserved (`keep`).
+    """
+
+    def __init__(self, frames: AsyncIterator[bytes], held: Reservation, deadline: float,
+                 release_applied: bool) -> None:
+        self._frames = frames
+        self._held = held
+        self._deadline = deadline
+        self._release_applied = release_applied
+
+    async def next(self, keep: int) -> bytes | None:
+        if self._release_applied:
+            self._held.release(self._held.held - keep)
+        try:
+            frame = await asyncio.wait_for(anext(self._frames, None), self._deadline - time.monotonic())
+        except TimeoutError:
+            raise PullTimeoutError("Exchange: the stream's data frames did not arrive before the "
+                                   "request's deadline (header timeout_ms)") from None
+        if frame is not None:
+            self._held.add(len(frame))
+        return frame
+
+    def release(self) -> None:
+        self._held.release()
+
+
+async def _read_slices(metas: Sequence[SliceMeta], frames: _FrameSource
                        ) -> AsyncIterator[tuple[int, WireArray]]:
-    """(index into `metas`, zero-copy view) of each slice as its bytes complete in the data frames."""
+    """(index into `metas`, zero-copy view) of each slice as its bytes complete in the data frames.
+
+    Nothing is allocated for what the header announces: a slice spanning frames grows as its bytes
+    arrive (ps_common.framing.SliceReader), and those bytes are reserved like the frames'.
+    """
     names = [f"slice {str(m.key)!r}" for m in metas]
     reader = SliceReader([codec.nbytes_of(n, m.dtype, m.shape) for n, m in zip(names, metas, strict=True)],
                          names)
@@ -178,11 +300,10 @@ async def _read_slices(metas: Sequence[SliceMeta], frames: AsyncIterator[bytes]
 
     for index, buf in reader.initial():
         yield wire(index, buf)
-    async for frame in frames:
+    while (frame := await frames.next(keep=reader.pending)) is not None:
         payload = codec.decode_data_frame(frame)
         if payload is None:
             raise InvalidArgumentError("Exchange: expected only data frames after the header")
         for index, buf in reader.feed(payload):
             yield wire(index, buf)
     reader.finish()
-

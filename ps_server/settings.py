@@ -24,5 +24,7 @@ class ServerSettings:
     pull_timeout_s: float = 120.0
     # Exchange frames are at most this big (ps_common.rpc).
     chunk_bytes: int = CHUNK_BYTES
+    # In-flight request bytes past which new requests are refused (RESOURCE_EXHAUSTED, ps_server.budget).
+    max_inflight_bytes: int = 512 * 2**20
     checkpoint_dir: str | None = None
     shard_name: str = "shard"  # checkpoint file name
