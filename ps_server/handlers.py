@@ -18,7 +18,7 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Callable, Hashable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Generic, NamedTuple, TypeVar
 
@@ -103,6 +103,8 @@ class ServerStats:
     pulls_served: int
     pulls_waiting: int  # right now
     pulls_timed_out: int
+    # Worker id -> the fast path ("shm", "tcp") its session uses; absent: gRPC.
+    transports: Mapping[str, str] = field(default_factory=dict)
 
 
 class ParameterServerHandlers:
@@ -120,6 +122,8 @@ class ParameterServerHandlers:
         self._view_generation: int | None = None
         self.pulls_served = 0
         self.pulls_timed_out = 0
+        # Set by the fast-path transports, so that stats show what each worker uses.
+        self.transport_report: Callable[[], Mapping[str, str]] = dict
         if settings.checkpoint_dir:
             snap = load_shard(Path(settings.checkpoint_dir), settings.shard_name)
             if snap is not None:
@@ -362,7 +366,7 @@ class ParameterServerHandlers:
         store = self._store
         return ServerStats(job=store.config if store else None, store=store.stats() if store else None,
                            pulls_served=self.pulls_served, pulls_waiting=self._changes.waiting,
-                           pulls_timed_out=self.pulls_timed_out)
+                           pulls_timed_out=self.pulls_timed_out, transports=self.transport_report())
 
     async def checkpoint(self, at_version: int = 0, timeout_s: float | None = None) -> tuple[Path, int]:
         """Save the shard once every slice reached `at_version`; (path, the slices' min version)."""

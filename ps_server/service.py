@@ -24,6 +24,7 @@ from pshard.common.serving import ServerThread as _ServerThread
 from pshard.common.serving import start_in_thread
 from pshard.common.view import ClusterView
 from pshard.ps_server.budget import InflightBudget
+from pshard.ps_server.fastpath import FastPathServer, OpenTransportMethod
 from pshard.ps_server.handlers import ParameterServerHandlers
 from pshard.ps_server.quorum import QuorumFollower
 from pshard.ps_server.servicer import ParameterServerServicer
@@ -63,6 +64,7 @@ class RunningServer:
     port: int
     budget: InflightBudget
     executor: ThreadPoolExecutor
+    fast: FastPathServer | None = None  # the shm and tcp transports (ps_server.fastpath)
 
     @property
     def servicer(self) -> ParameterServerHandlers:
@@ -71,6 +73,8 @@ class RunningServer:
 
     async def stop(self, grace_s: float = 5.0) -> None:
         await self.health.enter_graceful_shutdown()
+        if self.fast is not None:  # its threads may be waiting on this loop: stop them off it
+            await asyncio.get_running_loop().run_in_executor(None, self.fast.stop)
         await self.server.stop(grace_s)
         self.executor.shutdown(wait=False, cancel_futures=True)
 
@@ -89,11 +93,18 @@ async def start(settings: ServerSettings, bind: str = "127.0.0.1:0",
     port = server.add_insecure_port(bind)
     if port == 0:
         raise OSError(f"could not bind {bind}")
+    fast = FastPathServer(handlers, asyncio.get_running_loop(), transport=settings.transport,
+                          shm_dir=settings.shm_dir, host=bind.rsplit(":", 1)[0].strip("[]") or "0.0.0.0")
+    handlers.transport_report = fast.transports
+    server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(SERVICE_NAME, {
+        "OpenTransport": grpc.unary_unary_rpc_method_handler(
+            OpenTransportMethod(fast).OpenTransport, pb.OpenTransportRequest.FromString,
+            pb.OpenTransportResponse.SerializeToString)})])
     await server.start()
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     log.info("parameter server listening on port %d", port)
-    return RunningServer(server, handlers, health_servicer, port, budget, executor)
+    return RunningServer(server, handlers, health_servicer, port, budget, executor, fast)
 
 
 # A parameter server on its own event loop in a daemon thread.

@@ -171,7 +171,8 @@ class ParameterServerServicer:
             pushes_dropped=s.pushes_dropped, late_gradients_dropped=s.late_gradients_dropped,
             pulls_served=stats.pulls_served, pulls_waiting=stats.pulls_waiting,
             pulls_timed_out=stats.pulls_timed_out, quorum=sorted(s.quorum),
-            worker_clocks=dict(s.worker_clocks), min_version=s.min_version, max_version=s.max_version)
+            worker_clocks=dict(s.worker_clocks), min_version=s.min_version, max_version=s.max_version,
+            worker_transports=dict(stats.transports))
 
     @maps_errors
     async def Checkpoint(self, request: pb.CheckpointRequest, context: grpc.aio.ServicerContext

@@ -28,3 +28,7 @@ class ServerSettings:
     max_inflight_bytes: int = 512 * 2**20
     checkpoint_dir: str | None = None
     shard_name: str = "shard"  # checkpoint file name
+    # Fast paths offered to workers besides gRPC: auto (shm and tcp), shm, tcp or grpc (none).
+    transport: str = "auto"
+    # Where workers' shared-memory segments live (a directory both sides can map).
+    shm_dir: str = "/dev/shm"

@@ -1,0 +1,107 @@
+"""Frames of the fast-path socket (shared memory's doorbell, or the raw TCP transport).
+
+A frame is a fixed 20-byte header (magic, kind, metadata length, data length), the metadata
+(a small protobuf message the caller encodes), then `data length` raw bytes (TCP only: the
+slices themselves; over shared memory the bytes are in the segment and the length is 0).
+Blocking sockets throughout: one thread per connection reads straight into pre-allocated,
+page-aligned buffers with `recv_into`, and writes numpy buffers with `sendmsg`, no copy.
+
+Pure: no gRPC.
+"""
+
+from __future__ import annotations
+
+import socket
+import struct
+from collections.abc import Sequence
+
+import numpy as np
+from pshard.common.codec import byte_view
+from pshard.common.errors import PSError
+
+_HEADER = struct.Struct("<4sB3xIQ")
+HEADER_BYTES = _HEADER.size
+_MAGIC = b"PSF1"
+# Metadata is a header or a reply: a few KB per thousand slices. Larger is a broken or hostile peer.
+MAX_META_BYTES = 16 * 2**20
+
+HELLO = 1
+REQUEST = 2
+REPLY = 3
+KINDS = (HELLO, REQUEST, REPLY)
+
+
+class TransportBroken(PSError):
+    """The fast path failed under a request (peer gone, socket reset, bad frame, segment gone):
+    the request must complete over gRPC. Never a verdict on the request itself."""
+
+    status = "UNAVAILABLE"
+
+
+def encode_header(kind: int, meta_len: int, data_len: int) -> bytes:
+    return _HEADER.pack(_MAGIC, kind, meta_len, data_len)
+
+
+def decode_header(raw: bytes | bytearray | memoryview) -> tuple[int, int, int]:
+    """(kind, metadata length, data length); TransportBroken for anything else."""
+    magic, kind, meta_len, data_len = _HEADER.unpack(raw)
+    if magic != _MAGIC or kind not in KINDS or meta_len > MAX_META_BYTES:
+        raise TransportBroken(f"bad fast-path frame header (magic {magic!r}, kind {kind}, "
+                              f"metadata {meta_len} bytes)")
+    return kind, meta_len, data_len
+
+
+def send_frame(sock: socket.socket, kind: int, meta: bytes,
+               data: Sequence[bytes | memoryview | np.ndarray] = ()) -> None:
+    """Header, metadata and data in as few system calls as the kernel allows (no joining copy)."""
+    views = [v for v in (byte_view(d) for d in data) if v.nbytes]
+    parts = [memoryview(encode_header(kind, len(meta), sum(v.nbytes for v in views)) + meta), *views]
+    while parts:
+        sent = sock.sendmsg(parts[:512])  # IOV_MAX is 1024 on Linux
+        while sent:
+            if sent >= parts[0].nbytes:
+                sent -= parts[0].nbytes
+                parts.pop(0)
+            else:
+                parts[0] = parts[0][sent:]
+                sent = 0
+
+
+def recv_into(sock: socket.socket, buf: memoryview | np.ndarray) -> None:
+    """Fill `buf` exactly; TransportBroken when the peer closes first."""
+    view = byte_view(buf)
+    got = 0
+    while got < view.nbytes:
+        n = sock.recv_into(view[got:], view.nbytes - got, socket.MSG_WAITALL)
+        if n == 0:
+            raise TransportBroken(f"peer closed the connection ({got} of {view.nbytes} bytes read)")
+        got += n
+
+
+def recv_exact(sock: socket.socket, n: int) -> bytes:
+    buf = bytearray(n)
+    recv_into(sock, memoryview(buf))
+    return bytes(buf)
+
+
+def recv_frame_head(sock: socket.socket) -> tuple[int, bytes, int]:
+    """(kind, metadata, data length): the data, if any, is for the caller to read where it belongs."""
+    kind, meta_len, data_len = decode_header(recv_exact(sock, HEADER_BYTES))
+    return kind, recv_exact(sock, meta_len), data_len
+
+
+def discard(sock: socket.socket, n: int) -> None:
+    """Read and drop `n` bytes (data of a request that is refused), keeping the stream in step."""
+    scratch = memoryview(bytearray(min(n, 1 << 20)))
+    while n:
+        chunk = scratch[:min(n, len(scratch))]
+        recv_into(sock, chunk)
+        n -= len(chunk)
+
+
+def tune(sock: socket.socket) -> None:
+    """No Nagle delay (doorbells are tiny); big buffers (slices are megabytes)."""
+    if sock.family in (socket.AF_INET, socket.AF_INET6):
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    for option in (socket.SO_SNDBUF, socket.SO_RCVBUF):
+        sock.setsockopt(socket.SOL_SOCKET, option, 4 * 2**20)

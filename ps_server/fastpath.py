@@ -1,0 +1,389 @@
+"""The parameter server's fast paths: shared memory on one host, a raw TCP socket between hosts.
+
+Both are adapters over the same handlers as the gRPC servicer (`ParameterServerHandlers.exchange`),
+so consistency, idempotence, fencing, validation and errors are those of gRPC; only where the
+bytes travel differs (docs/architecture.md, 11 Transports):
+
+* negotiation is a gRPC call, `OpenTransport`: for shm the worker names a segment it created in
+  the shared directory and the server proves it opened it by returning the nonce inside; either
+  way the server hands out a session id and secret, and the port of its fast-path listener;
+* the worker connects to that port; its first frame must carry the secret, else the server closes
+  the socket. Then each request is an ExchangeHeader frame, answered by a TransportReply frame.
+  Over TCP the gradients follow the header and the pulled slices follow the reply; over shm both
+  stay in the segment and the socket only carries these small frames (the doorbell);
+* one thread per connection reads into the session's page-aligned request region (`recv_into`)
+  and runs the handler on the event loop. Pulled slices are copied once, under the slice's lock,
+  into a slot of the reply region that belongs to that slice for the session's lifetime: a pull at
+  version v returns exactly v's bytes, and sync mode's shared-encoding cache stays valid per slot;
+* a session ends with its socket: a worker that closes, dies or is SIGKILLed is noticed at once
+  (EOF) and its segment is unmapped and removed; a session never connected expires.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import logging
+import secrets
+import socket
+import threading
+import time
+from collections.abc import AsyncIterator, Sequence
+from concurrent.futures import TimeoutError as FutureTimeout
+
+import grpc.aio
+import numpy as np
+from google.protobuf.message import DecodeError
+from pshard.common import codec
+from pshard.common.codec import WireArray
+from pshard.common.errors import InvalidArgumentError, PSError
+from pshard.common.fastwire import (
+    HELLO,
+    REPLY,
+    REQUEST,
+    TransportBroken,
+    discard,
+    recv_frame_head,
+    recv_into,
+    send_frame,
+    tune,
+)
+from pshard.common.rpc_status import maps_errors
+from pshard.common.shm import Segment, packed, sweep_orphans
+from pshard.common.types import SliceKey
+from pshard.ps_server.handlers import EncodedSlice, ExchangeDone, ParameterServerHandlers
+from pshard.ps_server.store import SliceMeta
+
+from pshard.api.v1 import parameter_server_pb2 as pb
+
+log = logging.getLogger("pshard.ps.transport")
+
+TRANSPORTS = ("auto", "shm", "tcp", "grpc")
+KIND_NAMES = {pb.TRANSPORT_KIND_SHM: "shm", pb.TRANSPORT_KIND_TCP: "tcp"}
+# A negotiated session whose worker never connects is dropped (and its segment unmapped) after this.
+_ATTACH_TIMEOUT_S = 30.0
+_HELLO_TIMEOUT_S = 10.0
+# Regions larger than the shard (in any dtype) plus slack are refused: a client cannot make us
+# reserve memory the job cannot use.
+_SLACK_BYTES = 16 * 2**20
+
+
+class TransportRefusedError(PSError):
+    """This server does not offer the transport asked for (its --transport, or no shared directory)."""
+
+    status = "FAILED_PRECONDITION"
+
+
+def offered_kinds(transport: str) -> frozenset[str]:
+    if transport not in TRANSPORTS:
+        raise InvalidArgumentError(f"transport: got {transport!r}, expected one of {TRANSPORTS}")
+    return frozenset({"shm", "tcp"} if transport == "auto" else {transport} - {"grpc"})
+
+
+class _SlotEncoder:
+    """The handlers' encoder for one session: copies a pulled slice into its slot of the reply region.
+
+    The handlers call it under the slice's lock for the pulled keys in request order, and the
+    session's serving loop names the key it expects next (`expect`); the payload repeats the key so
+    the loop can check the pairing. Hashable by identity: sync mode caches payloads per encoder.
+    """
+
+    def __init__(self, session: _Session) -> None:
+        self.session: _Session | None = session
+        self.expect: SliceKey | None = None
+
+    def __call__(self, wire: WireArray) -> tuple[SliceKey, int, int]:
+        session, key = self.session, self.expect
+        if session is None or key is None:
+            raise TransportBroken("fast-path session closed while serving a request")
+        src = np.ascontiguousarray(wire.array).reshape(-1).view(np.uint8)
+        offset = session.slot(key, src.nbytes)
+        np.copyto(session.regions.reply[offset:offset + src.nbytes], src)
+        return key, offset, src.nbytes
+
+
+class _Session:
+    def __init__(self, worker_id: str, kind: str, regions: Segment) -> None:
+        self.id = secrets.randbits(63)
+        self.secret = secrets.token_bytes(32)
+        self.worker_id = worker_id
+        self.kind = kind
+        self.regions = regions
+        self.encoder = _SlotEncoder(self)
+        self.sock: socket.socket | None = None
+        self.closed = False
+        self._slots: dict[SliceKey, tuple[int, int]] = {}
+        self._reply_end = 0
+
+    def slot(self, key: SliceKey, nbytes: int) -> int:
+        """The reply region's offset that holds `key` for this session (allocated on first use)."""
+        slot = self._slots.get(key)
+        if slot is not None and slot[1] == nbytes:
+            return slot[0]
+        offset = self._reply_end
+        if offset + nbytes > self.regions.reply_bytes:
+            raise TransportBroken(f"reply region full: slice {str(key)!r} needs {nbytes} bytes at offset "
+                                  f"{offset}, the region has {self.regions.reply_bytes}")
+        self._reply_end = offset + -(-nbytes // 4096) * 4096
+        self._slots[key] = (offset, nbytes)
+        return offset
+
+    def close(self) -> None:
+        self.closed = True
+        self.encoder.session = None
+        # Shared memory: we are the survivor, or the worker already removed it; either way it goes.
+        self.regions.close(unlink=self.kind == "shm")
+
+
+class FastPathServer:
+    def __init__(self, handlers: ParameterServerHandlers, loop: asyncio.AbstractEventLoop, *,
+                 transport: str, shm_dir: str, host: str) -> None:
+        self._handlers = handlers
+        self._loop = loop
+        self.kinds = offered_kinds(transport)
+        self._shm_dir = shm_dir
+        self._sessions: dict[int, _Session] = {}
+        self._lock = threading.Lock()
+        self._threads: list[threading.Thread] = []
+        self._stopping = threading.Event()
+        self._listener: socket.socket | None = None
+        self.port = 0
+        if not self.kinds:
+            return
+        if "shm" in self.kinds:
+            for path in sweep_orphans(shm_dir):
+                log.info("removed orphaned segment %s (its creator is dead)", path)
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        self._listener = socket.create_server((host, 0), family=family, backlog=64)
+        self.port = self._listener.getsockname()[1]
+        self._spawn(self._accept, "ps-fastpath-accept")
+        log.info("fast paths %s listening on port %d", sorted(self.kinds), self.port)
+
+    # ---- lifecycle ----
+
+    def _spawn(self, target: object, name: str, *args: object) -> None:
+        thread = threading.Thread(target=target, args=args, name=name, daemon=True)  # type: ignore[arg-type]
+        self._threads = [t for t in self._threads if t.is_alive()]
+        self._threads.append(thread)
+        thread.start()
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        """Close the listener and every session (removing their segments)."""
+        self._stopping.set()
+        if self._listener is not None:
+            with contextlib.suppress(OSError):
+                self._listener.shutdown(socket.SHUT_RDWR)
+            self._listener.close()
+        with self._lock:
+            sessions = list(self._sessions.values())
+        for session in sessions:
+            if session.sock is not None:
+                with contextlib.suppress(OSError):
+                    session.sock.shutdown(socket.SHUT_RDWR)
+            else:
+                self._end(session)
+        deadline = time.monotonic() + timeout_s
+        for thread in self._threads:
+            if thread is not threading.current_thread():
+                thread.join(max(0.0, deadline - time.monotonic()))
+
+    def transports(self) -> dict[str, str]:
+        """Worker id -> kind of its connected session."""
+        with self._lock:
+            return {s.worker_id: s.kind for s in self._sessions.values() if s.sock is not None}
+
+    def _end(self, session: _Session) -> None:
+        with self._lock:
+            if self._sessions.pop(session.id, None) is None:
+                return
+        session.close()
+
+    # ---- negotiation (on the event loop, from the gRPC method) ----
+
+    def open(self, request: pb.OpenTransportRequest) -> pb.OpenTransportResponse:
+        kind = KIND_NAMES.get(request.kind)
+        if kind is None:
+            raise InvalidArgumentError(f"OpenTransport kind: got {request.kind}, expected SHM or TCP")
+        if kind not in self.kinds or self._stopping.is_set():
+            raise TransportRefusedError(f"OpenTransport: this server does not offer {kind} "
+                                        f"(it offers {sorted(self.kinds) or 'gRPC only'})")
+        limit = 4 * self._handlers.store.stats().bytes_stored + _SLACK_BYTES
+        if max(request.request_bytes, request.reply_bytes) > limit:
+            raise InvalidArgumentError(f"OpenTransport: regions of {request.request_bytes} and "
+                                       f"{request.reply_bytes} bytes exceed what this shard needs ({limit})")
+        if kind == "shm":
+            try:
+                regions = Segment.open(self._shm_dir, request.segment)
+            except OSError as err:
+                raise TransportRefusedError(f"OpenTransport: cannot open segment {request.segment!r} in "
+                                            f"{self._shm_dir}: {err.strerror or err}") from None
+            if (regions.request_bytes, regions.reply_bytes) < (request.request_bytes, request.reply_bytes):
+                regions.close(unlink=False)
+                raise InvalidArgumentError(f"OpenTransport: segment {request.segment!r} is smaller than "
+                                           "announced")
+        else:
+            regions = Segment.private(request.request_bytes, request.reply_bytes)
+        session = _Session(request.worker_id, kind, regions)
+        with self._lock:
+            self._sessions[session.id] = session
+        self._loop.call_later(_ATTACH_TIMEOUT_S, self._expire, session)
+        return pb.OpenTransportResponse(kind=request.kind, session=session.id, secret=session.secret,
+                                        port=self.port, nonce=regions.nonce)
+
+    def _expire(self, session: _Session) -> None:
+        if session.sock is None:
+            self._end(session)
+
+    # ---- connections (one thread each) ----
+
+    def _accept(self) -> None:
+        assert self._listener is not None
+        while not self._stopping.is_set():
+            try:
+                sock, peer = self._listener.accept()
+            except OSError:
+                return
+            self._spawn(self._connection, f"ps-fastpath-{peer[1]}", sock)
+
+    def _connection(self, sock: socket.socket) -> None:
+        session = None
+        try:
+            tune(sock)
+            sock.settimeout(_HELLO_TIMEOUT_S)
+            session = self._attach(sock)
+            if session is None:
+                return
+            sock.settimeout(None)
+            log.info("worker %s: %s transport connected", session.worker_id, session.kind)
+            while not self._stopping.is_set():
+                kind, meta, data_len = recv_frame_head(sock)
+                if kind != REQUEST:
+                    raise TransportBroken(f"expected a request frame, got kind {kind}")
+                self._serve_one(sock, session, meta, data_len)
+        except (OSError, TransportBroken) as err:
+            if session is not None and not self._stopping.is_set():
+                log.info("worker %s: %s transport closed (%s)", session.worker_id, session.kind, err)
+        finally:
+            with contextlib.suppress(OSError):
+                sock.close()
+            if session is not None:
+                self._end(session)
+
+    def _attach(self, sock: socket.socket) -> _Session | None:
+        """The session whose secret the first frame carries; None (the caller closes) for anyone else."""
+        kind, meta, data_len = recv_frame_head(sock)
+        try:
+            hello = pb.TransportHello.FromString(meta)
+        except DecodeError:
+            hello = None
+        with self._lock:
+            session = self._sessions.get(hello.session) if hello is not None else None
+            if (kind != HELLO or data_len or session is None or session.sock is not None
+                    or not hmac.compare_digest(session.secret, hello.secret)):  # type: ignore[union-attr]
+                log.warning("fast path: refused a connection without a valid session secret")
+                return None
+            session.sock = sock
+        return session
+
+    def _serve_one(self, sock: socket.socket, session: _Session, meta: bytes, data_len: int) -> None:
+        try:
+            header = pb.ExchangeHeader.FromString(meta)
+        except DecodeError as err:
+            raise TransportBroken(f"undecodable request header: {err}") from None
+        inline = session.kind == "tcp"
+        try:
+            metas, sizes = _push_metas(header)
+            offsets, total = packed(sizes)
+            if total > session.regions.request_bytes:
+                raise TransportBroken(f"request needs {total} bytes, the session's region has "
+                                      f"{session.regions.request_bytes}")
+        except PSError as err:
+            if inline:
+                discard(sock, data_len)
+            send_frame(sock, REPLY, _error_reply(err).SerializeToString())
+            return
+        if data_len != (sum(sizes) if inline else 0):
+            raise TransportBroken(f"request announces {data_len} data bytes, its header {sum(sizes)}")
+        request = session.regions.request
+        views = [request[o:o + n] for o, n in zip(offsets, sizes, strict=True)]
+        if inline:
+            for view in views:
+                recv_into(sock, view)
+        future = asyncio.run_coroutine_threadsafe(self._run(session, header, metas, views), self._loop)
+        while True:
+            try:
+                reply = future.result(timeout=1.0)
+                break
+            except FutureTimeout:
+                if self._stopping.is_set():
+                    future.cancel()
+                    raise TransportBroken("server stopping") from None
+        reply_region = session.regions.reply
+        data = ([reply_region[o:o + n] for o, n in zip(reply.offsets, reply.sizes, strict=True)]
+                if inline else [])
+        send_frame(sock, REPLY, reply.SerializeToString(), data)
+
+    async def _run(self, session: _Session, header: pb.ExchangeHeader, metas: Sequence[SliceMeta],
+                   views: Sequence[np.ndarray]) -> pb.TransportReply:
+        try:
+            return await self._exchange(session, header, metas, views)
+        except PSError as err:
+            return _error_reply(err)
+        except Exception as err:  # a bug must not leave the worker waiting: it falls back to gRPC
+            log.exception("fast-path request of worker %s failed", session.worker_id)
+            return _error_reply(TransportBroken(f"internal error: {type(err).__name__}: {err}"))
+
+    async def _exchange(self, session: _Session, header: pb.ExchangeHeader, metas: Sequence[SliceMeta],
+                        views: Sequence[np.ndarray]) -> pb.TransportReply:
+        if header.op != pb.PUSH_PULL:
+            raise InvalidArgumentError(f"Exchange header.op: got {header.op}, expected PUSH_PULL or DECLARE")
+        pull = [codec.slice_id_from_proto(s) for s in header.pull]
+
+        async def gradients() -> AsyncIterator[tuple[int, WireArray]]:
+            for index, (meta, view) in enumerate(zip(metas, views, strict=True)):
+                array = view.view(codec.numpy_dtype(meta.dtype)).reshape(meta.shape)
+                yield index, WireArray(array, meta.dtype)
+
+        encoder = session.encoder
+        encoder.expect = pull[0] if pull else None
+        reply = pb.TransportReply()
+        events = self._handlers.exchange(codec.stamp_from_proto(header.stamp), metas, pull, gradients(),
+                                         encoder, header.timeout_ms / 1000 if header.timeout_ms else None)
+        async with contextlib.aclosing(events):
+            async for event in events:
+                if isinstance(event, EncodedSlice):
+                    key, offset, nbytes = event.payload
+                    if key != event.key:
+                        raise TransportBroken(f"encoder wrote {str(key)!r} for {str(event.key)!r}")
+                    reply.offsets.append(offset)
+                    reply.sizes.append(nbytes)
+                    done = len(reply.offsets)
+                    encoder.expect = pull[done] if done < len(pull) else None
+                elif isinstance(event, ExchangeDone):
+                    reply.summary.versions.extend(event.versions)
+                    reply.summary.applied, reply.summary.dropped = event.applied, event.dropped
+        return reply
+
+
+def _push_metas(header: pb.ExchangeHeader) -> tuple[list[SliceMeta], list[int]]:
+    """The pushed slices and their byte sizes, decoded and checked as the gRPC servicer does."""
+    metas = [SliceMeta(codec.slice_id_from_proto(m.id), codec.dtype_from_proto(m.dtype, "push dtype"),
+                       tuple(m.shape)) for m in header.push]
+    return metas, [codec.nbytes_of(f"slice {str(m.key)!r}", m.dtype, m.shape) for m in metas]
+
+
+def _error_reply(err: PSError) -> pb.TransportReply:
+    return pb.TransportReply(error_type=type(err).__name__, error_message=str(err))
+
+
+class OpenTransportMethod:
+    """The gRPC method that negotiates a fast path (registered beside the servicer's methods)."""
+
+    def __init__(self, fast: FastPathServer) -> None:
+        self._fast = fast
+
+    @maps_errors
+    async def OpenTransport(self, request: pb.OpenTransportRequest, context: grpc.aio.ServicerContext
+                            ) -> pb.OpenTransportResponse:
+        return self._fast.open(request)
