@@ -1,0 +1,180 @@
+"""The worker's side of the fast paths (same-host shared memory, raw TCP) to one parameter server.
+
+Negotiated over gRPC (`OpenTransport`): for shm the worker creates a segment in the shared
+directory, writes a nonce inside and offers its name; the server answers with the nonce it read
+(proof that both map the same file, so it is automatic: another host or directory fails here and
+the next transport is tried). Then a socket to the server's fast-path port, whose first frame
+carries the session's secret. A request is the ExchangeHeader the gRPC path would send; over shm
+the gradients are written into the segment first and the pulled slices read from it afterwards,
+over TCP they travel inline and are received straight into the caller's arrays when no dtype
+conversion is needed (docs/architecture.md, 11 Transports).
+
+A failure of the path itself raises `TransportBroken`: the caller completes the request over gRPC
+(the server drops what it already applied, by its (worker, clock, slice) keys) and closes this path.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hmac
+import socket
+import threading
+from collections.abc import Callable, Sequence
+
+import grpc
+import numpy as np
+from pshard.common.errors import PSError, error_classes
+from pshard.common.fastwire import (
+    HELLO,
+    REPLY,
+    REQUEST,
+    TransportBroken,
+    recv_frame_head,
+    recv_into,
+    send_frame,
+    tune,
+)
+from pshard.common.rpc_status import error_from_rpc_error
+from pshard.common.shm import Segment, packed, sweep_orphans
+
+from pshard.api.v1 import parameter_server_pb2 as pb
+from pshard.api.v1 import parameter_server_pb2_grpc as pb_grpc
+
+KINDS = {"shm": pb.TRANSPORT_KIND_SHM, "tcp": pb.TRANSPORT_KIND_TCP}
+_swept = threading.Event()  # the orphan sweep runs once per process
+
+# place(index, bytes of pulled slice `index` in its wire dtype): copies them where they belong.
+Place = Callable[[int, np.ndarray], None]
+# direct(index): a uint8 view of where slice `index`'s bytes go unchanged, or None (they need a cast).
+Direct = Callable[[int], "np.ndarray | None"]
+
+
+def host_of(address: str) -> str:
+    """The host part of a gRPC target "host:port" ("[::1]:5000" -> "::1")."""
+    return address.rsplit(":", 1)[0].strip("[]")
+
+
+class FastPath:
+    def __init__(self, kind: str, sock: socket.socket, segment: Segment | None,
+                 scratch: Segment | None) -> None:
+        self.kind = kind
+        self._sock = sock
+        self._segment = segment  # shm: the shared regions
+        self._scratch = scratch  # tcp: where pulled slices that need a cast land first
+        self._lock = threading.Lock()  # one request at a time: the regions hold one request's bytes
+        self.closed = False
+
+    @classmethod
+    def open(cls, kind: str, stub: pb_grpc.ParameterServerStub, address: str, worker_id: str, *,
+             request_bytes: int, reply_bytes: int, shm_dir: str, timeout_s: float) -> FastPath:
+        """Negotiate and connect; a PSError says why this kind is not possible with this server."""
+        segment = scratch = None
+        sock = None
+        try:
+            request = pb.OpenTransportRequest(worker_id=worker_id, kind=KINDS[kind],
+                                              request_bytes=request_bytes, reply_bytes=reply_bytes)
+            if kind == "shm":
+                if not _swept.is_set():
+                    _swept.set()
+                    sweep_orphans(shm_dir)
+                try:
+                    segment = Segment.create(shm_dir, request_bytes, reply_bytes)
+                except OSError as err:
+                    raise TransportBroken(f"cannot create a segment in {shm_dir}: {err.strerror or err}"
+                                          ) from None
+                request.segment = segment.path.name  # type: ignore[union-attr]
+            else:
+                scratch = Segment.private(0, reply_bytes)
+            try:
+                reply = stub.OpenTransport(request, timeout=timeout_s, wait_for_ready=True)
+            except grpc.RpcError as err:
+                raise error_from_rpc_error(err) from err
+            if segment is not None and not hmac.compare_digest(reply.nonce, segment.nonce):
+                raise TransportBroken(f"the server read another nonce in {segment.path.name}: it does not "
+                                      "share this host's directory")
+            try:
+                sock = socket.create_connection((host_of(address), reply.port), timeout=timeout_s)
+                tune(sock)
+                send_frame(sock, HELLO, pb.TransportHello(session=reply.session,
+                                                          secret=reply.secret).SerializeToString())
+            except OSError as err:
+                raise TransportBroken(f"cannot connect to port {reply.port}: {err}") from None
+            return cls(kind, sock, segment, scratch)
+        except BaseException:
+            for region in (segment, scratch):
+                if region is not None:
+                    region.close()
+            if sock is not None:
+                sock.close()
+            raise
+
+    def close(self) -> None:
+        """Close the socket (the server ends the session) and remove the segment."""
+        self.closed = True
+        with contextlib.suppress(OSError):
+            self._sock.shutdown(socket.SHUT_RDWR)
+        self._sock.close()
+        with self._lock:
+            for region in (self._segment, self._scratch):
+                if region is not None:
+                    region.close()
+
+    def call(self, header: pb.ExchangeHeader, buffers: Sequence[np.ndarray], place: Place, direct: Direct,
+             timeout_s: float) -> pb.ExchangeSummary:
+        """One request: push `buffers` (in header order) and pull `header.pull`; the summary.
+
+        A PSError the server raised is raised as such; any failure of the path is TransportBroken.
+        """
+        with self._lock:
+            if self.closed:
+                raise TransportBroken(f"{self.kind} transport closed")
+            try:
+                self._sock.settimeout(timeout_s)
+                reply = self._call(header, buffers, place, direct)
+            except (OSError, ValueError) as err:  # ValueError: a region unmapped under us (closed)
+                raise TransportBroken(f"{self.kind} transport: {type(err).__name__}: {err}") from err
+        if reply.error_type:
+            raise error_classes().get(reply.error_type, PSError)(reply.error_message)
+        return reply.summary
+
+    def _call(self, header: pb.ExchangeHeader, buffers: Sequence[np.ndarray], place: Place,
+              direct: Direct) -> pb.TransportReply:
+        views = [np.ascontiguousarray(b).reshape(-1).view(np.uint8) for b in buffers]
+        segment = self._segment
+        if segment is not None:
+            offsets, total = packed([v.nbytes for v in views])
+            if total > segment.request_bytes:
+                raise TransportBroken(f"request of {total} bytes exceeds the segment's "
+                                      f"{segment.request_bytes}")
+            for offset, view in zip(offsets, views, strict=True):
+                np.copyto(segment.request[offset:offset + view.nbytes], view)
+            views = []
+        send_frame(self._sock, REQUEST, header.SerializeToString(), views)
+        kind, meta, data_len = recv_frame_head(self._sock)
+        if kind != REPLY:
+            raise TransportBroken(f"expected a reply frame, got kind {kind}")
+        reply = pb.TransportReply.FromString(meta)
+        if reply.error_type:
+            return reply
+        if len(reply.sizes) != len(header.pull):
+            raise TransportBroken(f"reply has {len(reply.sizes)} slices, {len(header.pull)} were pulled")
+        if segment is not None:
+            for index, (offset, size) in enumerate(zip(reply.offsets, reply.sizes, strict=True)):
+                if offset + size > segment.reply_bytes:
+                    raise TransportBroken(f"reply slice at {offset}+{size} is outside the segment")
+                place(index, segment.reply[offset:offset + size])
+            return reply
+        if data_len != sum(reply.sizes):
+            raise TransportBroken(f"reply announces {data_len} bytes, its slices {sum(reply.sizes)}")
+        scratch = self._scratch
+        assert scratch is not None
+        for index, size in enumerate(reply.sizes):
+            target = direct(index)
+            if target is not None and target.nbytes == size:
+                recv_into(self._sock, target)
+                continue
+            if size > scratch.reply_bytes:
+                raise TransportBroken(f"pulled slice of {size} bytes exceeds the scratch buffer")
+            recv_into(self._sock, scratch.reply[:size])
+            place(index, scratch.reply[:size])
+        return reply
