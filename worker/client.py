@@ -35,13 +35,16 @@ from pshard.common.errors import (
     StaleGenerationError,
     UnavailableError,
 )
+from pshard.common.fastwire import TransportBroken
 from pshard.common.framing import SliceReader, pack_frames
 from pshard.common.job import JobConfig
 from pshard.common.layout import DEFAULT_SLICE_BYTES, Layout, LayoutSlice, ParamSpec, plan_layout
 from pshard.common.retry import Backoff, parameter_server_channel_options
 from pshard.common.rpc import CHUNK_BYTES, EXCHANGE_METHOD, channel_options, identity
 from pshard.common.rpc_status import error_from_rpc_error, raise_from_rpc_error
+from pshard.common.shm import DEFAULT_SHM_DIR, align
 from pshard.common.types import Stamp
+from pshard.worker.fastpath import FastPath
 
 from pshard.api.v1 import parameter_server_pb2 as pb
 from pshard.api.v1 import parameter_server_pb2_grpc as pb_grpc
@@ -61,6 +64,9 @@ SMALL_PAYLOAD_BYTES = 1 << 20
 # Waits until this worker's generation is newer than the first argument, at most the second (in
 # seconds); True once it is. The SchedulerClient provides it (see worker/session.py).
 GenerationWait = Callable[[int, float], bool]
+TRANSPORTS = ("auto", "shm", "tcp", "grpc")
+# After a fast path failed to open or broke, gRPC carries the calls for this long before a new try.
+FAST_PATH_RETRY_S = 10.0
 
 
 @dataclass(frozen=True)
@@ -81,7 +87,13 @@ def _result(summaries: Sequence[pb.ExchangeSummary]) -> PushResult:
 class PSClient:
     def __init__(self, servers: Sequence[str], worker_id: str, *, generation: int | Callable[[], int] = 0,
                  layout: Layout | None = None, chunk_bytes: int = CHUNK_BYTES, timeout_s: float = 120.0,
-                 retry_budget_s: float = 60.0, await_generation: GenerationWait | None = None) -> None:
+                 retry_budget_s: float = 60.0, await_generation: GenerationWait | None = None,
+                 transport: str = "auto", shm_dir: str = DEFAULT_SHM_DIR) -> None:
+        """`transport`: how push and pull bytes travel (docs/architecture.md, 11 Transports): "auto"
+        takes shared memory when the server proves it shares this host's `shm_dir`, else a raw TCP
+        socket, else gRPC; "shm" or "tcp" only that one (else gRPC); "grpc" never negotiates."""
+        if transport not in TRANSPORTS:
+            raise InvalidArgumentError(f"transport: got {transport!r}, expected one of {TRANSPORTS}")
         if not servers:
             raise InvalidArgumentError("servers: got none, expected at least one parameter server address")
         self.servers = tuple(servers)
@@ -113,6 +125,13 @@ class PSClient:
         # What the last push_pull did (its versions are the sync clock to follow), and the last pull.
         self.last_result: PushResult | None = None
         self.last_pull: PushResult | None = None
+        # Fast paths, per server: the open one, when the next try is due, and what carries the calls.
+        self._transport = transport
+        self._shm_dir = shm_dir
+        self._fast: list[FastPath | None] = [None] * len(self.servers)
+        self._fast_retry_at = [0.0] * len(self.servers)
+        self._fast_locks = [threading.Lock() for _ in self.servers]
+        self.transports = ["grpc"] * len(self.servers)
         # Calls resent because a server was past its in-flight budget (a sign to add servers).
         self.overload_retries = 0
 
@@ -122,6 +141,8 @@ class PSClient:
         if self._closed.is_set():
             return
         self._closed.set()
+        for server in range(len(self.servers)):
+            self._drop_fast(server)
         # Channels first: closing one cancels its calls, so a pool thread blocked in a sync pull
         # (a stop, SIGTERM, in mid-step) ends now instead of at its deadline.
         for channel, watcher in zip(self._channels, self._watchers, strict=True):
@@ -200,7 +221,8 @@ class PSClient:
             header = pb.ExchangeHeader(op=pb.PUSH_PULL, stamp=self._stamp(clock),
                                        pull=[codec.slice_id_to_proto(s.slice_key) for s in slices],
                                        timeout_ms=int(self._timeout_s * 1000))
-            return self._exchange_call(server, header, [], slices, result)
+            summary = self._fast_call(server, header, [], slices, result)
+            return summary if summary is not None else self._exchange_call(server, header, [], slices, result)
 
         self.last_pull = _result(self._all_servers(run))
         return result
@@ -236,6 +258,9 @@ class PSClient:
                 pull=[codec.slice_id_to_proto(s.slice_key) for s in slices] if pull else [],
                 timeout_ms=int(self._timeout_s * 1000))
             buffers = [flat[s.key][s.offset:s.offset + s.numel] for s in slices]
+            summary = self._fast_call(server, header, buffers, slices if pull else [], out or {})
+            if summary is not None:
+                return summary
             if sum(b.nbytes for b in buffers) <= SMALL_PAYLOAD_BYTES:
                 return self._unary_push_pull(server, header, buffers, slices if pull else [], out or {})
             return self._exchange_call(server, header, buffers, slices if pull else [], out or {})
@@ -254,6 +279,77 @@ class PSClient:
         return self._all_servers(lambda i: self._unary(i, lambda stub: stub.Checkpoint(
             pb.CheckpointRequest(at_version=at_version, timeout_ms=int(t * 1000)),
             timeout=t + DEADLINE_SLACK_S, wait_for_ready=True).path))
+
+    # ---- fast paths (shared memory, raw TCP) ----
+
+    def _fast_path(self, server: int) -> FastPath | None:
+        """The server's open fast path, negotiating one when none is (and a try is due)."""
+        if self._transport == "grpc":
+            return None
+        with self._fast_locks[server]:
+            fast = self._fast[server]
+            if fast is not None or time.monotonic() < self._fast_retry_at[server] or self._closed.is_set():
+                return fast
+            layout = self._need_layout()
+            # Room for this worker's every slice on the server, each page-aligned, in its own dtype
+            # (the wire dtype only ever shrinks it): allocated once, reused by every step.
+            room = sum(align(s.numel * codec.numpy_dtype(self._param_dtype(s.key)).itemsize)
+                       for s in layout.slices_on(server))
+            reasons = []
+            for kind in ("shm", "tcp") if self._transport == "auto" else (self._transport,):
+                try:
+                    fast = FastPath.open(kind, self._stubs[server], self.servers[server], self.worker_id,
+                                         request_bytes=room, reply_bytes=room, shm_dir=self._shm_dir,
+                                         timeout_s=min(self._timeout_s, 10.0))
+                except PSError as err:
+                    reasons.append(f"{kind}: {err}")
+                    continue
+                self._fast[server], self.transports[server] = fast, kind
+                log.info("server %s: push and pull over %s", self.servers[server], kind)
+                return fast
+            self._fast_retry_at[server] = time.monotonic() + FAST_PATH_RETRY_S
+            log.info("server %s: push and pull over grpc (%s)", self.servers[server], "; ".join(reasons))
+            return None
+
+    def _drop_fast(self, server: int) -> None:
+        fast, self._fast[server] = self._fast[server], None
+        self.transports[server] = "grpc"
+        if fast is not None:
+            fast.close()
+
+    def _fast_call(self, server: int, header: pb.ExchangeHeader, buffers: Sequence[np.ndarray],
+                   pulled: Sequence[LayoutSlice], out: Mapping[str, np.ndarray]) -> pb.ExchangeSummary | None:
+        """The request over the server's fast path; None when there is none or it broke (the caller then
+        sends the same request over gRPC: what the server already applied it drops as a duplicate)."""
+        fast = self._fast_path(server)
+        if fast is None:
+            return None
+        wire = (self.job.wire_dtype if self.job else "") or ""
+        dtypes = [self._param_dtype(s.key) for s in pulled]
+        wire_dtypes = [wire if wire and d in codec.PARAM_DTYPES else d for d in dtypes]
+
+        def place(index: int, raw: np.ndarray) -> None:
+            values = raw.view(codec.numpy_dtype(wire_dtypes[index]))
+            self._place(pulled[index], codec.WireArray(values, wire_dtypes[index]), out)
+
+        def direct(index: int) -> np.ndarray | None:
+            s = pulled[index]
+            if wire_dtypes[index] != dtypes[index]:
+                return None
+            target = out[s.key].reshape(-1)[s.offset:s.offset + s.numel]
+            return target.view(np.uint8) if target.dtype == codec.numpy_dtype(dtypes[index]) else None
+
+        try:
+            return self._call_stamped(server, header.stamp, lambda: fast.call(
+                header, buffers, place, direct, self._timeout_s + DEADLINE_SLACK_S))
+        except TransportBroken as err:
+            log.warning("server %s: %s transport broke (%s); this call completes over gRPC",
+                        self.servers[server], fast.kind, err)
+            with self._fast_locks[server]:
+                if self._fast[server] is fast:
+                    self._drop_fast(server)
+                    self._fast_retry_at[server] = time.monotonic() + FAST_PATH_RETRY_S
+            return None
 
     # ---- internals ----
 
