@@ -74,6 +74,12 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
                    help="also checkpoint every N seconds (default 0: only on request and at shutdown)")
     p.add_argument("--max-message-mb", type=int, default=DEFAULT_MAX_MESSAGE_BYTES // 2**20,
                    help="largest unary message accepted, MiB (default 64; bigger payloads use Exchange)")
+    p.add_argument("--transport", choices=("auto", "shm", "tcp", "grpc"), default=ServerSettings.transport,
+                   help="fast paths offered to workers besides gRPC: auto = shared memory and raw TCP "
+                        f"(default {ServerSettings.transport})")
+    p.add_argument("--shm-dir", metavar="DIR", default=ServerSettings.shm_dir,
+                   help="directory of the workers' shared-memory segments (default "
+                        f"{ServerSettings.shm_dir})")
     add_log_level_argument(p)
     return p
 
@@ -128,7 +134,8 @@ def _settings(args: argparse.Namespace) -> ServerSettings:
                                 optimizer=OptimizerConfig(name=args.optimizer, lr=args.lr,
                                                           momentum=args.momentum))
     return ServerSettings(default_job=default_job, static_quorum=_static_quorum(args),
-                          pull_timeout_s=args.pull_timeout_s, checkpoint_dir=args.checkpoint_dir)
+                          pull_timeout_s=args.pull_timeout_s, checkpoint_dir=args.checkpoint_dir,
+                          transport=args.transport, shm_dir=args.shm_dir)
 
 
 async def _run(args: argparse.Namespace, spec: ClusterSpec | None, settings: ServerSettings,

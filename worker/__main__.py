@@ -103,6 +103,11 @@ def build_parser(environ: Mapping[str, str], prog: str = PROG) -> argparse.Argum
     out.add_argument("--log-every", metavar="N", type=positive_int, default=D.LOG_EVERY,
                      help=f"a 'step' metrics line every N steps (default {D.LOG_EVERY})")
     add_log_level_argument(p)
+    p.add_argument("--transport", choices=("auto", "shm", "tcp", "grpc"), default=D.TRANSPORT,
+                   help="how push/pull bytes travel: auto = shared memory with a server on this host, "
+                        "else a raw TCP socket, else gRPC (default auto; gRPC is always the fallback)")
+    p.add_argument("--shm-dir", metavar="DIR", default=D.SHM_DIR,
+                   help=f"directory of shared-memory segments, shared with the servers (default {D.SHM_DIR})")
     limits = p.add_argument_group("timeouts")
     limits.add_argument("--startup-timeout-s", metavar="S", type=positive_float, default=D.STARTUP_TIMEOUT_S,
                         help="longest wait for the scheduler, the servers and the other workers "
@@ -187,7 +192,7 @@ def config_from_args(argv: Sequence[str] | None, environ: Mapping[str, str], pro
         device=args.device, threads=args.threads, output=args.output, metrics=args.metrics,
         local_optimizer=args.local_optimizer, log_every=args.log_every,
         startup_timeout_s=args.startup_timeout_s, step_timeout_s=args.step_timeout_s,
-        eval_interval_s=args.eval_interval_s)
+        eval_interval_s=args.eval_interval_s, transport=args.transport, shm_dir=args.shm_dir)
 
 
 @exit_on_config_error(prog=PROG)

@@ -39,6 +39,9 @@ class Defaults:
     # Longest one push/pull may take, waiting for peers included.
     STEP_TIMEOUT_S = 120.0
     EVAL_INTERVAL_S = 30.0
+    # How push/pull bytes travel: auto = shared memory with a same-host server, else raw TCP, else gRPC.
+    TRANSPORT = "auto"
+    SHM_DIR = "/dev/shm"
 
 
 @dataclass(frozen=True)
@@ -60,6 +63,8 @@ class TrainConfig:
     startup_timeout_s: float = Defaults.STARTUP_TIMEOUT_S
     step_timeout_s: float = Defaults.STEP_TIMEOUT_S
     eval_interval_s: float = Defaults.EVAL_INTERVAL_S  # evaluator tasks: seconds between evaluations
+    transport: str = Defaults.TRANSPORT  # auto, shm, tcp or grpc (PSClient)
+    shm_dir: str = Defaults.SHM_DIR  # where shared-memory segments are created
 
     @property
     def is_chief(self) -> bool:

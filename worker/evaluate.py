@@ -32,7 +32,8 @@ def run_evaluator(cfg: TrainConfig, stdout: IO[str] | None = None) -> int:
     metrics = MetricsLog(None if cfg.metrics in (None, "-") else cfg.metrics,
                          stream=stdout if cfg.metrics == "-" else None)
     session = ClusterSession(cfg.spec, startup_timeout_s=cfg.startup_timeout_s,
-                             step_timeout_s=cfg.step_timeout_s)
+                             step_timeout_s=cfg.step_timeout_s, transport=cfg.transport,
+                             shm_dir=cfg.shm_dir)
     evals, accuracy, failed = 0, None, None
     try:
         with stage("data", "loading data"):

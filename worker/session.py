@@ -50,8 +50,10 @@ def training_over(view: ClusterView) -> bool:
 class ClusterSession:
     """Membership of one chief, worker or evaluator task; `close()` it in a `finally`."""
 
-    def __init__(self, spec: ClusterSpec, *, startup_timeout_s: float, step_timeout_s: float) -> None:
+    def __init__(self, spec: ClusterSpec, *, startup_timeout_s: float, step_timeout_s: float,
+                 transport: str = "auto", shm_dir: str = "/dev/shm") -> None:
         self.spec = spec
+        self.transport, self.shm_dir = transport, shm_dir  # for PSClient
         self.startup_timeout_s = startup_timeout_s
         self.step_timeout_s = step_timeout_s
         self.scheduler: SchedulerClient | None = None
@@ -118,7 +120,7 @@ class ClusterSession:
         # new generation, and the servers refuse requests stamped with the old one (fencing).
         self.client = PSClient(layout.servers, self.spec.node_id, layout=layout,
                                generation=lambda: sched.generation, await_generation=self._await_generation,
-                               timeout_s=self.step_timeout_s)
+                               timeout_s=self.step_timeout_s, transport=self.transport, shm_dir=self.shm_dir)
         return self.client
 
     def await_start(self, clock: int, *, wait_for_quorum: bool) -> None:

@@ -70,7 +70,8 @@ def run(cfg: TrainConfig, stdout: IO[str] | None = None) -> int:
     stdout = stdout if stdout is not None else sys.stdout
     role = "chief" if cfg.is_chief else "worker"
     session = ClusterSession(cfg.spec, startup_timeout_s=cfg.startup_timeout_s,
-                             step_timeout_s=cfg.step_timeout_s)
+                             step_timeout_s=cfg.step_timeout_s, transport=cfg.transport,
+                             shm_dir=cfg.shm_dir)
     session.host_scheduler_if_needed()
     job = TrainingRun(cfg, stdout, session)
     try:
