@@ -24,7 +24,7 @@ import os
 import sys
 from collections.abc import Mapping, Sequence
 
-from pshard.common.argtypes import listen_address, positive_float
+from pshard.common.argtypes import listen_address, positive_float, positive_int
 from pshard.common.cluster import (
     ClusterSpec,
     add_cluster_arguments,
@@ -74,6 +74,10 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
                    help="also checkpoint every N seconds (default 0: only on request and at shutdown)")
     p.add_argument("--max-message-mb", type=int, default=DEFAULT_MAX_MESSAGE_BYTES // 2**20,
                    help="largest unary message accepted, MiB (default 64; bigger payloads use Exchange)")
+    p.add_argument("--max-inflight-mb", type=positive_int, default=ServerSettings.max_inflight_bytes // 2**20,
+                   help="budget of request bytes held at once; past it new requests get RESOURCE_EXHAUSTED "
+                        "with a retry hint and clients back off (default "
+                        f"{ServerSettings.max_inflight_bytes // 2**20}; a lone bigger request still passes)")
     p.add_argument("--transport", choices=("auto", "shm", "tcp", "grpc"), default=ServerSettings.transport,
                    help="fast paths offered to workers besides gRPC: auto = shared memory and raw TCP "
                         f"(default {ServerSettings.transport})")
@@ -135,7 +139,8 @@ def _settings(args: argparse.Namespace) -> ServerSettings:
                                                           momentum=args.momentum))
     return ServerSettings(default_job=default_job, static_quorum=_static_quorum(args),
                           pull_timeout_s=args.pull_timeout_s, checkpoint_dir=args.checkpoint_dir,
-                          transport=args.transport, shm_dir=args.shm_dir)
+                          transport=args.transport, shm_dir=args.shm_dir,
+                          max_inflight_bytes=args.max_inflight_mb * 2**20)
 
 
 async def _run(args: argparse.Namespace, spec: ClusterSpec | None, settings: ServerSettings,
