@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import grpc
@@ -29,6 +30,7 @@ from pshard.api.v1 import parameter_server_pb2 as pb
 from pshard.api.v1 import tensor_pb2
 from tests.fuzz.exchange import Stream, data_frame, header_frame, streams
 from tests.fuzz.harness import (
+    BROKEN,
     NO_HANG_S,
     WAITING_CALL_S,
     Outcome,
@@ -53,6 +55,9 @@ EXCHANGE_CASES = 400
 MODEL = {"w": np.arange(12, dtype=np.float32).reshape(4, 3), "b": np.ones(3, dtype=np.float32),
          "fc1.weight": np.zeros(5, dtype=np.float32)}
 PUSHED = ("w", "b")
+# Known broken answers that depend on timing, not on the request: tolerated in the open fuzz, shown
+# by their own xfail'd test. (method, status) -> a substring of the details.
+KNOWN_OUTCOMES = {("Checkpoint", grpc.StatusCode.UNKNOWN): "FileNotFoundError"}
 READER = "fuzz-weights-reader"  # a worker id no generated request uses (they draw from NAMES or text)
 
 
@@ -88,6 +93,10 @@ class LiveServer:
     def check(self, method: MethodDescriptor, payload: bytes, what: str) -> Outcome:
         waits = method.name in WAITING
         outcome = call(self.channel, method, payload, WAITING_CALL_S if waits else NO_HANG_S)
+        known = KNOWN_OUTCOMES.get((method.name, outcome.code))
+        if known is not None and known in outcome.details:
+            # A call left running by a short deadline races the next one: a finding of its own (below).
+            outcome = Outcome(grpc.StatusCode.ABORTED, outcome.details)
         self.after(outcome, f"{method.name}({what})", waits)
         return outcome
 
@@ -279,3 +288,14 @@ FINDINGS = [
 def test_known_findings_are_refused_cleanly(live, finding):
     request = finding.request
     live.check(PS.methods_by_name[finding.method], request.SerializeToString(), describe(request))
+
+
+@pytest.mark.xfail(strict=True, reason="issue 7: concurrent Checkpoint RPCs race on the checkpoint files: "
+                   "some end UNKNOWN FileNotFoundError (one save removes another's temporary files)")
+def test_concurrent_checkpoints_are_answered_cleanly(live):
+    checkpoint = PS.methods_by_name["Checkpoint"]
+    with ThreadPoolExecutor(8) as pool:
+        outcomes = list(pool.map(lambda _: call(live.channel, checkpoint, b"", NO_HANG_S), range(64)))
+
+    broken = [o for o in outcomes if o.code in BROKEN]
+    assert not broken, f"{len(broken)} of 64 concurrent Checkpoints: {broken[0]}"
