@@ -64,6 +64,8 @@ KIND_NAMES = {pb.TRANSPORT_KIND_SHM: "shm", pb.TRANSPORT_KIND_TCP: "tcp"}
 # A negotiated session whose worker never connects is dropped (and its segment unmapped) after this.
 _ATTACH_TIMEOUT_S = 30.0
 _HELLO_TIMEOUT_S = 10.0
+# How often a connection whose request waits (a sync pull) checks that its worker is still there.
+_WATCH_S = 0.1
 # Regions larger than the shard (in any dtype) plus slack are refused: a client cannot make us
 # reserve memory the job cannot use.
 _SLACK_BYTES = 16 * 2**20
@@ -193,6 +195,17 @@ class FastPathServer:
         with self._lock:
             return {s.worker_id: s.kind for s in self._sessions.values() if s.sock is not None}
 
+    def disconnect(self, worker_id: str) -> int:
+        """Cut the fast-path connections of `worker_id` (the worker carries on over gRPC and may
+        negotiate again): how many were cut. For operators, and for tests of a path breaking mid-step."""
+        with self._lock:
+            socks = [s.sock for s in self._sessions.values()
+                     if s.worker_id == worker_id and s.sock is not None]
+        for sock in socks:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+        return len(socks)
+
     def _end(self, session: _Session) -> None:
         with self._lock:
             if self._sessions.pop(session.id, None) is None:
@@ -313,12 +326,14 @@ class FastPathServer:
         future = asyncio.run_coroutine_threadsafe(self._run(session, header, metas, views), self._loop)
         while True:
             try:
-                reply = future.result(timeout=1.0)
+                reply = future.result(timeout=_WATCH_S)
                 break
             except FutureTimeout:
-                if self._stopping.is_set():
+                # A pull may wait minutes: meanwhile, notice a worker that died (and free its session).
+                if self._stopping.is_set() or _peer_gone(sock):
                     future.cancel()
-                    raise TransportBroken("server stopping") from None
+                    raise TransportBroken("server stopping" if self._stopping.is_set() else
+                                          "the worker went away while its request waited") from None
         reply_region = session.regions.reply
         data = ([reply_region[o:o + n] for o, n in zip(reply.offsets, reply.sizes, strict=True)]
                 if inline else [])
@@ -364,6 +379,16 @@ class FastPathServer:
                     reply.summary.versions.extend(event.versions)
                     reply.summary.applied, reply.summary.dropped = event.applied, event.dropped
         return reply
+
+
+def _peer_gone(sock: socket.socket) -> bool:
+    """Whether the peer closed (or reset) the connection, without consuming anything it sent."""
+    try:
+        return sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+    except BlockingIOError:
+        return False
+    except OSError:
+        return True
 
 
 def _push_metas(header: pb.ExchangeHeader) -> tuple[list[SliceMeta], list[int]]:
