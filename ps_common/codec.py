@@ -10,16 +10,17 @@ a uint16 array may be bfloat16. The facts about each dtype live in `pshard.commo
 
 from __future__ import annotations
 
-import math
 import typing
 from collections.abc import Iterable, Sequence
 from typing import NamedTuple
 
 import numpy as np
+from google.protobuf.message import DecodeError
 from pshard.common import dtypes
 from pshard.common.errors import InvalidArgumentError, PayloadSizeError
 from pshard.common.job import JobConfig, OptimizerConfig
 from pshard.common.layout import Layout, LayoutSlice, ParamSpec
+from pshard.common.limits import DEFAULT_LIMITS
 from pshard.common.types import SliceKey, Stamp
 from pshard.common.view import ClusterView, Node, NodeState
 
@@ -90,10 +91,10 @@ def cast(wire: WireArray, dtype: str) -> WireArray:
 # ---- tensors ----
 
 def nbytes_of(what: str, dtype: str, shape: Sequence[int]) -> int:
-    """The byte length a (dtype, shape) needs; a negative dimension is an error naming `what`."""
-    if any(d < 0 for d in shape):
-        raise InvalidArgumentError(f"{what}: shape {tuple(shape)} has a negative dimension")
-    return math.prod(shape) * numpy_dtype(dtype).itemsize
+    """The byte length a (dtype, shape) needs. A shape past the documented limits (too many
+    dimensions, too many elements, a negative dimension) is an error naming `what`, raised before
+    numpy sees it: numpy's own refusals are not errors a client can be told about."""
+    return DEFAULT_LIMITS.check_shape(what, shape) * numpy_dtype(dtype).itemsize
 
 
 def check_nbytes(what: str, dtype: str, shape: Sequence[int], nbytes: int) -> int:
@@ -268,7 +269,10 @@ def encode_frame(message: ps_pb.Frame) -> bytes:
 
 def decode_frame(frame: bytes) -> ps_pb.Frame:
     message = ps_pb.Frame()
-    message.ParseFromString(frame)
+    try:
+        message.ParseFromString(frame)
+    except DecodeError as err:  # bytes a client sent: its error, not the server's
+        raise InvalidArgumentError(f"Exchange frame: {len(frame)} bytes are not a Frame ({err})") from None
     return message
 
 
