@@ -7,6 +7,7 @@ validated on construction so a bad value fails where it is written.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from pshard.common.dtypes import WIRE_DTYPES
@@ -17,6 +18,28 @@ from pshard.common.errors import InvalidArgumentError
 MODES = ("sync", "async", "ssp")
 OPTIMIZERS = ("sgd", "adam", "adamw", "adagrad", "aggregate")
 __all__ = ["MODES", "OPTIMIZERS", "WIRE_DTYPES", "JobConfig", "OptimizerConfig"]
+
+# The accepted ranges (README, Limits). The bounds are far beyond any setting that trains: they are
+# there so that a typo or a hostile Declare (lr = 1e30, momentum = NaN) cannot configure every server
+# of the job, since the first Declare's settings win for the whole run.
+# (field, lowest, highest), both ends included; non-finite values are always refused.
+_OPTIMIZER_RANGES = (
+    ("lr", 0.0, 1e3),
+    ("momentum", 0.0, 1.0),  # torch allows more, but momentum past 1 makes every step grow
+    ("dampening", 0.0, 1.0),
+    ("weight_decay", 0.0, 1.0),
+    ("eps", 0.0, 1.0),
+    ("lr_decay", 0.0, 1e3),
+    ("initial_accumulator_value", 0.0, 1e6),
+)
+# SSP past a million clocks of staleness is async; sync backups cannot outnumber a job's members.
+MAX_STALENESS = 2**20
+MAX_BACKUP_WORKERS = 4096
+
+
+def _check_range(field: str, value: float, low: float, high: float) -> None:
+    if not (math.isfinite(value) and low <= value <= high):
+        raise InvalidArgumentError(f"{field}: got {value}, expected a finite value in [{low:g}, {high:g}]")
 
 
 @dataclass(frozen=True)
@@ -42,19 +65,21 @@ class OptimizerConfig:
     def __post_init__(self) -> None:
         if self.name not in OPTIMIZERS:
             raise InvalidArgumentError(f"optimizer.name: got {self.name!r}, expected one of {OPTIMIZERS}")
-        if not self.lr >= 0.0:
-            raise InvalidArgumentError(f"optimizer.lr: got {self.lr}, expected >= 0")
+        for name, low, high in _OPTIMIZER_RANGES:
+            _check_range(f"optimizer.{name}", getattr(self, name), low, high)
+        if not self.eps > 0:  # Adam and Adagrad divide by sqrt(state) + eps
+            raise InvalidArgumentError(f"optimizer.eps: got {self.eps}, expected > 0")
+        if len(self.betas) != 2:
+            raise InvalidArgumentError(f"optimizer.betas: got {self.betas}, expected two values")
+        for i, beta in enumerate(self.betas):
+            if not (math.isfinite(beta) and 0.0 <= beta < 1.0):
+                raise InvalidArgumentError(f"optimizer.betas[{i}]: got {beta} (betas {self.betas}), "
+                                           "expected each in [0, 1)")
         if self.nesterov and (self.momentum <= 0 or self.dampening != 0):
             raise InvalidArgumentError(
                 f"optimizer.nesterov: needs momentum > 0 and dampening = 0, "
                 f"got momentum={self.momentum}, dampening={self.dampening}"
             )
-        for name, value in (("momentum", self.momentum), ("weight_decay", self.weight_decay),
-                            ("eps", self.eps), ("lr_decay", self.lr_decay)):
-            if value < 0:
-                raise InvalidArgumentError(f"optimizer.{name}: got {value}, expected >= 0")
-        if not all(0.0 <= b < 1.0 for b in self.betas):
-            raise InvalidArgumentError(f"optimizer.betas: got {self.betas}, expected each in [0, 1)")
 
 
 @dataclass(frozen=True)
@@ -71,9 +96,7 @@ class JobConfig:
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise InvalidArgumentError(f"mode: got {self.mode!r}, expected one of {MODES}")
-        if self.staleness < 0:
-            raise InvalidArgumentError(f"staleness: got {self.staleness}, expected >= 0")
-        if self.backup_workers < 0:
-            raise InvalidArgumentError(f"backup_workers: got {self.backup_workers}, expected >= 0")
+        _check_range("staleness", self.staleness, 0, MAX_STALENESS)
+        _check_range("backup_workers", self.backup_workers, 0, MAX_BACKUP_WORKERS)
         if self.wire_dtype not in WIRE_DTYPES:
             raise InvalidArgumentError(f"wire_dtype: got {self.wire_dtype!r}, expected one of {WIRE_DTYPES}")

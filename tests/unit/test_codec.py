@@ -408,7 +408,7 @@ def test_stamp_without_worker_id_is_invalid() -> None:
         codec.stamp_from_proto(ps_pb.Stamp(worker_id="", generation=1, clock=1))
 
 
-_NONNEG = st.floats(0, 1e6, allow_nan=False)
+_NONNEG = st.floats(0, 1, allow_nan=False)  # within every optimizer field's range (job.py)
 
 
 @st.composite
@@ -419,10 +419,10 @@ def job_configs(draw: st.DrawFn) -> JobConfig:
         name=name, lr=draw(_NONNEG), nesterov=nesterov,
         momentum=draw(st.floats(0.01, 0.99)) if nesterov else draw(_NONNEG),
         dampening=0.0 if nesterov else draw(_NONNEG), weight_decay=draw(_NONNEG),
-        betas=(draw(st.floats(0, 0.999)), draw(st.floats(0, 0.999))), eps=draw(_NONNEG),
+        betas=(draw(st.floats(0, 0.999)), draw(st.floats(0, 0.999))), eps=draw(st.floats(1e-12, 1)),
         amsgrad=draw(st.booleans()), lr_decay=draw(_NONNEG), initial_accumulator_value=draw(_NONNEG))
-    return JobConfig(mode=draw(st.sampled_from(MODES)), staleness=draw(st.integers(0, 2**32 - 1)),
-                     optimizer=optimizer, backup_workers=draw(st.integers(0, 2**32 - 1)),
+    return JobConfig(mode=draw(st.sampled_from(MODES)), staleness=draw(st.integers(0, 2**20)),
+                     optimizer=optimizer, backup_workers=draw(st.integers(0, 4096)),
                      wire_dtype=draw(st.sampled_from(WIRE_DTYPES)))
 
 
