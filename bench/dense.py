@@ -5,7 +5,10 @@ a PSClient each, all on 127.0.0.1, sync mode, server-side SGD. Every step each w
 pushes every gradient and gets every updated weight back in one push_pull. MB/s
 counts the bytes pushed plus the bytes pulled by all workers (decimal MB).
 
-    python -m bench.dense [--sizes 8000000,2000000*8,...] [--steps 8] [--profile DIR]
+`--transport` picks how the bytes travel (shm, tcp or grpc: both ends are told, so the figure is
+that transport's, and a worker that ends up on another one fails the run).
+
+    python -m bench.dense [--transport shm|tcp|grpc] [--sizes 8000000,2000000*8,...] [--steps 8]
 """
 
 from __future__ import annotations
@@ -31,7 +34,8 @@ from bench.common import (
 
 
 def _dense_worker(run: WorkerRun, addresses: list[str], sizes: list[int], lr: float, warmup: int,
-                  steps: int, profile_dir: str | None, server_pids: list[int]) -> dict[str, float]:
+                  steps: int, profile_dir: str | None, server_pids: list[int], transport: str
+                  ) -> dict[str, float]:
     import numpy as np
     from pshard.common.job import JobConfig, OptimizerConfig
     from pshard.worker.client import PSClient
@@ -40,7 +44,7 @@ def _dense_worker(run: WorkerRun, addresses: list[str], sizes: list[int], lr: fl
     params = {f"t{i:02d}": rng.standard_normal(n, dtype=np.float32) for i, n in enumerate(sizes)}
     grads = {k: rng.standard_normal(v.size, dtype=np.float32) for k, v in params.items()}
     job = JobConfig(mode="sync", optimizer=OptimizerConfig(name="sgd", lr=lr))
-    with PSClient(addresses, f"w{run.index}") as client:
+    with PSClient(addresses, f"w{run.index}", transport=transport) as client:
         weights = client.declare(params, job)
         first = weights["t00"][:4].copy()
         run.sync()
@@ -63,6 +67,8 @@ def _dense_worker(run: WorkerRun, addresses: list[str], sizes: list[int], lr: fl
             clock += 1
         end = time.monotonic()
         meter.stop()
+        if client.transports != [transport] * len(addresses):
+            raise RuntimeError(f"dense: asked for {transport}, the steps went over {client.transports}")
         if profiler is not None and profile_dir:
             profiler.disable()
             profiler.dump_stats(str(Path(profile_dir) / f"worker{run.index}.prof"))
@@ -73,21 +79,22 @@ def _dense_worker(run: WorkerRun, addresses: list[str], sizes: list[int], lr: fl
 
 
 def dense(sizes: list[int], servers: int = 2, workers: int = 2, warmup: int = 2, steps: int = 8,
-          lr: float = 1e-4, profile_dir: str | None = None) -> dict[str, object]:
+          lr: float = 1e-4, profile_dir: str | None = None, transport: str = "grpc") -> dict[str, object]:
     names = [f"w{i}" for i in range(workers)]
-    extra: list[str] = []
+    extra: list[str] = ["--transport", transport]
     if profile_dir:
         Path(profile_dir).mkdir(parents=True, exist_ok=True)
     procs = start_ps_servers(servers, names, extra, profile_dir=profile_dir)
     try:
         results = run_workers(_dense_worker, workers, ([p.address for p in procs], sizes, lr, warmup, steps,
-                                                        profile_dir, [p.proc.pid for p in procs]))
+                                                        profile_dir, [p.proc.pid for p in procs], transport))
     finally:
         stop_processes([p.proc for p in procs])
     elapsed = span_s(results)
     model_bytes = 4 * sum(sizes)
     moved = 2 * model_bytes * workers * steps  # every worker pushes and pulls the whole model
-    return {"mb_per_s": round(moved / MB / elapsed, 1), "steps_per_s": round(steps / elapsed, 3),
+    return {"transport": transport, "mb_per_s": round(moved / MB / elapsed, 1),
+            "steps_per_s": round(steps / elapsed, 3),
             "bytes_per_step": moved // steps, "params": sum(sizes), "tensors": len(sizes),
             "servers": servers, "workers": workers, "steps": steps, **cpu_figures(results, steps, elapsed)}
 
@@ -102,6 +109,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup", type=int, default=2, help="untimed steps first (default 2)")
     p.add_argument("--steps", type=int, default=8, help="timed steps (default 8)")
     p.add_argument("--lr", type=float, default=1e-4, help="server SGD learning rate (default 1e-4)")
+    p.add_argument("--transport", choices=("shm", "tcp", "grpc"), default="grpc",
+                   help="how push/pull bytes travel (default grpc)")
     p.add_argument("--profile", metavar="DIR",
                    help="write cProfile stats of the workers' timed steps and of the servers to DIR")
     return p
@@ -110,7 +119,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     emit("dense_push_pull", **dense(parse_sizes(args.sizes), args.servers, args.workers, args.warmup,
-                                    args.steps, args.lr, args.profile))
+                                    args.steps, args.lr, args.profile, args.transport))
     return 0
 
 

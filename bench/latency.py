@@ -3,7 +3,7 @@
 The worker is this process; the server is `python -m pshard.ps_server` in sync mode with
 this worker as its whole quorum, so every push_pull is applied and answered at once.
 
-    python -m bench.latency [--numel 1000] [--iterations 2000] [--warmup 200]
+    python -m bench.latency [--transport shm|tcp|grpc] [--numel 1000] [--iterations 2000] [--warmup 200]
 """
 
 from __future__ import annotations
@@ -15,14 +15,15 @@ import time
 from bench.common import CpuMeter, emit, start_ps_servers, stop_processes, summarize_latencies
 
 
-def latency(numel: int = 1000, iterations: int = 2000, warmup: int = 200) -> dict[str, object]:
+def latency(numel: int = 1000, iterations: int = 2000, warmup: int = 200, transport: str = "grpc"
+            ) -> dict[str, object]:
     import numpy as np
     from pshard.common.job import JobConfig, OptimizerConfig
     from pshard.worker.client import PSClient
 
-    [server] = start_ps_servers(1, ["w0"])
+    [server] = start_ps_servers(1, ["w0"], ["--transport", transport])
     try:
-        with PSClient([server.address], "w0") as client:
+        with PSClient([server.address], "w0", transport=transport) as client:
             params = {"w": np.zeros(numel, np.float32)}
             weights = client.declare(params, JobConfig(mode="sync", optimizer=OptimizerConfig("sgd", lr=0.1)))
             grads = {"w": np.ones(numel, np.float32)}
@@ -36,13 +37,15 @@ def latency(numel: int = 1000, iterations: int = 2000, warmup: int = 200) -> dic
                 if clock >= warmup:
                     samples.append(time.perf_counter() - t0)
             meter.stop()
+            if client.transports != [transport]:
+                raise RuntimeError(f"latency: asked for {transport}, the calls went over {client.transports}")
             expected = -0.1 * (warmup + iterations)
             if not np.allclose(weights["w"], expected, rtol=1e-3):
                 raise RuntimeError(f"latency: weights are {weights['w'][:3]}, SGD should give {expected}")
     finally:
         stop_processes([server.proc])
-    return {**summarize_latencies(samples), **cpu_per_call(meter, iterations), "numel": numel,
-            "payload_bytes": 4 * numel, "iterations": iterations}
+    return {"transport": transport, **summarize_latencies(samples), **cpu_per_call(meter, iterations),
+            "numel": numel, "payload_bytes": 4 * numel, "iterations": iterations}
 
 
 def cpu_per_call(meter: CpuMeter, calls: int) -> dict[str, float]:
@@ -57,12 +60,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--numel", type=int, default=1000, help="float32 elements of the tensor (default 1000)")
     p.add_argument("--iterations", type=int, default=2000, help="timed push_pulls (default 2000)")
     p.add_argument("--warmup", type=int, default=200, help="untimed push_pulls first (default 200)")
+    p.add_argument("--transport", choices=("shm", "tcp", "grpc"), default="grpc",
+                   help="how push/pull bytes travel (default grpc)")
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    emit("latency_small_push_pull", **latency(args.numel, args.iterations, args.warmup))
+    emit("latency_small_push_pull", **latency(args.numel, args.iterations, args.warmup, args.transport))
     return 0
 
 

@@ -11,12 +11,14 @@ bytes travel differs (docs/architecture.md, 11 Transports):
   the socket. Then each request is an ExchangeHeader frame, answered by a TransportReply frame.
   Over TCP the gradients follow the header and the pulled slices follow the reply; over shm both
   stay in the segment and the socket only carries these small frames (the doorbell);
-* one thread per connection reads into the session's page-aligned request region (`recv_into`)
-  and runs the handler on the event loop. Pulled slices are copied once, under the slice's lock,
-  into a slot of the reply region that belongs to that slice for the session's lifetime: a pull at
-  version v returns exactly v's bytes, and sync mode's shared-encoding cache stays valid per slot;
+* each connection is a task on the server's event loop: it reads into the session's page-aligned
+  request region (`recv_into`) and awaits the handler, with no thread hop. Pulled slices are
+  copied once, under the slice's lock, into a slot of the reply region that belongs to that slice
+  for the session's lifetime: a pull at version v returns exactly v's bytes, and sync mode's
+  shared-encoding cache stays valid per slot;
 * a session ends with its socket: a worker that closes, dies or is SIGKILLed is noticed at once
-  (EOF) and its segment is unmapped and removed; a session never connected expires.
+  (EOF, even while its pull waits) and its segment is unmapped and removed; a session never
+  connected expires.
 """
 
 from __future__ import annotations
@@ -28,25 +30,22 @@ import logging
 import secrets
 import socket
 import threading
-import time
-from collections.abc import AsyncIterator, Sequence
-from concurrent.futures import TimeoutError as FutureTimeout
+from collections.abc import AsyncIterator, Coroutine, Sequence
 
 import grpc.aio
 import numpy as np
 from google.protobuf.message import DecodeError
 from pshard.common import codec
-from pshard.common.codec import WireArray
+from pshard.common.codec import WireArray, byte_view
 from pshard.common.errors import InvalidArgumentError, PSError
 from pshard.common.fastwire import (
+    HEADER_BYTES,
     HELLO,
     REPLY,
     REQUEST,
     TransportBroken,
-    discard,
-    recv_frame_head,
-    recv_into,
-    send_frame,
+    decode_header,
+    encode_header,
     tune,
 )
 from pshard.common.rpc_status import maps_errors
@@ -64,8 +63,9 @@ KIND_NAMES = {pb.TRANSPORT_KIND_SHM: "shm", pb.TRANSPORT_KIND_TCP: "tcp"}
 # A negotiated session whose worker never connects is dropped (and its segment unmapped) after this.
 _ATTACH_TIMEOUT_S = 30.0
 _HELLO_TIMEOUT_S = 10.0
-# How often a connection whose request waits (a sync pull) checks that its worker is still there.
-_WATCH_S = 0.1
+# Requests moving at most this many bytes take the plain push_pull handler; larger ones the
+# Exchange core, which overlaps a slice's push with the pull of those already applied.
+_SMALL_BYTES = 1 << 20
 # Regions larger than the shard (in any dtype) plus slack are refused: a client cannot make us
 # reserve memory the job cannot use.
 _SLACK_BYTES = 16 * 2**20
@@ -131,6 +131,11 @@ class _Session:
         self._slots[key] = (offset, nbytes)
         return offset
 
+    def pulled_bytes(self, keys: Sequence[SliceKey]) -> int:
+        """What pulling `keys` moved last time: the size of this pull, for all but a session's first."""
+        unknown = (0, 1 << 62)  # a slice not pulled yet could be any size: not small
+        return sum(self._slots.get(k, unknown)[1] for k in keys)
+
     def close(self) -> None:
         self.closed = True
         self.encoder.session = None
@@ -147,8 +152,8 @@ class FastPathServer:
         self._shm_dir = shm_dir
         self._sessions: dict[int, _Session] = {}
         self._lock = threading.Lock()
-        self._threads: list[threading.Thread] = []
-        self._stopping = threading.Event()
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._stopping = False
         self._listener: socket.socket | None = None
         self.port = 0
         if not self.kinds:
@@ -158,37 +163,34 @@ class FastPathServer:
                 log.info("removed orphaned segment %s (its creator is dead)", path)
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self._listener = socket.create_server((host, 0), family=family, backlog=64)
+        self._listener.setblocking(False)
         self.port = self._listener.getsockname()[1]
-        self._spawn(self._accept, "ps-fastpath-accept")
+        self._spawn(self._accept())
         log.info("fast paths %s listening on port %d", sorted(self.kinds), self.port)
 
     # ---- lifecycle ----
 
-    def _spawn(self, target: object, name: str, *args: object) -> None:
-        thread = threading.Thread(target=target, args=args, name=name, daemon=True)  # type: ignore[arg-type]
-        self._threads = [t for t in self._threads if t.is_alive()]
-        self._threads.append(thread)
-        thread.start()
+    def _spawn(self, coroutine: Coroutine[None, None, None]) -> None:
+        task = self._loop.create_task(coroutine)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     def stop(self, timeout_s: float = 5.0) -> None:
-        """Close the listener and every session (removing their segments)."""
-        self._stopping.set()
+        """Close the listener and every session (removing their segments); from any thread but the loop's."""
+        asyncio.run_coroutine_threadsafe(self.aclose(), self._loop).result(timeout_s)
+
+    async def aclose(self) -> None:
+        self._stopping = True
         if self._listener is not None:
-            with contextlib.suppress(OSError):
-                self._listener.shutdown(socket.SHUT_RDWR)
             self._listener.close()
+        tasks = list(self._tasks)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
         with self._lock:
             sessions = list(self._sessions.values())
         for session in sessions:
-            if session.sock is not None:
-                with contextlib.suppress(OSError):
-                    session.sock.shutdown(socket.SHUT_RDWR)
-            else:
-                self._end(session)
-        deadline = time.monotonic() + timeout_s
-        for thread in self._threads:
-            if thread is not threading.current_thread():
-                thread.join(max(0.0, deadline - time.monotonic()))
+            self._end(session)
 
     def transports(self) -> dict[str, str]:
         """Worker id -> kind of its connected session."""
@@ -218,7 +220,7 @@ class FastPathServer:
         kind = KIND_NAMES.get(request.kind)
         if kind is None:
             raise InvalidArgumentError(f"OpenTransport kind: got {request.kind}, expected SHM or TCP")
-        if kind not in self.kinds or self._stopping.is_set():
+        if kind not in self.kinds or self._stopping:
             raise TransportRefusedError(f"OpenTransport: this server does not offer {kind} "
                                         f"(it offers {sorted(self.kinds) or 'gRPC only'})")
         limit = 4 * self._handlers.store.stats().bytes_stored + _SLACK_BYTES
@@ -231,7 +233,7 @@ class FastPathServer:
             except OSError as err:
                 raise TransportRefusedError(f"OpenTransport: cannot open segment {request.segment!r} in "
                                             f"{self._shm_dir}: {err.strerror or err}") from None
-            if (regions.request_bytes, regions.reply_bytes) < (request.request_bytes, request.reply_bytes):
+            if regions.request_bytes < request.request_bytes or regions.reply_bytes < request.reply_bytes:
                 regions.close(unlink=False)
                 raise InvalidArgumentError(f"OpenTransport: segment {request.segment!r} is smaller than "
                                            "announced")
@@ -248,44 +250,66 @@ class FastPathServer:
         if session.sock is None:
             self._end(session)
 
-    # ---- connections (one thread each) ----
+    # ---- connections (a task each, on the event loop: no thread hop between socket and handlers) ----
 
-    def _accept(self) -> None:
+    async def _accept(self) -> None:
         assert self._listener is not None
-        while not self._stopping.is_set():
+        while True:
             try:
-                sock, peer = self._listener.accept()
+                sock, _ = await self._loop.sock_accept(self._listener)
             except OSError:
                 return
-            self._spawn(self._connection, f"ps-fastpath-{peer[1]}", sock)
+            self._spawn(self._connection(sock))
 
-    def _connection(self, sock: socket.socket) -> None:
+    async def _connection(self, sock: socket.socket) -> None:
         session = None
         try:
+            sock.setblocking(False)
             tune(sock)
-            sock.settimeout(_HELLO_TIMEOUT_S)
-            session = self._attach(sock)
+            session = await asyncio.wait_for(self._attach(sock), _HELLO_TIMEOUT_S)
             if session is None:
                 return
-            sock.settimeout(None)
             log.info("worker %s: %s transport connected", session.worker_id, session.kind)
-            while not self._stopping.is_set():
-                kind, meta, data_len = recv_frame_head(sock)
+            while True:
+                kind, meta, data_len = await self._recv_head(sock)
                 if kind != REQUEST:
                     raise TransportBroken(f"expected a request frame, got kind {kind}")
-                self._serve_one(sock, session, meta, data_len)
-        except (OSError, TransportBroken) as err:
-            if session is not None and not self._stopping.is_set():
+                await self._serve_one(sock, session, meta, data_len)
+        except (OSError, TransportBroken, TimeoutError) as err:
+            if session is not None:
                 log.info("worker %s: %s transport closed (%s)", session.worker_id, session.kind, err)
         finally:
-            with contextlib.suppress(OSError):
-                sock.close()
+            sock.close()
             if session is not None:
                 self._end(session)
 
-    def _attach(self, sock: socket.socket) -> _Session | None:
+    async def _recv_into(self, sock: socket.socket, view: memoryview | np.ndarray) -> None:
+        buf = byte_view(view)
+        got = 0
+        while got < buf.nbytes:
+            n = await self._loop.sock_recv_into(sock, buf[got:])
+            if n == 0:
+                raise TransportBroken(f"peer closed the connection ({got} of {buf.nbytes} bytes read)")
+            got += n
+
+    async def _recv_head(self, sock: socket.socket) -> tuple[int, bytes, int]:
+        head = bytearray(HEADER_BYTES)
+        await self._recv_into(sock, memoryview(head))
+        kind, meta_len, data_len = decode_header(head)
+        meta = bytearray(meta_len)
+        await self._recv_into(sock, memoryview(meta))
+        return kind, bytes(meta), data_len
+
+    async def _send(self, sock: socket.socket, meta: bytes, data: Sequence[np.ndarray] = ()) -> None:
+        head = encode_header(REPLY, len(meta), sum(d.nbytes for d in data))
+        await self._loop.sock_sendall(sock, head + meta)
+        for part in data:
+            if part.nbytes:
+                await self._loop.sock_sendall(sock, byte_view(part))
+
+    async def _attach(self, sock: socket.socket) -> _Session | None:
         """The session whose secret the first frame carries; None (the caller closes) for anyone else."""
-        kind, meta, data_len = recv_frame_head(sock)
+        kind, meta, data_len = await self._recv_head(sock)
         try:
             hello = pb.TransportHello.FromString(meta)
         except DecodeError:
@@ -299,7 +323,7 @@ class FastPathServer:
             session.sock = sock
         return session
 
-    def _serve_one(self, sock: socket.socket, session: _Session, meta: bytes, data_len: int) -> None:
+    async def _serve_one(self, sock: socket.socket, session: _Session, meta: bytes, data_len: int) -> None:
         try:
             header = pb.ExchangeHeader.FromString(meta)
         except DecodeError as err:
@@ -313,8 +337,8 @@ class FastPathServer:
                                       f"{session.regions.request_bytes}")
         except PSError as err:
             if inline:
-                discard(sock, data_len)
-            send_frame(sock, REPLY, _error_reply(err).SerializeToString())
+                await self._recv_into(sock, np.empty(data_len, np.uint8))  # keep the stream in step
+            await self._send(sock, _error_reply(err).SerializeToString())
             return
         if data_len != (sum(sizes) if inline else 0):
             raise TransportBroken(f"request announces {data_len} data bytes, its header {sum(sizes)}")
@@ -322,22 +346,37 @@ class FastPathServer:
         views = [request[o:o + n] for o, n in zip(offsets, sizes, strict=True)]
         if inline:
             for view in views:
-                recv_into(sock, view)
-        future = asyncio.run_coroutine_threadsafe(self._run(session, header, metas, views), self._loop)
-        while True:
-            try:
-                reply = future.result(timeout=_WATCH_S)
-                break
-            except FutureTimeout:
-                # A pull may wait minutes: meanwhile, notice a worker that died (and free its session).
-                if self._stopping.is_set() or _peer_gone(sock):
-                    future.cancel()
-                    raise TransportBroken("server stopping" if self._stopping.is_set() else
-                                          "the worker went away while its request waited") from None
+                await self._recv_into(sock, view)
+        reply = await self._run_watched(sock, session, header, metas, views)
         reply_region = session.regions.reply
-        data = ([reply_region[o:o + n] for o, n in zip(reply.offsets, reply.sizes, strict=True)]
-                if inline else [])
-        send_frame(sock, REPLY, reply.SerializeToString(), data)
+        await self._send(sock, reply.SerializeToString(),
+                         [reply_region[o:o + n] for o, n in zip(reply.offsets, reply.sizes, strict=True)]
+                         if inline else [])
+
+    async def _run_watched(self, sock: socket.socket, session: _Session, header: pb.ExchangeHeader,
+                           metas: Sequence[SliceMeta], views: Sequence[np.ndarray]) -> pb.TransportReply:
+        """The request, cancelled if the socket turns readable meanwhile: a worker sends nothing while
+        it waits for its reply, so that is its death (EOF, reset) or a broken peer. A pull may wait
+        minutes; its session (and segment) must not outlive the worker that long."""
+        task = asyncio.current_task()
+        assert task is not None
+        gone = []
+
+        def readable() -> None:
+            gone.append(True)
+            self._loop.remove_reader(sock.fileno())
+            task.cancel()
+
+        self._loop.add_reader(sock.fileno(), readable)
+        try:
+            return await self._run(session, header, metas, views)
+        except asyncio.CancelledError:
+            if gone and not self._stopping:
+                raise TransportBroken("the worker went away while its request was served") from None
+            raise
+        finally:
+            if not gone:
+                self._loop.remove_reader(sock.fileno())
 
     async def _run(self, session: _Session, header: pb.ExchangeHeader, metas: Sequence[SliceMeta],
                    views: Sequence[np.ndarray]) -> pb.TransportReply:
@@ -354,17 +393,21 @@ class FastPathServer:
         if header.op != pb.PUSH_PULL:
             raise InvalidArgumentError(f"Exchange header.op: got {header.op}, expected PUSH_PULL or DECLARE")
         pull = [codec.slice_id_from_proto(s) for s in header.pull]
+        wires = [WireArray(view.view(codec.numpy_dtype(meta.dtype)).reshape(meta.shape), meta.dtype)
+                 for meta, view in zip(metas, views, strict=True)]
+        timeout_s = header.timeout_ms / 1000 if header.timeout_ms else None
+        if sum(view.nbytes for view in views) + session.pulled_bytes(pull) <= _SMALL_BYTES:
+            return await self._push_pull(session, header, metas, wires, pull, timeout_s)
 
         async def gradients() -> AsyncIterator[tuple[int, WireArray]]:
-            for index, (meta, view) in enumerate(zip(metas, views, strict=True)):
-                array = view.view(codec.numpy_dtype(meta.dtype)).reshape(meta.shape)
-                yield index, WireArray(array, meta.dtype)
+            for index, wire in enumerate(wires):
+                yield index, wire
 
         encoder = session.encoder
         encoder.expect = pull[0] if pull else None
         reply = pb.TransportReply()
         events = self._handlers.exchange(codec.stamp_from_proto(header.stamp), metas, pull, gradients(),
-                                         encoder, header.timeout_ms / 1000 if header.timeout_ms else None)
+                                         encoder, timeout_s)
         async with contextlib.aclosing(events):
             async for event in events:
                 if isinstance(event, EncodedSlice):
@@ -381,14 +424,24 @@ class FastPathServer:
         return reply
 
 
-def _peer_gone(sock: socket.socket) -> bool:
-    """Whether the peer closed (or reset) the connection, without consuming anything it sent."""
-    try:
-        return sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
-    except BlockingIOError:
-        return False
-    except OSError:
-        return True
+    async def _push_pull(self, session: _Session, header: pb.ExchangeHeader, metas: Sequence[SliceMeta],
+                         wires: Sequence[WireArray], pull: Sequence[SliceKey], timeout_s: float | None
+                         ) -> pb.TransportReply:
+        """A small request through the plain push_pull handler (as gRPC's unary PushPull): one
+        coroutine, where the Exchange core's tasks and events would cost more than the bytes."""
+        result = await self._handlers.push_pull(codec.stamp_from_proto(header.stamp),
+                                                [(m.key, w) for m, w in zip(metas, wires, strict=True)],
+                                                pull, timeout_s)
+        reply = pb.TransportReply()
+        reply.summary.applied, reply.summary.dropped = result.applied, result.dropped
+        for pulled in result.slices:
+            src = pulled.value.array.reshape(-1).view(np.uint8)
+            offset = session.slot(pulled.key, src.nbytes)
+            session.regions.reply[offset:offset + src.nbytes] = src
+            reply.offsets.append(offset)
+            reply.sizes.append(src.nbytes)
+            reply.summary.versions.append(pulled.version)
+        return reply
 
 
 def _push_metas(header: pb.ExchangeHeader) -> tuple[list[SliceMeta], list[int]]:
