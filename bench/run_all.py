@@ -1,7 +1,8 @@
 """All benchmarks in one run, each figure also as a ratio against a ceiling measured in the same run.
 
 Prints JSON lines (one object per figure, each with the machine description and the
-1-minute load average) and then a short human summary. Ceiling (b) and the dense
+1-minute load average) and then a short human summary. Dense and small push+pull are measured
+per transport (grpc, tcp, shm: `--transports`), with the bars of issue 8. Ceiling (b) and the dense
 figure are taken alternately, `--repeats` times each, and the best of each is used:
 on a shared machine the best of a few runs is the least disturbed one.
 
@@ -25,8 +26,11 @@ from bench.common import DEFAULT_SIZES, emit, load_average, machine, parse_sizes
 from bench.dense import dense
 from bench.latency import latency
 
-DENSE_BAR = 0.9  # dense MB/s as a fraction of ceiling (b)
-LATENCY_BAR_US = 1000.0  # small push+pull p50
+TRANSPORTS = ("grpc", "tcp", "shm")
+# Bars of issue 8: dense MB/s as a fraction of a ceiling, and small push+pull p50 per transport.
+DENSE_BARS = {"grpc": ("ratio_to_grpc_echo", 0.9), "tcp": ("ratio_to_tcp", 0.9), "shm": ("ratio_to_tcp", 1.5)}
+LATENCY_BARS_US = {"tcp": 250.0, "shm": 250.0}
+GRPC_LATENCY_BAR = 1.1  # grpc small p50 as a multiple of a bare grpcio round trip
 
 
 def _best(runs: list[dict[str, object]]) -> dict[str, object]:
@@ -34,13 +38,20 @@ def _best(runs: list[dict[str, object]]) -> dict[str, object]:
     return {**best, "samples_mb_per_s": [r["mb_per_s"] for r in runs]}
 
 
+def _ratio(a: object, b: object) -> float:
+    return round(float(a) / float(b), 3)  # type: ignore[arg-type]
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m bench.run_all", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     p.add_argument("--sizes", default=DEFAULT_SIZES, help="dense model's float32 tensor sizes")
     p.add_argument("--steps", type=int, default=8, help="timed steps of dense and of ceiling (b) (default 8)")
-    p.add_argument("--repeats", type=int, default=3, help="alternate runs of (b) and dense (default 3)")
+    p.add_argument("--repeats", type=int, default=3,
+                   help="alternate runs of the ceilings and dense (default 3)")
     p.add_argument("--iterations", type=int, default=2000, help="timed round trips of the latency figures")
+    p.add_argument("--transports", default=",".join(TRANSPORTS),
+                   help=f"comma-separated transports to measure (default {','.join(TRANSPORTS)})")
     p.add_argument("--quick", action="store_true", help="a smoke run: small model, few steps and iterations")
     return p
 
@@ -48,43 +59,61 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     sizes = parse_sizes(args.sizes)
+    transports = [t for t in args.transports.split(",") if t]
     steps, iterations, repeats = args.steps, args.iterations, args.repeats
     if args.quick:
         sizes, steps, iterations, repeats = [s // 20 for s in sizes], 2, 200, 1
     model_bytes = 4 * sum(sizes)
     load_before = load_average()
 
-    tcp = emit("ceiling_tcp_single_stream", **ceilings.tcp_throughput(rounds=5 if args.quick else 20))
-    echo_runs, dense_runs = [], []
+    # Ceilings and every transport's dense figure are taken in turn, `repeats` times: the machine's
+    # memory bandwidth drifts by +-20 % over seconds, so only interleaved runs compare.
+    tcp_runs: list[dict[str, object]] = []
+    echo_runs: list[dict[str, object]] = []
+    dense_runs: dict[str, list[dict[str, object]]] = {t: [] for t in transports}
     for _ in range(repeats):
+        tcp_runs.append(ceilings.tcp_throughput(rounds=5 if args.quick else 20))
         echo_runs.append(ceilings.grpc_dense(model_bytes, steps=steps))
-        dense_runs.append(dense(sizes, steps=steps))
+        for t in transports:
+            dense_runs[t].append(dense(sizes, steps=steps, transport=t))
+    tcp = emit("ceiling_tcp_single_stream", **_best(tcp_runs))
     echo = emit("ceiling_grpc_dense_echo", **_best(echo_runs))
-    best = _best(dense_runs)
-    dense_fig = emit("dense_push_pull", **best,
-                     ratio_to_tcp=round(float(best["mb_per_s"]) / float(tcp["mb_per_s"]), 3),  # type: ignore[arg-type]
-                     ratio_to_grpc_echo=round(float(best["mb_per_s"]) / float(echo["mb_per_s"]), 3))  # type: ignore[arg-type]
+    dense_figs = {}
+    for t in transports:
+        best = _best(dense_runs[t])
+        dense_figs[t] = emit("dense_push_pull", **best,
+                             ratio_to_tcp=_ratio(best["mb_per_s"], tcp["mb_per_s"]),
+                             ratio_to_grpc_echo=_ratio(best["mb_per_s"], echo["mb_per_s"]))
 
     small = emit("ceiling_grpc_small_rtt", **ceilings.grpc_small(iterations=iterations))
-    lat = latency(iterations=iterations)
-    lat_fig = emit("latency_small_push_pull", **lat,
-                   ratio_p50_to_grpc_rtt=round(float(lat["p50_us"]) / float(small["p50_us"]), 3))  # type: ignore[arg-type]
+    lat_figs = {}
+    for t in transports:
+        lat = latency(iterations=iterations, transport=t)
+        lat_figs[t] = emit("latency_small_push_pull", **lat,
+                           ratio_p50_to_grpc_rtt=_ratio(lat["p50_us"], small["p50_us"]))
 
     m = machine()
     print(f"\n# pshard bench on {m['cpu']} ({m['cores']} cores), Python {m['python']}, grpcio {m['grpcio']}; "
           f"load {load_before} -> {load_average()}")
-    print(f"ceiling (a) single-stream TCP: {tcp['mb_per_s']:>8} MB/s")
+    print(f"ceiling (a) single-stream TCP: {tcp['mb_per_s']:>8} MB/s  (runs {tcp['samples_mb_per_s']})")
     print(f"ceiling (b) grpc echo 2x2:     {echo['mb_per_s']:>8} MB/s  (runs {echo['samples_mb_per_s']})")
-    ok = "ok" if float(dense_fig["ratio_to_grpc_echo"]) >= DENSE_BAR else "below"  # type: ignore[arg-type]
-    print(f"dense push_pull 2x2, {sum(sizes) / 1e6:g}M params: {dense_fig['mb_per_s']:>8} MB/s, "
-          f"{dense_fig['steps_per_s']} steps/s  (runs {dense_fig['samples_mb_per_s']})")
-    print(f"  = {dense_fig['ratio_to_tcp']}x ceiling (a), {dense_fig['ratio_to_grpc_echo']}x ceiling (b) "
-          f"[bar {DENSE_BAR}x (b): {ok}]")
-    ok = "ok" if float(lat_fig["p50_us"]) < LATENCY_BAR_US else "above"  # type: ignore[arg-type]
-    print(f"small push_pull ({lat['numel']} floats): p50 {lat_fig['p50_us']} us, p99 {lat_fig['p99_us']} us "
-          f"[bar p50 < {LATENCY_BAR_US:g} us: {ok}]")
-    print(f"  = {lat_fig['ratio_p50_to_grpc_rtt']}x the p50 of a bare grpc bidi round trip "
-          f"({small['p50_us']} us)")
+    for t, fig in dense_figs.items():
+        key, bar = DENSE_BARS[t]
+        ok = "ok" if float(fig[key]) >= bar else "below"  # type: ignore[arg-type]
+        print(f"dense push_pull 2x2 over {t:4}, {sum(sizes) / 1e6:g}M params: {fig['mb_per_s']:>8} MB/s, "
+              f"{fig['steps_per_s']} steps/s  (runs {fig['samples_mb_per_s']})")
+        print(f"  = {fig['ratio_to_tcp']}x ceiling (a), {fig['ratio_to_grpc_echo']}x ceiling (b) "
+              f"[bar {bar}x ({'a' if key == 'ratio_to_tcp' else 'b'}): {ok}]")
+    print(f"bare grpcio unary round trip: p50 {small['p50_us']} us")
+    for t, fig in lat_figs.items():
+        if t in LATENCY_BARS_US:
+            ok = "ok" if float(fig["p50_us"]) <= LATENCY_BARS_US[t] else "above"  # type: ignore[arg-type]
+            bar_text = f"p50 <= {LATENCY_BARS_US[t]:g} us"
+        else:
+            ok = "ok" if float(fig["ratio_p50_to_grpc_rtt"]) <= GRPC_LATENCY_BAR else "above"  # type: ignore[arg-type]
+            bar_text = f"p50 <= {GRPC_LATENCY_BAR}x grpcio"
+        print(f"small push_pull over {t:4} ({fig['numel']} floats): p50 {fig['p50_us']} us, "
+              f"p99 {fig['p99_us']} us, {fig['ratio_p50_to_grpc_rtt']}x grpcio [bar {bar_text}: {ok}]")
     return 0
 
 
