@@ -240,3 +240,31 @@ def test_pulls_racing_updates_each_see_exactly_one_version(serve, client, new_cl
             stop.set()
             future.result(timeout=WAIT_S)
     assert len(seen) > 1, "the pulls never raced an update"
+
+
+def test_sync_training_is_bit_identical_on_every_transport(serve, new_client, shm_dir):
+    rng = np.random.default_rng(7)
+    params = {"a": rng.standard_normal(5000, dtype=np.float32),
+              "b": rng.standard_normal((700, 1000), dtype=np.float32)}
+    grads = [[{k: rng.standard_normal(v.shape, dtype=np.float32) for k, v in params.items()}
+              for _ in range(3)] for _ in range(2)]
+    job = JobConfig(mode="sync", optimizer=OptimizerConfig(name="sgd", lr=0.1, momentum=0.9))
+    finals = {}
+    for transport in TRANSPORTS:
+        servers = [serve(static_quorum={"w0": 0, "w1": 0}) for _ in range(2)]
+        workers = [new_client(servers, f"w{r}", transport=transport, shm_dir=shm_dir) for r in range(2)]
+
+        def train(rank: int, client) -> dict[str, np.ndarray]:
+            weights = client.declare(params, job)
+            for step, g in enumerate(grads[rank]):
+                weights = client.push_pull(g, step)
+            return weights
+
+        with ThreadPoolExecutor(2) as pool:
+            futures = [pool.submit(train, r, w) for r, w in enumerate(workers)]
+            finals[transport] = [f.result(timeout=WAIT_S) for f in futures]
+        assert all(w.transports == [transport] * 2 for w in workers)
+    for transport in TRANSPORTS:
+        for weights in finals[transport]:
+            for key, value in weights.items():
+                assert value.tobytes() == finals["grpc"][0][key].tobytes(), f"{transport}: {key} differs"
