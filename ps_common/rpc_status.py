@@ -43,12 +43,27 @@ def to_grpc_status(err: PSError) -> grpc.StatusCode:
     return grpc.StatusCode.__members__.get(err.status, grpc.StatusCode.INTERNAL)
 
 
-async def abort(context: grpc.aio.ServicerContext, err: PSError) -> NoReturn:
-    """End the RPC with `err`'s status and message; the class name travels as trailing metadata."""
+def _trailing_metadata(err: PSError) -> tuple[tuple[str, str], ...]:
     metadata: tuple[tuple[str, str], ...] = ((ERROR_TYPE_KEY, type(err).__name__),)
     if isinstance(err, OverloadedError) and err.retry_after_ms is not None:
         metadata += ((RETRY_AFTER_KEY, str(err.retry_after_ms)),)
-    await context.abort(to_grpc_status(err), str(err), trailing_metadata=metadata)
+    return metadata
+
+
+def set_status(context: grpc.aio.ServicerContext, err: PSError) -> None:
+    """What `abort` sends, for a unary handler that then returns (an empty reply) instead of raising.
+
+    grpc's abort raises an exception that stays in a reference cycle with the call's state until the
+    cyclic GC runs; on a server that refuses a flood, those cycles held the requests' bytes.
+    """
+    context.set_code(to_grpc_status(err))
+    context.set_details(str(err))
+    context.set_trailing_metadata(_trailing_metadata(err))
+
+
+async def abort(context: grpc.aio.ServicerContext, err: PSError) -> NoReturn:
+    """End the RPC with `err`'s status and message; the class name travels as trailing metadata."""
+    await context.abort(to_grpc_status(err), str(err), trailing_metadata=_trailing_metadata(err))
     raise AssertionError("context.abort returned")  # it always raises; this line keeps NoReturn honest
 
 

@@ -78,6 +78,7 @@ class Reservation:
         self._budget = budget
         self.what = what
         self.held = 0
+        self.total = 0  # every byte ever held: what the request brought in
 
     def add(self, nbytes: int) -> None:
         """Hold `nbytes` more, or raise OverloadedError (holding nothing more)."""
@@ -85,6 +86,7 @@ class Reservation:
             raise ValueError(f"nbytes: got {nbytes}, expected >= 0")
         self._budget._take(self, nbytes)
         self.held += nbytes
+        self.total += nbytes
 
     def release(self, nbytes: int | None = None) -> None:
         """Give back `nbytes` (default: everything held)."""

@@ -26,6 +26,7 @@ from pshard.common.view import ClusterView
 from pshard.ps_server.budget import InflightBudget
 from pshard.ps_server.fastpath import FastPathServer, OpenTransportMethod
 from pshard.ps_server.handlers import ParameterServerHandlers
+from pshard.ps_server.heap import HeapTrimmer
 from pshard.ps_server.quorum import QuorumFollower
 from pshard.ps_server.servicer import ParameterServerServicer
 from pshard.ps_server.settings import ServerSettings
@@ -64,6 +65,7 @@ class RunningServer:
     port: int
     budget: InflightBudget
     executor: ThreadPoolExecutor
+    trimmer: HeapTrimmer
     fast: FastPathServer | None = None  # the shm and tcp transports (ps_server.fastpath)
 
     @property
@@ -77,6 +79,7 @@ class RunningServer:
             await asyncio.get_running_loop().run_in_executor(None, self.fast.stop)
         await self.server.stop(grace_s)
         self.executor.shutdown(wait=False, cancel_futures=True)
+        self.trimmer.close()
 
 
 async def start(settings: ServerSettings, bind: str = "127.0.0.1:0",
@@ -85,9 +88,10 @@ async def start(settings: ServerSettings, bind: str = "127.0.0.1:0",
     budget = InflightBudget(settings.max_inflight_bytes)
     # Two threads: the machine's cores; replies waiting for them wait as coroutines, not threads.
     executor = ThreadPoolExecutor(max_workers=_ENCODE_THREADS, thread_name_prefix="ps-encode")
+    trimmer = HeapTrimmer()
     server = grpc.aio.server(options=server_options(max_message_bytes))
     server.add_generic_rpc_handlers([_rpc_handlers(ParameterServerServicer(
-        handlers, settings.chunk_bytes, budget, executor, settings.pull_timeout_s))])
+        handlers, settings.chunk_bytes, budget, executor, settings.pull_timeout_s, trimmer))])
     health_servicer = health.aio.HealthServicer()  # type: ignore[attr-defined]
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     port = server.add_insecure_port(bind)
@@ -104,7 +108,7 @@ async def start(settings: ServerSettings, bind: str = "127.0.0.1:0",
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     log.info("parameter server listening on port %d", port)
-    return RunningServer(server, handlers, health_servicer, port, budget, executor, fast)
+    return RunningServer(server, handlers, health_servicer, port, budget, executor, trimmer, fast)
 
 
 # A parameter server on its own event loop in a daemon thread.

@@ -128,12 +128,41 @@ def test_a_pull_naming_one_slice_thousands_of_times_is_refused_naming_it(start_s
         if how == "Pull":
             wire.stub(server).Pull(pb.PullRequest(stamp=wire.stamp("w0", 0), slices=ids), timeout=WAIT_S)
         elif how == "PushPull":
-            wire.stub(server).PushPull(pb.PushPullRequest(stamp=wire.stamp("w0", 0), pull=ids), timeout=WAIT_S)
+            wire.stub(server).PushPull(pb.PushPullRequest(stamp=wire.stamp("w0", 0), pull=ids),
+                                       timeout=WAIT_S)
         else:
             wire.exchange(server, [wire.header_frame(op=pb.PUSH_PULL, stamp=wire.stamp("w0", 0), pull=ids)])
     assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "slice 'w' named 5000 times" in caught.value.details()
     assert rss_bytes() - before < 50 * MIB
+
+
+def test_refused_requests_leave_no_memory_behind(start_server, wire):
+    """A refused request's bytes are freed when it ends, not when the cyclic GC gets round to it
+    (grpc's abort kept each one in a reference cycle: a flood of refusals held 2 GiB)."""
+    server = start_server(ServerSettings(default_job=ASYNC))
+    wire.declare(server, ASYNC, {"w": np.zeros(16, np.float32)})
+    refused = wire.push_request("w0", 0, {"nope": np.ones(MIB, np.float32)}).SerializeToString()
+    call = wire.channel(server).unary_unary("/pshard.api.v1.ParameterServer/Push",
+                                            request_serializer=identity, response_deserializer=identity)
+
+    def send(count: int) -> None:
+        for _ in range(count):
+            with pytest.raises(grpc.RpcError) as caught:
+                call(refused, timeout=WAIT_S)
+            assert caught.value.code() == grpc.StatusCode.NOT_FOUND
+
+    send(8)  # warm up grpc's and numpy's own buffers
+    before = rss_bytes()
+    senders = [threading.Thread(target=send, args=(25,)) for _ in range(8)]  # 800 MiB in all
+    for t in senders:
+        t.start()
+    for t in senders:
+        t.join(WAIT_S * 3)
+    deadline = time.monotonic() + WAIT_S
+    while (grown := rss_bytes() - before) >= 50 * MIB and time.monotonic() < deadline:
+        time.sleep(0.05)  # the heap is trimmed once the burst is over
+    assert grown < 50 * MIB, f"RSS grew {grown / MIB:.0f} MiB after 200 refused 4 MiB pushes"
 
 
 # ---- backpressure ----
@@ -154,7 +183,8 @@ def test_past_its_budget_a_server_refuses_with_a_retry_hint_naming_the_budget(st
     wire.declare(server, ASYNC, {"w": np.zeros(MIB // 4, np.float32)})
     stream = hog(wire, server, 3 * MIB)
     with pytest.raises(grpc.RpcError) as caught:
-        wire.stub(server).Push(wire.push_request("w0", 0, {"w": np.ones(MIB // 4, np.float32)}), timeout=WAIT_S)
+        wire.stub(server).Push(wire.push_request("w0", 0, {"w": np.ones(MIB // 4, np.float32)}),
+                               timeout=WAIT_S)
     err = caught.value
     assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert "3.0 MiB in flight + 1.0 MiB requested > --max-inflight-mb 4.0 MiB" in err.details()
@@ -174,7 +204,8 @@ def test_client_backs_off_and_retries_until_the_server_has_room(start_server, ne
     client = new_client([server], "w0", transport="grpc")  # the budget guards the gRPC path
     client.declare({"w": np.zeros(floats, np.float32)}, ASYNC)
     stream = hog(wire, server, 4 * MIB - 1024)
-    step = threading.Thread(target=client.push_pull, args=({"w": np.ones(floats, np.float32)}, 0), daemon=True)
+    step = threading.Thread(target=client.push_pull, args=({"w": np.ones(floats, np.float32)}, 0),
+                            daemon=True)
     step.start()
     wait_for(lambda: client.overload_retries >= 2, "the client was refused and retried")
     assert step.is_alive()

@@ -1,0 +1,84 @@
+"""Giving freed request memory back to the operating system (glibc), so RSS returns after a burst.
+
+A burst of large requests leaves glibc's heaps full of free chunks: gRPC reads a message in many
+small buffers, each thread allocates from its own arena, and glibc hands memory back only from the
+top of a heap. Measured on a flood of 4 MiB requests, the server kept ~2 GiB of free memory for
+good. `malloc_trim(0)` returns every free page of every arena (madvise), so the server calls it once
+a burst of large requests has ended, on a thread of its own (ctypes releases the GIL).
+
+A trim holds glibc's arena locks while it walks the heaps, so every allocation of the event loop
+waits for it: trimming every half second during a flood raised a small request's p99 from 19 to
+44 ms. Hence the trim waits for a quiet moment (no large request ended for `quiet_s`), and under
+sustained large traffic happens at most every `max_interval_s`.
+
+Elsewhere than glibc there is nothing to call and `HeapTrimmer` does nothing.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import threading
+import time
+from collections.abc import Callable
+
+# Requests smaller than this never trigger a trim: they leave too little behind to matter.
+TRIM_AFTER_BYTES = 1 << 20
+
+
+def _malloc_trim() -> Callable[[int], int] | None:
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        trim = libc.malloc_trim
+    except (OSError, AttributeError):
+        return None
+    trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
+    return trim  # type: ignore[no-any-return]
+
+
+class HeapTrimmer:
+    """`request_ended(nbytes)` after each request; a thread of its own trims after large ones.
+
+    The last large request of a burst is always followed by a trim, `quiet_s` later, so RSS comes
+    back without a later request to trigger it.
+    """
+
+    def __init__(self, quiet_s: float = 0.5, max_interval_s: float = 10.0,
+                 now: Callable[[], float] = time.monotonic) -> None:
+        self._quiet_s = quiet_s
+        self._max_interval_s = max_interval_s
+        self._now = now
+        self._trim = _malloc_trim()
+        self._wake = threading.Event()
+        self._closed = threading.Event()
+        self.trims = 0
+        self._thread: threading.Thread | None = None
+        if self._trim is not None:
+            self._thread = threading.Thread(target=self._loop, name="ps-heap-trim", daemon=True)
+            self._thread.start()
+
+    def request_ended(self, nbytes: int) -> None:
+        if nbytes >= TRIM_AFTER_BYTES:
+            self._wake.set()
+
+    def close(self) -> None:
+        self._closed.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5.0)
+
+    def _loop(self) -> None:
+        assert self._trim is not None
+        while True:
+            self._wake.wait()
+            started = self._now()
+            while not self._closed.is_set():  # until quiet, or too long since the first wake-up
+                self._wake.clear()
+                if self._closed.wait(self._quiet_s):
+                    return
+                if not self._wake.is_set() or self._now() - started > self._max_interval_s:
+                    break
+            if self._closed.is_set():
+                return
+            self._trim(0)
+            self.trims += 1
