@@ -34,6 +34,8 @@ _OPTIMIZER_RANGES = (
 )
 # SSP past a million clocks of staleness is async; sync backups cannot outnumber a job's members.
 MAX_STALENESS = 2**20
+# Their steps divide by sqrt(state) + eps (an unset eps of a protobuf JobConfig is 0: fine for sgd).
+_DIVIDES_BY_EPS = ("adam", "adamw", "adagrad")
 MAX_BACKUP_WORKERS = 4096
 
 
@@ -67,8 +69,8 @@ class OptimizerConfig:
             raise InvalidArgumentError(f"optimizer.name: got {self.name!r}, expected one of {OPTIMIZERS}")
         for name, low, high in _OPTIMIZER_RANGES:
             _check_range(f"optimizer.{name}", getattr(self, name), low, high)
-        if not self.eps > 0:  # Adam and Adagrad divide by sqrt(state) + eps
-            raise InvalidArgumentError(f"optimizer.eps: got {self.eps}, expected > 0")
+        if self.name in _DIVIDES_BY_EPS and not self.eps > 0:
+            raise InvalidArgumentError(f"optimizer.eps: got {self.eps}, expected > 0 for {self.name}")
         if len(self.betas) != 2:
             raise InvalidArgumentError(f"optimizer.betas: got {self.betas}, expected two values")
         for i, beta in enumerate(self.betas):

@@ -9,7 +9,10 @@ Here live the server's semantics above the store: fencing requests on the schedu
 waiting (as coroutines, never threads) until the consistency policy lets a pull through, the
 wire dtype on the way out, the encodings that sync mode shares between workers, and the
 Exchange core that overlaps a push's data with the pull of what is already ready.
-Requests are validated once, by the store, which alone holds the slices' specs.
+Requests are validated once, whole, before any part of them is applied: first against the
+documented limits (ps_common.limits: string lengths, counts, shapes, generations, clocks), then by
+the store, which alone holds the slices' specs. The one exception is the Exchange stream, whose
+header is validated whole first and whose slices are then applied one by one as they arrive.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from pshard.common.errors import (
     InvalidArgumentError,
     LayoutConflictError,
     PullTimeoutError,
+    StaleGenerationError,
 )
 from pshard.common.job import JobConfig
 from pshard.common.types import SliceKey, Stamp
@@ -39,6 +43,7 @@ from pshard.ps_server.store import (
     PushOutcome,
     ShardStore,
     SliceMeta,
+    SliceSpec,
     StoreStats,
     dtype_name,
     unknown_key_error,
@@ -55,6 +60,10 @@ Encoder = Callable[[WireArray], P]
 
 # A view newer than ours is on its way from the scheduler: wait this long for it at most.
 _VIEW_WAIT_S = 10.0
+
+
+def _metas(items: Sequence[tuple[SliceKey, WireArray]]) -> list[SliceMeta]:
+    return [SliceMeta(k, w.dtype, tuple(w.array.shape)) for k, w in items]
 
 
 class PulledSlice(NamedTuple):
@@ -111,10 +120,14 @@ class ParameterServerHandlers:
     def __init__(self, settings: ServerSettings, loop: asyncio.AbstractEventLoop | None = None) -> None:
         """`loop`: where the handlers run (default: the running one); the store may notify from any thread."""
         self._settings = settings
+        self._limits = settings.limits
         self._changes = ChangeSignal(loop)
         self._store: ShardStore | None = None
         self._quorum: dict[str, int] | None = dict(settings.static_quorum) if settings.static_quorum else None
         self._config_lock = asyncio.Lock()
+        # One save at a time: concurrent saves of one shard would race on its files (and each
+        # snapshot is a copy of the shard, so queueing them also bounds the memory they take).
+        self._checkpoint_lock = asyncio.Lock()
         # Sync mode: every worker pulls the same version of a slice, so its encoding is made once
         # and shared: (encoder, slice) -> (version, payload). Costs one copy of the shard.
         self._encoded: dict[tuple[Hashable, SliceKey], tuple[int, object]] = {}
@@ -172,12 +185,30 @@ class ParameterServerHandlers:
     async def _await_view(self, stamp: Stamp, deadline: float) -> None:
         """A stamp newer than our view means the view is on its way (a worker that just
         registered can reach us before the scheduler's Watch does): wait for it rather than
-        refuse the worker as a non-member."""
+        refuse the worker as a non-member. A generation the scheduler has still not handed out
+        by then is refused: no state may move on a generation nobody vouched for."""
         if self._view_generation is None or stamp.generation <= self._view_generation:
             return
         await self._changes.wait_for(
             lambda: True if (self._view_generation or 0) >= stamp.generation else None,
             min(deadline, time.monotonic() + _VIEW_WAIT_S))
+        if stamp.generation > self._view_generation:
+            raise StaleGenerationError(
+                f"worker {stamp.worker_id!r}: got generation {stamp.generation}, but the newest view "
+                f"from the scheduler is generation {self._view_generation}; register first")
+
+    def _check_limits(self, what: str, stamp: Stamp | None, push: Sequence[SliceMeta],
+                      pull: Sequence[SliceKey]) -> None:
+        """The documented limits (ps_common.limits), before the store or a wait sees the request."""
+        limits = self._limits
+        if stamp is not None:
+            limits.check_stamp(stamp.worker_id, stamp.generation, stamp.clock)
+        limits.check_count(what, len(push))
+        limits.check_count(what, len(pull))
+        limits.check_keys(what, (m.key.key for m in push))
+        limits.check_keys(what, (k.key for k in pull))
+        for meta in push:
+            limits.check_shape(f"slice {str(meta.key)!r}", meta.shape)
 
     def _deadline(self, timeout_s: float | None) -> float:
         return time.monotonic() + (timeout_s if timeout_s else self._settings.pull_timeout_s)
@@ -193,6 +224,7 @@ class ParameterServerHandlers:
         """Create the slices not declared yet (the first declaration wins); per item, whether this
         call created it, and the slice's value (in the wire dtype). The first Declare configures
         the server with `job` (None: the default job)."""
+        self._check_limits("declare", None, _metas(items), [])
         async with self._config_lock:
             store = self._store
             if store is None:
@@ -209,9 +241,10 @@ class ParameterServerHandlers:
 
     # ---- push / pull ----
 
-    def _push_now(self, store: ShardStore, stamp: Stamp, items: Sequence[tuple[SliceKey, WireArray]]
-                  ) -> PushOutcome:
-        specs = store.check_push([SliceMeta(k, w.dtype, tuple(w.array.shape)) for k, w in items])
+    def _push_now(self, store: ShardStore, stamp: Stamp, items: Sequence[tuple[SliceKey, WireArray]],
+                  specs: Sequence[SliceSpec] | None = None) -> PushOutcome:
+        if specs is None:
+            specs = store.check_push(_metas(items))
         # Wire-dtype gradients become the declared dtype (bfloat16 has no numpy dtype of its own).
         return store.push(stamp, {k: cast(w, spec.dtype).array
                                   for (k, w), spec in zip(items, specs, strict=True)})
@@ -253,11 +286,15 @@ class ParameterServerHandlers:
         when nothing was pushed). `timeout_s` None or 0: the server's pull timeout."""
         if not items and not keys:
             raise EmptyRequestError(f"push-pull from {stamp.worker_id!r}: nothing to push or pull")
+        metas = _metas(items)
+        self._check_limits("push-pull", stamp, metas, keys)
         store = self._store_holding([k for k, _ in items] or keys)
         store.specs(keys)
         deadline = self._deadline(timeout_s)
         await self._await_view(stamp, deadline)
-        outcome = self._push_now(store, stamp, items) if items else PushOutcome(0, 0)
+        # The whole request, push and pull part, before any of it lands: a refused request changes nothing.
+        specs = store.check_request(stamp, metas, keys)
+        outcome = self._push_now(store, stamp, items, specs) if items else PushOutcome(0, 0)
         if not keys:
             return PushPullResult(outcome.applied, outcome.dropped, [])
         await self._wait_readable(stamp._replace(clock=stamp.clock + 1) if items else stamp, keys, deadline)
@@ -281,11 +318,13 @@ class ParameterServerHandlers:
         """
         if not push and not pull:
             raise EmptyRequestError(f"exchange from {stamp.worker_id!r}: nothing to push or pull")
+        self._check_limits("exchange", stamp, push, pull)
         store = self._store_holding([m.key for m in push] or pull)
         store.check_push(push)
         store.specs(pull)
         deadline = self._deadline(timeout_s)
         await self._await_view(stamp, deadline)
+        store.check_request(stamp, push, pull)  # the header, whole, before any gradient is read
         # The worker pushed step `clock`; what it pulls back is for its next step.
         pull_stamp = stamp._replace(clock=stamp.clock + 1) if push else stamp
         counts = [0, 0]
@@ -379,7 +418,8 @@ class ParameterServerHandlers:
         if ok is None:
             raise PullTimeoutError(f"checkpoint at version {at_version}: slices are still at "
                                    f"version {store.stats().min_version} after {timeout_s:.1f}s")
-        snap = store.snapshot()
-        path = await asyncio.get_running_loop().run_in_executor(
-            None, save_shard, Path(self._settings.checkpoint_dir), snap, self._settings.shard_name)
-        return path, store.stats().min_version
+        async with self._checkpoint_lock:
+            snap = store.snapshot()
+            path = await asyncio.get_running_loop().run_in_executor(
+                None, save_shard, Path(self._settings.checkpoint_dir), snap, self._settings.shard_name)
+        return path, min(s.version for s in snap.slices) if snap.slices else 0

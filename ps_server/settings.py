@@ -10,6 +10,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from pshard.common.job import JobConfig
+from pshard.common.limits import DEFAULT_LIMITS, Limits
 from pshard.common.rpc import CHUNK_BYTES
 
 
@@ -32,3 +33,5 @@ class ServerSettings:
     transport: str = "auto"
     # Where workers' shared-memory segments live (a directory both sides can map).
     shm_dir: str = "/dev/shm"
+    # What one request may ask for (ps_common.limits, README "Limits"); tighter for tests and embedders.
+    limits: Limits = DEFAULT_LIMITS

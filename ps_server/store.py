@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple, TypeVar
@@ -270,6 +271,40 @@ class ShardStore:
             self._notify()
         return PushOutcome(applied=applied, dropped=dropped)
 
+    def check_request(self, stamp: Stamp, push: Sequence[SliceMeta], pull: Sequence[SliceKey]
+                      ) -> list[SliceSpec]:
+        """Validate a whole push-and-pull request before any part of it is applied; the specs of the
+        pushed slices.
+
+        Checks every key, each gradient's dtype and shape, the stamp (a push must come from a live
+        member), every pushed clock (a duplicate is fine, a future clock is not), and that the pull
+        (at `stamp.clock + 1` when pushing) could be answered once the push has landed. A request that
+        passes is then only refused by a push or pull that cannot wait (the state only moves forward:
+        what passes here passes later), so its push part never lands while its pull part is refused.
+        """
+        if not push and not pull:
+            raise EmptyRequestError(f"request from worker {stamp.worker_id!r}: nothing to push or pull")
+        pushed = [m.key for m in push]
+        _check_unique("push", pushed)
+        _check_unique("pull", pull)
+        specs = self.check_push(push) if push else []
+        push_slots = self._lookup(pushed)
+        pull_slots = self._lookup(pull)
+        with self._meta:
+            self._check_stamp(stamp, writes=bool(push))
+        for slot in push_slots:
+            with slot.lock:
+                if not slot.behind and stamp.clock > slot.last_clock.get(stamp.worker_id, NO_CLOCK):
+                    self.policy.admit_push(slot, stamp.clock)  # raises, changes nothing
+        # A slice this request pushes is readable at clock + 1 once its push is admitted.
+        pull_clock = stamp.clock + 1 if push else stamp.clock
+        own = set(pushed)
+        for slot in pull_slots:
+            if slot.key not in own:
+                with slot.lock:
+                    self.policy.check_pull(slot, pull_clock)
+        return specs
+
     def check_push(self, metas: Sequence[SliceMeta]) -> list[SliceSpec]:
         """Validate a push's gradients by their metadata alone; the specs of their slices.
 
@@ -277,6 +312,7 @@ class ShardStore:
         bfloat16 for a float32 slice); push() itself takes numpy dtypes, so a caller converts
         bfloat16 gradients to the declared dtype first.
         """
+        _check_unique("push", [m.key for m in metas])
         slots = self._lookup([m.key for m in metas])
         for slot, meta in zip(slots, metas, strict=True):
             self._check_push_meta(slot, meta.dtype, meta.shape)
@@ -310,7 +346,7 @@ class ShardStore:
             if wait is not None:
                 waits.append((slot.key, *wait))
         with self._meta:
-            self._record_stamp(stamp)
+            self._record_stamp(stamp, reads=True)
         if not waits:
             return None
         return Waiting(workers=tuple(sorted(set().union(*(w for _, w, _ in waits)))),
@@ -378,9 +414,13 @@ class ShardStore:
             raise StaleGenerationError(
                 f"worker {worker!r} is not a live member (quorum: {sorted(self._quorum)}); re-register")
 
-    def _record_stamp(self, stamp: Stamp) -> None:
+    def _record_stamp(self, stamp: Stamp, reads: bool = False) -> None:
+        # Only a write moves a worker's fencing stamp: a read names a generation nobody checked (any
+        # caller may stamp a pull with a real worker's id and generation 2**64 - 1, which would fence
+        # that worker for good). Writes pass _check_stamp: from live members, when a quorum is known.
         worker = stamp.worker_id
-        self._generations[worker] = max(self._generations.get(worker, stamp.generation), stamp.generation)
+        if not reads:
+            self._generations[worker] = max(self._generations.get(worker, stamp.generation), stamp.generation)
         if worker not in self._seen:
             self._seen.add(worker)
             self._roster = Roster(self._roster.quorum, frozenset(self._seen))
@@ -460,6 +500,14 @@ class ShardStore:
         for slot in sorted({id(s): s for s in slots}.values(), key=lambda s: s.key):
             stack.enter_context(slot.lock)
         return stack
+
+
+def _check_unique(what: str, keys: Sequence[SliceKey]) -> None:
+    """Each slice at most once per request: a repeated gradient would be applied once and counted
+    twice, a repeated pull encoded and sent as many times as it is named."""
+    if len(set(keys)) != len(keys):
+        key, count = Counter(keys).most_common(1)[0]
+        raise InvalidArgumentError(f"{what}: slice {str(key)!r} named {count} times, each slice at most once")
 
 
 def _slice_snapshot(slot: Slot) -> SliceSnapshot:

@@ -56,8 +56,9 @@ MODEL = {"w": np.arange(12, dtype=np.float32).reshape(4, 3), "b": np.ones(3, dty
          "fc1.weight": np.zeros(5, dtype=np.float32)}
 PUSHED = ("w", "b")
 # Known broken answers that depend on timing, not on the request: tolerated in the open fuzz, shown
-# by their own xfail'd test. (method, status) -> a substring of the details.
-KNOWN_OUTCOMES = {("Checkpoint", grpc.StatusCode.UNKNOWN): "FileNotFoundError"}
+# by their own xfail'd test. (method, status) -> a substring of the details. None open now: concurrent
+# Checkpoints (UNKNOWN FileNotFoundError) are fixed, test_concurrent_checkpoints_are_answered_cleanly.
+KNOWN_OUTCOMES: dict[tuple[str, grpc.StatusCode], str] = {}
 READER = "fuzz-weights-reader"  # a worker id no generated request uses (they draw from NAMES or text)
 
 
@@ -185,8 +186,8 @@ def method_id(method: MethodDescriptor) -> str:
 
 
 def check_unless_known(live: LiveServer, method: MethodDescriptor, request: Message) -> None:
-    """A request that hits a known finding proves nothing new (its xfail'd test below shows it)."""
-    if any(finding.matches(request) for finding in FINDINGS):
+    """A request that hits an open finding proves nothing new (its xfail'd test below shows it)."""
+    if any(finding.matches(request) for finding in OPEN_FINDINGS):
         reject()
     live.check(method, request.SerializeToString(), describe(request))
 
@@ -220,8 +221,6 @@ def test_exchange_streams_are_refused_cleanly(live):
     run_cases(streams(live.valid["Exchange"]), live.exchange, EXCHANGE_CASES, "exchange-streams")
 
 
-@pytest.mark.xfail(strict=True, reason="issue 7: an Exchange frame that is not a Frame is UNKNOWN "
-                   "(DecodeError from codec.decode_frame), not INVALID_ARGUMENT; e.g. one frame b'\\x0b'")
 def test_exchange_raw_frames_are_refused_cleanly(live):
     frames = raw_bytes([pb.Frame(header=h) for h in live.valid["Exchange"]])
     run_cases(frames, lambda raw: live.exchange(Stream((raw,), frozenset(), "raw")), CASES, "exchange-raw")
@@ -282,16 +281,18 @@ FINDINGS = [
 ]
 
 
+# Findings still open (xfail'd below, and kept out of the open fuzz); the fixed ones stay as regressions.
+OPEN_FINDINGS: list[Finding] = []
+
+
 @pytest.mark.parametrize("finding", [
-    pytest.param(f, marks=pytest.mark.xfail(strict=True, reason=f"issue 7: {f.reason}")) for f in FINDINGS],
-    ids=str)
+    pytest.param(f, marks=pytest.mark.xfail(strict=True, reason=f"issue 7: {f.reason}"))
+    if f in OPEN_FINDINGS else f for f in FINDINGS], ids=str)
 def test_known_findings_are_refused_cleanly(live, finding):
     request = finding.request
     live.check(PS.methods_by_name[finding.method], request.SerializeToString(), describe(request))
 
 
-@pytest.mark.xfail(strict=True, reason="issue 7: concurrent Checkpoint RPCs race on the checkpoint files: "
-                   "some end UNKNOWN FileNotFoundError (one save removes another's temporary files)")
 def test_concurrent_checkpoints_are_answered_cleanly(live):
     checkpoint = PS.methods_by_name["Checkpoint"]
     with ThreadPoolExecutor(8) as pool:
