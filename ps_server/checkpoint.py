@@ -12,7 +12,8 @@ Each file is written to a temporary name, fsync'ed and moved into place with
 overwrites the one the current json names, so a crash at any point leaves the
 previous checkpoint loadable: the old json still names the old, complete npz.
 Older npz files of the same name are deleted only after the new json is in place.
-One save per name at a time (the servicer serializes checkpoints).
+One save per directory and name at a time (a lock here, and the handlers queue their saves):
+otherwise one save's clean-up deletes another's temporary files, or the npz its json names.
 
 Never pickle: arrays go through npz, the rest through JSON.
 """
@@ -23,6 +24,7 @@ import dataclasses
 import json
 import os
 import re
+import threading
 import uuid
 from collections.abc import Callable
 from pathlib import Path
@@ -37,6 +39,13 @@ from pshard.ps_server.store import ShardSnapshot, SliceSnapshot
 
 FORMAT = 1
 _TMP_SUFFIX = ".tmp"
+_SAVING: dict[tuple[str, str], threading.Lock] = {}
+_SAVING_LOCK = threading.Lock()
+
+
+def _save_lock(folder: Path, name: str) -> threading.Lock:
+    with _SAVING_LOCK:
+        return _SAVING.setdefault((str(folder.resolve()), name), threading.Lock())
 
 
 def save_shard(directory: str | os.PathLike[str], snapshot: ShardSnapshot, name: str) -> Path:
@@ -45,6 +54,11 @@ def save_shard(directory: str | os.PathLike[str], snapshot: ShardSnapshot, name:
         raise ValueError(f"checkpoint name: got {name!r}, expected a plain file name")
     folder = Path(directory)
     folder.mkdir(parents=True, exist_ok=True)
+    with _save_lock(folder, name):
+        return _save(folder, snapshot, name)
+
+
+def _save(folder: Path, snapshot: ShardSnapshot, name: str) -> Path:
     arrays_name = f"{name}.ckpt-{uuid.uuid4().hex[:12]}.npz"
     arrays: dict[str, Any] = {}  # Any: savez's stubs type **kwds like its allow_pickle flag
     slices = [_slice_meta(i, s, arrays) for i, s in enumerate(snapshot.slices)]
