@@ -15,6 +15,7 @@ from pshard.common.errors import (
     DTypeMismatchError,
     EmptyRequestError,
     FutureClockError,
+    InvalidArgumentError,
     PSError,
     ShapeMismatchError,
     StaleGenerationError,
@@ -23,7 +24,7 @@ from pshard.common.errors import (
 from pshard.common.job import JobConfig, OptimizerConfig
 from pshard.common.types import SliceKey, Stamp
 from pshard.ps_server.policies import AsyncPolicy, BoundedStalenessPolicy, SyncPolicy
-from pshard.ps_server.store import ShardStore
+from pshard.ps_server.store import ShardStore, SliceMeta
 
 from tests.unit.snapshots import declared_keys, snapshot_diff
 from tests.unit.store_waits import wait_pull
@@ -249,6 +250,54 @@ class TestStoreContract:
 
         with pytest.raises(StaleGenerationError, match=f"generation {GEN}"):
             store.push(stamp(1, generation=GEN), {W: f32(2, 2, 2)})
+
+    def test_a_read_with_a_newer_generation_fences_nobody(self, store: ShardStore) -> None:
+        # Anyone may stamp a read with a real worker's id: only that worker's writes move its stamp.
+        assert store.pull_status(stamp(0, generation=2**64 - 1), [W]) is None
+
+        assert store.push(stamp(0), {W: f32(2, 2, 2)}).applied == 1
+
+    # ---- whole requests: validated before any part lands ----
+
+    BAD_REQUESTS = {
+        # fc.bias was never pushed: a pull at clock 2 is from the future in every mode, while the push
+        # part (fc.weight at clock 1) alone would be accepted.
+        "pull part from the future": (lambda: (stamp(1), [SliceMeta(W, "float32", (3,))], [B]),
+                                      FutureClockError, ("fc.bias", "clock 2")),
+        "pull part of an unknown key": (lambda: (stamp(0), [SliceMeta(W, "float32", (3,))], [SliceKey("no")]),
+                                        UnknownKeyError, ("'no'",)),
+        "push part from the future": (lambda: (stamp(3), [SliceMeta(W, "float32", (3,))], [W]),
+                                      FutureClockError, ("fc.weight", "clock 3")),
+        "a slice pushed twice": (lambda: (stamp(0), [SliceMeta(W, "float32", (3,))] * 2, []),
+                                 InvalidArgumentError, ("fc.weight", "2 times")),
+        "a slice pulled twice": (lambda: (stamp(0), [], [W, W]),
+                                 InvalidArgumentError, ("fc.weight", "2 times")),
+        "a push from a non-member": (lambda: (stamp(0, worker="x"), [SliceMeta(W, "float32", (3,))], [W]),
+                                     StaleGenerationError, ("'x'", "not a live member")),
+        "nothing": (lambda: (stamp(0), [], []), EmptyRequestError, ("'a'",)),
+    }
+
+    @pytest.mark.parametrize("case", list(BAD_REQUESTS))
+    def test_check_request_refuses_the_whole_request_and_changes_nothing(
+            self, store: ShardStore, case: str) -> None:
+        make, error, words = self.BAD_REQUESTS[case]
+        store.push(stamp(0), {W: f32(2, 2, 2)})
+        before, stats_before = store.snapshot(), store.stats()
+
+        with pytest.raises(error) as info:
+            store.check_request(*make())
+
+        for word in words:
+            assert word in str(info.value)
+        assert snapshot_diff(store.snapshot(), before) == []
+        assert store.stats() == stats_before
+
+    def test_check_request_passes_a_push_pull_of_its_own_slices(self, store: ShardStore) -> None:
+        # Pulling at clock 1 what this request pushes at clock 0 is fine once the push lands.
+        specs = store.check_request(stamp(0), [SliceMeta(W, "float32", (3,)), SliceMeta(B, "float32", (2,))],
+                                    [W, B])
+
+        assert [s.shape for s in specs] == [(3,), (2,)]
 
     # ---- observing, snapshots ----
 
