@@ -30,27 +30,19 @@ import logging
 import secrets
 import socket
 import threading
-from collections.abc import AsyncIterator, Coroutine, Sequence
+from collections.abc import AsyncIterator, Sequence
 
 import grpc.aio
 import numpy as np
 from google.protobuf.message import DecodeError
 from pshard.common import codec
-from pshard.common.codec import WireArray, byte_view
+from pshard.common.codec import WireArray
 from pshard.common.errors import InvalidArgumentError, PSError
-from pshard.common.fastwire import (
-    HEADER_BYTES,
-    HELLO,
-    REPLY,
-    REQUEST,
-    TransportBroken,
-    decode_header,
-    encode_header,
-    tune,
-)
+from pshard.common.fastwire import TransportBroken
 from pshard.common.rpc_status import maps_errors
-from pshard.common.shm import Segment, packed, sweep_orphans
+from pshard.common.shm import Segment, sweep_orphans
 from pshard.common.types import SliceKey
+from pshard.ps_server.fastconn import Connection, Session, error_reply
 from pshard.ps_server.handlers import EncodedSlice, ExchangeDone, ParameterServerHandlers
 from pshard.ps_server.store import SliceMeta
 
@@ -113,7 +105,7 @@ class _Session:
         self.kind = kind
         self.regions = regions
         self.encoder = _SlotEncoder(self)
-        self.sock: socket.socket | None = None
+        self.conn: Connection | None = None  # once the worker connected with the secret
         self.closed = False
         self._slots: dict[SliceKey, tuple[int, int]] = {}
         self._reply_end = 0
@@ -152,9 +144,9 @@ class FastPathServer:
         self._shm_dir = shm_dir
         self._sessions: dict[int, _Session] = {}
         self._lock = threading.Lock()
-        self._tasks: set[asyncio.Task[None]] = set()
         self._stopping = False
         self._listener: socket.socket | None = None
+        self._server: asyncio.Server | None = None
         self.port = 0
         if not self.kinds:
             return
@@ -162,18 +154,17 @@ class FastPathServer:
             for path in sweep_orphans(shm_dir):
                 log.info("removed orphaned segment %s (its creator is dead)", path)
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        self._listener = socket.create_server((host, 0), family=family, backlog=64)
-        self._listener.setblocking(False)
+        # "::" (an IPv6 cluster address) must take IPv4 workers too, as gRPC's listener does.
+        dualstack = host == "::" and socket.has_dualstack_ipv6()
+        self._listener = socket.create_server((host, 0), family=family, backlog=64, dualstack_ipv6=dualstack)
         self.port = self._listener.getsockname()[1]
-        self._spawn(self._accept())
+        self._starting = loop.create_task(self._start(self._listener))
         log.info("fast paths %s listening on port %d", sorted(self.kinds), self.port)
 
-    # ---- lifecycle ----
+    async def _start(self, listener: socket.socket) -> None:
+        self._server = await self._loop.create_server(lambda: Connection(self, self._loop), sock=listener)
 
-    def _spawn(self, coroutine: Coroutine[None, None, None]) -> None:
-        task = self._loop.create_task(coroutine)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+    # ---- lifecycle ----
 
     def stop(self, timeout_s: float = 5.0) -> None:
         """Close the listener and every session (removing their segments); from any thread but the loop's."""
@@ -182,31 +173,32 @@ class FastPathServer:
     async def aclose(self) -> None:
         self._stopping = True
         if self._listener is not None:
+            await self._starting
+        if self._server is not None:
+            self._server.close()
+        elif self._listener is not None:
             self._listener.close()
-        tasks = list(self._tasks)
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
         with self._lock:
             sessions = list(self._sessions.values())
         for session in sessions:
+            if session.conn is not None:
+                session.conn.abort("server stopping")
             self._end(session)
 
     def transports(self) -> dict[str, str]:
         """Worker id -> kind of its connected session."""
         with self._lock:
-            return {s.worker_id: s.kind for s in self._sessions.values() if s.sock is not None}
+            return {s.worker_id: s.kind for s in self._sessions.values() if s.conn is not None}
 
     def disconnect(self, worker_id: str) -> int:
         """Cut the fast-path connections of `worker_id` (the worker carries on over gRPC and may
         negotiate again): how many were cut. For operators, and for tests of a path breaking mid-step."""
         with self._lock:
-            socks = [s.sock for s in self._sessions.values()
-                     if s.worker_id == worker_id and s.sock is not None]
-        for sock in socks:
-            with contextlib.suppress(OSError):
-                sock.shutdown(socket.SHUT_RDWR)
-        return len(socks)
+            connections = [s.conn for s in self._sessions.values()
+                           if s.worker_id == worker_id and s.conn is not None]
+        for connection in connections:
+            self._loop.call_soon_threadsafe(connection.abort, "disconnected by the server")
+        return len(connections)
 
     def _end(self, session: _Session) -> None:
         with self._lock:
@@ -247,146 +239,44 @@ class FastPathServer:
                                         port=self.port, nonce=regions.nonce)
 
     def _expire(self, session: _Session) -> None:
-        if session.sock is None:
+        if session.conn is None:
             self._end(session)
 
-    # ---- connections (a task each, on the event loop: no thread hop between socket and handlers) ----
+    # ---- what connections (ps_server.fastconn) call ----
 
-    async def _accept(self) -> None:
-        assert self._listener is not None
-        while True:
-            try:
-                sock, _ = await self._loop.sock_accept(self._listener)
-            except OSError:
-                return
-            self._spawn(self._connection(sock))
-
-    async def _connection(self, sock: socket.socket) -> None:
-        session = None
+    def attach(self, hello: bytes, connection: Connection) -> _Session | None:
+        """The session whose secret the first frame carries; None for anyone else."""
         try:
-            sock.setblocking(False)
-            tune(sock)
-            session = await asyncio.wait_for(self._attach(sock), _HELLO_TIMEOUT_S)
-            if session is None:
-                return
-            log.info("worker %s: %s transport connected", session.worker_id, session.kind)
-            while True:
-                kind, meta, data_len = await self._recv_head(sock)
-                if kind != REQUEST:
-                    raise TransportBroken(f"expected a request frame, got kind {kind}")
-                await self._serve_one(sock, session, meta, data_len)
-        except (OSError, TransportBroken, TimeoutError) as err:
-            if session is not None:
-                log.info("worker %s: %s transport closed (%s)", session.worker_id, session.kind, err)
-        finally:
-            sock.close()
-            if session is not None:
-                self._end(session)
-
-    async def _recv_into(self, sock: socket.socket, view: memoryview | np.ndarray) -> None:
-        buf = byte_view(view)
-        got = 0
-        while got < buf.nbytes:
-            n = await self._loop.sock_recv_into(sock, buf[got:])
-            if n == 0:
-                raise TransportBroken(f"peer closed the connection ({got} of {buf.nbytes} bytes read)")
-            got += n
-
-    async def _recv_head(self, sock: socket.socket) -> tuple[int, bytes, int]:
-        head = bytearray(HEADER_BYTES)
-        await self._recv_into(sock, memoryview(head))
-        kind, meta_len, data_len = decode_header(head)
-        meta = bytearray(meta_len)
-        await self._recv_into(sock, memoryview(meta))
-        return kind, bytes(meta), data_len
-
-    async def _send(self, sock: socket.socket, meta: bytes, data: Sequence[np.ndarray] = ()) -> None:
-        head = encode_header(REPLY, len(meta), sum(d.nbytes for d in data))
-        await self._loop.sock_sendall(sock, head + meta)
-        for part in data:
-            if part.nbytes:
-                await self._loop.sock_sendall(sock, byte_view(part))
-
-    async def _attach(self, sock: socket.socket) -> _Session | None:
-        """The session whose secret the first frame carries; None (the caller closes) for anyone else."""
-        kind, meta, data_len = await self._recv_head(sock)
-        try:
-            hello = pb.TransportHello.FromString(meta)
+            message = pb.TransportHello.FromString(hello)
         except DecodeError:
-            hello = None
+            return None
         with self._lock:
-            session = self._sessions.get(hello.session) if hello is not None else None
-            if (kind != HELLO or data_len or session is None or session.sock is not None
-                    or not hmac.compare_digest(session.secret, hello.secret)):  # type: ignore[union-attr]
-                log.warning("fast path: refused a connection without a valid session secret")
+            session = self._sessions.get(message.session)
+            if (session is None or session.conn is not None
+                    or not hmac.compare_digest(session.secret, message.secret)):
                 return None
-            session.sock = sock
+            session.conn = connection
+        log.info("worker %s: %s transport connected", session.worker_id, session.kind)
         return session
 
-    async def _serve_one(self, sock: socket.socket, session: _Session, meta: bytes, data_len: int) -> None:
-        try:
-            header = pb.ExchangeHeader.FromString(meta)
-        except DecodeError as err:
-            raise TransportBroken(f"undecodable request header: {err}") from None
-        inline = session.kind == "tcp"
-        try:
-            metas, sizes = _push_metas(header)
-            offsets, total = packed(sizes)
-            if total > session.regions.request_bytes:
-                raise TransportBroken(f"request needs {total} bytes, the session's region has "
-                                      f"{session.regions.request_bytes}")
-        except PSError as err:
-            if inline:
-                await self._recv_into(sock, np.empty(data_len, np.uint8))  # keep the stream in step
-            await self._send(sock, _error_reply(err).SerializeToString())
-            return
-        if data_len != (sum(sizes) if inline else 0):
-            raise TransportBroken(f"request announces {data_len} data bytes, its header {sum(sizes)}")
-        request = session.regions.request
-        views = [request[o:o + n] for o, n in zip(offsets, sizes, strict=True)]
-        if inline:
-            for view in views:
-                await self._recv_into(sock, view)
-        reply = await self._run_watched(sock, session, header, metas, views)
-        reply_region = session.regions.reply
-        await self._send(sock, reply.SerializeToString(),
-                         [reply_region[o:o + n] for o, n in zip(reply.offsets, reply.sizes, strict=True)]
-                         if inline else [])
+    async def serve(self, session: Session, header: pb.ExchangeHeader, metas: Sequence[SliceMeta],
+                    views: Sequence[np.ndarray]) -> pb.TransportReply:
+        assert isinstance(session, _Session)
+        return await self._run(session, header, metas, views)
 
-    async def _run_watched(self, sock: socket.socket, session: _Session, header: pb.ExchangeHeader,
-                           metas: Sequence[SliceMeta], views: Sequence[np.ndarray]) -> pb.TransportReply:
-        """The request, cancelled if the socket turns readable meanwhile: a worker sends nothing while
-        it waits for its reply, so that is its death (EOF, reset) or a broken peer. A pull may wait
-        minutes; its session (and segment) must not outlive the worker that long."""
-        task = asyncio.current_task()
-        assert task is not None
-        gone = []
-
-        def readable() -> None:
-            gone.append(True)
-            self._loop.remove_reader(sock.fileno())
-            task.cancel()
-
-        self._loop.add_reader(sock.fileno(), readable)
-        try:
-            return await self._run(session, header, metas, views)
-        except asyncio.CancelledError:
-            if gone and not self._stopping:
-                raise TransportBroken("the worker went away while its request was served") from None
-            raise
-        finally:
-            if not gone:
-                self._loop.remove_reader(sock.fileno())
+    def end(self, session: Session) -> None:
+        assert isinstance(session, _Session)
+        self._end(session)
 
     async def _run(self, session: _Session, header: pb.ExchangeHeader, metas: Sequence[SliceMeta],
                    views: Sequence[np.ndarray]) -> pb.TransportReply:
         try:
             return await self._exchange(session, header, metas, views)
         except PSError as err:
-            return _error_reply(err)
+            return error_reply(err)
         except Exception as err:  # a bug must not leave the worker waiting: it falls back to gRPC
             log.exception("fast-path request of worker %s failed", session.worker_id)
-            return _error_reply(TransportBroken(f"internal error: {type(err).__name__}: {err}"))
+            return error_reply(TransportBroken(f"internal error: {type(err).__name__}: {err}"))
 
     async def _exchange(self, session: _Session, header: pb.ExchangeHeader, metas: Sequence[SliceMeta],
                         views: Sequence[np.ndarray]) -> pb.TransportReply:
@@ -442,17 +332,6 @@ class FastPathServer:
             reply.sizes.append(src.nbytes)
             reply.summary.versions.append(pulled.version)
         return reply
-
-
-def _push_metas(header: pb.ExchangeHeader) -> tuple[list[SliceMeta], list[int]]:
-    """The pushed slices and their byte sizes, decoded and checked as the gRPC servicer does."""
-    metas = [SliceMeta(codec.slice_id_from_proto(m.id), codec.dtype_from_proto(m.dtype, "push dtype"),
-                       tuple(m.shape)) for m in header.push]
-    return metas, [codec.nbytes_of(f"slice {str(m.key)!r}", m.dtype, m.shape) for m in metas]
-
-
-def _error_reply(err: PSError) -> pb.TransportReply:
-    return pb.TransportReply(error_type=type(err).__name__, error_message=str(err))
 
 
 class OpenTransportMethod:

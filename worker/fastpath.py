@@ -129,7 +129,8 @@ class FastPath:
             if self.closed:
                 raise TransportBroken(f"{self.kind} transport closed")
             try:
-                self._sock.settimeout(timeout_s)
+                if self._sock.gettimeout() != timeout_s:  # each settimeout costs system calls
+                    self._sock.settimeout(timeout_s)
                 reply = self._call(header, buffers, place, direct)
             except (OSError, ValueError) as err:  # ValueError: a region unmapped under us (closed)
                 raise TransportBroken(f"{self.kind} transport: {type(err).__name__}: {err}") from err

@@ -1,0 +1,277 @@
+"""One fast-path connection on the server's event loop: frames in, requests served, replies out.
+
+A `BufferedProtocol`: the transport keeps the socket registered and reads straight into the
+buffer we hand it, the frame header's scratch or (TCP) the session's page-aligned request
+region, so bulk bytes land where the handlers read them without a copy, and a small request
+costs no per-message registration. The worker sends nothing while it waits for a reply, so
+anything that arrives meanwhile (EOF above all: a dead worker) cancels the request at once:
+its session and segment do not outlive the worker, even while a sync pull waits for minutes.
+Big replies are written a chunk at a time as the socket drains, so the transport never copies
+them into its own buffer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Sequence
+from typing import Protocol
+
+import numpy as np
+from google.protobuf.message import DecodeError
+from pshard.common import codec
+from pshard.common.codec import byte_view
+from pshard.common.errors import PSError
+from pshard.common.fastwire import (
+    HEADER_BYTES,
+    HELLO,
+    REPLY,
+    REQUEST,
+    TransportBroken,
+    decode_header,
+    encode_header,
+    tune,
+)
+from pshard.common.shm import Segment, packed
+from pshard.ps_server.store import SliceMeta
+
+from pshard.api.v1 import parameter_server_pb2 as pb
+
+log = logging.getLogger("pshard.ps.transport")
+
+_SCRATCH_BYTES = 64 * 1024  # a header and its metadata; grown for a request of very many slices
+_WRITE_CHUNK_BYTES = 1 << 20
+_HELLO_TIMEOUT_S = 10.0
+
+
+# A request whose data is being received: header, pushed slices, their views, or its error.
+_Pending = tuple[pb.ExchangeHeader, list[SliceMeta], list[np.ndarray], PSError | None]
+
+
+class Session(Protocol):
+    worker_id: str
+    kind: str
+    regions: Segment
+
+
+class Sessions(Protocol):
+    """What the fast-path server provides to its connections."""
+
+    def attach(self, hello: bytes, connection: Connection) -> Session | None: ...
+
+    async def serve(self, session: Session, header: pb.ExchangeHeader, metas: Sequence[SliceMeta],
+                    views: Sequence[np.ndarray]) -> pb.TransportReply: ...
+
+    def end(self, session: Session) -> None: ...
+
+
+def push_metas(header: pb.ExchangeHeader) -> tuple[list[SliceMeta], list[int]]:
+    """The pushed slices and their byte sizes, decoded and checked as the gRPC servicer does."""
+    metas = [SliceMeta(codec.slice_id_from_proto(m.id), codec.dtype_from_proto(m.dtype, "push dtype"),
+                       tuple(m.shape)) for m in header.push]
+    return metas, [codec.nbytes_of(f"slice {str(m.key)!r}", m.dtype, m.shape) for m in metas]
+
+
+def error_reply(err: PSError) -> pb.TransportReply:
+    return pb.TransportReply(error_type=type(err).__name__, error_message=str(err))
+
+
+def _discarding(nbytes: int) -> list[memoryview]:
+    """Targets that take `nbytes` into one reused scratch buffer: data to read and drop."""
+    chunk = memoryview(bytearray(min(nbytes, 1 << 20)))
+    full, rest = divmod(nbytes, len(chunk)) if nbytes else (0, 0)
+    return [chunk] * full + ([chunk[:rest]] if rest else [])
+
+
+class Connection(asyncio.BufferedProtocol):
+    def __init__(self, sessions: Sessions, loop: asyncio.AbstractEventLoop) -> None:
+        self._sessions = sessions
+        self._loop = loop
+        self.transport: asyncio.Transport | None = None
+        self.session: Session | None = None
+        self._scratch = memoryview(bytearray(_SCRATCH_BYTES))
+        self._have = 0  # bytes of the scratch filled
+        # A request's data (TCP): where its bytes go, which target is being filled and how far.
+        self._targets: list[memoryview] = []
+        self._target = 0
+        self._filled = 0
+        self._pending: _Pending | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._drained: asyncio.Future[None] | None = None
+        self._hello_timer: asyncio.TimerHandle | None = None
+
+    # ---- asyncio callbacks ----
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self.transport = transport
+        tune(transport.get_extra_info("socket"))
+        transport.set_write_buffer_limits(high=0)  # pause_writing as soon as anything is queued
+        self._hello_timer = self._loop.call_later(_HELLO_TIMEOUT_S, self.abort, "no hello in time")
+
+    def get_buffer(self, sizehint: int) -> memoryview:
+        if self._targets:
+            return self._targets[self._target][self._filled:]
+        if self._have == len(self._scratch):  # a frame bigger than the scratch: grow it (rare)
+            grown = memoryview(bytearray(2 * len(self._scratch)))
+            grown[:self._have] = self._scratch
+            self._scratch = grown
+        return self._scratch[self._have:]
+
+    def buffer_updated(self, nbytes: int) -> None:
+        try:
+            if self._task is not None:
+                raise TransportBroken("the worker sent bytes while its request was served")
+            if self._targets:
+                self._filled += nbytes
+                self._advance_targets()
+            else:
+                self._have += nbytes
+                self._parse()
+        except TransportBroken as err:
+            self.abort(str(err))
+
+    def eof_received(self) -> bool:
+        self.abort("the worker closed the connection")
+        return False
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self._hello_timer is not None:
+            self._hello_timer.cancel()
+        if self._task is not None:
+            self._task.cancel()
+        if self._drained is not None and not self._drained.done():
+            self._drained.set_exception(TransportBroken("connection lost while replying"))
+        if self.session is not None:
+            session, self.session = self.session, None
+            self._sessions.end(session)
+
+    def pause_writing(self) -> None:
+        self._drained = self._loop.create_future()
+
+    def resume_writing(self) -> None:
+        if self._drained is not None and not self._drained.done():
+            self._drained.set_result(None)
+
+    # ---- frames ----
+
+    def abort(self, why: str) -> None:
+        if self.session is not None:
+            log.info("worker %s: %s transport closed (%s)", self.session.worker_id, self.session.kind, why)
+        if self.transport is not None:
+            self.transport.abort()
+
+    def _parse(self) -> None:
+        if self._have < HEADER_BYTES:
+            return
+        kind, meta_len, data_len = decode_header(self._scratch[:HEADER_BYTES])
+        end = HEADER_BYTES + meta_len
+        if self._have < end:
+            return
+        meta = bytes(self._scratch[HEADER_BYTES:end])
+        extra = self._scratch[end:self._have]  # data that came with the header (TCP)
+        if self.session is None:
+            if self._hello_timer is not None:
+                self._hello_timer.cancel()
+            self.session = self._sessions.attach(meta, self) if kind == HELLO and not data_len else None
+            if self.session is None:
+                raise TransportBroken("refused a connection without a valid session secret")
+            # The first request may have come in the same read.
+            rest = bytes(extra)
+            self._scratch[:len(rest)] = rest
+            self._have = len(rest)
+            self._parse()
+            return
+        if kind != REQUEST:
+            raise TransportBroken(f"expected a request frame, got kind {kind}")
+        self._request(meta, data_len, extra)
+
+    def _request(self, meta: bytes, data_len: int, extra: memoryview) -> None:
+        session = self.session
+        assert session is not None
+        try:
+            header = pb.ExchangeHeader.FromString(meta)
+        except DecodeError as err:
+            raise TransportBroken(f"undecodable request header: {err}") from None
+        inline = session.kind == "tcp"
+        error: PSError | None = None
+        views: list[np.ndarray] = []
+        metas: list[SliceMeta] = []
+        try:
+            metas, sizes = push_metas(header)
+            offsets, total = packed(sizes)
+            if total > session.regions.request_bytes:
+                raise TransportBroken(f"request needs {total} bytes, the session's region has "
+                                      f"{session.regions.request_bytes}")
+            if data_len != (sum(sizes) if inline else 0):
+                raise TransportBroken(f"request announces {data_len} data bytes, its header {sum(sizes)}")
+            request = session.regions.request
+            views = [request[o:o + n] for o, n in zip(offsets, sizes, strict=True)]
+            targets = [byte_view(v) for v in views if v.nbytes] if inline else []
+        except PSError as err:  # the answer is this error; its data (if any) is read and dropped
+            error = err
+            targets = _discarding(data_len) if inline else []
+        self._pending = (header, metas, views, error)
+        self._have = 0
+        self._targets, self._target, self._filled = targets, 0, 0
+        if len(extra):
+            self._fill_from(extra)
+        else:
+            self._advance_targets()
+
+    def _fill_from(self, data: memoryview) -> None:
+        data = memoryview(bytes(data))  # the scratch is reused: keep these bytes apart
+        while len(data):
+            if not self._targets:
+                raise TransportBroken("the worker sent more data than its request announced")
+            target = self._targets[self._target]
+            n = min(len(data), len(target) - self._filled)
+            target[self._filled:self._filled + n] = data[:n]
+            data = data[n:]
+            self._filled += n
+            self._advance_targets()
+
+    def _advance_targets(self) -> None:
+        while self._targets and self._filled == len(self._targets[self._target]):
+            self._target, self._filled = self._target + 1, 0
+            if self._target == len(self._targets):
+                self._targets = []
+        if not self._targets and self._pending is not None:
+            pending, self._pending = self._pending, None
+            self._task = self._loop.create_task(self._serve(*pending))
+
+    # ---- serving ----
+
+    async def _serve(self, header: pb.ExchangeHeader, metas: list[SliceMeta], views: list[np.ndarray],
+                     error: PSError | None) -> None:
+        session = self.session
+        assert session is not None and self.transport is not None
+        try:
+            if error is not None:
+                reply = error_reply(error)
+            else:
+                reply = await self._sessions.serve(session, header, metas, views)
+            self._task = None  # from here on, bytes from the worker are its next request
+            data = []
+            if session.kind == "tcp" and not reply.error_type:
+                region = session.regions.reply
+                data = [region[o:o + n] for o, n in zip(reply.offsets, reply.sizes, strict=True)]
+            await self._write(reply.SerializeToString(), data)
+        except asyncio.CancelledError:
+            return  # the connection is gone (connection_lost ended the session)
+        except TransportBroken as err:
+            self.abort(str(err))
+        finally:
+            self._task = None
+
+    async def _write(self, meta: bytes, data: Sequence[np.ndarray]) -> None:
+        transport = self.transport
+        assert transport is not None
+        transport.write(encode_header(REPLY, len(meta), sum(d.nbytes for d in data)) + meta)
+        for part in data:
+            view = byte_view(part)
+            for start in range(0, len(view), _WRITE_CHUNK_BYTES):
+                if self._drained is not None:
+                    await self._drained  # only what the socket did not take is ever copied
+                    self._drained = None
+                transport.write(view[start:start + _WRITE_CHUNK_BYTES])
