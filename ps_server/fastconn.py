@@ -140,8 +140,8 @@ class Connection(asyncio.BufferedProtocol):
             self._hello_timer.cancel()
         if self._task is not None:
             self._task.cancel()
-        if self._drained is not None and not self._drained.done():
-            self._drained.set_exception(TransportBroken("connection lost while replying"))
+        if self._drained is not None:
+            self._drained.cancel()  # a reply being written ends quietly: the connection is gone
         if self.session is not None:
             session, self.session = self.session, None
             self._sessions.end(session)

@@ -205,6 +205,7 @@ class FastPathServer:
             if self._sessions.pop(session.id, None) is None:
                 return
         session.close()
+        self._handlers.forget_encoder(session.encoder)
 
     # ---- negotiation (on the event loop, from the gRPC method) ----
 

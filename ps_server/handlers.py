@@ -399,6 +399,11 @@ class ParameterServerHandlers:
             self._encoded[(encode, key)] = result
         return result
 
+    def forget_encoder(self, encode: Hashable) -> None:
+        """Drop what sync mode cached for `encode` (a transport session that ended)."""
+        for entry in [e for e in self._encoded if e[0] == encode]:
+            del self._encoded[entry]
+
     # ---- operations ----
 
     def stats(self) -> ServerStats:
