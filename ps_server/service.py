@@ -18,6 +18,7 @@ import grpc
 from google.protobuf.message import Message
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from pshard.common.cluster import ClusterSpec
+from pshard.common.interceptors import DecodeErrors
 from pshard.common.rpc import DEFAULT_MAX_MESSAGE_BYTES, server_options
 from pshard.common.scheduler_client import SchedulerClient
 from pshard.common.serving import ServerThread as _ServerThread
@@ -89,7 +90,7 @@ async def start(settings: ServerSettings, bind: str = "127.0.0.1:0",
     # Two threads: the machine's cores; replies waiting for them wait as coroutines, not threads.
     executor = ThreadPoolExecutor(max_workers=_ENCODE_THREADS, thread_name_prefix="ps-encode")
     trimmer = HeapTrimmer()
-    server = grpc.aio.server(options=server_options(max_message_bytes))
+    server = grpc.aio.server(options=server_options(max_message_bytes), interceptors=[DecodeErrors()])
     server.add_generic_rpc_handlers([_rpc_handlers(ParameterServerServicer(
         handlers, settings.chunk_bytes, budget, executor, settings.pull_timeout_s, trimmer))])
     health_servicer = health.aio.HealthServicer()  # type: ignore[attr-defined]

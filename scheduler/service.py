@@ -16,11 +16,12 @@ from typing import TypeAlias
 import grpc
 import grpc.aio
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from pshard.common.interceptors import DecodeErrors
 from pshard.common.rpc import server_options
 from pshard.common.serving import ServerThread, start_in_thread
 from pshard.common.view import Clock
 from pshard.scheduler.membership import Membership, MembershipLimits
-from pshard.scheduler.servicer import DecodeErrors, SchedulerServicer
+from pshard.scheduler.servicer import SchedulerServicer
 
 from pshard.api.v1 import scheduler_pb2_grpc as pb_grpc
 

@@ -11,12 +11,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any
+from collections.abc import AsyncIterator
 
 import grpc
 import grpc.aio
-from google.protobuf.message import DecodeError
 from pshard.common.changes import ChangeSignal
 from pshard.common.codec import layout_to_proto, param_spec_from_proto, view_to_proto
 from pshard.common.errors import EmptyRequestError, PullTimeoutError
@@ -177,37 +175,3 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
         if not layout:
             raise PullTimeoutError(f"layout: none proposed within {budget:.3g} s (layout version 0)")
         return pb.GetLayoutResponse(layout=layout_to_proto(layout))
-
-
-class DecodeErrors(grpc.aio.ServerInterceptor):  # type: ignore[misc]
-    """Unparseable request bytes are INVALID_ARGUMENT, not grpc's UNKNOWN "Unexpected DecodeError".
-
-    grpc decodes a request before any handler runs, so the decoding moves into the handler, where
-    the failure can be answered with a proper status. Unary requests only (the scheduler has no
-    request streams).
-    """
-
-    async def intercept_service(self, continuation: Callable[[Any], Awaitable[Any]], details: Any) -> Any:
-        handler = await continuation(details)
-        if handler is None or handler.request_deserializer is None or handler.request_streaming:
-            return handler
-        decode, method = handler.request_deserializer, details.method
-
-        async def parse(raw: bytes, context: grpc.aio.ServicerContext) -> Any:
-            try:
-                return decode(raw)
-            except DecodeError as e:
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{method}: not a valid request: {e}")
-
-        if handler.unary_unary is not None:
-            unary = handler.unary_unary
-
-            async def call(raw: bytes, context: grpc.aio.ServicerContext) -> Any:
-                return await unary(await parse(raw, context), context)
-            return handler._replace(request_deserializer=None, unary_unary=call)
-        stream = handler.unary_stream
-
-        async def call_stream(raw: bytes, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
-            async for response in stream(await parse(raw, context), context):
-                yield response
-        return handler._replace(request_deserializer=None, unary_stream=call_stream)
