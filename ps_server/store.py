@@ -6,8 +6,10 @@ handlers drive it from an asyncio loop, tests drive it from threads.
 The store is the one holder of the slices' specs (declared dtype and shape) and the one place
 that validates requests against them. Validation before mutation: every request is checked
 completely (keys, shapes, dtypes, stamp, clocks) before anything changes, so a refused request
-leaves the store byte-for-byte as it was. `check_push`/`check_declare` validate a request's
-metadata alone, for transports that must refuse a stream before its data arrives.
+leaves the store byte-for-byte as it was. `check_request` validates a whole push-and-pull (the
+pull part too: a push never lands when its request's pull is refused), `check_push`/`check_declare`
+a request's metadata alone, for transports that must refuse a stream before its data arrives.
+Reads never move a worker's fencing stamp: only writes from live members do.
 
 At most once. Per slice and worker the store keeps the last clock pushed; a push
 for a clock at or below it is a duplicate (a retry) and is dropped. A worker's
