@@ -30,6 +30,7 @@ import logging
 import secrets
 import socket
 import threading
+import time
 from collections.abc import AsyncIterator, Sequence
 
 import grpc.aio
@@ -166,11 +167,8 @@ class FastPathServer:
 
     # ---- lifecycle ----
 
-    def stop(self, timeout_s: float = 5.0) -> None:
-        """Close the listener and every session (removing their segments); from any thread but the loop's."""
-        asyncio.run_coroutine_threadsafe(self.aclose(), self._loop).result(timeout_s)
-
     async def aclose(self) -> None:
+        """Close the listener and every session (removing their segments)."""
         self._stopping = True
         if self._listener is not None:
             await self._starting
@@ -263,7 +261,11 @@ class FastPathServer:
     async def serve(self, session: Session, header: pb.ExchangeHeader, metas: Sequence[SliceMeta],
                     views: Sequence[np.ndarray]) -> pb.TransportReply:
         assert isinstance(session, _Session)
-        return await self._run(session, header, metas, views)
+        started = time.perf_counter()
+        reply = await self._run(session, header, metas, views)
+        self._handlers.requests.record(session.kind, "Exchange", sum(v.nbytes for v in views), sum(reply.sizes),
+                                       time.perf_counter() - started, reply.error_type or None)
+        return reply
 
     def end(self, session: Session) -> None:
         assert isinstance(session, _Session)

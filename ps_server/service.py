@@ -76,9 +76,9 @@ class RunningServer:
 
     async def stop(self, grace_s: float = 5.0) -> None:
         await self.health.enter_graceful_shutdown()
-        if self.fast is not None:  # its threads may be waiting on this loop: stop them off it
-            await asyncio.get_running_loop().run_in_executor(None, self.fast.stop)
         await self.server.stop(grace_s)
+        if self.fast is not None:  # after gRPC: a worker whose fast path closes falls back to a server gone
+            await self.fast.aclose()
         self.executor.shutdown(wait=False, cancel_futures=True)
         self.trimmer.close()
 
