@@ -221,6 +221,17 @@ def span_s(results: Sequence[dict]) -> float:
     return max(r["end"] for r in results) - min(r["start"] for r in results)
 
 
+def rss_mb(pid: int) -> float:
+    """Resident set size of a process (decimal MB), from /proc; 0.0 elsewhere."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024 / MB
+    except OSError:
+        pass
+    return 0.0
+
+
 def cpu_seconds(pid: int) -> float:
     """User + system CPU time of a process (all its threads) so far, from /proc; 0.0 elsewhere."""
     try:

@@ -14,6 +14,7 @@ that transport's, and a worker that ends up on another one fails the run).
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
@@ -26,6 +27,7 @@ from bench.common import (
     cpu_figures,
     emit,
     parse_sizes,
+    rss_mb,
     run_workers,
     span_s,
     start_ps_servers,
@@ -60,6 +62,8 @@ def _dense_worker(run: WorkerRun, addresses: list[str], sizes: list[int], lr: fl
             profiler = cProfile.Profile()
             profiler.enable()
         meter = CpuMeter(server_pids)
+        # Steady state allocates no model-sized buffer per step: RSS must stay flat over the steps.
+        rss_before = [rss_mb(pid) for pid in (os.getpid(), *server_pids)]
         meter.start()
         start = time.monotonic()
         for _ in range(steps):
@@ -67,6 +71,8 @@ def _dense_worker(run: WorkerRun, addresses: list[str], sizes: list[int], lr: fl
             clock += 1
         end = time.monotonic()
         meter.stop()
+        rss_growth = [rss_mb(pid) - before for pid, before in zip((os.getpid(), *server_pids), rss_before,
+                                                                  strict=True)]
         if client.transports != [transport] * len(addresses):
             raise RuntimeError(f"dense: asked for {transport}, the steps went over {client.transports}")
         if profiler is not None and profile_dir:
@@ -75,7 +81,7 @@ def _dense_worker(run: WorkerRun, addresses: list[str], sizes: list[int], lr: fl
     # Sanity: every step moved the weights (sum of both workers' gradients, times lr).
     if np.array_equal(first, weights["t00"][:4]) or not np.isfinite(weights["t00"]).all():
         raise RuntimeError("dense: the weights did not change as SGD should have changed them")
-    return {"start": start, "end": end, **meter.result()}
+    return {"start": start, "end": end, "rss_growth_mb": rss_growth, **meter.result()}
 
 
 def dense(sizes: list[int], servers: int = 2, workers: int = 2, warmup: int = 2, steps: int = 8,
@@ -93,10 +99,14 @@ def dense(sizes: list[int], servers: int = 2, workers: int = 2, warmup: int = 2,
     elapsed = span_s(results)
     model_bytes = 4 * sum(sizes)
     moved = 2 * model_bytes * workers * steps  # every worker pushes and pulls the whole model
+    # Over the timed steps: each worker's own, and the servers' (as seen by worker 0, after its last step).
+    rss = {"rss_growth_mb_workers": [round(r["rss_growth_mb"][0], 1) for r in results],
+           "rss_growth_mb_servers": [round(g, 1) for g in results[0]["rss_growth_mb"][1:]]}
     return {"transport": transport, "mb_per_s": round(moved / MB / elapsed, 1),
             "steps_per_s": round(steps / elapsed, 3),
             "bytes_per_step": moved // steps, "params": sum(sizes), "tensors": len(sizes),
-            "servers": servers, "workers": workers, "steps": steps, **cpu_figures(results, steps, elapsed)}
+            "servers": servers, "workers": workers, "steps": steps, **rss,
+            **cpu_figures(results, steps, elapsed)}
 
 
 def build_parser() -> argparse.ArgumentParser:
