@@ -1,0 +1,128 @@
+"""Sparse embedding tables, the part client and server share: a table's config, the id hash and placement.
+
+A table maps arbitrary int64 ids to rows of `dim` numbers. Which server holds an id is decided by a
+hash of the id (jump consistent hash over a splitmix64 mix), never by `id % n`: ids that are
+multiples of n, or that come in ranges, still spread evenly, and growing from n to n+1 servers
+moves only 1/(n+1) of the ids. Client and server import the same function, so they always agree.
+
+Pure: numpy only, no grpc.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+from dataclasses import dataclass
+
+import numpy as np
+from pshard.common.errors import InvalidArgumentError
+
+TABLE_OPTIMIZERS = ("sgd", "adagrad", "adam", "lazy_adam")
+INITIALIZERS = ("zeros", "uniform", "normal")
+TABLE_DTYPES = ("float32", "float64")
+TTL_UNITS = ("clocks", "seconds")
+CAP_POLICIES = ("lru", "lfu")
+TABLE_MODES = ("async",)
+MAX_TABLE_DIM = 1 << 16
+MAX_TABLE_NAME_CHARS = 256
+
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+_M1 = np.uint64(0xBF58476D1CE4E5B9)
+_M2 = np.uint64(0x94D049BB133111EB)
+
+
+def mix64(x: np.ndarray) -> np.ndarray:
+    """splitmix64's finaliser of `x + golden`, elementwise on uint64 (wrapping arithmetic)."""
+    z = x.astype(np.uint64, copy=True)
+    with np.errstate(over="ignore"):
+        z += _GOLDEN
+        z ^= z >> np.uint64(30)
+        z *= _M1
+        z ^= z >> np.uint64(27)
+        z *= _M2
+        z ^= z >> np.uint64(31)
+    return z
+
+
+def table_hash(name: str) -> int:
+    """A stable 64-bit number for a table name (crc32 is the same in every process, unlike hash())."""
+    return int(mix64(np.array([zlib.crc32(name.encode())], np.uint64))[0])
+
+
+def server_of(ids: np.ndarray, n_servers: int) -> np.ndarray:
+    """The server (0..n-1) that holds each id: jump consistent hash (Lamport & Veach) of mix64(id)."""
+    key = mix64(ids.view(np.uint64) if ids.dtype == np.int64 else ids.astype(np.int64).view(np.uint64))
+    bucket = np.zeros(len(key), np.int64)
+    nxt = np.zeros(len(key), np.int64)
+    live = np.arange(len(key))
+    while len(live):
+        bucket[live] = nxt[live]
+        with np.errstate(over="ignore"):
+            key[live] = key[live] * np.uint64(2862933555777941757) + np.uint64(1)
+        top = (key[live] >> np.uint64(33)).astype(np.float64)
+        nxt[live] = ((bucket[live] + 1) * (float(1 << 31) / (top + 1))).astype(np.int64)
+        live = live[nxt[live] < n_servers]
+    return bucket
+
+
+@dataclass(frozen=True)
+class TableConfig:
+    """Everything a table is declared with; the first declaration wins and later ones must be equal."""
+
+    name: str
+    dim: int
+    dtype: str = "float32"
+    initializer: str = "uniform"  # zeros, uniform in [-init_scale, init_scale), normal(0, init_scale)
+    init_scale: float = 0.01
+    seed: int = 0
+    optimizer: str = "sgd"  # sgd, adagrad, adam (torch SparseAdam: one step count), lazy_adam (per row)
+    lr: float = 0.01
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    initial_accumulator_value: float = 0.0
+    admit_after: int = 1  # sightings (pulls or pushes) before an id becomes a row
+    admit_prob: float = 1.0  # chance that a sighting of a not-yet-admitted id admits it
+    ttl: float = 0.0  # 0: rows never expire
+    ttl_unit: str = "clocks"
+    max_rows: int = 0  # per server; 0: no cap
+    cap_policy: str = "lru"
+    log_evictions: bool = False  # append evicted ids to a file next to the server's checkpoint
+    allow_nonfinite: bool = False
+    mode: str = "async"
+
+    def __post_init__(self) -> None:
+        def bad(field: str, got: object, expected: str) -> InvalidArgumentError:
+            return InvalidArgumentError(f"table {self.name!r}: {field}: got {got!r}, expected {expected}")
+
+        if not self.name or len(self.name) > MAX_TABLE_NAME_CHARS:
+            raise bad("name", self.name, f"1 to {MAX_TABLE_NAME_CHARS} characters")
+        if not 1 <= self.dim <= MAX_TABLE_DIM:
+            raise bad("dim", self.dim, f"1 to {MAX_TABLE_DIM}")
+        allowed: tuple[str, ...]
+        for field, value, allowed in (("dtype", self.dtype, TABLE_DTYPES),
+                                      ("initializer", self.initializer, INITIALIZERS),
+                                      ("optimizer", self.optimizer, TABLE_OPTIMIZERS),
+                                      ("ttl_unit", self.ttl_unit, TTL_UNITS),
+                                      ("cap_policy", self.cap_policy, CAP_POLICIES),
+                                      ("mode", self.mode, TABLE_MODES)):
+            if value not in allowed:
+                raise bad(field, value, f"one of {allowed}")
+        ranges: tuple[tuple[str, float, float, float], ...] = (
+            ("lr", self.lr, 0.0, 1e3), ("eps", self.eps, 1e-30, 1.0),
+            ("init_scale", self.init_scale, 0.0, 1e3),
+            ("initial_accumulator_value", self.initial_accumulator_value, 0.0, 1e6),
+            ("beta1", self.betas[0], 0.0, 0.999999), ("beta2", self.betas[1], 0.0, 0.999999),
+            ("admit_prob", self.admit_prob, 1e-9, 1.0), ("ttl", self.ttl, 0.0, 1e12))
+        for field, number, low, high in ranges:
+            if not (math.isfinite(number) and low <= number <= high):
+                raise bad(field, number, f"a number in [{low}, {high}]")
+        if not 1 <= self.admit_after <= 1 << 30:
+            raise bad("admit_after", self.admit_after, "1 to 2**30")
+        if not 0 <= self.max_rows <= 1 << 31:
+            raise bad("max_rows", self.max_rows, "0 (no cap) to 2**31")
+        if not 0 <= self.seed < 1 << 63:
+            raise bad("seed", self.seed, "0 to 2**63-1")
+
+    @property
+    def np_dtype(self) -> np.dtype:
+        return np.dtype(self.dtype)

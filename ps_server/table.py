@@ -1,0 +1,243 @@
+"""One sparse embedding table on one server: rows, per-row optimizer state and metadata, admission, eviction.
+
+Rows live in flat numpy arrays indexed by the row numbers of an `IdIndex` (ps_server.rowhash):
+`values` (rows, dim), one (rows, dim) array per optimizer state, and per row its last touch
+(a clock or a time, float64), its count of updates, and for lazy Adam its step count. Arrays
+grow by doubling into fresh zeroed memory, whose untouched pages cost no RSS.
+
+A row that does not exist yet has a deterministic initial value, a function of (seed, table
+name, id, column) only (`initial_rows`), so any server, restart or replica makes the same row.
+
+Admission (`admit_after` > 1 or `admit_prob` < 1): only pushes are sightings. A pull of an id that
+is not a row returns its initial value and creates nothing; a push of it is counted, and once an
+id has `admit_after` sightings, each further sighting admits it with probability `admit_prob`
+(a seeded generator), the admitting push then being applied to the fresh row. Without admission a
+row is created at first touch, pull or push.
+
+Eviction: with a TTL, a row whose last touch is more than `ttl` ago (clocks: the clock passed to
+`push`/`pull`; seconds: the injected `now`) is treated as absent from then on and freed by a sweep;
+with `max_rows`, a request that leaves more rows evicts the least recently touched (lru) or the
+least often updated (lfu) rows, never the ones this request touched, down to the cap minus 1/64
+of it, so that a full table pays the O(rows) selection once per many requests, not on each.
+Evicted ids are counted and handed to `on_evict`.
+
+Not thread-safe: ps_server.table_handlers serialises requests per table.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+
+import numpy as np
+from pshard.common.sparse import TableConfig, mix64, table_hash
+from pshard.ps_server import row_optim
+from pshard.ps_server.rowhash import IdIndex
+
+# Rows per chunk when a table is streamed out (checkpoint, export): bounds the temporary memory.
+CHUNK_ROWS = 1 << 16
+_UNIT = float(2**-53)
+
+
+def initial_rows(config: TableConfig, ids: np.ndarray) -> np.ndarray:
+    """The initial value of each id's row: counter-based random numbers, (len(ids), dim)."""
+    dt = config.np_dtype
+    if config.initializer == "zeros" or len(ids) == 0:
+        return np.zeros((len(ids), config.dim), dt)
+    key = np.uint64(table_hash(config.name)) ^ mix64(np.array([config.seed], np.uint64))[0]
+    base = mix64(ids.astype(np.int64).view(np.uint64) ^ key)[:, None]
+    cols = np.arange(config.dim, dtype=np.uint64)[None, :]
+    with np.errstate(over="ignore"):
+        u1 = ((mix64(base + cols * np.uint64(2)) >> np.uint64(11)).astype(np.float64) + 0.5) * _UNIT
+        if config.initializer == "uniform":
+            return (config.init_scale * (2.0 * u1 - 1.0)).astype(dt)
+        u2 = (mix64(base + cols * np.uint64(2) + np.uint64(1)) >> np.uint64(11)).astype(np.float64) * _UNIT
+    return (config.init_scale * np.sqrt(-2.0 * np.log(u1)) * np.cos(2 * np.pi * u2)).astype(dt)
+
+
+class SparseTable:
+    def __init__(self, config: TableConfig, now: Callable[[], float] = time.monotonic,
+                 on_evict: Callable[[np.ndarray], None] | None = None, expected_rows: int = 0) -> None:
+        self.config = config
+        self._now = now
+        self._on_evict = on_evict
+        self.index = IdIndex(expected_rows)
+        cap = self.index.row_capacity
+        self.values = np.zeros((cap, config.dim), config.np_dtype)
+        self.state = {name: np.zeros((cap, config.dim), config.np_dtype)
+                      for name in row_optim.STATE_NAMES[config.optimizer]}
+        self.touch = np.zeros(cap, np.float64)
+        self.count = np.zeros(cap, np.int32)
+        self.row_step = np.zeros(cap if config.optimizer == "lazy_adam" else 0, np.int32)
+        self.step = 0  # pushes applied (adam's bias correction)
+        self.clock = 0.0  # newest clock seen (ttl in clocks)
+        self.evicted = 0
+        # Sightings of ids that are not rows yet (admission).
+        self._seen = IdIndex()
+        self._seen_count = np.zeros(self._seen.row_capacity, np.int32)
+        self._rng = np.random.default_rng(config.seed)
+        self._next_sweep = 0.0
+
+    @property
+    def _filtered(self) -> bool:
+        return self.config.admit_after > 1 or self.config.admit_prob < 1.0
+
+    def __len__(self) -> int:
+        return len(self.index)
+
+    def _time(self, clock: float | None) -> float:
+        if self.config.ttl_unit == "seconds":
+            return self._now()
+        if clock is None:
+            clock = self.clock
+        self.clock = max(self.clock, clock)
+        return self.clock
+
+    # ---- requests ----
+
+    def pull(self, ids: np.ndarray, clock: float | None = None) -> np.ndarray:
+        """Rows of `ids` (distinct int64), (len(ids), dim): a copy."""
+        now = self._time(clock)
+        rows = self._live(ids, now)
+        missing = rows < 0
+        if missing.any() and not self._filtered:
+            rows[missing] = self._create(ids[missing])
+            missing[:] = False
+        out = np.empty((len(ids), self.config.dim), self.config.np_dtype)
+        found = ~missing
+        out[found] = self.values[rows[found]]
+        out[missing] = initial_rows(self.config, ids[missing])
+        self.touch[rows[found]] = now
+        self._enforce_cap(rows[found], now)
+        return out
+
+    def push(self, ids: np.ndarray, grads: np.ndarray, clock: float | None = None) -> int:
+        """Apply `grads` (len(ids), dim) to the rows of `ids` (distinct); returns how many were stored
+        (the rest only counted, admission)."""
+        now = self._time(clock)
+        rows = self._live(ids, now)
+        missing = rows < 0
+        if missing.any():
+            admit = self._admit(ids[missing]) if self._filtered else np.ones(int(missing.sum()), bool)
+            where = np.flatnonzero(missing)
+            rows[where[admit]] = self._create(ids[where[admit]])
+        stored = rows >= 0
+        r, g = rows[stored], grads[stored]
+        if len(r) == 0:
+            return 0
+        self.step += 1
+        state = {name: a[r] for name, a in self.state.items()}
+        step: int | np.ndarray = self.step
+        if self.config.optimizer == "lazy_adam":
+            self.row_step[r] += 1
+            step = self.row_step[r]
+        self.values[r] = row_optim.apply(self.config, self.values[r], g, state, step)
+        for name, a in self.state.items():
+            a[r] = state[name]
+        self.touch[r] = now
+        self.count[r] += 1
+        self._enforce_cap(r, now)
+        return len(r)
+
+    # ---- rows ----
+
+    def _live(self, ids: np.ndarray, now: float) -> np.ndarray:
+        """Rows of `ids` (-1: absent); rows past their TTL are evicted first, so they read as absent."""
+        rows = self.index.lookup(ids)
+        if self.config.ttl > 0:
+            found = rows >= 0
+            old = found & (self.touch[np.maximum(rows, 0)] < now - self.config.ttl)
+            if old.any():
+                self._evict(rows[old])
+                rows[old] = -1
+            if now >= self._next_sweep:
+                self._next_sweep = now + self.config.ttl / 8
+                stale = self.index.live_rows()
+                self._evict(stale[self.touch[stale] < now - self.config.ttl])
+        return rows
+
+    def _create(self, ids: np.ndarray) -> np.ndarray:
+        rows = self.index.insert(ids)
+        cap = self.index.row_capacity
+        if len(self.values) < cap:
+            self.values = _grow(self.values, cap)
+            self.state = {name: _grow(a, cap) for name, a in self.state.items()}
+            self.touch = _grow(self.touch, cap)
+            self.count = _grow(self.count, cap)
+            if len(self.row_step):
+                self.row_step = _grow(self.row_step, cap)
+        self.values[rows] = initial_rows(self.config, ids)
+        for name, a in self.state.items():
+            a[rows] = row_optim.initial_state(self.config, name)
+        self.count[rows] = 0
+        if len(self.row_step):
+            self.row_step[rows] = 0
+        return rows
+
+    def _admit(self, ids: np.ndarray) -> np.ndarray:
+        """Count a sighting of each id (not rows yet); which of them are admitted now."""
+        slot = self._seen.lookup(ids)
+        new = slot < 0
+        if new.any():
+            slot[new] = self._seen.insert(ids[new])
+            if len(self._seen_count) < self._seen.row_capacity:
+                self._seen_count = _grow(self._seen_count, self._seen.row_capacity)
+            self._seen_count[slot[new]] = 0
+        self._seen_count[slot] += 1
+        admit = self._seen_count[slot] >= self.config.admit_after
+        if self.config.admit_prob < 1.0:
+            admit &= self._rng.random(len(ids)) < self.config.admit_prob
+        self._seen.delete_rows(slot[admit])
+        return admit
+
+    def _evict(self, rows: np.ndarray) -> None:
+        if len(rows) == 0:
+            return
+        ids = self.index.ids[rows].copy()
+        self.index.delete_rows(rows)
+        self.evicted += len(rows)
+        if self._on_evict is not None:
+            self._on_evict(ids)
+
+    def _enforce_cap(self, keep: np.ndarray, now: float) -> None:
+        cap = self.config.max_rows
+        if cap == 0 or len(self.index) <= cap:
+            return
+        target = cap - cap // 64
+        live = self.index.live_rows()
+        score = (self.touch[live] if self.config.cap_policy == "lru" else self.count[live]).astype(np.float64)
+        score[np.isin(live, keep)] = np.inf
+        excess = len(live) - target
+        order = np.argpartition(score, excess - 1)[:excess] if excess < len(live) else np.arange(len(live))
+        self._evict(live[order[np.isfinite(score[order])]])
+
+    # ---- streaming out ----
+
+    def chunks(self) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        """(rows, ids) of the live rows, CHUNK_ROWS row numbers at a time, ascending."""
+        for start in range(0, self.index.high, CHUNK_ROWS):
+            rows = self.index.live_rows(start, start + CHUNK_ROWS)
+            if len(rows):
+                yield rows, self.index.ids[rows]
+
+    def columns(self) -> dict[str, tuple[np.ndarray, tuple[int, ...]]]:
+        """Every per-row array a checkpoint saves: name -> (array over row numbers, row shape)."""
+        cols = {"values": self.values, "touch": self.touch, "count": self.count}
+        cols.update({f"state_{name}": a for name, a in self.state.items()})
+        if len(self.row_step):
+            cols["row_step"] = self.row_step
+        return {name: (a, a.shape[1:]) for name, a in cols.items()}
+
+    def restore_rows(self, ids: np.ndarray, columns: dict[str, np.ndarray]) -> None:
+        """Load a chunk saved by a checkpoint: ids and their per-row arrays (names as `columns()`)."""
+        rows = self.index.lookup(ids)
+        rows[rows < 0] = self._create(ids[rows < 0])
+        own = self.columns()
+        for name, values in columns.items():
+            own[name][0][rows] = values
+
+
+def _grow(a: np.ndarray, cap: int) -> np.ndarray:
+    out = np.zeros((cap, *a.shape[1:]), a.dtype)
+    out[: len(a)] = a
+    return out

@@ -1,0 +1,152 @@
+"""Sparse tables' pure core: parity with torch's sparse optimizers, admission, TTL, LRU/LFU, placement."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from pshard.common.errors import InvalidArgumentError
+from pshard.common.sparse import TableConfig, server_of
+from pshard.ps_server.table import SparseTable, initial_rows
+
+N_IDS, DIM, STEPS = 30, 6, 50
+
+
+def _coalesce(ids: np.ndarray, grads: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """What the client does before a push: distinct ids, their gradients summed."""
+    uniq, inverse = np.unique(ids, return_inverse=True)
+    summed = np.zeros((len(uniq), grads.shape[1]), grads.dtype)
+    np.add.at(summed, inverse, grads)
+    return uniq, summed
+
+
+def _torch_optimizer(name: str, params: list[torch.Tensor], config: TableConfig) -> torch.optim.Optimizer:
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=config.lr)
+    if name == "adagrad":
+        return torch.optim.Adagrad(params, lr=config.lr, eps=config.eps,
+                                   initial_accumulator_value=config.initial_accumulator_value)
+    return torch.optim.SparseAdam(params, lr=config.lr, betas=config.betas, eps=config.eps)
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adagrad", "adam", "lazy_adam"])
+def test_matches_torch_sparse_optimizers_over_50_steps_with_duplicates(optimizer: str) -> None:
+    config = TableConfig("emb", DIM, initializer="normal", init_scale=0.5, optimizer=optimizer, lr=0.05,
+                         initial_accumulator_value=0.1)
+    table = SparseTable(config)
+    all_ids = np.arange(N_IDS, dtype=np.int64) * 7919 - 100  # any int64s, negative ones too
+    init = initial_rows(config, all_ids)
+    # lazy_adam's reference: one SparseAdam per row, so each row counts its own steps.
+    per_row = optimizer == "lazy_adam"
+    embs = [torch.nn.Embedding(1 if per_row else N_IDS, DIM, sparse=True)
+            for _ in range(N_IDS if per_row else 1)]
+    for i, emb in enumerate(embs):
+        emb.weight.data = torch.from_numpy(init[i:i + 1].copy() if per_row else init.copy())
+    opts = [_torch_optimizer(optimizer, list(e.parameters()), config) for e in embs]
+    rng = np.random.default_rng(1)
+    for _ in range(STEPS):
+        pos = rng.integers(0, N_IDS, 24)  # positions in all_ids, with repeats
+        weights = torch.from_numpy(rng.normal(size=(24, DIM)).astype(np.float32))
+        for opt in opts:
+            opt.zero_grad(set_to_none=True)
+        if per_row:
+            for k, emb in enumerate(embs):
+                sel = np.flatnonzero(pos == k)
+                if len(sel):
+                    (emb(torch.zeros(len(sel), dtype=torch.long)) * weights[sel]).sum().backward()
+                    opts[k].step()
+        else:
+            (embs[0](torch.from_numpy(pos)) * weights).sum().backward()
+            opts[0].step()
+        ids, grads = _coalesce(all_ids[pos], weights.numpy())
+        table.push(ids, grads)
+    expected = np.concatenate([e.weight.detach().numpy() for e in embs])
+    np.testing.assert_allclose(table.pull(all_ids), expected, rtol=1e-6, atol=1e-7)
+    assert not np.allclose(expected, init)  # training moved the rows
+
+
+def test_initial_rows_are_a_function_of_table_id_and_seed_only() -> None:
+    config = TableConfig("a", 16, initializer="uniform", init_scale=0.1, seed=3)
+    ids = np.array([0, 1, -1, 2**63 - 1, -(2**63)], np.int64)
+    first = initial_rows(config, ids)
+    np.testing.assert_array_equal(first[::-1], initial_rows(config, ids[::-1]))
+    np.testing.assert_array_equal(first, SparseTable(config).pull(ids))
+    assert np.abs(first).max() <= 0.1 and len(np.unique(first)) == first.size
+    assert not np.array_equal(first, initial_rows(TableConfig("a", 16, init_scale=0.1, seed=4), ids))
+    assert not np.array_equal(first, initial_rows(TableConfig("b", 16, init_scale=0.1, seed=3), ids))
+
+
+def test_placement_spreads_ids_evenly_and_moves_few_when_a_server_joins() -> None:
+    ids = np.arange(0, 300_000, 3, dtype=np.int64)  # multiples of n: id % n would put all on one server
+    three, four = server_of(ids, 3), server_of(ids, 4)
+    assert np.bincount(three).min() > 0.3 * len(ids)
+    moved = three != four
+    assert (four[moved] == 3).all() and 0.2 < moved.mean() < 0.3
+
+
+def test_admission_counts_pushes_until_the_nth_sighting() -> None:
+    config = TableConfig("t", 4, optimizer="sgd", lr=1.0, admit_after=3)
+    table = SparseTable(config)
+    ids = np.array([10, 20], np.int64)
+    init = initial_rows(config, ids)
+    ones = np.ones((2, 4), np.float32)
+    for _ in range(2):
+        assert table.push(ids, ones) == 0
+        np.testing.assert_array_equal(table.pull(ids), init)
+        assert len(table) == 0
+    assert table.push(ids[:1], ones[:1]) == 1  # the third sighting of id 10 admits and applies it
+    np.testing.assert_array_equal(table.pull(ids), np.stack([init[0] - 1, init[1]]))
+    assert len(table) == 1
+
+
+def test_probability_admission_is_seeded() -> None:
+    def admitted(seed: int) -> int:
+        table = SparseTable(TableConfig("t", 2, admit_prob=0.25, seed=seed))
+        table.push(np.arange(4000, dtype=np.int64), np.zeros((4000, 2), np.float32))
+        return len(table)
+
+    assert admitted(1) == admitted(1)
+    assert 800 < admitted(1) < 1200
+
+
+def test_ttl_in_clocks_evicts_rows_not_touched_for_t_clocks() -> None:
+    evicted: list[np.ndarray] = []
+    table = SparseTable(TableConfig("t", 2, lr=1.0, ttl=3), on_evict=evicted.append)
+    one = np.ones((1, 2), np.float32)
+    table.push(np.array([1], np.int64), one, clock=1)
+    table.push(np.array([2], np.int64), one, clock=4)
+    assert len(table) == 2  # id 1 is 3 clocks old: still there
+    table.push(np.array([2], np.int64), one, clock=5)
+    assert len(table) == 1 and table.evicted == 1 and np.concatenate(evicted).tolist() == [1]
+    init = initial_rows(table.config, np.array([1], np.int64))
+    np.testing.assert_array_equal(table.pull(np.array([1], np.int64), clock=5), init)  # a fresh row
+
+
+def test_ttl_in_seconds_uses_the_injected_clock() -> None:
+    now = [100.0]
+    table = SparseTable(TableConfig("t", 2, ttl=10, ttl_unit="seconds"), now=lambda: now[0])
+    table.pull(np.array([1, 2], np.int64))
+    now[0] = 105.0
+    table.pull(np.array([2], np.int64))
+    now[0] = 112.0
+    table.pull(np.array([3], np.int64))
+    assert sorted(table.index.ids[table.index.live_rows()].tolist()) == [2, 3]
+
+
+@pytest.mark.parametrize("policy", ["lru", "lfu"])
+def test_row_cap_evicts_by_policy(policy: str) -> None:
+    evicted: list[np.ndarray] = []
+    table = SparseTable(TableConfig("t", 2, max_rows=3, cap_policy=policy), on_evict=evicted.append)
+    g = np.zeros((1, 2), np.float32)
+    for clock, i in enumerate([1, 1, 1, 2, 2, 3]):  # counts 1:3, 2:2, 3:1; last touch 3 > 2 > 1
+        table.push(np.array([i], np.int64), g, clock=clock)
+    table.push(np.array([4], np.int64), g, clock=10)
+    assert len(table) == 3
+    assert np.concatenate(evicted).tolist() == ([1] if policy == "lru" else [3])
+
+
+def test_config_refuses_bad_values_naming_the_table() -> None:
+    with pytest.raises(InvalidArgumentError, match="table 'x': dim"):
+        TableConfig("x", 0)
+    with pytest.raises(InvalidArgumentError, match="optimizer"):
+        TableConfig("x", 4, optimizer="rmsprop")
