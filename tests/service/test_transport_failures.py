@@ -162,7 +162,8 @@ def _worker_process(address: str, shm_dir: Path) -> subprocess.Popen[str]:
     return subprocess.Popen([sys.executable, "-c", code], text=True)
 
 
-def test_a_sigkilled_workers_segment_is_removed_once_the_server_notices(shm_dir, start_server, wire):
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM])
+def test_a_killed_workers_segment_is_removed_once_the_server_notices(shm_dir, start_server, wire, sig):
     server = start_server(ServerSettings(static_quorum={"doomed": 0, "other": 0}, shm_dir=str(shm_dir)))
     worker = _worker_process(server.address, shm_dir)
     try:
@@ -170,7 +171,7 @@ def test_a_sigkilled_workers_segment_is_removed_once_the_server_notices(shm_dir,
                         "the worker's step waits over shm")
         assert len(list(shm_dir.iterdir())) == 1
     finally:
-        worker.send_signal(signal.SIGKILL)
+        worker.send_signal(sig)  # a bare PSClient process: SIGTERM kills it without clean-up too
         worker.wait(WAIT_S)
     _until(lambda: not list(shm_dir.iterdir()), "the server removed the dead worker's segment")
     assert not wire.stats(server).worker_transports
@@ -191,7 +192,8 @@ def test_a_restarted_server_sweeps_the_segments_its_dead_peers_left(shm_dir, sta
     assert not orphan.exists()
 
 
-def test_a_worker_whose_server_is_sigkilled_mid_step_removes_its_segment(shm_dir, new_client):
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM])
+def test_a_worker_whose_server_is_killed_mid_step_removes_its_segment(shm_dir, new_client, sig):
     server = subprocess.Popen(
         [sys.executable, "-m", "pshard.ps_server", "--bind", "127.0.0.1:0", "--shm-dir", str(shm_dir),
          "--workers", "w0,w1", "--no-scheduler"], stdout=subprocess.PIPE, text=True)
@@ -204,7 +206,7 @@ def test_a_worker_whose_server_is_sigkilled_mid_step_removes_its_segment(shm_dir
         with ThreadPoolExecutor(1) as pool:
             step = pool.submit(c.push_pull, _grads(1.0), 0)  # waits for w1, who never comes
             _until(lambda: c.transports == ["shm"] and len(list(shm_dir.iterdir())) == 1, "step under way")
-            server.send_signal(signal.SIGKILL)
+            server.send_signal(sig)  # SIGTERM: a graceful stop, which closes the session itself
             with pytest.raises(PSError):
                 step.result(timeout=3 * WAIT_S)
         assert c.transports == ["grpc"]
