@@ -23,6 +23,7 @@ import logging
 import os
 import sys
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 
 from pshard.common.argtypes import listen_address, positive_float, positive_int
 from pshard.common.cluster import (
@@ -36,6 +37,7 @@ from pshard.common.entry import STOP_SIGNALS, check_can_listen
 from pshard.common.errors import ClusterConfigError, PSError
 from pshard.common.job import MODES, OPTIMIZERS, JobConfig, OptimizerConfig
 from pshard.common.logs import add_log_level_argument, configure_logging
+from pshard.common.metrics import add_metrics_argument, serve_server_metrics
 from pshard.common.rpc import DEFAULT_MAX_MESSAGE_BYTES
 from pshard.ps_server import service
 from pshard.ps_server.settings import ServerSettings
@@ -84,6 +86,7 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
     p.add_argument("--shm-dir", metavar="DIR", default=ServerSettings.shm_dir,
                    help="directory of the workers' shared-memory segments (default "
                         f"{ServerSettings.shm_dir})")
+    add_metrics_argument(p)
     add_log_level_argument(p)
     return p
 
@@ -152,6 +155,11 @@ async def _run(args: argparse.Namespace, spec: ClusterSpec | None, settings: Ser
         loop.add_signal_handler(sig, stop.set)
     running = await service.start(settings, bind, args.max_message_mb * 2**20)
     print(f"pshard ps: listening on port {running.port}", flush=True)
+    metrics = None
+    if args.metrics_port is not None:
+        manifest = Path(args.checkpoint_dir, f"{settings.shard_name}.json") if args.checkpoint_dir else None
+        metrics = serve_server_metrics(running.handlers, loop, bind, args.metrics_port, manifest)
+        print(f"pshard ps: metrics on port {metrics.port}", flush=True)
     follower = None
     if spec is not None and not args.no_scheduler:
         follower = service.follow_scheduler(running, spec, loop)
@@ -166,6 +174,8 @@ async def _run(args: argparse.Namespace, spec: ClusterSpec | None, settings: Ser
         path, version = await running.servicer.checkpoint(0, 30.0)
         log.info("final checkpoint at version %d: %s", version, path)
     await running.stop(grace_s=5.0)
+    if metrics is not None:
+        metrics.close()
     for task in tasks:
         task.cancel()
     return 0

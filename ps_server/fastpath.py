@@ -263,8 +263,9 @@ class FastPathServer:
         assert isinstance(session, _Session)
         started = time.perf_counter()
         reply = await self._run(session, header, metas, views)
-        self._handlers.requests.record(session.kind, "Exchange", sum(v.nbytes for v in views), sum(reply.sizes),
-                                       time.perf_counter() - started, reply.error_type or None)
+        self._handlers.requests.record(session.kind, "Exchange", sum(v.nbytes for v in views),
+                                       sum(reply.sizes), time.perf_counter() - started,
+                                       reply.error_type or None)
         return reply
 
     def end(self, session: Session) -> None:

@@ -36,6 +36,7 @@ from pshard.common.errors import (
     StaleGenerationError,
 )
 from pshard.common.job import JobConfig
+from pshard.common.metrics import RequestMetrics
 from pshard.common.types import SliceKey, Stamp
 from pshard.ps_server.checkpoint import load_shard, save_shard
 from pshard.ps_server.settings import ServerSettings
@@ -137,6 +138,8 @@ class ParameterServerHandlers:
         self.pulls_timed_out = 0
         # Set by the fast-path transports, so that stats show what each worker uses.
         self.transport_report: Callable[[], Mapping[str, str]] = dict
+        # Bytes, latency and refusals per transport, filled by the servicer and the fast paths.
+        self.requests = RequestMetrics()
         if settings.checkpoint_dir:
             snap = load_shard(Path(settings.checkpoint_dir), settings.shard_name)
             if snap is not None:

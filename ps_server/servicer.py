@@ -124,12 +124,16 @@ class ParameterServerServicer:
         are parsed, and held until the reply is encoded."""
         async def handle(raw: bytes, context: grpc.aio.ServicerContext) -> bytes:
             held = self._budget.reservation(name)
+            started, sent, refused = time.perf_counter(), 0, None
             try:
                 held.add(len(raw))
                 reply = await method(_parse(message_type, raw, name), context)
-                return reply if isinstance(reply, bytes) else await self._encode(reply)
+                out = reply if isinstance(reply, bytes) else await self._encode(reply)
+                sent = len(out)
+                return out
             except PSError as err:
                 set_status(context, err)
+                refused = type(err).__name__
                 _forget_locals(err)
                 return b""
             except BaseException as exc:
@@ -138,6 +142,8 @@ class ParameterServerServicer:
             finally:
                 held.release()
                 self._trimmer.request_ended(held.total)
+                self._handlers.requests.record("grpc", name, len(raw), sent, time.perf_counter() - started,
+                                               refused)
 
         return handle
 
@@ -207,7 +213,13 @@ class ParameterServerServicer:
     @maps_stream_errors
     async def Exchange(self, frames: AsyncIterator[bytes], context: grpc.aio.ServicerContext
                        ) -> AsyncIterator[bytes]:
-        with self._budget.reservation("Exchange") as held, _ending(self._trimmer, held):
+        started, sent = time.perf_counter(), [0]
+
+        def record(received: int, refused: str | None) -> None:
+            self._handlers.requests.record("grpc", "Exchange", received, sent[0],
+                                           time.perf_counter() - started, refused)
+
+        with self._budget.reservation("Exchange") as held, _ending(self._trimmer, held, record):
             first = await anext(frames, None)
             if first is None:
                 raise EmptyRequestError("Exchange: the stream ended before its header frame")
@@ -230,6 +242,7 @@ class ParameterServerServicer:
                 raise InvalidArgumentError(f"Exchange header.op: got {header.op}, "
                                            "expected PUSH_PULL or DECLARE")
             async for out in replies:
+                sent[0] += len(out)
                 yield out
 
     async def _exchange_declare(self, header: pb.ExchangeHeader, metas: Sequence[SliceMeta],
@@ -275,15 +288,20 @@ class ParameterServerServicer:
 
 
 @contextlib.contextmanager
-def _ending(trimmer: HeapTrimmer, held: Reservation) -> Iterator[None]:
-    """An Exchange call's end: its exceptions keep no frame's data alive, its memory goes back."""
+def _ending(trimmer: HeapTrimmer, held: Reservation,
+            record: Callable[[int, str | None], None]) -> Iterator[None]:
+    """An Exchange call's end: its exceptions keep no frame's data alive, its memory goes back,
+    its bytes, time and refusal (if any) are recorded."""
+    refused = None
     try:
         yield
     except BaseException as exc:
+        refused = type(exc).__name__ if isinstance(exc, PSError) else None
         _forget_locals(exc)
         raise
     finally:
         trimmer.request_ended(held.total)
+        record(held.total, refused)
 
 
 class _FrameSource:

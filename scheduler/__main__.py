@@ -33,7 +33,8 @@ from pshard.common.cluster import (
 from pshard.common.entry import STOP_SIGNALS, check_can_listen
 from pshard.common.errors import ClusterConfigError
 from pshard.common.logs import add_log_level_argument, configure_logging
-from pshard.scheduler.service import DEFAULT_HEARTBEAT_INTERVAL_S, DEFAULT_HEARTBEAT_TIMEOUT_S, serve
+from pshard.common.metrics import add_metrics_argument, serve_scheduler_metrics
+from pshard.scheduler.service import DEFAULT_HEARTBEAT_INTERVAL_S, DEFAULT_HEARTBEAT_TIMEOUT_S, start
 
 PROG = "python -m pshard.scheduler"
 DEFAULT_PORT = 7000
@@ -55,6 +56,7 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
     parser.add_argument("--heartbeat-timeout-ms", metavar="MS", type=positive_int, default=timeout_ms,
                         help=f"a node silent for longer than this is declared dead (default {timeout_ms})")
     add_cluster_arguments(parser)
+    add_metrics_argument(parser)
     add_log_level_argument(parser)
     return parser
 
@@ -72,13 +74,23 @@ def bind_address(args: argparse.Namespace, environ: Mapping[str, str], prog: str
     return str(args.bind) if args.bind else spec.listen_address
 
 
-async def _run(bind: str, interval_s: float, timeout_s: float) -> None:
+async def _run(bind: str, interval_s: float, timeout_s: float, metrics_port: int | None = None) -> None:
     # Handlers first: from here on a signal stops the scheduler gracefully, start-up included.
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in STOP_SIGNALS:
         loop.add_signal_handler(sig, stop.set)
-    await serve(bind, stop, heartbeat_interval_s=interval_s, heartbeat_timeout_s=timeout_s)
+    running = await start(bind, heartbeat_interval_s=interval_s, heartbeat_timeout_s=timeout_s)
+    metrics = None
+    try:
+        if metrics_port is not None:
+            metrics = serve_scheduler_metrics(running.servicer.membership.view, loop, bind, metrics_port)
+            print(f"pshard scheduler: metrics on port {metrics.port}", flush=True)
+        await stop.wait()
+    finally:
+        if metrics is not None:
+            metrics.close()
+        await running.stop(2.0)
 
 
 @exit_on_config_error(prog=PROG)
@@ -93,7 +105,8 @@ def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = 
     bind = bind_address(args, os.environ if environ is None else environ, prog)
     check_can_listen(bind)
     try:
-        asyncio.run(_run(bind, args.heartbeat_interval_ms / 1000, args.heartbeat_timeout_ms / 1000))
+        asyncio.run(_run(bind, args.heartbeat_interval_ms / 1000, args.heartbeat_timeout_ms / 1000,
+                         args.metrics_port))
     except OSError as e:  # lost the port between the check and gRPC's bind
         print(f"{prog}: error: {e}", file=sys.stderr)
         return 2

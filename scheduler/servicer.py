@@ -54,6 +54,11 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
             budget = min(budget, remaining - _DEADLINE_MARGIN_S)
         return max(budget, 0.0)
 
+    @property
+    def membership(self) -> Membership:
+        """The table behind the service (read on its event loop, e.g. by the metrics collector)."""
+        return self._members
+
     def close(self) -> None:
         """End every Watch stream and wake every waiter (the server is stopping)."""
         self._closed = True

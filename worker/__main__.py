@@ -42,6 +42,7 @@ from pshard.common.cluster import (
 from pshard.common.errors import ClusterConfigError, InvalidArgumentError
 from pshard.common.job import MODES, OPTIMIZERS, WIRE_DTYPES, JobConfig, OptimizerConfig
 from pshard.common.logs import add_log_level_argument, configure_logging
+from pshard.common.metrics import add_metrics_argument
 from pshard.worker.config import LOCAL_OPTIMIZERS, Defaults, Stopped, TrainConfig, stop_on_signals
 from pshard.worker.data import default_data_dir
 from pshard.worker.device import DEVICES, select_device
@@ -102,6 +103,7 @@ def build_parser(environ: Mapping[str, str], prog: str = PROG) -> argparse.Argum
                           f"(default {D.EVAL_INTERVAL_S:g})")
     out.add_argument("--log-every", metavar="N", type=positive_int, default=D.LOG_EVERY,
                      help=f"a 'step' metrics line every N steps (default {D.LOG_EVERY})")
+    add_metrics_argument(out, host="0.0.0.0")
     add_log_level_argument(p)
     p.add_argument("--transport", choices=("auto", "shm", "tcp", "grpc"), default=D.TRANSPORT,
                    help="how push/pull bytes travel: auto = shared memory with a server on this host, "
@@ -192,7 +194,8 @@ def config_from_args(argv: Sequence[str] | None, environ: Mapping[str, str], pro
         device=args.device, threads=args.threads, output=args.output, metrics=args.metrics,
         local_optimizer=args.local_optimizer, log_every=args.log_every,
         startup_timeout_s=args.startup_timeout_s, step_timeout_s=args.step_timeout_s,
-        eval_interval_s=args.eval_interval_s, transport=args.transport, shm_dir=args.shm_dir)
+        eval_interval_s=args.eval_interval_s, transport=args.transport, shm_dir=args.shm_dir,
+        metrics_port=args.metrics_port)
 
 
 @exit_on_config_error(prog=PROG)

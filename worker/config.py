@@ -65,6 +65,7 @@ class TrainConfig:
     eval_interval_s: float = Defaults.EVAL_INTERVAL_S  # evaluator tasks: seconds between evaluations
     transport: str = Defaults.TRANSPORT  # auto, shm, tcp or grpc (PSClient)
     shm_dir: str = Defaults.SHM_DIR  # where shared-memory segments are created
+    metrics_port: int | None = None  # serve Prometheus metrics on 0.0.0.0:PORT (0: a free port)
 
     @property
     def is_chief(self) -> bool:

@@ -1,0 +1,460 @@
+"""Prometheus metrics of every pshard service, served on ``--metrics-port``.
+
+Names follow Prometheus conventions: ``pshard_`` prefix, base units (seconds, bytes), ``_total``
+for counters. Most values are read at scrape time from what the services already keep (the
+store's stats, the handlers' counters, the membership view) by custom collectors, so the request
+path pays nothing for them. What is not kept anywhere else (bytes and latency per transport,
+refused requests) goes into `RequestMetrics`: plain integer adds and one bisect per request, no
+lock (the server's requests run on one event loop; a scrape reads a consistent-enough copy).
+
+Each process builds its own `CollectorRegistry` (`new_registry`), never the global one, so that
+servers started in one test process do not collide.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import bisect
+import contextlib
+import logging
+import math
+import time
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol, TypeVar
+
+from prometheus_client import CollectorRegistry, Histogram, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.registry import Collector
+from pshard.common import errors
+from pshard.common.view import TRAINER_ROLES, ClusterView, NodeState
+
+log = logging.getLogger("pshard.metrics")
+T = TypeVar("T")
+
+# Seconds: from a small push+pull on the same host (~100 µs) to a sync step waiting for a slow peer.
+LATENCY_BUCKETS = (
+    1e-4,
+    2.5e-4,
+    5e-4,
+    1e-3,
+    2.5e-3,
+    5e-3,
+    1e-2,
+    2.5e-2,
+    5e-2,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+)
+
+
+def new_registry() -> CollectorRegistry:
+    """A registry of this process's own (never the library's global one)."""
+    return CollectorRegistry(auto_describe=True)
+
+
+@dataclass
+class MetricsServer:
+    port: int
+    _close: Callable[[], None]
+
+    def close(self) -> None:
+        self._close()
+
+
+def serve_metrics(registry: CollectorRegistry, host: str, port: int) -> MetricsServer:
+    """Serve ``/metrics`` over HTTP on host:port (port 0 picks a free one) in a daemon thread."""
+    host = host.strip("[]") or "0.0.0.0"
+    server, thread = start_http_server(port, addr=host, registry=registry)
+    bound = int(server.server_address[1])
+
+    def close() -> None:
+        server.shutdown()
+        server.server_close()
+        thread.join(timeout=5.0)
+
+    log.info("metrics on http://%s:%d/metrics", host, bound)
+    return MetricsServer(bound, close)
+
+
+def bind_host(bind: str) -> str:
+    """The host part of a HOST:PORT listen address ('[::1]:7000' -> '::1')."""
+    return bind.rsplit(":", 1)[0].strip("[]") or "0.0.0.0"
+
+
+def on_loop(loop: asyncio.AbstractEventLoop, fn: Callable[[], T], timeout_s: float = 5.0) -> T:
+    """`fn()` run on `loop`, whose state it reads, from the scrape's HTTP thread."""
+
+    async def call() -> T:
+        return fn()
+
+    return asyncio.run_coroutine_threadsafe(call(), loop).result(timeout_s)
+
+
+# ---- a histogram cheap enough for every request ----
+
+
+class LatencyHistogram:
+    """Cumulative buckets as Prometheus wants them, filled by one bisect and two adds."""
+
+    def __init__(self, buckets: tuple[float, ...] = LATENCY_BUCKETS) -> None:
+        self.buckets = buckets
+        self.counts = [0] * (len(buckets) + 1)  # the last one is +Inf
+        self.sum = 0.0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(self.buckets, value)] += 1
+        self.sum += value
+
+    def cumulative(self) -> list[tuple[str, float]]:
+        out, total = [], 0
+        for bound, count in zip((*self.buckets, math.inf), list(self.counts), strict=True):
+            total += count
+            out.append(("+Inf" if bound == math.inf else repr(bound), float(total)))
+        return out
+
+
+@dataclass
+class _Traffic:
+    bytes_in: int = 0
+    bytes_out: int = 0
+    latency: LatencyHistogram = field(default_factory=LatencyHistogram)
+
+
+class RequestMetrics:
+    """Bytes, latency and refusals of one server's requests, by transport and method."""
+
+    def __init__(self) -> None:
+        self._traffic: dict[tuple[str, str], _Traffic] = {}
+        self.refused: dict[str, int] = {}  # gRPC status name -> requests answered with it
+
+    def record(
+        self,
+        transport: str,
+        method: str,
+        bytes_in: int,
+        bytes_out: int,
+        seconds: float,
+        error_type: str | None = None,
+    ) -> None:
+        """One finished request; `error_type`: the PSError class it was refused with, if any."""
+        traffic = self._traffic.get((transport, method))
+        if traffic is None:
+            traffic = self._traffic[(transport, method)] = _Traffic()
+        traffic.bytes_in += bytes_in
+        traffic.bytes_out += bytes_out
+        traffic.latency.observe(seconds)
+        if error_type:
+            status = status_of(error_type)
+            self.refused[status] = self.refused.get(status, 0) + 1
+
+    def items(self) -> list[tuple[tuple[str, str], _Traffic]]:
+        return list(self._traffic.items())
+
+
+def status_of(error_type: str) -> str:
+    """The gRPC status name a PSError class (by name) is answered with."""
+    cls = getattr(errors, error_type, None)
+    status = (
+        getattr(cls, "status", None) if isinstance(cls, type) and issubclass(cls, errors.PSError) else None
+    )
+    return status if isinstance(status, str) else "UNKNOWN"
+
+
+# ---- parameter server ----
+
+
+class _StoreStats(Protocol):
+    slices: int
+    bytes_stored: int
+    pushes_applied: int
+    pushes_dropped: int
+    late_gradients_dropped: int
+    worker_clocks: dict[str, int]
+    min_version: int
+    max_version: int
+
+
+class _ServerStats(Protocol):
+    @property
+    def job(self) -> Any: ...
+    @property
+    def store(self) -> _StoreStats | None: ...
+    @property
+    def pulls_served(self) -> int: ...
+    @property
+    def pulls_waiting(self) -> int: ...
+    @property
+    def pulls_timed_out(self) -> int: ...
+    @property
+    def transports(self) -> Mapping[str, str]: ...
+
+
+def clock_lags(clocks: Mapping[str, int]) -> dict[str, int]:
+    """Each worker's clock behind the fastest one (0 for the fastest)."""
+    fastest = max(clocks.values(), default=0)
+    return {worker: fastest - clock for worker, clock in clocks.items()}
+
+
+class ServerCollector(Collector):
+    """A parameter server's metrics, read from its handlers' stats at scrape time."""
+
+    def __init__(
+        self,
+        stats: Callable[[], _ServerStats],
+        requests: RequestMetrics,
+        checkpoint_manifest: Path | None = None,
+    ) -> None:
+        self._stats = stats
+        self._requests = requests
+        self._manifest = checkpoint_manifest
+
+    def collect(self) -> Iterator[Any]:
+        yield from request_families(self._requests, "ps")
+        stats = self._stats()
+        waiting = GaugeMetricFamily(
+            "pshard_ps_pulls_waiting", "Pulls waiting for their consistency condition"
+        )
+        waiting.add_metric([], stats.pulls_waiting)
+        yield waiting
+        yield _counter("pshard_ps_pulls_served", "Pulls answered", stats.pulls_served)
+        yield _counter(
+            "pshard_ps_pulls_timed_out", "Pulls that waited past their deadline", stats.pulls_timed_out
+        )
+        transports = GaugeMetricFamily(
+            "pshard_ps_worker_transport",
+            "1 per worker and the fast path its session uses (absent: gRPC)",
+            labels=["worker", "transport"],
+        )
+        for worker, kind in sorted(stats.transports.items()):
+            transports.add_metric([worker, kind], 1)
+        yield transports
+        yield from self._store_families(stats.store)
+        if self._manifest is not None:
+            age = GaugeMetricFamily(
+                "pshard_ps_checkpoint_age_seconds",
+                "Seconds since this server's last checkpoint (absent: none yet)",
+            )
+            with contextlib.suppress(OSError):  # no checkpoint yet
+                age.add_metric([], max(0.0, time.time() - self._manifest.stat().st_mtime))
+            yield age
+
+    @staticmethod
+    def _store_families(store: _StoreStats | None) -> Iterable[Any]:
+        if store is None:
+            return
+        yield _gauge("pshard_ps_slices", "Slices this server holds", store.slices)
+        yield _gauge("pshard_ps_stored_bytes", "Bytes of the values this server holds", store.bytes_stored)
+        yield _counter("pshard_ps_pushes_applied", "Gradients applied", store.pushes_applied)
+        yield _counter(
+            "pshard_ps_pushes_dropped", "Gradients dropped (late ones included)", store.pushes_dropped
+        )
+        yield _counter(
+            "pshard_ps_late_gradients_dropped",
+            "Gradients dropped because their clock had already closed (duplicates and stragglers)",
+            store.late_gradients_dropped,
+        )
+        yield _gauge(
+            "pshard_ps_sync_clock_min",
+            "Lowest slice version (the sync clock every slice reached)",
+            store.min_version,
+        )
+        yield _gauge("pshard_ps_sync_clock_max", "Highest slice version", store.max_version)
+        clock = GaugeMetricFamily(
+            "pshard_ps_worker_clock", "Last clock each worker pushed", labels=["worker"]
+        )
+        lag = GaugeMetricFamily(
+            "pshard_ps_worker_clock_lag", "Clocks each worker is behind the fastest one", labels=["worker"]
+        )
+        lags = clock_lags(store.worker_clocks)
+        for worker, value in sorted(store.worker_clocks.items()):
+            clock.add_metric([worker], value)
+            lag.add_metric([worker], lags[worker])
+        yield clock
+        yield lag
+        spread = max(lags.values(), default=0)
+        yield _gauge(
+            "pshard_ps_clock_spread",
+            "Fastest minus slowest worker clock: what SSP's staleness bounds",
+            spread,
+        )
+
+
+def request_families(requests: RequestMetrics, service: str) -> Iterator[Any]:
+    bytes_in = CounterMetricFamily(
+        f"pshard_{service}_received_bytes", "Request bytes received", labels=["transport", "method"]
+    )
+    bytes_out = CounterMetricFamily(
+        f"pshard_{service}_sent_bytes", "Reply bytes sent", labels=["transport", "method"]
+    )
+    latency = HistogramMetricFamily(
+        f"pshard_{service}_request_duration_seconds",
+        "Time from a request's arrival to its reply, waiting included",
+        labels=["transport", "method"],
+    )
+    for (transport, method), traffic in sorted(requests.items()):
+        bytes_in.add_metric([transport, method], traffic.bytes_in)
+        bytes_out.add_metric([transport, method], traffic.bytes_out)
+        latency.add_metric([transport, method], traffic.latency.cumulative(), traffic.latency.sum)
+    refused = CounterMetricFamily(
+        f"pshard_{service}_refused_requests", "Requests refused, by gRPC status", labels=["code"]
+    )
+    for code, count in sorted(requests.refused.items()):
+        refused.add_metric([code], count)
+    yield from (bytes_in, bytes_out, latency, refused)
+
+
+# ---- scheduler ----
+
+
+class SchedulerCollector(Collector):
+    """The scheduler's membership, read from its current view at scrape time."""
+
+    def __init__(self, view: Callable[[], ClusterView]) -> None:
+        self._view = view
+
+    def collect(self) -> Iterator[Any]:
+        view = self._view()
+        yield _gauge("pshard_scheduler_generation", "Generation of the current cluster view", view.generation)
+        yield _gauge(
+            "pshard_scheduler_layout_version",
+            "Version of the parameter layout (0: none yet)",
+            view.layout_version,
+        )
+        members = GaugeMetricFamily(
+            "pshard_scheduler_members", "Nodes by role and state", labels=["role", "state"]
+        )
+        counts: dict[tuple[str, str], int] = {}
+        for node in view.nodes:
+            key = (node.role, node.state.name.lower())
+            counts[key] = counts.get(key, 0) + 1
+        for (role, state), count in sorted(counts.items()):
+            members.add_metric([role, state], count)
+        yield members
+        clock = GaugeMetricFamily(
+            "pshard_scheduler_worker_clock", "Clock each live trainer last reported", labels=["node", "role"]
+        )
+        lag = GaugeMetricFamily(
+            "pshard_scheduler_worker_clock_lag",
+            "Clocks behind the fastest live trainer",
+            labels=["node", "role"],
+        )
+        trainers = [n for n in view.nodes if n.role in TRAINER_ROLES and n.state is NodeState.LIVE]
+        lags = clock_lags({n.node_id: n.clock for n in trainers})
+        for node in trainers:
+            clock.add_metric([node.node_id, node.role], node.clock)
+            lag.add_metric([node.node_id, node.role], lags[node.node_id])
+        yield clock
+        yield lag
+
+
+# ---- worker ----
+
+
+class WorkerMetrics:
+    """A worker's own metrics: step latency, steps, clock, loss (registered in `registry`)."""
+
+    def __init__(self, registry: CollectorRegistry, worker: str, role: str) -> None:
+        labels = {"worker": worker, "role": role}
+        self._step = Histogram(
+            "pshard_worker_step_duration_seconds",
+            "One training step: forward, backward, push and pull",
+            labelnames=list(labels),
+            buckets=LATENCY_BUCKETS,
+            registry=registry,
+        ).labels(**labels)
+        self._push_pull = Histogram(
+            "pshard_worker_push_pull_duration_seconds",
+            "The push of a step's gradients and the pull of the next weights",
+            labelnames=list(labels),
+            buckets=LATENCY_BUCKETS,
+            registry=registry,
+        ).labels(**labels)
+        self._values: dict[str, float] = {"steps": 0, "clock": 0, "loss": math.nan}
+
+        worker_labels = [worker, role]
+        values = self._values
+
+        class _Values(Collector):
+            def collect(self) -> Iterator[Any]:
+                steps = CounterMetricFamily(
+                    "pshard_worker_steps", "Training steps taken", labels=["worker", "role"]
+                )
+                steps.add_metric(worker_labels, values["steps"])
+                clock = GaugeMetricFamily(
+                    "pshard_worker_clock", "This worker's clock", labels=["worker", "role"]
+                )
+                clock.add_metric(worker_labels, values["clock"])
+                loss = GaugeMetricFamily(
+                    "pshard_worker_loss", "Loss of the last step", labels=["worker", "role"]
+                )
+                loss.add_metric(worker_labels, values["loss"])
+                yield from (steps, clock, loss)
+
+        registry.register(_Values())
+
+    def step(self, seconds: float, push_pull_seconds: float, clock: int, loss: float) -> None:
+        self._step.observe(seconds)
+        self._push_pull.observe(push_pull_seconds)
+        self._values["steps"] += 1
+        self._values["clock"] = clock
+        self._values["loss"] = loss
+
+
+def _gauge(name: str, documentation: str, value: float) -> GaugeMetricFamily:
+    family = GaugeMetricFamily(name, documentation)
+    family.add_metric([], value)
+    return family
+
+
+def _counter(name: str, documentation: str, value: float) -> CounterMetricFamily:
+    family = CounterMetricFamily(name, documentation)
+    family.add_metric([], value)
+    return family
+
+
+# ---- entry points ----
+
+
+def metrics_port(text: str) -> int:
+    if not (text.isascii() and text.isdigit() and int(text) <= 65535):
+        raise argparse.ArgumentTypeError(f"got {text!r}, expected a port in 0..65535 (0 picks a free port)")
+    return int(text)
+
+
+def add_metrics_argument(parser: argparse._ActionsContainer, host: str = "the --bind host") -> None:
+    parser.add_argument(
+        "--metrics-port",
+        metavar="PORT",
+        type=metrics_port,
+        default=None,
+        help=f"serve Prometheus metrics at http://HOST:PORT/metrics, HOST being {host} "
+        "(0 picks a free port, printed at start; default: no metrics)",
+    )
+
+
+def serve_server_metrics(
+    handlers: Any, loop: asyncio.AbstractEventLoop, bind: str, port: int, checkpoint_manifest: Path | None
+) -> MetricsServer:
+    """A parameter server's /metrics; `handlers`: its ParameterServerHandlers (read on `loop`)."""
+    registry = new_registry()
+    registry.register(
+        ServerCollector(lambda: on_loop(loop, handlers.stats), handlers.requests, checkpoint_manifest)
+    )
+    return serve_metrics(registry, bind_host(bind), port)
+
+
+def serve_scheduler_metrics(
+    view: Callable[[], ClusterView], loop: asyncio.AbstractEventLoop, bind: str, port: int
+) -> MetricsServer:
+    registry = new_registry()
+    registry.register(SchedulerCollector(lambda: on_loop(loop, view)))
+    return serve_metrics(registry, bind_host(bind), port)
