@@ -58,7 +58,8 @@ LATENCY_BUCKETS = (
 
 def new_registry() -> CollectorRegistry:
     """A registry of this process's own (never the library's global one)."""
-    return CollectorRegistry(auto_describe=True)
+    # No auto_describe: it would collect at registration, on the event loop the collectors wait for.
+    return CollectorRegistry()
 
 
 @dataclass
