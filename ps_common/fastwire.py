@@ -90,6 +90,56 @@ def recv_frame_head(sock: socket.socket) -> tuple[int, bytes, int]:
     return kind, recv_exact(sock, meta_len), data_len
 
 
+class Inbox:
+    """Reads frames from a blocking socket with as few system calls as possible: a header and its
+    metadata usually come in one read, and bytes read past them are handed out first."""
+
+    def __init__(self, sock: socket.socket, size: int = 64 * 1024) -> None:
+        self._sock = sock
+        self._buf = memoryview(bytearray(size))
+        self._start = self._end = 0
+
+    def _fill(self, n: int) -> None:
+        """At least `n` bytes buffered (growing the buffer for a very large metadata)."""
+        if self._end - self._start >= n:
+            return
+        if self._start + n > len(self._buf):
+            pending = bytes(self._buf[self._start:self._end])
+            if n > len(self._buf):
+                self._buf = memoryview(bytearray(n))
+            self._buf[:len(pending)] = pending
+            self._start, self._end = 0, len(pending)
+        while self._end - self._start < n:
+            got = self._sock.recv_into(self._buf[self._end:])
+            if got == 0:
+                raise TransportBroken(f"peer closed the connection ({self._end - self._start} of {n} "
+                                      "bytes read)")
+            self._end += got
+
+    def frame_head(self) -> tuple[int, bytes, int]:
+        """(kind, metadata, data length) of the next frame; its data is read with `read_into`."""
+        self._fill(HEADER_BYTES)
+        kind, meta_len, data_len = decode_header(self._buf[self._start:self._start + HEADER_BYTES])
+        self._start += HEADER_BYTES
+        self._fill(meta_len)
+        meta = bytes(self._buf[self._start:self._start + meta_len])
+        self._start += meta_len
+        if self._start == self._end:
+            self._start = self._end = 0
+        return kind, meta, data_len
+
+    def read_into(self, buf: memoryview | np.ndarray) -> None:
+        view = byte_view(buf)
+        have = min(self._end - self._start, view.nbytes)
+        if have:
+            view[:have] = self._buf[self._start:self._start + have]
+            self._start += have
+            if self._start == self._end:
+                self._start = self._end = 0
+        if have < view.nbytes:
+            recv_into(self._sock, view[have:])
+
+
 def discard(sock: socket.socket, n: int) -> None:
     """Read and drop `n` bytes (data of a request that is refused), keeping the stream in step."""
     scratch = memoryview(bytearray(min(n, 1 << 20)))

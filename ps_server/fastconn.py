@@ -267,7 +267,11 @@ class Connection(asyncio.BufferedProtocol):
     async def _write(self, meta: bytes, data: Sequence[np.ndarray]) -> None:
         transport = self.transport
         assert transport is not None
-        transport.write(encode_header(REPLY, len(meta), sum(d.nbytes for d in data)) + meta)
+        head = encode_header(REPLY, len(meta), sum(d.nbytes for d in data)) + meta
+        if sum(d.nbytes for d in data) <= _SCRATCH_BYTES:  # small: one system call for all of it
+            transport.write(b"".join([head, *(byte_view(d) for d in data)]))
+            return
+        transport.write(head)
         for part in data:
             view = byte_view(part)
             for start in range(0, len(view), _WRITE_CHUNK_BYTES):

@@ -28,9 +28,8 @@ from pshard.common.fastwire import (
     HELLO,
     REPLY,
     REQUEST,
+    Inbox,
     TransportBroken,
-    recv_frame_head,
-    recv_into,
     send_frame,
     tune,
 )
@@ -59,6 +58,7 @@ class FastPath:
                  scratch: Segment | None) -> None:
         self.kind = kind
         self._sock = sock
+        self._inbox = Inbox(sock)
         self._segment = segment  # shm: the shared regions
         self._scratch = scratch  # tcp: where pulled slices that need a cast land first
         self._lock = threading.Lock()  # one request at a time: the regions hold one request's bytes
@@ -151,7 +151,7 @@ class FastPath:
                 np.copyto(segment.request[offset:offset + view.nbytes], view)
             views = []
         send_frame(self._sock, REQUEST, header.SerializeToString(), views)
-        kind, meta, data_len = recv_frame_head(self._sock)
+        kind, meta, data_len = self._inbox.frame_head()
         if kind != REPLY:
             raise TransportBroken(f"expected a reply frame, got kind {kind}")
         reply = pb.TransportReply.FromString(meta)
@@ -172,10 +172,10 @@ class FastPath:
         for index, size in enumerate(reply.sizes):
             target = direct(index)
             if target is not None and target.nbytes == size:
-                recv_into(self._sock, target)
+                self._inbox.read_into(target)
                 continue
             if size > scratch.reply_bytes:
                 raise TransportBroken(f"pulled slice of {size} bytes exceeds the scratch buffer")
-            recv_into(self._sock, scratch.reply[:size])
+            self._inbox.read_into(scratch.reply[:size])
             place(index, scratch.reply[:size])
         return reply
