@@ -153,3 +153,21 @@ def test_a_peer_that_closes_or_sends_garbage_breaks_the_path():
         fastwire.decode_header(b"HTTP" + bytes(fastwire.HEADER_BYTES - 4))
     with pytest.raises(TransportBroken, match="bad fast-path frame header"):
         fastwire.decode_header(fastwire.encode_header(fastwire.REQUEST, fastwire.MAX_META_BYTES + 1, 0))
+
+
+def test_the_inbox_hands_out_bytes_read_past_a_header_and_grows_for_big_metadata():
+    left, right = socket.socketpair()
+    with left, right:
+        inbox = fastwire.Inbox(right, size=64)
+        data = np.arange(10, dtype=np.float32)
+        fastwire.send_frame(left, fastwire.REPLY, b"m" * 10, [data])  # all of it fits one read
+        fastwire.send_frame(left, fastwire.REPLY, b"x" * 100)  # metadata bigger than the buffer
+        kind, meta, data_len = inbox.frame_head()
+        assert (kind, meta, data_len) == (fastwire.REPLY, b"m" * 10, 40)
+        got = np.empty(10, np.float32)
+        inbox.read_into(got.view(np.uint8))
+        np.testing.assert_array_equal(got, data)
+        assert inbox.frame_head() == (fastwire.REPLY, b"x" * 100, 0)
+        left.close()
+        with pytest.raises(TransportBroken, match="peer closed"):
+            inbox.frame_head()
