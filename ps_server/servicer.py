@@ -42,7 +42,8 @@ _MODE_ENUM = {"sync": pb.SYNC, "async": pb.ASYNC, "ssp": pb.SSP}
 # Slices at least this big are sent as a frame of their own (cached and shared in sync mode);
 # smaller ones are packed together so a model of many tiny tensors is not many tiny messages.
 _OWN_FRAME_BYTES = 256 * 1024
-# Replies at least this big are encoded on the servicer's thread pool instead of the event loop.
+# Requests and replies at least this big are parsed and encoded on the servicer's thread pool
+# instead of the event loop.
 _OFFLOAD_BYTES = 1 << 20
 
 Request = TypeVar("Request", bound=Message)
@@ -127,7 +128,12 @@ class ParameterServerServicer:
             started, sent, refused = time.perf_counter(), 0, None
             try:
                 held.add(len(raw))
-                reply = await method(_parse(message_type, raw, name), context)
+                if len(raw) < _OFFLOAD_BYTES:
+                    request = _parse(message_type, raw, name)
+                else:  # parsing copies every byte: a big request does it off the event loop
+                    request = await asyncio.get_running_loop().run_in_executor(
+                        self._executor, _parse, message_type, raw, name)
+                reply = await method(request, context)
                 out = reply if isinstance(reply, bytes) else await self._encode(reply)
                 sent = len(out)
                 return out
