@@ -32,8 +32,11 @@ class MetricsLog:
         stream: IO[str] | None = None,
         *,
         clock: Callable[[], float] = time.time,
+        fields: dict[str, Any] | None = None,
     ) -> None:
+        """`fields`: carried by every record (the worker's id and role), after event and ts."""
         self._clock = clock
+        self._fields = dict(fields or {})
         self._stream = stream
         self._file: IO[str] | None = None
         if path is not None:
@@ -46,7 +49,7 @@ class MetricsLog:
         """Write one event and return the record as written."""
         if event not in EVENTS:
             raise ValueError(f"event: got {event!r}, expected one of {EVENTS}")
-        record: dict[str, Any] = {"event": event, "ts": round(self._clock(), 6)}
+        record: dict[str, Any] = {"event": event, "ts": round(self._clock(), 6), **self._fields}
         record.update({key: _jsonable(value) for key, value in fields.items()})
         line = json.dumps(record, allow_nan=False) + "\n"
         for out in (self._file, self._stream):

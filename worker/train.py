@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import math
 import os
 import sys
 import time
@@ -25,6 +26,7 @@ from typing import IO
 
 import numpy as np
 import torch
+from pshard.common.metrics import MetricsServer, WorkerMetrics, new_registry, serve_metrics
 from pshard.worker.config import StageError, Stopped, TrainConfig, stage
 from pshard.worker.data import Dataset, batches, load_dataset, num_batches, shard
 from pshard.worker.device import select_device
@@ -36,6 +38,9 @@ from torch import nn
 from torch.nn import functional as F
 
 log = logging.getLogger("pshard.worker")
+
+# A loss this many times the first one (or NaN/inf) means the run diverged.
+DIVERGENCE_FACTOR = 100.0
 
 
 @dataclass
@@ -98,8 +103,18 @@ class TrainingRun:
         self.cfg = cfg
         self.outcome = Outcome()
         self.session = session
+        self.role = "chief" if cfg.is_chief else "worker"
         self.metrics = MetricsLog(None if cfg.metrics in (None, "-") else cfg.metrics,
-                                  stream=stdout if cfg.metrics == "-" else None)
+                                  stream=stdout if cfg.metrics == "-" else None,
+                                  fields={"worker": cfg.spec.node_id, "role": self.role})
+        self.prometheus: WorkerMetrics | None = None
+        self._metrics_server: MetricsServer | None = None
+        if cfg.metrics_port is not None:
+            registry = new_registry()
+            self.prometheus = WorkerMetrics(registry, cfg.spec.node_id, self.role)
+            self._metrics_server = serve_metrics(registry, "0.0.0.0", cfg.metrics_port)
+            print(f"pshard worker: metrics on port {self._metrics_server.port}", file=sys.stderr, flush=True)
+        self._first_loss: float | None = None
         self.progress = Progress(cfg.epochs, stream=sys.stderr)
         self.trainer: PSTrainer | None = None
         self.data: Dataset | None = None
@@ -108,6 +123,7 @@ class TrainingRun:
 
     def run(self) -> None:
         cfg, session = self.cfg, self.session
+        warn_learning_rate(cfg)
         with stage("data", "loading data"):
             self.data = load_dataset(cfg.data_dir)
             log.info("%s: %d training images, this worker's shard is rank %d of %d", self.data.name,
@@ -151,11 +167,16 @@ class TrainingRun:
             self.outcome.epoch = epoch
             losses, correct, seen, started = [], 0, 0, time.monotonic()
             for batch in itertools.islice(batches(indices, cfg.batch_size), total):
+                step_started = time.perf_counter()
                 loss, hits = self._step(data.train_x[batch], data.train_y[batch])
+                self._check_divergence(loss)
                 losses.append(loss)
                 correct, seen = correct + hits, seen + len(batch)
                 self.outcome.steps += 1
                 session.report_clock(trainer.clock)
+                if self.prometheus is not None:
+                    self.prometheus.step(time.perf_counter() - step_started, self._push_pull_s, trainer.clock,
+                                         loss)
                 self.progress.update(loss=loss)
                 if self.outcome.steps % cfg.log_every == 0:
                     self.metrics.log("step", step=self.outcome.steps, clock=trainer.clock, epoch=epoch,
@@ -179,8 +200,25 @@ class TrainingRun:
         loss = F.cross_entropy(logits, y)
         loss.backward()
         # A step refused for a generation we just left is resent by the PSClient (see session.py).
+        started = time.perf_counter()
         trainer.step()
+        self._push_pull_s = time.perf_counter() - started
         return float(loss.item()), int((logits.argmax(dim=1) == y).sum().item())
+
+    _push_pull_s = 0.0
+
+    def _check_divergence(self, loss: float) -> None:
+        """NaN, infinite or exploding loss ends the run (exit 1): training on would waste the job."""
+        if self._first_loss is None and math.isfinite(loss):
+            self._first_loss = loss
+        limit = DIVERGENCE_FACTOR * max(self._first_loss or 1.0, 1.0)
+        if not math.isfinite(loss) or loss > limit:
+            hint = (" (async/SSP apply every worker's push: try the learning rate divided by the number "
+                    "of workers)" if self.cfg.job.mode != "sync" else " (try a smaller learning rate)")
+            first = self._first_loss if self._first_loss is not None else math.nan
+            raise StageError("diverged", f"training diverged at step {self.outcome.steps + 1}",
+                             FloatingPointError(f"loss {loss:.4g} (first loss {first:.4g}, limit {limit:.4g})"
+                                                f"{hint}"))
 
     # ---- the end ----
 
@@ -205,6 +243,8 @@ class TrainingRun:
                 self.outcome.model_path = save_state_dict(trainer.model, cfg.output)
 
     def close(self) -> None:
+        if self._metrics_server is not None:
+            self._metrics_server.close()
         self.progress.close()
         self.session.close()  # closes the PSClient, which the trainer's close() would do too
         self.metrics.log("final", role="chief" if self.cfg.is_chief else "worker", steps=self.outcome.steps,
@@ -212,6 +252,19 @@ class TrainingRun:
                          failed=self.outcome.failed, model=self.outcome.model_path,
                          time_s=time.monotonic() - self.outcome.started)
         self.metrics.close()
+
+
+def warn_learning_rate(cfg: TrainConfig) -> str | None:
+    """Async and SSP servers apply every worker's push, so n workers take n steps per round of
+    batches: the sync learning rate is about n times too big there (README, "Learning rates")."""
+    workers, opt = cfg.spec.world_size, cfg.job.optimizer
+    if cfg.job.mode == "sync" or workers < 2 or opt.name == "aggregate":
+        return None
+    message = (f"{cfg.job.mode} mode applies every worker's push: with {workers} workers and lr={opt.lr:g} "
+               f"the model moves about {workers}x as far per round as in sync mode; if the loss diverges, "
+               f"use lr={opt.lr / workers:g} (lr / workers)")
+    log.warning("%s", message)
+    return message
 
 
 def save_state_dict(model: nn.Module, path: str) -> str:

@@ -1,0 +1,52 @@
+"""What a user sees from a worker: records naming who wrote them, a start-up warning about async
+learning rates, and a diverging run that fails saying so (real processes on 127.0.0.1)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.e2e.harness import TIMEOUTS, LocalCluster, Procs, read_metrics
+
+
+@pytest.fixture
+def procs(tmp_path: Path) -> Iterator[Procs]:
+    pool = Procs(tmp_path)
+    try:
+        yield pool
+    finally:
+        pool.kill_all()
+        for proc in pool.started:
+            print(f"--- {proc.name} (exit {proc.popen.returncode}) ---\n{proc.output(60)}")
+
+
+def test_sync_records_name_their_worker_and_role(procs: Procs) -> None:
+    cluster = LocalCluster(procs, num_ps=1, num_workers=2)
+    cluster.start_servers()
+    workers = [cluster.start_worker(i, "--mode", "sync", "--lr", "0.05", "--epochs", "1", *TIMEOUTS)
+               for i in range(2)]
+    for proc in workers:
+        assert proc.wait(120) == 0, proc.output()
+    for name, role in (("worker-0", "chief"), ("worker-1", "worker")):
+        records = read_metrics(cluster.metrics(name))
+        assert {"step", "epoch", "final"} <= {r["event"] for r in records}
+        assert all(r["worker"] == name and r["role"] == role for r in records), records[:3]
+    assert not any("learning rate" in line or "lr / workers" in line for line in workers[0].lines)
+
+
+def test_an_async_run_warns_about_its_learning_rate_and_fails_when_the_loss_explodes(procs: Procs) -> None:
+    cluster = LocalCluster(procs, num_ps=1, num_workers=2)
+    cluster.start_servers()
+    workers = [cluster.start_worker(i, "--mode", "async", "--lr", "50", "--momentum", "0.9", "--epochs", "5",
+                                    *TIMEOUTS) for i in range(2)]
+    codes = [proc.wait(120) for proc in workers]
+    assert 1 in codes, [proc.output() for proc in workers]
+    diverged = workers[codes.index(1)]
+    assert any("training diverged at step" in line for line in diverged.lines), diverged.output()
+    final = diverged.final()
+    assert final is not None and final["failed"] == "diverged"
+    for proc in workers:
+        assert any("async mode applies every worker's push" in line and "lr=25" in line
+                   for line in proc.lines), proc.output()
