@@ -17,7 +17,11 @@ from pshard.common.errors import InvalidArgumentError
 # ...; pshard.common.codec converts.
 MODES = ("sync", "async", "ssp")
 OPTIMIZERS = ("sgd", "adam", "adamw", "adagrad", "aggregate")
-__all__ = ["MODES", "OPTIMIZERS", "WIRE_DTYPES", "JobConfig", "OptimizerConfig"]
+# What a server does with a pushed gradient holding NaN or Inf (docs/architecture.md, 6 Server updates):
+# reject refuses the whole request (INVALID_ARGUMENT naming the key and the first bad index), skip drops
+# the poisoned gradients and counts them, allow applies them as they are.
+NONFINITE = ("reject", "skip", "allow")
+__all__ = ["MODES", "NONFINITE", "OPTIMIZERS", "WIRE_DTYPES", "JobConfig", "OptimizerConfig"]
 
 # The accepted ranges (README, Limits). The bounds are far beyond any setting that trains: they are
 # there so that a typo or a hostile Declare (lr = 1e30, momentum = NaN) cannot configure every server
@@ -94,6 +98,8 @@ class JobConfig:
     backup_workers: int = 0
     # Gradients and pulled weights may travel cast to this dtype ("" = as stored).
     wire_dtype: str = ""
+    # A NaN or Inf that lands once poisons the weights of every worker for good, hence reject by default.
+    nonfinite: str = "reject"
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -102,3 +108,5 @@ class JobConfig:
         _check_range("backup_workers", self.backup_workers, 0, MAX_BACKUP_WORKERS)
         if self.wire_dtype not in WIRE_DTYPES:
             raise InvalidArgumentError(f"wire_dtype: got {self.wire_dtype!r}, expected one of {WIRE_DTYPES}")
+        if self.nonfinite not in NONFINITE:
+            raise InvalidArgumentError(f"nonfinite: got {self.nonfinite!r}, expected one of {NONFINITE}")

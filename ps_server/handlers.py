@@ -40,6 +40,7 @@ from pshard.common.metrics import RequestMetrics
 from pshard.common.types import SliceKey, Stamp
 from pshard.ps_server.checkpoint import load_shard, save_shard
 from pshard.ps_server.settings import ServerSettings
+from pshard.ps_server.steptimes import HangReport
 from pshard.ps_server.store import (
     PushOutcome,
     ShardStore,
@@ -115,6 +116,7 @@ class ServerStats:
     pulls_timed_out: int
     # Worker id -> the fast path ("shm", "tcp") its session uses; absent: gRPC.
     transports: Mapping[str, str] = field(default_factory=dict)
+    hangs: tuple[HangReport, ...] = ()  # sync clocks stalled past the settings' hang_report_s
 
 
 class ParameterServerHandlers:
@@ -413,7 +415,9 @@ class ParameterServerHandlers:
         store = self._store
         return ServerStats(job=store.config if store else None, store=store.stats() if store else None,
                            pulls_served=self.pulls_served, pulls_waiting=self._changes.waiting,
-                           pulls_timed_out=self.pulls_timed_out, transports=self.transport_report())
+                           pulls_timed_out=self.pulls_timed_out, transports=self.transport_report(),
+                           hangs=tuple(store.hangs(self._settings.hang_report_s))
+                           if store and self._settings.hang_report_s > 0 else ())
 
     async def checkpoint(self, at_version: int = 0, timeout_s: float | None = None) -> tuple[Path, int]:
         """Save the shard once every slice reached `at_version`; (path, the slices' min version)."""

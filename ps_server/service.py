@@ -31,6 +31,9 @@ from pshard.ps_server.heap import HeapTrimmer
 from pshard.ps_server.quorum import QuorumFollower
 from pshard.ps_server.servicer import ParameterServerServicer
 from pshard.ps_server.settings import ServerSettings
+from pshard.ps_server.table_handlers import TableHandlers
+from pshard.ps_server.table_servicer import SparseTablesServicer
+from pshard.ps_server.table_servicer import rpc_handlers as table_rpc_handlers
 
 from pshard.api.v1 import parameter_server_pb2 as pb
 
@@ -68,6 +71,8 @@ class RunningServer:
     executor: ThreadPoolExecutor
     trimmer: HeapTrimmer
     fast: FastPathServer | None = None  # the shm and tcp transports (ps_server.fastpath)
+    tables: TableHandlers | None = None  # sparse embedding tables (ps_server.table_handlers)
+    hang_watch: asyncio.Task[None] | None = None  # report_hangs
 
     @property
     def servicer(self) -> ParameterServerHandlers:
@@ -75,6 +80,8 @@ class RunningServer:
         return self.handlers
 
     async def stop(self, grace_s: float = 5.0) -> None:
+        if self.hang_watch is not None:
+            self.hang_watch.cancel()
         await self.health.enter_graceful_shutdown()
         await self.server.stop(grace_s)
         if self.fast is not None:  # after gRPC: a worker whose fast path closes falls back to a server gone
@@ -91,8 +98,12 @@ async def start(settings: ServerSettings, bind: str = "127.0.0.1:0",
     executor = ThreadPoolExecutor(max_workers=_ENCODE_THREADS, thread_name_prefix="ps-encode")
     trimmer = HeapTrimmer()
     server = grpc.aio.server(options=server_options(max_message_bytes), interceptors=[DecodeErrors()])
-    server.add_generic_rpc_handlers([_rpc_handlers(ParameterServerServicer(
-        handlers, settings.chunk_bytes, budget, executor, settings.pull_timeout_s, trimmer))])
+    ps_servicer = ParameterServerServicer(
+        handlers, settings.chunk_bytes, budget, executor, settings.pull_timeout_s, trimmer)
+    server.add_generic_rpc_handlers([_rpc_handlers(ps_servicer)])
+    # Sparse tables share the port, the in-flight budget and the request wrapping of the dense service.
+    tables = TableHandlers(settings)
+    server.add_generic_rpc_handlers([table_rpc_handlers(SparseTablesServicer(tables), ps_servicer.unary)])
     health_servicer = health.aio.HealthServicer()  # type: ignore[attr-defined]
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     port = server.add_insecure_port(bind)
@@ -109,7 +120,40 @@ async def start(settings: ServerSettings, bind: str = "127.0.0.1:0",
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     log.info("parameter server listening on port %d", port)
-    return RunningServer(server, handlers, health_servicer, port, budget, executor, trimmer, fast)
+    running = RunningServer(server, handlers, health_servicer, port, budget, executor, trimmer, fast,
+                           tables=tables)
+    if settings.hang_report_s > 0:
+        running.hang_watch = asyncio.create_task(report_hangs(handlers, settings.hang_report_s))
+    return running
+
+
+async def report_hangs(handlers: ParameterServerHandlers, hang_report_s: float) -> None:
+    """Log each sync clock stalled past `hang_report_s`: which slice, which clock, whose gradient is missing.
+
+    Checked a few times per threshold, and logged again only when the stall changes or another
+    threshold has passed, so a hang reads as a handful of lines naming the stragglers.
+    """
+    logged: dict[tuple[str, int, tuple[str, ...]], float] = {}
+    while True:
+        await asyncio.sleep(min(5.0, max(0.1, hang_report_s / 4)))
+        hangs = handlers.stats().hangs
+        by_stall: dict[tuple[int, tuple[str, ...]], list[str]] = {}
+        for h in hangs:
+            by_stall.setdefault((h.clock, h.waiting_for), []).append(h.key)
+        now = time.monotonic()
+        for (clock, waiting), keys in by_stall.items():
+            stalled = max(h.stalled_s for h in hangs if h.clock == clock and h.waiting_for == waiting)
+            ident = (keys[0], clock, waiting)
+            if now - logged.get(ident, -float("inf")) < hang_report_s:
+                continue
+            logged[ident] = now
+            log.warning("sync clock %d has waited %.1fs for a gradient from %s (slices %s%s); "
+                        "the other workers are blocked until it comes", clock, stalled,
+                        ", ".join(waiting) or "nobody in the quorum (quorum unknown)",
+                        ", ".join(keys[:5]), f" and {len(keys) - 5} more" if len(keys) > 5 else "")
+        current = {(h.key, h.clock, h.waiting_for) for h in hangs}
+        for ident in [i for i in logged if i not in current]:
+            del logged[ident]
 
 
 # A parameter server on its own event loop in a daemon thread.
@@ -171,3 +215,8 @@ async def checkpoint_every(running: RunningServer, interval_s: float) -> None:
                 log.info("checkpoint at version %d: %s", version, path)
             except Exception:
                 log.exception("periodic checkpoint failed")
+        if running.tables is not None:
+            try:
+                await running.tables.checkpoint()
+            except Exception:
+                log.exception("periodic checkpoint of the sparse tables failed")

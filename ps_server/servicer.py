@@ -207,7 +207,11 @@ class ParameterServerServicer:
             pulls_served=stats.pulls_served, pulls_waiting=stats.pulls_waiting,
             pulls_timed_out=stats.pulls_timed_out, quorum=sorted(s.quorum),
             worker_clocks=dict(s.worker_clocks), min_version=s.min_version, max_version=s.max_version,
-            worker_transports=dict(stats.transports))
+            worker_transports=dict(stats.transports), nonfinite_dropped=s.nonfinite_dropped,
+            step_times={w: pb.StepTimes(steps=t.steps, p50_s=t.p50_s, p90_s=t.p90_s, p99_s=t.p99_s,
+                                        max_s=t.max_s) for w, t in s.step_times.items()},
+            hangs=[pb.HangReport(key=h.key, clock=h.clock, waiting_for=h.waiting_for, stalled_s=h.stalled_s)
+                   for h in stats.hangs])
 
     async def Checkpoint(self, request: pb.CheckpointRequest, context: grpc.aio.ServicerContext
                          ) -> pb.CheckpointResponse:

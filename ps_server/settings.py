@@ -35,3 +35,6 @@ class ServerSettings:
     shm_dir: str = "/dev/shm"
     # What one request may ask for (ps_common.limits, README "Limits"); tighter for tests and embedders.
     limits: Limits = DEFAULT_LIMITS
+    # A sync clock with some but not all of its gradients for this long is logged and shown in
+    # GetStats (which slice, which clock, which workers), well before a pull's deadline fires; 0 = off.
+    hang_report_s: float = 30.0

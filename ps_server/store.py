@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -46,6 +47,7 @@ from pshard.common.job import JobConfig
 from pshard.common.types import SliceKey, Stamp
 from pshard.ps_server.optimizers import Optimizer, SliceState, make_optimizer
 from pshard.ps_server.policies import NO_CLOCK, Aggregate, ConsistencyPolicy, Roster, Slot, make_policy
+from pshard.ps_server.steptimes import HangReport, StepTimes, StepTimeSummary
 
 # Slices hold floating point values only: gradients of anything else mean nothing.
 FLOAT_DTYPE_NAMES = ("float16", "float32", "float64")
@@ -117,6 +119,9 @@ class StoreStats:
     worker_clocks: dict[str, int]  # worker -> last clock it pushed (to any slice)
     min_version: int
     max_version: int
+    nonfinite_dropped: int = 0
+    # Measured, not state: a restored store starts timing afresh, hence no part of equality.
+    step_times: dict[str, StepTimeSummary] = field(default_factory=dict, compare=False)
 
 
 @dataclass(frozen=True)
@@ -148,10 +153,11 @@ def _copy_state(state: SliceState) -> SliceState:
 
 class ShardStore:
     def __init__(self, config: JobConfig, *, quorum: Mapping[str, int] | None = None,
-                 optimizer: Optimizer | None = None) -> None:
+                 optimizer: Optimizer | None = None, now: Callable[[], float] = time.monotonic) -> None:
         """`quorum`: worker id -> generation of the live workers; None or empty = not known yet.
 
-        `optimizer` overrides `make_optimizer(config.optimizer)` (tests inject instrumented ones).
+        `optimizer` overrides `make_optimizer(config.optimizer)` (tests inject instrumented ones);
+        `now` is the clock of the step-time and hang reports.
         """
         self.config = config
         self.policy: ConsistencyPolicy = make_policy(config)
@@ -165,7 +171,12 @@ class ShardStore:
         self._seen: set[str] = set()
         self._roster = Roster(None, frozenset())
         self._worker_clocks: dict[str, int] = {}
-        self._counters = {"pushes_applied": 0, "pushes_dropped": 0, "late_gradients_dropped": 0}
+        self._counters = {"pushes_applied": 0, "pushes_dropped": 0, "late_gradients_dropped": 0,
+                          "nonfinite_dropped": 0}
+        self._now = now
+        self._step_times = StepTimes()
+        # Sync: key -> (clock, when its first gradient came), for the hang report.
+        self._clock_started: dict[SliceKey, tuple[int, float]] = {}
         if quorum:
             self._install_quorum(quorum)
 
@@ -236,6 +247,7 @@ class ShardStore:
         for slot, grad in zip(slots, grads.values(), strict=True):
             if grad.dtype != slot.dtype or grad.shape != slot.value.shape:
                 self._check_push_meta(slot, dtype_name(grad.dtype), grad.shape)
+        poisoned = self._check_finite(worker, clock, grads)
         with self._locked(slots):
             with self._meta:
                 self._check_stamp(stamp)
@@ -251,14 +263,21 @@ class ShardStore:
             with self._meta:
                 self._record_stamp(stamp)
                 roster = self._roster
-            applied = late = 0
+            applied = late = skipped = 0
             for slot, grad, verdict in zip(slots, grads.values(), verdicts, strict=True):
                 if verdict is None:
                     continue
                 slot.last_clock[worker] = clock
                 slot.max_clock = max(slot.max_clock, clock)
-                if verdict:
+                if verdict and slot.key in poisoned:
+                    skipped += 1
+                    if self.config.mode == "sync":
+                        # The clock must still complete: the worker contributes nothing to its mean.
+                        self.policy.accept(slot, worker, clock, np.zeros_like(slot.value), roster)
+                        self._note_clock(slot)
+                elif verdict:
                     self.policy.accept(slot, worker, clock, grad, roster)
+                    self._note_clock(slot)
                     applied += 1
                 else:
                     late += 1
@@ -267,11 +286,70 @@ class ShardStore:
                 self._counters["pushes_applied"] += applied
                 self._counters["pushes_dropped"] += dropped
                 self._counters["late_gradients_dropped"] += late
-                if applied or late:
+                self._counters["nonfinite_dropped"] += skipped
+                if applied or late or skipped:
                     self._worker_clocks[worker] = max(self._worker_clocks.get(worker, NO_CLOCK), clock)
-        if applied:
+                    self._step_times.record(worker, clock, self._now())
+        if applied or skipped:
             self._notify()
         return PushOutcome(applied=applied, dropped=dropped)
+
+    def _check_finite(self, worker: str, clock: int, grads: Mapping[SliceKey, np.ndarray]) -> set[SliceKey]:
+        """The keys whose gradient holds NaN or Inf, for nonfinite = skip; reject raises for the first.
+
+        Runs before anything changes, so a rejected push applies nothing of any of its slices.
+        """
+        policy = self.config.nonfinite
+        if policy == "allow":
+            return set()
+        poisoned = set()
+        for key, grad in grads.items():
+            # One float64 reduction (no temporary array) decides for almost every gradient: NaN and
+            # Inf propagate through a sum; only then is the first bad element looked for.
+            if np.isfinite(np.sum(grad, dtype=np.float64)):
+                continue
+            bad = np.flatnonzero(~np.isfinite(grad.reshape(-1)))
+            if not bad.size:
+                continue  # finite float64 values whose sum overflowed
+            if policy == "reject":
+                index = tuple(int(i) for i in np.unravel_index(int(bad[0]), grad.shape))
+                raise InvalidArgumentError(
+                    f"key {str(key)!r}: gradient from worker {worker!r} at clock {clock} holds "
+                    f"{grad.reshape(-1)[bad[0]]} at index {index} ({bad.size} non-finite values); "
+                    "nothing of the push was applied (job setting nonfinite=reject)")
+            poisoned.add(key)
+        return poisoned
+
+    def _note_clock(self, slot: Slot) -> None:
+        # Called under the slot's lock; one writer per key, so the dict needs no other lock.
+        if self.config.mode != "sync":
+            return
+        if slot.aggregate.contributors:
+            started = self._clock_started.get(slot.key)
+            if started is None or started[0] != slot.version:
+                self._clock_started[slot.key] = (slot.version, self._now())
+        else:
+            self._clock_started.pop(slot.key, None)
+
+    def hangs(self, older_than_s: float) -> list[HangReport]:
+        """Sync clocks that have had some but not all of their gradients for more than `older_than_s`
+        seconds, oldest first, each with the quorum members it is still waiting for."""
+        now = self._now()
+        with self._meta:
+            slots = list(self._slots.values())
+            roster = self._roster
+        reports = []
+        for slot in slots:
+            with slot.lock:
+                started = self._clock_started.get(slot.key)
+                contributors = set(slot.aggregate.contributors)
+                if started is None or started[0] != slot.version or not contributors:
+                    continue
+                stalled = now - started[1]
+                if stalled > older_than_s:
+                    missing = (roster.quorum or frozenset()) - contributors
+                    reports.append(HangReport(str(slot.key), slot.version, tuple(sorted(missing)), stalled))
+        return sorted(reports, key=lambda r: -r.stalled_s)
 
     def check_request(self, stamp: Stamp, push: Sequence[SliceMeta], pull: Sequence[SliceKey]
                       ) -> list[SliceSpec]:
@@ -450,7 +528,8 @@ class ShardStore:
                 pushes_dropped=self._counters["pushes_dropped"],
                 late_gradients_dropped=self._counters["late_gradients_dropped"],
                 quorum=tuple(sorted(self._quorum or ())), worker_clocks=dict(self._worker_clocks),
-                min_version=min(versions), max_version=max(versions))
+                min_version=min(versions), max_version=max(versions),
+                nonfinite_dropped=self._counters["nonfinite_dropped"], step_times=self._step_times.summary())
 
     # ---- snapshots ----
 

@@ -40,7 +40,7 @@ from pshard.common.cluster import (
     exit_on_config_error,
 )
 from pshard.common.errors import ClusterConfigError, InvalidArgumentError
-from pshard.common.job import MODES, OPTIMIZERS, WIRE_DTYPES, JobConfig, OptimizerConfig
+from pshard.common.job import MODES, NONFINITE, OPTIMIZERS, WIRE_DTYPES, JobConfig, OptimizerConfig
 from pshard.common.logs import add_log_level_argument, configure_logging
 from pshard.common.metrics import add_metrics_argument
 from pshard.worker.config import LOCAL_OPTIMIZERS, Defaults, Stopped, TrainConfig, stop_on_signals
@@ -78,6 +78,10 @@ def build_parser(environ: Mapping[str, str], prog: str = PROG) -> argparse.Argum
     job.add_argument("--weight-decay", type=float, default=0.0, help="weight decay (default 0)")
     job.add_argument("--wire-dtype", choices=WIRE_DTYPES, default="",
                      help="cast gradients and weights to this on the wire (default '': as stored)")
+    job.add_argument("--nonfinite", choices=NONFINITE, default="reject",
+                     help="what servers do with a pushed gradient holding NaN or Inf: reject the push "
+                          "(INVALID_ARGUMENT naming key and index), skip it (counted), or allow it "
+                          "(default reject)")
     train = p.add_argument_group("training")
     train.add_argument("--model", choices=MODELS, default=D.MODEL, help=f"model (default {D.MODEL})")
     train.add_argument("--epochs", metavar="N", type=positive_int, default=D.EPOCHS,
@@ -169,6 +173,7 @@ def _job(args: argparse.Namespace) -> JobConfig:
     sgd = local == "sgd"
     try:
         return JobConfig(mode=args.mode, staleness=args.staleness, wire_dtype=args.wire_dtype,
+                         nonfinite=args.nonfinite,
                          optimizer=OptimizerConfig(name=args.optimizer,
                                                    lr=DEFAULT_LR[local] if args.lr is None else args.lr,
                                                    momentum=args.momentum if sgd else 0.0,
