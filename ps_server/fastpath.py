@@ -41,7 +41,7 @@ from pshard.common.codec import WireArray
 from pshard.common.errors import InvalidArgumentError, PSError
 from pshard.common.fastwire import TransportBroken
 from pshard.common.rpc_status import maps_errors
-from pshard.common.shm import Segment, sweep_orphans
+from pshard.common.shm import Segment, align, sweep_orphans
 from pshard.common.types import SliceKey
 from pshard.ps_server.fastconn import Connection, Session, error_reply
 from pshard.ps_server.handlers import EncodedSlice, ExchangeDone, ParameterServerHandlers
@@ -120,7 +120,7 @@ class _Session:
         if offset + nbytes > self.regions.reply_bytes:
             raise TransportBroken(f"reply region full: slice {str(key)!r} needs {nbytes} bytes at offset "
                                   f"{offset}, the region has {self.regions.reply_bytes}")
-        self._reply_end = offset + -(-nbytes // 4096) * 4096
+        self._reply_end = offset + align(nbytes)
         self._slots[key] = (offset, nbytes)
         return offset
 

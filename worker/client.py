@@ -43,8 +43,10 @@ from pshard.common.retry import Backoff, parameter_server_channel_options
 from pshard.common.rpc import CHUNK_BYTES, EXCHANGE_METHOD, channel_options, identity
 from pshard.common.rpc_status import error_from_rpc_error, raise_from_rpc_error
 from pshard.common.shm import DEFAULT_SHM_DIR, align
+from pshard.common.sparse import TableConfig
 from pshard.common.types import Stamp
 from pshard.worker.fastpath import FastPath
+from pshard.worker.tables import TableClient
 
 from pshard.api.v1 import parameter_server_pb2 as pb
 from pshard.api.v1 import parameter_server_pb2_grpc as pb_grpc
@@ -132,6 +134,10 @@ class PSClient:
         self._fast_retry_at = [0.0] * len(self.servers)
         self._fast_locks = [threading.Lock() for _ in self.servers]
         self.transports = ["grpc"] * len(self.servers)
+        # Step headers by (server, parameters, wire dtype, pull), for the layout they were made for.
+        self._templates: dict[tuple[int, tuple[str, ...], str, bool],
+                              tuple[Sequence[LayoutSlice], pb.ExchangeHeader]] = {}
+        self._templates_layout: Layout | None = None
         # Calls resent because a server was past its in-flight budget (a sign to add servers).
         self.overload_retries = 0
 
@@ -249,14 +255,9 @@ class PSClient:
             flat[key] = codec.cast(codec.WireArray(g, self._dtypes[key]), wire).array if wire else g
 
         def run(server: int) -> pb.ExchangeSummary:
-            slices = [s for s in layout.slices_on(server) if s.key in flat]
+            slices, header = self._push_header(layout, server, flat, wire, pull, clock)
             if not slices:
                 return pb.ExchangeSummary()
-            header = pb.ExchangeHeader(
-                op=pb.PUSH_PULL, stamp=self._stamp(clock),
-                push=[self._meta(s, wire or self._dtypes[s.key]) for s in slices],
-                pull=[codec.slice_id_to_proto(s.slice_key) for s in slices] if pull else [],
-                timeout_ms=int(self._timeout_s * 1000))
             buffers = [flat[s.key][s.offset:s.offset + s.numel] for s in slices]
             summary = self._fast_call(server, header, buffers, slices if pull else [], out or {})
             if summary is not None:
@@ -267,7 +268,48 @@ class PSClient:
 
         return _result(self._all_servers(run))
 
+    def _push_header(self, layout: Layout, server: int, flat: Mapping[str, np.ndarray], wire: str, pull: bool,
+                     clock: int) -> tuple[Sequence[LayoutSlice], pb.ExchangeHeader]:
+        """The server's slices of `flat` and the step's header. Both are the same every step but for
+        the stamp, and building the header's messages costs more than a small step's bytes: they are
+        made once per (layout, parameters, wire dtype) and the header copied from a template."""
+        cache_key = (server, tuple(flat), wire, pull)
+        if self._templates_layout is not layout:
+            self._templates_layout, self._templates = layout, {}
+        cached = self._templates.get(cache_key)
+        if cached is None:
+            mine = tuple(s for s in layout.slices_on(server) if s.key in flat)
+            cached = mine, pb.ExchangeHeader(
+                op=pb.PUSH_PULL, push=[self._meta(s, wire or self._dtypes[s.key]) for s in mine],
+                pull=[codec.slice_id_to_proto(s.slice_key) for s in mine] if pull else [])
+            self._templates[cache_key] = cached
+        slices, template = cached
+        header = pb.ExchangeHeader()
+        header.CopyFrom(template)
+        header.stamp.CopyFrom(self._stamp(clock))
+        header.timeout_ms = int(self._timeout_s * 1000)
+        return slices, header
+
     # ---- operations ----
+
+    # ---- sparse tables: worker.tables does the work over these channels ----
+
+    @functools.cached_property
+    def tables(self) -> TableClient:
+        return TableClient(self)
+
+    def declare_table(self, config: TableConfig) -> None:
+        self.tables.declare(config)
+
+    def pull_rows(self, table: str, ids: np.ndarray, clock: int = 0) -> np.ndarray:
+        return self.tables.pull(table, ids, clock)
+
+    def push_rows(self, table: str, ids: np.ndarray, grads: np.ndarray, clock: int = 0) -> int:
+        return self.tables.push(table, ids, grads, clock)
+
+    def push_pull_rows(self, table: str, ids: np.ndarray, grads: np.ndarray, pull_ids: np.ndarray,
+                       clock: int = 0) -> np.ndarray:
+        return self.tables.push_pull(table, ids, grads, pull_ids, clock)
 
     def stats(self) -> list[pb.GetStatsResponse]:
         return self._all_servers(lambda i: self._unary(i, lambda stub: stub.GetStats(
