@@ -1,0 +1,60 @@
+"""TableConfig <-> the wire's TableSpec (proto/pshard/api/v1/sparse.proto), for client and server alike.
+
+Unset proto fields (0, the _UNSPECIFIED enum values) mean the TableConfig defaults, so a client in
+another language may send only the name and dim.
+"""
+
+from __future__ import annotations
+
+from pshard.common.sparse import TableConfig
+
+from pshard.api.v1 import sparse_pb2 as pb
+
+_DTYPES: dict[int, str] = {pb.TABLE_DTYPE_FLOAT32: "float32", pb.TABLE_DTYPE_FLOAT64: "float64"}
+_INITS: dict[int, str] = {pb.TABLE_INITIALIZER_ZEROS: "zeros", pb.TABLE_INITIALIZER_UNIFORM: "uniform",
+          pb.TABLE_INITIALIZER_NORMAL: "normal"}
+_OPTIMIZERS: dict[int, str] = {pb.TABLE_OPTIMIZER_SGD: "sgd", pb.TABLE_OPTIMIZER_ADAGRAD: "adagrad",
+               pb.TABLE_OPTIMIZER_ADAM: "adam", pb.TABLE_OPTIMIZER_LAZY_ADAM: "lazy_adam"}
+_UNITS: dict[int, str] = {pb.TTL_UNIT_CLOCKS: "clocks", pb.TTL_UNIT_SECONDS: "seconds"}
+_POLICIES: dict[int, str] = {pb.CAP_POLICY_LRU: "lru", pb.CAP_POLICY_LFU: "lfu"}
+_MODES: dict[int, str] = {pb.TABLE_MODE_ASYNC: "async"}
+_DEFAULT = TableConfig("default", 1)
+
+
+def _back(table: dict[int, str]) -> dict[str, int]:
+    return {v: k for k, v in table.items()}
+
+
+def _named(table: dict[int, str], value: int, default: str) -> str:
+    # An enum value this server does not know stays a number, which TableConfig then refuses by name.
+    return table.get(value, default if value == 0 else str(value))
+
+
+def spec_to_proto(config: TableConfig) -> pb.TableSpec:
+    return pb.TableSpec(
+        name=config.name, dim=config.dim, dtype=_back(_DTYPES)[config.dtype],  # type: ignore[arg-type]
+        initializer=_back(_INITS)[config.initializer],  # type: ignore[arg-type]
+        init_scale=config.init_scale, seed=config.seed,
+        optimizer=_back(_OPTIMIZERS)[config.optimizer],  # type: ignore[arg-type]
+        lr=config.lr, beta1=config.betas[0], beta2=config.betas[1], eps=config.eps,
+        initial_accumulator_value=config.initial_accumulator_value, admit_after=config.admit_after,
+        admit_prob=config.admit_prob, ttl=config.ttl, ttl_unit=_back(_UNITS)[config.ttl_unit],  # type: ignore[arg-type]
+        max_rows=config.max_rows, cap_policy=_back(_POLICIES)[config.cap_policy],  # type: ignore[arg-type]
+        log_evictions=config.log_evictions, allow_nonfinite=config.allow_nonfinite,
+        mode=_back(_MODES)[config.mode])  # type: ignore[arg-type]
+
+
+def spec_from_proto(spec: pb.TableSpec) -> TableConfig:
+    """The TableConfig of `spec`; InvalidArgumentError naming the table and field if it is not valid."""
+    return TableConfig(
+        name=spec.name, dim=spec.dim, dtype=_named(_DTYPES, spec.dtype, _DEFAULT.dtype),
+        initializer=_named(_INITS, spec.initializer, _DEFAULT.initializer),
+        init_scale=spec.init_scale, seed=spec.seed,
+        optimizer=_named(_OPTIMIZERS, spec.optimizer, _DEFAULT.optimizer),
+        lr=spec.lr, betas=(spec.beta1 or _DEFAULT.betas[0], spec.beta2 or _DEFAULT.betas[1]),
+        eps=spec.eps or _DEFAULT.eps, initial_accumulator_value=spec.initial_accumulator_value,
+        admit_after=max(spec.admit_after, 1), admit_prob=spec.admit_prob or 1.0, ttl=spec.ttl,
+        ttl_unit=_named(_UNITS, spec.ttl_unit, _DEFAULT.ttl_unit), max_rows=spec.max_rows,
+        cap_policy=_named(_POLICIES, spec.cap_policy, _DEFAULT.cap_policy),
+        log_evictions=spec.log_evictions, allow_nonfinite=spec.allow_nonfinite,
+        mode=_named(_MODES, spec.mode, _DEFAULT.mode))

@@ -1,0 +1,121 @@
+"""Sparse tables on disk: checkpoints (everything, to resume) and exports (ids and rows, for serving).
+
+Both are plain `.npy` files, readable with numpy alone, written by streaming: the header is
+written first (the live row count is known), then the live rows a chunk at a time
+(ps_server.table.CHUNK_ROWS), so saving a table never makes a second in-memory copy of it.
+
+A checkpoint of a server's tables is a directory `<name>.tables-<token>/` holding one
+subdirectory per table (`t0`, `t1`, ...: table names may hold any character) with `ids.npy`,
+one `.npy` per per-row array (values, optimizer state, last touch, count, lazy Adam's steps) and
+`table.json` (the config and the scalar state). `<name>.tables.json`, replaced atomically last,
+names the directory; older directories are removed after it, so a crash at any point leaves the
+previous checkpoint loadable. Ids waiting for admission are not saved: they start counting anew.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+import uuid
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from pshard.common.sparse import TableConfig
+from pshard.ps_server.table import CHUNK_ROWS, SparseTable
+
+_FORMAT = 1
+
+
+def _write_npy(path: Path, dtype: np.dtype, shape: tuple[int, ...], chunks: Iterable[np.ndarray]) -> None:
+    with open(path, "wb") as f:
+        header = {"descr": np.lib.format.dtype_to_descr(dtype), "fortran_order": False, "shape": shape}
+        np.lib.format.write_array_header_2_0(f, header)
+        written = 0
+        for chunk in chunks:
+            f.write(np.ascontiguousarray(chunk, dtype).data)
+            written += len(chunk)
+        if written != shape[0]:
+            raise RuntimeError(f"{path}: wrote {written} rows, header says {shape[0]}")
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _stream_column(table: SparseTable, path: Path, column: Callable[[np.ndarray, np.ndarray], np.ndarray],
+                   dtype: np.dtype, row_shape: tuple[int, ...]) -> None:
+    _write_npy(path, dtype, (len(table), *row_shape), (column(rows, ids) for rows, ids in table.chunks()))
+
+
+def _rows_of(array: np.ndarray) -> Callable[[np.ndarray, np.ndarray], np.ndarray]:
+    return lambda rows, ids: array[rows]
+
+
+def export_table(table: SparseTable, folder: Path) -> tuple[Path, Path, int]:
+    """`folder/ids.npy` (int64, n) and `folder/rows.npy` (n, dim) of the live rows, in the same order."""
+    folder.mkdir(parents=True, exist_ok=True)
+    ids_path, rows_path = folder / "ids.npy", folder / "rows.npy"
+    _stream_column(table, ids_path, lambda rows, ids: ids, np.dtype(np.int64), ())
+    _stream_column(table, rows_path, lambda rows, ids: table.values[rows], table.values.dtype,
+                   (table.config.dim,))
+    return ids_path, rows_path, len(table)
+
+
+def save_tables(directory: Path, name: str, tables: list[SparseTable]) -> Path:
+    """Checkpoint `tables` (callers hold each table's lock); returns the path of the committing json."""
+    directory.mkdir(parents=True, exist_ok=True)
+    folder = directory / f"{name}.tables-{uuid.uuid4().hex[:12]}"
+    folder.mkdir()
+    entries = []
+    for i, table in enumerate(tables):
+        sub = folder / f"t{i}"
+        sub.mkdir()
+        _stream_column(table, sub / "ids.npy", lambda rows, ids: ids, np.dtype(np.int64), ())
+        for column, (array, row_shape) in table.columns().items():
+            _stream_column(table, sub / f"{column}.npy", _rows_of(array), array.dtype, row_shape)
+        meta = {"config": dataclasses.asdict(table.config), "step": table.step, "clock": table.clock,
+                "evicted": table.evicted}
+        (sub / "table.json").write_text(json.dumps(meta))
+        entries.append(sub.name)
+    pointer = directory / f"{name}.tables.json"
+    tmp = pointer.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps({"format": _FORMAT, "directory": folder.name, "tables": entries}))
+    with open(tmp, "rb") as f:
+        os.fsync(f.fileno())
+    os.replace(tmp, pointer)
+    for old in directory.glob(f"{name}.tables-*"):
+        if old != folder:
+            shutil.rmtree(old, ignore_errors=True)
+    return pointer
+
+
+def load_tables(directory: Path, name: str, make: Callable[[TableConfig], SparseTable]) -> list[SparseTable]:
+    """The tables of checkpoint `name` in `directory` ([] if none); `make` builds an empty table."""
+    pointer = directory / f"{name}.tables.json"
+    if not pointer.exists():
+        return []
+    index = json.loads(pointer.read_text())
+    folder = directory / index["directory"]
+    tables = []
+    for entry in index["tables"]:
+        sub = folder / entry
+        meta: dict[str, Any] = json.loads((sub / "table.json").read_text())
+        config = meta["config"]
+        table = make(TableConfig(**{**config, "betas": tuple(config["betas"])}))
+        ids = np.load(sub / "ids.npy", mmap_mode="r")
+        columns = {c: np.load(sub / f"{c}.npy", mmap_mode="r") for c in table.columns()}
+        for start in range(0, len(ids), CHUNK_ROWS):
+            stop = start + CHUNK_ROWS
+            chunk = {c: np.array(a[start:stop]) for c, a in columns.items()}
+            table.restore_rows(np.array(ids[start:stop]), chunk)
+        table.step, table.clock, table.evicted = int(meta["step"]), float(meta["clock"]), int(meta["evicted"])
+        tables.append(table)
+    return tables
+
+
+def append_ids(path: Path, ids: np.ndarray) -> None:
+    """Append evicted ids to a text log, one per line (a serving system tails it)."""
+    with open(path, "a") as f:
+        f.write("".join(f"{i}\n" for i in ids.tolist()))

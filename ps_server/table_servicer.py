@@ -1,0 +1,70 @@
+"""gRPC adapter of the sparse tables (proto/pshard/api/v1/sparse.proto) over ps_server.table_handlers.
+
+The methods decode a request, call the handler and encode its reply; the wrapping each gets from
+`rpc_handlers` (the parameter server's `unary`: in-flight budget, parsing, PSError -> status) is
+the dense service's own, so both services refuse and account for requests the same way.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import grpc
+import grpc.aio
+from google.protobuf.message import Message
+from pshard.common.sparse_codec import spec_from_proto
+from pshard.ps_server.table_handlers import TableHandlers
+
+from pshard.api.v1 import sparse_pb2 as pb
+
+SERVICE_NAME = "pshard.api.v1.SparseTablesService"
+Wrap = Callable[[str, type[Message], Any], Callable[[bytes, grpc.aio.ServicerContext], Awaitable[bytes]]]
+
+
+class SparseTablesServicer:
+    def __init__(self, handlers: TableHandlers) -> None:
+        self._handlers = handlers
+
+    async def DeclareTable(self, request: pb.DeclareTableRequest, context: object) -> pb.DeclareTableResponse:
+        return pb.DeclareTableResponse(created=await self._handlers.declare(spec_from_proto(request.spec)))
+
+    async def PullRows(self, request: pb.PullRowsRequest, context: object) -> pb.PullRowsResponse:
+        rows = await self._handlers.pull(request.table, request.ids, request.clock)
+        return pb.PullRowsResponse(rows=rows.tobytes())
+
+    async def PushRows(self, request: pb.PushRowsRequest, context: object) -> pb.PushRowsResponse:
+        stored = await self._handlers.push(request.table, request.ids, request.grads, request.clock)
+        return pb.PushRowsResponse(stored=stored)
+
+    async def PushPullRows(self, request: pb.PushPullRowsRequest, context: object) -> pb.PushPullRowsResponse:
+        stored, rows = await self._handlers.push_pull(request.table, request.push_ids, request.grads,
+                                                      request.pull_ids, request.clock)
+        return pb.PushPullRowsResponse(stored=stored, rows=rows.tobytes())
+
+    async def ExportTable(self, request: pb.ExportTableRequest, context: object) -> pb.ExportTableResponse:
+        ids_path, rows_path, n = await self._handlers.export(request.table)
+        return pb.ExportTableResponse(ids_path=str(ids_path), rows_path=str(rows_path), rows=n)
+
+    async def CheckpointTables(self, request: pb.CheckpointTablesRequest,
+                               context: object) -> pb.CheckpointTablesResponse:
+        path = await self._handlers.checkpoint()
+        return pb.CheckpointTablesResponse(path=str(path or ""))
+
+    async def GetTableStats(self, request: pb.GetTableStatsRequest,
+                            context: object) -> pb.GetTableStatsResponse:
+        stats = self._handlers.stats(request.table)
+        return pb.GetTableStatsResponse(rows=stats.rows, evicted=stats.evicted, steps=stats.steps)
+
+
+def rpc_handlers(servicer: SparseTablesServicer, wrap: Wrap) -> grpc.GenericRpcHandler:
+    """The service's methods, each wrapped by `wrap(name, request type, method)` into a raw-bytes handler."""
+    methods = {
+        "DeclareTable": pb.DeclareTableRequest, "PullRows": pb.PullRowsRequest,
+        "PushRows": pb.PushRowsRequest,
+        "PushPullRows": pb.PushPullRowsRequest, "ExportTable": pb.ExportTableRequest,
+        "CheckpointTables": pb.CheckpointTablesRequest, "GetTableStats": pb.GetTableStatsRequest,
+    }
+    return grpc.method_handlers_generic_handler(SERVICE_NAME, {
+        name: grpc.unary_unary_rpc_method_handler(wrap(name, request, getattr(servicer, name)))
+        for name, request in methods.items()})

@@ -1,0 +1,166 @@
+"""The client of sparse embedding tables: one request per server per call, over PSClient's channels.
+
+Ids of a call are de-duplicated first (np.unique with its inverse): a pull sends each distinct id
+once and scatters the rows back to every position that asked; a push sums the gradients of
+repeated ids (what torch's coalesce does) and sends one row per distinct id. The distinct ids are
+split by the server that holds them (pshard.common.sparse.server_of, the same hash the servers
+use) and every server is called at once, on PSClient's thread pool.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, TypeVar
+
+import grpc
+import numpy as np
+from pshard.common.errors import InvalidArgumentError, UnknownKeyError
+from pshard.common.rpc_status import error_from_rpc_error
+from pshard.common.sparse import TableConfig, server_of
+from pshard.common.sparse_codec import spec_to_proto
+
+from pshard.api.v1 import sparse_pb2 as pb
+from pshard.api.v1 import sparse_pb2_grpc as pb_grpc
+
+if TYPE_CHECKING:
+    from pshard.worker.client import PSClient
+
+T = TypeVar("T")
+
+
+class _Split:
+    """Distinct ids of a call, where each came from, and which server holds each."""
+
+    def __init__(self, ids: np.ndarray, n_servers: int) -> None:
+        ids = np.asarray(ids)
+        if ids.dtype.kind not in "iu":
+            raise InvalidArgumentError(f"ids: got dtype {ids.dtype}, expected integers (int64)")
+        flat = ids.reshape(-1).astype(np.int64, copy=False)
+        self.shape = ids.shape
+        self.unique, self.inverse = np.unique(flat, return_inverse=True)
+        owner = server_of(self.unique, n_servers)
+        order = np.argsort(owner, kind="stable")
+        bounds = np.searchsorted(owner[order], np.arange(n_servers + 1))
+        # Positions (in `unique`) of each server's ids.
+        self.parts = [order[bounds[s]:bounds[s + 1]] for s in range(n_servers)]
+
+    @property
+    def has_repeats(self) -> bool:
+        return len(self.unique) < len(self.inverse)
+
+
+class TableClient:
+    def __init__(self, client: PSClient) -> None:
+        self._client = client
+        self._stubs = [pb_grpc.SparseTablesServiceStub(c) for c in client._channels]
+        self.configs: dict[str, TableConfig] = {}
+
+    def declare(self, config: TableConfig) -> None:
+        """Declare the table on every server (the first declaration wins; a different one is refused)."""
+        request = pb.DeclareTableRequest(spec=spec_to_proto(config))
+        self._each(lambda s, stub: stub.DeclareTable(request, timeout=self._client._timeout_s))
+        self.configs[config.name] = config
+
+    def pull(self, table: str, ids: np.ndarray, clock: int = 0) -> np.ndarray:
+        """Rows of `ids` (any shape, repeats allowed): an array of shape ids.shape + (dim,)."""
+        config = self._config(table)
+        split = _Split(ids, len(self._stubs))
+        rows = np.empty((len(split.unique), config.dim), config.np_dtype)
+
+        def call(s: int, stub: pb_grpc.SparseTablesServiceStub) -> None:
+            part = split.parts[s]
+            if len(part):
+                request = pb.PullRowsRequest(table=table, ids=split.unique[part].tobytes(), clock=clock)
+                reply = stub.PullRows(request, timeout=self._client._timeout_s)
+                rows[part] = self._rows(config, reply.rows, len(part))
+
+        self._each(call)
+        return rows[split.inverse].reshape(*split.shape, config.dim)
+
+    def push(self, table: str, ids: np.ndarray, grads: np.ndarray, clock: int = 0) -> int:
+        """Apply `grads` (ids.shape + (dim,)) to the rows of `ids`, repeated ids summed; rows stored."""
+        config = self._config(table)
+        split = _Split(ids, len(self._stubs))
+        summed = self._coalesce(config, split, grads)
+
+        def call(s: int, stub: pb_grpc.SparseTablesServiceStub) -> int:
+            part = split.parts[s]
+            if not len(part):
+                return 0
+            reply = stub.PushRows(pb.PushRowsRequest(table=table, ids=split.unique[part].tobytes(),
+                                                     grads=summed[part].tobytes(), clock=clock),
+                                  timeout=self._client._timeout_s)
+            return int(reply.stored)
+
+        return sum(self._each(call))
+
+    def push_pull(self, table: str, ids: np.ndarray, grads: np.ndarray, pull_ids: np.ndarray,
+                  clock: int = 0) -> np.ndarray:
+        """Push as `push`, then pull `pull_ids` as `pull`, in one round trip per server."""
+        config = self._config(table)
+        split = _Split(ids, len(self._stubs))
+        summed = self._coalesce(config, split, grads)
+        want = _Split(pull_ids, len(self._stubs))
+        rows = np.empty((len(want.unique), config.dim), config.np_dtype)
+
+        def call(s: int, stub: pb_grpc.SparseTablesServiceStub) -> None:
+            part, wanted = split.parts[s], want.parts[s]
+            if len(part) or len(wanted):
+                reply = stub.PushPullRows(pb.PushPullRowsRequest(
+                    table=table, push_ids=split.unique[part].tobytes(), grads=summed[part].tobytes(),
+                    pull_ids=want.unique[wanted].tobytes(), clock=clock), timeout=self._client._timeout_s)
+                rows[wanted] = self._rows(config, reply.rows, len(wanted))
+
+        self._each(call)
+        return rows[want.inverse].reshape(*want.shape, config.dim)
+
+    def export(self, table: str) -> list[pb.ExportTableResponse]:
+        """Every server writes its rows of `table` as ids.npy and rows.npy; where they are."""
+        return self._each(lambda s, stub: stub.ExportTable(pb.ExportTableRequest(table=table),
+                                                           timeout=self._client._timeout_s))
+
+    def checkpoint(self) -> list[str]:
+        return self._each(lambda s, stub: stub.CheckpointTables(
+            pb.CheckpointTablesRequest(), timeout=self._client._timeout_s).path)
+
+    def stats(self, table: str) -> list[pb.GetTableStatsResponse]:
+        return self._each(lambda s, stub: stub.GetTableStats(pb.GetTableStatsRequest(table=table),
+                                                             timeout=self._client._timeout_s))
+
+    # ---- helpers ----
+
+    def _config(self, table: str) -> TableConfig:
+        config = self.configs.get(table)
+        if config is None:
+            raise UnknownKeyError(f"table {table!r}: declare it with this client first (declare_table)")
+        return config
+
+    @staticmethod
+    def _coalesce(config: TableConfig, split: _Split, grads: np.ndarray) -> np.ndarray:
+        grads = np.asarray(grads, dtype=config.np_dtype)
+        if grads.shape != (*split.shape, config.dim):
+            raise InvalidArgumentError(f"push of table {config.name!r}: gradients of shape {grads.shape}, "
+                                       f"expected ids' shape {split.shape} + ({config.dim},)")
+        flat = grads.reshape(-1, config.dim)
+        summed = np.zeros((len(split.unique), config.dim), config.np_dtype)
+        if split.has_repeats:
+            np.add.at(summed, split.inverse, flat)
+        else:
+            summed[split.inverse] = flat
+        return summed
+
+    @staticmethod
+    def _rows(config: TableConfig, raw: bytes, n: int) -> np.ndarray:
+        if len(raw) != n * config.dim * config.np_dtype.itemsize:
+            raise InvalidArgumentError(f"table {config.name!r}: the server sent {len(raw)} bytes for "
+                                       f"{n} rows of dim {config.dim}")
+        return np.frombuffer(raw, config.np_dtype).reshape(n, config.dim)
+
+    def _each(self, call: Callable[[int, pb_grpc.SparseTablesServiceStub], T]) -> list[T]:
+        def run(s: int) -> T:
+            try:
+                return call(s, self._stubs[s])
+            except grpc.RpcError as err:
+                raise error_from_rpc_error(err) from err
+
+        return self._client._all_servers(run)
