@@ -72,6 +72,7 @@ class RunningServer:
     trimmer: HeapTrimmer
     fast: FastPathServer | None = None  # the shm and tcp transports (ps_server.fastpath)
     tables: TableHandlers | None = None  # sparse embedding tables (ps_server.table_handlers)
+    hang_watch: asyncio.Task[None] | None = None  # report_hangs
 
     @property
     def servicer(self) -> ParameterServerHandlers:
@@ -79,6 +80,8 @@ class RunningServer:
         return self.handlers
 
     async def stop(self, grace_s: float = 5.0) -> None:
+        if self.hang_watch is not None:
+            self.hang_watch.cancel()
         await self.health.enter_graceful_shutdown()
         await self.server.stop(grace_s)
         if self.fast is not None:  # after gRPC: a worker whose fast path closes falls back to a server gone
@@ -117,8 +120,40 @@ async def start(settings: ServerSettings, bind: str = "127.0.0.1:0",
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     log.info("parameter server listening on port %d", port)
-    return RunningServer(server, handlers, health_servicer, port, budget, executor, trimmer, fast,
-                         tables=tables)
+    running = RunningServer(server, handlers, health_servicer, port, budget, executor, trimmer, fast,
+                           tables=tables)
+    if settings.hang_report_s > 0:
+        running.hang_watch = asyncio.create_task(report_hangs(handlers, settings.hang_report_s))
+    return running
+
+
+async def report_hangs(handlers: ParameterServerHandlers, hang_report_s: float) -> None:
+    """Log each sync clock stalled past `hang_report_s`: which slice, which clock, whose gradient is missing.
+
+    Checked a few times per threshold, and logged again only when the stall changes or another
+    threshold has passed, so a hang reads as a handful of lines naming the stragglers.
+    """
+    logged: dict[tuple[str, int, tuple[str, ...]], float] = {}
+    while True:
+        await asyncio.sleep(min(5.0, max(0.1, hang_report_s / 4)))
+        hangs = handlers.stats().hangs
+        by_stall: dict[tuple[int, tuple[str, ...]], list[str]] = {}
+        for h in hangs:
+            by_stall.setdefault((h.clock, h.waiting_for), []).append(h.key)
+        now = time.monotonic()
+        for (clock, waiting), keys in by_stall.items():
+            stalled = max(h.stalled_s for h in hangs if h.clock == clock and h.waiting_for == waiting)
+            ident = (keys[0], clock, waiting)
+            if now - logged.get(ident, -float("inf")) < hang_report_s:
+                continue
+            logged[ident] = now
+            log.warning("sync clock %d has waited %.1fs for a gradient from %s (slices %s%s); "
+                        "the other workers are blocked until it comes", clock, stalled,
+                        ", ".join(waiting) or "nobody in the quorum (quorum unknown)",
+                        ", ".join(keys[:5]), f" and {len(keys) - 5} more" if len(keys) > 5 else "")
+        current = {(h.key, h.clock, h.waiting_for) for h in hangs}
+        for ident in [i for i in logged if i not in current]:
+            del logged[ident]
 
 
 # A parameter server on its own event loop in a daemon thread.

@@ -134,6 +134,10 @@ class PSClient:
         self._fast_retry_at = [0.0] * len(self.servers)
         self._fast_locks = [threading.Lock() for _ in self.servers]
         self.transports = ["grpc"] * len(self.servers)
+        # Step headers by (server, parameters, wire dtype, pull), for the layout they were made for.
+        self._templates: dict[tuple[int, tuple[str, ...], str, bool],
+                              tuple[Sequence[LayoutSlice], pb.ExchangeHeader]] = {}
+        self._templates_layout: Layout | None = None
         # Calls resent because a server was past its in-flight budget (a sign to add servers).
         self.overload_retries = 0
 
@@ -251,14 +255,9 @@ class PSClient:
             flat[key] = codec.cast(codec.WireArray(g, self._dtypes[key]), wire).array if wire else g
 
         def run(server: int) -> pb.ExchangeSummary:
-            slices = [s for s in layout.slices_on(server) if s.key in flat]
+            slices, header = self._push_header(layout, server, flat, wire, pull, clock)
             if not slices:
                 return pb.ExchangeSummary()
-            header = pb.ExchangeHeader(
-                op=pb.PUSH_PULL, stamp=self._stamp(clock),
-                push=[self._meta(s, wire or self._dtypes[s.key]) for s in slices],
-                pull=[codec.slice_id_to_proto(s.slice_key) for s in slices] if pull else [],
-                timeout_ms=int(self._timeout_s * 1000))
             buffers = [flat[s.key][s.offset:s.offset + s.numel] for s in slices]
             summary = self._fast_call(server, header, buffers, slices if pull else [], out or {})
             if summary is not None:
@@ -268,6 +267,28 @@ class PSClient:
             return self._exchange_call(server, header, buffers, slices if pull else [], out or {})
 
         return _result(self._all_servers(run))
+
+    def _push_header(self, layout: Layout, server: int, flat: Mapping[str, np.ndarray], wire: str, pull: bool,
+                     clock: int) -> tuple[Sequence[LayoutSlice], pb.ExchangeHeader]:
+        """The server's slices of `flat` and the step's header. Both are the same every step but for
+        the stamp, and building the header's messages costs more than a small step's bytes: they are
+        made once per (layout, parameters, wire dtype) and the header copied from a template."""
+        cache_key = (server, tuple(flat), wire, pull)
+        if self._templates_layout is not layout:
+            self._templates_layout, self._templates = layout, {}
+        cached = self._templates.get(cache_key)
+        if cached is None:
+            mine = tuple(s for s in layout.slices_on(server) if s.key in flat)
+            cached = mine, pb.ExchangeHeader(
+                op=pb.PUSH_PULL, push=[self._meta(s, wire or self._dtypes[s.key]) for s in mine],
+                pull=[codec.slice_id_to_proto(s.slice_key) for s in mine] if pull else [])
+            self._templates[cache_key] = cached
+        slices, template = cached
+        header = pb.ExchangeHeader()
+        header.CopyFrom(template)
+        header.stamp.CopyFrom(self._stamp(clock))
+        header.timeout_ms = int(self._timeout_s * 1000)
+        return slices, header
 
     # ---- operations ----
 
