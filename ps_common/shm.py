@@ -125,7 +125,9 @@ class Segment:
         with _owned_lock:
             _owned.add(path)
         try:
-            os.ftruncate(fd, PAGE + request_bytes + reply_bytes)
+            # Reserve every page now: on a tmpfs too small (Docker's default /dev/shm is 64 MB) this
+            # fails here, and the pair takes another transport, instead of a SIGBUS mid-step.
+            os.posix_fallocate(fd, 0, PAGE + request_bytes + reply_bytes)
             mapping = mmap.mmap(fd, PAGE + request_bytes + reply_bytes)
         except OSError:
             cls._forget(path)
