@@ -57,9 +57,11 @@ TFJOB = K8S / "tfjob" / "tfjob.yaml"
 TFJOB_GPU = K8S / "tfjob" / "tfjob-gpu.yaml"
 TFJOB_SCHEMA = K8S / "schemas" / "kubeflow.org_tfjobs_v1.yaml"
 PLAIN = K8S / "plain"
-# The oldest release whose features the manifests use: gRPC probes (GA in 1.27), the
-# StatefulSet pod-index label and the Job completion-index label (1.28), podFailurePolicy.
-K8S_VERSION = "1.30.0"
+# The oldest release the manifests are for: they need gRPC probes (GA in 1.27) and the StatefulSet
+# pod-index label (1.28), and 1.28's schema still requires onPodConditions in every podFailurePolicy
+# rule. The newest schema the validator ships is checked too, for removed or renamed fields.
+K8S_VERSION = "1.29.0"
+K8S_VERSIONS = (K8S_VERSION, kubernetes_validate.latest_version())
 NAMESPACE = "ml"
 _BIN = Path(PYTHON).parent
 _PSHARD = [str(_BIN / "pshard")] if (_BIN / "pshard").is_file() else [PYTHON, "-m", "pshard"]
@@ -213,18 +215,19 @@ def argv_of(pod: Pod, container: dict[str, Any]) -> list[str]:
 
 # ---- offline validation ----
 
-def test_every_built_in_kind_validates_strictly() -> None:
+@pytest.mark.parametrize("version", K8S_VERSIONS)
+def test_every_built_in_kind_validates_strictly(version: str) -> None:
     builtin = [p for p in manifest_files() if all(d["kind"] != "TFJob" for d in load(p))]
     assert {p.name for p in builtin} >= {"checkpoints-pvc.yaml", "services.yaml", "scheduler.yaml",
                                          "servers.yaml", "workers.yaml", "networkpolicy.yaml"}
-    result = subprocess.run([str(_BIN / "kubernetes-validate"), "--strict", "-k", K8S_VERSION, "--quiet",
+    result = subprocess.run([str(_BIN / "kubernetes-validate"), "--strict", "-k", version, "--quiet",
                              *map(str, builtin)], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stdout + result.stderr
     # The validator does catch a misspelt field (and would catch it in a TFJob's pod template).
     pod_template = {"apiVersion": "v1", "kind": "PodTemplate", "metadata": {"name": "x"},
                     "template": {"spec": {"containers": [{"name": "c", "image": "i", "comand": ["x"]}]}}}
     with pytest.raises(kubernetes_validate.ValidationError):
-        kubernetes_validate.validate(pod_template, K8S_VERSION, strict=True)
+        kubernetes_validate.validate(pod_template, version, strict=True)
 
 
 @pytest.mark.parametrize("path", [TFJOB, TFJOB_GPU], ids=lambda p: p.name)
@@ -242,7 +245,8 @@ def test_tfjob_matches_the_operators_v1_api(path: Path) -> None:
         # Each pod template is a valid PodTemplateSpec, checked as strictly as the built-in kinds.
         as_pod_template = {"apiVersion": "v1", "kind": "PodTemplate", "metadata": {"name": rtype.lower()},
                            "template": spec["template"]}
-        kubernetes_validate.validate(as_pod_template, K8S_VERSION, strict=True)
+        for version in K8S_VERSIONS:
+            kubernetes_validate.validate(as_pod_template, version, strict=True)
         (container,) = [c for c in spec["template"]["spec"]["containers"] if c["name"] == "tensorflow"]
         assert container["command"] == ["pshard", "run"], rtype
         assert {"name": "tfjob-port", "containerPort": 2222} in container["ports"], rtype
