@@ -39,6 +39,9 @@ COMMANDS: dict[str, Command] = {
     "launch": Command("pshard.launcher.__main__", "run a whole local cluster as real processes"),
     "run": Command("", "run the role TF_CONFIG's task.type names"),
     "health": Command("pshard.common.health", "probe a service's gRPC health check"),
+    "status": Command("pshard.status", "show a running job: members, clocks, lag, servers, who waits"),
+    "plot": Command("pshard.plot", "draw loss and accuracy curves from metrics JSON lines"),
+    "evaluate": Command("pshard.evaluate", "reload a saved model and print its test accuracy"),
 }
 
 # TF_CONFIG task type (any case, as TensorFlow reads it) -> subcommand; "master" is the old chief.

@@ -1,0 +1,239 @@
+"""``pshard status``: the job at a glance, from the scheduler's view and every server's GetStats.
+
+    pshard status --scheduler HOST:PORT [--json] [--watch [SECONDS]]
+
+The scheduler names the members (role, state, generation); each live server says what it holds
+(slices, bytes, versions), which clock each worker last pushed and over which transport. From
+those, `summarise` works out each worker's lag behind the fastest one and, when a server's
+clock is stuck, whom it waits for: in sync mode the workers that have not pushed the clock the
+slowest slice is at, in SSP mode the workers more than `staleness` clocks behind the fastest.
+`summarise` and `render` are pure; `main` does the RPCs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+
+from pshard.common.view import ClusterView, NodeState
+
+PROG = "pshard status"
+MODES = {0: "unset", 1: "sync", 2: "async", 3: "ssp"}
+
+
+@dataclass(frozen=True)
+class ServerReport:
+    """One server's GetStats, or why it could not be read."""
+
+    node_id: str
+    address: str
+    mode: str = "unset"
+    staleness: int = 0
+    slices: int = 0
+    bytes_stored: int = 0
+    min_version: int = 0
+    max_version: int = 0
+    pulls_waiting: int = 0
+    pushes_applied: int = 0
+    pushes_dropped: int = 0
+    quorum: tuple[str, ...] = ()
+    worker_clocks: Mapping[str, int] = field(default_factory=dict)
+    transports: Mapping[str, str] = field(default_factory=dict)  # worker -> "shm"/"tcp"; absent: grpc
+    error: str | None = None
+    waits_for: tuple[str, ...] = ()  # workers this server's stuck clock waits on
+
+
+@dataclass(frozen=True)
+class MemberReport:
+    node_id: str
+    role: str
+    rank: int
+    address: str
+    state: str
+    generation: int
+    clock: int | None = None  # last clock pushed (trainers only), highest over the servers
+    lag: int | None = None  # clocks behind the fastest trainer
+    transports: tuple[str, ...] = ()  # what its sessions with the servers use
+
+
+@dataclass(frozen=True)
+class JobStatus:
+    scheduler: str
+    generation: int
+    layout_version: int
+    members: tuple[MemberReport, ...]
+    servers: tuple[ServerReport, ...]
+    taken_at: float = 0.0
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=2, sort_keys=True)
+
+
+TRAINERS = ("chief", "worker")
+
+
+def waits_for(server: ServerReport, live_workers: Sequence[str]) -> tuple[str, ...]:
+    """Who this server's slowest clock is waiting on (empty when nothing waits)."""
+    quorum = server.quorum or tuple(live_workers)
+    clocks = server.worker_clocks
+    if server.mode == "sync":
+        # Clock `min_version` completes when every quorum member pushed it.
+        return tuple(sorted(w for w in quorum if clocks.get(w, -1) < server.min_version))
+    if server.mode == "ssp" and clocks:
+        fastest = max(clocks.values())
+        if server.pulls_waiting:
+            return tuple(sorted(w for w in quorum if fastest - clocks.get(w, 0) > server.staleness))
+    return ()
+
+
+def summarise(scheduler: str, view: ClusterView, servers: Sequence[ServerReport], now: float = 0.0
+              ) -> JobStatus:
+    """The job's status from the scheduler's view and the servers' reports."""
+    nodes = view.nodes
+    live_trainers = [n.node_id for n in nodes if n.role in TRAINERS and n.state is NodeState.LIVE]
+    clocks: dict[str, int] = {}
+    used: dict[str, set[str]] = {}
+    for report in servers:
+        for worker, pushed in report.worker_clocks.items():
+            clocks[worker] = max(pushed, clocks.get(worker, pushed))
+        for worker in report.worker_clocks:
+            used.setdefault(worker, set()).add(report.transports.get(worker, "grpc"))
+    fastest = max((clocks[w] for w in live_trainers if w in clocks), default=None)
+    members = []
+    for n in nodes:
+        clock: int | None = clocks.get(n.node_id) if n.role in TRAINERS else None
+        live = n.node_id in live_trainers
+        lag = fastest - clock if clock is not None and fastest is not None and live else None
+        members.append(MemberReport(n.node_id, n.role, n.rank, n.address, n.state.name.lower(), n.generation,
+                                    clock, lag, tuple(sorted(used.get(n.node_id, ())))))
+    reports = tuple(ServerReport(**{**asdict(s), "waits_for": waits_for(s, live_trainers)}) for s in servers)
+    return JobStatus(scheduler, view.generation, view.layout_version, tuple(members), reports, now)
+
+
+def _size(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024  # type: ignore[assignment]
+    return str(n)
+
+
+def render(status: JobStatus) -> str:
+    """The human form: members, then servers, then what waits on whom."""
+    def dash(value: object) -> str:
+        return "-" if value is None or value == () else str(value)
+
+    lines = [f"scheduler {status.scheduler}: generation {status.generation}, layout {status.layout_version}",
+             "", f"{'MEMBER':<14} {'ROLE':<9} {'STATE':<6} {'GEN':>4} {'CLOCK':>7} {'LAG':>5}  TRANSPORT"]
+    for m in status.members:
+        lines.append(f"{m.node_id:<14} {m.role:<9} {m.state:<6} {m.generation:>4} {dash(m.clock):>7} "
+                     f"{dash(m.lag):>5}  {','.join(m.transports) or '-'}")
+    lines += ["", f"{'SERVER':<14} {'MODE':<6} {'SLICES':>6} {'BYTES':>10} {'CLOCK MIN-MAX':>14} "
+                  f"{'WAITING':>7} {'APPLIED':>8}"]
+    for s in status.servers:
+        if s.error is not None:
+            lines.append(f"{s.node_id:<14} unreachable ({s.address}): {s.error}")
+            continue
+        mode = f"{s.mode}({s.staleness})" if s.mode == "ssp" else s.mode
+        lines.append(f"{s.node_id:<14} {mode:<6} {s.slices:>6} {_size(s.bytes_stored):>10} "
+                     f"{f'{s.min_version}-{s.max_version}':>14} {s.pulls_waiting:>7} {s.pushes_applied:>8}")
+    stuck = [s for s in status.servers if s.waits_for]
+    if stuck:
+        lines.append("")
+    for s in stuck:
+        what = f"clock {s.min_version}" if s.mode == "sync" else "the fastest workers' pulls"
+        lines.append(f"{s.node_id}: {what} waits for {', '.join(s.waits_for)}")
+    return "\n".join(lines)
+
+
+# ---- the RPCs ----
+
+
+def fetch(scheduler: str, timeout_s: float) -> JobStatus:
+    import grpc
+
+    from pshard.api.v1 import parameter_server_pb2 as pb
+    from pshard.api.v1 import parameter_server_pb2_grpc as pb_grpc
+    from pshard.api.v1 import scheduler_pb2, scheduler_pb2_grpc
+    from pshard.common.codec import view_from_proto
+
+    with grpc.insecure_channel(scheduler) as channel:
+        stub = scheduler_pb2_grpc.SchedulerStub(channel)
+        stream = stub.Watch(scheduler_pb2.WatchRequest(), timeout=timeout_s)
+        try:
+            view = view_from_proto(next(iter(stream)))
+        finally:
+            stream.cancel()
+    reports = []
+    for node in view.nodes:
+        if node.role != "ps" or node.state is not NodeState.LIVE:
+            continue
+        try:
+            with grpc.insecure_channel(node.address) as channel:
+                s = pb_grpc.ParameterServerStub(channel).GetStats(pb.GetStatsRequest(), timeout=timeout_s)
+        except grpc.RpcError as err:
+            why = f"{err.code().name}: {err.details()}"
+            reports.append(ServerReport(node.node_id, node.address, error=why))
+            continue
+        reports.append(ServerReport(
+            node.node_id, node.address, mode=MODES.get(s.mode, str(s.mode)), staleness=s.staleness,
+            slices=s.slices, bytes_stored=s.bytes_stored, min_version=s.min_version,
+            max_version=s.max_version, pulls_waiting=s.pulls_waiting, pushes_applied=s.pushes_applied,
+            pushes_dropped=s.pushes_dropped, quorum=tuple(s.quorum), worker_clocks=dict(s.worker_clocks),
+            transports=dict(s.worker_transports)))
+    return summarise(scheduler, view, reports, time.time())
+
+
+def _scheduler_address(args: argparse.Namespace, environ: Mapping[str, str]) -> str:
+    if args.scheduler:
+        return str(args.scheduler)
+    raw = environ.get("TF_CONFIG")
+    if raw:
+        from pshard.common.cluster import ClusterSpec
+
+        return ClusterSpec.from_tf_config(raw).scheduler_address
+    raise ValueError("no scheduler: pass --scheduler HOST:PORT or set TF_CONFIG")
+
+
+def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=prog, description="Show a running pshard job: members, clocks, lag, "
+                                "servers and what a stuck clock waits for.")
+    p.add_argument("--scheduler", metavar="HOST:PORT", help="the scheduler (default: TF_CONFIG's)")
+    p.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    p.add_argument("--watch", metavar="SECONDS", type=float, nargs="?", const=2.0, default=None,
+                   help="refresh every SECONDS (default 2) until interrupted")
+    p.add_argument("--timeout-s", metavar="S", type=float, default=10.0, help="per-RPC timeout (default 10)")
+    return p
+
+
+def main(argv: Sequence[str] | None = None, *, prog: str = PROG) -> int:
+    args = build_parser(prog).parse_args(argv)
+    try:
+        scheduler = _scheduler_address(args, os.environ)
+    except Exception as err:  # a bad TF_CONFIG names its field
+        print(f"{prog}: error: {err}", file=sys.stderr)
+        return 2
+    while True:
+        try:
+            status = fetch(scheduler, args.timeout_s)
+        except Exception as err:  # grpc.RpcError: the scheduler is not there
+            code = getattr(err, "code", None)
+            why = f"{code().name}: {err.details()}" if callable(code) else str(err)  # type: ignore[attr-defined]
+            print(f"{prog}: error: cannot read the scheduler at {scheduler}: {why}", file=sys.stderr)
+            return 1
+        text = status.to_json() if args.json else render(status)
+        if args.watch is None:
+            print(text, flush=True)
+            return 0
+        if not args.json and sys.stdout.isatty():
+            sys.stdout.write("\x1b[H\x1b[2J")
+        print(text, flush=True)
+        try:
+            time.sleep(args.watch)
+        except KeyboardInterrupt:
+            return 0

@@ -1,0 +1,107 @@
+"""``pshard status`` against a live job (real processes on 127.0.0.1), checked against the servers'
+own GetStats and the scheduler's view; and its pure summary of who a stuck clock waits for."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+from pshard.common.view import ClusterView, Node, NodeState
+
+from pshard.api.v1 import parameter_server_pb2 as pb
+from pshard.api.v1 import parameter_server_pb2_grpc as pb_grpc
+from pshard.status import ServerReport, render, summarise
+from tests.e2e.harness import ROOT, TIMEOUTS, LocalCluster, Procs, wait_until
+
+
+@pytest.fixture
+def procs(tmp_path: Path) -> Iterator[Procs]:
+    pool = Procs(tmp_path)
+    try:
+        yield pool
+    finally:
+        pool.kill_all()
+        for proc in pool.started:
+            print(f"--- {proc.name} (exit {proc.popen.returncode}) ---\n{proc.output(40)}")
+
+
+def status(scheduler: str, *args: str) -> str:
+    done = subprocess.run([sys.executable, "-m", "pshard", "status", "--scheduler", scheduler, *args],
+                          cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
+def get_stats(address: str) -> pb.GetStatsResponse:
+    with grpc.insecure_channel(address) as channel:
+        return pb_grpc.ParameterServerStub(channel).GetStats(pb.GetStatsRequest(), timeout=10)
+
+
+def test_status_of_a_live_job_matches_the_servers_stats_and_names_who_a_stuck_clock_waits_for(
+        procs: Procs) -> None:
+    # A long heartbeat timeout: the stopped worker stays a member, so the sync clock waits for it.
+    cluster = LocalCluster(procs, num_ps=2, num_workers=2, heartbeat_timeout_ms=60_000)
+    cluster.start_servers()
+    scheduler = cluster.task("scheduler").address
+    workers = [cluster.start_worker(i, "--mode", "sync", "--lr", "0.05", "--epochs", "50", *TIMEOUTS)
+               for i in range(2)]
+    wait_until(lambda: cluster.steps_logged("worker-1") >= 3, 60, "worker-1 to train")
+    workers[1].signal_group(signal.SIGSTOP)
+    try:
+        def stuck() -> dict[str, Any] | None:
+            report = json.loads(status(scheduler, "--json"))
+            return report if all(s["pulls_waiting"] and s["waits_for"] == ["worker-1"]
+                                 for s in report["servers"]) else None
+
+        report = wait_until(stuck, 60, "every server to wait for the stopped worker")
+        assert report is not None
+        for server in report["servers"]:
+            stats = get_stats(server["address"])
+            assert server["slices"] == stats.slices > 0
+            assert server["bytes_stored"] == stats.bytes_stored
+            assert (server["min_version"], server["max_version"]) == (stats.min_version, stats.max_version)
+            assert server["worker_clocks"] == dict(stats.worker_clocks)
+            assert server["transports"] == dict(stats.worker_transports)
+        members = {m["node_id"]: m for m in report["members"]}
+        assert sorted(m["node_id"] for m in members.values() if m["role"] == "ps") == ["ps-0", "ps-1"]
+        assert members["worker-1"]["state"] == "live" and members["worker-1"]["lag"] == 1
+        assert members["worker-0"]["lag"] == 0
+        assert members["worker-0"]["clock"] == members["worker-1"]["clock"] + 1
+
+        text = status(scheduler)
+        clock = report["servers"][0]["min_version"]
+        assert f"clock {clock} waits for worker-1" in text
+        assert f"generation {report['generation']}" in text
+    finally:
+        workers[1].signal_group(signal.SIGCONT)
+    for proc in workers:
+        assert proc.wait(180) == 0, proc.output()
+
+
+def node(node_id: str, role: str, rank: int = 0) -> Node:
+    return Node(node_id, role, rank, f"h:{rank}", NodeState.LIVE, 1)
+
+
+def test_ssp_waits_only_on_workers_past_the_staleness_bound() -> None:
+    view = ClusterView(3, (node("ps-0", "ps"), node("w0", "chief"), node("w1", "worker", 1),
+                           node("w2", "worker", 2)))
+    server = ServerReport("ps-0", "h:0", mode="ssp", staleness=2, pulls_waiting=1,
+                          worker_clocks={"w0": 10, "w1": 7, "w2": 9}, transports={"w0": "shm"})
+    status = summarise("h:1", view, [server])
+    assert status.servers[0].waits_for == ("w1",)
+    assert {m.node_id: m.lag for m in status.members} == {"ps-0": None, "w0": 0, "w1": 3, "w2": 1}
+    assert {m.node_id: m.transports for m in status.members}["w0"] == ("shm",)
+    assert "ps-0: the fastest workers' pulls waits for w1" in render(status)
+
+
+def test_async_waits_for_nobody() -> None:
+    view = ClusterView(1, (node("w0", "chief"), node("w1", "worker", 1)))
+    server = ServerReport("ps-0", "h:0", mode="async", pulls_waiting=0, worker_clocks={"w0": 5, "w1": 1})
+    assert summarise("h", view, [server]).servers[0].waits_for == ()
