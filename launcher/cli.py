@@ -27,7 +27,7 @@ from pathlib import Path
 
 from pshard.common.argtypes import positive_float, positive_int
 from pshard.common.logs import add_log_level_argument, configure_logging
-from pshard.launcher.plan import TASK_PLACEHOLDER, ClusterPlan, Options
+from pshard.launcher.plan import RESTART_POLICIES, TASK_PLACEHOLDER, ClusterPlan, Options
 from pshard.launcher.supervisor import run
 
 PROG = "python -m pshard.launcher"
@@ -65,6 +65,20 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
                              "(default 5000)")
     parser.add_argument("--checkpoint-dir", metavar="DIR",
                         help="parameter servers checkpoint their shards to DIR/ps-<i>")
+    parser.add_argument("--checkpoint-interval-s", metavar="S", type=float, default=0.0,
+                        help="with --checkpoint-dir: servers also checkpoint every S seconds, so a "
+                             "restarted one loses at most S seconds of training (default 0: only at "
+                             "shutdown)")
+    parser.add_argument("--restart", choices=RESTART_POLICIES, default="never",
+                        help="on-failure: start a scheduler or parameter server that died again on its "
+                             "address (like Kubernetes' restartPolicy), after a backoff; with "
+                             "--checkpoint-dir a server restores its shard. never (default): stop the job")
+    parser.add_argument("--max-restarts", metavar="N", type=int, default=Options.max_restarts,
+                        help=f"most restarts of any one server (default {Options.max_restarts})")
+    parser.add_argument("--restart-backoff-s", metavar="S", type=positive_float,
+                        default=Options.restart_backoff_s,
+                        help="wait before a server's first restart, doubled for each further one, at most "
+                             f"30 s (default {Options.restart_backoff_s:g})")
     parser.add_argument("--worker-cmd", metavar="CMD", default=None,
                         help="command that runs one worker, split like a shell does "
                              f"(default: '{Path(sys.executable).name} -m pshard.worker' with this Python)")
@@ -89,6 +103,12 @@ def parse_options(argv: Sequence[str], prog: str = PROG) -> Options:
     if args.scheduler_timeout_ms <= args.scheduler_interval_ms:
         parser.error(f"--scheduler-timeout-ms: got {args.scheduler_timeout_ms}, expected more than "
                      f"--scheduler-interval-ms ({args.scheduler_interval_ms})")
+    if args.max_restarts < 0:
+        parser.error(f"--max-restarts: got {args.max_restarts}, expected a whole number >= 0")
+    if args.checkpoint_interval_s < 0:
+        parser.error(f"--checkpoint-interval-s: got {args.checkpoint_interval_s:g}, expected >= 0")
+    if args.checkpoint_interval_s > 0 and not args.checkpoint_dir:
+        parser.error("--checkpoint-interval-s: needs --checkpoint-dir")
     worker_cmd = Options.worker_cmd if args.worker_cmd is None else tuple(shlex.split(args.worker_cmd))
     if not worker_cmd:
         parser.error("--worker-cmd: got an empty command")
@@ -97,7 +117,8 @@ def parse_options(argv: Sequence[str], prog: str = PROG) -> Options:
                    heartbeat_timeout_ms=args.scheduler_timeout_ms, checkpoint_dir=args.checkpoint_dir,
                    worker_cmd=worker_cmd, worker_args=(*unknown, *argv[split + 1:]),
                    startup_timeout_s=args.startup_timeout_s, grace_s=args.grace_s,
-                   log_level=args.log_level)
+                   log_level=args.log_level, restart=args.restart, max_restarts=args.max_restarts,
+                   restart_backoff_s=args.restart_backoff_s, checkpoint_interval_s=args.checkpoint_interval_s)
 
 
 def check_startable(options: Options) -> None:

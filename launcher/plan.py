@@ -17,6 +17,9 @@ from pathlib import Path
 from pshard.common.logs import DEFAULT_LOG_LEVEL
 
 TASK_PLACEHOLDER = "{task}"
+# What the launcher does when the scheduler or a parameter server dies, as Kubernetes'
+# restartPolicy: never (stop the job) or on-failure (start it again, on the same address).
+RESTART_POLICIES = ("never", "on-failure")
 
 
 # ---- ports and the cluster plan ----
@@ -127,6 +130,34 @@ class Options:
     startup_timeout_s: float = 60.0
     grace_s: float = 10.0
     log_level: str = DEFAULT_LOG_LEVEL  # the launcher's, and its servers'
+    restart: str = "never"  # one of RESTART_POLICIES; trainers are never restarted
+    max_restarts: int = 3  # per server, over the whole run
+    restart_backoff_s: float = 1.0  # before the first restart of a server; doubles with each, up to 30 s
+    checkpoint_interval_s: float = 0.0  # servers' periodic checkpoints (0: only at shutdown)
+
+
+@dataclass(frozen=True)
+class RestartDecision:
+    restart: bool
+    delay_s: float
+    reason: str  # for the launcher's log line
+
+
+def restart_decision(options: Options, code: int, restarts_so_far: int) -> RestartDecision:
+    """Whether a server that exited with Popen code `code` is started again, and after how long.
+
+    on-failure restarts a non-zero exit or a death by signal, like Kubernetes' restartPolicy, but a
+    bounded number of times: a server that cannot stay up must end the job, not loop.
+    """
+    if options.restart != "on-failure":
+        return RestartDecision(False, 0.0, "--restart is never")
+    if code == 0:
+        return RestartDecision(False, 0.0, "it exited 0, which on-failure does not restart")
+    if restarts_so_far >= options.max_restarts:
+        return RestartDecision(False, 0.0, f"it was already restarted {restarts_so_far} time(s), "
+                                           f"the most --max-restarts allows")
+    delay = min(30.0, options.restart_backoff_s * 2 ** restarts_so_far)
+    return RestartDecision(True, delay, f"restart {restarts_so_far + 1} of {options.max_restarts}")
 
 
 @dataclass(frozen=True)
@@ -154,6 +185,8 @@ def child_specs(plan: ClusterPlan, options: Options, python: str = sys.executabl
             argv = [python, "-m", "pshard.ps_server", "--bind", task.address]
             if options.checkpoint_dir:
                 argv += ["--checkpoint-dir", str(Path(options.checkpoint_dir) / task.name)]
+                if options.checkpoint_interval_s > 0:
+                    argv += ["--checkpoint-interval-s", f"{options.checkpoint_interval_s:g}"]
         if options.log_level != DEFAULT_LOG_LEVEL:
             argv += ["--log-level", options.log_level]
         specs.append(ChildSpec(task.name, tuple(argv), _child_env(plan, task), task.address))

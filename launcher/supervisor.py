@@ -10,6 +10,11 @@ reaches the launcher alone, so the launcher decides the order of shutdown; and s
 group also reaches whatever the child started itself (data-loader processes), so nothing is
 left behind as an orphan.
 
+With ``--restart on-failure`` a server (the scheduler or a parameter server) that dies is started
+again on its address after a backoff, a bounded number of times, as Kubernetes' restartPolicy does:
+a parameter server with a checkpoint directory restores its shard and the workers, which retry,
+go on. Trainers are never restarted (their step counts and shard plan live in them).
+
 Exit statuses: the launcher's is the workers' (0 only when every one exited 0; a failing one's
 code, or 128 + its signal); a stop by SIGTERM, SIGINT or SIGHUP is 128 + that signal. A worker
 stops quietly with 143 on the SIGTERM the launcher sends it, which the summary line shows.
@@ -33,7 +38,14 @@ from types import FrameType
 from typing import TextIO
 
 from pshard.common.health import probe
-from pshard.launcher.plan import ChildSpec, ClusterPlan, Options, child_environment, child_specs
+from pshard.launcher.plan import (
+    ChildSpec,
+    ClusterPlan,
+    Options,
+    child_environment,
+    child_specs,
+    restart_decision,
+)
 
 _PROBE_INTERVAL_S = 0.2
 _PROBE_TIMEOUT_S = 2.0
@@ -100,7 +112,8 @@ def status_of(code: int) -> int:
     return code if 0 < code < 256 else 1
 
 
-# ("exit", child name, Popen returncode) or ("signal", signal name, signal number).
+# ("exit", child name, Popen returncode), ("signal", signal name, signal number), or
+# ("restart", child name, restart number) once a restart's backoff is over.
 Event = tuple[str, str, int]
 
 
@@ -199,6 +212,10 @@ class Supervisor:
                 raise Stopped(value)
             return f"{name} exited ({describe_exit(value)}) before it was healthy"
 
+    def kill_group(self, name: str) -> None:
+        """SIGKILL what a dead child left in its process group, before it is started again."""
+        self._signal_group(name, signal.SIGKILL)
+
     def _signal_group(self, name: str, sig: signal.Signals) -> None:
         # start_new_session made the child the leader of its own group: pgid == pid.
         with contextlib.suppress(ProcessLookupError, PermissionError):  # gone: nothing to stop
@@ -233,6 +250,11 @@ def _supervise(sup: Supervisor, specs: Sequence[ChildSpec], options: Options,
             f"starting {len(trainers)} worker(s)")
     for spec in trainers:
         sup.start(spec, environ)
+    by_name = {s.name: s for s in servers}
+    if options.restart == "on-failure" and not options.checkpoint_dir:
+        sup.say("--restart on-failure without --checkpoint-dir: a restarted parameter server comes back "
+                "without its shard's weights")
+    restarts = dict.fromkeys(by_name, 0)
     while any(codes[t.name] is None for t in trainers):
         try:
             # A timeout, so that a signal handler runs promptly even where a blocked get() would
@@ -242,10 +264,26 @@ def _supervise(sup: Supervisor, specs: Sequence[ChildSpec], options: Options,
             continue
         if kind == "signal":
             raise Stopped(value)
+        if kind == "restart":
+            sup.kill_group(name)
+            sup.start(by_name[name], environ)
+            sup.say(f"{name} restarted (restart {value} of {options.max_restarts}, "
+                    f"pid {sup.children[name].pid})")
+            continue
         if name not in codes:
-            sup.say(f"{name} exited ({describe_exit(value)}) while workers were training; "
-                    "stopping everything")
-            return 1
+            decision = restart_decision(options, value, restarts[name])
+            if not decision.restart:
+                sup.say(f"{name} exited ({describe_exit(value)}) while workers were training; not restarted: "
+                        f"{decision.reason}; stopping everything")
+                return 1
+            restarts[name] += 1
+            sup.say(f"{name} exited ({describe_exit(value)}) while workers were training; restarting it on "
+                    f"{by_name[name].health_address} in {decision.delay_s:g}s ({decision.reason})")
+            timer = threading.Timer(decision.delay_s, sup.events.put,
+                                    args=(("restart", name, restarts[name]),))
+            timer.daemon = True
+            timer.start()
+            continue
         codes[name] = value
         if value != 0:
             sup.say(f"{name} failed ({describe_exit(value)}); stopping everything")

@@ -450,3 +450,15 @@ def test_probe_usage_errors_exit_1_not_dockers_reserved_2(bad: list[str]) -> Non
 def test_probe_help_exits_0() -> None:
     result = run_probe("--help")
     assert result.returncode == 0 and "HOST:PORT" in result.stdout and "--timeout-s" in result.stdout
+
+
+@needs_compose
+@pytest.mark.parametrize("profiles", [(), ("gpu",)], ids=["default", "gpu"])
+def test_servers_restart_on_failure_and_workers_do_not(profiles: tuple[str, ...]) -> None:
+    # Kubernetes' restartPolicy, as `pshard launch --restart on-failure` does (issue 10): a crashed
+    # scheduler or server comes back (a server restores its shard from the checkpoint volume); a
+    # worker that finished its epochs must stay down.
+    services = normalised(*profiles)["services"]
+    for name, service in services.items():
+        expected = "on-failure" if name in ("scheduler", "ps-0", "ps-1") else "no"
+        assert service.get("restart") == expected, name

@@ -8,6 +8,7 @@ launcher's own duties (TF_CONFIG, prefixed output, shutdown) without the cost of
 from __future__ import annotations
 
 import json
+import os
 import re
 import signal
 import textwrap
@@ -219,3 +220,53 @@ def test_sigterm_while_the_launcher_starts_is_a_quiet_stop(procs: Procs) -> None
 
     assert code == 128 + signal.SIGTERM, run.output()
     assert not any("Traceback" in line for line in run.lines), run.output()
+
+
+def _pid_serving(address: str) -> int:
+    """The pid of the process started with ``--bind address`` (a launcher child)."""
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            argv = (entry / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"--bind" in argv and address.encode() in argv:
+            return int(entry.name)
+    raise AssertionError(f"no process bound to {address}")
+
+
+def test_restart_on_failure_brings_a_killed_server_back_from_its_checkpoint(procs: Procs,
+                                                                            tmp_path: Path) -> None:
+    data_dir = tmp_path / "empty-data"
+    data_dir.mkdir()
+    checkpoints = tmp_path / "checkpoints"
+    run = start_launcher(procs, "--ps", "2", "--workers", "2", "--scheduler-interval-ms", "200",
+                         "--scheduler-timeout-ms", "1500", "--checkpoint-dir", str(checkpoints),
+                         "--checkpoint-interval-s", "0.3", "--restart", "on-failure",
+                         "--restart-backoff-s", "0.2", "--",
+                         "--mode", "sync", "--epochs", "8", "--batch-size", "32", "--model", "mlp",
+                         "--optimizer", "sgd", "--lr", "0.1", "--momentum", "0.9", "--seed", "0",
+                         "--data-dir", str(data_dir), "--metrics", "-", "--log-every", "1",
+                         "--step-timeout-s", "30", "--startup-timeout-s", "30")
+    ps1 = server_addresses(run)[2]
+    for name in ("worker-0", "worker-1"):
+        run.wait_for_line(rf'^\[{name}\] .*"event": "step"', RUN_TIMEOUT_S)
+    # The json commits a checkpoint (its npz comes first): only then has a restart something to restore.
+    committed = checkpoints / "ps-1" / "shard.json"
+    wait_until(committed.exists, QUICK_TIMEOUT_S, f"ps-1 to commit a checkpoint at {committed}")
+
+    victim = _pid_serving(ps1)
+    os.kill(victim, signal.SIGKILL)
+
+    run.wait_for_line(r"^launcher: ps-1 exited \(SIGKILL\) while workers were training; restarting it on "
+                      + re.escape(ps1) + r" in 0.2s \(restart 1 of 3\)$", QUICK_TIMEOUT_S)
+    run.wait_for_line(r"^launcher: ps-1 restarted \(restart 1 of 3, pid \d+\)$", QUICK_TIMEOUT_S)
+    run.wait_for_line(r"^\[ps-1\] .*restored \d+ slices", QUICK_TIMEOUT_S)
+    assert _pid_serving(ps1) != victim
+    code = run.wait(RUN_TIMEOUT_S)
+    assert code == 0, run.output()
+    assert run.lines[-1] == "launcher: exit 0: worker-0=0 worker-1=0", run.output()
+    results = finals(run)
+    accuracies = [float(f["test_accuracy"]) for f in results.values() if "test_accuracy" in f]
+    assert len(accuracies) == 1 and accuracies[0] > DIGITS_ACCURACY_BAR, results

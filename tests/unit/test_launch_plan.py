@@ -17,6 +17,7 @@ from pshard.launcher.plan import (
     child_specs,
     free_ports,
     join_address,
+    restart_decision,
 )
 from pshard.launcher.supervisor import LinePrefixer, describe_exit, status_of, summary_line
 
@@ -204,3 +205,45 @@ def test_bad_launcher_flags_are_usage_errors(argv: list[str], capsys: pytest.Cap
 
 def test_workers_zero_is_fine_with_a_chief() -> None:
     assert parse_options(["--workers", "0", "--chief"]).chief
+
+
+# ---- restarts (--restart on-failure) ----
+
+
+def test_checkpoint_interval_goes_to_the_servers_with_their_checkpoint_dir() -> None:
+    plan = ClusterPlan.allocate(1, 1, ports=fake_ports)
+    specs = child_specs(plan, Options(checkpoint_dir="/ck", checkpoint_interval_s=0.5), python="py")
+    assert specs[1].argv[-4:] == ("--checkpoint-dir", os.path.join("/ck", "ps-0"),
+                                  "--checkpoint-interval-s", "0.5")
+    assert "--checkpoint-interval-s" not in specs[0].argv
+
+
+def test_never_restarts_nothing() -> None:
+    decision = restart_decision(Options(), -9, 0)
+    assert not decision.restart and "never" in decision.reason
+
+
+def test_on_failure_restarts_a_failure_with_doubling_backoff_up_to_the_bound() -> None:
+    options = Options(restart="on-failure", max_restarts=3, restart_backoff_s=0.5)
+    decisions = [restart_decision(options, -9, n) for n in range(4)]
+    assert [(d.restart, d.delay_s) for d in decisions] == [
+        (True, 0.5), (True, 1.0), (True, 2.0), (False, 0.0)]
+    assert decisions[0].reason == "restart 1 of 3"
+    assert "already restarted 3 time(s)" in decisions[3].reason
+
+
+def test_on_failure_leaves_a_clean_exit_alone_and_caps_the_backoff() -> None:
+    options = Options(restart="on-failure", max_restarts=100, restart_backoff_s=1.0)
+    assert not restart_decision(options, 0, 0).restart
+    assert restart_decision(options, 1, 0).restart
+    assert restart_decision(options, 1, 20).delay_s == 30.0
+
+
+def test_restart_flags_are_parsed_and_checked() -> None:
+    options = parse_options(["--restart", "on-failure", "--max-restarts", "5", "--restart-backoff-s", "0.2",
+                             "--checkpoint-dir", "/ck", "--checkpoint-interval-s", "1"])
+    o = options
+    got = (o.restart, o.max_restarts, o.restart_backoff_s, o.checkpoint_interval_s)
+    assert got == ("on-failure", 5, 0.2, 1.0)
+    with pytest.raises(SystemExit):
+        parse_options(["--checkpoint-interval-s", "1"])  # without --checkpoint-dir
