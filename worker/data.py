@@ -45,6 +45,8 @@ _IDX_DTYPES: dict[int, np.dtype] = {
 }
 
 _DIGITS_TEST_FRACTION = 0.2
+FASHION_MNIST_CLASSES = ("T-shirt/top", "Trouser", "Pullover", "Dress", "Coat", "Sandal", "Shirt", "Sneaker",
+                         "Bag", "Ankle boot")
 _DIGITS_SPLIT_SEED = 0
 
 
@@ -65,6 +67,12 @@ class Dataset:
     test_y: np.ndarray
     num_classes: int
     image_shape: tuple[int, int, int]
+    # How raw pixels became the arrays above: x / pixel_max, then (x - mean) / std. A saved model
+    # records these, so it can be used on new images without this module.
+    pixel_max: float = 1.0
+    mean: float = 0.0
+    std: float = 1.0
+    class_names: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         for split in ("train", "test"):
@@ -146,7 +154,8 @@ def load_dataset(data_dir: str | Path | None = None) -> Dataset:
             )
     train_x = arrays["train_x"].astype(np.float32) / 255.0
     test_x = arrays["test_x"].astype(np.float32) / 255.0
-    return _normalised("fashion-mnist", train_x, arrays["train_y"], test_x, arrays["test_y"], num_classes=10)
+    return _normalised("fashion-mnist", train_x, arrays["train_y"], test_x, arrays["test_y"], num_classes=10,
+                       pixel_max=255.0, class_names=FASHION_MNIST_CLASSES)
 
 
 def shard(n: int, rank: int, world_size: int, epoch: int, seed: int) -> np.ndarray:
@@ -200,7 +209,8 @@ def _load_digits() -> Dataset:
     order = np.random.default_rng(_DIGITS_SPLIT_SEED).permutation(len(labels))
     n_test = round(len(labels) * _DIGITS_TEST_FRACTION)
     test, train = order[:n_test], order[n_test:]
-    return _normalised("digits", images[train], labels[train], images[test], labels[test], num_classes=10)
+    return _normalised("digits", images[train], labels[train], images[test], labels[test], num_classes=10,
+                       pixel_max=16.0, class_names=tuple(str(d) for d in range(10)))
 
 
 def _normalised(
@@ -210,6 +220,8 @@ def _normalised(
     test_x: np.ndarray,
     test_y: np.ndarray,
     num_classes: int,
+    pixel_max: float = 1.0,
+    class_names: tuple[str, ...] = (),
 ) -> Dataset:
     if train_x.ndim == 3:  # (N, H, W) -> (N, 1, H, W): one channel
         train_x, test_x = train_x[:, None], test_x[:, None]
@@ -223,4 +235,8 @@ def _normalised(
         test_y=np.ascontiguousarray(test_y, dtype=np.int64),
         num_classes=num_classes,
         image_shape=(int(train_x.shape[1]), int(train_x.shape[2]), int(train_x.shape[3])),
+        pixel_max=pixel_max,
+        mean=mean,
+        std=std,
+        class_names=class_names,
     )

@@ -32,6 +32,7 @@ from pshard.worker.data import Dataset, batches, load_dataset, num_batches, shar
 from pshard.worker.device import select_device
 from pshard.worker.metrics import MetricsLog, Progress
 from pshard.worker.model import build_model, evaluate
+from pshard.worker.saved_model import describe, write_description
 from pshard.worker.session import ClusterSession
 from pshard.worker.torch_api import PSTrainer, param_specs
 from torch import nn
@@ -243,6 +244,10 @@ class TrainingRun:
         if cfg.output:
             with stage("save", f"saving the model to {cfg.output}"):
                 self.outcome.model_path = save_state_dict(trainer.model, cfg.output)
+                train_loss = self.outcome.train_loss
+                write_description(self.outcome.model_path, describe(cfg, data, {
+                    "test_accuracy": accuracy, "test_loss": test_loss, "steps": self.outcome.steps,
+                    "train_loss": train_loss if math.isfinite(train_loss) else None}))
 
     def close(self) -> None:
         if self._metrics_server is not None:

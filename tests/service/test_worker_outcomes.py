@@ -3,12 +3,15 @@ learning rates, and a diverging run that fails saying so (real processes on 127.
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from tests.e2e.harness import TIMEOUTS, LocalCluster, Procs, read_metrics
+from tests.e2e.harness import ROOT, TIMEOUTS, LocalCluster, Procs, read_metrics
 
 
 @pytest.fixture
@@ -34,6 +37,22 @@ def test_sync_records_name_their_worker_and_role(procs: Procs) -> None:
         assert {"step", "epoch", "final"} <= {r["event"] for r in records}
         assert all(r["worker"] == name and r["role"] == role for r in records), records[:3]
     assert not any("learning rate" in line or "lr / workers" in line for line in workers[0].lines)
+
+    # The saved model describes itself, and `pshard evaluate` needs nothing else to reproduce its accuracy.
+    description = json.loads(Path(f"{cluster.model_path}.json").read_text())
+    assert description["model"] == {"name": "mlp", "args": {"image_shape": [1, 8, 8], "num_classes": 10}}
+    assert description["classes"] == [str(d) for d in range(10)]
+    assert description["input"]["dataset"] == "digits" and description["input"]["normalisation"]["std"] > 0
+    assert description["job"]["mode"] == "sync" and description["training"]["workers"] == 2
+    final = workers[0].final()
+    assert final is not None
+    assert f"{description['metrics']['test_accuracy']:.4f}" == final["test_accuracy"]
+    done = subprocess.run([sys.executable, "-m", "pshard", "evaluate", str(cluster.model_path), "--json"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout)
+    assert result["test_accuracy"] == description["metrics"]["test_accuracy"] > 0.5
+    assert result["dataset"] == "digits" and result["architecture"] == "mlp"
 
 
 def test_an_async_run_warns_about_its_learning_rate_and_fails_when_the_loss_explodes(procs: Procs) -> None:
