@@ -24,7 +24,7 @@ from typing import Protocol
 
 from pshard.common.cluster import ClusterSpec
 from pshard.common.entry import check_can_listen
-from pshard.common.errors import ClusterConfigError, PSError, PullTimeoutError
+from pshard.common.errors import ClusterConfigError, PSError, PullTimeoutError, UnavailableError
 from pshard.common.layout import Layout, ParamSpec
 from pshard.common.scheduler_client import SchedulerClient
 from pshard.common.view import TRAINER_ROLES, ClusterView, NodeState
@@ -60,6 +60,9 @@ class ClusterSession:
         self.client: PSClient | None = None
         self._hosted: _Stoppable | None = None
         self._left = False
+        # Set when the scheduler could not be reached to leave: the end of the run then goes by what
+        # the servers show, since no view will come (docs/architecture.md, 9 Failures).
+        self.scheduler_lost = False
 
     @property
     def rank(self) -> int:
@@ -190,6 +193,9 @@ class ClusterSession:
 
         with stage("peers", "waiting for the other workers to finish"):
             progress = self._peer_clocks()
+            if self.scheduler_lost:
+                self._await_peers_without_scheduler(progress)
+                return
             while True:
                 try:
                     sched.wait_for_view(nobody_else, timeout_s=self.step_timeout_s)
@@ -204,6 +210,23 @@ class ClusterSession:
                         return
                     progress = now
 
+    def _await_peers_without_scheduler(self, progress: dict[str, int]) -> None:
+        """No scheduler to say who is live: wait while the servers show the peers' clocks moving, and
+        stop at the first heartbeat timeout in which none moved (the peers are done, or stuck)."""
+        sched = self._registered()
+        interval = max(1.0, sched.heartbeat_timeout_s)
+        deadline = time.monotonic() + self.step_timeout_s * 10
+        while time.monotonic() < deadline:
+            time.sleep(interval)
+            now = self._peer_clocks()
+            if now == progress:
+                break
+            progress = now
+        others = {w: c for w, c in progress.items() if w != self.spec.node_id}
+        log.warning("scheduler %s is unreachable, so who is still training is unknown; the servers show no "
+                    "progress for %g s (last clocks %s): using the weights as they are", sched.address,
+                    interval, others or "none")
+
     def _peer_clocks(self) -> dict[str, int]:
         clocks: dict[str, int] = {}
         with contextlib.suppress(PSError):
@@ -216,7 +239,15 @@ class ClusterSession:
         """Out of data: leave, so the sync quorum shrinks at this clock boundary and peers go on."""
         if self.scheduler is not None and not self._left:
             with stage("leave", "leaving the cluster"):
-                self.scheduler.leave()
+                try:
+                    self.scheduler.leave()
+                except UnavailableError as e:
+                    # Training is over: a dead scheduler must not cost the run its result (the chief
+                    # still evaluates and saves). Peers in sync mode go on waiting for us only until
+                    # a scheduler declares us dead.
+                    log.warning("could not leave the cluster, the scheduler at %s is unreachable (%s); "
+                                "finishing without it", self.scheduler.address, e)
+                    self.scheduler_lost = True
             self._left = True
 
     def leave_quietly(self) -> None:

@@ -128,6 +128,32 @@ def test_workers_that_finish_while_the_scheduler_is_down_still_exit_0(procs: Pro
         assert_trained(worker)
 
 
+def test_the_chief_evaluates_and_saves_when_the_scheduler_dies_for_good(procs: Procs) -> None:
+    # Issue 10: a scheduler lost near the end made the workers exit 1 and the chief skip evaluation
+    # and saving, although the servers held the fully trained model.
+    cluster = LocalCluster(procs)
+    scheduler, *_ = cluster.start_servers()
+    workers = [cluster.start_worker(i, *SYNC, *LONG_RUN, *TIMEOUTS) for i in (0, 1)]
+    wait_for_progress(cluster, "worker-0", "worker-1")
+    # Frozen while the scheduler dies, so that it dies inside training at any speed; it never comes back.
+    for worker in workers:
+        worker.signal_group(signal.SIGSTOP)
+    try:
+        kill_while_running(scheduler)
+    finally:
+        for worker in workers:
+            worker.signal_group(signal.SIGCONT)
+
+    finals = [assert_trained(w) for w in workers]
+
+    assert chief_accuracy(*finals) > DIGITS_ACCURACY_BAR, finals
+    assert [f.get("model") for f in finals if "test_accuracy" in f] == [str(cluster.model_path)], finals
+    assert cluster.model_path.stat().st_size > 0
+    address = cluster.task("scheduler").address
+    for worker in workers:
+        assert any(f"scheduler at {address} is unreachable" in line for line in worker.lines), worker.output()
+
+
 @pytest.mark.parametrize("mode", [("async",), ("ssp", "--staleness", "2")], ids=["async", "ssp2"])
 def test_async_and_bounded_staleness_training_converge(procs: Procs, mode: tuple[str, ...]) -> None:
     cluster = LocalCluster(procs)
