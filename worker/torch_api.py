@@ -36,6 +36,7 @@ from pshard.common.job import JobConfig
 from pshard.common.layout import ParamSpec
 from pshard.worker.client import PSClient, PushResult
 from pshard.worker.device import HostStaging, select_device
+from pshard.worker.embedding import attach_tables, push_table_grads
 from torch import nn
 
 log = logging.getLogger("pshard.trainer")
@@ -73,6 +74,7 @@ class PSTrainer:
             raise InvalidArgumentError(f"local_optimizer: given, but the servers run "
                                        f"{job.optimizer.name!r}; use optimizer 'aggregate' for a local one")
         self.local_optimizer = local_optimizer
+        self.tables = attach_tables(model, client)  # PSEmbedding modules: their rows live in sparse tables
         if device is not None:
             model.to(select_device(device) if isinstance(device, str) else device)
         self.params = {k: p for k, p in model.named_parameters() if p.requires_grad}
@@ -102,6 +104,7 @@ class PSTrainer:
 
     def step(self) -> PushResult:
         """Push the gradients of this clock, pull the weights of the next one (into the parameters)."""
+        push_table_grads(self.tables, self._clock)  # the tables' rows first: each table has its own mode
         grads = self._grads_on_host()
         out = self._landing()
         self.client.push_pull(grads, self._clock, out=out)
