@@ -19,6 +19,7 @@ import bisect
 import contextlib
 import logging
 import math
+import os
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -431,14 +432,20 @@ def metrics_port(text: str) -> int:
     return int(text)
 
 
-def add_metrics_argument(parser: argparse._ActionsContainer, host: str = "the --bind host") -> None:
+METRICS_PORT_ENV = "PSHARD_METRICS_PORT"
+
+
+def add_metrics_argument(parser: argparse._ActionsContainer, host: str = "the --bind host",
+                         environ: Mapping[str, str] | None = None) -> None:
+    """--metrics-port, defaulting to $PSHARD_METRICS_PORT: one setting for every container of a job."""
+    env = os.environ if environ is None else environ
     parser.add_argument(
         "--metrics-port",
         metavar="PORT",
         type=metrics_port,
-        default=None,
+        default=env.get(METRICS_PORT_ENV) or None,  # argparse runs a string default through `type`
         help=f"serve Prometheus metrics at http://HOST:PORT/metrics, HOST being {host} "
-        "(0 picks a free port, printed at start; default: no metrics)",
+        f"(0 picks a free port, printed at start; default: ${METRICS_PORT_ENV}, else no metrics)",
     )
 
 

@@ -107,7 +107,7 @@ def build_parser(environ: Mapping[str, str], prog: str = PROG) -> argparse.Argum
                           f"(default {D.EVAL_INTERVAL_S:g})")
     out.add_argument("--log-every", metavar="N", type=positive_int, default=D.LOG_EVERY,
                      help=f"a 'step' metrics line every N steps (default {D.LOG_EVERY})")
-    add_metrics_argument(out, host="0.0.0.0")
+    add_metrics_argument(out, host="0.0.0.0", environ=environ)
     add_log_level_argument(p)
     p.add_argument("--transport", choices=("auto", "shm", "tcp", "grpc"), default=D.TRANSPORT,
                    help="how push/pull bytes travel: auto = shared memory with a server on this host, "

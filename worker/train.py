@@ -84,8 +84,13 @@ def run(cfg: TrainConfig, stdout: IO[str] | None = None) -> int:
         job.run()
         code = 0
     except StageError as e:
-        print(f"python -m pshard.worker: error: {e}", file=sys.stderr, flush=True)
-        job.outcome.failed = e.stage
+        lost = session.lost_server
+        if lost is not None:  # what the step in flight died of is only a consequence
+            print(f"python -m pshard.worker: error: {lost.message} (while {e})", file=sys.stderr, flush=True)
+            job.outcome.failed = "server_lost"
+        else:
+            print(f"python -m pshard.worker: error: {e}", file=sys.stderr, flush=True)
+            job.outcome.failed = e.stage
         job.leave_quietly()
         code = 1
     except Stopped as stop:
@@ -267,9 +272,10 @@ def warn_learning_rate(cfg: TrainConfig) -> str | None:
     workers, opt = cfg.spec.world_size, cfg.job.optimizer
     if cfg.job.mode == "sync" or workers < 2 or opt.name == "aggregate":
         return None
-    message = (f"{cfg.job.mode} mode applies every worker's push: with {workers} workers and lr={opt.lr:g} "
-               f"the model moves about {workers}x as far per round as in sync mode; if the loss diverges, "
-               f"use lr={opt.lr / workers:g} (lr / workers)")
+    message = (f"{cfg.job.mode} mode applies every worker's push: with {workers} workers, lr={opt.lr:g} "
+               f"moves the model about {workers}x as far per round of batches as in sync mode, so a "
+               f"learning rate that suits sync should be divided by {workers} here "
+               "(README: 'Learning rates')")
     log.warning("%s", message)
     return message
 

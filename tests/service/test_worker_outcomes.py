@@ -67,5 +67,5 @@ def test_an_async_run_warns_about_its_learning_rate_and_fails_when_the_loss_expl
     final = diverged.final()
     assert final is not None and final["failed"] == "diverged"
     for proc in workers:
-        assert any("async mode applies every worker's push" in line and "lr=25" in line
+        assert any("async mode applies every worker's push" in line and "divided by 2" in line
                    for line in proc.lines), proc.output()
