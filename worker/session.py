@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import threading
 import time
 from collections.abc import Sequence
 from typing import Protocol
@@ -30,6 +31,7 @@ from pshard.common.scheduler_client import SchedulerClient
 from pshard.common.view import TRAINER_ROLES, ClusterView, NodeState
 from pshard.worker.client import PSClient
 from pshard.worker.config import stage
+from pshard.worker.server_watch import LostServer, ServerWatch
 
 log = logging.getLogger("pshard.worker")
 
@@ -63,6 +65,10 @@ class ClusterSession:
         # Set when the scheduler could not be reached to leave: the end of the run then goes by what
         # the servers show, since no view will come (docs/architecture.md, 9 Failures).
         self.scheduler_lost = False
+        # Set when a parameter server the job needs is gone for good (ServerWatch): the PSClient is
+        # closed then, so the step waiting on it ends now, and the run reports this instead.
+        self.lost_server: LostServer | None = None
+        self._watch_stop = threading.Event()
 
     @property
     def rank(self) -> int:
@@ -124,7 +130,23 @@ class ClusterSession:
         self.client = PSClient(layout.servers, self.spec.node_id, layout=layout,
                                generation=lambda: sched.generation, await_generation=self._await_generation,
                                timeout_s=self.step_timeout_s, transport=self.transport, shm_dir=self.shm_dir)
+        threading.Thread(target=self._watch_servers, args=(layout, self.client), name="server-watch",
+                         daemon=True).start()
         return self.client
+
+    def _watch_servers(self, layout: Layout, client: PSClient) -> None:
+        """Fail the run within a few heartbeats of losing a server, naming it (see ServerWatch); a
+        server restarted within a heartbeat timeout of being declared dead is waited for."""
+        sched = self._registered()
+        watch = ServerWatch(layout, grace_s=sched.heartbeat_timeout_s)
+        while not self._watch_stop.wait(min(0.5, sched.heartbeat_interval_s)):
+            view = sched.view
+            lost = watch.observe(view, time.monotonic()) if view is not None else None
+            if lost is not None:
+                self.lost_server = lost
+                log.error("%s", lost.message)
+                client.close()
+                return
 
     def await_start(self, clock: int, *, wait_for_quorum: bool) -> None:
         """Trainers: the start barrier (unless resuming mid-job), then every server's full quorum."""
@@ -259,6 +281,7 @@ class ClusterSession:
 
     def close(self) -> None:
         """Close the PSClient and the scheduler client; stop a hosted scheduler. Safe to call twice."""
+        self._watch_stop.set()
         if self.client is not None:
             self.client.close()
         if self.scheduler is not None:

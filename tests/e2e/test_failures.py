@@ -9,6 +9,7 @@ and each test checks that the victim was still running when it was killed.
 from __future__ import annotations
 
 import signal
+import time
 
 import grpc
 import pytest
@@ -152,6 +153,32 @@ def test_the_chief_evaluates_and_saves_when_the_scheduler_dies_for_good(procs: P
     address = cluster.task("scheduler").address
     for worker in workers:
         assert any(f"scheduler at {address} is unreachable" in line for line in worker.lines), worker.output()
+
+
+def test_a_job_whose_server_is_gone_fails_within_heartbeats_naming_it_and_what_was_lost(procs: Procs) -> None:
+    # Issue 10: workers waited the whole step timeout for a dead server and ended with a
+    # DEADLINE_EXCEEDED naming nobody, although the scheduler had declared it dead within seconds.
+    cluster = LocalCluster(procs)  # heartbeat timeout 1.5 s
+    servers = cluster.start_servers()
+    long_wait = ("--step-timeout-s", "120", "--startup-timeout-s", "30")
+    workers = [cluster.start_worker(i, *SYNC, *RESTART_RUN, *long_wait) for i in (0, 1)]
+    wait_for_progress(cluster, "worker-0", "worker-1")
+
+    kill_while_running(servers[2])  # ps-1, never restarted
+    killed = time.monotonic()
+    codes = [w.wait(60) for w in workers]
+
+    # Declared dead after 1.5 s, lost after another 1.5 s of grace: far from the 120 s step timeout.
+    assert time.monotonic() - killed < 30, [w.output() for w in workers]
+    assert codes == [1, 1], [w.output() for w in workers]
+    address = cluster.task("ps-1").address
+    for worker in workers:
+        final = worker.final()
+        assert final is not None and final.get("failed") == "server_lost", worker.output()
+        error = [line for line in worker.lines if "error: parameter server ps-1" in line]
+        assert error, worker.output()
+        assert f"at {address} is gone: declared dead by the scheduler" in error[0], error[0]
+        assert "slice(s)" in error[0] and "are lost" in error[0], error[0]
 
 
 @pytest.mark.parametrize("mode", [("async",), ("ssp", "--staleness", "2")], ids=["async", "ssp2"])
