@@ -146,8 +146,11 @@ def render(status: JobStatus) -> str:
     if stuck:
         lines.append("")
     for s in stuck:
-        what = f"clock {s.min_version}" if s.mode == "sync" else "the fastest workers' pulls"
-        lines.append(f"{s.node_id}: {what} waits for {', '.join(s.waits_for)}")
+        if s.mode == "sync":
+            lines.append(f"{s.node_id}: clock {s.min_version} waits for {', '.join(s.waits_for)}")
+        else:
+            lines.append(f"{s.node_id}: {s.pulls_waiting} pull(s) wait for {', '.join(s.waits_for)} "
+                         f"(more than {s.staleness} clocks behind the fastest)")
     return "\n".join(lines)
 
 

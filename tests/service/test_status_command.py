@@ -98,7 +98,7 @@ def test_ssp_waits_only_on_workers_past_the_staleness_bound() -> None:
     assert status.servers[0].waits_for == ("w1",)
     assert {m.node_id: m.lag for m in status.members} == {"ps-0": None, "w0": 0, "w1": 3, "w2": 1}
     assert {m.node_id: m.transports for m in status.members}["w0"] == ("shm",)
-    assert "ps-0: the fastest workers' pulls waits for w1" in render(status)
+    assert "ps-0: 1 pull(s) wait for w1 (more than 2 clocks behind the fastest)" in render(status)
 
 
 def test_async_waits_for_nobody() -> None:
