@@ -35,6 +35,12 @@ def stop_quietly_on_signals() -> None:
         signal.signal(sig, _stop_quietly)
 
 
+def metrics_address(bind: str, port: int) -> str:
+    """Where a service listening on `bind` serves its metrics: the same host, `port`."""
+    host = bind.rpartition(":")[0] or "0.0.0.0"
+    return f"{host}:{port}"
+
+
 def check_can_listen(address: str) -> None:
     """Raise ClusterConfigError naming `address` if nothing could listen there now.
 

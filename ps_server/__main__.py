@@ -33,7 +33,7 @@ from pshard.common.cluster import (
     cluster_spec_from_args,
     exit_on_config_error,
 )
-from pshard.common.entry import STOP_SIGNALS, check_can_listen
+from pshard.common.entry import STOP_SIGNALS, check_can_listen, metrics_address
 from pshard.common.errors import ClusterConfigError, PSError
 from pshard.common.job import MODES, OPTIMIZERS, JobConfig, OptimizerConfig
 from pshard.common.logs import add_log_level_argument, configure_logging
@@ -161,7 +161,11 @@ async def _run(args: argparse.Namespace, spec: ClusterSpec | None, settings: Ser
     metrics = None
     if args.metrics_port is not None:
         manifest = Path(args.checkpoint_dir, f"{settings.shard_name}.json") if args.checkpoint_dir else None
-        metrics = serve_server_metrics(running.handlers, loop, bind, args.metrics_port, manifest)
+        try:
+            metrics = serve_server_metrics(running.handlers, loop, bind, args.metrics_port, manifest)
+        except OSError:  # the port was taken since main checked it: stop serving before saying so
+            await running.stop(grace_s=0)
+            raise
         print(f"pshard ps: metrics on port {metrics.port}", flush=True)
     follower = None
     if spec is not None and not args.no_scheduler:
@@ -198,6 +202,8 @@ def main(argv: Sequence[str] | None = None, *, prog: str = PROG) -> int:
     settings = _settings(args)
     bind = _bind(args, spec)
     check_can_listen(bind)
+    if args.metrics_port:
+        check_can_listen(metrics_address(bind, args.metrics_port))
     try:
         return asyncio.run(_run(args, spec, settings, bind))
     except OSError as err:  # the checkpoint's arrays, or the port lost since check_can_listen

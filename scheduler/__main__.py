@@ -30,7 +30,7 @@ from pshard.common.cluster import (
     cluster_spec_from_args,
     exit_on_config_error,
 )
-from pshard.common.entry import STOP_SIGNALS, check_can_listen
+from pshard.common.entry import STOP_SIGNALS, check_can_listen, metrics_address
 from pshard.common.errors import ClusterConfigError
 from pshard.common.logs import add_log_level_argument, configure_logging
 from pshard.common.metrics import add_metrics_argument, serve_scheduler_metrics
@@ -104,6 +104,8 @@ def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = 
     configure_logging(args.log_level)
     bind = bind_address(args, os.environ if environ is None else environ, prog)
     check_can_listen(bind)
+    if args.metrics_port:
+        check_can_listen(metrics_address(bind, args.metrics_port))
     try:
         asyncio.run(_run(bind, args.heartbeat_interval_ms / 1000, args.heartbeat_timeout_ms / 1000,
                          args.metrics_port))

@@ -11,6 +11,7 @@ have provided:
   "python" this interpreter, and paths under a volume's mount point (/checkpoints,
   /models) move into a temporary directory per volume;
 - PSHARD_DATA_DIR points at an empty directory, so workers use scikit-learn's digits;
+- PSHARD_METRICS_PORT (the same port in every container) becomes a free port per service;
 - a --max-steps cap is appended to the workers' commands, to keep the run to seconds.
 
 The servers therefore bind 0.0.0.0 on their free port, as the compose file's services do;
@@ -102,6 +103,9 @@ class LocalCompose:
         addresses = sorted({a for s in services.values() for a in self._cluster_addresses(s)})
         self.address_map = {a: f"127.0.0.1:{p}" for a, p in zip(addresses, free_ports(len(addresses)),
                                                                    strict=True)}
+        with_metrics = sorted(name for name, s in services.items()
+                              if "PSHARD_METRICS_PORT" in (s.get("environment") or {}))
+        self.metrics_ports = dict(zip(with_metrics, free_ports(len(with_metrics)), strict=True))
 
     @staticmethod
     def tf_config(service: dict[str, Any]) -> dict[str, Any]:
@@ -145,6 +149,8 @@ class LocalCompose:
         env["TF_CONFIG"] = json.dumps(config)
         if "PSHARD_DATA_DIR" in env:
             env["PSHARD_DATA_DIR"] = str(self.data_dir)
+        if name in self.metrics_ports:
+            env["PSHARD_METRICS_PORT"] = str(self.metrics_ports[name])
         return env
 
     def health_command(self, name: str) -> list[str] | None:
@@ -198,6 +204,8 @@ def test_rewrites_cover_addresses_paths_and_health_checks(tmp_path: Path) -> Non
     assert worker[-2:] == ["--max-steps", MAX_STEPS]
     assert str(tmp_path / "volumes" / "models" / "model.pt") in worker
     assert compose.environment("worker-0")["PSHARD_DATA_DIR"] == str(compose.data_dir)
+    metrics = [compose.environment(name).get("PSHARD_METRICS_PORT") for name in compose.services]
+    assert len(set(metrics) - {None}) == len(compose.metrics_ports), metrics  # one port per service
 
 
 @needs_compose

@@ -236,3 +236,10 @@ def test_sigterm_while_registering_with_an_absent_scheduler_is_a_quiet_stop():
                 process.wait(timeout=WAIT_S)
 
     assert (process.returncode, err) == (0, "")
+
+
+def test_a_metrics_port_in_use_is_one_line_naming_the_address():
+    with port_in_use() as port:
+        result = _run("--bind", "127.0.0.1:0", "--metrics-port", str(port))
+
+    assert _one_error_line(result).endswith(f"cannot listen on 127.0.0.1:{port}: address already in use")

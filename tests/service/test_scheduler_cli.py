@@ -113,3 +113,10 @@ def test_an_unknown_log_level_is_a_usage_error():
     result = run(["-m", "pshard.scheduler", "--log-level", "chatty"])
 
     assert result.returncode == 2 and "--log-level" in result.stderr
+
+
+def test_a_metrics_port_in_use_is_one_line_naming_the_address():
+    with port_in_use() as port:
+        result = run(["-m", "pshard.scheduler", "--bind", "127.0.0.1:0", "--metrics-port", str(port)])
+
+    assert one_error_line(result).endswith(f"cannot listen on 127.0.0.1:{port}: address already in use")
