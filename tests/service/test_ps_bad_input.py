@@ -359,6 +359,8 @@ def test_psclient_reraises_the_servers_error_class_and_the_store_is_unchanged(pr
 
     def make(worker: str, **kwargs: object):
         kwargs.setdefault("generation", GENERATION)
+        # The gRPC mapping of errors (the fast paths answer the same: tests/service/test_transports.py).
+        kwargs.setdefault("transport", "grpc")
         return new_client([primed.server], worker, **kwargs)
 
     before = primed.state()
