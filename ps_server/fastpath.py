@@ -59,6 +59,7 @@ _HELLO_TIMEOUT_S = 10.0
 # Requests moving at most this many bytes take the plain push_pull handler; larger ones the
 # Exchange core, which overlaps a slice's push with the pull of those already applied.
 _SMALL_BYTES = 1 << 20
+_SESSIONS_PER_WORKER = 4
 # Regions larger than the shard (in any dtype) plus slack are refused: a client cannot make us
 # reserve memory the job cannot use.
 _SLACK_BYTES = 16 * 2**20
@@ -233,6 +234,15 @@ class FastPathServer:
         session = _Session(request.worker_id, kind, regions)
         with self._lock:
             self._sessions[session.id] = session
+            # A worker needs one session here; a few while an old one's end goes unnoticed. More is a
+            # client reserving memory in a loop: its oldest sessions go.
+            mine = [s for s in self._sessions.values() if s.worker_id == request.worker_id]
+        for old in mine[:-_SESSIONS_PER_WORKER]:
+            log.warning("worker %s: more than %d fast-path sessions, closing the oldest",
+                        request.worker_id, _SESSIONS_PER_WORKER)
+            if old.conn is not None:
+                old.conn.abort("too many sessions for this worker")
+            self._end(old)
         self._loop.call_later(_ATTACH_TIMEOUT_S, self._expire, session)
         return pb.OpenTransportResponse(kind=request.kind, session=session.id, secret=session.secret,
                                         port=self.port, nonce=regions.nonce)

@@ -214,3 +214,19 @@ def test_a_worker_whose_server_is_killed_mid_step_removes_its_segment(shm_dir, n
     finally:
         server.kill()
         server.wait(WAIT_S)
+
+
+def test_a_worker_opening_sessions_in_a_loop_keeps_only_its_newest_few(shm_dir, start_server, new_client,
+                                                                       wire):
+    server = start_server(ServerSettings(shm_dir=str(shm_dir)))
+    c = new_client([server], "w0", transport="tcp")
+    c.declare(PARAMS, ASYNC)
+    c.push_pull(_grads(1.0), 0)  # its session is connected
+    request = pb.OpenTransportRequest(worker_id="w0", kind=pb.TRANSPORT_KIND_TCP, request_bytes=4096,
+                                      reply_bytes=4096)
+    for _ in range(4):
+        wire.stub(server).OpenTransport(request, timeout=WAIT_S)
+    _until(lambda: not wire.stats(server).worker_transports, "the oldest (connected) session was closed")
+    weights = c.push_pull(_grads(1.0), 1)  # the worker finds its path closed and carries on over gRPC
+    np.testing.assert_array_equal(weights["small"], np.full(10, -2.0, np.float32))
+    assert c.transports == ["grpc"]
