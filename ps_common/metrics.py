@@ -137,6 +137,7 @@ class RequestMetrics:
     def __init__(self) -> None:
         self._traffic: dict[tuple[str, str], _Traffic] = {}
         self.refused: dict[str, int] = {}  # gRPC status name -> requests answered with it
+        self.served = 0  # every request, of any kind (--exit-when-done waits for them to stop)
 
     def record(
         self,
@@ -148,6 +149,7 @@ class RequestMetrics:
         error_type: str | None = None,
     ) -> None:
         """One finished request; `error_type`: the PSError class it was refused with, if any."""
+        self.served += 1
         traffic = self._traffic.get((transport, method))
         if traffic is None:
             traffic = self._traffic[(transport, method)] = _Traffic()

@@ -36,6 +36,7 @@ from pshard.common.cluster import (
 from pshard.common.entry import STOP_SIGNALS, check_can_listen, metrics_address
 from pshard.common.errors import ClusterConfigError, PSError
 from pshard.common.job import MODES, OPTIMIZERS, JobConfig, OptimizerConfig
+from pshard.common.jobend import add_exit_argument, watch_job_end
 from pshard.common.logs import add_log_level_argument, configure_logging
 from pshard.common.metrics import add_metrics_argument, serve_server_metrics
 from pshard.common.rpc import DEFAULT_MAX_MESSAGE_BYTES
@@ -90,6 +91,7 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
                    help="directory of the workers' shared-memory segments (default "
                         f"{ServerSettings.shm_dir})")
     add_metrics_argument(p)
+    add_exit_argument(p)
     add_log_level_argument(p)
     return p
 
@@ -173,6 +175,10 @@ async def _run(args: argparse.Namespace, spec: ClusterSpec | None, settings: Ser
     tasks: list[asyncio.Future[object]] = [asyncio.ensure_future(stop.wait())]
     if args.checkpoint_dir and args.checkpoint_interval_s > 0:
         tasks.append(asyncio.ensure_future(service.checkpoint_every(running, args.checkpoint_interval_s)))
+    if args.exit_when_done is not None and follower is not None:
+        requests = running.handlers.requests
+        tasks.append(asyncio.ensure_future(watch_job_end(lambda: follower.view, lambda: requests.served,
+                                                         args.exit_when_done)))
     await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
     log.info("stopping")
     if follower is not None:

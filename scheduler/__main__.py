@@ -32,6 +32,7 @@ from pshard.common.cluster import (
 )
 from pshard.common.entry import STOP_SIGNALS, check_can_listen, metrics_address
 from pshard.common.errors import ClusterConfigError
+from pshard.common.jobend import add_exit_argument, watch_job_end
 from pshard.common.logs import add_log_level_argument, configure_logging
 from pshard.common.metrics import add_metrics_argument, serve_scheduler_metrics
 from pshard.scheduler.service import DEFAULT_HEARTBEAT_INTERVAL_S, DEFAULT_HEARTBEAT_TIMEOUT_S, start
@@ -57,6 +58,7 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
                         help=f"a node silent for longer than this is declared dead (default {timeout_ms})")
     add_cluster_arguments(parser)
     add_metrics_argument(parser)
+    add_exit_argument(parser)
     add_log_level_argument(parser)
     return parser
 
@@ -74,7 +76,8 @@ def bind_address(args: argparse.Namespace, environ: Mapping[str, str], prog: str
     return str(args.bind) if args.bind else spec.listen_address
 
 
-async def _run(bind: str, interval_s: float, timeout_s: float, metrics_port: int | None = None) -> None:
+async def _run(bind: str, interval_s: float, timeout_s: float, metrics_port: int | None = None,
+               exit_when_done: float | None = None) -> None:
     # Handlers first: from here on a signal stops the scheduler gracefully, start-up included.
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -86,7 +89,14 @@ async def _run(bind: str, interval_s: float, timeout_s: float, metrics_port: int
         if metrics_port is not None:
             metrics = serve_scheduler_metrics(running.servicer.membership.view, loop, bind, metrics_port)
             print(f"pshard scheduler: metrics on port {metrics.port}", flush=True)
-        await stop.wait()
+        waits = [asyncio.ensure_future(stop.wait())]
+        if exit_when_done is not None:
+            members = running.servicer.membership
+            waits.append(asyncio.ensure_future(watch_job_end(members.view, lambda: members.generation,
+                                                             exit_when_done)))
+        _, pending = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        for task in pending:
+            task.cancel()
     finally:
         if metrics is not None:
             metrics.close()
@@ -108,7 +118,7 @@ def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = 
         check_can_listen(metrics_address(bind, args.metrics_port))
     try:
         asyncio.run(_run(bind, args.heartbeat_interval_ms / 1000, args.heartbeat_timeout_ms / 1000,
-                         args.metrics_port))
+                         args.metrics_port, args.exit_when_done))
     except OSError as e:  # lost the port between the check and gRPC's bind
         print(f"{prog}: error: {e}", file=sys.stderr)
         return 2

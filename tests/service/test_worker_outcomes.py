@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.harness import ROOT, TIMEOUTS, LocalCluster, Procs, read_metrics
+from tests.e2e.harness import ROOT, TIMEOUTS, LocalCluster, Procs, read_metrics, wait_healthy
 
 
 @pytest.fixture
@@ -69,3 +69,21 @@ def test_an_async_run_warns_about_its_learning_rate_and_fails_when_the_loss_expl
     for proc in workers:
         assert any("async mode applies every worker's push" in line and "divided by 2" in line
                    for line in proc.lines), proc.output()
+
+
+def test_servers_and_scheduler_exit_0_once_the_job_is_done(procs: Procs) -> None:
+    cluster = LocalCluster(procs, num_ps=2, num_workers=2)
+    sched_task = cluster.task("scheduler")
+    scheduler = procs.python("scheduler", "-m", "pshard.scheduler", "--bind", sched_task.address,
+                             "--heartbeat-interval-ms", "200", "--heartbeat-timeout-ms", "1500",
+                             "--exit-when-done", "1", tf_config=cluster.plan.tf_config(sched_task))
+    servers = [cluster.start_ps(i, "--exit-when-done", "1") for i in range(2)]
+    for task, proc in zip(cluster.plan.servers, [scheduler, *servers], strict=True):
+        wait_healthy(task.address, proc=proc)
+    workers = [cluster.start_worker(i, "--mode", "sync", "--lr", "0.05", "--epochs", "1", *TIMEOUTS)
+               for i in range(2)]
+    for proc in workers:
+        assert proc.wait(120) == 0, proc.output()
+    assert workers[0].final() is not None and "test_accuracy" in (workers[0].final() or {})
+    for proc in (scheduler, *servers):
+        assert proc.wait(60) == 0, proc.output()
