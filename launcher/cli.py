@@ -22,6 +22,7 @@ import argparse
 import shlex
 import shutil
 import sys
+import uuid
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -69,6 +70,13 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
                         help="with --checkpoint-dir: servers also checkpoint every S seconds, so a "
                              "restarted one loses at most S seconds of training (default 0: only at "
                              "shutdown)")
+    parser.add_argument("--job-id", default=None,
+                        help="this run's identity, for every worker (PSHARD_JOB_ID); servers restore only a "
+                             "checkpoint of the same job (default: a new id per launch, so a re-run with the "
+                             "same --checkpoint-dir starts fresh)")
+    parser.add_argument("--resume", action="store_true",
+                        help="servers continue the checkpoints in --checkpoint-dir even though they are of "
+                             "another job (another launch); logged loudly")
     parser.add_argument("--restart", choices=RESTART_POLICIES, default="never",
                         help="on-failure: start a scheduler or parameter server that died again on its "
                              "address (like Kubernetes' restartPolicy), after a backoff; with "
@@ -118,7 +126,8 @@ def parse_options(argv: Sequence[str], prog: str = PROG) -> Options:
                    worker_cmd=worker_cmd, worker_args=(*unknown, *argv[split + 1:]),
                    startup_timeout_s=args.startup_timeout_s, grace_s=args.grace_s,
                    log_level=args.log_level, restart=args.restart, max_restarts=args.max_restarts,
-                   restart_backoff_s=args.restart_backoff_s, checkpoint_interval_s=args.checkpoint_interval_s)
+                   restart_backoff_s=args.restart_backoff_s, checkpoint_interval_s=args.checkpoint_interval_s,
+                   job_id=args.job_id or f"launch-{uuid.uuid4().hex[:12]}", resume=args.resume)
 
 
 def check_startable(options: Options) -> None:

@@ -134,6 +134,10 @@ class Options:
     max_restarts: int = 3  # per server, over the whole run
     restart_backoff_s: float = 1.0  # before the first restart of a server; doubles with each, up to 30 s
     checkpoint_interval_s: float = 0.0  # servers' periodic checkpoints (0: only at shutdown)
+    # The run's identity, given to every child as PSHARD_JOB_ID ("" = none): the CLI makes a new one
+    # per launch, so that a re-run with the same --checkpoint-dir starts fresh instead of mixing runs.
+    job_id: str = ""
+    resume: bool = False  # servers continue another job's checkpoint (ps --resume)
 
 
 @dataclass(frozen=True)
@@ -185,21 +189,27 @@ def child_specs(plan: ClusterPlan, options: Options, python: str = sys.executabl
             argv = [python, "-m", "pshard.ps_server", "--bind", task.address]
             if options.checkpoint_dir:
                 argv += ["--checkpoint-dir", str(Path(options.checkpoint_dir) / task.name)]
+                if options.resume:
+                    argv += ["--resume"]
                 if options.checkpoint_interval_s > 0:
                     argv += ["--checkpoint-interval-s", f"{options.checkpoint_interval_s:g}"]
         if options.log_level != DEFAULT_LOG_LEVEL:
             argv += ["--log-level", options.log_level]
-        specs.append(ChildSpec(task.name, tuple(argv), _child_env(plan, task), task.address))
+        specs.append(ChildSpec(task.name, tuple(argv), _child_env(plan, task, options.job_id), task.address))
     for task in plan.trainers:
         args = [a.replace(TASK_PLACEHOLDER, task.name) for a in options.worker_args]
-        specs.append(ChildSpec(task.name, (*options.worker_cmd, *args), _child_env(plan, task)))
+        env = _child_env(plan, task, options.job_id)
+        specs.append(ChildSpec(task.name, (*options.worker_cmd, *args), env))
     return specs
 
 
-def _child_env(plan: ClusterPlan, task: Task) -> dict[str, str]:
+def _child_env(plan: ClusterPlan, task: Task, job_id: str = "") -> dict[str, str]:
     # Unbuffered: otherwise a child's output reaches the launcher in 8 KiB blocks, late and
     # out of order with the other children's.
-    return {"TF_CONFIG": plan.tf_config(task), "PYTHONUNBUFFERED": "1"}
+    env = {"TF_CONFIG": plan.tf_config(task), "PYTHONUNBUFFERED": "1"}
+    if job_id:
+        env["PSHARD_JOB_ID"] = job_id
+    return env
 
 
 def child_environment(added: Mapping[str, str], base: Mapping[str, str]) -> dict[str, str]:

@@ -162,7 +162,7 @@ def job_to_proto(job: JobConfig) -> ps_pb.JobConfig:
     return ps_pb.JobConfig(
         mode=_MODE_TO_PROTO[job.mode], staleness=job.staleness, backup_workers=job.backup_workers,
         wire_dtype=dtype_to_proto(job.wire_dtype) if job.wire_dtype else tensor_pb.DTYPE_UNSPECIFIED,
-        nonfinite=job.nonfinite,
+        nonfinite=job.nonfinite, job_id=job.job_id,
         optimizer=ps_pb.OptimizerConfig(
             name=o.name, lr=o.lr, momentum=o.momentum, dampening=o.dampening, nesterov=o.nesterov,
             weight_decay=o.weight_decay, beta1=o.betas[0], beta2=o.betas[1], eps=o.eps, amsgrad=o.amsgrad,
@@ -177,7 +177,7 @@ def job_from_proto(p: ps_pb.JobConfig) -> JobConfig:
         mode=_MODE_FROM_PROTO[p.mode], staleness=p.staleness, backup_workers=p.backup_workers,
         wire_dtype="" if p.wire_dtype == tensor_pb.DTYPE_UNSPECIFIED
         else dtype_from_proto(p.wire_dtype, "config.wire_dtype"),
-        nonfinite=p.nonfinite or "reject",
+        nonfinite=p.nonfinite or "reject", job_id=p.job_id,
         optimizer=OptimizerConfig(
             name=o.name, lr=o.lr, momentum=o.momentum, dampening=o.dampening, nesterov=o.nesterov,
             weight_decay=o.weight_decay, betas=(o.beta1, o.beta2), eps=o.eps, amsgrad=o.amsgrad,

@@ -41,6 +41,7 @@ MAX_STALENESS = 2**20
 # Their steps divide by sqrt(state) + eps (an unset eps of a protobuf JobConfig is 0: fine for sgd).
 _DIVIDES_BY_EPS = ("adam", "adamw", "adagrad")
 MAX_BACKUP_WORKERS = 4096
+MAX_JOB_ID_CHARS = 128
 
 
 def _check_range(field: str, value: float, low: float, high: float) -> None:
@@ -100,6 +101,9 @@ class JobConfig:
     wire_dtype: str = ""
     # A NaN or Inf that lands once poisons the weights of every worker for good, hence reject by default.
     nonfinite: str = "reject"
+    # The run's identity (docs/architecture.md, 9 Failures): checkpoints carry it, and a server restores
+    # only a checkpoint of the same job, so re-running with the same --checkpoint-dir never mixes two.
+    job_id: str = ""
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -110,3 +114,7 @@ class JobConfig:
             raise InvalidArgumentError(f"wire_dtype: got {self.wire_dtype!r}, expected one of {WIRE_DTYPES}")
         if self.nonfinite not in NONFINITE:
             raise InvalidArgumentError(f"nonfinite: got {self.nonfinite!r}, expected one of {NONFINITE}")
+        if len(self.job_id) > MAX_JOB_ID_CHARS or not all(c.isalnum() or c in "-_.:" for c in self.job_id):
+            shown = self.job_id[:MAX_JOB_ID_CHARS + 1]
+            raise InvalidArgumentError(f"job_id: got {shown!r}, expected at most {MAX_JOB_ID_CHARS} letters, "
+                                       "digits or '-_.:'")

@@ -71,6 +71,9 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
     p.add_argument("--pull-timeout-s", type=positive_float, default=ServerSettings.pull_timeout_s,
                    help="longest a pull waits for its consistency condition "
                         f"(default {ServerSettings.pull_timeout_s:g})")
+    p.add_argument("--resume", action="store_true",
+                   help="continue the checkpoint in --checkpoint-dir even if it is of another job (another "
+                        "job id); without it such a checkpoint is set aside and the server starts fresh")
     p.add_argument("--hang-report-s", type=float, default=ServerSettings.hang_report_s,
                    help="log (and show in stats) a sync clock that has waited this long for some workers' "
                         f"gradients, naming them; 0 = off (default {ServerSettings.hang_report_s:g})")
@@ -148,7 +151,8 @@ def _settings(args: argparse.Namespace) -> ServerSettings:
     return ServerSettings(default_job=default_job, static_quorum=_static_quorum(args),
                           pull_timeout_s=args.pull_timeout_s, checkpoint_dir=args.checkpoint_dir,
                           transport=args.transport, shm_dir=args.shm_dir,
-                          max_inflight_bytes=args.max_inflight_mb * 2**20, hang_report_s=args.hang_report_s)
+                          max_inflight_bytes=args.max_inflight_mb * 2**20, hang_report_s=args.hang_report_s,
+                          resume=args.resume)
 
 
 async def _run(args: argparse.Namespace, spec: ClusterSpec | None, settings: ServerSettings,

@@ -18,6 +18,7 @@ header is validated whole first and whose slices are then applied one by one as 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections.abc import AsyncIterator, Callable, Hashable, Mapping, Sequence
@@ -142,11 +143,15 @@ class ParameterServerHandlers:
         self.transport_report: Callable[[], Mapping[str, str]] = dict
         # Bytes, latency and refusals per transport, filled by the servicer and the fast paths.
         self.requests = RequestMetrics()
+        # A restored checkpoint until the first Declare says which job this is (see _claim).
+        self._restored_unclaimed = False
         if settings.checkpoint_dir:
             snap = load_shard(Path(settings.checkpoint_dir), settings.shard_name)
             if snap is not None:
                 self._install(ShardStore.restore(snap))
-                log.info("restored %d slices from %s", len(snap.slices), settings.checkpoint_dir)
+                self._restored_unclaimed = True
+                log.info("restored %d slices from %s (job %r)", len(snap.slices), settings.checkpoint_dir,
+                         snap.config.job_id)
         if self._store is None and settings.default_job is not None:
             self._install(ShardStore(settings.default_job, quorum=self._quorum))
 
@@ -231,7 +236,7 @@ class ParameterServerHandlers:
         the server with `job` (None: the default job)."""
         self._check_limits("declare", None, _metas(items), [])
         async with self._config_lock:
-            store = self._store
+            store = self._claim(job)
             if store is None:
                 store = ShardStore(job or JobConfig(), quorum=self._quorum)
             elif job is not None and job != store.config:
@@ -243,6 +248,34 @@ class ParameterServerHandlers:
                 log.info("configured: %s", store.config)
         values = store.read([k for k, _ in items])
         return created, [self._to_wire(WireArray(v, dtype_name(v.dtype))) for v, _ in values]
+
+    def _claim(self, job: JobConfig | None) -> ShardStore | None:
+        """The store a Declare of `job` configures: a restored checkpoint only if it is of the same job.
+
+        Re-running a job with the same --checkpoint-dir must not mix two runs (their generations fenced
+        the new workers, or the old weights were silently resumed): another job's checkpoint is set
+        aside (the next save replaces it) unless the server was started with --resume.
+        """
+        store = self._store
+        if not self._restored_unclaimed or store is None or job is None:
+            return store
+        self._restored_unclaimed = False
+        where = self._settings.checkpoint_dir
+        ours, theirs = job.job_id, store.config.job_id
+        if ours == theirs:
+            log.warning("job %r resumes from its checkpoint in %s (slice versions %d..%d)", ours, where,
+                        store.stats().min_version, store.stats().max_version)
+            return store
+        if self._settings.resume:
+            log.warning("RESUMING ANOTHER JOB (--resume): the checkpoint in %s is of job %r, this is job %r; "
+                        "continuing its weights, optimizer state and clocks", where, theirs, ours)
+            store.config = dataclasses.replace(store.config, job_id=ours)
+            return store
+        log.warning("NOT RESTORING: the checkpoint in %s is of job %r, not of this job %r; starting fresh "
+                    "(the next checkpoint replaces it). Start the server with --resume to continue it",
+                    where, theirs, ours)
+        self._store = None
+        return None
 
     # ---- push / pull ----
 

@@ -38,3 +38,5 @@ class ServerSettings:
     # A sync clock with some but not all of its gradients for this long is logged and shown in
     # GetStats (which slice, which clock, which workers), well before a pull's deadline fires; 0 = off.
     hang_report_s: float = 30.0
+    # Continue a checkpoint of another job (another job_id) instead of starting fresh; logged loudly.
+    resume: bool = False

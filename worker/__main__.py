@@ -28,6 +28,8 @@ import os
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import argparse
+import hashlib
+import json
 import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -78,6 +80,11 @@ def build_parser(environ: Mapping[str, str], prog: str = PROG) -> argparse.Argum
     job.add_argument("--weight-decay", type=float, default=0.0, help="weight decay (default 0)")
     job.add_argument("--wire-dtype", choices=WIRE_DTYPES, default="",
                      help="cast gradients and weights to this on the wire (default '': as stored)")
+    job.add_argument("--job-id", default=environ.get("PSHARD_JOB_ID", ""),
+                     help="this run's identity: servers restore only a checkpoint of the same job "
+                          "(default $PSHARD_JOB_ID, which `pshard launch` sets to a new id per launch, else "
+                          "one derived from TF_CONFIG's cluster; give each new run its own when re-using "
+                          "a --checkpoint-dir with the same TF_CONFIG)")
     job.add_argument("--nonfinite", choices=NONFINITE, default="reject",
                      help="what servers do with a pushed gradient holding NaN or Inf: reject the push "
                           "(INVALID_ARGUMENT naming key and index), skip it (counted), or allow it "
@@ -168,12 +175,18 @@ def _cluster(args: argparse.Namespace, environ: Mapping[str, str], prog: str) ->
     return spec
 
 
-def _job(args: argparse.Namespace) -> JobConfig:
+def default_job_id(spec: ClusterSpec) -> str:
+    """The same on every task of one cluster: a digest of TF_CONFIG's cluster part."""
+    cluster = {job: list(spec.job(job)) for job in ("scheduler", "chief", "ps", "worker", "evaluator")}
+    return "tf-" + hashlib.sha256(json.dumps(cluster, sort_keys=True).encode()).hexdigest()[:12]
+
+
+def _job(args: argparse.Namespace, spec: ClusterSpec) -> JobConfig:
     local = args.local_optimizer if args.optimizer == "aggregate" else args.optimizer
     sgd = local == "sgd"
     try:
         return JobConfig(mode=args.mode, staleness=args.staleness, wire_dtype=args.wire_dtype,
-                         nonfinite=args.nonfinite,
+                         nonfinite=args.nonfinite, job_id=args.job_id or default_job_id(spec),
                          optimizer=OptimizerConfig(name=args.optimizer,
                                                    lr=DEFAULT_LR[local] if args.lr is None else args.lr,
                                                    momentum=args.momentum if sgd else 0.0,
@@ -194,7 +207,7 @@ def config_from_args(argv: Sequence[str] | None, environ: Mapping[str, str], pro
     if args.metrics and args.metrics != "-":
         _check_writable("--metrics", args.metrics, create=True)
     return TrainConfig(
-        spec=spec, job=_job(args), data_dir=args.data_dir, model=args.model,
+        spec=spec, job=_job(args, spec), data_dir=args.data_dir, model=args.model,
         epochs=args.epochs, batch_size=args.batch_size, max_steps=args.max_steps, seed=args.seed,
         device=args.device, threads=args.threads, output=args.output, metrics=args.metrics,
         local_optimizer=args.local_optimizer, log_every=args.log_every,

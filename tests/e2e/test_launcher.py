@@ -270,3 +270,26 @@ def test_restart_on_failure_brings_a_killed_server_back_from_its_checkpoint(proc
     results = finals(run)
     accuracies = [float(f["test_accuracy"]) for f in results.values() if "test_accuracy" in f]
     assert len(accuracies) == 1 and accuracies[0] > DIGITS_ACCURACY_BAR, results
+
+
+def test_a_relaunch_with_the_same_checkpoint_dir_starts_fresh_unless_resumed(procs: Procs,
+                                                                            tmp_path: Path) -> None:
+    # Issue 10: re-running with the same --checkpoint-dir mixed two jobs (the restored servers fenced
+    # the new workers with the old run's generations, or silently resumed the old weights).
+    data_dir = tmp_path / "empty-data"
+    data_dir.mkdir()
+    checkpoints = tmp_path / "checkpoints"
+    worker_args = ("--mode", "sync", "--epochs", "1", "--batch-size", "64", "--model", "mlp",
+                   "--data-dir", str(data_dir), "--step-timeout-s", "30", "--startup-timeout-s", "30")
+    runs = []
+    for extra in ((), (), ("--resume",)):
+        run = start_launcher(procs, "--ps", "1", "--workers", "2", "--checkpoint-dir", str(checkpoints),
+                             *extra, "--", *worker_args)
+        assert run.wait(RUN_TIMEOUT_S) == 0, run.output()
+        assert (checkpoints / "ps-0" / "shard.json").exists()
+        runs.append(child_lines(run, "ps-0"))
+    first, second, resumed = runs
+    assert not any("NOT RESTORING" in line or "RESUMING" in line for line in first), first
+    set_aside = [line for line in second if "NOT RESTORING" in line]
+    assert len(set_aside) == 1 and "'launch-" in set_aside[0], second
+    assert [line for line in resumed if "RESUMING ANOTHER JOB (--resume)" in line], resumed
