@@ -86,8 +86,16 @@ class Progress:
         *,
         tty: bool | None = None,
         clock: Callable[[], float] = time.monotonic,
+        live_every_s: float | None = None,
     ) -> None:
+        """`live_every_s`: off a terminal, also a progress line this often (under the launcher,
+        compose or Kubernetes the only sign of life between epoch lines)."""
         self.epochs = epochs
+        self._live_every_s = live_every_s
+        self._total: int | None = None
+        self._samples = 0
+        self._last_line = 0.0
+        self._postfix: dict[str, float] = {}
         self._stream = stream if stream is not None else sys.stderr
         isatty = getattr(self._stream, "isatty", None)
         self.tty = tty if tty is not None else bool(isatty and isatty())
@@ -101,6 +109,7 @@ class Progress:
         """`epoch` counts from 0; it is shown counting from 1."""
         self._close_bar()
         self._epoch, self._steps, self._started = epoch, 0, self._clock()
+        self._total, self._samples, self._last_line = total_steps, 0, self._started
         if self.tty:
             self._bar = tqdm(
                 total=total_steps,
@@ -111,12 +120,28 @@ class Progress:
                 dynamic_ncols=True,
             )
 
-    def update(self, steps: int = 1, **postfix: float) -> None:
+    def update(self, steps: int = 1, samples: int = 0, **postfix: float) -> None:
         self._steps += steps
+        self._samples += samples
         if self._bar is not None:
             if postfix:
                 self._bar.set_postfix({k: _short(v) for k, v in postfix.items()}, refresh=False)
             self._bar.update(steps)
+        elif self._live_every_s is not None:
+            now = self._clock()
+            if now - self._last_line >= self._live_every_s:
+                self._last_line = now
+                self._live_line(now, postfix)
+
+    def _live_line(self, now: float, postfix: dict[str, float]) -> None:
+        of = f"/{self._total}" if self._total else ""
+        parts = [f"epoch {self._epoch + 1}/{self.epochs}: step {self._steps}{of}"]
+        parts += [f"{key}={_short(value)}" for key, value in postfix.items()]
+        elapsed = now - self._started
+        if self._samples and elapsed > 0:
+            parts.append(f"{self._samples / elapsed:.0f} samples/s")
+        self._stream.write(", ".join(parts) + "\n")
+        self._stream.flush()
 
     def end_epoch(self, **summary: float) -> str:
         """Print and return the epoch's summary line."""

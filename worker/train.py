@@ -42,6 +42,8 @@ log = logging.getLogger("pshard.worker")
 
 # A loss this many times the first one (or NaN/inf) means the run diverged.
 DIVERGENCE_FACTOR = 100.0
+# Off a terminal (the launcher, compose, Kubernetes), a progress line per worker this often.
+PROGRESS_EVERY_S = 10.0
 
 
 @dataclass
@@ -121,7 +123,7 @@ class TrainingRun:
             self._metrics_server = serve_metrics(registry, "0.0.0.0", cfg.metrics_port)
             print(f"pshard worker: metrics on port {self._metrics_server.port}", file=sys.stderr, flush=True)
         self._first_loss: float | None = None
-        self.progress = Progress(cfg.epochs, stream=sys.stderr)
+        self.progress = Progress(cfg.epochs, stream=sys.stderr, live_every_s=PROGRESS_EVERY_S)
         self.trainer: PSTrainer | None = None
         self.data: Dataset | None = None
 
@@ -183,7 +185,7 @@ class TrainingRun:
                 if self.prometheus is not None:
                     self.prometheus.step(time.perf_counter() - step_started, self._push_pull_s, trainer.clock,
                                          loss)
-                self.progress.update(loss=loss)
+                self.progress.update(samples=len(batch), loss=loss)
                 if self.outcome.steps % cfg.log_every == 0:
                     self.metrics.log("step", step=self.outcome.steps, clock=trainer.clock, epoch=epoch,
                                      loss=loss, accuracy=correct / seen)  # accuracy: the epoch's so far
