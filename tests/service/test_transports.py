@@ -268,3 +268,21 @@ def test_sync_training_is_bit_identical_on_every_transport(serve, new_client, sh
         for weights in finals[transport]:
             for key, value in weights.items():
                 assert value.tobytes() == finals["grpc"][0][key].tobytes(), f"{transport}: {key} differs"
+
+
+@pytest.mark.parametrize("wire_dtype", ["float16", "bfloat16"])
+def test_wire_compression_gives_the_same_weights_on_every_transport(serve, new_client, shm_dir, wire_dtype):
+    rng = np.random.default_rng(3)
+    params = {"a": rng.standard_normal(300_000, dtype=np.float32),
+              "b": rng.standard_normal(7, dtype=np.float32)}
+    grads = {k: rng.standard_normal(v.shape, dtype=np.float32) for k, v in params.items()}
+    job = JobConfig(mode="async", optimizer=SGD_1, wire_dtype=wire_dtype)
+    got = {}
+    for transport in TRANSPORTS:
+        c = new_client([serve()], "w0", transport=transport, shm_dir=shm_dir)
+        c.declare(params, job)
+        got[transport] = c.push_pull(grads, 0)
+        assert c.transports == [transport]
+    for transport in TRANSPORTS:
+        for key in params:
+            assert got[transport][key].tobytes() == got["grpc"][key].tobytes(), f"{transport}: {key}"
