@@ -10,6 +10,12 @@ gRPC's own retry policy (`pshard.common.retry`), the Exchange stream by a loop h
 retried after the wait it asks for, jittered, until the call's own deadline (`_backing_off`). Nothing
 else is retried, except one resend under a newer generation after a re-registration overtook a
 request (`_call_stamped`).
+
+Push and pull bytes take a faster path when the server offers one (`transport`, negotiated per
+server at the first step: shared memory on the same host, else a raw TCP socket; see
+worker/fastpath.py and docs/architecture.md, 11 Transports). gRPC stays the control plane and
+the fallback: a call whose fast path breaks is sent again over gRPC, where the server drops what
+had already landed.
 """
 
 from __future__ import annotations
