@@ -6,6 +6,9 @@
     pshard launch ...      a whole local cluster as real processes
     pshard run ...         whatever role TF_CONFIG's task.type names (one image for every TFJob replica)
     pshard health ...      the gRPC health probe that containers and pods use
+    pshard status ...      a running job at a glance (scheduler view and every server's stats)
+    pshard plot ...        loss and accuracy curves from metrics JSON lines
+    pshard evaluate ...    reload a saved model and print its test accuracy
 
 Each subcommand takes the same flags as ``python -m pshard.<service>``; everything after the
 subcommand is handed to it unchanged, and its usage and error lines name it ``pshard <command>``.

@@ -1,5 +1,8 @@
 """What a training run reports: JSON lines for machines, a progress display for people.
 
+Both count epochs from 1, as people do: the record of the first epoch says ``"epoch": 1`` and
+the console ``epoch 1/2``.
+
 `MetricsLog` writes one JSON object per line and flushes each, so `tail -f`, a killed
 worker and a crashed container all leave every event written so far. `Progress` shows a
 tqdm bar only on a terminal; in a log file or `docker logs` a bar is a stream of carriage

@@ -187,16 +187,16 @@ class TrainingRun:
                                          loss)
                 self.progress.update(samples=len(batch), loss=loss)
                 if self.outcome.steps % cfg.log_every == 0:
-                    self.metrics.log("step", step=self.outcome.steps, clock=trainer.clock, epoch=epoch,
+                    self.metrics.log("step", step=self.outcome.steps, clock=trainer.clock, epoch=epoch + 1,
                                      loss=loss, accuracy=correct / seen)  # accuracy: the epoch's so far
             self.outcome.train_loss = float(np.mean(losses))
             self.progress.end_epoch(loss=self.outcome.train_loss, acc=correct / seen)
-            self.metrics.log("epoch", epoch=epoch, steps=len(losses), loss=self.outcome.train_loss,
+            self.metrics.log("epoch", epoch=epoch + 1, steps=len(losses), loss=self.outcome.train_loss,
                              accuracy=correct / seen, time_s=time.monotonic() - started)
             last = epoch == cfg.epochs - 1 or self.outcome.steps == cfg.max_steps
             if cfg.is_chief and not last:
                 accuracy, test_loss = evaluate(trainer.model, data, trainer.device)
-                self.metrics.log("eval", epoch=epoch, step=self.outcome.steps, test_accuracy=accuracy,
+                self.metrics.log("eval", epoch=epoch + 1, step=self.outcome.steps, test_accuracy=accuracy,
                                  test_loss=test_loss)
 
     def _step(self, images: np.ndarray, labels: np.ndarray) -> tuple[float, int]:
@@ -246,7 +246,7 @@ class TrainingRun:
         with stage("evaluate", "evaluating on the test set"):
             accuracy, test_loss = evaluate(trainer.model, data, trainer.device)
             self.outcome.test_accuracy = accuracy
-            self.metrics.log("eval", epoch=self.outcome.epoch, step=self.outcome.steps,
+            self.metrics.log("eval", epoch=self.outcome.epoch + 1, step=self.outcome.steps,
                              test_accuracy=accuracy, test_loss=test_loss)
         if cfg.output:
             with stage("save", f"saving the model to {cfg.output}"):
