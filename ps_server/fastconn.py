@@ -175,6 +175,8 @@ class Connection(asyncio.BufferedProtocol):
                 self._hello_timer.cancel()
             self.session = self._sessions.attach(meta, self) if kind == HELLO and not data_len else None
             if self.session is None:
+                peer = self.transport.get_extra_info("peername") if self.transport is not None else None
+                log.warning("fast path: refused a connection from %s without a valid session secret", peer)
                 raise TransportBroken("refused a connection without a valid session secret")
             # The first request may have come in the same read.
             rest = bytes(extra)
