@@ -25,6 +25,8 @@ from bench import ceilings
 from bench.common import DEFAULT_SIZES, emit, load_average, machine, parse_sizes
 from bench.dense import dense
 from bench.latency import latency
+from bench.sparse import memory as sparse_memory
+from bench.sparse import throughput as sparse_throughput
 
 TRANSPORTS = ("grpc", "tcp", "shm")
 # Bars of issue 8: dense MB/s as a fraction of a ceiling, and small push+pull p50 per transport.
@@ -92,6 +94,11 @@ def main(argv: list[str] | None = None) -> int:
         lat_figs[t] = emit("latency_small_push_pull", **lat,
                            ratio_p50_to_grpc_rtt=_ratio(lat["p50_us"], small["p50_us"]))
 
+    # Sparse tables (issue 9): rows/s of pull + push of 4,096 ids, uniform and zipf, and the memory overhead.
+    sparse_figs = [emit("sparse_rows", **sparse_throughput(steps=20 if args.quick else 200, zipf=zipf))
+                   for zipf in (False, True)]
+    sparse_mem = emit("sparse_memory", **sparse_memory(rows=1_000_000 if args.quick else 10_000_000))
+
     m = machine()
     print(f"\n# pshard bench on {m['cpu']} ({m['cores']} cores), Python {m['python']}, grpcio {m['grpcio']}; "
           f"load {load_before} -> {load_average()}")
@@ -114,6 +121,13 @@ def main(argv: list[str] | None = None) -> int:
             bar_text = f"p50 <= {GRPC_LATENCY_BAR}x grpcio"
         print(f"small push_pull over {t:4} ({fig['numel']} floats): p50 {fig['p50_us']} us, "
               f"p99 {fig['p99_us']} us, {fig['ratio_p50_to_grpc_rtt']}x grpcio [bar {bar_text}: {ok}]")
+    for fig in sparse_figs:
+        ok = "ok" if int(fig["rows_per_s"]) >= int(fig["bar_rows_per_s"]) else "below"  # type: ignore[call-overload]
+        print(f"sparse 1M x 64 table, 2x2, {fig['variant']:7}: {fig['rows_per_s']:>9} rows/s "
+              f"[bar {fig['bar_rows_per_s']}: {ok}]")
+    ok = "ok" if float(sparse_mem["overhead"]) <= 0.3 else "above"  # type: ignore[arg-type]
+    print(f"sparse memory, {sparse_mem['rows']} rows of dim {sparse_mem['dim']} (adagrad): overhead "
+          f"{sparse_mem['overhead']}x of {sparse_mem['raw_mb']} MB [bar 0.3x: {ok}]")
     return 0
 
 
