@@ -17,12 +17,14 @@ Not thread-safe: the owner (ps_server.table) serialises access.
 from __future__ import annotations
 
 import numpy as np
+from pshard.common.errors import QuotaExceededError
 from pshard.common.sparse import mix64
 
 _EMPTY = 0
 _TOMB = -1
 _MIN_SLOTS = 1 << 10
 _MAX_LOAD = 0.6
+MAX_ROWS = 2**31 - 2  # row + 1 must fit the int32 slots
 
 
 class IdIndex:
@@ -82,6 +84,9 @@ class IdIndex:
         n = len(ids)
         if n == 0:
             return np.zeros(0, np.int64)
+        if self.live + n > MAX_ROWS:
+            raise QuotaExceededError(f"a hash index holds at most {MAX_ROWS} rows: {self.live} live, "
+                                     f"{n} more asked for (spread the table over more servers, or cap it)")
         if (self.live + self._tombs + n) > _MAX_LOAD * len(self._slots):
             self._rehash(self.live + n)
         rows = self._take_rows(n)

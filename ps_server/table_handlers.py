@@ -26,6 +26,7 @@ from pshard.common.errors import (
     InvalidArgumentError,
     LayoutConflictError,
     MessageTooLargeError,
+    QuotaExceededError,
     UnknownKeyError,
 )
 from pshard.common.sparse import TableConfig
@@ -34,6 +35,9 @@ from pshard.ps_server.table import SparseTable
 from pshard.ps_server.table_files import append_ids, export_table, load_tables, save_tables
 
 _ID = np.dtype("<i8")
+# Tables per server: far more than any model has, few enough that hostile declarations cannot
+# exhaust the server with empty tables (each holds a few KB of index).
+MAX_TABLES = 1024
 
 
 @dataclass(frozen=True)
@@ -83,6 +87,9 @@ class TableHandlers:
                 raise LayoutConflictError(f"table {config.name!r}: declared as {existing.config}, "
                                           f"now as {config}")
             return False
+        if len(self._tables) >= MAX_TABLES:
+            raise QuotaExceededError(f"table {config.name!r}: this server holds {len(self._tables)} tables "
+                                     f"already, the most it takes (MAX_TABLES)")
         self._tables[config.name] = self._make(config)
         self._locks[config.name] = asyncio.Lock()
         return True
