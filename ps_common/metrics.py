@@ -57,6 +57,10 @@ LATENCY_BUCKETS = (
 )
 
 
+# Clocks behind the fastest worker; SSP keeps them at most its staleness bound (+1 while it waits).
+STALENESS_BUCKETS = (0.0, 1.0, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0, 16.0, 32.0, 64.0)
+
+
 def new_registry() -> CollectorRegistry:
     """A registry of this process's own (never the library's global one)."""
     # No auto_describe: it would collect at registration, on the event loop the collectors wait for.
@@ -138,6 +142,9 @@ class RequestMetrics:
         self._traffic: dict[tuple[str, str], _Traffic] = {}
         self.refused: dict[str, int] = {}  # gRPC status name -> requests answered with it
         self.served = 0  # every request, of any kind (--exit-when-done waits for them to stop)
+        # Clocks each stamped push/pull is behind the fastest clock seen: what SSP's staleness bounds.
+        self.fastest_clock = 0
+        self.staleness = LatencyHistogram(STALENESS_BUCKETS)
 
     def record(
         self,
@@ -147,9 +154,15 @@ class RequestMetrics:
         bytes_out: int,
         seconds: float,
         error_type: str | None = None,
+        clock: int | None = None,
     ) -> None:
-        """One finished request; `error_type`: the PSError class it was refused with, if any."""
+        """One finished request; `error_type`: the PSError class it was refused with, if any;
+        `clock`: its stamp's, for a push or pull."""
         self.served += 1
+        if clock is not None:
+            if clock > self.fastest_clock:
+                self.fastest_clock = clock
+            self.staleness.observe(self.fastest_clock - clock)
         traffic = self._traffic.get((transport, method))
         if traffic is None:
             traffic = self._traffic[(transport, method)] = _Traffic()
@@ -313,7 +326,12 @@ def request_families(requests: RequestMetrics, service: str) -> Iterator[Any]:
     )
     for code, count in sorted(requests.refused.items()):
         refused.add_metric([code], count)
-    yield from (bytes_in, bytes_out, latency, refused)
+    staleness = HistogramMetricFamily(
+        f"pshard_{service}_request_staleness_clocks",
+        "Clocks a push or pull's stamp is behind the fastest clock seen (SSP's staleness)",
+    )
+    staleness.add_metric([], requests.staleness.cumulative(), requests.staleness.sum)
+    yield from (bytes_in, bytes_out, latency, refused, staleness)
 
 
 # ---- scheduler ----

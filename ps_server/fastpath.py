@@ -275,7 +275,7 @@ class FastPathServer:
         reply = await self._run(session, header, metas, views)
         self._handlers.requests.record(session.kind, "Exchange", sum(v.nbytes for v in views),
                                        sum(reply.sizes), time.perf_counter() - started,
-                                       reply.error_type or None)
+                                       reply.error_type or None, header.stamp.clock)
         return reply
 
     def end(self, session: Session) -> None:

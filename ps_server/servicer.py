@@ -47,6 +47,8 @@ _OWN_FRAME_BYTES = 256 * 1024
 _OFFLOAD_BYTES = 1 << 20
 
 Request = TypeVar("Request", bound=Message)
+# Unary methods whose request carries a stamp (its clock feeds the staleness histogram).
+_STAMPED = frozenset({"Push", "Pull", "PushPull"})
 UnaryHandler = Callable[[bytes, grpc.aio.ServicerContext], Awaitable[bytes]]
 
 
@@ -125,7 +127,7 @@ class ParameterServerServicer:
         are parsed, and held until the reply is encoded."""
         async def handle(raw: bytes, context: grpc.aio.ServicerContext) -> bytes:
             held = self._budget.reservation(name)
-            started, sent, refused = time.perf_counter(), 0, None
+            started, sent, refused, clock = time.perf_counter(), 0, None, None
             try:
                 held.add(len(raw))
                 if len(raw) < _OFFLOAD_BYTES:
@@ -133,6 +135,8 @@ class ParameterServerServicer:
                 else:  # parsing copies every byte: a big request does it off the event loop
                     request = await asyncio.get_running_loop().run_in_executor(
                         self._executor, _parse, message_type, raw, name)
+                if name in _STAMPED:
+                    clock = request.stamp.clock  # type: ignore[attr-defined]
                 reply = await method(request, context)
                 out = reply if isinstance(reply, bytes) else await self._encode(reply)
                 sent = len(out)
@@ -149,7 +153,7 @@ class ParameterServerServicer:
                 held.release()
                 self._trimmer.request_ended(held.total)
                 self._handlers.requests.record("grpc", name, len(raw), sent, time.perf_counter() - started,
-                                               refused)
+                                               refused, clock)
 
         return handle
 
@@ -223,11 +227,11 @@ class ParameterServerServicer:
     @maps_stream_errors
     async def Exchange(self, frames: AsyncIterator[bytes], context: grpc.aio.ServicerContext
                        ) -> AsyncIterator[bytes]:
-        started, sent = time.perf_counter(), [0]
+        started, sent, clock = time.perf_counter(), [0], [None]
 
         def record(received: int, refused: str | None) -> None:
             self._handlers.requests.record("grpc", "Exchange", received, sent[0],
-                                           time.perf_counter() - started, refused)
+                                           time.perf_counter() - started, refused, clock[0])
 
         with self._budget.reservation("Exchange") as held, _ending(self._trimmer, held, record):
             first = await anext(frames, None)
@@ -239,6 +243,8 @@ class ParameterServerServicer:
                 kind = message.WhichOneof("body")
                 raise InvalidArgumentError(f"Exchange: first frame must be a header, got {kind}")
             header = message.header
+            if header.op == pb.PUSH_PULL:
+                clock[0] = header.stamp.clock
             held.release()  # the header is decoded; the data frames reserve their own bytes
             metas = [SliceMeta(codec.slice_id_from_proto(m.id), codec.dtype_from_proto(m.dtype, "push dtype"),
                                tuple(m.shape)) for m in header.push]

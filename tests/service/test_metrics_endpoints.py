@@ -102,6 +102,9 @@ def test_metrics_move_with_a_sync_job_and_lag_is_zero_at_its_end(procs: Procs) -
     assert lags == {"worker-0": 0, "worker-1": 0}, server
     assert value(server, "pshard_ps_sync_clock_min") == value(server, "pshard_ps_sync_clock_max")
     assert (value(server, "pshard_ps_sync_clock_max") or 0) > 0
+    # Sync keeps every push and pull within one clock of the fastest worker.
+    stamped = value(server, "pshard_ps_request_staleness_clocks_count") or 0
+    assert stamped > 0 and value(server, "pshard_ps_request_staleness_clocks_bucket", le="1.0") == stamped
     sent = sum(v for (name, _), v in server.items() if name == "pshard_ps_sent_bytes_total")
     assert sent > 0 and (value(server, "pshard_ps_slices") or 0) >= 2  # at least a layer's weight and bias
 
