@@ -114,6 +114,9 @@ def build_parser(environ: Mapping[str, str], prog: str = PROG) -> argparse.Argum
                           f"(default {D.EVAL_INTERVAL_S:g})")
     out.add_argument("--log-every", metavar="N", type=positive_int, default=D.LOG_EVERY,
                      help=f"a 'step' metrics line every N steps (default {D.LOG_EVERY})")
+    out.add_argument("--progress-every-s", metavar="S", type=positive_float, default=D.PROGRESS_EVERY_S,
+                     help="off a terminal (launcher, compose, Kubernetes): a progress line with step, loss "
+                          f"and samples/s this often (default {D.PROGRESS_EVERY_S:g})")
     add_metrics_argument(out, host="0.0.0.0", environ=environ)
     add_log_level_argument(p)
     p.add_argument("--transport", choices=("auto", "shm", "tcp", "grpc"), default=D.TRANSPORT,
@@ -211,6 +214,7 @@ def config_from_args(argv: Sequence[str] | None, environ: Mapping[str, str], pro
         epochs=args.epochs, batch_size=args.batch_size, max_steps=args.max_steps, seed=args.seed,
         device=args.device, threads=args.threads, output=args.output, metrics=args.metrics,
         local_optimizer=args.local_optimizer, log_every=args.log_every,
+        progress_every_s=args.progress_every_s,
         startup_timeout_s=args.startup_timeout_s, step_timeout_s=args.step_timeout_s,
         eval_interval_s=args.eval_interval_s, transport=args.transport, shm_dir=args.shm_dir,
         metrics_port=args.metrics_port)

@@ -33,6 +33,8 @@ class Defaults:
     THREADS = 0  # 0 = torch's default
     LOCAL_OPTIMIZER = "sgd"
     LOG_EVERY = 100
+    # Off a terminal (the launcher, compose, Kubernetes): a progress line this often, in seconds.
+    PROGRESS_EVERY_S = 10.0
     # Longest wait for the scheduler, the servers and the other workers. Generous: in a TFJob the
     # pods start in any order, and pulling an image can take minutes.
     STARTUP_TIMEOUT_S = 300.0
@@ -60,6 +62,7 @@ class TrainConfig:
     metrics: str | None = None  # JSON lines; "-" = stdout
     local_optimizer: str = Defaults.LOCAL_OPTIMIZER  # aggregate mode: the torch optimizer each worker runs
     log_every: int = Defaults.LOG_EVERY  # a "step" metrics line every N steps
+    progress_every_s: float = Defaults.PROGRESS_EVERY_S  # off a terminal, a progress line this often
     startup_timeout_s: float = Defaults.STARTUP_TIMEOUT_S
     step_timeout_s: float = Defaults.STEP_TIMEOUT_S
     eval_interval_s: float = Defaults.EVAL_INTERVAL_S  # evaluator tasks: seconds between evaluations

@@ -42,8 +42,6 @@ log = logging.getLogger("pshard.worker")
 
 # A loss this many times the first one (or NaN/inf) means the run diverged.
 DIVERGENCE_FACTOR = 100.0
-# Off a terminal (the launcher, compose, Kubernetes), a progress line per worker this often.
-PROGRESS_EVERY_S = 10.0
 
 
 @dataclass
@@ -123,7 +121,7 @@ class TrainingRun:
             self._metrics_server = serve_metrics(registry, "0.0.0.0", cfg.metrics_port)
             print(f"pshard worker: metrics on port {self._metrics_server.port}", file=sys.stderr, flush=True)
         self._first_loss: float | None = None
-        self.progress = Progress(cfg.epochs, stream=sys.stderr, live_every_s=PROGRESS_EVERY_S)
+        self.progress = Progress(cfg.epochs, stream=sys.stderr, live_every_s=cfg.progress_every_s)
         self.trainer: PSTrainer | None = None
         self.data: Dataset | None = None
 
