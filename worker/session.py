@@ -20,18 +20,25 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 from pshard.common.cluster import ClusterSpec
 from pshard.common.entry import check_can_listen
-from pshard.common.errors import ClusterConfigError, PSError, PullTimeoutError, UnavailableError
+from pshard.common.errors import (
+    BarrierTimeoutError,
+    ClusterConfigError,
+    PSError,
+    PullTimeoutError,
+    UnavailableError,
+)
 from pshard.common.layout import Layout, ParamSpec
 from pshard.common.scheduler_client import SchedulerClient
 from pshard.common.view import TRAINER_ROLES, ClusterView, NodeState
 from pshard.worker.client import PSClient
 from pshard.worker.config import stage
 from pshard.worker.server_watch import LostServer, ServerWatch
+from pshard.worker.waiting import Peer, PeerWait
 
 log = logging.getLogger("pshard.worker")
 
@@ -104,11 +111,42 @@ class ClusterSession:
         spec = self.spec
         with stage("register", f"registering with the scheduler at {spec.scheduler_address}"):
             rank_hint = spec.data_rank if spec.task_type in TRAINER_ROLES else spec.task_index
-            self.scheduler = SchedulerClient(spec.scheduler_address, spec.task_type,
-                                             own_address=spec.own_address or "", node_id=spec.node_id,
-                                             rank_hint=rank_hint, connect_timeout_s=self.startup_timeout_s)
-            self.scheduler.register()
-        return self.scheduler
+            sched = self.scheduler = SchedulerClient(
+                spec.scheduler_address, spec.task_type, own_address=spec.own_address or "",
+                node_id=spec.node_id, rank_hint=rank_hint, connect_timeout_s=self.startup_timeout_s)
+            host = "the scheduler" + ("" if spec.scheduler else f" (hosted by {self._scheduler_host()})")
+            with self._peer_wait("registering", lambda: [Peer(host, spec.scheduler_address, listens=True)],
+                                 sched.close):
+                sched.register()
+        return sched
+
+    def _scheduler_host(self) -> str:
+        """The task that runs the scheduler in a cluster without a scheduler task: chief 0, else worker 0."""
+        return "chief-0" if self.spec.chief else "worker-0"
+
+    def _peer_wait(self, what: str, pending: Callable[[], list[Peer]], abort: Callable[[], None]) -> PeerWait:
+        # Half the start-up timeout, at most 30 s: long enough for peers started by hand one after the
+        # other, short enough that an address nobody serves fails in seconds rather than minutes.
+        return PeerWait(what, pending, abort, refused_grace_s=min(30.0, self.startup_timeout_s / 2))
+
+    def waiting_for_servers(self, layout: Layout) -> PeerWait:
+        """Around the Declare: names the servers not answering, ends the wait for one that is gone."""
+        sched, client = self._registered(), self._connected()
+
+        def pending() -> list[Peer]:
+            view = sched.view
+            nodes = {n.address: n for n in view.nodes if n.role == "ps"} if view else {}
+            peers = []
+            for i, address in enumerate(layout.servers):
+                node = nodes.get(address)
+                name = node.node_id if node else f"ps-{i}"
+                gone = node is not None and node.state is not NodeState.LIVE
+                state = f"{node.state.value} for the scheduler" if node is not None and gone else ""
+                peers.append(Peer(name, address, state, listens=True, gone=gone))
+            return peers
+
+        return self._peer_wait(f"declaring the parameters on {len(layout.servers)} server(s)", pending,
+                               client.close)
 
     def propose_layout(self, params: Sequence[ParamSpec]) -> Layout:
         """Trainers: propose the layout of `params`; the first proposal wins and everyone gets it."""
@@ -153,12 +191,38 @@ class ClusterSession:
         sched = self._registered()
         world = self.spec.world_size
         if clock == 0:  # a worker restarted mid-job must not wait for a start everyone passed
-            with stage("barrier", f"waiting for {world} workers at the start barrier"):
-                sched.barrier("start", count=world, timeout_s=self.startup_timeout_s)
+            with stage("barrier", f"waiting for {world} workers at the start barrier"), \
+                    self._peer_wait("the start barrier", self._missing_trainers, sched.close):
+                try:
+                    sched.barrier("start", count=world, timeout_s=self.startup_timeout_s)
+                except BarrierTimeoutError as e:
+                    # The scheduler knows only who registered; TF_CONFIG knows who should have.
+                    missing = self._missing_trainers()
+                    if not missing:
+                        raise
+                    raise BarrierTimeoutError(f"{e}; missing: " + ", ".join(
+                        f"{p.name} at {p.address} ({p.state})" for p in missing)) from None
         if wait_for_quorum:
             with stage("quorum", "waiting for the servers to see every worker"):
                 view = sched.view
                 self._await_server_quorum(set(view.live_workers()) if view else set())
+
+    def _missing_trainers(self) -> list[Peer]:
+        """The trainers TF_CONFIG names that the scheduler does not have as live members."""
+        spec, view = self.spec, self._registered().view
+        nodes = {n.node_id: n for n in view.nodes} if view else {}
+        peers = []
+        for role, addresses in (("chief", spec.chief), ("worker", spec.worker)):
+            for index, address in enumerate(addresses):
+                node_id = f"{role}-{index}"
+                node = nodes.get(node_id)
+                if node_id == spec.node_id or (node is not None and node.state is NodeState.LIVE):
+                    continue
+                state = "not registered with the scheduler" if node is None else {
+                    NodeState.DEAD: "declared dead by the scheduler", NodeState.LEFT: "already left the job",
+                }[node.state]
+                peers.append(Peer(node_id, address, state, gone=node is not None))
+        return peers
 
     def _await_server_quorum(self, expected: set[str]) -> None:
         """Before clock 0, every server must count every worker, or a sync clock completes without one.

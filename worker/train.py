@@ -153,7 +153,8 @@ class TrainingRun:
         layout = session.propose_layout(param_specs(model))
         with stage("declare", f"declaring the parameters on {', '.join(layout.servers)}"):
             client = session.connect(layout)
-            self.trainer = PSTrainer(model, client, cfg.job, local_optimizer=_local_optimizer(cfg, model))
+            with session.waiting_for_servers(layout):
+                self.trainer = PSTrainer(model, client, cfg.job, local_optimizer=_local_optimizer(cfg, model))
         # async waits for nobody, so who counts does not matter
         session.await_start(self.trainer.clock, wait_for_quorum=cfg.job.mode != "async")
 
