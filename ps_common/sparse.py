@@ -22,7 +22,7 @@ INITIALIZERS = ("zeros", "uniform", "normal")
 TABLE_DTYPES = ("float32", "float64")
 TTL_UNITS = ("clocks", "seconds")
 CAP_POLICIES = ("lru", "lfu")
-TABLE_MODES = ("async",)
+TABLE_MODES = ("async", "sync")
 MAX_TABLE_DIM = 1 << 16
 MAX_TABLE_NAME_CHARS = 256
 

@@ -17,7 +17,7 @@ _OPTIMIZERS: dict[int, str] = {pb.TABLE_OPTIMIZER_SGD: "sgd", pb.TABLE_OPTIMIZER
                pb.TABLE_OPTIMIZER_ADAM: "adam", pb.TABLE_OPTIMIZER_LAZY_ADAM: "lazy_adam"}
 _UNITS: dict[int, str] = {pb.TTL_UNIT_CLOCKS: "clocks", pb.TTL_UNIT_SECONDS: "seconds"}
 _POLICIES: dict[int, str] = {pb.CAP_POLICY_LRU: "lru", pb.CAP_POLICY_LFU: "lfu"}
-_MODES: dict[int, str] = {pb.TABLE_MODE_ASYNC: "async"}
+_MODES: dict[int, str] = {pb.TABLE_MODE_ASYNC: "async", pb.TABLE_MODE_SYNC: "sync"}
 _DEFAULT = TableConfig("default", 1)
 
 

@@ -179,7 +179,10 @@ def follow_scheduler(running: RunningServer, spec: ClusterSpec,
     follower = QuorumFollower(grace_s=10.0, now=time.monotonic)
 
     def install(view: ClusterView | None = None) -> None:
-        handlers.set_quorum(follower.apply(view), view.generation if view is not None else None)
+        quorum = follower.apply(view)
+        handlers.set_quorum(quorum, view.generation if view is not None else None)
+        if running.tables is not None:  # sync tables wait for the same workers
+            running.tables.set_quorum(dict(quorum))
         deadline = follower.next_deadline()
         if deadline is not None:
             loop.call_later(max(0.0, deadline - time.monotonic()) + 0.01, install)

@@ -9,6 +9,10 @@ names the table (and the id, when one is to blame) and leaves the table unchange
 Requests of one table are serialised by an asyncio lock; they run on the event loop (a request
 of a few thousand rows is a few vectorised numpy passes). Checkpoints and exports hold the lock
 and write from a worker thread, so the loop keeps serving other tables meanwhile.
+
+Sync tables (ps_server.table_sync) need the worker of each push and the quorum: the server's
+static one (--workers) or the scheduler's, given to `set_quorum`. Their pulls wait, as coroutines,
+until the clock they read is applied.
 """
 
 from __future__ import annotations
@@ -26,13 +30,16 @@ from pshard.common.errors import (
     InvalidArgumentError,
     LayoutConflictError,
     MessageTooLargeError,
+    PullTimeoutError,
     QuotaExceededError,
+    StaleGenerationError,
     UnknownKeyError,
 )
 from pshard.common.sparse import TableConfig
 from pshard.ps_server.settings import ServerSettings
 from pshard.ps_server.table import SparseTable
 from pshard.ps_server.table_files import append_ids, export_table, load_tables, save_tables
+from pshard.ps_server.table_sync import SyncClocks
 
 _ID = np.dtype("<i8")
 # Tables per server: far more than any model has, few enough that hostile declarations cannot
@@ -54,11 +61,21 @@ class TableHandlers:
         self._now = now
         self._tables: dict[str, SparseTable] = {}
         self._locks: dict[str, asyncio.Lock] = {}
+        self._sync: dict[str, SyncClocks] = {}
+        self._changed: dict[str, asyncio.Event] = {}  # set (and replaced) when a sync clock is applied
+        self._quorum: dict[str, int] | None = dict(settings.static_quorum) if settings.static_quorum else None
         self._dir = Path(settings.checkpoint_dir) if settings.checkpoint_dir else None
         if self._dir is not None:
             for table in load_tables(self._dir, settings.shard_name, self._make):
-                self._tables[table.config.name] = table
-                self._locks[table.config.name] = asyncio.Lock()
+                self._add(table)
+
+    def _add(self, table: SparseTable) -> None:
+        name = table.config.name
+        self._tables[name] = table
+        self._locks[name] = asyncio.Lock()
+        if table.config.mode == "sync":
+            self._sync[name] = SyncClocks()
+            self._changed[name] = asyncio.Event()
 
     def _make(self, config: TableConfig) -> SparseTable:
         on_evict = None
@@ -90,32 +107,97 @@ class TableHandlers:
         if len(self._tables) >= MAX_TABLES:
             raise QuotaExceededError(f"table {config.name!r}: this server holds {len(self._tables)} tables "
                                      f"already, the most it takes (MAX_TABLES)")
-        self._tables[config.name] = self._make(config)
-        self._locks[config.name] = asyncio.Lock()
+        self._add(self._make(config))
         return True
 
-    async def pull(self, name: str, ids: bytes, clock: int = 0) -> np.ndarray:
+    def set_quorum(self, quorum: dict[str, int]) -> None:
+        """Membership changed: a sync clock now complete (a member left) is applied, its pulls woken."""
+        self._quorum = dict(quorum)
+        for name in self._sync:
+            asyncio.get_running_loop().create_task(self._apply_ready(name))
+
+    async def _apply_ready(self, name: str) -> None:
+        async with self._locks[name]:
+            self._apply(name, self._sync[name].ready(self._quorum or {}))
+
+    async def pull(self, name: str, ids: bytes, clock: int = 0, worker: str = "") -> np.ndarray:
         table = self._table(name)
         keys = self._ids(table, ids, "pull")
+        await self._wait_applied(name, clock)
         async with self._locks[name]:
             return table.pull(keys, clock or None)
 
-    async def push(self, name: str, ids: bytes, grads: bytes, clock: int = 0) -> int:
+    async def push(self, name: str, ids: bytes, grads: bytes, clock: int = 0, worker: str = "") -> int:
         table = self._table(name)
         keys = self._ids(table, ids, "push")
         rows = self._grads(table, keys, grads)
+        quorum = self._sync_quorum(name, worker)
         async with self._locks[name]:
-            return table.push(keys, rows, clock or None)
+            return self._push(table, keys, rows, clock, worker, quorum)
 
     async def push_pull(self, name: str, push_ids: bytes, grads: bytes, pull_ids: bytes,
-                        clock: int = 0) -> tuple[int, np.ndarray]:
+                        clock: int = 0, worker: str = "") -> tuple[int, np.ndarray]:
+        """Push for `clock`, then pull: at clock + 1 in a sync table (the clock just pushed, applied)."""
         table = self._table(name)
         keys = self._ids(table, push_ids, "push")
         rows = self._grads(table, keys, grads)
         wanted = self._ids(table, pull_ids, "pull")
+        quorum = self._sync_quorum(name, worker)
         async with self._locks[name]:
-            stored = table.push(keys, rows, clock or None)
+            stored = self._push(table, keys, rows, clock, worker, quorum)
+        if name in self._sync:
+            clock += 1
+            await self._wait_applied(name, clock)
+        async with self._locks[name]:
             return stored, table.pull(wanted, clock or None)
+
+    def _push(self, table: SparseTable, keys: np.ndarray, rows: np.ndarray, clock: int, worker: str,
+              quorum: dict[str, int] | None) -> int:
+        name = table.config.name
+        sync = self._sync.get(name)
+        if sync is None or quorum is None:
+            return table.push(keys, rows, clock or None)
+        self._apply(name, sync.push(clock, worker, keys, rows, quorum))
+        return len(keys)
+
+    def _apply(self, name: str, updates: list[tuple[np.ndarray, np.ndarray, int]]) -> None:
+        table = self._tables[name]
+        for ids, mean, clock in updates:
+            table.push(ids, mean, clock or None)
+        if updates:
+            self._changed[name].set()
+            self._changed[name] = asyncio.Event()
+
+    def _sync_quorum(self, name: str, worker: str) -> dict[str, int] | None:
+        """The quorum a push to sync table `name` counts in (None: not a sync table); refusals name why."""
+        if name not in self._sync:
+            return None
+        if not worker:
+            raise InvalidArgumentError(f"push of sync table {name!r}: no worker_id (a sync table waits for "
+                                       "each worker's push of every clock)")
+        if self._quorum is None:
+            raise StaleGenerationError(f"push of sync table {name!r}: this server knows no quorum yet (start "
+                                       "it with --workers, or with a scheduler)")
+        if worker not in self._quorum:
+            raise StaleGenerationError(f"push of sync table {name!r}: worker {worker[:256]!r} is not in the "
+                                       f"quorum {sorted(self._quorum)}")
+        return self._quorum
+
+    async def _wait_applied(self, name: str, clock: int) -> None:
+        """Until every clock below `clock` of sync table `name` is applied (async tables: at once)."""
+        sync = self._sync.get(name)
+        if sync is None:
+            return
+        deadline = time.monotonic() + self._settings.pull_timeout_s
+        while sync.applied is not None and sync.applied < clock:
+            left = deadline - time.monotonic()
+            try:
+                await asyncio.wait_for(self._changed[name].wait(), max(left, 0.0))
+            except TimeoutError:
+                raise PullTimeoutError(
+                    f"pull of sync table {name!r} at clock {clock}: clock {sync.applied} still waits for "
+                    f"{sync.waiting_for(sync.applied, self._quorum or {})} after "
+                    f"{self._settings.pull_timeout_s:.1f}s") from None
 
     async def export(self, name: str) -> tuple[Path, Path, int]:
         table = self._table(name)

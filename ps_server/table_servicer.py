@@ -30,16 +30,17 @@ class SparseTablesServicer:
         return pb.DeclareTableResponse(created=await self._handlers.declare(spec_from_proto(request.spec)))
 
     async def PullRows(self, request: pb.PullRowsRequest, context: object) -> pb.PullRowsResponse:
-        rows = await self._handlers.pull(request.table, request.ids, request.clock)
+        rows = await self._handlers.pull(request.table, request.ids, request.clock, request.worker_id)
         return pb.PullRowsResponse(rows=rows.tobytes())
 
     async def PushRows(self, request: pb.PushRowsRequest, context: object) -> pb.PushRowsResponse:
-        stored = await self._handlers.push(request.table, request.ids, request.grads, request.clock)
+        stored = await self._handlers.push(request.table, request.ids, request.grads, request.clock,
+                                           request.worker_id)
         return pb.PushRowsResponse(stored=stored)
 
     async def PushPullRows(self, request: pb.PushPullRowsRequest, context: object) -> pb.PushPullRowsResponse:
         stored, rows = await self._handlers.push_pull(request.table, request.push_ids, request.grads,
-                                                      request.pull_ids, request.clock)
+                                                      request.pull_ids, request.clock, request.worker_id)
         return pb.PushPullRowsResponse(stored=stored, rows=rows.tobytes())
 
     async def ExportTable(self, request: pb.ExportTableRequest, context: object) -> pb.ExportTableResponse:

@@ -34,6 +34,7 @@ class PSEmbedding(nn.Module):
         super().__init__()
         self.config = TableConfig(table, dim, **config)
         self._client: PSClient | None = None
+        self._clock = 0  # the clock pulls read at (sync tables wait for it): the trainer's next step
         # (distinct ids, their pulled rows) of each forward pass since the last push.
         self._pending: list[tuple[np.ndarray, torch.Tensor]] = []
         if client is not None:
@@ -58,7 +59,8 @@ class PSEmbedding(nn.Module):
                                        "expected int64")
         flat = ids.detach().cpu().numpy().reshape(-1).astype(np.int64, copy=False)
         unique, inverse = np.unique(flat, return_inverse=True)
-        rows = torch.from_numpy(np.ascontiguousarray(self._client.pull_rows(self.config.name, unique)))
+        pulled = self._client.pull_rows(self.config.name, unique, self._clock)
+        rows = torch.from_numpy(np.ascontiguousarray(pulled))
         if self.training and torch.is_grad_enabled():
             rows.requires_grad_(True)
             self._pending.append((unique, rows))
@@ -69,14 +71,17 @@ class PSEmbedding(nn.Module):
         return rows.to(ids.device)[inverse].reshape(*ids.shape, self.dim)
 
     def push_grads(self, clock: int = 0) -> int:
-        """Push the rows' gradients of every forward pass since the last push (repeats summed);
-        returns the rows stored (admission may only count some)."""
+        """Push the rows' gradients of every forward pass since the last push (repeats summed) for
+        `clock`, after which pulls read at clock + 1; returns the rows stored (admission may only count
+        some). A sync table gets a push even with no rows: its clock waits for every worker."""
         done = [(u, r.grad) for u, r in self._pending if r.grad is not None]
         self._pending.clear()
-        if not done or self._client is None:
+        self._clock = clock + 1
+        if self._client is None or (not done and self.config.mode != "sync"):
             return 0
-        ids = np.concatenate([u for u, _ in done])
-        grads = np.concatenate([g.detach().cpu().numpy() for _, g in done])
+        ids = np.concatenate([u for u, _ in done]) if done else np.zeros(0, np.int64)
+        grads = (np.concatenate([g.detach().cpu().numpy() for _, g in done]) if done
+                 else np.zeros((0, self.dim), self.config.np_dtype))
         return self._client.push_rows(self.config.name, ids, grads, clock)
 
 

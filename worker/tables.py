@@ -4,7 +4,8 @@ Ids of a call are de-duplicated first (np.unique with its inverse): a pull sends
 once and scatters the rows back to every position that asked; a push sums the gradients of
 repeated ids (what torch's coalesce does) and sends one row per distinct id. The distinct ids are
 split by the server that holds them (pshard.common.sparse.server_of, the same hash the servers
-use) and every server is called at once, on PSClient's thread pool.
+use) and every server is called at once, on PSClient's thread pool. A push to a sync table goes
+to every server, empty where the server holds none of the ids: each server's clock waits for it.
 """
 
 from __future__ import annotations
@@ -70,7 +71,8 @@ class TableClient:
         def call(s: int, stub: pb_grpc.SparseTablesServiceStub) -> None:
             part = split.parts[s]
             if len(part):
-                request = pb.PullRowsRequest(table=table, ids=split.unique[part].tobytes(), clock=clock)
+                request = pb.PullRowsRequest(table=table, ids=split.unique[part].tobytes(), clock=clock,
+                                             worker_id=self._client.worker_id)
                 reply = stub.PullRows(request, timeout=self._client._timeout_s)
                 rows[part] = self._rows(config, reply.rows, len(part))
 
@@ -85,10 +87,11 @@ class TableClient:
 
         def call(s: int, stub: pb_grpc.SparseTablesServiceStub) -> int:
             part = split.parts[s]
-            if not len(part):
+            if not len(part) and config.mode != "sync":
                 return 0
             reply = stub.PushRows(pb.PushRowsRequest(table=table, ids=split.unique[part].tobytes(),
-                                                     grads=summed[part].tobytes(), clock=clock),
+                                                     grads=summed[part].tobytes(), clock=clock,
+                                                     worker_id=self._client.worker_id),
                                   timeout=self._client._timeout_s)
             return int(reply.stored)
 
@@ -105,10 +108,11 @@ class TableClient:
 
         def call(s: int, stub: pb_grpc.SparseTablesServiceStub) -> None:
             part, wanted = split.parts[s], want.parts[s]
-            if len(part) or len(wanted):
+            if len(part) or len(wanted) or config.mode == "sync":
                 reply = stub.PushPullRows(pb.PushPullRowsRequest(
                     table=table, push_ids=split.unique[part].tobytes(), grads=summed[part].tobytes(),
-                    pull_ids=want.unique[wanted].tobytes(), clock=clock), timeout=self._client._timeout_s)
+                    pull_ids=want.unique[wanted].tobytes(), clock=clock, worker_id=self._client.worker_id),
+                    timeout=self._client._timeout_s)
                 rows[wanted] = self._rows(config, reply.rows, len(wanted))
 
         self._each(call)

@@ -150,3 +150,20 @@ def test_config_refuses_bad_values_naming_the_table() -> None:
         TableConfig("x", 0)
     with pytest.raises(InvalidArgumentError, match="optimizer"):
         TableConfig("x", 4, optimizer="rmsprop")
+
+
+def test_sync_clocks_apply_the_mean_once_every_member_pushed() -> None:
+    from pshard.ps_server.table_sync import SyncClocks
+
+    sync = SyncClocks()
+    g = np.ones((2, 3), np.float32)
+    assert sync.push(5, "a", np.array([1, 2]), g, {"a", "b"}) == []  # a table starts at its first clock
+    assert sync.push(5, "a", np.array([1, 2]), 9 * g, {"a", "b"}) == []  # a resent push is dropped
+    assert sync.waiting_for(5, {"a", "b"}) == ["b"]
+    assert sync.push(6, "a", np.array([3]), g[:1], {"a", "b"}) == []  # clock 6 waits for clock 5
+    (ids, mean, clock), = sync.push(5, "b", np.array([2, 3]), 3 * g, {"a", "b"})
+    assert clock == 5 and ids.tolist() == [1, 2, 3]
+    np.testing.assert_array_equal(mean[:, 0], [0.5, 2.0, 1.5])  # a row one worker did not touch: zero from it
+    assert sync.push(4, "b", np.array([1]), g[:1], {"a", "b"}) == []  # a clock already applied
+    (ids, mean, clock), = sync.ready({"a"})  # b left: clock 6 is complete without it
+    assert clock == 6 and ids.tolist() == [3] and sync.applied == 7
