@@ -52,6 +52,7 @@ class Outcome:
     test_accuracy: float | None = None
     model_path: str | None = None
     failed: str | None = None
+    skipped: int = 0  # planned steps the others trained while this worker was away (sync)
     started: float = field(default_factory=time.monotonic)
 
     def final_line(self, role: str) -> str:
@@ -60,7 +61,8 @@ class Outcome:
             parts.append(f"failed={self.failed}")
         if self.test_accuracy is not None:
             parts.append(f"test_accuracy={self.test_accuracy:.4f}")
-        parts += [f"steps={self.steps}", f"train_loss={self.train_loss:.4f}",
+        parts += [f"steps={self.steps}"] + ([f"skipped={self.skipped}"] if self.skipped else [])
+        parts += [f"train_loss={self.train_loss:.4f}",
                   f"time_s={time.monotonic() - self.started:.1f}"]
         if self.model_path is not None:
             parts.append(f"model={self.model_path}")
@@ -163,17 +165,30 @@ class TrainingRun:
     def _train(self) -> None:
         cfg, data, trainer, session = self.cfg, self.data, self.trainer, self.session
         assert data is not None and trainer is not None
+        # The shard plan: every epoch's batches in order; in sync mode planned step p is clock p, the same
+        # on every worker. A worker whose clock is ahead of its plan (restarted mid-job, or declared dead
+        # while stopped and back) skips the steps the others trained without it: it rejoins at the
+        # current clock with the current weights and trains only what its plan still has
+        # (docs/architecture.md, 9 Failures).
+        planned = 0
         for epoch in range(cfg.epochs):
             indices = shard(len(data.train_y), session.rank, cfg.spec.world_size, epoch, cfg.seed)
             total = num_batches(len(indices), cfg.batch_size)
             if cfg.max_steps:
-                total = min(total, cfg.max_steps - self.outcome.steps)
+                total = min(total, cfg.max_steps - planned)
             if total <= 0:
                 break
-            self.progress.start_epoch(epoch, total)
+            skip = self._steps_to_skip(planned, total)
+            position, planned = planned + skip, planned + total
+            if skip == total:
+                continue
+            self.progress.start_epoch(epoch, total - skip)
             self.outcome.epoch = epoch
             losses, correct, seen, started = [], 0, 0, time.monotonic()
-            for batch in itertools.islice(batches(indices, cfg.batch_size), total):
+            for batch in itertools.islice(batches(indices, cfg.batch_size), skip, total):
+                position += 1
+                if self._steps_to_skip(position - 1, 1):
+                    continue  # the clock jumped during this epoch: those batches were trained without us
                 step_started = time.perf_counter()
                 loss, hits = self._step(data.train_x[batch], data.train_y[batch])
                 self._check_divergence(loss)
@@ -188,15 +203,35 @@ class TrainingRun:
                 if self.outcome.steps % cfg.log_every == 0:
                     self.metrics.log("step", step=self.outcome.steps, clock=trainer.clock, epoch=epoch + 1,
                                      loss=loss, accuracy=correct / seen)  # accuracy: the epoch's so far
+            if not losses:
+                continue
             self.outcome.train_loss = float(np.mean(losses))
             self.progress.end_epoch(loss=self.outcome.train_loss, acc=correct / seen)
             self.metrics.log("epoch", epoch=epoch + 1, steps=len(losses), loss=self.outcome.train_loss,
                              accuracy=correct / seen, time_s=time.monotonic() - started)
-            last = epoch == cfg.epochs - 1 or self.outcome.steps == cfg.max_steps
+            last = epoch == cfg.epochs - 1 or planned == cfg.max_steps
             if cfg.is_chief and not last:
                 accuracy, test_loss = evaluate(trainer.model, data, trainer.device)
                 self.metrics.log("eval", epoch=epoch + 1, step=self.outcome.steps, test_accuracy=accuracy,
                                  test_loss=test_loss)
+
+    def _steps_to_skip(self, planned: int, count: int) -> int:
+        """Of the `count` planned steps from plan position `planned`, how many the sync clock has passed."""
+        trainer = self.trainer
+        assert trainer is not None
+        if self.cfg.job.mode != "sync" or trainer.clock <= planned:
+            return 0
+        skip = min(count, trainer.clock - planned)
+        if self._skipped_to != trainer.clock:
+            self._skipped_to = trainer.clock
+            log.warning("the job is at clock %d and this worker's shard plan at step %d: it was away "
+                        "(declared dead, or restarted) while the others trained; it rejoins at clock %d with "
+                        "the current weights and skips the planned steps before it", trainer.clock, planned,
+                        trainer.clock)
+        self.outcome.skipped += skip
+        return skip
+
+    _skipped_to = -1
 
     def _step(self, images: np.ndarray, labels: np.ndarray) -> tuple[float, int]:
         trainer = self.trainer

@@ -181,6 +181,40 @@ def test_a_job_whose_server_is_gone_fails_within_heartbeats_naming_it_and_what_w
         assert "slice(s)" in error[0] and "are lost" in error[0], error[0]
 
 
+def test_a_worker_declared_dead_that_comes_back_trains_only_what_its_plan_has_left(procs: Procs) -> None:
+    # Issue 10: a worker SIGSTOPped until declared dead, then SIGCONTed, re-registered, jumped its clock
+    # and trained its whole remaining shard alone after the others had finished (9,820 server steps
+    # instead of 5,628). Now it rejoins at the current clock and skips what was trained without it.
+    cluster = LocalCluster(procs)  # declared dead after 1.5 s of silence
+    cluster.start_servers()
+    workers = [cluster.start_worker(i, *SYNC, *RESTART_RUN, *TIMEOUTS) for i in (0, 1)]
+    wait_for_progress(cluster, "worker-0", "worker-1")
+    planned = 12 * 23  # epochs x batches of 32 in a shard of 719 digits
+
+    workers[1].signal_group(signal.SIGSTOP)
+    try:
+        stopped_at = cluster.steps_logged("worker-0")
+        # worker-0 trains alone once worker-1 is declared dead: the proof that it was.
+        wait_until(lambda: cluster.steps_logged("worker-0") >= stopped_at + 20, PROGRESS_TIMEOUT_S,
+                   "worker-0 to train on without the stopped worker-1")
+    finally:
+        workers[1].signal_group(signal.SIGCONT)
+
+    finals = [assert_trained(w) for w in workers]
+
+    assert chief_accuracy(*finals) > DIGITS_ACCURACY_BAR, finals
+    assert int(finals[0]["steps"]) == planned, finals
+    back = finals[1]
+    assert int(back["steps"]) + int(back.get("skipped", 0)) == planned, finals
+    assert int(back.get("skipped", 0)) >= 20, finals
+    assert any("rejoins at clock" in line for line in workers[1].lines), workers[1].output()
+    # The servers took exactly the planned clocks: nobody trained alone past the end.
+    for address in cluster.plan.ps:
+        with grpc.insecure_channel(address) as channel:
+            stats = ParameterServerStub(channel).GetStats(GetStatsRequest(), timeout=10)
+        assert stats.max_version == planned, (address, stats.max_version)
+
+
 @pytest.mark.parametrize("mode", [("async",), ("ssp", "--staleness", "2")], ids=["async", "ssp2"])
 def test_async_and_bounded_staleness_training_converge(procs: Procs, mode: tuple[str, ...]) -> None:
     cluster = LocalCluster(procs)
