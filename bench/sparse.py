@@ -1,7 +1,8 @@
 """Sparse tables: rows/s of pulls and pushes, and the memory overhead of the row store (issue 9).
 
 rows/s: a 1,000,000 x 64 float32 table (SGD) on 2 parameter server processes, 2 worker processes,
-async. The table is filled first (untimed); then each step a worker pulls 4,096 distinct random ids
+async, over the servers' raw TCP table stream (`--transport grpc`: over gRPC). The table is filled
+first (untimed); then each step a worker pulls 4,096 distinct random ids
 and pushes one gradient for each: rows/s = steps x workers x 4,096 / seconds. The zipf variant
 draws 4,096 ids from a Zipf(1.1) distribution over the table, with repeats (the client de-duplicates
 and sums them; the rate still counts 4,096 per step). `--fused` sends the push of step t with the
@@ -53,7 +54,7 @@ def _batches(rng: object, steps: int, zipf: bool) -> list[object]:
 
 
 def _sparse_worker(run: WorkerRun, addresses: list[str], steps: int, warmup: int, zipf: bool,
-                   fused: bool, server_pids: list[int]) -> dict[str, float]:
+                   fused: bool, server_pids: list[int], transport: str) -> dict[str, float]:
     import numpy as np
     from pshard.common.sparse import TableConfig
     from pshard.worker.client import PSClient
@@ -62,7 +63,7 @@ def _sparse_worker(run: WorkerRun, addresses: list[str], steps: int, warmup: int
     config = TableConfig("bench", DIM, optimizer="sgd", lr=0.01)
     batches = _batches(rng, warmup + steps, zipf)
     grads = rng.standard_normal((BATCH, DIM), dtype=np.float32)
-    with PSClient(addresses, f"w{run.index}", transport="grpc") as client:
+    with PSClient(addresses, f"w{run.index}", transport=transport) as client:
         client.declare_table(config)
         if run.index == 0:  # fill the table, so that the timed steps find a table of 1M rows
             for chunk in np.array_split(np.arange(ROWS, dtype=np.int64), 64):
@@ -91,23 +92,27 @@ def _sparse_worker(run: WorkerRun, addresses: list[str], steps: int, warmup: int
         end = time.monotonic()
         meter.stop()
         stats = client.tables.stats("bench")
+        if client.tables.transports != [transport] * len(addresses):
+            raise RuntimeError(f"sparse: asked for {transport}, the steps used {client.tables.transports}")
     return {"start": start, "end": end, "rows": sum(s.rows for s in stats), **meter.result()}
 
 
 def throughput(steps: int = 200, warmup: int = 10, zipf: bool = False, fused: bool = False,
-               servers: int = 2, workers: int = 2, profile_dir: str | None = None) -> dict[str, object]:
+               servers: int = 2, workers: int = 2, profile_dir: str | None = None,
+               transport: str = "tcp") -> dict[str, object]:
     names = [f"w{i}" for i in range(workers)]
     if profile_dir:
         os.makedirs(profile_dir, exist_ok=True)
-    procs = start_ps_servers(servers, names, ["--transport", "grpc"], profile_dir=profile_dir)
+    procs = start_ps_servers(servers, names, ["--transport", transport], profile_dir=profile_dir)
     try:
-        args = ([p.address for p in procs], steps, warmup, zipf, fused, [p.proc.pid for p in procs])
+        pids = [p.proc.pid for p in procs]
+        args = ([p.address for p in procs], steps, warmup, zipf, fused, pids, transport)
         results = run_workers(_sparse_worker, workers, args)
         server_rss = [round(rss_mb(p.proc.pid), 1) for p in procs]
     finally:
         stop_processes([p.proc for p in procs])
     elapsed = span_s(results)
-    return {"variant": "zipf" if zipf else "uniform", "fused": fused,
+    return {"variant": "zipf" if zipf else "uniform", "transport": transport, "fused": fused,
             "rows_per_s": round(steps * workers * BATCH / elapsed), "steps": steps, "workers": workers,
             "servers": servers, "table_rows": results[0]["rows"], "dim": DIM, "batch": BATCH,
             "server_rss_mb": server_rss, "bar_rows_per_s": 2_000_000, **cpu_figures(results, steps, elapsed)}
@@ -154,6 +159,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--skip-memory", action="store_true", help="only the rows/s figures")
     p.add_argument("--only", choices=("uniform", "zipf"), help="one variant of the rows/s figure")
     p.add_argument("--profile", metavar="DIR", help="write cProfile stats of the servers to DIR")
+    p.add_argument("--transport", choices=("tcp", "grpc"), default="tcp",
+                   help="how table requests travel: the servers' raw TCP table stream (default) or gRPC")
     p.add_argument("--memory-child", nargs=2, type=int, metavar=("ROWS", "DIM"), help=argparse.SUPPRESS)
     return p
 
@@ -165,7 +172,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     for zipf in (False, True):
         if args.only in (None, "zipf" if zipf else "uniform"):
-            figure = throughput(args.steps, args.warmup, zipf, args.fused, profile_dir=args.profile)
+            figure = throughput(args.steps, args.warmup, zipf, args.fused, profile_dir=args.profile,
+                                transport=args.transport)
             emit("sparse_rows", **figure)
     if not args.skip_memory:
         emit("sparse_memory", **memory())

@@ -34,6 +34,7 @@ from pshard.ps_server.settings import ServerSettings
 from pshard.ps_server.table_handlers import TableHandlers
 from pshard.ps_server.table_servicer import SparseTablesServicer
 from pshard.ps_server.table_servicer import rpc_handlers as table_rpc_handlers
+from pshard.ps_server.table_stream import TableStreamServer
 
 from pshard.api.v1 import parameter_server_pb2 as pb
 
@@ -86,6 +87,8 @@ class RunningServer:
         await self.server.stop(grace_s)
         if self.fast is not None:  # after gRPC: a worker whose fast path closes falls back to a server gone
             await self.fast.aclose()
+        if self.tables is not None:
+            await self.tables.close()
         self.executor.shutdown(wait=False, cancel_futures=True)
         self.trimmer.close()
 
@@ -103,6 +106,9 @@ async def start(settings: ServerSettings, bind: str = "127.0.0.1:0",
     server.add_generic_rpc_handlers([_rpc_handlers(ps_servicer)])
     # Sparse tables share the port, the in-flight budget and the request wrapping of the dense service.
     tables = TableHandlers(settings)
+    if settings.transport != "grpc":  # table requests over a raw TCP stream too (ps_server.table_stream)
+        tables.stream = TableStreamServer(tables, bind.rsplit(":", 1)[0].strip("[]") or "0.0.0.0",
+                                          settings.limits.max_request_bytes)
     server.add_generic_rpc_handlers([table_rpc_handlers(SparseTablesServicer(tables), ps_servicer.unary)])
     health_servicer = health.aio.HealthServicer()  # type: ignore[attr-defined]
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

@@ -24,6 +24,7 @@ import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 from pshard.common.errors import (
@@ -40,6 +41,9 @@ from pshard.ps_server.settings import ServerSettings
 from pshard.ps_server.table import SparseTable
 from pshard.ps_server.table_files import append_ids, export_table, load_tables, save_tables
 from pshard.ps_server.table_sync import SyncClocks
+
+if TYPE_CHECKING:
+    from pshard.ps_server.table_stream import TableStreamServer
 
 _ID = np.dtype("<i8")
 # Tables per server: far more than any model has, few enough that hostile declarations cannot
@@ -65,6 +69,8 @@ class TableHandlers:
         self._changed: dict[str, asyncio.Event] = {}  # set (and replaced) when a sync clock is applied
         self._quorum: dict[str, int] | None = dict(settings.static_quorum) if settings.static_quorum else None
         self._dir = Path(settings.checkpoint_dir) if settings.checkpoint_dir else None
+        # The raw TCP stream for table requests (ps_server.table_stream); None: gRPC only.
+        self.stream: TableStreamServer | None = None
         if self._dir is not None:
             for table in load_tables(self._dir, settings.shard_name, self._make):
                 self._add(table)
@@ -221,6 +227,10 @@ class TableHandlers:
         finally:
             for name in names:
                 self._locks[name].release()
+
+    async def close(self) -> None:
+        if self.stream is not None:
+            await self.stream.close()
 
     def stats(self, name: str) -> TableStats:
         table = self._table(name)

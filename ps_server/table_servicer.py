@@ -57,6 +57,13 @@ class SparseTablesServicer:
         stats = self._handlers.stats(request.table)
         return pb.GetTableStatsResponse(rows=stats.rows, evicted=stats.evicted, steps=stats.steps)
 
+    async def OpenTableStream(self, request: pb.OpenTableStreamRequest,
+                              context: object) -> pb.OpenTableStreamResponse:
+        stream = self._handlers.stream
+        if stream is None:
+            return pb.OpenTableStreamResponse(port=0)
+        return pb.OpenTableStreamResponse(port=await stream.port(), secret=stream.secret)
+
 
 def rpc_handlers(servicer: SparseTablesServicer, wrap: Wrap) -> grpc.GenericRpcHandler:
     """The service's methods, each wrapped by `wrap(name, request type, method)` into a raw-bytes handler."""
@@ -65,6 +72,7 @@ def rpc_handlers(servicer: SparseTablesServicer, wrap: Wrap) -> grpc.GenericRpcH
         "PushRows": pb.PushRowsRequest,
         "PushPullRows": pb.PushPullRowsRequest, "ExportTable": pb.ExportTableRequest,
         "CheckpointTables": pb.CheckpointTablesRequest, "GetTableStats": pb.GetTableStatsRequest,
+        "OpenTableStream": pb.OpenTableStreamRequest,
     }
     return grpc.method_handlers_generic_handler(SERVICE_NAME, {
         name: grpc.unary_unary_rpc_method_handler(wrap(name, request, getattr(servicer, name)))

@@ -155,6 +155,8 @@ class PSClient:
         self._closed.set()
         for server in range(len(self.servers)):
             self._drop_fast(server)
+        if "tables" in self.__dict__:  # table streams, when sparse tables were used (worker.tables)
+            self.tables.close()
         # Channels first: closing one cancels its calls, so a pool thread blocked in a sync pull
         # (a stop, SIGTERM, in mid-step) ends now instead of at its deadline.
         for channel, watcher in zip(self._channels, self._watchers, strict=True):

@@ -6,16 +6,32 @@ repeated ids (what torch's coalesce does) and sends one row per distinct id. The
 split by the server that holds them (pshard.common.sparse.server_of, the same hash the servers
 use) and every server is called at once, on PSClient's thread pool. A push to a sync table goes
 to every server, empty where the server holds none of the ids: each server's clock waits for it.
+
+Unless the client's transport is "grpc", requests travel over the server's raw TCP table stream
+(ps_server.table_stream) once OpenTableStream handed out its port, else over gRPC. A stream that
+breaks is dropped (tried again after a pause); a pull then completes over gRPC, while a push fails
+with UnavailableError, since it may have been applied and async pushes are not idempotent.
 """
 
 from __future__ import annotations
 
+import logging
+import socket
+import threading
+import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, TypeVar
 
 import grpc
 import numpy as np
-from pshard.common.errors import InvalidArgumentError, UnknownKeyError
+from pshard.common.errors import (
+    InvalidArgumentError,
+    PSError,
+    UnavailableError,
+    UnknownKeyError,
+    error_classes,
+)
+from pshard.common.fastwire import HELLO, REPLY, REQUEST, Inbox, TransportBroken, send_frame
 from pshard.common.rpc_status import error_from_rpc_error
 from pshard.common.sparse import TableConfig, server_of
 from pshard.common.sparse_codec import spec_to_proto
@@ -27,6 +43,42 @@ if TYPE_CHECKING:
     from pshard.worker.client import PSClient
 
 T = TypeVar("T")
+log = logging.getLogger("pshard.worker")
+_STREAM_RETRY_S = 5.0
+_NONE = np.zeros(0, np.uint8)
+
+
+class _Stream:
+    """One connection to a server's table stream; one request at a time."""
+
+    def __init__(self, host: str, port: int, secret: bytes, timeout_s: float) -> None:
+        self._sock = socket.create_connection((host, port), timeout=timeout_s)
+        self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self._inbox = Inbox(self._sock)
+        self._lock = threading.Lock()
+        send_frame(self._sock, HELLO, secret)
+
+    def call(self, request: pb.TableStreamRequest, data: np.ndarray, rows: np.ndarray | None) -> int:
+        """Send `request` with `data`; the pulled rows land in `rows`; the rows stored. PSErrors are
+        the server's refusals; TransportBroken or OSError mean the stream is unusable."""
+        with self._lock:
+            send_frame(self._sock, REQUEST, request.SerializeToString(), [data] if data.nbytes else [])
+            kind, meta, n = self._inbox.frame_head()
+            reply = pb.TableStreamReply.FromString(meta)
+            if kind != REPLY:
+                raise TransportBroken(f"table stream: a frame of kind {kind} where a reply was due")
+            if reply.error_type:
+                cls = error_classes().get(reply.error_type, PSError)
+                raise cls(reply.error_message)
+            want = rows.nbytes if rows is not None else 0
+            if n != want:
+                raise TransportBroken(f"table stream: a reply of {n} bytes where {want} were due")
+            if rows is not None and n:
+                self._inbox.read_into(rows)
+            return int(reply.stored)
+
+    def close(self) -> None:
+        self._sock.close()
 
 
 class _Split:
@@ -55,6 +107,11 @@ class TableClient:
         self._client = client
         self._stubs = [pb_grpc.SparseTablesServiceStub(c) for c in client._channels]
         self.configs: dict[str, TableConfig] = {}
+        n = len(self._stubs)
+        self._streams: list[_Stream | None] = [None] * n
+        self._stream_retry_at = [0.0] * n
+        self._stream_locks = [threading.Lock() for _ in range(n)]
+        self.transports = ["grpc"] * n  # what each server's table requests use: "tcp" or "grpc"
 
     def declare(self, config: TableConfig) -> None:
         """Declare the table on every server (the first declaration wins; a different one is refused)."""
@@ -70,11 +127,23 @@ class TableClient:
 
         def call(s: int, stub: pb_grpc.SparseTablesServiceStub) -> None:
             part = split.parts[s]
-            if len(part):
-                request = pb.PullRowsRequest(table=table, ids=split.unique[part].tobytes(), clock=clock,
+            if not len(part):
+                return
+            ids = split.unique[part].tobytes()
+            stream = self._stream(s)
+            if stream is not None:
+                landed = np.empty((len(part), config.dim), config.np_dtype)
+                sent = pb.TableStreamRequest(op=pb.TABLE_STREAM_OP_PULL, table=table, ids=ids, clock=clock,
                                              worker_id=self._client.worker_id)
-                reply = stub.PullRows(request, timeout=self._client._timeout_s)
-                rows[part] = self._rows(config, reply.rows, len(part))
+                try:
+                    stream.call(sent, _NONE, landed)
+                    rows[part] = landed
+                    return
+                except (TransportBroken, OSError) as err:
+                    self._drop_stream(s, err)  # a pull changes nothing: it is safe to ask again over gRPC
+            request = pb.PullRowsRequest(table=table, ids=ids, clock=clock, worker_id=self._client.worker_id)
+            reply = stub.PullRows(request, timeout=self._client._timeout_s)
+            rows[part] = self._rows(config, reply.rows, len(part))
 
         self._each(call)
         return rows[split.inverse].reshape(*split.shape, config.dim)
@@ -89,6 +158,12 @@ class TableClient:
             part = split.parts[s]
             if not len(part) and config.mode != "sync":
                 return 0
+            stream = self._stream(s)
+            if stream is not None:
+                sent = pb.TableStreamRequest(op=pb.TABLE_STREAM_OP_PUSH, table=table,
+                                             ids=split.unique[part].tobytes(), clock=clock,
+                                             worker_id=self._client.worker_id)
+                return self._on_stream(s, stream, sent, summed[part], None)
             reply = stub.PushRows(pb.PushRowsRequest(table=table, ids=split.unique[part].tobytes(),
                                                      grads=summed[part].tobytes(), clock=clock,
                                                      worker_id=self._client.worker_id),
@@ -108,7 +183,17 @@ class TableClient:
 
         def call(s: int, stub: pb_grpc.SparseTablesServiceStub) -> None:
             part, wanted = split.parts[s], want.parts[s]
-            if len(part) or len(wanted) or config.mode == "sync":
+            if not (len(part) or len(wanted) or config.mode == "sync"):
+                return
+            stream = self._stream(s)
+            if stream is not None:
+                landed = np.empty((len(wanted), config.dim), config.np_dtype)
+                sent = pb.TableStreamRequest(
+                    op=pb.TABLE_STREAM_OP_PUSH_PULL, table=table, ids=split.unique[part].tobytes(),
+                    pull_ids=want.unique[wanted].tobytes(), clock=clock, worker_id=self._client.worker_id)
+                self._on_stream(s, stream, sent, summed[part], landed)
+                rows[wanted] = landed
+            else:
                 reply = stub.PushPullRows(pb.PushPullRowsRequest(
                     table=table, push_ids=split.unique[part].tobytes(), grads=summed[part].tobytes(),
                     pull_ids=want.unique[wanted].tobytes(), clock=clock, worker_id=self._client.worker_id),
@@ -159,6 +244,56 @@ class TableClient:
             raise InvalidArgumentError(f"table {config.name!r}: the server sent {len(raw)} bytes for "
                                        f"{n} rows of dim {config.dim}")
         return np.frombuffer(raw, config.np_dtype).reshape(n, config.dim)
+
+    def _stream(self, s: int) -> _Stream | None:
+        """Server `s`'s table stream, opened at the first call; None: use gRPC."""
+        if self._client._transport == "grpc":
+            return None
+        with self._stream_locks[s]:
+            stream = self._streams[s]
+            if stream is not None or time.monotonic() < self._stream_retry_at[s]:
+                return stream
+            try:
+                offer = self._stubs[s].OpenTableStream(pb.OpenTableStreamRequest(),
+                                                       timeout=self._client._timeout_s)
+                if not offer.port:
+                    self._stream_retry_at[s] = float("inf")  # the server offers gRPC only
+                    return None
+                host = self._client.servers[s].rsplit(":", 1)[0].strip("[]")
+                stream = _Stream(host, offer.port, offer.secret, self._client._timeout_s)
+            except (grpc.RpcError, OSError, TransportBroken) as err:
+                log.info("table stream to %s not opened (%s); using gRPC", self._client.servers[s], err)
+                self._stream_retry_at[s] = time.monotonic() + _STREAM_RETRY_S
+                return None
+            self._streams[s] = stream
+            self.transports[s] = "tcp"
+            return stream
+
+    def _drop_stream(self, s: int, err: BaseException) -> None:
+        with self._stream_locks[s]:
+            stream, self._streams[s] = self._streams[s], None
+            self._stream_retry_at[s] = time.monotonic() + _STREAM_RETRY_S
+            self.transports[s] = "grpc"
+        if stream is not None:
+            stream.close()
+            log.warning("table stream to %s broke (%s); using gRPC for a while", self._client.servers[s], err)
+
+    def _on_stream(self, s: int, stream: _Stream, request: pb.TableStreamRequest, data: np.ndarray,
+                   rows: np.ndarray | None) -> int:
+        """A push over the stream; a broken stream is UnavailableError (the push may have landed)."""
+        try:
+            return stream.call(request, data, rows)
+        except (TransportBroken, OSError) as err:
+            self._drop_stream(s, err)
+            raise UnavailableError(f"push of table {request.table!r} to {self._client.servers[s]}: the "
+                                   f"stream broke ({err}); the push may have been applied or not") from err
+
+    def close(self) -> None:
+        for s in range(len(self._streams)):
+            with self._stream_locks[s]:
+                stream, self._streams[s] = self._streams[s], None
+            if stream is not None:
+                stream.close()
 
     def _each(self, call: Callable[[int, pb_grpc.SparseTablesServiceStub], T]) -> list[T]:
         def run(s: int) -> T:

@@ -10,7 +10,12 @@ from pathlib import Path
 import grpc
 import numpy as np
 import pytest
-from pshard.common.errors import InvalidArgumentError, LayoutConflictError, UnknownKeyError
+from pshard.common.errors import (
+    InvalidArgumentError,
+    LayoutConflictError,
+    MessageTooLargeError,
+    UnknownKeyError,
+)
 from pshard.common.limits import Limits
 from pshard.common.sparse import TableConfig
 from pshard.ps_server.service import ServerThread
@@ -27,8 +32,9 @@ StartServer = Callable[..., ServerThread]
 NewClient = Callable[..., PSClient]
 
 
-def test_async_pushes_of_8_concurrent_clients_are_all_conserved(start_server: StartServer,
-                                                                new_client: NewClient) -> None:
+@pytest.mark.parametrize("transport", ["auto", "grpc"])  # auto: the servers' raw TCP table stream
+def test_async_pushes_of_8_concurrent_clients_are_all_conserved(
+        start_server: StartServer, new_client: NewClient, transport: str) -> None:
     servers = [start_server(), start_server()]
     config = TableConfig("emb", 8, initializer="uniform", init_scale=1.0, optimizer="sgd", lr=1.0)
     universe = np.concatenate([np.arange(300), [2**62, -(2**62), -1]]).astype(np.int64)
@@ -37,7 +43,7 @@ def test_async_pushes_of_8_concurrent_clients_are_all_conserved(start_server: St
 
     def work(w: int) -> None:
         try:
-            client = new_client(servers, f"w{w}")
+            client = new_client(servers, f"w{w}", transport=transport)
             client.declare_table(config)
             rng = np.random.default_rng(w)
             for step in range(25):
@@ -55,10 +61,11 @@ def test_async_pushes_of_8_concurrent_clients_are_all_conserved(start_server: St
     for t in threads:
         t.join(WAIT_S * 6)
     assert not errors and not any(t.is_alive() for t in threads)
-    reader = new_client(servers, "reader")
+    reader = new_client(servers, "reader", transport=transport)
     reader.declare_table(config)
     expected = initial_rows(config, universe) - sum(sums)
     np.testing.assert_allclose(reader.pull_rows("emb", universe), expected, rtol=0, atol=1e-4)
+    assert reader.tables.transports == ["tcp" if transport == "auto" else "grpc"] * 2
     per_server = [s.rows for s in reader.tables.stats("emb")]
     assert sum(per_server) == len(universe) and min(per_server) > 0.3 * len(universe)
 
@@ -126,6 +133,12 @@ def test_bad_input_gets_a_status_naming_table_and_id_and_changes_nothing(start_s
         with pytest.raises(grpc.RpcError) as err:
             call(request, timeout=WAIT_S)
         assert err.value.code().name == code and text in err.value.details(), err.value.details()
+    # The same refusals over the table stream: the server's class and message, the stream still usable.
+    with pytest.raises(InvalidArgumentError, match="gradient of id 6 holds nan"):
+        client.push_rows("t", ids, nan)
+    with pytest.raises(MessageTooLargeError, match="table 't'"):
+        client.pull_rows("t", np.arange(5000))
+    assert client.tables.transports == ["tcp"]
     np.testing.assert_array_equal(client.pull_rows("t", ids), before)
     assert client.tables.stats("t")[0].steps == 0
     with pytest.raises(UnknownKeyError, match="table 'nope'"):
