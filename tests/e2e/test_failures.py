@@ -8,6 +8,7 @@ and each test checks that the victim was still running when it was killed.
 
 from __future__ import annotations
 
+import re
 import signal
 import time
 
@@ -213,6 +214,28 @@ def test_a_worker_declared_dead_that_comes_back_trains_only_what_its_plan_has_le
         with grpc.insecure_channel(address) as channel:
             stats = ParameterServerStub(channel).GetStats(GetStatsRequest(), timeout=10)
         assert stats.max_version == planned, (address, stats.max_version)
+
+
+def test_servers_report_a_stalled_sync_clock_naming_the_worker_before_it_is_dead(procs: Procs) -> None:
+    # Issue 10, point 6: a stalled worker shows in the servers' logs (and stats) long before any deadline.
+    cluster = LocalCluster(procs, heartbeat_timeout_ms=4000)
+    scheduler, *servers = cluster.start_servers("--hang-report-s", "0.5")
+    workers = [cluster.start_worker(i, *SYNC, *RESTART_RUN, *TIMEOUTS) for i in (0, 1)]
+    wait_for_progress(cluster, "worker-0", "worker-1")
+
+    workers[1].signal_group(signal.SIGSTOP)
+    try:
+        # worker-0 waits in a sync clock on at least one server (the stopped worker may have pushed its
+        # step to the other): that server names worker-1 as the one it waits for.
+        pattern = r"sync clock \d+ has waited [\d.]+s for a gradient from worker-1 \(slices "
+        wait_until(lambda: any(re.search(pattern, line) for ps in servers for line in ps.lines),
+                   PROGRESS_TIMEOUT_S, "a server to report the clock stalled by worker-1")
+        # Before the scheduler's 4 s heartbeat timeout declared worker-1 dead.
+        assert not any("declared worker-1 dead" in line for line in scheduler.lines), scheduler.output()
+    finally:
+        workers[1].signal_group(signal.SIGCONT)
+    for worker in workers:
+        assert_trained(worker)
 
 
 @pytest.mark.parametrize("mode", [("async",), ("ssp", "--staleness", "2")], ids=["async", "ssp2"])
