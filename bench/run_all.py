@@ -94,9 +94,11 @@ def main(argv: list[str] | None = None) -> int:
         lat_figs[t] = emit("latency_small_push_pull", **lat,
                            ratio_p50_to_grpc_rtt=_ratio(lat["p50_us"], small["p50_us"]))
 
-    # Sparse tables (issue 9): rows/s of pull + push of 4,096 ids, uniform and zipf, and the memory overhead.
-    sparse_figs = [emit("sparse_rows", **sparse_throughput(steps=20 if args.quick else 200, zipf=zipf))
-                   for zipf in (False, True)]
+    # Sparse tables (issue 9): rows/s of pull + push of 4,096 ids (uniform, also with the push and the
+    # next pull fused, and zipf), over the table stream, and the memory overhead.
+    sparse_steps = 20 if args.quick else 200
+    sparse_figs = [emit("sparse_rows", **sparse_throughput(steps=sparse_steps, zipf=zipf, fused=fused))
+                   for zipf, fused in ((False, False), (False, True), (True, False))]
     sparse_mem = emit("sparse_memory", **sparse_memory(rows=1_000_000 if args.quick else 10_000_000))
 
     m = machine()
@@ -123,7 +125,8 @@ def main(argv: list[str] | None = None) -> int:
               f"p99 {fig['p99_us']} us, {fig['ratio_p50_to_grpc_rtt']}x grpcio [bar {bar_text}: {ok}]")
     for fig in sparse_figs:
         ok = "ok" if int(fig["rows_per_s"]) >= int(fig["bar_rows_per_s"]) else "below"  # type: ignore[call-overload]
-        print(f"sparse 1M x 64 table, 2x2, {fig['variant']:7}: {fig['rows_per_s']:>9} rows/s "
+        variant = f"{fig['variant']}{' fused' if fig['fused'] else ''}"
+        print(f"sparse 1M x 64 table, 2x2, {variant:13}: {fig['rows_per_s']:>9} rows/s "
               f"[bar {fig['bar_rows_per_s']}: {ok}]")
     ok = "ok" if float(sparse_mem["overhead"]) <= 0.3 else "above"  # type: ignore[arg-type]
     print(f"sparse memory, {sparse_mem['rows']} rows of dim {sparse_mem['dim']} (adagrad): overhead "

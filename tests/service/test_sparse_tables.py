@@ -185,3 +185,20 @@ def test_checkpoint_round_trip_and_export(start_server: StartServer, new_client:
     got_ids, got_rows = np.load(export.ids_path), np.load(export.rows_path)
     assert export.rows == len(got_ids) == len(ids)
     np.testing.assert_array_equal(got_rows, replica.pull(got_ids, clock=7))
+
+
+def test_the_table_stream_closes_a_connection_without_the_secret(start_server: StartServer) -> None:
+    import socket
+
+    from pshard.common.fastwire import HELLO, REQUEST, send_frame
+
+    server = start_server()
+    offer = _stub(server).OpenTableStream(pb.OpenTableStreamRequest(), timeout=WAIT_S)
+    assert offer.port and len(offer.secret) == 16
+    with socket.create_connection(("127.0.0.1", offer.port), timeout=WAIT_S) as sock:
+        send_frame(sock, HELLO, b"x" * 16)
+        request = pb.TableStreamRequest(op=pb.TABLE_STREAM_OP_PULL, table="t", ids=b"\0" * 8)
+        send_frame(sock, REQUEST, request.SerializeToString())
+        assert sock.recv(1) == b""  # closed, nothing answered
+    grpc_only = start_server(ServerSettings(transport="grpc"))
+    assert _stub(grpc_only).OpenTableStream(pb.OpenTableStreamRequest(), timeout=WAIT_S).port == 0
