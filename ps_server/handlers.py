@@ -21,7 +21,7 @@ import asyncio
 import dataclasses
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Hashable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Generic, NamedTuple, TypeVar
@@ -141,6 +141,8 @@ class ParameterServerHandlers:
         self.pulls_timed_out = 0
         # Set by the fast-path transports, so that stats show what each worker uses.
         self.transport_report: Callable[[], Mapping[str, str]] = dict
+        # Run after each checkpoint of the shard (service.py: the sparse tables' own checkpoint).
+        self.after_checkpoint: Callable[[], Awaitable[object]] | None = None
         # Bytes, latency and refusals per transport, filled by the servicer and the fast paths.
         self.requests = RequestMetrics()
         # A restored checkpoint until the first Declare says which job this is (see _claim).
@@ -467,4 +469,6 @@ class ParameterServerHandlers:
             snap = store.snapshot()
             path = await asyncio.get_running_loop().run_in_executor(
                 None, save_shard, Path(self._settings.checkpoint_dir), snap, self._settings.shard_name)
+            if self.after_checkpoint is not None:  # the sparse tables join the shard's checkpoint
+                await self.after_checkpoint()
         return path, min(s.version for s in snap.slices) if snap.slices else 0

@@ -106,6 +106,7 @@ async def start(settings: ServerSettings, bind: str = "127.0.0.1:0",
     server.add_generic_rpc_handlers([_rpc_handlers(ps_servicer)])
     # Sparse tables share the port, the in-flight budget and the request wrapping of the dense service.
     tables = TableHandlers(settings)
+    handlers.after_checkpoint = tables.checkpoint
     if settings.transport != "grpc":  # table requests over a raw TCP stream too (ps_server.table_stream)
         tables.stream = TableStreamServer(tables, bind.rsplit(":", 1)[0].strip("[]") or "0.0.0.0",
                                           settings.limits.max_request_bytes)
@@ -224,7 +225,7 @@ async def checkpoint_every(running: RunningServer, interval_s: float) -> None:
                 log.info("checkpoint at version %d: %s", version, path)
             except Exception:
                 log.exception("periodic checkpoint failed")
-        if running.tables is not None:
+        if running.tables is not None and not running.handlers.has_store:  # else the shard's wrote them
             try:
                 await running.tables.checkpoint()
             except Exception:

@@ -85,6 +85,8 @@ class TableStreamServer:
                 await writer.drain()
         except (asyncio.IncompleteReadError, ConnectionError, TransportBroken):
             pass  # the worker went away; its requests so far were answered
+        except asyncio.CancelledError:
+            pass  # the server is stopping: the connection just ends
         finally:
             self._connections.discard(writer)
             writer.close()

@@ -16,6 +16,7 @@ from pshard.common.errors import (
     MessageTooLargeError,
     UnknownKeyError,
 )
+from pshard.common.job import JobConfig
 from pshard.common.limits import Limits
 from pshard.common.sparse import TableConfig
 from pshard.ps_server.service import ServerThread
@@ -162,19 +163,25 @@ def test_checkpoint_round_trip_and_export(start_server: StartServer, new_client:
     replica = SparseTable(config)  # the same history applied in-process: what the server must hold
     rng = np.random.default_rng(0)
     client.declare_table(config)
+    client.declare({"dense": np.zeros(3, np.float32)}, JobConfig(mode="async"))  # tables and dense, one job
     for step in range(1, 6):
         ids = rng.choice(50, 20, replace=False).astype(np.int64)
         grads = rng.normal(size=(20, 4)).astype(np.float32)
         client.push_rows("emb", ids, grads, clock=step)
         replica.push(ids, grads, clock=step)
     assert client.tables.checkpoint()[0].endswith(".tables.json")
+    client.push_rows("emb", ids, grads, clock=6)
+    replica.push(ids, grads, clock=6)
+    client.checkpoint()  # the server's checkpoint writes its tables too
     server.stop(grace_s=0.2)
 
     again = start_server(settings)
     client = new_client([again], "w2")
     client.declare_table(config)
+    client.declare({"dense": np.zeros(3, np.float32)}, JobConfig(mode="async"))
     ids = replica.index.ids[replica.index.live_rows()]
     np.testing.assert_array_equal(client.pull_rows("emb", ids, clock=6), replica.pull(ids, clock=6))
+    assert client.pull(0)["dense"].tolist() == [0, 0, 0]
     assert client.tables.stats("emb")[0].steps == replica.step
     grads = np.ones((len(ids), 4), np.float32)  # moments and per-row steps survived: same next update
     client.push_rows("emb", ids, grads, clock=7)
