@@ -181,7 +181,9 @@ def test_commands_follow_the_cli_contract() -> None:
     services = normalised("gpu")["services"]
     assert services["scheduler"]["command"] == ["pshard", "scheduler"]
     for i in (0, 1):
-        assert services[f"ps-{i}"]["command"] == ["pshard", "ps", "--checkpoint-dir", f"/checkpoints/ps-{i}"]
+        # Periodic checkpoints: a server restarted after a crash (restart: on-failure) restores recent state.
+        assert services[f"ps-{i}"]["command"] == ["pshard", "ps", "--checkpoint-dir", f"/checkpoints/ps-{i}",
+                                                  "--checkpoint-interval-s", "30"]
         cpu = services[f"worker-{i}"]["command"]
         assert cpu == ["pshard", "worker", "--mode", "sync", "--epochs", "2",
                        "--output", "/models/model.pt", "--metrics", f"/models/metrics-worker-{i}.jsonl"]

@@ -197,7 +197,8 @@ def test_rewrites_cover_addresses_paths_and_health_checks(tmp_path: Path) -> Non
     env = compose.environment("ps-1")
     assert all(a.startswith("127.0.0.1:") for job in json.loads(env["TF_CONFIG"])["cluster"].values()
                for a in job)
-    assert compose.command("ps-1")[-1] == str(tmp_path / "volumes" / "checkpoints" / "ps-1")
+    ps1 = compose.command("ps-1")
+    assert ps1[ps1.index("--checkpoint-dir") + 1] == str(tmp_path / "volumes" / "checkpoints" / "ps-1")
     assert compose.health_command("ps-1") == [*LOCAL_PROGRAMS["pshard"], "health",
                                              compose.own_address("ps-1")]
     worker = compose.command("worker-0")
