@@ -156,3 +156,19 @@ def test_step_times_and_a_stalled_sync_clock_name_the_missing_worker(start_serve
     wire.stub(server).Push(wire.push_request("slow", 4, grads), timeout=WAIT_S)
     assert pull.result(timeout=WAIT_S).slices[0].version == 5
     assert not wire.stats(server).hangs
+
+
+@pytest.mark.parametrize("transport", ["shm", "tcp", "grpc"])
+def test_reject_on_every_transport(start_server, new_client, transport, tmp_path):
+    # The check lives in the store, so the fast paths refuse exactly what gRPC refuses.
+    server = start_server(ServerSettings(shm_dir=str(tmp_path), static_quorum={"w0": 0}))
+    client = new_client([server], "w0", transport=transport, shm_dir=str(tmp_path))
+    client.declare({"w": np.zeros(1000, np.float32)}, JobConfig(mode="async", optimizer=SGD))
+    grad = np.ones(1000, np.float32)
+    grad[737] = np.nan
+
+    with pytest.raises(InvalidArgumentError, match=r"key 'w.*index \(737,\)"):
+        client.push_pull({"w": grad}, 0)
+
+    assert client.transports == [transport]
+    np.testing.assert_array_equal(client.pull(0)["w"], np.zeros(1000, np.float32))
