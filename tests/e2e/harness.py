@@ -1,4 +1,4 @@
-"""Helpers for tests that run pshard as real OS processes (DESIGN §10).
+"""Helpers for tests that run pshard as real OS processes (docs/architecture.md, 10 Running).
 
 Ports come from the kernel (never fixed), every wait has a deadline and polls a condition
 rather than sleeping, and the `procs` fixture SIGKILLs every process group it started, so a

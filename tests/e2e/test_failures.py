@@ -1,4 +1,5 @@
-"""Failures with real processes (DESIGN §9), each found by SIGKILL, never by a polite shutdown.
+"""Failures with real processes (docs/architecture.md, 9 Failures), each found by SIGKILL, never by a
+polite shutdown.
 
 Every cluster has a standalone scheduler with short heartbeats (200 ms, dead after 1.5 s) so a
 killed worker leaves the sync quorum quickly. Workers train an MLP on scikit-learn's digits (an

@@ -1,4 +1,4 @@
-"""DESIGN §5's proof of sync mode, with real OS processes.
+"""The proof of sync mode (docs/architecture.md, 5 Consistency), with real OS processes.
 
 A scheduler, two parameter servers and two workers (`python -m ...`, TF_CONFIG each, all on
 127.0.0.1) train for a few sync steps; the model the chief saves must equal what one process

@@ -1,7 +1,7 @@
 """PSTrainer against real parameter servers (in-process, 127.0.0.1 port 0).
 
-The sync contract (DESIGN §5): two workers on disjoint halves of each batch end with the
-weights one process gets on the whole batch. Also the aggregate-only mode with a local
+The sync contract (docs/architecture.md, 5 Consistency): two workers on disjoint halves of each
+batch end with the weights one process gets on the whole batch. Also the aggregate-only mode with a local
 torch optimizer, and the README's example, run exactly as it is quoted.
 """
 
