@@ -78,3 +78,29 @@ def test_a_chief_tf_config_lists_but_nobody_started(procs: Procs, tmp_path) -> N
     assert any("the start barrier: still waiting after" in line
                and f"chief-0 at {plan.chief[0]} (not registered with the scheduler)" in line
                for line in worker.lines), worker.output()
+
+
+def test_a_peer_in_another_mode_that_already_left(procs: Procs, tmp_path) -> None:
+    plan = ClusterPlan.allocate(1, 2)
+    _servers(procs, plan, start_ps=(0,))
+    data = tmp_path / "empty-data"
+    data.mkdir()
+    workers = []
+    for index, mode in ((0, "sync"), (1, "async")):
+        task = next(t for t in plan.trainers if t.name == f"worker-{index}")
+        workers.append(procs.python(task.name, "-m", "pshard.worker", "--mode", mode, "--data-dir", str(data),
+                                    "--model", "mlp", "--epochs", "1", "--startup-timeout-s", "120",
+                                    "--step-timeout-s", "30", tf_config=plan.tf_config(task)))
+    # Whichever declared second is refused (the servers run the first one's mode) and leaves; the other,
+    # at the start barrier, must not wait its 120 s start-up timeout for a peer that left.
+    started = time.monotonic()
+    codes = [w.wait(BOUND_S) for w in workers]
+    assert codes == [1, 1], [w.output() for w in workers]
+    assert time.monotonic() - started < BOUND_S
+    errors = {w.name: next(line for line in reversed(w.lines) if "error:" in line) for w in workers}
+    refused = [name for name, line in errors.items() if "this server runs" in line]
+    assert len(refused) == 1, errors
+    (waiter,) = set(errors) - set(refused)
+    address = next(t.address for t in plan.trainers if t.name == refused[0])
+    expected = f"the start barrier: {refused[0]} at {address} is gone (already left the job)"
+    assert expected in errors[waiter], errors
