@@ -15,6 +15,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from pshard.common.dtypes import DTYPES
 from pshard.common.errors import EmptyRequestError, InvalidArgumentError, LayoutConflictError
 from pshard.common.types import SliceKey
 
@@ -22,8 +23,7 @@ from pshard.common.types import SliceKey
 # and the server can use it zero-copy. Small enough to spread a 32 MiB layer over servers.
 DEFAULT_SLICE_BYTES = 4 * 2**20
 
-ITEMSIZE = {"float32": 4, "float64": 8, "float16": 2, "bfloat16": 2, "int8": 1, "int16": 2,
-            "int32": 4, "int64": 8, "uint8": 1, "bool": 1}
+ITEMSIZE = {name: d.itemsize for name, d in DTYPES.items()}
 
 
 @dataclass(frozen=True)

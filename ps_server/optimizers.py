@@ -29,6 +29,7 @@ from contextlib import contextmanager
 from typing import Protocol, cast
 
 import numpy as np
+from pshard.common.dtypes import MASTER_DTYPES
 from pshard.common.errors import DTypeMismatchError
 from pshard.common.job import OptimizerConfig
 
@@ -36,7 +37,8 @@ from pshard.common.job import OptimizerConfig
 # Plain data, so a checkpoint can store it with np.savez and JSON (never pickle).
 SliceState = dict[str, "np.ndarray | float | int"]
 
-PARAM_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
+# The dtypes optimizers compute in: the masters of every parameter dtype (pshard.common.dtypes).
+PARAM_DTYPES = tuple(np.dtype(name) for name in MASTER_DTYPES)
 
 
 class Optimizer(Protocol):

@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from typing import NamedTuple, TypeVar
 
 import numpy as np
+from pshard.common.dtypes import DTYPES, PARAM_DTYPES
 from pshard.common.errors import (
     DTypeMismatchError,
     EmptyRequestError,
@@ -50,11 +51,11 @@ from pshard.ps_server.policies import NO_CLOCK, Aggregate, ConsistencyPolicy, Ro
 from pshard.ps_server.steptimes import HangReport, StepTimes, StepTimeSummary
 
 # Slices hold floating point values only: gradients of anything else mean nothing.
-FLOAT_DTYPE_NAMES = ("float16", "float32", "float64")
+FLOAT_DTYPE_NAMES = PARAM_DTYPES
 _FLOAT_DTYPES = {np.dtype(name): name for name in FLOAT_DTYPE_NAMES}
 # float16 slices are updated in a float32 master copy, as mixed-precision training does:
 # small updates would otherwise round away to nothing.
-_MASTER = {np.dtype(np.float16): np.dtype(np.float32)}
+_MASTER = {d.numpy: DTYPES[d.master].numpy for d in DTYPES.values() if d.master}
 
 T = TypeVar("T")
 

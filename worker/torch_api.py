@@ -31,6 +31,7 @@ from types import TracebackType
 
 import numpy as np
 import torch
+from pshard.common import dtypes
 from pshard.common.errors import InvalidArgumentError
 from pshard.common.job import JobConfig
 from pshard.common.layout import ParamSpec
@@ -42,13 +43,12 @@ from torch import nn
 log = logging.getLogger("pshard.trainer")
 
 # dtypes the servers hold as they are; anything else that is a float travels as float32.
-_NATIVE = (torch.float16, torch.float32, torch.float64)
-_DTYPE_NAMES = {torch.float16: "float16", torch.float32: "float32", torch.float64: "float64"}
+_NATIVE = tuple(getattr(torch, dtypes.info(name).torch_name) for name in dtypes.PARAM_DTYPES)
 
 
 def param_specs(model: nn.Module) -> list[ParamSpec]:
     """What PSTrainer declares for `model`: every parameter that requires gradients, bf16 as float32."""
-    return [ParamSpec(key, _DTYPE_NAMES[_declared_dtype(p)], tuple(p.shape))
+    return [ParamSpec(key, dtypes.of_torch(_declared_dtype(p)).name, tuple(p.shape))
             for key, p in model.named_parameters() if p.requires_grad]
 
 
@@ -209,7 +209,7 @@ def _declared(t: torch.Tensor) -> torch.Tensor:
 
 
 def _numpy_dtype(dtype: torch.dtype) -> np.dtype:
-    return np.dtype({torch.float16: np.float16, torch.float32: np.float32, torch.float64: np.float64}[dtype])
+    return dtypes.of_torch(dtype).numpy
 
 
 def _writable_in_place(p: torch.Tensor) -> bool:
