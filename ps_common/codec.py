@@ -1,4 +1,4 @@
-"""The one codec: numpy <-> protobuf, and the Exchange stream's frames.
+"""The one codec: numpy <-> protobuf, Python's own types <-> the wire's enums, and the Exchange frames.
 
 Tensors travel as {dtype, shape, bytes} (little-endian, C order). bfloat16 has no
 numpy dtype: on the wire and in numpy it is its raw 16-bit pattern (a uint16
@@ -6,31 +6,31 @@ array) tagged "bfloat16"; `bf16_to_f32`/`f32_to_bf16` convert. Never pickle.
 
 Arrays in this module travel with a logical dtype name (`WireArray`), because
 a uint16 array may be bfloat16. The facts about each dtype live in `pshard.common.dtypes`.
+
+The Python side names roles, modes and optimizers with strings (`pshard.common.view.ROLES`,
+`pshard.common.job.MODES`/`OPTIMIZERS`); the wire uses enums. This module is the one place that
+converts: an enum value this version does not know is an InvalidArgumentError naming the field.
 """
 
 from __future__ import annotations
 
 import typing
-from collections.abc import Iterable, Sequence
-from typing import NamedTuple
+from collections.abc import Callable, Iterable, Sequence
+from typing import NamedTuple, Protocol
 
 import numpy as np
 from google.protobuf.message import DecodeError
 from pshard.common import dtypes
-from pshard.common.errors import InvalidArgumentError, PayloadSizeError
-from pshard.common.job import JobConfig, OptimizerConfig
+from pshard.common.errors import EmptyRequestError, InvalidArgumentError, PayloadSizeError
+from pshard.common.job import MODES, NONFINITE, OPTIMIZERS, JobConfig, OptimizerConfig
 from pshard.common.layout import Layout, LayoutSlice, ParamSpec
 from pshard.common.limits import DEFAULT_LIMITS
 from pshard.common.types import SliceKey, Stamp
-from pshard.common.view import ClusterView, Node, NodeState
+from pshard.common.view import ROLES, ClusterView, Node, NodeState
 
 from pshard.api.v1 import parameter_server_pb2 as ps_pb
 from pshard.api.v1 import scheduler_pb2 as sched_pb
 from pshard.api.v1 import tensor_pb2 as tensor_pb
-
-# The registry's names, for callers that still read them here.
-DTYPE_NAMES = dtypes.NAMES
-PARAM_DTYPES = dtypes.PARAM_DTYPES
 
 
 class WireArray(NamedTuple):
@@ -44,8 +44,8 @@ def numpy_dtype(name: str) -> np.dtype:
     return dtypes.numpy_dtype(name)
 
 
-def dtype_to_proto(name: str) -> tensor_pb.DType:
-    return typing.cast(tensor_pb.DType, dtypes.info(name).proto)
+def dtype_to_proto(name: str) -> tensor_pb.Dtype:
+    return typing.cast(tensor_pb.Dtype, dtypes.info(name).proto)
 
 
 def dtype_from_proto(enum: int, field: str = "dtype") -> str:
@@ -54,6 +54,95 @@ def dtype_from_proto(enum: int, field: str = "dtype") -> str:
 
 def dtype_name_of(array: np.ndarray) -> str:
     return dtypes.of_numpy(array.dtype).name
+
+
+# ---- enums: Python's names <-> the wire's values ----
+
+class _Enum(NamedTuple):
+    """One wire enum next to Python's names for its values."""
+
+    to_proto: dict[str, int]
+    from_proto: dict[int, str]
+    unspecified: str  # the name of value 0, proto3's "not set"
+
+
+def _enum(names: Sequence[str], value_of: Callable[[str], int], prefix: str) -> _Enum:
+    """Pairs Python's names with the values named PREFIX_NAME ("ps" -> ROLE_PS). A Python name
+    without its enum value fails here, at import, not on the first message that uses it."""
+    to_proto = {name: value_of(f"{prefix}_{name.upper()}") for name in names}
+    return _Enum(to_proto, {v: k for k, v in to_proto.items()}, f"{prefix}_UNSPECIFIED")
+
+
+def _to_proto(enum: _Enum, name: str, field: str) -> int:
+    try:
+        return enum.to_proto[name]
+    except KeyError:
+        raise InvalidArgumentError(f"{field}: got {name!r}, expected one of {tuple(enum.to_proto)}") from None
+
+
+def _from_proto(enum: _Enum, value: int, field: str) -> str:
+    if value == 0:
+        raise EmptyRequestError(f"{field}: got {enum.unspecified}, expected one of {tuple(enum.to_proto)}")
+    try:
+        return enum.from_proto[value]
+    except KeyError:
+        raise InvalidArgumentError(f"{field}: got enum value {value}, expected one of "
+                                   f"{tuple(enum.to_proto)}") from None
+
+
+_ROLES = _enum(ROLES, sched_pb.Role.Value, "ROLE")
+_MODES = _enum(MODES, ps_pb.ConsistencyMode.Value, "CONSISTENCY_MODE")
+_OPTIMIZERS = _enum(OPTIMIZERS, ps_pb.Optimizer.Value, "OPTIMIZER")
+_NONFINITE = _enum(NONFINITE, ps_pb.NonfinitePolicy.Value, "NONFINITE_POLICY")
+
+
+def role_to_proto(role: str) -> sched_pb.Role:
+    return typing.cast(sched_pb.Role, _to_proto(_ROLES, role, "role"))
+
+
+def role_from_proto(value: int, field: str = "role") -> str:
+    return _from_proto(_ROLES, value, field)
+
+
+def mode_to_proto(mode: str) -> ps_pb.ConsistencyMode:
+    return typing.cast(ps_pb.ConsistencyMode, _to_proto(_MODES, mode, "mode"))
+
+
+def mode_from_proto(value: int, field: str = "mode") -> str:
+    return _from_proto(_MODES, value, field)
+
+
+def optimizer_to_proto(name: str) -> ps_pb.Optimizer:
+    return typing.cast(ps_pb.Optimizer, _to_proto(_OPTIMIZERS, name, "optimizer.name"))
+
+
+def optimizer_from_proto(value: int, field: str = "optimizer.name") -> str:
+    return _from_proto(_OPTIMIZERS, value, field)
+
+
+def nonfinite_to_proto(policy: str) -> ps_pb.NonfinitePolicy:
+    return typing.cast(ps_pb.NonfinitePolicy, _to_proto(_NONFINITE, policy, "nonfinite"))
+
+
+def nonfinite_from_proto(value: int, field: str = "nonfinite") -> str:
+    # Unset is the documented default: a client that predates the setting keeps refusing NaN.
+    return "reject" if value == 0 else _from_proto(_NONFINITE, value, field)
+
+
+# ---- optional fields ----
+
+class TimedRequest(Protocol):
+    """A request with an `optional uint32 timeout_ms`."""
+
+    timeout_ms: int
+
+    def HasField(self, name: str) -> bool: ...
+
+
+def timeout_ms_from_proto(message: TimedRequest) -> int | None:
+    """A request's `optional timeout_ms`: None when absent (the receiver's default), else the value,
+    0 included (answer at once)."""
+    return message.timeout_ms if message.HasField("timeout_ms") else None
 
 
 # ---- bfloat16 ----
@@ -153,33 +242,29 @@ def stamp_from_proto(s: ps_pb.Stamp) -> Stamp:
     return Stamp(s.worker_id, s.generation, s.clock)
 
 
-_MODE_TO_PROTO = {"sync": ps_pb.SYNC, "async": ps_pb.ASYNC, "ssp": ps_pb.SSP}
-_MODE_FROM_PROTO = {v: k for k, v in _MODE_TO_PROTO.items()}
-
-
 def job_to_proto(job: JobConfig) -> ps_pb.JobConfig:
     o = job.optimizer
     return ps_pb.JobConfig(
-        mode=_MODE_TO_PROTO[job.mode], staleness=job.staleness, backup_workers=job.backup_workers,
+        mode=mode_to_proto(job.mode), staleness=job.staleness, backup_workers=job.backup_workers,
         wire_dtype=dtype_to_proto(job.wire_dtype) if job.wire_dtype else tensor_pb.DTYPE_UNSPECIFIED,
-        nonfinite=job.nonfinite, job_id=job.job_id,
+        nonfinite=nonfinite_to_proto(job.nonfinite), job_id=job.job_id,
         optimizer=ps_pb.OptimizerConfig(
-            name=o.name, lr=o.lr, momentum=o.momentum, dampening=o.dampening, nesterov=o.nesterov,
+            name=optimizer_to_proto(o.name), lr=o.lr, momentum=o.momentum, dampening=o.dampening,
+            nesterov=o.nesterov,
             weight_decay=o.weight_decay, beta1=o.betas[0], beta2=o.betas[1], eps=o.eps, amsgrad=o.amsgrad,
             lr_decay=o.lr_decay, initial_accumulator_value=o.initial_accumulator_value))
 
 
 def job_from_proto(p: ps_pb.JobConfig) -> JobConfig:
-    if p.mode not in _MODE_FROM_PROTO:
-        raise InvalidArgumentError(f"config.mode: got {p.mode}, expected SYNC, ASYNC or SSP")
     o = p.optimizer
     return JobConfig(
-        mode=_MODE_FROM_PROTO[p.mode], staleness=p.staleness, backup_workers=p.backup_workers,
+        mode=mode_from_proto(p.mode, "config.mode"), staleness=p.staleness, backup_workers=p.backup_workers,
         wire_dtype="" if p.wire_dtype == tensor_pb.DTYPE_UNSPECIFIED
         else dtype_from_proto(p.wire_dtype, "config.wire_dtype"),
-        nonfinite=p.nonfinite or "reject", job_id=p.job_id,
+        nonfinite=nonfinite_from_proto(p.nonfinite, "config.nonfinite"), job_id=p.job_id,
         optimizer=OptimizerConfig(
-            name=o.name, lr=o.lr, momentum=o.momentum, dampening=o.dampening, nesterov=o.nesterov,
+            name=optimizer_from_proto(o.name, "config.optimizer.name"), lr=o.lr, momentum=o.momentum,
+            dampening=o.dampening, nesterov=o.nesterov,
             weight_decay=o.weight_decay, betas=(o.beta1, o.beta2), eps=o.eps, amsgrad=o.amsgrad,
             lr_decay=o.lr_decay, initial_accumulator_value=o.initial_accumulator_value))
 
@@ -210,10 +295,10 @@ def layout_from_proto(p: sched_pb.Layout) -> Layout:
 
 
 # ---- Exchange frames ----
-# A data frame is the protobuf encoding of Frame{data: bytes}: tag 0x12 (field 2,
-# length-delimited), a varint length, the bytes. We write and read that encoding
-# ourselves so a 4 MiB chunk is copied once, not three times through message objects,
-# while staying an ordinary protobuf message for any other client.
+# A data frame is the protobuf encoding of ExchangeRequest{data: bytes} or ExchangeResponse{data:
+# bytes} (both field 2): tag 0x12 (field 2, length-delimited), a varint length, the bytes. We write
+# and read that encoding ourselves so a 4 MiB chunk is copied once, not three times through message
+# objects, while staying an ordinary protobuf message for any other client.
 
 _DATA_TAG = 0x12
 
@@ -265,41 +350,83 @@ def decode_data_frame(frame: bytes) -> memoryview | None:
     return memoryview(frame)[pos:]
 
 
-def encode_frame(message: ps_pb.Frame) -> bytes:
+def encode_frame(message: ps_pb.ExchangeRequest | ps_pb.ExchangeResponse) -> bytes:
     return message.SerializeToString()
 
 
-def decode_frame(frame: bytes) -> ps_pb.Frame:
-    message = ps_pb.Frame()
+M = typing.TypeVar("M", ps_pb.ExchangeRequest, ps_pb.ExchangeResponse)
+
+
+def _decode(message: M, frame: bytes) -> M:
     try:
         message.ParseFromString(frame)
-    except DecodeError as err:  # bytes a client sent: its error, not the server's
-        raise InvalidArgumentError(f"Exchange frame: {len(frame)} bytes are not a Frame ({err})") from None
+    except DecodeError as err:  # bytes the peer sent: its error, not ours
+        raise InvalidArgumentError(f"Exchange frame: {len(frame)} bytes are not an "
+                                   f"{type(message).__name__} ({err})") from None
     return message
+
+
+def decode_request_frame(frame: bytes) -> ps_pb.ExchangeRequest:
+    """A client's Exchange message (the server's side of the stream)."""
+    return _decode(ps_pb.ExchangeRequest(), frame)
+
+
+def decode_response_frame(frame: bytes) -> ps_pb.ExchangeResponse:
+    """A server's Exchange message (the client's side of the stream)."""
+    return _decode(ps_pb.ExchangeResponse(), frame)
 
 
 # ---- cluster views (scheduler messages) ----
 
-_STATE_TO_PROTO = {NodeState.LIVE: sched_pb.LIVE, NodeState.DEAD: sched_pb.DEAD,
-                   NodeState.LEFT: sched_pb.LEFT}
+_STATE_TO_PROTO = {NodeState.LIVE: sched_pb.NODE_STATE_LIVE, NodeState.DEAD: sched_pb.NODE_STATE_DEAD,
+                   NodeState.LEFT: sched_pb.NODE_STATE_LEFT}
 _STATE_FROM_PROTO = {v: k for k, v in _STATE_TO_PROTO.items()}
 
 
 def node_to_proto(node: Node) -> sched_pb.Node:
-    return sched_pb.Node(node_id=node.node_id, role=node.role, rank=node.rank, address=node.address,
-                   state=_STATE_TO_PROTO[node.state], generation=node.generation)
+    return sched_pb.Node(node_id=node.node_id, role=role_to_proto(node.role), rank=node.rank,
+                         address=node.address, state=_STATE_TO_PROTO[node.state], generation=node.generation)
 
 
 def node_from_proto(p: sched_pb.Node) -> Node:
     # A state this version does not know (a newer scheduler) is safest read as not live.
     state = _STATE_FROM_PROTO.get(p.state, NodeState.DEAD)
-    return Node(p.node_id, p.role, p.rank, p.address, state, p.generation)
+    return Node(p.node_id, role_from_proto(p.role, f"node {p.node_id!r} role"), p.rank, p.address, state,
+                p.generation)
 
 
 def view_to_proto(view: ClusterView) -> sched_pb.ClusterView:
     return sched_pb.ClusterView(generation=view.generation, nodes=[node_to_proto(n) for n in view.nodes],
-                          layout_version=view.layout_version)
+                                layout_version=view.layout_version)
 
 
 def view_from_proto(p: sched_pb.ClusterView) -> ClusterView:
     return ClusterView(p.generation, tuple(node_from_proto(n) for n in p.nodes), p.layout_version)
+
+
+# ---- registration ----
+
+class RegisterArgs(NamedTuple):
+    """A RegisterRequest in Python's terms: the arguments of `Membership.register`."""
+
+    role: str
+    address: str
+    node_id: str | None
+    rank_hint: int | None
+    last_generation: int
+
+
+def register_to_proto(role: str, address: str, node_id: str | None = None, rank_hint: int | None = None,
+                      last_generation: int = 0) -> sched_pb.RegisterRequest:
+    # None leaves an optional field absent; proto3 presence tells "no hint" from rank 0.
+    return sched_pb.RegisterRequest(role=role_to_proto(role), address=address, node_id=node_id,
+                                    rank_hint=rank_hint, last_generation=last_generation)
+
+
+def register_from_proto(p: sched_pb.RegisterRequest) -> RegisterArgs:
+    if p.HasField("node_id") and not p.node_id:
+        raise InvalidArgumentError("node_id: got '', expected a node id or no node_id field "
+                                   "(the scheduler assigns one)")
+    return RegisterArgs(role_from_proto(p.role), p.address,
+                        p.node_id if p.HasField("node_id") else None,
+                        p.rank_hint if p.HasField("rank_hint") else None, p.last_generation)

@@ -20,8 +20,8 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-SCHEDULER_SERVICE = "pshard.api.v1.Scheduler"
-PARAMETER_SERVER_SERVICE = "pshard.api.v1.ParameterServer"
+SCHEDULER_SERVICE = "pshard.api.v1.SchedulerService"
+PARAMETER_SERVER_SERVICE = "pshard.api.v1.ParameterServerService"
 
 # Safe to send twice. Register: a second Register of the same node id supersedes the first
 # incarnation, and the client only ever uses the reply it got. Leave, Barrier (an arrival is keyed

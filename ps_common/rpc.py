@@ -11,7 +11,7 @@ CHUNK_BYTES = 4 * 2**20
 # Room for a frame's own header on top of a full chunk.
 FRAME_SLACK_BYTES = 64 * 1024
 
-EXCHANGE_METHOD = "/pshard.api.v1.ParameterServer/Exchange"
+EXCHANGE_METHOD = "/pshard.api.v1.ParameterServerService/Exchange"
 
 
 def _common(max_message_bytes: int) -> list[tuple[str, int]]:

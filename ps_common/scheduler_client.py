@@ -23,7 +23,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any, TypeVar
 
 import grpc
-from pshard.common.codec import layout_from_proto, param_spec_to_proto, view_from_proto
+from pshard.common.codec import layout_from_proto, param_spec_to_proto, register_to_proto, view_from_proto
 from pshard.common.errors import (
     PSError,
     PullTimeoutError,
@@ -71,7 +71,7 @@ class SchedulerClient:
         self._connect_timeout_s = connect_timeout_s
         self._channel = grpc.insecure_channel(address,
                                               options=[*channel_options(), *scheduler_channel_options()])
-        self._stub = pb_grpc.SchedulerStub(self._channel)
+        self._stub = pb_grpc.SchedulerServiceStub(self._channel)
         self._lock = threading.Lock()
         self._view_changed = threading.Condition(self._lock)
         self._view: ClusterView | None = None
@@ -149,9 +149,8 @@ class SchedulerClient:
 
     def _register(self, timeout_s: float) -> Registration:
         rank_hint = self._rank if self._rank is not None else self._rank_hint
-        request = pb.RegisterRequest(
-            role=self.role, address=self.own_address, node_id=self._node_id,
-            rank_hint=-1 if rank_hint is None else rank_hint, last_generation=self._max_generation)
+        request = register_to_proto(self.role, self.own_address, node_id=self._node_id or None,
+                                    rank_hint=rank_hint, last_generation=self._max_generation)
         reply = self._call("Register", self._stub.Register, request, timeout_s)
         with self._view_changed:
             self._node_id, self._rank, self._generation = reply.node_id, reply.rank, reply.generation
@@ -344,7 +343,7 @@ class SchedulerClient:
                 return
             try:
                 for message in call:
-                    self._offer_view(view_from_proto(message))
+                    self._offer_view(view_from_proto(message.view))
                     backoff.reset()
             except grpc.RpcError as e:
                 if self._closed.is_set():

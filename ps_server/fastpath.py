@@ -294,12 +294,13 @@ class FastPathServer:
 
     async def _exchange(self, session: _Session, header: pb.ExchangeHeader, metas: Sequence[SliceMeta],
                         views: Sequence[np.ndarray]) -> pb.TransportReply:
-        if header.op != pb.PUSH_PULL:
+        if header.op != pb.EXCHANGE_OP_PUSH_PULL:
             raise InvalidArgumentError(f"Exchange header.op: got {header.op}, expected PUSH_PULL or DECLARE")
         pull = [codec.slice_id_from_proto(s) for s in header.pull]
         wires = [WireArray(view.view(codec.numpy_dtype(meta.dtype)).reshape(meta.shape), meta.dtype)
                  for meta, view in zip(metas, views, strict=True)]
-        timeout_s = header.timeout_ms / 1000 if header.timeout_ms else None
+        timeout_ms = codec.timeout_ms_from_proto(header)
+        timeout_s = timeout_ms / 1000 if timeout_ms is not None else None
         if sum(view.nbytes for view in views) + session.pulled_bytes(pull) <= _SMALL_BYTES:
             return await self._push_pull(session, header, metas, wires, pull, timeout_s)
 

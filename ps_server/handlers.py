@@ -223,7 +223,7 @@ class ParameterServerHandlers:
             limits.check_shape(f"slice {str(meta.key)!r}", meta.shape)
 
     def _deadline(self, timeout_s: float | None) -> float:
-        return time.monotonic() + (timeout_s if timeout_s else self._settings.pull_timeout_s)
+        return time.monotonic() + (timeout_s if timeout_s is not None else self._settings.pull_timeout_s)
 
     def _to_wire(self, value: WireArray) -> WireArray:
         wire = self._store.config.wire_dtype if self._store is not None else ""
@@ -323,7 +323,7 @@ class ParameterServerHandlers:
     async def push_pull(self, stamp: Stamp, items: Sequence[tuple[SliceKey, WireArray]],
                         keys: Sequence[SliceKey], timeout_s: float | None = None) -> PushPullResult:
         """Push (the whole request atomically), then pull at the next clock (or at `stamp.clock`
-        when nothing was pushed). `timeout_s` None or 0: the server's pull timeout."""
+        when nothing was pushed). `timeout_s` None: the server's pull timeout."""
         if not items and not keys:
             raise EmptyRequestError(f"push-pull from {stamp.worker_id!r}: nothing to push or pull")
         metas = _metas(items)
@@ -459,7 +459,7 @@ class ParameterServerHandlers:
         if not self._settings.checkpoint_dir:
             raise InvalidArgumentError("checkpoint: this server was started without --checkpoint-dir")
         store = self.store
-        timeout_s = timeout_s or self._settings.pull_timeout_s
+        timeout_s = timeout_s if timeout_s is not None else self._settings.pull_timeout_s
         ok = await self._changes.wait_for(
             lambda: True if store.stats().min_version >= at_version else None, time.monotonic() + timeout_s)
         if ok is None:

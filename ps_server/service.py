@@ -40,7 +40,7 @@ from pshard.api.v1 import parameter_server_pb2 as pb
 
 log = logging.getLogger("pshard.ps")
 
-SERVICE_NAME = "pshard.api.v1.ParameterServer"
+SERVICE_NAME = "pshard.api.v1.ParameterServerService"
 _ENCODE_THREADS = 2
 
 

@@ -38,7 +38,6 @@ from pshard.ps_server.store import SliceMeta
 from pshard.api.v1 import parameter_server_pb2 as pb
 from pshard.api.v1 import tensor_pb2 as tensor_pb
 
-_MODE_ENUM = {"sync": pb.SYNC, "async": pb.ASYNC, "ssp": pb.SSP}
 # Slices at least this big are sent as a frame of their own (cached and shared in sync mode);
 # smaller ones are packed together so a model of many tiny tensors is not many tiny messages.
 _OWN_FRAME_BYTES = 256 * 1024
@@ -59,8 +58,9 @@ def _frame_or_bytes(wire: WireArray) -> tuple[bytes, bool]:
     return wire.array.tobytes(), False
 
 
-def _seconds(timeout_ms: int) -> float | None:
-    return timeout_ms / 1000 if timeout_ms else None  # None: the server's pull timeout
+def _seconds(request: codec.TimedRequest) -> float | None:
+    timeout_ms = codec.timeout_ms_from_proto(request)
+    return timeout_ms / 1000 if timeout_ms is not None else None  # None: the server's pull timeout
 
 
 def _slices_to_proto(slices: Sequence[PulledSlice]) -> list[tensor_pb.SliceTensor]:
@@ -68,8 +68,10 @@ def _slices_to_proto(slices: Sequence[PulledSlice]) -> list[tensor_pb.SliceTenso
 
 
 def _pull_response(applied: int, dropped: int, slices: Sequence[PulledSlice]) -> bytes:
-    return pb.PullResponse(applied=applied, dropped=dropped,
-                           slices=_slices_to_proto(slices)).SerializeToString()
+    # A PushPullResponse; Pull's reply too: with applied = dropped = 0 it encodes exactly as a
+    # PullResponse (the same field 1, slices), so both share this encoder.
+    return pb.PushPullResponse(applied=applied, dropped=dropped,
+                               slices=_slices_to_proto(slices)).SerializeToString()
 
 
 def _unique(keys: list[SliceKey], what: str) -> list[SliceKey]:
@@ -187,7 +189,7 @@ class ParameterServerServicer:
         slices = await self._handlers.pull(
             codec.stamp_from_proto(request.stamp),
             _unique([codec.slice_id_from_proto(s) for s in request.slices], "Pull"),
-            _seconds(request.timeout_ms))
+            _seconds(request))
         return await self._pull_reply(0, 0, slices)
 
     async def PushPull(self, request: pb.PushPullRequest, context: grpc.aio.ServicerContext) -> bytes:
@@ -195,7 +197,7 @@ class ParameterServerServicer:
             codec.stamp_from_proto(request.stamp),
             [codec.slice_tensor_from_proto(g) for g in request.gradients],
             _unique([codec.slice_id_from_proto(s) for s in request.pull], "PushPull"),
-            _seconds(request.timeout_ms))
+            _seconds(request))
         return await self._pull_reply(result.applied, result.dropped, result.slices)
 
     async def GetStats(self, request: pb.GetStatsRequest, context: grpc.aio.ServicerContext
@@ -205,7 +207,8 @@ class ParameterServerServicer:
         if s is None or job is None:
             return pb.GetStatsResponse(pulls_waiting=stats.pulls_waiting)
         return pb.GetStatsResponse(
-            mode=_MODE_ENUM[job.mode], staleness=job.staleness, optimizer=job.optimizer.name,
+            mode=codec.mode_to_proto(job.mode), staleness=job.staleness,
+            optimizer=codec.optimizer_to_proto(job.optimizer.name),
             slices=s.slices, bytes_stored=s.bytes_stored, pushes_applied=s.pushes_applied,
             pushes_dropped=s.pushes_dropped, late_gradients_dropped=s.late_gradients_dropped,
             pulls_served=stats.pulls_served, pulls_waiting=stats.pulls_waiting,
@@ -219,7 +222,7 @@ class ParameterServerServicer:
 
     async def Checkpoint(self, request: pb.CheckpointRequest, context: grpc.aio.ServicerContext
                          ) -> pb.CheckpointResponse:
-        path, version = await self._handlers.checkpoint(request.at_version, _seconds(request.timeout_ms))
+        path, version = await self._handlers.checkpoint(request.at_version, _seconds(request))
         return pb.CheckpointResponse(path=str(path), min_version=version)
 
     # ---- Exchange: a header frame, then data frames; replies are data frames, then a summary ----
@@ -238,21 +241,21 @@ class ParameterServerServicer:
             if first is None:
                 raise EmptyRequestError("Exchange: the stream ended before its header frame")
             held.add(len(first))
-            message = codec.decode_frame(first)
+            message = codec.decode_request_frame(first)
             if message.WhichOneof("body") != "header":
                 kind = message.WhichOneof("body")
                 raise InvalidArgumentError(f"Exchange: first frame must be a header, got {kind}")
             header = message.header
-            if header.op == pb.PUSH_PULL:
+            if header.op == pb.EXCHANGE_OP_PUSH_PULL:
                 clock[0] = header.stamp.clock
             held.release()  # the header is decoded; the data frames reserve their own bytes
             metas = [SliceMeta(codec.slice_id_from_proto(m.id), codec.dtype_from_proto(m.dtype, "push dtype"),
                                tuple(m.shape)) for m in header.push]
             # Frames stop being waited for at the request's own deadline, a push or a declare too.
-            deadline = time.monotonic() + (_seconds(header.timeout_ms) or self._pull_timeout_s)
-            if header.op == pb.DECLARE:
+            deadline = time.monotonic() + (t if (t := _seconds(header)) is not None else self._pull_timeout_s)
+            if header.op == pb.EXCHANGE_OP_DECLARE:
                 replies = self._exchange_declare(header, metas, _FrameSource(frames, held, deadline, False))
-            elif header.op == pb.PUSH_PULL:
+            elif header.op == pb.EXCHANGE_OP_PUSH_PULL:
                 replies = self._exchange_push_pull(header, metas, _FrameSource(frames, held, deadline, True))
             else:
                 raise InvalidArgumentError(f"Exchange header.op: got {header.op}, "
@@ -276,7 +279,7 @@ class ParameterServerServicer:
         last = packer.flush()
         if last is not None:
             yield last
-        yield codec.encode_frame(pb.Frame(summary=pb.ExchangeSummary(created=created)))
+        yield codec.encode_frame(pb.ExchangeResponse(summary=pb.ExchangeSummary(created=created)))
 
     async def _exchange_push_pull(self, header: pb.ExchangeHeader, metas: Sequence[SliceMeta],
                                   frames: _FrameSource) -> AsyncIterator[bytes]:
@@ -284,7 +287,7 @@ class ParameterServerServicer:
         pull = _unique([codec.slice_id_from_proto(s) for s in header.pull], "Exchange header.pull")
         events = self._handlers.exchange(
             codec.stamp_from_proto(header.stamp), metas, pull,
-            _read_slices(metas, frames), _frame_or_bytes, _seconds(header.timeout_ms))
+            _read_slices(metas, frames), _frame_or_bytes, _seconds(header))
         # aclosing: a cancelled call stops the handler's push side at once, not when collected.
         async with contextlib.aclosing(events):
             async for event in events:
@@ -299,7 +302,7 @@ class ParameterServerServicer:
                 if isinstance(event, EncodedSlice):
                     yield event.payload[0]
                 elif isinstance(event, ExchangeDone):
-                    yield codec.encode_frame(pb.Frame(summary=pb.ExchangeSummary(
+                    yield codec.encode_frame(pb.ExchangeResponse(summary=pb.ExchangeSummary(
                         versions=event.versions, applied=event.applied, dropped=event.dropped)))
 
 

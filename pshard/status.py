@@ -23,7 +23,6 @@ from dataclasses import asdict, dataclass, field
 from pshard.common.view import ClusterView, NodeState
 
 PROG = "pshard status"
-MODES = {0: "unset", 1: "sync", 2: "async", 3: "ssp"}
 
 
 @dataclass(frozen=True)
@@ -163,13 +162,13 @@ def fetch(scheduler: str, timeout_s: float) -> JobStatus:
     from pshard.api.v1 import parameter_server_pb2 as pb
     from pshard.api.v1 import parameter_server_pb2_grpc as pb_grpc
     from pshard.api.v1 import scheduler_pb2, scheduler_pb2_grpc
-    from pshard.common.codec import view_from_proto
+    from pshard.common.codec import mode_from_proto, view_from_proto
 
     with grpc.insecure_channel(scheduler) as channel:
-        stub = scheduler_pb2_grpc.SchedulerStub(channel)
+        stub = scheduler_pb2_grpc.SchedulerServiceStub(channel)
         stream = stub.Watch(scheduler_pb2.WatchRequest(), timeout=timeout_s)
         try:
-            view = view_from_proto(next(iter(stream)))
+            view = view_from_proto(next(iter(stream)).view)
         finally:
             stream.cancel()
     reports = []
@@ -178,13 +177,15 @@ def fetch(scheduler: str, timeout_s: float) -> JobStatus:
             continue
         try:
             with grpc.insecure_channel(node.address) as channel:
-                s = pb_grpc.ParameterServerStub(channel).GetStats(pb.GetStatsRequest(), timeout=timeout_s)
+                stub = pb_grpc.ParameterServerServiceStub(channel)
+                s = stub.GetStats(pb.GetStatsRequest(), timeout=timeout_s)
         except grpc.RpcError as err:
             why = f"{err.code().name}: {err.details()}"
             reports.append(ServerReport(node.node_id, node.address, error=why))
             continue
         reports.append(ServerReport(
-            node.node_id, node.address, mode=MODES.get(s.mode, str(s.mode)), staleness=s.staleness,
+            node.node_id, node.address, mode=mode_from_proto(s.mode) if s.mode else "unset",
+            staleness=s.staleness,
             slices=s.slices, bytes_stored=s.bytes_stored, min_version=s.min_version,
             max_version=s.max_version, pulls_waiting=s.pulls_waiting, pushes_applied=s.pushes_applied,
             pushes_dropped=s.pushes_dropped, quorum=tuple(s.quorum), worker_clocks=dict(s.worker_clocks),

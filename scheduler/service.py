@@ -27,7 +27,7 @@ from pshard.api.v1 import scheduler_pb2_grpc as pb_grpc
 
 log = logging.getLogger("pshard.scheduler")
 
-SERVICE_NAME = "pshard.api.v1.Scheduler"
+SERVICE_NAME = "pshard.api.v1.SchedulerService"
 DEFAULT_HEARTBEAT_INTERVAL_S = 1.0
 DEFAULT_HEARTBEAT_TIMEOUT_S = 5.0
 # Expiry runs at this fraction of the timeout, so a silent node is declared dead within 1.25x it.
@@ -64,7 +64,7 @@ async def start(bind: str = "127.0.0.1:0", *, heartbeat_interval_s: float = DEFA
     membership = Membership(heartbeat_timeout_s, clock, limits)
     servicer = SchedulerServicer(membership, heartbeat_interval_s)
     server = grpc.aio.server(options=server_options(), interceptors=[DecodeErrors()])
-    pb_grpc.add_SchedulerServicer_to_server(servicer, server)
+    pb_grpc.add_SchedulerServiceServicer_to_server(servicer, server)
     health_servicer = health.aio.HealthServicer()  # type: ignore[attr-defined]
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     try:

@@ -16,7 +16,13 @@ from collections.abc import AsyncIterator
 import grpc
 import grpc.aio
 from pshard.common.changes import ChangeSignal
-from pshard.common.codec import layout_to_proto, param_spec_from_proto, view_to_proto
+from pshard.common.codec import (
+    layout_to_proto,
+    param_spec_from_proto,
+    register_from_proto,
+    timeout_ms_from_proto,
+    view_to_proto,
+)
 from pshard.common.errors import EmptyRequestError, PullTimeoutError
 from pshard.common.layout import DEFAULT_SLICE_BYTES
 from pshard.common.rpc_status import maps_errors
@@ -34,7 +40,7 @@ DEFAULT_WAIT_S = 60.0
 # message naming what was missing instead of a bare DEADLINE_EXCEEDED.
 _DEADLINE_MARGIN_S = 0.2
 
-class SchedulerServicer(pb_grpc.SchedulerServicer):
+class SchedulerServicer(pb_grpc.SchedulerServiceServicer):
     def __init__(self, membership: Membership, heartbeat_interval_s: float) -> None:
         self._members = membership
         self._heartbeat_interval_s = heartbeat_interval_s
@@ -47,8 +53,8 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
         """Wake every waiter; they re-read the state."""
         self._changes.notify()
 
-    def _wait_budget(self, timeout_ms: int, context: grpc.aio.ServicerContext) -> float:
-        budget = timeout_ms / 1000 if timeout_ms else DEFAULT_WAIT_S
+    def _wait_budget(self, timeout_ms: int | None, context: grpc.aio.ServicerContext) -> float:
+        budget = timeout_ms / 1000 if timeout_ms is not None else DEFAULT_WAIT_S
         remaining = context.time_remaining()
         if remaining is not None:
             budget = min(budget, remaining - _DEADLINE_MARGIN_S)
@@ -81,14 +87,12 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
     @maps_errors
     async def Register(self, request: pb.RegisterRequest, context: grpc.aio.ServicerContext
                        ) -> pb.RegisterResponse:
-        before = self._members.view().node(request.node_id) if request.node_id else None
-        reg = self._members.register(
-            request.role, request.address, node_id=request.node_id or None,
-            rank_hint=request.rank_hint if request.rank_hint >= 0 else None,
-            last_generation=request.last_generation)
+        args = register_from_proto(request)
+        before = self._members.view().node(args.node_id) if args.node_id else None
+        reg = self._members.register(**args._asdict())
         log.info("%s %s (%s rank %d at %s); generation %d",
-                 "re-registered" if before else "registered", reg.node_id, request.role, reg.rank,
-                 request.address or "-", reg.generation)
+                 "re-registered" if before else "registered", reg.node_id, args.role, reg.rank,
+                 args.address or "-", reg.generation)
         self._publish()
         return pb.RegisterResponse(
             node_id=reg.node_id, rank=reg.rank, generation=reg.generation, view=view_to_proto(reg.view),
@@ -111,7 +115,7 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
         return pb.LeaveResponse(view=view_to_proto(view))
 
     async def Watch(self, request: pb.WatchRequest, context: grpc.aio.ServicerContext
-                    ) -> AsyncIterator[pb.ClusterView]:
+                    ) -> AsyncIterator[pb.WatchResponse]:
         sent = request.after_generation
 
         def newer() -> ClusterView | None:
@@ -121,7 +125,7 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
         while not self._closed:
             view = await self._changes.wait_for(newer)
             if view is not None and view.generation > sent:
-                yield view_to_proto(view)
+                yield pb.WatchResponse(view=view_to_proto(view))
                 sent = view.generation
 
     # ---- barriers ----
@@ -132,7 +136,7 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
         arrival = self._members.arrive(request.name, request.count, request.node_id)
         if arrival.released:
             self._publish()
-        budget = self._wait_budget(request.timeout_ms, context)
+        budget = self._wait_budget(timeout_ms_from_proto(request), context)
         try:
             released = await self._changes.wait_for(
                 lambda: True if self._members.barrier_released(arrival.name, arrival.round) else
@@ -174,7 +178,7 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
     @maps_errors
     async def GetLayout(self, request: pb.GetLayoutRequest, context: grpc.aio.ServicerContext
                         ) -> pb.GetLayoutResponse:
-        budget = self._wait_budget(request.timeout_ms, context)
+        budget = self._wait_budget(timeout_ms_from_proto(request), context)
         layout = await self._changes.wait_for(
             lambda: self._members.layout() or (False if self._closed else None), time.monotonic() + budget)
         if not layout:

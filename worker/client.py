@@ -33,6 +33,7 @@ from typing import TypeVar
 import grpc
 import numpy as np
 from pshard.common import codec
+from pshard.common.dtypes import PARAM_DTYPES
 from pshard.common.errors import (
     InvalidArgumentError,
     OverloadedError,
@@ -123,7 +124,7 @@ class PSClient:
         self._watchers = [functools.partial(self._on_connectivity, a) for a in self.servers]
         for channel, watcher in zip(self._channels, self._watchers, strict=True):
             channel.subscribe(watcher, try_to_connect=False)
-        self._stubs = [pb_grpc.ParameterServerStub(c) for c in self._channels]
+        self._stubs = [pb_grpc.ParameterServerServiceStub(c) for c in self._channels]
         self._exchange = [c.stream_stream(EXCHANGE_METHOD, request_serializer=identity,
                                           response_deserializer=identity) for c in self._channels]
         # One thread per server drives its stream; a second set lets a push future overlap a pull.
@@ -183,9 +184,9 @@ class PSClient:
         specs = []
         for key, value in params.items():
             dtype = codec.dtype_name_of(value)
-            if dtype not in codec.PARAM_DTYPES:
+            if dtype not in PARAM_DTYPES:
                 raise InvalidArgumentError(f"param {key!r}: dtype {dtype} cannot be trained; expected one "
-                                           f"of {codec.PARAM_DTYPES}")
+                                           f"of {PARAM_DTYPES}")
             specs.append(ParamSpec(key, dtype, tuple(value.shape)))
         if self.layout is None:
             self.layout = plan_layout(specs, self.servers, slice_bytes)
@@ -201,7 +202,7 @@ class PSClient:
         def run(server: int) -> None:
             slices = self.layout.slices_on(server)  # type: ignore[union-attr]
             header = pb.ExchangeHeader(
-                op=pb.DECLARE, config=codec.job_to_proto(job),
+                op=pb.EXCHANGE_OP_DECLARE, config=codec.job_to_proto(job),
                 push=[self._meta(s, self._dtypes[s.key]) for s in slices],
                 timeout_ms=int(self._timeout_s * 1000))
             buffers = [flat[s.key][s.offset:s.offset + s.numel] for s in slices]
@@ -232,7 +233,7 @@ class PSClient:
             slices = [s for s in layout.slices_on(server) if s.key in wanted_set]
             if not slices:
                 return pb.ExchangeSummary()
-            header = pb.ExchangeHeader(op=pb.PUSH_PULL, stamp=self._stamp(clock),
+            header = pb.ExchangeHeader(op=pb.EXCHANGE_OP_PUSH_PULL, stamp=self._stamp(clock),
                                        pull=[codec.slice_id_to_proto(s.slice_key) for s in slices],
                                        timeout_ms=int(self._timeout_s * 1000))
             summary = self._fast_call(server, header, [], slices, result)
@@ -288,7 +289,7 @@ class PSClient:
         if cached is None:
             mine = tuple(s for s in layout.slices_on(server) if s.key in flat)
             cached = mine, pb.ExchangeHeader(
-                op=pb.PUSH_PULL, push=[self._meta(s, wire or self._dtypes[s.key]) for s in mine],
+                op=pb.EXCHANGE_OP_PUSH_PULL, push=[self._meta(s, wire or self._dtypes[s.key]) for s in mine],
                 pull=[codec.slice_id_to_proto(s.slice_key) for s in mine] if pull else [])
             self._templates[cache_key] = cached
         slices, template = cached
@@ -376,7 +377,7 @@ class PSClient:
             return None
         wire = (self.job.wire_dtype if self.job else "") or ""
         dtypes = [self._param_dtype(s.key) for s in pulled]
-        wire_dtypes = [wire if wire and d in codec.PARAM_DTYPES else d for d in dtypes]
+        wire_dtypes = [wire if wire and d in PARAM_DTYPES else d for d in dtypes]
 
         def place(index: int, raw: np.ndarray) -> None:
             values = raw.view(codec.numpy_dtype(wire_dtypes[index]))
@@ -465,7 +466,7 @@ class PSClient:
             self._unreachable.discard(address)
             log.info("server %s reachable again", address)
 
-    def _unary(self, server: int, call: Callable[[pb_grpc.ParameterServerStub], T]) -> T:
+    def _unary(self, server: int, call: Callable[[pb_grpc.ParameterServerServiceStub], T]) -> T:
         """A unary call; gRPC retries it on UNAVAILABLE (the channel's retry policy)."""
         try:
             return call(self._stubs[server])
@@ -581,12 +582,12 @@ class PSClient:
                        pulled: Sequence[LayoutSlice], out: Mapping[str, np.ndarray],
                        timeout_s: float) -> pb.ExchangeSummary:
         def frames() -> Iterator[bytes]:
-            yield codec.encode_frame(pb.Frame(header=header))
+            yield codec.encode_frame(pb.ExchangeRequest(header=header))
             yield from pack_frames(buffers, self._chunk, whole_slices=True)
 
         wire = (self.job.wire_dtype if self.job else "") or ""
         dtypes = [self._param_dtype(s.key) for s in pulled]
-        wire_dtypes = [wire if wire and d in codec.PARAM_DTYPES else d for d in dtypes]
+        wire_dtypes = [wire if wire and d in PARAM_DTYPES else d for d in dtypes]
         sizes = [s.numel * codec.numpy_dtype(d).itemsize for s, d in zip(pulled, wire_dtypes, strict=True)]
         reader = SliceReader(sizes, [str(s.slice_key) for s in pulled])
         summary: pb.ExchangeSummary | None = None
@@ -601,7 +602,7 @@ class PSClient:
         for frame in call:
             payload = codec.decode_data_frame(frame)
             if payload is None:
-                message = codec.decode_frame(frame)
+                message = codec.decode_response_frame(frame)
                 if message.WhichOneof("body") != "summary":
                     kind = message.WhichOneof("body")
                     raise PSError(f"server {self.servers[server]}: unexpected {kind} frame")

@@ -65,7 +65,7 @@ class FastPath:
         self.closed = False
 
     @classmethod
-    def open(cls, kind: str, stub: pb_grpc.ParameterServerStub, address: str, worker_id: str, *,
+    def open(cls, kind: str, stub: pb_grpc.ParameterServerServiceStub, address: str, worker_id: str, *,
              request_bytes: int, reply_bytes: int, shm_dir: str, timeout_s: float) -> FastPath:
         """Negotiate and connect; a PSError says why this kind is not possible with this server."""
         segment = scratch = None

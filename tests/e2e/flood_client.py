@@ -26,7 +26,7 @@ from pshard.common.types import SliceKey, Stamp
 
 from pshard.api.v1 import parameter_server_pb2 as pb
 
-PUSH_PULL = "/pshard.api.v1.ParameterServer/PushPull"
+PUSH_PULL = "/pshard.api.v1.ParameterServerService/PushPull"
 FLOOD_FLOATS = 2**20  # 4 MiB
 HELD_KEY = "flood"  # the server holds it (the test declares it)
 

@@ -407,8 +407,8 @@ def test_probe_exits_1_with_one_line_when_not_serving(health_server: HealthServe
 
 def test_probe_asks_about_a_named_service(health_server: HealthServer) -> None:
     target, servicer = health_server
-    servicer.set("pshard.api.v1.ParameterServer", health_pb2.HealthCheckResponse.SERVING)
-    assert run_probe(target, "--service", "pshard.api.v1.ParameterServer").returncode == 0
+    servicer.set("pshard.api.v1.ParameterServerService", health_pb2.HealthCheckResponse.SERVING)
+    assert run_probe(target, "--service", "pshard.api.v1.ParameterServerService").returncode == 0
     unknown = run_probe(target, "--service", "nope")
     assert unknown.returncode == 1 and "NOT_FOUND" in unknown.stderr and "'nope'" in unknown.stderr
 

@@ -17,7 +17,7 @@ import grpc
 import pytest
 
 from pshard.api.v1.parameter_server_pb2 import GetStatsRequest
-from pshard.api.v1.parameter_server_pb2_grpc import ParameterServerStub
+from pshard.api.v1.parameter_server_pb2_grpc import ParameterServerServiceStub
 from tests.e2e.harness import (
     FINISH_TIMEOUT_S,
     SYNC,
@@ -109,7 +109,7 @@ def late_gradients_dropped(cluster: LocalCluster) -> int:
     total = 0
     for address in cluster.plan.ps:
         with grpc.insecure_channel(address) as channel:
-            stats = ParameterServerStub(channel).GetStats(GetStatsRequest(), timeout=10)
+            stats = ParameterServerServiceStub(channel).GetStats(GetStatsRequest(), timeout=10)
             total += stats.late_gradients_dropped
     return total
 
@@ -213,7 +213,7 @@ def test_a_worker_declared_dead_that_comes_back_trains_only_what_its_plan_has_le
     # The servers took exactly the planned clocks: nobody trained alone past the end.
     for address in cluster.plan.ps:
         with grpc.insecure_channel(address) as channel:
-            stats = ParameterServerStub(channel).GetStats(GetStatsRequest(), timeout=10)
+            stats = ParameterServerServiceStub(channel).GetStats(GetStatsRequest(), timeout=10)
         assert stats.max_version == planned, (address, stats.max_version)
 
 

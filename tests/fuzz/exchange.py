@@ -22,7 +22,7 @@ from tests.fuzz.strategies import messages, mutated, weighted
 # for a promise (64 MiB, issue 7 defect 4), small enough that a server that keeps it stays alive here.
 PROMISED_BYTES = 64 * 2**20
 OVERSIZED_FRAME_BYTES = 5 * 2**20  # past one 4 MiB chunk
-_DTYPE_NAMES = {v.number: v.name.lower() for v in tensor_pb2.DType.DESCRIPTOR.values}
+_DTYPE_NAMES = {v.number: v.name.removeprefix("DTYPE_").lower() for v in tensor_pb2.Dtype.DESCRIPTOR.values}
 
 
 @dataclass(frozen=True)
@@ -49,11 +49,11 @@ def claimed_sizes(header: pb.ExchangeHeader) -> list[int] | None:
 
 
 def header_frame(header: pb.ExchangeHeader) -> bytes:
-    return pb.Frame(header=header).SerializeToString()
+    return pb.ExchangeRequest(header=header).SerializeToString()
 
 
 def data_frame(data: bytes) -> bytes:
-    return pb.Frame(data=data).SerializeToString()
+    return pb.ExchangeRequest(data=data).SerializeToString()
 
 
 def _whole(header: pb.ExchangeHeader, sizes: Sequence[int] | None, delivered: int) -> frozenset[str]:
@@ -77,7 +77,7 @@ def streams(draw: st.DrawFn, valid: Sequence[pb.ExchangeHeader]) -> Stream:
                                 "summary", "garbage frame", "header only", "empty", "huge frame",
                                 "promise")))
     if how == "promise":  # a header claiming 64 MiB, and then nothing
-        header.push.add(id=tensor_pb2.SliceId(key="w"), dtype=tensor_pb2.UINT8, shape=[PROMISED_BYTES])
+        header.push.add(id=tensor_pb2.SliceId(key="w"), dtype=tensor_pb2.DTYPE_UINT8, shape=[PROMISED_BYTES])
         return Stream((header_frame(header),), frozenset(), how)
     if claimed is not None and claimed <= 2**20:
         payload = draw(st.binary(min_size=claimed, max_size=claimed)) if claimed <= 256 else bytes(claimed)
@@ -99,7 +99,8 @@ def streams(draw: st.DrawFn, valid: Sequence[pb.ExchangeHeader]) -> Stream:
         frames = [head, head, *data]
         delivered = 0
     elif how == "summary":
-        frames = [head, *data, pb.Frame(summary=pb.ExchangeSummary(applied=1)).SerializeToString()]
+        summary = pb.ExchangeResponse(summary=pb.ExchangeSummary(applied=1))  # a server's message
+        frames = [head, *data, summary.SerializeToString()]
     elif how == "garbage frame":
         at = draw(st.integers(1, len(data) + 1))
         frames = [head, *data]

@@ -34,7 +34,8 @@ from tests.fuzz.harness import (
 )
 from tests.fuzz.strategies import messages, mutated, raw_bytes
 
-SCHEDULER = pb.DESCRIPTOR.services_by_name["Scheduler"]
+SCHEDULER = pb.DESCRIPTOR.services_by_name["SchedulerService"]
+WORKER, PS, CHIEF = pb.ROLE_WORKER, pb.ROLE_PS, pb.ROLE_CHIEF
 METHODS = list(SCHEDULER.methods)
 # Calls that wait by design; the fuzzer gives them a short deadline, which the scheduler answers at once.
 WAITING = {"Watch", "Barrier", "GetLayout"}
@@ -50,9 +51,9 @@ class LiveScheduler:
     view: pb.ClusterView | None = None
 
     def current_view(self) -> pb.ClusterView:
-        stream = pb_grpc.SchedulerStub(self.channel).Watch(pb.WatchRequest(), timeout=NO_HANG_S)
+        stream = pb_grpc.SchedulerServiceStub(self.channel).Watch(pb.WatchRequest(), timeout=NO_HANG_S)
         try:
-            return next(iter(stream))
+            return next(iter(stream)).view
         finally:
             stream.cancel()
 
@@ -74,20 +75,20 @@ class LiveScheduler:
         return outcome
 
 
-def valid_requests(stub: pb_grpc.SchedulerStub) -> dict[str, list[Message]]:
+def valid_requests(stub: pb_grpc.SchedulerServiceStub) -> dict[str, list[Message]]:
     """Requests the scheduler accepts, made against its real state: the seeds of the mutations."""
-    worker = stub.Register(pb.RegisterRequest(role="worker", address="127.0.0.1:7200", node_id="worker-0"),
+    worker = stub.Register(pb.RegisterRequest(role=WORKER, address="127.0.0.1:7200", node_id="worker-0"),
                            timeout=NO_HANG_S)
-    ps = stub.Register(pb.RegisterRequest(role="ps", address="127.0.0.1:7100", node_id="ps-0", rank_hint=0),
+    ps = stub.Register(pb.RegisterRequest(role=PS, address="127.0.0.1:7100", node_id="ps-0", rank_hint=0),
                        timeout=NO_HANG_S)
-    leaver = stub.Register(pb.RegisterRequest(role="worker", address="127.0.0.1:7209", node_id="worker-9"),
+    leaver = stub.Register(pb.RegisterRequest(role=WORKER, address="127.0.0.1:7209", node_id="worker-9"),
                            timeout=NO_HANG_S)
-    params = [pb.ParamSpec(key="fc1.weight", dtype=tensor_pb2.FLOAT32, shape=[10, 4]),
-              pb.ParamSpec(key="fc1.bias", dtype=tensor_pb2.FLOAT32, shape=[10])]
+    params = [pb.ParamSpec(key="fc1.weight", dtype=tensor_pb2.DTYPE_FLOAT32, shape=[10, 4]),
+              pb.ParamSpec(key="fc1.bias", dtype=tensor_pb2.DTYPE_FLOAT32, shape=[10])]
     return {
-        "Register": [pb.RegisterRequest(role="worker", address="127.0.0.1:7201", node_id="worker-1",
+        "Register": [pb.RegisterRequest(role=WORKER, address="127.0.0.1:7201", node_id="worker-1",
                                         rank_hint=1, last_generation=ps.generation),
-                     pb.RegisterRequest(role="chief", address="127.0.0.1:7202")],
+                     pb.RegisterRequest(role=CHIEF, address="127.0.0.1:7202")],
         "Heartbeat": [pb.HeartbeatRequest(node_id="worker-0", generation=worker.generation, clock=3),
                       pb.HeartbeatRequest(node_id="ps-0", generation=ps.generation)],
         "Leave": [pb.LeaveRequest(node_id="worker-9", generation=leaver.generation)],
@@ -106,7 +107,7 @@ def live() -> Iterator[LiveScheduler]:
     handle = start_scheduler_thread(heartbeat_interval_s=1.0, heartbeat_timeout_s=3600.0)
     try:
         with grpc.insecure_channel(handle.address, options=channel_options()) as channel:
-            valid = valid_requests(pb_grpc.SchedulerStub(channel))
+            valid = valid_requests(pb_grpc.SchedulerServiceStub(channel))
             scheduler = LiveScheduler(handle, channel, rss_bytes(), valid)
             scheduler.view = scheduler.current_view()
             yield scheduler

@@ -45,7 +45,9 @@ from tests.fuzz.harness import (
 from tests.fuzz.strategies import is_repeated, messages, mutated, raw_bytes
 from tests.service.conftest import ServerSettings, ServerThread, Wire, start_server_thread
 
-PS = pb.DESCRIPTOR.services_by_name["ParameterServer"]
+PS = pb.DESCRIPTOR.services_by_name["ParameterServerService"]
+F32 = tensor_pb2.DTYPE_FLOAT32
+PUSH_PULL, DECLARE = pb.EXCHANGE_OP_PUSH_PULL, pb.EXCHANGE_OP_DECLARE
 UNARY = [m for m in PS.methods if not m.client_streaming]
 EXCHANGE = PS.methods_by_name["Exchange"]
 WAITING = {"Pull", "PushPull", "Checkpoint", "Exchange"}
@@ -121,14 +123,14 @@ def stamp(worker: str = "w0", clock: int = 0) -> pb.Stamp:
 
 def tensor(key: str, array: np.ndarray) -> tensor_pb2.SliceTensor:
     return tensor_pb2.SliceTensor(id=tensor_pb2.SliceId(key=key), tensor=tensor_pb2.Tensor(
-        dtype=tensor_pb2.FLOAT32, shape=list(array.shape), data=array.astype("<f4").tobytes()))
+        dtype=F32, shape=list(array.shape), data=array.astype("<f4").tobytes()))
 
 
 def valid_requests() -> dict[str, list[Message]]:
     grads = [tensor(k, np.full_like(MODEL[k], 0.01)) for k in PUSHED]
     pushed = [tensor_pb2.SliceId(key=k) for k in PUSHED]
     every = [tensor_pb2.SliceId(key=k) for k in MODEL]
-    metas = [pb.SliceMeta(id=tensor_pb2.SliceId(key=k), dtype=tensor_pb2.FLOAT32, shape=list(MODEL[k].shape))
+    metas = [pb.SliceMeta(id=tensor_pb2.SliceId(key=k), dtype=F32, shape=list(MODEL[k].shape))
              for k in PUSHED]
     return {
         "Declare": [pb.DeclareRequest(slices=[tensor(k, v) for k, v in MODEL.items()]),
@@ -141,10 +143,10 @@ def valid_requests() -> dict[str, list[Message]]:
                      pb.PushPullRequest(stamp=stamp("w1", 1), gradients=grads[:1], pull=pushed[:1])],
         "GetStats": [pb.GetStatsRequest()],
         "Checkpoint": [pb.CheckpointRequest(at_version=0, timeout_ms=20)],
-        "Exchange": [pb.ExchangeHeader(op=pb.PUSH_PULL, stamp=stamp("w0", 2), push=metas, pull=every[:2],
+        "Exchange": [pb.ExchangeHeader(op=PUSH_PULL, stamp=stamp("w0", 2), push=metas, pull=every[:2],
                                        timeout_ms=20),
-                     pb.ExchangeHeader(op=pb.DECLARE, push=metas),
-                     pb.ExchangeHeader(op=pb.PUSH_PULL, stamp=stamp("w1", 0), pull=every)],
+                     pb.ExchangeHeader(op=DECLARE, push=metas),
+                     pb.ExchangeHeader(op=PUSH_PULL, stamp=stamp("w1", 0), pull=every)],
     }
 
 
@@ -222,7 +224,7 @@ def test_exchange_streams_are_refused_cleanly(live):
 
 
 def test_exchange_raw_frames_are_refused_cleanly(live):
-    frames = raw_bytes([pb.Frame(header=h) for h in live.valid["Exchange"]])
+    frames = raw_bytes([pb.ExchangeRequest(header=h) for h in live.valid["Exchange"]])
     run_cases(frames, lambda raw: live.exchange(Stream((raw,), frozenset(), "raw")), CASES, "exchange-raw")
 
 
@@ -257,7 +259,7 @@ class Finding:
 
 def slice_tensor(shape: Sequence[int], data: bytes = b"", key: str = "z") -> tensor_pb2.SliceTensor:
     return tensor_pb2.SliceTensor(id=tensor_pb2.SliceId(key=key),
-                                  tensor=tensor_pb2.Tensor(dtype=tensor_pb2.FLOAT32, shape=shape, data=data))
+                                  tensor=tensor_pb2.Tensor(dtype=F32, shape=shape, data=data))
 
 
 ZERO_BESIDE_HUGE = "a shape with a zero beside a huge dim ([0, 2**62]) is UNKNOWN 'array is too big'"

@@ -78,8 +78,8 @@ class Wire:
             self._channels[address] = grpc.insecure_channel(address, options=channel_options())
         return self._channels[address]
 
-    def stub(self, server: ServerThread | str) -> pb_grpc.ParameterServerStub:
-        return pb_grpc.ParameterServerStub(self.channel(server))
+    def stub(self, server: ServerThread | str) -> pb_grpc.ParameterServerServiceStub:
+        return pb_grpc.ParameterServerServiceStub(self.channel(server))
 
     def exchange(self, server: ServerThread | str, frames: Iterable[bytes],
                  timeout_s: float = WAIT_S) -> list[bytes]:
@@ -131,7 +131,7 @@ class Wire:
 
     @staticmethod
     def header_frame(**fields: object) -> bytes:
-        return codec.encode_frame(pb.Frame(header=pb.ExchangeHeader(**fields)))
+        return codec.encode_frame(pb.ExchangeRequest(header=pb.ExchangeHeader(**fields)))
 
     @staticmethod
     def data_frame(*parts: bytes | np.ndarray) -> bytes:
@@ -139,7 +139,7 @@ class Wire:
 
     @staticmethod
     def summary(frames: Sequence[bytes]) -> pb.ExchangeSummary:
-        last = codec.decode_frame(frames[-1])
+        last = codec.decode_response_frame(frames[-1])
         assert last.WhichOneof("body") == "summary", f"last frame is {last.WhichOneof('body')}"
         return last.summary
 

@@ -33,6 +33,7 @@ ASYNC = JobConfig(mode="async", optimizer=OptimizerConfig(name="sgd", lr=0.1))
 SYNC = JobConfig(mode="sync", optimizer=OptimizerConfig(name="sgd", lr=0.1))
 # A wait the server must end by itself (timeout_ms); the client's gRPC deadline is far longer.
 TINY_MS = 100
+DECLARE, PUSH_PULL = pb.EXCHANGE_OP_DECLARE, pb.EXCHANGE_OP_PUSH_PULL
 
 
 def rss_bytes() -> int:
@@ -98,7 +99,7 @@ def wait_for(condition: object, what: str) -> None:
 def test_exchange_headers_promising_a_gibibyte_cost_no_memory(start_server, wire):
     server = start_server(ServerSettings(default_job=ASYNC))
     wire.declare(server, ASYNC, {"w": np.zeros(16, np.float32)})
-    header = wire.header_frame(op=pb.DECLARE, push=[wire.meta("huge", "float32", [2**28])], timeout_ms=5000)
+    header = wire.header_frame(op=DECLARE, push=[wire.meta("huge", "float32", [2**28])], timeout_ms=5000)
     before = rss_bytes()
     streams = []
     for _ in range(3):  # three at once held 3 GiB before the fix
@@ -131,7 +132,7 @@ def test_a_pull_naming_one_slice_thousands_of_times_is_refused_naming_it(start_s
             wire.stub(server).PushPull(pb.PushPullRequest(stamp=wire.stamp("w0", 0), pull=ids),
                                        timeout=WAIT_S)
         else:
-            wire.exchange(server, [wire.header_frame(op=pb.PUSH_PULL, stamp=wire.stamp("w0", 0), pull=ids)])
+            wire.exchange(server, [wire.header_frame(op=PUSH_PULL, stamp=wire.stamp("w0", 0), pull=ids)])
     assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "slice 'w' named 5000 times" in caught.value.details()
     assert rss_bytes() - before < 50 * MIB
@@ -143,7 +144,7 @@ def test_refused_requests_leave_no_memory_behind(start_server, wire):
     server = start_server(ServerSettings(default_job=ASYNC))
     wire.declare(server, ASYNC, {"w": np.zeros(16, np.float32)})
     refused = wire.push_request("w0", 0, {"nope": np.ones(MIB, np.float32)}).SerializeToString()
-    call = wire.channel(server).unary_unary("/pshard.api.v1.ParameterServer/Push",
+    call = wire.channel(server).unary_unary("/pshard.api.v1.ParameterServerService/Push",
                                             request_serializer=identity, response_deserializer=identity)
 
     def send(count: int) -> None:
@@ -171,7 +172,7 @@ def hog(wire, server, nbytes: int) -> HeldStream:
     """An Exchange push that sent `nbytes` of a bigger slice and waits: those bytes stay in flight."""
     wire.declare(server, ASYNC, {"hog": np.zeros(4 * MIB, np.float32)})  # alone: admitted past the budget
     stream = HeldStream(wire.channel(server))
-    stream.send(wire.header_frame(op=pb.PUSH_PULL, stamp=wire.stamp("hog", 0), timeout_ms=int(WAIT_S * 1000),
+    stream.send(wire.header_frame(op=PUSH_PULL, stamp=wire.stamp("hog", 0), timeout_ms=int(WAIT_S * 1000),
                                   push=[wire.meta("hog", "float32", [4 * MIB])]))
     stream.send(wire.data_frame(np.zeros(nbytes // 4, np.float32)))
     wait_for(lambda: server.running.budget.in_flight >= nbytes, "the hog's bytes are in flight")
@@ -269,12 +270,12 @@ def test_checkpoint_timeout_ms(start_server, wire, tmp_path):
 @pytest.mark.parametrize("op", ["push", "declare", "pull"])
 def test_exchange_timeout_ms_ends_a_stream_whose_data_never_comes(sync_server, wire, op):
     if op == "declare":
-        header = wire.header_frame(op=pb.DECLARE, push=[wire.meta("v", "float32", [8])], timeout_ms=TINY_MS)
+        header = wire.header_frame(op=DECLARE, push=[wire.meta("v", "float32", [8])], timeout_ms=TINY_MS)
     elif op == "push":
-        header = wire.header_frame(op=pb.PUSH_PULL, stamp=wire.stamp("w0", 0), timeout_ms=TINY_MS,
+        header = wire.header_frame(op=PUSH_PULL, stamp=wire.stamp("w0", 0), timeout_ms=TINY_MS,
                                    push=[wire.meta("w", "float32", [8])])
     else:
-        header = wire.header_frame(op=pb.PUSH_PULL, stamp=wire.stamp("w0", 1), timeout_ms=TINY_MS,
+        header = wire.header_frame(op=PUSH_PULL, stamp=wire.stamp("w0", 1), timeout_ms=TINY_MS,
                                    pull=[wire.slice_id("w")])
     stream = HeldStream(wire.channel(sync_server))
     stream.send(header)  # and nothing more, the request side held open

@@ -63,8 +63,9 @@ def start_job(cluster: LocalCluster, *worker_args: str) -> tuple[int, int, list[
 
 def scheduler_generation(address: str) -> int:
     with grpc.insecure_channel(address) as channel:
-        stream = scheduler_pb2_grpc.SchedulerStub(channel).Watch(scheduler_pb2.WatchRequest(), timeout=10)
-        view = next(iter(stream))
+        stub = scheduler_pb2_grpc.SchedulerServiceStub(channel)
+        stream = stub.Watch(scheduler_pb2.WatchRequest(), timeout=10)
+        view = next(iter(stream)).view
         stream.cancel()
         return int(view.generation)
 

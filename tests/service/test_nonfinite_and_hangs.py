@@ -63,8 +63,8 @@ def test_reject_is_the_default_on_the_wire(start_server, wire):
     # A Declare whose JobConfig leaves nonfinite unset (an older client) gets reject.
     server = start_server(ServerSettings(static_quorum={"w0": 0}))
     request = pb.DeclareRequest(slices=[wire.tensor(k, v) for k, v in MODEL.items()])
-    request.config.mode = pb.ASYNC
-    request.config.optimizer.name = "sgd"
+    request.config.mode = pb.CONSISTENCY_MODE_ASYNC
+    request.config.optimizer.name = pb.OPTIMIZER_SGD
     request.config.optimizer.lr = 1.0
     wire.stub(server).Declare(request, timeout=WAIT_S)
     with pytest.raises(grpc.RpcError) as caught:

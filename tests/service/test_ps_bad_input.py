@@ -71,6 +71,9 @@ def primed(start_server, wire, new_client) -> Primed:
     return Primed(server, wire)
 
 
+F32 = tensor_pb2.DTYPE_FLOAT32
+
+
 def _raw_tensor(key: str, dtype: int, shape: list[int], data: bytes) -> tensor_pb2.SliceTensor:
     return tensor_pb2.SliceTensor(id=tensor_pb2.SliceId(key=key),
                                   tensor=tensor_pb2.Tensor(dtype=dtype, shape=shape, data=data))
@@ -94,7 +97,7 @@ BAD_PUSHES: dict[str, tuple[Callable, grpc.StatusCode, type[PSError], tuple]] = 
         CODE.INVALID_ARGUMENT, DTypeMismatchError, ("'fc.weight'", "float64", "float32")),
     "byte length not matching the shape": (
         lambda w: pb.PushRequest(stamp=w.stamp("w0", 1, GENERATION),
-                                 gradients=[_raw_tensor("fc.weight", tensor_pb2.FLOAT32, [12], b"\0" * 40)]),
+                                 gradients=[_raw_tensor("fc.weight", F32, [12], b"\0" * 40)]),
         CODE.INVALID_ARGUMENT, PayloadSizeError, ("'fc.weight'", "40 bytes", "48", "(12,)")),
     "clock far in the future": (
         lambda w: pb.PushRequest(stamp=w.stamp("w0", 1000, GENERATION),
@@ -180,12 +183,13 @@ BAD_DECLARES: dict[str, tuple[Callable, grpc.StatusCode, type[PSError], tuple]] 
         lambda w: pb.DeclareRequest(slices=[w.tensor("fc.steps", np.ones(4, np.int32))]),
         CODE.INVALID_ARGUMENT, DTypeMismatchError, ("'fc.steps'", "int32")),
     "byte length not matching the shape": (
-        lambda w: pb.DeclareRequest(slices=[_raw_tensor("fc.extra", tensor_pb2.FLOAT32, [2], b"\0" * 7)]),
+        lambda w: pb.DeclareRequest(slices=[_raw_tensor("fc.extra", F32, [2], b"\0" * 7)]),
         CODE.INVALID_ARGUMENT, PayloadSizeError, ("'fc.extra'", "7 bytes", "8")),
     "a different job config": (
         lambda w: pb.DeclareRequest(
             slices=[w.tensor("fc.bias", PARAMS["fc.bias"])],
-            config=pb.JobConfig(mode=pb.ASYNC, optimizer=pb.OptimizerConfig(name="sgd", lr=0.5))),
+            config=pb.JobConfig(mode=pb.CONSISTENCY_MODE_ASYNC,
+                                optimizer=pb.OptimizerConfig(name=pb.OPTIMIZER_SGD, lr=0.5))),
         CODE.FAILED_PRECONDITION, LayoutConflictError, ("mode='async'", "mode='sync'")),
     "empty request": (
         lambda w: pb.DeclareRequest(),
@@ -248,7 +252,8 @@ def test_unary_message_over_the_servers_limit_is_refused_before_it_reaches_the_s
 
 def _push_header(w, *metas: pb.SliceMeta, worker: str = "w0", clock: int = 1,
                  generation: int = GENERATION) -> bytes:
-    return w.header_frame(op=pb.PUSH_PULL, stamp=w.stamp(worker, clock, generation), push=list(metas))
+    return w.header_frame(op=pb.EXCHANGE_OP_PUSH_PULL, stamp=w.stamp(worker, clock, generation),
+                          push=list(metas))
 
 
 BIAS = ("fc.bias", "float32", [4])  # 16 bytes

@@ -115,7 +115,7 @@ def test_async_loses_no_update_from_concurrent_workers(start_server, new_client,
 def test_duplicate_exchange_and_unary_pushes_are_applied_once(start_server, wire):
     server = start_server()
     wire.declare(server, JobConfig(mode="async", optimizer=SGD_1), {"a": np.zeros(4, np.float32)})
-    exchange = [wire.header_frame(op=pb.PUSH_PULL, stamp=wire.stamp("w0", 0),
+    exchange = [wire.header_frame(op=pb.EXCHANGE_OP_PUSH_PULL, stamp=wire.stamp("w0", 0),
                                   push=[wire.meta("a", "float32", [4])], pull=[wire.slice_id("a")]),
                 wire.data_frame(np.ones(4, np.float32))]
     unary = wire.push_request("w0", 1, {"a": np.full(4, 2, np.float32)})
@@ -174,8 +174,8 @@ def test_many_waiting_pulls_do_not_block_the_pushes_that_release_them(start_serv
     push(wire.push_request("w0", 0, {"a": np.full(4, 2, np.float32)}), timeout=WAIT_S)
     pull = pb.PullRequest(stamp=wire.stamp("w0", 1), slices=[wire.slice_id("a")],
                           timeout_ms=int(WAIT_S * 1000))
-    stream = [wire.header_frame(op=pb.PUSH_PULL, stamp=wire.stamp("w0", 1), pull=[wire.slice_id("a")],
-                                timeout_ms=int(WAIT_S * 1000))]
+    stream = [wire.header_frame(op=pb.EXCHANGE_OP_PUSH_PULL, stamp=wire.stamp("w0", 1),
+                                pull=[wire.slice_id("a")], timeout_ms=int(WAIT_S * 1000))]
 
     with ThreadPoolExecutor(stream_pulls) as pool:
         unary = [wire.stub(server).Pull.future(pull, timeout=2 * WAIT_S) for _ in range(unary_pulls)]

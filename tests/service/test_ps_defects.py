@@ -29,6 +29,7 @@ from pshard.api.v1 import parameter_server_pb2 as pb
 from pshard.api.v1 import tensor_pb2
 
 CODE = grpc.StatusCode
+F32 = tensor_pb2.DTYPE_FLOAT32
 MODEL = {"w": np.arange(12, dtype=np.float32) / 7, "fc1.weight": np.linspace(-1, 1, 5, dtype=np.float32)}
 READER = "weights-reader"  # reads the weights back; never pushes
 
@@ -86,7 +87,7 @@ def test_an_exchange_header_refused_for_its_pull_part_applies_nothing(declared, 
     mode, server = declared
     clock = 0 if mode == "async" else 1
     before = _stored(server, wire)
-    header = wire.header_frame(op=pb.PUSH_PULL, stamp=wire.stamp("w0", clock),
+    header = wire.header_frame(op=pb.EXCHANGE_OP_PUSH_PULL, stamp=wire.stamp("w0", clock),
                                push=[wire.meta("w", "float32", (12,))], pull=[wire.slice_id("fc1.weight")])
 
     err = _refused(lambda: wire.exchange(server, [header, wire.data_frame(np.full(12, 0.5, np.float32))]))
@@ -151,7 +152,7 @@ def test_a_generation_the_scheduler_never_handed_out_is_refused_and_moves_nothin
 
 def _tensor(key: str, shape: list[int], data: bytes) -> tensor_pb2.SliceTensor:
     return tensor_pb2.SliceTensor(id=tensor_pb2.SliceId(key=key),
-                                  tensor=tensor_pb2.Tensor(dtype=tensor_pb2.FLOAT32, shape=shape, data=data))
+                                  tensor=tensor_pb2.Tensor(dtype=F32, shape=shape, data=data))
 
 
 HUGE = 2**62
@@ -190,7 +191,7 @@ def test_an_exchange_header_with_an_absurd_shape_is_invalid_argument(start_serve
     server = start_server(ServerSettings(default_job=JobConfig(mode="async")))
     wire.declare(server, None, MODEL)
     before = _stored(server, wire)
-    header = wire.header_frame(op=pb.DECLARE, push=[wire.meta("w", "float32", (0, HUGE))])
+    header = wire.header_frame(op=pb.EXCHANGE_OP_DECLARE, push=[wire.meta("w", "float32", (0, HUGE))])
 
     err = _refused(lambda: wire.exchange(server, [header]))
 
@@ -243,8 +244,10 @@ def test_requests_past_the_documented_limits_are_invalid_argument(start_server, 
 
 # ---- defect 6: absurd job settings were accepted ----
 
-ADAM = dict(name="adam", beta1=0.9, beta2=0.999, eps=1e-8)
-ADAGRAD = dict(name="adagrad", eps=1e-10)
+ADAM = dict(name=pb.OPTIMIZER_ADAM, beta1=0.9, beta2=0.999, eps=1e-8)
+ADAGRAD = dict(name=pb.OPTIMIZER_ADAGRAD, eps=1e-10)
+SGD, ADAMW = pb.OPTIMIZER_SGD, pb.OPTIMIZER_ADAMW
+SYNC, SSP = pb.CONSISTENCY_MODE_SYNC, pb.CONSISTENCY_MODE_SSP
 # name -> (OptimizerConfig fields, JobConfig fields, values the message must name)
 BAD_JOBS = {
     "lr 1e30": (dict(lr=1e30), {}, ("optimizer.lr", "1e+30")),
@@ -257,14 +260,14 @@ BAD_JOBS = {
     "weight_decay negative": (dict(weight_decay=-0.01), {}, ("optimizer.weight_decay", "-0.01")),
     "beta1 of 1": ({**ADAM, "beta1": 1.0}, {}, ("optimizer.betas[0]", "1.0")),
     "beta2 NaN": ({**ADAM, "beta2": math.nan}, {}, ("optimizer.betas[1]", "nan")),
-    "beta negative": ({**ADAM, "name": "adamw", "beta1": -0.5}, {}, ("optimizer.betas[0]", "-0.5")),
+    "beta negative": ({**ADAM, "name": ADAMW, "beta1": -0.5}, {}, ("optimizer.betas[0]", "-0.5")),
     "eps 0 for adam": ({**ADAM, "eps": 0.0}, {}, ("optimizer.eps", "0.0", "adam")),
     "eps negative": ({**ADAGRAD, "eps": -1e-8}, {}, ("optimizer.eps", "-1e-08")),
     "eps infinite": ({**ADAM, "eps": math.inf}, {}, ("optimizer.eps", "inf")),
     "lr_decay infinite": ({**ADAGRAD, "lr_decay": math.inf}, {}, ("optimizer.lr_decay", "inf")),
     "initial_accumulator_value negative": ({**ADAGRAD, "initial_accumulator_value": -1.0}, {},
                                            ("optimizer.initial_accumulator_value", "-1.0")),
-    "staleness past the bound": ({}, dict(mode=pb.SSP, staleness=2**21), ("staleness", str(2**21))),
+    "staleness past the bound": ({}, dict(mode=SSP, staleness=2**21), ("staleness", str(2**21))),
     "backup_workers past the bound": ({}, dict(backup_workers=10**6), ("backup_workers", "1000000")),
 }
 
@@ -275,8 +278,8 @@ def test_absurd_job_settings_are_refused_naming_the_field_and_value(start_server
     optimizer, job, values = BAD_JOBS[case]
     request = pb.DeclareRequest(
         slices=[wire.tensor("w", MODEL["w"])],
-        config=pb.JobConfig(**{"mode": pb.SYNC, **job},
-                            optimizer=pb.OptimizerConfig(**{"name": "sgd", "lr": 0.1, **optimizer})))
+        config=pb.JobConfig(**{"mode": SYNC, **job},
+                            optimizer=pb.OptimizerConfig(**{"name": SGD, "lr": 0.1, **optimizer})))
 
     err = _refused(lambda: wire.stub(server).Declare(request, timeout=10))
 
@@ -285,8 +288,8 @@ def test_absurd_job_settings_are_refused_naming_the_field_and_value(start_server
     assert stats.slices == 0 and not stats.optimizer, "a refused Declare configured the server"
     # A sane job still configures it afterwards.
     ok = request.config.optimizer
-    ok.CopyFrom(pb.OptimizerConfig(name="sgd", lr=0.1))
-    request.config.CopyFrom(pb.JobConfig(mode=pb.SYNC, optimizer=ok))
+    ok.CopyFrom(pb.OptimizerConfig(name=SGD, lr=0.1))
+    request.config.CopyFrom(pb.JobConfig(mode=SYNC, optimizer=ok))
     assert list(wire.stub(server).Declare(request, timeout=10).created) == [True]
 
 

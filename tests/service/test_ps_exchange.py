@@ -97,7 +97,7 @@ def test_declare_is_idempotent_and_the_first_declaration_wins(start_server, new_
 
 def test_declare_over_unary_and_exchange_reports_what_it_created(start_server, wire):
     server = start_server()
-    frames = [wire.header_frame(op=pb.DECLARE, config=codec.job_to_proto(ASYNC_SGD),
+    frames = [wire.header_frame(op=pb.EXCHANGE_OP_DECLARE, config=codec.job_to_proto(ASYNC_SGD),
                                 push=[wire.meta("a", "float32", [3]), wire.meta("b", "float32", [2])]),
               wire.data_frame(np.full(3, 7, np.float32), np.full(2, 8, np.float32))]
 

@@ -45,8 +45,8 @@ def _free_address() -> str:
 
 
 @pytest.mark.parametrize(("task_type", "service"), [
-    ("ps", "pshard.api.v1.ParameterServer"),
-    ("Scheduler", "pshard.api.v1.Scheduler"),
+    ("ps", "pshard.api.v1.ParameterServerService"),
+    ("Scheduler", "pshard.api.v1.SchedulerService"),
 ])
 def test_run_starts_the_service_tf_configs_task_names(task_type, service):
     address = _free_address()

@@ -52,7 +52,7 @@ def _when_unreachable(channel: grpc.Channel) -> threading.Event:
 
 
 def test_only_idempotent_methods_retry_and_within_grpcs_cap() -> None:
-    config = json.loads(service_config("pshard.api.v1.Scheduler", SCHEDULER_RETRIED))
+    config = json.loads(service_config("pshard.api.v1.SchedulerService", SCHEDULER_RETRIED))
     (method,) = config["methodConfig"]
     assert {n["method"] for n in method["name"]} == set(SCHEDULER_RETRIED)
     assert "Heartbeat" not in SCHEDULER_RETRIED  # its own loop resends; a late one carries stale progress

@@ -18,6 +18,7 @@ from pshard.api.v1 import scheduler_pb2_grpc as pb_grpc
 from pshard.api.v1 import tensor_pb2
 
 WAIT_S = 10.0
+WORKER, PS = pb.ROLE_WORKER, pb.ROLE_PS
 
 
 @pytest.fixture
@@ -33,8 +34,8 @@ def channel(scheduler: SchedulerHandle) -> Iterator[grpc.Channel]:
         yield channel
 
 
-def first_view(stub: pb_grpc.SchedulerStub) -> pb.ClusterView:
-    return next(iter(stub.Watch(pb.WatchRequest(), timeout=WAIT_S)))
+def first_view(stub: pb_grpc.SchedulerServiceStub) -> pb.ClusterView:
+    return next(iter(stub.Watch(pb.WatchRequest(), timeout=WAIT_S))).view
 
 
 def assert_serving(channel: grpc.Channel) -> None:
@@ -50,12 +51,12 @@ def refusal(call: grpc.RpcError) -> tuple[grpc.StatusCode, str, str]:
 
 def test_register_with_last_generation_2_64_minus_1_is_refused_and_the_scheduler_goes_on(channel):
     """Defect 2: this Register used to break every later Register, Heartbeat and Watch for good."""
-    stub = pb_grpc.SchedulerStub(channel)
-    reg = stub.Register(pb.RegisterRequest(role="worker", address="w0:1", node_id="worker-0"), timeout=WAIT_S)
+    stub = pb_grpc.SchedulerServiceStub(channel)
+    reg = stub.Register(pb.RegisterRequest(role=WORKER, address="w0:1", node_id="worker-0"), timeout=WAIT_S)
     before = first_view(stub)
 
     with pytest.raises(grpc.RpcError) as info:
-        stub.Register(pb.RegisterRequest(role="worker", address="w1:1", node_id="worker-1",
+        stub.Register(pb.RegisterRequest(role=WORKER, address="w1:1", node_id="worker-1",
                                          last_generation=2**64 - 1), timeout=WAIT_S)
 
     code, details, _ = refusal(info.value)
@@ -63,7 +64,7 @@ def test_register_with_last_generation_2_64_minus_1_is_refused_and_the_scheduler
     assert details == f"last_generation: got {2**64 - 1}, expected at most {2**62}"
     assert first_view(stub) == before  # nobody admitted, the generation did not move
     stub.Heartbeat(pb.HeartbeatRequest(node_id="worker-0", generation=reg.generation), timeout=WAIT_S)
-    again = stub.Register(pb.RegisterRequest(role="worker", address="w1:1", node_id="worker-1"),
+    again = stub.Register(pb.RegisterRequest(role=WORKER, address="w1:1", node_id="worker-1"),
                           timeout=WAIT_S)
     assert again.generation == before.generation + 1
     assert first_view(stub).generation == again.generation
@@ -71,9 +72,9 @@ def test_register_with_last_generation_2_64_minus_1_is_refused_and_the_scheduler
 
 
 def test_a_restart_generation_at_the_bound_still_fits_every_reply(channel):
-    stub = pb_grpc.SchedulerStub(channel)
+    stub = pb_grpc.SchedulerServiceStub(channel)
 
-    reg = stub.Register(pb.RegisterRequest(role="ps", address="p:1", last_generation=2**62), timeout=WAIT_S)
+    reg = stub.Register(pb.RegisterRequest(role=PS, address="p:1", last_generation=2**62), timeout=WAIT_S)
     stub.Heartbeat(pb.HeartbeatRequest(node_id=reg.node_id, generation=reg.generation, clock=2**62),
                    timeout=WAIT_S)
     left = stub.Leave(pb.LeaveRequest(node_id=reg.node_id, generation=reg.generation), timeout=WAIT_S)
@@ -84,12 +85,12 @@ def test_a_restart_generation_at_the_bound_still_fits_every_reply(channel):
 
 @pytest.mark.parametrize(("method", "raw"), [
     ("Register", b"\xff\xff\xff"),
-    ("Register", b"\x0a\x02\xff\xfe"),  # role is not UTF-8
+    ("Register", b"\x12\x02\xff\xfe"),  # address is not UTF-8
     ("Heartbeat", b"\x0a\x05ab"),  # truncated
     ("Barrier", b"\x08"),
 ])
 def test_unparseable_request_bytes_are_invalid_argument(channel, method, raw):
-    call = channel.unary_unary(f"/pshard.api.v1.Scheduler/{method}",
+    call = channel.unary_unary(f"/pshard.api.v1.SchedulerService/{method}",
                                request_serializer=lambda b: b, response_deserializer=lambda b: b)
 
     with pytest.raises(grpc.RpcError) as info:
@@ -97,12 +98,12 @@ def test_unparseable_request_bytes_are_invalid_argument(channel, method, raw):
 
     code, details, _ = refusal(info.value)
     assert code == grpc.StatusCode.INVALID_ARGUMENT
-    assert details.startswith(f"/pshard.api.v1.Scheduler/{method}: not a valid request")
+    assert details.startswith(f"/pshard.api.v1.SchedulerService/{method}: not a valid request")
     assert_serving(channel)
 
 
 def test_unparseable_watch_request_is_invalid_argument(channel):
-    call = channel.unary_stream("/pshard.api.v1.Scheduler/Watch",
+    call = channel.unary_stream("/pshard.api.v1.SchedulerService/Watch",
                                 request_serializer=lambda b: b, response_deserializer=lambda b: b)
 
     with pytest.raises(grpc.RpcError) as info:
@@ -112,9 +113,9 @@ def test_unparseable_watch_request_is_invalid_argument(channel):
 
 
 def test_a_layout_that_would_plan_billions_of_slices_is_refused_at_once(channel):
-    stub = pb_grpc.SchedulerStub(channel)
-    stub.Register(pb.RegisterRequest(role="ps", address="p:1"), timeout=WAIT_S)  # so Watch has a view
-    huge = pb.ParamSpec(key="w", dtype=tensor_pb2.FLOAT32, shape=[2**40])
+    stub = pb_grpc.SchedulerServiceStub(channel)
+    stub.Register(pb.RegisterRequest(role=PS, address="p:1"), timeout=WAIT_S)  # so Watch has a view
+    huge = pb.ParamSpec(key="w", dtype=tensor_pb2.DTYPE_FLOAT32, shape=[2**40])
 
     with pytest.raises(grpc.RpcError) as info:
         stub.ProposeLayout(pb.ProposeLayoutRequest(params=[huge], slice_bytes=64, servers=["p:1"]),
@@ -131,13 +132,13 @@ def test_registrations_past_the_rate_are_resource_exhausted_with_a_retry_hint():
     handle = start_in_thread(lambda: service.start(heartbeat_timeout_s=5.0, limits=limits), name="limited")
     try:
         with grpc.insecure_channel(handle.address) as channel:
-            stub = pb_grpc.SchedulerStub(channel)
+            stub = pb_grpc.SchedulerServiceStub(channel)
             for i in range(2):
-                stub.Register(pb.RegisterRequest(role="worker", address=f"w{i}:1"), timeout=WAIT_S)
+                stub.Register(pb.RegisterRequest(role=WORKER, address=f"w{i}:1"), timeout=WAIT_S)
             before = first_view(stub)
 
             with pytest.raises(grpc.RpcError) as info:
-                stub.Register(pb.RegisterRequest(role="worker", address="w2:1"), timeout=WAIT_S)
+                stub.Register(pb.RegisterRequest(role=WORKER, address="w2:1"), timeout=WAIT_S)
 
             code, details, kind = refusal(info.value)
             assert (code, kind) == (grpc.StatusCode.RESOURCE_EXHAUSTED, "QuotaExceededError")

@@ -43,9 +43,9 @@ def scheduler() -> Iterator[SchedulerHandle]:
 
 
 @pytest.fixture
-def stub(scheduler: SchedulerHandle) -> Iterator[pb_grpc.SchedulerStub]:
+def stub(scheduler: SchedulerHandle) -> Iterator[pb_grpc.SchedulerServiceStub]:
     with grpc.insecure_channel(scheduler.address) as channel:
-        yield pb_grpc.SchedulerStub(channel)
+        yield pb_grpc.SchedulerServiceStub(channel)
 
 
 @pytest.fixture
@@ -54,6 +54,9 @@ def clients(scheduler: SchedulerHandle) -> Iterator[list[SchedulerClient]]:
     yield made
     for client in made:
         client.close()
+
+
+WORKER = pb.ROLE_WORKER
 
 
 def new_client(clients: list[SchedulerClient], address: str, role: str, index: int) -> SchedulerClient:
@@ -72,9 +75,9 @@ def test_health_service_reports_serving(scheduler):
 
 
 def test_register_assigns_rank_and_generation(stub):
-    first = stub.Register(pb.RegisterRequest(role="worker", address="w0:1", rank_hint=-1), timeout=WAIT_S)
-    second = stub.Register(pb.RegisterRequest(role="worker", address="w1:1", rank_hint=-1), timeout=WAIT_S)
-    ps = stub.Register(pb.RegisterRequest(role="ps", address="p0:1", node_id="ps-0", rank_hint=0),
+    first = stub.Register(pb.RegisterRequest(role=WORKER, address="w0:1"), timeout=WAIT_S)
+    second = stub.Register(pb.RegisterRequest(role=WORKER, address="w1:1"), timeout=WAIT_S)
+    ps = stub.Register(pb.RegisterRequest(role=pb.ROLE_PS, address="p0:1", node_id="ps-0", rank_hint=0),
                        timeout=WAIT_S)
 
     assert (first.node_id, first.rank, second.rank, ps.rank) == ("worker-0", 0, 1, 0)
@@ -83,14 +86,30 @@ def test_register_assigns_rank_and_generation(stub):
     assert [n.node_id for n in ps.view.nodes] == ["ps-0", "worker-0", "worker-1"]
 
 
+def test_register_with_a_role_this_version_does_not_know_is_invalid_naming_it(stub):
+    with pytest.raises(grpc.RpcError) as info:
+        stub.Register(pb.RegisterRequest(role=99, address="x:1"), timeout=WAIT_S)  # type: ignore[arg-type]
+
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "role: got enum value 99" in info.value.details()
+
+
+def test_rank_hint_zero_is_a_hint_and_no_hint_takes_the_lowest_free_rank(stub):
+    stub.Register(pb.RegisterRequest(role=WORKER, node_id="worker-1", rank_hint=1), timeout=WAIT_S)
+    hinted = stub.Register(pb.RegisterRequest(role=WORKER, node_id="a", rank_hint=0), timeout=WAIT_S)
+    unhinted = stub.Register(pb.RegisterRequest(role=WORKER, node_id="b"), timeout=WAIT_S)
+
+    assert (hinted.rank, unhinted.rank) == (0, 2)
+
+
 def test_watch_streams_the_current_view_then_each_newer_one(stub):
-    stub.Register(pb.RegisterRequest(role="worker", node_id="worker-0", rank_hint=0), timeout=WAIT_S)
+    stub.Register(pb.RegisterRequest(role=WORKER, node_id="worker-0", rank_hint=0), timeout=WAIT_S)
     stream = stub.Watch(pb.WatchRequest(), timeout=WAIT_S)
     try:
-        current = next(stream)
-        reg = stub.Register(pb.RegisterRequest(role="worker", node_id="worker-1", rank_hint=1),
+        current = next(stream).view
+        reg = stub.Register(pb.RegisterRequest(role=WORKER, node_id="worker-1", rank_hint=1),
                             timeout=WAIT_S)
-        newer = next(stream)
+        newer = next(stream).view
     finally:
         stream.cancel()
 
@@ -101,7 +120,7 @@ def test_watch_streams_the_current_view_then_each_newer_one(stub):
 
 def test_silent_node_is_declared_dead(scheduler, stub, clients):
     watcher = new_client(clients, scheduler.address, "worker", 0)
-    silent = stub.Register(pb.RegisterRequest(role="worker", node_id="worker-1", rank_hint=1), timeout=WAIT_S)
+    silent = stub.Register(pb.RegisterRequest(role=WORKER, node_id="worker-1", rank_hint=1), timeout=WAIT_S)
 
     view = watcher.wait_for_view(
         lambda v: (n := v.node("worker-1")) is not None and n.state is NodeState.DEAD, timeout_s=WAIT_S)
@@ -115,8 +134,8 @@ def test_silent_node_is_declared_dead(scheduler, stub, clients):
 
 
 def test_stale_generation_is_fenced_with_both_values(stub):
-    old = stub.Register(pb.RegisterRequest(role="worker", node_id="worker-1"), timeout=WAIT_S)
-    new = stub.Register(pb.RegisterRequest(role="worker", node_id="worker-1"), timeout=WAIT_S)
+    old = stub.Register(pb.RegisterRequest(role=WORKER, node_id="worker-1"), timeout=WAIT_S)
+    new = stub.Register(pb.RegisterRequest(role=WORKER, node_id="worker-1"), timeout=WAIT_S)
 
     with pytest.raises(grpc.RpcError) as info:
         stub.Heartbeat(pb.HeartbeatRequest(node_id="worker-1", generation=old.generation), timeout=WAIT_S)

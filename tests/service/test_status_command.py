@@ -41,7 +41,7 @@ def status(scheduler: str, *args: str) -> str:
 
 def get_stats(address: str) -> pb.GetStatsResponse:
     with grpc.insecure_channel(address) as channel:
-        return pb_grpc.ParameterServerStub(channel).GetStats(pb.GetStatsRequest(), timeout=10)
+        return pb_grpc.ParameterServerServiceStub(channel).GetStats(pb.GetStatsRequest(), timeout=10)
 
 
 def test_status_of_a_live_job_matches_the_servers_stats_and_names_who_a_stuck_clock_waits_for(

@@ -136,7 +136,7 @@ def test_a_stranger_without_the_session_secret_is_disconnected(shm_dir, start_se
     for hello in (pb.TransportHello(session=1, secret=b"guess").SerializeToString(), b"garbage"):
         with socket.create_connection(("127.0.0.1", server.running.fast.port), timeout=WAIT_S) as sock:
             fastwire.send_frame(sock, fastwire.HELLO, hello)
-            request = pb.ExchangeHeader(op=pb.PUSH_PULL).SerializeToString()
+            request = pb.ExchangeHeader(op=pb.EXCHANGE_OP_PUSH_PULL).SerializeToString()
             fastwire.send_frame(sock, fastwire.REQUEST, request)
             try:
                 answer = sock.recv(1)

@@ -1,9 +1,11 @@
-"""The codec: numpy/torch <-> protobuf bit for bit, bfloat16 rounding, casts, and Exchange data frames."""
+"""The codec: numpy/torch <-> protobuf bit for bit, bfloat16 rounding, casts, Exchange data frames,
+the wire's enums and optional fields, and the dtype registry's agreement with the stubs."""
 
 from __future__ import annotations
 
 import itertools
 import re
+from typing import TypeVar
 
 import hypothesis.extra.numpy as hnp
 import numpy as np
@@ -13,14 +15,17 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from pshard.common import codec, dtypes
 from pshard.common.codec import WireArray
-from pshard.common.errors import DTypeMismatchError, InvalidArgumentError, PayloadSizeError
-from pshard.common.job import MODES, OPTIMIZERS, WIRE_DTYPES, JobConfig, OptimizerConfig
+from pshard.common.errors import DTypeMismatchError, EmptyRequestError, InvalidArgumentError, PayloadSizeError
+from pshard.common.job import MODES, NONFINITE, OPTIMIZERS, WIRE_DTYPES, JobConfig, OptimizerConfig
 from pshard.common.layout import ParamSpec, plan_layout
 from pshard.common.types import SliceKey, Stamp
+from pshard.common.view import ROLES, ClusterView, Node, NodeState
 
 from pshard.api.v1 import parameter_server_pb2 as ps_pb
+from pshard.api.v1 import scheduler_pb2 as sched_pb
 from pshard.api.v1 import tensor_pb2 as tensor_pb
 
+M = TypeVar("M")
 FLOATS = ("float32", "float64", "float16", "bfloat16")
 SHAPES = hnp.array_shapes(min_dims=0, max_dims=4, min_side=0, max_side=5)
 # Every bit pattern of a float dtype (NaN payloads, signalling NaNs) comes from its same-width uint.
@@ -109,7 +114,7 @@ def test_wrong_byte_length_is_a_payload_size_error_naming_both_counts(
 
 
 def test_negative_dimension_is_invalid() -> None:
-    t = tensor_pb.Tensor(dtype=tensor_pb.FLOAT32, shape=[-1, 4], data=b"")
+    t = tensor_pb.Tensor(dtype=tensor_pb.DTYPE_FLOAT32, shape=[-1, 4], data=b"")
 
     with pytest.raises(InvalidArgumentError, match=re.escape("(-1, 4)")):
         codec.tensor_from_proto(t)
@@ -141,7 +146,8 @@ def test_slice_tensor_round_trips_with_its_key() -> None:
 
 def test_slice_tensor_size_error_names_the_slice() -> None:
     s = tensor_pb.SliceTensor(id=tensor_pb.SliceId(key="fc.w", part=2),
-                              tensor=tensor_pb.Tensor(dtype=tensor_pb.FLOAT32, shape=[2], data=b"\0" * 7))
+                              tensor=tensor_pb.Tensor(dtype=tensor_pb.DTYPE_FLOAT32, shape=[2],
+                                                      data=b"\0" * 7))
 
     with pytest.raises(PayloadSizeError, match=re.escape("slice 'fc.w[2]'")):
         codec.slice_tensor_from_proto(s)
@@ -341,18 +347,20 @@ FRAME_SIZES = [0, 1, 127, 128, 129, 16383, 16384, 16385, 2**21 - 1, 2**21, 3 * 2
 @settings(max_examples=30, deadline=None)
 @given(size=st.one_of(st.sampled_from(FRAME_SIZES), st.integers(0, 4 * 2**20)),
        cuts=st.lists(st.floats(0, 1), max_size=3), seed=st.integers(0, 2**32 - 1))
-def test_data_frame_is_an_ordinary_frame_protobuf(size: int, cuts: list[float], seed: int) -> None:
+def test_data_frame_is_an_ordinary_exchange_message_both_ways(size: int, cuts: list[float],
+                                                               seed: int) -> None:
     payload = np.random.default_rng(seed).integers(0, 256, size, dtype=np.uint8).tobytes()
     edges = [0, *sorted(int(c * size) for c in cuts), size]
     kinds = [bytes, memoryview, lambda b: np.frombuffer(b, np.uint8)]
     parts = [kinds[i % 3](payload[a:b]) for i, (a, b) in enumerate(itertools.pairwise(edges))]
 
     frame = codec.encode_data_frame(parts)
-    parsed = ps_pb.Frame.FromString(frame)
 
-    assert parsed.WhichOneof("body") == "data"
-    assert parsed.data == payload
-    assert frame == ps_pb.Frame(data=payload).SerializeToString()
+    for message in (ps_pb.ExchangeRequest, ps_pb.ExchangeResponse):  # the client's and the server's
+        parsed = message.FromString(frame)
+        assert parsed.WhichOneof("body") == "data"
+        assert parsed.data == payload
+        assert frame == message(data=payload).SerializeToString()
     view = codec.decode_data_frame(frame)
     assert view is not None and view.obj is frame and bytes(view) == payload
 
@@ -363,19 +371,24 @@ def test_data_frame_takes_typed_arrays_as_their_raw_bytes() -> None:
 
     frame = codec.encode_data_frame(parts)
 
-    assert ps_pb.Frame.FromString(frame).data == b"".join(np.ascontiguousarray(p).tobytes() for p in parts)
+    want = b"".join(np.ascontiguousarray(p).tobytes() for p in parts)
+    assert ps_pb.ExchangeRequest.FromString(frame).data == want
 
 
 @pytest.mark.parametrize("frame", [
-    ps_pb.Frame(header=ps_pb.ExchangeHeader(op=ps_pb.PUSH_PULL, timeout_ms=5)),
-    ps_pb.Frame(summary=ps_pb.ExchangeSummary(versions=[3], applied=1)),
-    ps_pb.Frame(),
-], ids=["header", "summary", "empty"])
-def test_decode_data_frame_returns_none_for_other_frames(frame: ps_pb.Frame) -> None:
+    ps_pb.ExchangeRequest(header=ps_pb.ExchangeHeader(op=ps_pb.EXCHANGE_OP_PUSH_PULL, timeout_ms=5)),
+    ps_pb.ExchangeResponse(summary=ps_pb.ExchangeSummary(versions=[3], applied=1)),
+    ps_pb.ExchangeRequest(),
+    ps_pb.ExchangeResponse(),
+], ids=["header", "summary", "empty request", "empty response"])
+def test_decode_data_frame_returns_none_for_other_frames(
+        frame: ps_pb.ExchangeRequest | ps_pb.ExchangeResponse) -> None:
     encoded = codec.encode_frame(frame)
 
     assert codec.decode_data_frame(encoded) is None
-    assert codec.decode_frame(encoded) == frame
+    decode = codec.decode_request_frame if isinstance(frame, ps_pb.ExchangeRequest) \
+        else codec.decode_response_frame
+    assert decode(encoded) == frame
 
 
 @pytest.mark.parametrize("size", [1, 200, 20000])
@@ -423,7 +436,8 @@ def job_configs(draw: st.DrawFn) -> JobConfig:
         amsgrad=draw(st.booleans()), lr_decay=draw(_NONNEG), initial_accumulator_value=draw(_NONNEG))
     return JobConfig(mode=draw(st.sampled_from(MODES)), staleness=draw(st.integers(0, 2**20)),
                      optimizer=optimizer, backup_workers=draw(st.integers(0, 4096)),
-                     wire_dtype=draw(st.sampled_from(WIRE_DTYPES)))
+                     wire_dtype=draw(st.sampled_from(WIRE_DTYPES)),
+                     nonfinite=draw(st.sampled_from(NONFINITE)))
 
 
 @settings(max_examples=50, deadline=None)
@@ -436,7 +450,7 @@ def test_job_config_round_trips(job: JobConfig) -> None:
 
 def test_job_config_without_a_mode_is_invalid() -> None:
     with pytest.raises(InvalidArgumentError, match=r"config\.mode"):
-        codec.job_from_proto(ps_pb.JobConfig(optimizer=ps_pb.OptimizerConfig(name="sgd")))
+        codec.job_from_proto(ps_pb.JobConfig(optimizer=ps_pb.OptimizerConfig(name=ps_pb.OPTIMIZER_SGD)))
 
 
 def test_job_config_with_an_unknown_wire_dtype_names_the_field() -> None:
@@ -468,13 +482,13 @@ def test_layout_round_trips() -> None:
 def test_dtype_registry_agrees_with_the_proto_enum(name: str) -> None:
     info = dtypes.info(name)
 
-    assert tensor_pb.DType.Name(info.proto) == name.upper()
+    assert tensor_pb.Dtype.Name(info.proto) == f"DTYPE_{name.upper()}"
     assert info.itemsize == codec.numpy_dtype(name).itemsize
     assert info.numpy == info.numpy.newbyteorder("<")  # the wire is little-endian
 
 
 def test_every_proto_dtype_has_a_registry_entry() -> None:
-    numbers = set(tensor_pb.DType.values()) - {tensor_pb.DTYPE_UNSPECIFIED}
+    numbers = set(tensor_pb.Dtype.values()) - {tensor_pb.DTYPE_UNSPECIFIED}
 
     assert {dtypes.info(n).proto for n in dtypes.NAMES} == numbers
 
@@ -485,3 +499,121 @@ def test_parameter_dtypes_are_the_floats_numpy_has_and_float16_keeps_a_float32_m
     assert dtypes.master_dtype(np.dtype(np.float64)) == np.float64
     assert set(dtypes.MASTER_DTYPES) == {"float32", "float64"}
     assert WIRE_DTYPES == ("", "float16", "bfloat16")
+
+
+# ---- enums: Python's names <-> the wire's values ----
+
+ENUMS = [  # (python names, to_proto, from_proto, proto enum, value prefix)
+    (ROLES, codec.role_to_proto, codec.role_from_proto, sched_pb.Role, "ROLE"),
+    (MODES, codec.mode_to_proto, codec.mode_from_proto, ps_pb.ConsistencyMode, "CONSISTENCY_MODE"),
+    (OPTIMIZERS, codec.optimizer_to_proto, codec.optimizer_from_proto, ps_pb.Optimizer, "OPTIMIZER"),
+]
+ENUM_IDS = ["role", "mode", "optimizer"]
+
+
+@pytest.mark.parametrize(("names", "to_proto", "from_proto", "enum", "prefix"), ENUMS, ids=ENUM_IDS)
+def test_enum_conversion_round_trips_every_python_name(names, to_proto, from_proto, enum, prefix) -> None:
+    for name in names:
+        value = to_proto(name)
+
+        assert enum.Name(value) == f"{prefix}_{name.upper()}"
+        assert from_proto(value) == name
+    assert len(enum.values()) == len(names) + 1  # every wire value but UNSPECIFIED has a Python name
+
+
+@pytest.mark.parametrize(("names", "to_proto", "from_proto", "enum", "prefix"), ENUMS, ids=ENUM_IDS)
+def test_unknown_enum_value_from_the_wire_is_invalid_naming_field_and_value(
+        names, to_proto, from_proto, enum, prefix) -> None:
+    with pytest.raises(InvalidArgumentError, match=r"^register\.x: got enum value 99, expected one of"):
+        from_proto(99, "register.x")
+
+
+@pytest.mark.parametrize(("names", "to_proto", "from_proto", "enum", "prefix"), ENUMS, ids=ENUM_IDS)
+def test_unspecified_enum_value_is_an_empty_request_naming_the_field(
+        names, to_proto, from_proto, enum, prefix) -> None:
+    with pytest.raises(EmptyRequestError, match=rf"^f: got {prefix}_UNSPECIFIED, expected one of"):
+        from_proto(0, "f")
+
+
+@pytest.mark.parametrize(("names", "to_proto", "from_proto", "enum", "prefix"), ENUMS, ids=ENUM_IDS)
+def test_unknown_python_name_is_invalid_naming_it(names, to_proto, from_proto, enum, prefix) -> None:
+    with pytest.raises(InvalidArgumentError, match="'nope'"):
+        to_proto("nope")
+
+
+def test_nonfinite_policy_round_trips_and_unset_means_reject() -> None:
+    for policy in NONFINITE:
+        value = codec.nonfinite_to_proto(policy)
+
+        assert ps_pb.NonfinitePolicy.Name(value) == f"NONFINITE_POLICY_{policy.upper()}"
+        assert codec.nonfinite_from_proto(value) == policy
+    assert codec.nonfinite_from_proto(ps_pb.NONFINITE_POLICY_UNSPECIFIED) == "reject"
+    with pytest.raises(InvalidArgumentError, match=r"config\.nonfinite: got enum value 9\b"):
+        codec.nonfinite_from_proto(9, "config.nonfinite")
+
+
+def test_job_config_with_an_unknown_optimizer_names_the_field_and_value() -> None:
+    p = codec.job_to_proto(JobConfig())
+    p.optimizer.name = 42  # type: ignore[assignment]
+
+    with pytest.raises(InvalidArgumentError, match=r"config\.optimizer\.name: got enum value 42"):
+        codec.job_from_proto(p)
+
+
+def test_cluster_view_round_trips_with_roles_as_enums() -> None:
+    view = ClusterView(7, tuple(Node(f"{r}-0", r, 0, f"{r}:1", NodeState.LIVE, 7) for r in ROLES), 2)
+
+    p = sched_pb.ClusterView.FromString(codec.view_to_proto(view).SerializeToString())
+
+    assert [n.role for n in p.nodes] == [codec.role_to_proto(r) for r in ROLES]
+    assert codec.view_from_proto(p) == view
+
+
+def test_node_with_an_unknown_role_names_the_node() -> None:
+    p = sched_pb.Node(node_id="x-1", role=77, state=sched_pb.NODE_STATE_LIVE)  # type: ignore[arg-type]
+
+    with pytest.raises(InvalidArgumentError, match=r"node 'x-1' role: got enum value 77"):
+        codec.node_from_proto(p)
+
+
+# ---- optional fields: absent is not zero ----
+
+def wire_round_trip(message: M) -> M:
+    return type(message).FromString(message.SerializeToString())
+
+
+def test_rank_hint_zero_is_present_and_distinct_from_absent() -> None:
+    zero = codec.register_from_proto(wire_round_trip(codec.register_to_proto("worker", "w:1", rank_hint=0)))
+    absent = codec.register_from_proto(wire_round_trip(codec.register_to_proto("worker", "w:1")))
+
+    assert zero.rank_hint == 0
+    assert absent.rank_hint is None
+
+
+def test_register_round_trips_every_argument() -> None:
+    p = codec.register_to_proto("chief", "c:1", node_id="chief-0", rank_hint=3, last_generation=9)
+
+    back = codec.register_from_proto(wire_round_trip(p))
+
+    assert back == codec.RegisterArgs("chief", "c:1", "chief-0", 3, 9)
+
+
+def test_register_without_node_id_lets_the_scheduler_assign_one_but_an_empty_one_is_invalid() -> None:
+    assert codec.register_from_proto(sched_pb.RegisterRequest(role=sched_pb.ROLE_PS)).node_id is None
+
+    with pytest.raises(InvalidArgumentError, match="node_id: got ''"):
+        codec.register_from_proto(sched_pb.RegisterRequest(role=sched_pb.ROLE_PS, node_id=""))
+
+
+def test_register_without_a_role_is_an_empty_request() -> None:
+    with pytest.raises(EmptyRequestError, match="role: got ROLE_UNSPECIFIED"):
+        codec.register_from_proto(sched_pb.RegisterRequest(address="w:1"))
+
+
+@pytest.mark.parametrize("message", [ps_pb.PullRequest, ps_pb.PushPullRequest, ps_pb.ExchangeHeader,
+                                     ps_pb.CheckpointRequest, sched_pb.BarrierRequest,
+                                     sched_pb.GetLayoutRequest])
+def test_timeout_zero_is_present_and_distinct_from_absent(message) -> None:
+    assert codec.timeout_ms_from_proto(wire_round_trip(message(timeout_ms=0))) == 0
+    assert codec.timeout_ms_from_proto(wire_round_trip(message(timeout_ms=250))) == 250
+    assert codec.timeout_ms_from_proto(wire_round_trip(message())) is None
