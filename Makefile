@@ -22,7 +22,8 @@ help:
 	@echo "make demo      train Fashion-MNIST with a local cluster: scheduler, 2 servers, 2 workers"
 	@echo "make up        docker compose up (needs a Docker engine)"
 	@echo "make bench     run the benchmarks in bench/ and print JSON lines"
-	@echo "make lint      ruff, mypy, compose config and hadolint"
+	@echo "make lint      ruff, mypy, buf lint (proto/), compose config and hadolint"
+	@echo "make proto-breaking  buf breaking: proto/ against the previous commit's (CI runs it)"
 
 $(STAMP): pyproject.toml setup.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -90,8 +91,26 @@ fuzz: install
 lint: install
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/mypy ps_common ps_server scheduler worker launcher
+	$(VENV)/bin/buf lint proto
 	$(COMPOSE_BIN) -f docker-compose.yml config -q
 	$(VENV)/bin/hadolint docker/Dockerfile.server docker/Dockerfile.worker
+
+# The wire contract changes only compatibly: proto/ against the previous commit's, by buf's FILE rules
+# (proto/buf.yaml). Nothing to compare on a first commit or one whose parent had no proto/ yet; a shallow
+# clone without the parent is an error rather than a silent pass.
+.PHONY: proto-breaking
+proto-breaking: install
+	@git rev-parse --verify --quiet HEAD >/dev/null 2>&1 || { echo "proto-breaking: not a git checkout" >&2; exit 1; }
+	@if ! git rev-parse --verify --quiet HEAD~1 >/dev/null; then \
+		if [ "$$(git rev-parse --is-shallow-repository)" = true ]; then \
+			echo "proto-breaking: shallow clone without HEAD~1; fetch at least 2 commits" >&2; exit 1; \
+		fi; \
+		echo "proto-breaking: no previous commit, nothing to compare"; \
+	elif ! git cat-file -e HEAD~1:proto 2>/dev/null; then \
+		echo "proto-breaking: HEAD~1 has no proto/, nothing to compare"; \
+	else \
+		$(VENV)/bin/buf breaking proto --against '.git#ref=HEAD~1,subdir=proto'; \
+	fi
 
 clean:
 	rm -rf pshard/api/v1/*_pb2* runs .pytest_cache .ruff_cache .mypy_cache .hypothesis
