@@ -236,8 +236,9 @@ def _pid_serving(address: str) -> int:
     raise AssertionError(f"no process bound to {address}")
 
 
-def test_restart_on_failure_brings_a_killed_server_back_from_its_checkpoint(procs: Procs,
-                                                                            tmp_path: Path) -> None:
+@pytest.mark.parametrize("victim_name", ["ps-1", "scheduler"])
+def test_restart_on_failure_brings_a_killed_server_back(procs: Procs, tmp_path: Path,
+                                                        victim_name: str) -> None:
     data_dir = tmp_path / "empty-data"
     data_dir.mkdir()
     checkpoints = tmp_path / "checkpoints"
@@ -245,13 +246,23 @@ def test_restart_on_failure_brings_a_killed_server_back_from_its_checkpoint(proc
                          "--scheduler-timeout-ms", "1500", "--checkpoint-dir", str(checkpoints),
                          "--checkpoint-interval-s", "0.3", "--restart", "on-failure",
                          "--restart-backoff-s", "0.2", "--",
-                         "--mode", "sync", "--epochs", "8", "--batch-size", "32", "--model", "mlp",
+                         # The scheduler's restart must fall inside training even on an idle machine.
+                         "--mode", "sync", "--epochs", "8" if victim_name == "ps-1" else "40",
+                         "--batch-size", "32", "--model", "mlp",
                          "--optimizer", "sgd", "--lr", "0.1", "--momentum", "0.9", "--seed", "0",
                          "--data-dir", str(data_dir), "--metrics", "-", "--log-every", "1",
                          "--step-timeout-s", "30", "--startup-timeout-s", "30")
     ps1 = server_addresses(run)[2]
     for name in ("worker-0", "worker-1"):
         run.wait_for_line(rf'^\[{name}\] .*"event": "step"', RUN_TIMEOUT_S)
+    if victim_name == "scheduler":
+        scheduler = server_addresses(run)[0]
+        os.kill(_pid_serving(scheduler), signal.SIGKILL)
+        run.wait_for_line(r"^launcher: scheduler exited \(SIGKILL\) while workers were training; restarting "
+                          "it on " + re.escape(scheduler), QUICK_TIMEOUT_S)
+        run.wait_for_line(r"^launcher: scheduler restarted \(restart 1 of 3, pid \d+\)$", QUICK_TIMEOUT_S)
+        assert run.wait(RUN_TIMEOUT_S) == 0, run.output()
+        return
     # The json commits a checkpoint (its npz comes first): only then has a restart something to restore.
     committed = checkpoints / "ps-1" / "shard.json"
     wait_until(committed.exists, QUICK_TIMEOUT_S, f"ps-1 to commit a checkpoint at {committed}")
