@@ -29,11 +29,15 @@ class ServerWatch:
         self._grace_s = grace_s
         self._gone_since: dict[str, float] = {}  # address -> first seen gone
 
-    def observe(self, view: ClusterView, now: float) -> LostServer | None:
-        """Note which of the layout's servers `view` shows gone; the first gone past the grace."""
+    def observe(self, view: ClusterView, now: float, *, leaving_ok: bool = False) -> LostServer | None:
+        """Note which of the layout's servers `view` shows gone; the first gone past the grace.
+
+        `leaving_ok`: servers that left on purpose are not lost (once training is over, servers run
+        with --exit-when-done leave when the job is done).
+        """
         servers = {n.address: n for n in view.nodes if n.role == "ps" and n.address in self._layout.servers}
         for address, node in servers.items():
-            if node.state is NodeState.LIVE:
+            if node.state is NodeState.LIVE or (leaving_ok and node.state is NodeState.LEFT):
                 self._gone_since.pop(address, None)
             else:
                 self._gone_since.setdefault(address, now)

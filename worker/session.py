@@ -179,7 +179,7 @@ class ClusterSession:
         watch = ServerWatch(layout, grace_s=sched.heartbeat_timeout_s)
         while not self._watch_stop.wait(min(0.5, sched.heartbeat_interval_s)):
             view = sched.view
-            lost = watch.observe(view, time.monotonic()) if view is not None else None
+            lost = watch.observe(view, time.monotonic(), leaving_ok=self._left) if view is not None else None
             if lost is not None:
                 self.lost_server = lost
                 log.error("%s", lost.message)

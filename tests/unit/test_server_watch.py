@@ -51,3 +51,10 @@ def test_a_server_back_within_the_grace_is_not_lost() -> None:
 def test_a_server_that_left_is_lost_too_and_says_so() -> None:
     lost = ServerWatch(LAYOUT, grace_s=0.0).observe(view(2, NodeState.LEFT), now=0.0)
     assert lost is not None and "left the cluster" in lost.message
+
+
+def test_once_training_is_over_servers_may_leave_but_not_die() -> None:
+    # --exit-when-done servers leave when the job is done: not a loss for a worker that has left too.
+    watch = ServerWatch(LAYOUT, grace_s=0.0)
+    assert watch.observe(view(2, NodeState.LEFT), now=0.0, leaving_ok=True) is None
+    assert watch.observe(view(3, NodeState.DEAD), now=1.0, leaving_ok=True) is not None
