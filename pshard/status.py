@@ -177,8 +177,8 @@ def fetch(scheduler: str, timeout_s: float) -> JobStatus:
             continue
         try:
             with grpc.insecure_channel(node.address) as channel:
-                stub = pb_grpc.ParameterServerServiceStub(channel)
-                s = stub.GetStats(pb.GetStatsRequest(), timeout=timeout_s)
+                ps_stub = pb_grpc.ParameterServerServiceStub(channel)
+                s = ps_stub.GetStats(pb.GetStatsRequest(), timeout=timeout_s)
         except grpc.RpcError as err:
             why = f"{err.code().name}: {err.details()}"
             reports.append(ServerReport(node.node_id, node.address, error=why))
