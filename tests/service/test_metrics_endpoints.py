@@ -5,11 +5,8 @@ from __future__ import annotations
 
 import signal
 import urllib.request
-from collections.abc import Iterator
-from pathlib import Path
 
 import grpc
-import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from pshard.api.v1 import scheduler_pb2, scheduler_pb2_grpc
@@ -18,16 +15,6 @@ from tests.e2e.harness import TIMEOUTS, LocalCluster, Proc, Procs, wait_healthy,
 PORT_LINE = r"metrics on port (\d+)"
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 
-
-@pytest.fixture
-def procs(tmp_path: Path) -> Iterator[Procs]:
-    pool = Procs(tmp_path)
-    try:
-        yield pool
-    finally:
-        pool.kill_all()
-        for proc in pool.started:
-            print(f"--- {proc.name} (exit {proc.popen.returncode}) ---\n{proc.output(60)}")
 
 
 def scrape(port: int) -> Samples:

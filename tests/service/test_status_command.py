@@ -7,29 +7,15 @@ import json
 import signal
 import subprocess
 import sys
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import grpc
-import pytest
 from pshard.common.view import ClusterView, Node, NodeState
 
 from pshard.api.v1 import parameter_server_pb2 as pb
 from pshard.api.v1 import parameter_server_pb2_grpc as pb_grpc
 from pshard.status import ServerReport, render, summarise
 from tests.e2e.harness import ROOT, TIMEOUTS, LocalCluster, Procs, wait_until
-
-
-@pytest.fixture
-def procs(tmp_path: Path) -> Iterator[Procs]:
-    pool = Procs(tmp_path)
-    try:
-        yield pool
-    finally:
-        pool.kill_all()
-        for proc in pool.started:
-            print(f"--- {proc.name} (exit {proc.popen.returncode}) ---\n{proc.output(40)}")
 
 
 def status(scheduler: str, *args: str) -> str:

@@ -6,23 +6,9 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
-import pytest
-
 from tests.e2e.harness import ROOT, TIMEOUTS, LocalCluster, Procs, read_metrics, wait_healthy
-
-
-@pytest.fixture
-def procs(tmp_path: Path) -> Iterator[Procs]:
-    pool = Procs(tmp_path)
-    try:
-        yield pool
-    finally:
-        pool.kill_all()
-        for proc in pool.started:
-            print(f"--- {proc.name} (exit {proc.popen.returncode}) ---\n{proc.output(60)}")
 
 
 def test_sync_records_name_their_worker_and_role(procs: Procs) -> None:

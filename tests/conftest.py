@@ -1,4 +1,4 @@
-"""The `procs` fixture for end-to-end tests; the helpers themselves live in harness.py."""
+"""The `procs` fixture for every test that starts real processes; the helpers live in tests/e2e/harness.py."""
 
 from __future__ import annotations
 
