@@ -55,7 +55,8 @@ _WATCH_DEADLINE_S = 300.0
 class SchedulerClient:
     def __init__(self, address: str, role: str, own_address: str = "", node_id: str | None = None,
                  rank_hint: int | None = None, *, on_view: ViewCallback | None = None,
-                 rpc_timeout_s: float = 5.0, connect_timeout_s: float = 30.0) -> None:
+                 rpc_timeout_s: float = 5.0, connect_timeout_s: float = 30.0,
+                 last_generation: int = 0) -> None:
         self.address = address
         self.role = role
         self.own_address = own_address
@@ -63,7 +64,9 @@ class SchedulerClient:
         self._rank_hint = rank_hint
         self._rank: int | None = None
         self._generation = 0
-        self._max_generation = 0  # newest generation seen anywhere: the floor after a scheduler restart
+        # Newest generation seen anywhere: the floor after a scheduler restart. A node that restored
+        # state stamped with generations (a parameter server's checkpoint) starts from those.
+        self._max_generation = last_generation
         self._heartbeat_interval_s = 1.0
         self._heartbeat_timeout_s = 5.0
         self._progress = 0

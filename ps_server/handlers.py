@@ -272,6 +272,7 @@ class ParameterServerHandlers:
             log.warning("RESUMING ANOTHER JOB (--resume): the checkpoint in %s is of job %r, this is job %r; "
                         "continuing its weights, optimizer state and clocks", where, theirs, ours)
             store.config = dataclasses.replace(store.config, job_id=ours)
+            store.forget_incarnations()
             return store
         log.warning("NOT RESTORING: the checkpoint in %s is of job %r, not of this job %r; starting fresh "
                     "(the next checkpoint replaces it). Start the server with --resume to continue it",

@@ -197,9 +197,13 @@ def follow_scheduler(running: RunningServer, spec: ClusterSpec,
     def on_view(view: ClusterView) -> None:
         loop.call_soon_threadsafe(install, view)
 
+    # A restored shard remembers the generations its workers had; a fresh scheduler must hand out newer
+    # ones, or the restored fencing refuses the new incarnations (a resumed job's chief could not even
+    # pull its final weights).
+    restored = handlers.store.newest_generation() if handlers.has_store else 0
     client = SchedulerClient(spec.scheduler_address, "ps", own_address=spec.own_address or "",
                              node_id=spec.node_id, rank_hint=spec.task_index, on_view=on_view,
-                             connect_timeout_s=300.0)
+                             connect_timeout_s=300.0, last_generation=restored)
 
     def register() -> None:
         try:

@@ -522,6 +522,17 @@ class ShardStore:
         for callback in subscribers:
             callback()
 
+    def forget_incarnations(self) -> None:
+        """Drop the generations restored from another job's checkpoint: its workers are not ours, and
+        their stamps would fence this job's incarnations. The current quorum's stay."""
+        with self._meta:
+            self._generations = dict(self._quorum or {})
+
+    def newest_generation(self) -> int:
+        """The newest generation any worker has been seen with (0 for none): a restored shard's floor."""
+        with self._meta:
+            return max(self._generations.values(), default=0)
+
     def stats(self) -> StoreStats:
         with self._meta:
             slots = list(self._slots.values())

@@ -80,3 +80,21 @@ def test_resume_continues_another_jobs_checkpoint_loudly(start_server, wire, tmp
     server.stop(grace_s=0.2)
     again = start_server(ServerSettings(checkpoint_dir=str(tmp_path), static_quorum={"w0": 0}))
     np.testing.assert_array_equal(_declared_values(again, wire, "run-2"), trained)
+
+
+def test_a_resumed_job_is_not_fenced_by_the_other_jobs_generations(start_server, wire, tmp_path):
+    """run-1's worker w0 was at generation 7; run-2's scheduler starts over and hands w0 generation 1.
+    The resumed shard must take run-2's w0 as it is, not as an old incarnation of run-1's w0."""
+    first = start_server(ServerSettings(checkpoint_dir=str(tmp_path), static_quorum={"w0": 7}))
+    wire.declare(first, job("run-1"), MODEL)
+    wire.stub(first).Push(wire.push_request("w0", 0, {"w": np.full(6, 0.5, np.float32)}, generation=7),
+                          timeout=WAIT_S)
+    wire.stub(first).Checkpoint(pb.CheckpointRequest(), timeout=WAIT_S)
+    first.stop(grace_s=0.2)
+
+    server = start_server(ServerSettings(checkpoint_dir=str(tmp_path), static_quorum={"w0": 1}, resume=True))
+    np.testing.assert_array_equal(_declared_values(server, wire, "run-2"), MODEL["w"] - 0.5)
+
+    reply = wire.stub(server).Push(wire.push_request("w0", 1, {"w": np.ones(6, np.float32)}, generation=1),
+                                   timeout=WAIT_S)
+    assert reply.applied == 1
