@@ -61,3 +61,20 @@ def wait_until_catching(process: subprocess.Popen[str], sig: signal.Signals,
         if time.monotonic() > deadline:
             raise AssertionError(f"no {sig.name} handler within {timeout_s:g} s")
         time.sleep(0.001)  # polls a kernel file; the start-up it races takes hundreds of ms
+
+
+def sigterm_during_start_up(module: str, env: dict[str, str] | None = None) -> tuple[int, str, str]:
+    """Start `python -m <module> --bind 127.0.0.1:0`, SIGTERM it as soon as its handler is installed
+    (imports still going on), and return (exit code, stdout, stderr)."""
+    process = subprocess.Popen([sys.executable, "-m", module, "--bind", "127.0.0.1:0"], cwd=REPO,
+                               env=env or child_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               text=True)
+    try:
+        wait_until_catching(process, signal.SIGTERM)  # the first line of __main__ ran; imports go on
+        process.send_signal(signal.SIGTERM)
+        out, err = process.communicate(timeout=WAIT_S)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait(timeout=WAIT_S)
+    return process.returncode, out, err

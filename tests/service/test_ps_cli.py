@@ -19,7 +19,13 @@ from pshard.ps_server.checkpoint import load_shard
 from pshard.ps_server.service import SERVICE_NAME
 from pshard.worker.client import PSClient
 
-from tests.service.entrypoints import REPO, WAIT_S, child_env, port_in_use, wait_until_catching
+from tests.service.entrypoints import (
+    REPO,
+    WAIT_S,
+    child_env,
+    port_in_use,
+    sigterm_during_start_up,
+)
 
 
 def _env() -> dict[str, str]:
@@ -169,19 +175,9 @@ def test_the_pshard_command_names_itself_in_errors_and_usage():
 
 
 def test_sigterm_during_start_up_is_a_quiet_stop():
-    process = subprocess.Popen([sys.executable, "-m", "pshard.ps_server", "--bind", "127.0.0.1:0"],
-                               cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                               text=True)
-    try:
-        wait_until_catching(process, signal.SIGTERM)  # the first line of __main__ ran; imports go on
-        process.send_signal(signal.SIGTERM)
-        out, err = process.communicate(timeout=WAIT_S)
-    finally:
-        if process.poll() is None:
-            process.kill()
-            process.wait(timeout=WAIT_S)
+    code, out, err = sigterm_during_start_up("pshard.ps_server", _env())
 
-    assert (process.returncode, err) == (0, "")
+    assert (code, err) == (0, "")
     assert "listening" not in out  # it was stopped before it served
 
 

@@ -16,7 +16,14 @@ import time
 import pytest
 from pshard.common.health import probe
 
-from tests.service.entrypoints import REPO, WAIT_S, child_env, port_in_use, run, wait_until_catching
+from tests.service.entrypoints import (
+    REPO,
+    WAIT_S,
+    child_env,
+    port_in_use,
+    run,
+    sigterm_during_start_up,
+)
 
 PROG = "python -m pshard.scheduler"
 
@@ -66,19 +73,9 @@ def test_the_pshard_command_names_itself():
 
 
 def test_sigterm_during_start_up_is_a_quiet_stop():
-    process = subprocess.Popen([sys.executable, "-m", "pshard.scheduler", "--bind", "127.0.0.1:0"],
-                               cwd=REPO, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                               text=True)
-    try:
-        wait_until_catching(process, signal.SIGTERM)  # the first line of __main__ ran; imports go on
-        process.send_signal(signal.SIGTERM)
-        _, err = process.communicate(timeout=WAIT_S)
-    finally:
-        if process.poll() is None:
-            process.kill()
-            process.wait(timeout=WAIT_S)
+    code, _, err = sigterm_during_start_up("pshard.scheduler")
 
-    assert (process.returncode, err) == (0, "")
+    assert (code, err) == (0, "")
 
 
 def _free_port() -> int:
