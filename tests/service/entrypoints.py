@@ -69,12 +69,17 @@ def sigterm_during_start_up(module: str, env: dict[str, str] | None = None) -> t
     process = subprocess.Popen([sys.executable, "-m", module, "--bind", "127.0.0.1:0"], cwd=REPO,
                                env=env or child_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                text=True)
+    wait_until_catching(process, signal.SIGTERM)  # the first line of __main__ ran; imports go on
+    out, err = terminate_quietly(process)
+    return process.returncode, out, err
+
+
+def terminate_quietly(process: subprocess.Popen[str]) -> tuple[str, str]:
+    """SIGTERM `process` and return its (stdout, stderr); it is killed if it outlives WAIT_S."""
     try:
-        wait_until_catching(process, signal.SIGTERM)  # the first line of __main__ ran; imports go on
         process.send_signal(signal.SIGTERM)
-        out, err = process.communicate(timeout=WAIT_S)
+        return process.communicate(timeout=WAIT_S)
     finally:
         if process.poll() is None:
             process.kill()
             process.wait(timeout=WAIT_S)
-    return process.returncode, out, err

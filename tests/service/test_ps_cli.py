@@ -25,6 +25,7 @@ from tests.service.entrypoints import (
     child_env,
     port_in_use,
     sigterm_during_start_up,
+    terminate_quietly,
 )
 
 
@@ -192,13 +193,8 @@ def test_log_level_warning_leaves_a_served_and_stopped_server_silent():
         assert match
         serving, reason = probe(f"127.0.0.1:{match.group(1)}", timeout_s=WAIT_S)
         assert serving, reason
-
-        process.send_signal(signal.SIGTERM)
-        _, err = process.communicate(timeout=WAIT_S)
     finally:
-        if process.poll() is None:
-            process.kill()
-            process.wait(timeout=WAIT_S)
+        _, err = terminate_quietly(process)
 
     assert (process.returncode, err) == (0, "")
 
@@ -223,13 +219,8 @@ def test_sigterm_while_registering_with_an_absent_scheduler_is_a_quiet_stop():
             lines: queue.Queue[str | None] = queue.Queue()
             threading.Thread(target=_read_lines, args=(process.stdout, lines), daemon=True).start()
             assert "listening on port" in (lines.get(timeout=WAIT_S) or "")  # registering from now on
-
-            process.send_signal(signal.SIGTERM)
-            _, err = process.communicate(timeout=WAIT_S)
         finally:
-            if process.poll() is None:
-                process.kill()
-                process.wait(timeout=WAIT_S)
+            _, err = terminate_quietly(process)
 
     assert (process.returncode, err) == (0, "")
 
