@@ -200,6 +200,12 @@ class _StoreStats(Protocol):
     max_version: int
 
 
+class _TableStats(Protocol):
+    rows: int
+    admitted: int
+    evicted: int
+
+
 class _ServerStats(Protocol):
     @property
     def job(self) -> Any: ...
@@ -229,10 +235,12 @@ class ServerCollector(Collector):
         stats: Callable[[], _ServerStats],
         requests: RequestMetrics,
         checkpoint_manifest: Path | None = None,
+        tables: Callable[[], Mapping[str, _TableStats]] | None = None,
     ) -> None:
         self._stats = stats
         self._requests = requests
         self._manifest = checkpoint_manifest
+        self._tables = tables
 
     def collect(self) -> Iterator[Any]:
         yield from request_families(self._requests, "ps")
@@ -255,6 +263,8 @@ class ServerCollector(Collector):
             transports.add_metric([worker, kind], 1)
         yield transports
         yield from self._store_families(stats.store)
+        if self._tables is not None:
+            yield from table_families(self._tables())
         if self._manifest is not None:
             age = GaugeMetricFamily(
                 "pshard_ps_checkpoint_age_seconds",
@@ -303,6 +313,24 @@ class ServerCollector(Collector):
             "Fastest minus slowest worker clock: what SSP's staleness bounds",
             spread,
         )
+
+
+def table_families(tables: Mapping[str, _TableStats]) -> Iterator[Any]:
+    """Rows, admissions and evictions of each sparse table (labelled by its name)."""
+    rows = GaugeMetricFamily("pshard_table_rows", "Rows a sparse table holds here", labels=["table"])
+    admitted = CounterMetricFamily(
+        "pshard_table_admissions",
+        "Rows a sparse table created for ids it had not held (checkpoint restores not counted)",
+        labels=["table"],
+    )
+    evicted = CounterMetricFamily(
+        "pshard_table_evictions", "Rows a sparse table evicted (cap or ttl)", labels=["table"]
+    )
+    for name, stats in sorted(tables.items()):
+        rows.add_metric([name], stats.rows)
+        admitted.add_metric([name], stats.admitted)
+        evicted.add_metric([name], stats.evicted)
+    yield from (rows, admitted, evicted)
 
 
 def request_families(requests: RequestMetrics, service: str) -> Iterator[Any]:
@@ -470,12 +498,21 @@ def add_metrics_argument(parser: argparse._ActionsContainer, host: str = "the --
 
 
 def serve_server_metrics(
-    handlers: Any, loop: asyncio.AbstractEventLoop, bind: str, port: int, checkpoint_manifest: Path | None
+    handlers: Any,
+    loop: asyncio.AbstractEventLoop,
+    bind: str,
+    port: int,
+    checkpoint_manifest: Path | None,
+    tables: Any = None,
 ) -> MetricsServer:
-    """A parameter server's /metrics; `handlers`: its ParameterServerHandlers (read on `loop`)."""
+    """A parameter server's /metrics; `handlers`: its ParameterServerHandlers, `tables`: its
+    TableHandlers, if any (both read on `loop`)."""
     registry = new_registry()
+    table_stats = None if tables is None else (lambda: on_loop(loop, tables.all_stats))
     registry.register(
-        ServerCollector(lambda: on_loop(loop, handlers.stats), handlers.requests, checkpoint_manifest)
+        ServerCollector(
+            lambda: on_loop(loop, handlers.stats), handlers.requests, checkpoint_manifest, table_stats
+        )
     )
     return serve_metrics(registry, bind_host(bind), port)
 

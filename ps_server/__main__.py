@@ -168,7 +168,8 @@ async def _run(args: argparse.Namespace, spec: ClusterSpec | None, settings: Ser
     if args.metrics_port is not None:
         manifest = Path(args.checkpoint_dir, f"{settings.shard_name}.json") if args.checkpoint_dir else None
         try:
-            metrics = serve_server_metrics(running.handlers, loop, bind, args.metrics_port, manifest)
+            metrics = serve_server_metrics(running.handlers, loop, bind, args.metrics_port, manifest,
+                                           tables=running.tables)
         except OSError:  # the port was taken since main checked it: stop serving before saying so
             await running.stop(grace_s=0)
             raise

@@ -72,6 +72,7 @@ class SparseTable:
         self.step = 0  # pushes applied (adam's bias correction)
         self.clock = 0.0  # newest clock seen (ttl in clocks)
         self.evicted = 0
+        self.admitted = 0  # rows created by requests (restored ones are not admissions)
         # Sightings of ids that are not rows yet (admission).
         self._seen = IdIndex()
         self._seen_count = np.zeros(self._seen.row_capacity, np.int32)
@@ -102,6 +103,7 @@ class SparseTable:
         missing = rows < 0
         if missing.any() and not self._filtered:
             rows[missing] = self._create(ids[missing])
+            self.admitted += int(missing.sum())
             missing[:] = False
         out = np.empty((len(ids), self.config.dim), self.config.np_dtype)
         found = ~missing
@@ -121,6 +123,7 @@ class SparseTable:
             admit = self._admit(ids[missing]) if self._filtered else np.ones(int(missing.sum()), bool)
             where = np.flatnonzero(missing)
             rows[where[admit]] = self._create(ids[where[admit]])
+            self.admitted += int(admit.sum())
         stored = rows >= 0
         r, g = rows[stored], grads[stored]
         if len(r) == 0:

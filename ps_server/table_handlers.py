@@ -56,6 +56,7 @@ class TableStats:
     rows: int
     evicted: int
     steps: int
+    admitted: int = 0
 
 
 class TableHandlers:
@@ -234,7 +235,11 @@ class TableHandlers:
 
     def stats(self, name: str) -> TableStats:
         table = self._table(name)
-        return TableStats(rows=len(table), evicted=table.evicted, steps=table.step)
+        return TableStats(rows=len(table), evicted=table.evicted, steps=table.step, admitted=table.admitted)
+
+    def all_stats(self) -> dict[str, TableStats]:
+        """Every table's stats by name (the metrics endpoint reads them at scrape time)."""
+        return {name: self.stats(name) for name in sorted(self._tables)}
 
     # ---- validation ----
 
