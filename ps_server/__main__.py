@@ -41,6 +41,7 @@ from pshard.common.logs import add_log_level_argument, configure_logging
 from pshard.common.metrics import add_metrics_argument, serve_server_metrics
 from pshard.common.rpc import DEFAULT_MAX_MESSAGE_BYTES
 from pshard.ps_server import service
+from pshard.ps_server.heap import bound_heap
 from pshard.ps_server.settings import ServerSettings
 
 log = logging.getLogger("pshard.ps")
@@ -203,6 +204,7 @@ async def _run(args: argparse.Namespace, spec: ClusterSpec | None, settings: Ser
 def main(argv: Sequence[str] | None = None, *, prog: str = PROG) -> int:
     args = build_parser(prog).parse_args(argv)
     configure_logging(args.log_level)
+    bound_heap()  # before gRPC starts its threads: they take their arenas when they first allocate
     spec = None
     if cluster_config_given(args, os.environ):
         spec = cluster_spec_from_args(args, os.environ, default_task_type="ps")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import time
 
 import pytest
@@ -41,3 +43,26 @@ def test_sustained_large_traffic_still_trims_every_max_interval() -> None:
         assert trimmer.trims >= 1
     finally:
         trimmer.close()
+
+
+MMAPPED_PROBE = """
+import ctypes, ctypes.util, sys
+from pshard.ps_server.heap import bound_heap
+if sys.argv[1] == "bound":
+    assert bound_heap()
+libc = ctypes.CDLL(ctypes.util.find_library("c"))
+libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
+libc.free.argtypes = [ctypes.c_void_p]
+libc.free(libc.malloc(4 << 20))  # by default, freeing a 4 MiB mapping raises glibc's threshold to 4 MiB
+chunk = libc.malloc(2 << 20)
+print(ctypes.c_size_t.from_address(chunk - ctypes.sizeof(ctypes.c_size_t)).value & 2)  # IS_MMAPPED
+"""
+
+
+@pytest.mark.parametrize(("mode", "mmapped"), [("default", 0), ("bound", 2)])
+def test_bound_heap_keeps_large_buffers_in_mappings_of_their_own(mode: str, mmapped: int) -> None:
+    # In a process of its own: mallopt changes the whole process, and pytest's must stay as it was.
+    # The default case shows what the setting is for: a 2 MiB buffer would land in (and fragment) a heap.
+    out = subprocess.run([sys.executable, "-c", MMAPPED_PROBE, mode], capture_output=True, text=True,
+                         timeout=60, check=True).stdout
+    assert int(out) == mmapped
