@@ -105,6 +105,18 @@ class UnavailableError(PSError):
     status = "UNAVAILABLE"
 
 
+class UnauthenticatedError(PSError):
+    """A request to a secured service carried no valid credential (certificate or token)."""
+
+    status = "UNAUTHENTICATED"
+
+
+class PermissionDeniedError(PSError):
+    """The caller's role or identity may not do this (a worker checkpointing, a node leaving for another)."""
+
+    status = "PERMISSION_DENIED"
+
+
 def error_classes() -> dict[str, type[PSError]]:
     """Every PSError subclass by name, so a client can re-raise the server's class."""
     found: dict[str, type[PSError]] = {}

@@ -19,8 +19,10 @@ from pshard.common.errors import (
     InvalidArgumentError,
     MessageTooLargeError,
     OverloadedError,
+    PermissionDeniedError,
     PSError,
     PullTimeoutError,
+    UnauthenticatedError,
     UnavailableError,
     error_classes,
 )
@@ -35,6 +37,8 @@ _BY_CODE: dict[grpc.StatusCode, type[PSError]] = {
     grpc.StatusCode.DEADLINE_EXCEEDED: PullTimeoutError,
     grpc.StatusCode.INVALID_ARGUMENT: InvalidArgumentError,
     grpc.StatusCode.RESOURCE_EXHAUSTED: MessageTooLargeError,
+    grpc.StatusCode.UNAUTHENTICATED: UnauthenticatedError,
+    grpc.StatusCode.PERMISSION_DENIED: PermissionDeniedError,
 }
 
 

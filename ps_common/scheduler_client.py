@@ -35,6 +35,7 @@ from pshard.common.layout import DEFAULT_SLICE_BYTES, Layout, ParamSpec
 from pshard.common.retry import Backoff, scheduler_channel_options
 from pshard.common.rpc import channel_options
 from pshard.common.rpc_status import ERROR_TYPE_KEY, error_from_rpc_error
+from pshard.common.security import SecurityConfig
 from pshard.common.view import ClusterView, Registration
 
 from pshard.api.v1 import scheduler_pb2 as pb
@@ -56,7 +57,8 @@ class SchedulerClient:
     def __init__(self, address: str, role: str, own_address: str = "", node_id: str | None = None,
                  rank_hint: int | None = None, *, on_view: ViewCallback | None = None,
                  rpc_timeout_s: float = 5.0, connect_timeout_s: float = 30.0,
-                 last_generation: int = 0) -> None:
+                 last_generation: int = 0, security: SecurityConfig | None = None) -> None:
+        """`security`: this node's TLS files or token (pshard.common.security); default plain."""
         self.address = address
         self.role = role
         self.own_address = own_address
@@ -72,8 +74,8 @@ class SchedulerClient:
         self._progress = 0
         self._rpc_timeout_s = rpc_timeout_s
         self._connect_timeout_s = connect_timeout_s
-        self._channel = grpc.insecure_channel(address,
-                                              options=[*channel_options(), *scheduler_channel_options()])
+        self._channel = (security or SecurityConfig()).for_node(role, node_id or "").channel(
+            address, options=[*channel_options(), *scheduler_channel_options()])
         self._stub = pb_grpc.SchedulerServiceStub(self._channel)
         self._lock = threading.Lock()
         self._view_changed = threading.Condition(self._lock)

@@ -17,10 +17,12 @@ from typing import Any, TypeAlias
 import grpc
 from google.protobuf.message import Message
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from pshard.common.auth import AuthRefusals
 from pshard.common.cluster import ClusterSpec
 from pshard.common.interceptors import DecodeErrors
 from pshard.common.rpc import DEFAULT_MAX_MESSAGE_BYTES, server_options
 from pshard.common.scheduler_client import SchedulerClient
+from pshard.common.security import SecurityConfig
 from pshard.common.serving import ServerThread as _ServerThread
 from pshard.common.serving import start_in_thread
 from pshard.common.view import ClusterView
@@ -74,6 +76,7 @@ class RunningServer:
     fast: FastPathServer | None = None  # the shm and tcp transports (ps_server.fastpath)
     tables: TableHandlers | None = None  # sparse embedding tables (ps_server.table_handlers)
     hang_watch: asyncio.Task[None] | None = None  # report_hangs
+    refusals: AuthRefusals | None = None  # calls refused UNAUTHENTICATED/PERMISSION_DENIED (security on)
 
     @property
     def servicer(self) -> ParameterServerHandlers:
@@ -94,13 +97,18 @@ class RunningServer:
 
 
 async def start(settings: ServerSettings, bind: str = "127.0.0.1:0",
-                max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> RunningServer:
+                max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+                security: SecurityConfig | None = None) -> RunningServer:
+    """`security`: TLS files and tokens (pshard.common.security); default: plain and open."""
+    security = security or SecurityConfig()
+    refusals = AuthRefusals()
     handlers = ParameterServerHandlers(settings, asyncio.get_running_loop())
     budget = InflightBudget(settings.max_inflight_bytes)
     # Two threads: the machine's cores; replies waiting for them wait as coroutines, not threads.
     executor = ThreadPoolExecutor(max_workers=_ENCODE_THREADS, thread_name_prefix="ps-encode")
     trimmer = HeapTrimmer()
-    server = grpc.aio.server(options=server_options(max_message_bytes), interceptors=[DecodeErrors()])
+    server = grpc.aio.server(options=server_options(max_message_bytes),
+                             interceptors=[*security.server_interceptors(refusals), DecodeErrors()])
     ps_servicer = ParameterServerServicer(
         handlers, settings.chunk_bytes, budget, executor, settings.pull_timeout_s, trimmer)
     server.add_generic_rpc_handlers([_rpc_handlers(ps_servicer)])
@@ -113,7 +121,7 @@ async def start(settings: ServerSettings, bind: str = "127.0.0.1:0",
     server.add_generic_rpc_handlers([table_rpc_handlers(SparseTablesServicer(tables), ps_servicer.unary)])
     health_servicer = health.aio.HealthServicer()  # type: ignore[attr-defined]
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    port = server.add_insecure_port(bind)
+    port = security.add_port(server, bind)
     if port == 0:
         raise OSError(f"could not bind {bind}")
     fast = FastPathServer(handlers, asyncio.get_running_loop(), transport=settings.transport,
@@ -126,9 +134,9 @@ async def start(settings: ServerSettings, bind: str = "127.0.0.1:0",
     await server.start()
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    log.info("parameter server listening on port %d", port)
+    log.info("parameter server listening on port %d (%s)", port, security.describe())
     running = RunningServer(server, handlers, health_servicer, port, budget, executor, trimmer, fast,
-                           tables=tables)
+                           tables=tables, refusals=refusals)
     if settings.hang_report_s > 0:
         running.hang_watch = asyncio.create_task(report_hangs(handlers, settings.hang_report_s))
     return running
@@ -168,12 +176,15 @@ ServerThread: TypeAlias = _ServerThread[RunningServer]
 
 
 def start_server_thread(settings: ServerSettings, bind: str = "127.0.0.1:0",
-                        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> ServerThread:
-    return start_in_thread(lambda: start(settings, bind, max_message_bytes), name=f"ps-server-{bind}")
+                        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+                        security: SecurityConfig | None = None) -> ServerThread:
+    return start_in_thread(lambda: start(settings, bind, max_message_bytes, security),
+                           name=f"ps-server-{bind}")
 
 
 def follow_scheduler(running: RunningServer, spec: ClusterSpec,
-                     loop: asyncio.AbstractEventLoop) -> SchedulerClient:
+                     loop: asyncio.AbstractEventLoop,
+                     security: SecurityConfig | None = None) -> SchedulerClient:
     """Register this server with the scheduler and apply every cluster view to the store.
 
     Registration retries in the client's own thread (the scheduler may start after us);
@@ -203,7 +214,7 @@ def follow_scheduler(running: RunningServer, spec: ClusterSpec,
     restored = handlers.store.newest_generation() if handlers.has_store else 0
     client = SchedulerClient(spec.scheduler_address, "ps", own_address=spec.own_address or "",
                              node_id=spec.node_id, rank_hint=spec.task_index, on_view=on_view,
-                             connect_timeout_s=300.0, last_generation=restored)
+                             connect_timeout_s=300.0, last_generation=restored, security=security)
 
     def register() -> None:
         try:

@@ -9,6 +9,7 @@
     pshard status ...      a running job at a glance (scheduler view and every server's stats)
     pshard plot ...        loss and accuracy curves from metrics JSON lines
     pshard evaluate ...    reload a saved model and print its test accuracy
+    pshard certs ...       a development CA and a certificate per node (mTLS)
 
 Each subcommand takes the same flags as ``python -m pshard.<service>``; everything after the
 subcommand is handed to it unchanged, and its usage and error lines name it ``pshard <command>``.
@@ -45,6 +46,7 @@ COMMANDS: dict[str, Command] = {
     "status": Command("pshard.status", "show a running job: members, clocks, lag, servers, who waits"),
     "plot": Command("pshard.plot", "draw loss and accuracy curves from metrics JSON lines"),
     "evaluate": Command("pshard.evaluate", "reload a saved model and print its test accuracy"),
+    "certs": Command("pshard.certs", "make a development CA and node certificates (kept once made)"),
 }
 
 # TF_CONFIG task type (any case, as TensorFlow reads it) -> subcommand; "master" is the old chief.

@@ -16,8 +16,10 @@ from typing import TypeAlias
 import grpc
 import grpc.aio
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from pshard.common.auth import AuthRefusals
 from pshard.common.interceptors import DecodeErrors
 from pshard.common.rpc import server_options
+from pshard.common.security import SecurityConfig
 from pshard.common.serving import ServerThread, start_in_thread
 from pshard.common.view import Clock
 from pshard.scheduler.membership import Membership, MembershipLimits
@@ -42,6 +44,8 @@ class RunningScheduler:
     port: int
     expiry: asyncio.Task[None]
     stopped: asyncio.Event = field(default_factory=asyncio.Event)
+    # Calls refused UNAUTHENTICATED or PERMISSION_DENIED (security on).
+    refusals: AuthRefusals = field(default_factory=AuthRefusals)
 
     async def stop(self, grace_s: float = 2.0) -> None:
         """NOT_SERVING first (load balancers stop routing), end the Watch streams, then drain RPCs."""
@@ -59,16 +63,22 @@ class RunningScheduler:
 
 async def start(bind: str = "127.0.0.1:0", *, heartbeat_interval_s: float = DEFAULT_HEARTBEAT_INTERVAL_S,
                 heartbeat_timeout_s: float = DEFAULT_HEARTBEAT_TIMEOUT_S,
-                clock: Clock | None = None, limits: MembershipLimits | None = None) -> RunningScheduler:
-    """Start serving on `bind` (port 0 picks a free port); raises OSError if it cannot listen."""
+                clock: Clock | None = None, limits: MembershipLimits | None = None,
+                security: SecurityConfig | None = None) -> RunningScheduler:
+    """Start serving on `bind` (port 0 picks a free port); raises OSError if it cannot listen.
+
+    `security`: TLS files and tokens (pshard.common.security); default: plain and open."""
+    security = security or SecurityConfig()
     membership = Membership(heartbeat_timeout_s, clock, limits)
     servicer = SchedulerServicer(membership, heartbeat_interval_s)
-    server = grpc.aio.server(options=server_options(), interceptors=[DecodeErrors()])
+    refusals = AuthRefusals()
+    server = grpc.aio.server(options=server_options(),
+                             interceptors=[*security.server_interceptors(refusals), DecodeErrors()])
     pb_grpc.add_SchedulerServiceServicer_to_server(servicer, server)
     health_servicer = health.aio.HealthServicer()  # type: ignore[attr-defined]
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     try:
-        port = server.add_insecure_port(bind)
+        port = security.add_port(server, bind)
     except RuntimeError as e:
         raise OSError(f"scheduler: cannot listen on {bind}: {e}") from None
     if port == 0:  # older grpc releases report a failed bind this way
@@ -77,16 +87,17 @@ async def start(bind: str = "127.0.0.1:0", *, heartbeat_interval_s: float = DEFA
     for service in ("", SERVICE_NAME):
         await health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
     expiry = asyncio.create_task(servicer.run_expiry(max(heartbeat_timeout_s * _EXPIRY_FRACTION, 0.01)))
-    log.info("scheduler listening on %s (port %d); heartbeat every %g s, timeout %g s",
-             bind, port, heartbeat_interval_s, heartbeat_timeout_s)
-    return RunningScheduler(server, servicer, health_servicer, port, expiry)
+    log.info("scheduler listening on %s (port %d, %s); heartbeat every %g s, timeout %g s",
+             bind, port, security.describe(), heartbeat_interval_s, heartbeat_timeout_s)
+    return RunningScheduler(server, servicer, health_servicer, port, expiry, refusals=refusals)
 
 
 async def serve(bind: str, stop: asyncio.Event, *, heartbeat_interval_s: float = DEFAULT_HEARTBEAT_INTERVAL_S,
-                heartbeat_timeout_s: float = DEFAULT_HEARTBEAT_TIMEOUT_S, grace_s: float = 2.0) -> None:
+                heartbeat_timeout_s: float = DEFAULT_HEARTBEAT_TIMEOUT_S, grace_s: float = 2.0,
+                security: SecurityConfig | None = None) -> None:
     """Serve until `stop` is set, then stop gracefully."""
     running = await start(bind, heartbeat_interval_s=heartbeat_interval_s,
-                          heartbeat_timeout_s=heartbeat_timeout_s)
+                          heartbeat_timeout_s=heartbeat_timeout_s, security=security)
     try:
         await stop.wait()
     finally:
@@ -100,9 +111,10 @@ SchedulerHandle: TypeAlias = ServerThread[RunningScheduler]
 def start_scheduler_thread(bind: str = "127.0.0.1:0", *,
                            heartbeat_interval_s: float = DEFAULT_HEARTBEAT_INTERVAL_S,
                            heartbeat_timeout_s: float = DEFAULT_HEARTBEAT_TIMEOUT_S,
-                           grace_s: float = 2.0, start_timeout_s: float = 10.0) -> SchedulerHandle:
+                           grace_s: float = 2.0, start_timeout_s: float = 10.0,
+                           security: SecurityConfig | None = None) -> SchedulerHandle:
     """Run a scheduler in a daemon thread; returns once it is serving (or raises why it is not)."""
     return start_in_thread(
         lambda: start(bind, heartbeat_interval_s=heartbeat_interval_s,
-                      heartbeat_timeout_s=heartbeat_timeout_s),
+                      heartbeat_timeout_s=heartbeat_timeout_s, security=security),
         name=f"scheduler-{bind}", grace_s=grace_s, start_timeout_s=start_timeout_s)

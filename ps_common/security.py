@@ -1,0 +1,343 @@
+"""Transport security of every pshard channel: mTLS files, tokens, and what they make.
+
+Parsed once at an entry point into a frozen `SecurityConfig`:
+
+    --tls-cert FILE   (PSHARD_TLS_CERT)   this process's certificate chain (PEM)
+    --tls-key FILE    (PSHARD_TLS_KEY)    its private key (PEM)
+    --tls-ca FILE     (PSHARD_TLS_CA)     the CA that signs every pshard certificate (PEM)
+    --token-file FILE (PSHARD_TOKEN_FILE) role tokens, see `TokenTable`
+    --insecure        no TLS and no token, on purpose (a loud warning says so)
+
+The three TLS files go together. With no flag at all a process runs in the clear as before, with
+a warning; `SecurityConfig()` (the default of every API: PSClient, SchedulerClient, start(...))
+is that same plain set-up, so library users and tests keep working untouched.
+
+What the rest of pshard uses (docs/architecture.md, 12 Security):
+
+- `server_credentials()`: gRPC server credentials that re-read the certificate and key when
+  their files change (certificate rotation without a restart), client certificates required
+  unless a token file lets token-only clients in; `add_port(server, bind)` picks secure or not.
+- `channel(target, options)`: a client channel with the right credentials: TLS (+ the token as
+  call credentials), or a plain channel carrying the token in metadata (with a warning that it
+  travels in clear).
+- `server_ssl_context()` / `client_ssl_context()`: `ssl.SSLContext`s from the same files, for the
+  raw TCP fast path (mutual authentication, TLS 1.2+).
+- `server_interceptors()`: the `pshard.common.auth.Authorizer` that names each caller's role.
+
+Certificates name their holder's role and node id in a URI SAN, ``spiffe://pshard/<role>/<id>``
+(`pshard certs` makes them; see `pshard.common.identity`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import ssl
+import threading
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import grpc
+from pshard.common.errors import ClusterConfigError
+from pshard.common.identity import Identity, TokenTable
+
+log = logging.getLogger("pshard.security")
+
+ENV_CERT, ENV_KEY, ENV_CA = "PSHARD_TLS_CERT", "PSHARD_TLS_KEY", "PSHARD_TLS_CA"
+ENV_TOKEN = "PSHARD_TOKEN_FILE"
+ENV_INSECURE = "PSHARD_INSECURE"
+TOKEN_METADATA_KEY = "authorization"
+_BEARER = "Bearer "
+
+
+def _read(path: Path, what: str) -> bytes:
+    try:
+        return path.read_bytes()
+    except OSError as e:
+        raise ClusterConfigError(f"{what}: cannot read {str(path)!r}: {e.strerror or e}") from None
+
+
+@dataclass(frozen=True)
+class SecurityConfig:
+    cert: Path | None = None
+    key: Path | None = None
+    ca: Path | None = None
+    token_file: Path | None = None
+    insecure: bool = False
+    # The role this process acts as: picks its own line of the token file.
+    role: str = ""
+    node_id: str = ""
+    tokens: TokenTable = field(default_factory=TokenTable, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        given = [p for p in (self.cert, self.key, self.ca) if p is not None]
+        if given and len(given) != 3:
+            flags = (("--tls-cert", self.cert), ("--tls-key", self.key), ("--tls-ca", self.ca))
+            missing = [n for n, p in flags if p is None]
+            raise ClusterConfigError(f"TLS: {', '.join(missing)} missing; the three TLS files go together")
+        if self.insecure and (given or self.token_file):
+            raise ClusterConfigError("--insecure: cannot be combined with --tls-* or --token-file")
+        if self.token_file is not None and not self.tokens.entries:
+            text = _read(self.token_file, "--token-file").decode()
+            object.__setattr__(self, "tokens", TokenTable.parse(text, str(self.token_file)))
+        for path, what in ((self.cert, "--tls-cert"), (self.key, "--tls-key"), (self.ca, "--tls-ca")):
+            if path is not None:
+                _read(path, what)  # fail at start-up, naming the flag, not at the first handshake
+
+    # ---- what is on ----
+
+    @property
+    def tls(self) -> bool:
+        return self.cert is not None
+
+    @property
+    def enabled(self) -> bool:
+        """Callers are authenticated (and authorised) by the servers of this process."""
+        return self.tls or self.token_file is not None
+
+    def for_node(self, role: str, node_id: str = "") -> SecurityConfig:
+        """The same files for a process acting as `role` (picks which token it sends)."""
+        return SecurityConfig(self.cert, self.key, self.ca, self.token_file, self.insecure, role, node_id,
+                              self.tokens)
+
+    def own_token(self) -> str | None:
+        return self.tokens.token_for(self.role, self.node_id) if self.token_file is not None else None
+
+    def describe(self) -> str:
+        if self.tls:
+            return f"mTLS (CA {self.ca})" + (" and tokens" if self.token_file else "")
+        if self.token_file:
+            return "tokens in clear (no TLS)"
+        return "no TLS, no authentication"
+
+    def warn_if_open(self, prog: str) -> None:
+        """Say loudly when this process accepts or sends anything in clear."""
+        if self.insecure:
+            log.warning("%s: --insecure: NO TLS AND NO AUTHENTICATION. Anyone who reaches the ports can read "
+                        "and overwrite the model. Use only on a machine of your own.", prog)
+        elif not self.enabled:
+            log.warning("%s: no --tls-cert/--tls-key/--tls-ca and no --token-file: traffic is in clear and "
+                        "unauthenticated ('pshard certs' makes a development CA)", prog)
+        elif not self.tls:
+            log.warning("%s: tokens without TLS: every token travels in clear and can be replayed", prog)
+
+    # ---- gRPC server side ----
+
+    def server_credentials(self) -> grpc.ServerCredentials:
+        """Dynamic server credentials: the key and chain are re-read when their files change."""
+        assert self.cert is not None and self.key is not None and self.ca is not None
+        fetcher = _CertificateFetcher(self.cert, self.key, self.ca)
+        # A token file lets clients in that have no certificate (they still need the token).
+        return grpc.dynamic_ssl_server_credentials(
+            fetcher.initial(), fetcher, require_client_authentication=self.token_file is None)
+
+    def add_port(self, server: Any, bind: str) -> int:
+        """Listen on `bind` (grpc or grpc.aio server) with TLS when configured; the port, 0 on failure."""
+        if self.tls:
+            return int(server.add_secure_port(bind, self.server_credentials()))
+        return int(server.add_insecure_port(bind))
+
+    def server_interceptors(self, refusals: Any = None) -> list[Any]:
+        """The interceptors a secured server adds (none when security is off)."""
+        if not self.enabled:
+            return []
+        from pshard.common.auth import Authorizer
+
+        return [Authorizer(self.tokens if self.token_file else None, refusals)]
+
+    # ---- gRPC client side ----
+
+    def channel_credentials(self) -> grpc.ChannelCredentials:
+        assert self.tls
+        creds = grpc.ssl_channel_credentials(
+            root_certificates=_read(self.ca, "--tls-ca"),  # type: ignore[arg-type]
+            private_key=_read(self.key, "--tls-key"),  # type: ignore[arg-type]
+            certificate_chain=_read(self.cert, "--tls-cert"))  # type: ignore[arg-type]
+        token = self.own_token()
+        if token is None:
+            return creds
+        return grpc.composite_channel_credentials(creds, grpc.metadata_call_credentials(_TokenPlugin(token)))
+
+    def channel(self, target: str, options: Sequence[tuple[str, Any]] = ()) -> grpc.Channel:
+        """A synchronous channel to `target` with this process's credentials."""
+        if self.tls:
+            return grpc.secure_channel(target, self.channel_credentials(), options=list(options))
+        channel = grpc.insecure_channel(target, options=list(options))
+        token = self.own_token()
+        if token is None:
+            return channel
+        # Call credentials need a secure channel; without TLS the token rides in plain metadata.
+        return grpc.intercept_channel(channel, _TokenMetadata(token))
+
+    def aio_channel(self, target: str, options: Sequence[tuple[str, Any]] = ()) -> grpc.aio.Channel:
+        if self.tls:
+            return grpc.aio.secure_channel(target, self.channel_credentials(), options=list(options))
+        token = self.own_token()
+        interceptors = [_AioTokenMetadata(token)] if token is not None else None
+        return grpc.aio.insecure_channel(target, options=list(options), interceptors=interceptors)
+
+    # ---- ssl contexts for the raw TCP fast path ----
+
+    def server_ssl_context(self) -> ssl.SSLContext:
+        """Server side: presents this process's certificate, requires one signed by the CA."""
+        assert self.tls, "server_ssl_context: TLS is off"
+        ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+        ctx.load_cert_chain(str(self.cert), str(self.key))
+        ctx.load_verify_locations(cafile=str(self.ca))
+        ctx.verify_mode = ssl.CERT_REQUIRED
+        return ctx
+
+    def client_ssl_context(self) -> ssl.SSLContext:
+        """Client side: verifies the server against the CA (and its host name), presents our certificate."""
+        assert self.tls, "client_ssl_context: TLS is off"
+        ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+        ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+        ctx.load_cert_chain(str(self.cert), str(self.key))
+        ctx.load_verify_locations(cafile=str(self.ca))
+        return ctx
+
+    def own_identity(self) -> Identity | None:
+        """Who this process is, from its certificate (or its token line)."""
+        if self.tls:
+            from pshard.common.identity import identity_from_pem
+
+            return identity_from_pem(_read(self.cert, "--tls-cert"))  # type: ignore[arg-type]
+        if self.token_file is not None:
+            return self.tokens.identity_of(self.own_token() or "")
+        return None
+
+
+class _CertificateFetcher:
+    """gRPC asks at every handshake; a new configuration is returned only when a file's mtime moved."""
+
+    def __init__(self, cert: Path, key: Path, ca: Path) -> None:
+        self._files = (cert, key, ca)
+        self._lock = threading.Lock()
+        self._stamp = self._mtimes()
+
+    def _mtimes(self) -> tuple[int, ...]:
+        return tuple(p.stat().st_mtime_ns if p.exists() else 0 for p in self._files)
+
+    def _config(self) -> Any:
+        cert, key, ca = (p.read_bytes() for p in self._files)
+        return grpc.ssl_server_certificate_configuration([(key, cert)], root_certificates=ca)
+
+    def initial(self) -> Any:
+        return self._config()
+
+    def __call__(self) -> Any:
+        with self._lock:
+            stamp = self._mtimes()
+            if stamp == self._stamp:
+                return None
+            try:
+                config = self._config()
+            except (OSError, ValueError) as e:  # half-written files: keep serving the old ones
+                log.warning("TLS files changed but cannot be read yet (%s); keeping the current ones", e)
+                return None
+            self._stamp = stamp
+            log.info("TLS certificate files changed: new handshakes use them")
+            return config
+
+
+class _TokenPlugin(grpc.AuthMetadataPlugin):  # type: ignore[misc]
+    def __init__(self, token: str) -> None:
+        self._metadata = ((TOKEN_METADATA_KEY, _BEARER + token),)
+
+    def __call__(self, context: Any, callback: Any) -> None:
+        callback(self._metadata, None)
+
+
+def _with_token(details: Any, token: str) -> Any:
+    metadata = [*(details.metadata or ()), (TOKEN_METADATA_KEY, _BEARER + token)]
+    return details._replace(metadata=metadata) if hasattr(details, "_replace") else _Details(
+        details.method, details.timeout, metadata, details.credentials, details.wait_for_ready,
+        getattr(details, "compression", None))
+
+
+class _Details(grpc.ClientCallDetails):  # type: ignore[misc]
+    def __init__(self, method: str, timeout: Any, metadata: Any, credentials: Any, wait_for_ready: Any,
+                 compression: Any) -> None:
+        self.method, self.timeout, self.metadata = method, timeout, metadata
+        self.credentials, self.wait_for_ready, self.compression = credentials, wait_for_ready, compression
+
+
+class _TokenMetadata(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor,  # type: ignore[misc]
+                     grpc.StreamUnaryClientInterceptor, grpc.StreamStreamClientInterceptor):
+    def __init__(self, token: str) -> None:
+        self._token = token
+
+    def intercept_unary_unary(self, continuation: Any, details: Any, request: Any) -> Any:
+        return continuation(_with_token(details, self._token), request)
+
+    def intercept_unary_stream(self, continuation: Any, details: Any, request: Any) -> Any:
+        return continuation(_with_token(details, self._token), request)
+
+    def intercept_stream_unary(self, continuation: Any, details: Any, requests: Any) -> Any:
+        return continuation(_with_token(details, self._token), requests)
+
+    def intercept_stream_stream(self, continuation: Any, details: Any, requests: Any) -> Any:
+        return continuation(_with_token(details, self._token), requests)
+
+
+class _AioTokenMetadata(grpc.aio.UnaryUnaryClientInterceptor):  # type: ignore[misc]
+    def __init__(self, token: str) -> None:
+        self._token = token
+
+    async def intercept_unary_unary(self, continuation: Any, details: Any, request: Any) -> Any:
+        return await continuation(_with_token(details, self._token), request)
+
+
+# ---- entry points ----
+
+def add_security_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("security (docs/architecture.md, 12 Security)")
+    group.add_argument("--tls-cert", metavar="FILE", type=Path, default=None,
+                       help=f"this node's certificate chain, PEM (env {ENV_CERT}); with --tls-key and "
+                            "--tls-ca turns on mutual TLS")
+    group.add_argument("--tls-key", metavar="FILE", type=Path, default=None,
+                       help=f"its private key (env {ENV_KEY})")
+    group.add_argument("--tls-ca", metavar="FILE", type=Path, default=None,
+                       help=f"the CA certificate that signs every node of the job (env {ENV_CA})")
+    group.add_argument("--token-file", metavar="FILE", type=Path, default=None,
+                       help=f"role tokens, lines 'ROLE[/NODE-ID] SECRET' (env {ENV_TOKEN})")
+    group.add_argument("--insecure", action="store_true", default=None,
+                       help="run without TLS or tokens, on purpose, with a loud warning "
+                            f"(env {ENV_INSECURE}=1)")
+
+
+def security_from_args(args: argparse.Namespace, environ: Mapping[str, str] | None = None, *,
+                       role: str = "", node_id: str = "") -> SecurityConfig:
+    """Flags first, then the PSHARD_TLS_* / PSHARD_TOKEN_FILE variables; raises ClusterConfigError."""
+    env = os.environ if environ is None else environ
+
+    def path(flag: str, var: str) -> Path | None:
+        value = getattr(args, flag, None)
+        if value is not None:
+            return Path(value)
+        return Path(env[var]) if env.get(var) else None
+
+    insecure = getattr(args, "insecure", None)
+    if insecure is None:
+        insecure = env.get(ENV_INSECURE, "").lower() in ("1", "true", "yes")
+    cert, key, ca, token = (path("tls_cert", ENV_CERT), path("tls_key", ENV_KEY), path("tls_ca", ENV_CA),
+                            path("token_file", ENV_TOKEN))
+    if insecure and getattr(args, "insecure", None) is None and (cert or token):
+        insecure = False  # files named explicitly win over an inherited PSHARD_INSECURE
+    return SecurityConfig(cert, key, ca, token, bool(insecure), role, node_id)
+
+
+def security_flags(config: SecurityConfig) -> list[str]:
+    """The command-line flags that give a child process the same files (the launcher's children)."""
+    flags: list[str] = []
+    for flag, value in (("--tls-cert", config.cert), ("--tls-key", config.key), ("--tls-ca", config.ca),
+                        ("--token-file", config.token_file)):
+        if value is not None:
+            flags += [flag, str(value)]
+    if config.insecure:
+        flags.append("--insecure")
+    return flags

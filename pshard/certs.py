@@ -1,0 +1,211 @@
+"""``pshard certs``: a development CA and one certificate per node, made on first use and kept after.
+
+    pshard certs --dir ./pshard-certs --host ps-0 ps/ps-0 worker/worker-0 chief/chief-0 admin
+
+Each NODE is ``ROLE`` or ``ROLE/NODE-ID``; its certificate names it in a URI SAN,
+``spiffe://pshard/<role>/<node-id>`` (what servers authorise on, `pshard.common.identity`), and
+its host names in DNS/IP SANs (always ``localhost`` and ``127.0.0.1``, plus every ``--host`` and
+the node id itself, which is the host name in the compose file). Files in DIR:
+
+    ca.pem, ca-key.pem          the CA (its key never leaves DIR; guard it)
+    <name>.pem, <name>-key.pem  a node, <name> = its node id, or its role when it has none
+
+Run twice, it changes nothing: a file is (re)made only when missing, expired within a day, not
+signed by DIR's CA, or lacking a host asked for. For production, use your own CA: pshard needs
+only the URI SAN above in each certificate.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import fcntl
+import ipaddress
+import os
+import sys
+from collections.abc import Iterable, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+from pshard.common.errors import ClusterConfigError
+from pshard.common.identity import Identity, parse_identity
+from pshard.common.security import SecurityConfig
+
+DEFAULT_DIR = "pshard-certs"
+DEFAULT_DAYS = 365
+LOCAL_HOSTS = ("localhost", "127.0.0.1")
+_RENEW_BEFORE = dt.timedelta(days=1)
+
+
+@dataclass(frozen=True)
+class CertFiles:
+    cert: Path
+    key: Path
+    ca: Path
+
+    def security(self, role: str = "", node_id: str = "") -> SecurityConfig:
+        return SecurityConfig(self.cert, self.key, self.ca, role=role, node_id=node_id)
+
+
+def _now() -> dt.datetime:
+    return dt.datetime.now(dt.timezone.utc)
+
+
+def _write_private(path: Path, data: bytes, mode: int) -> None:
+    """Write whole or not at all: a reader never sees half a key (rotation re-reads these files)."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
+    os.replace(tmp, path)
+
+
+def _key_pem(key: ec.EllipticCurvePrivateKey) -> bytes:
+    return key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                             serialization.NoEncryption())
+
+
+@contextmanager
+def _locked(directory: Path) -> Any:
+    # Several processes may start at once (a launcher's children, compose services): one makes the CA.
+    directory.mkdir(parents=True, exist_ok=True, mode=0o700)
+    with open(directory / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+
+
+def make_ca(directory: Path, *, name: str = "pshard development CA", days: int = DEFAULT_DAYS * 10
+            ) -> tuple[Path, Path]:
+    """A new self-signed CA in `directory` (overwrites one there); returns (ca.pem, ca-key.pem)."""
+    key = ec.generate_private_key(ec.SECP256R1())
+    subject = x509.Name([x509.NameAttribute(NameOID.ORGANIZATION_NAME, "pshard"),
+                         x509.NameAttribute(NameOID.COMMON_NAME, name)])
+    now = _now()
+    cert = (x509.CertificateBuilder().subject_name(subject).issuer_name(subject).public_key(key.public_key())
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(now - dt.timedelta(minutes=5)).not_valid_after(now + dt.timedelta(days=days))
+            .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+            .add_extension(x509.KeyUsage(digital_signature=True, key_cert_sign=True, crl_sign=True,
+                                         content_commitment=False, key_encipherment=False,
+                                         data_encipherment=False, key_agreement=False, encipher_only=False,
+                                         decipher_only=False), critical=True)
+            .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
+            .sign(key, hashes.SHA256()))
+    ca, ca_key = directory / "ca.pem", directory / "ca-key.pem"
+    _write_private(ca_key, _key_pem(key), 0o600)
+    _write_private(ca, cert.public_bytes(serialization.Encoding.PEM), 0o644)
+    return ca, ca_key
+
+
+def _san(identity: Identity, hosts: Iterable[str]) -> x509.SubjectAlternativeName:
+    names: list[x509.GeneralName] = [x509.UniformResourceIdentifier(identity.spiffe_id())]
+    for host in dict.fromkeys(hosts):
+        try:
+            names.append(x509.IPAddress(ipaddress.ip_address(host)))
+        except ValueError:
+            names.append(x509.DNSName(host))
+    return x509.SubjectAlternativeName(names)
+
+
+def issue(directory: Path, identity: Identity, hosts: Iterable[str] = LOCAL_HOSTS, *,
+          days: int = DEFAULT_DAYS, not_before: dt.datetime | None = None,
+          not_after: dt.datetime | None = None, name: str | None = None) -> CertFiles:
+    """A certificate for `identity` signed by `directory`'s CA (which must exist), always new.
+
+    `not_before`/`not_after` exist for tests (an expired certificate)."""
+    ca_path, ca_key_path = directory / "ca.pem", directory / "ca-key.pem"
+    ca = x509.load_pem_x509_certificate(ca_path.read_bytes())
+    ca_key = serialization.load_pem_private_key(ca_key_path.read_bytes(), None)
+    assert isinstance(ca_key, ec.EllipticCurvePrivateKey)
+    key = ec.generate_private_key(ec.SECP256R1())
+    now = _now()
+    subject = x509.Name([x509.NameAttribute(NameOID.ORGANIZATION_NAME, "pshard"),
+                         x509.NameAttribute(NameOID.ORGANIZATIONAL_UNIT_NAME, identity.role),
+                         x509.NameAttribute(NameOID.COMMON_NAME, identity.node_id or identity.role)])
+    cert = (x509.CertificateBuilder().subject_name(subject).issuer_name(ca.subject)
+            .public_key(key.public_key()).serial_number(x509.random_serial_number())
+            .not_valid_before(not_before or now - dt.timedelta(minutes=5))
+            .not_valid_after(not_after or now + dt.timedelta(days=days))
+            .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+            .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH,
+                                                  ExtendedKeyUsageOID.CLIENT_AUTH]), critical=False)
+            .add_extension(_san(identity, [*hosts, *([identity.node_id] if identity.node_id else [])]),
+                           critical=False)
+            .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()),
+                           critical=False)
+            .sign(ca_key, hashes.SHA256()))
+    base = name or identity.node_id or identity.role
+    files = CertFiles(directory / f"{base}.pem", directory / f"{base}-key.pem", ca_path)
+    _write_private(files.key, _key_pem(key), 0o600)
+    _write_private(files.cert, cert.public_bytes(serialization.Encoding.PEM), 0o644)
+    return files
+
+
+def _still_good(files: CertFiles, hosts: Iterable[str]) -> bool:
+    if not (files.cert.exists() and files.key.exists() and files.ca.exists()):
+        return False
+    try:
+        cert = x509.load_pem_x509_certificate(files.cert.read_bytes())
+        ca = x509.load_pem_x509_certificate(files.ca.read_bytes())
+        cert.verify_directly_issued_by(ca)
+        sans = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    except Exception:  # unreadable, foreign or tampered: any doubt makes a new one
+        return False
+    have = {str(v) for v in sans.get_values_for_type(x509.DNSName)}
+    have |= {str(v) for v in sans.get_values_for_type(x509.IPAddress)}
+    return cert.not_valid_after_utc - _RENEW_BEFORE > _now() and set(hosts) <= have
+
+
+def ensure(directory: Path | str, nodes: Sequence[Identity], hosts: Iterable[str] = (), *,
+           days: int = DEFAULT_DAYS) -> dict[Identity, CertFiles]:
+    """The CA and a certificate per node in `directory`, made only where missing or unfit."""
+    directory = Path(directory)
+    wanted = [*LOCAL_HOSTS, *hosts]
+    out: dict[Identity, CertFiles] = {}
+    with _locked(directory):
+        if not ((directory / "ca.pem").exists() and (directory / "ca-key.pem").exists()):
+            make_ca(directory)
+        for identity in nodes:
+            base = identity.node_id or identity.role
+            files = CertFiles(directory / f"{base}.pem", directory / f"{base}-key.pem", directory / "ca.pem")
+            node_hosts = [*wanted, *([identity.node_id] if identity.node_id else [])]
+            out[identity] = files if _still_good(files, node_hosts) else issue(directory, identity, wanted,
+                                                                                days=days)
+    return out
+
+
+def main(argv: Sequence[str] | None = None, *, prog: str = "pshard certs") -> int:
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0] if __doc__ else None,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     epilog="Each NODE: ROLE or ROLE/NODE-ID, ROLE one of scheduler, ps, "
+                                            "chief, worker, evaluator, admin. Certificates name it as "
+                                            "spiffe://pshard/ROLE/NODE-ID.")
+    parser.add_argument("nodes", metavar="NODE", nargs="+",
+                        help="e.g. ps/ps-0 worker/worker-1 chief/chief-0 admin")
+    parser.add_argument("--dir", default=os.environ.get("PSHARD_CERTS_DIR", DEFAULT_DIR),
+                        help="where the CA and certificates live "
+                             f"(env PSHARD_CERTS_DIR, default ./{DEFAULT_DIR})")
+    parser.add_argument("--host", action="append", default=[],
+                        help="another host name or IP the nodes answer on (repeatable; localhost and "
+                             "127.0.0.1 are always in)")
+    parser.add_argument("--days", type=int, default=DEFAULT_DAYS, help=f"validity (default {DEFAULT_DAYS})")
+    args = parser.parse_args(argv)
+    try:
+        nodes = [parse_identity(n, "NODE") for n in args.nodes]
+    except ClusterConfigError as e:
+        parser.error(str(e))
+    made = ensure(args.dir, nodes, args.host, days=args.days)
+    for identity, files in made.items():
+        print(f"{identity.spiffe_id()}: {files.cert} {files.key} (CA {files.ca})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
