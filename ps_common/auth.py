@@ -27,6 +27,7 @@ from typing import Any
 
 import grpc
 import grpc.aio
+from pshard.common.errors import PermissionDeniedError
 from pshard.common.identity import Identity, TokenTable, identity_from_pem
 
 log = logging.getLogger("pshard.auth")
@@ -190,3 +191,18 @@ class Authorizer(grpc.aio.ServerInterceptor):  # type: ignore[misc]
             async for reply in inner_ss(requests, context):
                 yield reply
         return handler._replace(stream_stream=stream_stream)
+
+
+# ---- checks only a handler can make (the request names the node) ----
+
+def check_acts_as(node_id: str, what: str) -> None:
+    """PERMISSION_DENIED for a request about node `node_id` from a credential that names another."""
+    who = caller()
+    if not may_act_as(who, node_id):
+        raise PermissionDeniedError(f"{what}: credential {who} may not act as node {node_id!r}")
+
+
+def sees_worker_ids() -> bool:
+    """Whether the caller may see which workers there are (GetStats)."""
+    who = caller()
+    return who is None or who.role in SEES_WORKER_IDS

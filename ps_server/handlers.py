@@ -44,6 +44,7 @@ from pshard.ps_server.settings import ServerSettings
 from pshard.ps_server.steptimes import HangReport
 from pshard.ps_server.store import (
     PushOutcome,
+    ShardSnapshot,
     ShardStore,
     SliceMeta,
     SliceSpec,
@@ -164,6 +165,7 @@ class ParameterServerHandlers:
             store.set_quorum(self._quorum)
         store.subscribe(self._changes.notify)
         self._store = store
+        self._changes.notify()  # wakes wait_configured
 
     @property
     def store(self) -> ShardStore:
@@ -175,11 +177,20 @@ class ParameterServerHandlers:
     def has_store(self) -> bool:
         return self._store is not None
 
+    async def wait_configured(self, deadline: float) -> bool:
+        """Wait until a Declare configured this server (a worker waits for the chief); False at deadline."""
+        return bool(await self._changes.wait_for(lambda: True if self._store is not None else None, deadline))
+
     def _store_holding(self, keys: Sequence[SliceKey]) -> ShardStore:
         """The store, or (none yet) the error a request for `keys` gets from a server holding nothing."""
         if self._store is None and keys:
             raise unknown_key_error(keys[0], 0)
         return self.store
+
+    @property
+    def quorum(self) -> dict[str, int] | None:
+        """The live workers as last known (worker id -> generation); None: not known yet."""
+        return dict(self._quorum) if self._quorum is not None else None
 
     def follow_views(self) -> None:
         """From now on membership comes from scheduler views (see _await_view)."""
@@ -454,6 +465,28 @@ class ParameterServerHandlers:
                            pulls_timed_out=self.pulls_timed_out, transports=self.transport_report(),
                            hangs=tuple(store.hangs(self._settings.hang_report_s))
                            if store and self._settings.hang_report_s > 0 else ())
+
+    async def snapshot_at(self, at_version: int, timeout_s: float | None = None) -> ShardSnapshot:
+        """A copy of the shard once every slice reached `at_version` (a global checkpoint's part)."""
+        store = self.store
+        timeout_s = timeout_s if timeout_s is not None else self._settings.pull_timeout_s
+        ok = await self._changes.wait_for(
+            lambda: True if store.stats().min_version >= at_version else None, time.monotonic() + timeout_s)
+        if ok is None:
+            raise PullTimeoutError(f"checkpoint at clock {at_version}: slices are still at "
+                                   f"version {store.stats().min_version} after {timeout_s:.1f}s")
+        return store.snapshot()
+
+    async def install_restored(self, make: Callable[[], ShardStore]) -> bool:
+        """Configure the server with `make()` (a restored global checkpoint) unless a Declare or an
+        earlier restore already did (or the server restored its own shard checkpoint: it is newer);
+        True if installed. The store is built under the config lock, so a Declare racing a restore
+        waits for it and then finds the restored slices."""
+        async with self._config_lock:
+            if self._store is not None:
+                return False
+            self._install(make())
+            return True
 
     async def checkpoint(self, at_version: int = 0, timeout_s: float | None = None) -> tuple[Path, int]:
         """Save the shard once every slice reached `at_version`; (path, the slices' min version)."""

@@ -28,6 +28,8 @@ from pshard.common.serving import start_in_thread
 from pshard.common.view import ClusterView
 from pshard.ps_server.budget import InflightBudget
 from pshard.ps_server.fastpath import FastPathServer, OpenTransportMethod
+from pshard.ps_server.global_handlers import GlobalCheckpoints, GlobalCheckpointServicer
+from pshard.ps_server.global_handlers import rpc_handlers as global_rpc_handlers
 from pshard.ps_server.handlers import ParameterServerHandlers
 from pshard.ps_server.heap import HeapTrimmer
 from pshard.ps_server.quorum import QuorumFollower
@@ -119,6 +121,8 @@ async def start(settings: ServerSettings, bind: str = "127.0.0.1:0",
         tables.stream = TableStreamServer(tables, bind.rsplit(":", 1)[0].strip("[]") or "0.0.0.0",
                                           settings.limits.max_request_bytes)
     server.add_generic_rpc_handlers([table_rpc_handlers(SparseTablesServicer(tables), ps_servicer.unary)])
+    server.add_generic_rpc_handlers([global_rpc_handlers(GlobalCheckpointServicer(GlobalCheckpoints(
+        handlers, tables, settings.checkpoint_pause_dir)), ps_servicer.unary, SERVICE_NAME)])
     health_servicer = health.aio.HealthServicer()  # type: ignore[attr-defined]
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     port = security.add_port(server, bind)
@@ -134,7 +138,8 @@ async def start(settings: ServerSettings, bind: str = "127.0.0.1:0",
     await server.start()
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    log.info("parameter server listening on port %d (%s)", port, security.describe())
+    log.info("parameter server listening on port %d", port)
+    log.info("security: %s", security.describe())
     running = RunningServer(server, handlers, health_servicer, port, budget, executor, trimmer, fast,
                            tables=tables, refusals=refusals)
     if settings.hang_report_s > 0:

@@ -25,8 +25,15 @@ from typing import TypeVar
 import grpc.aio
 from google.protobuf.message import DecodeError, Message
 from pshard.common import codec
+from pshard.common.auth import caller, check_acts_as, may_configure, sees_worker_ids
 from pshard.common.codec import WireArray, encode_data_frame
-from pshard.common.errors import EmptyRequestError, InvalidArgumentError, PSError, PullTimeoutError
+from pshard.common.errors import (
+    EmptyRequestError,
+    InvalidArgumentError,
+    PermissionDeniedError,
+    PSError,
+    PullTimeoutError,
+)
 from pshard.common.framing import FramePacker, SliceReader
 from pshard.common.rpc_status import maps_stream_errors, set_status
 from pshard.common.types import SliceKey
@@ -139,6 +146,7 @@ class ParameterServerServicer:
                         self._executor, _parse, message_type, raw, name)
                 if name in _STAMPED:
                     clock = request.stamp.clock  # type: ignore[attr-defined]
+                    check_acts_as(request.stamp.worker_id, name)  # type: ignore[attr-defined]
                 reply = await method(request, context)
                 out = reply if isinstance(reply, bytes) else await self._encode(reply)
                 sent = len(out)
@@ -170,11 +178,23 @@ class ParameterServerServicer:
         return await asyncio.get_running_loop().run_in_executor(
             self._executor, _pull_response, applied, dropped, slices)
 
+    async def _may_configure(self, job: object, timeout_s: float | None) -> None:
+        """Only the chief (or an admin) sets the job's configuration; a worker's Declare that comes
+        first waits for it, and is refused if it never comes (docs/architecture.md, 12 Security)."""
+        if job is None or self._handlers.has_store or may_configure(caller()):
+            return
+        wait_s = timeout_s if timeout_s is not None else self._pull_timeout_s
+        if not await self._handlers.wait_configured(time.monotonic() + wait_s):
+            raise PermissionDeniedError(f"Declare: {caller()} may not set the job configuration, and the "
+                                        f"chief did not set it within {wait_s:g} s")
+
     # ---- unary ----
 
     async def Declare(self, request: pb.DeclareRequest, context: grpc.aio.ServicerContext
                       ) -> pb.DeclareResponse:
         job = codec.job_from_proto(request.config) if request.HasField("config") else None
+        remaining = context.time_remaining()
+        await self._may_configure(job, None if remaining is None else max(0.0, remaining - 0.2))
         items = [codec.slice_tensor_from_proto(s) for s in request.slices]
         created, values = await self._handlers.declare(job, items)
         return pb.DeclareResponse(created=created, slices=[
@@ -206,7 +226,7 @@ class ParameterServerServicer:
         s, job = stats.store, stats.job
         if s is None or job is None:
             return pb.GetStatsResponse(pulls_waiting=stats.pulls_waiting)
-        return pb.GetStatsResponse(
+        reply = pb.GetStatsResponse(
             mode=codec.mode_to_proto(job.mode), staleness=job.staleness,
             optimizer=codec.optimizer_to_proto(job.optimizer.name),
             slices=s.slices, bytes_stored=s.bytes_stored, pushes_applied=s.pushes_applied,
@@ -219,6 +239,10 @@ class ParameterServerServicer:
                                         max_s=t.max_s) for w, t in s.step_times.items()},
             hangs=[pb.HangReport(key=h.key, clock=h.clock, waiting_for=h.waiting_for, stalled_s=h.stalled_s)
                    for h in stats.hangs])
+        if not sees_worker_ids():  # who trains is for the job's own nodes and its operators
+            for name in ("quorum", "worker_clocks", "worker_transports", "step_times", "hangs"):
+                reply.ClearField(name)
+        return reply
 
     async def Checkpoint(self, request: pb.CheckpointRequest, context: grpc.aio.ServicerContext
                          ) -> pb.CheckpointResponse:
@@ -248,6 +272,7 @@ class ParameterServerServicer:
             header = message.header
             if header.op == pb.EXCHANGE_OP_PUSH_PULL:
                 clock[0] = header.stamp.clock
+                check_acts_as(header.stamp.worker_id, "Exchange")
             held.release()  # the header is decoded; the data frames reserve their own bytes
             metas = [SliceMeta(codec.slice_id_from_proto(m.id), codec.dtype_from_proto(m.dtype, "push dtype"),
                                tuple(m.shape)) for m in header.push]
@@ -267,6 +292,7 @@ class ParameterServerServicer:
     async def _exchange_declare(self, header: pb.ExchangeHeader, metas: Sequence[SliceMeta],
                                 frames: _FrameSource) -> AsyncIterator[bytes]:
         job = codec.job_from_proto(header.config) if header.HasField("config") else None
+        await self._may_configure(job, frames.remaining_s())
         # Views of the frames, all held (and reserved) until the store has copied what it keeps.
         items = [(metas[index].key, wire) async for index, wire in _read_slices(metas, frames)]
         created, values = await self._handlers.declare(job, items)
@@ -338,6 +364,9 @@ class _FrameSource:
         self._held = held
         self._deadline = deadline
         self._release_applied = release_applied
+
+    def remaining_s(self) -> float:
+        return max(0.0, self._deadline - time.monotonic())
 
     async def next(self, keep: int) -> bytes | None:
         if self._release_applied:

@@ -87,8 +87,8 @@ async def start(bind: str = "127.0.0.1:0", *, heartbeat_interval_s: float = DEFA
     for service in ("", SERVICE_NAME):
         await health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
     expiry = asyncio.create_task(servicer.run_expiry(max(heartbeat_timeout_s * _EXPIRY_FRACTION, 0.01)))
-    log.info("scheduler listening on %s (port %d, %s); heartbeat every %g s, timeout %g s",
-             bind, port, security.describe(), heartbeat_interval_s, heartbeat_timeout_s)
+    log.info("scheduler listening on %s (port %d); heartbeat every %g s, timeout %g s; %s",
+             bind, port, heartbeat_interval_s, heartbeat_timeout_s, security.describe())
     return RunningScheduler(server, servicer, health_servicer, port, expiry, refusals=refusals)
 
 

@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator
 
 import grpc
 import grpc.aio
+from pshard.common.auth import caller, check_acts_as
 from pshard.common.changes import ChangeSignal
 from pshard.common.codec import (
     layout_to_proto,
@@ -23,7 +24,7 @@ from pshard.common.codec import (
     timeout_ms_from_proto,
     view_to_proto,
 )
-from pshard.common.errors import EmptyRequestError, PullTimeoutError
+from pshard.common.errors import EmptyRequestError, PermissionDeniedError, PullTimeoutError
 from pshard.common.layout import DEFAULT_SLICE_BYTES
 from pshard.common.rpc_status import maps_errors
 from pshard.common.view import ClusterView
@@ -88,6 +89,15 @@ class SchedulerServicer(pb_grpc.SchedulerServiceServicer):
     async def Register(self, request: pb.RegisterRequest, context: grpc.aio.ServicerContext
                        ) -> pb.RegisterResponse:
         args = register_from_proto(request)
+        who = caller()
+        if who is not None:  # a node registers only as what its credential names
+            if who.role != args.role:
+                raise PermissionDeniedError(
+                    f"Register: credential {who} may not register as role {args.role!r}")
+            if who.node_id and not args.node_id:
+                args = args._replace(node_id=who.node_id)
+            if args.node_id:
+                check_acts_as(args.node_id, "Register")
         before = self._members.view().node(args.node_id) if args.node_id else None
         reg = self._members.register(**args._asdict())
         log.info("%s %s (%s rank %d at %s); generation %d",
@@ -102,11 +112,13 @@ class SchedulerServicer(pb_grpc.SchedulerServiceServicer):
     @maps_errors
     async def Heartbeat(self, request: pb.HeartbeatRequest, context: grpc.aio.ServicerContext
                         ) -> pb.HeartbeatResponse:
+        check_acts_as(request.node_id, "Heartbeat")
         view = self._members.heartbeat(request.node_id, request.generation, request.clock)
         return pb.HeartbeatResponse(view=view_to_proto(view))
 
     @maps_errors
     async def Leave(self, request: pb.LeaveRequest, context: grpc.aio.ServicerContext) -> pb.LeaveResponse:
+        check_acts_as(request.node_id, "Leave")  # a node leaves only for itself (admin: any)
         before = self._members.generation
         view = self._members.leave(request.node_id, request.generation)
         if view.generation != before:
@@ -133,6 +145,7 @@ class SchedulerServicer(pb_grpc.SchedulerServiceServicer):
     @maps_errors
     async def Barrier(self, request: pb.BarrierRequest, context: grpc.aio.ServicerContext
                       ) -> pb.BarrierResponse:
+        check_acts_as(request.node_id, "Barrier")
         arrival = self._members.arrive(request.name, request.count, request.node_id)
         if arrival.released:
             self._publish()
