@@ -18,10 +18,11 @@ until the clock they read is applied.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import re
 import time
 import zlib
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -214,6 +215,28 @@ class TableHandlers:
         folder = self._dir / "export" / f"{self._settings.shard_name}.{_file_name(name)}"
         async with self._locks[name]:
             return await asyncio.get_running_loop().run_in_executor(None, export_table, table, folder)
+
+    def make(self, config: TableConfig) -> SparseTable:
+        """An empty table as a Declare would create it (a global checkpoint's restore fills it)."""
+        return self._make(config)
+
+    def add(self, table: SparseTable) -> None:
+        """Hold a restored table (a global checkpoint's); replaces none: the server held no model."""
+        if table.config.name in self._tables:
+            raise InvalidArgumentError(f"table {table.config.name!r} is already declared on this server")
+        self._add(table)
+
+    @contextlib.asynccontextmanager
+    async def all_locked(self) -> AsyncIterator[list[SparseTable]]:
+        """Every table, each under its lock (taken in name order, as checkpoint() does)."""
+        names = sorted(self._tables)
+        for name in names:
+            await self._locks[name].acquire()
+        try:
+            yield [self._tables[n] for n in names]
+        finally:
+            for name in names:
+                self._locks[name].release()
 
     async def checkpoint(self) -> Path | None:
         """Save every table (None: no checkpoint directory, or no tables)."""

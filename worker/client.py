@@ -331,6 +331,15 @@ class PSClient:
             pb.CheckpointRequest(at_version=at_version, timeout_ms=int(t * 1000)),
             timeout=t + DEADLINE_SLACK_S, wait_for_ready=True).path))
 
+    def each_server(self, call: Callable[[int, pb_grpc.ParameterServerServiceStub], T]) -> list[T]:
+        """`call(index, stub)` on every server at once, in server order (worker.checkpoints); gRPC
+        errors come back as the project's errors."""
+        return self._all_servers(lambda i: self._unary(i, lambda stub: call(i, stub)))
+
+    @property
+    def timeout_s(self) -> float:
+        return self._timeout_s
+
     # ---- fast paths (shared memory, raw TCP) ----
 
     def _fast_path(self, server: int) -> FastPath | None:

@@ -1,0 +1,334 @@
+"""Global checkpoints on disk: one directory per checkpoint, a part per server, one manifest.
+
+Layout-independent (docs/architecture.md, 9 Failures): a server's part names each dense slice by
+its parameter and global element range, never by the server or slice number that held it, and
+its tables by row id. A reader re-cuts the ranges and re-hashes the rows for any number of
+servers. A checkpoint directory `ckpt-<clock>-<token>/` holds, per server index i:
+
+- `part-<i>.npz`: the slices' values and optimizer state arrays (numpy, allow_pickle=False);
+- `part-<i>.json`: per slice its parameter, range, shape, dtype, version, clocks and scalar
+  optimizer state; the job config;
+- `part-<i>.tables-<token>/` and `part-<i>.tables.json`: the sparse tables (ps_server.table_files),
+  when the server holds any;
+
+and `MANIFEST.json`, written last by the coordinator (tmp file, fsync, rename): the clock, the
+job, the parameters' shapes and every part file with its size and SHA-256. A directory without
+a manifest, or whose files do not match it, is torn: never restored, reported and skipped.
+
+The format, shared by the servers (ps_server.global_checkpoint writes and restores parts), the
+coordinator (worker.checkpoints) and `pshard checkpoint`. Pure: numpy, json and files.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import re
+import shutil
+import time
+import uuid
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, BinaryIO
+
+import numpy as np
+from pshard.common.errors import PSError
+from pshard.common.job import JobConfig, OptimizerConfig
+
+FORMAT = 1
+MANIFEST = "MANIFEST.json"
+_DIR = re.compile(r"^ckpt-(\d{12})-([0-9a-f]{8})$")
+_TMP_SUFFIX = ".tmp"
+
+
+class CheckpointError(PSError):
+    """A global checkpoint cannot be written or read (torn, foreign, or not matching the model)."""
+
+
+@dataclass(frozen=True)
+class Range:
+    """Where one slice lies in its parameter's flattened elements."""
+
+    key: str
+    offset: int
+    numel: int
+    shape: tuple[int, ...]  # of the whole parameter
+
+
+@dataclass(frozen=True)
+class FileEntry:
+    name: str  # relative to the checkpoint directory
+    sha256: str
+    size: int
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """A committed checkpoint: its directory and manifest."""
+
+    path: Path
+    clock: int
+    created: float
+    job: JobConfig
+    params: dict[str, tuple[str, tuple[int, ...]]]  # name -> (dtype, shape)
+    files: tuple[FileEntry, ...]
+    servers: int  # how many servers wrote it
+
+
+@dataclass(frozen=True)
+class Torn:
+    path: Path
+    reason: str
+
+
+def new_directory(root: Path, clock: int) -> Path:
+    """A fresh checkpoint directory under `root` for `clock` (created empty)."""
+    path = root / f"ckpt-{clock:012d}-{uuid.uuid4().hex[:8]}"
+    path.mkdir(parents=True)
+    return path
+
+
+# ---- files ----
+
+def digest(path: Path) -> tuple[str, int]:
+    """(SHA-256 hex, size) of a file."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+    return h.hexdigest(), path.stat().st_size
+
+
+def write_atomically(path: Path, write: Callable[[BinaryIO], object]) -> None:
+    """Write to a temporary name, fsync, then rename: a reader sees the whole file or none."""
+    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}{_TMP_SUFFIX}")
+    try:
+        with open(tmp, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())  # the bytes must be on disk before the name points at them
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def sync_directory(folder: Path) -> None:
+    # The renames themselves live in the directory: sync it so they survive a power cut.
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def job_to_json(job: JobConfig) -> dict[str, Any]:
+    return dataclasses.asdict(job)
+
+
+def job_from_json(d: Mapping[str, Any]) -> JobConfig:
+    opt = dict(d["optimizer"])
+    opt["betas"] = tuple(opt["betas"])  # JSON has no tuples
+    return JobConfig(**{**d, "optimizer": OptimizerConfig(**opt)})
+
+
+# ---- the manifest ----
+
+def commit(directory: Path, clock: int, job: JobConfig, params: Mapping[str, tuple[str, tuple[int, ...]]],
+           parts: Sequence[Sequence[FileEntry]]) -> Path:
+    """Write the manifest (last, atomically): from here on the checkpoint is committed."""
+    manifest = {
+        "format": FORMAT, "clock": clock, "created": time.time(), "job": job_to_json(job),
+        "servers": len(parts),
+        "params": {k: {"dtype": d, "shape": list(s)} for k, (d, s) in params.items()},
+        "files": [dataclasses.asdict(f) for part in parts for f in part],
+    }
+    encoded = json.dumps(manifest, indent=1).encode()
+    path = directory / MANIFEST
+    write_atomically(path, lambda f: f.write(encoded))
+    sync_directory(directory)
+    return path
+
+
+def scan(root: Path, verify: bool = False) -> tuple[list[Checkpoint], list[Torn]]:
+    """The committed checkpoints under `root`, oldest first, and the torn ones.
+
+    Committed: a manifest that parses and every file it lists present with its size (and, with
+    `verify`, its SHA-256). Anything else under a checkpoint's name is torn.
+    """
+    committed: list[Checkpoint] = []
+    torn: list[Torn] = []
+    if not root.is_dir():
+        return committed, torn
+    for path in sorted(p for p in root.iterdir() if p.is_dir() and _DIR.match(p.name)):
+        try:
+            committed.append(load_manifest(path, verify=verify))
+        except CheckpointError as err:
+            torn.append(Torn(path, str(err)))
+    committed.sort(key=lambda c: (c.clock, c.created))
+    return committed, torn
+
+
+def load_manifest(path: Path, verify: bool = False) -> Checkpoint:
+    """The committed checkpoint in `path`; CheckpointError naming what is missing or wrong."""
+    try:
+        raw = json.loads((path / MANIFEST).read_bytes())
+    except FileNotFoundError:
+        raise CheckpointError(f"checkpoint {path}: no {MANIFEST} (torn: a part was never finished)") from None
+    except (OSError, ValueError) as err:
+        raise CheckpointError(f"checkpoint {path}: {MANIFEST} unreadable ({err})") from None
+    if raw.get("format") != FORMAT:
+        raise CheckpointError(f"checkpoint {path}: got format {raw.get('format')!r}, expected {FORMAT}")
+    files = tuple(FileEntry(f["name"], f["sha256"], int(f["size"])) for f in raw["files"])
+    for f in files:
+        p = path / f.name
+        if not p.is_file():
+            raise CheckpointError(f"checkpoint {path}: {f.name} is missing")
+        if p.stat().st_size != f.size:
+            raise CheckpointError(f"checkpoint {path}: {f.name} has {p.stat().st_size} bytes, "
+                                  f"the manifest says {f.size}")
+        if verify and digest(p)[0] != f.sha256:
+            raise CheckpointError(f"checkpoint {path}: {f.name} does not match its SHA-256 in the manifest")
+    return Checkpoint(path=path, clock=int(raw["clock"]), created=float(raw["created"]),
+                      job=job_from_json(raw["job"]),
+                      params={k: (v["dtype"], tuple(v["shape"])) for k, v in raw["params"].items()},
+                      files=files, servers=int(raw["servers"]))
+
+
+def latest(root: Path, report: Callable[[Torn], None] | None = None) -> Checkpoint | None:
+    """The newest committed checkpoint whose files all match their checksums; torn ones are reported.
+
+    A torn checkpoint newer than the one returned is never used: it is reported and skipped.
+    """
+    committed, torn = scan(root)
+    for t in torn:
+        if report is not None:
+            report(t)
+    for candidate in reversed(committed):
+        try:
+            return load_manifest(candidate.path, verify=True)
+        except CheckpointError as err:
+            if report is not None:
+                report(Torn(candidate.path, str(err)))
+    return None
+
+
+def retain(root: Path, keep: int) -> list[Path]:
+    """Delete all but the newest `keep` committed checkpoints, and torn ones older than the
+    oldest kept (a torn one newer than every committed one may still be being written);
+    returns what was deleted."""
+    if keep < 1:
+        raise ValueError(f"keep: got {keep}, expected at least 1")
+    committed, torn = scan(root)
+    kept = committed[-keep:]
+    if not kept:
+        return []
+    floor = kept[0].clock
+    doomed = [c.path for c in committed[:-keep]] + [t.path for t in torn if _clock_of(t.path) < floor]
+    for path in doomed:
+        shutil.rmtree(path, ignore_errors=True)
+    return doomed
+
+
+def _clock_of(path: Path) -> int:
+    m = _DIR.match(path.name)
+    return int(m.group(1)) if m else -1
+
+
+# ---- reading dense parameters back, by range ----
+
+@dataclass(frozen=True)
+class Piece:
+    offset: int
+    numel: int
+    npz: Path
+    meta: dict[str, Any]
+
+
+class DenseReader:
+    """Dense values and optimizer state of a committed checkpoint, by parameter and element range."""
+
+    def __init__(self, checkpoint: Checkpoint) -> None:
+        self.checkpoint = checkpoint
+        self._pieces: dict[str, list[Piece]] = {}
+        self._npz: dict[Path, Any] = {}
+        parts = sorted({f.name for f in checkpoint.files if re.fullmatch(r"part-\d+\.json", f.name)})
+        for part in parts:
+            meta = json.loads((checkpoint.path / part).read_bytes())
+            npz = checkpoint.path / part.replace(".json", ".npz")
+            for entry in meta["slices"]:
+                self._pieces.setdefault(entry["key"], []).append(
+                    Piece(int(entry["offset"]), int(entry["numel"]), npz, entry))
+        for key, pieces in self._pieces.items():
+            pieces.sort(key=lambda p: p.offset)
+            covered = 0
+            for p in pieces:
+                if p.offset != covered:
+                    raise CheckpointError(f"checkpoint {checkpoint.path}: parameter {key!r} has a gap or "
+                                          f"overlap at element {covered} (next piece starts at {p.offset})")
+                covered += p.numel
+            want = int(np.prod(checkpoint.params[key][1])) if key in checkpoint.params else covered
+            if covered != want:
+                raise CheckpointError(f"checkpoint {checkpoint.path}: parameter {key!r} covers {covered} of "
+                                      f"{want} elements")
+
+    def close(self) -> None:
+        for npz in self._npz.values():
+            npz.close()
+        self._npz.clear()
+
+    def __enter__(self) -> DenseReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @property
+    def keys(self) -> list[str]:
+        return sorted(self._pieces)
+
+    def _array(self, piece: Piece, name: str) -> np.ndarray:
+        npz = self._npz.get(piece.npz)
+        if npz is None:
+            npz = self._npz[piece.npz] = np.load(piece.npz, allow_pickle=False)
+        return npz[f"s{piece.meta['index']}.{name}"]
+
+    def overlapping(self, key: str, offset: int, numel: int) -> list[Piece]:
+        pieces = self._pieces.get(key)
+        if pieces is None:
+            raise CheckpointError(f"checkpoint {self.checkpoint.path}: no parameter {key!r} "
+                                  f"(it holds {self.keys[:8]})")
+        return [p for p in pieces if p.offset < offset + numel and offset < p.offset + p.numel]
+
+    def read(self, key: str, offset: int, numel: int, what: str = "value") -> np.ndarray:
+        """Elements [offset, offset + numel) of `key`'s value or of its optimizer state array `what`."""
+        out: list[np.ndarray] = []
+        for p in self.overlapping(key, offset, numel):
+            if what == "value":
+                name = "value"
+            else:
+                names = p.meta["state_arrays"]
+                if what not in names:
+                    raise CheckpointError(f"checkpoint {self.checkpoint.path}: parameter {key!r} has no "
+                                          f"optimizer state {what!r} (it has {names})")
+                name = f"opt{names.index(what)}"
+            a = self._array(p, name)
+            lo, hi = max(offset, p.offset) - p.offset, min(offset + numel, p.offset + p.numel) - p.offset
+            out.append(a[lo:hi])
+        if sum(len(a) for a in out) != numel:
+            raise CheckpointError(f"checkpoint {self.checkpoint.path}: parameter {key!r} has no elements "
+                                  f"[{offset}, {offset + numel})")
+        return np.concatenate(out) if len(out) != 1 else np.array(out[0], copy=True)
+
+    def full(self, key: str) -> np.ndarray:
+        """The whole value of `key`, in its parameter's shape and declared dtype."""
+        dtype, shape = self.checkpoint.params[key]
+        value = self.read(key, 0, int(np.prod(shape)))
+        return value.astype(dtype).reshape(shape) if dtype != "bfloat16" else value.reshape(shape)
+
+
+def table_parts(checkpoint: Checkpoint) -> list[str]:
+    """The names under which the parts saved tables (for ps_server.table_files.load_tables)."""
+    return sorted(f.name[: -len(".tables.json")] for f in checkpoint.files if f.name.endswith(".tables.json"))

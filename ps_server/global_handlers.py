@@ -1,0 +1,168 @@
+"""A server's side of global checkpoints: write its part, restore from a committed checkpoint.
+
+Transport-free handlers (GlobalCheckpoints) and their thin gRPC servicer. The coordinator
+(worker.checkpoints) asks every server for its part at a clock boundary, then commits the
+checkpoint with a manifest (ps_server.global_checkpoint, docs/architecture.md 9 Failures).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import time
+from collections.abc import AsyncIterator, Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import grpc
+from pshard.common import checkpoints as ckpt
+from pshard.common import codec
+from pshard.common.errors import InvalidArgumentError, LayoutConflictError
+from pshard.common.job import JobConfig
+from pshard.common.types import SliceKey
+from pshard.ps_server.global_checkpoint import restore_tables, shard_snapshot, write_part
+from pshard.ps_server.handlers import ParameterServerHandlers
+from pshard.ps_server.store import ShardStore
+from pshard.ps_server.table import SparseTable
+from pshard.ps_server.table_files import save_tables
+from pshard.ps_server.table_handlers import TableHandlers
+
+from pshard.api.v1 import parameter_server_pb2 as pb
+
+log = logging.getLogger("pshard.ps")
+
+_PAUSE_LIMIT_S = 120.0  # the test hook's wait; the test SIGKILLs the server long before
+
+
+class GlobalCheckpoints:
+    def __init__(self, handlers: ParameterServerHandlers, tables: TableHandlers | None,
+                 pause_dir: str | None = None) -> None:
+        self._handlers = handlers
+        self._tables = tables
+        self._pause_dir = Path(pause_dir) if pause_dir else None
+        self._writing = asyncio.Lock()  # one part at a time: each holds a copy of the shard
+
+    async def save_part(self, directory: Path, clock: int, ranges: Mapping[SliceKey, ckpt.Range], server: int,
+                        timeout_s: float | None) -> tuple[list[ckpt.FileEntry], int, int]:
+        """Write this server's part once every slice reached `clock`; (files, min and max version)."""
+        if not directory.is_dir():
+            raise InvalidArgumentError(f"checkpoint part: directory {str(directory)!r} does not exist on "
+                                       "this server (global checkpoints need a file system the servers "
+                                       "share)")
+        snap = await self._handlers.snapshot_at(clock, timeout_s)
+        versions = [s.version for s in snap.slices] or [clock]
+        if snap.config.mode == "sync" and (min(versions) != clock or max(versions) != clock):
+            # A sync checkpoint is one clock boundary on every slice of every server, or it is not consistent.
+            raise LayoutConflictError(
+                f"checkpoint at clock {clock}: slices are at versions {min(versions)}..{max(versions)}, "
+                "not at one clock boundary; take global checkpoints from the chief between its steps")
+        async with self._writing, self._locked_tables() as tables:
+            files = await asyncio.get_running_loop().run_in_executor(
+                None, lambda: write_part(directory, server, snap, ranges,
+                                            write_tables=_table_writer(tables), between=self._pause(server)))
+        log.info("checkpoint part %d at clock %d written to %s (%d files)", server, clock, directory,
+                 len(files))
+        return files, min(versions), max(versions)
+
+    async def restore(self, directory: Path, job: JobConfig, ranges: Mapping[SliceKey, ckpt.Range],
+                      server: int, servers: int, resume: bool) -> tuple[bool, int, int, int]:
+        """Configure this empty server from the committed checkpoint in `directory`;
+        (restored, clock, slices, table rows). False when it already holds a model: nothing changes."""
+        checkpoint = ckpt.load_manifest(directory, verify=True)
+        theirs = checkpoint.job
+        if theirs.job_id != job.job_id:
+            if not resume:
+                raise LayoutConflictError(
+                    f"restore: the checkpoint in {directory} is of job {theirs.job_id!r}, this is job "
+                    f"{job.job_id!r}; pass resume to continue another job's checkpoint")
+            log.warning("RESUMING ANOTHER JOB: the checkpoint in %s is of job %r, this is job %r",
+                        directory, theirs.job_id, job.job_id)
+        if _without_id(theirs) != _without_id(job):
+            raise LayoutConflictError(f"restore: the checkpoint in {directory} was taken with {theirs}, "
+                                      f"this job runs {job}")
+        quorum = self._handlers.quorum
+        restored = await self._handlers.install_restored(
+            lambda: ShardStore.restore(shard_snapshot(checkpoint, job, ranges, quorum)))
+        if not restored:
+            return False, checkpoint.clock, 0, 0
+        rows = 0
+        if self._tables is not None:
+            for table in await asyncio.get_running_loop().run_in_executor(
+                    None, restore_tables, checkpoint, server, servers, self._tables.make):
+                rows += len(table)
+                self._tables.add(table)
+        log.warning("restored the global checkpoint %s (clock %d, written by %d servers): %d slices, "
+                    "%d table rows as server %d of %d", directory, checkpoint.clock, checkpoint.servers,
+                    len(ranges), rows, server, servers)
+        return True, checkpoint.clock, len(ranges), rows
+
+    @contextlib.asynccontextmanager
+    async def _locked_tables(self) -> AsyncIterator[list[SparseTable]]:
+        if self._tables is None:
+            yield []
+            return
+        async with self._tables.all_locked() as tables:
+            yield tables
+
+    def _pause(self, server: int) -> Callable[[str], None] | None:
+        folder = self._pause_dir
+        if folder is None:
+            return None
+
+        def pause(stage: str) -> None:
+            (folder / f"part-{server}.{stage}.reached").touch()
+            deadline = time.monotonic() + _PAUSE_LIMIT_S
+            while not (folder / "continue").exists() and time.monotonic() < deadline:
+                time.sleep(0.05)  # test hook only: polls a file the test creates (or is killed here)
+        return pause
+
+
+def _without_id(job: JobConfig) -> JobConfig:
+    return dataclasses.replace(job, job_id="")
+
+
+def _table_writer(tables: list[SparseTable]) -> Callable[[Path, str], Path | None] | None:
+    if not tables:
+        return None
+    return lambda directory, name: save_tables(directory, name, tables)
+
+
+def ranges_from_proto(ranges: Any) -> dict[SliceKey, ckpt.Range]:
+    return {SliceKey(r.key, r.part): ckpt.Range(r.key, r.offset, r.numel, tuple(r.shape)) for r in ranges}
+
+
+class GlobalCheckpointServicer:
+    """SaveCheckpointPart and RestoreCheckpoint: five-line delegates to GlobalCheckpoints."""
+
+    def __init__(self, checkpoints: GlobalCheckpoints) -> None:
+        self._checkpoints = checkpoints
+
+    async def SaveCheckpointPart(self, request: pb.SaveCheckpointPartRequest, context: object
+                                 ) -> pb.SaveCheckpointPartResponse:
+        timeout_s = request.timeout_ms / 1000 if request.HasField("timeout_ms") else None
+        files, lo, hi = await self._checkpoints.save_part(Path(request.directory), request.clock,
+                                                          ranges_from_proto(request.ranges), request.server,
+                                                          timeout_s)
+        return pb.SaveCheckpointPartResponse(
+            files=[pb.CheckpointFile(name=f.name, sha256=f.sha256, size=f.size) for f in files],
+            min_version=lo, max_version=hi)
+
+    async def RestoreCheckpoint(self, request: pb.RestoreCheckpointRequest, context: object
+                                ) -> pb.RestoreCheckpointResponse:
+        restored, clock, slices, rows = await self._checkpoints.restore(
+            Path(request.directory), codec.job_from_proto(request.config), ranges_from_proto(request.ranges),
+            request.server, request.servers, request.resume)
+        return pb.RestoreCheckpointResponse(restored=restored, clock=clock, slices=slices, rows=rows)
+
+
+def rpc_handlers(servicer: GlobalCheckpointServicer, unary: Callable[..., Any], service: str
+                 ) -> grpc.GenericRpcHandler:
+    """The two methods, through the dense servicer's `unary` wrapper (budget, error mapping, metrics)."""
+    return grpc.method_handlers_generic_handler(service, {
+        "SaveCheckpointPart": grpc.unary_unary_rpc_method_handler(
+            unary("SaveCheckpointPart", pb.SaveCheckpointPartRequest, servicer.SaveCheckpointPart)),
+        "RestoreCheckpoint": grpc.unary_unary_rpc_method_handler(
+            unary("RestoreCheckpoint", pb.RestoreCheckpointRequest, servicer.RestoreCheckpoint)),
+    })
