@@ -50,6 +50,7 @@ from pshard.worker.data import default_data_dir
 from pshard.worker.device import DEVICES, select_device
 from pshard.worker.evaluate import run_evaluator
 from pshard.worker.model import MODELS
+from pshard.worker.tensorboard_log import run_dir
 from pshard.worker.train import run
 
 PROG = "python -m pshard.worker"
@@ -109,6 +110,8 @@ def build_parser(environ: Mapping[str, str], prog: str = PROG) -> argparse.Argum
     out = p.add_argument_group("output")
     out.add_argument("--output", metavar="PATH", help="the chief saves the final state_dict here")
     out.add_argument("--metrics", metavar="PATH", help="append JSON-lines metrics here ('-' = stdout)")
+    out.add_argument("--tensorboard", metavar="DIR",
+                     help="also write loss, accuracy and samples/s as TensorBoard scalars to DIR/<node id>")
     out.add_argument("--eval-interval-s", metavar="S", type=positive_float, default=D.EVAL_INTERVAL_S,
                      help="evaluator tasks: seconds between evaluations of the latest weights "
                           f"(default {D.EVAL_INTERVAL_S:g})")
@@ -209,6 +212,9 @@ def config_from_args(argv: Sequence[str] | None, environ: Mapping[str, str], pro
         _check_writable("--output", args.output, create=False)
     if args.metrics and args.metrics != "-":
         _check_writable("--metrics", args.metrics, create=True)
+    if args.tensorboard:
+        probe = run_dir(args.tensorboard, spec.node_id) / "events"  # the run's directory is created and tried
+        _check_writable("--tensorboard", str(probe), create=False)
     return TrainConfig(
         spec=spec, job=_job(args, spec), data_dir=args.data_dir, model=args.model,
         epochs=args.epochs, batch_size=args.batch_size, max_steps=args.max_steps, seed=args.seed,
@@ -217,7 +223,7 @@ def config_from_args(argv: Sequence[str] | None, environ: Mapping[str, str], pro
         progress_every_s=args.progress_every_s,
         startup_timeout_s=args.startup_timeout_s, step_timeout_s=args.step_timeout_s,
         eval_interval_s=args.eval_interval_s, transport=args.transport, shm_dir=args.shm_dir,
-        metrics_port=args.metrics_port)
+        metrics_port=args.metrics_port, tensorboard=args.tensorboard)
 
 
 @exit_on_config_error(prog=PROG)

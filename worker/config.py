@@ -69,6 +69,7 @@ class TrainConfig:
     transport: str = Defaults.TRANSPORT  # auto, shm, tcp or grpc (PSClient)
     shm_dir: str = Defaults.SHM_DIR  # where shared-memory segments are created
     metrics_port: int | None = None  # serve Prometheus metrics on 0.0.0.0:PORT (0: a free port)
+    tensorboard: str | None = None  # also write the metrics as TensorBoard scalars under DIR/<node id>
 
     @property
     def is_chief(self) -> bool:

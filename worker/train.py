@@ -34,6 +34,7 @@ from pshard.worker.metrics import MetricsLog, Progress
 from pshard.worker.model import build_model, evaluate
 from pshard.worker.saved_model import describe, write_description
 from pshard.worker.session import ClusterSession
+from pshard.worker.tensorboard_log import TensorBoardLog, run_dir
 from pshard.worker.torch_api import PSTrainer, param_specs
 from torch import nn
 from torch.nn import functional as F
@@ -112,9 +113,12 @@ class TrainingRun:
         self.outcome = Outcome()
         self.session = session
         self.role = "chief" if cfg.is_chief else "worker"
-        self.metrics = MetricsLog(None if cfg.metrics in (None, "-") else cfg.metrics,
-                                  stream=stdout if cfg.metrics == "-" else None,
-                                  fields={"worker": cfg.spec.node_id, "role": self.role})
+        self.metrics: MetricsLog | TensorBoardLog = MetricsLog(
+            None if cfg.metrics in (None, "-") else cfg.metrics,
+            stream=stdout if cfg.metrics == "-" else None,
+            fields={"worker": cfg.spec.node_id, "role": self.role})
+        if cfg.tensorboard is not None:
+            self.metrics = TensorBoardLog(self.metrics, run_dir(cfg.tensorboard, cfg.spec.node_id))
         self.prometheus: WorkerMetrics | None = None
         self._metrics_server: MetricsServer | None = None
         if cfg.metrics_port is not None:
@@ -202,13 +206,15 @@ class TrainingRun:
                 self.progress.update(samples=len(batch), loss=loss)
                 if self.outcome.steps % cfg.log_every == 0:
                     self.metrics.log("step", step=self.outcome.steps, clock=trainer.clock, epoch=epoch + 1,
-                                     loss=loss, accuracy=correct / seen)  # accuracy: the epoch's so far
+                                     loss=loss, accuracy=correct / seen,  # the epoch's so far, as samples/s
+                                     samples_per_s=seen / max(time.monotonic() - started, 1e-9))
             if not losses:
                 continue
             self.outcome.train_loss = float(np.mean(losses))
             self.progress.end_epoch(loss=self.outcome.train_loss, acc=correct / seen)
+            elapsed = time.monotonic() - started
             self.metrics.log("epoch", epoch=epoch + 1, steps=len(losses), loss=self.outcome.train_loss,
-                             accuracy=correct / seen, time_s=time.monotonic() - started)
+                             accuracy=correct / seen, time_s=elapsed, samples_per_s=seen / max(elapsed, 1e-9))
             last = epoch == cfg.epochs - 1 or planned == cfg.max_steps
             if cfg.is_chief and not last:
                 accuracy, test_loss = evaluate(trainer.model, data, trainer.device)
