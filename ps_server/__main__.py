@@ -153,7 +153,9 @@ def _settings(args: argparse.Namespace) -> ServerSettings:
                           pull_timeout_s=args.pull_timeout_s, checkpoint_dir=args.checkpoint_dir,
                           transport=args.transport, shm_dir=args.shm_dir,
                           max_inflight_bytes=args.max_inflight_mb * 2**20, hang_report_s=args.hang_report_s,
-                          resume=args.resume)
+                          resume=args.resume,
+                          # Test hook only (ServerSettings.checkpoint_pause_dir); unset in production.
+                          checkpoint_pause_dir=os.environ.get("PSHARD_TEST_CHECKPOINT_PAUSE_DIR") or None)
 
 
 async def _run(args: argparse.Namespace, spec: ClusterSpec | None, settings: ServerSettings,

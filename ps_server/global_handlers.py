@@ -112,6 +112,8 @@ class GlobalCheckpoints:
             return None
 
         def pause(stage: str) -> None:
+            if not (folder / "armed").exists():  # the test arms it for the one checkpoint it tears
+                return
             (folder / f"part-{server}.{stage}.reached").touch()
             deadline = time.monotonic() + _PAUSE_LIMIT_S
             while not (folder / "continue").exists() and time.monotonic() < deadline:

@@ -41,6 +41,6 @@ class ServerSettings:
     # Continue a checkpoint of another job (another job_id) instead of starting fresh; logged loudly.
     resume: bool = False
     # Test hook (PSHARD_TEST_CHECKPOINT_PAUSE_DIR, read by the entry point): a global checkpoint's part
-    # writer touches `<dir>/part-<i>.<stage>.reached` between its files and waits there, so a test can
-    # SIGKILL the server mid-checkpoint deterministically. None in production.
+    # writer, while `<dir>/armed` exists, touches `<dir>/part-<i>.<stage>.reached` between its files and
+    # waits there, so a test can SIGKILL the server mid-checkpoint deterministically. None in production.
     checkpoint_pause_dir: str | None = None

@@ -43,12 +43,17 @@ def gradient(weights: dict[str, np.ndarray], worker: str, clock: int) -> dict[st
     return {k: (np.sin(w * np.float32(clock + 1)) * scale).astype(np.float32) for k, w in weights.items()}
 
 
+def cluster_of(new_client: Callable[..., PSClient], addresses: Sequence[str]) -> list[PSClient]:
+    """One client per worker, on the layout of INITIAL over `addresses`."""
+    layout = plan_layout([ParamSpec(k, "float32", v.shape) for k, v in INITIAL.items()], addresses,
+                         SLICE_BYTES)
+    return [new_client(addresses, w, layout=layout) for w in WORKERS]
+
+
 def cluster(start_server: Callable[..., ServerThread], new_client: Callable[..., PSClient], n: int
             ) -> list[PSClient]:
     servers = [start_server(ServerSettings(static_quorum={w: 0 for w in WORKERS})) for _ in range(n)]
-    addresses = [s.address for s in servers]
-    layout = plan_layout([ParamSpec(k, "float32", v.shape) for k, v in INITIAL.items()], addresses, SLICE_BYTES)
-    return [new_client(addresses, w, layout=layout) for w in WORKERS]
+    return cluster_of(new_client, [s.address for s in servers])
 
 
 def train(clients: Sequence[PSClient], first: int, steps: int) -> dict[str, np.ndarray]:
@@ -133,7 +138,7 @@ def test_restore_refuses_another_jobs_checkpoint_unless_resumed(
     root = taken[0]
     other = JobConfig(mode="sync", optimizer=JOB.optimizer, job_id="another")
     clients = cluster(start_server, new_client, 2)
-    with pytest.raises(LayoutConflictError, match="'reshard'.*'another'"):
+    with pytest.raises(LayoutConflictError, match=r"'reshard'.*'another'"):
         checkpoints.restore(clients[0], root, other)
     assert checkpoints.restore(clients[0], root, other, resume=True) == 4
 
