@@ -40,6 +40,10 @@ from pshard.common.cluster import ClusterSpec
 from pshard.common.health import probe
 from pshard.common.k8s_tfconfig import main as tfconfig_main
 from pshard.common.k8s_tfconfig import operator_tf_config
+from pshard.common.metrics import METRICS_PORT_ENV
+from pshard.ps_server.__main__ import build_parser as ps_parser
+from pshard.scheduler.__main__ import build_parser as scheduler_parser
+from pshard.worker.__main__ import build_parser as worker_parser
 
 from tests.e2e.harness import (
     FINISH_TIMEOUT_S,
@@ -51,6 +55,7 @@ from tests.e2e.harness import (
     free_ports,
     wait_until,
 )
+from tests.service.test_metrics_endpoints import scrape, value
 
 K8S = ROOT / "deploy" / "k8s"
 TFJOB = K8S / "tfjob" / "tfjob.yaml"
@@ -251,9 +256,10 @@ def test_tfjob_matches_the_operators_v1_api(path: Path) -> None:
         assert container["command"] == ["pshard", "run"], rtype
         assert {"name": "tfjob-port", "containerPort": 2222} in container["ports"], rtype
         images.add(container["image"])
-        annotations = spec["template"]["metadata"]["annotations"]
-        assert annotations["prometheus.io/scrape"] == "true"
-        assert int(annotations["prometheus.io/port"]) in {p["containerPort"] for p in container["ports"]}
+        annotations = spec["template"]["metadata"].get("annotations", {})
+        if rtype != "Evaluator":  # which serves no metrics (test_every_pshard_container_serves_metrics...)
+            assert annotations["prometheus.io/scrape"] == "true"
+            assert int(annotations["prometheus.io/port"]) in {p["containerPort"] for p in container["ports"]}
         tls = [v for v in spec["template"]["spec"]["volumes"] if v["name"] == "tls"]
         assert tls == [{"name": "tls", "secret": {"secretName": "pshard-tls", "optional": True}}], rtype
         if rtype in ("Chief", "PS"):  # the pods that serve gRPC: chief (scheduler) and servers
@@ -417,6 +423,45 @@ def test_the_init_step_names_the_field_it_cannot_build(tmp_path: Path,
     assert "--task-index" in capsys.readouterr().err
 
 
+# Roles whose service serves /metrics with --metrics-port; an evaluator takes the flag and serves nothing.
+METRICS_ROLES = {"scheduler", "ps", "chief", "worker"}
+
+
+def metrics_flag(pod: Pod, container: dict[str, Any]) -> int | None:
+    """--metrics-port as the role's own command parses the container's args (None: not given)."""
+    env = container_env(pod, container)
+    args = [expand(a, env) for a in container.get("args", [])]
+    parser = {"scheduler": scheduler_parser(), "ps": ps_parser()}.get(pod.role) or worker_parser({})
+    port: int | None = parser.parse_args(args).metrics_port
+    return port
+
+
+@pytest.mark.parametrize("pods", [
+    pytest.param(lambda: tfjob_pods(load(TFJOB)[0]), id="tfjob"),
+    pytest.param(lambda: tfjob_pods(load(TFJOB_GPU)[0]), id="tfjob-gpu"),
+    pytest.param(lambda: plain_pods(plain_docs()), id="plain"),
+])
+def test_every_pshard_container_serves_metrics_on_the_port_its_pod_announces(
+        pods: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(METRICS_PORT_ENV, raising=False)  # the flag's default: only the args count
+    roles = set()
+    for pod in pods():
+        (container,) = pod.spec["containers"]
+        flag = metrics_flag(pod, container)
+        named = [p["containerPort"] for p in container.get("ports", []) if p.get("name") == "metrics"]
+        scrape = {k: v for k, v in pod.annotations.items() if k.startswith("prometheus.io/")}
+        roles.add(pod.role)
+        if pod.role not in METRICS_ROLES:
+            assert (flag, named, scrape) == (None, [], {}), pod.name  # nothing announced that nobody serves
+            continue
+        assert flag is not None and flag > 0, f"{pod.name}: no --metrics-port in {container.get('args')}"
+        assert named == [flag], (pod.name, container.get("ports"))
+        assert scrape == {"prometheus.io/scrape": "true", "prometheus.io/port": str(flag)}, pod.name
+        other = [p["containerPort"] for p in container.get("ports", []) if p.get("name") != "metrics"]
+        assert flag not in other, pod.name
+    assert roles >= {"ps", "worker"}
+
+
 # ---- end to end: every pod as local processes ----
 
 class LocalPods:
@@ -472,6 +517,8 @@ class LocalPods:
         argv = self.localise(pod, container, argv_of(pod, container))
         if pod.role in TRAINERS and container is pod.spec["containers"][0]:
             argv += ["--max-steps", MAX_STEPS]
+        if "--metrics-port" in argv:  # each pod has its port to itself; here they share one host
+            argv[argv.index("--metrics-port") + 1] = "0"
         env = container_env(pod, container)
         if tf_config is not None:
             env["TF_CONFIG"] = tf_config
@@ -509,6 +556,20 @@ def assert_finished(proc: Proc) -> dict[str, str]:
     return final
 
 
+def assert_metrics_served(pods: list[Pod], started: dict[str, Proc]) -> None:
+    """Every pod of a metrics role served /metrics; the servers' show the job's traffic."""
+    for pod in pods:
+        if pod.role not in METRICS_ROLES:
+            continue
+        port = int(started[pod.name].wait_for_line(r"metrics on port (\d+)", STARTUP_TIMEOUT_S).group(1))
+        if pod.role == "ps":  # still serving: the job is done, its servers not yet deleted
+            traffic = scrape(port).items()
+            received = [v for (name, _), v in traffic if name == "pshard_ps_received_bytes_total"]
+            assert sum(received) > 0, pod.name
+        elif pod.role == "scheduler":
+            assert (value(scrape(port), "pshard_scheduler_generation") or 0) > 0, pod.name
+
+
 def checkpoint_files(directory: Path) -> Iterator[Path]:
     return (p for p in directory.rglob("*") if p.is_file())
 
@@ -531,6 +592,7 @@ def test_tfjob_pods_train_to_completion_as_local_processes(procs: Procs, tmp_pat
 
     chief = assert_finished(started["pshard-chief-0"])
     assert chief["role"] == "chief", chief
+    assert_metrics_served(pods, started)
     for name in ("pshard-worker-0", "pshard-worker-1"):
         assert_finished(started[name])
     assert assert_finished(started["pshard-evaluator-0"])["role"] == "evaluator"
@@ -569,6 +631,7 @@ def test_plain_manifests_pods_train_to_completion_as_local_processes(procs: Proc
 
     workers = [p.name for p in pods if p.role == "worker"]
     finals = [assert_finished(started[name]) for name in workers]
+    assert_metrics_served(pods, started)
     assert sum("test_accuracy" in f for f in finals) == 1, finals  # worker 0, the first rank, evaluates
     models = tmp_path / "volumes" / "pshard-models"
     state = torch.load(models / "model.pt", weights_only=True)
