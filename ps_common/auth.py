@@ -77,6 +77,9 @@ ALLOWED: dict[str, frozenset[str]] = {
 }
 
 _caller: contextvars.ContextVar[Identity | None] = contextvars.ContextVar("pshard_caller", default=None)
+# The refusal counter of the server handling the call, so handlers' own refusals are counted too.
+_counter: contextvars.ContextVar[AuthRefusals | None] = contextvars.ContextVar(  # type: ignore[name-defined]
+    "pshard_refusals", default=None)
 
 
 def caller() -> Identity | None:
@@ -142,6 +145,7 @@ class Authorizer(grpc.aio.ServerInterceptor):  # type: ignore[misc]
         self.refusals = refusals if refusals is not None else AuthRefusals()
 
     async def _admit(self, method: str, context: grpc.aio.ServicerContext) -> Identity:
+        _counter.set(self.refusals)
         who = _identify(context, self._tokens)
         if who is None:
             self.refusals.add("UNAUTHENTICATED", method)
@@ -199,7 +203,15 @@ def check_acts_as(node_id: str, what: str) -> None:
     """PERMISSION_DENIED for a request about node `node_id` from a credential that names another."""
     who = caller()
     if not may_act_as(who, node_id):
+        refused(what)
         raise PermissionDeniedError(f"{what}: credential {who} may not act as node {node_id!r}")
+
+
+def refused(what: str, status: str = "PERMISSION_DENIED") -> None:
+    """Count a refusal a handler decided (the interceptor counts its own)."""
+    counter = _counter.get()
+    if counter is not None:
+        counter.add(status, what)
 
 
 def sees_worker_ids() -> bool:

@@ -84,6 +84,7 @@ def _locked(directory: Path) -> Any:
 def make_ca(directory: Path, *, name: str = "pshard development CA", days: int = DEFAULT_DAYS * 10
             ) -> tuple[Path, Path]:
     """A new self-signed CA in `directory` (overwrites one there); returns (ca.pem, ca-key.pem)."""
+    directory.mkdir(parents=True, exist_ok=True, mode=0o700)
     key = ec.generate_private_key(ec.SECP256R1())
     subject = x509.Name([x509.NameAttribute(NameOID.ORGANIZATION_NAME, "pshard"),
                          x509.NameAttribute(NameOID.COMMON_NAME, name)])

@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator
 
 import grpc
 import grpc.aio
-from pshard.common.auth import caller, check_acts_as
+from pshard.common.auth import caller, check_acts_as, refused
 from pshard.common.changes import ChangeSignal
 from pshard.common.codec import (
     layout_to_proto,
@@ -92,6 +92,7 @@ class SchedulerServicer(pb_grpc.SchedulerServiceServicer):
         who = caller()
         if who is not None:  # a node registers only as what its credential names
             if who.role != args.role:
+                refused("Register")
                 raise PermissionDeniedError(
                     f"Register: credential {who} may not register as role {args.role!r}")
             if who.node_id and not args.node_id:
