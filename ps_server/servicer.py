@@ -25,7 +25,7 @@ from typing import TypeVar
 import grpc.aio
 from google.protobuf.message import DecodeError, Message
 from pshard.common import codec
-from pshard.common.auth import caller, check_acts_as, may_configure, sees_worker_ids
+from pshard.common.auth import caller, check_acts_as, may_configure, refused, sees_worker_ids
 from pshard.common.codec import WireArray, encode_data_frame
 from pshard.common.errors import (
     EmptyRequestError,
@@ -185,6 +185,7 @@ class ParameterServerServicer:
             return
         wait_s = timeout_s if timeout_s is not None else self._pull_timeout_s
         if not await self._handlers.wait_configured(time.monotonic() + wait_s):
+            refused("Declare")
             raise PermissionDeniedError(f"Declare: {caller()} may not set the job configuration, and the "
                                         f"chief did not set it within {wait_s:g} s")
 

@@ -49,6 +49,7 @@ from pshard.common.layout import DEFAULT_SLICE_BYTES, Layout, LayoutSlice, Param
 from pshard.common.retry import Backoff, parameter_server_channel_options
 from pshard.common.rpc import CHUNK_BYTES, EXCHANGE_METHOD, channel_options, identity
 from pshard.common.rpc_status import error_from_rpc_error, raise_from_rpc_error
+from pshard.common.security import SecurityConfig
 from pshard.common.shm import DEFAULT_SHM_DIR, align
 from pshard.common.sparse import TableConfig
 from pshard.common.types import Stamp
@@ -97,8 +98,10 @@ class PSClient:
     def __init__(self, servers: Sequence[str], worker_id: str, *, generation: int | Callable[[], int] = 0,
                  layout: Layout | None = None, chunk_bytes: int = CHUNK_BYTES, timeout_s: float = 120.0,
                  retry_budget_s: float = 60.0, await_generation: GenerationWait | None = None,
-                 transport: str = "auto", shm_dir: str = DEFAULT_SHM_DIR) -> None:
-        """`transport`: how push and pull bytes travel (docs/architecture.md, 11 Transports): "auto"
+                 transport: str = "auto", shm_dir: str = DEFAULT_SHM_DIR,
+                 security: SecurityConfig | None = None) -> None:
+        """`security`: this worker's TLS files or token (pshard.common.security; default plain).
+        `transport`: how push and pull bytes travel (docs/architecture.md, 11 Transports): "auto"
         takes shared memory when the server proves it shares this host's `shm_dir`, else a raw TCP
         socket, else gRPC; "shm" or "tcp" only that one (else gRPC); "grpc" never negotiates."""
         if transport not in TRANSPORTS:
@@ -118,7 +121,8 @@ class PSClient:
         self._retry_budget_s = retry_budget_s
         self._await_generation = await_generation
         options = [*channel_options(), *parameter_server_channel_options()]
-        self._channels = [grpc.insecure_channel(a, options=options) for a in self.servers]
+        self.security = (security or SecurityConfig()).for_node(worker_id.split("-", 1)[0], worker_id)
+        self._channels = [self.security.channel(a, options=options) for a in self.servers]
         # gRPC retries unary calls silently; say once when a server drops out and when it is back.
         self._unreachable: set[str] = set()
         self._watchers = [functools.partial(self._on_connectivity, a) for a in self.servers]
