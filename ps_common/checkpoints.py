@@ -332,3 +332,16 @@ class DenseReader:
 def table_parts(checkpoint: Checkpoint) -> list[str]:
     """The names under which the parts saved tables (for ps_server.table_files.load_tables)."""
     return sorted(f.name[: -len(".tables.json")] for f in checkpoint.files if f.name.endswith(".tables.json"))
+
+
+def table_rows(checkpoint: Checkpoint) -> dict[str, list[tuple[np.ndarray, np.ndarray]]]:
+    """Every table's live rows, per part: name -> [(ids, values)] (for an export: no server needed)."""
+    out: dict[str, list[tuple[np.ndarray, np.ndarray]]] = {}
+    for part in table_parts(checkpoint):
+        index = json.loads((checkpoint.path / f"{part}.tables.json").read_text())
+        folder = checkpoint.path / index["directory"]
+        for entry in index["tables"]:
+            sub = folder / entry
+            name = json.loads((sub / "table.json").read_text())["config"]["name"]
+            out.setdefault(name, []).append((np.load(sub / "ids.npy"), np.load(sub / "values.npy")))
+    return out

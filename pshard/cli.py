@@ -10,6 +10,7 @@
     pshard plot ...        loss and accuracy curves from metrics JSON lines
     pshard evaluate ...    reload a saved model and print its test accuracy
     pshard certs ...       a development CA and a certificate per node (mTLS)
+    pshard checkpoint ...  list, export or prune global checkpoints
 
 Each subcommand takes the same flags as ``python -m pshard.<service>``; everything after the
 subcommand is handed to it unchanged, and its usage and error lines name it ``pshard <command>``.
@@ -47,6 +48,7 @@ COMMANDS: dict[str, Command] = {
     "plot": Command("pshard.plot", "draw loss and accuracy curves from metrics JSON lines"),
     "evaluate": Command("pshard.evaluate", "reload a saved model and print its test accuracy"),
     "certs": Command("pshard.certs", "make a development CA and node certificates (kept once made)"),
+    "checkpoint": Command("pshard.checkpoints", "list, export (torch state_dict) or prune global checkpoints"),
 }
 
 # TF_CONFIG task type (any case, as TensorFlow reads it) -> subcommand; "master" is the old chief.

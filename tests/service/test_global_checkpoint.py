@@ -9,12 +9,15 @@ exactly the weights of the run that stayed on 2 servers: the comparison is bit f
 
 from __future__ import annotations
 
+import json
 import threading
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import pytest
+from pshard.cli import main as cli_main
 from pshard.common import checkpoints as ckpt
 from pshard.common.errors import LayoutConflictError
 from pshard.common.job import JobConfig, OptimizerConfig
@@ -100,25 +103,33 @@ def start_job(clients: Sequence[PSClient], root: Path | None = None) -> int:
     return clock
 
 
+@dataclass(frozen=True)
+class Taken:
+    root: Path  # holds one checkpoint, at clock 4, written by 2 servers
+    weights: dict[str, np.ndarray]  # at clock 4
+    rows: np.ndarray  # of IDS at clock 4
+    reference: dict[str, np.ndarray]  # the run that stayed on 2 servers, 3 clocks later
+    reference_rows: np.ndarray  # and its rows after one more table push
+
+
 @pytest.fixture
 def taken(start_server: Callable[..., ServerThread], new_client: Callable[..., PSClient], tmp_path: Path
-          ) -> tuple[Path, dict[str, np.ndarray], np.ndarray]:
-    """A checkpoint at clock 4 of a run on 2 servers, and that run's weights and rows after 3 more clocks."""
+          ) -> Taken:
     clients = cluster(start_server, new_client, 2)
     start_job(clients)
-    train(clients, 0, 4)
-    touch_table(clients[0], 0)
-    taken = checkpoints.save(clients[0], tmp_path / "ckpt", 4)
-    assert taken.clock == 4 and taken.servers == 2
-    rows = touch_table(clients[0], 1)
-    return tmp_path / "ckpt", train(clients, 4, 3), rows
+    weights = train(clients, 0, 4)
+    rows = touch_table(clients[0], 0)
+    checkpoint = checkpoints.save(clients[0], tmp_path / "ckpt", 4)
+    assert checkpoint.clock == 4 and checkpoint.servers == 2
+    reference_rows = touch_table(clients[0], 1)
+    return Taken(tmp_path / "ckpt", weights, rows, train(clients, 4, 3), reference_rows)
 
 
 @pytest.mark.parametrize("servers", [3, 1])
 def test_checkpoint_of_two_servers_continues_identically_on_another_number(
-        taken: tuple[Path, dict[str, np.ndarray], np.ndarray], servers: int,
+        taken: Taken, servers: int,
         start_server: Callable[..., ServerThread], new_client: Callable[..., PSClient]) -> None:
-    root, reference, reference_rows = taken
+    root, reference, reference_rows = taken.root, taken.reference, taken.reference_rows
     clients = cluster(start_server, new_client, servers)
     assert len({s.server for s in clients[0].layout.slices_of("big")}) == servers  # really re-cut  # type: ignore[union-attr]
     assert start_job(clients, root) == 4
@@ -133,9 +144,9 @@ def test_checkpoint_of_two_servers_continues_identically_on_another_number(
 
 
 def test_restore_refuses_another_jobs_checkpoint_unless_resumed(
-        taken: tuple[Path, dict[str, np.ndarray], np.ndarray],
+        taken: Taken,
         start_server: Callable[..., ServerThread], new_client: Callable[..., PSClient]) -> None:
-    root = taken[0]
+    root = taken.root
     other = JobConfig(mode="sync", optimizer=JOB.optimizer, job_id="another")
     clients = cluster(start_server, new_client, 2)
     with pytest.raises(LayoutConflictError, match=r"'reshard'.*'another'"):
@@ -144,11 +155,11 @@ def test_restore_refuses_another_jobs_checkpoint_unless_resumed(
 
 
 def test_a_server_holding_a_model_keeps_it(
-        taken: tuple[Path, dict[str, np.ndarray], np.ndarray],
+        taken: Taken,
         start_server: Callable[..., ServerThread], new_client: Callable[..., PSClient]) -> None:
     clients = cluster(start_server, new_client, 2)
     start_job(clients)
-    assert checkpoints.restore(clients[0], taken[0], JOB) == 4
+    assert checkpoints.restore(clients[0], taken.root, JOB) == 4
     assert [s.max_version for s in clients[0].stats()] == [0, 0]
     np.testing.assert_array_equal(clients[0].pull(0)["bias"], INITIAL["bias"])
 
@@ -165,3 +176,44 @@ def test_retention_keeps_the_newest_k(start_server: Callable[..., ServerThread],
     committed, torn = ckpt.scan(root, verify=True)
     assert [c.clock for c in committed] == [2, 3] and torn == []
     assert sorted(p.name.split("-")[1] for p in root.iterdir()) == ["000000000002", "000000000003"]
+
+
+def test_export_writes_a_torch_state_dict_and_the_tables(taken: Taken, tmp_path: Path) -> None:
+    torch = pytest.importorskip("torch")
+    out = tmp_path / "export"
+    assert cli_main(["checkpoint", "export", str(taken.root), "--out", str(out)]) == 0
+    state = torch.load(out / "model.pt", weights_only=True)
+    assert sorted(state) == sorted(INITIAL)
+    for key, value in taken.weights.items():
+        assert state[key].shape == INITIAL[key].shape and state[key].dtype == torch.float32
+        np.testing.assert_array_equal(state[key].numpy(), value, err_msg=key)
+    ids, rows = np.load(out / "tables" / "emb" / "ids.npy"), np.load(out / "tables" / "emb" / "rows.npy")
+    order = np.argsort(ids)
+    np.testing.assert_array_equal(ids[order], IDS)
+    np.testing.assert_array_equal(rows[order], taken.rows)
+    # A plain state_dict: a torch module with those parameters loads it as it is.
+    module = torch.nn.Module()
+    for key, value in INITIAL.items():
+        module.register_parameter(key, torch.nn.Parameter(torch.zeros(value.shape)))
+    module.load_state_dict(state)
+
+
+def test_checkpoint_list_and_prune_commands(start_server: Callable[..., ServerThread],
+                                            new_client: Callable[..., PSClient], tmp_path: Path,
+                                            capsys: pytest.CaptureFixture[str]) -> None:
+    clients = cluster(start_server, new_client, 1)
+    start_job(clients)
+    root = tmp_path / "ckpt"
+    for clock in range(3):
+        if clock:
+            train(clients, clock - 1, 1)
+        checkpoints.save(clients[0], root, clock)
+    (root / "ckpt-000000000009-0badc0de").mkdir()  # a torn one: no manifest
+    assert cli_main(["checkpoint", "list", str(root), "--json"]) == 0
+    listed = json.loads(capsys.readouterr().out)
+    assert [c["clock"] for c in listed["committed"]] == [0, 1, 2]
+    assert [Path(t["path"]).name for t in listed["torn"]] == ["ckpt-000000000009-0badc0de"]
+    assert cli_main(["checkpoint", "prune", str(root), "--keep-checkpoints", "1"]) == 0
+    assert [c.clock for c in ckpt.scan(root)[0]] == [2]
+    assert cli_main(["checkpoint", "export", str(root), "--clock", "0", "--out", str(tmp_path / "x")]) == 1
+    assert "no committed checkpoint at clock 0" in capsys.readouterr().err
