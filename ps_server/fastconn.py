@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import socket
 from collections.abc import Sequence
 from typing import Protocol
 
@@ -32,7 +34,7 @@ from pshard.common.fastwire import (
     encode_header,
     tune,
 )
-from pshard.common.shm import Segment, packed
+from pshard.common.shm import Segment, packed, recv_with_fds
 from pshard.ps_server.store import SliceMeta
 
 from pshard.api.v1 import parameter_server_pb2 as pb
@@ -42,6 +44,7 @@ log = logging.getLogger("pshard.ps.transport")
 _SCRATCH_BYTES = 64 * 1024  # a header and its metadata; grown for a request of very many slices
 _WRITE_CHUNK_BYTES = 1 << 20
 _HELLO_TIMEOUT_S = 10.0
+_MAX_HELLO_BYTES = 4096  # a session id and a 32-byte secret
 
 
 # A request whose data is being received: header, pushed slices, their views, or its error.
@@ -83,12 +86,64 @@ def _discarding(nbytes: int) -> list[memoryview]:
     return [chunk] * full + ([chunk[:rest]] if rest else [])
 
 
+async def _readable(loop: asyncio.AbstractEventLoop, sock: socket.socket) -> None:
+    ready: asyncio.Future[None] = loop.create_future()
+
+    def wake() -> None:
+        if not ready.done():
+            ready.set_result(None)
+
+    loop.add_reader(sock.fileno(), wake)
+    try:
+        await ready
+    finally:
+        loop.remove_reader(sock.fileno())
+
+
+async def receive_hello(loop: asyncio.AbstractEventLoop, sock: socket.socket) -> tuple[bytes, list[int]]:
+    """The hello frame's metadata on a fresh unix socket (non-blocking) and the descriptors sent with
+    it; reads nothing past the frame, so the first request stays in the socket for its connection.
+    The caller owns the descriptors (they are closed here only when the frame is refused)."""
+    fds: list[int] = []
+    buf = b""
+    try:
+        need = HEADER_BYTES
+        while len(buf) < need:
+            await _readable(loop, sock)
+            try:
+                data, got = recv_with_fds(sock, need - len(buf), max_fds=4)
+            except BlockingIOError:
+                continue
+            fds += got
+            if not data:
+                raise TransportBroken("the peer closed the connection during its hello")
+            buf += data
+            if len(buf) == HEADER_BYTES:
+                kind, meta_len, data_len = decode_header(buf)
+                if kind != HELLO or data_len or meta_len > _MAX_HELLO_BYTES:
+                    raise TransportBroken(f"expected a hello frame, got kind {kind}")
+                need = HEADER_BYTES + meta_len
+        return buf[HEADER_BYTES:], fds
+    except BaseException:
+        for fd in fds:
+            os.close(fd)
+        raise
+
+
+async def send_hello(loop: asyncio.AbstractEventLoop, sock: socket.socket, meta: bytes) -> None:
+    """The server's answer to a shm hello: the nonce it read in the segment."""
+    await loop.sock_sendall(sock, encode_header(HELLO, len(meta), 0) + meta)
+
+
 class Connection(asyncio.BufferedProtocol):
-    def __init__(self, sessions: Sessions, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, sessions: Sessions, loop: asyncio.AbstractEventLoop, session: Session | None = None
+                 ) -> None:
+        """`session`: already attached (shm, whose hello came with the segment), else the first frame
+        must name one with its secret."""
         self._sessions = sessions
         self._loop = loop
         self.transport: asyncio.Transport | None = None
-        self.session: Session | None = None
+        self.session: Session | None = session
         self._scratch = memoryview(bytearray(_SCRATCH_BYTES))
         self._have = 0  # bytes of the scratch filled
         # A request's data (TCP): where its bytes go, which target is being filled and how far.
@@ -107,7 +162,8 @@ class Connection(asyncio.BufferedProtocol):
         self.transport = transport
         tune(transport.get_extra_info("socket"))
         transport.set_write_buffer_limits(high=0)  # pause_writing as soon as anything is queued
-        self._hello_timer = self._loop.call_later(_HELLO_TIMEOUT_S, self.abort, "no hello in time")
+        if self.session is None:
+            self._hello_timer = self._loop.call_later(_HELLO_TIMEOUT_S, self.abort, "no hello in time")
 
     def get_buffer(self, sizehint: int) -> memoryview:
         if self._targets:

@@ -4,11 +4,14 @@ Both are adapters over the same handlers as the gRPC servicer (`ParameterServerH
 so consistency, idempotence, fencing, validation and errors are those of gRPC; only where the
 bytes travel differs (docs/architecture.md, 11 Transports):
 
-* negotiation is a gRPC call, `OpenTransport`: for shm the worker names a segment it created in
-  the shared directory and the server proves it opened it by returning the nonce inside; either
-  way the server hands out a session id and secret, and the port of its fast-path listener;
-* the worker connects to that port; its first frame must carry the secret, else the server closes
-  the socket. Then each request is an ExchangeHeader frame, answered by a TransportReply frame.
+* negotiation is a gRPC call, `OpenTransport`: the server hands out a session id and secret, and
+  where to connect: for tcp the port of its TCP listener, for shm the name of its unix socket in
+  the shared directory;
+* the worker connects there; its first frame must carry the secret, else the server closes the
+  socket. For shm that frame also carries the segment's descriptor: a memfd sealed against any
+  change of size (ps_common/shm.py says why: a worker must not be able to SIGBUS the server),
+  which the server checks and maps before answering with the nonce it read inside. Then each
+  request is an ExchangeHeader frame, answered by a TransportReply frame.
   Over TCP the gradients follow the header and the pulled slices follow the reply; over shm both
   stay in the segment and the socket only carries these small frames (the doorbell);
 * each connection is a task on the server's event loop: it reads into the session's page-aligned
@@ -17,8 +20,8 @@ bytes travel differs (docs/architecture.md, 11 Transports):
   for the session's lifetime: a pull at version v returns exactly v's bytes, and sync mode's
   shared-encoding cache stays valid per slot;
 * a session ends with its socket: a worker that closes, dies or is SIGKILLed is noticed at once
-  (EOF, even while its pull waits) and its segment is unmapped and removed; a session never
-  connected expires.
+  (EOF, even while its pull waits) and its segment is unmapped (a memfd: no file to remove); a
+  session never connected expires.
 """
 
 from __future__ import annotations
@@ -27,11 +30,13 @@ import asyncio
 import contextlib
 import hmac
 import logging
+import os
 import secrets
 import socket
 import threading
 import time
 from collections.abc import AsyncIterator, Sequence
+from pathlib import Path
 
 import grpc.aio
 import numpy as np
@@ -41,9 +46,9 @@ from pshard.common.codec import WireArray
 from pshard.common.errors import InvalidArgumentError, PSError
 from pshard.common.fastwire import TransportBroken
 from pshard.common.rpc_status import maps_errors
-from pshard.common.shm import Segment, align, sweep_orphans
+from pshard.common.shm import Segment, align, listen, remove, sweep_orphans
 from pshard.common.types import SliceKey
-from pshard.ps_server.fastconn import Connection, Session, error_reply
+from pshard.ps_server.fastconn import Connection, Session, error_reply, receive_hello, send_hello
 from pshard.ps_server.handlers import EncodedSlice, ExchangeDone, ParameterServerHandlers
 from pshard.ps_server.store import SliceMeta
 
@@ -108,6 +113,8 @@ class _Session:
         self.regions = regions
         self.encoder = _SlotEncoder(self)
         self.conn: Connection | None = None  # once the worker connected with the secret
+        self.claimed = False  # a connection presented the secret (one only, ever)
+        self.want = (0, 0)  # the request and reply bytes negotiated
         self.closed = False
         self._slots: dict[SliceKey, tuple[int, int]] = {}
         self._reply_end = 0
@@ -133,8 +140,7 @@ class _Session:
     def close(self) -> None:
         self.closed = True
         self.encoder.session = None
-        # Shared memory: we are the survivor, or the worker already removed it; either way it goes.
-        self.regions.close(unlink=self.kind == "shm")
+        self.regions.close()
 
 
 class FastPathServer:
@@ -149,12 +155,22 @@ class FastPathServer:
         self._stopping = False
         self._listener: socket.socket | None = None
         self._server: asyncio.Server | None = None
+        self._unix: tuple[socket.socket, Path] | None = None
+        self._handoffs: set[asyncio.Task[None]] = set()
         self.port = 0
         if not self.kinds:
             return
         if "shm" in self.kinds:
             for path in sweep_orphans(shm_dir):
-                log.info("removed orphaned segment %s (its creator is dead)", path)
+                log.info("removed orphaned file %s (its creator is dead)", path)
+            try:
+                self._unix = listen(shm_dir)
+            except OSError as err:
+                log.warning("shm not offered: no unix socket in %s (%s)", shm_dir, err)
+                self.kinds -= {"shm"}
+            else:
+                self._unix[0].setblocking(False)
+                self._accepting = loop.create_task(self._accept_unix(self._unix[0]))
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         # "::" (an IPv6 cluster address) must take IPv4 workers too, as gRPC's listener does.
         dualstack = host == "::" and socket.has_dualstack_ipv6()
@@ -165,6 +181,55 @@ class FastPathServer:
 
     async def _start(self, listener: socket.socket) -> None:
         self._server = await self._loop.create_server(lambda: Connection(self, self._loop), sock=listener)
+
+    async def _accept_unix(self, listener: socket.socket) -> None:
+        while not self._stopping:
+            try:
+                conn, _ = await self._loop.sock_accept(listener)
+            except OSError:
+                return  # closed
+            task = self._loop.create_task(self._handoff(conn))
+            self._handoffs.add(task)
+            task.add_done_callback(self._handoffs.discard)
+
+    async def _handoff(self, conn: socket.socket) -> None:
+        """A shm worker's first frame, with its segment's descriptor: then a connection like TCP's."""
+        conn.setblocking(False)
+        session = None
+        try:
+            hello, fds = await asyncio.wait_for(receive_hello(self._loop, conn), _HELLO_TIMEOUT_S)
+            session = self._adopt(hello, fds)
+            await asyncio.wait_for(send_hello(self._loop, conn, session.regions.nonce), _HELLO_TIMEOUT_S)
+            _, connection = await self._loop.connect_accepted_socket(
+                lambda: Connection(self, self._loop, session), conn)
+        except (OSError, PSError, asyncio.TimeoutError) as err:
+            log.warning("fast path: refused a shm hand-off: %s", err)
+            conn.close()
+            if session is not None:
+                self._end(session)
+            return
+        with self._lock:
+            session.conn = connection
+        log.info("worker %s: shm transport connected", session.worker_id)
+
+    def _adopt(self, hello: bytes, fds: list[int]) -> _Session:
+        """The shm session the hello names, its segment mapped; PSError for anyone else (every
+        descriptor received is closed or kept)."""
+        try:
+            session = self._claim(hello, "shm")
+            if len(fds) != 1:
+                raise InvalidArgumentError(f"shm hello: {len(fds)} descriptors, expected the segment's")
+            regions = Segment.adopt(fds.pop())
+            if regions.request_bytes < session.want[0] or regions.reply_bytes < session.want[1]:
+                regions.close()
+                self._end(session)
+                raise InvalidArgumentError("shm hello: the segment is smaller than announced")
+        finally:
+            for fd in fds:
+                os.close(fd)
+        placeholder, session.regions = session.regions, regions
+        placeholder.close()
+        return session
 
     # ---- lifecycle ----
 
@@ -183,6 +248,11 @@ class FastPathServer:
             if session.conn is not None:
                 session.conn.abort("server stopping")
             self._end(session)
+        if self._unix is not None:
+            self._unix[0].close()
+            remove(self._unix[1])
+            for task in [self._accepting, *self._handoffs]:
+                task.cancel()
 
     def transports(self) -> dict[str, str]:
         """Worker id -> kind of its connected session."""
@@ -219,19 +289,11 @@ class FastPathServer:
         if max(request.request_bytes, request.reply_bytes) > limit:
             raise InvalidArgumentError(f"OpenTransport: regions of {request.request_bytes} and "
                                        f"{request.reply_bytes} bytes exceed what this shard needs ({limit})")
-        if kind == "shm":
-            try:
-                regions = Segment.open(self._shm_dir, request.segment)
-            except OSError as err:
-                raise TransportRefusedError(f"OpenTransport: cannot open segment {request.segment!r} in "
-                                            f"{self._shm_dir}: {err.strerror or err}") from None
-            if regions.request_bytes < request.request_bytes or regions.reply_bytes < request.reply_bytes:
-                regions.close(unlink=False)
-                raise InvalidArgumentError(f"OpenTransport: segment {request.segment!r} is smaller than "
-                                           "announced")
-        else:
-            regions = Segment.private(request.request_bytes, request.reply_bytes)
+        # shm: the worker's segment replaces this empty one when its descriptor arrives.
+        wanted = (request.request_bytes, request.reply_bytes)
+        regions = Segment.private(*((0, 0) if kind == "shm" else wanted))
         session = _Session(request.worker_id, kind, regions)
+        session.want = wanted
         with self._lock:
             self._sessions[session.id] = session
             # A worker needs one session here; a few while an old one's end goes unnoticed. More is a
@@ -245,27 +307,39 @@ class FastPathServer:
             self._end(old)
         self._loop.call_later(_ATTACH_TIMEOUT_S, self._expire, session)
         return pb.OpenTransportResponse(kind=request.kind, session=session.id, secret=session.secret,
-                                        port=self.port, nonce=regions.nonce)
+                                        port=self.port, socket=self._unix[1].name if kind == "shm" and
+                                        self._unix is not None else "")
 
     def _expire(self, session: _Session) -> None:
-        if session.conn is None:
+        if not session.claimed:
             self._end(session)
 
     # ---- what connections (ps_server.fastconn) call ----
 
-    def attach(self, hello: bytes, connection: Connection) -> _Session | None:
-        """The session whose secret the first frame carries; None for anyone else."""
+    def _claim(self, hello: bytes, kind: str) -> _Session:
+        """The not yet connected session of `kind` whose id and secret the first frame carries, now
+        claimed; PSError for anyone else."""
         try:
             message = pb.TransportHello.FromString(hello)
         except DecodeError:
-            return None
+            raise InvalidArgumentError("undecodable hello") from None
         with self._lock:
             session = self._sessions.get(message.session)
-            if (session is None or session.conn is not None
+            if (session is None or session.kind != kind or session.claimed
                     or not hmac.compare_digest(session.secret, message.secret)):
-                return None
+                raise InvalidArgumentError("no valid session secret")
+            session.claimed = True
+        return session
+
+    def attach(self, hello: bytes, connection: Connection) -> _Session | None:
+        """The TCP session whose secret the first frame carries; None for anyone else."""
+        try:
+            session = self._claim(hello, "tcp")
+        except PSError:
+            return None
+        with self._lock:
             session.conn = connection
-        log.info("worker %s: %s transport connected", session.worker_id, session.kind)
+        log.info("worker %s: tcp transport connected", session.worker_id)
         return session
 
     async def serve(self, session: Session, header: pb.ExchangeHeader, metas: Sequence[SliceMeta],

@@ -1,13 +1,14 @@
 """The worker's side of the fast paths (same-host shared memory, raw TCP) to one parameter server.
 
-Negotiated over gRPC (`OpenTransport`): for shm the worker creates a segment in the shared
-directory, writes a nonce inside and offers its name; the server answers with the nonce it read
-(proof that both map the same file, so it is automatic: another host or directory fails here and
-the next transport is tried). Then a socket to the server's fast-path port, whose first frame
-carries the session's secret. A request is the ExchangeHeader the gRPC path would send; over shm
-the gradients are written into the segment first and the pulled slices read from it afterwards,
-over TCP they travel inline and are received straight into the caller's arrays when no dtype
-conversion is needed (docs/architecture.md, 11 Transports).
+Negotiated over gRPC (`OpenTransport`), which hands out a session secret and where to connect.
+For shm the worker creates a sealed memfd segment with a nonce inside, connects to the server's unix
+socket in the shared directory and sends the secret with the segment's descriptor; the server
+answers with the nonce it read (proof that both map the same memory, so it is automatic: another
+host or directory fails here and the next transport is tried). For tcp, a socket to the server's
+fast-path port, whose first frame carries the secret. A request is the ExchangeHeader the gRPC
+path would send; over shm the gradients are written into the segment first and the pulled slices
+read from it afterwards, over TCP they travel inline and are received straight into the caller's
+arrays when no dtype conversion is needed (docs/architecture.md, 11 Transports).
 
 A failure of the path itself raises `TransportBroken`: the caller completes the request over gRPC
 (the server drops what it already applied, by its (worker, clock, slice) keys) and closes this path.
@@ -20,6 +21,7 @@ import hmac
 import socket
 import threading
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 import grpc
 import numpy as np
@@ -30,11 +32,12 @@ from pshard.common.fastwire import (
     REQUEST,
     Inbox,
     TransportBroken,
+    encode_header,
     send_frame,
     tune,
 )
 from pshard.common.rpc_status import error_from_rpc_error
-from pshard.common.shm import Segment, packed, sweep_orphans
+from pshard.common.shm import Segment, connect, packed, parse_socket_name, send_fd, sweep_orphans
 
 from pshard.api.v1 import parameter_server_pb2 as pb
 from pshard.api.v1 import parameter_server_pb2_grpc as pb_grpc
@@ -51,6 +54,30 @@ Direct = Callable[[int], "np.ndarray | None"]
 def host_of(address: str) -> str:
     """The host part of a gRPC target "host:port" ("[::1]:5000" -> "::1")."""
     return address.rsplit(":", 1)[0].strip("[]")
+
+
+def _handoff(segment: Segment, shm_dir: str, name: str, hello: bytes, timeout_s: float) -> socket.socket:
+    """Connect to the server's unix socket `name` in `shm_dir`, send the hello with the segment's
+    descriptor and check the nonce the server read in it: the connected socket."""
+    if parse_socket_name(name) is None:
+        raise TransportBroken(f"the server named no hand-off socket in the shared directory ({name!r})")
+    assert segment.fd is not None
+    try:
+        sock = connect(Path(shm_dir) / name, timeout_s)
+    except OSError as err:
+        raise TransportBroken(f"shm hand-off through {shm_dir}/{name}: {err}") from None
+    try:
+        tune(sock)
+        send_fd(sock, encode_header(HELLO, len(hello), 0) + hello, segment.fd)
+        kind, nonce, data_len = Inbox(sock, 256).frame_head()
+    except (OSError, TransportBroken) as err:
+        sock.close()
+        raise TransportBroken(f"shm hand-off through {shm_dir}/{name}: {err}") from None
+    segment.release_fd()  # the server holds its own (or refused it): the mappings keep the memory
+    if kind != HELLO or data_len or not hmac.compare_digest(nonce, segment.nonce):
+        sock.close()
+        raise TransportBroken("the server read another nonce in the segment")
+    return sock
 
 
 class FastPath:
@@ -78,25 +105,23 @@ class FastPath:
                     _swept.set()
                     sweep_orphans(shm_dir)
                 try:
-                    segment = Segment.create(shm_dir, request_bytes, reply_bytes)
+                    segment = Segment.create(request_bytes, reply_bytes)
                 except OSError as err:
-                    raise TransportBroken(f"cannot create a segment in {shm_dir}: {err.strerror or err}"
-                                          ) from None
-                request.segment = segment.path.name  # type: ignore[union-attr]
+                    raise TransportBroken(f"cannot create a segment: {err.strerror or err}") from None
             else:
                 scratch = Segment.private(0, reply_bytes)
             try:
                 reply = stub.OpenTransport(request, timeout=timeout_s, wait_for_ready=True)
             except grpc.RpcError as err:
                 raise error_from_rpc_error(err) from err
-            if segment is not None and not hmac.compare_digest(reply.nonce, segment.nonce):
-                raise TransportBroken(f"the server read another nonce in {segment.path.name}: it does not "
-                                      "share this host's directory")
+            hello = pb.TransportHello(session=reply.session, secret=reply.secret).SerializeToString()
+            if segment is not None:
+                sock = _handoff(segment, shm_dir, reply.socket, hello, timeout_s)
+                return cls(kind, sock, segment, scratch)
             try:
                 sock = socket.create_connection((host_of(address), reply.port), timeout=timeout_s)
                 tune(sock)
-                send_frame(sock, HELLO, pb.TransportHello(session=reply.session,
-                                                          secret=reply.secret).SerializeToString())
+                send_frame(sock, HELLO, hello)
             except OSError as err:
                 raise TransportBroken(f"cannot connect to port {reply.port}: {err}") from None
             return cls(kind, sock, segment, scratch)
@@ -109,7 +134,7 @@ class FastPath:
             raise
 
     def close(self) -> None:
-        """Close the socket (the server ends the session) and remove the segment."""
+        """Close the socket (the server ends the session) and unmap the segment."""
         self.closed = True
         with contextlib.suppress(OSError):
             self._sock.shutdown(socket.SHUT_RDWR)

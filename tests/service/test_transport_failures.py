@@ -150,6 +150,12 @@ def test_a_stranger_without_the_session_secret_is_disconnected(shm_dir, start_se
 
 # ---- peers killed: nothing leaks ----
 
+def _mapped_segments() -> int:
+    """Segments this process maps (its in-process servers' and clients'): memfds have no file."""
+    with open("/proc/self/maps") as maps:
+        return sum(f"/memfd:{shm.MEMFD_NAME}" in line for line in maps)
+
+
 def _worker_process(address: str, shm_dir: Path) -> subprocess.Popen[str]:
     code = (
         "import numpy as np\n"
@@ -163,24 +169,26 @@ def _worker_process(address: str, shm_dir: Path) -> subprocess.Popen[str]:
 
 
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM])
-def test_a_killed_workers_segment_is_removed_once_the_server_notices(shm_dir, start_server, wire, sig):
+def test_a_killed_workers_segment_is_unmapped_once_the_server_notices(shm_dir, start_server, wire, sig):
+    before = _mapped_segments()
     server = start_server(ServerSettings(static_quorum={"doomed": 0, "other": 0}, shm_dir=str(shm_dir)))
     worker = _worker_process(server.address, shm_dir)
     try:
         wire.wait_stats(server, lambda s: s.pulls_waiting == 1 and s.worker_transports == {"doomed": "shm"},
                         "the worker's step waits over shm")
-        assert len(list(shm_dir.iterdir())) == 1
+        assert _mapped_segments() > before
+        assert len(list(shm_dir.iterdir())) == 1  # the server's hand-off socket; segments have no file
     finally:
         worker.send_signal(sig)  # a bare PSClient process: SIGTERM kills it without clean-up too
         worker.wait(WAIT_S)
-    _until(lambda: not list(shm_dir.iterdir()), "the server removed the dead worker's segment")
+    _until(lambda: _mapped_segments() == before, "the server unmapped the dead worker's segment")
     assert not wire.stats(server).worker_transports
 
 
-def test_a_restarted_server_sweeps_the_segments_its_dead_peers_left(shm_dir, start_server):
+def test_a_restarted_server_sweeps_the_sockets_its_dead_peers_left(shm_dir, start_server):
     code = ("import time; from pshard.common import shm; "
-            f"s = shm.Segment.create({str(shm_dir)!r}, 4096, 4096); "
-            "print(s.path, flush=True); time.sleep(60)")
+            f"s, path = shm.listen({str(shm_dir)!r}); "
+            "print(path, flush=True); time.sleep(60)")
     child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
     try:
         orphan = Path(child.stdout.readline().strip())  # type: ignore[union-attr]
@@ -193,7 +201,8 @@ def test_a_restarted_server_sweeps_the_segments_its_dead_peers_left(shm_dir, sta
 
 
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM])
-def test_a_worker_whose_server_is_killed_mid_step_removes_its_segment(shm_dir, new_client, sig):
+def test_a_worker_whose_server_is_killed_mid_step_unmaps_its_segment(shm_dir, new_client, sig):
+    before = _mapped_segments()
     server = subprocess.Popen(
         [sys.executable, "-m", "pshard.ps_server", "--bind", "127.0.0.1:0", "--shm-dir", str(shm_dir),
          "--workers", "w0,w1", "--no-scheduler"], stdout=subprocess.PIPE, text=True)
@@ -210,10 +219,14 @@ def test_a_worker_whose_server_is_killed_mid_step_removes_its_segment(shm_dir, n
             with pytest.raises(PSError):
                 step.result(timeout=3 * WAIT_S)
         assert c.transports == ["grpc"]
-        assert list(shm_dir.iterdir()) == []  # the survivor removed its own segment at once
+        assert _mapped_segments() == before  # the survivor unmapped its segment at once
     finally:
         server.kill()
         server.wait(WAIT_S)
+    if sig == signal.SIGKILL:  # a dead server's socket stays until its successor sweeps it
+        left = [p.name for p in shm_dir.iterdir()]
+        assert [p.name for p in shm.sweep_orphans(shm_dir)] == left
+    assert list(shm_dir.iterdir()) == []
 
 
 def test_a_worker_opening_sessions_in_a_loop_keeps_only_its_newest_few(shm_dir, start_server, new_client,

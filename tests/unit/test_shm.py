@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fcntl
 import os
 import signal
 import socket
@@ -42,9 +43,20 @@ def test_regions_are_page_aligned_and_packed_offsets_too():
     assert total == 3 * shm.PAGE
 
 
-def test_a_peer_maps_the_same_bytes_and_reads_the_creators_nonce(shm_dir):
-    mine = shm.Segment.create(shm_dir, 5000, 100)
-    theirs = shm.Segment.open(shm_dir, mine.path.name)
+def _passed(segment: shm.Segment) -> int:
+    """A copy of the creator's descriptor, as the peer gets it over a unix socket."""
+    assert segment.fd is not None
+    left, right = socket.socketpair(socket.AF_UNIX)
+    with left, right:
+        shm.send_fd(left, b"hello", segment.fd)
+        data, fds = shm.recv_with_fds(right, 100)
+    assert data == b"hello" and len(fds) == 1
+    return fds[0]
+
+
+def test_a_peer_maps_the_same_bytes_and_reads_the_creators_nonce():
+    mine = shm.Segment.create(5000, 100)
+    theirs = shm.Segment.adopt(_passed(mine))
     try:
         assert theirs.nonce == mine.nonce and len(mine.nonce) == shm.NONCE_BYTES
         assert (theirs.request_bytes, theirs.reply_bytes) == (2 * shm.PAGE, shm.PAGE)
@@ -55,37 +67,61 @@ def test_a_peer_maps_the_same_bytes_and_reads_the_creators_nonce(shm_dir):
         assert list(theirs.request[:4]) == [1, 2, 3, 4] and mine.reply[-1] == 9
     finally:
         theirs.close()
-        assert mine.path.exists()  # the opener does not remove the creator's file by default
         mine.close()
-    assert not mine.path.exists()
 
 
-def test_only_pshard_segment_names_of_the_directory_can_be_opened(shm_dir):
-    (shm_dir / "other.seg").write_bytes(b"x" * shm.PAGE)
-    for name in ("other.seg", "../etc/passwd", "pshard-w-1-2-zz.seg"):
-        with pytest.raises(InvalidArgumentError, match="not a pshard segment name"):
-            shm.Segment.open(shm_dir, name)
-    with pytest.raises(FileNotFoundError):
-        shm.Segment.open(shm_dir, shm.segment_name())
+def test_nobody_can_shrink_or_grow_a_segment_once_created():
+    segment = shm.Segment.create(4096, 4096)
+    try:
+        assert segment.fd is not None
+        size = os.fstat(segment.fd).st_size
+        for new_size in (0, shm.PAGE, size + shm.PAGE):
+            with pytest.raises(PermissionError):
+                os.ftruncate(segment.fd, new_size)
+        with pytest.raises(PermissionError):
+            os.pwrite(segment.fd, b"x", size)  # a write past the end would grow it
+        assert os.fstat(segment.fd).st_size == size
+    finally:
+        segment.close()
 
 
-def test_a_file_with_a_bad_header_is_refused(shm_dir):
-    name = shm.segment_name()
-    (shm_dir / name).write_bytes(b"\0" * 2 * shm.PAGE)
-    with pytest.raises(InvalidArgumentError, match="bad header"):
-        shm.Segment.open(shm_dir, name)
+def _memfd(size: int, seals: int) -> int:
+    fd = os.memfd_create("hostile", os.MFD_ALLOW_SEALING)
+    os.ftruncate(fd, size)
+    if seals:
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, seals)
+    return fd
 
 
-def test_segment_names_carry_pid_namespace_and_pid():
-    name = shm.segment_name()
-    assert shm.parse_segment_name(name) == (shm.pid_namespace(), os.getpid())
-    assert shm.parse_segment_name("pshard-w-1-2.seg") is None
+def test_only_a_memfd_sealed_against_any_change_of_size_is_adopted(shm_dir):
+    sealed = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
+    plain_file = os.open(shm_dir / "plain", os.O_RDWR | os.O_CREAT, 0o600)
+    os.ftruncate(plain_file, 3 * shm.PAGE)
+    for fd in (_memfd(3 * shm.PAGE, 0), _memfd(3 * shm.PAGE, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_SEAL),
+               _memfd(3 * shm.PAGE, fcntl.F_SEAL_GROW), plain_file, os.open("/dev/null", os.O_RDWR)):
+        with pytest.raises(InvalidArgumentError, match="not a memfd sealed"):
+            shm.Segment.adopt(fd)
+        with pytest.raises(OSError):
+            os.fstat(fd)  # adopt closed it, refused or not
+    for fd in (_memfd(3 * shm.PAGE, sealed), _memfd(100, sealed)):
+        with pytest.raises(InvalidArgumentError, match=r"bad header|smaller than its header"):
+            shm.Segment.adopt(fd)
+    fd = _memfd(3 * shm.PAGE, sealed | fcntl.F_SEAL_WRITE)
+    with pytest.raises(InvalidArgumentError, match="cannot be mapped for writing"):
+        shm.Segment.adopt(fd)
 
 
-def test_the_sweep_removes_a_killed_creators_segment_and_spares_live_and_foreign_ones(shm_dir):
+def test_socket_names_carry_pid_namespace_and_pid():
+    name = shm.socket_name()
+    assert shm.parse_socket_name(name) == (shm.pid_namespace(), os.getpid())
+    assert shm.parse_socket_name("pshard-s-1-2.sock") is None
+    assert shm.parse_socket_name("../pshard-s-1-2-0123456789abcdef.sock") is None
+
+
+def test_the_sweep_removes_a_killed_servers_socket_and_spares_live_and_foreign_ones(shm_dir):
     code = ("import sys, time; from pshard.common import shm; "
-            f"s = shm.Segment.create({str(shm_dir)!r}, 4096, 4096); "
-            "print(s.path, flush=True); time.sleep(60)")
+            f"s, path = shm.listen({str(shm_dir)!r}); "
+            "print(path, flush=True); time.sleep(60)")
     child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
     try:
         orphan = Path(child.stdout.readline().strip())  # type: ignore[union-attr]
@@ -95,19 +131,38 @@ def test_the_sweep_removes_a_killed_creators_segment_and_spares_live_and_foreign
         child.send_signal(signal.SIGKILL)
         child.wait(WAIT_S)
     assert orphan.exists()  # SIGKILL runs no clean-up
-    live = shm.Segment.create(shm_dir, 4096, 4096)
-    foreign = shm_dir / f"pshard-w-{shm.pid_namespace() + 1}-{child.pid}-0123456789abcdef.seg"
+    live, live_path = shm.listen(shm_dir)
+    foreign = shm_dir / f"pshard-s-{shm.pid_namespace() + 1}-{child.pid}-0123456789abcdef.sock"
     foreign.write_bytes(b"")  # another pid namespace's: its pid means nothing here
     try:
         assert shm.sweep_orphans(shm_dir) == [orphan]
-        assert live.path.exists() and foreign.exists()
+        assert live_path.exists() and foreign.exists()
     finally:
         live.close()
+        shm.remove(live_path)
+    assert not live_path.exists()
 
 
-def test_private_regions_have_the_same_shape_and_no_file():
+def test_a_socket_in_a_directory_too_deep_for_sockaddr_un_still_listens_and_connects(tmp_path):
+    deep = tmp_path / ("d" * 60) / ("e" * 60)
+    deep.mkdir(parents=True)
+    listener, path = shm.listen(deep)
+    try:
+        assert path.parent == deep and path.exists()
+        with shm.connect(path, WAIT_S) as client:
+            server, _ = listener.accept()
+            with server:
+                client.sendall(b"ok")
+                assert server.recv(2) == b"ok"
+    finally:
+        listener.close()
+        shm.remove(path)
+    assert not path.exists()
+
+
+def test_private_regions_have_the_same_shape_and_no_descriptor():
     regions = shm.Segment.private(100, 5000)
-    assert regions.path is None and regions.nonce == b""
+    assert regions.fd is None and regions.nonce == b""
     assert (regions.request_bytes, regions.reply_bytes) == (shm.PAGE, 2 * shm.PAGE)
     regions.reply[:] = 7
     regions.close()
