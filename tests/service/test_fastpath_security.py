@@ -148,3 +148,65 @@ def test_a_shm_hello_with_an_unsealed_or_missing_descriptor_is_refused(shm_dir, 
             os.ftruncate(segment.fd, 0)  # type: ignore[arg-type]  # the server never mapped it
         segment.close()
     assert _weights(wire, server) == before and not wire.stats(server).worker_transports
+
+
+# ---- no session secret, no path ----
+
+def _refused_over_tcp(port: int, hello: bytes) -> bool:
+    """Whether the server closed a TCP fast-path connection whose first frame is `hello`, without
+    answering the request that follows it."""
+    with socket.create_connection(("127.0.0.1", port), timeout=WAIT_S) as sock:
+        fastwire.send_frame(sock, fastwire.HELLO, hello)
+        fastwire.send_frame(sock, fastwire.REQUEST, pb.ExchangeHeader(op=pb.EXCHANGE_OP_PUSH_PULL,
+                                                                      ).SerializeToString())
+        try:
+            return sock.recv(1) == b""
+        except ConnectionResetError:  # closed with our unread request in its buffer
+            return True
+
+
+def _refused_over_shm(path: Path, hello: bytes) -> bool:
+    """Whether the server closed a shm hand-off that offers a valid sealed segment with `hello`."""
+    segment = shm.Segment.create(4096, 4096)
+    try:
+        with shm.connect(path, WAIT_S) as sock:
+            shm.send_fd(sock, fastwire.encode_header(fastwire.HELLO, len(hello), 0) + hello,
+                        segment.fd)  # type: ignore[arg-type]
+            return sock.recv(1) == b""
+    finally:
+        segment.close()
+
+
+@pytest.mark.parametrize("kind", ["shm", "tcp"])
+def test_a_peer_without_the_session_secret_is_refused_and_changes_nothing(shm_dir, start_server, new_client,
+                                                                          wire, kind):
+    server = start_server(ServerSettings(shm_dir=str(shm_dir)))
+    c = new_client([server], "w0", transport="grpc")
+    c.declare(PARAMS, ASYNC)
+    c.push_pull(_grads(1.0), 0)
+    before = _weights(wire, server)
+    kinds = {"shm": pb.TRANSPORT_KIND_SHM, "tcp": pb.TRANSPORT_KIND_TCP}
+    sessions = {k: wire.stub(server).OpenTransport(pb.OpenTransportRequest(
+        worker_id="w0", kind=v, request_bytes=4096, reply_bytes=4096), timeout=WAIT_S)
+        for k, v in kinds.items()}
+    mine, other = sessions[kind], sessions["tcp" if kind == "shm" else "shm"]
+    socket_path = shm_dir / sessions["shm"].socket
+
+    def refused(hello: bytes) -> bool:
+        return (_refused_over_shm(socket_path, hello) if kind == "shm"
+                else _refused_over_tcp(server.running.fast.port, hello))
+
+    def hello(session: int, secret: bytes) -> bytes:
+        return pb.TransportHello(session=session, secret=secret).SerializeToString()
+
+    wrong = bytes(b ^ 1 for b in mine.secret)
+    attempts = (hello(mine.session, b""), hello(mine.session, wrong), hello(mine.session, mine.secret[:16]),
+                hello(0, mine.secret), hello(other.session, other.secret), b"", b"\xff garbage")
+    for attempt in attempts:
+        assert refused(attempt)
+    assert not wire.stats(server).worker_transports
+    assert _weights(wire, server) == before
+    # The session itself was not spent by the strangers: its worker still connects, once.
+    assert not refused(hello(mine.session, mine.secret))
+    assert refused(hello(mine.session, mine.secret))
+    assert _weights(wire, server) == before
