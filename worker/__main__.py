@@ -34,7 +34,7 @@ import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from pshard.common.argtypes import positive_float, positive_int
+from pshard.common.argtypes import listen_address, positive_float, positive_int
 from pshard.common.cluster import (
     ClusterSpec,
     add_cluster_arguments,
@@ -45,6 +45,7 @@ from pshard.common.errors import ClusterConfigError, InvalidArgumentError
 from pshard.common.job import MODES, NONFINITE, OPTIMIZERS, WIRE_DTYPES, JobConfig, OptimizerConfig
 from pshard.common.logs import add_log_level_argument, configure_logging
 from pshard.common.metrics import add_metrics_argument
+from pshard.common.security import add_security_arguments, security_from_args
 from pshard.worker.config import LOCAL_OPTIMIZERS, Defaults, Stopped, TrainConfig, stop_on_signals
 from pshard.worker.data import default_data_dir
 from pshard.worker.device import DEVICES, select_device
@@ -120,8 +121,20 @@ def build_parser(environ: Mapping[str, str], prog: str = PROG) -> argparse.Argum
     out.add_argument("--progress-every-s", metavar="S", type=positive_float, default=D.PROGRESS_EVERY_S,
                      help="off a terminal (launcher, compose, Kubernetes): a progress line with step, loss "
                           f"and samples/s this often (default {D.PROGRESS_EVERY_S:g})")
+    out.add_argument("--global-checkpoint-dir", metavar="DIR",
+                     help="global checkpoints (a directory the servers and the chief share): restored at "
+                          "start from the newest committed one, on any number of servers; the chief writes "
+                          "them")
+    out.add_argument("--checkpoint-every-steps", metavar="N", type=int, default=0,
+                     help="the chief takes a global checkpoint every N clocks (default 0: never)")
+    out.add_argument("--keep-checkpoints", metavar="K", type=int, default=0,
+                     help="keep the newest K global checkpoints (default 0: all)")
     add_metrics_argument(out, host="0.0.0.0", environ=environ)
     add_log_level_argument(p)
+    add_security_arguments(p)
+    p.add_argument("--bind", metavar="HOST:PORT", type=listen_address, default=None,
+                   help="where a chief (or worker 0) that hosts the scheduler listens (default: 127.0.0.1, "
+                        "or in a container TF_CONFIG's host, with the port of its TF_CONFIG address)")
     p.add_argument("--transport", choices=("auto", "shm", "tcp", "grpc"), default=D.TRANSPORT,
                    help="how push/pull bytes travel: auto = shared memory with a server on this host, "
                         "else a raw TCP socket, else gRPC (default auto; gRPC is always the fallback)")
@@ -207,6 +220,8 @@ def config_from_args(argv: Sequence[str] | None, environ: Mapping[str, str], pro
     _check_numbers(parser, args)
     configure_logging(args.log_level)
     spec = _cluster(args, environ, prog)
+    security = security_from_args(args, environ, role=spec.task_type, node_id=spec.node_id)
+    security.warn_if_open(prog)
     select_device(args.device)  # asking for CUDA where there is none is a configuration error
     if args.output:
         _check_writable("--output", args.output, create=False)
@@ -223,7 +238,10 @@ def config_from_args(argv: Sequence[str] | None, environ: Mapping[str, str], pro
         progress_every_s=args.progress_every_s,
         startup_timeout_s=args.startup_timeout_s, step_timeout_s=args.step_timeout_s,
         eval_interval_s=args.eval_interval_s, transport=args.transport, shm_dir=args.shm_dir,
-        metrics_port=args.metrics_port, tensorboard=args.tensorboard)
+        metrics_port=args.metrics_port, tensorboard=args.tensorboard,
+        global_checkpoint_dir=args.global_checkpoint_dir,
+        checkpoint_every_steps=max(0, args.checkpoint_every_steps),
+        keep_checkpoints=max(0, args.keep_checkpoints), security=security, bind=args.bind)
 
 
 @exit_on_config_error(prog=PROG)

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from pshard.common import checkpoints as gc
 from pshard.common import codec
-from pshard.common.errors import InvalidArgumentError
+from pshard.common.errors import InvalidArgumentError, PermissionDeniedError, PSError
 from pshard.common.job import JobConfig
 from pshard.common.layout import Layout, LayoutSlice
 from pshard.worker.client import DEADLINE_SLACK_S, PSClient
@@ -95,3 +95,26 @@ def restore(client: PSClient, root: str | Path, job: JobConfig, *, resume: bool 
     log.warning("checkpoint %s (clock %d, written by %d servers) restored onto %d of %d servers",
                 checkpoint.path, checkpoint.clock, checkpoint.servers, restored, n)
     return checkpoint.clock
+
+
+# ---- in a training run (worker.train) ----
+
+def restore_checkpoint(client: PSClient, root: str, job: JobConfig) -> int | None:
+    """At start, before the Declare: every trainer asks, so that whichever reaches a server first
+    configures it from the checkpoint (a Declare first would start it fresh). With security on only
+    the chief may restore; the servers then make the workers' Declares wait for the chief's."""
+    try:
+        return restore(client, root, job)
+    except PermissionDeniedError:
+        log.info("global checkpoint: restoring is the chief's (this worker's Declare waits for it)")
+        return None
+
+
+def save_checkpoint(client: PSClient, root: str, clock: int, keep: int | None) -> gc.Checkpoint | None:
+    """The chief between two steps. A failed checkpoint is logged, not fatal: training goes on, and
+    the previous committed checkpoint stays the one a restart restores."""
+    try:
+        return save(client, root, clock, keep=keep)
+    except (PSError, OSError) as err:
+        log.error("global checkpoint at clock %d failed: %s", clock, err)
+        return None

@@ -27,6 +27,7 @@ from typing import IO
 import numpy as np
 import torch
 from pshard.common.metrics import MetricsServer, WorkerMetrics, new_registry, serve_metrics
+from pshard.worker.checkpoints import restore_checkpoint, save_checkpoint
 from pshard.worker.config import StageError, Stopped, TrainConfig, stage
 from pshard.worker.data import Dataset, batches, load_dataset, num_batches, shard
 from pshard.worker.device import select_device
@@ -159,6 +160,8 @@ class TrainingRun:
         layout = session.propose_layout(param_specs(model))
         with stage("declare", f"declaring the parameters on {', '.join(layout.servers)}"):
             client = session.connect(layout)
+            if cfg.global_checkpoint_dir:
+                restore_checkpoint(client, cfg.global_checkpoint_dir, cfg.job)
             with session.waiting_for_servers(layout):
                 self.trainer = PSTrainer(model, client, cfg.job, local_optimizer=_local_optimizer(cfg, model))
         # async waits for nobody, so who counts does not matter
@@ -200,6 +203,10 @@ class TrainingRun:
                 correct, seen = correct + hits, seen + len(batch)
                 self.outcome.steps += 1
                 session.report_clock(trainer.clock)
+                every = cfg.checkpoint_every_steps
+                if cfg.is_chief and every and cfg.global_checkpoint_dir and trainer.clock % every == 0:
+                    save_checkpoint(trainer.client, cfg.global_checkpoint_dir, trainer.clock,
+                                    cfg.keep_checkpoints or None)
                 if self.prometheus is not None:
                     self.prometheus.step(time.perf_counter() - step_started, self._push_pull_s, trainer.clock,
                                          loss)
