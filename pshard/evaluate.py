@@ -1,7 +1,7 @@
 """``pshard evaluate MODEL``: reload a model pshard saved and print its test accuracy.
 
-Everything needed comes from ``MODEL.json`` beside the weights (pshard.worker.saved_model): the
-architecture, the data set it was trained on, and the accuracy the chief measured, which this
+Everything needed comes from the description saved with the weights (pshard.worker.saved_model):
+the architecture, the data set it was trained on, and the accuracy the chief measured, which this
 command reproduces. ``--data-dir`` names where Fashion-MNIST is when it is not where the training
 found it.
 """
@@ -20,7 +20,7 @@ PROG = "pshard evaluate"
 def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=prog, description="Reload a model saved by a pshard chief (--output) "
                                 "and evaluate it on its data set's test split.")
-    p.add_argument("model", metavar="MODEL", help="the saved model (its description is MODEL.json)")
+    p.add_argument("model", metavar="MODEL", help="the model file a chief saved (--output)")
     p.add_argument("--data-dir", metavar="DIR", default=None,
                    help="Fashion-MNIST IDX files (default: the directory the training used, else "
                         "$PSHARD_DATA_DIR or /usr/share/datasets/fashion-mnist)")

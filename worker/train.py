@@ -17,11 +17,9 @@ from __future__ import annotations
 import itertools
 import logging
 import math
-import os
 import sys
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import IO
 
 import numpy as np
@@ -33,7 +31,7 @@ from pshard.worker.data import Dataset, batches, load_dataset, num_batches, shar
 from pshard.worker.device import select_device
 from pshard.worker.metrics import MetricsLog, Progress
 from pshard.worker.model import build_model, evaluate
-from pshard.worker.saved_model import describe, write_description
+from pshard.worker.saved_model import describe, save_model
 from pshard.worker.session import ClusterSession
 from pshard.worker.tensorboard_log import TensorBoardLog, run_dir
 from pshard.worker.torch_api import PSTrainer, param_specs
@@ -297,9 +295,8 @@ class TrainingRun:
                              test_accuracy=accuracy, test_loss=test_loss)
         if cfg.output:
             with stage("save", f"saving the model to {cfg.output}"):
-                self.outcome.model_path = save_state_dict(trainer.model, cfg.output)
                 train_loss = self.outcome.train_loss
-                write_description(self.outcome.model_path, describe(cfg, data, {
+                self.outcome.model_path = save_model(trainer.model, cfg.output, describe(cfg, data, {
                     "test_accuracy": accuracy, "test_loss": test_loss, "steps": self.outcome.steps,
                     "train_loss": train_loss if math.isfinite(train_loss) else None}))
 
@@ -327,16 +324,6 @@ def warn_learning_rate(cfg: TrainConfig) -> str | None:
                "(README: 'Learning rates')")
     log.warning("%s", message)
     return message
-
-
-def save_state_dict(model: nn.Module, path: str) -> str:
-    """A plain torch state_dict on CPU; written aside and renamed, so nobody reads half a file."""
-    target = Path(path).resolve()
-    target.parent.mkdir(parents=True, exist_ok=True)
-    partial = target.with_name(f".{target.name}.{os.getpid()}.partial")
-    torch.save({k: v.detach().cpu() for k, v in model.state_dict().items()}, partial)
-    partial.replace(target)
-    return str(target)
 
 
 def _local_optimizer(cfg: TrainConfig, model: nn.Module) -> torch.optim.Optimizer | None:

@@ -229,7 +229,7 @@ def test_compose_services_train_to_completion_as_local_processes(procs: Procs, t
         assert proc.wait(FINISH_TIMEOUT_S) == 0, proc.output()
         assert proc.final() is not None, f"{name} printed no final line:\n{proc.output()}"
         assert (compose.volume_dir("models") / f"metrics-{name}.jsonl").stat().st_size > 0
-    state = torch.load(compose.volume_dir("models") / "model.pt", weights_only=True)
+    state = torch.load(compose.volume_dir("models") / "model.pt", weights_only=True)["state_dict"]
     assert isinstance(state, dict) and state
     assert all(isinstance(v, torch.Tensor) for v in state.values())
     # The servers are still serving: nothing in the run stopped them.

@@ -597,7 +597,7 @@ def test_tfjob_pods_train_to_completion_as_local_processes(procs: Procs, tmp_pat
         assert_finished(started[name])
     assert assert_finished(started["pshard-evaluator-0"])["role"] == "evaluator"
     checkpoints = tmp_path / "volumes" / "pshard-checkpoints"
-    state = torch.load(checkpoints / "model.pt", weights_only=True)
+    state = torch.load(checkpoints / "model.pt", weights_only=True)["state_dict"]
     assert state and all(isinstance(v, torch.Tensor) for v in state.values())
     assert (checkpoints / "metrics-chief-0.jsonl").stat().st_size > 0
     # The job has succeeded; cleanPodPolicy Running deletes the servers, which checkpoint on the way
@@ -634,7 +634,7 @@ def test_plain_manifests_pods_train_to_completion_as_local_processes(procs: Proc
     assert_metrics_served(pods, started)
     assert sum("test_accuracy" in f for f in finals) == 1, finals  # worker 0, the first rank, evaluates
     models = tmp_path / "volumes" / "pshard-models"
-    state = torch.load(models / "model.pt", weights_only=True)
+    state = torch.load(models / "model.pt", weights_only=True)["state_dict"]
     assert state and all(isinstance(v, torch.Tensor) for v in state.values())
     for i in range(len(workers)):
         assert (models / f"metrics-worker-{i}.jsonl").stat().st_size > 0

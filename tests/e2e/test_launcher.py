@@ -86,7 +86,7 @@ def test_sync_training_on_digits_finishes_and_saves_a_state_dict(procs: Procs, t
     assert len(accuracies) == 1, results  # only the chief (worker 0 here) evaluates
     assert accuracies[0] > DIGITS_ACCURACY_BAR, results
 
-    state = torch.load(model_path, weights_only=True)
+    state = torch.load(model_path, weights_only=True)["state_dict"]  # beside the model's description
     assert isinstance(state, dict) and state
     assert all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in state.items())
     for name in ("worker-0", "worker-1"):
