@@ -82,9 +82,14 @@ def _entry(i: int, s: SliceSnapshot, r: ckpt.Range, arrays: dict[str, np.ndarray
             "state_arrays": state_arrays, "state_scalars": scalars}
 
 
-def _slice_snapshot(reader: ckpt.DenseReader, slice_key: SliceKey, r: ckpt.Range) -> SliceSnapshot:
-    """A slice of the current layout, cut from the checkpoint's pieces; pending sync sums are not
-    part of a checkpoint taken at a clock boundary (the workers push that clock again)."""
+def _slice_snapshot(reader: ckpt.DenseReader, slice_key: SliceKey, r: ckpt.Range, sync: bool
+                    ) -> SliceSnapshot:
+    """A slice of the current layout, cut from the checkpoint's pieces.
+
+    Sync: the pending sums of the clock after the boundary are not part of the checkpoint, so every
+    worker pushes that clock again, and the clocks it had pushed are taken back to the boundary:
+    otherwise a worker that had already pushed it would see its resend dropped as a duplicate, and
+    the clock would wait for it for ever."""
     pieces = reader.overlapping(r.key, r.offset, r.numel)
     if not pieces:
         raise CheckpointError(f"checkpoint {reader.checkpoint.path}: parameter {r.key!r} has no elements "
@@ -99,11 +104,12 @@ def _slice_snapshot(reader: ckpt.DenseReader, slice_key: SliceKey, r: ckpt.Range
             clocks[w] = max(clocks.get(w, c), int(c))
         for w, c in p.meta["floors"].items():
             floors[w] = max(floors.get(w, c), int(c))
+    version = min(int(p.meta["version"]) for p in pieces)
+    if sync:
+        clocks = {w: min(c, version - 1) for w, c in clocks.items()}
     return SliceSnapshot(
         key=slice_key, dtype=first["dtype"], value=reader.read(r.key, r.offset, r.numel),
-        version=min(int(p.meta["version"]) for p in pieces), opt_state=state, clocks=clocks,
-        floors=floors, pending=None, contributors=())
-
+        version=version, opt_state=state, clocks=clocks, floors=floors, pending=None, contributors=())
 
 
 def shard_snapshot(checkpoint: ckpt.Checkpoint, job: JobConfig, ranges: Mapping[SliceKey, ckpt.Range],
@@ -123,7 +129,7 @@ def shard_snapshot(checkpoint: ckpt.Checkpoint, job: JobConfig, ranges: Mapping[
             if tuple(shape) != tuple(r.shape):
                 raise CheckpointError(f"checkpoint {checkpoint.path}: parameter {r.key!r} has shape "
                                       f"{tuple(shape)}, the model has {tuple(r.shape)}")
-        slices = tuple(_slice_snapshot(reader, k, ranges[k]) for k in sorted(ranges))
+        slices = tuple(_slice_snapshot(reader, k, ranges[k], job.mode == "sync") for k in sorted(ranges))
     return ShardSnapshot(config=job, slices=slices, generations={},
                          quorum=dict(quorum) if quorum else None, seen=(), counters={})
 

@@ -119,6 +119,9 @@ def taken(start_server: Callable[..., ServerThread], new_client: Callable[..., P
     start_job(clients)
     weights = train(clients, 0, 4)
     rows = touch_table(clients[0], 0)
+    # The chief (w0) checkpoints between its steps; w1 has already pushed clock 4. That gradient is not
+    # in the checkpoint: after the restore w1 pushes clock 4 again and must not be dropped as a duplicate.
+    clients[1].wait(clients[1].push(gradient(weights, "w1", 4), 4))
     checkpoint = checkpoints.save(clients[0], tmp_path / "ckpt", 4)
     assert checkpoint.clock == 4 and checkpoint.servers == 2
     reference_rows = touch_table(clients[0], 1)
