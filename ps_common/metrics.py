@@ -206,6 +206,26 @@ class _TableStats(Protocol):
     evicted: int
 
 
+class _Refusals(Protocol):
+    """ps_common.auth.AuthRefusals: refused calls by (gRPC status, method), read under its own lock."""
+
+    def snapshot(self) -> dict[tuple[str, str], int]: ...
+
+
+def auth_refused_family(refusals: _Refusals) -> CounterMetricFamily:
+    """pshard_auth_refused_total{code,method}. Methods are the service's own: calls to an unknown
+    method are not counted, so a stranger cannot grow the label set."""
+    family = CounterMetricFamily(
+        "pshard_auth_refused",
+        "Calls refused without a valid credential (UNAUTHENTICATED) or for the caller's role "
+        "(PERMISSION_DENIED), by method",
+        labels=["code", "method"],
+    )
+    for (code, method), count in sorted(refusals.snapshot().items()):
+        family.add_metric([code, method], count)
+    return family
+
+
 class _ServerStats(Protocol):
     @property
     def job(self) -> Any: ...
@@ -236,11 +256,13 @@ class ServerCollector(Collector):
         requests: RequestMetrics,
         checkpoint_manifest: Path | None = None,
         tables: Callable[[], Mapping[str, _TableStats]] | None = None,
+        refusals: _Refusals | None = None,
     ) -> None:
         self._stats = stats
         self._requests = requests
         self._manifest = checkpoint_manifest
         self._tables = tables
+        self._refusals = refusals
 
     def collect(self) -> Iterator[Any]:
         yield from request_families(self._requests, "ps")
@@ -265,6 +287,8 @@ class ServerCollector(Collector):
         yield from self._store_families(stats.store)
         if self._tables is not None:
             yield from table_families(self._tables())
+        if self._refusals is not None:
+            yield auth_refused_family(self._refusals)
         if self._manifest is not None:
             age = GaugeMetricFamily(
                 "pshard_ps_checkpoint_age_seconds",
@@ -368,10 +392,13 @@ def request_families(requests: RequestMetrics, service: str) -> Iterator[Any]:
 class SchedulerCollector(Collector):
     """The scheduler's membership, read from its current view at scrape time."""
 
-    def __init__(self, view: Callable[[], ClusterView]) -> None:
+    def __init__(self, view: Callable[[], ClusterView], refusals: _Refusals | None = None) -> None:
         self._view = view
+        self._refusals = refusals
 
     def collect(self) -> Iterator[Any]:
+        if self._refusals is not None:
+            yield auth_refused_family(self._refusals)
         view = self._view()
         yield _gauge("pshard_scheduler_generation", "Generation of the current cluster view", view.generation)
         yield _gauge(
@@ -504,22 +531,28 @@ def serve_server_metrics(
     port: int,
     checkpoint_manifest: Path | None,
     tables: Any = None,
+    refusals: _Refusals | None = None,
 ) -> MetricsServer:
     """A parameter server's /metrics; `handlers`: its ParameterServerHandlers, `tables`: its
-    TableHandlers, if any (both read on `loop`)."""
+    TableHandlers, if any (both read on `loop`); `refusals`: its AuthRefusals."""
     registry = new_registry()
     table_stats = None if tables is None else (lambda: on_loop(loop, tables.all_stats))
     registry.register(
         ServerCollector(
-            lambda: on_loop(loop, handlers.stats), handlers.requests, checkpoint_manifest, table_stats
+            lambda: on_loop(loop, handlers.stats), handlers.requests, checkpoint_manifest, table_stats,
+            refusals,
         )
     )
     return serve_metrics(registry, bind_host(bind), port)
 
 
 def serve_scheduler_metrics(
-    view: Callable[[], ClusterView], loop: asyncio.AbstractEventLoop, bind: str, port: int
+    view: Callable[[], ClusterView],
+    loop: asyncio.AbstractEventLoop,
+    bind: str,
+    port: int,
+    refusals: _Refusals | None = None,
 ) -> MetricsServer:
     registry = new_registry()
-    registry.register(SchedulerCollector(lambda: on_loop(loop, view)))
+    registry.register(SchedulerCollector(lambda: on_loop(loop, view), refusals))
     return serve_metrics(registry, bind_host(bind), port)

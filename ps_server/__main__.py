@@ -172,7 +172,7 @@ async def _run(args: argparse.Namespace, spec: ClusterSpec | None, settings: Ser
         manifest = Path(args.checkpoint_dir, f"{settings.shard_name}.json") if args.checkpoint_dir else None
         try:
             metrics = serve_server_metrics(running.handlers, loop, bind, args.metrics_port, manifest,
-                                           tables=running.tables)
+                                           tables=running.tables, refusals=running.refusals)
         except OSError:  # the port was taken since main checked it: stop serving before saying so
             await running.stop(grace_s=0)
             raise
