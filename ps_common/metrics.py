@@ -433,6 +433,14 @@ class SchedulerCollector(Collector):
         yield lag
 
 
+def hosted_scheduler_collector(handle: Any) -> SchedulerCollector:
+    """The scheduler metrics of a scheduler hosted in-process (`handle`: its SchedulerHandle), for
+    the /metrics of the chief that hosts it (a TFJob has no scheduler pod of its own)."""
+    running = handle.running
+    view = running.servicer.membership.view
+    return SchedulerCollector(lambda: on_loop(handle.loop, view), running.refusals)
+
+
 # ---- worker ----
 
 

@@ -21,7 +21,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Protocol
+from typing import Any, Protocol
 
 from pshard.common.cluster import ClusterSpec
 from pshard.common.entry import check_can_listen
@@ -106,6 +106,11 @@ class ClusterSession:
                 self._hosted = start_scheduler_thread(bind)
             except OSError as e:  # taken between the check and the bind
                 raise ClusterConfigError(f"{where}, but {e}") from None
+
+    @property
+    def hosted_scheduler(self) -> Any | None:
+        """The in-process scheduler this task hosts (a scheduler.service.SchedulerHandle), if any."""
+        return self._hosted
 
     def register(self) -> SchedulerClient:
         spec = self.spec

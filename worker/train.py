@@ -24,7 +24,13 @@ from typing import IO
 
 import numpy as np
 import torch
-from pshard.common.metrics import MetricsServer, WorkerMetrics, new_registry, serve_metrics
+from pshard.common.metrics import (
+    MetricsServer,
+    WorkerMetrics,
+    hosted_scheduler_collector,
+    new_registry,
+    serve_metrics,
+)
 from pshard.worker.checkpoints import restore_checkpoint, save_checkpoint
 from pshard.worker.config import StageError, Stopped, TrainConfig, stage
 from pshard.worker.data import Dataset, batches, load_dataset, num_batches, shard
@@ -123,6 +129,8 @@ class TrainingRun:
         if cfg.metrics_port is not None:
             registry = new_registry()
             self.prometheus = WorkerMetrics(registry, cfg.spec.node_id, self.role)
+            if session.hosted_scheduler is not None:  # a TFJob's chief: its scheduler has no pod of its own
+                registry.register(hosted_scheduler_collector(session.hosted_scheduler))
             self._metrics_server = serve_metrics(registry, "0.0.0.0", cfg.metrics_port)
             print(f"pshard worker: metrics on port {self._metrics_server.port}", file=sys.stderr, flush=True)
         self._first_loss: float | None = None

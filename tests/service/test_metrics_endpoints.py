@@ -3,6 +3,7 @@ with prometheus_client's own parser while a job trains."""
 
 from __future__ import annotations
 
+import json
 import signal
 import urllib.request
 
@@ -10,7 +11,7 @@ import grpc
 from prometheus_client.parser import text_string_to_metric_families
 
 from pshard.api.v1 import scheduler_pb2, scheduler_pb2_grpc
-from tests.e2e.harness import TIMEOUTS, LocalCluster, Proc, Procs, wait_healthy, wait_until
+from tests.e2e.harness import TIMEOUTS, LocalCluster, Proc, Procs, free_ports, wait_healthy, wait_until
 
 PORT_LINE = r"metrics on port (\d+)"
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
@@ -122,3 +123,30 @@ def test_a_killed_workers_lag_grows_until_the_scheduler_drops_it(procs: Procs) -
     assert value(scheduler, "pshard_scheduler_worker_clock", node="worker-1", role="worker") is None
     assert value(scheduler, "pshard_scheduler_generation") == scheduler_generation(
         cluster.task("scheduler").address)
+
+
+def test_a_chief_hosting_the_scheduler_serves_the_schedulers_metrics_with_its_own(procs: Procs) -> None:
+    """A TFJob has no scheduler pod: the chief hosts it, and its /metrics carry the membership too."""
+    chief_port, ps_port = free_ports(2)
+    cluster = {"chief": [f"127.0.0.1:{chief_port}"], "ps": [f"127.0.0.1:{ps_port}"]}
+
+    def tf_config(task_type: str) -> str:
+        return json.dumps({"cluster": cluster, "task": {"type": task_type, "index": 0}})
+
+    empty = procs.tmp_path / "empty-data"
+    empty.mkdir()
+    procs.python("ps-0", "-m", "pshard.ps_server", tf_config=tf_config("ps"))
+    chief = procs.python("chief-0", "-m", "pshard.worker", "--data-dir", str(empty), "--model", "mlp",
+                         "--mode", "async", "--epochs", "200", "--metrics-port", "0", *TIMEOUTS,
+                         tf_config=tf_config("chief"))
+    port = metrics_port(chief)
+
+    def trained_and_seen() -> bool:
+        samples = scrape(port)
+        return ((value(samples, "pshard_worker_steps_total", worker="chief-0", role="chief") or 0) > 0
+                and value(samples, "pshard_scheduler_members", role="ps", state="live") == 1
+                and value(samples, "pshard_scheduler_worker_clock", node="chief-0", role="chief") is not None)
+
+    wait_until(trained_and_seen, 60, "the chief's /metrics to show its steps and its scheduler's members")
+    samples = scrape(port)
+    assert value(samples, "pshard_scheduler_generation") == scheduler_generation(f"127.0.0.1:{chief_port}")
