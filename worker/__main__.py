@@ -47,6 +47,7 @@ from pshard.common.logs import add_log_level_argument, configure_logging
 from pshard.common.metrics import add_metrics_argument
 from pshard.common.security import add_security_arguments, security_from_args
 from pshard.worker.config import LOCAL_OPTIMIZERS, Defaults, Stopped, TrainConfig, stop_on_signals
+from pshard.worker.ctr import CTR_MODEL, add_ctr_arguments, ctr_settings, run_ctr
 from pshard.worker.data import default_data_dir
 from pshard.worker.device import DEVICES, select_device
 from pshard.worker.evaluate import run_evaluator
@@ -92,7 +93,8 @@ def build_parser(environ: Mapping[str, str], prog: str = PROG) -> argparse.Argum
                           "(INVALID_ARGUMENT naming key and index), skip it (counted), or allow it "
                           "(default reject)")
     train = p.add_argument_group("training")
-    train.add_argument("--model", choices=MODELS, default=D.MODEL, help=f"model (default {D.MODEL})")
+    train.add_argument("--model", choices=(*MODELS, CTR_MODEL), default=D.MODEL,
+                       help=f"model (default {D.MODEL}); ctr: a CTR model with sparse embeddings (see below)")
     train.add_argument("--epochs", metavar="N", type=positive_int, default=D.EPOCHS,
                        help=f"epochs (default {D.EPOCHS})")
     train.add_argument("--batch-size", metavar="N", type=positive_int, default=D.BATCH_SIZE,
@@ -130,6 +132,7 @@ def build_parser(environ: Mapping[str, str], prog: str = PROG) -> argparse.Argum
     out.add_argument("--keep-checkpoints", metavar="K", type=int, default=0,
                      help="keep the newest K global checkpoints (default 0: all)")
     add_metrics_argument(out, host="0.0.0.0", environ=environ)
+    add_ctr_arguments(p)
     add_log_level_argument(p)
     add_security_arguments(p)
     p.add_argument("--bind", metavar="HOST:PORT", type=listen_address, default=None,
@@ -241,7 +244,8 @@ def config_from_args(argv: Sequence[str] | None, environ: Mapping[str, str], pro
         metrics_port=args.metrics_port, tensorboard=args.tensorboard,
         global_checkpoint_dir=args.global_checkpoint_dir,
         checkpoint_every_steps=max(0, args.checkpoint_every_steps),
-        keep_checkpoints=max(0, args.keep_checkpoints), security=security, bind=args.bind)
+        keep_checkpoints=max(0, args.keep_checkpoints), security=security, bind=args.bind,
+        **ctr_settings(args, spec))
 
 
 @exit_on_config_error(prog=PROG)
@@ -249,7 +253,7 @@ def _main(argv: Sequence[str] | None, environ: Mapping[str, str], prog: str) -> 
     cfg = config_from_args(argv, environ, prog)
     if cfg.spec.task_type == "evaluator":
         return run_evaluator(cfg)
-    return run(cfg)
+    return run_ctr(cfg) if cfg.model == CTR_MODEL else run(cfg)
 
 
 def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None,

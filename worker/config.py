@@ -18,6 +18,7 @@ from pshard.common.cluster import ClusterSpec
 from pshard.common.errors import ClusterConfigError, PSError
 from pshard.common.job import JobConfig
 from pshard.common.security import SecurityConfig
+from pshard.worker.ctr_data import CtrSpec
 
 LOCAL_OPTIMIZERS = ("sgd", "adam", "adamw", "adagrad")
 
@@ -45,6 +46,7 @@ class Defaults:
     # How push/pull bytes travel: auto = shared memory with a same-host server, else raw TCP, else gRPC.
     TRANSPORT = "auto"
     SHM_DIR = "/dev/shm"
+    TABLE_LR = 0.05  # --model ctr: per-row Adagrad of the embedding table
 
 
 @dataclass(frozen=True)
@@ -79,6 +81,9 @@ class TrainConfig:
     # TLS files or tokens of every channel (pshard.common.security); default plain.
     security: SecurityConfig = field(default_factory=SecurityConfig)
     bind: str | None = None  # where a chief hosting the scheduler listens (None: pshard.common.bind)
+    # --model ctr: the synthetic click log (pshard.worker.ctr_data) and its table's learning rate.
+    ctr: CtrSpec = field(default_factory=CtrSpec)
+    table_lr: float = Defaults.TABLE_LR
 
     @property
     def is_chief(self) -> bool:

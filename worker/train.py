@@ -75,7 +75,7 @@ class Outcome:
         return " ".join(parts)
 
 
-def run(cfg: TrainConfig, stdout: IO[str] | None = None) -> int:
+def run(cfg: TrainConfig, stdout: IO[str] | None = None, runner: type[TrainingRun] | None = None) -> int:
     """Train; print exactly one `final:` line on stdout.
 
     0 on success, 1 when a stage failed, 128 + the signal when stopped (`Stopped`). A scheduler this
@@ -87,7 +87,7 @@ def run(cfg: TrainConfig, stdout: IO[str] | None = None) -> int:
                              step_timeout_s=cfg.step_timeout_s, transport=cfg.transport,
                              shm_dir=cfg.shm_dir)
     session.host_scheduler_if_needed()
-    job = TrainingRun(cfg, stdout, session)
+    job = (runner or TrainingRun)(cfg, stdout, session)  # runner: another model's run (worker.ctr)
     try:
         job.run()
         code = 0
