@@ -100,14 +100,16 @@ def restore(client: PSClient, root: str | Path, job: JobConfig, *, resume: bool 
 # ---- in a training run (worker.train) ----
 
 def restore_checkpoint(client: PSClient, root: str, job: JobConfig) -> int | None:
-    """At start, before the Declare: every trainer asks, so that whichever reaches a server first
+    """The clock of the newest committed checkpoint, after configuring the servers from it (None: there
+    is none). At start, before the Declare: every trainer asks, so that whichever reaches a server first
     configures it from the checkpoint (a Declare first would start it fresh). With security on only
     the chief may restore; the servers then make the workers' Declares wait for the chief's."""
     try:
         return restore(client, root, job)
     except PermissionDeniedError:
         log.info("global checkpoint: restoring is the chief's (this worker's Declare waits for it)")
-        return None
+        newest = gc.latest(Path(root))
+        return newest.clock if newest is not None else None
 
 
 def save_checkpoint(client: PSClient, root: str, clock: int, keep: int | None) -> gc.Checkpoint | None:

@@ -166,12 +166,17 @@ class TrainingRun:
         layout = session.propose_layout(param_specs(model))
         with stage("declare", f"declaring the parameters on {', '.join(layout.servers)}"):
             client = session.connect(layout)
+            restored = None
             if cfg.global_checkpoint_dir:
-                restore_checkpoint(client, cfg.global_checkpoint_dir, cfg.job)
+                restored = restore_checkpoint(client, cfg.global_checkpoint_dir, cfg.job)
             with session.waiting_for_servers(layout):
                 self.trainer = PSTrainer(model, client, cfg.job, local_optimizer=_local_optimizer(cfg, model))
+        # A job that starts from a global checkpoint starts at its clock, and still at the start barrier:
+        # only a worker whose job moved past it (restarted mid-job) skips the barrier everyone passed.
+        clock = self.trainer.clock
+        at_start = 0 if restored is not None and clock == restored else clock
         # async waits for nobody, so who counts does not matter
-        session.await_start(self.trainer.clock, wait_for_quorum=cfg.job.mode != "async")
+        session.await_start(at_start, wait_for_quorum=cfg.job.mode != "async")
 
     # ---- training ----
 
