@@ -187,6 +187,8 @@ class CtrRun(TrainingRun):
         with stage("final_pull", "pulling the final weights"):
             trainer.pull()
         with stage("evaluate", "scoring the test set"):
+            # Before scoring: a pull creates the rows of unseen test ids too.
+            rows = sum(int(r.rows) for r in trainer.client.tables.stats(TABLE))
             test = clicks.test_set
             predicted = scores(trainer.model, test.ids)
             self.outcome.test_auc = auc(test.labels, predicted)
@@ -196,10 +198,11 @@ class CtrRun(TrainingRun):
             test_loss = float(-np.mean(test.labels * np.log(p) + (1 - test.labels) * np.log1p(-p)))
             self.metrics.log("eval", epoch=self.outcome.epoch + 1, step=self.outcome.steps,
                              test_auc=self.outcome.test_auc, ceiling_auc=self.outcome.ceiling_auc,
-                             test_loss=test_loss, test_samples=len(test))
+                             test_loss=test_loss, test_samples=len(test), table_rows=rows)
         got, ceiling = self.outcome.test_auc, self.outcome.ceiling_auc
         print(f"CTR test AUC {got:.4f}, planted model (ceiling) {ceiling:.4f}, gap {ceiling - got:.4f} "
-              f"on {len(test)} test impressions", file=self.stdout, flush=True)
+              f"on {len(test)} test impressions; {rows} embedding rows trained on the servers",
+              file=self.stdout, flush=True)
         gap = ceiling - got
         if not math.isfinite(gap):
             log.warning("the test set has a single class: no AUC")
