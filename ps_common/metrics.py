@@ -206,6 +206,12 @@ class _TableStats(Protocol):
     evicted: int
 
 
+class _Tables(Protocol):
+    """ps_server.table_handlers.TableHandlers, as the metrics read it."""
+
+    def all_stats(self) -> Mapping[str, _TableStats]: ...
+
+
 class _Refusals(Protocol):
     """ps_common.auth.AuthRefusals: refused calls by (gRPC status, method), read under its own lock."""
 
@@ -538,7 +544,7 @@ def serve_server_metrics(
     bind: str,
     port: int,
     checkpoint_manifest: Path | None,
-    tables: Any = None,
+    tables: _Tables | None = None,
     refusals: _Refusals | None = None,
 ) -> MetricsServer:
     """A parameter server's /metrics; `handlers`: its ParameterServerHandlers, `tables`: its
