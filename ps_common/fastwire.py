@@ -4,7 +4,9 @@ A frame is a fixed 20-byte header (magic, kind, metadata length, data length), t
 (a small protobuf message the caller encodes), then `data length` raw bytes (TCP only: the
 slices themselves; over shared memory the bytes are in the segment and the length is 0).
 Blocking sockets throughout: one thread per connection reads straight into pre-allocated,
-page-aligned buffers with `recv_into`, and writes numpy buffers with `sendmsg`, no copy.
+page-aligned buffers with `recv_into`, and writes numpy buffers with `sendmsg`, no copy. Over TLS
+(an `ssl.SSLSocket`, which has no `sendmsg` nor receive flags) the same calls encrypt and decrypt
+between the buffers and the socket: a small frame still goes as one TLS record.
 
 Pure: no gRPC.
 """
@@ -12,6 +14,7 @@ Pure: no gRPC.
 from __future__ import annotations
 
 import socket
+import ssl
 import struct
 from collections.abc import Sequence
 
@@ -24,6 +27,8 @@ HEADER_BYTES = _HEADER.size
 _MAGIC = b"PSF1"
 # Metadata is a header or a reply: a few KB per thousand slices. Larger is a broken or hostile peer.
 MAX_META_BYTES = 16 * 2**20
+# Over TLS, frames up to this size are joined and sent as one record (a copy is cheaper than a record).
+_JOIN_BYTES = 64 * 1024
 
 HELLO = 1
 REQUEST = 2
@@ -56,6 +61,12 @@ def send_frame(sock: socket.socket, kind: int, meta: bytes,
     """Header, metadata and data in as few system calls as the kernel allows (no joining copy)."""
     views = [v for v in (byte_view(d) for d in data) if v.nbytes]
     parts = [memoryview(encode_header(kind, len(meta), sum(v.nbytes for v in views)) + meta), *views]
+    if isinstance(sock, ssl.SSLSocket):
+        if sum(p.nbytes for p in parts) <= _JOIN_BYTES:  # one record, one system call
+            parts = [memoryview(b"".join(parts))]
+        for part in parts:
+            sock.sendall(part)
+        return
     while parts:
         sent = sock.sendmsg(parts[:512])  # IOV_MAX is 1024 on Linux
         while sent:
@@ -71,8 +82,9 @@ def recv_into(sock: socket.socket, buf: memoryview | np.ndarray) -> None:
     """Fill `buf` exactly; TransportBroken when the peer closes first."""
     view = byte_view(buf)
     got = 0
+    flags = 0 if isinstance(sock, ssl.SSLSocket) else socket.MSG_WAITALL
     while got < view.nbytes:
-        n = sock.recv_into(view[got:], view.nbytes - got, socket.MSG_WAITALL)
+        n = sock.recv_into(view[got:], view.nbytes - got, flags)
         if n == 0:
             raise TransportBroken(f"peer closed the connection ({got} of {view.nbytes} bytes read)")
         got += n

@@ -161,7 +161,11 @@ class Connection(asyncio.BufferedProtocol):
         assert isinstance(transport, asyncio.Transport)
         self.transport = transport
         tune(transport.get_extra_info("socket"))
-        transport.set_write_buffer_limits(high=0)  # pause_writing as soon as anything is queued
+        if transport.get_extra_info("sslcontext") is None:
+            transport.set_write_buffer_limits(high=0)  # pause_writing as soon as anything is queued
+        else:  # TLS copies anyway (into its records); and its flow control pauses at size >= high,
+            # so a high of 0 would pause on an empty buffer and never resume
+            transport.set_write_buffer_limits(high=_WRITE_CHUNK_BYTES)
         if self.session is None:
             self._hello_timer = self._loop.call_later(_HELLO_TIMEOUT_S, self.abort, "no hello in time")
 

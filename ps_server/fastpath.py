@@ -33,6 +33,7 @@ import logging
 import os
 import secrets
 import socket
+import ssl
 import threading
 import time
 from collections.abc import AsyncIterator, Sequence
@@ -42,8 +43,9 @@ import grpc.aio
 import numpy as np
 from google.protobuf.message import DecodeError
 from pshard.common import codec
+from pshard.common.auth import check_acts_as, refused
 from pshard.common.codec import WireArray
-from pshard.common.errors import InvalidArgumentError, PSError
+from pshard.common.errors import InvalidArgumentError, PermissionDeniedError, PSError
 from pshard.common.fastwire import TransportBroken
 from pshard.common.rpc_status import maps_errors
 from pshard.common.shm import Segment, align, listen, remove, sweep_orphans
@@ -145,8 +147,13 @@ class _Session:
 
 class FastPathServer:
     def __init__(self, handlers: ParameterServerHandlers, loop: asyncio.AbstractEventLoop, *,
-                 transport: str, shm_dir: str, host: str) -> None:
+                 transport: str, shm_dir: str, host: str, ssl_context: ssl.SSLContext | None = None) -> None:
+        """`ssl_context` (a server context that requires client certificates of the job's CA): the
+        TCP path runs over TLS, mutually authenticated. Shared memory is local and needs none: a
+        peer gets on it with the session's secret, handed out over the authenticated gRPC channel."""
         self._handlers = handlers
+        self._ssl = ssl_context
+        self.tls = ssl_context is not None
         self._loop = loop
         self.kinds = offered_kinds(transport)
         self._shm_dir = shm_dir
@@ -177,10 +184,13 @@ class FastPathServer:
         self._listener = socket.create_server((host, 0), family=family, backlog=64, dualstack_ipv6=dualstack)
         self.port = self._listener.getsockname()[1]
         self._starting = loop.create_task(self._start(self._listener))
-        log.info("fast paths %s listening on port %d", sorted(self.kinds), self.port)
+        log.info("fast paths %s listening on port %d%s", sorted(self.kinds), self.port,
+                 " (tcp over TLS)" if self.tls else "")
 
     async def _start(self, listener: socket.socket) -> None:
-        self._server = await self._loop.create_server(lambda: Connection(self, self._loop), sock=listener)
+        self._server = await self._loop.create_server(
+            lambda: Connection(self, self._loop), sock=listener, ssl=self._ssl,
+            ssl_handshake_timeout=_HELLO_TIMEOUT_S if self._ssl is not None else None)
 
     async def _accept_unix(self, listener: socket.socket) -> None:
         while not self._stopping:
@@ -370,6 +380,10 @@ class FastPathServer:
                         views: Sequence[np.ndarray]) -> pb.TransportReply:
         if header.op != pb.EXCHANGE_OP_PUSH_PULL:
             raise InvalidArgumentError(f"Exchange header.op: got {header.op}, expected PUSH_PULL or DECLARE")
+        if header.stamp.worker_id != session.worker_id:  # the opener's credential was checked for it
+            refused("fast path")
+            raise PermissionDeniedError(f"fast path: a session of {session.worker_id!r} may not act as "
+                                        f"{header.stamp.worker_id!r}")
         pull = [codec.slice_id_from_proto(s) for s in header.pull]
         wires = [WireArray(view.view(codec.numpy_dtype(meta.dtype)).reshape(meta.shape), meta.dtype)
                  for meta, view in zip(metas, views, strict=True)]
@@ -432,4 +446,6 @@ class OpenTransportMethod:
     @maps_errors
     async def OpenTransport(self, request: pb.OpenTransportRequest, context: grpc.aio.ServicerContext
                             ) -> pb.OpenTransportResponse:
+        # A session acts for the worker it names: only that worker's credential may open one.
+        check_acts_as(request.worker_id, "OpenTransport")
         return self._fast.open(request)

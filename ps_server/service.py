@@ -129,7 +129,8 @@ async def start(settings: ServerSettings, bind: str = "127.0.0.1:0",
     if port == 0:
         raise OSError(f"could not bind {bind}")
     fast = FastPathServer(handlers, asyncio.get_running_loop(), transport=settings.transport,
-                          shm_dir=settings.shm_dir, host=bind.rsplit(":", 1)[0].strip("[]") or "0.0.0.0")
+                          shm_dir=settings.shm_dir, host=bind.rsplit(":", 1)[0].strip("[]") or "0.0.0.0",
+                          ssl_context=security.server_ssl_context() if security.tls else None)
     handlers.transport_report = fast.transports
     server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(SERVICE_NAME, {
         "OpenTransport": grpc.unary_unary_rpc_method_handler(

@@ -364,7 +364,9 @@ class PSClient:
                 try:
                     fast = FastPath.open(kind, self._stubs[server], self.servers[server], self.worker_id,
                                          request_bytes=room, reply_bytes=room, shm_dir=self._shm_dir,
-                                         timeout_s=min(self._timeout_s, 10.0))
+                                         timeout_s=min(self._timeout_s, 10.0),
+                                         ssl_context=self.security.client_ssl_context() if self.security.tls
+                                         else None)
                 except PSError as err:
                     reasons.append(f"{kind}: {err}")
                     continue

@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import hmac
 import socket
+import ssl
 import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -84,6 +85,7 @@ class FastPath:
     def __init__(self, kind: str, sock: socket.socket, segment: Segment | None,
                  scratch: Segment | None) -> None:
         self.kind = kind
+        self.tls = isinstance(sock, ssl.SSLSocket)
         self._sock = sock
         self._inbox = Inbox(sock)
         self._segment = segment  # shm: the shared regions
@@ -93,8 +95,14 @@ class FastPath:
 
     @classmethod
     def open(cls, kind: str, stub: pb_grpc.ParameterServerServiceStub, address: str, worker_id: str, *,
-             request_bytes: int, reply_bytes: int, shm_dir: str, timeout_s: float) -> FastPath:
-        """Negotiate and connect; a PSError says why this kind is not possible with this server."""
+             request_bytes: int, reply_bytes: int, shm_dir: str, timeout_s: float,
+             ssl_context: ssl.SSLContext | None = None) -> FastPath:
+        """Negotiate and connect; a PSError says why this kind is not possible with this server.
+
+        `ssl_context` (a client context: our certificate, the job's CA): TCP runs over TLS, the
+        server authenticated by its certificate and the host name we reached it by, as gRPC does.
+        Shared memory needs none: the bytes never leave the host, and the session's secret came
+        over the authenticated gRPC channel."""
         segment = scratch = None
         sock = None
         try:
@@ -121,6 +129,8 @@ class FastPath:
             try:
                 sock = socket.create_connection((host_of(address), reply.port), timeout=timeout_s)
                 tune(sock)
+                if ssl_context is not None:
+                    sock = ssl_context.wrap_socket(sock, server_hostname=host_of(address))
                 send_frame(sock, HELLO, hello)
             except OSError as err:
                 raise TransportBroken(f"cannot connect to port {reply.port}: {err}") from None

@@ -1,0 +1,162 @@
+"""The consistency contract of test_transports.py again, with TLS on (certificates made by
+`pshard certs` in a temporary directory): the raw TCP path runs over mutually authenticated TLS,
+shared memory runs beside it on the session secret, and every promise holds as it does in clear.
+Then what TLS adds: a peer that speaks in clear, or with another CA's certificate, does not get on
+the TCP path even with the session's secret."""
+
+from __future__ import annotations
+
+import socket
+import ssl
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+from pshard.common import fastwire
+from pshard.common.identity import Identity
+from pshard.common.job import JobConfig, OptimizerConfig
+from pshard.common.rpc import DEFAULT_MAX_MESSAGE_BYTES, channel_options
+from pshard.common.security import SecurityConfig
+from pshard.ps_server.service import ServerThread, start_server_thread
+from pshard.ps_server.settings import ServerSettings
+from pshard.worker.client import PSClient
+
+from pshard.api.v1 import parameter_server_pb2 as pb
+from pshard.certs import ensure, issue, make_ca
+
+from .conftest import WAIT_S, Wire
+from .test_transports import (  # noqa: F401  (the contract's tests and fixtures, collected here again)
+    client,
+    serve,
+    shm_dir,
+    test_a_duplicate_push_is_dropped_and_changes_nothing,
+    test_a_pull_past_its_deadline_names_the_missing_workers,
+    test_async_loses_no_update_from_concurrent_workers,
+    test_bad_input_gets_the_same_error_as_over_grpc_and_changes_nothing,
+    test_pulls_racing_updates_each_see_exactly_one_version,
+    test_ssp_pull_waits_for_the_slowest_worker_and_its_push_releases_it,
+    test_sync_steps_average_every_workers_gradient_on_two_servers,
+    test_sync_training_is_bit_identical_on_every_transport,
+    transport,
+)
+
+ASYNC = JobConfig(mode="async", optimizer=OptimizerConfig(name="sgd", lr=1.0))
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("pki")
+
+
+def _security(pki: Path, role: str, node_id: str = "") -> SecurityConfig:
+    identity = Identity(role, node_id)
+    return ensure(pki, [identity])[identity].security(role, node_id)
+
+
+# The fixtures every contract test builds on, with TLS on.
+
+@pytest.fixture
+def start_server(pki: Path) -> Iterator[Callable[..., ServerThread]]:
+    servers: list[ServerThread] = []
+
+    def start(settings: ServerSettings | None = None, *, bind: str = "127.0.0.1:0",
+              max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> ServerThread:
+        server = start_server_thread(settings or ServerSettings(), bind, max_message_bytes,
+                                     _security(pki, "ps", "ps-0"))
+        servers.append(server)
+        assert server.running.fast is not None and server.running.fast.tls
+        return server
+
+    yield start
+    for server in servers:
+        server.stop(grace_s=0.2)
+
+
+@pytest.fixture
+def new_client(pki: Path) -> Iterator[Callable[..., PSClient]]:
+    clients: list[PSClient] = []
+
+    def make(servers: list[ServerThread | str], worker_id: str, **kwargs: object) -> PSClient:
+        kwargs.setdefault("timeout_s", WAIT_S)
+        kwargs.setdefault("retry_budget_s", WAIT_S)
+        # The chief's role: the contract's workers also declare the job (only a chief may).
+        kwargs.setdefault("security", _security(pki, "chief", worker_id))
+        addresses = [s if isinstance(s, str) else s.address for s in servers]
+        clients.append(PSClient(addresses, worker_id, **kwargs))  # type: ignore[arg-type]
+        return clients[-1]
+
+    yield make
+    for c in clients:
+        c.close()
+
+
+class _TLSWire(Wire):
+    """The contract's raw gRPC access, as one credential."""
+
+    def __init__(self, security: SecurityConfig) -> None:
+        super().__init__()
+        self._security = security
+
+    def channel(self, server: ServerThread | str) -> grpc.Channel:
+        address = server if isinstance(server, str) else server.address
+        if address not in self._channels:
+            self._channels[address] = self._security.channel(address, options=channel_options())
+        return self._channels[address]
+
+
+@pytest.fixture
+def wire(pki: Path) -> Iterator[Wire]:
+    helper = _TLSWire(_security(pki, "chief", "w0"))
+    yield helper
+    helper.close()
+
+
+# ---- what TLS adds ----
+
+def _session(wire: Wire, server: ServerThread) -> pb.OpenTransportResponse:
+    return wire.stub(server).OpenTransport(pb.OpenTransportRequest(
+        worker_id="w0", kind=pb.TRANSPORT_KIND_TCP, request_bytes=4096, reply_bytes=4096), timeout=WAIT_S)
+
+
+def _hello(session: pb.OpenTransportResponse) -> bytes:
+    return pb.TransportHello(session=session.session, secret=session.secret).SerializeToString()
+
+
+def test_a_peer_in_clear_does_not_get_on_the_tls_path_even_with_the_secret(start_server, new_client, wire):
+    server = start_server(ServerSettings())
+    c = new_client([server], "w0", transport="tcp")
+    c.declare({"a": np.zeros(8, np.float32)}, ASYNC)
+    before = wire.read(server, ["a"])
+    session = _session(wire, server)
+    with socket.create_connection(("127.0.0.1", server.running.fast.port), timeout=WAIT_S) as sock:
+        fastwire.send_frame(sock, fastwire.HELLO, _hello(session))
+        header = pb.ExchangeHeader(op=pb.EXCHANGE_OP_PUSH_PULL, stamp=wire.stamp("w0", 0))
+        header.push.append(wire.meta("a", "float32", [8]))
+        fastwire.send_frame(sock, fastwire.REQUEST, header.SerializeToString(), [np.ones(8, np.float32)])
+        try:
+            answer = sock.recv(1)
+        except ConnectionResetError:
+            answer = b""
+        assert answer in (b"", b"\x15")  # closed, or a TLS alert: never a frame
+    assert wire.read(server, ["a"]) == before and not wire.stats(server).worker_transports
+
+
+def test_a_certificate_of_another_ca_is_refused_at_the_handshake(start_server, new_client, wire, pki,
+                                                                 tmp_path):
+    server = start_server(ServerSettings())
+    new_client([server], "w0", transport="grpc").declare({"a": np.zeros(8, np.float32)}, ASYNC)
+    before = wire.read(server, ["a"])
+    session = _session(wire, server)
+    make_ca(tmp_path / "other")
+    stranger = issue(tmp_path / "other", Identity("worker", "w0"))
+    context = ssl.create_default_context(ssl.Purpose.SERVER_AUTH, cafile=str(pki / "ca.pem"))
+    context.load_cert_chain(str(stranger.cert), str(stranger.key))
+    with (socket.create_connection(("127.0.0.1", server.running.fast.port), timeout=WAIT_S) as raw,
+          pytest.raises((ssl.SSLError, ConnectionResetError, BrokenPipeError)),
+          context.wrap_socket(raw, server_hostname="127.0.0.1") as sock):
+        fastwire.send_frame(sock, fastwire.HELLO, _hello(session))
+        if sock.recv(1) == b"":  # TLS 1.3: the refusal arrives after the client's handshake
+            raise ConnectionResetError("closed")
+    assert wire.read(server, ["a"]) == before and not wire.stats(server).worker_transports
