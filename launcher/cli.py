@@ -19,19 +19,22 @@ is the command line.
 from __future__ import annotations
 
 import argparse
+import logging
+import os
 import shlex
 import shutil
 import sys
 import uuid
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from pshard.common.argtypes import positive_float, positive_int
 from pshard.common.logs import add_log_level_argument, configure_logging
-from pshard.launcher.plan import RESTART_POLICIES, TASK_PLACEHOLDER, ClusterPlan, Options
+from pshard.launcher.plan import RESTART_POLICIES, TASK_PLACEHOLDER, ClusterPlan, Options, cert_names
 from pshard.launcher.supervisor import run
 
 PROG = "python -m pshard.launcher"
+log = logging.getLogger("pshard.launcher")
 
 
 class LaunchError(Exception):
@@ -94,6 +97,12 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
                         help="longest wait for the scheduler and servers to become healthy (default 60)")
     parser.add_argument("--grace-s", metavar="S", type=positive_float, default=10.0,
                         help="time between SIGTERM and SIGKILL when stopping a process (default 10)")
+    parser.add_argument("--certs-dir", metavar="DIR", default=None,
+                        help="mutual TLS on every channel with a development CA and one certificate per "
+                             "process, made here on first use and kept ('pshard certs'; default: "
+                             f"$PSHARD_CERTS_DIR, else {default_certs_dir()})")
+    parser.add_argument("--insecure", action="store_true",
+                        help="no TLS and no authentication, for a quick local try (every process warns)")
     add_log_level_argument(parser)
     return parser
 
@@ -127,7 +136,31 @@ def parse_options(argv: Sequence[str], prog: str = PROG) -> Options:
                    startup_timeout_s=args.startup_timeout_s, grace_s=args.grace_s,
                    log_level=args.log_level, restart=args.restart, max_restarts=args.max_restarts,
                    restart_backoff_s=args.restart_backoff_s, checkpoint_interval_s=args.checkpoint_interval_s,
-                   job_id=args.job_id or f"launch-{uuid.uuid4().hex[:12]}", resume=args.resume)
+                   job_id=args.job_id or f"launch-{uuid.uuid4().hex[:12]}", resume=args.resume,
+                   certs_dir=None if args.insecure else (args.certs_dir or default_certs_dir()))
+
+
+def default_certs_dir(environ: Mapping[str, str] | None = None) -> str:
+    env = os.environ if environ is None else environ
+    cache = env.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return env.get("PSHARD_CERTS_DIR") or os.path.join(cache, "pshard", "certs")
+
+
+def _ensure_certs(options: Options) -> None:
+    """Every process's certificate (and an admin's), made on first use, kept after (pshard.certs)."""
+    from pshard.common.identity import Identity
+
+    from pshard.certs import ensure
+
+    assert options.certs_dir is not None
+    plan = ClusterPlan.allocate(options.ps, options.workers, chief=options.chief, host=options.host,
+                                ports=lambda n, host: list(range(1, n + 1)))
+    nodes = [Identity(role, node_id) for role, node_id in cert_names(plan)] + [Identity("admin")]
+    try:
+        ensure(options.certs_dir, nodes, [options.host])
+    except OSError as err:
+        raise LaunchError(f"--certs-dir: cannot make certificates in {options.certs_dir!r} "
+                          f"({err.strerror or err})") from None
 
 
 def check_startable(options: Options) -> None:
@@ -148,6 +181,11 @@ def main(argv: Sequence[str] | None = None, prog: str = PROG) -> int:
             ClusterPlan.allocate(options.ps, options.workers, chief=options.chief, host=options.host)
         except OSError as err:
             raise LaunchError(f"--host: cannot listen on {options.host!r} ({err.strerror or err})") from None
+        if options.certs_dir is None:
+            log.warning("--insecure: NO TLS AND NO AUTHENTICATION for this cluster: anyone who reaches "
+                        "%s can read and overwrite the model", options.host)
+        else:
+            _ensure_certs(options)
         return run(options)
     except LaunchError as err:
         print(f"{prog}: error: {err}", file=sys.stderr)

@@ -138,6 +138,9 @@ class Options:
     # per launch, so that a re-run with the same --checkpoint-dir starts fresh instead of mixing runs.
     job_id: str = ""
     resume: bool = False  # servers continue another job's checkpoint (ps --resume)
+    # mTLS for every channel: each child gets its certificate from here (`pshard certs` layout,
+    # <node id>.pem); None = no TLS (with --insecure, said loudly by every child).
+    certs_dir: str | None = None
 
 
 @dataclass(frozen=True)
@@ -195,21 +198,37 @@ def child_specs(plan: ClusterPlan, options: Options, python: str = sys.executabl
                     argv += ["--checkpoint-interval-s", f"{options.checkpoint_interval_s:g}"]
         if options.log_level != DEFAULT_LOG_LEVEL:
             argv += ["--log-level", options.log_level]
-        specs.append(ChildSpec(task.name, tuple(argv), _child_env(plan, task, options.job_id), task.address))
+        env = _child_env(plan, task, options.job_id, options.certs_dir)
+        specs.append(ChildSpec(task.name, tuple(argv), env, task.address))
     for task in plan.trainers:
         args = [a.replace(TASK_PLACEHOLDER, task.name) for a in options.worker_args]
-        env = _child_env(plan, task, options.job_id)
+        env = _child_env(plan, task, options.job_id, options.certs_dir)
         specs.append(ChildSpec(task.name, (*options.worker_cmd, *args), env))
     return specs
 
 
-def _child_env(plan: ClusterPlan, task: Task, job_id: str = "") -> dict[str, str]:
+def _child_env(plan: ClusterPlan, task: Task, job_id: str = "",
+               certs_dir: str | None = None) -> dict[str, str]:
     # Unbuffered: otherwise a child's output reaches the launcher in 8 KiB blocks, late and
     # out of order with the other children's.
     env = {"TF_CONFIG": plan.tf_config(task), "PYTHONUNBUFFERED": "1"}
     if job_id:
         env["PSHARD_JOB_ID"] = job_id
+    if certs_dir is not None:
+        env.update(tls_env(certs_dir, f"{task.task_type}-{task.index}"))
     return env
+
+
+def tls_env(certs_dir: str, name: str) -> dict[str, str]:
+    """The PSHARD_TLS_* variables of the node whose files `pshard certs` named `name` in `certs_dir`."""
+    base = Path(certs_dir)
+    return {"PSHARD_TLS_CERT": str(base / f"{name}.pem"), "PSHARD_TLS_KEY": str(base / f"{name}-key.pem"),
+            "PSHARD_TLS_CA": str(base / "ca.pem")}
+
+
+def cert_names(plan: ClusterPlan) -> list[tuple[str, str]]:
+    """(role, node id) of every task of `plan`: the certificates a secure launch needs."""
+    return [(t.task_type, f"{t.task_type}-{t.index}") for t in (*plan.servers, *plan.trainers)]
 
 
 def child_environment(added: Mapping[str, str], base: Mapping[str, str]) -> dict[str, str]:

@@ -22,6 +22,7 @@ stops quietly with 143 on the SIGTERM the launcher sends it, which the summary l
 
 from __future__ import annotations
 
+import argparse
 import codecs
 import contextlib
 import json
@@ -38,6 +39,7 @@ from types import FrameType
 from typing import TextIO
 
 from pshard.common.health import probe
+from pshard.common.security import security_from_args
 from pshard.launcher.plan import (
     ChildSpec,
     ClusterPlan,
@@ -190,11 +192,14 @@ class Supervisor:
         """
         deadline = time.monotonic() + timeout_s
         pending = {s.name: s.health_address for s in servers if s.health_address}
+        # A TLS server's handshake needs a certificate of the job's CA: the child's own will do.
+        security = {s.name: security_from_args(argparse.Namespace(), s.env) for s in servers}
         reasons: dict[str, str] = {}
         while True:
             for name, address in list(pending.items()):
                 remaining = deadline - time.monotonic()
-                serving, reasons[name] = probe(address, timeout_s=max(0.1, min(_PROBE_TIMEOUT_S, remaining)))
+                serving, reasons[name] = probe(address, timeout_s=max(0.1, min(_PROBE_TIMEOUT_S, remaining)),
+                                               security=security[name])
                 if serving:
                     del pending[name]
             if not pending:

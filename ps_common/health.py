@@ -17,14 +17,19 @@ from collections.abc import Sequence
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from pshard.common.argtypes import positive_float
+from pshard.common.errors import PSError
+from pshard.common.security import SecurityConfig, add_security_arguments, security_from_args
 
 DEFAULT_TIMEOUT_S = 3.0
 
 
-def probe(target: str, service: str = "", timeout_s: float = DEFAULT_TIMEOUT_S) -> tuple[bool, str]:
-    """(serving, one-line reason). `service` "" asks about the server as a whole."""
+def probe(target: str, service: str = "", timeout_s: float = DEFAULT_TIMEOUT_S,
+          security: SecurityConfig | None = None) -> tuple[bool, str]:
+    """(serving, one-line reason). `service` "" asks about the server as a whole. A TLS server needs
+    `security` for the handshake (the container's PSHARD_TLS_* files); the health service itself
+    asks for no role."""
     name = f"service {service!r}" if service else "server"
-    with grpc.insecure_channel(target) as channel:
+    with (security or SecurityConfig()).channel(target) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         try:
             # No wait_for_ready: a closed port fails at once with UNAVAILABLE instead of
@@ -57,13 +62,18 @@ def main(argv: Sequence[str] | None = None, *, prog: str = "python -m pshard.com
     parser.add_argument(
         "--timeout-s", type=positive_float, default=DEFAULT_TIMEOUT_S, help="deadline of the check, seconds"
     )
+    add_security_arguments(parser)
     try:
         args = parser.parse_args(argv)
+        security = security_from_args(args)
     except SystemExit as exc:
         # argparse exits 2 on a usage error, but Docker reserves health-check exit code 2;
         # a misconfigured probe is simply "not healthy". --help still exits 0.
         return 1 if exc.code else 0
-    serving, reason = probe(args.target, args.service, args.timeout_s)
+    except PSError as exc:  # unreadable TLS files: not healthy, and why
+        print(f"{prog}: {exc}", file=sys.stderr)
+        return 1
+    serving, reason = probe(args.target, args.service, args.timeout_s, security)
     print(reason, file=sys.stdout if serving else sys.stderr)
     return 0 if serving else 1
 

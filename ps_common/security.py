@@ -114,14 +114,14 @@ class SecurityConfig:
         return "no TLS, no authentication"
 
     def warn_if_open(self, prog: str) -> None:
-        """Say loudly when this process accepts or sends anything in clear."""
+        """Say loudly when this process was told to run open (--insecure) or sends tokens in clear.
+
+        Nothing is said without any flag: that is the plain library default of tests and embedding;
+        the compose file, the launcher and the Kubernetes manifests turn TLS on."""
         if self.insecure:
             log.warning("%s: --insecure: NO TLS AND NO AUTHENTICATION. Anyone who reaches the ports can read "
                         "and overwrite the model. Use only on a machine of your own.", prog)
-        elif not self.enabled:
-            log.warning("%s: no --tls-cert/--tls-key/--tls-ca and no --token-file: traffic is in clear and "
-                        "unauthenticated ('pshard certs' makes a development CA)", prog)
-        elif not self.tls:
+        elif self.token_file is not None and not self.tls:
             log.warning("%s: tokens without TLS: every token travels in clear and can be replayed", prog)
 
     # ---- gRPC server side ----

@@ -26,6 +26,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from pshard.common.argtypes import listen_address, positive_float, positive_int
+from pshard.common.bind import default_bind
 from pshard.common.cluster import (
     ClusterSpec,
     add_cluster_arguments,
@@ -40,6 +41,7 @@ from pshard.common.jobend import add_exit_argument, watch_job_end
 from pshard.common.logs import add_log_level_argument, configure_logging
 from pshard.common.metrics import add_metrics_argument, serve_server_metrics
 from pshard.common.rpc import DEFAULT_MAX_MESSAGE_BYTES
+from pshard.common.security import SecurityConfig, add_security_arguments, security_from_args
 from pshard.ps_server import service
 from pshard.ps_server.heap import bound_heap
 from pshard.ps_server.settings import ServerSettings
@@ -57,8 +59,8 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
                "Declare); the --mode/--optimizer flags set them for clients that send none.")
     add_cluster_arguments(p)
     p.add_argument("--bind", metavar="HOST:PORT", type=listen_address,
-                   help="listen address (default: 0.0.0.0 and the port of this task's TF_CONFIG address; "
-                        "127.0.0.1:0 without TF_CONFIG)")
+                   help="listen address (default: the port of this task's TF_CONFIG address on 127.0.0.1, "
+                        "or in a container on TF_CONFIG's host; 127.0.0.1:0 without TF_CONFIG)")
     p.add_argument("--workers", metavar="ID[,ID...]",
                    help="static sync quorum of worker ids (e.g. worker-0,worker-1) when no scheduler is used")
     p.add_argument("--no-scheduler", action="store_true",
@@ -94,6 +96,7 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
     p.add_argument("--shm-dir", metavar="DIR", default=ServerSettings.shm_dir,
                    help="directory of the workers' shared-memory segments (default "
                         f"{ServerSettings.shm_dir})")
+    add_security_arguments(p)
     add_metrics_argument(p)
     add_exit_argument(p)
     add_log_level_argument(p)
@@ -104,7 +107,7 @@ def _bind(args: argparse.Namespace, spec: ClusterSpec | None) -> str:
     if args.bind:
         return args.bind
     if spec is not None and spec.own_address:
-        return spec.listen_address
+        return default_bind(spec.listen_address, spec.own_address)
     return "127.0.0.1:0"
 
 
@@ -159,13 +162,14 @@ def _settings(args: argparse.Namespace) -> ServerSettings:
 
 
 async def _run(args: argparse.Namespace, spec: ClusterSpec | None, settings: ServerSettings,
-               bind: str) -> int:
+               bind: str, security: SecurityConfig) -> int:
     # Handlers first: from here on a signal stops the server gracefully, start-up included.
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in STOP_SIGNALS:
         loop.add_signal_handler(sig, stop.set)
-    running = await service.start(settings, bind, args.max_message_mb * 2**20)
+    running = await service.start(settings, bind, args.max_message_mb * 2**20, security)
+    security.warn_if_open("pshard ps")
     print(f"pshard ps: listening on port {running.port}", flush=True)
     metrics = None
     if args.metrics_port is not None:
@@ -179,7 +183,7 @@ async def _run(args: argparse.Namespace, spec: ClusterSpec | None, settings: Ser
         print(f"pshard ps: metrics on port {metrics.port}", flush=True)
     follower = None
     if spec is not None and not args.no_scheduler:
-        follower = service.follow_scheduler(running, spec, loop)
+        follower = service.follow_scheduler(running, spec, loop, security)
     tasks: list[asyncio.Future[object]] = [asyncio.ensure_future(stop.wait())]
     if args.checkpoint_dir and args.checkpoint_interval_s > 0:
         tasks.append(asyncio.ensure_future(service.checkpoint_every(running, args.checkpoint_interval_s)))
@@ -215,12 +219,13 @@ def main(argv: Sequence[str] | None = None, *, prog: str = PROG) -> int:
                 f"task.type: got {spec.task_type!r} (index {spec.task_index}), but {prog} runs 'ps' "
                 f"tasks; start a {spec.task_type!r} task with 'pshard run' or its own command")
     settings = _settings(args)
+    security = security_from_args(args, os.environ, role="ps", node_id=spec.node_id if spec else "")
     bind = _bind(args, spec)
     check_can_listen(bind)
     if args.metrics_port:
         check_can_listen(metrics_address(bind, args.metrics_port))
     try:
-        return asyncio.run(_run(args, spec, settings, bind))
+        return asyncio.run(_run(args, spec, settings, bind, security))
     except OSError as err:  # the checkpoint's arrays, or the port lost since check_can_listen
         print(f"{prog}: error: {err}", file=sys.stderr)
         return 2

@@ -20,6 +20,7 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 
+from pshard.common.security import SecurityConfig, add_security_arguments, security_from_args
 from pshard.common.view import ClusterView, NodeState
 
 PROG = "pshard status"
@@ -156,7 +157,8 @@ def render(status: JobStatus) -> str:
 # ---- the RPCs ----
 
 
-def fetch(scheduler: str, timeout_s: float) -> JobStatus:
+def fetch(scheduler: str, timeout_s: float, security: SecurityConfig | None = None) -> JobStatus:
+    """`security`: the operator's credential (an admin certificate or token); default plain."""
     import grpc
 
     from pshard.api.v1 import parameter_server_pb2 as pb
@@ -164,7 +166,8 @@ def fetch(scheduler: str, timeout_s: float) -> JobStatus:
     from pshard.api.v1 import scheduler_pb2, scheduler_pb2_grpc
     from pshard.common.codec import mode_from_proto, view_from_proto
 
-    with grpc.insecure_channel(scheduler) as channel:
+    security = security or SecurityConfig()
+    with security.channel(scheduler) as channel:
         stub = scheduler_pb2_grpc.SchedulerServiceStub(channel)
         stream = stub.Watch(scheduler_pb2.WatchRequest(), timeout=timeout_s)
         try:
@@ -176,7 +179,7 @@ def fetch(scheduler: str, timeout_s: float) -> JobStatus:
         if node.role != "ps" or node.state is not NodeState.LIVE:
             continue
         try:
-            with grpc.insecure_channel(node.address) as channel:
+            with security.channel(node.address) as channel:
                 ps_stub = pb_grpc.ParameterServerServiceStub(channel)
                 s = ps_stub.GetStats(pb.GetStatsRequest(), timeout=timeout_s)
         except grpc.RpcError as err:
@@ -212,6 +215,7 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
     p.add_argument("--watch", metavar="SECONDS", type=float, nargs="?", const=2.0, default=None,
                    help="refresh every SECONDS (default 2) until interrupted")
     p.add_argument("--timeout-s", metavar="S", type=float, default=10.0, help="per-RPC timeout (default 10)")
+    add_security_arguments(p)
     return p
 
 
@@ -219,12 +223,13 @@ def main(argv: Sequence[str] | None = None, *, prog: str = PROG) -> int:
     args = build_parser(prog).parse_args(argv)
     try:
         scheduler = _scheduler_address(args, os.environ)
+        security = security_from_args(args, os.environ, role="admin")
     except Exception as err:  # a bad TF_CONFIG names its field
         print(f"{prog}: error: {err}", file=sys.stderr)
         return 2
     while True:
         try:
-            status = fetch(scheduler, args.timeout_s)
+            status = fetch(scheduler, args.timeout_s, security)
         except Exception as err:  # grpc.RpcError: the scheduler is not there
             code = getattr(err, "code", None)
             why = f"{code().name}: {err.details()}" if callable(code) else str(err)  # type: ignore[attr-defined]

@@ -1,7 +1,8 @@
 """``pshard scheduler`` (or ``python -m pshard.scheduler``): run the scheduler until SIGTERM or SIGINT.
 
-Where to listen: ``--bind``; else the port of the scheduler's address in TF_CONFIG, on every
-interface; else 0.0.0.0:7000. With TF_CONFIG the task must be the cluster's ``scheduler`` task:
+Where to listen: ``--bind``; else the port of the scheduler's address in TF_CONFIG (else 7000) on
+127.0.0.1, or in a container on TF_CONFIG's host (pshard.common.bind). With TF_CONFIG the task
+must be the cluster's ``scheduler`` task:
 a chief or worker 0 that hosts the scheduler (a cluster without a scheduler entry) does so
 in-process, from ``pshard worker``.
 
@@ -24,6 +25,7 @@ import sys
 from collections.abc import Mapping, Sequence
 
 from pshard.common.argtypes import listen_address, positive_int
+from pshard.common.bind import default_bind
 from pshard.common.cluster import (
     add_cluster_arguments,
     cluster_config_given,
@@ -35,6 +37,7 @@ from pshard.common.errors import ClusterConfigError
 from pshard.common.jobend import add_exit_argument, watch_job_end
 from pshard.common.logs import add_log_level_argument, configure_logging
 from pshard.common.metrics import add_metrics_argument, serve_scheduler_metrics
+from pshard.common.security import SecurityConfig, add_security_arguments, security_from_args
 from pshard.scheduler.service import DEFAULT_HEARTBEAT_INTERVAL_S, DEFAULT_HEARTBEAT_TIMEOUT_S, start
 
 PROG = "python -m pshard.scheduler"
@@ -49,14 +52,16 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
     interval_ms = round(DEFAULT_HEARTBEAT_INTERVAL_S * 1000)
     timeout_ms = round(DEFAULT_HEARTBEAT_TIMEOUT_S * 1000)
     parser.add_argument("--bind", metavar="HOST:PORT", type=listen_address, default=None,
-                        help="address to listen on (default: 0.0.0.0 with the port of the scheduler's "
-                             f"TF_CONFIG address, else 0.0.0.0:{DEFAULT_PORT}; port 0 picks a free port)")
+                        help="address to listen on (default: 127.0.0.1, or in a container TF_CONFIG's host, "
+                             f"with the port of the scheduler's TF_CONFIG address, else {DEFAULT_PORT}; "
+                             "port 0 picks a free port)")
     parser.add_argument("--heartbeat-interval-ms", metavar="MS", type=positive_int, default=interval_ms,
                         help="how often nodes send heartbeats (told to them when they register; "
                              f"default {interval_ms})")
     parser.add_argument("--heartbeat-timeout-ms", metavar="MS", type=positive_int, default=timeout_ms,
                         help=f"a node silent for longer than this is declared dead (default {timeout_ms})")
     add_cluster_arguments(parser)
+    add_security_arguments(parser)
     add_metrics_argument(parser)
     add_exit_argument(parser)
     add_log_level_argument(parser)
@@ -65,7 +70,7 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
 
 def bind_address(args: argparse.Namespace, environ: Mapping[str, str], prog: str = PROG) -> str:
     if not cluster_config_given(args, environ):
-        return args.bind or f"0.0.0.0:{DEFAULT_PORT}"
+        return args.bind or default_bind(f"0.0.0.0:{DEFAULT_PORT}", None, environ)
     spec = cluster_spec_from_args(args, environ, default_task_type="scheduler")
     if spec.task_type != "scheduler":
         host = ("it hosts the scheduler in-process with 'pshard worker'" if spec.hosts_scheduler
@@ -73,17 +78,19 @@ def bind_address(args: argparse.Namespace, environ: Mapping[str, str], prog: str
         raise ClusterConfigError(
             f"task.type: got {spec.task_type!r} (index {spec.task_index}), but {prog} runs the "
             f"'scheduler' task; {host}")
-    return str(args.bind) if args.bind else spec.listen_address
+    return str(args.bind) if args.bind else default_bind(spec.listen_address, spec.own_address, environ)
 
 
 async def _run(bind: str, interval_s: float, timeout_s: float, metrics_port: int | None = None,
-               exit_when_done: float | None = None) -> None:
+               exit_when_done: float | None = None, security: SecurityConfig | None = None) -> None:
     # Handlers first: from here on a signal stops the scheduler gracefully, start-up included.
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in STOP_SIGNALS:
         loop.add_signal_handler(sig, stop.set)
-    running = await start(bind, heartbeat_interval_s=interval_s, heartbeat_timeout_s=timeout_s)
+    running = await start(bind, heartbeat_interval_s=interval_s, heartbeat_timeout_s=timeout_s,
+                          security=security)
+    (security or SecurityConfig()).warn_if_open("pshard scheduler")
     metrics = None
     try:
         if metrics_port is not None:
@@ -113,13 +120,15 @@ def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = 
         parser.error(f"--heartbeat-timeout-ms: got {args.heartbeat_timeout_ms}, expected more than "
                      f"--heartbeat-interval-ms ({args.heartbeat_interval_ms})")
     configure_logging(args.log_level)
-    bind = bind_address(args, os.environ if environ is None else environ, prog)
+    env = os.environ if environ is None else environ
+    security = security_from_args(args, env, role="scheduler", node_id="scheduler-0")
+    bind = bind_address(args, env, prog)
     check_can_listen(bind)
     if args.metrics_port:
         check_can_listen(metrics_address(bind, args.metrics_port))
     try:
         asyncio.run(_run(bind, args.heartbeat_interval_ms / 1000, args.heartbeat_timeout_ms / 1000,
-                         args.metrics_port, args.exit_when_done))
+                         args.metrics_port, args.exit_when_done, security))
     except OSError as e:  # lost the port between the check and gRPC's bind
         print(f"{prog}: error: {e}", file=sys.stderr)
         return 2

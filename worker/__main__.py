@@ -224,7 +224,6 @@ def config_from_args(argv: Sequence[str] | None, environ: Mapping[str, str], pro
     configure_logging(args.log_level)
     spec = _cluster(args, environ, prog)
     security = security_from_args(args, environ, role=spec.task_type, node_id=spec.node_id)
-    security.warn_if_open(prog)
     select_device(args.device)  # asking for CUDA where there is none is a configuration error
     if args.output:
         _check_writable("--output", args.output, create=False)
@@ -251,6 +250,7 @@ def config_from_args(argv: Sequence[str] | None, environ: Mapping[str, str], pro
 @exit_on_config_error(prog=PROG)
 def _main(argv: Sequence[str] | None, environ: Mapping[str, str], prog: str) -> int:
     cfg = config_from_args(argv, environ, prog)
+    cfg.security.warn_if_open(prog)  # after every check: a refused start stays one line
     if cfg.spec.task_type == "evaluator":
         return run_evaluator(cfg)
     return run_ctr(cfg) if cfg.model == CTR_MODEL else run(cfg)

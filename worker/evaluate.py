@@ -33,7 +33,7 @@ def run_evaluator(cfg: TrainConfig, stdout: IO[str] | None = None) -> int:
                          stream=stdout if cfg.metrics == "-" else None)
     session = ClusterSession(cfg.spec, startup_timeout_s=cfg.startup_timeout_s,
                              step_timeout_s=cfg.step_timeout_s, transport=cfg.transport,
-                             shm_dir=cfg.shm_dir)
+                             shm_dir=cfg.shm_dir, security=cfg.security, bind=cfg.bind)
     evals, accuracy, failed = 0, None, None
     try:
         with stage("data", "loading data"):

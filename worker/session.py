@@ -23,6 +23,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
+from pshard.common.bind import default_bind
 from pshard.common.cluster import ClusterSpec
 from pshard.common.entry import check_can_listen
 from pshard.common.errors import (
@@ -34,6 +35,7 @@ from pshard.common.errors import (
 )
 from pshard.common.layout import Layout, ParamSpec
 from pshard.common.scheduler_client import SchedulerClient
+from pshard.common.security import SecurityConfig
 from pshard.common.view import TRAINER_ROLES, ClusterView, NodeState
 from pshard.worker.client import PSClient
 from pshard.worker.config import stage
@@ -60,8 +62,13 @@ class ClusterSession:
     """Membership of one chief, worker or evaluator task; `close()` it in a `finally`."""
 
     def __init__(self, spec: ClusterSpec, *, startup_timeout_s: float, step_timeout_s: float,
-                 transport: str = "auto", shm_dir: str = "/dev/shm") -> None:
+                 transport: str = "auto", shm_dir: str = "/dev/shm",
+                 security: SecurityConfig | None = None, bind: str | None = None) -> None:
+        """`security`: TLS files or tokens of this task (pshard.common.security; default plain);
+        `bind`: where a hosted scheduler listens (default pshard.common.bind)."""
         self.spec = spec
+        self.security = (security or SecurityConfig()).for_node(spec.task_type, spec.node_id)
+        self._bind = bind
         self.transport, self.shm_dir = transport, shm_dir  # for PSClient
         self.startup_timeout_s = startup_timeout_s
         self.step_timeout_s = step_timeout_s
@@ -91,7 +98,7 @@ class ClusterSession:
         """
         if not self.spec.hosts_scheduler:
             return
-        bind = self.spec.listen_address
+        bind = self._bind or default_bind(self.spec.listen_address, self.spec.own_address)
         where = (f"{self.spec.node_id} hosts the scheduler at {self.spec.scheduler_address} (the cluster "
                  "has no scheduler task)")
         try:
@@ -103,7 +110,7 @@ class ClusterSession:
             from pshard.scheduler.service import start_scheduler_thread
 
             try:
-                self._hosted = start_scheduler_thread(bind)
+                self._hosted = start_scheduler_thread(bind, security=self.security)
             except OSError as e:  # taken between the check and the bind
                 raise ClusterConfigError(f"{where}, but {e}") from None
 
@@ -118,7 +125,8 @@ class ClusterSession:
             rank_hint = spec.data_rank if spec.task_type in TRAINER_ROLES else spec.task_index
             sched = self.scheduler = SchedulerClient(
                 spec.scheduler_address, spec.task_type, own_address=spec.own_address or "",
-                node_id=spec.node_id, rank_hint=rank_hint, connect_timeout_s=self.startup_timeout_s)
+                node_id=spec.node_id, rank_hint=rank_hint, connect_timeout_s=self.startup_timeout_s,
+                security=self.security)
             host = "the scheduler" + ("" if spec.scheduler else f" (hosted by {self._scheduler_host()})")
             with self._peer_wait("registering", lambda: [Peer(host, spec.scheduler_address, listens=True)],
                                  sched.close):
@@ -172,7 +180,8 @@ class ClusterSession:
         # new generation, and the servers refuse requests stamped with the old one (fencing).
         self.client = PSClient(layout.servers, self.spec.node_id, layout=layout,
                                generation=lambda: sched.generation, await_generation=self._await_generation,
-                               timeout_s=self.step_timeout_s, transport=self.transport, shm_dir=self.shm_dir)
+                               timeout_s=self.step_timeout_s, transport=self.transport, shm_dir=self.shm_dir,
+                               security=self.security)
         threading.Thread(target=self._watch_servers, args=(layout, self.client), name="server-watch",
                          daemon=True).start()
         return self.client

@@ -137,7 +137,7 @@ def test_a_port_in_use_from_tf_config_is_one_line_too():
                      "task": {"type": "ps", "index": 0}}
         result = _run("--no-scheduler", env={**_env(), "TF_CONFIG": json.dumps(tf_config)})
 
-    assert _one_error_line(result).endswith(f"cannot listen on 0.0.0.0:{port}: address already in use")
+    assert _one_error_line(result).endswith(f"cannot listen on 127.0.0.1:{port}: address already in use")
 
 
 @pytest.mark.parametrize("make_unreadable", [

@@ -55,7 +55,7 @@ def test_the_scheduler_task_in_any_case_is_accepted_up_to_the_listen_check():
         result = run(["-m", "pshard.scheduler"], env=child_env(TF_CONFIG=tf_config))
 
     # Past the role check: it went on to listen on its TF_CONFIG port, which the test holds.
-    assert one_error_line(result).endswith(f"cannot listen on 0.0.0.0:{port}: address already in use")
+    assert one_error_line(result).endswith(f"cannot listen on 127.0.0.1:{port}: address already in use")
 
 
 def test_a_port_in_use_is_one_line_naming_the_address():

@@ -1,0 +1,56 @@
+"""Where a service listens when no ``--bind`` is given (docs/architecture.md, 12 Security).
+
+Outside a container or pod: the loopback interface only, so a job started on a laptop or a
+shared host is not reachable from the network by accident. Inside one (``/.dockerenv``, or
+``KUBERNETES_SERVICE_HOST`` set): where TF_CONFIG says this task lives, when that host is an
+address of this container (a headless service, a compose service name); otherwise every
+interface, as before, since a Kubernetes ClusterIP name is not an address of the pod (said in
+the log, so ``--bind`` can pin it).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+from collections.abc import Mapping
+
+log = logging.getLogger("pshard.bind")
+
+
+def in_container(environ: Mapping[str, str], dockerenv: str = "/.dockerenv") -> bool:
+    return os.path.exists(dockerenv) or bool(environ.get("KUBERNETES_SERVICE_HOST"))
+
+
+def _local_ip(host: str) -> str | None:
+    """`host`'s address if it is one of this machine's (binding to it works), else None."""
+    try:
+        infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+    except OSError:
+        return None
+    for family, _, _, _, sockaddr in infos:
+        ip = str(sockaddr[0])
+        try:
+            with socket.socket(family, socket.SOCK_STREAM) as probe:
+                probe.bind((ip, 0))
+        except OSError:
+            continue
+        return f"[{ip}]" if family == socket.AF_INET6 else ip
+    return None
+
+
+def default_bind(listen_address: str, own_address: str | None, environ: Mapping[str, str] | None = None,
+                 *, dockerenv: str = "/.dockerenv") -> str:
+    """The listen address for a task whose every-interface address is `listen_address`
+    (ClusterSpec.listen_address, e.g. ``0.0.0.0:7100``) and whose cluster address is `own_address`."""
+    env = os.environ if environ is None else environ
+    port = listen_address.rsplit(":", 1)[1]
+    if not in_container(env, dockerenv):
+        return f"[::1]:{port}" if listen_address.startswith("[") else f"127.0.0.1:{port}"
+    host = own_address.rsplit(":", 1)[0].strip("[]") if own_address else ""
+    local = _local_ip(host) if host else None
+    if local is None:
+        log.info("%s is not an address of this container: listening on every interface (%s); "
+                 "--bind pins it", host or "TF_CONFIG's host", listen_address)
+        return listen_address
+    return f"{local}:{port}"
