@@ -82,9 +82,14 @@ class GlobalCheckpoints:
         if _without_id(theirs) != _without_id(job):
             raise LayoutConflictError(f"restore: the checkpoint in {directory} was taken with {theirs}, "
                                       f"this job runs {job}")
+        if self._handlers.has_store:  # already configured: spare reading the checkpoint
+            return False, checkpoint.clock, 0, 0
         quorum = self._handlers.quorum
-        restored = await self._handlers.install_restored(
-            lambda: ShardStore.restore(shard_snapshot(checkpoint, job, ranges, quorum)))
+        # Read and re-cut off the event loop; the install (under the config lock) re-checks that no
+        # Declare or other restore got there first.
+        store = await asyncio.get_running_loop().run_in_executor(
+            None, lambda: ShardStore.restore(shard_snapshot(checkpoint, job, ranges, quorum)))
+        restored = await self._handlers.install_restored(lambda: store)
         if not restored:
             return False, checkpoint.clock, 0, 0
         rows = 0

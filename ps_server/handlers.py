@@ -480,8 +480,8 @@ class ParameterServerHandlers:
     async def install_restored(self, make: Callable[[], ShardStore]) -> bool:
         """Configure the server with `make()` (a restored global checkpoint) unless a Declare or an
         earlier restore already did (or the server restored its own shard checkpoint: it is newer);
-        True if installed. The store is built under the config lock, so a Declare racing a restore
-        waits for it and then finds the restored slices."""
+        True if installed. `make` runs under the config lock, so a Declare racing a restore waits for
+        it and then finds the restored slices; build anything slow beforehand."""
         async with self._config_lock:
             if self._store is not None:
                 return False
