@@ -65,7 +65,8 @@ ALLOWED: dict[str, frozenset[str]] = {
     _PS + "GetStats": NODES,
     _PS + "Checkpoint": OPERATORS,
     _PS + "SaveCheckpointPart": OPERATORS,
-    _PS + "RestoreCheckpoint": OPERATORS,
+    # Every trainer asks before its Declare (worker.checkpoints.restore); a configured server ignores it.
+    _PS + "RestoreCheckpoint": OPERATORS | TRAINERS,
     _SPARSE + "DeclareTable": TRAINERS | {"admin"},
     _SPARSE + "PullRows": READERS,
     _SPARSE + "PushRows": TRAINERS,
