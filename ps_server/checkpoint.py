@@ -1,5 +1,9 @@
 """Save and load one shard: weights, optimizer state and clocks (docs/architecture.md, 9 Failures).
 
+This is a server's own checkpoint, restored by the same server with the same layout after a
+restart. A consistent checkpoint of the whole job, which restores onto any number of servers, is a
+global checkpoint (pshard.common.checkpoints, ps_server.global_checkpoint).
+
 A checkpoint named `name` is two files in `directory`:
 
 - `<name>.ckpt-<token>.npz`: every array (values, optimizer state arrays, pending sync
