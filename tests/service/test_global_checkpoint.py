@@ -17,7 +17,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from pshard.cli import main as cli_main
 from pshard.common import checkpoints as ckpt
 from pshard.common.errors import LayoutConflictError
 from pshard.common.job import JobConfig, OptimizerConfig
@@ -28,6 +27,7 @@ from pshard.ps_server.settings import ServerSettings
 from pshard.worker import checkpoints
 from pshard.worker.client import PSClient
 
+from pshard.cli import main as cli_main
 from tests.service.conftest import WAIT_S
 
 JOB = JobConfig(mode="sync", optimizer=OptimizerConfig(name="adam", lr=0.05), job_id="reshard")
