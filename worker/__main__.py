@@ -141,6 +141,9 @@ def build_parser(environ: Mapping[str, str], prog: str = PROG) -> argparse.Argum
     p.add_argument("--transport", choices=("auto", "shm", "tcp", "grpc"), default=D.TRANSPORT,
                    help="how push/pull bytes travel: auto = shared memory with a server on this host, "
                         "else a raw TCP socket, else gRPC (default auto; gRPC is always the fallback)")
+    p.add_argument("--no-overlap", dest="overlap", action="store_false",
+                   help="push all gradients after backward in one exchange, instead of each bucket as "
+                        "soon as backward produces it (overlap is the default; see PSTrainer)")
     p.add_argument("--shm-dir", metavar="DIR", default=D.SHM_DIR,
                    help=f"directory of shared-memory segments, shared with the servers (default {D.SHM_DIR})")
     limits = p.add_argument_group("timeouts")
@@ -239,7 +242,8 @@ def config_from_args(argv: Sequence[str] | None, environ: Mapping[str, str], pro
         local_optimizer=args.local_optimizer, log_every=args.log_every,
         progress_every_s=args.progress_every_s,
         startup_timeout_s=args.startup_timeout_s, step_timeout_s=args.step_timeout_s,
-        eval_interval_s=args.eval_interval_s, transport=args.transport, shm_dir=args.shm_dir,
+        eval_interval_s=args.eval_interval_s, transport=args.transport, overlap=args.overlap,
+        shm_dir=args.shm_dir,
         metrics_port=args.metrics_port, tensorboard=args.tensorboard,
         global_checkpoint_dir=args.global_checkpoint_dir,
         checkpoint_every_steps=max(0, args.checkpoint_every_steps),

@@ -15,6 +15,11 @@ What travels: the parameters that require gradients (buffers stay local, since r
 statistics are not gradients). bfloat16 parameters are held as float32 on the servers
 (numpy has no bfloat16; set the job's wire_dtype="bfloat16" to keep the traffic small).
 
+Overlap (`overlap=True`, what `python -m pshard.worker` uses): each bucket of gradients is pushed
+as soon as backward has produced it, last layer first, and the next forward waits only for the
+layers it reaches (pshard.worker.overlap). `step()` then returns None at once; the step's outcome is
+`last_result` once `clock` (or `synchronize()`) has waited for it. One backward per step.
+
 Aggregate-only mode (optimizer "aggregate"): the servers return the mean gradient, the
 trainer writes it into `.grad` and steps the torch optimizer you pass as
 `local_optimizer=`. Every worker then applies the same update to the same weights.
@@ -27,6 +32,8 @@ the gRPC threads that carry the push/pull and made steps ~20x slower on a loaded
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable, Mapping
+from concurrent.futures import Future
 from types import TracebackType
 
 import numpy as np
@@ -38,6 +45,7 @@ from pshard.common.layout import ParamSpec
 from pshard.worker.client import PSClient, PushResult
 from pshard.worker.device import HostStaging, select_device
 from pshard.worker.embedding import attach_tables, push_table_grads
+from pshard.worker.overlap import DEFAULT_BUCKET_BYTES, BackwardOverlap, merge_results
 from torch import nn
 
 log = logging.getLogger("pshard.trainer")
@@ -62,7 +70,8 @@ class PSTrainer:
 
     def __init__(self, model: nn.Module, client: PSClient, job: JobConfig, *,
                  device: torch.device | str | None = None,
-                 local_optimizer: torch.optim.Optimizer | None = None, clock: int | None = None) -> None:
+                 local_optimizer: torch.optim.Optimizer | None = None, clock: int | None = None,
+                 overlap: bool = False, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> None:
         self.model = model
         self.client = client
         self.job = job
@@ -87,23 +96,45 @@ class PSTrainer:
         self._zeros: dict[str, torch.Tensor] = {}
         self.last_result: PushResult | None = None
         self._clock = self._declare() if clock is None else clock
+        self._pending: list[Future[PushResult]] = []  # overlap: the last step's buckets in flight
+        self._overlap = BackwardOverlap(
+            model, self.params, client, self._staging, self._settle, self._host_buffers,
+            self._load_overlapped, self._zero_grad_of, bucket_bytes) if overlap else None
 
     # ---- the training-loop API ----
 
     @property
     def clock(self) -> int:
-        """Steps this worker has taken in the job (sync: the version the servers are at)."""
-        return self._clock
+        """Steps this worker has taken in the job (sync: the version the servers are at).
+
+        With overlap this waits for the last step's replies (not for its weights to land)."""
+        return self._settle()
+
+    def synchronize(self) -> None:
+        """With overlap: wait for the last step and load all of its weights into the parameters.
+
+        Forward does this layer by layer by itself; call it before reading the weights otherwise
+        (saving, evaluating under torch.no_grad() without a forward of the model, ...)."""
+        self._settle()
+        if self._overlap is not None:
+            self._overlap.land()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        if not set_to_none:
+            self._settle()  # the last step's pushes read the gradients that zero_() would clear
         for p in self.params.values():
             if set_to_none:
                 p.grad = None
             elif p.grad is not None:
                 p.grad.zero_()
 
-    def step(self) -> PushResult:
-        """Push the gradients of this clock, pull the weights of the next one (into the parameters)."""
+    def step(self) -> PushResult | None:
+        """Push the gradients of this clock, pull the weights of the next one (into the parameters).
+
+        With overlap, returns None without waiting (see the module docstring)."""
+        if self._overlap is not None:
+            self._overlapped_step()
+            return None
         push_table_grads(self.tables, self._clock)  # the tables' rows first: each table has its own mode
         grads = self._grads_on_host()
         out = self._landing()
@@ -112,7 +143,7 @@ class PSTrainer:
         assert result is not None  # push_pull always records what it did
         self.last_result = result
         # Sync: the servers' version is the clock (a late push jumps to it); otherwise one step each.
-        self._clock = max(result.min_version, self._clock + 1) if self.job.mode == "sync" else self._clock + 1
+        self._advance(result)
         if self.aggregate:
             self._load(out, grads=True)
             assert self.local_optimizer is not None
@@ -123,6 +154,7 @@ class PSTrainer:
 
     def pull(self) -> None:
         """Fetch the weights as of the current clock into the parameters."""
+        self.synchronize()
         if self.aggregate:
             raise InvalidArgumentError("pull: in aggregate mode the servers hold the mean gradient, not the "
                                        "weights; the weights are the ones in your model")
@@ -131,8 +163,14 @@ class PSTrainer:
         self._load(out)
 
     def close(self) -> None:
-        """Close the client (the trainer owns it from construction on)."""
-        self.client.close()
+        """Finish the last step, then close the client (the trainer owns it from construction on)."""
+        try:
+            if self._overlap is not None:
+                self.synchronize()
+        finally:
+            if self._overlap is not None:
+                self._overlap.close()
+            self.client.close()
 
     def __enter__(self) -> PSTrainer:
         return self
@@ -142,6 +180,52 @@ class PSTrainer:
         self.close()
 
     # ---- internals ----
+
+    def _advance(self, result: PushResult) -> None:
+        # Sync: the servers' version is the clock (a late push jumps to it); otherwise one step each.
+        self._clock = max(result.min_version, self._clock + 1) if self.job.mode == "sync" else self._clock + 1
+
+    def _overlapped_step(self) -> None:
+        assert self._overlap is not None
+        push_table_grads(self.tables, self._overlap.step_clock())  # rows first, as without overlap
+        self._pending = self._overlap.finish_step()
+        if self.aggregate:  # the local optimizer needs the mean gradients now
+            self._settle()
+            out = self._host_buffers(self.params)
+            self._load(out, grads=True)
+            assert self.local_optimizer is not None
+            self.local_optimizer.step()
+            self._overlap.discard()  # what was pulled are gradients, loaded just above
+
+    def _settle(self) -> int:
+        """Wait for the last overlapped step's replies and advance the clock by them."""
+        if self._pending:
+            futures, self._pending = self._pending, []
+            result = merge_results(self.client.wait(f) for f in futures)
+            self.last_result = result
+            self._advance(result)
+        return self._clock
+
+    def _host_buffers(self, keys: Iterable[str]) -> dict[str, np.ndarray]:
+        """Host arrays the pulled values of `keys` land in, allocated once (never the parameters)."""
+        out = {}
+        for key in keys:
+            buf = self._buffers.get(key)
+            if buf is None:
+                p = self.params[key]
+                buf = self._buffers[key] = np.empty(tuple(p.shape), _numpy_dtype(_declared_dtype(p)))
+            out[key] = buf
+        return out
+
+    def _load_overlapped(self, out: Mapping[str, np.ndarray]) -> None:
+        self._staging.to_device(out, {k: self.params[k].detach() for k in out})
+
+    def _zero_grad_of(self, key: str) -> torch.Tensor:
+        grad = self._zeros.get(key)
+        if grad is None:
+            p = self.params[key]
+            grad = self._zeros[key] = torch.zeros_like(p, dtype=_declared_dtype(p))
+        return grad
 
     def _declare(self) -> int:
         """Declare the parameters, load what the servers hold, return the clock to continue from."""
@@ -165,9 +249,7 @@ class PSTrainer:
             grad = p.grad
             if grad is None:
                 # An unused parameter still owes its slice a gradient, or a sync clock never completes.
-                grad = self._zeros.get(key)
-                if grad is None:
-                    grad = self._zeros[key] = torch.zeros_like(p, dtype=_declared_dtype(p))
+                grad = self._zero_grad_of(key)
             if grad.is_sparse:
                 raise InvalidArgumentError(f"param {key!r}: sparse gradients are not supported")
             tensors[key] = _declared(grad.detach())

@@ -77,8 +77,11 @@ def train_worker(trainer: PSTrainer, x: torch.Tensor, y: torch.Tensor, rank: int
 
 def run_two_workers(servers: list[ServerThread], job: JobConfig, x: torch.Tensor, y: torch.Tensor,
                     batch: int, *, slice_bytes: int | None = None,
-                    local: Callable[[nn.Module], torch.optim.Optimizer] | None = None) -> list[PSTrainer]:
-    """Two trainers in threads, each on its half of every batch; returns them after STEPS steps."""
+                    local: Callable[[nn.Module], torch.optim.Optimizer] | None = None,
+                    overlap: dict[str, object] | None = None) -> list[PSTrainer]:
+    """Two trainers in threads, each on its half of every batch; returns them after STEPS steps.
+
+    `overlap`: PSTrainer's overlap arguments (e.g. {"overlap": True, "bucket_bytes": 1})."""
     addresses = [s.address for s in servers]
 
     # Built here, not in the threads: torch's global RNG is shared, so concurrent seeding races.
@@ -91,7 +94,8 @@ def run_two_workers(servers: list[ServerThread], job: JobConfig, x: torch.Tensor
             specs = [ParamSpec(k, "float32", tuple(p.shape)) for k, p in model.named_parameters()]
             layout = plan_layout(specs, addresses, slice_bytes)
         client = PSClient(addresses, WORKERS[rank], layout=layout, timeout_s=WAIT_S, retry_budget_s=WAIT_S)
-        trainer = PSTrainer(model, client, job, local_optimizer=local(model) if local else None)
+        trainer = PSTrainer(model, client, job, local_optimizer=local(model) if local else None,
+                            **(overlap or {}))  # type: ignore[arg-type]
         train_worker(trainer, x, y, rank, batch)
         return trainer
 
@@ -118,24 +122,98 @@ def assert_same_weights(got: nn.Module, want: nn.Module) -> None:
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=lambda m, k=key: f"{k}: {m}")
 
 
+OVERLAP = {"one-bucket": {"overlap": True}, "bucket-per-tensor": {"overlap": True, "bucket_bytes": 1}}
+
+
+def land_by_forward(trainer: PSTrainer, x: torch.Tensor) -> None:
+    """With overlap the last step's weights reach a layer when its forward starts: run one."""
+    with torch.no_grad():
+        trainer.model(x[:1])
+
+
 @pytest.mark.parametrize("slice_bytes", [None, 64], ids=["whole-tensors", "split-tensors"])
-def test_sync_training_matches_single_process_on_union_batch(start_servers, slice_bytes) -> None:
+@pytest.mark.parametrize("overlap", [None, *OVERLAP], ids=["no-overlap", *OVERLAP])
+def test_sync_training_matches_single_process_on_union_batch(start_servers, slice_bytes, overlap) -> None:
     servers = start_servers(2)
     x, y = make_data(seed=7, n=STEPS * 32)
     job = JobConfig(mode="sync", optimizer=OptimizerConfig(name="sgd", lr=0.2, momentum=0.9,
                                                            weight_decay=0.01))
 
-    trainers = run_two_workers(servers, job, x, y, batch=32, slice_bytes=slice_bytes)
+    trainers = run_two_workers(servers, job, x, y, batch=32, slice_bytes=slice_bytes,
+                               overlap=OVERLAP.get(overlap))
 
     want = reference(lambda m: torch.optim.SGD(m.parameters(), lr=0.2, momentum=0.9, weight_decay=0.01),
                      x, y, batch=32)
     assert [t.clock for t in trainers] == [STEPS, STEPS]
     for trainer in trainers:
+        trainer.synchronize()  # with overlap the last step's weights land now (or at the next forward)
         assert_same_weights(trainer.model, want)
         trainer.close()
 
 
-def test_aggregate_mode_with_local_adam_matches_single_process_adam(start_servers) -> None:
+@pytest.mark.parametrize("overlap", [*OVERLAP], ids=[*OVERLAP])
+def test_overlapped_sync_training_lands_the_weights_at_forward(start_servers, overlap) -> None:
+    servers = start_servers(2)
+    x, y = make_data(seed=7, n=STEPS * 32)
+    job = JobConfig(mode="sync", optimizer=OptimizerConfig(name="sgd", lr=0.2, momentum=0.9,
+                                                           weight_decay=0.01))
+
+    trainers = run_two_workers(servers, job, x, y, batch=32, overlap=OVERLAP[overlap])
+
+    want = reference(lambda m: torch.optim.SGD(m.parameters(), lr=0.2, momentum=0.9, weight_decay=0.01),
+                     x, y, batch=32)
+    for trainer in trainers:
+        assert trainer.clock == STEPS
+        # Until a forward reaches them, the parameters hold the weights the last backward used.
+        with pytest.raises(AssertionError):
+            assert_same_weights(trainer.model, want)
+        land_by_forward(trainer, x)
+        assert_same_weights(trainer.model, want)
+        trainer.close()
+
+
+class _Probe(torch.autograd.Function):
+    """Identity; its backward, the last of the step (it is the first layer), calls `seen()`."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, seen: Callable[[], None]) -> torch.Tensor:  # type: ignore[override]
+        ctx.seen = seen
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
+        ctx.seen()
+        return grad, None
+
+
+def test_overlap_exchanges_the_last_layer_while_backward_still_runs(start_servers) -> None:
+    servers = start_servers(1, quorum=("w0",))
+    model = make_model(seed=0)
+    job = JobConfig(mode="sync", optimizer=OptimizerConfig(name="sgd", lr=0.1))
+    x, y = make_data(seed=3, n=8)
+    with PSTrainer(model, PSClient([servers[0].address], "w0", timeout_s=WAIT_S), job, overlap=True,
+                   bucket_bytes=1) as trainer:
+        last_layer = trainer._overlap.buckets[0]  # type: ignore[union-attr]
+        assert last_layer.keys == ("2.bias",)
+        done_during_backward = []
+
+        def seen() -> None:  # backward has not reached the first layer's input yet: step() is not called
+            assert last_layer.inflight is not None, "the last layer's bucket was not sent during backward"
+            last_layer.inflight.result(timeout=WAIT_S)  # its reply arrives while backward waits here
+            done_during_backward.append(True)
+
+        for _ in range(3):
+            trainer.zero_grad()
+            F.cross_entropy(model(_Probe.apply(x.requires_grad_(), seen)), y).backward()
+            assert trainer.step() is None
+        assert done_during_backward == [True] * 3
+        assert trainer.clock == 3
+        trainer.synchronize()
+        assert trainer.last_result is not None and trainer.last_result.min_version == 3
+
+
+@pytest.mark.parametrize("overlap", [None, "one-bucket"], ids=["no-overlap", "overlap"])
+def test_aggregate_mode_with_local_adam_matches_single_process_adam(start_servers, overlap) -> None:
     servers = start_servers(2)
     x, y = make_data(seed=8, n=STEPS * 32)
     job = JobConfig(mode="sync", optimizer=OptimizerConfig(name="aggregate"))
@@ -143,7 +221,7 @@ def test_aggregate_mode_with_local_adam_matches_single_process_adam(start_server
     def adam(m: nn.Module) -> torch.optim.Optimizer:
         return torch.optim.Adam(m.parameters(), lr=0.01)
 
-    trainers = run_two_workers(servers, job, x, y, batch=32, local=adam)
+    trainers = run_two_workers(servers, job, x, y, batch=32, local=adam, overlap=OVERLAP.get(overlap or ""))
 
     want = reference(adam, x, y, batch=32)
     for trainer in trainers:
