@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import TypeVar
 
 from pshard.common.health import probe
+from pshard.common.security import SecurityConfig
 from pshard.launcher.plan import ClusterPlan, Task, free_ports
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -179,7 +180,9 @@ class Procs:
               env: Mapping[str, str] | None = None, cwd: Path = ROOT) -> Proc:
         # Only what the test gives: a TF_CONFIG left in the test runner's environment must not leak.
         inherited = {k: v for k, v in os.environ.items() if k != "TF_CONFIG"}
-        full_env = {**inherited, "PYTHONUNBUFFERED": "1", **(env or {})}
+        # The launcher's certificates (mTLS is its default) in this test's own directory, not ~/.cache.
+        full_env = {**inherited, "PYTHONUNBUFFERED": "1", "PSHARD_CERTS_DIR": str(self.certs_dir),
+                    **(env or {})}
         # The repository first on the path: `python -m pshard.worker` must import this tree's code.
         full_env["PYTHONPATH"] = os.pathsep.join(
             p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
@@ -193,6 +196,15 @@ class Procs:
                env: Mapping[str, str] | None = None) -> Proc:
         """``python <args>`` with this test run's interpreter."""
         return self.start(name, [PYTHON, *args], tf_config=tf_config, env=env)
+
+    @property
+    def certs_dir(self) -> Path:
+        return self.tmp_path / "certs"
+
+    def admin_security(self) -> SecurityConfig:
+        """An operator's credential for the clusters the launcher started in this test (TLS by default)."""
+        base = self.certs_dir
+        return SecurityConfig(base / "admin.pem", base / "admin-key.pem", base / "ca.pem", role="admin")
 
     def kill_all(self) -> None:
         for proc in self.started:

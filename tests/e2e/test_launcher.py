@@ -102,7 +102,8 @@ def test_a_failing_worker_stops_everything_and_fails_the_launch(procs: Procs) ->
     assert re.search(r"launcher: worker-\d failed \(2\); stopping everything", "\n".join(run.lines))
     assert re.fullmatch(r"launcher: exit 2: worker-0=\S+ worker-1=\S+", run.lines[-1]), run.output()
     for address in servers:
-        assert not probe(address, timeout_s=1.0)[0], f"{address} still serving after the launcher exited"
+        assert not probe(address, timeout_s=1.0, security=procs.admin_security())[0], \
+            f"{address} still serving after the launcher exited"
 
 
 def test_a_server_that_cannot_start_fails_the_launch_before_any_worker(procs: Procs) -> None:
@@ -150,7 +151,8 @@ def test_sigterm_stops_every_child_and_grandchild(procs: Procs, tmp_path: Path) 
     for pid in pids:
         assert_gone(pid)
     for address in servers:
-        assert not probe(address, timeout_s=1.0)[0], f"{address} still serving after the launcher exited"
+        assert not probe(address, timeout_s=1.0, security=procs.admin_security())[0], \
+            f"{address} still serving after the launcher exited"
 
 
 def test_every_child_line_is_prefixed_with_its_name(procs: Procs) -> None:
