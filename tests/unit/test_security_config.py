@@ -1,0 +1,117 @@
+"""The pure parts of issue 11's security: token files, identities, the role table, the flags, where a
+service binds, and `pshard certs` being idempotent."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import pytest
+from cryptography import x509
+from pshard.common.auth import ALLOWED, allowed, may_act_as, may_configure
+from pshard.common.bind import default_bind
+from pshard.common.errors import ClusterConfigError
+from pshard.common.identity import Identity, TokenTable, identity_from_pem
+from pshard.common.security import add_security_arguments, security_from_args
+
+from pshard.certs import ensure, main
+
+PS = "/pshard.api.v1.ParameterServerService/"
+SCHED = "/pshard.api.v1.SchedulerService/"
+
+
+def test_a_token_file_maps_secrets_to_roles_and_picks_the_clients_own_line() -> None:
+    table = TokenTable.parse("# comment\nchief  c" + "0" * 16 + "\nworker w" + "0" * 16 +
+                             "  # shared\nworker/worker-3 x" + "0" * 16 + "\n")
+    assert table.identity_of("w" + "0" * 16) == Identity("worker")
+    assert table.identity_of("x" + "0" * 16) == Identity("worker", "worker-3")
+    assert table.identity_of("nope") is None
+    assert table.token_for("worker", "worker-3") == "x" + "0" * 16
+    assert table.token_for("worker", "worker-1") == "w" + "0" * 16
+    assert table.token_for("admin") is None
+
+
+@pytest.mark.parametrize(("text", "names"), [
+    ("", "no 'ROLE"), ("root s" + "0" * 16, "role 'root'"), ("worker short", "16 or more"),
+    ("worker a b", "got 3 fields")])
+def test_a_bad_token_file_names_the_problem(text: str, names: str) -> None:
+    with pytest.raises(ClusterConfigError, match=names):
+        TokenTable.parse(text, "tokens")
+
+
+def test_an_id_less_credential_acts_for_any_node_of_its_role_only() -> None:
+    assert Identity("worker").may_be("worker-7") and not Identity("worker").may_be("chief-0")
+    assert Identity("worker", "worker-1").may_be("worker-1")
+    assert not Identity("worker", "worker-1").may_be("worker-0")
+    assert may_act_as(None, "anything")  # security off
+    assert may_act_as(Identity("admin"), "worker-0")
+
+
+def test_only_the_chief_an_admin_or_a_chiefless_worker_0_configure_the_job() -> None:
+    assert may_configure(Identity("chief", "chief-0")) and may_configure(Identity("admin"))
+    assert may_configure(Identity("worker", "worker-0"))
+    assert not may_configure(Identity("worker", "worker-1")) and not may_configure(Identity("worker"))
+
+
+def test_the_role_table_matches_the_issue() -> None:
+    for method in ("Push", "PushPull"):
+        assert {r for r in ("chief", "worker", "ps", "scheduler", "evaluator", "admin")
+                if allowed(PS + method, r)} == {"chief", "worker"}
+    for method in ("Checkpoint", "SaveCheckpointPart"):
+        assert not allowed(PS + method, "worker")
+        assert allowed(PS + method, "chief") and allowed(PS + method, "admin")
+    assert allowed("/grpc.health.v1.Health/Check", "nobody")
+    assert not allowed(SCHED + "Register", "admin") and allowed(SCHED + "Register", "ps")
+    # A method nobody listed (added later) is an operator's only.
+    assert allowed(PS + "SomethingNew", "admin") and not allowed(PS + "SomethingNew", "chief")
+    assert all(method.startswith("/pshard.api.v1.") for method in ALLOWED)
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser()
+    add_security_arguments(parser)
+    return parser
+
+
+def test_flags_win_over_environment_and_tls_files_go_together(tmp_path: Path) -> None:
+    files = ensure(tmp_path, [Identity("ps", "ps-0")])[Identity("ps", "ps-0")]
+    env = {"PSHARD_TLS_CERT": str(files.cert), "PSHARD_TLS_KEY": str(files.key),
+           "PSHARD_TLS_CA": str(files.ca)}
+    config = security_from_args(_parser().parse_args([]), env)
+    assert config.tls and config.own_identity() == Identity("ps", "ps-0")
+    with pytest.raises(ClusterConfigError, match="--tls-key, --tls-ca missing"):
+        security_from_args(_parser().parse_args(["--tls-cert", str(files.cert)]), {})
+    with pytest.raises(ClusterConfigError, match="cannot be combined"):
+        security_from_args(_parser().parse_args(["--insecure"]), env)
+    with pytest.raises(ClusterConfigError, match="--tls-ca: cannot read"):
+        security_from_args(_parser().parse_args([]), {**env, "PSHARD_TLS_CA": str(tmp_path / "missing")})
+    plain = security_from_args(_parser().parse_args([]), {})
+    assert not plain.enabled and not plain.insecure
+
+
+def test_outside_a_container_services_bind_loopback_inside_the_tf_config_host(tmp_path: Path) -> None:
+    nowhere = str(tmp_path / "no-dockerenv")
+    assert default_bind("0.0.0.0:7100", "ps-0:7100", {}, dockerenv=nowhere) == "127.0.0.1:7100"
+    assert default_bind("[::]:7100", "[fd00::1]:7100", {}, dockerenv=nowhere) == "[::1]:7100"
+    pod = {"KUBERNETES_SERVICE_HOST": "10.0.0.1"}
+    assert default_bind("0.0.0.0:7100", "localhost:7100", pod, dockerenv=nowhere) == "127.0.0.1:7100"
+    # A name that is not an address of this machine (a ClusterIP service): every interface.
+    assert default_bind("0.0.0.0:7100", "no-such-host.invalid:7100", pod, dockerenv=nowhere) == "0.0.0.0:7100"
+
+
+def test_pshard_certs_is_idempotent_and_names_roles_in_a_uri(tmp_path: Path,
+                                                             capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["--dir", str(tmp_path), "worker/worker-1", "admin"]) == 0
+    assert "spiffe://pshard/worker/worker-1" in capsys.readouterr().out
+    before = {p.name: p.read_bytes() for p in tmp_path.glob("*.pem")}
+    main(["--dir", str(tmp_path), "worker/worker-1", "admin"])
+    assert {p.name: p.read_bytes() for p in tmp_path.glob("*.pem")} == before
+    assert identity_from_pem((tmp_path / "worker-1.pem").read_bytes()) == Identity("worker", "worker-1")
+
+    # A host not in the certificate yet: that certificate is made again, signed by the same CA.
+    main(["--dir", str(tmp_path), "--host", "ps.example", "worker/worker-1"])
+    cert = x509.load_pem_x509_certificate((tmp_path / "worker-1.pem").read_bytes())
+    sans = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    assert "ps.example" in sans.get_values_for_type(x509.DNSName)
+    assert (tmp_path / "ca.pem").read_bytes() == before["ca.pem"]
+    assert (tmp_path / "admin.pem").read_bytes() == before["admin.pem"]
