@@ -8,7 +8,7 @@ counts the bytes pushed plus the bytes pulled by all workers (decimal MB).
 `--transport` picks how the bytes travel (shm, tcp or grpc: both ends are told, so the figure is
 that transport's, and a worker that ends up on another one fails the run).
 
-    python -m bench.dense [--transport shm|tcp|grpc] [--sizes 8000000,2000000*8,...] [--steps 8]
+    python -m bench.dense [--transport shm|tcp|grpc] [--tls] [--sizes 8000000,2000000*8,...] [--steps 8]
 """
 
 from __future__ import annotations
@@ -33,11 +33,12 @@ from bench.common import (
     start_ps_servers,
     stop_processes,
 )
+from bench.tls import make_pki, server_args, worker_id, worker_security
 
 
 def _dense_worker(run: WorkerRun, addresses: list[str], sizes: list[int], lr: float, warmup: int,
-                  steps: int, profile_dir: str | None, server_pids: list[int], transport: str
-                  ) -> dict[str, float]:
+                  steps: int, profile_dir: str | None, server_pids: list[int], transport: str,
+                  pki: str | None) -> dict[str, float]:
     import numpy as np
     from pshard.common.job import JobConfig, OptimizerConfig
     from pshard.worker.client import PSClient
@@ -46,7 +47,9 @@ def _dense_worker(run: WorkerRun, addresses: list[str], sizes: list[int], lr: fl
     params = {f"t{i:02d}": rng.standard_normal(n, dtype=np.float32) for i, n in enumerate(sizes)}
     grads = {k: rng.standard_normal(v.size, dtype=np.float32) for k, v in params.items()}
     job = JobConfig(mode="sync", optimizer=OptimizerConfig(name="sgd", lr=lr))
-    with PSClient(addresses, f"w{run.index}", transport=transport) as client:
+    node = worker_id(run.index)
+    with PSClient(addresses, node, transport=transport,
+                  security=worker_security(pki, node)) as client:  # type: ignore[arg-type]
         weights = client.declare(params, job)
         first = weights["t00"][:4].copy()
         run.sync()
@@ -85,15 +88,18 @@ def _dense_worker(run: WorkerRun, addresses: list[str], sizes: list[int], lr: fl
 
 
 def dense(sizes: list[int], servers: int = 2, workers: int = 2, warmup: int = 2, steps: int = 8,
-          lr: float = 1e-4, profile_dir: str | None = None, transport: str = "grpc") -> dict[str, object]:
-    names = [f"w{i}" for i in range(workers)]
-    extra: list[str] = ["--transport", transport]
+          lr: float = 1e-4, profile_dir: str | None = None, transport: str = "grpc",
+          pki: str | None = None) -> dict[str, object]:
+    """`pki`: a directory of bench.tls certificates to run with TLS on (None: in clear)."""
+    names = [worker_id(i) for i in range(workers)]
+    extra: list[str] = ["--transport", transport, *server_args(pki)]
     if profile_dir:
         Path(profile_dir).mkdir(parents=True, exist_ok=True)
     procs = start_ps_servers(servers, names, extra, profile_dir=profile_dir)
     try:
         results = run_workers(_dense_worker, workers, ([p.address for p in procs], sizes, lr, warmup, steps,
-                                                        profile_dir, [p.proc.pid for p in procs], transport))
+                                                        profile_dir, [p.proc.pid for p in procs], transport,
+                                                        pki))
     finally:
         stop_processes([p.proc for p in procs])
     elapsed = span_s(results)
@@ -102,7 +108,7 @@ def dense(sizes: list[int], servers: int = 2, workers: int = 2, warmup: int = 2,
     # Over the timed steps: each worker's own, and the servers' (as seen by worker 0, after its last step).
     rss = {"rss_growth_mb_workers": [round(r["rss_growth_mb"][0], 1) for r in results],
            "rss_growth_mb_servers": [round(g, 1) for g in results[0]["rss_growth_mb"][1:]]}
-    return {"transport": transport, "mb_per_s": round(moved / MB / elapsed, 1),
+    return {"transport": transport, "tls": pki is not None, "mb_per_s": round(moved / MB / elapsed, 1),
             "steps_per_s": round(steps / elapsed, 3),
             "bytes_per_step": moved // steps, "params": sum(sizes), "tensors": len(sizes),
             "servers": servers, "workers": workers, "steps": steps, **rss,
@@ -121,6 +127,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lr", type=float, default=1e-4, help="server SGD learning rate (default 1e-4)")
     p.add_argument("--transport", choices=("shm", "tcp", "grpc"), default="grpc",
                    help="how push/pull bytes travel (default grpc)")
+    p.add_argument("--tls", action="store_true", help="mutual TLS on (a throw-away CA made by pshard certs)")
     p.add_argument("--profile", metavar="DIR",
                    help="write cProfile stats of the workers' timed steps and of the servers to DIR")
     return p
@@ -128,8 +135,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    pki = str(make_pki(args.workers)) if args.tls else None
     emit("dense_push_pull", **dense(parse_sizes(args.sizes), args.servers, args.workers, args.warmup,
-                                    args.steps, args.lr, args.profile, args.transport))
+                                    args.steps, args.lr, args.profile, args.transport, pki))
     return 0
 
 

@@ -3,7 +3,8 @@
 The worker is this process; the server is `python -m pshard.ps_server` in sync mode with
 this worker as its whole quorum, so every push_pull is applied and answered at once.
 
-    python -m bench.latency [--transport shm|tcp|grpc] [--numel 1000] [--iterations 2000] [--warmup 200]
+    python -m bench.latency [--transport shm|tcp|grpc] [--tls] [--numel 1000] [--iterations 2000]
+                            [--warmup 200]
 """
 
 from __future__ import annotations
@@ -13,17 +14,21 @@ import sys
 import time
 
 from bench.common import CpuMeter, emit, start_ps_servers, stop_processes, summarize_latencies
+from bench.tls import make_pki, server_args, worker_id, worker_security
 
 
-def latency(numel: int = 1000, iterations: int = 2000, warmup: int = 200, transport: str = "grpc"
-            ) -> dict[str, object]:
+def latency(numel: int = 1000, iterations: int = 2000, warmup: int = 200, transport: str = "grpc",
+            pki: str | None = None) -> dict[str, object]:
+    """`pki`: a directory of bench.tls certificates to run with TLS on (None: in clear)."""
     import numpy as np
     from pshard.common.job import JobConfig, OptimizerConfig
     from pshard.worker.client import PSClient
 
-    [server] = start_ps_servers(1, ["w0"], ["--transport", transport])
+    node = worker_id(0)
+    [server] = start_ps_servers(1, [node], ["--transport", transport, *server_args(pki)])
     try:
-        with PSClient([server.address], "w0", transport=transport) as client:
+        with PSClient([server.address], node, transport=transport,
+                      security=worker_security(pki, node)) as client:  # type: ignore[arg-type]
             params = {"w": np.zeros(numel, np.float32)}
             weights = client.declare(params, JobConfig(mode="sync", optimizer=OptimizerConfig("sgd", lr=0.1)))
             grads = {"w": np.ones(numel, np.float32)}
@@ -44,7 +49,8 @@ def latency(numel: int = 1000, iterations: int = 2000, warmup: int = 200, transp
                 raise RuntimeError(f"latency: weights are {weights['w'][:3]}, SGD should give {expected}")
     finally:
         stop_processes([server.proc])
-    return {"transport": transport, **summarize_latencies(samples), **cpu_per_call(meter, iterations),
+    return {"transport": transport, "tls": pki is not None, **summarize_latencies(samples),
+            **cpu_per_call(meter, iterations),
             "numel": numel, "payload_bytes": 4 * numel, "iterations": iterations}
 
 
@@ -62,12 +68,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup", type=int, default=200, help="untimed push_pulls first (default 200)")
     p.add_argument("--transport", choices=("shm", "tcp", "grpc"), default="grpc",
                    help="how push/pull bytes travel (default grpc)")
+    p.add_argument("--tls", action="store_true", help="mutual TLS on (a throw-away CA made by pshard certs)")
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    emit("latency_small_push_pull", **latency(args.numel, args.iterations, args.warmup, args.transport))
+    pki = str(make_pki(1)) if args.tls else None
+    emit("latency_small_push_pull", **latency(args.numel, args.iterations, args.warmup, args.transport, pki))
     return 0
 
 

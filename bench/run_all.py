@@ -8,6 +8,13 @@ on a shared machine the best of a few runs is the least disturbed one.
 
     python -m bench.run_all [--repeats 3] [--quick]      (make bench)
 
+With TLS on (issue 11): dense and small push+pull are measured again over `--tls-transports` with
+mutual TLS (a throw-away CA from `pshard certs`), interleaved with the same figures in clear, and
+given as ratios to them. TLS covers the raw TCP path; shared memory needs none (the bytes never
+leave the host, its session secret comes over the TLS gRPC channel), so with TLS on it stays the
+fastest transport, and the dense bar is taken on it. Dense over TCP+TLS runs a quarter of the
+steps: it is several times slower, and `make bench` stays under ~3 minutes.
+
 Every process (servers, workers, ceilings) inherits the environment. With glibc's default
 malloc each 4 MiB message (grpc's received bytes, our encoded frames) lands in freshly
 mmap'd pages, so every message costs ~1,000 page faults: on the 2-core dev machine that is
@@ -27,12 +34,17 @@ from bench.dense import dense
 from bench.latency import latency
 from bench.sparse import memory as sparse_memory
 from bench.sparse import throughput as sparse_throughput
+from bench.tls import make_pki
 
 TRANSPORTS = ("grpc", "tcp", "shm")
 # Bars of issue 8: dense MB/s as a fraction of a ceiling, and small push+pull p50 per transport.
 DENSE_BARS = {"grpc": ("ratio_to_grpc_echo", 0.9), "tcp": ("ratio_to_tcp", 0.9), "shm": ("ratio_to_tcp", 1.5)}
 LATENCY_BARS_US = {"tcp": 250.0, "shm": 250.0}
 GRPC_LATENCY_BAR = 1.1  # grpc small p50 as a multiple of a bare grpcio round trip
+# Bars of issue 11: TLS on, as a fraction of the same figure in clear.
+TLS_TRANSPORTS = ("tcp", "shm")
+TLS_DENSE_BAR = 0.7  # dense MB/s, on the fastest transport TLS allows
+TLS_LATENCY_BAR = 1.3  # small push+pull p50
 
 
 def _best(runs: list[dict[str, object]]) -> dict[str, object]:
@@ -42,6 +54,24 @@ def _best(runs: list[dict[str, object]]) -> dict[str, object]:
 
 def _ratio(a: object, b: object) -> float:
     return round(float(a) / float(b), 3)  # type: ignore[arg-type]
+
+
+def _print_tls(dense_figs: dict[str, dict[str, object]], lat_figs: dict[str, dict[str, object]]) -> None:
+    """The TLS figures and issue 11's bars: dense on the fastest transport TLS allows, small p50 on each."""
+    fastest = max(dense_figs, key=lambda t: float(dense_figs[t]["mb_per_s"]), default=None)  # type: ignore[arg-type]
+    for t, fig in dense_figs.items():
+        ratio = fig["ratio_to_tls_off"]
+        bar = ""
+        if t == fastest and ratio is not None:
+            ok = "ok" if float(ratio) >= TLS_DENSE_BAR else "below"  # type: ignore[arg-type]
+            bar = f" [bar {TLS_DENSE_BAR}x on the fastest transport with TLS: {ok}]"
+        print(f"dense push_pull 2x2 over {t:4} with TLS on: {fig['mb_per_s']:>8} MB/s "
+              f"(runs {fig['samples_mb_per_s']}) = {ratio}x TLS off{bar}")
+    for t, fig in lat_figs.items():
+        ratio = fig["ratio_p50_to_tls_off"]
+        ok = "ok" if ratio is not None and float(ratio) <= TLS_LATENCY_BAR else "above"  # type: ignore[arg-type]
+        print(f"small push_pull over {t:4} with TLS on: p50 {fig['p50_us']} us, p99 {fig['p99_us']} us "
+              f"= {ratio}x TLS off [bar {TLS_LATENCY_BAR}x: {ok}]")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -54,6 +84,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--iterations", type=int, default=2000, help="timed round trips of the latency figures")
     p.add_argument("--transports", default=",".join(TRANSPORTS),
                    help=f"comma-separated transports to measure (default {','.join(TRANSPORTS)})")
+    p.add_argument("--tls-transports", default=",".join(TLS_TRANSPORTS),
+                   help="transports measured again with mutual TLS on, as ratios to TLS off "
+                        f"(default {','.join(TLS_TRANSPORTS)}; empty: none)")
     p.add_argument("--quick", action="store_true", help="a smoke run: small model, few steps and iterations")
     return p
 
@@ -62,6 +95,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     sizes = parse_sizes(args.sizes)
     transports = [t for t in args.transports.split(",") if t]
+    tls_transports = [t for t in args.tls_transports.split(",") if t]
+    pki = str(make_pki(2)) if tls_transports else None
     steps, iterations, repeats = args.steps, args.iterations, args.repeats
     if args.quick:
         sizes, steps, iterations, repeats = [s // 20 for s in sizes], 2, 200, 1
@@ -73,11 +108,15 @@ def main(argv: list[str] | None = None) -> int:
     tcp_runs: list[dict[str, object]] = []
     echo_runs: list[dict[str, object]] = []
     dense_runs: dict[str, list[dict[str, object]]] = {t: [] for t in transports}
+    tls_dense_runs: dict[str, list[dict[str, object]]] = {t: [] for t in tls_transports}
     for _ in range(repeats):
         tcp_runs.append(ceilings.tcp_throughput(rounds=5 if args.quick else 20))
         echo_runs.append(ceilings.grpc_dense(model_bytes, steps=steps))
         for t in transports:
             dense_runs[t].append(dense(sizes, steps=steps, transport=t))
+        for t in tls_transports:
+            tls_steps = steps if t == "shm" else max(2, steps // 4)
+            tls_dense_runs[t].append(dense(sizes, steps=tls_steps, transport=t, pki=pki))
     tcp = emit("ceiling_tcp_single_stream", **_best(tcp_runs))
     echo = emit("ceiling_grpc_dense_echo", **_best(echo_runs))
     dense_figs = {}
@@ -86,6 +125,12 @@ def main(argv: list[str] | None = None) -> int:
         dense_figs[t] = emit("dense_push_pull", **best,
                              ratio_to_tcp=_ratio(best["mb_per_s"], tcp["mb_per_s"]),
                              ratio_to_grpc_echo=_ratio(best["mb_per_s"], echo["mb_per_s"]))
+    tls_dense = {}
+    for t in tls_transports:
+        best = _best(tls_dense_runs[t])
+        plain = dense_figs.get(t)
+        tls_dense[t] = emit("dense_push_pull", **best, ratio_to_tcp=_ratio(best["mb_per_s"], tcp["mb_per_s"]),
+                            ratio_to_tls_off=_ratio(best["mb_per_s"], plain["mb_per_s"]) if plain else None)
 
     small = emit("ceiling_grpc_small_rtt", **ceilings.grpc_small(iterations=iterations))
     lat_figs = {}
@@ -93,6 +138,12 @@ def main(argv: list[str] | None = None) -> int:
         lat = latency(iterations=iterations, transport=t)
         lat_figs[t] = emit("latency_small_push_pull", **lat,
                            ratio_p50_to_grpc_rtt=_ratio(lat["p50_us"], small["p50_us"]))
+    tls_lat = {}
+    for t in tls_transports:
+        lat = latency(iterations=iterations, transport=t, pki=pki)
+        plain = lat_figs.get(t)
+        tls_lat[t] = emit("latency_small_push_pull", **lat,
+                          ratio_p50_to_tls_off=_ratio(lat["p50_us"], plain["p50_us"]) if plain else None)
 
     # Sparse tables (issue 9): rows/s of pull + push of 4,096 ids (uniform, also with the push and the
     # next pull fused, and zipf), over the table stream, and the memory overhead.
@@ -123,6 +174,7 @@ def main(argv: list[str] | None = None) -> int:
             bar_text = f"p50 <= {GRPC_LATENCY_BAR}x grpcio"
         print(f"small push_pull over {t:4} ({fig['numel']} floats): p50 {fig['p50_us']} us, "
               f"p99 {fig['p99_us']} us, {fig['ratio_p50_to_grpc_rtt']}x grpcio [bar {bar_text}: {ok}]")
+    _print_tls(tls_dense, tls_lat)
     for fig in sparse_figs:
         ok = "ok" if int(fig["rows_per_s"]) >= int(fig["bar_rows_per_s"]) else "below"  # type: ignore[call-overload]
         variant = f"{fig['variant']}{' fused' if fig['fused'] else ''}"
