@@ -39,6 +39,11 @@ def _local_ip(host: str) -> str | None:
     return None
 
 
+def own_hosts(own_address: str | None) -> list[str]:
+    """The host of a task's cluster address, for its certificate's names (none without one)."""
+    return [own_address.rsplit(":", 1)[0].strip("[]")] if own_address else []
+
+
 def default_bind(listen_address: str, own_address: str | None, environ: Mapping[str, str] | None = None,
                  *, dockerenv: str = "/.dockerenv") -> str:
     """The listen address for a task whose every-interface address is `listen_address`

@@ -49,6 +49,9 @@ log = logging.getLogger("pshard.security")
 ENV_CERT, ENV_KEY, ENV_CA = "PSHARD_TLS_CERT", "PSHARD_TLS_KEY", "PSHARD_TLS_CA"
 ENV_TOKEN = "PSHARD_TOKEN_FILE"
 ENV_INSECURE = "PSHARD_INSECURE"
+# A development CA's directory: without TLS files, a process makes (once) and uses its own certificate
+# there (`pshard certs`), so a compose file turns mTLS on with one shared volume.
+ENV_TLS_DIR = "PSHARD_TLS_DIR"
 TOKEN_METADATA_KEY = "authorization"
 _BEARER = "Bearer "
 
@@ -305,14 +308,21 @@ def add_security_arguments(parser: argparse.ArgumentParser) -> None:
                        help=f"the CA certificate that signs every node of the job (env {ENV_CA})")
     group.add_argument("--token-file", metavar="FILE", type=Path, default=None,
                        help=f"role tokens, lines 'ROLE[/NODE-ID] SECRET' (env {ENV_TOKEN})")
+    group.add_argument("--tls-dir", metavar="DIR", default=None,
+                       help=f"a development CA (env {ENV_TLS_DIR}): without --tls-cert, this node's "
+                            "certificate is made there on first use and kept ('pshard certs'); the CA key "
+                            "lives there too")
     group.add_argument("--insecure", action="store_true", default=None,
                        help="run without TLS or tokens, on purpose, with a loud warning "
                             f"(env {ENV_INSECURE}=1)")
 
 
 def security_from_args(args: argparse.Namespace, environ: Mapping[str, str] | None = None, *,
-                       role: str = "", node_id: str = "") -> SecurityConfig:
-    """Flags first, then the PSHARD_TLS_* / PSHARD_TOKEN_FILE variables; raises ClusterConfigError."""
+                       role: str = "", node_id: str = "", hosts: Sequence[str] = ()) -> SecurityConfig:
+    """Flags first, then the PSHARD_TLS_* / PSHARD_TOKEN_FILE variables; raises ClusterConfigError.
+
+    With a --tls-dir (PSHARD_TLS_DIR) and no TLS files, the node's certificate for `role`/`node_id`
+    (and `hosts`) is made there on first use (an operator's, role admin, when `role` is "")."""
     env = os.environ if environ is None else environ
 
     def path(flag: str, var: str) -> Path | None:
@@ -328,7 +338,25 @@ def security_from_args(args: argparse.Namespace, environ: Mapping[str, str] | No
                             path("token_file", ENV_TOKEN))
     if insecure and getattr(args, "insecure", None) is None and (cert or token):
         insecure = False  # files named explicitly win over an inherited PSHARD_INSECURE
+    tls_dir = getattr(args, "tls_dir", None) or env.get(ENV_TLS_DIR)
+    if tls_dir and cert is None and key is None and ca is None and not insecure:
+        cert, key, ca = _auto_certificate(Path(tls_dir), role or "admin", node_id, hosts)
     return SecurityConfig(cert, key, ca, token, bool(insecure), role, node_id)
+
+
+def _auto_certificate(directory: Path, role: str, node_id: str,
+                      hosts: Sequence[str]) -> tuple[Path, Path, Path]:
+    from pshard.common.identity import parse_identity
+
+    from pshard.certs import ensure  # the CLI's module: only processes told to make certificates import it
+
+    identity = parse_identity(f"{role}/{node_id}" if node_id else role, "--tls-dir")
+    try:
+        files = ensure(directory, [identity], [h for h in hosts if h])[identity]
+    except OSError as e:
+        raise ClusterConfigError(f"--tls-dir: cannot make a certificate in {str(directory)!r}: "
+                                 f"{e.strerror or e}") from None
+    return files.cert, files.key, files.ca
 
 
 def security_flags(config: SecurityConfig) -> list[str]:

@@ -26,7 +26,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from pshard.common.argtypes import listen_address, positive_float, positive_int
-from pshard.common.bind import default_bind
+from pshard.common.bind import default_bind, own_hosts
 from pshard.common.cluster import (
     ClusterSpec,
     add_cluster_arguments,
@@ -219,7 +219,8 @@ def main(argv: Sequence[str] | None = None, *, prog: str = PROG) -> int:
                 f"task.type: got {spec.task_type!r} (index {spec.task_index}), but {prog} runs 'ps' "
                 f"tasks; start a {spec.task_type!r} task with 'pshard run' or its own command")
     settings = _settings(args)
-    security = security_from_args(args, os.environ, role="ps", node_id=spec.node_id if spec else "")
+    security = security_from_args(args, os.environ, role="ps", node_id=spec.node_id if spec else "",
+                                  hosts=own_hosts(spec.own_address) if spec else [])
     bind = _bind(args, spec)
     check_can_listen(bind)
     if args.metrics_port:

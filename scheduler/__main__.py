@@ -25,7 +25,7 @@ import sys
 from collections.abc import Mapping, Sequence
 
 from pshard.common.argtypes import listen_address, positive_int
-from pshard.common.bind import default_bind
+from pshard.common.bind import default_bind, own_hosts
 from pshard.common.cluster import (
     add_cluster_arguments,
     cluster_config_given,
@@ -121,8 +121,11 @@ def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = 
                      f"--heartbeat-interval-ms ({args.heartbeat_interval_ms})")
     configure_logging(args.log_level)
     env = os.environ if environ is None else environ
-    security = security_from_args(args, env, role="scheduler", node_id="scheduler-0")
     bind = bind_address(args, env, prog)
+    given = cluster_config_given(args, env)
+    spec = cluster_spec_from_args(args, env, default_task_type="scheduler") if given else None
+    security = security_from_args(args, env, role="scheduler", node_id="scheduler-0",
+                                  hosts=own_hosts(spec.own_address) if spec else [])
     check_can_listen(bind)
     if args.metrics_port:
         check_can_listen(metrics_address(bind, args.metrics_port))

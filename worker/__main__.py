@@ -35,6 +35,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from pshard.common.argtypes import listen_address, positive_float, positive_int
+from pshard.common.bind import own_hosts
 from pshard.common.cluster import (
     ClusterSpec,
     add_cluster_arguments,
@@ -226,7 +227,8 @@ def config_from_args(argv: Sequence[str] | None, environ: Mapping[str, str], pro
     _check_numbers(parser, args)
     configure_logging(args.log_level)
     spec = _cluster(args, environ, prog)
-    security = security_from_args(args, environ, role=spec.task_type, node_id=spec.node_id)
+    security = security_from_args(args, environ, role=spec.task_type, node_id=spec.node_id,
+                                  hosts=own_hosts(spec.own_address))
     select_device(args.device)  # asking for CUDA where there is none is a configuration error
     if args.output:
         _check_writable("--output", args.output, create=False)

@@ -22,6 +22,7 @@ their health checks, with the address rewritten, decide when the dependants star
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 from pathlib import Path
@@ -182,7 +183,10 @@ def wait_service_healthy(compose: LocalCompose, name: str, proc: Proc) -> None:
         if not proc.alive():
             raise AssertionError(f"{name} exited ({proc.popen.returncode}) before it was healthy:\n"
                                  f"{proc.output()}")
-        return subprocess.run(check, capture_output=True, cwd=ROOT, timeout=timeout_s).returncode == 0
+        # Docker runs a health check inside the container, with the service's environment (its TLS files).
+        env = {**os.environ, **compose.environment(name)}
+        done = subprocess.run(check, capture_output=True, cwd=ROOT, timeout=timeout_s, env=env)
+        return done.returncode == 0
 
     try:
         wait_until(healthy, HEALTH_TIMEOUT_S, f"{name}'s health check {check}", interval_s=0.2)
@@ -235,3 +239,7 @@ def test_compose_services_train_to_completion_as_local_processes(procs: Procs, t
     # The servers are still serving: nothing in the run stopped them.
     for name in ("scheduler", "ps-0", "ps-1"):
         assert started[name].alive(), started[name].output()
+    # Over mutual TLS, with certificates every service made on first use in the shared volume.
+    assert any("security: mTLS" in line for line in started["ps-0"].lines), started["ps-0"].output()
+    made = {p.name for p in compose.volume_dir("certs").iterdir()}
+    assert {"ca.pem", "scheduler-0.pem", "ps-0.pem", "ps-1.pem", "worker-0.pem", "worker-1.pem"} <= made
