@@ -67,8 +67,12 @@ test-e2e: install data
 # The demo's training flags; tests/e2e/test_demo.py runs exactly these (make demo-args prints them).
 DEMO_ARGS := --mode sync --epochs 2 --model cnn --optimizer sgd --lr 0.05 --momentum 0.9
 
+# Mutual TLS on every channel, with certificates made on first use in runs/certs and kept (README
+# "Security"); `make demo LAUNCH_SECURITY=--insecure` turns it off, loudly.
+LAUNCH_SECURITY ?= --certs-dir runs/certs
+
 demo: install data
-	$(VENV)/bin/pshard launch --ps 2 --workers 2 -- $(DEMO_ARGS) \
+	$(VENV)/bin/pshard launch $(LAUNCH_SECURITY) --ps 2 --workers 2 -- $(DEMO_ARGS) \
 		--output runs/demo/model.pt --metrics runs/demo/metrics.jsonl
 
 demo-args:
@@ -81,7 +85,7 @@ CTR_DEMO_ARGS := --model ctr --mode sync --optimizer adam --lr 0.001 --epochs 1 
 
 .PHONY: demo-ctr demo-ctr-args
 demo-ctr: install
-	$(VENV)/bin/pshard launch --ps 2 --workers 2 -- $(CTR_DEMO_ARGS) --metrics runs/demo-ctr/metrics.jsonl
+	$(VENV)/bin/pshard launch $(LAUNCH_SECURITY) --ps 2 --workers 2 -- $(CTR_DEMO_ARGS) --metrics runs/demo-ctr/metrics.jsonl
 
 demo-ctr-args:
 	@echo $(CTR_DEMO_ARGS)
