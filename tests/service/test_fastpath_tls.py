@@ -97,17 +97,17 @@ class _TLSWire(Wire):
 
     def __init__(self, security: SecurityConfig) -> None:
         super().__init__()
-        self._security = security
+        self.security = security
 
     def channel(self, server: ServerThread | str) -> grpc.Channel:
         address = server if isinstance(server, str) else server.address
         if address not in self._channels:
-            self._channels[address] = self._security.channel(address, options=channel_options())
+            self._channels[address] = self.security.channel(address, options=channel_options())
         return self._channels[address]
 
 
 @pytest.fixture
-def wire(pki: Path) -> Iterator[Wire]:
+def wire(pki: Path) -> Iterator[_TLSWire]:
     helper = _TLSWire(_security(pki, "chief", "w0"))
     yield helper
     helper.close()
@@ -160,3 +160,29 @@ def test_a_certificate_of_another_ca_is_refused_at_the_handshake(start_server, n
         if sock.recv(1) == b"":  # TLS 1.3: the refusal arrives after the client's handshake
             raise ConnectionResetError("closed")
     assert wire.read(server, ["a"]) == before and not wire.stats(server).worker_transports
+
+
+# ---- a session acts for its own worker only ----
+
+def test_a_credential_opens_sessions_for_its_own_worker_and_a_session_pushes_only_as_it(
+        start_server, new_client, wire):
+    server = start_server(ServerSettings())
+    new_client([server], "w0", transport="grpc").declare({"a": np.zeros(8, np.float32)}, ASYNC)
+    before = wire.read(server, ["a"])
+    with pytest.raises(grpc.RpcError) as refused:  # w0's credential, w1's session
+        wire.stub(server).OpenTransport(pb.OpenTransportRequest(
+            worker_id="w1", kind=pb.TRANSPORT_KIND_TCP, request_bytes=4096, reply_bytes=4096), timeout=WAIT_S)
+    assert refused.value.code() == grpc.StatusCode.PERMISSION_DENIED
+    session = _session(wire, server)  # w0's own
+    context = ssl.create_default_context(ssl.Purpose.SERVER_AUTH, cafile=str(wire.security.ca))
+    context.load_cert_chain(str(wire.security.cert), str(wire.security.key))
+    with (socket.create_connection(("127.0.0.1", server.running.fast.port), timeout=WAIT_S) as raw,
+          context.wrap_socket(raw, server_hostname="127.0.0.1") as sock):
+        fastwire.send_frame(sock, fastwire.HELLO, _hello(session))
+        header = pb.ExchangeHeader(op=pb.EXCHANGE_OP_PUSH_PULL, stamp=wire.stamp("w1", 0))
+        header.push.append(wire.meta("a", "float32", [8]))
+        fastwire.send_frame(sock, fastwire.REQUEST, header.SerializeToString(), [np.ones(8, np.float32)])
+        kind, meta, _ = fastwire.Inbox(sock).frame_head()
+    reply = pb.TransportReply.FromString(meta)
+    assert kind == fastwire.REPLY and reply.error_type == "PermissionDeniedError", reply
+    assert wire.read(server, ["a"]) == before
