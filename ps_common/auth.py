@@ -13,7 +13,7 @@ both before the handler runs, so nothing in the store changes, and both are coun
 (registering under one's own id, leaving only for oneself, who sets the job configuration).
 
 Health checks stay open: probes (Docker, Kubernetes) carry no credential. docs/architecture.md,
-12 Security, has the table in prose.
+13 Security, has the table in prose.
 """
 
 from __future__ import annotations

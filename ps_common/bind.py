@@ -1,4 +1,4 @@
-"""Where a service listens when no ``--bind`` is given (docs/architecture.md, 12 Security).
+"""Where a service listens when no ``--bind`` is given (docs/architecture.md, 13 Security).
 
 Outside a container or pod: the loopback interface only, so a job started on a laptop or a
 shared host is not reachable from the network by accident. Inside one (``/.dockerenv``, or

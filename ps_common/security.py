@@ -12,7 +12,7 @@ The three TLS files go together. With no flag at all a process runs in the clear
 a warning; `SecurityConfig()` (the default of every API: PSClient, SchedulerClient, start(...))
 is that same plain set-up, so library users and tests keep working untouched.
 
-What the rest of pshard uses (docs/architecture.md, 12 Security):
+What the rest of pshard uses (docs/architecture.md, 13 Security):
 
 - `server_credentials()`: gRPC server credentials that re-read the certificate and key when
   their files change (certificate rotation without a restart), client certificates required
@@ -298,7 +298,7 @@ class _AioTokenMetadata(grpc.aio.UnaryUnaryClientInterceptor):  # type: ignore[m
 # ---- entry points ----
 
 def add_security_arguments(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group("security (docs/architecture.md, 12 Security)")
+    group = parser.add_argument_group("security (docs/architecture.md, 13 Security)")
     group.add_argument("--tls-cert", metavar="FILE", type=Path, default=None,
                        help=f"this node's certificate chain, PEM (env {ENV_CERT}); with --tls-key and "
                             "--tls-ca turns on mutual TLS")

@@ -180,7 +180,7 @@ class ParameterServerServicer:
 
     async def _may_configure(self, job: object, timeout_s: float | None) -> None:
         """Only the chief (or an admin) sets the job's configuration; a worker's Declare that comes
-        first waits for it, and is refused if it never comes (docs/architecture.md, 12 Security)."""
+        first waits for it, and is refused if it never comes (docs/architecture.md, 13 Security)."""
         if job is None or self._handlers.has_store or may_configure(caller()):
             return
         wait_s = timeout_s if timeout_s is not None else self._pull_timeout_s
