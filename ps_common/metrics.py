@@ -16,12 +16,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import bisect
-import contextlib
 import logging
 import math
 import os
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
@@ -260,13 +259,15 @@ class ServerCollector(Collector):
         self,
         stats: Callable[[], _ServerStats],
         requests: RequestMetrics,
-        checkpoint_manifest: Path | None = None,
+        checkpoint_files: Sequence[Path] = (),
         tables: Callable[[], Mapping[str, _TableStats]] | None = None,
         refusals: _Refusals | None = None,
     ) -> None:
+        """`checkpoint_files`: what a checkpoint of this server rewrites last (the shard's manifest, the
+        tables' pointer); the newest one's mtime is the last checkpoint's time."""
         self._stats = stats
         self._requests = requests
-        self._manifest = checkpoint_manifest
+        self._checkpoint_files = tuple(checkpoint_files)
         self._tables = tables
         self._refusals = refusals
 
@@ -295,13 +296,14 @@ class ServerCollector(Collector):
             yield from table_families(self._tables())
         if self._refusals is not None:
             yield auth_refused_family(self._refusals)
-        if self._manifest is not None:
+        if self._checkpoint_files:
             age = GaugeMetricFamily(
                 "pshard_ps_checkpoint_age_seconds",
                 "Seconds since this server's last checkpoint (absent: none yet)",
             )
-            with contextlib.suppress(OSError):  # no checkpoint yet
-                age.add_metric([], max(0.0, time.time() - self._manifest.stat().st_mtime))
+            saved = [mtime for mtime in map(_mtime, self._checkpoint_files) if mtime is not None]
+            if saved:
+                age.add_metric([], max(0.0, time.time() - max(saved)))
             yield age
 
     @staticmethod
@@ -500,6 +502,13 @@ class WorkerMetrics:
         self._values["loss"] = loss
 
 
+def _mtime(path: Path) -> float | None:
+    try:
+        return path.stat().st_mtime
+    except OSError:  # not written yet
+        return None
+
+
 def _gauge(name: str, documentation: str, value: float) -> GaugeMetricFamily:
     family = GaugeMetricFamily(name, documentation)
     family.add_metric([], value)
@@ -543,17 +552,18 @@ def serve_server_metrics(
     loop: asyncio.AbstractEventLoop,
     bind: str,
     port: int,
-    checkpoint_manifest: Path | None,
+    checkpoint_files: Sequence[Path] = (),
     tables: _Tables | None = None,
     refusals: _Refusals | None = None,
 ) -> MetricsServer:
     """A parameter server's /metrics; `handlers`: its ParameterServerHandlers, `tables`: its
-    TableHandlers, if any (both read on `loop`); `refusals`: its AuthRefusals."""
+    TableHandlers, if any (both read on `loop`); `checkpoint_files`: see ServerCollector;
+    `refusals`: its AuthRefusals."""
     registry = new_registry()
     table_stats = None if tables is None else (lambda: on_loop(loop, tables.all_stats))
     registry.register(
         ServerCollector(
-            lambda: on_loop(loop, handlers.stats), handlers.requests, checkpoint_manifest, table_stats,
+            lambda: on_loop(loop, handlers.stats), handlers.requests, checkpoint_files, table_stats,
             refusals,
         )
     )

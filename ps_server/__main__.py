@@ -45,6 +45,7 @@ from pshard.common.security import SecurityConfig, add_security_arguments, secur
 from pshard.ps_server import service
 from pshard.ps_server.heap import bound_heap
 from pshard.ps_server.settings import ServerSettings
+from pshard.ps_server.table_files import pointer_path
 
 log = logging.getLogger("pshard.ps")
 
@@ -173,9 +174,10 @@ async def _run(args: argparse.Namespace, spec: ClusterSpec | None, settings: Ser
     print(f"pshard ps: listening on port {running.port}", flush=True)
     metrics = None
     if args.metrics_port is not None:
-        manifest = Path(args.checkpoint_dir, f"{settings.shard_name}.json") if args.checkpoint_dir else None
+        ckpt, shard = args.checkpoint_dir, settings.shard_name  # the dense manifest and the tables' pointer
+        saved = (Path(ckpt, f"{shard}.json"), pointer_path(Path(ckpt), shard)) if ckpt else ()
         try:
-            metrics = serve_server_metrics(running.handlers, loop, bind, args.metrics_port, manifest,
+            metrics = serve_server_metrics(running.handlers, loop, bind, args.metrics_port, saved,
                                            tables=running.tables, refusals=running.refusals)
         except OSError:  # the port was taken since main checked it: stop serving before saying so
             await running.stop(grace_s=0)

@@ -63,6 +63,11 @@ def export_table(table: SparseTable, folder: Path) -> tuple[Path, Path, int]:
     return ids_path, rows_path, len(table)
 
 
+def pointer_path(directory: Path, name: str) -> Path:
+    """The json that commits checkpoint `name`'s tables in `directory` (its mtime: when they were saved)."""
+    return directory / f"{name}.tables.json"
+
+
 def save_tables(directory: Path, name: str, tables: list[SparseTable]) -> Path:
     """Checkpoint `tables` (callers hold each table's lock); returns the path of the committing json."""
     directory.mkdir(parents=True, exist_ok=True)
@@ -79,7 +84,7 @@ def save_tables(directory: Path, name: str, tables: list[SparseTable]) -> Path:
                 "evicted": table.evicted}
         (sub / "table.json").write_text(json.dumps(meta))
         entries.append(sub.name)
-    pointer = directory / f"{name}.tables.json"
+    pointer = pointer_path(directory, name)
     tmp = pointer.with_suffix(".json.tmp")
     tmp.write_text(json.dumps({"format": _FORMAT, "directory": folder.name, "tables": entries}))
     with open(tmp, "rb") as f:
@@ -93,7 +98,7 @@ def save_tables(directory: Path, name: str, tables: list[SparseTable]) -> Path:
 
 def load_tables(directory: Path, name: str, make: Callable[[TableConfig], SparseTable]) -> list[SparseTable]:
     """The tables of checkpoint `name` in `directory` ([] if none); `make` builds an empty table."""
-    pointer = directory / f"{name}.tables.json"
+    pointer = pointer_path(directory, name)
     if not pointer.exists():
         return []
     index = json.loads(pointer.read_text())

@@ -52,7 +52,7 @@ def test_a_servers_refused_calls_are_counted_by_code_and_method(
     server = start_server_thread(ServerSettings(), security=SecurityConfig(token_file=token_file, role="ps"))
     try:
         running = server.running
-        metrics.append(serve_server_metrics(running.handlers, server.loop, "127.0.0.1:0", 0, None,
+        metrics.append(serve_server_metrics(running.handlers, server.loop, "127.0.0.1:0", 0,
                                             tables=running.tables, refusals=running.refusals))
         port = metrics[0].port
         assert value(scrape(port), "pshard_auth_refused_total", code="UNAUTHENTICATED",

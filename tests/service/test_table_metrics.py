@@ -54,10 +54,15 @@ def test_table_rows_admissions_and_evictions_move_with_pushes_and_pulls(procs: P
         assert table_values(port, "other") == (7, 7, 0)
         assert table_values(port, "emb") == (50, 80, 30)
 
-        # The checkpoint age appears with the shard's first checkpoint.
+        # The checkpoint age appears with the server's first checkpoint: here of its tables alone, which
+        # a server without dense parameters writes (and then of the dense shard too).
         assert value(scrape(port), "pshard_ps_checkpoint_age_seconds") is None
+        client.tables.checkpoint()
+        age = value(scrape(port), "pshard_ps_checkpoint_age_seconds")
+        assert age is not None and 0 <= age < 60
         client.declare({"w": np.zeros(3, np.float32)}, JobConfig(mode="async"))
         client.push_pull({"w": np.ones(3, np.float32)}, 0)
         client.checkpoint()
+    assert (tmp_path / "ckpt" / "shard.json").exists()
     age = value(scrape(port), "pshard_ps_checkpoint_age_seconds")
     assert age is not None and 0 <= age < 60
