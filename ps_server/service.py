@@ -119,7 +119,8 @@ async def start(settings: ServerSettings, bind: str = "127.0.0.1:0",
     handlers.after_checkpoint = tables.checkpoint
     if settings.transport != "grpc":  # table requests over a raw TCP stream too (ps_server.table_stream)
         tables.stream = TableStreamServer(tables, bind.rsplit(":", 1)[0].strip("[]") or "0.0.0.0",
-                                          settings.limits.max_request_bytes)
+                                          settings.limits.max_request_bytes,
+                                          security.server_ssl_context() if security.tls else None)
     server.add_generic_rpc_handlers([table_rpc_handlers(SparseTablesServicer(tables), ps_servicer.unary)])
     server.add_generic_rpc_handlers([global_rpc_handlers(GlobalCheckpointServicer(GlobalCheckpoints(
         handlers, tables, settings.checkpoint_pause_dir)), ps_servicer.unary, SERVICE_NAME)])

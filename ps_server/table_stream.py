@@ -20,6 +20,7 @@ import contextlib
 import hmac
 import logging
 import secrets
+import ssl
 
 import numpy as np
 from google.protobuf.message import DecodeError
@@ -43,8 +44,11 @@ _EMPTY = np.zeros(0, np.uint8)
 
 
 class TableStreamServer:
-    def __init__(self, handlers: TableHandlers, host: str, max_request_bytes: int) -> None:
+    def __init__(self, handlers: TableHandlers, host: str, max_request_bytes: int,
+                 ssl_context: ssl.SSLContext | None = None) -> None:
+        """`ssl_context`: with TLS on, the stream runs over mutual TLS, as the dense fast path does."""
         self._handlers = handlers
+        self._ssl = ssl_context
         self._host = host
         self._max = max_request_bytes
         self.secret = secrets.token_bytes(16)
@@ -54,7 +58,9 @@ class TableStreamServer:
     async def port(self) -> int:
         """The listener's port, started at the first call."""
         if self._server is None:
-            self._server = await asyncio.start_server(self._serve, self._host, 0)
+            self._server = await asyncio.start_server(
+                self._serve, self._host, 0, ssl=self._ssl,
+                ssl_handshake_timeout=10.0 if self._ssl is not None else None)
         return int(self._server.sockets[0].getsockname()[1])
 
     async def close(self) -> None:

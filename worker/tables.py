@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import socket
+import ssl
 import threading
 import time
 from collections.abc import Callable
@@ -51,9 +52,12 @@ _NONE = np.zeros(0, np.uint8)
 class _Stream:
     """One connection to a server's table stream; one request at a time."""
 
-    def __init__(self, host: str, port: int, secret: bytes, timeout_s: float) -> None:
+    def __init__(self, host: str, port: int, secret: bytes, timeout_s: float,
+                 ssl_context: ssl.SSLContext | None = None) -> None:
         self._sock = socket.create_connection((host, port), timeout=timeout_s)
         self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        if ssl_context is not None:  # TLS on: the server's certificate is checked as gRPC checks it
+            self._sock = ssl_context.wrap_socket(self._sock, server_hostname=host)
         self._inbox = Inbox(self._sock)
         self._lock = threading.Lock()
         send_frame(self._sock, HELLO, secret)
@@ -260,7 +264,9 @@ class TableClient:
                     self._stream_retry_at[s] = float("inf")  # the server offers gRPC only
                     return None
                 host = self._client.servers[s].rsplit(":", 1)[0].strip("[]")
-                stream = _Stream(host, offer.port, offer.secret, self._client._timeout_s)
+                security = self._client.security
+                stream = _Stream(host, offer.port, offer.secret, self._client._timeout_s,
+                                 security.client_ssl_context() if security.tls else None)
             except (grpc.RpcError, OSError, TransportBroken) as err:
                 log.info("table stream to %s not opened (%s); using gRPC", self._client.servers[s], err)
                 self._stream_retry_at[s] = time.monotonic() + _STREAM_RETRY_S

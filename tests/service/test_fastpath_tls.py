@@ -186,3 +186,16 @@ def test_a_credential_opens_sessions_for_its_own_worker_and_a_session_pushes_onl
     reply = pb.TransportReply.FromString(meta)
     assert kind == fastwire.REPLY and reply.error_type == "PermissionDeniedError", reply
     assert wire.read(server, ["a"]) == before
+
+
+def test_the_sparse_table_stream_runs_over_tls_too(start_server, new_client):
+    from pshard.common.sparse import TableConfig
+
+    server = start_server(ServerSettings())
+    c = new_client([server], "w0")
+    c.declare_table(TableConfig("emb", 4, initializer="zeros", optimizer="sgd", lr=1.0))
+    ids = np.array([3, 7, 2**40], np.int64)
+    c.pull_rows("emb", ids, clock=0)
+    c.push_rows("emb", ids, np.ones((3, 4), np.float32), clock=0)
+    np.testing.assert_array_equal(c.pull_rows("emb", ids, clock=1), np.full((3, 4), -1.0, np.float32))
+    assert c.tables.transports == ["tcp"]  # the stream, not gRPC: its TLS handshake succeeded
