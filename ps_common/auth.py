@@ -78,8 +78,9 @@ ALLOWED: dict[str, frozenset[str]] = {
 }
 
 _caller: contextvars.ContextVar[Identity | None] = contextvars.ContextVar("pshard_caller", default=None)
-# The refusal counter of the server handling the call, so handlers' own refusals are counted too.
-_counter: contextvars.ContextVar[AuthRefusals | None] = contextvars.ContextVar(  # type: ignore[name-defined]
+# The refusal counter of the server handling the call and the call's method, so handlers' own refusals
+# are counted too, under the same method label as the interceptor's.
+_counter: contextvars.ContextVar[tuple[AuthRefusals, str] | None] = contextvars.ContextVar(  # type: ignore[name-defined]
     "pshard_refusals", default=None)
 
 
@@ -146,7 +147,7 @@ class Authorizer(grpc.aio.ServerInterceptor):  # type: ignore[misc]
         self.refusals = refusals if refusals is not None else AuthRefusals()
 
     async def _admit(self, method: str, context: grpc.aio.ServicerContext) -> Identity:
-        _counter.set(self.refusals)
+        _counter.set((self.refusals, method))
         who = _identify(context, self._tokens)
         if who is None:
             self.refusals.add("UNAUTHENTICATED", method)
@@ -209,10 +210,12 @@ def check_acts_as(node_id: str, what: str) -> None:
 
 
 def refused(what: str, status: str = "PERMISSION_DENIED") -> None:
-    """Count a refusal a handler decided (the interceptor counts its own)."""
-    counter = _counter.get()
-    if counter is not None:
-        counter.add(status, what)
+    """Count a refusal a handler decided (the interceptor counts its own); `what` is for the log."""
+    current = _counter.get()
+    if current is not None:
+        counter, method = current
+        counter.add(status, method)
+        log.warning("refused %s (%s) from %s: %s", method, what, caller(), status)
 
 
 def sees_worker_ids() -> bool:
