@@ -25,6 +25,8 @@ REPO = Path(__file__).resolve().parents[2]
 SMALL = ("--ctr-samples", "524288", "--ctr-ids", "100000", "--ctr-test-samples", "50000")
 TIMEOUT_S = 60
 GAP_BAR = 0.04  # measured 0.023 at this size; the full demo's bar is 0.02
+DEMO_GAP_BAR = 0.02  # the issue's bar; measured 0.015
+FULL_DEMO_TIMEOUT_S = 600  # 90 s on 2 cores shared with other jobs; generous for a loaded CI machine
 
 
 def demo_ctr_args() -> list[str]:
@@ -57,6 +59,20 @@ def test_a_small_ctr_job_trains_near_the_planted_models_auc(procs: Procs, tmp_pa
                          rf"{ceiling:.4f}, gap 0\.\d{{4}} on 50000 test impressions; "
                          rf"{evals[0]['table_rows']} embedding rows")
     assert any(summary.match(line) for line in run.lines), run.output()
+
+
+def test_the_full_demo_trains_within_the_issues_bar_of_the_ceiling(procs: Procs, tmp_path: Path) -> None:
+    """`make demo-ctr` exactly (3 M impressions over 4 M ids): 90 s on 2 busy cores; the time bar (3 min) is
+    the README's measured figure, not asserted on a shared machine, the AUC bar is."""
+    run = start_launcher(procs, "--ps", "2", "--workers", "2", "--", *demo_ctr_args())
+
+    code = run.wait(FULL_DEMO_TIMEOUT_S)
+
+    assert code == 0, run.output()
+    chief = finals(run)["worker-0"]
+    got, ceiling = float(chief["test_auc"]), float(chief["ceiling_auc"])
+    assert 0.70 <= ceiling <= 0.85, chief
+    assert ceiling - got <= DEMO_GAP_BAR, chief
 
 
 @pytest.mark.parametrize("command", [[sys.executable, "-m", "pshard.worker"],
