@@ -96,6 +96,9 @@ class ClusterSpec:
     ps: tuple[str, ...] = ()
     worker: tuple[str, ...] = ()
     evaluator: tuple[str, ...] = ()
+    # A worker joining a running job (`--join`, docs/architecture.md 3 Membership): its index may
+    # lie beyond cluster.worker, which still lists the workers the job started with.
+    joining: bool = False
 
     def __post_init__(self) -> None:
         if self.task_type == "master":
@@ -120,7 +123,9 @@ class ClusterSpec:
             raise ClusterConfigError(
                 f"task.type: got {self.task_type!r}, but cluster has no {self.task_type!r} entry "
                 f"(it has {sorted(j for j in JOBS if self.job(j))})")
-        if entries and index >= len(entries):
+        if self.joining and self.task_type != "worker":
+            raise ClusterConfigError(f"--join: got task.type {self.task_type!r}, only a worker can join")
+        if entries and index >= len(entries) and not self.joining:
             raise ClusterConfigError(
                 f"task.index: got {index}, but cluster.{self.task_type} has {len(entries)} "
                 f"entr{'y' if len(entries) == 1 else 'ies'} (valid: 0..{len(entries) - 1})")
@@ -132,7 +137,7 @@ class ClusterSpec:
     # ---- construction ----
 
     @classmethod
-    def from_tf_config(cls, raw: str) -> ClusterSpec:
+    def from_tf_config(cls, raw: str, joining: bool = False) -> ClusterSpec:
         """Parse the TF_CONFIG JSON text; raises ClusterConfigError naming the field and the value."""
         try:
             config = json.loads(raw)
@@ -156,7 +161,9 @@ class ClusterSpec:
                 "'master' is the old name of 'chief', give only one")
         jobs = {job: _job_addresses(cluster, job) for job in ("scheduler", "ps", "worker", "evaluator")}
         jobs["chief"] = _job_addresses(cluster, "master" if "master" in cluster else "chief")
-        return cls(task_type=task_type.lower(), task_index=_task_index(task["index"]), **jobs)
+        return cls(task_type=task_type.lower(), task_index=_task_index(task["index"]),
+                   scheduler=jobs["scheduler"], chief=jobs["chief"], ps=jobs["ps"], worker=jobs["worker"],
+                   evaluator=jobs["evaluator"], joining=joining)
 
     # ---- derived facts ----
 
@@ -177,7 +184,7 @@ class ClusterSpec:
     def own_address(self) -> str | None:
         """This task's address in the cluster (None for an evaluator left out of the cluster)."""
         entries = self.job(self.task_type)
-        return entries[self.task_index] if entries else None
+        return entries[self.task_index] if self.task_index < len(entries) else None
 
     @property
     def ps_addresses(self) -> tuple[str, ...]:
@@ -361,8 +368,10 @@ def cluster_spec_from_args(args: argparse.Namespace, environ: Mapping[str, str] 
         overrides["task_type"] = args.task_type
     if args.task_index is not None:
         overrides["task_index"] = args.task_index
+    if getattr(args, "join", False):  # only `pshard worker` has --join
+        overrides["joining"] = True
     if raw is not None:
-        spec = ClusterSpec.from_tf_config(raw)
+        spec = ClusterSpec.from_tf_config(raw, joining=overrides.get("joining", False))
         return replace(spec, **overrides) if overrides else spec
     overrides.setdefault("task_type", default_task_type)
     if overrides["task_type"] is None:

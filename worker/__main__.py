@@ -102,6 +102,10 @@ def build_parser(environ: Mapping[str, str], prog: str = PROG) -> argparse.Argum
                        help=f"batch size per worker (default {D.BATCH_SIZE})")
     train.add_argument("--max-steps", metavar="N", type=int, default=D.MAX_STEPS,
                        help="stop after N steps (default 0: no limit)")
+    train.add_argument("--join", action="store_true",
+                       help="join a running job as a new worker: --task-index may lie beyond TF_CONFIG's "
+                            "worker list (which still lists the workers the job started with); it enters "
+                            "the sync quorum at the next clock with the current weights")
     train.add_argument("--seed", metavar="N", type=int, default=D.SEED,
                        help=f"seed of the initial weights and of the shuffling (default {D.SEED})")
     train.add_argument("--threads", metavar="N", type=int, default=D.THREADS,

@@ -204,7 +204,12 @@ class ClusterSession:
         """Trainers: the start barrier (unless resuming mid-job), then every server's full quorum."""
         sched = self._registered()
         world = self.spec.world_size
-        if clock == 0:  # a worker restarted mid-job must not wait for a start everyone passed
+        if self.spec.joining:
+            # Not one of the `world` the start barrier counts. Before the job's first clock it waits
+            # until they all registered, so that clock 0's quorum holds them all; later it just enters.
+            if clock == 0:
+                self._await_original_trainers(world)
+        elif clock == 0:  # a worker restarted mid-job must not wait for a start everyone passed
             with stage("barrier", f"waiting for {world} workers at the start barrier"), \
                     self._peer_wait("the start barrier", self._missing_trainers, sched.close):
                 try:
@@ -220,6 +225,13 @@ class ClusterSession:
             with stage("quorum", "waiting for the servers to see every worker"):
                 view = sched.view
                 self._await_server_quorum(set(view.live_workers()) if view else set())
+
+    def _await_original_trainers(self, world: int) -> None:
+        sched, me = self._registered(), self.spec.node_id
+        with stage("barrier", f"joining: waiting for the job's {world} workers to register"), \
+                self._peer_wait("joining the job", self._missing_trainers, sched.close):
+            sched.wait_for_view(lambda view: len(set(view.live_workers()) - {me}) >= world,
+                                timeout_s=self.startup_timeout_s)
 
     def _missing_trainers(self) -> list[Peer]:
         """The trainers TF_CONFIG names that the scheduler does not have as live members."""

@@ -14,7 +14,6 @@ and the environment. Each failure names the stage it happened in. The cluster pr
 
 from __future__ import annotations
 
-import itertools
 import logging
 import math
 import sys
@@ -33,8 +32,9 @@ from pshard.common.metrics import (
 )
 from pshard.worker.checkpoints import restore_checkpoint, save_checkpoint
 from pshard.worker.config import StageError, Stopped, TrainConfig, stage
-from pshard.worker.data import Dataset, batches, load_dataset, num_batches, shard
+from pshard.worker.data import Dataset, load_dataset
 from pshard.worker.device import select_device
+from pshard.worker.elastic import ClockPlan, roster_position
 from pshard.worker.metrics import MetricsLog, Progress
 from pshard.worker.model import build_model, evaluate
 from pshard.worker.saved_model import describe, save_model
@@ -184,30 +184,29 @@ class TrainingRun:
     def _train(self) -> None:
         cfg, data, trainer, session = self.cfg, self.data, self.trainer, self.session
         assert data is not None and trainer is not None
-        # The shard plan: every epoch's batches in order; in sync mode planned step p is clock p, the same
-        # on every worker. A worker whose clock is ahead of its plan (restarted mid-job, or declared dead
-        # while stopped and back) skips the steps the others trained without it: it rejoins at the
-        # current clock with the current weights and trains only what its plan still has
-        # (docs/architecture.md, 9 Failures).
-        planned = 0
+        # The shard plan (worker.elastic): every epoch is the same clocks whoever trains it; at each clock
+        # the live trainers split its union batch. In sync mode clock p is the same data on every worker.
+        # A worker whose clock is ahead of the plan (joined, restarted mid-job, or declared dead while
+        # stopped and back) skips the clocks the others trained without it: it enters at the current
+        # clock with the current weights and trains only what the plan still has (docs/architecture.md,
+        # 8 Workers and 9 Failures).
+        plan = ClockPlan(len(data.train_y), cfg.batch_size, cfg.spec.world_size, cfg.epochs, cfg.seed,
+                         cfg.max_steps)
         for epoch in range(cfg.epochs):
-            indices = shard(len(data.train_y), session.rank, cfg.spec.world_size, epoch, cfg.seed)
-            total = num_batches(len(indices), cfg.batch_size)
-            if cfg.max_steps:
-                total = min(total, cfg.max_steps - planned)
+            clocks = plan.epoch_clocks(epoch)
+            total = len(clocks)
             if total <= 0:
                 break
-            skip = self._steps_to_skip(planned, total)
-            position, planned = planned + skip, planned + total
+            skip = self._steps_to_skip(clocks.start, total)
             if skip == total:
                 continue
             self.progress.start_epoch(epoch, total - skip)
             self.outcome.epoch = epoch
             losses, correct, seen, started = [], 0, 0, time.monotonic()
-            for batch in itertools.islice(batches(indices, cfg.batch_size), skip, total):
-                position += 1
-                if self._steps_to_skip(position - 1, 1):
+            for clock in clocks[skip:]:
+                if self._steps_to_skip(clock, 1):
                     continue  # the clock jumped during this epoch: those batches were trained without us
+                batch = plan.piece(clock, *self._position())
                 step_started = time.perf_counter()
                 loss, hits = self._step(data.train_x[batch], data.train_y[batch])
                 self._check_divergence(loss)
@@ -234,11 +233,17 @@ class TrainingRun:
             elapsed = time.monotonic() - started
             self.metrics.log("epoch", epoch=epoch + 1, steps=len(losses), loss=self.outcome.train_loss,
                              accuracy=correct / seen, time_s=elapsed, samples_per_s=seen / max(elapsed, 1e-9))
-            last = epoch == cfg.epochs - 1 or planned == cfg.max_steps
+            last = clocks.stop == plan.total_clocks
             if cfg.is_chief and not last:
                 accuracy, test_loss = evaluate(trainer.model, data, trainer.device)
                 self.metrics.log("eval", epoch=epoch + 1, step=self.outcome.steps, test_accuracy=accuracy,
                                  test_loss=test_loss)
+
+    def _position(self) -> tuple[int, int]:
+        """(position, members) of this worker among the live trainers, for this clock's piece."""
+        session = self.session
+        view = session.scheduler.view if session.scheduler is not None else None
+        return roster_position(view, self.cfg.spec.node_id, session.rank, self.cfg.spec.world_size)
 
     def _steps_to_skip(self, planned: int, count: int) -> int:
         """Of the `count` planned steps from plan position `planned`, how many the sync clock has passed."""
@@ -248,11 +253,15 @@ class TrainingRun:
             return 0
         skip = min(count, trainer.clock - planned)
         if self._skipped_to != trainer.clock:
-            self._skipped_to = trainer.clock
-            log.warning("the job is at clock %d and this worker's shard plan at step %d: it was away "
-                        "(declared dead, or restarted) while the others trained; it rejoins at clock %d with "
-                        "the current weights and skips the planned steps before it", trainer.clock, planned,
-                        trainer.clock)
+            first, self._skipped_to = self._skipped_to < 0, trainer.clock
+            if self.cfg.spec.joining and first:
+                log.info("joined the running job at clock %d with the current weights: this worker trains "
+                         "its piece of every clock from there on", trainer.clock)
+            else:
+                log.warning("the job is at clock %d and this worker's shard plan at step %d: it was away "
+                            "(declared dead, or restarted) while the others trained; it rejoins at clock %d "
+                            "with the current weights and skips the planned steps before it", trainer.clock,
+                            planned, trainer.clock)
         self.outcome.skipped += skip
         return skip
 
