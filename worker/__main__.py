@@ -167,6 +167,8 @@ def _check_numbers(parser: argparse.ArgumentParser, args: argparse.Namespace) ->
                         ("--seed", args.seed), ("--threads", args.threads)):
         if value < 0:
             parser.error(f"{flag}: got {value}, expected >= 0")
+    if args.join and args.model == CTR_MODEL:  # its click-log shards are static (worker.ctr)
+        parser.error("--join: the CTR model's shards are fixed by TF_CONFIG's workers; join an image model")
 
 
 def _check_writable(flag: str, path: str, *, create: bool) -> None:

@@ -87,7 +87,7 @@ def test_a_worker_joins_a_running_sync_job_and_trains_its_piece_of_every_later_c
     assert joined.get("failed") is None and "test_accuracy" not in joined, finals
     # Sync clocks stayed consistent: every slice took exactly the planned clocks (none taken twice, none
     # waiting for the newcomer past its end), and all three pushed the last one.
-    assert_clocks(cluster, planned, {"worker-0": planned - 1, "worker-1": planned - 1, "worker-2": planned - 1})
+    assert_clocks(cluster, planned, dict.fromkeys(("worker-0", "worker-1", "worker-2"), planned - 1))
 
 
 def test_a_worker_that_leaves_early_shrinks_the_quorum_and_the_others_finish_the_job(procs: Procs) -> None:

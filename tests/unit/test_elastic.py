@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 from pshard.common.cluster import ClusterSpec
@@ -74,3 +76,19 @@ def test_a_joining_worker_may_have_an_index_beyond_the_worker_list() -> None:
     assert not spec.hosts_scheduler
     with pytest.raises(ClusterConfigError, match="only a worker"):
         ClusterSpec("chief", 1, chief=("c:1",), ps=("p:1",), joining=True)
+
+
+def test_pshard_worker_join_takes_the_jobs_tf_config_with_an_index_beyond_it(tmp_path: Path) -> None:
+    from pshard.worker.__main__ import config_from_args
+
+    tf_config = ('{"cluster": {"ps": ["127.0.0.1:7100"], "worker": ["127.0.0.1:7200", "127.0.0.1:7201"]}, '
+                 '"task": {"type": "worker", "index": 2}}')
+    env = {"TF_CONFIG": tf_config}
+    data = ["--data-dir", str(tmp_path), "--insecure"]
+    with pytest.raises(ClusterConfigError, match=r"task\.index: got 2"):
+        config_from_args(data, env)
+    cfg = config_from_args([*data, "--join"], env)
+    spec = cfg.spec
+    assert (spec.node_id, spec.joining, spec.world_size, cfg.is_chief) == ("worker-2", True, 2, False)
+    with pytest.raises(SystemExit):  # the CTR model's click-log shards are static
+        config_from_args([*data, "--join", "--model", "ctr"], env)
