@@ -145,8 +145,9 @@ class TrainingRun:
         warn_learning_rate(cfg)
         with stage("data", "loading data"):
             self.data = load_dataset(cfg.data_dir)
-            log.info("%s: %d training images, this worker's shard is rank %d of %d", self.data.name,
-                     len(self.data.train_y), session.rank, cfg.spec.world_size)
+            log.info("%s: %d training images in union batches of %d x %d; this worker is rank %d and takes "
+                     "its piece of each clock's batch among the live workers", self.data.name,
+                     len(self.data.train_y), cfg.spec.world_size, cfg.batch_size, session.rank)
         with stage("model", "building the model"):
             device = select_device(cfg.device)
             if cfg.threads:
