@@ -224,16 +224,19 @@ class FastPathServer:
 
     def _adopt(self, hello: bytes, fds: list[int]) -> _Session:
         """The shm session the hello names, its segment mapped; PSError for anyone else (every
-        descriptor received is closed or kept)."""
+        descriptor received is closed or kept; a session whose secret came with a bad segment ends)."""
         try:
             session = self._claim(hello, "shm")
-            if len(fds) != 1:
-                raise InvalidArgumentError(f"shm hello: {len(fds)} descriptors, expected the segment's")
-            regions = Segment.adopt(fds.pop())
-            if regions.request_bytes < session.want[0] or regions.reply_bytes < session.want[1]:
-                regions.close()
+            try:
+                if len(fds) != 1:
+                    raise InvalidArgumentError(f"shm hello: {len(fds)} descriptors, expected the segment's")
+                regions = Segment.adopt(fds.pop())
+                if regions.request_bytes < session.want[0] or regions.reply_bytes < session.want[1]:
+                    regions.close()
+                    raise InvalidArgumentError("shm hello: the segment is smaller than announced")
+            except BaseException:
                 self._end(session)
-                raise InvalidArgumentError("shm hello: the segment is smaller than announced")
+                raise
         finally:
             for fd in fds:
                 os.close(fd)
@@ -415,7 +418,6 @@ class FastPathServer:
                     reply.summary.versions.extend(event.versions)
                     reply.summary.applied, reply.summary.dropped = event.applied, event.dropped
         return reply
-
 
     async def _push_pull(self, session: _Session, header: pb.ExchangeHeader, metas: Sequence[SliceMeta],
                          wires: Sequence[WireArray], pull: Sequence[SliceKey], timeout_s: float | None
