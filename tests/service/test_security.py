@@ -346,3 +346,30 @@ def test_a_rotated_certificate_is_served_without_a_restart(tmp_path: Path) -> No
         assert stub.GetStats(pb.GetStatsRequest(), timeout=WAIT_S).slices == 0
     finally:
         server.stop(grace_s=0.2)
+
+
+# ---- the scheduler a chief hosts in-process (no scheduler task) ----
+
+def test_the_scheduler_a_chief_hosts_speaks_mutual_tls(tmp_path: Path) -> None:
+    from pshard.common.cluster import ClusterSpec
+    from pshard.worker.session import ClusterSession
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    made = ensure(tmp_path, [Identity("chief", "chief-0"), Identity("admin")])
+    spec = ClusterSpec("chief", 0, ps=("127.0.0.1:1",), chief=(f"127.0.0.1:{port}",))
+    session = ClusterSession(spec, startup_timeout_s=WAIT_S, step_timeout_s=WAIT_S,
+                             security=made[Identity("chief", "chief-0")].security())
+    try:
+        session.host_scheduler_if_needed()
+        assert session.register().node_id == "chief-0"
+        plain = spb_grpc.SchedulerServiceStub(grpc.insecure_channel(f"127.0.0.1:{port}"))
+        assert code_of(lambda: plain.GetLayout(spb.GetLayoutRequest(), timeout=WAIT_S)) == \
+            grpc.StatusCode.UNAVAILABLE
+        admin = spb_grpc.SchedulerServiceStub(made[Identity("admin")].security().channel(f"127.0.0.1:{port}"))
+        assert code_of(lambda: admin.Register(spb.RegisterRequest(role=spb.ROLE_WORKER), timeout=WAIT_S)) == \
+            grpc.StatusCode.PERMISSION_DENIED
+    finally:
+        session.leave()
+        session.close()
