@@ -373,3 +373,19 @@ def test_the_scheduler_a_chief_hosts_speaks_mutual_tls(tmp_path: Path) -> None:
     finally:
         session.leave()
         session.close()
+
+
+def test_pshard_status_reads_a_secured_job_with_an_admin_certificate(scheduler: SchedulerHandle,
+                                                                     pki: dict[str, CertFiles]) -> None:
+    from pshard.status import fetch
+
+    worker = SchedulerClient(scheduler.address, "worker", node_id="worker-0",
+                             security=sec(pki, "worker/worker-0"), connect_timeout_s=WAIT_S)
+    worker.register()
+    try:
+        status = fetch(scheduler.address, WAIT_S, sec(pki, "admin", "admin"))
+        assert "worker-0" in status.to_json()
+        with pytest.raises(grpc.RpcError):
+            fetch(scheduler.address, 2.0)
+    finally:
+        worker.close()
