@@ -7,6 +7,7 @@ OS picked a moment before.
 from __future__ import annotations
 
 import socket
+import threading
 
 import pytest
 from pshard.common.cluster import ClusterSpec
@@ -66,3 +67,33 @@ def test_a_taken_port_is_a_configuration_error_naming_the_address() -> None:
         with pytest.raises(ClusterConfigError, match=f"worker-0 hosts the scheduler at {address}"):
             session.host_scheduler_if_needed()
         session.close()
+
+
+def test_a_worker_joining_before_the_first_clock_waits_for_the_listed_workers_not_the_barrier() -> None:
+    ps, worker = (f"127.0.0.1:{_free_port()}",), (f"127.0.0.1:{_free_port()}",)
+    first = ClusterSession(ClusterSpec("worker", 0, ps=ps, worker=worker), startup_timeout_s=WAIT_S,
+                           step_timeout_s=WAIT_S)
+    joiner = ClusterSession(ClusterSpec("worker", 1, ps=ps, worker=worker, joining=True),
+                            startup_timeout_s=WAIT_S, step_timeout_s=WAIT_S)
+    try:
+        first.host_scheduler_if_needed()
+        assert joiner.register().node_id == "worker-1"
+        errors: list[BaseException] = []
+
+        def start() -> None:
+            try:
+                joiner.await_start(0, wait_for_quorum=False)
+            except BaseException as e:  # handed to the test thread
+                errors.append(e)
+
+        waiting = threading.Thread(target=start)
+        waiting.start()
+        waiting.join(0.3)
+        assert waiting.is_alive(), errors  # worker-0, which TF_CONFIG lists, has not registered yet
+        first.register()
+        waiting.join(WAIT_S)
+        assert not waiting.is_alive() and not errors, errors
+        first.await_start(0, wait_for_quorum=False)  # a barrier of TF_CONFIG's one worker: not the joiner
+    finally:
+        joiner.close()
+        first.close()
