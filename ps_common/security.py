@@ -227,6 +227,7 @@ class _CertificateFetcher:
 
     def _config(self) -> Any:
         cert, key, ca = (p.read_bytes() for p in self._files)
+        _check_pair(cert, key)
         return grpc.ssl_server_certificate_configuration([(key, cert)], root_certificates=ca)
 
     def initial(self) -> Any:
@@ -245,6 +246,19 @@ class _CertificateFetcher:
             self._stamp = stamp
             log.info("TLS certificate files changed: new handshakes use them")
             return config
+
+
+def _check_pair(cert_pem: bytes, key_pem: bytes) -> None:
+    """ValueError unless the key belongs to the certificate: a rotation writes two files, and a
+    handshake between the two writes must keep the old pair rather than serve a broken one."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives import serialization
+
+    cert = x509.load_pem_x509_certificate(cert_pem)
+    key = serialization.load_pem_private_key(key_pem, None)
+    spki = serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo
+    if cert.public_key().public_bytes(*spki) != key.public_key().public_bytes(*spki):
+        raise ValueError("the key does not belong to the certificate (yet)")
 
 
 class _TokenPlugin(grpc.AuthMetadataPlugin):  # type: ignore[misc]

@@ -338,6 +338,12 @@ def test_a_rotated_certificate_is_served_without_a_restart(tmp_path: Path) -> No
     server = start_server_thread(ServerSettings(), security=ps.security())
     try:
         first = _served_serial(server.address, admin.security())
+        # Half a rotation (a new key, the old certificate): the old pair is served on.
+        new = issue(tmp_path, Identity("ps", "ps-0"), name="next")
+        old_key = ps.key.read_bytes()
+        ps.key.write_bytes(new.key.read_bytes())
+        assert _served_serial(server.address, admin.security()) == first
+        ps.key.write_bytes(old_key)
         issue(tmp_path, Identity("ps", "ps-0"))  # same files, a new certificate
         second = _served_serial(server.address, admin.security())
         assert first != second
