@@ -199,7 +199,8 @@ def test_servers_have_health_checks_on_their_own_port() -> None:
     for name in ("scheduler", "ps-0", "ps-1"):
         check = services[name]["healthcheck"]
         port = CLUSTER[TASKS[name][0]][TASKS[name][1]].split(":")[1]
-        assert check["test"] == ["CMD", "pshard", "health", f"localhost:{port}"], name
+        # By its own name: it listens on that address only, which its TLS certificate names.
+        assert check["test"] == ["CMD", "pshard", "health", f"{name}:{port}"], name
 
 
 @needs_compose

@@ -164,8 +164,9 @@ class LocalCompose:
         original_port = next(a for a, b in self.address_map.items() if b == own).rsplit(":", 1)[1]
 
         def aim(arg: str) -> str:
-            # Inside its container the service is "localhost" on its TF_CONFIG port.
-            return re.sub(rf"\b(localhost|127\.0\.0\.1):{original_port}\b", f"127.0.0.1:{port}", arg)
+            # Inside its container the service is its own name (or "localhost") on its TF_CONFIG port.
+            hosts = rf"localhost|127\.0\.0\.1|{re.escape(name)}"
+            return re.sub(rf"\b({hosts}):{original_port}\b", f"127.0.0.1:{port}", arg)
 
         if test[0] == "CMD-SHELL":
             program, _, rest = aim(test[1]).partition(" ")
