@@ -5,11 +5,12 @@ Parsed once at an entry point into a frozen `SecurityConfig`:
     --tls-cert FILE   (PSHARD_TLS_CERT)   this process's certificate chain (PEM)
     --tls-key FILE    (PSHARD_TLS_KEY)    its private key (PEM)
     --tls-ca FILE     (PSHARD_TLS_CA)     the CA that signs every pshard certificate (PEM)
-    --token-file FILE (PSHARD_TOKEN_FILE) role tokens, see `TokenTable`
-    --insecure        no TLS and no token, on purpose (a loud warning says so)
+    --token-file FILE (PSHARD_TOKEN_FILE) role tokens, see `pshard.common.identity.TokenTable`
+    --tls-dir DIR     (PSHARD_TLS_DIR)    a development CA: this node's certificate made there on first use
+    --insecure        (PSHARD_INSECURE=1) no TLS and no token, on purpose (a loud warning says so)
 
-The three TLS files go together. With no flag at all a process runs in the clear as before, with
-a warning; `SecurityConfig()` (the default of every API: PSClient, SchedulerClient, start(...))
+The three TLS files go together. With no flag at all a process runs in the clear as before;
+`SecurityConfig()` (the default of every API: PSClient, SchedulerClient, start(...))
 is that same plain set-up, so library users and tests keep working untouched.
 
 What the rest of pshard uses (docs/architecture.md, 13 Security):
@@ -175,13 +176,6 @@ class SecurityConfig:
         # Call credentials need a secure channel; without TLS the token rides in plain metadata.
         return grpc.intercept_channel(channel, _TokenMetadata(token))
 
-    def aio_channel(self, target: str, options: Sequence[tuple[str, Any]] = ()) -> grpc.aio.Channel:
-        if self.tls:
-            return grpc.aio.secure_channel(target, self.channel_credentials(), options=list(options))
-        token = self.own_token()
-        interceptors = [_AioTokenMetadata(token)] if token is not None else None
-        return grpc.aio.insecure_channel(target, options=list(options), interceptors=interceptors)
-
     # ---- ssl contexts for the raw TCP fast path ----
 
     def server_ssl_context(self) -> ssl.SSLContext:
@@ -301,14 +295,6 @@ class _TokenMetadata(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInt
         return continuation(_with_token(details, self._token), requests)
 
 
-class _AioTokenMetadata(grpc.aio.UnaryUnaryClientInterceptor):  # type: ignore[misc]
-    def __init__(self, token: str) -> None:
-        self._token = token
-
-    async def intercept_unary_unary(self, continuation: Any, details: Any, request: Any) -> Any:
-        return await continuation(_with_token(details, self._token), request)
-
-
 # ---- entry points ----
 
 def add_security_arguments(parser: argparse.ArgumentParser) -> None:
@@ -371,15 +357,3 @@ def _auto_certificate(directory: Path, role: str, node_id: str,
         raise ClusterConfigError(f"--tls-dir: cannot make a certificate in {str(directory)!r}: "
                                  f"{e.strerror or e}") from None
     return files.cert, files.key, files.ca
-
-
-def security_flags(config: SecurityConfig) -> list[str]:
-    """The command-line flags that give a child process the same files (the launcher's children)."""
-    flags: list[str] = []
-    for flag, value in (("--tls-cert", config.cert), ("--tls-key", config.key), ("--tls-ca", config.ca),
-                        ("--token-file", config.token_file)):
-        if value is not None:
-            flags += [flag, str(value)]
-    if config.insecure:
-        flags.append("--insecure")
-    return flags
