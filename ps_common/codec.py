@@ -284,14 +284,15 @@ def layout_to_proto(layout: Layout) -> sched_pb.Layout:
         version=layout.version, params=[param_spec_to_proto(p) for p in layout.params],
         servers=layout.servers, slice_bytes=layout.slice_bytes,
         slices=[sched_pb.LayoutSlice(key=s.key, part=s.part, server=s.server, offset=s.offset,
-                                     numel=s.numel) for s in layout.slices])
+                                     numel=s.numel) for s in layout.slices], replicas=layout.replicas)
 
 
 def layout_from_proto(p: sched_pb.Layout) -> Layout:
     return Layout(
         params=tuple(param_spec_from_proto(x) for x in p.params), servers=tuple(p.servers),
         slice_bytes=p.slice_bytes, version=p.version,
-        slices=tuple(LayoutSlice(s.key, s.part, s.server, s.offset, s.numel) for s in p.slices))
+        slices=tuple(LayoutSlice(s.key, s.part, s.server, s.offset, s.numel) for s in p.slices),
+        replicas=p.replicas)
 
 
 # ---- Exchange frames ----

@@ -70,6 +70,9 @@ class Layout:
     slice_bytes: int
     slices: tuple[LayoutSlice, ...]
     version: int = 0
+    # Backups per slice (docs/architecture.md, 9 Failures): server i's slices are copied to the next
+    # `replicas` live servers in ring order (pshard.common.replicas).
+    replicas: int = 0
     _by_key: dict[str, tuple[LayoutSlice, ...]] = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -110,11 +113,14 @@ class Layout:
 
 
 def plan_layout(params: Sequence[ParamSpec], servers: Sequence[str],
-                slice_bytes: int = DEFAULT_SLICE_BYTES) -> Layout:
+                slice_bytes: int = DEFAULT_SLICE_BYTES, replicas: int = 0) -> Layout:
     if not servers:
         raise EmptyRequestError("servers: got none, a layout needs at least one parameter server")
     if slice_bytes < 64:
         raise InvalidArgumentError(f"slice_bytes: got {slice_bytes}, expected >= 64")
+    if not 0 <= replicas < len(servers):
+        raise InvalidArgumentError(f"replicas: got {replicas}, expected 0 to {len(servers) - 1} "
+                                   f"(a backup lives on another server; there are {len(servers)})")
     seen: set[str] = set()
     for p in params:
         if p.key in seen:
@@ -158,4 +164,4 @@ def plan_layout(params: Sequence[ParamSpec], servers: Sequence[str],
     for piece in sorted(pieces, key=lambda x: (-x[4], x[0], x[1])):
         place(piece, min(range(n), key=lambda i: (loads[i], i)))
     placed.sort(key=lambda s: (s.key, s.part))
-    return Layout(tuple(params), tuple(servers), slice_bytes, tuple(placed))
+    return Layout(tuple(params), tuple(servers), slice_bytes, tuple(placed), replicas=replicas)

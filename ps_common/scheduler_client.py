@@ -207,14 +207,14 @@ class SchedulerClient:
         return int(reply.generation)
 
     def propose_layout(self, params: Iterable[ParamSpec], slice_bytes: int = DEFAULT_SLICE_BYTES,
-                       servers: Sequence[str] = ()) -> Layout:
+                       servers: Sequence[str] = (), replicas: int = 0) -> Layout:
         """Propose a layout; the first proposal wins and everyone gets the stored one back.
 
         LayoutConflictError when the stored layout describes other parameters. `servers` empty =
         the live parameter servers the scheduler knows, in rank order.
         """
         request = pb.ProposeLayoutRequest(params=[param_spec_to_proto(p) for p in params],
-                                          slice_bytes=slice_bytes, servers=list(servers))
+                                          slice_bytes=slice_bytes, servers=list(servers), replicas=replicas)
         reply = self._call("ProposeLayout", self._stub.ProposeLayout, request, self._rpc_timeout_s * 2)
         return layout_from_proto(reply.layout)
 

@@ -19,6 +19,7 @@ layout and the registration budget as they were.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -31,7 +32,8 @@ from pshard.common.errors import (
     StaleGenerationError,
     UnknownNodeError,
 )
-from pshard.common.layout import ITEMSIZE, Layout, ParamSpec, plan_layout
+from pshard.common.layout import ITEMSIZE, Layout, LayoutSlice, ParamSpec, plan_layout
+from pshard.common.replicas import fail_over, index_of
 from pshard.common.view import (
     RANK_SPACE,
     ROLES,
@@ -42,6 +44,8 @@ from pshard.common.view import (
     NodeState,
     Registration,
 )
+
+log = logging.getLogger("pshard.scheduler")
 
 _SPACE_ORDER = {"scheduler": 0, "ps": 1, "worker": 2, "evaluator": 3}
 
@@ -163,6 +167,7 @@ class Membership:
         self._members: dict[str, _Member] = {}
         self._barriers: dict[str, _Barrier] = {}
         self._layout: Layout | None = None
+        self.failovers = 0  # primaries promoted (pshard_failovers_total)
 
     @property
     def generation(self) -> int:
@@ -211,6 +216,10 @@ class Membership:
             rank = self._free_rank(RANK_SPACE[role], rank_hint)
             node_id = node_id or self._new_id(role, rank)
         assert node_id is not None
+        if known is not None and role == "ps":
+            # A server registering while it is still known is a new process: whatever its old
+            # incarnation held as a primary is gone, so its slices fail over before it is live again.
+            self.fail_over_server(known.address)
         generation = self._bump()
         self._members[node_id] = _Member(node_id, role, rank, address, NodeState.LIVE, generation,
                                          last_seen=self._clock.now())
@@ -240,6 +249,9 @@ class Membership:
             member.state = NodeState.DEAD
         if dead:
             self._bump()
+        for member in dead:
+            if member.role == "ps":
+                self.fail_over_server(member.address)
         return [m.snapshot() for m in dead]
 
     def silent_for(self, node_id: str) -> float:
@@ -378,7 +390,8 @@ class Membership:
         for i, server in enumerate(servers):
             limits.check_chars(f"layout server {i}", server, limits.max_address_chars)
 
-    def plan(self, params: Sequence[ParamSpec], servers: Sequence[str], slice_bytes: int) -> Layout:
+    def plan(self, params: Sequence[ParamSpec], servers: Sequence[str], slice_bytes: int,
+             replicas: int = 0) -> Layout:
         """`plan_layout` once the request is known to stay within the limits (planning is CPU-bound)."""
         self.check_layout_request(len(params), servers)
         limits = self.limits
@@ -394,7 +407,7 @@ class Membership:
         limits.check_int(f"layout slices (slice_bytes {slice_bytes})", slices, limits.max_layout_slices)
         limits.check_int(f"layout slices x servers ({slices} x {len(servers)})", slices * len(servers),
                          limits.max_layout_work)
-        return plan_layout(params, servers, slice_bytes)
+        return plan_layout(params, servers, slice_bytes, replicas)
 
     def propose_layout(self, layout: Layout) -> tuple[Layout, bool]:
         """Store the first proposal (with the next version); later ones must describe the same params.
@@ -418,6 +431,31 @@ class Membership:
 
     def layout(self) -> Layout | None:
         return self._layout
+
+    def fail_over_server(self, address: str) -> tuple[LayoutSlice, ...]:
+        """Promote the backups of the server at `address` (docs/architecture.md, 9 Failures): with
+        replicas, its slices move to the next live server in ring order under a new layout version.
+        Returns the slices that moved (none without replicas, or when it held none)."""
+        layout = self._layout
+        dead = index_of(layout, address) if layout is not None else None
+        if layout is None or dead is None or layout.replicas == 0:
+            return ()
+        live_addresses = {m.address for m in self._members.values()
+                          if m.role == "ps" and m.state is NodeState.LIVE and m.address != address}
+        live = {i for i, a in enumerate(layout.servers) if a in live_addresses}
+        try:
+            moved_layout, moved = fail_over(layout, dead, live)
+        except InvalidArgumentError as e:
+            log.error("cannot fail over %s: %s; its slices are lost", address, e)
+            return ()
+        if moved:
+            heir = moved_layout.slices_of(moved[0].key)[moved[0].part].server
+            new = self.replace_layout(moved_layout)
+            self.failovers += 1
+            log.warning("FAILOVER: server %d (%s) is gone; its %d slices now have server %d (%s) as primary "
+                        "(layout version %d, generation %d)", dead, address, len(moved), heir,
+                        layout.servers[heir], new.version, self._generation)
+        return moved
 
     def _next_layout_version(self) -> int:
         return (self._layout.version if self._layout else 0) + 1

@@ -181,7 +181,7 @@ class SchedulerServicer(pb_grpc.SchedulerServiceServicer):
         if not servers:
             raise EmptyRequestError("servers: got none, and no parameter server is registered and live")
         layout, created = self._members.propose_layout(
-            self._members.plan(params, servers, request.slice_bytes or DEFAULT_SLICE_BYTES))
+            self._members.plan(params, servers, request.slice_bytes or DEFAULT_SLICE_BYTES, request.replicas))
         if created:
             log.info("layout version %d: %d params in %d slices on %d servers; generation %d",
                      layout.version, len(layout.params), len(layout.slices), len(layout.servers),

@@ -1,0 +1,59 @@
+"""Replica placement and promotion (docs/architecture.md, 9 Failures): pure, shared by the scheduler,
+the servers and the tests.
+
+Placement is per server, in ring order: the slices whose primary is server i are backed up on the
+next `replicas` live servers after i in the layout's server list. A server needs nothing but the
+ring and who is live to know whom it forwards to, and every server computes the same answer.
+
+Promotion: when a primary dies, each of its slices moves to its first backup, the first live server
+after it in the ring, which holds a copy of everything the dead primary acknowledged. Nothing else
+moves, so the layout stays what it was except for the failed-over slices.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Collection
+
+from pshard.common.errors import InvalidArgumentError
+from pshard.common.layout import Layout, LayoutSlice
+
+
+def backups_of(primary: int, servers: int, replicas: int, live: Collection[int]) -> tuple[int, ...]:
+    """The backups of server `primary`: the next `replicas` live servers after it, in ring order."""
+    if not 0 <= primary < servers:
+        raise InvalidArgumentError(f"primary: got {primary}, expected 0 to {servers - 1}")
+    ring = [(primary + step) % servers for step in range(1, servers)]
+    return tuple(s for s in ring if s in live)[:replicas]
+
+
+def backed_up_by(backup: int, servers: int, replicas: int, live: Collection[int]) -> tuple[int, ...]:
+    """The primaries `backup` holds copies for (the inverse of backups_of over the live servers)."""
+    return tuple(p for p in range(servers) if p != backup and p in live
+                 and backup in backups_of(p, servers, replicas, live))
+
+
+def fail_over(layout: Layout, dead: int, live: Collection[int]) -> tuple[Layout, tuple[LayoutSlice, ...]]:
+    """The layout with every slice of `dead` on its first backup, and the slices that moved.
+
+    `live`: the servers alive now (`dead` excluded). The caller bumps the version. A layout without
+    replicas, or a dead server without slices, comes back unchanged with nothing moved.
+    """
+    n = len(layout.servers)
+    moved = tuple(s for s in layout.slices if s.server == dead)
+    if layout.replicas == 0 or not moved:
+        return layout, ()
+    alive = set(live) - {dead}
+    [heir] = backups_of(dead, n, 1, alive) or (None,)
+    if heir is None:
+        raise InvalidArgumentError(f"fail over server {dead}: no live server is left to take its slices")
+    slices = tuple(dataclasses.replace(s, server=heir) if s.server == dead else s for s in layout.slices)
+    return dataclasses.replace(layout, slices=slices), moved
+
+
+def index_of(layout: Layout, address: str) -> int | None:
+    """The position of a server address in the layout's ring, None if it is not there."""
+    try:
+        return layout.servers.index(address)
+    except ValueError:
+        return None
