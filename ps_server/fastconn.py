@@ -151,6 +151,8 @@ class Connection(asyncio.BufferedProtocol):
         self._target = 0
         self._filled = 0
         self._pending: _Pending | None = None
+        # The last request's push list (a header's repeated field), with its slices and views decoded.
+        self._layout: tuple[Sequence[pb.SliceMeta], list[SliceMeta], list[np.ndarray]] | None = None
         self._task: asyncio.Task[None] | None = None
         self._drained: asyncio.Future[None] | None = None
         self._hello_timer: asyncio.TimerHandle | None = None
@@ -202,6 +204,7 @@ class Connection(asyncio.BufferedProtocol):
             self._task.cancel()
         if self._drained is not None:
             self._drained.cancel()  # a reply being written ends quietly: the connection is gone
+        self._layout = None  # views of the region: the segment can only be unmapped without them
         if self.session is not None:
             session, self.session = self.session, None
             self._sessions.end(session)
@@ -260,15 +263,10 @@ class Connection(asyncio.BufferedProtocol):
         views: list[np.ndarray] = []
         metas: list[SliceMeta] = []
         try:
-            metas, sizes = push_metas(header)
-            offsets, total = packed(sizes)
-            if total > session.regions.request_bytes:
-                raise TransportBroken(f"request needs {total} bytes, the session's region has "
-                                      f"{session.regions.request_bytes}")
-            if data_len != (sum(sizes) if inline else 0):
-                raise TransportBroken(f"request announces {data_len} data bytes, its header {sum(sizes)}")
-            request = session.regions.request
-            views = [request[o:o + n] for o, n in zip(offsets, sizes, strict=True)]
+            metas, views = self._push_layout(header, session)
+            pushed = sum(v.nbytes for v in views)
+            if data_len != (pushed if inline else 0):
+                raise TransportBroken(f"request announces {data_len} data bytes, its header {pushed}")
             targets = [byte_view(v) for v in views if v.nbytes] if inline else []
         except PSError as err:  # the answer is this error; its data (if any) is read and dropped
             error = err
@@ -280,6 +278,24 @@ class Connection(asyncio.BufferedProtocol):
             self._fill_from(extra)
         else:
             self._advance_targets()
+
+    def _push_layout(self, header: pb.ExchangeHeader, session: Session
+                     ) -> tuple[list[SliceMeta], list[np.ndarray]]:
+        """The pushed slices and their views of the request region. Every step of a worker pushes the
+        same slices, so they are decoded once and reused while the header's push list is unchanged
+        (comparing it costs a sixth of decoding it: a tenth of a small request's server time)."""
+        cached = self._layout
+        if cached is not None and cached[0] == header.push:
+            return cached[1], cached[2]
+        metas, sizes = push_metas(header)
+        offsets, total = packed(sizes)
+        if total > session.regions.request_bytes:
+            raise TransportBroken(f"request needs {total} bytes, the session's region has "
+                                  f"{session.regions.request_bytes}")
+        request = session.regions.request
+        views = [request[o:o + n] for o, n in zip(offsets, sizes, strict=True)]
+        self._layout = (header.push, metas, views)
+        return metas, views
 
     def _fill_from(self, data: memoryview) -> None:
         data = memoryview(bytes(data))  # the scratch is reused: keep these bytes apart

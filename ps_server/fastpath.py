@@ -120,6 +120,19 @@ class _Session:
         self.closed = False
         self._slots: dict[SliceKey, tuple[int, int]] = {}
         self._reply_end = 0
+        self._pull: tuple[Sequence[object], list[SliceKey]] | None = None
+        self._wires: tuple[Sequence[SliceMeta], list[WireArray]] | None = None
+
+    def decoded(self, header: pb.ExchangeHeader, metas: Sequence[SliceMeta], views: Sequence[np.ndarray]
+                ) -> tuple[list[SliceKey], list[WireArray]]:
+        """The pulled keys and the pushed arrays: reused while a request pulls the same slices as the
+        one before, and pushes the same (the connection hands the very same `metas` then)."""
+        if self._pull is None or self._pull[0] != header.pull:
+            self._pull = (header.pull, [codec.slice_id_from_proto(s) for s in header.pull])
+        if self._wires is None or self._wires[0] is not metas:
+            self._wires = (metas, [WireArray(view.view(codec.numpy_dtype(meta.dtype)).reshape(meta.shape),
+                                             meta.dtype) for meta, view in zip(metas, views, strict=True)])
+        return self._pull[1], self._wires[1]
 
     def slot(self, key: SliceKey, nbytes: int) -> int:
         """The reply region's offset that holds `key` for this session (allocated on first use)."""
@@ -142,6 +155,7 @@ class _Session:
     def close(self) -> None:
         self.closed = True
         self.encoder.session = None
+        self._pull = self._wires = None  # views of the region: it can only be unmapped without them
         self.regions.close()
 
 
@@ -387,9 +401,7 @@ class FastPathServer:
             refused("fast path")
             raise PermissionDeniedError(f"fast path: a session of {session.worker_id!r} may not act as "
                                         f"{header.stamp.worker_id!r}")
-        pull = [codec.slice_id_from_proto(s) for s in header.pull]
-        wires = [WireArray(view.view(codec.numpy_dtype(meta.dtype)).reshape(meta.shape), meta.dtype)
-                 for meta, view in zip(metas, views, strict=True)]
+        pull, wires = session.decoded(header, metas, views)
         timeout_ms = codec.timeout_ms_from_proto(header)
         timeout_s = timeout_ms / 1000 if timeout_ms is not None else None
         if sum(view.nbytes for view in views) + session.pulled_bytes(pull) <= _SMALL_BYTES:
