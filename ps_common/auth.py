@@ -67,6 +67,7 @@ ALLOWED: dict[str, frozenset[str]] = {
     _PS + "SaveCheckpointPart": OPERATORS,
     # Every trainer asks before its Declare (worker.checkpoints.restore); a configured server ignores it.
     _PS + "RestoreCheckpoint": OPERATORS | TRAINERS,
+    _PS + "Replicate": frozenset({"ps"}),  # a primary's steps to its backups
     _SPARSE + "DeclareTable": TRAINERS | {"admin"},
     _SPARSE + "PullRows": READERS,
     _SPARSE + "PushRows": TRAINERS,

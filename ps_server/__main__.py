@@ -75,6 +75,10 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
     p.add_argument("--pull-timeout-s", type=positive_float, default=ServerSettings.pull_timeout_s,
                    help="longest a pull waits for its consistency condition "
                         f"(default {ServerSettings.pull_timeout_s:g})")
+    p.add_argument("--replicas", type=int, default=ServerSettings.replicas,
+                   help="backups per slice, the same on every server of the job: this server's slices are "
+                        "copied to the next N live servers before a push is acknowledged, and one takes "
+                        "over if it dies (default 0: none)")
     p.add_argument("--resume", action="store_true",
                    help="continue the checkpoint in --checkpoint-dir even if it is of another job (another "
                         "job id); without it such a checkpoint is set aside and the server starts fresh")
@@ -157,7 +161,7 @@ def _settings(args: argparse.Namespace) -> ServerSettings:
                           pull_timeout_s=args.pull_timeout_s, checkpoint_dir=args.checkpoint_dir,
                           transport=args.transport, shm_dir=args.shm_dir,
                           max_inflight_bytes=args.max_inflight_mb * 2**20, hang_report_s=args.hang_report_s,
-                          resume=args.resume,
+                          resume=args.resume, replicas=args.replicas,
                           # Test hook only (ServerSettings.checkpoint_pause_dir); unset in production.
                           checkpoint_pause_dir=os.environ.get("PSHARD_TEST_CHECKPOINT_PAUSE_DIR") or None)
 

@@ -21,7 +21,7 @@ import asyncio
 import dataclasses
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Hashable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Generic, NamedTuple, TypeVar
@@ -40,6 +40,7 @@ from pshard.common.job import JobConfig
 from pshard.common.metrics import RequestMetrics
 from pshard.common.types import SliceKey, Stamp
 from pshard.ps_server.checkpoint import load_shard, save_shard
+from pshard.ps_server.replication import Record, ReplicaSet, Replicator
 from pshard.ps_server.settings import ServerSettings
 from pshard.ps_server.steptimes import HangReport
 from pshard.ps_server.store import (
@@ -148,6 +149,11 @@ class ParameterServerHandlers:
         self.requests = RequestMetrics()
         # A restored checkpoint until the first Declare says which job this is (see _claim).
         self._restored_unclaimed = False
+        # Replication (docs/architecture.md, 9 Failures): the copies this server holds as a backup,
+        # and (with replicas) what forwards its own slices' steps to its backups.
+        self.replica_set = ReplicaSet()
+        self.replicator: Replicator | None = None
+        self.promotions = 0  # slices this server took over as primary after a failover
         if settings.checkpoint_dir:
             snap = load_shard(Path(settings.checkpoint_dir), settings.shard_name)
             if snap is not None:
@@ -165,7 +171,53 @@ class ParameterServerHandlers:
             store.set_quorum(self._quorum)
         store.subscribe(self._changes.notify)
         self._store = store
+        if self.replicator is not None:
+            self.replicator.attach(store)
         self._changes.notify()  # wakes wait_configured
+
+    # ---- replication ----
+
+    @property
+    def replicas_setting(self) -> int:
+        return self._settings.replicas
+
+    def enable_replication(self, replicator: Replicator) -> None:
+        """Forward this server's steps to its backups before acknowledging (service.py wires it)."""
+        self.replicator = replicator
+        if self._store is not None:
+            replicator.attach(self._store)
+
+    def replicate(self, config: JobConfig, records: Sequence[Record]) -> list[SliceKey]:
+        """Backup side of a Replicate call: replay a primary's records; the slices it must resend whole."""
+        return self.replica_set.apply(config, records)
+
+    def _promote(self, keys: Iterable[SliceKey]) -> None:
+        """Take over, as primary, the slices of `keys` this server holds only as a backup: a worker
+        routes here for them only once the scheduler's layout made this server their primary."""
+        store = self._store
+        wanted = [k for k in keys if (store is None or not store.holds(k)) and self.replica_set.holds(k)]
+        if not wanted:
+            return
+        slots = self.replica_set.take(wanted)
+        if not slots:
+            return
+        if store is None:
+            store = ShardStore(self.replica_set.config or JobConfig(), quorum=self._quorum)
+            store.adopt(slots)
+            self._install(store)
+        else:
+            store.adopt(slots)
+            if self.replicator is not None:
+                self.replicator.seed([s.key for s in slots])
+        self.promotions += len(slots)
+        log.warning("FAILOVER: promoted to primary of %d slices (%s%s) at versions %d..%d",
+                    len(slots), ", ".join(str(s.key) for s in slots[:3]), ", ..." if len(slots) > 3 else "",
+                    min(s.version for s in slots), max(s.version for s in slots))
+
+    async def _settle(self, keys: Iterable[SliceKey], deadline: float) -> None:
+        """Wait until every step of `keys` so far is on every backup (a no-op without replicas)."""
+        if self.replicator is not None:
+            await self.replicator.settle(list(keys), deadline)
 
     @property
     def store(self) -> ShardStore:
@@ -259,6 +311,9 @@ class ParameterServerHandlers:
             if self._store is None:  # installed only once it holds the request's slices
                 self._install(store)
                 log.info("configured: %s", store.config)
+        if self.replicator is not None:  # a slice is declared once its backups hold it too
+            self.replicator.seed([k for k, _ in items])
+            await self._settle([k for k, _ in items], self._deadline(None))
         values = store.read([k for k, _ in items])
         return created, [self._to_wire(WireArray(v, dtype_name(v.dtype))) for v, _ in values]
 
@@ -340,6 +395,7 @@ class ParameterServerHandlers:
             raise EmptyRequestError(f"push-pull from {stamp.worker_id!r}: nothing to push or pull")
         metas = _metas(items)
         self._check_limits("push-pull", stamp, metas, keys)
+        self._promote([*(k for k, _ in items), *keys])
         store = self._store_holding([k for k, _ in items] or keys)
         store.specs(keys)
         deadline = self._deadline(timeout_s)
@@ -348,12 +404,15 @@ class ParameterServerHandlers:
         specs = store.check_request(stamp, metas, keys)
         outcome = self._push_now(store, stamp, items, specs) if items else PushOutcome(0, 0)
         if not keys:
+            await self._settle([k for k, _ in items], deadline)  # acknowledged once on every backup
             return PushPullResult(outcome.applied, outcome.dropped, [])
         await self._wait_readable(stamp._replace(clock=stamp.clock + 1) if items else stamp, keys, deadline)
+        read = store.read(keys)
+        await self._settle([*(k for k, _ in items), *keys], deadline)  # the versions read live on the backups
         self.pulls_served += 1
         return PushPullResult(outcome.applied, outcome.dropped, [
             PulledSlice(k, self._to_wire(WireArray(v, dtype_name(v.dtype))), version)
-            for k, (v, version) in zip(keys, store.read(keys), strict=True)])
+            for k, (v, version) in zip(keys, read, strict=True)])
 
     # ---- Exchange: a push streamed in, overlapped with the pull streamed out ----
 
@@ -371,6 +430,7 @@ class ParameterServerHandlers:
         if not push and not pull:
             raise EmptyRequestError(f"exchange from {stamp.worker_id!r}: nothing to push or pull")
         self._check_limits("exchange", stamp, push, pull)
+        self._promote([*(m.key for m in push), *pull])
         store = self._store_holding([m.key for m in push] or pull)
         store.check_push(push)
         store.specs(pull)
@@ -402,9 +462,11 @@ class ParameterServerHandlers:
                     yield Stall()
                     await self._wait_ready_or_failed(pull_stamp, key, deadline, reader, own)
                 version, payload = self._encode(store, key, encode)
+                await self._settle([key], deadline)  # the version sent lives on the backups
                 versions.append(version)
                 yield EncodedSlice(key, version, payload)
             await reader  # the push side must be complete (and its errors raised) before the summary
+            await self._settle([m.key for m in push], deadline)
             self.pulls_served += bool(pull)
             yield ExchangeDone(versions, counts[0], counts[1])
         finally:

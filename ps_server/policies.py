@@ -61,12 +61,20 @@ class Slot:
     floors: dict[str, int] = field(default_factory=dict)
     # Restored from a checkpoint and not yet caught up with the clock the workers are at.
     behind: bool = False
+    # Replication (ps_server/replication.py): told, before each optimizer step, what the step applies
+    # (the gradient, or a sum and how many gradients it holds), so backups can take the same step.
+    on_step: Callable[[Slot, np.ndarray, int], None] | None = field(default=None, repr=False, compare=False)
     # Taken by the store around every policy call: one update at a time per slice,
     # while different slices update in parallel (numpy releases the GIL on big arrays).
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     def apply(self, grad: np.ndarray) -> None:
         """One optimizer step. `grad` is only read, never kept, so it may be a read-only network buffer."""
+        if self.on_step is not None:
+            self.on_step(self, grad, 1)
+        self._step(grad)
+
+    def _step(self, grad: np.ndarray) -> None:
         if grad.dtype != self.value.dtype:
             grad = grad.astype(self.value.dtype)  # float16 off the wire: optimizers work in master precision
         self.optimizer.step(self.value, grad, self.opt_state)
@@ -75,14 +83,18 @@ class Slot:
 
     def apply_mean(self, total: np.ndarray, count: int) -> None:
         """One optimizer step with total / count; `total` is scratch the step may overwrite."""
-        if count > 1 and total.dtype == self.value.dtype and fold_scale(self.optimizer):
+        if count <= 1:
+            self.apply(total)
+            return
+        if self.on_step is not None:
+            self.on_step(self, total, count)
+        if total.dtype == self.value.dtype and fold_scale(self.optimizer):
             self.optimizer.step_scaled(self.value, total, 1.0 / count)  # type: ignore[attr-defined]
             self.version += 1
             self.behind = False
             return
-        if count > 1:
-            total /= count
-        self.apply(total)
+        total /= count
+        self._step(total)
 
     def progress(self, worker: str) -> int:
         """The last clock `worker` counts as having pushed here, for SSP waiting."""

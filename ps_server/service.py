@@ -33,6 +33,8 @@ from pshard.ps_server.global_handlers import rpc_handlers as global_rpc_handlers
 from pshard.ps_server.handlers import ParameterServerHandlers
 from pshard.ps_server.heap import HeapTrimmer
 from pshard.ps_server.quorum import QuorumFollower
+from pshard.ps_server.replica_link import backup_addresses, grpc_sender
+from pshard.ps_server.replication import Replicator
 from pshard.ps_server.servicer import ParameterServerServicer
 from pshard.ps_server.settings import ServerSettings
 from pshard.ps_server.table_handlers import TableHandlers
@@ -61,6 +63,7 @@ def _rpc_handlers(servicer: ParameterServerServicer) -> grpc.GenericRpcHandler:
         "PushPull": unary("PushPull", pb.PushPullRequest, servicer.PushPull),
         "GetStats": unary("GetStats", pb.GetStatsRequest, servicer.GetStats),
         "Checkpoint": unary("Checkpoint", pb.CheckpointRequest, servicer.Checkpoint),
+        "Replicate": unary("Replicate", pb.ReplicateRequest, servicer.Replicate),
         # Frames are encoded by ps_common.codec, one copy per chunk.
         "Exchange": grpc.stream_stream_rpc_method_handler(servicer.Exchange),
     })
@@ -199,11 +202,16 @@ def follow_scheduler(running: RunningServer, spec: ClusterSpec,
     """
     handlers = running.handlers
     handlers.follow_views()
+    replicas = handlers.replicas_setting
+    if replicas > 0:
+        handlers.enable_replication(Replicator(spec.own_address or spec.node_id, grpc_sender(security), loop))
     # Workers a restarted scheduler forgot are waited for while they re-register (see quorum.py);
     # the grace is set from the scheduler's heartbeat timeout once we are registered.
     follower = QuorumFollower(grace_s=10.0, now=time.monotonic)
 
     def install(view: ClusterView | None = None) -> None:
+        if view is not None and handlers.replicator is not None:
+            handlers.replicator.set_backups(backup_addresses(view, spec.node_id, replicas))
         quorum = follower.apply(view)
         handlers.set_quorum(quorum, view.generation if view is not None else None)
         if running.tables is not None:  # sync tables wait for the same workers

@@ -40,6 +40,7 @@ from pshard.common.types import SliceKey
 from pshard.ps_server.budget import InflightBudget, Reservation
 from pshard.ps_server.handlers import EncodedSlice, ExchangeDone, ParameterServerHandlers, PulledSlice
 from pshard.ps_server.heap import HeapTrimmer
+from pshard.ps_server.replication import record_from_proto
 from pshard.ps_server.store import SliceMeta
 
 from pshard.api.v1 import parameter_server_pb2 as pb
@@ -244,6 +245,13 @@ class ParameterServerServicer:
             for name in ("quorum", "worker_clocks", "worker_transports", "step_times", "hangs"):
                 reply.ClearField(name)
         return reply
+
+    async def Replicate(self, request: pb.ReplicateRequest, context: grpc.aio.ServicerContext
+                        ) -> pb.ReplicateResponse:
+        # Server to server (docs/architecture.md, 9 Failures); the role table lets only servers call it.
+        need = self._handlers.replicate(codec.job_from_proto(request.config),
+                                        [record_from_proto(r) for r in request.records])
+        return pb.ReplicateResponse(need_state=[codec.slice_id_to_proto(k) for k in need])
 
     async def Checkpoint(self, request: pb.CheckpointRequest, context: grpc.aio.ServicerContext
                          ) -> pb.CheckpointResponse:

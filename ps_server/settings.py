@@ -40,6 +40,10 @@ class ServerSettings:
     hang_report_s: float = 30.0
     # Continue a checkpoint of another job (another job_id) instead of starting fresh; logged loudly.
     resume: bool = False
+    # Backups per slice, a job setting every server shares (docs/architecture.md, 9 Failures): this
+    # server's slices are forwarded to the next `replicas` live servers in ring order before a push
+    # is acknowledged. 0: no replication.
+    replicas: int = 0
     # Test hook (PSHARD_TEST_CHECKPOINT_PAUSE_DIR, read by the entry point): a global checkpoint's part
     # writer, while `<dir>/armed` exists, touches `<dir>/part-<i>.<stage>.reached` between its files and
     # waits there, so a test can SIGKILL the server mid-checkpoint deterministically. None in production.

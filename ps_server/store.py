@@ -178,6 +178,7 @@ class ShardStore:
         self._step_times = StepTimes()
         # Sync: key -> (clock, when its first gradient came), for the hang report.
         self._clock_started: dict[SliceKey, tuple[int, float]] = {}
+        self._on_step: Callable[[Slot, np.ndarray, int], None] | None = None  # replication
         if quorum:
             self._install_quorum(quorum)
 
@@ -232,7 +233,46 @@ class ShardStore:
         dtype = np.dtype(value.dtype.name)
         master = np.array(value, dtype=_MASTER.get(dtype, dtype), order="C", copy=True)
         return Slot(key=key, dtype=dtype, value=master, optimizer=self._optimizer,
-                    opt_state=self._optimizer.init_state(master))
+                    opt_state=self._optimizer.init_state(master), on_step=self._on_step)
+
+    # ---- replication (ps_server/replication.py) ----
+
+    def set_step_hook(self, hook: Callable[[Slot, np.ndarray, int], None] | None) -> None:
+        """Call `hook(slot, update, count)` under the slice's lock before every optimizer step."""
+        with self._meta:
+            self._on_step = hook
+            slots = list(self._slots.values())
+        for slot in slots:
+            with slot.lock:
+                slot.on_step = hook
+
+    def slots(self) -> list[Slot]:
+        """Every slice, in key order (the replication layer reads them under their own locks)."""
+        with self._meta:
+            return sorted(self._slots.values(), key=lambda s: s.key)
+
+    def holds(self, key: SliceKey) -> bool:
+        with self._meta:
+            return key in self._slots
+
+    def adopt(self, slots: Sequence[Slot]) -> None:
+        """Take over slices a backup held (a failover promoted this server to their primary).
+
+        They keep their value, optimizer state, version and per-worker clocks; a sync clock in
+        progress starts again empty (the workers resend their pushes of it, docs/architecture.md, 9).
+        """
+        with self._meta:
+            for slot in slots:
+                if slot.key in self._slots:
+                    raise InvalidArgumentError(f"adopt: slice {str(slot.key)!r} is already held here")
+            for slot in slots:
+                slot.optimizer = self._optimizer
+                slot.on_step = self._on_step
+                slot.aggregate = Aggregate()
+                self._slots[slot.key] = slot
+                for worker, clock in slot.last_clock.items():
+                    self._worker_clocks[worker] = max(self._worker_clocks.get(worker, NO_CLOCK), clock)
+        self._notify()
 
     # ---- pushing ----
 
@@ -575,7 +615,7 @@ class ShardStore:
                 key=s.key, dtype=np.dtype(s.dtype), value=value, optimizer=store._optimizer,
                 opt_state=_copy_state(s.opt_state), version=s.version, last_clock=dict(s.clocks),
                 max_clock=max(s.clocks.values(), default=NO_CLOCK), aggregate=aggregate,
-                floors=dict(s.floors), behind=True)
+                floors=dict(s.floors), behind=True, on_step=store._on_step)
             for worker, clock in s.clocks.items():
                 store._worker_clocks[worker] = max(store._worker_clocks.get(worker, NO_CLOCK), clock)
         return store

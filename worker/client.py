@@ -41,6 +41,7 @@ from pshard.common.errors import (
     ShapeMismatchError,
     StaleGenerationError,
     UnavailableError,
+    UnknownKeyError,
 )
 from pshard.common.fastwire import TransportBroken
 from pshard.common.framing import SliceReader, pack_frames
@@ -99,8 +100,13 @@ class PSClient:
                  layout: Layout | None = None, chunk_bytes: int = CHUNK_BYTES, timeout_s: float = 120.0,
                  retry_budget_s: float = 60.0, await_generation: GenerationWait | None = None,
                  transport: str = "auto", shm_dir: str = DEFAULT_SHM_DIR,
-                 security: SecurityConfig | None = None) -> None:
+                 security: SecurityConfig | None = None,
+                 relayout: Callable[[Layout, float], Layout | None] | None = None,
+                 reroute_wait_s: float = 15.0) -> None:
         """`security`: this worker's TLS files or token (pshard.common.security; default plain).
+        `relayout(layout, timeout_s)`: a layout newer than `layout` once the scheduler publishes one
+        (a failover), else None at the timeout; with it and a replicated layout, a step whose server
+        is gone waits up to `reroute_wait_s` for the failover and is sent again on the new layout.
         `transport`: how push and pull bytes travel (docs/architecture.md, 11 Transports): "auto"
         takes shared memory when the server proves it shares this host's `shm_dir`, else a raw TCP
         socket, else gRPC; "shm" or "tcp" only that one (else gRPC); "grpc" never negotiates."""
@@ -151,6 +157,10 @@ class PSClient:
         self._templates_layout: Layout | None = None
         # Calls resent because a server was past its in-flight budget (a sign to add servers).
         self.overload_retries = 0
+        self._relayout = relayout
+        self._reroute_wait_s = reroute_wait_s
+        self._declared = False
+        self.reroutes = 0  # steps sent again after a failover moved slices
 
     # ---- lifecycle ----
 
@@ -213,7 +223,50 @@ class PSClient:
             self._exchange_call(server, header, buffers, slices, out)
 
         self._all_servers(run)
+        self._declared = True
         return out
+
+    # ---- failover (docs/architecture.md, 9 Failures) ----
+
+    def set_layout(self, layout: Layout) -> None:
+        """Route by `layout` from now on (a failover moved slices to their backups' servers)."""
+        self.layout = layout
+        for server in range(len(self.servers)):  # their buffers were sized for the old slices
+            with self._fast_locks[server]:
+                self._drop_fast(server)
+
+    @property
+    def _fail_fast(self) -> bool:
+        """Replicated and able to re-route: a call to a dead server fails at once instead of waiting
+        for it to come back, and the step goes to the slice's new primary."""
+        return self._declared and self._relayout is not None and bool(self.layout and self.layout.replicas)
+
+    def _rerouting(self, step: Callable[[Layout], T]) -> T:
+        """`step(layout)`, again on each newer layout the scheduler publishes after a server failed it.
+
+        Resending the whole step is safe: a server drops a (worker, clock, slice) it already has, and
+        a promoted backup has every step its primary acknowledged, with the same per-worker clocks.
+        """
+        deadline = time.monotonic() + self._timeout_s
+        while True:
+            layout = self._need_layout()
+            try:
+                return step(layout)
+            except (UnavailableError, UnknownKeyError) as err:
+                if not self._fail_fast or self._relayout is None or self._closed.is_set():
+                    raise
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise
+                newer = self._relayout(layout, min(left, self._reroute_wait_s))
+                if newer is None or newer.version <= layout.version:
+                    log.warning("step failed (%s); no failover published yet, sending it again", err)
+                    continue
+                moved = sum(a.server != b.server for a, b in zip(layout.slices, newer.slices, strict=True))
+                log.warning("FAILOVER: layout %d -> %d moved %d slices to their backups (%s); resending the "
+                            "step", layout.version, newer.version, moved, err)
+                self.set_layout(newer)
+                self.reroutes += 1
 
     # ---- push / pull ----
 
@@ -228,7 +281,11 @@ class PSClient:
     def pull(self, clock: int, keys: Iterable[str] | None = None,
              out: Mapping[str, np.ndarray] | None = None) -> dict[str, np.ndarray]:
         """Fetch parameters as of `clock` (waiting as the consistency mode demands)."""
-        layout = self._need_layout()
+        wanted = list(keys) if keys is not None else None  # sent again after a failover
+        return self._rerouting(lambda layout: self._pull(layout, clock, wanted, out))
+
+    def _pull(self, layout: Layout, clock: int, keys: Iterable[str] | None,
+              out: Mapping[str, np.ndarray] | None) -> dict[str, np.ndarray]:
         wanted = list(keys) if keys is not None else [p.key for p in layout.params]
         result = self._outputs(wanted, out)
         wanted_set = set(wanted)
@@ -260,7 +317,10 @@ class PSClient:
 
     def _push_pull(self, grads: Mapping[str, np.ndarray], clock: int,
                    out: dict[str, np.ndarray] | None, pull: bool) -> PushResult:
-        layout = self._need_layout()
+        return self._rerouting(lambda layout: self._push_pull_on(layout, grads, clock, out, pull))
+
+    def _push_pull_on(self, layout: Layout, grads: Mapping[str, np.ndarray], clock: int,
+                      out: dict[str, np.ndarray] | None, pull: bool) -> PushResult:
         wire = self.job.wire_dtype if self.job else ""
         flat = {}
         for key, g in grads.items():
@@ -501,7 +561,7 @@ class PSClient:
             except grpc.RpcError as err:
                 code = err.code() if isinstance(err, grpc.Call) else None
                 elapsed = time.monotonic() - start
-                if code != grpc.StatusCode.UNAVAILABLE or self._closed.is_set():
+                if code != grpc.StatusCode.UNAVAILABLE or self._closed.is_set() or self._fail_fast:
                     raise_from_rpc_error(err)
                 delay = backoff.next_delay()
                 if elapsed + delay > self._retry_budget_s:
@@ -524,7 +584,7 @@ class PSClient:
         what = f"server {self.servers[server]}"
         response = self._call_stamped(server, request.stamp, lambda: self._backing_off(
             what, lambda left_s: self._unary(server, lambda stub: stub.PushPull(
-                request, timeout=left_s + DEADLINE_SLACK_S, wait_for_ready=True))))
+                request, timeout=left_s + DEADLINE_SLACK_S, wait_for_ready=not self._fail_fast))))
         for s, got in zip(pulled, response.slices, strict=True):
             self._place(s, codec.slice_tensor_from_proto(got)[1], out)
         return pb.ExchangeSummary(versions=[s.version for s in response.slices],
@@ -613,7 +673,8 @@ class PSClient:
 
         for index, buf in reader.initial():
             place(index, buf)
-        call = self._exchange[server](frames(), timeout=timeout_s + DEADLINE_SLACK_S, wait_for_ready=True)
+        call = self._exchange[server](frames(), timeout=timeout_s + DEADLINE_SLACK_S,
+                                      wait_for_ready=not self._fail_fast)
         for frame in call:
             payload = codec.decode_data_frame(frame)
             if payload is None:

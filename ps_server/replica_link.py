@@ -1,0 +1,52 @@
+"""The gRPC side of replication (ps_server/replication.py): whom this server forwards to, and how.
+
+Backups come from the scheduler's view: the ps nodes in rank order are the ring, and this server's
+backups are the next `replicas` live ones after it (pshard.common.replicas), the same rule the
+scheduler applies when it promotes one. Calls go server to server under the server's own
+credentials (TLS and token when the job has them).
+"""
+
+from __future__ import annotations
+
+import threading
+
+from pshard.common.replicas import backups_of
+from pshard.common.rpc import channel_options
+from pshard.common.security import SecurityConfig
+from pshard.common.view import ClusterView, NodeState
+from pshard.ps_server.replication import Send
+
+from pshard.api.v1 import parameter_server_pb2 as pb
+from pshard.api.v1 import parameter_server_pb2_grpc as pb_grpc
+
+# A batch is at most a few MiB; a backup that takes longer than this is retried (the records stay queued).
+_CALL_TIMEOUT_S = 30.0
+
+
+def backup_addresses(view: ClusterView, node_id: str, replicas: int) -> list[str]:
+    """The addresses of this server's backups in `view` (none while it is not in the view)."""
+    servers = {n.rank: n for n in view.nodes if n.role == "ps"}
+    me = next((n for n in servers.values() if n.node_id == node_id), None)
+    if me is None or replicas <= 0:
+        return []
+    size = max(servers) + 1
+    live = {rank for rank, n in servers.items() if n.state is NodeState.LIVE}
+    return [servers[rank].address for rank in backups_of(me.rank, size, replicas, live | {me.rank})]
+
+
+def grpc_sender(security: SecurityConfig | None = None) -> Send:
+    """A blocking Replicate call per (address, request), over one cached channel per backup."""
+    security = security or SecurityConfig()
+    stubs: dict[str, pb_grpc.ParameterServerServiceStub] = {}
+    lock = threading.Lock()
+
+    def send(address: str, request: pb.ReplicateRequest) -> pb.ReplicateResponse:
+        with lock:
+            stub = stubs.get(address)
+            if stub is None:
+                stub = stubs[address] = pb_grpc.ParameterServerServiceStub(
+                    security.channel(address, options=channel_options()))
+        # No wait_for_ready: a backup that is down fails the call at once, and the sender retries.
+        return stub.Replicate(request, timeout=_CALL_TIMEOUT_S)
+
+    return send

@@ -1,0 +1,139 @@
+"""Replication and failover through real servers and channels (docs/architecture.md, 9 Failures).
+
+Three servers, replicas 1: every server's slices are copied to the next one in ring order before a
+push is acknowledged. The backups must hold bit-identical weights, optimizer state, versions and
+clocks; after a primary is stopped and its backup promoted, training resumes on the new layout and
+ends bit-for-bit where an undisturbed run without replication ends.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+from pshard.common.job import JobConfig, OptimizerConfig
+from pshard.common.layout import Layout, ParamSpec, plan_layout
+from pshard.common.replicas import fail_over
+from pshard.common.serving import ServerThread
+from pshard.ps_server.replica_link import grpc_sender
+from pshard.ps_server.replication import Replicator
+from pshard.ps_server.settings import ServerSettings
+from pshard.worker.client import PSClient
+
+WAIT_S = 10.0
+WORKERS = ("w0", "w1")
+ADAM = JobConfig(mode="sync", optimizer=OptimizerConfig(name="adam", lr=0.01))
+SHAPES = {"a": (300,), "b": (64, 8), "c": (5,), "d": (700,)}
+
+
+def _initial() -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(7)
+    return {k: rng.standard_normal(s).astype(np.float32) for k, s in SHAPES.items()}
+
+
+def _grads(worker: str, step: int) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng([WORKERS.index(worker), step])
+    return {k: rng.standard_normal(s).astype(np.float32) for k, s in SHAPES.items()}
+
+
+def _layout(addresses: Sequence[str], replicas: int) -> Layout:
+    specs = [ParamSpec(k, "float32", s) for k, s in SHAPES.items()]
+    return plan_layout(specs, addresses, slice_bytes=1024, replicas=replicas)
+
+
+def _replicated(start_server: Callable[..., ServerThread], n: int) -> list[ServerThread]:
+    """`n` servers, each forwarding to the next in ring order (what follow_scheduler sets up from views)."""
+    servers = [start_server(ServerSettings(replicas=1, static_quorum=dict.fromkeys(WORKERS, 0)))
+               for _ in range(n)]
+    for i, server in enumerate(servers):
+        handlers = server.running.handlers
+        backup = servers[(i + 1) % n].address
+
+        def wire(handlers=handlers, server=server, backup=backup) -> None:
+            handlers.enable_replication(Replicator(server.address, grpc_sender(), server.loop))
+            handlers.replicator.set_backups([backup])
+        server.call(wire)
+    return servers
+
+
+def _train(clients: dict[str, PSClient], steps: range, job: JobConfig,
+           initial: dict[str, np.ndarray] | None = None) -> dict[str, dict[str, np.ndarray]]:
+    def run(worker: str) -> dict[str, np.ndarray]:
+        client = clients[worker]
+        weights = client.declare(initial, job) if initial is not None else {}
+        for step in steps:
+            weights = client.push_pull(_grads(worker, step), step)
+        return weights
+
+    with ThreadPoolExecutor(len(clients)) as pool:
+        futures = {w: pool.submit(run, w) for w in clients}
+        return {w: f.result(timeout=4 * WAIT_S) for w, f in futures.items()}
+
+
+def _assert_backups_identical(servers: list[ServerThread]) -> int:
+    """Every primary slice equals its copy on the next server, bit for bit; the number compared."""
+    compared = 0
+    for i, server in enumerate(servers):
+        backup = servers[(i + 1) % len(servers)].running.handlers.replica_set
+        for slot in server.running.handlers.store.slots():
+            [copy] = [s for s in backup._slots.values() if s.key == slot.key]
+            assert copy.version == slot.version and copy.last_clock == slot.last_clock
+            assert copy.value.tobytes() == slot.value.tobytes(), slot.key
+            assert copy.opt_state.keys() == slot.opt_state.keys()
+            for name, value in slot.opt_state.items():
+                other = copy.opt_state[name]
+                if isinstance(value, np.ndarray):
+                    assert other.tobytes() == value.tobytes(), (slot.key, name)
+                else:
+                    assert other == value, (slot.key, name)
+            compared += 1
+    return compared
+
+
+@pytest.fixture
+def reference(start_server, new_client) -> dict[str, np.ndarray]:
+    """Eight sync steps on three servers without replication."""
+    servers = [start_server(ServerSettings(static_quorum=dict.fromkeys(WORKERS, 0))) for _ in range(3)]
+    layout = _layout([s.address for s in servers], 0)
+    clients = {w: new_client(servers, w, layout=layout) for w in WORKERS}
+    result = _train(clients, range(8), ADAM, _initial())
+    assert result["w0"].keys() == result["w1"].keys()
+    return result["w0"]
+
+
+def test_backups_hold_the_primaries_state_bit_for_bit(start_server, new_client, reference):
+    servers = _replicated(start_server, 3)
+    layout = _layout([s.address for s in servers], 1)
+    clients = {w: new_client(servers, w, layout=layout) for w in WORKERS}
+    _train(clients, range(4), ADAM, _initial())
+    assert _assert_backups_identical(servers) == len(layout.slices)
+
+
+def test_a_promoted_backup_continues_bit_for_bit_and_drops_resent_pushes(start_server, new_client, reference):
+    servers = _replicated(start_server, 3)
+    addresses = [s.address for s in servers]
+    layout = _layout(addresses, 1)
+    assert layout.slices_on(1), "the test needs slices on the server it stops"
+    clients = {w: new_client(servers, w, layout=layout) for w in WORKERS}
+    _train(clients, range(4), ADAM, _initial())
+    # Clock 4 half done: w0's push reached every server (server 1 holds it, unreplicated, pending).
+    clients["w0"].wait(clients["w0"].push(_grads("w0", 4), 4))
+    servers[1].stop(grace_s=0)
+    moved, _ = fail_over(layout, 1, {0, 2})
+    # The view without server 1 (follow_scheduler): each survivor backs the other up; server 0's
+    # slices are copied whole to server 2, server 2's (its own and the promoted ones) to server 0.
+    for me, other in ((0, 2), (2, 0)):
+        servers[me].call(lambda me=me, other=other: servers[me].running.handlers.replicator.set_backups(
+            [addresses[other]]))
+    # The workers re-route: the whole step again on the new layout (duplicates are dropped), then on.
+    for client in clients.values():
+        client.set_layout(moved)
+    result = _train(clients, range(4, 8), ADAM)
+    for worker in WORKERS:
+        for key, expected in reference.items():
+            assert result[worker][key].tobytes() == expected.tobytes(), (worker, key)
+    assert servers[2].running.handlers.promotions == len(layout.slices_on(1))
+    # The replica count is back: the survivors hold each other's slices, promoted ones included.
+    assert _assert_backups_identical([servers[0], servers[2]]) == len(layout.slices)
