@@ -35,17 +35,13 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 import numpy as np
-from pshard.common.errors import PSError
+from pshard.common.errors import CheckpointError  # re-exported: callers catch ckpt.CheckpointError
 from pshard.common.job import JobConfig, OptimizerConfig
 
 FORMAT = 1
 MANIFEST = "MANIFEST.json"
 _DIR = re.compile(r"^ckpt-(\d{12})-([0-9a-f]{8})$")
 _TMP_SUFFIX = ".tmp"
-
-
-class CheckpointError(PSError):
-    """A global checkpoint cannot be written or read (torn, foreign, or not matching the model)."""
 
 
 @dataclass(frozen=True)

@@ -63,6 +63,13 @@ class LayoutConflictError(PSError):
     status = "FAILED_PRECONDITION"
 
 
+class CheckpointError(PSError):
+    """A global checkpoint cannot be written or read (torn, foreign, or not matching the model or the
+    layout a request gives): the state it needs is not there, so FAILED_PRECONDITION, never INTERNAL."""
+
+    status = "FAILED_PRECONDITION"
+
+
 class PullTimeoutError(PSError):
     """A wait (pull, barrier, checkpoint) passed its deadline; the message names what it waited for."""
 
