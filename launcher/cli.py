@@ -80,6 +80,9 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
     parser.add_argument("--resume", action="store_true",
                         help="servers continue the checkpoints in --checkpoint-dir even though they are of "
                              "another job (another launch); logged loudly")
+    parser.add_argument("--replicas", metavar="R", type=int, default=0,
+                        help="backups per slice: every server's slices are copied to the next R servers, "
+                             "and one takes over when it dies (default 0; needs R < --ps)")
     parser.add_argument("--restart", choices=RESTART_POLICIES, default="never",
                         help="on-failure: start a scheduler or parameter server that died again on its "
                              "address (like Kubernetes' restartPolicy), after a backoff; with "
@@ -122,6 +125,8 @@ def parse_options(argv: Sequence[str], prog: str = PROG) -> Options:
                      f"--scheduler-interval-ms ({args.scheduler_interval_ms})")
     if args.max_restarts < 0:
         parser.error(f"--max-restarts: got {args.max_restarts}, expected a whole number >= 0")
+    if not 0 <= args.replicas < args.ps:
+        parser.error(f"--replicas: got {args.replicas}, expected 0 to {args.ps - 1} (--ps is {args.ps})")
     if args.checkpoint_interval_s < 0:
         parser.error(f"--checkpoint-interval-s: got {args.checkpoint_interval_s:g}, expected >= 0")
     if args.checkpoint_interval_s > 0 and not args.checkpoint_dir:
@@ -137,6 +142,7 @@ def parse_options(argv: Sequence[str], prog: str = PROG) -> Options:
                    log_level=args.log_level, restart=args.restart, max_restarts=args.max_restarts,
                    restart_backoff_s=args.restart_backoff_s, checkpoint_interval_s=args.checkpoint_interval_s,
                    job_id=args.job_id or f"launch-{uuid.uuid4().hex[:12]}", resume=args.resume,
+                   replicas=args.replicas,
                    certs_dir=None if args.insecure else (args.certs_dir or default_certs_dir()))
 
 

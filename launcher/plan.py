@@ -138,6 +138,9 @@ class Options:
     # per launch, so that a re-run with the same --checkpoint-dir starts fresh instead of mixing runs.
     job_id: str = ""
     resume: bool = False  # servers continue another job's checkpoint (ps --resume)
+    # Backups per slice (docs/architecture.md, 9 Failures): ps --replicas, and PSHARD_REPLICAS for the
+    # trainers (the default of their --replicas), so a custom --worker-cmd gets no unknown flag.
+    replicas: int = 0
     # mTLS for every channel: each child gets its certificate from here (`pshard certs` layout,
     # <node id>.pem); None = no TLS (with --insecure, said loudly by every child).
     certs_dir: str | None = None
@@ -190,6 +193,8 @@ def child_specs(plan: ClusterPlan, options: Options, python: str = sys.executabl
                     "--heartbeat-timeout-ms", str(options.heartbeat_timeout_ms)]
         else:
             argv = [python, "-m", "pshard.ps_server", "--bind", task.address]
+            if options.replicas:
+                argv += ["--replicas", str(options.replicas)]
             if options.checkpoint_dir:
                 argv += ["--checkpoint-dir", str(Path(options.checkpoint_dir) / task.name)]
                 if options.resume:
@@ -203,6 +208,8 @@ def child_specs(plan: ClusterPlan, options: Options, python: str = sys.executabl
     for task in plan.trainers:
         args = [a.replace(TASK_PLACEHOLDER, task.name) for a in options.worker_args]
         env = _child_env(plan, task, options.job_id, options.certs_dir)
+        if options.replicas:
+            env = {**env, "PSHARD_REPLICAS": str(options.replicas)}
         specs.append(ChildSpec(task.name, (*options.worker_cmd, *args), env))
     return specs
 

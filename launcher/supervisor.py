@@ -256,7 +256,8 @@ def _supervise(sup: Supervisor, specs: Sequence[ChildSpec], options: Options,
     for spec in trainers:
         sup.start(spec, environ)
     by_name = {s.name: s for s in servers}
-    if options.restart == "on-failure" and not options.checkpoint_dir:
+    # With replicas a backup takes over the dead server's slices, and the restarted one rejoins as a backup.
+    if options.restart == "on-failure" and not options.checkpoint_dir and not options.replicas:
         sup.say("--restart on-failure without --checkpoint-dir: a restarted parameter server comes back "
                 "without its shard's weights")
     restarts = dict.fromkeys(by_name, 0)

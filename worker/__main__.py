@@ -146,6 +146,9 @@ def build_parser(environ: Mapping[str, str], prog: str = PROG) -> argparse.Argum
     p.add_argument("--transport", choices=("auto", "shm", "tcp", "grpc"), default=D.TRANSPORT,
                    help="how push/pull bytes travel: auto = shared memory with a server on this host, "
                         "else a raw TCP socket, else gRPC (default auto; gRPC is always the fallback)")
+    p.add_argument("--replicas", type=int, default=int(os.environ.get("PSHARD_REPLICAS") or 0),
+                   help="backups per slice (give every server the same --replicas): a step whose server "
+                        "died is sent again to the backup the scheduler promotes (default 0: none)")
     p.add_argument("--no-overlap", dest="overlap", action="store_false",
                    help="push all gradients after backward in one exchange, instead of each bucket as "
                         "soon as backward produces it (overlap is the default; see PSTrainer)")
@@ -251,7 +254,7 @@ def config_from_args(argv: Sequence[str] | None, environ: Mapping[str, str], pro
         progress_every_s=args.progress_every_s,
         startup_timeout_s=args.startup_timeout_s, step_timeout_s=args.step_timeout_s,
         eval_interval_s=args.eval_interval_s, transport=args.transport, overlap=args.overlap,
-        shm_dir=args.shm_dir,
+        shm_dir=args.shm_dir, replicas=max(0, args.replicas),
         metrics_port=args.metrics_port, tensorboard=args.tensorboard,
         global_checkpoint_dir=args.global_checkpoint_dir,
         checkpoint_every_steps=max(0, args.checkpoint_every_steps),

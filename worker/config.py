@@ -71,6 +71,7 @@ class TrainConfig:
     eval_interval_s: float = Defaults.EVAL_INTERVAL_S  # evaluator tasks: seconds between evaluations
     transport: str = Defaults.TRANSPORT  # auto, shm, tcp or grpc (PSClient)
     overlap: bool = True  # PSTrainer pushes during backward, lands weights at the next forward
+    replicas: int = 0  # backups per slice, proposed with the layout (docs/architecture.md, 9 Failures)
     shm_dir: str = Defaults.SHM_DIR  # where shared-memory segments are created
     metrics_port: int | None = None  # serve Prometheus metrics on 0.0.0.0:PORT (0: a free port)
     tensorboard: str | None = None  # also write the metrics as TensorBoard scalars under DIR/<node id>

@@ -35,7 +35,8 @@ class ServerWatch:
         `leaving_ok`: servers that left on purpose are not lost (once training is over, servers run
         with --exit-when-done leave when the job is done).
         """
-        servers = {n.address: n for n in view.nodes if n.role == "ps" and n.address in self._layout.servers}
+        servers = {n.address: n for n in view.nodes if n.role == "ps" and n.address in self._layout.servers
+                   and self._needed(n.address)}
         for address, node in servers.items():
             if node.state is NodeState.LIVE or (leaving_ok and node.state is NodeState.LEFT):
                 self._gone_since.pop(address, None)
@@ -47,6 +48,10 @@ class ServerWatch:
                 return LostServer(node.node_id, address, node.state.value, now - since,
                                   self._describe(node.node_id, address, node.state, now - since))
         return None
+
+    def _needed(self, address: str) -> bool:
+        """With replicas a failover leaves a dead server without slices: the job no longer needs it."""
+        return not self._layout.replicas or bool(self._layout.slices_on(self._layout.servers.index(address)))
 
     def _describe(self, node_id: str, address: str, state: NodeState, gone_s: float) -> str:
         index = self._layout.servers.index(address)

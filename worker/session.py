@@ -63,10 +63,11 @@ class ClusterSession:
 
     def __init__(self, spec: ClusterSpec, *, startup_timeout_s: float, step_timeout_s: float,
                  transport: str = "auto", shm_dir: str = "/dev/shm",
-                 security: SecurityConfig | None = None, bind: str | None = None) -> None:
+                 security: SecurityConfig | None = None, bind: str | None = None, replicas: int = 0) -> None:
         """`security`: TLS files or tokens of this task (pshard.common.security; default plain);
         `bind`: where a hosted scheduler listens (default pshard.common.bind)."""
         self.spec = spec
+        self.replicas = replicas  # proposed with the layout; the servers get the same --replicas
         self.security = (security or SecurityConfig()).for_node(spec.task_type, spec.node_id)
         self._bind = bind
         self.transport, self.shm_dir = transport, shm_dir  # for PSClient
@@ -165,7 +166,7 @@ class ClusterSession:
         """Trainers: propose the layout of `params`; the first proposal wins and everyone gets it."""
         sched = self._registered()
         with stage("layout", "agreeing on the parameter layout"):
-            return sched.propose_layout(params, servers=self.spec.ps)
+            return sched.propose_layout(params, servers=self.spec.ps, replicas=self.replicas)
 
     def await_layout(self) -> Layout:
         """Readers (the evaluator): the layout the trainers agreed on, once one has proposed it."""
@@ -181,10 +182,21 @@ class ClusterSession:
         self.client = PSClient(layout.servers, self.spec.node_id, layout=layout,
                                generation=lambda: sched.generation, await_generation=self._await_generation,
                                timeout_s=self.step_timeout_s, transport=self.transport, shm_dir=self.shm_dir,
-                               security=self.security)
+                               security=self.security, relayout=self._newer_layout,
+                               reroute_wait_s=3 * sched.heartbeat_timeout_s)
         threading.Thread(target=self._watch_servers, args=(layout, self.client), name="server-watch",
                          daemon=True).start()
         return self.client
+
+    def _newer_layout(self, layout: Layout, timeout_s: float) -> Layout | None:
+        """The scheduler's layout once it is newer than `layout` (a failover), None at the timeout."""
+        sched = self._registered()
+        try:
+            sched.wait_for_view(lambda view: view.layout_version > layout.version, timeout_s)
+        except PullTimeoutError:
+            return None
+        newer = sched.get_layout(timeout_s=max(1.0, timeout_s))
+        return newer if newer.version > layout.version else None
 
     def _watch_servers(self, layout: Layout, client: PSClient) -> None:
         """Fail the run within a few heartbeats of losing a server, naming it (see ServerWatch); a
@@ -193,6 +205,11 @@ class ClusterSession:
         watch = ServerWatch(layout, grace_s=sched.heartbeat_timeout_s)
         while not self._watch_stop.wait(min(0.5, sched.heartbeat_interval_s)):
             view = sched.view
+            if view is not None and layout.replicas and view.layout_version > layout.version:
+                # A failover moved the dead server's slices to a live backup: it is no longer needed.
+                newer = self._newer_layout(layout, sched.heartbeat_timeout_s)
+                if newer is not None:
+                    layout, watch = newer, ServerWatch(newer, grace_s=sched.heartbeat_timeout_s)
             lost = watch.observe(view, time.monotonic(), leaving_ok=self._left) if view is not None else None
             if lost is not None:
                 self.lost_server = lost

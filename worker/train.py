@@ -85,7 +85,7 @@ def run(cfg: TrainConfig, stdout: IO[str] | None = None, runner: type[TrainingRu
     role = "chief" if cfg.is_chief else "worker"
     session = ClusterSession(cfg.spec, startup_timeout_s=cfg.startup_timeout_s,
                              step_timeout_s=cfg.step_timeout_s, transport=cfg.transport,
-                             shm_dir=cfg.shm_dir, security=cfg.security, bind=cfg.bind)
+                             shm_dir=cfg.shm_dir, security=cfg.security, bind=cfg.bind, replicas=cfg.replicas)
     session.host_scheduler_if_needed()
     job = (runner or TrainingRun)(cfg, stdout, session)  # runner: another model's run (worker.ctr)
     try:
