@@ -129,6 +129,8 @@ class PSClient:
         options = [*channel_options(), *parameter_server_channel_options()]
         self.security = (security or SecurityConfig()).for_node(worker_id.split("-", 1)[0], worker_id)
         self._channels = [self.security.channel(a, options=options) for a in self.servers]
+        # Before the subscriptions below: their callbacks may run at once, on gRPC's thread, and read it.
+        self._closed = threading.Event()
         # gRPC retries unary calls silently; say once when a server drops out and when it is back.
         self._unreachable: set[str] = set()
         self._watchers = [functools.partial(self._on_connectivity, a) for a in self.servers]
@@ -140,7 +142,6 @@ class PSClient:
         # One thread per server drives its stream; a second set lets a push future overlap a pull.
         self._pool = ThreadPoolExecutor(max_workers=2 * len(self.servers), thread_name_prefix="psclient")
         self._dtypes: dict[str, str] = {}
-        self._closed = threading.Event()
         # What the last push_pull did (its versions are the sync clock to follow), and the last pull.
         self.last_result: PushResult | None = None
         self.last_pull: PushResult | None = None
