@@ -244,6 +244,10 @@ class _ServerStats(Protocol):
     def pulls_timed_out(self) -> int: ...
     @property
     def transports(self) -> Mapping[str, str]: ...
+    @property
+    def replication_lag(self) -> int: ...
+    @property
+    def failovers(self) -> int: ...
 
 
 def clock_lags(clocks: Mapping[str, int]) -> dict[str, int]:
@@ -291,6 +295,11 @@ class ServerCollector(Collector):
         for worker, kind in sorted(stats.transports.items()):
             transports.add_metric([worker, kind], 1)
         yield transports
+        # Replication (docs/architecture.md, 9 Failures).
+        yield _gauge("pshard_ps_replication_lag_records",
+                     "Replication records the slowest backup has yet to acknowledge", stats.replication_lag)
+        yield _counter("pshard_failovers_total",
+                       "Times this server was promoted to primary of a dead server's slices", stats.failovers)
         yield from self._store_families(stats.store)
         if self._tables is not None:
             yield from table_families(self._tables())

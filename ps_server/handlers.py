@@ -120,6 +120,10 @@ class ServerStats:
     # Worker id -> the fast path ("shm", "tcp") its session uses; absent: gRPC.
     transports: Mapping[str, str] = field(default_factory=dict)
     hangs: tuple[HangReport, ...] = ()  # sync clocks stalled past the settings' hang_report_s
+    # Replication (docs/architecture.md, 9 Failures): records the slowest backup has yet to acknowledge,
+    # and how often this server was promoted to primary of a dead one's slices.
+    replication_lag: int = 0
+    failovers: int = 0
 
 
 class ParameterServerHandlers:
@@ -154,6 +158,7 @@ class ParameterServerHandlers:
         self.replica_set = ReplicaSet()
         self.replicator: Replicator | None = None
         self.promotions = 0  # slices this server took over as primary after a failover
+        self.failovers = 0  # times it did (each a role change, logged): pshard_failovers_total
         if settings.checkpoint_dir:
             snap = load_shard(Path(settings.checkpoint_dir), settings.shard_name)
             if snap is not None:
@@ -210,6 +215,7 @@ class ParameterServerHandlers:
             if self.replicator is not None:
                 self.replicator.seed([s.key for s in slots])
         self.promotions += len(slots)
+        self.failovers += 1
         log.warning("FAILOVER: promoted to primary of %d slices (%s%s) at versions %d..%d",
                     len(slots), ", ".join(str(s.key) for s in slots[:3]), ", ..." if len(slots) > 3 else "",
                     min(s.version for s in slots), max(s.version for s in slots))
@@ -526,7 +532,9 @@ class ParameterServerHandlers:
                            pulls_served=self.pulls_served, pulls_waiting=self._changes.waiting,
                            pulls_timed_out=self.pulls_timed_out, transports=self.transport_report(),
                            hangs=tuple(store.hangs(self._settings.hang_report_s))
-                           if store and self._settings.hang_report_s > 0 else ())
+                           if store and self._settings.hang_report_s > 0 else (),
+                           replication_lag=self.replicator.lag() if self.replicator is not None else 0,
+                           failovers=self.failovers)
 
     async def snapshot_at(self, at_version: int, timeout_s: float | None = None) -> ShardSnapshot:
         """A copy of the shard once every slice reached `at_version` (a global checkpoint's part)."""

@@ -135,5 +135,7 @@ def test_a_promoted_backup_continues_bit_for_bit_and_drops_resent_pushes(start_s
         for key, expected in reference.items():
             assert result[worker][key].tobytes() == expected.tobytes(), (worker, key)
     assert servers[2].running.handlers.promotions == len(layout.slices_on(1))
+    stats = servers[2].call(servers[2].running.handlers.stats)
+    assert stats.failovers == 1 and stats.replication_lag == 0  # every step acknowledged by now
     # The replica count is back: the survivors hold each other's slices, promoted ones included.
     assert _assert_backups_identical([servers[0], servers[2]]) == len(layout.slices)
