@@ -5,7 +5,8 @@ the scheduler a chief hosts). It names the caller from the peer certificate's
 ``spiffe://pshard/<role>/<id>`` (`pshard.common.identity`) or, failing that, from a token in the
 ``authorization: Bearer`` metadata, then:
 
-- no credential (or an unknown token, or a certificate naming no role) → UNAUTHENTICATED;
+- no credential (or an unknown token, or a certificate naming no role, or one the CRL revokes)
+  → UNAUTHENTICATED;
 - a role the method does not allow → PERMISSION_DENIED;
 
 both before the handler runs, so nothing in the store changes, and both are counted in
@@ -29,6 +30,7 @@ import grpc
 import grpc.aio
 from pshard.common.errors import PermissionDeniedError
 from pshard.common.identity import Identity, TokenTable, identity_from_pem
+from pshard.common.revocation import RevocationList
 
 log = logging.getLogger("pshard.auth")
 
@@ -143,12 +145,18 @@ def _identify(context: grpc.aio.ServicerContext, tokens: TokenTable | None) -> I
 class Authorizer(grpc.aio.ServerInterceptor):  # type: ignore[misc]
     """Refuses unauthenticated and unauthorised calls before their handler runs; see the module doc."""
 
-    def __init__(self, tokens: TokenTable | None, refusals: AuthRefusals | None = None) -> None:
+    def __init__(self, tokens: TokenTable | None, refusals: AuthRefusals | None = None,
+                 revocations: RevocationList | None = None) -> None:
         self._tokens = tokens
         self.refusals = refusals if refusals is not None else AuthRefusals()
+        self._revocations = revocations
 
     async def _admit(self, method: str, context: grpc.aio.ServicerContext) -> Identity:
         _counter.set((self.refusals, method))
+        if self._revocations is not None and self._revoked(context):
+            self.refusals.add("UNAUTHENTICATED", method)
+            log.warning("refused %s from %s: its certificate is revoked", method, context.peer())
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, f"{method}: the certificate is revoked")
         who = _identify(context, self._tokens)
         if who is None:
             self.refusals.add("UNAUTHENTICATED", method)
@@ -162,6 +170,12 @@ class Authorizer(grpc.aio.ServerInterceptor):  # type: ignore[misc]
                                 f"{method}: role {who.role!r} may not call it")
         assert who is not None
         return who
+
+    def _revoked(self, context: grpc.aio.ServicerContext) -> bool:
+        # gRPC has verified the chain but cannot check a CRL (pshard.common.revocation).
+        assert self._revocations is not None
+        pem = context.auth_context().get("x509_pem_cert")
+        return bool(pem) and self._revocations.revoked(pem[0])
 
     async def intercept_service(self, continuation: Callable[[Any], Awaitable[Any]], details: Any) -> Any:
         handler = await continuation(details)

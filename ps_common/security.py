@@ -5,6 +5,7 @@ Parsed once at an entry point into a frozen `SecurityConfig`:
     --tls-cert FILE   (PSHARD_TLS_CERT)   this process's certificate chain (PEM)
     --tls-key FILE    (PSHARD_TLS_KEY)    its private key (PEM)
     --tls-ca FILE     (PSHARD_TLS_CA)     the CA that signs every pshard certificate (PEM)
+    --tls-crl FILE    (PSHARD_TLS_CRL)    certificates the CA revoked (a CRL it signed; re-read on change)
     --token-file FILE (PSHARD_TOKEN_FILE) role tokens, see `pshard.common.identity.TokenTable`
     --tls-dir DIR     (PSHARD_TLS_DIR)    a development CA: this node's certificate made there on first use
     --insecure        (PSHARD_INSECURE=1) no TLS and no token, on purpose (a loud warning says so)
@@ -22,8 +23,10 @@ What the rest of pshard uses (docs/architecture.md, 13 Security):
   call credentials), or a plain channel carrying the token in metadata (with a warning that it
   travels in clear).
 - `server_ssl_context()` / `client_ssl_context()`: `ssl.SSLContext`s from the same files, for the
-  raw TCP fast path (mutual authentication, TLS 1.2+).
-- `server_interceptors()`: the `pshard.common.auth.Authorizer` that names each caller's role.
+  raw TCP fast path (mutual authentication, TLS 1.2+, the CRL checked by OpenSSL); the server's
+  builds a fresh context for a new connection when a file changed (rotation, a new CRL).
+- `server_interceptors()`: the `pshard.common.auth.Authorizer` that names each caller's role (and
+  refuses a certificate the CRL revokes: gRPC Python cannot load a CRL, `pshard.common.revocation`).
 
 Certificates name their holder's role and node id in a URI SAN, ``spiffe://pshard/<role>/<id>``
 (`pshard certs` makes them; see `pshard.common.identity`).
@@ -36,7 +39,7 @@ import logging
 import os
 import ssl
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -48,6 +51,7 @@ from pshard.common.identity import Identity, TokenTable
 log = logging.getLogger("pshard.security")
 
 ENV_CERT, ENV_KEY, ENV_CA = "PSHARD_TLS_CERT", "PSHARD_TLS_KEY", "PSHARD_TLS_CA"
+ENV_CRL = "PSHARD_TLS_CRL"
 ENV_TOKEN = "PSHARD_TOKEN_FILE"
 ENV_INSECURE = "PSHARD_INSECURE"
 # A development CA's directory: without TLS files, a process makes (once) and uses its own certificate
@@ -75,6 +79,8 @@ class SecurityConfig:
     role: str = ""
     node_id: str = ""
     tokens: TokenTable = field(default_factory=TokenTable, compare=False, repr=False)
+    # A CRL signed by the CA: certificates it revokes are refused (gRPC: by the interceptor; TCP: OpenSSL).
+    crl: Path | None = None
 
     def __post_init__(self) -> None:
         given = [p for p in (self.cert, self.key, self.ca) if p is not None]
@@ -82,6 +88,8 @@ class SecurityConfig:
             flags = (("--tls-cert", self.cert), ("--tls-key", self.key), ("--tls-ca", self.ca))
             missing = [n for n, p in flags if p is None]
             raise ClusterConfigError(f"TLS: {', '.join(missing)} missing; the three TLS files go together")
+        if self.crl is not None and self.ca is None:
+            raise ClusterConfigError("--tls-crl: needs --tls-ca (a CRL is checked against its CA)")
         if self.insecure and (given or self.token_file):
             raise ClusterConfigError("--insecure: cannot be combined with --tls-* or --token-file")
         if self.token_file is not None and not self.tokens.entries:
@@ -90,6 +98,13 @@ class SecurityConfig:
         for path, what in ((self.cert, "--tls-cert"), (self.key, "--tls-key"), (self.ca, "--tls-ca")):
             if path is not None:
                 _read(path, what)  # fail at start-up, naming the flag, not at the first handshake
+        if self.crl is not None:
+            from pshard.common.revocation import read_crl
+
+            try:
+                read_crl(self.crl, self.ca)
+            except (OSError, ValueError) as e:
+                raise ClusterConfigError(f"--tls-crl: cannot use {str(self.crl)!r}: {e}") from None
 
     # ---- what is on ----
 
@@ -105,14 +120,15 @@ class SecurityConfig:
     def for_node(self, role: str, node_id: str = "") -> SecurityConfig:
         """The same files for a process acting as `role` (picks which token it sends)."""
         return SecurityConfig(self.cert, self.key, self.ca, self.token_file, self.insecure, role, node_id,
-                              self.tokens)
+                              self.tokens, self.crl)
 
     def own_token(self) -> str | None:
         return self.tokens.token_for(self.role, self.node_id) if self.token_file is not None else None
 
     def describe(self) -> str:
         if self.tls:
-            return f"mTLS (CA {self.ca})" + (" and tokens" if self.token_file else "")
+            return (f"mTLS (CA {self.ca}" + (f", CRL {self.crl})" if self.crl else ")")
+                    + (" and tokens" if self.token_file else ""))
         if self.token_file:
             return "tokens in clear (no TLS)"
         return "no TLS, no authentication"
@@ -149,8 +165,10 @@ class SecurityConfig:
         if not self.enabled:
             return []
         from pshard.common.auth import Authorizer
+        from pshard.common.revocation import RevocationList
 
-        return [Authorizer(self.tokens if self.token_file else None, refusals)]
+        revocations = RevocationList(self.crl, self.ca) if self.crl is not None else None
+        return [Authorizer(self.tokens if self.token_file else None, refusals, revocations)]
 
     # ---- gRPC client side ----
 
@@ -179,23 +197,30 @@ class SecurityConfig:
     # ---- ssl contexts for the raw TCP fast path ----
 
     def server_ssl_context(self) -> ssl.SSLContext:
-        """Server side: presents this process's certificate, requires one signed by the CA."""
+        """Server side: presents this process's certificate, requires one signed by the CA and not
+        revoked; each new connection gets the files as they are then (rotation, CRL updates)."""
         assert self.tls, "server_ssl_context: TLS is off"
-        ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-        ctx.minimum_version = ssl.TLSVersion.TLSv1_2
-        ctx.load_cert_chain(str(self.cert), str(self.key))
-        ctx.load_verify_locations(cafile=str(self.ca))
-        ctx.verify_mode = ssl.CERT_REQUIRED
-        return ctx
+        return _ReloadingContext(self._ssl_context, self._files())
 
     def client_ssl_context(self) -> ssl.SSLContext:
         """Client side: verifies the server against the CA (and its host name), presents our certificate."""
         assert self.tls, "client_ssl_context: TLS is off"
-        ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+        return self._ssl_context(ssl.PROTOCOL_TLS_CLIENT)
+
+    def _ssl_context(self, protocol: ssl._SSLMethod = ssl.PROTOCOL_TLS_SERVER) -> ssl.SSLContext:
+        ctx = ssl.SSLContext(protocol)
         ctx.minimum_version = ssl.TLSVersion.TLSv1_2
         ctx.load_cert_chain(str(self.cert), str(self.key))
         ctx.load_verify_locations(cafile=str(self.ca))
+        if self.crl is not None:
+            # The peer's own certificate is checked; the CA's (a root) has nothing to be revoked by.
+            ctx.load_verify_locations(cafile=str(self.crl))
+            ctx.verify_flags |= ssl.VERIFY_CRL_CHECK_LEAF
+        ctx.verify_mode = ssl.CERT_REQUIRED
         return ctx
+
+    def _files(self) -> tuple[Path, ...]:
+        return tuple(p for p in (self.cert, self.key, self.ca, self.crl) if p is not None)
 
     def own_identity(self) -> Identity | None:
         """Who this process is, from its certificate (or its token line)."""
@@ -206,6 +231,52 @@ class SecurityConfig:
         if self.token_file is not None:
             return self.tokens.identity_of(self.own_token() or "")
         return None
+
+
+class _ReloadingContext(ssl.SSLContext):
+    """An `ssl.SSLContext` (what asyncio servers take) that wraps each new connection with a context
+    built from the TLS files as they are now. OpenSSL cannot drop a CRL or a certificate from a
+    context, so a changed file means a new context; the check is a stat of each file per connection
+    (connections are per fast-path session). Files that fail to load keep the last good context."""
+
+    def __new__(cls, build: Callable[[], ssl.SSLContext], files: Sequence[Path]) -> _ReloadingContext:
+        return super().__new__(cls, ssl.PROTOCOL_TLS_SERVER)
+
+    def __init__(self, build: Callable[[], ssl.SSLContext], files: Sequence[Path]) -> None:
+        self._build = build
+        self._files = tuple(files)
+        self._lock = threading.Lock()
+        self._stamp = _stamps(self._files)
+        self._inner: ssl.SSLContext = build()
+
+    def _current(self) -> ssl.SSLContext:
+        stamp = _stamps(self._files)
+        with self._lock:
+            if stamp != self._stamp:
+                try:
+                    self._inner = self._build()
+                    log.info("TLS files changed: new fast-path connections use them")
+                except (OSError, ssl.SSLError) as e:
+                    log.warning("TLS files changed but cannot be loaded (%s); keeping the current ones", e)
+                self._stamp = stamp
+            return self._inner
+
+    def wrap_bio(self, *args: Any, **kwargs: Any) -> ssl.SSLObject:
+        return self._current().wrap_bio(*args, **kwargs)
+
+    def wrap_socket(self, *args: Any, **kwargs: Any) -> ssl.SSLSocket:
+        return self._current().wrap_socket(*args, **kwargs)
+
+
+def _stamps(files: Sequence[Path]) -> tuple[tuple[int, int], ...]:
+    stamps = []
+    for path in files:
+        try:
+            st = path.stat()
+            stamps.append((st.st_ino, st.st_mtime_ns))
+        except OSError:
+            stamps.append((0, 0))
+    return tuple(stamps)
 
 
 class _CertificateFetcher:
@@ -306,6 +377,9 @@ def add_security_arguments(parser: argparse.ArgumentParser) -> None:
                        help=f"its private key (env {ENV_KEY})")
     group.add_argument("--tls-ca", metavar="FILE", type=Path, default=None,
                        help=f"the CA certificate that signs every node of the job (env {ENV_CA})")
+    group.add_argument("--tls-crl", metavar="FILE", type=Path, default=None,
+                       help=f"a certificate revocation list signed by the CA (env {ENV_CRL}; 'pshard certs "
+                            "--revoke' writes one): revoked peers are refused; re-read when it changes")
     group.add_argument("--token-file", metavar="FILE", type=Path, default=None,
                        help=f"role tokens, lines 'ROLE[/NODE-ID] SECRET' (env {ENV_TOKEN})")
     group.add_argument("--tls-dir", metavar="DIR", default=None,
@@ -336,12 +410,17 @@ def security_from_args(args: argparse.Namespace, environ: Mapping[str, str] | No
         insecure = env.get(ENV_INSECURE, "").lower() in ("1", "true", "yes")
     cert, key, ca, token = (path("tls_cert", ENV_CERT), path("tls_key", ENV_KEY), path("tls_ca", ENV_CA),
                             path("token_file", ENV_TOKEN))
+    crl = path("tls_crl", ENV_CRL)
     if insecure and getattr(args, "insecure", None) is None and (cert or token):
         insecure = False  # files named explicitly win over an inherited PSHARD_INSECURE
     tls_dir = getattr(args, "tls_dir", None) or env.get(ENV_TLS_DIR)
     if tls_dir and cert is None and key is None and ca is None and not insecure:
         cert, key, ca = _auto_certificate(Path(tls_dir), role or "admin", node_id, hosts)
-    return SecurityConfig(cert, key, ca, token, bool(insecure), role, node_id)
+        if crl is None:  # the development CA's own list (`pshard certs` keeps one beside the CA)
+            crl = Path(tls_dir) / "crl.pem"
+    if insecure:
+        crl = None  # an inherited PSHARD_TLS_CRL means nothing without TLS
+    return SecurityConfig(cert, key, ca, token, bool(insecure), role, node_id, crl=crl)
 
 
 def _auto_certificate(directory: Path, role: str, node_id: str,

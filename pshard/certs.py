@@ -1,6 +1,7 @@
 """``pshard certs``: a development CA and one certificate per node, made on first use and kept after.
 
     pshard certs --dir ./pshard-certs --host ps-0 ps/ps-0 worker/worker-0 chief/chief-0 admin
+    pshard certs --dir ./pshard-certs --revoke worker-1      # add worker-1.pem's serial to crl.pem
 
 Each NODE is ``ROLE`` or ``ROLE/NODE-ID``; its certificate names it in a URI SAN,
 ``spiffe://pshard/<role>/<node-id>`` (what servers authorise on, `pshard.common.identity`), and
@@ -8,11 +9,13 @@ its host names in DNS/IP SANs (always ``localhost`` and ``127.0.0.1``, plus ever
 the node id itself, which is the host name in the compose file). Files in DIR:
 
     ca.pem, ca-key.pem          the CA (its key never leaves DIR; guard it)
+    crl.pem                     the certificates the CA revoked (empty at first; --tls-crl FILE)
     <name>.pem, <name>-key.pem  a node, <name> = its node id, or its role when it has none
 
 Run twice, it changes nothing: a file is (re)made only when missing, expired within a day, not
-signed by DIR's CA, or lacking a host asked for. For production, use your own CA: pshard needs
-only the URI SAN above in each certificate.
+signed by DIR's CA, revoked, or lacking a host asked for (so after ``--revoke NAME``, naming the
+node again gives it a new certificate). Servers re-read crl.pem when it changes. For production,
+use your own CA: pshard needs only the URI SAN above in each certificate.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ import os
 import sys
 from collections.abc import Iterable, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +45,9 @@ DEFAULT_DIR = "pshard-certs"
 DEFAULT_DAYS = 365
 LOCAL_HOSTS = ("localhost", "127.0.0.1")
 _RENEW_BEFORE = dt.timedelta(days=1)
+CRL_NAME = "crl.pem"
+# OpenSSL refuses every peer once a CRL's nextUpdate has passed: `ensure` re-signs it well before.
+_CRL_DAYS, _CRL_RENEW_BEFORE = 90, dt.timedelta(days=30)
 
 
 @dataclass(frozen=True)
@@ -49,9 +55,10 @@ class CertFiles:
     cert: Path
     key: Path
     ca: Path
+    crl: Path | None = None
 
     def security(self, role: str = "", node_id: str = "") -> SecurityConfig:
-        return SecurityConfig(self.cert, self.key, self.ca, role=role, node_id=node_id)
+        return SecurityConfig(self.cert, self.key, self.ca, role=role, node_id=node_id, crl=self.crl)
 
 
 def _now() -> dt.datetime:
@@ -149,6 +156,78 @@ def issue(directory: Path, identity: Identity, hosts: Iterable[str] = LOCAL_HOST
     return files
 
 
+# ---- revocation ----
+
+def _load_ca(directory: Path) -> tuple[x509.Certificate, ec.EllipticCurvePrivateKey]:
+    ca = x509.load_pem_x509_certificate((directory / "ca.pem").read_bytes())
+    key = serialization.load_pem_private_key((directory / "ca-key.pem").read_bytes(), None)
+    assert isinstance(key, ec.EllipticCurvePrivateKey)
+    return ca, key
+
+
+def _crl(directory: Path) -> x509.CertificateRevocationList | None:
+    """DIR's CRL when its CA signed it (a CRL of a former CA revokes nothing of the new one)."""
+    path = directory / CRL_NAME
+    try:
+        crl = x509.load_pem_x509_crl(path.read_bytes())
+        ca = x509.load_pem_x509_certificate((directory / "ca.pem").read_bytes())
+    except (OSError, ValueError):
+        return None
+    valid = crl.issuer == ca.subject and crl.is_signature_valid(ca.public_key())  # type: ignore[arg-type]
+    return crl if valid else None
+
+
+def revoked_serials(directory: Path) -> dict[int, dt.datetime]:
+    crl = _crl(directory)
+    return {} if crl is None else {e.serial_number: e.revocation_date_utc for e in crl}
+
+
+def write_crl(directory: Path, revoked: dict[int, dt.datetime]) -> Path:
+    """DIR/crl.pem listing `revoked` (serial → when), signed by DIR's CA, written whole."""
+    ca, ca_key = _load_ca(directory)
+    now = _now()
+    builder = (x509.CertificateRevocationListBuilder().issuer_name(ca.subject)
+               .last_update(now - dt.timedelta(minutes=5)).next_update(now + dt.timedelta(days=_CRL_DAYS))
+               .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()),
+                              critical=False))
+    for serial, when in sorted(revoked.items()):
+        builder = builder.add_revoked_certificate(
+            x509.RevokedCertificateBuilder().serial_number(serial).revocation_date(when).build())
+    path = directory / CRL_NAME
+    signed = builder.sign(ca_key, hashes.SHA256())
+    _write_private(path, signed.public_bytes(serialization.Encoding.PEM), 0o644)
+    return path
+
+
+def _crl_fresh(directory: Path) -> bool:
+    crl = _crl(directory)
+    expires = crl.next_update_utc if crl is not None else None
+    return expires is not None and expires - _CRL_RENEW_BEFORE > _now()
+
+
+def revoke(directory: Path | str, names: Sequence[str]) -> dict[str, int]:
+    """Add each named certificate to DIR's CRL; a name is a node's file base name in DIR (``worker-1``)
+    or a PEM file's path. Returns name → serial. Servers pick the new list up without a restart."""
+    directory = Path(directory)
+    out: dict[str, int] = {}
+    with _locked(directory):
+        ca, _ = _load_ca(directory)
+        for name in names:
+            path = Path(name) if name.endswith(".pem") and Path(name).exists() else directory / f"{name}.pem"
+            try:
+                cert = x509.load_pem_x509_certificate(path.read_bytes())
+            except (OSError, ValueError) as e:
+                raise ClusterConfigError(f"--revoke {name}: no certificate at {str(path)!r} ({e})") from None
+            if cert.issuer != ca.subject:
+                raise ClusterConfigError(f"--revoke {name}: {str(path)!r} is not signed by {directory}'s CA")
+            out[name] = cert.serial_number
+        revoked = revoked_serials(directory)
+        for serial in out.values():
+            revoked.setdefault(serial, _now())
+        write_crl(directory, revoked)
+    return out
+
+
 def _still_good(files: CertFiles, hosts: Iterable[str]) -> bool:
     if not (files.cert.exists() and files.key.exists() and files.ca.exists()):
         return False
@@ -161,7 +240,8 @@ def _still_good(files: CertFiles, hosts: Iterable[str]) -> bool:
         return False
     have = {str(v) for v in sans.get_values_for_type(x509.DNSName)}
     have |= {str(v) for v in sans.get_values_for_type(x509.IPAddress)}
-    return cert.not_valid_after_utc - _RENEW_BEFORE > _now() and set(hosts) <= have
+    return (cert.not_valid_after_utc - _RENEW_BEFORE > _now() and set(hosts) <= have
+            and cert.serial_number not in revoked_serials(files.ca.parent))
 
 
 def ensure(directory: Path | str, nodes: Sequence[Identity], hosts: Iterable[str] = (), *,
@@ -173,12 +253,17 @@ def ensure(directory: Path | str, nodes: Sequence[Identity], hosts: Iterable[str
     with _locked(directory):
         if not ((directory / "ca.pem").exists() and (directory / "ca-key.pem").exists()):
             make_ca(directory)
+        if not _crl_fresh(directory):  # none yet, a former CA's, or near its nextUpdate
+            write_crl(directory, revoked_serials(directory))
+        crl = directory / CRL_NAME
         for identity in nodes:
             base = identity.node_id or identity.role
-            files = CertFiles(directory / f"{base}.pem", directory / f"{base}-key.pem", directory / "ca.pem")
+            files = CertFiles(directory / f"{base}.pem", directory / f"{base}-key.pem", directory / "ca.pem",
+                              crl)
             node_hosts = [*wanted, *([identity.node_id] if identity.node_id else [])]
-            out[identity] = files if _still_good(files, node_hosts) else issue(directory, identity, wanted,
-                                                                                days=days)
+            if not _still_good(files, node_hosts):
+                files = replace(issue(directory, identity, wanted, days=days), crl=crl)
+            out[identity] = files
     return out
 
 
@@ -188,8 +273,11 @@ def main(argv: Sequence[str] | None = None, *, prog: str = "pshard certs") -> in
                                      epilog="Each NODE: ROLE or ROLE/NODE-ID, ROLE one of scheduler, ps, "
                                             "chief, worker, evaluator, admin. Certificates name it as "
                                             "spiffe://pshard/ROLE/NODE-ID.")
-    parser.add_argument("nodes", metavar="NODE", nargs="+",
+    parser.add_argument("nodes", metavar="NODE", nargs="*",
                         help="e.g. ps/ps-0 worker/worker-1 chief/chief-0 admin")
+    parser.add_argument("--revoke", metavar="NAME", action="append", default=[],
+                        help="revoke a certificate: its name in DIR (worker-1 for worker-1.pem) or a PEM "
+                             "file (repeatable); adds it to DIR/crl.pem, which servers re-read at once")
     parser.add_argument("--dir", default=os.environ.get("PSHARD_CERTS_DIR", DEFAULT_DIR),
                         help="where the CA and certificates live "
                              f"(env PSHARD_CERTS_DIR, default ./{DEFAULT_DIR})")
@@ -198,8 +286,12 @@ def main(argv: Sequence[str] | None = None, *, prog: str = "pshard certs") -> in
                              "127.0.0.1 are always in)")
     parser.add_argument("--days", type=int, default=DEFAULT_DAYS, help=f"validity (default {DEFAULT_DAYS})")
     args = parser.parse_args(argv)
+    if not args.nodes and not args.revoke:
+        parser.error("name a NODE to certify or a certificate to --revoke")
     try:
         nodes = [parse_identity(n, "NODE") for n in args.nodes]
+        for name, serial in revoke(args.dir, args.revoke).items() if args.revoke else ():
+            print(f"revoked {name} (serial {serial:x}) in {Path(args.dir) / CRL_NAME}")
     except ClusterConfigError as e:
         parser.error(str(e))
     made = ensure(args.dir, nodes, args.host, days=args.days)
