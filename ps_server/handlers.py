@@ -35,6 +35,7 @@ from pshard.common.errors import (
     LayoutConflictError,
     PullTimeoutError,
     StaleGenerationError,
+    UnknownKeyError,
 )
 from pshard.common.job import JobConfig
 from pshard.common.metrics import RequestMetrics
@@ -159,6 +160,8 @@ class ParameterServerHandlers:
         self.replicator: Replicator | None = None
         self.promotions = 0  # slices this server took over as primary after a failover
         self.failovers = 0  # times it did (each a role change, logged): pshard_failovers_total
+        # The newest layout's slices of this server (replicas only; None: not known, nothing checked).
+        self._owned: tuple[int, frozenset[SliceKey]] | None = None
         if settings.checkpoint_dir:
             snap = load_shard(Path(settings.checkpoint_dir), settings.shard_name)
             if snap is not None:
@@ -195,6 +198,28 @@ class ParameterServerHandlers:
     def replicate(self, config: JobConfig, records: Sequence[Record]) -> list[SliceKey]:
         """Backup side of a Replicate call: replay a primary's records; the slices it must resend whole."""
         return self.replica_set.apply(config, records)
+
+    def set_ownership(self, version: int, owned: frozenset[SliceKey]) -> None:
+        """Layout `version` makes this server primary of `owned` (follow_scheduler, with replicas)."""
+        if self._owned is not None and version <= self._owned[0]:
+            return
+        held = [s.key for s in self._store.slots()] if self._store is not None else []
+        lost = [k for k in held if k not in owned and (self._owned is None or k in self._owned[1])]
+        if lost:
+            log.warning("FAILOVER: layout version %d moved %d slices held here to their backups (this server "
+                        "was declared dead); requests for them are refused from now on", version, len(lost))
+        self._owned = (version, owned)
+
+    def _check_owned(self, keys: Iterable[SliceKey]) -> None:
+        """Refuse slices a failover moved away from this server (it was declared dead and came back):
+        the worker re-routes to their primary instead of updating a copy nobody replicates."""
+        owned, store = self._owned, self._store
+        if owned is None or store is None:
+            return
+        for key in keys:
+            if key not in owned[1] and store.holds(key):
+                raise UnknownKeyError(f"slice {str(key)!r} moved: layout version {owned[0]} has it on "
+                                      "another server (a failover); re-route")
 
     def _promote(self, keys: Iterable[SliceKey]) -> None:
         """Take over, as primary, the slices of `keys` this server holds only as a backup: a worker
@@ -401,6 +426,7 @@ class ParameterServerHandlers:
             raise EmptyRequestError(f"push-pull from {stamp.worker_id!r}: nothing to push or pull")
         metas = _metas(items)
         self._check_limits("push-pull", stamp, metas, keys)
+        self._check_owned([*(k for k, _ in items), *keys])
         self._promote([*(k for k, _ in items), *keys])
         store = self._store_holding([k for k, _ in items] or keys)
         store.specs(keys)
@@ -436,6 +462,7 @@ class ParameterServerHandlers:
         if not push and not pull:
             raise EmptyRequestError(f"exchange from {stamp.worker_id!r}: nothing to push or pull")
         self._check_limits("exchange", stamp, push, pull)
+        self._check_owned([*(m.key for m in push), *pull])
         self._promote([*(m.key for m in push), *pull])
         store = self._store_holding([m.key for m in push] or pull)
         store.check_push(push)

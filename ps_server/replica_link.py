@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import threading
 
-from pshard.common.replicas import backups_of
+from pshard.common.layout import Layout
+from pshard.common.replicas import backups_of, index_of
 from pshard.common.rpc import channel_options
 from pshard.common.security import SecurityConfig
+from pshard.common.types import SliceKey
 from pshard.common.view import ClusterView, NodeState
 from pshard.ps_server.replication import Send
 
@@ -32,6 +34,12 @@ def backup_addresses(view: ClusterView, node_id: str, replicas: int) -> list[str
     size = max(servers) + 1
     live = {rank for rank, n in servers.items() if n.state is NodeState.LIVE}
     return [servers[rank].address for rank in backups_of(me.rank, size, replicas, live | {me.rank})]
+
+
+def owned_slices(layout: Layout, address: str) -> frozenset[SliceKey] | None:
+    """The slices `layout` makes the server at `address` primary of; None if it is not in the layout."""
+    me = index_of(layout, address)
+    return None if me is None else frozenset(s.slice_key for s in layout.slices_on(me))
 
 
 def grpc_sender(security: SecurityConfig | None = None) -> Send:

@@ -33,14 +33,13 @@ from pshard.ps_server.global_handlers import rpc_handlers as global_rpc_handlers
 from pshard.ps_server.handlers import ParameterServerHandlers
 from pshard.ps_server.heap import HeapTrimmer
 from pshard.ps_server.quorum import QuorumFollower
-from pshard.ps_server.replica_link import backup_addresses, grpc_sender
+from pshard.ps_server.replica_link import backup_addresses, grpc_sender, owned_slices
 from pshard.ps_server.replication import Replicator
 from pshard.ps_server.servicer import ParameterServerServicer
 from pshard.ps_server.settings import ServerSettings
 from pshard.ps_server.table_handlers import TableHandlers
 from pshard.ps_server.table_servicer import SparseTablesServicer
 from pshard.ps_server.table_servicer import rpc_handlers as table_rpc_handlers
-from pshard.ps_server.table_stream import TableStreamServer
 
 from pshard.api.v1 import parameter_server_pb2 as pb
 
@@ -95,8 +94,6 @@ class RunningServer:
         await self.server.stop(grace_s)
         if self.fast is not None:  # after gRPC: a worker whose fast path closes falls back to a server gone
             await self.fast.aclose()
-        if self.tables is not None:
-            await self.tables.close()
         self.executor.shutdown(wait=False, cancel_futures=True)
         self.trimmer.close()
 
@@ -120,10 +117,6 @@ async def start(settings: ServerSettings, bind: str = "127.0.0.1:0",
     # Sparse tables share the port, the in-flight budget and the request wrapping of the dense service.
     tables = TableHandlers(settings)
     handlers.after_checkpoint = tables.checkpoint
-    if settings.transport != "grpc":  # table requests over a raw TCP stream too (ps_server.table_stream)
-        tables.stream = TableStreamServer(tables, bind.rsplit(":", 1)[0].strip("[]") or "0.0.0.0",
-                                          settings.limits.max_request_bytes,
-                                          security.server_ssl_context() if security.tls else None)
     server.add_generic_rpc_handlers([table_rpc_handlers(SparseTablesServicer(tables), ps_servicer.unary)])
     server.add_generic_rpc_handlers([global_rpc_handlers(GlobalCheckpointServicer(GlobalCheckpoints(
         handlers, tables, settings.checkpoint_pause_dir)), ps_servicer.unary, SERVICE_NAME)])
@@ -136,6 +129,7 @@ async def start(settings: ServerSettings, bind: str = "127.0.0.1:0",
                           shm_dir=settings.shm_dir, host=bind.rsplit(":", 1)[0].strip("[]") or "0.0.0.0",
                           ssl_context=security.server_ssl_context() if security.tls else None)
     handlers.transport_report = fast.transports
+    fast.tables = tables  # table requests ride the same sessions (ps_server.table_fast)
     server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(SERVICE_NAME, {
         "OpenTransport": grpc.unary_unary_rpc_method_handler(
             OpenTransportMethod(fast).OpenTransport, pb.OpenTransportRequest.FromString,
@@ -220,7 +214,22 @@ def follow_scheduler(running: RunningServer, spec: ClusterSpec,
         if deadline is not None:
             loop.call_later(max(0.0, deadline - time.monotonic()) + 0.01, install)
 
+    layout_seen = [0]
+
     def on_view(view: ClusterView) -> None:
+        # With replicas, each new layout says which slices are this server's: one a failover moved
+        # away (this server was declared dead, and is back) is refused from then on, so a worker
+        # still routing to it re-routes instead of updating a copy nobody replicates.
+        if replicas > 0 and view.layout_version > layout_seen[0]:
+            try:
+                layout = client.get_layout(timeout_s=5.0)
+            except Exception as e:  # the next view tries again
+                log.warning("could not read layout version %d: %s", view.layout_version, e)
+            else:
+                layout_seen[0] = layout.version
+                owned = owned_slices(layout, spec.own_address or "")
+                if owned is not None:
+                    loop.call_soon_threadsafe(handlers.set_ownership, layout.version, owned)
         loop.call_soon_threadsafe(install, view)
 
     # A restored shard remembers the generations its workers had; a fresh scheduler must hand out newer

@@ -8,6 +8,8 @@ ends bit-for-bit where an undisturbed run without replication ends.
 
 from __future__ import annotations
 
+import dataclasses
+import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
@@ -139,3 +141,33 @@ def test_a_promoted_backup_continues_bit_for_bit_and_drops_resent_pushes(start_s
     assert stats.failovers == 1 and stats.replication_lag == 0  # every step acknowledged by now
     # The replica count is back: the survivors hold each other's slices, promoted ones included.
     assert _assert_backups_identical([servers[0], servers[2]]) == len(layout.slices)
+
+
+def test_a_primary_declared_dead_that_comes_back_refuses_and_the_workers_re_route(start_server, new_client,
+                                                                                  reference):
+    servers = _replicated(start_server, 3)
+    addresses = [s.address for s in servers]
+    layout = _layout(addresses, 1)
+    moved, _ = fail_over(layout, 1, {0, 2})
+    moved = dataclasses.replace(moved, version=layout.version + 1)
+    published = threading.Event()  # the scheduler's failover layout, once "published"
+
+    def relayout(current: Layout, timeout_s: float) -> Layout | None:
+        return moved if published.wait(timeout_s) and moved.version > current.version else None
+
+    clients = {w: new_client(servers, w, layout=layout, relayout=relayout, reroute_wait_s=WAIT_S)
+               for w in WORKERS}
+    _train(clients, range(4), ADAM, _initial())
+    # Server 1 was declared dead (a pause), and is back: the views give it the new layout, which
+    # holds nothing of it, and the survivors back each other up. Its copies must not take a step.
+    servers[1].call(lambda: servers[1].running.handlers.set_ownership(moved.version, frozenset()))
+    for me, backups in ((0, [addresses[2]]), (1, []), (2, [addresses[0]])):
+        servers[me].call(lambda me=me, backups=backups:
+                         servers[me].running.handlers.replicator.set_backups(backups))
+    published.set()
+    result = _train(clients, range(4, 8), ADAM)
+    for worker in WORKERS:
+        assert clients[worker].reroutes == 1
+        for key, expected in reference.items():
+            assert result[worker][key].tobytes() == expected.tobytes(), (worker, key)
+    assert {s.version for s in servers[1].running.handlers.store.slots()} == {4}
