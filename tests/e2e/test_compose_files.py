@@ -183,9 +183,9 @@ def test_commands_follow_the_cli_contract() -> None:
     for i in (0, 1):
         # Periodic checkpoints: a server restarted after a crash (restart: on-failure) restores recent state.
         assert services[f"ps-{i}"]["command"] == ["pshard", "ps", "--checkpoint-dir", f"/checkpoints/ps-{i}",
-                                                  "--checkpoint-interval-s", "30"]
+                                                  "--checkpoint-interval-s", "30", "--shm-dir", SHM_DIR]
         cpu = services[f"worker-{i}"]["command"]
-        assert cpu == ["pshard", "worker", "--mode", "sync", "--epochs", "2",
+        assert cpu == ["pshard", "worker", "--mode", "sync", "--epochs", "2", "--shm-dir", SHM_DIR,
                        "--output", "/models/model.pt", "--metrics", f"/models/metrics-worker-{i}.jsonl"]
         gpu = services[f"worker-gpu-{i}"]["command"]
         assert gpu[gpu.index("--device") + 1] == "cuda"
@@ -225,6 +225,32 @@ def test_state_lives_in_named_volumes() -> None:
         assert ("volume", "checkpoints", "/checkpoints") in mounts[name]
     for name in ("worker-0", "worker-1"):
         assert ("volume", "models", "/models") in mounts[name]
+
+
+SHM_DIR = "/pshard-shm"
+
+
+@needs_compose
+@pytest.mark.parametrize("profiles", [(), ("gpu",)], ids=["default", "gpu"])
+def test_servers_and_workers_name_one_shared_in_memory_shm_dir(profiles: tuple[str, ...]) -> None:
+    """Co-located containers take the shm transport only when the server's unix socket is in a
+    directory the worker sees too: every server and worker names the same --shm-dir, and it is the
+    mount point of one tmpfs volume they all mount (a container's own /dev/shm is private)."""
+    config = normalised(*profiles)
+    users = {name: s for name, s in config["services"].items()
+             if "TF_CONFIG" in (s.get("environment") or {})
+             and task_of(s)["task"]["type"] in ("ps", "worker", "chief")}
+    assert {"ps-0", "ps-1", "worker-0", "worker-1"} <= set(users)
+    for name, service in users.items():
+        command = service["command"]
+        assert command.count("--shm-dir") == 1, name
+        assert command[command.index("--shm-dir") + 1] == SHM_DIR, name
+        mounts = {(v["type"], v["source"], v["target"]) for v in service.get("volumes", [])}
+        assert ("volume", "shm", SHM_DIR) in mounts, name
+        assert "PSHARD_SHM_DIR" not in (service.get("environment") or {}), name  # one place: the flag
+    volume = config["volumes"]["shm"]
+    assert volume["driver_opts"]["type"] == "tmpfs"
+    assert "uid=10001" in volume["driver_opts"]["o"]  # the images' pshard user, and only it
 
 
 @needs_compose

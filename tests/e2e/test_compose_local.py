@@ -107,6 +107,10 @@ class LocalCompose:
         with_metrics = sorted(name for name, s in services.items()
                               if "PSHARD_METRICS_PORT" in (s.get("environment") or {}))
         self.metrics_ports = dict(zip(with_metrics, free_ports(len(with_metrics)), strict=True))
+        for service in services.values():  # Docker creates a named volume's mount point
+            for volume in service.get("volumes") or []:
+                if volume["type"] == "volume":
+                    self.volume_dir(volume["source"]).mkdir(parents=True, exist_ok=True)
 
     @staticmethod
     def tf_config(service: dict[str, Any]) -> dict[str, Any]:
@@ -244,3 +248,11 @@ def test_compose_services_train_to_completion_as_local_processes(procs: Procs, t
     assert any("security: mTLS" in line for line in started["ps-0"].lines), started["ps-0"].output()
     made = {p.name for p in compose.volume_dir("certs").iterdir()}
     assert {"ca.pem", "scheduler-0.pem", "ps-0.pem", "ps-1.pem", "worker-0.pem", "worker-1.pem"} <= made
+    # The workers found the servers' unix sockets in the shared shm volume and moved gradients through
+    # shared memory, not TCP.
+    assert len(list(compose.volume_dir("shm").glob("pshard-s-*.sock"))) == 2  # one per live server
+    for server in ("ps-0", "ps-1"):
+        lines = started[server].lines
+        for worker in workers:
+            assert any(f"worker {worker}: shm transport connected" in line for line in lines), \
+                started[server].output()
