@@ -1,7 +1,8 @@
 """Sparse tables: rows/s of pulls and pushes, and the memory overhead of the row store (issue 9).
 
 rows/s: a 1,000,000 x 64 float32 table (SGD) on 2 parameter server processes, 2 worker processes,
-async, over the servers' raw TCP table stream (`--transport grpc`: over gRPC). The table is filled
+async, over the fast-path sessions the dense steps use (`--transport`: auto is shared memory on one
+host; tcp the raw TCP path; grpc the SparseTablesService). The table is filled
 first (untimed); then each step a worker pulls 4,096 distinct random ids
 and pushes one gradient for each: rows/s = steps x workers x 4,096 / seconds. The zipf variant
 draws 4,096 ids from a Zipf(1.1) distribution over the table, with repeats (the client de-duplicates
@@ -92,14 +93,15 @@ def _sparse_worker(run: WorkerRun, addresses: list[str], steps: int, warmup: int
         end = time.monotonic()
         meter.stop()
         stats = client.tables.stats("bench")
-        if client.tables.transports != [transport] * len(addresses):
+        used = "shm" if transport == "auto" else transport
+        if client.tables.transports != [used] * len(addresses):
             raise RuntimeError(f"sparse: asked for {transport}, the steps used {client.tables.transports}")
     return {"start": start, "end": end, "rows": sum(s.rows for s in stats), **meter.result()}
 
 
 def throughput(steps: int = 200, warmup: int = 10, zipf: bool = False, fused: bool = False,
                servers: int = 2, workers: int = 2, profile_dir: str | None = None,
-               transport: str = "tcp") -> dict[str, object]:
+               transport: str = "auto") -> dict[str, object]:
     names = [f"w{i}" for i in range(workers)]
     if profile_dir:
         os.makedirs(profile_dir, exist_ok=True)
@@ -159,8 +161,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--skip-memory", action="store_true", help="only the rows/s figures")
     p.add_argument("--only", choices=("uniform", "zipf"), help="one variant of the rows/s figure")
     p.add_argument("--profile", metavar="DIR", help="write cProfile stats of the servers to DIR")
-    p.add_argument("--transport", choices=("tcp", "grpc"), default="tcp",
-                   help="how table requests travel: the servers' raw TCP table stream (default) or gRPC")
+    p.add_argument("--transport", choices=("auto", "shm", "tcp", "grpc"), default="auto",
+                   help="how table requests travel: the fast-path session (auto: shm on one host, the "
+                   "default; shm; tcp) or gRPC")
     p.add_argument("--memory-child", nargs=2, type=int, metavar=("ROWS", "DIM"), help=argparse.SUPPRESS)
     return p
 

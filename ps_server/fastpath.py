@@ -53,6 +53,8 @@ from pshard.common.types import SliceKey
 from pshard.ps_server.fastconn import Connection, Session, error_reply, receive_hello, send_hello
 from pshard.ps_server.handlers import EncodedSlice, ExchangeDone, ParameterServerHandlers
 from pshard.ps_server.store import SliceMeta
+from pshard.ps_server.table_fast import serve_table
+from pshard.ps_server.table_handlers import TableHandlers
 
 from pshard.api.v1 import parameter_server_pb2 as pb
 
@@ -147,6 +149,15 @@ class _Session:
         self._slots[key] = (offset, nbytes)
         return offset
 
+    def reply_room(self, nbytes: int) -> tuple[int, np.ndarray]:
+        """Room for a table request's rows in the reply region, past every dense slot (whose bytes
+        must outlive the request); TransportBroken when the worker's region is too small."""
+        offset = self._reply_end
+        if offset + nbytes > self.regions.reply_bytes:
+            raise TransportBroken(f"reply region full: {nbytes} bytes of table rows at offset {offset}, "
+                                  f"the region has {self.regions.reply_bytes}")
+        return offset, self.regions.reply[offset:offset + nbytes]
+
     def pulled_bytes(self, keys: Sequence[SliceKey]) -> int:
         """What pulling `keys` moved last time: the size of this pull, for all but a session's first."""
         unknown = (0, 1 << 62)  # a slice not pulled yet could be any size: not small
@@ -166,6 +177,8 @@ class FastPathServer:
         TCP path runs over TLS, mutually authenticated. Shared memory is local and needs none: a
         peer gets on it with the session's secret, handed out over the authenticated gRPC channel."""
         self._handlers = handlers
+        # Sparse tables, when the server holds them: their requests ride the same sessions.
+        self.tables: TableHandlers | None = None
         self._ssl = ssl_context
         self.tls = ssl_context is not None
         self._loop = loop
@@ -312,7 +325,9 @@ class FastPathServer:
         if kind not in self.kinds or self._stopping:
             raise TransportRefusedError(f"OpenTransport: this server does not offer {kind} "
                                         f"(it offers {sorted(self.kinds) or 'gRPC only'})")
-        limit = 4 * self._handlers.store.stats().bytes_stored + _SLACK_BYTES
+        # A server of sparse tables only has no store: its sessions carry table requests alone.
+        stored = self._handlers.store.stats().bytes_stored if self._handlers.has_store else 0
+        limit = 4 * stored + _SLACK_BYTES
         if max(request.request_bytes, request.reply_bytes) > limit:
             raise InvalidArgumentError(f"OpenTransport: regions of {request.request_bytes} and "
                                        f"{request.reply_bytes} bytes exceed what this shard needs ({limit})")
@@ -374,7 +389,8 @@ class FastPathServer:
         assert isinstance(session, _Session)
         started = time.perf_counter()
         reply = await self._run(session, header, metas, views)
-        self._handlers.requests.record(session.kind, "Exchange", sum(v.nbytes for v in views),
+        method = "Table" if header.op == pb.EXCHANGE_OP_TABLE else "Exchange"
+        self._handlers.requests.record(session.kind, method, sum(v.nbytes for v in views),
                                        sum(reply.sizes), time.perf_counter() - started,
                                        reply.error_type or None, header.stamp.clock)
         return reply
@@ -395,12 +411,16 @@ class FastPathServer:
 
     async def _exchange(self, session: _Session, header: pb.ExchangeHeader, metas: Sequence[SliceMeta],
                         views: Sequence[np.ndarray]) -> pb.TransportReply:
-        if header.op != pb.EXCHANGE_OP_PUSH_PULL:
-            raise InvalidArgumentError(f"Exchange header.op: got {header.op}, expected PUSH_PULL or DECLARE")
+        if header.op not in (pb.EXCHANGE_OP_PUSH_PULL, pb.EXCHANGE_OP_TABLE):
+            raise InvalidArgumentError(f"fast-path header.op: got {header.op}, expected PUSH_PULL or TABLE")
         if header.stamp.worker_id != session.worker_id:  # the opener's credential was checked for it
             refused("fast path")
             raise PermissionDeniedError(f"fast path: a session of {session.worker_id!r} may not act as "
                                         f"{header.stamp.worker_id!r}")
+        if header.op == pb.EXCHANGE_OP_TABLE:
+            if self.tables is None:
+                raise TransportRefusedError("fast path: this server holds no sparse tables")
+            return await serve_table(self.tables, header, metas, views, session.reply_room)
         pull, wires = session.decoded(header, metas, views)
         timeout_ms = codec.timeout_ms_from_proto(header)
         timeout_s = timeout_ms / 1000 if timeout_ms is not None else None

@@ -96,8 +96,9 @@ class SparseTable:
 
     # ---- requests ----
 
-    def pull(self, ids: np.ndarray, clock: float | None = None) -> np.ndarray:
-        """Rows of `ids` (distinct int64), (len(ids), dim): a copy."""
+    def pull(self, ids: np.ndarray, clock: float | None = None, out: np.ndarray | None = None) -> np.ndarray:
+        """Rows of `ids` (distinct int64), (len(ids), dim): a copy, written into `out` when given (a
+        fast-path reply region: the rows then need no second copy)."""
         now = self._time(clock)
         rows = self._live(ids, now)
         missing = rows < 0
@@ -105,12 +106,17 @@ class SparseTable:
             rows[missing] = self._create(ids[missing])
             self.admitted += int(missing.sum())
             missing[:] = False
-        out = np.empty((len(ids), self.config.dim), self.config.np_dtype)
-        found = ~missing
-        out[found] = self.values[rows[found]]
-        out[missing] = initial_rows(self.config, ids[missing])
-        self.touch[rows[found]] = now
-        self._enforce_cap(rows[found], now)
+        if out is None:
+            out = np.empty((len(ids), self.config.dim), self.config.np_dtype)
+        if missing.any():
+            found = ~missing
+            out[found] = self.values[rows[found]]
+            out[missing] = initial_rows(self.config, ids[missing])
+            rows = rows[found]
+        else:  # every id a row (the common case): one gather, no boolean masks, no temporary
+            np.take(self.values, rows, axis=0, out=out)
+        self.touch[rows] = now
+        self._enforce_cap(rows, now)
         return out
 
     def push(self, ids: np.ndarray, grads: np.ndarray, clock: float | None = None) -> int:

@@ -25,7 +25,6 @@ import zlib
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import numpy as np
 from pshard.common.errors import (
@@ -43,10 +42,11 @@ from pshard.ps_server.table import SparseTable
 from pshard.ps_server.table_files import append_ids, export_table, load_tables, save_tables
 from pshard.ps_server.table_sync import SyncClocks
 
-if TYPE_CHECKING:
-    from pshard.ps_server.table_stream import TableStreamServer
-
 _ID = np.dtype("<i8")
+# Ids and rows as the transports hand them: gRPC's bytes, or a fast path's view of its region.
+Raw = bytes | np.ndarray
+# Where the rows of a pull go: (table config, number of rows) -> a (rows, dim) array of the table's dtype.
+Into = Callable[[TableConfig, int], np.ndarray]
 # Tables per server: far more than any model has, few enough that hostile declarations cannot
 # exhaust the server with empty tables (each holds a few KB of index).
 MAX_TABLES = 1024
@@ -71,8 +71,6 @@ class TableHandlers:
         self._changed: dict[str, asyncio.Event] = {}  # set (and replaced) when a sync clock is applied
         self._quorum: dict[str, int] | None = dict(settings.static_quorum) if settings.static_quorum else None
         self._dir = Path(settings.checkpoint_dir) if settings.checkpoint_dir else None
-        # The raw TCP stream for table requests (ps_server.table_stream); None: gRPC only.
-        self.stream: TableStreamServer | None = None
         if self._dir is not None:
             for table in load_tables(self._dir, settings.shard_name, self._make):
                 self._add(table)
@@ -128,14 +126,16 @@ class TableHandlers:
         async with self._locks[name]:
             self._apply(name, self._sync[name].ready(self._quorum or {}))
 
-    async def pull(self, name: str, ids: bytes, clock: int = 0, worker: str = "") -> np.ndarray:
+    async def pull(self, name: str, ids: Raw, clock: int = 0, worker: str = "", into: Into | None = None
+                   ) -> np.ndarray:
+        """`into(config, n)`: where the n rows are written (a fast path's reply region), else a new array."""
         table = self._table(name)
         keys = self._ids(table, ids, "pull")
         await self._wait_applied(name, clock)
         async with self._locks[name]:
-            return table.pull(keys, clock or None)
+            return table.pull(keys, clock or None, into(table.config, len(keys)) if into else None)
 
-    async def push(self, name: str, ids: bytes, grads: bytes, clock: int = 0, worker: str = "") -> int:
+    async def push(self, name: str, ids: Raw, grads: Raw, clock: int = 0, worker: str = "") -> int:
         table = self._table(name)
         keys = self._ids(table, ids, "push")
         rows = self._grads(table, keys, grads)
@@ -143,8 +143,8 @@ class TableHandlers:
         async with self._locks[name]:
             return self._push(table, keys, rows, clock, worker, quorum)
 
-    async def push_pull(self, name: str, push_ids: bytes, grads: bytes, pull_ids: bytes,
-                        clock: int = 0, worker: str = "") -> tuple[int, np.ndarray]:
+    async def push_pull(self, name: str, push_ids: Raw, grads: Raw, pull_ids: Raw,
+                        clock: int = 0, worker: str = "", into: Into | None = None) -> tuple[int, np.ndarray]:
         """Push for `clock`, then pull: at clock + 1 in a sync table (the clock just pushed, applied)."""
         table = self._table(name)
         keys = self._ids(table, push_ids, "push")
@@ -157,7 +157,8 @@ class TableHandlers:
             clock += 1
             await self._wait_applied(name, clock)
         async with self._locks[name]:
-            return stored, table.pull(wanted, clock or None)
+            out = into(table.config, len(wanted)) if into else None
+            return stored, table.pull(wanted, clock or None, out)
 
     def _push(self, table: SparseTable, keys: np.ndarray, rows: np.ndarray, clock: int, worker: str,
               quorum: dict[str, int] | None) -> int:
@@ -252,10 +253,6 @@ class TableHandlers:
             for name in names:
                 self._locks[name].release()
 
-    async def close(self) -> None:
-        if self.stream is not None:
-            await self.stream.close()
-
     def stats(self, name: str) -> TableStats:
         table = self._table(name)
         return TableStats(rows=len(table), evicted=table.evicted, steps=table.step, admitted=table.admitted)
@@ -266,7 +263,7 @@ class TableHandlers:
 
     # ---- validation ----
 
-    def _ids(self, table: SparseTable, raw: bytes, what: str) -> np.ndarray:
+    def _ids(self, table: SparseTable, raw: Raw, what: str) -> np.ndarray:
         name = table.config.name
         if len(raw) % 8:
             raise InvalidArgumentError(f"{what} of table {name!r}: ids are {len(raw)} bytes, not a whole "
@@ -284,7 +281,7 @@ class TableHandlers:
                                            "appears more than once (send each id once, gradients summed)")
         return ids.astype(np.int64)
 
-    def _grads(self, table: SparseTable, ids: np.ndarray, raw: bytes) -> np.ndarray:
+    def _grads(self, table: SparseTable, ids: np.ndarray, raw: Raw) -> np.ndarray:
         config = table.config
         row_bytes = config.dim * config.np_dtype.itemsize
         if len(raw) != len(ids) * row_bytes:

@@ -59,10 +59,9 @@ class SparseTablesServicer:
 
     async def OpenTableStream(self, request: pb.OpenTableStreamRequest,
                               context: object) -> pb.OpenTableStreamResponse:
-        stream = self._handlers.stream
-        if stream is None:
-            return pb.OpenTableStreamResponse(port=0)
-        return pb.OpenTableStreamResponse(port=await stream.port(), secret=stream.secret)
+        """Deprecated: table requests ride the fast-path sessions (EXCHANGE_OP_TABLE); port 0 tells an
+        older client to use gRPC."""
+        return pb.OpenTableStreamResponse(port=0)
 
 
 def rpc_handlers(servicer: SparseTablesServicer, wrap: Wrap) -> grpc.GenericRpcHandler:

@@ -54,7 +54,7 @@ from pshard.common.security import SecurityConfig
 from pshard.common.shm import DEFAULT_SHM_DIR, align
 from pshard.common.sparse import TableConfig
 from pshard.common.types import Stamp
-from pshard.worker.fastpath import FastPath
+from pshard.worker.fastpath import TABLE_ROOM_BYTES, FastPath
 from pshard.worker.tables import TableClient
 
 from pshard.api.v1 import parameter_server_pb2 as pb
@@ -171,8 +171,6 @@ class PSClient:
         self._closed.set()
         for server in range(len(self.servers)):
             self._drop_fast(server)
-        if "tables" in self.__dict__:  # table streams, when sparse tables were used (worker.tables)
-            self.tables.close()
         # Channels first: closing one cancels its calls, so a pool thread blocked in a sync pull
         # (a stop, SIGTERM, in mid-step) ends now instead of at its deadline.
         for channel, watcher in zip(self._channels, self._watchers, strict=True):
@@ -415,11 +413,13 @@ class PSClient:
             fast = self._fast[server]
             if fast is not None or time.monotonic() < self._fast_retry_at[server] or self._closed.is_set():
                 return fast
-            layout = self._need_layout()
+            layout = self.layout
             # Room for this worker's every slice on the server, each page-aligned, in its own dtype
-            # (the wire dtype only ever shrinks it): allocated once, reused by every step.
-            room = sum(align(s.numel * codec.numpy_dtype(self._param_dtype(s.key)).itemsize)
-                       for s in layout.slices_on(server))
+            # (the wire dtype only ever shrinks it), and for sparse-table requests (worker.tables):
+            # allocated once, reused by every step.
+            dense = layout.slices_on(server) if layout is not None else ()
+            room = TABLE_ROOM_BYTES + sum(
+                align(s.numel * codec.numpy_dtype(self._param_dtype(s.key)).itemsize) for s in dense)
             reasons = []
             for kind in ("shm", "tcp") if self._transport == "auto" else (self._transport,):
                 try:

@@ -44,6 +44,9 @@ from pshard.api.v1 import parameter_server_pb2 as pb
 from pshard.api.v1 import parameter_server_pb2_grpc as pb_grpc
 
 KINDS = {"shm": pb.TRANSPORT_KIND_SHM, "tcp": pb.TRANSPORT_KIND_TCP}
+# A session's room for sparse-table requests, each way, beside its dense slices: 8 MiB is a step of
+# 30,000 rows of dim 64 per server; a larger table request goes over gRPC (worker.tables).
+TABLE_ROOM_BYTES = 8 * 2**20
 _swept = threading.Event()  # the orphan sweep runs once per process
 
 # place(index, bytes of pulled slice `index` in its wire dtype): copies them where they belong.
@@ -192,8 +195,9 @@ class FastPath:
         reply = pb.TransportReply.FromString(meta)
         if reply.error_type:
             return reply
-        if len(reply.sizes) != len(header.pull):
-            raise TransportBroken(f"reply has {len(reply.sizes)} slices, {len(header.pull)} were pulled")
+        pulled = int(header.table.pull) if header.op == pb.EXCHANGE_OP_TABLE else len(header.pull)
+        if len(reply.sizes) != pulled:
+            raise TransportBroken(f"reply has {len(reply.sizes)} slices, {pulled} were pulled")
         if segment is not None:
             for index, (offset, size) in enumerate(zip(reply.offsets, reply.sizes, strict=True)):
                 if offset + size > segment.reply_bytes:

@@ -7,36 +7,34 @@ split by the server that holds them (pshard.common.sparse.server_of, the same ha
 use) and every server is called at once, on PSClient's thread pool. A push to a sync table goes
 to every server, empty where the server holds none of the ids: each server's clock waits for it.
 
-Unless the client's transport is "grpc", requests travel over the server's raw TCP table stream
-(ps_server.table_stream) once OpenTableStream handed out its port, else over gRPC. A stream that
-breaks is dropped (tried again after a pause); a pull then completes over gRPC, while a push fails
-with UnavailableError, since it may have been applied and async pushes are not idempotent.
+Unless the client's transport is "grpc", requests ride PSClient's fast-path session with each
+server (shared memory on one host, raw TCP or TLS between hosts; EXCHANGE_OP_TABLE, served by
+ps_server.table_fast), the one the dense steps use; else, or when a request is larger than the
+session's table room, over gRPC. A session that breaks is dropped (PSClient negotiates again after
+a pause); a pull then completes over gRPC, while a push fails with UnavailableError, since it may
+have been applied and async pushes are not idempotent.
 """
 
 from __future__ import annotations
 
 import logging
-import socket
-import ssl
-import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, TypeVar
 
 import grpc
 import numpy as np
-from pshard.common.errors import (
-    InvalidArgumentError,
-    PSError,
-    UnavailableError,
-    UnknownKeyError,
-    error_classes,
-)
-from pshard.common.fastwire import HELLO, REPLY, REQUEST, Inbox, TransportBroken, send_frame
+from pshard.common import codec
+from pshard.common.errors import InvalidArgumentError, UnavailableError, UnknownKeyError
+from pshard.common.fastwire import TransportBroken
 from pshard.common.rpc_status import error_from_rpc_error
+from pshard.common.shm import align
 from pshard.common.sparse import TableConfig, server_of
 from pshard.common.sparse_codec import spec_to_proto
+from pshard.common.types import Stamp
+from pshard.worker.fastpath import TABLE_ROOM_BYTES
 
+from pshard.api.v1 import parameter_server_pb2 as ps_pb
 from pshard.api.v1 import sparse_pb2 as pb
 from pshard.api.v1 import sparse_pb2_grpc as pb_grpc
 
@@ -45,44 +43,9 @@ if TYPE_CHECKING:
 
 T = TypeVar("T")
 log = logging.getLogger("pshard.worker")
-_STREAM_RETRY_S = 5.0
-_NONE = np.zeros(0, np.uint8)
-
-
-class _Stream:
-    """One connection to a server's table stream; one request at a time."""
-
-    def __init__(self, host: str, port: int, secret: bytes, timeout_s: float,
-                 ssl_context: ssl.SSLContext | None = None) -> None:
-        self._sock = socket.create_connection((host, port), timeout=timeout_s)
-        self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        if ssl_context is not None:  # TLS on: the server's certificate is checked as gRPC checks it
-            self._sock = ssl_context.wrap_socket(self._sock, server_hostname=host)
-        self._inbox = Inbox(self._sock)
-        self._lock = threading.Lock()
-        send_frame(self._sock, HELLO, secret)
-
-    def call(self, request: pb.TableStreamRequest, data: np.ndarray, rows: np.ndarray | None) -> int:
-        """Send `request` with `data`; the pulled rows land in `rows`; the rows stored. PSErrors are
-        the server's refusals; TransportBroken or OSError mean the stream is unusable."""
-        with self._lock:
-            send_frame(self._sock, REQUEST, request.SerializeToString(), [data] if data.nbytes else [])
-            kind, meta, n = self._inbox.frame_head()
-            reply = pb.TableStreamReply.FromString(meta)
-            if kind != REPLY:
-                raise TransportBroken(f"table stream: a frame of kind {kind} where a reply was due")
-            if reply.error_type:
-                cls = error_classes().get(reply.error_type, PSError)
-                raise cls(reply.error_message)
-            want = rows.nbytes if rows is not None else 0
-            if n != want:
-                raise TransportBroken(f"table stream: a reply of {n} bytes where {want} were due")
-            if rows is not None and n:
-                self._inbox.read_into(rows)
-            return int(reply.stored)
-
-    def close(self) -> None:
-        self._sock.close()
+_SLACK_S = 5.0  # past the request's own timeout, as PSClient's calls allow
+_RETRY_S = 10.0  # a broken session is negotiated again after this (PSClient's FAST_PATH_RETRY_S)
+_INT64 = codec.dtype_to_proto("int64")
 
 
 class _Split:
@@ -111,11 +74,8 @@ class TableClient:
         self._client = client
         self._stubs = [pb_grpc.SparseTablesServiceStub(c) for c in client._channels]
         self.configs: dict[str, TableConfig] = {}
-        n = len(self._stubs)
-        self._streams: list[_Stream | None] = [None] * n
-        self._stream_retry_at = [0.0] * n
-        self._stream_locks = [threading.Lock() for _ in range(n)]
-        self.transports = ["grpc"] * n  # what each server's table requests use: "tcp" or "grpc"
+        # What each server's last table request used: "shm", "tcp" or "grpc".
+        self.transports = ["grpc"] * len(self._stubs)
 
     def declare(self, config: TableConfig) -> None:
         """Declare the table on every server (the first declaration wins; a different one is refused)."""
@@ -128,26 +88,23 @@ class TableClient:
         config = self._config(table)
         split = _Split(ids, len(self._stubs))
         rows = np.empty((len(split.unique), config.dim), config.np_dtype)
+        worker = self._client.worker_id
 
         def call(s: int, stub: pb_grpc.SparseTablesServiceStub) -> None:
             part = split.parts[s]
             if not len(part):
                 return
-            ids = split.unique[part].tobytes()
-            stream = self._stream(s)
-            if stream is not None:
-                landed = np.empty((len(part), config.dim), config.np_dtype)
-                sent = pb.TableStreamRequest(op=pb.TABLE_STREAM_OP_PULL, table=table, ids=ids, clock=clock,
-                                             worker_id=self._client.worker_id)
-                try:
-                    stream.call(sent, _NONE, landed)
-                    rows[part] = landed
-                    return
-                except (TransportBroken, OSError) as err:
-                    self._drop_stream(s, err)  # a pull changes nothing: it is safe to ask again over gRPC
-            request = pb.PullRowsRequest(table=table, ids=ids, clock=clock, worker_id=self._client.worker_id)
-            reply = stub.PullRows(request, timeout=self._client._timeout_s)
-            rows[part] = self._rows(config, reply.rows, len(part))
+            ids = split.unique[part]
+            landed = np.empty((len(part), config.dim), config.np_dtype)
+            try:
+                done = self._fast(s, table, clock, (), ids, landed) is not None
+            except (TransportBroken, UnavailableError):
+                done = False  # a pull changes nothing: it is safe to ask again over gRPC
+            if not done:
+                reply = stub.PullRows(pb.PullRowsRequest(table=table, ids=ids.tobytes(), clock=clock,
+                                                         worker_id=worker), timeout=self._client._timeout_s)
+                landed = self._rows(config, reply.rows, len(part))
+            rows[part] = landed
 
         self._each(call)
         return rows[split.inverse].reshape(*split.shape, config.dim)
@@ -162,15 +119,12 @@ class TableClient:
             part = split.parts[s]
             if not len(part) and config.mode != "sync":
                 return 0
-            stream = self._stream(s)
-            if stream is not None:
-                sent = pb.TableStreamRequest(op=pb.TABLE_STREAM_OP_PUSH, table=table,
-                                             ids=split.unique[part].tobytes(), clock=clock,
-                                             worker_id=self._client.worker_id)
-                return self._on_stream(s, stream, sent, summed[part], None)
-            reply = stub.PushRows(pb.PushRowsRequest(table=table, ids=split.unique[part].tobytes(),
-                                                     grads=summed[part].tobytes(), clock=clock,
-                                                     worker_id=self._client.worker_id),
+            ids, rows = split.unique[part], summed[part]
+            stored = self._fast(s, table, clock, (ids, rows), None, None)
+            if stored is not None:
+                return stored
+            reply = stub.PushRows(pb.PushRowsRequest(table=table, ids=ids.tobytes(), grads=rows.tobytes(),
+                                                     clock=clock, worker_id=self._client.worker_id),
                                   timeout=self._client._timeout_s)
             return int(reply.stored)
 
@@ -189,20 +143,15 @@ class TableClient:
             part, wanted = split.parts[s], want.parts[s]
             if not (len(part) or len(wanted) or config.mode == "sync"):
                 return
-            stream = self._stream(s)
-            if stream is not None:
-                landed = np.empty((len(wanted), config.dim), config.np_dtype)
-                sent = pb.TableStreamRequest(
-                    op=pb.TABLE_STREAM_OP_PUSH_PULL, table=table, ids=split.unique[part].tobytes(),
-                    pull_ids=want.unique[wanted].tobytes(), clock=clock, worker_id=self._client.worker_id)
-                self._on_stream(s, stream, sent, summed[part], landed)
-                rows[wanted] = landed
-            else:
+            push_ids, pull_ids = split.unique[part], want.unique[wanted]
+            landed = np.empty((len(wanted), config.dim), config.np_dtype)
+            if self._fast(s, table, clock, (push_ids, summed[part]), pull_ids, landed) is None:
                 reply = stub.PushPullRows(pb.PushPullRowsRequest(
-                    table=table, push_ids=split.unique[part].tobytes(), grads=summed[part].tobytes(),
-                    pull_ids=want.unique[wanted].tobytes(), clock=clock, worker_id=self._client.worker_id),
+                    table=table, push_ids=push_ids.tobytes(), grads=summed[part].tobytes(),
+                    pull_ids=pull_ids.tobytes(), clock=clock, worker_id=self._client.worker_id),
                     timeout=self._client._timeout_s)
-                rows[wanted] = self._rows(config, reply.rows, len(wanted))
+                landed = self._rows(config, reply.rows, len(wanted))
+            rows[wanted] = landed
 
         self._each(call)
         return rows[want.inverse].reshape(*want.shape, config.dim)
@@ -249,57 +198,53 @@ class TableClient:
                                        f"{n} rows of dim {config.dim}")
         return np.frombuffer(raw, config.np_dtype).reshape(n, config.dim)
 
-    def _stream(self, s: int) -> _Stream | None:
-        """Server `s`'s table stream, opened at the first call; None: use gRPC."""
-        if self._client._transport == "grpc":
-            return None
-        with self._stream_locks[s]:
-            stream = self._streams[s]
-            if stream is not None or time.monotonic() < self._stream_retry_at[s]:
-                return stream
-            try:
-                offer = self._stubs[s].OpenTableStream(pb.OpenTableStreamRequest(),
-                                                       timeout=self._client._timeout_s)
-                if not offer.port:
-                    self._stream_retry_at[s] = float("inf")  # the server offers gRPC only
-                    return None
-                host = self._client.servers[s].rsplit(":", 1)[0].strip("[]")
-                security = self._client.security
-                stream = _Stream(host, offer.port, offer.secret, self._client._timeout_s,
-                                 security.client_ssl_context() if security.tls else None)
-            except (grpc.RpcError, OSError, TransportBroken) as err:
-                log.info("table stream to %s not opened (%s); using gRPC", self._client.servers[s], err)
-                self._stream_retry_at[s] = time.monotonic() + _STREAM_RETRY_S
-                return None
-            self._streams[s] = stream
-            self.transports[s] = "tcp"
-            return stream
-
-    def _drop_stream(self, s: int, err: BaseException) -> None:
-        with self._stream_locks[s]:
-            stream, self._streams[s] = self._streams[s], None
-            self._stream_retry_at[s] = time.monotonic() + _STREAM_RETRY_S
+    def _fast(self, s: int, table: str, clock: int, push: Sequence[np.ndarray], pull_ids: np.ndarray | None,
+              rows: np.ndarray | None) -> int | None:
+        """One request over server `s`'s fast-path session: push (ids, gradients) when given, then pull
+        `pull_ids` into `rows`; the rows stored. None: no session, or the request does not fit its
+        table room (the caller sends it over gRPC). A session that breaks is dropped, and raises
+        UnavailableError (TransportBroken for a pull alone: it is safe to send again)."""
+        fast = self._client._fast_path(s)
+        buffers = [*push, *(() if pull_ids is None else (pull_ids,))]
+        if fast is None or sum(align(b.nbytes) for b in buffers) > TABLE_ROOM_BYTES or (
+                rows is not None and rows.nbytes > TABLE_ROOM_BYTES):
             self.transports[s] = "grpc"
-        if stream is not None:
-            stream.close()
-            log.warning("table stream to %s broke (%s); using gRPC for a while", self._client.servers[s], err)
+            return None
+        header = ps_pb.ExchangeHeader(
+            op=ps_pb.EXCHANGE_OP_TABLE, table=ps_pb.TableRequest(table=table, push=bool(push),
+                                                                 pull=pull_ids is not None),
+            stamp=codec.stamp_to_proto(Stamp(self._client.worker_id, self._client.generation, clock)),
+            push=[ps_pb.SliceMeta(dtype=_INT64 if b.dtype == np.int64 else codec.dtype_to_proto(b.dtype.name),
+                                  shape=b.shape) for b in buffers])
+        target = np.zeros(0, np.uint8) if rows is None else rows.reshape(-1).view(np.uint8)
 
-    def _on_stream(self, s: int, stream: _Stream, request: pb.TableStreamRequest, data: np.ndarray,
-                   rows: np.ndarray | None) -> int:
-        """A push over the stream; a broken stream is UnavailableError (the push may have landed)."""
+        def place(index: int, raw: np.ndarray) -> None:
+            if raw.nbytes != target.nbytes:
+                raise TransportBroken(f"table {table!r}: {raw.nbytes} bytes of rows, {target.nbytes} due")
+            np.copyto(target, raw)
+
         try:
-            return stream.call(request, data, rows)
-        except (TransportBroken, OSError) as err:
-            self._drop_stream(s, err)
-            raise UnavailableError(f"push of table {request.table!r} to {self._client.servers[s]}: the "
-                                   f"stream broke ({err}); the push may have been applied or not") from err
+            summary = fast.call(header, buffers, place, lambda index: target,
+                                self._client._timeout_s + _SLACK_S)
+        except TransportBroken as err:
+            self._broken(s, fast, err)
+            if push:
+                raise UnavailableError(f"push of table {table!r} to {self._client.servers[s]}: the "
+                                       f"{fast.kind} transport broke ({err}); the push may have been "
+                                       "applied or not") from err
+            raise
+        self.transports[s] = fast.kind
+        return int(summary.applied)
 
-    def close(self) -> None:
-        for s in range(len(self._streams)):
-            with self._stream_locks[s]:
-                stream, self._streams[s] = self._streams[s], None
-            if stream is not None:
-                stream.close()
+    def _broken(self, s: int, fast: object, err: BaseException) -> None:
+        client = self._client
+        log.warning("server %s: %s transport broke under a table request (%s)", client.servers[s],
+                    getattr(fast, "kind", "?"), err)
+        with client._fast_locks[s]:
+            if client._fast[s] is fast:
+                client._drop_fast(s)
+                client._fast_retry_at[s] = time.monotonic() + _RETRY_S
+        self.transports[s] = "grpc"
 
     def _each(self, call: Callable[[int, pb_grpc.SparseTablesServiceStub], T]) -> list[T]:
         def run(s: int) -> T:

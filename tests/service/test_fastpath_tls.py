@@ -188,14 +188,47 @@ def test_a_credential_opens_sessions_for_its_own_worker_and_a_session_pushes_onl
     assert wire.read(server, ["a"]) == before
 
 
-def test_the_sparse_table_stream_runs_over_tls_too(start_server, new_client):
+def test_sparse_table_requests_ride_the_tls_fast_path_too(start_server, new_client):
     from pshard.common.sparse import TableConfig
 
     server = start_server(ServerSettings())
-    c = new_client([server], "w0")
+    c = new_client([server], "w0", transport="tcp")
     c.declare_table(TableConfig("emb", 4, initializer="zeros", optimizer="sgd", lr=1.0))
     ids = np.array([3, 7, 2**40], np.int64)
     c.pull_rows("emb", ids, clock=0)
     c.push_rows("emb", ids, np.ones((3, 4), np.float32), clock=0)
     np.testing.assert_array_equal(c.pull_rows("emb", ids, clock=1), np.full((3, 4), -1.0, np.float32))
-    assert c.tables.transports == ["tcp"]  # the stream, not gRPC: its TLS handshake succeeded
+    assert c.tables.transports == ["tcp"]  # the fast-path session, not gRPC: its TLS handshake succeeded
+
+
+def test_a_session_pushes_table_rows_only_as_its_own_worker(start_server, new_client, wire):
+    from pshard.common.sparse import TableConfig
+
+    server = start_server(ServerSettings())
+    reader = new_client([server], "w0", transport="grpc")
+    reader.declare_table(TableConfig("emb", 4, initializer="zeros", optimizer="sgd", lr=1.0))
+    ids = np.array([3, 7], np.int64)
+    # w0's session, with room for two page-aligned entries
+    session = wire.stub(server).OpenTransport(pb.OpenTransportRequest(
+        worker_id="w0", kind=pb.TRANSPORT_KIND_TCP, request_bytes=1 << 16, reply_bytes=1 << 16),
+        timeout=WAIT_S)
+    context = ssl.create_default_context(ssl.Purpose.SERVER_AUTH, cafile=str(wire.security.ca))
+    context.load_cert_chain(str(wire.security.cert), str(wire.security.key))
+    replies = []
+    with (socket.create_connection(("127.0.0.1", server.running.fast.port), timeout=WAIT_S) as raw,
+          context.wrap_socket(raw, server_hostname="127.0.0.1") as sock):
+        fastwire.send_frame(sock, fastwire.HELLO, _hello(session))
+        inbox = fastwire.Inbox(sock)
+        for worker in ("w1", "w0"):
+            header = pb.ExchangeHeader(op=pb.EXCHANGE_OP_TABLE, stamp=wire.stamp(worker, 0),
+                                       table=pb.TableRequest(table="emb", push=True))
+            header.push.append(wire.meta("", "int64", [2]))
+            header.push.append(wire.meta("", "float32", [2, 4]))
+            fastwire.send_frame(sock, fastwire.REQUEST, header.SerializeToString(),
+                                [ids, np.ones((2, 4), np.float32)])
+            kind, meta, _ = inbox.frame_head()
+            assert kind == fastwire.REPLY
+            replies.append(pb.TransportReply.FromString(meta))
+    assert replies[0].error_type == "PermissionDeniedError", replies[0]
+    assert not replies[1].error_type and replies[1].summary.applied == 2, replies[1]
+    np.testing.assert_array_equal(reader.pull_rows("emb", ids), np.full((2, 4), -1.0, np.float32))  # once

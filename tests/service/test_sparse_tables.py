@@ -33,7 +33,7 @@ StartServer = Callable[..., ServerThread]
 NewClient = Callable[..., PSClient]
 
 
-@pytest.mark.parametrize("transport", ["auto", "grpc"])  # auto: the servers' raw TCP table stream
+@pytest.mark.parametrize("transport", ["auto", "grpc"])  # auto: the fast-path session (shm on one host)
 def test_async_pushes_of_8_concurrent_clients_are_all_conserved(
         start_server: StartServer, new_client: NewClient, transport: str) -> None:
     servers = [start_server(), start_server()]
@@ -66,7 +66,7 @@ def test_async_pushes_of_8_concurrent_clients_are_all_conserved(
     reader.declare_table(config)
     expected = initial_rows(config, universe) - sum(sums)
     np.testing.assert_allclose(reader.pull_rows("emb", universe), expected, rtol=0, atol=1e-4)
-    assert reader.tables.transports == ["tcp" if transport == "auto" else "grpc"] * 2
+    assert reader.tables.transports == ["shm" if transport == "auto" else "grpc"] * 2
     per_server = [s.rows for s in reader.tables.stats("emb")]
     assert sum(per_server) == len(universe) and min(per_server) > 0.3 * len(universe)
 
@@ -134,12 +134,12 @@ def test_bad_input_gets_a_status_naming_table_and_id_and_changes_nothing(start_s
         with pytest.raises(grpc.RpcError) as err:
             call(request, timeout=WAIT_S)
         assert err.value.code().name == code and text in err.value.details(), err.value.details()
-    # The same refusals over the table stream: the server's class and message, the stream still usable.
+    # The same refusals over the fast-path session: the server's class and message, the session still usable.
     with pytest.raises(InvalidArgumentError, match="gradient of id 6 holds nan"):
         client.push_rows("t", ids, nan)
     with pytest.raises(MessageTooLargeError, match="table 't'"):
         client.pull_rows("t", np.arange(5000))
-    assert client.tables.transports == ["tcp"]
+    assert client.tables.transports == ["shm"]
     np.testing.assert_array_equal(client.pull_rows("t", ids), before)
     assert client.tables.stats("t")[0].steps == 0
     with pytest.raises(UnknownKeyError, match="table 'nope'"):
@@ -194,18 +194,16 @@ def test_checkpoint_round_trip_and_export(start_server: StartServer, new_client:
     np.testing.assert_array_equal(got_rows, replica.pull(got_ids, clock=7))
 
 
-def test_the_table_stream_closes_a_connection_without_the_secret(start_server: StartServer) -> None:
-    import socket
-
-    from pshard.common.fastwire import HELLO, REQUEST, send_frame
-
+def test_table_requests_ride_the_dense_fast_path_session_and_the_old_stream_is_never_offered(
+        start_server: StartServer, new_client: NewClient) -> None:
     server = start_server()
-    offer = _stub(server).OpenTableStream(pb.OpenTableStreamRequest(), timeout=WAIT_S)
-    assert offer.port and len(offer.secret) == 16
-    with socket.create_connection(("127.0.0.1", offer.port), timeout=WAIT_S) as sock:
-        send_frame(sock, HELLO, b"x" * 16)
-        request = pb.TableStreamRequest(op=pb.TABLE_STREAM_OP_PULL, table="t", ids=b"\0" * 8)
-        send_frame(sock, REQUEST, request.SerializeToString())
-        assert sock.recv(1) == b""  # closed, nothing answered
-    grpc_only = start_server(ServerSettings(transport="grpc"))
-    assert _stub(grpc_only).OpenTableStream(pb.OpenTableStreamRequest(), timeout=WAIT_S).port == 0
+    # An older client asks for the table stream: port 0 sends it to gRPC.
+    assert _stub(server).OpenTableStream(pb.OpenTableStreamRequest(), timeout=WAIT_S).port == 0
+    client = new_client([server], "w0", transport="tcp")
+    client.declare_table(TableConfig("t", 4, initializer="zeros", optimizer="sgd", lr=1.0))
+    ids = np.array([1, 2**40, -5], np.int64)
+    client.push_rows("t", ids, np.ones((3, 4), np.float32))
+    np.testing.assert_array_equal(client.push_pull_rows("t", ids[:1], np.ones((1, 4), np.float32), ids),
+                                  [[-2.0] * 4, [-1.0] * 4, [-1.0] * 4])
+    assert client.tables.transports == ["tcp"] and client.transports == ["tcp"]  # one session, the dense one
+    assert server.running.fast.transports() == {"w0": "tcp"}
