@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import socket
 import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -195,6 +195,9 @@ def child_specs(plan: ClusterPlan, options: Options, python: str = sys.executabl
             argv = [python, "-m", "pshard.ps_server", "--bind", task.address]
             if options.replicas:
                 argv += ["--replicas", str(options.replicas)]
+            shared = global_checkpoint_dir(options.worker_args)
+            if shared is not None:  # servers write and read global checkpoints only under the chief's root
+                argv += ["--global-checkpoint-dir", shared]
             if options.checkpoint_dir:
                 argv += ["--checkpoint-dir", str(Path(options.checkpoint_dir) / task.name)]
                 if options.resume:
@@ -212,6 +215,16 @@ def child_specs(plan: ClusterPlan, options: Options, python: str = sys.executabl
             env = {**env, "PSHARD_REPLICAS": str(options.replicas)}
         specs.append(ChildSpec(task.name, (*options.worker_cmd, *args), env))
     return specs
+
+
+def global_checkpoint_dir(worker_args: Sequence[str]) -> str | None:
+    """The trainers' --global-checkpoint-dir (absolute: the children share the launcher's directory)."""
+    for i, arg in enumerate(worker_args):
+        if arg == "--global-checkpoint-dir" and i + 1 < len(worker_args):
+            return str(Path(worker_args[i + 1]).absolute())
+        if arg.startswith("--global-checkpoint-dir="):
+            return str(Path(arg.split("=", 1)[1]).absolute())
+    return None
 
 
 def _child_env(plan: ClusterPlan, task: Task, job_id: str = "",

@@ -42,7 +42,9 @@ OPEN_PREFIXES = ("/grpc.health.v1.Health/",)
 NODES = frozenset({"ps", "chief", "worker", "evaluator", "scheduler", "admin"})
 TRAINERS = frozenset({"chief", "worker"})
 READERS = TRAINERS | {"evaluator", "admin"}
-OPERATORS = frozenset({"chief", "admin", "scheduler"})
+# Checkpoint, export: the chief or an admin only (issue 11). The scheduler coordinates no checkpoint
+# itself and gets no file writes on the servers.
+OPERATORS = frozenset({"chief", "admin"})
 # Roles that see worker ids in GetStats (workers need the quorum to wait for each other).
 SEES_WORKER_IDS = frozenset({"chief", "worker", "ps", "scheduler", "admin"})
 # Roles that may set a job's configuration with the first Declare. worker-0 plays the chief in
@@ -67,7 +69,8 @@ ALLOWED: dict[str, frozenset[str]] = {
     _PS + "GetStats": NODES,
     _PS + "Checkpoint": OPERATORS,
     _PS + "SaveCheckpointPart": OPERATORS,
-    # Every trainer asks before its Declare (worker.checkpoints.restore); a configured server ignores it.
+    # Every trainer asks before its Declare (worker.checkpoints.restore); a configured server ignores it,
+    # and the directory must lie in the server's --global-checkpoint-dir (ps_server.checkpoint_guard).
     _PS + "RestoreCheckpoint": OPERATORS | TRAINERS,
     _PS + "Replicate": frozenset({"ps"}),  # a primary's steps to its backups
     _SPARSE + "DeclareTable": TRAINERS | {"admin"},

@@ -87,6 +87,11 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
                         f"gradients, naming them; 0 = off (default {ServerSettings.hang_report_s:g})")
     p.add_argument("--checkpoint-dir", metavar="DIR",
                    help="save the shard here (weights, optimizer state, clocks) and restore it on start")
+    p.add_argument("--global-checkpoint-dir", metavar="DIR",
+                   default=os.environ.get("PSHARD_GLOBAL_CHECKPOINT_DIR") or None,
+                   help="the only directory global checkpoints are written to and restored from: the "
+                        "chief's --global-checkpoint-dir, on a file system both share (env "
+                        "PSHARD_GLOBAL_CHECKPOINT_DIR); without it they are refused")
     p.add_argument("--checkpoint-interval-s", type=float, default=0.0,
                    help="also checkpoint every N seconds (default 0: only on request and at shutdown)")
     p.add_argument("--max-message-mb", type=int, default=DEFAULT_MAX_MESSAGE_BYTES // 2**20,
@@ -159,6 +164,7 @@ def _settings(args: argparse.Namespace) -> ServerSettings:
                                                           momentum=args.momentum))
     return ServerSettings(default_job=default_job, static_quorum=_static_quorum(args),
                           pull_timeout_s=args.pull_timeout_s, checkpoint_dir=args.checkpoint_dir,
+                          global_checkpoint_dir=args.global_checkpoint_dir,
                           transport=args.transport, shm_dir=args.shm_dir,
                           max_inflight_bytes=args.max_inflight_mb * 2**20, hang_report_s=args.hang_report_s,
                           resume=args.resume, replicas=args.replicas,

@@ -22,6 +22,7 @@ from pshard.common import codec
 from pshard.common.errors import InvalidArgumentError, LayoutConflictError
 from pshard.common.job import JobConfig
 from pshard.common.types import SliceKey
+from pshard.ps_server import checkpoint_guard as guard
 from pshard.ps_server.global_checkpoint import restore_tables, shard_snapshot, write_part
 from pshard.ps_server.handlers import ParameterServerHandlers
 from pshard.ps_server.store import ShardStore
@@ -38,15 +39,28 @@ _PAUSE_LIMIT_S = 120.0  # the test hook's wait; the test SIGKILLs the server lon
 
 class GlobalCheckpoints:
     def __init__(self, handlers: ParameterServerHandlers, tables: TableHandlers | None,
-                 pause_dir: str | None = None) -> None:
+                 pause_dir: str | None = None, root: str | None = None) -> None:
+        """`root`: the only directory checkpoints are written and read under (--global-checkpoint-dir);
+        None refuses them (ps_server.checkpoint_guard)."""
         self._handlers = handlers
+        self._root = root
         self._tables = tables
         self._pause_dir = Path(pause_dir) if pause_dir else None
         self._writing = asyncio.Lock()  # one part at a time: each holds a copy of the shard
 
-    async def save_part(self, directory: Path, clock: int, ranges: Mapping[SliceKey, ckpt.Range], server: int,
-                        timeout_s: float | None) -> tuple[list[ckpt.FileEntry], int, int]:
-        """Write this server's part once every slice reached `clock`; (files, min and max version)."""
+    async def save_part(self, requested: str, clock: int, ranges: Mapping[SliceKey, ckpt.Range], server: int,
+                        timeout_s: float | None, listed: int | None = None
+                        ) -> tuple[list[ckpt.FileEntry], int, int]:
+        """Write this server's part once every slice reached `clock`; (files, min and max version).
+
+        Everything the request names is checked first, so a refusal is immediate and writes nothing
+        (`listed`: how many ranges the request gave, to refuse duplicates)."""
+        directory = guard.confine(self._root, requested)
+        guard.check_ranges(ranges, len(ranges) if listed is None else listed)
+        store = self._handlers.store
+        guard.check_held(ranges, {slot.key: slot.value.size for slot in store.slots()})
+        stats = store.stats()
+        guard.check_clock(clock, stats.max_version, max(stats.worker_clocks.values(), default=0))
         if not directory.is_dir():
             raise InvalidArgumentError(f"checkpoint part: directory {str(directory)!r} does not exist on "
                                        "this server (global checkpoints need a file system the servers "
@@ -66,10 +80,14 @@ class GlobalCheckpoints:
                  len(files))
         return files, min(versions), max(versions)
 
-    async def restore(self, directory: Path, job: JobConfig, ranges: Mapping[SliceKey, ckpt.Range],
-                      server: int, servers: int, resume: bool) -> tuple[bool, int, int, int]:
-        """Configure this empty server from the committed checkpoint in `directory`;
+    async def restore(self, requested: str, job: JobConfig, ranges: Mapping[SliceKey, ckpt.Range],
+                      server: int, servers: int, resume: bool, listed: int | None = None
+                      ) -> tuple[bool, int, int, int]:
+        """Configure this empty server from the committed checkpoint in `requested` (inside the root);
         (restored, clock, slices, table rows). False when it already holds a model: nothing changes."""
+        directory = guard.confine(self._root, requested)
+        guard.check_ranges(ranges, len(ranges) if listed is None else listed)
+        guard.check_servers(server, servers)
         checkpoint = ckpt.load_manifest(directory, verify=True)
         theirs = checkpoint.job
         if theirs.job_id != job.job_id:
@@ -149,9 +167,9 @@ class GlobalCheckpointServicer:
     async def SaveCheckpointPart(self, request: pb.SaveCheckpointPartRequest, context: object
                                  ) -> pb.SaveCheckpointPartResponse:
         timeout_s = request.timeout_ms / 1000 if request.HasField("timeout_ms") else None
-        files, lo, hi = await self._checkpoints.save_part(Path(request.directory), request.clock,
+        files, lo, hi = await self._checkpoints.save_part(request.directory, request.clock,
                                                           ranges_from_proto(request.ranges), request.server,
-                                                          timeout_s)
+                                                          timeout_s, len(request.ranges))
         return pb.SaveCheckpointPartResponse(
             files=[pb.CheckpointFile(name=f.name, sha256=f.sha256, size=f.size) for f in files],
             min_version=lo, max_version=hi)
@@ -159,8 +177,8 @@ class GlobalCheckpointServicer:
     async def RestoreCheckpoint(self, request: pb.RestoreCheckpointRequest, context: object
                                 ) -> pb.RestoreCheckpointResponse:
         restored, clock, slices, rows = await self._checkpoints.restore(
-            Path(request.directory), codec.job_from_proto(request.config), ranges_from_proto(request.ranges),
-            request.server, request.servers, request.resume)
+            request.directory, codec.job_from_proto(request.config), ranges_from_proto(request.ranges),
+            request.server, request.servers, request.resume, len(request.ranges))
         return pb.RestoreCheckpointResponse(restored=restored, clock=clock, slices=slices, rows=rows)
 
 

@@ -29,6 +29,9 @@ class ServerSettings:
     max_inflight_bytes: int = 512 * 2**20
     checkpoint_dir: str | None = None
     shard_name: str = "shard"  # checkpoint file name
+    # Global checkpoints (SaveCheckpointPart, RestoreCheckpoint) are written and read only inside this
+    # directory, the chief's --global-checkpoint-dir on a shared file system; None: they are refused.
+    global_checkpoint_dir: str | None = None
     # Fast paths offered to workers besides gRPC: auto (shm and tcp), shm, tcp or grpc (none).
     transport: str = "auto"
     # Where workers' shared-memory segments live (a directory both sides can map).

@@ -23,7 +23,7 @@ def test_a_run_on_three_servers_continues_the_checkpoint_a_run_on_two_took(procs
     flags = ("--global-checkpoint-dir", str(root), "--checkpoint-every-steps", "3", "--keep-checkpoints", "2")
 
     first = LocalCluster(procs, num_ps=2)
-    first.start_servers()
+    first.start_servers("--global-checkpoint-dir", str(root))
     workers = [first.start_worker(i, *SYNC, *RUN, *TIMEOUTS, *flags, "--max-steps", "10") for i in (0, 1)]
     finals = [assert_trained(w) for w in workers]
     assert [f["steps"] for f in finals] == ["10", "10"], finals
@@ -31,7 +31,7 @@ def test_a_run_on_three_servers_continues_the_checkpoint_a_run_on_two_took(procs
     assert [(c.clock, c.servers) for c in committed] == [(6, 2), (9, 2)] and torn == []  # kept 2 of 3
 
     second = LocalCluster(procs, num_ps=3)
-    second.start_servers()
+    second.start_servers("--global-checkpoint-dir", str(root))
     workers = [second.start_worker(i, *SYNC, *RUN, *TIMEOUTS, *flags, "--max-steps", "15") for i in (0, 1)]
     finals = [assert_trained(w) for w in workers]
     # Restored at clock 9: each worker skips the 9 planned steps the checkpoint holds and trains 6.

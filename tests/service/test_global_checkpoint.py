@@ -53,9 +53,11 @@ def cluster_of(new_client: Callable[..., PSClient], addresses: Sequence[str]) ->
     return [new_client(addresses, w, layout=layout) for w in WORKERS]
 
 
-def cluster(start_server: Callable[..., ServerThread], new_client: Callable[..., PSClient], n: int
-            ) -> list[PSClient]:
-    servers = [start_server(ServerSettings(static_quorum={w: 0 for w in WORKERS})) for _ in range(n)]
+def cluster(start_server: Callable[..., ServerThread], new_client: Callable[..., PSClient], n: int,
+            root: Path) -> list[PSClient]:
+    """`root`: the servers' --global-checkpoint-dir, the only place they write and read checkpoints."""
+    servers = [start_server(ServerSettings(static_quorum={w: 0 for w in WORKERS},
+                                           global_checkpoint_dir=str(root))) for _ in range(n)]
     return cluster_of(new_client, [s.address for s in servers])
 
 
@@ -115,7 +117,7 @@ class Taken:
 @pytest.fixture
 def taken(start_server: Callable[..., ServerThread], new_client: Callable[..., PSClient], tmp_path: Path
           ) -> Taken:
-    clients = cluster(start_server, new_client, 2)
+    clients = cluster(start_server, new_client, 2, tmp_path / "ckpt")
     start_job(clients)
     weights = train(clients, 0, 4)
     rows = touch_table(clients[0], 0)
@@ -133,7 +135,7 @@ def test_checkpoint_of_two_servers_continues_identically_on_another_number(
         taken: Taken, servers: int,
         start_server: Callable[..., ServerThread], new_client: Callable[..., PSClient]) -> None:
     root, reference, reference_rows = taken.root, taken.reference, taken.reference_rows
-    clients = cluster(start_server, new_client, servers)
+    clients = cluster(start_server, new_client, servers, taken.root)
     assert len({s.server for s in clients[0].layout.slices_of("big")}) == servers  # really re-cut  # type: ignore[union-attr]
     assert start_job(clients, root) == 4
     stats = clients[0].stats()
@@ -151,7 +153,7 @@ def test_restore_refuses_another_jobs_checkpoint_unless_resumed(
         start_server: Callable[..., ServerThread], new_client: Callable[..., PSClient]) -> None:
     root = taken.root
     other = JobConfig(mode="sync", optimizer=JOB.optimizer, job_id="another")
-    clients = cluster(start_server, new_client, 2)
+    clients = cluster(start_server, new_client, 2, taken.root)
     with pytest.raises(LayoutConflictError, match=r"'reshard'.*'another'"):
         checkpoints.restore(clients[0], root, other)
     assert checkpoints.restore(clients[0], root, other, resume=True) == 4
@@ -160,7 +162,7 @@ def test_restore_refuses_another_jobs_checkpoint_unless_resumed(
 def test_a_server_holding_a_model_keeps_it(
         taken: Taken,
         start_server: Callable[..., ServerThread], new_client: Callable[..., PSClient]) -> None:
-    clients = cluster(start_server, new_client, 2)
+    clients = cluster(start_server, new_client, 2, taken.root)
     start_job(clients)
     assert checkpoints.restore(clients[0], taken.root, JOB) == 4
     assert [s.max_version for s in clients[0].stats()] == [0, 0]
@@ -169,7 +171,7 @@ def test_a_server_holding_a_model_keeps_it(
 
 def test_retention_keeps_the_newest_k(start_server: Callable[..., ServerThread],
                                       new_client: Callable[..., PSClient], tmp_path: Path) -> None:
-    clients = cluster(start_server, new_client, 2)
+    clients = cluster(start_server, new_client, 2, tmp_path / "ckpt")
     start_job(clients)
     root = tmp_path / "ckpt"
     for clock in range(4):
@@ -204,7 +206,7 @@ def test_export_writes_a_torch_state_dict_and_the_tables(taken: Taken, tmp_path:
 def test_checkpoint_list_and_prune_commands(start_server: Callable[..., ServerThread],
                                             new_client: Callable[..., PSClient], tmp_path: Path,
                                             capsys: pytest.CaptureFixture[str]) -> None:
-    clients = cluster(start_server, new_client, 1)
+    clients = cluster(start_server, new_client, 1, tmp_path / "ckpt")
     start_job(clients)
     root = tmp_path / "ckpt"
     for clock in range(3):

@@ -30,9 +30,9 @@ from tests.service.conftest import WAIT_S
 from tests.service.test_global_checkpoint import INITIAL, JOB, WORKERS, cluster_of, train
 
 
-def _server(procs: Procs, name: str, env: dict[str, str] | None = None) -> str:
+def _server(procs: Procs, name: str, root: Path, env: dict[str, str] | None = None) -> str:
     proc = procs.start(name, [PYTHON, "-m", "pshard.ps_server", "--bind", "127.0.0.1:0",
-                              "--workers", ",".join(WORKERS)], env=env)
+                              "--workers", ",".join(WORKERS), "--global-checkpoint-dir", str(root)], env=env)
     port = proc.wait_for_line(r"parameter server listening on port (\d+)", WAIT_S * 3).group(1)
     return f"127.0.0.1:{port}"
 
@@ -42,12 +42,12 @@ def test_server_killed_mid_checkpoint_leaves_a_torn_one_that_is_reported_and_ski
         new_client: Callable[..., PSClient], caplog: pytest.LogCaptureFixture) -> None:
     pause = tmp_path / "pause"
     pause.mkdir()
-    addresses = [_server(procs, "ps-0"),
-                 _server(procs, "ps-1", {"PSHARD_TEST_CHECKPOINT_PAUSE_DIR": str(pause)})]
+    root = tmp_path / "ckpt"
+    addresses = [_server(procs, "ps-0", root),
+                 _server(procs, "ps-1", root, {"PSHARD_TEST_CHECKPOINT_PAUSE_DIR": str(pause)})]
     clients = cluster_of(new_client, addresses)
     for c in clients:
         c.declare(INITIAL, JOB)
-    root = tmp_path / "ckpt"
     at_two = train(clients, 0, 2)
     checkpoints.save(clients[0], root, 2)
     train(clients, 2, 2)
@@ -76,7 +76,8 @@ def test_server_killed_mid_checkpoint_leaves_a_torn_one_that_is_reported_and_ski
     assert (torn[0].path / "part-1.npz").exists()  # really torn half way: the dense file was written
 
     # Fresh servers, three this time: the previous checkpoint is what comes back.
-    servers = [start_server(ServerSettings(static_quorum={w: 0 for w in WORKERS})).address for _ in range(3)]
+    settings = ServerSettings(static_quorum={w: 0 for w in WORKERS}, global_checkpoint_dir=str(root))
+    servers = [start_server(settings).address for _ in range(3)]
     fresh = cluster_of(new_client, servers)
     with caplog.at_level(logging.WARNING, logger="pshard.worker"):
         assert checkpoints.restore(fresh[0], root, JOB) == 2
