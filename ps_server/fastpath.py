@@ -43,10 +43,11 @@ import grpc.aio
 import numpy as np
 from google.protobuf.message import DecodeError
 from pshard.common import codec
-from pshard.common.auth import check_acts_as, refused
+from pshard.common.auth import AuthRefusals, check_acts_as
 from pshard.common.codec import WireArray
 from pshard.common.errors import InvalidArgumentError, PermissionDeniedError, PSError
 from pshard.common.fastwire import TransportBroken
+from pshard.common.rpc import EXCHANGE_METHOD
 from pshard.common.rpc_status import maps_errors
 from pshard.common.shm import Segment, align, listen, remove, sweep_orphans
 from pshard.common.types import SliceKey
@@ -172,11 +173,15 @@ class _Session:
 
 class FastPathServer:
     def __init__(self, handlers: ParameterServerHandlers, loop: asyncio.AbstractEventLoop, *,
-                 transport: str, shm_dir: str, host: str, ssl_context: ssl.SSLContext | None = None) -> None:
+                 transport: str, shm_dir: str, host: str, ssl_context: ssl.SSLContext | None = None,
+                 refusals: AuthRefusals | None = None) -> None:
         """`ssl_context` (a server context that requires client certificates of the job's CA): the
         TCP path runs over TLS, mutually authenticated. Shared memory is local and needs none: a
-        peer gets on it with the session's secret, handed out over the authenticated gRPC channel."""
+        peer gets on it with the session's secret, handed out over the authenticated gRPC channel.
+        `refusals`: the server's counter of refused calls (the gRPC interceptor's), where a peer
+        without a session's secret and a session acting for another worker are counted too."""
         self._handlers = handlers
+        self.refusals = refusals if refusals is not None else AuthRefusals()
         # Sparse tables, when the server holds them: their requests ride the same sessions.
         self.tables: TableHandlers | None = None
         self._ssl = ssl_context
@@ -364,11 +369,15 @@ class FastPathServer:
         try:
             message = pb.TransportHello.FromString(hello)
         except DecodeError:
+            self.refusals.add("UNAUTHENTICATED", EXCHANGE_METHOD)
             raise InvalidArgumentError("undecodable hello") from None
         with self._lock:
             session = self._sessions.get(message.session)
             if (session is None or session.kind != kind or session.claimed
                     or not hmac.compare_digest(session.secret, message.secret)):
+                # Counted as the interceptor counts a call without a credential: the fast paths carry
+                # Exchange requests, so they share its method label (pshard_auth_refused_total).
+                self.refusals.add("UNAUTHENTICATED", EXCHANGE_METHOD)
                 raise InvalidArgumentError("no valid session secret")
             session.claimed = True
         return session
@@ -414,7 +423,9 @@ class FastPathServer:
         if header.op not in (pb.EXCHANGE_OP_PUSH_PULL, pb.EXCHANGE_OP_TABLE):
             raise InvalidArgumentError(f"fast-path header.op: got {header.op}, expected PUSH_PULL or TABLE")
         if header.stamp.worker_id != session.worker_id:  # the opener's credential was checked for it
-            refused("fast path")
+            self.refusals.add("PERMISSION_DENIED", EXCHANGE_METHOD)
+            log.warning("fast path: refused a request of worker %r's session acting as %r", session.worker_id,
+                        header.stamp.worker_id)
             raise PermissionDeniedError(f"fast path: a session of {session.worker_id!r} may not act as "
                                         f"{header.stamp.worker_id!r}")
         if header.op == pb.EXCHANGE_OP_TABLE:

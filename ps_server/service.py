@@ -128,7 +128,8 @@ async def start(settings: ServerSettings, bind: str = "127.0.0.1:0",
         raise OSError(f"could not bind {bind}")
     fast = FastPathServer(handlers, asyncio.get_running_loop(), transport=settings.transport,
                           shm_dir=settings.shm_dir, host=bind.rsplit(":", 1)[0].strip("[]") or "0.0.0.0",
-                          ssl_context=security.server_ssl_context() if security.tls else None)
+                          ssl_context=security.server_ssl_context() if security.tls else None,
+                          refusals=refusals)
     handlers.transport_report = fast.transports
     fast.tables = tables  # table requests ride the same sessions (ps_server.table_fast)
     server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(SERVICE_NAME, {
