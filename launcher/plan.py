@@ -170,6 +170,15 @@ def restart_decision(options: Options, code: int, restarts_so_far: int) -> Resta
     return RestartDecision(True, delay, f"restart {restarts_so_far + 1} of {options.max_restarts}")
 
 
+def trainer_restart_decision(options: Options, code: int, restarts_so_far: int) -> RestartDecision:
+    """Whether a trainer that exited with Popen code `code` is started again: under on-failure only
+    when a signal killed it (a negative code), as TFJob's ExitCode policy retries 128 + signal; an exit
+    code of its own (a diverged run, bad flags) would only fail again."""
+    if code >= 0:
+        return RestartDecision(False, 0.0, "a trainer that exits by itself is not restarted")
+    return restart_decision(options, code, restarts_so_far)
+
+
 @dataclass(frozen=True)
 class ChildSpec:
     """A child process to start: its name, command, added environment, and health address

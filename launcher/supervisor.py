@@ -13,7 +13,9 @@ left behind as an orphan.
 With ``--restart on-failure`` a server (the scheduler or a parameter server) that dies is started
 again on its address after a backoff, a bounded number of times, as Kubernetes' restartPolicy does:
 a parameter server with a checkpoint directory restores its shard and the workers, which retry,
-go on. Trainers are never restarted (their step counts and shard plan live in them).
+go on. A trainer is restarted only when a signal killed it (TFJob's ExitCode policy: 128 + signal is
+retryable, an exit code of its own is the program's verdict); it rejoins at the job's current clock and
+trains what its shard plan has left (docs/architecture.md, 9 Failures).
 
 Exit statuses: the launcher's is the workers' (0 only when every one exited 0; a failing one's
 code, or 128 + its signal); a stop by SIGTERM, SIGINT or SIGHUP is 128 + that signal. A worker
@@ -47,6 +49,7 @@ from pshard.launcher.plan import (
     child_environment,
     child_specs,
     restart_decision,
+    trainer_restart_decision,
 )
 
 _PROBE_INTERVAL_S = 0.2
@@ -255,7 +258,7 @@ def _supervise(sup: Supervisor, specs: Sequence[ChildSpec], options: Options,
             f"starting {len(trainers)} worker(s)")
     for spec in trainers:
         sup.start(spec, environ)
-    by_name = {s.name: s for s in servers}
+    by_name = {s.name: s for s in specs}
     # With replicas a backup takes over the dead server's slices, and the restarted one rejoins as a backup.
     if options.restart == "on-failure" and not options.checkpoint_dir and not options.replicas:
         sup.say("--restart on-failure without --checkpoint-dir: a restarted parameter server comes back "
@@ -285,6 +288,16 @@ def _supervise(sup: Supervisor, specs: Sequence[ChildSpec], options: Options,
             restarts[name] += 1
             sup.say(f"{name} exited ({describe_exit(value)}) while workers were training; restarting it on "
                     f"{by_name[name].health_address} in {decision.delay_s:g}s ({decision.reason})")
+            timer = threading.Timer(decision.delay_s, sup.events.put,
+                                    args=(("restart", name, restarts[name]),))
+            timer.daemon = True
+            timer.start()
+            continue
+        decision = trainer_restart_decision(options, value, restarts[name])
+        if decision.restart:
+            restarts[name] += 1
+            sup.say(f"{name} exited ({describe_exit(value)}); restarting it in {decision.delay_s:g}s "
+                    f"({decision.reason}); it rejoins at the job's current clock")
             timer = threading.Timer(decision.delay_s, sup.events.put,
                                     args=(("restart", name, restarts[name]),))
             timer.daemon = True

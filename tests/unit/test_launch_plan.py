@@ -18,6 +18,7 @@ from pshard.launcher.plan import (
     free_ports,
     join_address,
     restart_decision,
+    trainer_restart_decision,
 )
 from pshard.launcher.supervisor import LinePrefixer, describe_exit, status_of, summary_line
 
@@ -247,3 +248,12 @@ def test_restart_flags_are_parsed_and_checked() -> None:
     assert got == ("on-failure", 5, 0.2, 1.0)
     with pytest.raises(SystemExit):
         parse_options(["--checkpoint-interval-s", "1"])  # without --checkpoint-dir
+
+
+def test_a_trainer_is_restarted_only_after_a_signal_and_only_under_on_failure() -> None:
+    options = Options(restart="on-failure", max_restarts=2, restart_backoff_s=0.5)
+    assert trainer_restart_decision(options, -9, 0).restart  # SIGKILL: retryable, as TFJob's ExitCode
+    assert not trainer_restart_decision(options, -9, 2).restart  # the bound holds for trainers too
+    for code in (0, 1, 2):  # its own verdict: success, a diverged run, bad flags
+        assert not trainer_restart_decision(options, code, 0).restart
+    assert not trainer_restart_decision(Options(), -9, 0).restart  # --restart never

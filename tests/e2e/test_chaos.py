@@ -1,0 +1,122 @@
+"""Chaos (issue 10): a job under `pshard launch --restart on-failure` survives a seeded schedule of SIGKILLs.
+
+Three servers, three trainers and a scheduler train an MLP on scikit-learn's digits for about two minutes.
+Every 10-20 s one node is SIGKILLed: a parameter server, the scheduler, or a worker (the chief too). The
+launcher starts each again: a server or the scheduler on its address, a restarted server restoring its
+shard from the last checkpoint (every 0.5 s); a trainer rejoins at the job's current clock and trains what
+its shard plan has left, while the others go on without it.
+
+The job must complete (the launcher exits 0 once the trainers that were not killed are done) and reach
+the digits accuracy bar. The schedule is printed first and comes from PSHARD_CHAOS_SEED (default 1), so
+a failure can be replayed with the same seed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from tests.e2e.harness import Proc, Procs, chief_accuracy, finals, start_launcher
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(720)]  # the run itself is bounded by RUN_TIMEOUT_S
+
+SEED = int(os.environ.get("PSHARD_CHAOS_SEED", "1"))
+NODES = ("scheduler", "ps-0", "ps-1", "ps-2", "worker-0", "worker-1", "worker-2")
+# 550 epochs of digits over 3 workers are 8,250 sync clocks: over two minutes here, kills included.
+EPOCHS = 550
+MIN_GAP_S, MAX_GAP_S = 10.0, 20.0
+RUN_TIMEOUT_S = 600.0
+DIGITS_ACCURACY_BAR = 0.90  # as tests/e2e/test_failures.py: measured 0.96-0.98 for sync
+
+
+@dataclass(frozen=True)
+class Kill:
+    after_s: float  # since the previous kill (the first: since training started)
+    victim: str
+
+
+def schedule(seed: int, count: int = 40) -> list[Kill]:
+    """The kills, drawn in advance from `seed` (more than the job lasts)."""
+    rng = random.Random(seed)
+    return [Kill(round(rng.uniform(MIN_GAP_S, MAX_GAP_S), 1), rng.choice(NODES)) for _ in range(count)]
+
+
+def children(launcher_pid: int) -> dict[str, int]:
+    """The launcher's live children by task name (from the TF_CONFIG each one runs with)."""
+    found = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            if ppid != launcher_pid:
+                continue
+            environ = (entry / "environ").read_bytes().split(b"\0")
+        except (OSError, IndexError, ValueError):
+            continue  # gone meanwhile
+        for item in environ:
+            if item.startswith(b"TF_CONFIG="):
+                task = json.loads(item[len(b"TF_CONFIG="):])["task"]
+                found[f"{task['type']}-{task['index']}" if task["type"] != "scheduler" else "scheduler"] = (
+                    int(entry.name))
+    return found
+
+
+def wait_for(condition: object, timeout_s: float, what: str, run: Proc) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():  # type: ignore[operator]
+        assert run.alive(), f"the launcher ended while waiting for {what}:\n{run.output()}"
+        assert time.monotonic() < deadline, f"{what} not within {timeout_s} s:\n{run.output()}"
+        time.sleep(0.1)  # polling the process table and the launcher's output
+
+
+def test_a_job_survives_a_seeded_schedule_of_kills(procs: Procs, tmp_path: Path) -> None:
+    kills = schedule(SEED)
+    print(f"\nchaos seed {SEED} (PSHARD_CHAOS_SEED), schedule: "
+          + ", ".join(f"+{k.after_s}s {k.victim}" for k in kills))
+    data_dir = tmp_path / "empty-data"  # digits, bundled with scikit-learn
+    data_dir.mkdir()
+    run = start_launcher(
+        procs, "--ps", "3", "--workers", "3", "--restart", "on-failure", "--max-restarts", "20",
+        "--restart-backoff-s", "0.5", "--checkpoint-dir", str(tmp_path / "checkpoints"),
+        "--checkpoint-interval-s", "0.5", "--certs-dir", str(tmp_path / "certs"), "--",
+        "--mode", "sync", "--epochs", str(EPOCHS), "--batch-size", "32", "--model", "mlp",
+        "--optimizer", "sgd", "--lr", "0.1", "--momentum", "0.9", "--seed", "0", "--data-dir", str(data_dir),
+        "--metrics", str(tmp_path / "metrics-{task}.jsonl"))
+    metrics = tmp_path / "metrics-worker-0.jsonl"
+    wait_for(lambda: metrics.exists() and metrics.stat().st_size > 0, 120, "training to start", run)
+
+    started = time.monotonic()
+    done = []
+    for kill in kills:
+        deadline = time.monotonic() + kill.after_s
+        while run.alive() and time.monotonic() < deadline:
+            time.sleep(0.1)  # the schedule's gap; the launcher may finish meanwhile
+        if not run.alive():
+            break
+        pid = children(run.pid).get(kill.victim)
+        if pid is None:  # not running right now (being restarted, or a trainer that already finished)
+            print(f"chaos: +{time.monotonic() - started:.0f}s {kill.victim} not running, skipped")
+            continue
+        os.kill(pid, signal.SIGKILL)
+        done.append(kill.victim)
+        print(f"chaos: +{time.monotonic() - started:.0f}s SIGKILL {kill.victim} (pid {pid})")
+
+    code = run.wait(RUN_TIMEOUT_S)
+    elapsed = time.monotonic() - started
+    print(f"chaos: {len(done)} kills ({', '.join(done)}) in {elapsed:.0f} s of training")
+    assert code == 0, run.output(200)
+    assert len(done) >= 3, f"the job ended before the chaos had its way: {done}\n{run.output()}"
+    for victim in set(done):
+        assert any(f"{victim} restarted" in line for line in run.lines), (
+            f"{victim} was killed but never restarted:\n{run.output()}")
+    results = finals(run)
+    assert "worker-0" in results, run.output()
+    assert chief_accuracy(*results.values()) > DIGITS_ACCURACY_BAR, results
