@@ -24,6 +24,7 @@ import copy
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 from collections.abc import Iterator
@@ -37,7 +38,6 @@ import pytest
 import torch
 import yaml
 from pshard.common.cluster import ClusterSpec
-from pshard.common.health import probe
 from pshard.common.k8s_tfconfig import main as tfconfig_main
 from pshard.common.k8s_tfconfig import operator_tf_config
 from pshard.common.metrics import METRICS_PORT_ENV
@@ -45,6 +45,7 @@ from pshard.ps_server.__main__ import build_parser as ps_parser
 from pshard.scheduler.__main__ import build_parser as scheduler_parser
 from pshard.worker.__main__ import build_parser as worker_parser
 
+from pshard.certs import main as certs_main
 from tests.e2e.harness import (
     FINISH_TIMEOUT_S,
     PYTHON,
@@ -73,6 +74,12 @@ _PSHARD = [str(_BIN / "pshard")] if (_BIN / "pshard").is_file() else [PYTHON, "-
 LOCAL_PROGRAMS = {"python": [PYTHON], "pshard": _PSHARD}
 MAX_STEPS = "20"
 TRAINERS = ("chief", "worker")
+# Mutual TLS: one Secret per job holding `pshard certs`' files (all but the CA's key), mounted in
+# every pod; each pod names its own certificate with PSHARD_TLS_*. The kubelet's gRPC probe cannot
+# present a certificate, so probes run `pshard health` in the pod, on localhost (pods --bind 0.0.0.0).
+TLS_DIR = "/etc/pshard/tls"
+TLS_VOLUME = {"name": "tls", "secret": {"secretName": "pshard-tls", "defaultMode": 0o440}}
+HEALTH_PROBE = ["pshard", "health", "localhost:2222"]
 
 
 def load(path: Path) -> list[dict[str, Any]]:
@@ -261,10 +268,10 @@ def test_tfjob_matches_the_operators_v1_api(path: Path) -> None:
             assert annotations["prometheus.io/scrape"] == "true"
             assert int(annotations["prometheus.io/port"]) in {p["containerPort"] for p in container["ports"]}
         tls = [v for v in spec["template"]["spec"]["volumes"] if v["name"] == "tls"]
-        assert tls == [{"name": "tls", "secret": {"secretName": "pshard-tls", "optional": True}}], rtype
+        assert tls == [TLS_VOLUME], rtype  # not optional: no pod runs without its certificate
         if rtype in ("Chief", "PS"):  # the pods that serve gRPC: chief (scheduler) and servers
             for kind in ("readinessProbe", "livenessProbe"):
-                assert container[kind]["grpc"] == {"port": 2222}, (rtype, kind)
+                assert container[kind]["exec"] == {"command": HEALTH_PROBE}, (rtype, kind)
         assert container["resources"]["requests"]["cpu"] and container["resources"]["requests"]["memory"]
     assert len(images) == 1, images
     (ps,) = [c for c in specs["PS"]["template"]["spec"]["containers"]]
@@ -396,8 +403,8 @@ def test_the_plain_manifests_probe_budget_and_fence_the_job() -> None:
         assert container["resources"]["requests"].keys() >= {"cpu", "memory"}, pod.name
         assert pod.annotations["prometheus.io/scrape"] == "true"
         if pod.role in ("scheduler", "ps"):
-            assert container["readinessProbe"]["grpc"] == {"port": 2222}
-            assert container["livenessProbe"]["grpc"] == {"port": 2222}
+            assert container["readinessProbe"]["exec"] == {"command": HEALTH_PROBE}
+            assert container["livenessProbe"]["exec"] == {"command": HEALTH_PROBE}
     (pdb,) = by_kind(docs, "PodDisruptionBudget").values()
     covered = [p.name for p in pods if pdb["spec"]["selector"]["matchLabels"].items() <= p.labels.items()]
     assert covered == ["pshard-ps-0", "pshard-ps-1"]
@@ -462,6 +469,30 @@ def test_every_pshard_container_serves_metrics_on_the_port_its_pod_announces(
     assert roles >= {"ps", "worker"}
 
 
+@pytest.mark.parametrize("pods", [
+    pytest.param(lambda: tfjob_pods(load(TFJOB)[0]), id="tfjob"),
+    pytest.param(lambda: tfjob_pods(load(TFJOB_GPU)[0]), id="tfjob-gpu"),
+    pytest.param(lambda: plain_pods(plain_docs()), id="plain"),
+])
+def test_every_pod_names_its_own_certificate_and_serving_pods_probe_with_it(pods: Any) -> None:
+    for pod in pods():
+        (container,) = pod.spec["containers"]
+        env = container_env(pod, container)
+        node = f"{pod.role}-{pod.index}"  # the node id TF_CONFIG gives it, the name `pshard certs` uses
+        assert {k: v for k, v in env.items() if k.startswith("PSHARD_TLS_")} == {
+            "PSHARD_TLS_CERT": f"{TLS_DIR}/{node}.pem", "PSHARD_TLS_KEY": f"{TLS_DIR}/{node}-key.pem",
+            "PSHARD_TLS_CA": f"{TLS_DIR}/ca.pem", "PSHARD_TLS_CRL": f"{TLS_DIR}/crl.pem"}, pod.name
+        assert "PSHARD_INSECURE" not in env and "--insecure" not in argv_of(pod, container), pod.name
+        assert {"name": "tls", "mountPath": TLS_DIR, "readOnly": True} in container["volumeMounts"], pod.name
+        assert TLS_VOLUME in pod.spec["volumes"], pod.name
+        assert pod.spec["securityContext"]["fsGroup"] == 10001, pod.name  # the group of the 0440 keys
+        serves = "readinessProbe" in container
+        assert serves == (pod.role in ("chief", "ps", "scheduler")), pod.name
+        if serves:  # the probe dials localhost: the service listens on every interface of the pod
+            argv = argv_of(pod, container)
+            assert argv[argv.index("--bind") + 1] == "0.0.0.0:2222", pod.name
+
+
 # ---- end to end: every pod as local processes ----
 
 class LocalPods:
@@ -492,50 +523,82 @@ class LocalPods:
         return int(self.address_map[original].rsplit(":", 1)[1])
 
     def volume_dir(self, pod: Pod, name: str) -> Path:
-        """A shared claim is one directory for every pod; anything else is the pod's own."""
+        """A shared claim, or a Secret, is one directory for every pod; anything else is the pod's own."""
         (volume,) = [v for v in pod.spec.get("volumes", []) if v["name"] == name] or [{"name": name}]
         claim = (volume.get("persistentVolumeClaim") or {}).get("claimName")
-        path = self.tmp_path / "volumes" / claim if claim else self.tmp_path / "pods" / pod.name / name
+        secret = (volume.get("secret") or {}).get("secretName")
+        path = (self.tmp_path / "volumes" / claim if claim else self.tmp_path / "secrets" / secret if secret
+                else self.tmp_path / "pods" / pod.name / name)
         path.mkdir(parents=True, exist_ok=True)
         return path
 
-    def localise(self, pod: Pod, container: dict[str, Any], argv: list[str]) -> list[str]:
+    def make_tls_secret(self, pods: list[Pod]) -> Path:
+        """The pshard-tls Secret as README "Run on Kubernetes" makes it: `pshard certs` for every pod's
+        node (hosts: the namespace's service names), then every file but the CA's key."""
+        made = self.tmp_path / "pshard-certs"
+        nodes = [f"{p.role}/{p.role}-{p.index}" for p in pods]
+        assert certs_main(["--dir", str(made), "--host", f"*.{NAMESPACE}.svc", *nodes]) == 0
+        (tls_volume,) = {v["secret"]["secretName"] for p in pods for v in p.spec["volumes"] if "secret" in v}
+        secret = self.tmp_path / "secrets" / tls_volume
+        secret.mkdir(parents=True)
+        for path in made.glob("*.pem"):
+            if path.name != "ca-key.pem":
+                shutil.copy(path, secret / path.name)
+        return secret
+
+    def localise_paths(self, pod: Pod, container: dict[str, Any], values: list[str]) -> list[str]:
         """Paths under a mount point, also inside a shell script, moved into the volume's directory.
 
         One pass over all mount points, so a rewritten path (itself under /tmp) is never rewritten again.
         """
         mounts = {m["mountPath"].rstrip("/"): str(self.volume_dir(pod, m["name"]))
                   for m in container.get("volumeMounts", [])}
-        if mounts:
-            targets = "|".join(map(re.escape, sorted(mounts, key=len, reverse=True)))
-            pattern = re.compile(rf"(?<![\w./-])({targets})(?![\w.-])")
-            argv = [pattern.sub(lambda m: mounts[m.group(1)], a) for a in argv]
+        if not mounts:
+            return values
+        targets = "|".join(map(re.escape, sorted(mounts, key=len, reverse=True)))
+        pattern = re.compile(rf"(?<![\w./-])({targets})(?![\w.-])")
+        return [pattern.sub(lambda m: mounts[m.group(1)], a) for a in values]
+
+    def localise(self, pod: Pod, container: dict[str, Any], argv: list[str]) -> list[str]:
+        argv = self.localise_paths(pod, container, argv)
         return [*LOCAL_PROGRAMS.get(argv[0], [argv[0]]), *argv[1:]]
 
+    def env(self, pod: Pod, container: dict[str, Any]) -> dict[str, str]:
+        """The container's env (its TLS files' paths in the Secret's directory) and the image's."""
+        env = container_env(pod, container)
+        env = dict(zip(env, self.localise_paths(pod, container, list(env.values())), strict=True))
+        # The images' own env and PATH: pshard on the path, the worker image's data set.
+        env["PSHARD_DATA_DIR"] = str(self.data_dir)
+        env["PATH"] = os.pathsep.join([str(_BIN), os.environ.get("PATH", "")])
+        return env
+
     def start(self, pod: Pod, container: dict[str, Any], *, tf_config: str | None = None,
-              name: str | None = None) -> Proc:
+              name: str | None = None, port: int | None = None) -> Proc:
         argv = self.localise(pod, container, argv_of(pod, container))
         if pod.role in TRAINERS and container is pod.spec["containers"][0]:
             argv += ["--max-steps", MAX_STEPS]
         if "--metrics-port" in argv:  # each pod has its port to itself; here they share one host
             argv[argv.index("--metrics-port") + 1] = "0"
-        env = container_env(pod, container)
+        if "--bind" in argv:  # every interface of the pod on 2222: here, loopback on the pod's own port
+            assert port is not None, f"{pod.name} binds: its port is needed"
+            argv[argv.index("--bind") + 1] = f"127.0.0.1:{port}"
+        env = self.env(pod, container)
         if tf_config is not None:
             env["TF_CONFIG"] = tf_config
-        # The images' own env and PATH: pshard on the path, the worker image's data set.
-        env["PSHARD_DATA_DIR"] = str(self.data_dir)
-        env["PATH"] = os.pathsep.join([str(_BIN), os.environ.get("PATH", "")])
         return self.procs.start(name or pod.name, argv, env=env)
 
     def wait_ready(self, pod: Pod, proc: Proc, port: int) -> None:
+        """The readiness probe's own command, in the pod's env (its certificate), aimed at its port."""
         (container,) = pod.spec["containers"]
-        probe_spec = container["readinessProbe"]
-        assert probe_spec["grpc"]["port"] == 2222  # the pod's port, here its rewritten one
+        command = container["readinessProbe"]["exec"]["command"]
+        assert command == HEALTH_PROBE  # localhost:2222, the pod's port, here its rewritten one
+        check = [*self.localise(pod, container, command[:-1]), f"127.0.0.1:{port}"]
+        env = {**os.environ, **self.env(pod, container)}
 
         def ready() -> bool:
             if not proc.alive():
                 raise AssertionError(f"{pod.name} exited ({proc.popen.returncode}):\n{proc.output()}")
-            return probe(f"127.0.0.1:{port}", probe_spec["grpc"].get("service", ""), timeout_s=1.0)[0]
+            return subprocess.run(check, env=env, capture_output=True, timeout=30).returncode == 0
 
         wait_until(ready, STARTUP_TIMEOUT_S, f"{pod.name}'s readiness probe", interval_s=0.2)
 
@@ -570,6 +633,12 @@ def assert_metrics_served(pods: list[Pod], started: dict[str, Proc]) -> None:
             assert (value(scrape(port), "pshard_scheduler_generation") or 0) > 0, pod.name
 
 
+def assert_mutual_tls(started: dict[str, Proc], servers: list[str]) -> None:
+    for name in servers:
+        assert any("mTLS (CA " in line and ", CRL " in line for line in started[name].lines), \
+            started[name].output()
+
+
 def checkpoint_files(directory: Path) -> Iterator[Path]:
     return (p for p in directory.rglob("*") if p.is_file())
 
@@ -579,19 +648,22 @@ def test_tfjob_pods_train_to_completion_as_local_processes(procs: Procs, tmp_pat
     (tfjob,) = load(TFJOB)
     pods = tfjob_pods(tfjob)
     local = LocalPods(procs, pods, tmp_path)
+    local.make_tls_secret(pods)
     local.map_addresses([p.tf_config or "" for p in pods])
     # The operator creates every pod at once; nothing waits for anything but the pods' own retries.
     started: dict[str, Proc] = {}
     for pod in pods:
         (container,) = pod.spec["containers"]
         tf_config = local.rewrite_tf_config(pod.tf_config or "")
-        started[pod.name] = local.start(pod, container, tf_config=tf_config)
+        port = local.own_port(pod, pod.tf_config or "") if pod.role != "evaluator" else None
+        started[pod.name] = local.start(pod, container, tf_config=tf_config, port=port)
     for pod in pods:
         if "readinessProbe" in pod.spec["containers"][0]:
             local.wait_ready(pod, started[pod.name], local.own_port(pod, pod.tf_config or ""))
 
     chief = assert_finished(started["pshard-chief-0"])
     assert chief["role"] == "chief", chief
+    assert_mutual_tls(started, ["pshard-ps-0", "pshard-ps-1"])
     assert_metrics_served(pods, started)
     for name in ("pshard-worker-0", "pshard-worker-1"):
         assert_finished(started[name])
@@ -611,6 +683,7 @@ def test_tfjob_pods_train_to_completion_as_local_processes(procs: Procs, tmp_pat
 def test_plain_manifests_pods_train_to_completion_as_local_processes(procs: Procs, tmp_path: Path) -> None:
     pods = plain_pods(plain_docs())
     local = LocalPods(procs, pods, tmp_path)
+    local.make_tls_secret(pods)
     # Init containers first, each a real process with its own argv; then the pods' services.
     for pod in pods:
         (init,) = pod.spec["initContainers"]
@@ -624,13 +697,15 @@ def test_plain_manifests_pods_train_to_completion_as_local_processes(procs: Proc
     for pod in pods:  # what cluster DNS would do, done to the file the init step wrote
         (local.volume_dir(pod, "tf-config") / "tf_config.json").write_text(
             local.rewrite_tf_config(written[pod.name]), encoding="utf-8")
-    started = {pod.name: local.start(pod, pod.spec["containers"][0]) for pod in pods}
+    started = {pod.name: local.start(pod, pod.spec["containers"][0],
+                                     port=local.own_port(pod, written[pod.name])) for pod in pods}
     servers = [p for p in pods if p.role in ("scheduler", "ps")]
     for pod in servers:
         local.wait_ready(pod, started[pod.name], local.own_port(pod, written[pod.name]))
 
     workers = [p.name for p in pods if p.role == "worker"]
     finals = [assert_finished(started[name]) for name in workers]
+    assert_mutual_tls(started, [p.name for p in servers])
     assert_metrics_served(pods, started)
     assert sum("test_accuracy" in f for f in finals) == 1, finals  # worker 0, the first rank, evaluates
     models = tmp_path / "volumes" / "pshard-models"
