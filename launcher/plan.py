@@ -252,7 +252,7 @@ def tls_env(certs_dir: str, name: str) -> dict[str, str]:
     """The PSHARD_TLS_* variables of the node whose files `pshard certs` named `name` in `certs_dir`."""
     base = Path(certs_dir)
     return {"PSHARD_TLS_CERT": str(base / f"{name}.pem"), "PSHARD_TLS_KEY": str(base / f"{name}-key.pem"),
-            "PSHARD_TLS_CA": str(base / "ca.pem")}
+            "PSHARD_TLS_CA": str(base / "ca.pem"), "PSHARD_TLS_CRL": str(base / "crl.pem")}
 
 
 def cert_names(plan: ClusterPlan) -> list[tuple[str, str]]:
