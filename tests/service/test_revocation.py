@@ -175,3 +175,30 @@ def test_a_crl_that_the_ca_did_not_sign_is_refused_at_start_up(pki: dict[str, Ce
     files = pki["ps-0"]
     with pytest.raises(ClusterConfigError, match="--tls-crl"):
         SecurityConfig(files.cert, files.key, files.ca, crl=forged)
+
+
+def test_the_scheduler_refuses_a_revoked_node_and_its_membership_stays(pki: dict[str, CertFiles],
+                                                                       tmp_path: Path) -> None:
+    from pshard.scheduler.service import start_scheduler_thread
+
+    from pshard.api.v1 import scheduler_pb2 as spb
+    from pshard.api.v1 import scheduler_pb2_grpc as spb_grpc
+
+    made = ensure(tmp_path, [Identity("scheduler", "scheduler-0")])[Identity("scheduler", "scheduler-0")]
+    handle = start_scheduler_thread(security=made.security("scheduler", "scheduler-0"))
+    try:
+        revoke(tmp_path, ["worker-1"])
+        stub = spb_grpc.SchedulerServiceStub(pki["worker-1"].security().channel(handle.address))
+        with pytest.raises(grpc.RpcError) as refused:
+            stub.Register(spb.RegisterRequest(role=spb.ROLE_WORKER, address="w1:1", node_id="worker-1"),
+                          timeout=WAIT_S)
+        assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        view = handle.call(handle.running.servicer.membership.view)
+        assert [n.node_id for n in view.nodes] == []
+        ok = spb_grpc.SchedulerServiceStub(pki["worker-0"].security().channel(handle.address))
+        ok.Register(spb.RegisterRequest(role=spb.ROLE_WORKER, address="w0:1", node_id="worker-0"),
+                    timeout=WAIT_S)
+        view = handle.call(handle.running.servicer.membership.view)
+        assert [n.node_id for n in view.nodes] == ["worker-0"]
+    finally:
+        handle.stop(grace_s=0.2)
