@@ -49,9 +49,15 @@ from pshard.api.v1 import tensor_pb2 as tensor_pb
 # Slices at least this big are sent as a frame of their own (cached and shared in sync mode);
 # smaller ones are packed together so a model of many tiny tensors is not many tiny messages.
 _OWN_FRAME_BYTES = 256 * 1024
-# Requests and replies at least this big are parsed and encoded on the servicer's thread pool
-# instead of the event loop.
+# Replies at least this big are encoded on the servicer's thread pool instead of the event loop.
 _OFFLOAD_BYTES = 1 << 20
+# Requests up to this size are parsed on the event loop, bigger ones on the thread pool. Parsing is
+# a copy (a few GB/s: ~1 ms at this bound), while a hand-off to a thread costs the loop more under
+# load: the parsing thread holds the GIL, and each time the loop releases it (any system call) it
+# waits up to the interpreter's switch interval (5 ms) to get it back. Measured with
+# tests/e2e/test_flood.py: parsing the flood's 4 MiB requests on the loop took the bystander
+# worker's p90 during the flood from 1.3-3.7 ms to 0.3-0.5 ms (docs/architecture.md, 10 Running).
+_PARSE_ON_LOOP_BYTES = 8 << 20
 
 Request = TypeVar("Request", bound=Message)
 # Unary methods whose request carries a stamp (its clock feeds the staleness histogram).
@@ -140,9 +146,9 @@ class ParameterServerServicer:
             started, sent, refused, clock = time.perf_counter(), 0, None, None
             try:
                 held.add(len(raw))
-                if len(raw) < _OFFLOAD_BYTES:
+                if len(raw) <= _PARSE_ON_LOOP_BYTES:
                     request = _parse(message_type, raw, name)
-                else:  # parsing copies every byte: a big request does it off the event loop
+                else:  # a bounded stall only: the biggest requests are parsed off the event loop
                     request = await asyncio.get_running_loop().run_in_executor(
                         self._executor, _parse, message_type, raw, name)
                 if name in _STAMPED:
