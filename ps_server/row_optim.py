@@ -34,11 +34,13 @@ def initial_state(config: TableConfig, name: str) -> float:
 def apply(config: TableConfig, rows: np.ndarray, grads: np.ndarray, state: dict[str, np.ndarray],
           step: int | np.ndarray) -> np.ndarray:
     """New values of `rows` after one update with `grads`; `step` counts this update (from 1):
-    the table's step for adam, each row's own (an (n,) array) for lazy_adam."""
+    the table's step for adam, each row's own (an (n,) array) for lazy_adam. `rows` is the caller's
+    gathered copy and may be updated in place."""
     dt = rows.dtype.type
     lr = dt(config.lr)
     if config.optimizer == "sgd":
-        return rows - lr * grads
+        rows -= lr * grads  # `rows` is the caller's gathered copy: updated in place, one temporary
+        return rows
     if config.optimizer == "adagrad":
         acc = state["sum"]
         acc += grads * grads

@@ -135,12 +135,12 @@ class SparseTable:
         if len(r) == 0:
             return 0
         self.step += 1
-        state = {name: a[r] for name, a in self.state.items()}
+        state = {name: np.take(a, r, axis=0) for name, a in self.state.items()}
         step: int | np.ndarray = self.step
         if self.config.optimizer == "lazy_adam":
             self.row_step[r] += 1
             step = self.row_step[r]
-        self.values[r] = row_optim.apply(self.config, self.values[r], g, state, step)
+        self.values[r] = row_optim.apply(self.config, np.take(self.values, r, axis=0), g, state, step)
         for name, a in self.state.items():
             a[r] = state[name]
         self.touch[r] = now

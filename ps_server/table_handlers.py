@@ -273,13 +273,15 @@ class TableHandlers:
             raise MessageTooLargeError(f"{what} of table {name!r}: {len(raw) // 8} ids of dim "
                                        f"{table.config.dim} exceed the request limit of {limit} bytes")
         ids = np.frombuffer(raw, _ID)
-        if len(ids) > 1:
+        # Clients send each server's ids ascending: strictly ascending ids are distinct, checked
+        # in one pass; only other orders pay for a sort.
+        if len(ids) > 1 and not (ids[1:] > ids[:-1]).all():
             ordered = np.sort(ids)
             repeats = ordered[1:] == ordered[:-1]
             if repeats.any():
                 raise InvalidArgumentError(f"{what} of table {name!r}: id {int(ordered[1:][repeats][0])} "
                                            "appears more than once (send each id once, gradients summed)")
-        return ids.astype(np.int64)
+        return ids  # read-only (gRPC's bytes) or a view of a fast path's region: the tables keep no reference
 
     def _grads(self, table: SparseTable, ids: np.ndarray, raw: Raw) -> np.ndarray:
         config = table.config
@@ -291,7 +293,9 @@ class TableHandlers:
                 f"push of table {config.name!r}: {len(ids)} ids need {len(ids)} rows of dim {config.dim} "
                 f"{config.dtype} ({len(ids) * row_bytes} bytes), got {len(raw)} bytes{per_id}")
         grads = np.frombuffer(raw, config.np_dtype.newbyteorder("<")).reshape(len(ids), config.dim)
-        if not config.allow_nonfinite:
+        # NaN and Inf propagate through a sum: only a non-finite sum (or an overflow of huge finite
+        # numbers) pays for the row-by-row check, a third of a push's time otherwise.
+        if not config.allow_nonfinite and not np.isfinite(np.add.reduce(grads, axis=None)):
             bad = ~np.isfinite(grads).all(axis=1)
             if bad.any():
                 i = int(np.flatnonzero(bad)[0])
