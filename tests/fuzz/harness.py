@@ -96,6 +96,13 @@ class Outcome:
         return self.code is not grpc.StatusCode.OK
 
 
+def waits(method: MethodDescriptor) -> bool:
+    """Whether a call waits by design (a pull, a barrier, a checkpoint at a clock, a watch): its request
+    names a `timeout_ms`, or it streams. Read from the descriptor, so a new RPC is classed with no code."""
+    streams = method.client_streaming or method.server_streaming
+    return streams or "timeout_ms" in method.input_type.fields_by_name
+
+
 def method_path(method: MethodDescriptor) -> str:
     return f"/{method.containing_service.full_name}/{method.name}"
 

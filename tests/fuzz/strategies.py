@@ -1,13 +1,18 @@
 """Hypothesis strategies for protobuf requests, built by walking the message descriptors.
 
-Nothing here names a field of pshard's protos: a field added, removed or turned `optional` is
-fuzzed the next run. Values lean towards what breaks services: the extremes of each integer type,
-NaN and infinities, empty, huge and non-ASCII strings, unknown enum numbers, repeated fields with
-many copies of one element, and valid requests with a few fields overwritten or cleared.
+Nothing here names a message or an RPC of pshard's protos: a field added, removed or turned
+`optional`, a message or an RPC added, is fuzzed the next run. Every field type is drawn within the
+range its wire type allows (int32/sint32/sfixed32, int64/sint64/sfixed64, uint32/fixed32,
+uint64/fixed64: setting a value outside raises in protobuf, so nothing reaches a server), with its
+edge values weighted up. Values lean towards what breaks services: the extremes of each integer
+type, NaN and infinities, empty, huge and non-ASCII strings, unknown enum numbers (open enums only:
+a closed enum refuses them on assignment), nested and repeated messages, maps (message-valued ones
+included), oneofs, repeated fields with many copies of one element, and valid requests with a few
+fields overwritten or cleared.
 
 A few field names get a safer distribution (the checks run the server in this process, so a shape
 must never ask it for a few GiB it could actually obtain): tensor dims are tiny or beyond any
-allocation, and waits are short.
+allocation, and waits are short. Those values too are cut to the field's range.
 """
 
 from __future__ import annotations
@@ -33,7 +38,8 @@ INT_EXTREMES: dict[int, tuple[int, int, tuple[int, ...]]] = {
 }
 ABSURD_FLOATS = (math.nan, math.inf, -math.inf, 0.0, -0.0, 1e30, -1e30, 1e308, 5e-324, 1.0)
 # Tensor dims: products are either a few thousand elements or beyond any allocation (>= 2**62).
-SHAPE_DIMS = (0, 1, 2, 3, 4, 12, -1, 2**62, 2**63 - 1, -(2**63))
+SHAPE_DIMS = (0, 1, 2, 3, 4, 12, -1, 2**62, 2**63 - 1, -(2**63), 2**64 - 1)
+WAITS_MS = (0, 1, 20)
 NAMES = ("", "w", "b", "w0", "w1", "worker", "worker-0", "ps", "ps-0", "chief", "evaluator", "scheduler",
          "127.0.0.1:1", "start", "fc1.weight")
 HUGE_CHARS = (70_000, 1_000_000)
@@ -50,10 +56,27 @@ def is_map(field: FieldDescriptor) -> bool:
             and field.message_type.GetOptions().map_entry)
 
 
+def int_range(field: FieldDescriptor) -> tuple[int, int]:
+    """The values an integer field can hold (protobuf refuses any other on assignment)."""
+    low, high, _ = INT_EXTREMES[field.cpp_type]
+    return low, high
+
+
+def in_range(field: FieldDescriptor, values: Sequence[int]) -> tuple[int, ...]:
+    low, high = int_range(field)
+    return tuple(v for v in values if low <= v <= high)
+
+
 def ints(cpp_type: int) -> st.SearchStrategy[int]:
     low, high, extremes = INT_EXTREMES[cpp_type]
     return weighted((3, st.sampled_from(extremes)), (2, st.integers(max(low, -3), min(high, 16))),
                     (1, st.integers(low, high)))
+
+
+def is_closed(enum_field: FieldDescriptor) -> bool:
+    """A closed enum (proto2, or editions' CLOSED) refuses unknown numbers on assignment."""
+    closed = getattr(enum_field.enum_type, "is_closed", None)
+    return bool(closed) if closed is not None else enum_field.file.syntax == "proto2"
 
 
 @st.composite
@@ -81,12 +104,14 @@ def scalar(field: FieldDescriptor) -> st.SearchStrategy[Any]:
     """A value for one non-message field (one element, for a repeated one)."""
     name, cpp = field.name, field.cpp_type
     if field.type == _F.TYPE_ENUM:
-        known = [v.number for v in field.enum_type.values]
-        return st.one_of(st.sampled_from(known), st.sampled_from((-1, 99, 2**31 - 1, -(2**31))))
+        known = st.sampled_from([v.number for v in field.enum_type.values])
+        if is_closed(field):
+            return known
+        return st.one_of(known, st.sampled_from((-1, 99, 2**31 - 1, -(2**31))))
     if name == "shape" and cpp in INT_EXTREMES:
-        return st.sampled_from(SHAPE_DIMS)
+        return st.sampled_from(in_range(field, SHAPE_DIMS))
     if name.endswith("timeout_ms") and cpp in INT_EXTREMES:
-        return st.one_of(st.sampled_from((0, 1, 20)), st.just(INT_EXTREMES[cpp][1]))
+        return st.one_of(st.sampled_from(in_range(field, WAITS_MS)), st.just(int_range(field)[1]))
     if cpp in INT_EXTREMES:
         return ints(cpp)
     if cpp in (_F.CPPTYPE_DOUBLE, _F.CPPTYPE_FLOAT):
@@ -132,7 +157,7 @@ def _messages(descriptor: Descriptor, depth: int, presence_in_8: int) -> st.Sear
               for o in descriptor.oneofs]
     eighths = st.integers(0, 7)
 
-    carries_payload = {"dtype", "shape", "data"} <= set(descriptor.fields_by_name)
+    carries_payload = has_payload(descriptor)
 
     @st.composite
     def build(draw: st.DrawFn) -> Message:
@@ -149,6 +174,14 @@ def _messages(descriptor: Descriptor, depth: int, presence_in_8: int) -> st.Sear
         return message
 
     return build()
+
+
+def has_payload(descriptor: Descriptor) -> bool:
+    """A tensor-like message: an enum `dtype`, integer `shape` dims and `data` bytes."""
+    fields = descriptor.fields_by_name
+    return ("dtype" in fields and "shape" in fields and "data" in fields
+            and fields["dtype"].type == _F.TYPE_ENUM and fields["shape"].cpp_type in INT_EXTREMES
+            and fields["data"].type == _F.TYPE_BYTES)
 
 
 def payload_bytes(message: Message) -> int | None:
@@ -168,13 +201,26 @@ def fit_payload(message: Message) -> None:
 
 
 def _assign(message: Message, field: FieldDescriptor, value: Any) -> None:
-    target = getattr(message, field.name) if is_repeated(field) or field.message_type else None
+    """Set (extend, for repeated and map fields) `field` of `message` to `value`.
+
+    Message values are copied in (CopyFrom, add()): protobuf refuses to assign a message object to a
+    field, a map entry or a repeated element ("Message objects may not be assigned")."""
     if is_map(field):
-        target.update(value)
+        target = getattr(message, field.name)
+        if field.message_type.fields_by_name["value"].message_type is not None:
+            for key, item in value.items():
+                target[key].CopyFrom(item)
+        else:
+            target.update(value)
     elif is_repeated(field):
-        target.extend(value)
+        target = getattr(message, field.name)
+        if field.message_type is not None:
+            for item in value:
+                target.add().CopyFrom(item)
+        else:
+            target.extend(value)
     elif field.message_type is not None:
-        target.CopyFrom(value)
+        getattr(message, field.name).CopyFrom(value)
     else:
         setattr(message, field.name, value)
 
@@ -184,7 +230,7 @@ def _value(field: FieldDescriptor, depth: int) -> st.SearchStrategy[Any]:
     """What one field is set to: a scalar, a message, or a list (a dict for a map field)."""
     if is_map(field):
         entry = field.message_type.fields_by_name
-        return st.dictionaries(scalar(entry["key"]), scalar(entry["value"]), max_size=4)
+        return st.dictionaries(scalar(entry["key"]), _value(entry["value"], depth + 1), max_size=4)
     if field.message_type is not None:
         if depth >= 4:  # deep enough: an empty message (or none) still exercises the presence checks
             child: st.SearchStrategy[Any] = st.builds(message_factory.GetMessageClass(field.message_type))
@@ -242,7 +288,7 @@ def _mutate_one(draw: st.DrawFn, message: Message, depth: int) -> None:
     if how == "set" and is_repeated(field):
         message.ClearField(field.name)
     _assign(message, field, draw(_value(field, depth)))
-    if {"dtype", "shape", "data"} <= set(message.DESCRIPTOR.fields_by_name) and draw(st.booleans()):
+    if has_payload(message.DESCRIPTOR) and draw(st.booleans()):
         fit_payload(message)
 
 

@@ -31,14 +31,13 @@ from tests.fuzz.harness import (
     describe,
     rss_bytes,
     run_cases,
+    waits,
 )
 from tests.fuzz.strategies import messages, mutated, raw_bytes
 
 SCHEDULER = pb.DESCRIPTOR.services_by_name["SchedulerService"]
 WORKER, PS, CHIEF = pb.ROLE_WORKER, pb.ROLE_PS, pb.ROLE_CHIEF
 METHODS = list(SCHEDULER.methods)
-# Calls that wait by design; the fuzzer gives them a short deadline, which the scheduler answers at once.
-WAITING = {"Watch", "Barrier", "GetLayout"}
 CASES = 160  # per test and kind of case: 7 methods x 3 kinds
 
 
@@ -58,10 +57,11 @@ class LiveScheduler:
             stream.cancel()
 
     def check(self, method: MethodDescriptor, payload: bytes, what: str) -> Outcome:
-        waits = method.name in WAITING
-        outcome = call(self.channel, method, payload, WAITING_CALL_S if waits else NO_HANG_S)
+        # Calls that wait by design get a short deadline, which the scheduler answers at once.
+        waiting = waits(method)
+        outcome = call(self.channel, method, payload, WAITING_CALL_S if waiting else NO_HANG_S)
         what = f"{method.name}({what})"
-        assert_proper_status(outcome, what, may_wait=waits)
+        assert_proper_status(outcome, what, may_wait=waiting)
         assert self.handle.thread.is_alive(), f"after {what}: the scheduler's thread ended"
         assert_serving(self.channel, SERVICE_NAME, what)
         view = self.current_view()
