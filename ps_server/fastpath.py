@@ -19,6 +19,8 @@ bytes travel differs (docs/architecture.md, 11 Transports):
   copied once, under the slice's lock, into a slot of the reply region that belongs to that slice
   for the session's lifetime: a pull at version v returns exactly v's bytes, and sync mode's
   shared-encoding cache stays valid per slot;
+* sparse-table requests (EXCHANGE_OP_TABLE) ride the same sessions: ps_server.table_fast hands
+  their bytes to the table handlers and writes the pulled rows past the dense slots;
 * a session ends with its socket: a worker that closes, dies or is SIGKILLed is noticed at once
   (EOF, even while its pull waits) and its segment is unmapped (a memfd: no file to remove); a
   session never connected expires.
