@@ -146,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
                           ratio_p50_to_tls_off=_ratio(lat["p50_us"], plain["p50_us"]) if plain else None)
 
     # Sparse tables (issue 9): rows/s of pull + push of 4,096 ids (uniform, also with the push and the
-    # next pull fused, and zipf), over the table stream, and the memory overhead.
+    # next pull fused, and zipf), over the fast-path sessions (shm here), and the memory overhead.
     sparse_steps = 20 if args.quick else 200
     sparse_figs = [emit("sparse_rows", **sparse_throughput(steps=sparse_steps, zipf=zipf, fused=fused))
                    for zipf, fused in ((False, False), (False, True), (True, False))]
