@@ -32,6 +32,8 @@ from bench import ceilings
 from bench.common import DEFAULT_SIZES, emit, load_average, machine, parse_sizes
 from bench.dense import dense
 from bench.latency import latency
+from bench.replication import replication
+from bench.replication import summary as replication_summary
 from bench.sparse import memory as sparse_memory
 from bench.sparse import throughput as sparse_throughput
 from bench.tls import make_pki
@@ -151,6 +153,8 @@ def main(argv: list[str] | None = None) -> int:
     sparse_figs = [emit("sparse_rows", **sparse_throughput(steps=sparse_steps, zipf=zipf, fused=fused))
                    for zipf, fused in ((False, False), (False, True), (True, False))]
     sparse_mem = emit("sparse_memory", **sparse_memory(rows=1_000_000 if args.quick else 10_000_000))
+    # Replication (issue 10): replicas 1 vs 0 on 3 servers, and the failover time after a SIGKILL.
+    repl = emit("replication", **replication(sizes, steps=steps))
 
     m = machine()
     print(f"\n# pshard bench on {m['cpu']} ({m['cores']} cores), Python {m['python']}, grpcio {m['grpcio']}; "
@@ -181,6 +185,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"sparse 1M x 64 table, 2x2, {variant:13}: {fig['rows_per_s']:>9} rows/s "
               f"[bar {fig['bar_rows_per_s']}: {ok}]")
     ok = "ok" if float(sparse_mem["overhead"]) <= 0.3 else "above"  # type: ignore[arg-type]
+    print("\n".join(replication_summary(repl)))
     print(f"sparse memory, {sparse_mem['rows']} rows of dim {sparse_mem['dim']} (adagrad): overhead "
           f"{sparse_mem['overhead']}x of {sparse_mem['raw_mb']} MB [bar 0.3x: {ok}]")
     return 0

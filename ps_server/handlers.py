@@ -162,6 +162,7 @@ class ParameterServerHandlers:
         self.failovers = 0  # times it did (each a role change, logged): pshard_failovers_total
         # The newest layout's slices of this server (replicas only; None: not known, nothing checked).
         self._owned: tuple[int, frozenset[SliceKey]] | None = None
+        self._gained: frozenset[SliceKey] = frozenset()  # what later layouts moved here (failovers)
         if settings.checkpoint_dir:
             snap = load_shard(Path(settings.checkpoint_dir), settings.shard_name)
             if snap is not None:
@@ -196,7 +197,17 @@ class ParameterServerHandlers:
             replicator.attach(self._store)
 
     def replicate(self, config: JobConfig, records: Sequence[Record]) -> list[SliceKey]:
-        """Backup side of a Replicate call: replay a primary's records; the slices it must resend whole."""
+        """Backup side of a Replicate call: replay a primary's records; the slices it must resend whole.
+
+        A slice this server took over as primary is refused: its sender was declared dead and is still
+        running (a false suspicion), and must not acknowledge steps the new primary never sees.
+        """
+        store = self._store
+        if store is not None:
+            taken = next((r.key for r in records if store.holds(r.key)), None)
+            if taken is not None:
+                raise StaleGenerationError(f"replicate: slice {str(taken)!r} has this server as its primary "
+                                           "since a failover; the sender was declared dead")
         return self.replica_set.apply(config, records)
 
     def set_ownership(self, version: int, owned: frozenset[SliceKey]) -> None:
@@ -208,6 +219,8 @@ class ParameterServerHandlers:
         if lost:
             log.warning("FAILOVER: layout version %d moved %d slices held here to their backups (this server "
                         "was declared dead); requests for them are refused from now on", version, len(lost))
+        if self._owned is not None:
+            self._gained = self._gained | (owned - self._owned[1])
         self._owned = (version, owned)
 
     def _check_owned(self, keys: Iterable[SliceKey]) -> None:
@@ -225,7 +238,15 @@ class ParameterServerHandlers:
         """Take over, as primary, the slices of `keys` this server holds only as a backup: a worker
         routes here for them only once the scheduler's layout made this server their primary."""
         store = self._store
+        keys = list(keys)
         wanted = [k for k in keys if (store is None or not store.holds(k)) and self.replica_set.holds(k)]
+        lost = [k for k in keys
+                if k in self._gained and k not in wanted and (store is None or not store.holds(k))]
+        if lost and self._owned is not None:  # the scheduler chose this server as heir, but no copy is here
+            raise UnknownKeyError(
+                f"slice {str(lost[0])!r}: layout version {self._owned[0]} makes this server its primary "
+                f"after a failover, but it holds no copy of it ({len(lost)} such slices): the dead "
+                "primary's backup was not in sync (docs/architecture.md, 9 Failures); its updates are lost")
         if not wanted:
             return
         slots = self.replica_set.take(wanted)

@@ -42,9 +42,10 @@ from pshard.api.v1 import parameter_server_pb2 as pb
 
 log = logging.getLogger("pshard.ps.replication")
 
-# One Replicate call carries records up to this many bytes (at least one record): big enough to
-# amortize a round trip, small enough for the default message limit with a 4 MiB slice's state.
-_BATCH_BYTES = 4 * 2**20
+# One Replicate call carries records up to this many bytes (at least one record): a round trip costs
+# milliseconds on a loaded host, so a big shard's step goes in a few calls; the servers' message
+# limit (64 MiB by default) leaves room for a 4 MiB slice's state with Adam's two arrays on top.
+_BATCH_BYTES = 32 * 2**20
 _RETRY_S = (0.05, 1.0)  # first and longest wait between attempts to reach a backup
 
 
@@ -341,10 +342,9 @@ class Replicator:
                     break
                 store = self._store
                 config = store.config if store is not None else JobConfig()
-                request = pb.ReplicateRequest(primary=self.own, config=codec.job_to_proto(config),
-                                              records=[record_to_proto(r) for r in batch])
                 try:
-                    reply = await self._loop.run_in_executor(None, self._send, b.address, request)
+                    # Encoding copies every byte: off the event loop, with the call.
+                    reply = await self._loop.run_in_executor(None, self._send_batch, b.address, batch, config)
                 except Exception as e:  # unreachable, restarting, refusing: keep the batch and retry
                     if b.failing_since is None:
                         b.failing_since = time.monotonic()
@@ -360,6 +360,11 @@ class Replicator:
                 delay = _RETRY_S[0]
                 self._sent(b, batch, [codec.slice_id_from_proto(k) for k in reply.need_state])
                 await self._notify()
+
+    def _send_batch(self, address: str, batch: Sequence[Record], config: JobConfig) -> pb.ReplicateResponse:
+        request = pb.ReplicateRequest(primary=self.own, config=codec.job_to_proto(config),
+                                      records=[record_to_proto(r) for r in batch])
+        return self._send(address, request)
 
     def _sent(self, b: _Backup, batch: Sequence[Record], need_state: Sequence[SliceKey]) -> None:
         top = max(r.seq for r in batch)

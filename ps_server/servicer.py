@@ -255,8 +255,11 @@ class ParameterServerServicer:
     async def Replicate(self, request: pb.ReplicateRequest, context: grpc.aio.ServicerContext
                         ) -> pb.ReplicateResponse:
         # Server to server (docs/architecture.md, 9 Failures); the role table lets only servers call it.
-        need = self._handlers.replicate(codec.job_from_proto(request.config),
-                                        [record_from_proto(r) for r in request.records])
+        config = codec.job_from_proto(request.config)
+        # Decoding and replaying copy and step every byte: off the event loop (the replica set locks itself).
+        records = request.records
+        need = await asyncio.get_running_loop().run_in_executor(
+            self._executor, lambda: self._handlers.replicate(config, [record_from_proto(r) for r in records]))
         return pb.ReplicateResponse(need_state=[codec.slice_id_to_proto(k) for k in need])
 
     async def Checkpoint(self, request: pb.CheckpointRequest, context: grpc.aio.ServicerContext

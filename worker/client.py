@@ -259,7 +259,11 @@ class PSClient:
                     raise
                 newer = self._relayout(layout, min(left, self._reroute_wait_s))
                 if newer is None or newer.version <= layout.version:
+                    if isinstance(err, UnknownKeyError):
+                        raise  # the current layout's server lacks the slice: no resend can help
                     log.warning("step failed (%s); no failover published yet, sending it again", err)
+                    if self._closed.wait(min(1.0, max(0.0, deadline - time.monotonic()))):
+                        raise
                     continue
                 moved = sum(a.server != b.server for a, b in zip(layout.slices, newer.slices, strict=True))
                 log.warning("FAILOVER: layout %d -> %d moved %d slices to their backups (%s); resending the "

@@ -1,0 +1,181 @@
+"""Replication cost and failover time (issue 10): dense push_pull, 2 workers, 3 servers, with a scheduler.
+
+The same cluster is run with `--replicas 0` and `--replicas 1` (each server's slices copied to the
+next one before a step is acknowledged); the figure is the step time of replicas 1 as a ratio to
+replicas 0 (bar: at most 1.6x). In the replicated run, after the timed steps, worker 0 SIGKILLs one
+server and both workers go on stepping: failover time is from the SIGKILL to the first step completed
+after it (bar: within 2x the heartbeat timeout plus one step).
+
+    python -m bench.replication [--sizes ...] [--steps 8] [--transport shm|tcp|grpc]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+import time
+
+from bench.common import DEFAULT_SIZES, MB, REPO, WorkerRun, emit, parse_sizes, run_workers, span_s
+
+HEARTBEAT_MS = (200, 1000)  # interval, timeout: the scheduler declares a silent server dead after 1 s
+AFTER_KILL_STEPS = 3
+
+
+def _worker(run: WorkerRun, scheduler: str, servers: list[str], address: str, sizes: list[int],
+            replicas: int, warmup: int, steps: int, victim_pid: int | None,
+            transport: str) -> dict[str, object]:
+    import numpy as np
+    from pshard.common.errors import PullTimeoutError
+    from pshard.common.job import JobConfig, OptimizerConfig
+    from pshard.common.layout import Layout, ParamSpec
+    from pshard.common.scheduler_client import SchedulerClient
+    from pshard.worker.client import PSClient
+
+    node = f"worker-{run.index}"
+    sched = SchedulerClient(scheduler, "worker", own_address=address, node_id=node, rank_hint=run.index)
+    sched.register()
+
+    def relayout(layout: Layout, timeout_s: float) -> Layout | None:
+        try:
+            sched.wait_for_view(lambda view: view.layout_version > layout.version, timeout_s)
+        except PullTimeoutError:
+            return None
+        return sched.get_layout(timeout_s=max(1.0, timeout_s))
+
+    rng = np.random.default_rng(run.index)
+    params = {f"t{i:02d}": rng.standard_normal(n, dtype=np.float32) for i, n in enumerate(sizes)}
+    grads = {k: rng.standard_normal(v.size, dtype=np.float32) for k, v in params.items()}
+    layout = sched.propose_layout([ParamSpec(k, "float32", v.shape) for k, v in params.items()],
+                                  servers=servers, replicas=replicas)
+    job = JobConfig(mode="sync", optimizer=OptimizerConfig(name="sgd", lr=1e-4))
+    try:
+        with PSClient(servers, node, layout=layout, generation=lambda: sched.generation, transport=transport,
+                      relayout=relayout, reroute_wait_s=10.0) as client:
+            weights = client.declare(params, job)
+            run.sync()
+            clock = 0
+            for _ in range(warmup):
+                client.push_pull(grads, clock, out=weights)
+                clock += 1
+            run.sync()
+            start = time.monotonic()
+            for _ in range(steps):
+                client.push_pull(grads, clock, out=weights)
+                clock += 1
+            end = time.monotonic()
+            killed_at, after = None, []
+            if victim_pid is not None:
+                run.sync()
+                if run.index == 0:
+                    killed_at = time.monotonic()
+                    os.kill(victim_pid, signal.SIGKILL)
+                for _ in range(AFTER_KILL_STEPS):
+                    client.push_pull(grads, clock, out=weights)
+                    clock += 1
+                    after.append(time.monotonic())
+    finally:
+        sched.close()
+    return {"start": start, "end": end, "killed_at": killed_at, "after": after}
+
+
+def _start(plan: object, task: object, argv: list[str]) -> subprocess.Popen[str]:
+    path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
+    env = {**os.environ, "PYTHONPATH": path, "TF_CONFIG": plan.tf_config(task)}  # type: ignore[attr-defined]
+    return subprocess.Popen([sys.executable, "-m", *argv, "--log-level", "WARNING"], cwd=REPO, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+
+
+def run(sizes: list[int], replicas: int, steps: int = 8, warmup: int = 2, kill: bool = False,
+        transport: str = "shm") -> dict[str, object]:
+    from pshard.common.health import probe
+    from pshard.launcher.plan import ClusterPlan
+
+    plan = ClusterPlan.allocate(3, 2)
+    tasks = {t.name: t for t in [*plan.servers, *plan.trainers]}
+    procs = [_start(plan, tasks["scheduler"], ["pshard.scheduler", "--bind", plan.scheduler,
+                                               "--heartbeat-interval-ms", str(HEARTBEAT_MS[0]),
+                                               "--heartbeat-timeout-ms", str(HEARTBEAT_MS[1])])]
+    procs += [_start(plan, tasks[f"ps-{i}"], ["pshard.ps_server", "--bind", address,
+                                              "--replicas", str(replicas), "--transport", transport])
+              for i, address in enumerate(plan.ps)]
+    try:
+        deadline = time.monotonic() + 60
+        for address in [plan.scheduler, *plan.ps]:
+            while not probe(address, timeout_s=1.0)[0]:
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"replication bench: {address} did not start")
+                time.sleep(0.1)
+        victim = procs[2].pid if kill else None  # ps-1
+        results = run_workers(_worker, 2, (plan.scheduler, list(plan.ps), "", sizes, replicas, warmup, steps,
+                                           victim, transport))
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.terminate()
+        for proc in procs:
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+    elapsed = span_s(results)
+    figure: dict[str, object] = {
+        "replicas": replicas, "transport": transport, "servers": 3, "workers": 2, "params": sum(sizes),
+        "steps": steps, "step_s": round(elapsed / steps, 4),
+        "mb_per_s": round(2 * 4 * sum(sizes) * 2 * steps / MB / elapsed, 1)}
+    if kill:
+        killed_at = next(r["killed_at"] for r in results if r["killed_at"] is not None)
+        first = min(t for r in results for t in r["after"])
+        figure["failover_s"] = round(first - killed_at, 3)
+        figure["heartbeat_timeout_s"] = HEARTBEAT_MS[1] / 1000
+    return figure
+
+
+def replication(sizes: list[int], steps: int = 8, repeats: int = 1,
+                transport: str = "shm") -> dict[str, object]:
+    """Replicas 1 vs 0 on the same model and cluster shape, alternated `repeats` times (best of each), and
+    the failover time of the last replicated run."""
+    plain, replicated = [], []
+    for i in range(repeats):
+        plain.append(run(sizes, 0, steps, transport=transport))
+        replicated.append(run(sizes, 1, steps, kill=i == repeats - 1, transport=transport))
+    best0 = min(plain, key=lambda f: float(f["step_s"]))  # type: ignore[arg-type]
+    best1 = min(replicated, key=lambda f: float(f["step_s"]))  # type: ignore[arg-type]
+    failover = next(f for f in replicated if "failover_s" in f)
+    bar_s = 2 * float(failover["heartbeat_timeout_s"]) + float(best1["step_s"])  # type: ignore[arg-type]
+    return {"transport": transport, "params": sum(sizes), "steps": steps,
+            "step_s_replicas_0": best0["step_s"], "step_s_replicas_1": best1["step_s"],
+            "ratio": round(float(best1["step_s"]) / float(best0["step_s"]), 3),  # type: ignore[arg-type]
+            "bar_ratio": 1.6, "failover_s": failover["failover_s"],
+            "heartbeat_timeout_s": failover["heartbeat_timeout_s"], "bar_failover_s": round(bar_s, 3),
+            "samples_step_s_replicas_0": [f["step_s"] for f in plain],
+            "samples_step_s_replicas_1": [f["step_s"] for f in replicated]}
+
+
+def summary(fig: dict[str, object]) -> list[str]:
+    ok_ratio = "ok" if float(fig["ratio"]) <= float(fig["bar_ratio"]) else "above"  # type: ignore[arg-type]
+    ok_fail = "ok" if float(fig["failover_s"]) <= float(fig["bar_failover_s"]) else "above"  # type: ignore[arg-type]
+    return [f"dense push_pull 2 workers x 3 servers over {fig['transport']}, replicas 1: step "
+            f"{fig['step_s_replicas_1']} s vs {fig['step_s_replicas_0']} s with replicas 0 = {fig['ratio']}x "
+            f"[bar {fig['bar_ratio']}x: {ok_ratio}]",
+            f"failover: SIGKILL of a primary to the first completed step {fig['failover_s']} s "
+            f"(heartbeat timeout {fig['heartbeat_timeout_s']} s) [bar {fig['bar_failover_s']} s: {ok_fail}]"]
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.replication", description=__doc__.split("\n\n")[0])
+    p.add_argument("--sizes", default=DEFAULT_SIZES, help="dense model's float32 tensor sizes")
+    p.add_argument("--steps", type=int, default=8, help="timed steps (default 8)")
+    p.add_argument("--repeats", type=int, default=1, help="alternate runs of replicas 0 and 1 (default 1)")
+    p.add_argument("--transport", choices=("shm", "tcp", "grpc"), default="shm")
+    args = p.parse_args(argv)
+    fig = emit("replication",
+               **replication(parse_sizes(args.sizes), args.steps, args.repeats, args.transport))
+    print("\n".join(summary(fig)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
