@@ -59,6 +59,10 @@ def p99_ms(latencies: list[float]) -> float:
     return float(np.percentile(latencies, 99) * 1e3)
 
 
+def p90_ms(latencies: list[float]) -> float:
+    return float(np.percentile(latencies, 90) * 1e3)
+
+
 def test_a_flood_is_held_to_the_budget_and_a_worker_beside_it_keeps_stepping(procs: Procs) -> None:
     server = procs.python("ps", "-m", "pshard.ps_server", "--bind", "127.0.0.1:0", "--no-scheduler",
                           "--mode", "async", "--max-inflight-mb", str(BUDGET_MIB), "--log-level", "WARNING")
@@ -97,12 +101,16 @@ def test_a_flood_is_held_to_the_budget_and_a_worker_beside_it_keeps_stepping(pro
           f"{settled / MIB:.0f} MiB {settled_after_s:.1f} s after it")
     print(f"worker step p99: {p99_ms(quiet):.2f} ms without the flood ({len(quiet)} steps), "
           f"{p99_ms(loud):.2f} ms during it ({len(loud)} steps); transport {transports}")
+    print(f"worker step p90: {p90_ms(quiet):.2f} ms without the flood, {p90_ms(loud):.2f} ms during it")
     assert stats["requests"] >= FLOOD_S * 5, f"the flood hardly flooded: {stats}"
     assert peak <= (BUDGET_MIB + 200) * MIB, f"peak RSS {peak / MIB:.0f} MiB"
     assert settled - baseline <= 100 * MIB, f"RSS {settled / MIB:.0f} MiB, baseline {baseline / MIB:.0f}"
     if p99_ms(loud) > 5 * p99_ms(quiet):
-        # Known limit, measured: grpcio's aio server receives each 4 MiB request on the event loop that
-        # the handlers (and the shm/tcp fast paths) share, 6-9 ms of loop time per request, and a flood
-        # keeps it receiving. A gRPC server on a loop of its own took a bystander loop's p99 only to
-        # ~6 ms on these two cores. Reported in issue 7; the memory bounds above hold regardless.
+        # Known limit, measured (docs/architecture.md, 10 Running): grpcio's aio server receives each
+        # 4 MiB request on the event loop that the handlers and the shm/tcp fast paths share, copying its
+        # bytes into Python twice before a handler sees them, and a flood keeps it receiving. A server
+        # that refused every large request unread still gave the bystander a p99 of 3-8 ms; a smaller
+        # GIL switch interval and one large request at a time on the loop changed nothing measurable on
+        # these two shared cores. Meeting the bar needs the fast paths off gRPC's loop (a thread of their
+        # own with a thread-safe store, or another process). The memory bounds above hold regardless.
         pytest.xfail(f"worker p99 {p99_ms(loud):.1f} ms during the flood > 5 x {p99_ms(quiet):.2f} ms")
