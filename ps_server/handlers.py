@@ -237,6 +237,8 @@ class ParameterServerHandlers:
     def _promote(self, keys: Iterable[SliceKey]) -> None:
         """Take over, as primary, the slices of `keys` this server holds only as a backup: a worker
         routes here for them only once the scheduler's layout made this server their primary."""
+        if not self._gained and self.replica_set.empty:
+            return  # the common case, and every request of a job without replicas: nothing to look up
         store = self._store
         keys = list(keys)
         wanted = [k for k in keys if (store is None or not store.holds(k)) and self.replica_set.holds(k)]

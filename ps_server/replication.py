@@ -158,6 +158,10 @@ class ReplicaSet:
         with self._lock:
             return key in self._slots
 
+    @property
+    def empty(self) -> bool:
+        return not self._slots  # a racy read is fine: a request routed here after a failover finds them
+
     def take(self, keys: Iterable[SliceKey]) -> list[Slot]:
         """Hand over the copies of `keys` (those held) to become this server's own slices."""
         with self._lock:
