@@ -141,7 +141,8 @@ class ReplicaSet:
                     continue
                 if slot.version >= r.version:
                     continue  # already replayed (a batch resent after a lost reply)
-                slot.apply_mean(np.array(r.value, copy=True), r.summed)  # the primary's very step
+                # The primary's very step; a sum is scratch to it (divided in place), one gradient only read.
+                slot.apply_mean(np.array(r.value, copy=True) if r.summed > 1 else r.value, r.summed)
                 slot.last_clock = dict(r.clocks)
                 slot.max_clock = max(slot.max_clock, max(r.clocks.values(), default=NO_CLOCK))
                 self.records_applied += 1
