@@ -196,7 +196,8 @@ class ParameterServerHandlers:
         if self._store is not None:
             replicator.attach(self._store)
 
-    def replicate(self, config: JobConfig, records: Sequence[Record]) -> list[SliceKey]:
+    def replicate(self, config: JobConfig, records: Sequence[Record], primary: str = "",
+                  release: bool = False) -> list[SliceKey]:
         """Backup side of a Replicate call: replay a primary's records; the slices it must resend whole.
 
         A slice this server took over as primary is refused: its sender was declared dead and is still
@@ -208,7 +209,11 @@ class ParameterServerHandlers:
             if taken is not None:
                 raise StaleGenerationError(f"replicate: slice {str(taken)!r} has this server as its primary "
                                            "since a failover; the sender was declared dead")
-        return self.replica_set.apply(config, records)
+        if release:
+            dropped = self.replica_set.release(primary)
+            log.info("replication: %s no longer forwards here; dropped its %d copies", primary, dropped)
+            return []
+        return self.replica_set.apply(config, records, primary)
 
     def set_ownership(self, version: int, owned: frozenset[SliceKey]) -> None:
         """Layout `version` makes this server primary of `owned` (follow_scheduler, with replicas)."""

@@ -117,15 +117,27 @@ class ReplicaSet:
         self.config: JobConfig | None = None
         self._optimizer: Optimizer | None = None
         self._slots: dict[SliceKey, Slot] = {}
+        self._origin: dict[SliceKey, str] = {}  # which primary each copy came from
         self._lock = threading.Lock()
         self.records_applied = 0
 
-    def apply(self, config: JobConfig, records: Iterable[Record]) -> list[SliceKey]:
+    def release(self, primary: str) -> int:
+        """Drop the copies `primary` sent (it forwards elsewhere now); how many. A stale copy kept would
+        cost memory, and could be promoted after a second failure instead of failing loudly."""
+        with self._lock:
+            keys = [k for k, origin in self._origin.items() if origin == primary]
+            for key in keys:
+                self._slots.pop(key, None)
+                del self._origin[key]
+            return len(keys)
+
+    def apply(self, config: JobConfig, records: Iterable[Record], primary: str = "") -> list[SliceKey]:
         """Replay `records` in order; the slices whose history has a gap (their state is needed)."""
         with self._lock:
             if self.config != config:
                 self.config, self._optimizer = config, make_optimizer(config.optimizer)
-                self._slots.clear()  # another job's (or a reconfigured) copies mean nothing now
+                self._slots.clear()
+                self._origin.clear()  # another job's (or a reconfigured) copies mean nothing now
             need: list[SliceKey] = []
             for r in records:
                 if r.key in need:
@@ -134,6 +146,7 @@ class ReplicaSet:
                 if r.state:
                     if slot is None or r.version >= slot.version:
                         self._slots[r.key] = self._from_state(r)
+                        self._origin[r.key] = primary
                         self.records_applied += 1
                     continue
                 if slot is None or slot.version < r.version - 1:
@@ -166,6 +179,8 @@ class ReplicaSet:
     def take(self, keys: Iterable[SliceKey]) -> list[Slot]:
         """Hand over the copies of `keys` (those held) to become this server's own slices."""
         with self._lock:
+            for key in keys:
+                self._origin.pop(key, None)
             return [self._slots.pop(k) for k in keys if k in self._slots]
 
     def keys(self) -> list[SliceKey]:
@@ -230,6 +245,7 @@ class Replicator:
             b.wake.set()
             log.warning("replication: %s is no longer a backup of %s (%d records unsent)", b.address,
                         self.own, len(b.queue))
+            self._loop.run_in_executor(None, self._release, b.address)
         for address in new:
             backup = self._backups.get(address)
             if backup is not None:
@@ -365,6 +381,13 @@ class Replicator:
                 delay = _RETRY_S[0]
                 self._sent(b, batch, [codec.slice_id_from_proto(k) for k in reply.need_state])
                 await self._notify()
+
+    def _release(self, address: str) -> None:
+        """Tell a former backup to drop our copies; best effort (a dead one has nothing to drop)."""
+        try:
+            self._send(address, pb.ReplicateRequest(primary=self.own, release=True))
+        except Exception as e:
+            log.debug("replication: could not release %s: %s", address, e)
 
     def _send_batch(self, address: str, batch: Sequence[Record], config: JobConfig) -> pb.ReplicateResponse:
         request = pb.ReplicateRequest(primary=self.own, config=codec.job_to_proto(config),

@@ -35,6 +35,7 @@ from pshard.common.errors import (
     PullTimeoutError,
 )
 from pshard.common.framing import FramePacker, SliceReader
+from pshard.common.job import JobConfig
 from pshard.common.rpc_status import maps_stream_errors, set_status
 from pshard.common.types import SliceKey
 from pshard.ps_server.budget import InflightBudget, Reservation
@@ -255,11 +256,12 @@ class ParameterServerServicer:
     async def Replicate(self, request: pb.ReplicateRequest, context: grpc.aio.ServicerContext
                         ) -> pb.ReplicateResponse:
         # Server to server (docs/architecture.md, 9 Failures); the role table lets only servers call it.
-        config = codec.job_from_proto(request.config)
+        records, primary, release = request.records, request.primary, request.release
+        config = JobConfig() if release else codec.job_from_proto(request.config)  # a release carries none
         # Decoding and replaying copy and step every byte: off the event loop (the replica set locks itself).
-        records = request.records
         need = await asyncio.get_running_loop().run_in_executor(
-            self._executor, lambda: self._handlers.replicate(config, [record_from_proto(r) for r in records]))
+            self._executor, lambda: self._handlers.replicate(
+                config, [record_from_proto(r) for r in records], primary, release))
         return pb.ReplicateResponse(need_state=[codec.slice_id_to_proto(k) for k in need])
 
     async def Checkpoint(self, request: pb.CheckpointRequest, context: grpc.aio.ServicerContext

@@ -123,3 +123,18 @@ def test_another_jobs_copies_are_dropped():
     assert backup.keys() == [A, B]
     backup.apply(ADAM_SYNC, [])
     assert backup.keys() == []
+
+
+def test_a_release_drops_only_that_primarys_copies():
+    first, second = _primary(ADAM_ASYNC, ("w0",)), ShardStore(ADAM_ASYNC, quorum={"w0": 0})
+    second.declare([(SliceKey("c"), np.zeros(7, np.float32))])
+    backup = ReplicaSet()
+    recorders = Recorder(first), Recorder(second)
+    _train(first, ("w0",), range(1))
+    second.push(Stamp("w0", 0, 0), {SliceKey("c"): np.ones(7, np.float32)})
+    for recorder, name in zip(recorders, ("p0", "p1"), strict=True):
+        backup.apply(ADAM_ASYNC, recorder.records, name)
+    assert backup.keys() == [A, B, SliceKey("c")]
+    assert backup.release("p0") == 2
+    assert backup.keys() == [SliceKey("c")]
+    assert backup.release("p0") == 0
