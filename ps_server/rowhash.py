@@ -25,6 +25,7 @@ _TOMB = -1
 _MIN_SLOTS = 1 << 10
 _MAX_LOAD = 0.6
 MAX_ROWS = 2**31 - 2  # row + 1 must fit the int32 slots
+_RECENT = 4  # lookups remembered (IdIndex._recent)
 _FIRST_WINDOW, _WINDOW = 4, 16  # slots a probe round reads per id: the first round, the next ones
 _STEPS = np.arange(_WINDOW)
 
@@ -37,6 +38,11 @@ class IdIndex:
         self.high = 0  # rows ever handed out: every live row is below it
         self.live = 0
         self._tombs = 0
+        # Answers of the last few lookups, valid while no insertion or deletion happened (`_changes`):
+        # a worker pushes the very ids it pulled a moment before (a forward's rows, then their
+        # gradients), and several workers interleave their requests.
+        self._changes = 0
+        self._recent: list[tuple[int, np.ndarray, np.ndarray]] = []
 
     def __len__(self) -> int:
         return self.live
@@ -89,6 +95,14 @@ class IdIndex:
         """Row of each id (any order, repeats allowed), -1 where absent."""
         if len(ids) == 0:
             return np.zeros(0, np.int64)
+        for changes, seen, rows in self._recent:
+            if changes == self._changes and len(seen) == len(ids) and np.array_equal(seen, ids):
+                return rows.copy()
+        rows = self._lookup(ids)
+        self._recent = [(self._changes, ids.copy(), rows.copy()), *self._recent[:_RECENT - 1]]
+        return rows
+
+    def _lookup(self, ids: np.ndarray) -> np.ndarray:
         # Most ids sit in their home slot (load <= 60%): resolve those in one pass, without the probe
         # loop's bookkeeping, and probe only the rest.
         s = self._slots[self._home(ids)]
@@ -113,6 +127,7 @@ class IdIndex:
                                      f"{n} more asked for (spread the table over more servers, or cap it)")
         if (self.live + self._tombs + n) > _MAX_LOAD * len(self._slots):
             self._rehash(self.live + n)
+        self._changes += 1
         rows = self._take_rows(n)
         self.ids[rows] = ids
         mask = len(self._slots) - 1
@@ -144,6 +159,7 @@ class IdIndex:
         slot = self._probe(self.ids[rows])
         if (slot < 0).any():
             raise ValueError("IdIndex.delete_rows: a row is not live")
+        self._changes += 1
         self._slots[slot] = _TOMB
         self._tombs += len(rows)
         self.live -= len(rows)

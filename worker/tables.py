@@ -95,6 +95,8 @@ class TableClient:
         self.configs: dict[str, TableConfig] = {}
         # What each server's last table request used: "shm", "tcp" or "grpc".
         self.transports = ["grpc"] * len(self._stubs)
+        # The last few calls' ids and their splits: a push is most often of the ids just pulled.
+        self._splits: list[tuple[np.ndarray, _Split]] = []
 
     def declare(self, config: TableConfig) -> None:
         """Declare the table on every server (the first declaration wins; a different one is refused)."""
@@ -105,7 +107,7 @@ class TableClient:
     def pull(self, table: str, ids: np.ndarray, clock: int = 0) -> np.ndarray:
         """Rows of `ids` (any shape, repeats allowed): an array of shape ids.shape + (dim,)."""
         config = self._config(table)
-        split = _Split(ids, len(self._stubs))
+        split = self._split(ids)
         rows = np.empty((len(split.ids), config.dim), config.np_dtype)
         worker = self._client.worker_id
 
@@ -129,7 +131,7 @@ class TableClient:
     def push(self, table: str, ids: np.ndarray, grads: np.ndarray, clock: int = 0) -> int:
         """Apply `grads` (ids.shape + (dim,)) to the rows of `ids`, repeated ids summed; rows stored."""
         config = self._config(table)
-        split = _Split(ids, len(self._stubs))
+        split = self._split(ids)
         summed = self._coalesce(config, split, grads)
 
         def call(s: int, stub: pb_grpc.SparseTablesServiceStub) -> int:
@@ -151,9 +153,9 @@ class TableClient:
                   clock: int = 0) -> np.ndarray:
         """Push as `push`, then pull `pull_ids` as `pull`, in one round trip per server."""
         config = self._config(table)
-        split = _Split(ids, len(self._stubs))
+        split = self._split(ids)
         summed = self._coalesce(config, split, grads)
-        want = _Split(pull_ids, len(self._stubs))
+        want = self._split(pull_ids)
         rows = np.empty((len(want.ids), config.dim), config.np_dtype)
 
         def call(s: int, stub: pb_grpc.SparseTablesServiceStub) -> None:
@@ -185,6 +187,15 @@ class TableClient:
                                                              timeout=self._client._timeout_s))
 
     # ---- helpers ----
+
+    def _split(self, ids: np.ndarray) -> _Split:
+        ids = np.asarray(ids)
+        for seen, split in self._splits:
+            if seen.shape == ids.shape and seen.dtype == ids.dtype and np.array_equal(seen, ids):
+                return split
+        split = _Split(ids, len(self._stubs))
+        self._splits = [(ids.copy(), split), *self._splits[:1]]
+        return split
 
     def _config(self, table: str) -> TableConfig:
         config = self.configs.get(table)

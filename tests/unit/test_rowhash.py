@@ -45,3 +45,16 @@ def test_a_large_batch_round_trips_through_rehashes() -> None:
     assert (index.lookup(ids[::2]) == -1).all() and (index.lookup(ids[1::2]) == rows[1::2]).all()
     again = index.insert(ids[::2])  # freed rows are reused: none beyond the peak
     assert again.max() < len(ids) and (index.lookup(ids[::2]) == again).all()
+
+
+def test_a_repeated_lookup_sees_every_insertion_and_deletion_in_between() -> None:
+    index = IdIndex()
+    ids = np.array([5, -7, 2**40], np.int64)
+    assert (index.lookup(ids) == -1).all()
+    rows = index.insert(ids[:2])
+    np.testing.assert_array_equal(index.lookup(ids), [rows[0], rows[1], -1])
+    index.delete_rows(rows[:1])
+    np.testing.assert_array_equal(index.lookup(ids), [-1, rows[1], -1])
+    answer = index.lookup(ids)
+    answer[:] = 99  # the caller owns its answer: the remembered one is not changed through it
+    np.testing.assert_array_equal(index.lookup(ids), [-1, rows[1], -1])
