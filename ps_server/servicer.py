@@ -55,9 +55,9 @@ _OFFLOAD_BYTES = 1 << 20
 # Requests up to this size are parsed on the event loop, bigger ones on the thread pool. Parsing is
 # a copy (a few GB/s: ~1 ms at this bound), while a hand-off to a thread costs the loop more under
 # load: the parsing thread holds the GIL, and each time the loop releases it (any system call) it
-# waits up to the interpreter's switch interval (5 ms) to get it back. Measured with
-# tests/e2e/test_flood.py: parsing the flood's 4 MiB requests on the loop took the bystander
-# worker's p90 during the flood from 1.3-3.7 ms to 0.3-0.5 ms (docs/architecture.md, 10 Running).
+# waits up to the interpreter's switch interval (5 ms) to get it back. Measured with the flood of
+# tests/e2e/test_flood.py (4 MiB requests), interleaved runs: the bystander worker's median p90
+# fell from ~2 ms to ~0.5 ms; its p99 did not change measurably (docs/architecture.md, 10 Running).
 _PARSE_ON_LOOP_BYTES = 8 << 20
 
 Request = TypeVar("Request", bound=Message)
