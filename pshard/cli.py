@@ -48,7 +48,8 @@ COMMANDS: dict[str, Command] = {
     "plot": Command("pshard.plot", "draw loss and accuracy curves from metrics JSON lines"),
     "evaluate": Command("pshard.evaluate", "reload a saved model and print its test accuracy"),
     "certs": Command("pshard.certs", "make a development CA and node certificates (kept once made)"),
-    "checkpoint": Command("pshard.checkpoints", "list, export (torch state_dict) or prune global checkpoints"),
+    "checkpoint": Command("pshard.checkpoints",
+                          "list, export (torch state_dict) or prune global checkpoints"),
 }
 
 # TF_CONFIG task type (any case, as TensorFlow reads it) -> subcommand; "master" is the old chief.

@@ -48,7 +48,8 @@ def test_slices_are_re_cut_by_range_whatever_the_pieces_were(tmp_path: Path) -> 
 
 def test_a_model_that_does_not_match_the_checkpoint_is_refused(tmp_path: Path) -> None:
     checkpoint = _take(tmp_path, 1)
-    with pytest.raises(ckpt.CheckpointError, match=r"parameter 'p' has shape \(2, 5\), the model has \(10,\)"):
+    with pytest.raises(ckpt.CheckpointError,
+                       match=r"parameter 'p' has shape \(2, 5\), the model has \(10,\)"):
         shard_snapshot(checkpoint, JOB, {SliceKey("p"): ckpt.Range("p", 0, 10, (10,))}, None)
     with pytest.raises(ckpt.CheckpointError, match=r"parameters \['q'\] are not in it"):
         shard_snapshot(checkpoint, JOB, {SliceKey("q"): ckpt.Range("q", 0, 10, (2, 5))}, None)
