@@ -151,7 +151,9 @@ class Proc:
                                      f"a line matching {pattern!r}:\n{self.output()}")
             return None
 
-        return wait_until(found, timeout_s, f"{self.name} to print {pattern!r}")
+        match = wait_until(found, timeout_s, f"{self.name} to print {pattern!r}")
+        assert match is not None  # wait_until returns only something truthy
+        return match
 
     def final(self) -> dict[str, str] | None:
         """The fields of the process's `final:` line, or None."""

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Any
 
 import grpc
 import numpy as np
@@ -130,7 +131,7 @@ class Wire:
                             dtype=codec.dtype_to_proto(dtype), shape=list(shape))
 
     @staticmethod
-    def header_frame(**fields: object) -> bytes:
+    def header_frame(**fields: Any) -> bytes:  # ExchangeHeader's own keyword arguments, each its own type
         return codec.encode_frame(pb.ExchangeRequest(header=pb.ExchangeHeader(**fields)))
 
     @staticmethod
