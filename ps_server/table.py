@@ -114,7 +114,7 @@ class SparseTable:
             out[missing] = initial_rows(self.config, ids[missing])
             rows = rows[found]
         else:  # every id a row (the common case): one gather, no boolean masks, no temporary
-            np.take(self.values, rows, axis=0, out=out)
+            np.take(self.values, rows, axis=0, out=out, mode="clip")  # "raise" would buffer `out`
         self.touch[rows] = now
         self._enforce_cap(rows, now)
         return out
