@@ -38,7 +38,7 @@ from bench.tls import make_pki, server_args, worker_id, worker_security
 
 def _dense_worker(run: WorkerRun, addresses: list[str], sizes: list[int], lr: float, warmup: int,
                   steps: int, profile_dir: str | None, server_pids: list[int], transport: str,
-                  pki: str | None) -> dict[str, float]:
+                  pki: str | None) -> dict[str, float | list[float]]:
     import numpy as np
     from pshard.common.job import JobConfig, OptimizerConfig
     from pshard.worker.client import PSClient

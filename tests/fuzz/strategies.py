@@ -20,7 +20,7 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Literal
 
 from google.protobuf import message_factory
 from google.protobuf.descriptor import Descriptor, FieldDescriptor
@@ -115,7 +115,7 @@ def scalar(field: FieldDescriptor) -> st.SearchStrategy[Any]:
     if cpp in INT_EXTREMES:
         return ints(cpp)
     if cpp in (_F.CPPTYPE_DOUBLE, _F.CPPTYPE_FLOAT):
-        width = 32 if cpp == _F.CPPTYPE_FLOAT else 64
+        width: Literal[32, 64] = 32 if cpp == _F.CPPTYPE_FLOAT else 64
         return st.one_of(st.sampled_from(ABSURD_FLOATS), st.floats(width=width))
     if cpp == _F.CPPTYPE_BOOL:
         return st.booleans()

@@ -19,7 +19,7 @@ import io
 import json
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, TypeAlias
 
 import numpy as np
 import pytest
@@ -31,7 +31,8 @@ torch = pytest.importorskip("torch")  # only the parameter server's image goes w
 
 STEPS = 50
 SHAPES = [(), (0,), (7,), (33, 65)]  # 65 columns: a tail the SIMD kernels handle element by element
-DTYPES = [np.float32, np.float64]
+FloatType: TypeAlias = type[np.floating[Any]]  # the slice dtypes optimizers compute in
+DTYPES: list[FloatType] = [np.float32, np.float64]
 RTOL = {np.float32: 1e-6, np.float64: 1e-12}
 
 CONFIGS = [
@@ -119,7 +120,8 @@ class TorchTwin:
         return state
 
 
-def random_problem(shape: tuple[int, ...], dtype: type, seed: int) -> tuple[np.ndarray, list[np.ndarray]]:
+def random_problem(shape: tuple[int, ...], dtype: FloatType,
+                   seed: int) -> tuple[np.ndarray, list[np.ndarray]]:
     rng = np.random.default_rng(seed)
     initial = rng.standard_normal(shape).astype(dtype)
     grads = [rng.standard_normal(shape).astype(dtype) for _ in range(STEPS)]
@@ -148,7 +150,7 @@ def save_and_load(state: SliceState) -> SliceState:
     arrays = {k: v for k, v in state.items() if isinstance(v, np.ndarray)}
     numbers = json.dumps({k: v for k, v in state.items() if not isinstance(v, np.ndarray)})
     buffer = io.BytesIO()
-    np.savez(buffer, **arrays)
+    np.savez(buffer, allow_pickle=False, **arrays)
     buffer.seek(0)
     with np.load(buffer, allow_pickle=False) as npz:
         restored: SliceState = {k: npz[k] for k in npz.files}
@@ -159,7 +161,7 @@ def save_and_load(state: SliceState) -> SliceState:
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: d.__name__)
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
 @pytest.mark.parametrize("config", CONFIGS, ids=config_id)
-def test_fifty_steps_match_torch(config: OptimizerConfig, shape: tuple[int, ...], dtype: type) -> None:
+def test_fifty_steps_match_torch(config: OptimizerConfig, shape: tuple[int, ...], dtype: FloatType) -> None:
     initial, grads = random_problem(shape, dtype, seed=len(shape) + 7 * CONFIGS.index(config))
     optimizer, twin = make_optimizer(config), TorchTwin(config, initial)
     param = initial.copy()
@@ -198,7 +200,7 @@ def test_state_survives_savez_round_trip_and_keeps_matching_torch(name: str) -> 
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: d.__name__)
 @pytest.mark.parametrize(("config", "keys"), EXPECTED_KEYS, ids=[config_id(c) for c, _ in EXPECTED_KEYS])
 def test_init_state_has_torch_keys_with_slice_shape_and_dtype(
-    config: OptimizerConfig, keys: set[str], dtype: type
+    config: OptimizerConfig, keys: set[str], dtype: FloatType
 ) -> None:
     param = np.ones((3, 4), dtype=dtype)
 
@@ -223,7 +225,7 @@ def test_adagrad_accumulator_starts_at_initial_value() -> None:
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: d.__name__)
-def test_aggregate_makes_the_slice_hold_the_gradient(dtype: type) -> None:
+def test_aggregate_makes_the_slice_hold_the_gradient(dtype: FloatType) -> None:
     optimizer = make_optimizer(OptimizerConfig(name="aggregate", lr=0.5, weight_decay=0.1))
     param = np.full((2, 3), 7.0, dtype=dtype)
     grad = np.arange(6, dtype=dtype).reshape(2, 3)
