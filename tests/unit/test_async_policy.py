@@ -98,7 +98,8 @@ def test_concurrent_pushes_from_8_threads_are_all_applied_exactly(optimizer: Opt
     run_together([worker(w) for w in range(workers)])
 
     for i, (value, version) in enumerate(store.read(keys)):
-        expected = -sum(grad(w, c, i).astype(np.float64) for w in range(workers) for c in range(clocks))
+        expected = -sum((grad(w, c, i).astype(np.float64) for w in range(workers) for c in range(clocks)),
+                        np.zeros(SIZE))
         np.testing.assert_array_equal(value, expected.astype(np.float32))
         assert version == workers * clocks
     assert store.stats().pushes_applied == workers * clocks * len(keys)

@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import itertools
 import re
-from typing import TypeVar
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import hypothesis.extra.numpy as hnp
 import numpy as np
 import pytest
 import torch
+from google.protobuf.message import Message
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from pshard.common import codec, dtypes
@@ -25,12 +27,12 @@ from pshard.api.v1 import parameter_server_pb2 as ps_pb
 from pshard.api.v1 import scheduler_pb2 as sched_pb
 from pshard.api.v1 import tensor_pb2 as tensor_pb
 
-M = TypeVar("M")
+M = TypeVar("M", bound=Message)
 FLOATS = ("float32", "float64", "float16", "bfloat16")
 SHAPES = hnp.array_shapes(min_dims=0, max_dims=4, min_side=0, max_side=5)
 # Every bit pattern of a float dtype (NaN payloads, signalling NaNs) comes from its same-width uint.
-_BITS = {"float32": np.dtype("<u4"), "float64": np.dtype("<u8"), "float16": np.dtype("<u2"),
-         "bfloat16": np.dtype("<u2")}
+_BITS: dict[str, np.dtype[Any]] = {"float32": np.dtype("<u4"), "float64": np.dtype("<u8"),
+                                   "float16": np.dtype("<u2"), "bfloat16": np.dtype("<u2")}
 
 
 def wire_arrays(dtype: str) -> st.SearchStrategy[WireArray]:
@@ -122,7 +124,8 @@ def test_negative_dimension_is_invalid() -> None:
 
 @pytest.mark.parametrize("enum", [tensor_pb.DTYPE_UNSPECIFIED, 99])
 def test_unknown_dtype_enum_is_a_dtype_mismatch_naming_the_value(enum: int) -> None:
-    t = tensor_pb.Tensor(dtype=enum, shape=[1], data=b"\0")
+    # protoc's stubs take only the enum's members; proto3 enums are open, so any int32 goes on the wire.
+    t = tensor_pb.Tensor(dtype=enum, shape=[1], data=b"\0")  # type: ignore[arg-type]
 
     with pytest.raises(DTypeMismatchError, match=rf"enum value {enum}\b"):
         codec.tensor_from_proto(t)
@@ -351,7 +354,8 @@ def test_data_frame_is_an_ordinary_exchange_message_both_ways(size: int, cuts: l
                                                                seed: int) -> None:
     payload = np.random.default_rng(seed).integers(0, 256, size, dtype=np.uint8).tobytes()
     edges = [0, *sorted(int(c * size) for c in cuts), size]
-    kinds = [bytes, memoryview, lambda b: np.frombuffer(b, np.uint8)]
+    kinds: list[Callable[[bytes], bytes | memoryview | np.ndarray]] = [
+        bytes, memoryview, lambda b: np.frombuffer(b, np.uint8)]
     parts = [kinds[i % 3](payload[a:b]) for i, (a, b) in enumerate(itertools.pairwise(edges))]
 
     frame = codec.encode_data_frame(parts)

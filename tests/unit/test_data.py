@@ -6,6 +6,7 @@ import gzip
 import logging
 import struct
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -66,7 +67,7 @@ def test_synthetic_idx_round_trips(tmp_path: Path, suffix: str) -> None:
 @pytest.mark.parametrize(("code", "dtype"), [(0x09, np.int8), (0x0B, np.int16), (0x0C, np.int32),
                                              (0x0D, np.float32), (0x0E, np.float64)])
 def test_multibyte_idx_dtypes_are_big_endian_on_disk_and_native_in_memory(
-    tmp_path: Path, code: int, dtype: type
+    tmp_path: Path, code: int, dtype: type[np.number[Any]]
 ) -> None:
     array = np.array([[-3, 1], [2, 100]], dtype=dtype)
     parsed = read_idx(write_idx(tmp_path / "x.idx", array, code=code))

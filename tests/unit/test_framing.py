@@ -8,7 +8,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from pshard.common.codec import decode_data_frame
 from pshard.common.errors import PayloadSizeError
-from pshard.common.framing import FramePacker, SliceReader, pack_frames
+from pshard.common.framing import Buffer, FramePacker, SliceReader, pack_frames
 
 
 def make_slices(sizes: list[int], seed: int = 0) -> list[bytes]:
@@ -72,9 +72,11 @@ def test_a_slice_inside_one_frame_is_a_zero_copy_view_of_that_frame(sizes: list[
 
 
 def test_typed_arrays_travel_as_their_raw_bytes() -> None:
-    buffers = [np.arange(5, dtype=np.float32), np.zeros((0, 3), np.float64), np.array(2.5, np.float64),
-               np.array([True, False, True]), np.arange(12, dtype=np.int16).reshape(3, 4).T,
-               memoryview(np.arange(4, dtype=np.int64)), b"tail"]
+    # .data is memoryview(array); numpy's stubs call an ndarray a Buffer only on Python 3.12 and later.
+    buffers: list[Buffer] = [np.arange(5, dtype=np.float32), np.zeros((0, 3), np.float64),
+                             np.array(2.5, np.float64), np.array([True, False, True]),
+                             np.arange(12, dtype=np.int16).reshape(3, 4).T, np.arange(4, dtype=np.int64).data,
+                             b"tail"]
     raw = [np.ascontiguousarray(b).tobytes() if isinstance(b, np.ndarray) else bytes(b) for b in buffers]
 
     got = read_back([len(r) for r in raw], payloads_of(list(pack_frames(buffers, 7))))

@@ -98,10 +98,11 @@ def test_evaluate_scores_the_test_split_and_leaves_the_model_training() -> None:
     labels = np.array([0] * 1200 + [1] * 300, np.int64)
     images = np.zeros((1500, 1, 4, 4), np.float32)
     data = Dataset("fixed", images[:2], labels[:2], images, labels, 2, (1, 4, 4))
-    model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(16, 2))
+    linear = torch.nn.Linear(16, 2)
+    model = torch.nn.Sequential(torch.nn.Flatten(), linear)
     with torch.no_grad():
-        model[1].weight.zero_()
-        model[1].bias.copy_(torch.tensor([1.0, 0.0]))
+        linear.weight.zero_()
+        linear.bias.copy_(torch.tensor([1.0, 0.0]))
 
     accuracy, loss = evaluate(model, data, torch.device("cpu"))
 
