@@ -37,6 +37,8 @@ from bench.replication import summary as replication_summary
 from bench.sparse import memory as sparse_memory
 from bench.sparse import throughput as sparse_throughput
 from bench.tls import make_pki
+from bench.training import BAR as TRAINING_BAR
+from bench.training import training
 
 TRANSPORTS = ("grpc", "tcp", "shm")
 # Bars of issue 8: dense MB/s as a fraction of a ceiling, and small push+pull p50 per transport.
@@ -155,6 +157,9 @@ def main(argv: list[str] | None = None) -> int:
     sparse_mem = emit("sparse_memory", **sparse_memory(rows=1_000_000 if args.quick else 10_000_000))
     # Replication (issue 10): replicas 1 vs 0 on 3 servers, and the failover time after a SIGKILL.
     repl = emit("replication", **replication(sizes, steps=steps))
+    # Training (issue 8): the demo CNN with 2 servers, with and without overlap, against local torch.optim.
+    train = emit("training_steps", **training(steps=40 if args.quick else 200,
+                                              repeats=1 if args.quick else 3))
 
     m = machine()
     print(f"\n# pshard bench on {m['cpu']} ({m['cores']} cores), Python {m['python']}, grpcio {m['grpcio']}; "
@@ -188,6 +193,11 @@ def main(argv: list[str] | None = None) -> int:
     print("\n".join(replication_summary(repl)))
     print(f"sparse memory, {sparse_mem['rows']} rows of dim {sparse_mem['dim']} (adagrad): overhead "
           f"{sparse_mem['overhead']}x of {sparse_mem['raw_mb']} MB [bar 0.3x: {ok}]")
+    ratios = [float(train[k]) for k in ("ratio_pstrainer_to_local", "ratio_overlap_to_local")]  # type: ignore[arg-type]
+    print(f"training, demo CNN, 1 worker x 2 servers: local {train['local_steps_per_s']} steps/s, PSTrainer "
+          f"{train['pstrainer_steps_per_s']} ({train['ratio_pstrainer_to_local']}x), with overlap "
+          f"{train['overlap_steps_per_s']} ({train['ratio_overlap_to_local']}x) "
+          f"[bar {TRAINING_BAR}x: {'ok' if max(ratios) >= TRAINING_BAR else 'below'}]")
     return 0
 
 
