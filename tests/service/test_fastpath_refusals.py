@@ -30,7 +30,7 @@ def _hello(session: int, secret: bytes) -> bytes:
     return pb.TransportHello(session=session, secret=secret).SerializeToString()
 
 
-def _open(wire, server, kind: int) -> pb.OpenTransportResponse:
+def _open(wire, server, kind: pb.TransportKind) -> pb.OpenTransportResponse:
     return wire.stub(server).OpenTransport(pb.OpenTransportRequest(
         worker_id="w0", kind=kind, request_bytes=4096, reply_bytes=4096), timeout=WAIT_S)
 

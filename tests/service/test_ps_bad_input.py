@@ -28,16 +28,19 @@ from pshard.common.job import JobConfig, OptimizerConfig
 from pshard.common.layout import ParamSpec, plan_layout
 from pshard.common.rpc import CHUNK_BYTES, FRAME_SLACK_BYTES
 from pshard.common.rpc_status import ERROR_TYPE_KEY, error_from_rpc_error
+from pshard.ps_server.service import ServerThread
 from pshard.ps_server.settings import ServerSettings
 
 from pshard.api.v1 import parameter_server_pb2 as pb
 from pshard.api.v1 import tensor_pb2
 
+from .conftest import Wire
+
 CODE = grpc.StatusCode
 GENERATION = 2
 JOB = JobConfig(mode="sync", optimizer=OptimizerConfig(name="sgd", lr=0.5, momentum=0.9))
-PARAMS = {"fc.weight": np.arange(12, dtype=np.float32).reshape(3, 4) / 7,
-          "fc.bias": np.array([0.25, -1.5, 3.0, 0.125], dtype=np.float32)}
+PARAMS: dict[str, np.ndarray] = {"fc.weight": np.arange(12, dtype=np.float32).reshape(3, 4) / 7,
+                                 "fc.bias": np.array([0.25, -1.5, 3.0, 0.125], dtype=np.float32)}
 KEYS = list(PARAMS)
 
 
@@ -48,8 +51,8 @@ class Primed:
     Declared by PSClient, as workers do: slices are flat, so 'fc.weight' is stored with shape (12,).
     """
 
-    server: object
-    wire: object
+    server: ServerThread
+    wire: Wire
 
     def state(self) -> tuple[dict[str, tuple[bytes, int]], tuple]:
         """Stored bytes and versions of every slice, and the counters a refused request must not move."""
@@ -74,7 +77,7 @@ def primed(start_server, wire, new_client) -> Primed:
 F32 = tensor_pb2.DTYPE_FLOAT32
 
 
-def _raw_tensor(key: str, dtype: int, shape: list[int], data: bytes) -> tensor_pb2.SliceTensor:
+def _raw_tensor(key: str, dtype: tensor_pb2.Dtype, shape: list[int], data: bytes) -> tensor_pb2.SliceTensor:
     return tensor_pb2.SliceTensor(id=tensor_pb2.SliceId(key=key),
                                   tensor=tensor_pb2.Tensor(dtype=dtype, shape=shape, data=data))
 

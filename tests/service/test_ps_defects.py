@@ -30,7 +30,8 @@ from pshard.api.v1 import tensor_pb2
 
 CODE = grpc.StatusCode
 F32 = tensor_pb2.DTYPE_FLOAT32
-MODEL = {"w": np.arange(12, dtype=np.float32) / 7, "fc1.weight": np.linspace(-1, 1, 5, dtype=np.float32)}
+MODEL: dict[str, np.ndarray] = {"w": np.arange(12, dtype=np.float32) / 7,
+                                "fc1.weight": np.linspace(-1, 1, 5, dtype=np.float32)}
 READER = "weights-reader"  # reads the weights back; never pushes
 
 

@@ -28,11 +28,12 @@ def test_scalars_read_back_from_a_workers_event_file_match_its_metrics(procs: Pr
     def read(tag: str) -> list[tuple[int, float]]:
         return [(e.step, e.value) for e in events.Scalars(tag)]
 
-    def logged(event: str, x: str, field: str) -> list[tuple[int, float]]:
+    def logged(event: str, x: str, field: str) -> list[tuple[object, object]]:
+        """(x, field) of the `event` lines as JSON gave them; the field compares within rel 1e-6."""
         return [(r[x], pytest.approx(r[field], rel=1e-6)) for r in records if r["event"] == event]
 
-    steps = [r for r in records if r["event"] == "step"]
-    assert len(steps) >= 3 and all(r["step"] % 3 == 0 for r in steps)
+    steps = [r["step"] for r in records if r["event"] == "step"]
+    assert len(steps) >= 3 and all(isinstance(step, int) and step % 3 == 0 for step in steps)
     assert read("train/loss") == logged("step", "step", "loss")
     assert read("train/accuracy") == logged("step", "step", "accuracy")
     assert read("train/samples_per_s") == logged("step", "step", "samples_per_s")

@@ -119,10 +119,19 @@ def reference(opt: Callable[[nn.Module], torch.optim.Optimizer], x: torch.Tensor
 
 def assert_same_weights(got: nn.Module, want: nn.Module) -> None:
     for (key, a), (_, b) in zip(got.state_dict().items(), want.state_dict().items(), strict=True):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=lambda m, k=key: f"{k}: {m}")
+        def named(m: str, k: str = key) -> str:  # the default binds this iteration's key
+            return f"{k}: {m}"
+
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=named)
 
 
-OVERLAP = {"one-bucket": {"overlap": True}, "bucket-per-tensor": {"overlap": True, "bucket_bytes": 1}}
+def grad_of(param: torch.Tensor) -> torch.Tensor:
+    assert param.grad is not None, "backward() left this parameter no gradient"
+    return param.grad
+
+
+OVERLAP: dict[str, dict[str, object]] = {"one-bucket": {"overlap": True},
+                                         "bucket-per-tensor": {"overlap": True, "bucket_bytes": 1}}
 
 
 def land_by_forward(trainer: PSTrainer, x: torch.Tensor) -> None:
@@ -251,7 +260,7 @@ def test_bfloat16_parameters_are_held_as_float32_and_trained(start_servers) -> N
     with PSTrainer(model, PSClient([servers[0].address], "w0", timeout_s=WAIT_S), job) as trainer:
         assert {p.dtype for p in trainer.client.layout.params} == {"float32"}
         F.cross_entropy(model(x.to(torch.bfloat16)), y).backward()
-        grads = [p.grad.float() for p in model.parameters()]
+        grads = [grad_of(p).float() for p in model.parameters()]
         trainer.step()
 
     for p, b, g in zip(model.parameters(), before, grads, strict=True):
