@@ -10,7 +10,7 @@ import time
 import pytest
 from pshard.launcher.plan import ClusterPlan
 
-from tests.e2e.harness import SYNC, Procs, wait_healthy
+from tests.e2e.harness import SYNC, Proc, Procs, wait_healthy
 
 pytestmark = pytest.mark.e2e
 
@@ -18,7 +18,7 @@ STARTUP_S = 12  # the refusal grace is half of it
 BOUND_S = 45  # far below what the old silent waits took, and still generous on busy cores
 
 
-def _worker(procs: Procs, plan: ClusterPlan, name: str, index: int, tmp_path) -> object:
+def _worker(procs: Procs, plan: ClusterPlan, name: str, index: int, tmp_path) -> Proc:
     data = tmp_path / "empty-data"
     data.mkdir(exist_ok=True)
     task = next(t for t in plan.trainers if t.name == name)
@@ -39,7 +39,7 @@ def _servers(procs: Procs, plan: ClusterPlan, start_ps: tuple[int, ...]) -> None
         wait_healthy(task.address, proc=proc)
 
 
-def _ends_naming(proc, *texts: str) -> str:
+def _ends_naming(proc: Proc, *texts: str) -> str:
     started = time.monotonic()
     code = proc.wait(BOUND_S)
     assert code == 1, proc.output()

@@ -14,6 +14,7 @@ import sys
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parents[2]
 WAIT_S = 30.0  # a fresh interpreter importing grpc and numpy on busy cores
@@ -51,7 +52,7 @@ def catches(pid: int, sig: signal.Signals) -> bool:
     return False
 
 
-def wait_until_catching(process: subprocess.Popen[str], sig: signal.Signals,
+def wait_until_catching(process: subprocess.Popen[Any], sig: signal.Signals,
                         timeout_s: float = WAIT_S) -> None:
     """Until `process` has a handler for `sig`: its start-up has begun, but not necessarily ended."""
     deadline = time.monotonic() + timeout_s
