@@ -58,8 +58,10 @@ def test_a_worker_joins_a_running_sync_job_and_trains_its_piece_of_every_later_c
     planned = 8 * 23
     originals = [cluster.start_worker(i, *SYNC, *RUN, *TIMEOUTS) for i in (0, 1)]
     for name in ("worker-0", "worker-1"):
-        wait_until(lambda name=name: cluster.steps_logged(name) >= 5, PROGRESS_TIMEOUT_S,
-                   f"{name} to log 5 training steps")
+        def logged(name: str = name) -> bool:  # the default binds this iteration's name
+            return cluster.steps_logged(name) >= 5
+
+        wait_until(logged, PROGRESS_TIMEOUT_S, f"{name} to log 5 training steps")
 
     for proc in originals:
         proc.signal_group(signal.SIGSTOP)

@@ -49,8 +49,10 @@ DIGITS_ACCURACY_BAR = 0.90
 
 def wait_for_progress(cluster: LocalCluster, *names: str, steps: int = STEPS_BEFORE_KILL) -> None:
     for name in names:
-        wait_until(lambda name=name: cluster.steps_logged(name) >= steps, PROGRESS_TIMEOUT_S,
-                   f"{name} to log {steps} training steps")
+        def logged(name: str = name) -> bool:  # the default binds this iteration's name
+            return cluster.steps_logged(name) >= steps
+
+        wait_until(logged, PROGRESS_TIMEOUT_S, f"{name} to log {steps} training steps")
 
 
 def kill_while_running(proc: Proc) -> None:

@@ -125,5 +125,7 @@ def test_sync_training_on_two_worker_processes_matches_single_process_on_union_b
     want = replay_on_union_batches(empty_data_dir)
     assert list(saved) == list(want)
     for key in want:
-        torch.testing.assert_close(saved[key], want[key], rtol=1e-5, atol=1e-6,
-                                   msg=lambda m, k=key: f"{k}: {m}")
+        def named(m: str, k: str = key) -> str:  # the default binds this iteration's key
+            return f"{k}: {m}"
+
+        torch.testing.assert_close(saved[key], want[key], rtol=1e-5, atol=1e-6, msg=named)
