@@ -25,7 +25,7 @@ _TOMB = -1
 _MIN_SLOTS = 1 << 10
 _MAX_LOAD = 0.6
 MAX_ROWS = 2**31 - 2  # row + 1 must fit the int32 slots
-_RECENT = 4  # lookups remembered (IdIndex._recent)
+_RECENT, _RECENT_IDS = 4, 1 << 16  # lookups remembered (IdIndex._recent), of at most this many ids
 _FIRST_WINDOW, _WINDOW = 4, 16  # slots a probe round reads per id: the first round, the next ones
 _STEPS = np.arange(_WINDOW)
 
@@ -55,19 +55,20 @@ class IdIndex:
         bits = len(self._slots).bit_length() - 1
         return (mix64(ids.view(np.uint64)) >> np.uint64(64 - bits)).astype(np.int64)
 
-    def _probe(self, ids: np.ndarray) -> np.ndarray:
+    def _probe(self, ids: np.ndarray, width: int = 0) -> np.ndarray:
         """Slot of each id, or -1 - (first free slot on its probe path) when it is absent.
 
         Each round reads a window of slots per unresolved id (a row of a 2-D gather: a cache line
         or two), so a probe path costs a round per window, not a round of a dozen numpy calls per
         slot: at 50-60% load linear probing has long tails. The first window is short: most ids
-        sit within a few slots of home, and every slot read costs a random read of `ids`."""
+        sit within a few slots of home, and every slot read costs a random read of `ids`. `width`:
+        the first window (an insertion's ids are absent: most stop at the first empty slot)."""
         mask = len(self._slots) - 1
         pos = self._home(ids)
         out = np.empty(len(ids), np.int64)
         first_free = np.full(len(ids), -1, np.int64)
         todo = np.arange(len(ids))
-        width = _FIRST_WINDOW
+        width = width or _FIRST_WINDOW
         while len(todo):
             steps = _STEPS[:width]
             p = (pos[todo][:, None] + steps) & mask
@@ -99,7 +100,8 @@ class IdIndex:
             if changes == self._changes and len(seen) == len(ids) and np.array_equal(seen, ids):
                 return rows.copy()
         rows = self._lookup(ids)
-        self._recent = [(self._changes, ids.copy(), rows.copy()), *self._recent[:_RECENT - 1]]
+        if len(ids) <= _RECENT_IDS:
+            self._recent = [(self._changes, ids.copy(), rows.copy()), *self._recent[:_RECENT - 1]]
         return rows
 
     def _lookup(self, ids: np.ndarray) -> np.ndarray:
@@ -110,7 +112,8 @@ class IdIndex:
         home = (s > 0) & (self.ids[np.maximum(rows, 0)] == ids)
         if home.all():
             return rows
-        rest = np.flatnonzero(~home)
+        # An empty home slot: absent (its row reads -1 already), nothing to probe.
+        rest = np.flatnonzero(~home & (s != _EMPTY))
         slot = self._probe(ids[rest])
         found = slot >= 0
         rows[rest] = -1
@@ -131,7 +134,7 @@ class IdIndex:
         rows = self._take_rows(n)
         self.ids[rows] = ids
         mask = len(self._slots) - 1
-        slot = self._probe(ids)
+        slot = self._probe(ids, width=1)
         if (slot >= 0).any():
             raise ValueError("IdIndex.insert: an id is already present")
         pos = -1 - slot
