@@ -6,9 +6,12 @@ launcher starts each again: a server or the scheduler on its address, a restarte
 shard from the last checkpoint (every 0.5 s); a trainer rejoins at the job's current clock and trains what
 its shard plan has left, while the others go on without it.
 
-The job must complete (the launcher exits 0 once the trainers that were not killed are done) and reach
-the digits accuracy bar. The schedule is printed first and comes from PSHARD_CHAOS_SEED (default 1), so
-a failure can be replayed with the same seed.
+The job must complete (the launcher exits 0) and reach the digits accuracy bar, and every node killed
+while the job still had a while to go must have been restarted. The schedule is printed first and comes
+from PSHARD_CHAOS_SEED (default 1), so a failure can be replayed with the same seed.
+
+With `--replicas 1` instead of checkpoints this schedule fails today (seed 1: ps-2 killed twice within
+18 s): see README "Limitations".
 """
 
 from __future__ import annotations
@@ -29,10 +32,12 @@ pytestmark = [pytest.mark.e2e, pytest.mark.timeout(720)]  # the run itself is bo
 
 SEED = int(os.environ.get("PSHARD_CHAOS_SEED", "1"))
 NODES = ("scheduler", "ps-0", "ps-1", "ps-2", "worker-0", "worker-1", "worker-2")
-# 550 epochs of digits over 3 workers are 8,250 sync clocks: over two minutes here, kills included.
-EPOCHS = 550
+# 800 epochs of digits over 3 workers are 12,000 sync clocks: two to three minutes on this machine.
+EPOCHS = 800
 MIN_GAP_S, MAX_GAP_S = 10.0, 20.0
 RUN_TIMEOUT_S = 600.0
+# A kill this close to the job's end may find the trainers done before the restart's backoff is over.
+RESTART_GRACE_S = 10.0
 DIGITS_ACCURACY_BAR = 0.90  # as tests/e2e/test_failures.py: measured 0.96-0.98 for sync
 
 
@@ -94,7 +99,7 @@ def test_a_job_survives_a_seeded_schedule_of_kills(procs: Procs, tmp_path: Path)
     wait_for(lambda: metrics.exists() and metrics.stat().st_size > 0, 120, "training to start", run)
 
     started = time.monotonic()
-    done = []
+    done: list[tuple[str, float]] = []  # (victim, when)
     for kill in kills:
         deadline = time.monotonic() + kill.after_s
         while run.alive() and time.monotonic() < deadline:
@@ -106,17 +111,20 @@ def test_a_job_survives_a_seeded_schedule_of_kills(procs: Procs, tmp_path: Path)
             print(f"chaos: +{time.monotonic() - started:.0f}s {kill.victim} not running, skipped")
             continue
         os.kill(pid, signal.SIGKILL)
-        done.append(kill.victim)
+        done.append((kill.victim, time.monotonic()))
         print(f"chaos: +{time.monotonic() - started:.0f}s SIGKILL {kill.victim} (pid {pid})")
 
     code = run.wait(RUN_TIMEOUT_S)
-    elapsed = time.monotonic() - started
-    print(f"chaos: {len(done)} kills ({', '.join(done)}) in {elapsed:.0f} s of training")
+    ended = time.monotonic()
+    victims = ", ".join(v for v, _ in done)
+    print(f"chaos: {len(done)} kills ({victims}) in {ended - started:.0f} s of training")
     assert code == 0, run.output(200)
     assert len(done) >= 3, f"the job ended before the chaos had its way: {done}\n{run.output()}"
-    for victim in set(done):
-        assert any(f"{victim} restarted" in line for line in run.lines), (
-            f"{victim} was killed but never restarted:\n{run.output()}")
+    for victim, when in done:  # a kill in the job's last seconds may find the trainers done first
+        if ended - when > RESTART_GRACE_S:
+            assert any(f"{victim} restarted" in line for line in run.lines), (
+                f"{victim} was killed but never restarted:\n{run.output()}")
     results = finals(run)
     assert "worker-0" in results, run.output()
     assert chief_accuracy(*results.values()) > DIGITS_ACCURACY_BAR, results
+
