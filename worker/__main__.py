@@ -149,9 +149,10 @@ def build_parser(environ: Mapping[str, str], prog: str = PROG) -> argparse.Argum
     p.add_argument("--replicas", type=int, default=int(os.environ.get("PSHARD_REPLICAS") or 0),
                    help="backups per slice (give every server the same --replicas): a step whose server "
                         "died is sent again to the backup the scheduler promotes (default 0: none)")
-    p.add_argument("--no-overlap", dest="overlap", action="store_false",
-                   help="push all gradients after backward in one exchange, instead of each bucket as "
-                        "soon as backward produces it (overlap is the default; see PSTrainer)")
+    p.add_argument("--overlap", action="store_true",
+                   help="push each bucket of gradients as soon as backward produces it and land the weights "
+                        "layer by layer at the next forward (PSTrainer's overlap), instead of one exchange "
+                        "after backward; it pays where compute and network do not share the same few cores")
     p.add_argument("--shm-dir", metavar="DIR", default=D.SHM_DIR,
                    help=f"directory of shared-memory segments, shared with the servers (default {D.SHM_DIR})")
     limits = p.add_argument_group("timeouts")

@@ -90,7 +90,9 @@ def final_line(stdout: str) -> str:
     return lines[0]
 
 
-def test_sync_training_on_two_worker_processes_matches_single_process_on_union_batch(tmp_path: Path) -> None:
+@pytest.mark.parametrize("overlap", [(), ("--overlap",)], ids=["one-exchange", "overlap"])
+def test_sync_training_on_two_worker_processes_matches_single_process_on_union_batch(
+        tmp_path: Path, overlap: tuple[str, ...]) -> None:
     empty_data_dir = tmp_path / "no-fashion-mnist"  # empty: the workers fall back to sklearn's digits
     empty_data_dir.mkdir()
     model_path = tmp_path / "model.pt"
@@ -107,7 +109,7 @@ def test_sync_training_on_two_worker_processes_matches_single_process_on_union_b
             "--lr", str(LR),
             "--momentum", str(MOMENTUM), "--max-steps", str(STEPS), "--batch-size", str(BATCH),
             "--model", MODEL, "--seed", str(SEED), "--device", "cpu", "--data-dir", str(empty_data_dir),
-            "--output", str(model_path), "--startup-timeout-s", "60", "--step-timeout-s", "30")
+            "--output", str(model_path), "--startup-timeout-s", "60", "--step-timeout-s", "30", *overlap)
             for i in range(2)]
         codes = [w.wait(timeout=TIMEOUT_S) for w in workers]
     finally:
