@@ -288,26 +288,27 @@ def _supervise(sup: Supervisor, specs: Sequence[ChildSpec], options: Options,
             restarts[name] += 1
             sup.say(f"{name} exited ({describe_exit(value)}) while workers were training; restarting it on "
                     f"{by_name[name].health_address} in {decision.delay_s:g}s ({decision.reason})")
-            timer = threading.Timer(decision.delay_s, sup.events.put,
-                                    args=(("restart", name, restarts[name]),))
-            timer.daemon = True
-            timer.start()
+            _restart_later(sup, name, restarts[name], decision.delay_s)
             continue
         decision = trainer_restart_decision(options, value, restarts[name])
         if decision.restart:
             restarts[name] += 1
             sup.say(f"{name} exited ({describe_exit(value)}); restarting it in {decision.delay_s:g}s "
                     f"({decision.reason}); it rejoins at the job's current clock")
-            timer = threading.Timer(decision.delay_s, sup.events.put,
-                                    args=(("restart", name, restarts[name]),))
-            timer.daemon = True
-            timer.start()
+            _restart_later(sup, name, restarts[name], decision.delay_s)
             continue
         codes[name] = value
         if value != 0:
             sup.say(f"{name} failed ({describe_exit(value)}); stopping everything")
             return status_of(value)
     return 0
+
+
+def _restart_later(sup: Supervisor, name: str, number: int, delay_s: float) -> None:
+    """A ("restart", name, number) event after the backoff, from a timer: the event loop never sleeps."""
+    timer = threading.Timer(delay_s, sup.events.put, args=(("restart", name, number),))
+    timer.daemon = True
+    timer.start()
 
 
 def run(options: Options, out: TextIO | None = None, environ: Mapping[str, str] | None = None) -> int:

@@ -30,11 +30,11 @@ import os
 import re
 import threading
 import uuid
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 
 import numpy as np
+from pshard.common.checkpoints import sync_directory, write_atomically
 from pshard.common.errors import PSError
 from pshard.common.job import JobConfig, OptimizerConfig
 from pshard.common.types import SliceKey
@@ -67,7 +67,7 @@ def _save(folder: Path, snapshot: ShardSnapshot, name: str) -> Path:
     arrays: dict[str, Any] = {}  # Any: savez's stubs type **kwds like its allow_pickle flag
     slices = [_slice_meta(i, s, arrays) for i, s in enumerate(snapshot.slices)]
     # allow_pickle=False: an object array fails here instead of turning into a pickle.
-    _write_atomically(folder / arrays_name, lambda f: np.savez(f, allow_pickle=False, **arrays))
+    write_atomically(folder / arrays_name, lambda f: np.savez(f, allow_pickle=False, **arrays))
     meta = {
         "format": FORMAT,
         "arrays": arrays_name,
@@ -80,8 +80,8 @@ def _save(folder: Path, snapshot: ShardSnapshot, name: str) -> Path:
     }
     encoded = json.dumps(meta, indent=1).encode()
     meta_path = folder / f"{name}.json"
-    _write_atomically(meta_path, lambda f: f.write(encoded))
-    _sync_directory(folder)
+    write_atomically(meta_path, lambda f: f.write(encoded))
+    sync_directory(folder)
     _remove_superseded(folder, name, keep=arrays_name)
     return meta_path
 
@@ -153,27 +153,6 @@ def _config_from_json(d: dict[str, Any]) -> JobConfig:
 
 
 # ---- files ----
-
-def _write_atomically(path: Path, write: Callable[[BinaryIO], object]) -> None:
-    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}{_TMP_SUFFIX}")
-    try:
-        with open(tmp, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())  # the bytes must be on disk before the name points at them
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-
-
-def _sync_directory(folder: Path) -> None:
-    # The renames themselves live in the directory: sync it so they survive a power cut.
-    fd = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
 
 def _remove_superseded(folder: Path, name: str, keep: str) -> None:
     ours = re.compile(rf"^(?:{re.escape(name)}\.ckpt-[0-9a-f]{{12}}\.npz"
