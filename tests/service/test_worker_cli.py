@@ -15,7 +15,15 @@ from pathlib import Path
 
 import pytest
 
-from tests.service.entrypoints import REPO, WAIT_S, child_env, port_in_use, run, wait_until_catching
+from tests.service.entrypoints import (
+    REPO,
+    WAIT_S,
+    child_env,
+    port_in_use,
+    run,
+    terminate_quietly,
+    wait_until_catching,
+)
 
 
 def _free_port() -> int:
@@ -95,21 +103,11 @@ def _start(env: dict[str, str], *args: str) -> subprocess.Popen[str]:
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
-def _stop(process: subprocess.Popen[str]) -> tuple[str, str]:
-    try:
-        process.send_signal(signal.SIGTERM)
-        return process.communicate(timeout=WAIT_S)
-    finally:
-        if process.poll() is None:
-            process.kill()
-            process.wait(timeout=WAIT_S)
-
-
 def test_sigterm_during_start_up_is_a_quiet_stop():
     process = _start(child_env(TF_CONFIG=tf_config()))
     wait_until_catching(process, signal.SIGTERM)  # the first lines of __main__ ran; torch loads
 
-    out, err = _stop(process)
+    out, err = terminate_quietly(process)
 
     assert (process.returncode, out, err) == (128 + signal.SIGTERM, "", "")
 
