@@ -593,14 +593,19 @@ class ParameterServerHandlers:
 
     async def snapshot_at(self, at_version: int, timeout_s: float | None = None) -> ShardSnapshot:
         """A copy of the shard once every slice reached `at_version` (a global checkpoint's part)."""
+        store = await self._await_min_version(at_version, timeout_s, f"checkpoint at clock {at_version}")
+        return store.snapshot()
+
+    async def _await_min_version(self, at_version: int, timeout_s: float | None, what: str) -> ShardStore:
+        """The store, once every slice reached `at_version`; PullTimeoutError naming `what` if not in time."""
         store = self.store
         timeout_s = timeout_s if timeout_s is not None else self._settings.pull_timeout_s
         ok = await self._changes.wait_for(
             lambda: True if store.stats().min_version >= at_version else None, time.monotonic() + timeout_s)
         if ok is None:
-            raise PullTimeoutError(f"checkpoint at clock {at_version}: slices are still at "
+            raise PullTimeoutError(f"{what}: slices are still at "
                                    f"version {store.stats().min_version} after {timeout_s:.1f}s")
-        return store.snapshot()
+        return store
 
     async def install_restored(self, make: Callable[[], ShardStore]) -> bool:
         """Configure the server with `make()` (a restored global checkpoint) unless a Declare or an
@@ -617,13 +622,7 @@ class ParameterServerHandlers:
         """Save the shard once every slice reached `at_version`; (path, the slices' min version)."""
         if not self._settings.checkpoint_dir:
             raise InvalidArgumentError("checkpoint: this server was started without --checkpoint-dir")
-        store = self.store
-        timeout_s = timeout_s if timeout_s is not None else self._settings.pull_timeout_s
-        ok = await self._changes.wait_for(
-            lambda: True if store.stats().min_version >= at_version else None, time.monotonic() + timeout_s)
-        if ok is None:
-            raise PullTimeoutError(f"checkpoint at version {at_version}: slices are still at "
-                                   f"version {store.stats().min_version} after {timeout_s:.1f}s")
+        store = await self._await_min_version(at_version, timeout_s, f"checkpoint at version {at_version}")
         async with self._checkpoint_lock:
             snap = store.snapshot()
             path = await asyncio.get_running_loop().run_in_executor(
