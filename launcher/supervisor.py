@@ -40,6 +40,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from types import FrameType
 from typing import TextIO
 
+from pshard.common.entry import LAUNCHER_PID_ENV
 from pshard.common.health import probe
 from pshard.common.security import security_from_args
 from pshard.launcher.plan import (
@@ -146,7 +147,9 @@ class Supervisor:
         self.children: dict[str, subprocess.Popen[bytes]] = {}
 
     def start(self, spec: ChildSpec, base_env: Mapping[str, str]) -> None:
-        proc = subprocess.Popen(spec.argv, env=child_environment(spec.env, base_env), cwd=os.getcwd(),
+        # The child asks the kernel to stop it when this process dies (pshard.common.entry).
+        env = {**child_environment(spec.env, base_env), LAUNCHER_PID_ENV: str(os.getpid())}
+        proc = subprocess.Popen(spec.argv, env=env, cwd=os.getcwd(),
                                 stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, start_new_session=True)
         self.children[spec.name] = proc

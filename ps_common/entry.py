@@ -7,18 +7,27 @@
 - A listen address is tried before gRPC gets it, so a port in use is one line naming the address
   (``ClusterConfigError``, exit 2 through `exit_on_config_error`) rather than gRPC's generic
   "Failed to bind" and its C-core log line.
+- A child of ``pshard launch`` stops when the launcher dies, even by SIGKILL (`die_with_launcher`):
+  the launcher starts each child in its own session, so nothing else would reach it.
 """
 
 from __future__ import annotations
 
+import ctypes
 import errno
+import os
 import signal
 import socket
+import sys
+from collections.abc import Mapping
 from types import FrameType
 
 from pshard.common.errors import ClusterConfigError
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+# Set by the launcher in every child's environment: the pid the child must not outlive.
+LAUNCHER_PID_ENV = "PSHARD_LAUNCHER_PID"
+_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 
 def _stop_quietly(signum: int, frame: FrameType | None) -> None:
@@ -33,6 +42,27 @@ def stop_quietly_on_signals() -> None:
     """
     for sig in STOP_SIGNALS:
         signal.signal(sig, _stop_quietly)
+
+
+def die_with_launcher(environ: Mapping[str, str] = os.environ) -> None:
+    """Have the kernel send SIGTERM to this process when its parent, the launcher, dies.
+
+    Only for a process that `environ` marks as a launcher's child, on Linux. The SIGTERM then
+    takes the service's usual graceful stop. A launcher that died before the request took effect
+    is caught by looking for its pid. Elsewhere (no prctl) this does nothing.
+    """
+    pid_text = environ.get(LAUNCHER_PID_ENV, "")
+    if not pid_text.isdigit() or not sys.platform.startswith("linux"):
+        return
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0) != 0:
+        return
+    try:
+        os.kill(int(pid_text), 0)
+    except ProcessLookupError:
+        os.kill(os.getpid(), signal.SIGTERM)
+    except PermissionError:  # alive, under another user
+        pass
 
 
 def metrics_address(bind: str, port: int) -> str:

@@ -94,11 +94,12 @@ def role_command(environ: Mapping[str, str]) -> str:
 
 def run_command(command: str, argv: Sequence[str], prog: str) -> int:
     """Import `command`'s module and run its main; usage and errors name `prog`."""
+    from pshard.common.entry import die_with_launcher, stop_quietly_on_signals
+
     if COMMANDS[command].quiet_stop:
         # Before the import: grpc and numpy take a while to load on a busy machine.
-        from pshard.common.entry import stop_quietly_on_signals
-
         stop_quietly_on_signals()
+    die_with_launcher()
     main: Callable[..., int | None] = importlib.import_module(COMMANDS[command].module).main
     return int(main(argv, prog=prog) or 0)
 

@@ -14,9 +14,10 @@ quiet stop with status 0.
 from __future__ import annotations
 
 if __name__ == "__main__":  # before the heavy imports below: a stop during them is quiet too
-    from pshard.common.entry import stop_quietly_on_signals
+    from pshard.common.entry import die_with_launcher, stop_quietly_on_signals
 
     stop_quietly_on_signals()
+    die_with_launcher()
 
 import argparse
 import asyncio

@@ -15,9 +15,11 @@ leaves the cluster first, so its peers do not wait for it.
 from __future__ import annotations
 
 if __name__ == "__main__":  # before torch's import, which takes seconds: a stop during it is quiet too
+    from pshard.common.entry import die_with_launcher
     from pshard.worker.config import exit_on_signals_at_once
 
     exit_on_signals_at_once()
+    die_with_launcher()
 
 import os
 

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from pshard.common.entry import LAUNCHER_PID_ENV
 from pshard.common.health import probe
 
 from tests.e2e.harness import PYTHON, Proc, Procs, finals, start_launcher, wait_until
@@ -192,6 +193,38 @@ def test_sigterm_mid_training_stops_real_workers_quietly(procs: Procs, tmp_path:
         "worker-0": "stopped", "worker-1": "stopped"}, run.output()
     assert not any("Traceback" in line for line in run.lines), run.output()
     assert not any("still running" in line for line in run.lines), run.output()
+
+
+def _children_of_launcher(launcher_pid: int) -> list[int]:
+    """Live processes whose environment marks them as children of the launcher `launcher_pid`."""
+    marker = f"{LAUNCHER_PID_ENV}={launcher_pid}".encode()
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            if marker in (entry / "environ").read_bytes().split(b"\0"):
+                found.append(int(entry.name))
+        except OSError:  # gone meanwhile, or not ours to read
+            continue
+    return found
+
+
+def test_a_sigkilled_launcher_takes_its_children_with_it(procs: Procs, tmp_path: Path) -> None:
+    # The launcher starts each child in its own session, so only the kernel's parent-death signal,
+    # which every pshard entry point asks for, can reach them once the launcher is SIGKILLed.
+    data_dir = tmp_path / "empty-data"
+    data_dir.mkdir()
+    run = start_launcher(procs, "--ps", "1", "--workers", "1", "--", "--mode", "async", "--epochs", "1000",
+                         "--model", "mlp", "--data-dir", str(data_dir), "--metrics", "-", "--log-every", "1")
+    run.wait_for_line(r'^\[worker-0\] .*"event": "step"', RUN_TIMEOUT_S)
+    children = _children_of_launcher(run.popen.pid)
+    assert len(children) == 3, run.output()  # scheduler, ps-0, worker-0
+
+    os.kill(run.popen.pid, signal.SIGKILL)  # the launcher alone, not its process group
+    assert run.wait(QUICK_TIMEOUT_S) == -signal.SIGKILL
+    for pid in children:
+        assert_gone(pid)
 
 
 @pytest.mark.parametrize(("args", "names"), [
