@@ -32,7 +32,7 @@ from pshard.worker.config import Defaults, TrainConfig, stage
 from pshard.worker.ctr_data import CHUNK, ClickLog, Clicks, CtrSpec, auc
 from pshard.worker.embedding import PSEmbedding
 from pshard.worker.session import ClusterSession
-from pshard.worker.train import Outcome, TrainingRun, run, warn_learning_rate
+from pshard.worker.train import Outcome, TrainingRun, run
 from torch import nn
 from torch.nn import functional as F
 
@@ -105,9 +105,8 @@ class CtrRun(TrainingRun):
         self.outcome: CtrOutcome = CtrOutcome()
         self.clicks: ClickLog | None = None
 
-    def run(self) -> None:
+    def _prepare(self) -> nn.Module:
         cfg, session = self.cfg, self.session
-        warn_learning_rate(cfg)
         with stage("data", "generating the click log"):
             self.clicks = ClickLog(cfg.ctr)
             log.info("click log: %d fields, %d ids, %d training impressions; this worker's shard is rank %d "
@@ -117,13 +116,7 @@ class CtrRun(TrainingRun):
             if cfg.threads:
                 torch.set_num_threads(cfg.threads)
             torch.manual_seed(cfg.seed)  # identical dense weights on every worker
-            model = build_ctr_model(cfg, cfg.ctr.fields)
-        self._join(model)
-        with stage("training", "training"):
-            self._train()
-        session.leave()
-        if cfg.is_chief:
-            self._finish_chief()
+            return build_ctr_model(cfg, cfg.ctr.fields)
 
     def _train(self) -> None:
         cfg, clicks, trainer, session = self.cfg, self.clicks, self.trainer, self.session

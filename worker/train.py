@@ -141,8 +141,17 @@ class TrainingRun:
     # ---- the run ----
 
     def run(self) -> None:
+        warn_learning_rate(self.cfg)
+        self._join(self._prepare())
+        with stage("training", "training"):
+            self._train()
+        self.session.leave()
+        if self.cfg.is_chief:
+            self._finish_chief()
+
+    def _prepare(self) -> nn.Module:
+        """Load this worker's data and build the model, with identical initial weights on every worker."""
         cfg, session = self.cfg, self.session
-        warn_learning_rate(cfg)
         with stage("data", "loading data"):
             self.data = load_dataset(cfg.data_dir)
             log.info("%s: %d training images in union batches of %d x %d; this worker is rank %d and takes "
@@ -153,13 +162,7 @@ class TrainingRun:
             if cfg.threads:
                 torch.set_num_threads(cfg.threads)
             torch.manual_seed(cfg.seed)  # identical initial weights on every worker
-            model = build_model(cfg.model, self.data.image_shape, self.data.num_classes).to(device)
-        self._join(model)
-        with stage("training", "training"):
-            self._train()
-        session.leave()
-        if cfg.is_chief:
-            self._finish_chief()
+            return build_model(cfg.model, self.data.image_shape, self.data.num_classes).to(device)
 
     def _join(self, model: nn.Module) -> None:
         cfg, session = self.cfg, self.session
