@@ -5,9 +5,11 @@ Placement is per server, in ring order: the slices whose primary is server i are
 next `replicas` live servers after i in the layout's server list. A server needs nothing but the
 ring and who is live to know whom it forwards to, and every server computes the same answer.
 
-Promotion: when a primary dies, each of its slices moves to its first backup, the first live server
-after it in the ring, which holds a copy of everything the dead primary acknowledged. Nothing else
-moves, so the layout stays what it was except for the failed-over slices.
+Promotion: when a primary dies, each of its slices moves to its first in-sync backup in ring order:
+a live server its primary reported as holding a copy of every slice (the scheduler tracks which,
+scheduler/membership.py). A backup that is still copying (it just joined, or restarted) holds only
+part, and is never promoted. Nothing else moves, so the layout stays what it was except for the
+failed-over slices.
 """
 
 from __future__ import annotations
@@ -17,6 +19,10 @@ from collections.abc import Collection
 
 from pshard.common.errors import InvalidArgumentError
 from pshard.common.layout import Layout, LayoutSlice
+
+
+class NoInSyncCopyError(InvalidArgumentError):
+    """A dead primary's slices have no live in-sync copy: promotion cannot save them."""
 
 
 def backups_of(primary: int, servers: int, replicas: int, live: Collection[int]) -> tuple[int, ...]:
@@ -33,20 +39,27 @@ def backed_up_by(backup: int, servers: int, replicas: int, live: Collection[int]
                  and backup in backups_of(p, servers, replicas, live))
 
 
-def fail_over(layout: Layout, dead: int, live: Collection[int]) -> tuple[Layout, tuple[LayoutSlice, ...]]:
-    """The layout with every slice of `dead` on its first backup, and the slices that moved.
+def fail_over(layout: Layout, dead: int, live: Collection[int],
+              in_sync: Collection[int] | None = None) -> tuple[Layout, tuple[LayoutSlice, ...]]:
+    """The layout with every slice of `dead` on its first in-sync backup, and the slices that moved.
 
-    `live`: the servers alive now (`dead` excluded). The caller bumps the version. A layout without
-    replicas, or a dead server without slices, comes back unchanged with nothing moved.
+    `live`: the servers alive now (`dead` excluded); `in_sync`: those holding a copy of every slice
+    of `dead` (None: every live one, for callers that know no better). The caller bumps the version.
+    A layout without replicas, or a dead server without slices, comes back unchanged with nothing
+    moved. NoInSyncCopyError when no live server holds a copy: the slices are lost.
     """
     n = len(layout.servers)
     moved = tuple(s for s in layout.slices if s.server == dead)
     if layout.replicas == 0 or not moved:
         return layout, ()
     alive = set(live) - {dead}
+    if in_sync is not None:
+        alive &= set(in_sync)
     [heir] = backups_of(dead, n, 1, alive) or (None,)
     if heir is None:
-        raise InvalidArgumentError(f"fail over server {dead}: no live server is left to take its slices")
+        raise NoInSyncCopyError(
+            f"fail over server {dead}: no live server holds an in-sync copy of its {len(moved)} slices ("
+            + ", ".join(str(s.slice_key) for s in moved[:8]) + (", ..." if len(moved) > 8 else "") + ")")
     slices = tuple(dataclasses.replace(s, server=heir) if s.server == dead else s for s in layout.slices)
     return dataclasses.replace(layout, slices=slices), moved
 

@@ -23,7 +23,13 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any, TypeVar
 
 import grpc
-from pshard.common.codec import layout_from_proto, param_spec_to_proto, register_to_proto, view_from_proto
+from pshard.common.codec import (
+    layout_from_proto,
+    layout_to_proto,
+    param_spec_to_proto,
+    register_to_proto,
+    view_from_proto,
+)
 from pshard.common.errors import (
     PSError,
     PullTimeoutError,
@@ -72,6 +78,7 @@ class SchedulerClient:
         self._heartbeat_interval_s = 1.0
         self._heartbeat_timeout_s = 5.0
         self._progress = 0
+        self._in_sync: tuple[dict[str, int], int] = ({}, 0)
         self._rpc_timeout_s = rpc_timeout_s
         self._connect_timeout_s = connect_timeout_s
         self._channel = (security or SecurityConfig()).for_node(role, node_id or "").channel(
@@ -126,6 +133,11 @@ class SchedulerClient:
     def report_clock(self, clock: int) -> None:
         """Progress (a worker's clock) sent with the next heartbeats."""
         self._progress = clock
+
+    def report_in_sync(self, copies: dict[str, int], layout_version: int) -> None:
+        """A server with replicas: its backups holding all the slices layout `layout_version` makes
+        it primary of (address -> the backup's generation), sent with the next heartbeats."""
+        self._in_sync = (dict(copies), layout_version)
 
     def wait_for_view(self, predicate: Callable[[ClusterView], bool], timeout_s: float) -> ClusterView:
         """Block until a view satisfies `predicate`; PullTimeoutError after `timeout_s`."""
@@ -218,6 +230,12 @@ class SchedulerClient:
         reply = self._call("ProposeLayout", self._stub.ProposeLayout, request, self._rpc_timeout_s * 2)
         return layout_from_proto(reply.layout)
 
+    def restore_layout(self, layout: Layout) -> Layout:
+        """Give a restarted scheduler back the job's layout (kept when newer than what it has)."""
+        request = pb.ProposeLayoutRequest(restore=layout_to_proto(layout))
+        reply = self._call("ProposeLayout", self._stub.ProposeLayout, request, self._rpc_timeout_s * 2)
+        return layout_from_proto(reply.layout)
+
     def get_layout(self, timeout_s: float) -> Layout:
         """The stored layout, waiting up to `timeout_s` for someone to propose one."""
         request = pb.GetLayoutRequest(timeout_ms=max(1, round(timeout_s * 1000)))
@@ -307,7 +325,9 @@ class SchedulerClient:
         unreachable_since: float | None = None
         while not self._heartbeats_stopped.wait(self._heartbeat_interval_s):
             generation = self._generation
-            request = pb.HeartbeatRequest(node_id=self._node_id, generation=generation, clock=self._progress)
+            copies, layout_version = self._in_sync
+            request = pb.HeartbeatRequest(node_id=self._node_id, generation=generation, clock=self._progress,
+                                          in_sync=copies, in_sync_layout=layout_version)
             try:
                 reply = self._stub.Heartbeat(request, timeout=min(self._rpc_timeout_s,
                                                                   self._heartbeat_timeout_s / 2))

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from pshard.common.errors import (
@@ -33,7 +33,7 @@ from pshard.common.errors import (
     UnknownNodeError,
 )
 from pshard.common.layout import ITEMSIZE, Layout, LayoutSlice, ParamSpec, plan_layout
-from pshard.common.replicas import fail_over, index_of
+from pshard.common.replicas import NoInSyncCopyError, backups_of, fail_over, index_of
 from pshard.common.view import (
     RANK_SPACE,
     ROLES,
@@ -44,6 +44,7 @@ from pshard.common.view import (
     NodeState,
     Registration,
 )
+from pshard.scheduler.in_sync import LOST, PROMOTED, InSyncCopies
 
 log = logging.getLogger("pshard.scheduler")
 
@@ -168,6 +169,8 @@ class Membership:
         self._barriers: dict[str, _Barrier] = {}
         self._layout: Layout | None = None
         self.failovers = 0  # primaries promoted (pshard_failovers_total)
+        # Which backups hold a full copy of which primary (docs/architecture.md, 9 Failures).
+        self.in_sync = InSyncCopies()
 
     @property
     def generation(self) -> int:
@@ -217,19 +220,38 @@ class Membership:
             node_id = node_id or self._new_id(role, rank)
         assert node_id is not None
         if known is not None and role == "ps":
-            # A server registering while it is still known is a new process: whatever its old
-            # incarnation held as a primary is gone, so its slices fail over before it is live again.
+            # A server registering while it is still known is a new process (a new incarnation), even
+            # if its death was never noticed: whatever its old one held is gone, so its slices fail
+            # over to an in-sync copy before it is live again, and it counts as no one's copy.
             self.fail_over_server(known.address)
+            self.in_sync.forget(known.address, "registered again (a new process holds nothing)")
+        if role == "ps":
+            self.in_sync.forget(address, "registered again (a new process holds nothing)")
         generation = self._bump()
         self._members[node_id] = _Member(node_id, role, rank, address, NodeState.LIVE, generation,
                                          last_seen=self._clock.now())
+        if role == "ps":
+            self._ring_moved()
         return Registration(node_id, rank, generation, self.view())
 
-    def heartbeat(self, node_id: str, generation: int, clock: int = 0) -> ClusterView:
-        self.limits.check_int(f"node {node_id[:40]!r} heartbeat clock", clock, self.limits.max_clock)
+    def heartbeat(self, node_id: str, generation: int, clock: int = 0,
+                  in_sync: Mapping[str, int] | None = None, in_sync_layout: int = 0) -> ClusterView:
+        """`in_sync` (a server with replicas): its backups holding all the slices layout version
+        `in_sync_layout` makes it primary of, by address, with the generation of each one's
+        incarnation. A report on an older layout than the current one is ignored."""
+        limits = self.limits
+        limits.check_int(f"node {node_id[:40]!r} heartbeat clock", clock, limits.max_clock)
+        in_sync = in_sync or {}
+        limits.check_int(f"node {node_id[:40]!r} in-sync backups", len(in_sync), limits.max_layout_servers)
+        for address in in_sync:
+            limits.check_chars("in-sync backup address", address, limits.max_address_chars)
         member = self._current(node_id, generation, "heartbeat")
         member.last_seen = self._clock.now()
         member.clock = clock
+        layout = self._layout
+        if (member.role == "ps" and layout is not None and layout.replicas
+                and in_sync_layout >= layout.version):
+            self.in_sync.report(member.address, in_sync, self._is_current, self._ring_backups(member))
         return self.view()
 
     def leave(self, node_id: str, generation: int) -> ClusterView:
@@ -239,6 +261,9 @@ class Membership:
         if member.state is not NodeState.LEFT:  # a retried leave changes nothing
             member.state = NodeState.LEFT
             self._bump()
+            if member.role == "ps":
+                self.in_sync.forget(member.address, "left the cluster")
+                self._ring_moved()
         return self.view()
 
     def expire(self) -> list[Node]:
@@ -252,7 +277,36 @@ class Membership:
         for member in dead:
             if member.role == "ps":
                 self.fail_over_server(member.address)
+        for member in dead:
+            if member.role == "ps":
+                self.in_sync.forget(member.address, "was declared dead")
+        if any(m.role == "ps" for m in dead):
+            self._ring_moved()
         return [m.snapshot() for m in dead]
+
+    def _ps_by_rank(self) -> dict[int, _Member]:
+        return {m.rank: m for m in self._members.values() if m.role == "ps"}
+
+    def _ring_backups(self, primary: _Member) -> frozenset[str]:
+        """`primary`'s backups now: the rule each server applies to the views it gets (ranks in ring
+        order, the next `replicas` live ones; ps_server/replica_link.py)."""
+        replicas = self._layout.replicas if self._layout is not None else 0
+        servers = self._ps_by_rank()
+        live = {r for r, m in servers.items() if m.state is NodeState.LIVE} | {primary.rank}
+        ring = backups_of(primary.rank, max(servers) + 1, replicas, live) if replicas else ()
+        return frozenset(servers[r].address for r in ring)
+
+    def _is_current(self, address: str, generation: int) -> bool:
+        """A live server's present incarnation is at `address` with `generation`."""
+        return any(m.role == "ps" and m.address == address and m.generation == generation
+                   and m.state is NodeState.LIVE for m in self._members.values())
+
+    def _ring_moved(self) -> None:
+        """Servers joined or went: each primary drops its copies on servers no longer its backups."""
+        by_address = {m.address: m for m in self._members.values() if m.role == "ps"}
+        for primary in self.in_sync.primaries():
+            member = by_address.get(primary)
+            self.in_sync.keep_only(primary, self._ring_backups(member) if member is not None else ())
 
     def silent_for(self, node_id: str) -> float:
         """Seconds since the node was last heard from (for logs)."""
@@ -423,6 +477,27 @@ class Membership:
         self._bump()
         return self._layout, True
 
+    def restore_layout(self, layout: Layout) -> tuple[Layout, bool]:
+        """A member's copy of the job's layout, after a scheduler restart forgot it: kept, with its
+        version and failed-over slices, when newer than the stored one. Returns the stored layout and
+        whether it was this one."""
+        stored = self._layout
+        if stored is not None:
+            difference = stored.same_params(layout)
+            if difference is not None:
+                raise LayoutConflictError(f"layout version {stored.version}: {difference}")
+            if layout.version <= stored.version:
+                return stored, False
+        self.limits.check_int("restored layout version", layout.version, self.limits.max_generation)
+        bad = next((sl for sl in layout.slices if sl.server >= len(layout.servers)), None)
+        if bad is not None or layout.version < 1 or not layout.replicas < max(1, len(layout.servers)):
+            raise InvalidArgumentError(
+                f"restored layout version {layout.version}: {len(layout.servers)} servers, replicas "
+                f"{layout.replicas}" + (f", slice {bad.key!r} on server {bad.server}" if bad else ""))
+        self._layout = layout
+        self._bump()
+        return layout, True
+
     def replace_layout(self, layout: Layout) -> Layout:
         """Install a re-planned layout (e.g. after the server set changed) under a new version."""
         self._layout = dataclasses.replace(layout, version=self._next_layout_version())
@@ -443,8 +518,16 @@ class Membership:
         live_addresses = {m.address for m in self._members.values()
                           if m.role == "ps" and m.state is NodeState.LIVE and m.address != address}
         live = {i for i, a in enumerate(layout.servers) if a in live_addresses}
+        copies = self.in_sync.of(address)
+        in_sync = {i for i, a in enumerate(layout.servers) if a in copies}
         try:
-            moved_layout, moved = fail_over(layout, dead, live)
+            moved_layout, moved = fail_over(layout, dead, live, in_sync)
+        except NoInSyncCopyError as e:
+            # Never promote a copy that may lack acknowledged updates: the job must fail, naming them.
+            self.in_sync.changes[LOST] += 1
+            log.error("FAILOVER IMPOSSIBLE: server %d (%s) is gone and %s; those slices and their updates "
+                      "are lost, and workers needing them fail", dead, address, e)
+            return ()
         except InvalidArgumentError as e:
             log.error("cannot fail over %s: %s; its slices are lost", address, e)
             return ()
@@ -452,6 +535,9 @@ class Membership:
             heir = moved_layout.slices_of(moved[0].key)[moved[0].part].server
             new = self.replace_layout(moved_layout)
             self.failovers += 1
+            self.in_sync.changes[PROMOTED] += 1
+            # The heir's backups hold none of its new slices yet: they count once it reports them again.
+            self.in_sync.reset(layout.servers[heir], "was promoted to primary of more slices")
             log.warning("FAILOVER: server %d (%s) is gone; its %d slices now have server %d (%s) as primary "
                         "(layout version %d, generation %d)", dead, address, len(moved), heir,
                         layout.servers[heir], new.version, self._generation)

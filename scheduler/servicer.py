@@ -18,6 +18,7 @@ import grpc.aio
 from pshard.common.auth import caller, check_acts_as, refused
 from pshard.common.changes import ChangeSignal
 from pshard.common.codec import (
+    layout_from_proto,
     layout_to_proto,
     param_spec_from_proto,
     register_from_proto,
@@ -114,7 +115,8 @@ class SchedulerServicer(pb_grpc.SchedulerServiceServicer):
     async def Heartbeat(self, request: pb.HeartbeatRequest, context: grpc.aio.ServicerContext
                         ) -> pb.HeartbeatResponse:
         check_acts_as(request.node_id, "Heartbeat")
-        view = self._members.heartbeat(request.node_id, request.generation, request.clock)
+        view = self._members.heartbeat(request.node_id, request.generation, request.clock,
+                                       dict(request.in_sync), request.in_sync_layout)
         return pb.HeartbeatResponse(view=view_to_proto(view))
 
     @maps_errors
@@ -169,6 +171,8 @@ class SchedulerServicer(pb_grpc.SchedulerServiceServicer):
     @maps_errors
     async def ProposeLayout(self, request: pb.ProposeLayoutRequest, context: grpc.aio.ServicerContext
                             ) -> pb.ProposeLayoutResponse:
+        if request.HasField("restore"):
+            return self._restore_layout(request.restore)
         # Counts first: decoding and planning cost CPU on the event loop every caller shares.
         self._members.check_layout_request(len(request.params), request.servers)
         params = [param_spec_from_proto(p) for p in request.params]
@@ -188,6 +192,18 @@ class SchedulerServicer(pb_grpc.SchedulerServiceServicer):
                      self._members.generation)
             self._publish()
         return pb.ProposeLayoutResponse(layout=layout_to_proto(layout), created=created)
+
+    def _restore_layout(self, proto: pb.Layout) -> pb.ProposeLayoutResponse:
+        """A member's layout after this scheduler restarted: kept if newer, failovers and all."""
+        limits = self._members.limits
+        self._members.check_layout_request(len(proto.params), proto.servers)
+        limits.check_int("layout slices", len(proto.slices), limits.max_layout_slices)
+        layout, restored = self._members.restore_layout(layout_from_proto(proto))
+        if restored:
+            log.info("layout version %d restored from a member that holds it (this scheduler restarted); "
+                     "generation %d", layout.version, self._members.generation)
+            self._publish()
+        return pb.ProposeLayoutResponse(layout=layout_to_proto(layout), created=restored)
 
     @maps_errors
     async def GetLayout(self, request: pb.GetLayoutRequest, context: grpc.aio.ServicerContext

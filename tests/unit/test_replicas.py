@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
-from pshard.common.errors import InvalidArgumentError
+from pshard.common.errors import InvalidArgumentError, LayoutConflictError
 from pshard.common.layout import ParamSpec, plan_layout
 from pshard.common.replicas import backed_up_by, backups_of, fail_over
 from pshard.common.view import ManualClock
@@ -65,8 +67,23 @@ def _job(replicas: int) -> tuple[Membership, ManualClock]:
     return members, clock
 
 
+def _report(members: Membership, primary: str, *backups: str) -> None:
+    """`primary` heartbeats, reporting `backups` (node ids) as holding all its slices."""
+    layout = members.layout()
+    assert layout is not None
+    copies = {members.node(b).address: members.node(b).generation for b in backups}
+    members.heartbeat(primary, members.node(primary).generation, in_sync=copies,
+                      in_sync_layout=layout.version)
+
+
+def _all_in_sync(members: Membership) -> None:
+    for i in range(len(SERVERS)):
+        _report(members, f"ps-{i}", f"ps-{(i + 1) % len(SERVERS)}")
+
+
 def test_the_scheduler_promotes_the_backup_of_a_server_declared_dead():
     members, clock = _job(replicas=1)
+    _all_in_sync(members)
     before = members.layout()
     assert before is not None
     clock.advance(4)
@@ -84,6 +101,7 @@ def test_the_scheduler_promotes_the_backup_of_a_server_declared_dead():
 
 def test_a_server_restarted_before_its_death_was_noticed_fails_over_too():
     members, _ = _job(replicas=1)
+    _all_in_sync(members)
     before = members.layout()
     assert before is not None
     members.register("ps", "b:1", node_id="ps-1")  # a new process under the same id
@@ -100,3 +118,84 @@ def test_without_replicas_the_layout_stays_when_a_server_dies():
     clock.advance(6)
     members.expire()
     assert members.layout() == before and members.failovers == 0
+
+
+def test_a_backup_never_reported_in_sync_is_not_promoted_and_the_loss_is_counted(caplog):
+    members, clock = _job(replicas=1)
+    _report(members, "ps-0", "ps-1")  # no report names ps-2 as ps-1's copy: it has not caught up
+    before = members.layout()
+    clock.advance(4)
+    for node in ("ps-0", "ps-2"):
+        members.heartbeat(node, members.node(node).generation)
+    clock.advance(2)
+    assert [n.node_id for n in members.expire()] == ["ps-1"]
+    assert members.layout() == before and members.failovers == 0
+    assert members.in_sync.changes["lost"] == 1
+    assert "no live server holds an in-sync copy of its" in caplog.text and "b:1" in caplog.text
+
+
+def test_a_restarted_backup_counts_only_once_its_primary_reports_it_caught_up():
+    members, _ = _job(replicas=1)
+    _all_in_sync(members)
+    stale = members.node("ps-2").generation
+    members.register("ps", "c:1", node_id="ps-2")  # ps-1's backup is a new, empty process
+    assert members.in_sync.of("b:1") == frozenset()
+    # A report about its old incarnation (sent before the primary saw the restart) does not count.
+    layout = members.layout()
+    assert layout is not None
+    members.heartbeat("ps-1", members.node("ps-1").generation, in_sync={"c:1": stale},
+                      in_sync_layout=layout.version)
+    assert members.in_sync.of("b:1") == frozenset()
+    members.register("ps", "b:1", node_id="ps-1")  # ps-1 restarts: nothing holds its slices
+    after = members.layout()
+    assert after is not None and after.slices_on(1) == layout.slices_on(1) and members.failovers == 1
+    # Once caught up, a copy counts, and promotion picks it.
+    members.register("ps", "c:1", node_id="ps-2")
+    _report(members, "ps-0", "ps-1")
+    members.register("ps", "a:1", node_id="ps-0")
+    moved = members.layout()
+    assert moved is not None and not moved.slices_on(0) and members.failovers == 2
+
+
+def test_copies_stop_counting_when_the_ring_moves_or_the_heir_takes_over_more():
+    members, clock = _job(replicas=1)
+    _all_in_sync(members)
+    clock.advance(4)
+    for node in ("ps-0", "ps-1"):
+        members.heartbeat(node, members.node(node).generation)
+    clock.advance(2)
+    members.expire()  # ps-2 dies: ps-0, its backup, is its heir, and ps-1 no longer its backup
+    assert members.in_sync.of("a:1") == frozenset()  # ps-1 holds none of ps-0's new slices yet
+    assert members.in_sync.of("b:1") == frozenset()  # ps-1's backup was ps-2
+    # A report on the layout before the failover does not count.
+    layout = members.layout()
+    assert layout is not None
+    members.heartbeat("ps-0", members.node("ps-0").generation,
+                      in_sync={"b:1": members.node("ps-1").generation}, in_sync_layout=layout.version - 1)
+    assert members.in_sync.of("a:1") == frozenset()
+    _report(members, "ps-0", "ps-1")
+    _report(members, "ps-1", "ps-0")  # ps-2 is dead: ps-0 is ps-1's backup now
+    assert members.in_sync.of("a:1") == {"b:1"} and members.in_sync.of("b:1") == {"a:1"}
+    members.register("ps", "c:1", node_id="ps-2")  # back: ps-1's backup is ps-2 again, ps-0 drops its copy
+    assert members.in_sync.of("b:1") == frozenset() and members.in_sync.of("a:1") == {"b:1"}
+    _report(members, "ps-1", "ps-0")  # a report naming a server that is not its backup is ignored
+    assert members.in_sync.of("b:1") == frozenset()
+    assert members.in_sync.changes["in_sync"] == 5 and members.in_sync.changes["promoted"] == 1
+
+
+def test_a_restarted_scheduler_is_given_back_the_newest_layout():
+    members, _ = _job(replicas=1)
+    _all_in_sync(members)
+    members.register("ps", "b:1", node_id="ps-1")
+    failed_over = members.layout()
+    assert failed_over is not None and failed_over.version == 2
+    fresh, _ = _job(replicas=1)  # the scheduler restarted: a fresh plan was proposed (version 1)
+    kept, restored = fresh.restore_layout(failed_over)
+    assert restored and kept == failed_over and fresh.layout() == failed_over
+    assert fresh.view().layout_version == 2
+    original = members.plan(PARAMS, SERVERS, 4096, 1)
+    assert fresh.restore_layout(dataclasses.replace(original, version=1)) == (failed_over, False)
+    with pytest.raises(LayoutConflictError):
+        fresh.restore_layout(dataclasses.replace(plan_layout(PARAMS[:1], SERVERS, 4096, 1), version=3))
+    with pytest.raises(InvalidArgumentError):
+        fresh.restore_layout(dataclasses.replace(failed_over, version=4, servers=SERVERS[:1]))
