@@ -198,6 +198,16 @@ class ClusterSession:
         newer = sched.get_layout(timeout_s=max(1.0, timeout_s))
         return newer if newer.version > layout.version else None
 
+    def _restore_layout(self, layout: Layout) -> None:
+        """The scheduler restarted and forgot the failovers: give it back the layout we route by."""
+        try:
+            kept = self._registered().restore_layout(layout)
+        except PSError as e:  # the next look tries again
+            log.warning("could not give the restarted scheduler layout version %d: %s", layout.version, e)
+            return
+        if kept.version == layout.version:
+            log.warning("FAILOVER: the scheduler restarted; gave it back layout version %d", layout.version)
+
     def _watch_servers(self, layout: Layout, client: PSClient) -> None:
         """Fail the run within a few heartbeats of losing a server, naming it (see ServerWatch); a
         server restarted within a heartbeat timeout of being declared dead is waited for."""
@@ -205,6 +215,8 @@ class ClusterSession:
         watch = ServerWatch(layout, grace_s=sched.heartbeat_timeout_s)
         while not self._watch_stop.wait(min(0.5, sched.heartbeat_interval_s)):
             view = sched.view
+            if view is not None and layout.replicas and view.layout_version < layout.version:
+                self._restore_layout(max((layout, client.layout or layout), key=lambda known: known.version))
             if view is not None and layout.replicas and view.layout_version > layout.version:
                 # A failover moved the dead server's slices to a live backup: it is no longer needed.
                 newer = self._newer_layout(layout, sched.heartbeat_timeout_s)
