@@ -63,6 +63,7 @@ class ServerWatch:
         how = "declared dead by the scheduler" if state is NodeState.DEAD else "left the cluster"
         return (f"parameter server {node_id} at {address} is gone: {how} and not back within "
                 f"{gone_s:.1f} s. It held {len(held)} slice(s), {numel} of the model's {total} values "
-                f"({shown}); with no replica, those values and every update to them since its last "
-                f"checkpoint are lost. Restart it on {address} with its --checkpoint-dir to resume from "
-                "that checkpoint")
+                f"({shown}); " + ("no live server held an in-sync copy of them (the scheduler logs "
+                "FAILOVER IMPOSSIBLE), so" if self._layout.replicas else "with no replica,")
+                + f" those values and every update to them since its last checkpoint are lost. Restart it "
+                f"on {address} with its --checkpoint-dir to resume from that checkpoint")
