@@ -359,6 +359,10 @@ class ParameterServerHandlers:
         call created it, and the slice's value (in the wire dtype). The first Declare configures
         the server with `job` (None: the default job)."""
         self._check_limits("declare", None, _metas(items), [])
+        # A slice a failover moved here is its copy, never a fresh one: a worker restarted mid-job
+        # declaring its initial values must get the trained ones (docs/architecture.md, 9 Failures).
+        self._check_owned([k for k, _ in items])
+        self._promote([k for k, _ in items])
         async with self._config_lock:
             store = self._claim(job)
             if store is None:

@@ -145,6 +145,13 @@ def test_a_promoted_backup_continues_bit_for_bit_and_drops_resent_pushes(start_s
     # The workers re-route: the whole step again on the new layout (duplicates are dropped), then on.
     for client in clients.values():
         client.set_layout(moved)
+    # A worker restarted now declares its initial values: the heir answers with the trained copy
+    # (promoting it), never a fresh slice, and the others' training is unchanged.
+    initial = _initial()
+    declared = new_client(servers, "w9", layout=moved).declare(initial, ADAM)
+    for s in layout.slices_on(1):
+        part = slice(s.offset, s.offset + s.numel)
+        assert declared[s.key].reshape(-1)[part].tobytes() != initial[s.key].reshape(-1)[part].tobytes(), s
     result = _train(clients, range(4, 8), ADAM)
     for worker in WORKERS:
         for key, expected in reference.items():
