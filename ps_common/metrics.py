@@ -409,9 +409,11 @@ def request_families(requests: RequestMetrics, service: str) -> Iterator[Any]:
 class SchedulerCollector(Collector):
     """The scheduler's membership, read from its current view at scrape time."""
 
-    def __init__(self, view: Callable[[], ClusterView], refusals: _Refusals | None = None) -> None:
+    def __init__(self, view: Callable[[], ClusterView], refusals: _Refusals | None = None,
+                 role_changes: Callable[[], Mapping[str, int]] | None = None) -> None:
         self._view = view
         self._refusals = refusals
+        self._role_changes = role_changes
 
     def collect(self) -> Iterator[Any]:
         if self._refusals is not None:
@@ -448,14 +450,23 @@ class SchedulerCollector(Collector):
             lag.add_metric([node.node_id, node.role], lags[node.node_id])
         yield clock
         yield lag
+        if self._role_changes is not None:  # replication (docs/architecture.md, 9 Failures)
+            changes = CounterMetricFamily(
+                "pshard_scheduler_role_changes",
+                "Replica role changes: a backup in or out of sync, promoted, or a primary lost with no copy",
+                labels=["change"])
+            for change, count in sorted(self._role_changes().items()):
+                changes.add_metric([change], count)
+            yield changes
 
 
 def hosted_scheduler_collector(handle: Any) -> SchedulerCollector:
     """The scheduler metrics of a scheduler hosted in-process (`handle`: its SchedulerHandle), for
     the /metrics of the chief that hosts it (a TFJob has no scheduler pod of its own)."""
     running = handle.running
-    view = running.servicer.membership.view
-    return SchedulerCollector(lambda: on_loop(handle.loop, view), running.refusals)
+    membership = running.servicer.membership
+    return SchedulerCollector(lambda: on_loop(handle.loop, membership.view), running.refusals,
+                              lambda: on_loop(handle.loop, lambda: dict(membership.in_sync.changes)))
 
 
 # ---- worker ----
@@ -585,7 +596,9 @@ def serve_scheduler_metrics(
     bind: str,
     port: int,
     refusals: _Refusals | None = None,
+    role_changes: Callable[[], Mapping[str, int]] | None = None,
 ) -> MetricsServer:
     registry = new_registry()
-    registry.register(SchedulerCollector(lambda: on_loop(loop, view), refusals))
+    changes = (lambda: on_loop(loop, role_changes)) if role_changes is not None else None
+    registry.register(SchedulerCollector(lambda: on_loop(loop, view), refusals, changes))
     return serve_metrics(registry, bind_host(bind), port)

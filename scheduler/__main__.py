@@ -95,8 +95,10 @@ async def _run(bind: str, interval_s: float, timeout_s: float, metrics_port: int
     metrics = None
     try:
         if metrics_port is not None:
-            metrics = serve_scheduler_metrics(running.servicer.membership.view, loop, bind, metrics_port,
-                                              refusals=running.refusals)
+            membership = running.servicer.membership
+            metrics = serve_scheduler_metrics(membership.view, loop, bind, metrics_port,
+                                              refusals=running.refusals,
+                                              role_changes=lambda: dict(membership.in_sync.changes))
             print(f"pshard scheduler: metrics on port {metrics.port}", flush=True)
         waits = [asyncio.ensure_future(stop.wait())]
         if exit_when_done is not None:

@@ -7,6 +7,7 @@ import dataclasses
 import pytest
 from pshard.common.errors import InvalidArgumentError, LayoutConflictError
 from pshard.common.layout import ParamSpec, plan_layout
+from pshard.common.metrics import SchedulerCollector
 from pshard.common.replicas import backed_up_by, backups_of, fail_over
 from pshard.common.view import ManualClock
 from pshard.scheduler.membership import Membership
@@ -199,3 +200,13 @@ def test_a_restarted_scheduler_is_given_back_the_newest_layout():
         fresh.restore_layout(dataclasses.replace(plan_layout(PARAMS[:1], SERVERS, 4096, 1), version=3))
     with pytest.raises(InvalidArgumentError):
         fresh.restore_layout(dataclasses.replace(failed_over, version=4, servers=SERVERS[:1]))
+
+
+def test_role_changes_are_exported_as_scheduler_metrics():
+    members, _ = _job(replicas=1)
+    _all_in_sync(members)
+    members.register("ps", "b:1", node_id="ps-1")  # promoted: ps-2; out of sync: ps-1's and ps-0's copies
+    collector = SchedulerCollector(members.view, role_changes=lambda: dict(members.in_sync.changes))
+    [family] = [f for f in collector.collect() if f.name == "pshard_scheduler_role_changes"]
+    counts = {s.labels["change"]: s.value for s in family.samples if s.name.endswith("_total")}
+    assert counts == {"in_sync": 3, "out_of_sync": 3, "promoted": 1}
