@@ -101,6 +101,12 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
                    help="budget of request bytes held at once; past it new requests get RESOURCE_EXHAUSTED "
                         "with a retry hint and clients back off (default "
                         f"{ServerSettings.max_inflight_bytes // 2**20}; a lone bigger request still passes)")
+    p.add_argument("--waste-limit-mb", type=_non_negative_int,
+                   default=ServerSettings.waste_limit_bytes // 2**20,
+                   help="a connection whose last requests, this many MiB of them, were all refused or "
+                        "changed nothing (duplicate pushes) has its next ones held and refused unread until "
+                        "it waits as asked, so a flood costs no reads (default "
+                        f"{ServerSettings.waste_limit_bytes // 2**20}; 0 = off)")
     p.add_argument("--transport", choices=("auto", "shm", "tcp", "grpc"), default=ServerSettings.transport,
                    help="fast paths offered to workers besides gRPC: auto = shared memory and raw TCP "
                         f"(default {ServerSettings.transport})")
@@ -112,6 +118,12 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
     add_exit_argument(p)
     add_log_level_argument(p)
     return p
+
+
+def _non_negative_int(text: str) -> int:
+    if not (text.isascii() and text.isdigit()):
+        raise argparse.ArgumentTypeError(f"got {text!r}, expected a whole number >= 0")
+    return int(text)
 
 
 def _bind(args: argparse.Namespace, spec: ClusterSpec | None) -> str:
@@ -168,6 +180,7 @@ def _settings(args: argparse.Namespace) -> ServerSettings:
                           global_checkpoint_dir=args.global_checkpoint_dir,
                           transport=args.transport, shm_dir=args.shm_dir,
                           max_inflight_bytes=args.max_inflight_mb * 2**20, hang_report_s=args.hang_report_s,
+                          waste_limit_bytes=args.waste_limit_mb * 2**20,
                           resume=args.resume, replicas=args.replicas,
                           # Test hook only (ServerSettings.checkpoint_pause_dir); unset in production.
                           checkpoint_pause_dir=os.environ.get("PSHARD_TEST_CHECKPOINT_PAUSE_DIR") or None)

@@ -10,12 +10,20 @@ only one in flight) is admitted past the limit, so a declaration bigger than the
 completes when it is alone instead of being refused for ever. The bytes still have to arrive: nothing
 here trusts what a header promises.
 
-Pure: no grpc, no asyncio; unit-tested in tests/unit/test_budget.py.
+A second, per-peer budget (`WasteTarpit`) is for peers that ignore refusals: a connection whose
+requests keep being refused, or keep changing nothing (pushes that are all duplicates), has its
+requests held for a while and then refused unread. See the class docstring.
+
+Pure: no grpc, no asyncio; unit-tested in tests/unit/test_budget.py (the gRPC adapter of the
+tarpit is ps_server/tarpit.py).
 """
 
 from __future__ import annotations
 
 import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from types import TracebackType
 
 from pshard.common.errors import OverloadedError
@@ -101,6 +109,89 @@ class Reservation:
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
         self.release()
+
+
+# A peer that wasted this many request bytes in a row (two 4 MiB requests) is held when it comes back early.
+DEFAULT_WASTE_LIMIT_BYTES = 8 * MIB
+FIRST_HOLD_S = 0.05
+MAX_HOLD_S = 1.0
+MAX_PEERS = 4096
+
+
+@dataclass
+class _Waster:
+    wasted: int = 0  # request bytes refused or changing nothing, in a row
+    hold_s: float = 0.0  # how long its next early request is held (0: not held yet)
+    until: float = 0.0  # requests before this are held, then refused unread
+
+
+class WasteTarpit:
+    """Peers whose requests keep being wasted are held, then refused without being read.
+
+    A request is wasted when it is refused for something the client got wrong (a bad or unknown
+    key, a malformed message, a caller without the right) or when it changes nothing (every pushed
+    gradient a duplicate). Reading such a request is the expensive part: a 4 MiB message is copied
+    twice into Python and parsed on the event loop that also serves every other worker's steps.
+    Once a peer (a connection) has wasted `limit_bytes` in a row, its next request that comes back
+    before `until` is not read: it is held `hold_s` and then refused with RESOURCE_EXHAUSTED and a
+    retry hint of the same length. A client that waits as asked comes back after `until` and is
+    read as usual (one that succeeds is forgotten); a client that does not, a flood, is held again,
+    twice as long each time up to `max_hold_s`, and sends one request per hold instead of as many
+    as the server can read. Small mistakes never add up to a hold: only wasted bytes count.
+
+    One event loop drives it (no lock). At most `max_peers` peers are remembered, the oldest
+    forgotten first.
+    """
+
+    def __init__(self, limit_bytes: int = DEFAULT_WASTE_LIMIT_BYTES, first_hold_s: float = FIRST_HOLD_S,
+                 max_hold_s: float = MAX_HOLD_S, max_peers: int = MAX_PEERS,
+                 now: Callable[[], float] = time.monotonic) -> None:
+        if limit_bytes <= 0 or not 0 < first_hold_s <= max_hold_s or max_peers <= 0:
+            raise ValueError(f"WasteTarpit: got limit_bytes={limit_bytes}, first_hold_s={first_hold_s}, "
+                             f"max_hold_s={max_hold_s}, max_peers={max_peers}")
+        self.limit_bytes = limit_bytes
+        self._first_hold_s = first_hold_s
+        self._max_hold_s = max_hold_s
+        self._max_peers = max_peers
+        self._now = now
+        self._peers: dict[str, _Waster] = {}
+        self.held = 0  # requests held and refused unread, for stats and tests
+
+    def admit(self, peer: str) -> float | None:
+        """None: read and serve `peer`'s request. Else the seconds to hold it before refusing it unread."""
+        waster = self._peers.get(peer)
+        if waster is None or waster.hold_s == 0 or self._now() >= waster.until:
+            return None
+        hold_s = waster.hold_s
+        # Back no sooner than the hold plus the hint; each early comeback doubles the next hold.
+        waster.until = self._now() + 2 * hold_s
+        waster.hold_s = min(2 * hold_s, self._max_hold_s)
+        self.held += 1
+        return hold_s
+
+    def served(self, peer: str, nbytes: int, wasted: bool) -> bool:
+        """Record a request of `peer` that was read (`nbytes`): True when the peer is held from now on."""
+        if not wasted:
+            self._peers.pop(peer, None)
+            return False
+        waster = self._peers.pop(peer, None) or _Waster()
+        self._peers[peer] = waster  # the most recent last: the oldest are forgotten first
+        while len(self._peers) > self._max_peers:
+            del self._peers[next(iter(self._peers))]
+        waster.wasted += nbytes
+        if waster.wasted < self.limit_bytes:
+            return False
+        started = waster.hold_s == 0
+        waster.hold_s = self._first_hold_s if started else min(2 * waster.hold_s, self._max_hold_s)
+        waster.until = self._now() + waster.hold_s
+        return started
+
+    def retry_after_ms(self, hold_s: float) -> int:
+        return max(1, round(hold_s * 1000))
+
+    def describe(self, peer: str) -> str:
+        waster = self._peers.get(peer)
+        return _mib(waster.wasted if waster is not None else 0)
 
 
 def _mib(nbytes: int) -> str:

@@ -26,7 +26,7 @@ from pshard.common.security import SecurityConfig
 from pshard.common.serving import ServerThread as _ServerThread
 from pshard.common.serving import start_in_thread
 from pshard.common.view import ClusterView
-from pshard.ps_server.budget import InflightBudget
+from pshard.ps_server.budget import InflightBudget, WasteTarpit
 from pshard.ps_server.fastpath import FastPathServer, OpenTransportMethod
 from pshard.ps_server.global_handlers import GlobalCheckpoints, GlobalCheckpointServicer
 from pshard.ps_server.global_handlers import rpc_handlers as global_rpc_handlers
@@ -40,6 +40,7 @@ from pshard.ps_server.settings import ServerSettings
 from pshard.ps_server.table_handlers import TableHandlers
 from pshard.ps_server.table_servicer import SparseTablesServicer
 from pshard.ps_server.table_servicer import rpc_handlers as table_rpc_handlers
+from pshard.ps_server.tarpit import Tarpit
 
 from pshard.api.v1 import parameter_server_pb2 as pb
 
@@ -81,6 +82,7 @@ class RunningServer:
     tables: TableHandlers | None = None  # sparse embedding tables (ps_server.table_handlers)
     hang_watch: asyncio.Task[None] | None = None  # report_hangs
     refusals: AuthRefusals | None = None  # calls refused UNAUTHENTICATED/PERMISSION_DENIED (security on)
+    tarpit: WasteTarpit | None = None  # peers whose wasted requests are held and refused unread
 
     @property
     def servicer(self) -> ParameterServerHandlers:
@@ -109,8 +111,11 @@ async def start(settings: ServerSettings, bind: str = "127.0.0.1:0",
     # Two threads: the machine's cores; replies waiting for them wait as coroutines, not threads.
     executor = ThreadPoolExecutor(max_workers=_ENCODE_THREADS, thread_name_prefix="ps-encode")
     trimmer = HeapTrimmer()
+    tarpit = WasteTarpit(settings.waste_limit_bytes) if settings.waste_limit_bytes > 0 else None
+    # The tarpit first: a flood refused by any interceptor or handler then costs no reads.
     server = grpc.aio.server(options=server_options(max_message_bytes),
-                             interceptors=[*security.server_interceptors(refusals), DecodeErrors()])
+                             interceptors=[*([Tarpit(tarpit)] if tarpit is not None else []),
+                                           *security.server_interceptors(refusals), DecodeErrors()])
     ps_servicer = ParameterServerServicer(
         handlers, settings.chunk_bytes, budget, executor, settings.pull_timeout_s, trimmer)
     server.add_generic_rpc_handlers([_rpc_handlers(ps_servicer)])
@@ -142,7 +147,7 @@ async def start(settings: ServerSettings, bind: str = "127.0.0.1:0",
     log.info("parameter server listening on port %d", port)
     log.info("security: %s", security.describe())
     running = RunningServer(server, handlers, health_servicer, port, budget, executor, trimmer, fast,
-                           tables=tables, refusals=refusals)
+                           tables=tables, refusals=refusals, tarpit=tarpit)
     if settings.hang_report_s > 0:
         running.hang_watch = asyncio.create_task(report_hangs(handlers, settings.hang_report_s))
     return running

@@ -27,6 +27,10 @@ class ServerSettings:
     chunk_bytes: int = CHUNK_BYTES
     # In-flight request bytes past which new requests are refused (RESOURCE_EXHAUSTED, ps_server.budget).
     max_inflight_bytes: int = 512 * 2**20
+    # A connection that sent this many request bytes in a row that were refused or changed nothing
+    # (duplicates) has its next early requests held and refused unread (ps_server.budget.WasteTarpit);
+    # 0 = off.
+    waste_limit_bytes: int = 8 * 2**20
     checkpoint_dir: str | None = None
     shard_name: str = "shard"  # checkpoint file name
     # Global checkpoints (SaveCheckpointPart, RestoreCheckpoint) are written and read only inside this

@@ -152,9 +152,11 @@ def test_refused_requests_leave_no_memory_behind(procs, wire):
     (grpc's abort kept each one in a reference cycle: a flood of refusals held 2 GiB).
 
     The server is a process of its own, so its RSS is not mixed with the senders' malloc arenas or
-    with the other in-process servers of the test session."""
+    with the other in-process servers of the test session. Its tarpit is off: it would refuse most of
+    these requests unread (ps_server.tarpit), and this is about the ones that are read."""
     server = procs.python("ps", "-m", "pshard.ps_server", "--bind", "127.0.0.1:0", "--no-scheduler",
-                          "--workers", "w0", "--mode", "async", "--lr", "0.1", "--log-level", "WARNING")
+                          "--workers", "w0", "--mode", "async", "--lr", "0.1", "--waste-limit-mb", "0",
+                          "--log-level", "WARNING")
     port = int(server.wait_for_line(r"listening on port (\d+)", WAIT_S).group(1))
     address = f"127.0.0.1:{port}"
     with PSClient([address], "w0", timeout_s=WAIT_S, transport="grpc") as client:

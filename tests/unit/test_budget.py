@@ -1,10 +1,11 @@
-"""The in-flight byte budget (ps_server/budget.py): admission, release, the lone-request exception, hints."""
+"""The in-flight byte budget (ps_server/budget.py): admission, release, the lone-request exception, hints;
+the wasted-request tarpit: when a peer is held, for how long, and when it is read again."""
 
 from __future__ import annotations
 
 import pytest
 from pshard.common.errors import OverloadedError
-from pshard.ps_server.budget import MAX_RETRY_AFTER_MS, MIB, MIN_RETRY_AFTER_MS, InflightBudget
+from pshard.ps_server.budget import MAX_RETRY_AFTER_MS, MIB, MIN_RETRY_AFTER_MS, InflightBudget, WasteTarpit
 
 
 def test_requests_within_the_budget_are_admitted_and_counted() -> None:
@@ -79,3 +80,94 @@ def test_bad_sizes_are_programming_errors() -> None:
         InflightBudget(0)
     with pytest.raises(ValueError, match="nbytes"):
         InflightBudget(1).reservation("x").add(-1)
+
+
+# ---- the wasted-request tarpit ----
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 100.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def tarpit(clock: Clock, limit_bytes: int = 8 * MIB) -> WasteTarpit:
+    return WasteTarpit(limit_bytes, first_hold_s=0.05, max_hold_s=0.4, max_peers=3, now=clock)
+
+
+def test_a_peer_is_read_until_it_has_wasted_the_limit_in_a_row() -> None:
+    clock = Clock()
+    pit = tarpit(clock)
+    assert pit.admit("a") is None
+    assert not pit.served("a", 4 * MIB, wasted=True)
+    assert pit.admit("a") is None
+    assert pit.served("a", 4 * MIB, wasted=True)  # 8 MiB in a row: held from now on
+    assert pit.admit("a") == 0.05
+    assert pit.admit("b") is None  # another connection is not concerned
+    assert pit.held == 1
+
+
+def test_small_mistakes_never_add_up_to_a_hold_and_a_success_forgets_the_streak() -> None:
+    clock = Clock()
+    pit = tarpit(clock)
+    for _ in range(1000):
+        pit.served("a", 1000, wasted=True)
+    assert pit.admit("a") is None  # 1 MB of bad requests: under the limit
+    pit.served("a", 100, wasted=False)
+    pit.served("a", 7 * MIB, wasted=True)
+    assert pit.admit("a") is None  # the streak started again after the success
+    pit.served("a", MIB, wasted=True)
+    assert pit.admit("a") == 0.05
+
+
+def test_a_peer_that_comes_back_early_is_held_longer_each_time_up_to_the_cap() -> None:
+    clock = Clock()
+    pit = tarpit(clock)
+    pit.served("a", 8 * MIB, wasted=True)
+    holds = []
+    for _ in range(5):
+        hold = pit.admit("a")
+        assert hold is not None
+        holds.append(hold)
+        clock.t += hold  # held, refused, and it sends again at once: early
+    assert holds == [0.05, 0.1, 0.2, 0.4, 0.4]
+
+
+def test_a_peer_that_waits_as_asked_is_read_again() -> None:
+    clock = Clock()
+    pit = tarpit(clock)
+    pit.served("a", 8 * MIB, wasted=True)
+    hold = pit.admit("a")
+    assert hold is not None
+    assert pit.retry_after_ms(hold) == 50
+    clock.t += hold + hold  # held, then it waited the retry hint
+    assert pit.admit("a") is None
+    assert not pit.served("a", 100, wasted=False)
+    assert pit.admit("a") is None
+
+
+def test_a_read_request_wasted_again_holds_the_peer_longer() -> None:
+    clock = Clock()
+    pit = tarpit(clock)
+    assert pit.served("a", 8 * MIB, wasted=True)
+    clock.t += 1.0
+    assert pit.admit("a") is None  # it waited: read
+    assert not pit.served("a", 4 * MIB, wasted=True)  # still held, not newly
+    assert pit.admit("a") == 0.1
+
+
+def test_only_the_most_recent_peers_are_remembered() -> None:
+    clock = Clock()
+    pit = tarpit(clock)
+    for peer in "abcd":
+        pit.served(peer, 8 * MIB, wasted=True)
+    assert pit.admit("a") is None  # forgotten: max_peers is 3
+    assert all(pit.admit(peer) == 0.05 for peer in "bcd")
+
+
+def test_bad_tarpit_settings_are_programming_errors() -> None:
+    with pytest.raises(ValueError, match="limit_bytes"):
+        WasteTarpit(0)
+    with pytest.raises(ValueError, match="max_hold_s"):
+        WasteTarpit(MIB, first_hold_s=2.0, max_hold_s=1.0)
