@@ -41,6 +41,7 @@ from pshard.common.job import JobConfig
 from pshard.common.metrics import RequestMetrics
 from pshard.common.types import SliceKey, Stamp
 from pshard.ps_server.checkpoint import load_shard, save_shard
+from pshard.ps_server.replica_shm import replica_shm_dir
 from pshard.ps_server.replication import Record, ReplicaSet, Replicator
 from pshard.ps_server.settings import ServerSettings
 from pshard.ps_server.steptimes import HangReport
@@ -156,7 +157,8 @@ class ParameterServerHandlers:
         self._restored_unclaimed = False
         # Replication (docs/architecture.md, 9 Failures): the copies this server holds as a backup,
         # and (with replicas) what forwards its own slices' steps to its backups.
-        self.replica_set = ReplicaSet()
+        self.replica_shm_dir = replica_shm_dir(settings.transport, settings.shm_dir)
+        self.replica_set = ReplicaSet(self.replica_shm_dir)
         self.replicator: Replicator | None = None
         self.promotions = 0  # slices this server took over as primary after a failover
         self.failovers = 0  # times it did (each a role change, logged): pshard_failovers_total
@@ -197,7 +199,7 @@ class ParameterServerHandlers:
             replicator.attach(self._store)
 
     def replicate(self, config: JobConfig, records: Sequence[Record], primary: str = "",
-                  release: bool = False) -> list[SliceKey]:
+                  release: bool = False, segments: Sequence[str] = ()) -> list[SliceKey]:
         """Backup side of a Replicate call: replay a primary's records; the slices it must resend whole.
 
         A slice this server took over as primary is refused: its sender was declared dead and is still
@@ -213,7 +215,7 @@ class ParameterServerHandlers:
             dropped = self.replica_set.release(primary)
             log.info("replication: %s no longer forwards here; dropped its %d copies", primary, dropped)
             return []
-        return self.replica_set.apply(config, records, primary)
+        return self.replica_set.apply(config, records, primary, segments)
 
     def set_ownership(self, version: int, owned: frozenset[SliceKey]) -> None:
         """Layout `version` makes this server primary of `owned` (follow_scheduler, with replicas)."""

@@ -1,27 +1,29 @@
-"""Shard replication (docs/architecture.md, 9 Failures): a primary forwards every optimizer step it
-takes to its backups before it acknowledges; a backup replays them.
+"""Shard replication (docs/architecture.md, 9 Failures): a primary makes every optimizer step it
+takes reach its backups before it acknowledges.
 
-What travels is the step's input, not its result: the gradient of an async or SSP push, or a sync
-clock's sum with the number of gradients it holds. A backup runs the same element-wise optimizer on
-the same bytes (`Slot.apply` / `Slot.apply_mean`), so its weights and optimizer state stay
-bit-identical to the primary's. Each record also carries the slice's per-worker clocks, so a worker
-that resends after a failover is deduplicated by the backup exactly as by the primary.
+What travels is the slice's state after its newest step (value, optimizer state, version, per-worker
+clocks, SSP floors), taken under the slice's lock: the backup's copy is the primary's bytes, so it
+is bit-identical, and a worker that resends after a failover is deduplicated by it exactly as by the
+primary. Steps taken while a state is on its way coalesce into the next one (async and SSP pushes
+are batched that way), and a backup that restarted or joined just gets every slice's state: a copy
+that catches up while training goes on.
 
-A slice's first record to a backup is always its whole state (value, optimizer state, version,
-clocks); then its steps follow in version order. A backup that lacks a slice's earlier history (it
-restarted, or a record came before its state) answers `need_state`, and the primary sends the state
-again, taken under the slice's lock: a copy that catches up while training goes on.
+Where the bytes go: with a backup on the same host, into shared-memory segments both map, so a
+Replicate call carries only metadata (ps_server/replica_shm.py); with one that cannot map them
+(another host, or a server without shared memory), inline in the call. Backups also still replay
+step records (`step_record`: an update and how many gradients it sums, run through the same
+element-wise optimizer), the form of older primaries.
 
-Per backup one ordered queue and one sender task (batches up to `_BATCH_BYTES`, one Replicate call
-at a time, retried until it is acknowledged or the backup leaves the view). Records get one global
-sequence number; a request is acknowledged once every current backup acknowledged the records of
-its slices (`settle`).
+Per backup one sender task: it ships the due slices in the order they became due (batches up to
+`_BATCH_BYTES`, one Replicate call at a time, retried until acknowledged or the backup leaves the
+view), so the first slices of a sync clock are acknowledged while later ones are still applied.
+Steps get one global sequence number; a request is acknowledged once every current backup holds a
+state of each of its slices at least as new as the request's steps (`settle`).
 """
 
 from __future__ import annotations
 
 import asyncio
-import collections
 import logging
 import threading
 import time
@@ -31,14 +33,16 @@ from typing import NamedTuple
 
 import numpy as np
 from pshard.common import codec
-from pshard.common.errors import PullTimeoutError
+from pshard.common.errors import InvalidArgumentError, PullTimeoutError
 from pshard.common.job import JobConfig
 from pshard.common.types import SliceKey
 from pshard.ps_server.optimizers import Optimizer, SliceState, make_optimizer
 from pshard.ps_server.policies import NO_CLOCK, Slot
+from pshard.ps_server.replica_shm import ArraySpec, SegmentMaps, SegmentWriter, specs_bytes, state_specs
 from pshard.ps_server.store import ShardStore
 
 from pshard.api.v1 import parameter_server_pb2 as pb
+from pshard.api.v1 import tensor_pb2 as tensor_pb
 
 log = logging.getLogger("pshard.ps.replication")
 
@@ -46,6 +50,9 @@ log = logging.getLogger("pshard.ps.replication")
 # milliseconds on a loaded host, so a big shard's step goes in a few calls; the servers' message
 # limit (64 MiB by default) leaves room for a 4 MiB slice's state with Adam's two arrays on top.
 _BATCH_BYTES = 32 * 2**20
+# Through shared memory a call carries no bytes, but the copies come before it: smaller batches let
+# the first slices of a step be acknowledged (and their pulls answered) while later ones are copied.
+_SHM_BATCH_BYTES = 8 * 2**20
 _RETRY_S = (0.05, 1.0)  # first and longest wait between attempts to reach a backup
 
 
@@ -60,6 +67,10 @@ class Record(NamedTuple):
     dtype: str = ""  # state: the declared dtype
     opt_state: SliceState | None = None
     floors: dict[str, int] | None = None
+    # State through shared memory (ps_server/replica_shm.py): where its arrays lie, and what they are.
+    segment: str = ""
+    offset: int = 0
+    specs: tuple[ArraySpec, ...] = ()
 
     @property
     def nbytes(self) -> int:
@@ -80,16 +91,23 @@ def state_record(slot: Slot, seq: int) -> Record:
                   slot.dtype.name, state, dict(slot.floors))
 
 
+def _tensor(v: np.ndarray, inline: bool) -> tensor_pb.Tensor:
+    if inline:
+        return codec.tensor_to_proto(codec.WireArray(v, v.dtype.name))
+    return tensor_pb.Tensor(dtype=codec.dtype_to_proto(v.dtype.name), shape=v.shape)  # the bytes are in shm
+
+
 def record_to_proto(r: Record) -> pb.ReplicaRecord:
+    inline = not r.segment
     msg = pb.ReplicaRecord(id=codec.slice_id_to_proto(r.key), version=r.version, state=r.state,
-                           value=codec.tensor_to_proto(codec.WireArray(r.value, r.value.dtype.name)),
-                           count=r.summed, clocks=r.clocks)
+                           value=_tensor(r.value, inline), count=r.summed, clocks=r.clocks,
+                           segment=r.segment, offset=r.offset)
     if r.state:
         msg.dtype = codec.dtype_to_proto(r.dtype)
         msg.floors.update(r.floors or {})
         for name, v in (r.opt_state or {}).items():
             if isinstance(v, np.ndarray):
-                msg.opt_arrays[name].CopyFrom(codec.tensor_to_proto(codec.WireArray(v, v.dtype.name)))
+                msg.opt_arrays[name].CopyFrom(_tensor(v, inline))
             elif isinstance(v, (int, np.integer)) and not isinstance(v, bool):
                 msg.opt_ints[name] = int(v)
             else:
@@ -97,8 +115,21 @@ def record_to_proto(r: Record) -> pb.ReplicaRecord:
     return msg
 
 
+def _spec(t: tensor_pb.Tensor, name: str, what: str) -> ArraySpec:
+    return name, codec.dtype_from_proto(t.dtype, f"{what} dtype"), tuple(t.shape)
+
+
 def record_from_proto(msg: pb.ReplicaRecord) -> Record:
     key = codec.slice_id_from_proto(msg.id)
+    if msg.segment:  # arrays in shared memory: the replica set maps them (see `ReplicaSet.apply`)
+        if not msg.state:
+            raise InvalidArgumentError(f"replica {key}: only a state may lie in shared memory")
+        specs = (_spec(msg.value, "", f"replica {key}"),
+                 *(_spec(msg.opt_arrays[n], n, f"replica {key} {n}") for n in sorted(msg.opt_arrays)))
+        scalars: SliceState = {**dict(msg.opt_ints), **dict(msg.opt_floats)}
+        return Record(0, key, msg.version, True, np.empty(0), 0, dict(msg.clocks),
+                      codec.dtype_from_proto(msg.dtype), scalars, dict(msg.floors), msg.segment, msg.offset,
+                      specs)
     value = codec.tensor_from_proto(msg.value, f"replica {key}").array
     if not msg.state:
         return Record(0, key, msg.version, False, value, max(1, msg.count), dict(msg.clocks))
@@ -113,8 +144,10 @@ def record_from_proto(msg: pb.ReplicaRecord) -> Record:
 class ReplicaSet:
     """Backup side: copies of other servers' slices, replayed from their records; promoted on failover."""
 
-    def __init__(self) -> None:
+    def __init__(self, shm_dir: str | None = None) -> None:
         self.config: JobConfig | None = None
+        # Same-host primaries' segments (ps_server/replica_shm.py); None: states come inline only.
+        self._segments = SegmentMaps(shm_dir) if shm_dir is not None else None
         self._optimizer: Optimizer | None = None
         self._slots: dict[SliceKey, Slot] = {}
         self._origin: dict[SliceKey, str] = {}  # which primary each copy came from
@@ -129,27 +162,42 @@ class ReplicaSet:
             for key in keys:
                 self._slots.pop(key, None)
                 del self._origin[key]
+            if self._segments is not None:
+                self._segments.drop(primary)
             return len(keys)
 
-    def apply(self, config: JobConfig, records: Iterable[Record], primary: str = "") -> list[SliceKey]:
-        """Replay `records` in order; the slices whose history has a gap (their state is needed)."""
+    def apply(self, config: JobConfig, records: Iterable[Record], primary: str = "",
+              segments: Sequence[str] = ()) -> list[SliceKey]:
+        """Replay `records` in order; the slices whose history has a gap, or whose state lies in shared
+        memory this server cannot map (their state is needed inline). `segments`: the shared-memory
+        segments `primary` writes now."""
         with self._lock:
             if self.config != config:
                 self.config, self._optimizer = config, make_optimizer(config.optimizer)
                 self._slots.clear()
                 self._origin.clear()  # another job's (or a reconfigured) copies mean nothing now
+                if self._segments is not None:
+                    self._segments.drop()
+            if self._segments is not None:
+                self._segments.keep(primary, segments)
             need: list[SliceKey] = []
             for r in records:
                 if r.key in need:
                     continue
                 slot = self._slots.get(r.key)
+                if r.segment:
+                    mapped = self._mapped(r, primary)
+                    if mapped is None:
+                        need.append(r.key)
+                        continue
+                    r = mapped
                 if r.state:
                     if slot is None or r.version >= slot.version:
                         self._slots[r.key] = self._from_state(r)
                         self._origin[r.key] = primary
                         self.records_applied += 1
                     continue
-                if slot is None or slot.version < r.version - 1:
+                if slot is None or slot.version < r.version - 1 or not slot.value.flags.writeable:
                     need.append(r.key)
                     continue
                 if slot.version >= r.version:
@@ -160,6 +208,19 @@ class ReplicaSet:
                 slot.max_clock = max(slot.max_clock, max(r.clocks.values(), default=NO_CLOCK))
                 self.records_applied += 1
             return need
+
+    def _mapped(self, r: Record, primary: str) -> Record | None:
+        """`r` with its arrays as views of `primary`'s segment; None if this server cannot map it."""
+        try:
+            if self._segments is None:
+                raise OSError("no shared-memory directory")
+            arrays = self._segments.arrays(primary, r.segment, r.offset, r.specs)
+        except (OSError, ValueError) as e:
+            log.warning("replication: cannot map %s's segment %s (%s); asking for the state inline",
+                        primary, r.segment, e)
+            return None
+        opt: SliceState = {**(r.opt_state or {}), **{n: a for n, a in arrays.items() if n}}
+        return r._replace(value=arrays[""], opt_state=opt)
 
     def _from_state(self, r: Record) -> Slot:
         assert self._optimizer is not None and r.opt_state is not None
@@ -177,11 +238,18 @@ class ReplicaSet:
         return not self._slots  # a racy read is fine: a request routed here after a failover finds them
 
     def take(self, keys: Iterable[SliceKey]) -> list[Slot]:
-        """Hand over the copies of `keys` (those held) to become this server's own slices."""
+        """Hand over the copies of `keys` (those held) to become this server's own slices: arrays of
+        their own (a copy may be a read-only view of its old primary's shared memory)."""
         with self._lock:
             for key in keys:
                 self._origin.pop(key, None)
-            return [self._slots.pop(k) for k in keys if k in self._slots]
+            slots = [self._slots.pop(k) for k in keys if k in self._slots]
+        for slot in slots:
+            if not slot.value.flags.writeable:
+                slot.value = slot.value.copy()
+                slot.opt_state = {n: v.copy() if isinstance(v, np.ndarray) else v
+                                  for n, v in slot.opt_state.items()}
+        return slots
 
     def keys(self) -> list[SliceKey]:
         with self._lock:
@@ -191,32 +259,45 @@ class ReplicaSet:
 @dataclass
 class _Backup:
     address: str
-    queue: collections.deque[Record] = field(default_factory=collections.deque)
-    seeded: set[SliceKey] = field(default_factory=set)  # slices whose state was queued to it
-    acked: int = 0  # every record up to this sequence number is on the backup
+    # Slices whose newest step this backup lacks, in the order they became due (the send order).
+    pending: dict[SliceKey, None] = field(default_factory=dict)
+    need: dict[SliceKey, int] = field(default_factory=dict)  # the newest sequence number it must hold
+    acked: dict[SliceKey, int] = field(default_factory=dict)  # the sequence number its copy is at
     wake: asyncio.Event = field(default_factory=asyncio.Event)
     closed: bool = False
     task: asyncio.Task[None] | None = None
     failing_since: float | None = None
+    shm: SegmentWriter | None = None  # same host: states go through shared memory
+
+    def due(self, key: SliceKey, seq: int) -> None:
+        self.need[key] = seq
+        self.pending.setdefault(key, None)
+
+    def behind(self, targets: dict[SliceKey, int]) -> bool:
+        return any(self.acked.get(k, 0) < min(t, self.need.get(k, 0)) for k, t in targets.items())
 
 
 Send = Callable[[str, pb.ReplicateRequest], pb.ReplicateResponse]
 
 
 class Replicator:
-    """Primary side: queues each step of this server's slices to its backups and tracks their acks.
+    """Primary side: ships the state of each slice that took a step to its backups, and tracks their acks.
 
     `send(address, request)` is a blocking Replicate call (run in a thread); `own` names this
-    server in the requests. Lives on the server's event loop; the store hook may run on any thread.
+    server in the requests; `shm_dir`: try shared memory with each backup first (None: gRPC only).
+    Lives on the server's event loop; the store hook may run on any thread.
     """
 
-    def __init__(self, own: str, send: Send, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, own: str, send: Send, loop: asyncio.AbstractEventLoop,
+                 shm_dir: str | None = None) -> None:
         self.own = own
         self._send = send
         self._loop = loop
+        self._shm_dir = shm_dir
         self._lock = threading.Lock()
         self._seq = 0
         self._last_seq: dict[SliceKey, int] = {}
+        self._sizes: dict[SliceKey, int] = {}  # bytes of a slice's state
         self._backups: dict[str, _Backup] = {}
         self._store: ShardStore | None = None
         self._acked = asyncio.Condition()
@@ -243,12 +324,14 @@ class Replicator:
                 self._backups[address] = _Backup(address)
         for b in gone:
             b.wake.set()
-            log.warning("replication: %s is no longer a backup of %s (%d records unsent)", b.address,
-                        self.own, len(b.queue))
-            self._loop.run_in_executor(None, self._release, b.address)
+            log.warning("replication: %s is no longer a backup of %s (%d slices unsent)", b.address,
+                        self.own, len(b.pending))
+            self._loop.run_in_executor(None, self._release, b)
         for address in new:
             backup = self._backups.get(address)
             if backup is not None:
+                if self._shm_dir is not None:
+                    backup.shm = SegmentWriter(self._shm_dir)
                 backup.task = self._loop.create_task(self._sender(backup))
                 log.info("replication: %s backs up %s; copying its slices", address, self.own)
         if new and self._store is not None:
@@ -267,77 +350,98 @@ class Replicator:
     # ---- recording ----
 
     def _on_step(self, slot: Slot, update: np.ndarray, count: int) -> None:
-        # Under the slice's lock: records of one slice are queued in version order.
+        # Under the slice's lock, before the step: the sender snapshots under that lock too, so what it
+        # ships covers every step recorded so far. Nothing is copied here: steps in between coalesce.
         with self._lock:
             if not self._backups:
                 return
             self._seq += 1
-            record = step_record(slot, update, count, self._seq)
-            for b in self._backups.values():
-                if slot.key not in b.seeded:  # a slice declared since: its state (before this step) first
-                    b.queue.append(state_record(slot, record.seq))
-                    b.seeded.add(slot.key)
-                b.queue.append(record)
             self._last_seq[slot.key] = self._seq
+            if slot.key not in self._sizes:
+                self._sizes[slot.key] = specs_bytes(state_specs(slot))
             backups = list(self._backups.values())
+            for b in backups:
+                b.due(slot.key, self._seq)
         for b in backups:
             self._loop.call_soon_threadsafe(b.wake.set)
 
     def seed(self, keys: Iterable[SliceKey]) -> None:
-        """Queue the state of each of `keys` (this server's slices) to every backup that lacks it."""
+        """Make each of `keys` (this server's slices) due to every backup that lacks it."""
         store = self._store
         if store is None:
             return
-        woken: set[str] = set()
+        wanted = set(keys)
+        woken: list[_Backup] = []
         for slot in store.slots():
-            if slot.key not in set(keys):
+            if slot.key not in wanted:
                 continue
             with slot.lock, self._lock:
+                self._sizes[slot.key] = specs_bytes(state_specs(slot))
                 for b in self._backups.values():
-                    if slot.key in b.seeded:
+                    if slot.key in b.acked or slot.key in b.pending:
                         continue
                     self._seq += 1
-                    b.queue.append(state_record(slot, self._seq))
-                    b.seeded.add(slot.key)
+                    b.due(slot.key, self._seq)
                     self._last_seq[slot.key] = self._seq
-                    woken.add(b.address)
-        for address in woken:
-            backup = self._backups.get(address)
-            if backup is not None:
-                self._loop.call_soon_threadsafe(backup.wake.set)
+                    woken.append(b)
+        for b in woken:
+            self._loop.call_soon_threadsafe(b.wake.set)
 
     # ---- acknowledging ----
 
-    def _target(self, keys: Iterable[SliceKey] | None) -> int:
+    def _targets(self, keys: Iterable[SliceKey] | None) -> dict[SliceKey, int]:
         with self._lock:
             if keys is None:
-                return self._seq
-            return max((self._last_seq.get(k, 0) for k in keys), default=0)
+                return dict(self._last_seq)
+            return {k: self._last_seq[k] for k in keys if k in self._last_seq}
 
-    def _behind(self, target: int) -> list[_Backup]:
+    def _behind(self, targets: dict[SliceKey, int]) -> list[_Backup]:
         with self._lock:
-            return [b for b in self._backups.values() if b.acked < target]
+            return [b for b in self._backups.values() if b.behind(targets)]
 
     async def settle(self, keys: Iterable[SliceKey] | None, deadline: float) -> None:
-        """Return once every record so far of `keys` (None: of every slice) is on every backup."""
-        target = self._target(keys)
-        if not self._behind(target):
+        """Return once every step so far of `keys` (None: of every slice) is on every backup."""
+        targets = self._targets(keys)
+        if not targets or not self._behind(targets):
             return
         async with self._acked:
             try:
-                await asyncio.wait_for(self._acked.wait_for(lambda: not self._behind(target)),
+                await asyncio.wait_for(self._acked.wait_for(lambda: not self._behind(targets)),
                                        max(0.0, deadline - time.monotonic()))
             except TimeoutError:
-                behind = self._behind(target)
+                behind = self._behind(targets)
                 raise PullTimeoutError(
-                    "replication: backups " + ", ".join(f"{b.address} (acknowledged {b.acked} of {target})"
+                    "replication: backups " + ", ".join(f"{b.address} ({len(b.pending)} slices unsent)"
                                                         for b in behind)
                     + f" did not acknowledge {self.own}'s updates before the request's deadline") from None
 
     def lag(self) -> int:
-        """Records queued but not yet acknowledged by the slowest backup (the replication lag gauge)."""
+        """Slices whose newest step the slowest backup has yet to acknowledge (the replication lag gauge)."""
         with self._lock:
-            return max((self._seq - b.acked for b in self._backups.values()), default=0)
+            return max((len(b.pending) for b in self._backups.values()), default=0)
+
+    def in_sync(self, keys: Iterable[SliceKey]) -> list[str]:
+        """The backups holding an acknowledged copy of each of `keys` (this server's slices): from
+        then on no step is acknowledged before they have it too (docs/architecture.md, 9 Failures)."""
+        wanted = list(keys)
+        with self._lock:
+            return [a for a, b in self._backups.items() if all(k in b.acked for k in wanted)]
+
+    def restarted(self, address: str) -> None:
+        """The backup at `address` is a new process: what its old one acknowledged is gone; copy
+        every slice to it again."""
+        with self._lock:
+            b = self._backups.get(address)
+            if b is None:
+                return
+            b.acked.clear()
+            b.pending.clear()
+            b.need.clear()
+            if b.shm is not None:
+                b.shm.reset()  # the new process maps no segment of ours yet
+        log.info("replication: backup %s restarted; copying %s's slices to it again", address, self.own)
+        if self._store is not None:
+            self.seed([s.key for s in self._store.slots()])
 
     async def _notify(self) -> None:
         async with self._acked:
@@ -345,28 +449,33 @@ class Replicator:
 
     # ---- sending ----
 
+    def _batch(self, b: _Backup) -> list[SliceKey]:
+        limit = _SHM_BATCH_BYTES if b.shm is not None else _BATCH_BYTES
+        with self._lock:
+            batch: list[SliceKey] = []
+            size = 0
+            for key in b.pending:
+                if batch and size + self._sizes.get(key, 0) > limit:
+                    break
+                batch.append(key)
+                size += self._sizes.get(key, 0)
+            return batch
+
     async def _sender(self, b: _Backup) -> None:
         delay = _RETRY_S[0]
         while not b.closed:
             await b.wake.wait()
             b.wake.clear()
             while not b.closed:
-                with self._lock:
-                    batch: list[Record] = []
-                    size = 0
-                    for r in b.queue:
-                        if batch and size + r.nbytes > _BATCH_BYTES:
-                            break
-                        batch.append(r)
-                        size += r.nbytes
+                batch = self._batch(b)
                 if not batch:
                     break
-                store = self._store
-                config = store.config if store is not None else JobConfig()
                 try:
-                    # Encoding copies every byte: off the event loop, with the call.
-                    reply = await self._loop.run_in_executor(None, self._send_batch, b.address, batch, config)
-                except Exception as e:  # unreachable, restarting, refusing: keep the batch and retry
+                    # The copy (or encoding) and the call, off the event loop.
+                    shipped, need = await self._loop.run_in_executor(None, self._ship, b, batch)
+                except Exception as e:  # unreachable, restarting, refusing: the slices stay due
+                    if b.shm is not None:
+                        b.shm.reset()  # the backup may hold either slot now: later states go elsewhere
                     if b.failing_since is None:
                         b.failing_since = time.monotonic()
                         log.warning("replication: backup %s unreachable (%s); retrying until it is back or "
@@ -379,41 +488,70 @@ class Replicator:
                              time.monotonic() - b.failing_since)
                     b.failing_since = None
                 delay = _RETRY_S[0]
-                self._sent(b, batch, [codec.slice_id_from_proto(k) for k in reply.need_state])
+                self._shipped(b, shipped, need)
                 await self._notify()
 
-    def _release(self, address: str) -> None:
-        """Tell a former backup to drop our copies; best effort (a dead one has nothing to drop)."""
-        try:
-            self._send(address, pb.ReplicateRequest(primary=self.own, release=True))
-        except Exception as e:
-            log.debug("replication: could not release %s: %s", address, e)
-
-    def _send_batch(self, address: str, batch: Sequence[Record], config: JobConfig) -> pb.ReplicateResponse:
-        request = pb.ReplicateRequest(primary=self.own, config=codec.job_to_proto(config),
-                                      records=[record_to_proto(r) for r in batch])
-        return self._send(address, request)
-
-    def _sent(self, b: _Backup, batch: Sequence[Record], need_state: Sequence[SliceKey]) -> None:
-        top = max(r.seq for r in batch)
-        with self._lock:
-            for _ in batch:
-                b.queue.popleft()
-            self.records_sent += len(batch)
-        if not need_state:
-            with self._lock:
-                b.acked = max(b.acked, top)
-            return
-        log.info("replication: backup %s lacks the history of %d slices; sending their state", b.address,
-                 len(need_state))
+    def _ship(self, b: _Backup, keys: Sequence[SliceKey]) -> tuple[dict[SliceKey, int], list[SliceKey]]:
+        """Snapshot `keys` (each under its lock) into one Replicate call to `b`: the sequence number
+        each shipped state covers, and the slices the backup could not take."""
         store = self._store
         slots = {s.key: s for s in store.slots()} if store is not None else {}
-        for key in need_state:
+        config = store.config if store is not None else JobConfig()
+        shm = b.shm
+        if shm is not None:
+            shm.reserve([slots[k] for k in keys if k in slots])
+        shipped: dict[SliceKey, int] = {}
+        records: list[pb.ReplicaRecord] = []
+        for key in keys:
             slot = slots.get(key)
-            if slot is None:
+            if slot is None:  # no longer ours (moved away): nothing to hold
+                with self._lock:
+                    shipped[key] = b.need.get(key, 0)
                 continue
-            # Under the slice's lock: every step recorded so far is in the state, every later one
-            # is queued after it (the front is this task's alone).
-            with slot.lock, self._lock:
-                b.queue.appendleft(state_record(slot, top))
-        b.wake.set()
+            with slot.lock:
+                with self._lock:
+                    shipped[key] = b.need.get(key, 0)
+                records.append(_state_to_proto(slot, shm))
+        request = pb.ReplicateRequest(primary=self.own, config=codec.job_to_proto(config), records=records,
+                                      segments=shm.names if shm is not None else [])
+        reply = self._send(b.address, request)
+        return shipped, [codec.slice_id_from_proto(k) for k in reply.need_state]
+
+    def _shipped(self, b: _Backup, shipped: dict[SliceKey, int], need: Sequence[SliceKey]) -> None:
+        refused = set(need)
+        with self._lock:
+            for key, seq in shipped.items():
+                if key in refused:
+                    continue
+                b.acked[key] = max(b.acked.get(key, 0), seq)
+                if b.need.get(key, 0) <= b.acked[key]:
+                    b.pending.pop(key, None)
+            self.records_sent += len(shipped)
+        if b.shm is not None:
+            b.shm.acknowledged(k for k in shipped if k not in refused)
+        if refused:
+            if b.shm is not None:  # it cannot map our segments (another host): bytes inline from now on
+                log.warning("replication: backup %s cannot map %s's shared memory; replicating over gRPC",
+                            b.address, self.own)
+                b.shm.close()
+                b.shm = None
+            b.wake.set()
+
+    def _release(self, b: _Backup) -> None:
+        """Tell a former backup to drop our copies; best effort (a dead one has nothing to drop)."""
+        if b.shm is not None:
+            b.shm.close()
+        try:
+            self._send(b.address, pb.ReplicateRequest(primary=self.own, release=True))
+        except Exception as e:
+            log.debug("replication: could not release %s: %s", b.address, e)
+
+
+def _state_to_proto(slot: Slot, shm: SegmentWriter | None) -> pb.ReplicaRecord:
+    """`slot`'s state as a record (under its lock): its arrays copied into `shm`, else encoded inline."""
+    record = Record(0, slot.key, slot.version, True, slot.value, 0, dict(slot.last_clock), slot.dtype.name,
+                    dict(slot.opt_state), dict(slot.floors))
+    if shm is None:
+        return record_to_proto(record)  # encoding is the one copy
+    segment, offset = shm.write(slot)
+    return record_to_proto(record._replace(segment=segment, offset=offset))

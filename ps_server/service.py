@@ -34,6 +34,7 @@ from pshard.ps_server.handlers import ParameterServerHandlers
 from pshard.ps_server.heap import HeapTrimmer
 from pshard.ps_server.quorum import QuorumFollower
 from pshard.ps_server.replica_link import backup_addresses, grpc_sender, owned_slices
+from pshard.ps_server.replica_sync import InSyncReporter
 from pshard.ps_server.replication import Replicator
 from pshard.ps_server.servicer import ParameterServerServicer
 from pshard.ps_server.settings import ServerSettings
@@ -48,6 +49,8 @@ log = logging.getLogger("pshard.ps")
 
 SERVICE_NAME = "pshard.api.v1.ParameterServerService"
 _ENCODE_THREADS = 2
+# How often a primary recomputes which backups are in sync (sent with the next heartbeat).
+_IN_SYNC_REPORT_S = 0.25
 
 
 def _rpc_handlers(servicer: ParameterServerServicer) -> grpc.GenericRpcHandler:
@@ -204,8 +207,21 @@ def follow_scheduler(running: RunningServer, spec: ClusterSpec,
     handlers = running.handlers
     handlers.follow_views()
     replicas = handlers.replicas_setting
+    reporter: InSyncReporter | None = None
     if replicas > 0:
-        handlers.enable_replication(Replicator(spec.own_address or spec.node_id, grpc_sender(security), loop))
+        replicator = Replicator(spec.own_address or spec.node_id, grpc_sender(security), loop,
+                                shm_dir=handlers.replica_shm_dir)
+        handlers.enable_replication(replicator)
+        # Which backups hold all our slices, with each heartbeat: only those can be promoted.
+        reporter = InSyncReporter(replicator, spec.own_address or "",
+                                  lambda copies, version: client.report_in_sync(copies, version))
+
+        def report_in_sync() -> None:
+            assert reporter is not None
+            reporter.report()
+            loop.call_later(_IN_SYNC_REPORT_S, report_in_sync)
+
+        loop.call_soon_threadsafe(report_in_sync)
     # Workers a restarted scheduler forgot are waited for while they re-register (see quorum.py);
     # the grace is set from the scheduler's heartbeat timeout once we are registered.
     follower = QuorumFollower(grace_s=10.0, now=time.monotonic)
@@ -213,6 +229,8 @@ def follow_scheduler(running: RunningServer, spec: ClusterSpec,
     def install(view: ClusterView | None = None) -> None:
         if view is not None and handlers.replicator is not None:
             handlers.replicator.set_backups(backup_addresses(view, spec.node_id, replicas))
+        if view is not None and reporter is not None:
+            reporter.on_view(view)
         quorum = follower.apply(view)
         handlers.set_quorum(quorum, view.generation if view is not None else None)
         if running.tables is not None:  # sync tables wait for the same workers
@@ -237,15 +255,18 @@ def follow_scheduler(running: RunningServer, spec: ClusterSpec,
                 owned = owned_slices(layout, spec.own_address or "")
                 if owned is not None:
                     loop.call_soon_threadsafe(handlers.set_ownership, layout.version, owned)
+                if reporter is not None:
+                    loop.call_soon_threadsafe(reporter.on_layout, layout)
         loop.call_soon_threadsafe(install, view)
 
     # A restored shard remembers the generations its workers had; a fresh scheduler must hand out newer
     # ones, or the restored fencing refuses the new incarnations (a resumed job's chief could not even
     # pull its final weights).
     restored = handlers.store.newest_generation() if handlers.has_store else 0
-    client = SchedulerClient(spec.scheduler_address, "ps", own_address=spec.own_address or "",
-                             node_id=spec.node_id, rank_hint=spec.task_index, on_view=on_view,
-                             connect_timeout_s=300.0, last_generation=restored, security=security)
+    client: SchedulerClient = SchedulerClient(
+        spec.scheduler_address, "ps", own_address=spec.own_address or "", node_id=spec.node_id,
+        rank_hint=spec.task_index, on_view=on_view, connect_timeout_s=300.0, last_generation=restored,
+        security=security)
 
     def register() -> None:
         try:

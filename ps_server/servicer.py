@@ -261,7 +261,7 @@ class ParameterServerServicer:
         # Decoding and replaying copy and step every byte: off the event loop (the replica set locks itself).
         need = await asyncio.get_running_loop().run_in_executor(
             self._executor, lambda: self._handlers.replicate(
-                config, [record_from_proto(r) for r in records], primary, release))
+                config, [record_from_proto(r) for r in records], primary, release, request.segments))
         return pb.ReplicateResponse(need_state=[codec.slice_id_to_proto(k) for k in need])
 
     async def Checkpoint(self, request: pb.CheckpointRequest, context: grpc.aio.ServicerContext
