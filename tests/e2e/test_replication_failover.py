@@ -63,8 +63,13 @@ def test_a_server_sigkilled_mid_training_loses_no_update(procs: Procs, tmp_path:
     assert re.search(r"\[worker-\d\] .*FAILOVER: layout", text), run.output()
     # The restarted ps-1 is ps-0's backup again: ps-0 copies its slices to it while training goes on.
     restarted = next(i for i, line in enumerate(run.lines) if line.startswith("launcher: ps-1 restarted"))
-    assert any(re.search(r"^\[ps-0\] .*(lacks the history of \d+ slices|backs up .*copying)", line)
-               for line in run.lines[restarted:]), run.output()
+    copying = r"^\[ps-0\] .*(lacks the history of \d+ slices|backs up .*copying|restarted; copying)"
+    assert any(re.search(copying, line) for line in run.lines[restarted:]), run.output()
+    # Only once the copy is acknowledged does the scheduler count it (and could promote it): the
+    # replica count is back.
+    ps0 = cluster["ps"][0]
+    caught_up = rf"^\[scheduler\] .*ROLE: {re.escape(ps1)} is an in-sync backup of {re.escape(ps0)}"
+    assert any(re.search(caught_up, line) for line in run.lines[restarted:]), run.output()
     assert set(finals(run)) == {"worker-0", "worker-1"}
 
     expected, got = _state(reference_model), _state(model)

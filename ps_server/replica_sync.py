@@ -1,0 +1,58 @@
+"""What a primary tells the scheduler about its backups (docs/architecture.md, 9 Failures).
+
+With every heartbeat a server reports which of its backups hold an acknowledged copy of every slice
+the newest layout it knows makes it primary of, each with the generation of the backup's
+incarnation, and that layout's version. The scheduler promotes only such a copy
+(scheduler/in_sync.py).
+
+A backup whose generation changes in a view is a new process at the same address: whatever its old
+incarnation acknowledged is gone, so every slice is copied to it again before it counts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from pshard.common.layout import Layout
+from pshard.common.view import ClusterView
+from pshard.ps_server.replica_link import owned_slices
+from pshard.ps_server.replication import Replicator
+
+Report = Callable[[dict[str, int], int], None]  # (backup address -> its generation, layout version)
+
+
+class InSyncReporter:
+    """Lives on the server's event loop: views, layouts and reports all arrive there."""
+
+    def __init__(self, replicator: Replicator, own_address: str, report: Report) -> None:
+        self._replicator = replicator
+        self._own = own_address
+        self._report = report
+        self._generations: dict[str, int] = {}  # every server's incarnation, by address
+        self._layout: Layout | None = None
+
+    def on_view(self, view: ClusterView) -> None:
+        """Note each server's incarnation; a backup with a new one is copied to from scratch."""
+        for node in view.nodes:
+            if node.role != "ps" or not node.address or node.address == self._own:
+                continue
+            before = self._generations.get(node.address)
+            self._generations[node.address] = node.generation
+            if before is not None and before != node.generation:
+                self._replicator.restarted(node.address)
+        self.report()
+
+    def on_layout(self, layout: Layout) -> None:
+        if self._layout is None or layout.version > self._layout.version:
+            self._layout = layout
+            self.report()
+
+    def report(self) -> None:
+        """Hand the current answer to the scheduler client (sent with its next heartbeat)."""
+        layout = self._layout
+        owned = owned_slices(layout, self._own) if layout is not None else None
+        if layout is None or owned is None:
+            self._report({}, 0)
+            return
+        copies = {a: self._generations[a] for a in self._replicator.in_sync(owned) if a in self._generations}
+        self._report(copies, layout.version)
