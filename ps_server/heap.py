@@ -14,15 +14,19 @@ sustained large traffic happens at most every `max_interval_s`.
 Trimming alone is late: during a flood the heaps grow before any quiet moment comes. Two glibc
 settings keep them from growing in the first place (`bound_heap`, called once at server start):
 
-- A fixed mmap threshold of 1 MiB. By default glibc raises its threshold to the size of every mmapped
-  chunk it frees (up to 32 MiB), so after the first few 4 MiB requests every later one is carved from
-  a heap and leaves a hole there. With the threshold fixed, a large buffer is its own mapping and its
-  pages go back to the kernel the moment it is freed.
+- A fixed mmap threshold just above an Exchange frame (a 4 MiB chunk and its header: 5 MiB). By
+  default glibc raises its threshold to the size of every mmapped chunk it frees (up to 32 MiB), so
+  after the first few large requests every later one is carved from a heap and leaves a hole there.
+  With the threshold fixed, a larger buffer is its own mapping and its pages go back to the kernel
+  the moment it is freed. Not lower: a stream's frames are allocated and freed by the hundred every
+  step (gRPC's copy, the bytes handed to Python, our encoded replies), and a mapping costs ~1,000
+  page faults per 4 MiB each time. At a 1 MiB threshold that was a quarter of the servers' CPU in
+  the 2x2 gRPC dense bench (0.36-0.44 s per step against 0.29-0.31 s at 5 MiB, interleaved runs).
 - At most two arenas. gRPC's threads each get an arena of their own by default (8 per core), and each
   keeps its own free memory.
 
 Measured with tests/e2e/test_flood.py (16 clients, 4 MiB requests, 2 cores): peak RSS 411 MiB over a
-63 MiB baseline without them, 240 MiB with them.
+63 MiB baseline without them, 240 MiB with a 1 MiB threshold, 251-263 MiB with 5 MiB.
 
 Elsewhere than glibc there is nothing to call and both do nothing.
 """
@@ -35,12 +39,14 @@ import threading
 import time
 from collections.abc import Callable
 
+from pshard.common.rpc import CHUNK_BYTES, FRAME_SLACK_BYTES
+
 # Requests smaller than this never trigger a trim: they leave too little behind to matter.
 TRIM_AFTER_BYTES = 1 << 20
 # mallopt(3) parameters (malloc.h); the values are glibc's ABI.
 _M_MMAP_THRESHOLD = -3
 _M_ARENA_MAX = -8
-MMAP_THRESHOLD_BYTES = 1 << 20
+MMAP_THRESHOLD_BYTES = CHUNK_BYTES + FRAME_SLACK_BYTES + (1 << 20)  # see the module docstring
 ARENA_MAX = 2
 
 
@@ -97,6 +103,11 @@ class HeapTrimmer:
     def request_ended(self, nbytes: int) -> None:
         if nbytes >= TRIM_AFTER_BYTES:
             self._wake.set()
+
+    def unread_refused(self) -> None:
+        """A request was refused unread (ps_server.tarpit): gRPC's core had buffered some of its bytes,
+        how many is not known here, in small chunks that stay in the heap until a trim."""
+        self._wake.set()
 
     def close(self) -> None:
         self._closed.set()

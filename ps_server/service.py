@@ -117,7 +117,7 @@ async def start(settings: ServerSettings, bind: str = "127.0.0.1:0",
     tarpit = WasteTarpit(settings.waste_limit_bytes) if settings.waste_limit_bytes > 0 else None
     # The tarpit first: a flood refused by any interceptor or handler then costs no reads.
     server = grpc.aio.server(options=server_options(max_message_bytes),
-                             interceptors=[*([Tarpit(tarpit)] if tarpit is not None else []),
+                             interceptors=[*([Tarpit(tarpit, trimmer.unread_refused)] if tarpit else []),
                                            *security.server_interceptors(refusals), DecodeErrors()])
     ps_servicer = ParameterServerServicer(
         handlers, settings.chunk_bytes, budget, executor, settings.pull_timeout_s, trimmer)

@@ -62,8 +62,11 @@ class Tarpit(grpc.aio.ServerInterceptor):  # type: ignore[misc]
     that the refusals of the others (credentials) count too.
     """
 
-    def __init__(self, tarpit: WasteTarpit, prefix: str = "/pshard.") -> None:
+    def __init__(self, tarpit: WasteTarpit, refused_unread: Callable[[], None] = lambda: None,
+                 prefix: str = "/pshard.") -> None:
+        """`refused_unread`: called after each request refused unread (the heap trimmer's cue)."""
         self.tarpit = tarpit
+        self._refused_unread = refused_unread
         self._prefix = prefix
 
     async def intercept_service(self, continuation: Callable[[Any], Awaitable[Any]], details: Any) -> Any:
@@ -71,13 +74,15 @@ class Tarpit(grpc.aio.ServerInterceptor):  # type: ignore[misc]
         method: str = details.method
         if handler is None or handler.unary_unary is None or not method.startswith(self._prefix):
             return handler
-        unary, decode, tarpit = handler.unary_unary, handler.request_deserializer, self.tarpit
+        unary, decode = handler.unary_unary, handler.request_deserializer
+        tarpit, refused_unread = self.tarpit, self._refused_unread
 
         async def call(requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext) -> Any:
             peer = context.peer()
             hold_s = tarpit.admit(peer)
             if hold_s is not None:
                 await asyncio.sleep(hold_s)
+                refused_unread()
                 await abort(context, OverloadedError(
                     f"{method}: refused unread: the requests of this connection ({tarpit.describe(peer)} "
                     f"in a row) were refused or changed nothing, and it came back before the wait it was "

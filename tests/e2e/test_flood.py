@@ -1,8 +1,10 @@
 """A flood against a real parameter server process (issue 7, defect 7).
 
-Sixteen clients push 4 MiB requests as fast as they can for 20 s against `--max-inflight-mb 256`:
-half of them gradients the server applies, half refused (a parameter it does not hold). Meanwhile a
-legitimate worker keeps stepping (a small fused push-pull, the transport it would pick on this host).
+Sixteen clients, each on a connection of its own, push 4 MiB requests as fast as they can for 20 s
+against `--max-inflight-mb 256`: half of them a gradient of a parameter the server holds, always at
+the same clock (the first is applied, every later one dropped as a duplicate), half of one it does not
+hold (refused). Meanwhile a legitimate worker keeps stepping (a small fused push-pull, over the
+transport it would pick on this host).
 
 - the server's RSS stays within 256 MiB + 200 MiB during the flood,
 - and is back within 100 MiB of its baseline 10 s after it,
@@ -10,6 +12,11 @@ legitimate worker keeps stepping (a small fused push-pull, the transport it woul
 
 The quiet p99 is measured both before and after the flood: other jobs share these two cores, and
 a baseline taken on either side of the flood is exposed to the same background load as the flood.
+
+What holds the bar is the server's tarpit (ps_server/tarpit.py): reading and refusing the flood took
+half of the event loop the fast paths share (bystander p99 12-70 ms), so a connection whose requests
+keep being refused or changing nothing is, after 8 MiB of them, refused unread and held until it
+waits as asked. The flood's own counts (printed) show how many of its requests were read.
 """
 
 from __future__ import annotations
@@ -19,7 +26,6 @@ import re
 import time
 
 import numpy as np
-import pytest
 from pshard.common.job import JobConfig, OptimizerConfig
 from pshard.worker.client import PSClient
 
@@ -100,17 +106,11 @@ def test_a_flood_is_held_to_the_budget_and_a_worker_beside_it_keeps_stepping(pro
     print(f"server RSS: baseline {baseline / MIB:.0f} MiB, peak during the flood {peak / MIB:.0f} MiB, "
           f"{settled / MIB:.0f} MiB {settled_after_s:.1f} s after it")
     print(f"worker step p99: {p99_ms(quiet):.2f} ms without the flood ({len(quiet)} steps), "
-          f"{p99_ms(loud):.2f} ms during it ({len(loud)} steps); transport {transports}")
+          f"{p99_ms(loud):.2f} ms during it ({len(loud)} steps), {p99_ms(loud) / p99_ms(quiet):.1f}x; "
+          f"transport {transports}")
     print(f"worker step p90: {p90_ms(quiet):.2f} ms without the flood, {p90_ms(loud):.2f} ms during it")
     assert stats["requests"] >= FLOOD_S * 5, f"the flood hardly flooded: {stats}"
     assert peak <= (BUDGET_MIB + 200) * MIB, f"peak RSS {peak / MIB:.0f} MiB"
     assert settled - baseline <= 100 * MIB, f"RSS {settled / MIB:.0f} MiB, baseline {baseline / MIB:.0f}"
-    if p99_ms(loud) > 5 * p99_ms(quiet):
-        # Known limit, measured (docs/architecture.md, 10 Running): grpcio's aio server receives each
-        # 4 MiB request on the event loop that the handlers and the shm/tcp fast paths share, copying its
-        # bytes into Python twice before a handler sees them, and a flood keeps it receiving. A server
-        # that refused every large request unread still gave the bystander a p99 of 3-8 ms; a smaller
-        # GIL switch interval and one large request at a time on the loop changed nothing measurable on
-        # these two shared cores. Meeting the bar needs the fast paths off gRPC's loop (a thread of their
-        # own with a thread-safe store, or another process). The memory bounds above hold regardless.
-        pytest.xfail(f"worker p99 {p99_ms(loud):.1f} ms during the flood > 5 x {p99_ms(quiet):.2f} ms")
+    assert p99_ms(loud) <= 5 * p99_ms(quiet), (
+        f"worker p99 {p99_ms(loud):.2f} ms during the flood > 5 x {p99_ms(quiet):.2f} ms without it")
