@@ -16,8 +16,8 @@ import asyncio
 import logging
 import os
 import socket
-from collections.abc import Sequence
-from typing import Protocol
+from collections.abc import Coroutine, Sequence
+from typing import Any, Protocol
 
 import numpy as np
 from google.protobuf.message import DecodeError
@@ -135,6 +135,41 @@ async def send_hello(loop: asyncio.AbstractEventLoop, sock: socket.socket, meta:
     await loop.sock_sendall(sock, encode_header(HELLO, len(meta), 0) + meta)
 
 
+def run_eagerly(loop: asyncio.AbstractEventLoop, coro: Coroutine[Any, Any, None]
+                ) -> asyncio.Task[None] | None:
+    """Run `coro` now, inside this callback, up to its first real wait; the rest as a task (None: it
+    finished). A small request is then served with no task and no extra turn of the loop (an epoll
+    call and a task step: a tenth of a small push+pull's server time), as Python 3.12's eager tasks do."""
+    try:
+        waiting = coro.send(None)
+    except StopIteration:
+        return None
+    return loop.create_task(_resume(coro, waiting))
+
+
+async def _resume(coro: Coroutine[Any, Any, None], waiting: Any) -> None:
+    """Drive `coro` on from where run_eagerly left it, waiting for what it waits for: it resumes as
+    under a task of its own (it reads the awaited future's result or exception itself), and a
+    cancel of this task reaches it as a CancelledError."""
+    while True:
+        cancelled = False
+        try:
+            if waiting is None:  # a bare yield (asyncio.sleep(0)): one turn of the loop
+                await asyncio.sleep(0)
+            else:
+                waiting._asyncio_future_blocking = False  # as a task's step does with what coro yields
+                await waiting
+        except asyncio.CancelledError:
+            # The awaited future cancelled is coro's to see; this task cancelled is thrown into it.
+            cancelled = waiting is None or not waiting.cancelled()
+        except Exception:  # coro reads the future's exception itself when resumed
+            pass
+        try:
+            waiting = coro.throw(asyncio.CancelledError()) if cancelled else coro.send(None)
+        except StopIteration:
+            return
+
+
 class Connection(asyncio.BufferedProtocol):
     def __init__(self, sessions: Sessions, loop: asyncio.AbstractEventLoop, session: Session | None = None
                  ) -> None:
@@ -153,7 +188,8 @@ class Connection(asyncio.BufferedProtocol):
         self._pending: _Pending | None = None
         # The last request's push list (a header's repeated field), with its slices and views decoded.
         self._layout: tuple[Sequence[pb.SliceMeta], list[SliceMeta], list[np.ndarray]] | None = None
-        self._task: asyncio.Task[None] | None = None
+        self._serving = False  # a request is complete and its reply not yet being written
+        self._task: asyncio.Task[None] | None = None  # what is left of serving one that had to wait
         self._drained: asyncio.Future[None] | None = None
         self._hello_timer: asyncio.TimerHandle | None = None
 
@@ -182,7 +218,7 @@ class Connection(asyncio.BufferedProtocol):
 
     def buffer_updated(self, nbytes: int) -> None:
         try:
-            if self._task is not None:
+            if self._serving:
                 raise TransportBroken("the worker sent bytes while its request was served")
             if self._targets:
                 self._filled += nbytes
@@ -316,7 +352,8 @@ class Connection(asyncio.BufferedProtocol):
                 self._targets = []
         if not self._targets and self._pending is not None:
             pending, self._pending = self._pending, None
-            self._task = self._loop.create_task(self._serve(*pending))
+            self._serving = True
+            self._task = run_eagerly(self._loop, self._serve(*pending))
 
     # ---- serving ----
 
@@ -329,7 +366,7 @@ class Connection(asyncio.BufferedProtocol):
                 reply = error_reply(error)
             else:
                 reply = await self._sessions.serve(session, header, metas, views)
-            self._task = None  # from here on, bytes from the worker are its next request
+            self._serving = False  # from here on, bytes from the worker are its next request
             data = []
             if session.kind == "tcp" and not reply.error_type:
                 region = session.regions.reply
@@ -340,7 +377,7 @@ class Connection(asyncio.BufferedProtocol):
         except TransportBroken as err:
             self.abort(str(err))
         finally:
-            self._task = None
+            self._serving = False
 
     async def _write(self, meta: bytes, data: Sequence[np.ndarray]) -> None:
         transport = self.transport
