@@ -36,6 +36,8 @@ class ChangeSignal:
             self._loop.call_soon_threadsafe(self._fire)
 
     def _fire(self) -> None:
+        if not self.waiting:  # nobody holds the event (most pushes): nothing to wake, nothing to replace
+            return
         event, self._event = self._event, asyncio.Event()
         event.set()
 

@@ -460,8 +460,9 @@ class ParameterServerHandlers:
             raise EmptyRequestError(f"push-pull from {stamp.worker_id!r}: nothing to push or pull")
         metas = _metas(items)
         self._check_limits("push-pull", stamp, metas, keys)
-        self._check_owned([*(k for k, _ in items), *keys])
-        self._promote([*(k for k, _ in items), *keys])
+        touched = [*(k for k, _ in items), *keys]
+        self._check_owned(touched)
+        self._promote(touched)
         store = self._store_holding([k for k, _ in items] or keys)
         store.specs(keys)
         deadline = self._deadline(timeout_s)
@@ -472,7 +473,8 @@ class ParameterServerHandlers:
         if not keys:
             await self._settle([k for k, _ in items], deadline)  # acknowledged once on every backup
             return PushPullResult(outcome.applied, outcome.dropped, [])
-        await self._wait_readable(stamp._replace(clock=stamp.clock + 1) if items else stamp, keys, deadline)
+        after = Stamp(stamp.worker_id, stamp.generation, stamp.clock + 1) if items else stamp
+        await self._wait_readable(after, keys, deadline)
         read = store.read(keys)
         await self._settle([*(k for k, _ in items), *keys], deadline)  # the versions read live on the backups
         self.pulls_served += 1

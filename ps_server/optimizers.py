@@ -59,6 +59,11 @@ def fold_scale(optimizer: Optimizer) -> bool:
             and optimizer.config.weight_decay == 0)
 
 
+# Slices up to this size take fresh temporaries: malloc serves them from memory it already holds,
+# faster than the pool's locked hand-out (which exists for multi-MiB slices' page faults).
+_SMALL_BYTES = 64 * 1024
+
+
 class _ScratchPool:
     """Reusable scratch arrays, shared by all threads that apply updates.
 
@@ -151,6 +156,10 @@ class SGD:
 
     def step(self, param: np.ndarray, grad: np.ndarray, state: SliceState) -> None:
         c = self.config
+        if not (c.momentum or c.weight_decay) and param.nbytes <= _SMALL_BYTES and grad.dtype == param.dtype:
+            # The same two operations on a small slice, whose temporary costs less than borrowing.
+            param += np.multiply(grad, param.dtype.type(-c.lr))
+            return
         with self._scratch.borrow(param, 2) as (decayed, update):
             d_p = _l2_grad(param, grad, c.weight_decay, out=decayed)
             if c.momentum != 0:

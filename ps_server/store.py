@@ -461,7 +461,9 @@ class ShardStore:
         slots = self._lookup(keys)
         with self._meta:
             self._check_stamp(stamp, writes=False)
-            roster = Roster(self._roster.quorum, self._roster.seen | {stamp.worker_id})
+            roster = self._roster
+            if stamp.worker_id not in roster.seen:
+                roster = Roster(roster.quorum, roster.seen | {stamp.worker_id})
         waits: list[tuple[SliceKey, frozenset[str], int]] = []
         for slot in slots:
             with slot.lock:
@@ -630,8 +632,10 @@ class ShardStore:
                 raise unknown_key_error(e.args[0], len(self._slots)) from None
 
     @staticmethod
-    def _locked(slots: Iterable[Slot]) -> contextlib.ExitStack:
+    def _locked(slots: Sequence[Slot]) -> contextlib.AbstractContextManager[object]:
         """Hold the locks of `slots` (each once, in key order: no two requests can deadlock)."""
+        if len(slots) == 1:  # a small request's one slice: its lock alone (an ExitStack costs more)
+            return slots[0].lock
         stack = contextlib.ExitStack()
         for slot in sorted({id(s): s for s in slots}.values(), key=lambda s: s.key):
             stack.enter_context(slot.lock)
@@ -641,7 +645,7 @@ class ShardStore:
 def _check_unique(what: str, keys: Sequence[SliceKey]) -> None:
     """Each slice at most once per request: a repeated gradient would be applied once and counted
     twice, a repeated pull encoded and sent as many times as it is named."""
-    if len(set(keys)) != len(keys):
+    if len(keys) > 1 and len(set(keys)) != len(keys):
         key, count = Counter(keys).most_common(1)[0]
         raise InvalidArgumentError(f"{what}: slice {str(key)!r} named {count} times, each slice at most once")
 
