@@ -12,6 +12,7 @@ import dataclasses
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -47,16 +48,21 @@ def _layout(addresses: Sequence[str], replicas: int) -> Layout:
     return plan_layout(specs, addresses, slice_bytes=1024, replicas=replicas)
 
 
-def _replicated(start_server: Callable[..., ServerThread], n: int) -> list[ServerThread]:
-    """`n` servers, each forwarding to the next in ring order (what follow_scheduler sets up from views)."""
-    servers = [start_server(ServerSettings(replicas=1, static_quorum=dict.fromkeys(WORKERS, 0)))
+def _replicated(start_server: Callable[..., ServerThread], n: int, shm_dir: Path | None = None,
+                backup_transport: str = "auto") -> list[ServerThread]:
+    """`n` servers, each forwarding to the next in ring order (what follow_scheduler sets up from views);
+    with `shm_dir`, through shared memory there, else inline in the Replicate calls. A backup whose
+    transport offers no shared memory refuses the segments."""
+    shm = {} if shm_dir is None else {"shm_dir": str(shm_dir), "transport": backup_transport}
+    servers = [start_server(ServerSettings(replicas=1, static_quorum=dict.fromkeys(WORKERS, 0), **shm))
                for _ in range(n)]
     for i, server in enumerate(servers):
         handlers = server.running.handlers
         backup = servers[(i + 1) % n].address
 
         def wire(handlers=handlers, server=server, backup=backup) -> None:
-            handlers.enable_replication(Replicator(server.address, grpc_sender(), server.loop))
+            handlers.enable_replication(Replicator(server.address, grpc_sender(), server.loop,
+                                                   shm_dir=None if shm_dir is None else str(shm_dir)))
             handlers.replicator.set_backups([backup])
         server.call(wire)
     return servers
@@ -107,8 +113,9 @@ def reference(start_server, new_client) -> dict[str, np.ndarray]:
     return result["w0"]
 
 
-def test_backups_hold_the_primaries_state_bit_for_bit(start_server, new_client, reference):
-    servers = _replicated(start_server, 3)
+@pytest.mark.parametrize("shm", [False, True], ids=["inline", "shm"])
+def test_backups_hold_the_primaries_state_bit_for_bit(start_server, new_client, reference, shm, tmp_path):
+    servers = _replicated(start_server, 3, tmp_path if shm else None)
     layout = _layout([s.address for s in servers], 1)
     clients = {w: new_client(servers, w, layout=layout) for w in WORKERS}
     _train(clients, range(4), ADAM, _initial())
@@ -124,10 +131,26 @@ def test_backups_hold_the_primaries_state_bit_for_bit(start_server, new_client, 
     _train(clients, range(4, 6), ADAM)
     for slot in servers[0].running.handlers.store.slots():
         assert held._slots[slot.key].value.tobytes() == slot.value.tobytes()
+        # Through shared memory the copy is a read-only view of the primary's segment, not bytes of its own.
+        assert held._slots[slot.key].value.flags.writeable is not shm
+    assert list(tmp_path.glob("*.seg")) == []  # each segment unlinked once its backup had opened it
 
 
-def test_a_promoted_backup_continues_bit_for_bit_and_drops_resent_pushes(start_server, new_client, reference):
-    servers = _replicated(start_server, 3)
+def test_a_backup_that_cannot_map_the_segments_gets_the_states_inline(start_server, new_client, tmp_path):
+    servers = _replicated(start_server, 3, tmp_path, backup_transport="grpc")
+    layout = _layout([s.address for s in servers], 1)
+    clients = {w: new_client(servers, w, layout=layout) for w in WORKERS}
+    _train(clients, range(3), ADAM, _initial())
+    assert _assert_backups_identical(servers) == len(layout.slices)
+    for server in servers:
+        [backup] = server.running.handlers.replicator._backups.values()
+        assert backup.shm is None  # fell back for good
+
+
+@pytest.mark.parametrize("shm", [False, True], ids=["inline", "shm"])
+def test_a_promoted_backup_continues_bit_for_bit_and_drops_resent_pushes(start_server, new_client, reference,
+                                                                         shm, tmp_path):
+    servers = _replicated(start_server, 3, tmp_path if shm else None)
     addresses = [s.address for s in servers]
     layout = _layout(addresses, 1)
     assert layout.slices_on(1), "the test needs slices on the server it stops"
