@@ -71,7 +71,9 @@ class _Segment:
         self.path = directory / self.name
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
-            os.ftruncate(fd, max(size, 1))
+            # Allocated now: a write to a page that a full tmpfs cannot back would be a SIGBUS; this
+            # is an OSError (ENOSPC) the caller can answer by going inline.
+            os.posix_fallocate(fd, 0, max(size, 1))
             self.map = mmap.mmap(fd, max(size, 1))
         except BaseException:
             os.close(fd)
@@ -102,7 +104,7 @@ class SegmentWriter:
 
     def reserve(self, slots: Sequence[Slot]) -> None:
         """Give every slice of `slots` without room two slots, in one new segment (OSError if the
-        directory cannot hold it)."""
+        directory cannot hold it: nothing is reserved then)."""
         missing = [s for s in slots if s.key not in self._slots]
         if not missing:
             return

@@ -267,7 +267,11 @@ class _Backup:
     closed: bool = False
     task: asyncio.Task[None] | None = None
     failing_since: float | None = None
-    shm: SegmentWriter | None = None  # same host: states go through shared memory
+    shm: SegmentWriter | None = None  # same host: states go through shared memory (the sender's alone)
+    # Bumped when the backup is a new process: a reply of the old one acknowledges nothing, and the
+    # segments it mapped mean nothing to the new one (the sender resets them before its next call).
+    incarnation: int = 0
+    shm_incarnation: int = 0
 
     def due(self, key: SliceKey, seq: int) -> None:
         self.need[key] = seq
@@ -437,8 +441,7 @@ class Replicator:
             b.acked.clear()
             b.pending.clear()
             b.need.clear()
-            if b.shm is not None:
-                b.shm.reset()  # the new process maps no segment of ours yet
+            b.incarnation += 1  # the sender drops an in-flight reply and starts fresh segments
         log.info("replication: backup %s restarted; copying %s's slices to it again", address, self.own)
         if self._store is not None:
             self.seed([s.key for s in self._store.slots()])
@@ -470,6 +473,10 @@ class Replicator:
                 batch = self._batch(b)
                 if not batch:
                     break
+                incarnation = b.incarnation
+                if b.shm is not None and b.shm_incarnation != incarnation:
+                    b.shm.reset()
+                    b.shm_incarnation = incarnation
                 try:
                     # The copy (or encoding) and the call, off the event loop.
                     shipped, need = await self._loop.run_in_executor(None, self._ship, b, batch)
@@ -488,6 +495,8 @@ class Replicator:
                              time.monotonic() - b.failing_since)
                     b.failing_since = None
                 delay = _RETRY_S[0]
+                if b.incarnation != incarnation:
+                    continue  # the old process's acknowledgement: the slices are due again
                 self._shipped(b, shipped, need)
                 await self._notify()
 
@@ -499,7 +508,13 @@ class Replicator:
         config = store.config if store is not None else JobConfig()
         shm = b.shm
         if shm is not None:
-            shm.reserve([slots[k] for k in keys if k in slots])
+            try:
+                shm.reserve([slots[k] for k in keys if k in slots])
+            except OSError as e:  # the directory is full (a container's small /dev/shm): inline from now on
+                log.warning("replication: no room for %s's segments for %s in shared memory (%s); "
+                            "replicating over gRPC", self.own, b.address, e)
+                shm.close()
+                b.shm = shm = None
         shipped: dict[SliceKey, int] = {}
         records: list[pb.ReplicaRecord] = []
         for key in keys:
