@@ -52,17 +52,22 @@ def table_hash(name: str) -> int:
 def server_of(ids: np.ndarray, n_servers: int) -> np.ndarray:
     """The server (0..n-1) that holds each id: jump consistent hash (Lamport & Veach) of mix64(id)."""
     key = mix64(ids.view(np.uint64) if ids.dtype == np.int64 else ids.astype(np.int64).view(np.uint64))
+    # Whole-length arrays every round, a finished id's bucket frozen by np.where: for a few servers
+    # there are only a few rounds, and compacting the ids still jumping (boolean indexing on a
+    # random mask) costs more than the rounds themselves.
     bucket = np.zeros(len(key), np.int64)
-    nxt = np.zeros(len(key), np.int64)
-    live = np.arange(len(key))
-    while len(live):
-        bucket[live] = nxt[live]
-        with np.errstate(over="ignore"):
-            key[live] = key[live] * np.uint64(2862933555777941757) + np.uint64(1)
-        top = (key[live] >> np.uint64(33)).astype(np.float64)
-        nxt[live] = ((bucket[live] + 1) * (float(1 << 31) / (top + 1))).astype(np.int64)
-        live = live[nxt[live] < n_servers]
-    return bucket
+    nxt = bucket
+    live = np.ones(len(key), bool)
+    while True:
+        bucket = np.where(live, nxt, bucket)
+        key *= np.uint64(2862933555777941757)  # wraps: numpy does not check integer arrays' overflow
+        key += np.uint64(1)
+        top = (key >> np.uint64(33)).astype(np.float64)
+        top += 1.0
+        nxt = ((bucket + 1) * (float(1 << 31) / top)).astype(np.int64)
+        live &= nxt < n_servers
+        if not live.any():
+            return bucket
 
 
 @dataclass(frozen=True)

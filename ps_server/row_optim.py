@@ -32,21 +32,24 @@ def initial_state(config: TableConfig, name: str) -> float:
 
 
 def apply(config: TableConfig, rows: np.ndarray, grads: np.ndarray, state: dict[str, np.ndarray],
-          step: int | np.ndarray) -> np.ndarray:
+          step: int | np.ndarray, scratch: np.ndarray | None = None) -> np.ndarray:
     """New values of `rows` after one update with `grads`; `step` counts this update (from 1):
     the table's step for adam, each row's own (an (n,) array) for lazy_adam. `rows` is the caller's
-    gathered copy and may be updated in place."""
+    gathered copy and may be updated in place; `scratch`, an array like `rows` the caller keeps
+    between requests, holds sgd's and adagrad's temporaries (fresh ones would cost page faults)."""
     dt = rows.dtype.type
     lr = dt(config.lr)
+    tmp = np.empty_like(rows) if scratch is None else scratch
     if config.optimizer == "sgd":
-        rows -= lr * grads  # `rows` is the caller's gathered copy: updated in place, one temporary
+        rows -= np.multiply(grads, lr, out=tmp)
         return rows
     if config.optimizer == "adagrad":
         acc = state["sum"]
-        acc += grads * grads
-        std = np.sqrt(acc)
+        acc += np.multiply(grads, grads, out=tmp)
+        std = np.sqrt(acc, out=tmp)
         std += dt(config.eps)
-        return rows - lr * (grads / std)
+        rows -= np.multiply(np.divide(grads, std, out=tmp), lr, out=tmp)  # rows - lr * (grads / std)
+        return rows
     beta1, beta2 = config.betas
     m, v = state["exp_avg"], state["exp_avg_sq"]
     old_m, old_v = m.copy(), v.copy()

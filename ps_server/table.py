@@ -36,6 +36,8 @@ from pshard.ps_server.rowhash import IdIndex
 
 # Rows per chunk when a table is streamed out (checkpoint, export): bounds the temporary memory.
 CHUNK_ROWS = 1 << 16
+# Numbers (rows x dim) up to which a push's temporaries live in buffers the table keeps (4 MB of float32).
+_BUFFER_NUMBERS = 1 << 20
 _UNIT = float(2**-53)
 
 
@@ -78,6 +80,19 @@ class SparseTable:
         self._seen_count = np.zeros(self._seen.row_capacity, np.int32)
         self._rng = np.random.default_rng(config.seed)
         self._next_sweep = 0.0
+        self._buffers: dict[str, np.ndarray] = {}
+
+    def _buffer(self, name: str, n: int) -> np.ndarray:
+        """An (n, dim) array for a push's temporaries, kept between requests: a fresh one of a few
+        hundred KB comes from pages the allocator gave back, a page fault every 4 KB (as much CPU as
+        the arithmetic). Large requests get a fresh array, so the buffers stay small."""
+        if n * self.config.dim > _BUFFER_NUMBERS:
+            return np.empty((n, self.config.dim), self.config.np_dtype)
+        buffer = self._buffers.get(name)
+        if buffer is None or len(buffer) < n:
+            size = max(n, 2 * len(buffer)) if buffer is not None else n
+            buffer = self._buffers[name] = np.empty((size, self.config.dim), self.config.np_dtype)
+        return buffer[:n]
 
     @property
     def _filtered(self) -> bool:
@@ -130,17 +145,21 @@ class SparseTable:
             where = np.flatnonzero(missing)
             rows[where[admit]] = self._create(ids[where[admit]])
             self.admitted += int(admit.sum())
-        stored = rows >= 0
-        r, g = rows[stored], grads[stored]
-        if len(r) == 0:
+            stored = rows >= 0
+            rows, grads = rows[stored], grads[stored]
+        r, g, n = rows, grads, len(rows)
+        if n == 0:
             return 0
         self.step += 1
-        state = {name: np.take(a, r, axis=0) for name, a in self.state.items()}
+        # Gathers into buffers kept between requests ("clip": "raise" would buffer `out` again).
+        state = {name: np.take(a, r, axis=0, out=self._buffer(name, n), mode="clip")
+                 for name, a in self.state.items()}
         step: int | np.ndarray = self.step
         if self.config.optimizer == "lazy_adam":
             self.row_step[r] += 1
             step = self.row_step[r]
-        self.values[r] = row_optim.apply(self.config, np.take(self.values, r, axis=0), g, state, step)
+        current = np.take(self.values, r, axis=0, out=self._buffer("values", n), mode="clip")
+        self.values[r] = row_optim.apply(self.config, current, g, state, step, self._buffer("scratch", n))
         for name, a in self.state.items():
             a[r] = state[name]
         self.touch[r] = now

@@ -18,8 +18,10 @@ have been applied and async pushes are not idempotent.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable, Sequence
+from concurrent import futures
 from typing import TYPE_CHECKING, TypeVar
 
 import grpc
@@ -46,6 +48,8 @@ log = logging.getLogger("pshard.worker")
 _SLACK_S = 5.0  # past the request's own timeout, as PSClient's calls allow
 _RETRY_S = 10.0  # a broken session is negotiated again after this (PSClient's FAST_PATH_RETRY_S)
 _INT64 = codec.dtype_to_proto("int64")
+# Numbers (rows x dim) up to which a call's rows pass through buffers kept per thread (8 MB of float32).
+_BUFFER_NUMBERS = 1 << 21
 
 
 class _Split:
@@ -62,46 +66,47 @@ class _Split:
             raise InvalidArgumentError(f"ids: got dtype {ids.dtype}, expected integers (int64)")
         flat = ids.reshape(-1).astype(np.int64, copy=False)
         self.shape = ids.shape
+        n = len(flat)
         # np.unique's own work, keeping the sort for the gradients' sum (np.unique would sort again).
         order = np.argsort(flat, kind="stable")  # repeated ids stay in call order (summed in it)
         ordered = flat[order]
-        new = np.ones(len(flat), bool)
-        new[1:] = ordered[1:] != ordered[:-1]
+        new = np.empty(n, bool)
+        new[:1] = True
+        np.not_equal(ordered[1:], ordered[:-1], out=new[1:])
         repeats = not new.all()
-        inverse = np.empty(len(flat), np.int64)
-        if repeats:
-            unique = ordered[new]
-            inverse[order] = np.cumsum(new) - 1
-            # The call's gradients, sorted by id, sum over these runs (coalesce).
-            self._sorted: tuple[np.ndarray, np.ndarray] | None = (order, np.flatnonzero(new))
-        else:
-            unique = ordered
-            inverse[order] = np.arange(len(flat))
-            self._sorted = None
+        unique = ordered[new] if repeats else ordered
         owner = server_of(unique, n_servers)
         # A stable sort of small integers is a radix sort: ids stay ascending within each server.
         group = np.argsort(owner.astype(np.int16 if n_servers < 2**15 else np.int64), kind="stable")
-        self._bounds = np.searchsorted(owner[group], np.arange(n_servers + 1)).tolist()
+        self._bounds = [0, *np.cumsum(np.bincount(owner, minlength=n_servers)).tolist()]
         self.ids = unique[group]
         self._group = group
-        self._source = None if repeats else order[group]
-        where = np.empty(len(group), np.int64)
-        where[group] = np.arange(len(group))
-        self.inverse = where[inverse]
+        self.inverse = np.empty(n, np.int64)
+        if repeats:
+            # The call's gradients, sorted by id, sum over these runs (coalesce).
+            self._sorted: tuple[np.ndarray, np.ndarray] | None = (order, np.flatnonzero(new))
+            self._source = None
+            where = np.empty(len(group), np.int64)
+            where[group] = np.arange(len(group))
+            self.inverse[order] = where[np.cumsum(new) - 1]
+        else:  # position order[group[k]] of the call holds the k-th id sent: one scatter
+            self._sorted = None
+            self._source = order[group]
+            self.inverse[self._source] = np.arange(n)
 
     def part(self, s: int) -> slice:
         return slice(self._bounds[s], self._bounds[s + 1])
 
-    def coalesce(self, flat: np.ndarray) -> np.ndarray:
-        """Rows of `flat` (one per position of the call) as rows of `ids`, repeated ids summed (in call
-        order): a gather without repeats (cheaper than a scatter), a sorted segment sum with them
-        (np.add.at is 3x slower)."""
+    def coalesce(self, flat: np.ndarray, out: np.ndarray) -> np.ndarray:
+        """Rows of `flat` (one per position of the call) as rows of `ids` in `out`, repeated ids summed
+        (in call order): a gather without repeats (cheaper than a scatter), a sorted segment sum with
+        them (np.add.at is 3x slower)."""
         if self._source is not None:
-            return np.take(flat, self._source, axis=0)
+            return np.take(flat, self._source, axis=0, out=out, mode="clip")
         assert self._sorted is not None
         order, starts = self._sorted
         summed = np.add.reduceat(np.take(flat, order, axis=0), starts, axis=0)
-        return np.take(summed, self._group, axis=0)
+        return np.take(summed, self._group, axis=0, out=out, mode="clip")
 
 
 class TableClient:
@@ -113,6 +118,8 @@ class TableClient:
         self.transports = ["grpc"] * len(self._stubs)
         # The last few calls' ids and their splits: a push is most often of the ids just pulled.
         self._splits: list[tuple[np.ndarray, _Split]] = []
+        # Per thread, arrays of rows kept between calls (see _buffer).
+        self._local = threading.local()
 
     def declare(self, config: TableConfig) -> None:
         """Declare the table on every server (the first declaration wins; a different one is refused)."""
@@ -124,7 +131,7 @@ class TableClient:
         """Rows of `ids` (any shape, repeats allowed): an array of shape ids.shape + (dim,)."""
         config = self._config(table)
         split = self._split(ids)
-        rows = np.empty((len(split.ids), config.dim), config.np_dtype)
+        rows = self._buffer("pulled", config, len(split.ids))
         worker = self._client.worker_id
 
         def call(s: int, stub: pb_grpc.SparseTablesServiceStub) -> None:
@@ -172,7 +179,7 @@ class TableClient:
         split = self._split(ids)
         summed = self._coalesce(config, split, grads)
         want = self._split(pull_ids)
-        rows = np.empty((len(want.ids), config.dim), config.np_dtype)
+        rows = self._buffer("pulled", config, len(want.ids))
 
         def call(s: int, stub: pb_grpc.SparseTablesServiceStub) -> None:
             part, wanted = split.part(s), want.part(s)
@@ -219,13 +226,26 @@ class TableClient:
             raise UnknownKeyError(f"table {table!r}: declare it with this client first (declare_table)")
         return config
 
-    @staticmethod
-    def _coalesce(config: TableConfig, split: _Split, grads: np.ndarray) -> np.ndarray:
+    def _coalesce(self, config: TableConfig, split: _Split, grads: np.ndarray) -> np.ndarray:
         grads = np.asarray(grads, dtype=config.np_dtype)
         if grads.shape != (*split.shape, config.dim):
             raise InvalidArgumentError(f"push of table {config.name!r}: gradients of shape {grads.shape}, "
                                        f"expected ids' shape {split.shape} + ({config.dim},)")
-        return split.coalesce(grads.reshape(-1, config.dim))
+        return split.coalesce(grads.reshape(-1, config.dim), self._buffer("pushed", config, len(split.ids)))
+
+    def _buffer(self, name: str, config: TableConfig, n: int) -> np.ndarray:
+        """An (n, dim) array for this thread's call, reused by its next calls: the rows only pass
+        through it (they are copied into the request, or out into the caller's array), and fresh
+        arrays of a MB would come from pages the allocator gave back, a fault every 4 KB."""
+        buffers: dict[tuple[str, str], np.ndarray] = self._local.__dict__.setdefault("buffers", {})
+        numbers = n * config.dim
+        if numbers > _BUFFER_NUMBERS:
+            return np.empty((n, config.dim), config.np_dtype)
+        buffer = buffers.get((name, config.dtype))
+        if buffer is None or len(buffer) < numbers:
+            size = max(numbers, 2 * len(buffer)) if buffer is not None else numbers
+            buffer = buffers[(name, config.dtype)] = np.empty(size, config.np_dtype)
+        return buffer[:numbers].reshape(n, config.dim)
 
     @staticmethod
     def _rows(config: TableConfig, raw: bytes, n: int) -> np.ndarray:
@@ -283,10 +303,17 @@ class TableClient:
         self.transports[s] = "grpc"
 
     def _each(self, call: Callable[[int, pb_grpc.SparseTablesServiceStub], T]) -> list[T]:
+        """call(s, stub) for every server at once, the first on this thread (a hand-off to the pool and
+        back costs two thread wake-ups); the first error wins, after every call has ended."""
         def run(s: int) -> T:
             try:
                 return call(s, self._stubs[s])
             except grpc.RpcError as err:
                 raise error_from_rpc_error(err) from err
 
-        return self._client._all_servers(run)
+        others = [self._client._pool.submit(run, s) for s in range(1, len(self._stubs))]
+        try:
+            first = run(0)
+        finally:
+            futures.wait(others)
+        return [first, *(f.result() for f in others)]
