@@ -3,8 +3,11 @@
 A frame is a fixed 20-byte header (magic, kind, metadata length, data length), the metadata
 (a small protobuf message the caller encodes), then `data length` raw bytes (TCP only: the
 slices themselves; over shared memory the bytes are in the segment and the length is 0).
-Blocking sockets throughout: one thread per connection reads straight into pre-allocated,
-page-aligned buffers with `recv_into`, and writes numpy buffers with `sendmsg`, no copy. Over TLS
+One thread per connection reads straight into pre-allocated, page-aligned buffers with
+`recv_into`, and writes numpy buffers with `sendmsg`, no copy. A worker's plain socket is
+non-blocking, with the call's deadline kept here: a blocking socket with a timeout costs a poll
+before every send and receive, and a reply that is microseconds away is waited for by spinning
+(`Inbox.frame_head`) rather than by sleeping, whose wake-up costs more than a small request. Over TLS
 (an `ssl.SSLSocket`, which has no `sendmsg` nor receive flags) the same calls encrypt and decrypt
 between the buffers and the socket: a small frame still goes as one TLS record.
 
@@ -13,9 +16,11 @@ Pure: no gRPC.
 
 from __future__ import annotations
 
+import select
 import socket
 import ssl
 import struct
+import time
 from collections.abc import Sequence
 
 import numpy as np
@@ -56,9 +61,19 @@ def decode_header(raw: bytes | bytearray | memoryview) -> tuple[int, int, int]:
     return kind, meta_len, data_len
 
 
+def wait_ready(sock: socket.socket, writable: bool, deadline: float | None) -> None:
+    """Until a non-blocking `sock` can be written (read); TimeoutError at `deadline` (time.monotonic())."""
+    poller = select.poll()
+    poller.register(sock, select.POLLOUT if writable else select.POLLIN)
+    left_ms = None if deadline is None else max(0.0, (deadline - time.monotonic()) * 1000)
+    if not poller.poll(left_ms):
+        raise TimeoutError("fast-path socket: no progress before the call's deadline")
+
+
 def send_frame(sock: socket.socket, kind: int, meta: bytes,
-               data: Sequence[bytes | memoryview | np.ndarray] = ()) -> None:
-    """Header, metadata and data in as few system calls as the kernel allows (no joining copy)."""
+               data: Sequence[bytes | memoryview | np.ndarray] = (), deadline: float | None = None) -> None:
+    """Header, metadata and data in as few system calls as the kernel allows (no joining copy).
+    `deadline`: for a non-blocking socket, when to give up waiting for room to write."""
     views = [v for v in (byte_view(d) for d in data) if v.nbytes]
     parts = [memoryview(encode_header(kind, len(meta), sum(v.nbytes for v in views)) + meta), *views]
     if isinstance(sock, ssl.SSLSocket):
@@ -68,7 +83,11 @@ def send_frame(sock: socket.socket, kind: int, meta: bytes,
             sock.sendall(part)
         return
     while parts:
-        sent = sock.sendmsg(parts[:512])  # IOV_MAX is 1024 on Linux
+        try:
+            sent = sock.sendmsg(parts[:512])  # IOV_MAX is 1024 on Linux
+        except BlockingIOError:
+            wait_ready(sock, True, deadline)
+            continue
         while sent:
             if sent >= parts[0].nbytes:
                 sent -= parts[0].nbytes
@@ -78,13 +97,18 @@ def send_frame(sock: socket.socket, kind: int, meta: bytes,
                 sent = 0
 
 
-def recv_into(sock: socket.socket, buf: memoryview | np.ndarray) -> None:
-    """Fill `buf` exactly; TransportBroken when the peer closes first."""
+def recv_into(sock: socket.socket, buf: memoryview | np.ndarray, deadline: float | None = None) -> None:
+    """Fill `buf` exactly; TransportBroken when the peer closes first. `deadline`: for a non-blocking
+    socket, when to give up waiting for data."""
     view = byte_view(buf)
     got = 0
     flags = 0 if isinstance(sock, ssl.SSLSocket) else socket.MSG_WAITALL
     while got < view.nbytes:
-        n = sock.recv_into(view[got:], view.nbytes - got, flags)
+        try:
+            n = sock.recv_into(view[got:], view.nbytes - got, flags)
+        except BlockingIOError:
+            wait_ready(sock, False, deadline)
+            continue
         if n == 0:
             raise TransportBroken(f"peer closed the connection ({got} of {view.nbytes} bytes read)")
         got += n
@@ -103,13 +127,16 @@ def recv_frame_head(sock: socket.socket) -> tuple[int, bytes, int]:
 
 
 class Inbox:
-    """Reads frames from a blocking socket with as few system calls as possible: a header and its
-    metadata usually come in one read, and bytes read past them are handed out first."""
+    """Reads frames from a socket with as few system calls as possible: a header and its metadata
+    usually come in one read, and bytes read past them are handed out first. A non-blocking socket
+    waits until `deadline` (time.monotonic(); None: for ever)."""
 
     def __init__(self, sock: socket.socket, size: int = 64 * 1024) -> None:
         self._sock = sock
         self._buf = memoryview(bytearray(size))
         self._start = self._end = 0
+        self.deadline: float | None = None
+        self._spin_until = 0.0  # time.perf_counter(): retry a non-blocking read until then, then poll
 
     def _fill(self, n: int) -> None:
         """At least `n` bytes buffered (growing the buffer for a very large metadata)."""
@@ -122,15 +149,24 @@ class Inbox:
             self._buf[:len(pending)] = pending
             self._start, self._end = 0, len(pending)
         while self._end - self._start < n:
-            got = self._sock.recv_into(self._buf[self._end:])
+            try:
+                got = self._sock.recv_into(self._buf[self._end:])
+            except BlockingIOError:
+                if time.perf_counter() >= self._spin_until:
+                    wait_ready(self._sock, False, self.deadline)
+                continue
             if got == 0:
                 raise TransportBroken(f"peer closed the connection ({self._end - self._start} of {n} "
                                       "bytes read)")
             self._end += got
 
-    def frame_head(self) -> tuple[int, bytes, int]:
-        """(kind, metadata, data length) of the next frame; its data is read with `read_into`."""
+    def frame_head(self, spin_s: float = 0.0) -> tuple[int, bytes, int]:
+        """(kind, metadata, data length) of the next frame; its data is read with `read_into`.
+        `spin_s`: on a non-blocking socket, keep trying to read for that long before sleeping in poll
+        (a reply expected within microseconds: a sleeping thread's wake-up costs tens of them)."""
+        self._spin_until = time.perf_counter() + spin_s if spin_s else 0.0
         self._fill(HEADER_BYTES)
+        self._spin_until = 0.0
         kind, meta_len, data_len = decode_header(self._buf[self._start:self._start + HEADER_BYTES])
         self._start += HEADER_BYTES
         self._fill(meta_len)
@@ -149,7 +185,7 @@ class Inbox:
             if self._start == self._end:
                 self._start = self._end = 0
         if have < view.nbytes:
-            recv_into(self._sock, view[have:])
+            recv_into(self._sock, view[have:], self.deadline)
 
 
 def discard(sock: socket.socket, n: int) -> None:

@@ -126,18 +126,22 @@ class _Session:
         self._slots: dict[SliceKey, tuple[int, int]] = {}
         self._reply_end = 0
         self._pull: tuple[Sequence[object], list[SliceKey]] | None = None
-        self._wires: tuple[Sequence[SliceMeta], list[WireArray]] | None = None
+        self._wires: tuple[Sequence[SliceMeta], list[WireArray], list[tuple[SliceKey, WireArray]], int
+                            ] | None = None
 
     def decoded(self, header: pb.ExchangeHeader, metas: Sequence[SliceMeta], views: Sequence[np.ndarray]
-                ) -> tuple[list[SliceKey], list[WireArray]]:
-        """The pulled keys and the pushed arrays: reused while a request pulls the same slices as the
-        one before, and pushes the same (the connection hands the very same `metas` then)."""
+                ) -> tuple[list[SliceKey], list[WireArray], list[tuple[SliceKey, WireArray]], int]:
+        """The pulled keys, the pushed arrays, as (key, array) items, and their bytes: reused while a
+        request pulls the same slices as the one before, and pushes the same (the connection hands the
+        very same `metas` then)."""
         if self._pull is None or self._pull[0] != header.pull:
             self._pull = (header.pull, [codec.slice_id_from_proto(s) for s in header.pull])
         if self._wires is None or self._wires[0] is not metas:
-            self._wires = (metas, [WireArray(view.view(codec.numpy_dtype(meta.dtype)).reshape(meta.shape),
-                                             meta.dtype) for meta, view in zip(metas, views, strict=True)])
-        return self._pull[1], self._wires[1]
+            wires = [WireArray(view.view(codec.numpy_dtype(meta.dtype)).reshape(meta.shape), meta.dtype)
+                     for meta, view in zip(metas, views, strict=True)]
+            self._wires = (metas, wires, [(m.key, w) for m, w in zip(metas, wires, strict=True)],
+                           sum(view.nbytes for view in views))
+        return self._pull[1], *self._wires[1:]
 
     def slot(self, key: SliceKey, nbytes: int) -> int:
         """The reply region's offset that holds `key` for this session (allocated on first use)."""
@@ -424,21 +428,22 @@ class FastPathServer:
                         views: Sequence[np.ndarray]) -> pb.TransportReply:
         if header.op not in (pb.EXCHANGE_OP_PUSH_PULL, pb.EXCHANGE_OP_TABLE):
             raise InvalidArgumentError(f"fast-path header.op: got {header.op}, expected PUSH_PULL or TABLE")
-        if header.stamp.worker_id != session.worker_id:  # the opener's credential was checked for it
+        stamp = header.stamp
+        if stamp.worker_id != session.worker_id:  # the opener's credential was checked for it
             self.refusals.add("PERMISSION_DENIED", EXCHANGE_METHOD)
             log.warning("fast path: refused a request of worker %r's session acting as %r", session.worker_id,
-                        header.stamp.worker_id)
+                        stamp.worker_id)
             raise PermissionDeniedError(f"fast path: a session of {session.worker_id!r} may not act as "
-                                        f"{header.stamp.worker_id!r}")
+                                        f"{stamp.worker_id!r}")
         if header.op == pb.EXCHANGE_OP_TABLE:
             if self.tables is None:
                 raise TransportRefusedError("fast path: this server holds no sparse tables")
             return await serve_table(self.tables, header, metas, views, session.reply_room)
-        pull, wires = session.decoded(header, metas, views)
+        pull, wires, items, pushed = session.decoded(header, metas, views)
         timeout_ms = codec.timeout_ms_from_proto(header)
         timeout_s = timeout_ms / 1000 if timeout_ms is not None else None
-        if sum(view.nbytes for view in views) + session.pulled_bytes(pull) <= _SMALL_BYTES:
-            return await self._push_pull(session, header, metas, wires, pull, timeout_s)
+        if pushed + session.pulled_bytes(pull) <= _SMALL_BYTES:
+            return await self._push_pull(session, stamp, items, pull, timeout_s)
 
         async def gradients() -> AsyncIterator[tuple[int, WireArray]]:
             for index, wire in enumerate(wires):
@@ -447,7 +452,7 @@ class FastPathServer:
         encoder = session.encoder
         encoder.expect = pull[0] if pull else None
         reply = pb.TransportReply()
-        events = self._handlers.exchange(codec.stamp_from_proto(header.stamp), metas, pull, gradients(),
+        events = self._handlers.exchange(codec.stamp_from_proto(stamp), metas, pull, gradients(),
                                          encoder, timeout_s)
         async with contextlib.aclosing(events):
             async for event in events:
@@ -464,14 +469,12 @@ class FastPathServer:
                     reply.summary.applied, reply.summary.dropped = event.applied, event.dropped
         return reply
 
-    async def _push_pull(self, session: _Session, header: pb.ExchangeHeader, metas: Sequence[SliceMeta],
-                         wires: Sequence[WireArray], pull: Sequence[SliceKey], timeout_s: float | None
-                         ) -> pb.TransportReply:
+    async def _push_pull(self, session: _Session, stamp: pb.Stamp,
+                         items: Sequence[tuple[SliceKey, WireArray]], pull: Sequence[SliceKey],
+                         timeout_s: float | None) -> pb.TransportReply:
         """A small request through the plain push_pull handler (as gRPC's unary PushPull): one
         coroutine, where the Exchange core's tasks and events would cost more than the bytes."""
-        result = await self._handlers.push_pull(codec.stamp_from_proto(header.stamp),
-                                                [(m.key, w) for m, w in zip(metas, wires, strict=True)],
-                                                pull, timeout_s)
+        result = await self._handlers.push_pull(codec.stamp_from_proto(stamp), items, pull, timeout_s)
         reply = pb.TransportReply()
         reply.summary.applied, reply.summary.dropped = result.applied, result.dropped
         for pulled in result.slices:

@@ -21,6 +21,7 @@ import hmac
 import socket
 import ssl
 import threading
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -48,6 +49,11 @@ KINDS = {"shm": pb.TRANSPORT_KIND_SHM, "tcp": pb.TRANSPORT_KIND_TCP}
 # 30,000 rows of dim 64 per server; a larger table request goes over gRPC (worker.tables).
 TABLE_ROOM_BYTES = 8 * 2**20
 _swept = threading.Event()  # the orphan sweep runs once per process
+# A reply that came within this long after its request makes the next one wait for its reply by
+# spinning on the socket, up to this long, before sleeping: a small push+pull's reply comes in about
+# that time, and the wake-up of a sleeping thread costs tens of microseconds (more on a busy machine).
+# Slower replies (big steps, waits for other workers) are slept for at once.
+_SPIN_S = 300e-6
 
 # place(index, bytes of pulled slice `index` in its wire dtype): copies them where they belong.
 Place = Callable[[int, np.ndarray], None]
@@ -89,8 +95,11 @@ class FastPath:
                  scratch: Segment | None) -> None:
         self.kind = kind
         self.tls = isinstance(sock, ssl.SSLSocket)
+        if not self.tls:  # deadlines are kept by the Inbox and send_frame (fastwire says why)
+            sock.settimeout(0.0)
         self._sock = sock
         self._inbox = Inbox(sock)
+        self._spin = False  # the last reply came within _SPIN_S
         self._segment = segment  # shm: the shared regions
         self._scratch = scratch  # tcp: where pulled slices that need a cast land first
         self._lock = threading.Lock()  # one request at a time: the regions hold one request's bytes
@@ -167,8 +176,9 @@ class FastPath:
             if self.closed:
                 raise TransportBroken(f"{self.kind} transport closed")
             try:
-                if self._sock.gettimeout() != timeout_s:  # each settimeout costs system calls
+                if self.tls and self._sock.gettimeout() != timeout_s:  # each settimeout costs system calls
                     self._sock.settimeout(timeout_s)
+                self._inbox.deadline = time.monotonic() + timeout_s
                 reply = self._call(header, buffers, place, direct)
             except (OSError, ValueError) as err:  # ValueError: a region unmapped under us (closed)
                 raise TransportBroken(f"{self.kind} transport: {type(err).__name__}: {err}") from err
@@ -188,8 +198,10 @@ class FastPath:
             for offset, view in zip(offsets, views, strict=True):
                 np.copyto(segment.request[offset:offset + view.nbytes], view)
             views = []
-        send_frame(self._sock, REQUEST, header.SerializeToString(), views)
-        kind, meta, data_len = self._inbox.frame_head()
+        send_frame(self._sock, REQUEST, header.SerializeToString(), views, self._inbox.deadline)
+        sent = time.perf_counter()
+        kind, meta, data_len = self._inbox.frame_head(_SPIN_S if self._spin else 0.0)
+        self._spin = not self.tls and time.perf_counter() - sent <= _SPIN_S
         if kind != REPLY:
             raise TransportBroken(f"expected a reply frame, got kind {kind}")
         reply = pb.TransportReply.FromString(meta)

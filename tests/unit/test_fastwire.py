@@ -1,0 +1,72 @@
+"""Fast-path frames over non-blocking sockets (the worker's side): deadlines kept by fastwire itself,
+a spinning wait for a near reply, and big frames that only fit as the peer reads them."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+from pshard.common.fastwire import REPLY, REQUEST, Inbox, recv_into, send_frame
+
+
+@pytest.fixture
+def pair() -> Iterator[tuple[socket.socket, socket.socket]]:
+    a, b = socket.socketpair()
+    a.settimeout(0.0)
+    b.settimeout(5.0)
+    yield a, b
+    a.close()
+    b.close()
+
+
+@pytest.mark.parametrize("spin_s", [0.0, 0.05])
+def test_a_frame_sent_later_is_read_whether_spinning_or_sleeping(pair: tuple[socket.socket, socket.socket],
+                                                                 spin_s: float) -> None:
+    ours, theirs = pair
+    inbox = Inbox(ours)
+    inbox.deadline = time.monotonic() + 5
+    data = np.arange(1000, dtype=np.float32)
+    sender = threading.Timer(0.02, send_frame, (theirs, REPLY, b"meta", [data]))
+    sender.start()
+    try:
+        kind, meta, data_len = inbox.frame_head(spin_s)
+        got = np.empty_like(data)
+        inbox.read_into(got)
+    finally:
+        sender.join(5)
+    assert (kind, meta, data_len) == (REPLY, b"meta", data.nbytes)
+    assert np.array_equal(got, data)
+
+
+def test_nothing_before_the_deadline_is_a_timeout(pair: tuple[socket.socket, socket.socket]) -> None:
+    ours, _ = pair
+    inbox = Inbox(ours)
+    inbox.deadline = time.monotonic() + 0.05
+    started = time.monotonic()
+    with pytest.raises(TimeoutError):
+        inbox.frame_head(0.01)
+    assert 0.04 <= time.monotonic() - started < 5
+    with pytest.raises(TimeoutError):
+        recv_into(ours, np.empty(10, np.uint8), time.monotonic() + 0.01)
+
+
+def test_a_frame_larger_than_the_socket_buffers_is_sent_as_the_peer_reads(
+        pair: tuple[socket.socket, socket.socket]) -> None:
+    ours, theirs = pair
+    data = np.random.default_rng(0).integers(0, 255, 32 * 2**20, dtype=np.uint8)
+    got = np.empty_like(data)
+
+    def read() -> None:
+        peer = Inbox(theirs)
+        assert peer.frame_head() == (REQUEST, b"big", data.nbytes)
+        peer.read_into(got)
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    send_frame(ours, REQUEST, b"big", [data], time.monotonic() + 30)
+    reader.join(30)
+    assert not reader.is_alive() and np.array_equal(got, data)
