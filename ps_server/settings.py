@@ -30,7 +30,7 @@ class ServerSettings:
     # A connection that sent this many request bytes in a row that were refused or changed nothing
     # (duplicates) has its next early requests held and refused unread (ps_server.budget.WasteTarpit);
     # 0 = off.
-    waste_limit_bytes: int = 8 * 2**20
+    waste_limit_bytes: int = 4 * 2**20  # budget.DEFAULT_WASTE_LIMIT_BYTES says why this much
     checkpoint_dir: str | None = None
     shard_name: str = "shard"  # checkpoint file name
     # Global checkpoints (SaveCheckpointPart, RestoreCheckpoint) are written and read only inside this

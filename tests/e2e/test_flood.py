@@ -15,7 +15,7 @@ a baseline taken on either side of the flood is exposed to the same background l
 
 What holds the bar is the server's tarpit (ps_server/tarpit.py): reading and refusing the flood took
 half of the event loop the fast paths share (bystander p99 12-70 ms), so a connection whose requests
-keep being refused or changing nothing is, after 8 MiB of them, refused unread and held until it
+keep being refused or changing nothing is, after 4 MiB of them, refused unread and held until it
 waits as asked. The flood's own counts (printed) show how many of its requests were read.
 """
 
