@@ -70,6 +70,35 @@ def server_of(ids: np.ndarray, n_servers: int) -> np.ndarray:
             return bucket
 
 
+def row_items(a: np.ndarray) -> np.ndarray:
+    """A C-contiguous (n, dim) array as n opaque items of one row's bytes each, a view: numpy takes
+    and assigns such items with one memcpy each, about twice as fast as rows of numbers (a scatter of
+    2,048 rows of 64 float32: 85 against 167 us)."""
+    if not a.flags.c_contiguous or a.ndim != 2:
+        raise ValueError(f"row_items: a C-contiguous 2-D array expected, got shape {a.shape}")
+    size = a.shape[1] * a.itemsize
+    item = _ITEMS.get(size)
+    if item is None:  # np.dtype((np.void, n)) costs several microseconds: made once per size
+        item = _ITEMS[size] = np.dtype((np.void, size))
+    return a.view(item).reshape(a.shape[0])
+
+
+_ITEMS: dict[int, np.dtype] = {}
+
+
+def take_rows(a: np.ndarray, rows: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    """a[rows] (rows within bounds), into `out` when given: row_items' gather."""
+    if out is None:
+        out = np.empty((len(rows), a.shape[1]), a.dtype)
+    np.take(row_items(a), rows, out=row_items(out), mode="clip")  # "raise" would buffer `out`
+    return out
+
+
+def put_rows(a: np.ndarray, rows: np.ndarray, values: np.ndarray) -> None:
+    """a[rows] = values (rows within bounds and distinct; values C-contiguous): row_items' scatter."""
+    row_items(a)[rows] = row_items(values)
+
+
 @dataclass(frozen=True)
 class TableConfig:
     """Everything a table is declared with; the first declaration wins and later ones must be equal."""

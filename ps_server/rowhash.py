@@ -106,19 +106,31 @@ class IdIndex:
         return rows
 
     def _lookup(self, ids: np.ndarray) -> np.ndarray:
-        # Most ids sit in their home slot (load <= 60%): resolve those in one pass, without the probe
-        # loop's bookkeeping, and probe only the rest.
-        s = self._slots[self._home(ids)]
+        # Most ids sit in their home slot (load <= 60%): resolve those in one pass, then the rest a
+        # window of slots at a time. Leaner than _probe (a third of the numpy calls per round, which
+        # is what a lookup of a few thousand ids costs): a slot holds one id, so a query hits at
+        # most one slot of its window, and a present id has no empty slot between its home and it,
+        # so a query is settled by a hit or by an empty slot, whichever its window shows.
+        mask = len(self._slots) - 1
+        pos = self._home(ids)
+        s = self._slots[pos]
         rows = s.astype(np.int64) - 1
-        home = (s > 0) & (self.ids[np.maximum(rows, 0)] == ids)
+        home = self.ids[rows] == ids  # row -1 (empty, tombstone) reads the last id: refuted by s > 0
+        home &= s > 0
         if home.all():
             return rows
-        # An empty home slot: absent (its row reads -1 already), nothing to probe.
-        rest = np.flatnonzero(~home & (s != _EMPTY))
-        slot = self._probe(ids[rest])
-        found = slot >= 0
-        rows[rest] = -1
-        rows[rest[found]] = self._slots[slot[found]].astype(np.int64) - 1
+        rows[~home] = -1
+        rest = np.flatnonzero(~home & (s != _EMPTY))  # an empty home slot: absent, nothing to probe
+        start, width = 1, _FIRST_WINDOW
+        while len(rest):
+            window = self._slots[(pos[rest, None] + (start + _STEPS[:width])) & mask]
+            found = window.astype(np.int64) - 1
+            hit = self.ids[found] == ids[rest, None]
+            hit &= window > 0
+            lines = hit.any(axis=1)
+            rows[rest[lines]] = found[hit]
+            rest = rest[~lines & (window != _EMPTY).all(axis=1)]
+            start, width = start + width, _WINDOW
         return rows
 
     def insert(self, ids: np.ndarray) -> np.ndarray:

@@ -30,7 +30,7 @@ import time
 from collections.abc import Callable, Iterator
 
 import numpy as np
-from pshard.common.sparse import TableConfig, mix64, table_hash
+from pshard.common.sparse import TableConfig, mix64, put_rows, table_hash, take_rows
 from pshard.ps_server import row_optim
 from pshard.ps_server.rowhash import IdIndex
 
@@ -129,7 +129,7 @@ class SparseTable:
             out[missing] = initial_rows(self.config, ids[missing])
             rows = rows[found]
         else:  # every id a row (the common case): one gather, no boolean masks, no temporary
-            np.take(self.values, rows, axis=0, out=out, mode="clip")  # "raise" would buffer `out`
+            take_rows(self.values, rows, out)
         self.touch[rows] = now
         self._enforce_cap(rows, now)
         return out
@@ -151,17 +151,17 @@ class SparseTable:
         if n == 0:
             return 0
         self.step += 1
-        # Gathers into buffers kept between requests ("clip": "raise" would buffer `out` again).
-        state = {name: np.take(a, r, axis=0, out=self._buffer(name, n), mode="clip")
-                 for name, a in self.state.items()}
+        # Gathers into buffers kept between requests; rows move as whole items (sparse.take_rows).
+        state = {name: take_rows(a, r, self._buffer(name, n)) for name, a in self.state.items()}
         step: int | np.ndarray = self.step
         if self.config.optimizer == "lazy_adam":
             self.row_step[r] += 1
             step = self.row_step[r]
-        current = np.take(self.values, r, axis=0, out=self._buffer("values", n), mode="clip")
-        self.values[r] = row_optim.apply(self.config, current, g, state, step, self._buffer("scratch", n))
+        current = take_rows(self.values, r, self._buffer("values", n))
+        updated = row_optim.apply(self.config, current, g, state, step, self._buffer("scratch", n))
+        put_rows(self.values, r, updated)
         for name, a in self.state.items():
-            a[r] = state[name]
+            put_rows(a, r, state[name])
         self.touch[r] = now
         self.count[r] += 1
         self._enforce_cap(r, now)
