@@ -214,7 +214,11 @@ class FastPath:
             for index, (offset, size) in enumerate(zip(reply.offsets, reply.sizes, strict=True)):
                 if offset + size > segment.reply_bytes:
                     raise TransportBroken(f"reply slice at {offset}+{size} is outside the segment")
-                place(index, segment.reply[offset:offset + size])
+                target = direct(index)
+                if target is not None and target.nbytes == size:  # one copy, no conversion to look up
+                    np.copyto(target, segment.reply[offset:offset + size])
+                else:
+                    place(index, segment.reply[offset:offset + size])
             return reply
         if data_len != sum(reply.sizes):
             raise TransportBroken(f"reply announces {data_len} bytes, its slices {sum(reply.sizes)}")
