@@ -89,7 +89,8 @@ class _Segment:
 
 class SegmentWriter:
     """Primary side, one per backup: where each slice's two slots are, and which one the backup holds.
-    Used by one sender at a time (the caller serializes)."""
+    Calls in flight at once must carry different slices (the caller sees to it); the copies run
+    unlocked, in the callers' threads."""
 
     def __init__(self, directory: str | Path) -> None:
         self._dir = Path(directory)
@@ -97,30 +98,35 @@ class SegmentWriter:
         self._slots: dict[SliceKey, tuple[_Segment, tuple[int, int]]] = {}
         self._held: dict[SliceKey, int] = {}  # which slot the backup's copy is (acknowledged)
         self._written: dict[SliceKey, int] = {}  # the slot of the call in flight
+        self._lock = threading.Lock()
 
     @property
     def names(self) -> list[str]:
-        return [s.name for s in self._segments]
+        with self._lock:
+            return [s.name for s in self._segments]
 
     def reserve(self, slots: Sequence[Slot]) -> None:
         """Give every slice of `slots` without room two slots, in one new segment (OSError if the
         directory cannot hold it: nothing is reserved then)."""
-        missing = [s for s in slots if s.key not in self._slots]
-        if not missing:
-            return
-        sizes = [specs_bytes(state_specs(s)) for s in missing]
-        segment = _Segment(self._dir, 2 * sum(sizes))
-        self._segments.append(segment)
-        offset = 0
-        for slot, size in zip(missing, sizes, strict=True):
-            self._slots[slot.key] = (segment, (offset, offset + size))
-            offset += 2 * size
+        with self._lock:
+            missing = [s for s in slots if s.key not in self._slots]
+            if not missing:
+                return
+            sizes = [specs_bytes(state_specs(s)) for s in missing]
+            segment = _Segment(self._dir, 2 * sum(sizes))
+            self._segments.append(segment)
+            offset = 0
+            for slot, size in zip(missing, sizes, strict=True):
+                self._slots[slot.key] = (segment, (offset, offset + size))
+                offset += 2 * size
 
     def write(self, slot: Slot) -> tuple[str, int]:
         """Copy `slot`'s state (the caller holds its lock) into the slot the backup does not hold:
         (segment name, offset) for the record."""
-        segment, offsets = self._slots[slot.key]
-        which = 1 - self._held.get(slot.key, 1)
+        with self._lock:
+            segment, offsets = self._slots[slot.key]  # KeyError after a reset: the call fails
+            which = 1 - self._held.get(slot.key, 1)
+            self._written[slot.key] = which
         offset = offsets[which]
         position = offset
         for name, _, _ in state_specs(slot):
@@ -130,28 +136,29 @@ class SegmentWriter:
             target = np.frombuffer(segment.map, dtype=source.dtype, count=count, offset=position)
             np.copyto(target, source.reshape(-1))
             position += _aligned(source.nbytes)
-        self._written[slot.key] = which
         return segment.name, offset
 
     def acknowledged(self, keys: Iterable[SliceKey]) -> None:
         """The backup applied the states last written for `keys`: their slots flip; a segment it has
         now opened is unlinked (its pages live on in both mappings)."""
-        for key in keys:
-            which = self._written.pop(key, None)
-            if which is None:
-                continue
-            self._held[key] = which
-            segment = self._slots[key][0]
-            if not segment.opened:
-                segment.opened = True
-                segment.unlink()
+        with self._lock:
+            for key in keys:
+                which = self._written.pop(key, None)
+                if which is None:
+                    continue
+                self._held[key] = which
+                segment = self._slots[key][0]
+                if not segment.opened:
+                    segment.opened = True
+                    segment.unlink()
 
     def reset(self) -> None:
         """Forget every slot (a call failed: the backup may hold either one); later states go to new
         segments. The backup's copies stay valid in its own mappings."""
-        for segment in self._segments:
-            segment.unlink()
-        self._segments, self._slots, self._held, self._written = [], {}, {}, {}
+        with self._lock:
+            for segment in self._segments:
+                segment.unlink()
+            self._segments, self._slots, self._held, self._written = [], {}, {}, {}
 
     close = reset
 

@@ -53,6 +53,7 @@ _BATCH_BYTES = 32 * 2**20
 # Through shared memory a call carries no bytes, but the copies come before it: smaller batches let
 # the first slices of a step be acknowledged (and their pulls answered) while later ones are copied.
 _SHM_BATCH_BYTES = 8 * 2**20
+_IN_FLIGHT = 2  # calls per backup at once (on different slices)
 _RETRY_S = (0.05, 1.0)  # first and longest wait between attempts to reach a backup
 
 
@@ -151,6 +152,7 @@ class ReplicaSet:
         self._optimizer: Optimizer | None = None
         self._slots: dict[SliceKey, Slot] = {}
         self._origin: dict[SliceKey, str] = {}  # which primary each copy came from
+        self._where: dict[SliceKey, str] = {}  # the segment a copy is a view of ("": its own arrays)
         self._lock = threading.Lock()
         self.records_applied = 0
 
@@ -161,6 +163,7 @@ class ReplicaSet:
             keys = [k for k, origin in self._origin.items() if origin == primary]
             for key in keys:
                 self._slots.pop(key, None)
+                self._where.pop(key, None)
                 del self._origin[key]
             if self._segments is not None:
                 self._segments.drop(primary)
@@ -176,10 +179,9 @@ class ReplicaSet:
                 self.config, self._optimizer = config, make_optimizer(config.optimizer)
                 self._slots.clear()
                 self._origin.clear()  # another job's (or a reconfigured) copies mean nothing now
+                self._where.clear()
                 if self._segments is not None:
                     self._segments.drop()
-            if self._segments is not None:
-                self._segments.keep(primary, segments)
             need: list[SliceKey] = []
             for r in records:
                 if r.key in need:
@@ -195,6 +197,7 @@ class ReplicaSet:
                     if slot is None or r.version >= slot.version:
                         self._slots[r.key] = self._from_state(r)
                         self._origin[r.key] = primary
+                        self._where[r.key] = r.segment
                         self.records_applied += 1
                     continue
                 if slot is None or slot.version < r.version - 1 or not slot.value.flags.writeable:
@@ -207,6 +210,9 @@ class ReplicaSet:
                 slot.last_clock = dict(r.clocks)
                 slot.max_clock = max(slot.max_clock, max(r.clocks.values(), default=NO_CLOCK))
                 self.records_applied += 1
+            if self._segments is not None:  # unmap what neither a copy nor the primary uses any more
+                used = {self._where.get(k, "") for k, origin in self._origin.items() if origin == primary}
+                self._segments.keep(primary, used | set(segments))
             return need
 
     def _mapped(self, r: Record, primary: str) -> Record | None:
@@ -243,6 +249,7 @@ class ReplicaSet:
         with self._lock:
             for key in keys:
                 self._origin.pop(key, None)
+                self._where.pop(key, None)
             slots = [self._slots.pop(k) for k in keys if k in self._slots]
         for slot in slots:
             if not slot.value.flags.writeable:
@@ -272,6 +279,8 @@ class _Backup:
     # segments it mapped mean nothing to the new one (the sender resets them before its next call).
     incarnation: int = 0
     shm_incarnation: int = 0
+    flying: set[SliceKey] = field(default_factory=set)  # slices of the calls in flight
+    failed: bool = False  # a call failed: reset and wait before the next
 
     def due(self, key: SliceKey, seq: int) -> None:
         self.need[key] = seq
@@ -458,47 +467,73 @@ class Replicator:
             batch: list[SliceKey] = []
             size = 0
             for key in b.pending:
+                if key in b.flying:  # one state of a slice in flight at a time: its slots alternate
+                    continue
                 if batch and size + self._sizes.get(key, 0) > limit:
                     break
                 batch.append(key)
                 size += self._sizes.get(key, 0)
+            b.flying.update(batch)
             return batch
 
     async def _sender(self, b: _Backup) -> None:
+        """Keeps up to `_IN_FLIGHT` calls going to `b`, on different slices: one batch is copied while
+        the call of the one before is on its way. After a failure, or when the backup is a new
+        process, it lets the calls in flight end, then resets the segments (and waits, after a failure)."""
         delay = _RETRY_S[0]
+        calls: set[asyncio.Task[None]] = set()
         while not b.closed:
             await b.wake.wait()
             b.wake.clear()
             while not b.closed:
+                if b.failed or (b.shm is not None and b.shm_incarnation != b.incarnation):
+                    if calls:
+                        break  # each call ending wakes this loop
+                    if b.shm is not None:
+                        b.shm.reset()  # the backup may hold either slot: later states go elsewhere
+                        b.shm_incarnation = b.incarnation
+                    if b.failed:
+                        b.failed = False
+                        await asyncio.sleep(delay)
+                        delay = min(delay * 2, _RETRY_S[1])
+                    continue
+                if len(calls) >= _IN_FLIGHT:
+                    break
                 batch = self._batch(b)
                 if not batch:
                     break
-                incarnation = b.incarnation
-                if b.shm is not None and b.shm_incarnation != incarnation:
-                    b.shm.reset()
-                    b.shm_incarnation = incarnation
-                try:
-                    # The copy (or encoding) and the call, off the event loop.
-                    shipped, need = await self._loop.run_in_executor(None, self._ship, b, batch)
-                except Exception as e:  # unreachable, restarting, refusing: the slices stay due
-                    if b.shm is not None:
-                        b.shm.reset()  # the backup may hold either slot now: later states go elsewhere
-                    if b.failing_since is None:
-                        b.failing_since = time.monotonic()
-                        log.warning("replication: backup %s unreachable (%s); retrying until it is back or "
-                                    "the scheduler declares it gone", b.address, e)
-                    await asyncio.sleep(delay)
-                    delay = min(delay * 2, _RETRY_S[1])
-                    continue
-                if b.failing_since is not None:
-                    log.info("replication: backup %s reachable again after %.1fs", b.address,
-                             time.monotonic() - b.failing_since)
-                    b.failing_since = None
-                delay = _RETRY_S[0]
-                if b.incarnation != incarnation:
-                    continue  # the old process's acknowledgement: the slices are due again
-                self._shipped(b, shipped, need)
-                await self._notify()
+                if b.failing_since is None:
+                    delay = _RETRY_S[0]
+                call = self._loop.create_task(self._call(b, batch, b.incarnation))
+                calls.add(call)
+
+                def ended(call: asyncio.Task[None]) -> None:
+                    calls.discard(call)
+                    b.wake.set()  # only now: a wake-up while the call still counts as in flight is lost
+                call.add_done_callback(ended)
+
+    async def _call(self, b: _Backup, batch: list[SliceKey], incarnation: int) -> None:
+        try:
+            # The copy (or encoding) and the call, off the event loop.
+            shipped, need = await self._loop.run_in_executor(None, self._ship, b, batch)
+        except Exception as e:  # unreachable, restarting, refusing: the slices stay due
+            b.failed = True
+            if b.failing_since is None:
+                b.failing_since = time.monotonic()
+                log.warning("replication: backup %s unreachable (%s); retrying until it is back or "
+                            "the scheduler declares it gone", b.address, e)
+            return
+        finally:
+            with self._lock:
+                b.flying.difference_update(batch)
+        if b.failing_since is not None:
+            log.info("replication: backup %s reachable again after %.1fs", b.address,
+                     time.monotonic() - b.failing_since)
+            b.failing_since = None
+        if b.incarnation != incarnation:
+            return  # the old process's acknowledgement: the slices are due again
+        self._shipped(b, shipped, need)
+        await self._notify()
 
     def _ship(self, b: _Backup, keys: Sequence[SliceKey]) -> tuple[dict[SliceKey, int], list[SliceKey]]:
         """Snapshot `keys` (each under its lock) into one Replicate call to `b`: the sequence number
