@@ -628,7 +628,7 @@ class PSClient:
                     raise
 
     def _call_stamped(self, server: int, stamp: pb.Stamp, call: Callable[[], T]) -> T:
-        """`call()`, and once more under our newer generation when the server fenced off the old one.
+        """`call()`, and again under our newer generation whenever the server fenced off the old one.
 
         This is the one stale-generation recovery. After a scheduler restart we re-register, and a
         server can hear of our new generation (through its own Watch) before our SchedulerClient
@@ -636,15 +636,17 @@ class PSClient:
         `await_generation` we wait (up to the call's timeout) for the reply, then resend. Resending
         is safe: a server drops slices it already has. `stamp` is the request's own, updated in place.
         """
-        try:
-            return call()
-        except StaleGenerationError:
-            if not self._newer_generation(stamp.generation):
-                raise
-            log.info("server %s: re-registered as generation %d (was %d), resending", self.servers[server],
-                     self.generation, stamp.generation)
-            stamp.generation = self.generation
-            return call()
+        while True:  # each round needs a strictly newer generation, so this ends
+            try:
+                return call()
+            except StaleGenerationError:
+                # A call can outlive more than one scheduler restart (a sync step waiting for a rejoining
+                # worker): resend under each newer generation, not only the first.
+                if not self._newer_generation(stamp.generation):
+                    raise
+                log.info("server %s: re-registered as generation %d (was %d), resending",
+                         self.servers[server], self.generation, stamp.generation)
+                stamp.generation = self.generation
 
     def _newer_generation(self, stamped: int) -> bool:
         if self.generation > stamped:
