@@ -405,7 +405,7 @@ class FastPathServer:
         started = time.perf_counter()
         reply = await self._run(session, header, metas, views)
         method = "Table" if header.op == pb.EXCHANGE_OP_TABLE else "Exchange"
-        self._handlers.requests.record(session.kind, method, sum(v.nbytes for v in views),
+        self._handlers.requests.record(session.kind, method, sum([v.nbytes for v in views]),
                                        sum(reply.sizes), time.perf_counter() - started,
                                        reply.error_type or None, header.stamp.clock)
         return reply

@@ -460,10 +460,11 @@ class ParameterServerHandlers:
             raise EmptyRequestError(f"push-pull from {stamp.worker_id!r}: nothing to push or pull")
         metas = _metas(items)
         self._check_limits("push-pull", stamp, metas, keys)
-        touched = [*(k for k, _ in items), *keys]
+        pushed = [k for k, _ in items]
+        touched = [*pushed, *keys]
         self._check_owned(touched)
         self._promote(touched)
-        store = self._store_holding([k for k, _ in items] or keys)
+        store = self._store_holding(pushed or keys)
         store.specs(keys)
         deadline = self._deadline(timeout_s)
         await self._await_view(stamp, deadline)
@@ -471,12 +472,12 @@ class ParameterServerHandlers:
         specs = store.check_request(stamp, metas, keys)
         outcome = self._push_now(store, stamp, items, specs) if items else PushOutcome(0, 0)
         if not keys:
-            await self._settle([k for k, _ in items], deadline)  # acknowledged once on every backup
+            await self._settle(pushed, deadline)  # acknowledged once on every backup
             return PushPullResult(outcome.applied, outcome.dropped, [])
         after = Stamp(stamp.worker_id, stamp.generation, stamp.clock + 1) if items else stamp
         await self._wait_readable(after, keys, deadline)
         read = store.read(keys)
-        await self._settle([*(k for k, _ in items), *keys], deadline)  # the versions read live on the backups
+        await self._settle(touched, deadline)  # the versions read live on the backups
         self.pulls_served += 1
         return PushPullResult(outcome.applied, outcome.dropped, [
             PulledSlice(k, self._to_wire(WireArray(v, dtype_name(v.dtype))), version)
