@@ -52,6 +52,27 @@ _INT64 = codec.dtype_to_proto("int64")
 _BUFFER_NUMBERS = 1 << 21
 
 
+def _stable_sort(flat: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(order, flat[order]) with order a stable argsort of the int64 `flat`. When the ids span less
+    than 2**(63 - log2 n), as ids of real tables mostly do, each id's offset and its position share
+    one int64 and a plain sort does it: half the time of numpy's stable argsort (a timsort)."""
+    n = len(flat)
+    bits = max(n - 1, 1).bit_length()
+    if n > 1:
+        low, high = int(flat.min()), int(flat.max())
+        if high - low < 1 << (63 - bits):
+            key = flat - low
+            key <<= bits
+            key |= np.arange(n)
+            key.sort()
+            order = key & ((1 << bits) - 1)
+            key >>= bits
+            key += low
+            return order, key
+    order = np.argsort(flat, kind="stable")
+    return order, flat[order]
+
+
 class _Split:
     """Distinct ids of a call grouped by the server that holds them, and where each position came from.
 
@@ -68,8 +89,7 @@ class _Split:
         self.shape = ids.shape
         n = len(flat)
         # np.unique's own work, keeping the sort for the gradients' sum (np.unique would sort again).
-        order = np.argsort(flat, kind="stable")  # repeated ids stay in call order (summed in it)
-        ordered = flat[order]
+        order, ordered = _stable_sort(flat)  # repeated ids stay in call order (summed in it)
         new = np.empty(n, bool)
         new[:1] = True
         np.not_equal(ordered[1:], ordered[:-1], out=new[1:])
@@ -315,5 +335,6 @@ class TableClient:
         try:
             first = run(0)
         finally:
-            futures.wait(others)
+            if others:
+                futures.wait(others)
         return [first, *(f.result() for f in others)]
