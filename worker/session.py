@@ -289,7 +289,9 @@ class ClusterSession:
         deadline = time.monotonic() + self.startup_timeout_s
         delay = _QUORUM_POLL_START_S
         while True:
-            quorums = [set(s.quorum) for s in client.stats()]
+            # Only servers holding slices take part in a clock; with replicas a failover can leave one
+            # holding none (a restarted backup never declared), whose quorum nobody waits on.
+            quorums = [set(s.quorum) for s in client.stats() if s.slices]
             if all(expected <= q for q in quorums):
                 return
             if time.monotonic() > deadline:
