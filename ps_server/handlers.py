@@ -229,6 +229,14 @@ class ParameterServerHandlers:
         if self._owned is not None:
             self._gained = self._gained | (owned - self._owned[1])
         self._owned = (version, owned)
+        # Take a failover's slices over now rather than at their first request: their copies start
+        # replicating to this server's backups at once, so they count as in sync again sooner (a
+        # stalled job would otherwise leave them with no in-sync copy; docs/architecture.md, 9).
+        store = self._store
+        copies = [k for k in sorted(owned)
+                  if self.replica_set.holds(k) and (store is None or not store.holds(k))]
+        if copies:
+            self._promote(copies)
 
     def _check_owned(self, keys: Iterable[SliceKey]) -> None:
         """Refuse slices a failover moved away from this server (it was declared dead and came back):
