@@ -530,6 +530,8 @@ class ParameterServerHandlers:
                 counts[0] += outcome.applied
                 counts[1] += outcome.dropped
                 pushed[key].set()
+                if self.replicator is not None:  # its sender starts copying this slice while the next applies
+                    await asyncio.sleep(0)
 
         reader = asyncio.ensure_future(consume())
         try:

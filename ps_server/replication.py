@@ -52,7 +52,7 @@ log = logging.getLogger("pshard.ps.replication")
 _BATCH_BYTES = 32 * 2**20
 # Through shared memory a call carries no bytes, but the copies come before it: smaller batches let
 # the first slices of a step be acknowledged (and their pulls answered) while later ones are copied.
-_SHM_BATCH_BYTES = 8 * 2**20
+_SHM_BATCH_BYTES = 4 * 2**20
 _IN_FLIGHT = 2  # calls per backup at once (on different slices)
 _RETRY_S = (0.05, 1.0)  # first and longest wait between attempts to reach a backup
 
