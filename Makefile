@@ -13,12 +13,13 @@ STUBS := pshard/api/v1/parameter_server_pb2.py
 COMPOSE_BIN = $(shell $(PY) -c "import importlib.util, pathlib; print(pathlib.Path(importlib.util.find_spec('compose').origin).parent / 'docker-compose')")
 PYTEST_ARGS ?=
 
-.PHONY: install proto data test test-unit test-service test-e2e demo demo-args up bench lint clean help
+.PHONY: install proto data test test-unit test-service test-e2e soak demo demo-args up bench lint clean help
 
 help:
 	@echo "make install   create $(VENV) and install pshard with torch (CPU), grpc and the dev tools"
 	@echo "make proto     regenerate the gRPC stubs (pshard/api/v1) from proto/"
 	@echo "make test      run the whole test suite (unit, service, e2e)"
+	@echo "make soak      the replicated chaos test on seeds 1-8, one after the other (SEEDS=... to choose)"
 	@echo "make demo      train Fashion-MNIST with a local cluster: scheduler, 2 servers, 2 workers"
 	@echo "make demo-ctr  train a CTR model with sparse embeddings on a synthetic click log (same cluster)"
 	@echo "make up        docker compose up (needs a Docker engine)"
@@ -63,6 +64,14 @@ test-service: install
 
 test-e2e: install data
 	$(PY) -m pytest -q tests/e2e $(PYTEST_ARGS)
+
+# Chaos with --replicas 1 on more seeds than make test's one (2-4 min each): every seed must pass.
+SEEDS ?= 1 2 3 4 5 6 7 8
+soak: install data
+	for seed in $(SEEDS); do \
+		PSHARD_CHAOS_SEED=$$seed $(PY) -m pytest -q "tests/e2e/test_chaos.py::test_a_job_survives_a_seeded_schedule_of_kills[replicas]" \
+			$(PYTEST_ARGS) || exit 1; \
+	done
 
 # The demo's training flags; tests/e2e/test_demo.py runs exactly these (make demo-args prints them).
 DEMO_ARGS := --mode sync --epochs 2 --model cnn --optimizer sgd --lr 0.05 --momentum 0.9
