@@ -14,19 +14,24 @@ sustained large traffic happens at most every `max_interval_s`.
 Trimming alone is late: during a flood the heaps grow before any quiet moment comes. Two glibc
 settings keep them from growing in the first place (`bound_heap`, called once at server start):
 
-- A fixed mmap threshold just above an Exchange frame (a 4 MiB chunk and its header: 5 MiB). By
-  default glibc raises its threshold to the size of every mmapped chunk it frees (up to 32 MiB), so
-  after the first few large requests every later one is carved from a heap and leaves a hole there.
-  With the threshold fixed, a larger buffer is its own mapping and its pages go back to the kernel
-  the moment it is freed. Not lower: a stream's frames are allocated and freed by the hundred every
-  step (gRPC's copy, the bytes handed to Python, our encoded replies), and a mapping costs ~1,000
-  page faults per 4 MiB each time. At a 1 MiB threshold that was a quarter of the servers' CPU in
-  the 2x2 gRPC dense bench (0.36-0.44 s per step against 0.29-0.31 s at 5 MiB, interleaved runs).
+- A fixed mmap threshold of 1 MiB. By default glibc raises its threshold to the size of every mmapped
+  chunk it frees (up to 32 MiB), so after the first few 4 MiB requests every later one is carved from
+  a heap and leaves a hole there. With the threshold fixed, a large buffer is its own mapping and its
+  pages go back to the kernel the moment it is freed.
 - At most two arenas. gRPC's threads each get an arena of their own by default (8 per core), and each
   keeps its own free memory.
 
 Measured with tests/e2e/test_flood.py (16 clients, 4 MiB requests, 2 cores): peak RSS 411 MiB over a
-63 MiB baseline without them, 240 MiB with a 1 MiB threshold, 251-263 MiB with 5 MiB.
+63 MiB baseline without them, 240 MiB with them.
+
+A mapping per buffer has a price, though: its pages are faulted in anew every time, ~1,000 faults
+per 4 MiB. Exchange streams allocate and free a frame's worth by the hundred every step (the bytes
+gRPC hands to Python, our encoded replies, gRPC's copy of them), and at 1 MiB that was a quarter of
+the servers' CPU in the 2x2 gRPC dense bench (0.36-0.44 s per step against 0.29-0.31 s with frames
+from the heap). So `MmapRegime` raises the threshold just above a frame while large bytes come only
+on streams, and lowers it back at the first large unary request or unread refusal (a flood's shape:
+pshard's own client sends unary requests under 1 MiB); the flood test measured 243-435 MiB peaks
+with the raised threshold always on, against 277-339 MiB at 1 MiB.
 
 Elsewhere than glibc there is nothing to call and both do nothing.
 """
@@ -46,8 +51,15 @@ TRIM_AFTER_BYTES = 1 << 20
 # mallopt(3) parameters (malloc.h); the values are glibc's ABI.
 _M_MMAP_THRESHOLD = -3
 _M_ARENA_MAX = -8
-MMAP_THRESHOLD_BYTES = CHUNK_BYTES + FRAME_SLACK_BYTES + (1 << 20)  # see the module docstring
+MMAP_THRESHOLD_BYTES = 1 << 20
+# While only streams bring large bytes: above a whole Exchange frame (a chunk and its header).
+STREAM_MMAP_THRESHOLD_BYTES = CHUNK_BYTES + FRAME_SLACK_BYTES + (1 << 20)
+# The raised threshold comes back only this long after the last large unary request.
+STREAM_AFTER_UNARY_S = 10.0
 ARENA_MAX = 2
+# The threshold setter once bound_heap() ran; None until then (tests, in-process servers): the
+# process's malloc is left as it is.
+_threshold_setter: Callable[[int], object] | None = None
 
 
 def _libc() -> ctypes.CDLL | None:
@@ -68,7 +80,46 @@ def bound_heap(mmap_threshold: int = MMAP_THRESHOLD_BYTES, arena_max: int = AREN
         return False
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
     # mallopt returns 1 on success, 0 on error.
-    return bool(mallopt(_M_MMAP_THRESHOLD, mmap_threshold)) and bool(mallopt(_M_ARENA_MAX, arena_max))
+    if not (mallopt(_M_MMAP_THRESHOLD, mmap_threshold) and mallopt(_M_ARENA_MAX, arena_max)):
+        return False
+
+    def set_threshold(nbytes: int) -> object:
+        return mallopt(_M_MMAP_THRESHOLD, nbytes)
+
+    global _threshold_setter
+    _threshold_setter = set_threshold
+    return True
+
+
+class MmapRegime:
+    """Which mmap threshold the process runs with: streaming (frames from the heaps) or bounded.
+
+    `large_request(stream)` for each request of at least TRIM_AFTER_BYTES: a unary one (as it arrives,
+    and again as it ends) lowers the threshold to MMAP_THRESHOLD_BYTES at once; a stream, as it ends,
+    raises it to STREAM_MMAP_THRESHOLD_BYTES once `hold_s` passed since the last unary one. Glibc
+    reads the threshold at each allocation, and a chunk is freed the way it was allocated, so the
+    switch is safe at any moment.
+    """
+
+    def __init__(self, set_threshold: Callable[[int], object] | None, hold_s: float = STREAM_AFTER_UNARY_S,
+                 now: Callable[[], float] = time.monotonic) -> None:
+        self._set = set_threshold
+        self._hold_s = hold_s
+        self._now = now
+        self.streaming = False  # bound_heap() starts the process bounded
+        self._unary_at = -hold_s
+
+    def large_request(self, stream: bool) -> None:
+        if self._set is None:
+            return
+        if not stream:
+            self._unary_at = self._now()
+            if self.streaming:
+                self.streaming = False
+                self._set(MMAP_THRESHOLD_BYTES)
+        elif not self.streaming and self._now() - self._unary_at >= self._hold_s:
+            self.streaming = True
+            self._set(STREAM_MMAP_THRESHOLD_BYTES)
 
 
 def _malloc_trim() -> Callable[[int], int] | None:
@@ -87,7 +138,10 @@ class HeapTrimmer:
     """
 
     def __init__(self, quiet_s: float = 0.5, max_interval_s: float = 10.0,
-                 now: Callable[[], float] = time.monotonic) -> None:
+                 now: Callable[[], float] = time.monotonic, regime: MmapRegime | None = None) -> None:
+        """`regime`: told of every large request (default: one switching this process's threshold
+        if bound_heap() ran, else doing nothing)."""
+        self.regime = regime if regime is not None else MmapRegime(_threshold_setter, now=now)
         self._quiet_s = quiet_s
         self._max_interval_s = max_interval_s
         self._now = now
@@ -100,14 +154,23 @@ class HeapTrimmer:
             self._thread = threading.Thread(target=self._loop, name="ps-heap-trim", daemon=True)
             self._thread.start()
 
-    def request_ended(self, nbytes: int) -> None:
+    def request_started(self, nbytes: int) -> None:
+        """A unary request of `nbytes` arrived: a large one bounds the heap before its handler (and the
+        requests queued behind it) allocate more (see MmapRegime)."""
+        if nbytes >= TRIM_AFTER_BYTES:
+            self.regime.large_request(stream=False)
+
+    def request_ended(self, nbytes: int, stream: bool = False) -> None:
+        """`stream`: the request was an Exchange stream (see MmapRegime)."""
         if nbytes >= TRIM_AFTER_BYTES:
             self._wake.set()
+            self.regime.large_request(stream)
 
     def unread_refused(self) -> None:
         """A request was refused unread (ps_server.tarpit): gRPC's core had buffered some of its bytes,
         how many is not known here, in small chunks that stay in the heap until a trim."""
         self._wake.set()
+        self.regime.large_request(stream=False)
 
     def close(self) -> None:
         self._closed.set()

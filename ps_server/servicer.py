@@ -145,6 +145,7 @@ class ParameterServerServicer:
         async def handle(raw: bytes, context: grpc.aio.ServicerContext) -> bytes:
             held = self._budget.reservation(name)
             started, sent, refused, clock = time.perf_counter(), 0, None, None
+            self._trimmer.request_started(len(raw))
             try:
                 held.add(len(raw))
                 if len(raw) <= _PARSE_ON_LOOP_BYTES:
@@ -365,7 +366,7 @@ def _ending(trimmer: HeapTrimmer, held: Reservation,
         _forget_locals(exc)
         raise
     finally:
-        trimmer.request_ended(held.total)
+        trimmer.request_ended(held.total, stream=True)
         record(held.total, refused)
 
 

@@ -7,7 +7,14 @@ import sys
 import time
 
 import pytest
-from pshard.ps_server.heap import TRIM_AFTER_BYTES, HeapTrimmer, _malloc_trim
+from pshard.ps_server.heap import (
+    MMAP_THRESHOLD_BYTES,
+    STREAM_MMAP_THRESHOLD_BYTES,
+    TRIM_AFTER_BYTES,
+    HeapTrimmer,
+    MmapRegime,
+    _malloc_trim,
+)
 
 pytestmark = pytest.mark.skipif(_malloc_trim() is None, reason="no malloc_trim: not glibc")
 
@@ -47,26 +54,110 @@ def test_sustained_large_traffic_still_trims_every_max_interval() -> None:
 
 MMAPPED_PROBE = """
 import ctypes, ctypes.util, sys
-from pshard.common.rpc import CHUNK_BYTES, FRAME_SLACK_BYTES
 from pshard.ps_server.heap import bound_heap
-if sys.argv[1] in ("bound", "frame"):
+if sys.argv[1] == "bound":
     assert bound_heap()
 libc = ctypes.CDLL(ctypes.util.find_library("c"))
 libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
 libc.free.argtypes = [ctypes.c_void_p]
-libc.free(libc.malloc(16 << 20))  # by default, freeing a 16 MiB mapping raises glibc's threshold to 16 MiB
-# Above bound_heap's threshold; or a whole Exchange frame, which must stay below it.
-chunk = libc.malloc(CHUNK_BYTES + FRAME_SLACK_BYTES if sys.argv[1] == "frame" else 8 << 20)
+libc.free(libc.malloc(4 << 20))  # by default, freeing a 4 MiB mapping raises glibc's threshold to 4 MiB
+chunk = libc.malloc(2 << 20)
 print(ctypes.c_size_t.from_address(chunk - ctypes.sizeof(ctypes.c_size_t)).value & 2)  # IS_MMAPPED
 """
 
 
-@pytest.mark.parametrize(("mode", "mmapped"), [("default", 0), ("bound", 2), ("frame", 0)])
+@pytest.mark.parametrize(("mode", "mmapped"), [("default", 0), ("bound", 2)])
 def test_bound_heap_keeps_large_buffers_in_mappings_of_their_own(mode: str, mmapped: int) -> None:
     # In a process of its own: mallopt changes the whole process, and pytest's must stay as it was.
-    # The default case shows what the setting is for: an 8 MiB buffer would land in (and fragment) a heap.
-    # The frame case why the threshold is not lower: a stream's frames are reused from the heap, not
-    # mapped (and page-faulted) anew for every message.
+    # The default case shows what the setting is for: a 2 MiB buffer would land in (and fragment) a heap.
     out = subprocess.run([sys.executable, "-c", MMAPPED_PROBE, mode], capture_output=True, text=True,
                          timeout=60, check=True).stdout
     assert int(out) == mmapped
+
+
+FRAME_PROBE = """
+import ctypes, ctypes.util, sys
+from pshard.common.rpc import CHUNK_BYTES, FRAME_SLACK_BYTES
+from pshard.ps_server.heap import TRIM_AFTER_BYTES, HeapTrimmer, bound_heap
+assert bound_heap()
+trimmer = HeapTrimmer()
+for kind in sys.argv[1:]:  # requests that ended, in order
+    trimmer.request_ended(TRIM_AFTER_BYTES, stream=kind == "stream")
+libc = ctypes.CDLL(ctypes.util.find_library("c"))
+libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
+chunk = libc.malloc(CHUNK_BYTES + FRAME_SLACK_BYTES)  # a whole Exchange frame
+print(ctypes.c_size_t.from_address(chunk - ctypes.sizeof(ctypes.c_size_t)).value & 2)  # IS_MMAPPED
+trimmer.close()
+"""
+
+
+@pytest.mark.parametrize(("requests", "mmapped"), [((), 2), (("stream",), 0), (("stream", "unary"), 2),
+                                                   (("stream", "unary", "stream"), 2)])
+def test_frames_come_from_the_heap_only_while_large_requests_are_streams(requests: tuple[str, ...],
+                                                                          mmapped: int) -> None:
+    # A stream's frames are reused from the heap, not mapped (and page-faulted) anew for every
+    # message; a large unary request (a flood's shape) bounds the heap again, and a stream right
+    # after it does not undo that.
+    out = subprocess.run([sys.executable, "-c", FRAME_PROBE, *requests], capture_output=True, text=True,
+                         timeout=60, check=True).stdout
+    assert int(out) == mmapped
+
+
+class Recorder:
+    def __init__(self) -> None:
+        self.thresholds: list[int] = []
+
+    def __call__(self, nbytes: int) -> object:
+        self.thresholds.append(nbytes)
+        return 1
+
+
+def test_the_threshold_is_raised_by_streams_and_lowered_by_unary_requests_until_they_stop() -> None:
+    clock = [100.0]
+    setter = Recorder()
+    regime = MmapRegime(setter, hold_s=10.0, now=lambda: clock[0])
+    regime.large_request(stream=True)
+    regime.large_request(stream=True)  # already raised: mallopt is not called again
+    assert setter.thresholds == [STREAM_MMAP_THRESHOLD_BYTES] and regime.streaming
+    regime.large_request(stream=False)
+    assert setter.thresholds[-1] == MMAP_THRESHOLD_BYTES and not regime.streaming
+    clock[0] += 9.9
+    regime.large_request(stream=True)  # too soon after the unary request
+    assert not regime.streaming
+    regime.large_request(stream=False)  # a later unary request starts the wait again
+    clock[0] += 9.9
+    regime.large_request(stream=True)
+    assert not regime.streaming
+    clock[0] += 0.1
+    regime.large_request(stream=True)
+    assert regime.streaming
+    assert setter.thresholds == [STREAM_MMAP_THRESHOLD_BYTES, MMAP_THRESHOLD_BYTES,
+                                 STREAM_MMAP_THRESHOLD_BYTES]
+
+
+def test_an_unread_refusal_or_a_large_unary_arrival_bounds_the_heap_and_small_requests_do_not() -> None:
+    setter = Recorder()
+    trimmer = HeapTrimmer(regime=MmapRegime(setter, hold_s=0.0))
+    try:
+        trimmer.request_ended(TRIM_AFTER_BYTES - 1, stream=True)
+        assert setter.thresholds == []
+        trimmer.request_ended(TRIM_AFTER_BYTES, stream=True)
+        trimmer.unread_refused()
+        assert setter.thresholds == [STREAM_MMAP_THRESHOLD_BYTES, MMAP_THRESHOLD_BYTES]
+        trimmer.regime = MmapRegime(setter, hold_s=0.0)
+        trimmer.request_ended(TRIM_AFTER_BYTES, stream=True)
+        trimmer.request_started(TRIM_AFTER_BYTES - 1)  # small unary requests are pshard's own
+        trimmer.request_started(TRIM_AFTER_BYTES)  # a large one bounds the heap as it arrives
+        assert setter.thresholds[2:] == [STREAM_MMAP_THRESHOLD_BYTES, MMAP_THRESHOLD_BYTES]
+    finally:
+        trimmer.close()
+
+
+def test_without_bound_heap_the_process_threshold_is_left_alone() -> None:
+    # pytest's process never ran bound_heap(): its trimmer's regime has nothing to call.
+    trimmer = HeapTrimmer()
+    try:
+        trimmer.request_ended(TRIM_AFTER_BYTES, stream=True)
+        assert not trimmer.regime.streaming
+    finally:
+        trimmer.close()
