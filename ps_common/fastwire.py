@@ -16,6 +16,7 @@ Pure: no gRPC.
 
 from __future__ import annotations
 
+import os
 import select
 import socket
 import ssl
@@ -154,6 +155,8 @@ class Inbox:
             except BlockingIOError:
                 if time.perf_counter() >= self._spin_until:
                     wait_ready(self._sock, False, self.deadline)
+                else:  # let a runnable peer have this core (on a busy machine it may be the server)
+                    os.sched_yield()
                 continue
             if got == 0:
                 raise TransportBroken(f"peer closed the connection ({self._end - self._start} of {n} "
