@@ -100,6 +100,7 @@ class FastPath:
         self._sock = sock
         self._inbox = Inbox(sock)
         self._spin = False  # the last reply came within _SPIN_S
+        self._sent = 0.0  # when the request in flight was sent (perf_counter)
         self._segment = segment  # shm: the shared regions
         self._scratch = scratch  # tcp: where pulled slices that need a cast land first
         self._lock = threading.Lock()  # one request at a time: the regions hold one request's bytes
@@ -172,22 +173,40 @@ class FastPath:
 
         A PSError the server raised is raised as such; any failure of the path is TransportBroken.
         """
-        with self._lock:
+        self.start(header, buffers, timeout_s)
+        return self.finish(header, place, direct)
+
+    def start(self, header: pb.ExchangeHeader, buffers: Sequence[np.ndarray], timeout_s: float) -> None:
+        """Send a request, and hold the session until `finish` reads its reply: a caller with requests
+        to several servers sends them all before it waits for the first reply, on one thread."""
+        self._lock.acquire()
+        try:
             if self.closed:
                 raise TransportBroken(f"{self.kind} transport closed")
-            try:
-                if self.tls and self._sock.gettimeout() != timeout_s:  # each settimeout costs system calls
-                    self._sock.settimeout(timeout_s)
-                self._inbox.deadline = time.monotonic() + timeout_s
-                reply = self._call(header, buffers, place, direct)
-            except (OSError, ValueError) as err:  # ValueError: a region unmapped under us (closed)
-                raise TransportBroken(f"{self.kind} transport: {type(err).__name__}: {err}") from err
+            if self.tls and self._sock.gettimeout() != timeout_s:  # each settimeout costs system calls
+                self._sock.settimeout(timeout_s)
+            self._inbox.deadline = time.monotonic() + timeout_s
+            self._send(header, buffers)
+        except (OSError, ValueError) as err:  # ValueError: a region unmapped under us (closed)
+            self._lock.release()
+            raise TransportBroken(f"{self.kind} transport: {type(err).__name__}: {err}") from err
+        except BaseException:
+            self._lock.release()
+            raise
+
+    def finish(self, header: pb.ExchangeHeader, place: Place, direct: Direct) -> pb.ExchangeSummary:
+        """Read the reply of the request `start` sent (the same header) and release the session."""
+        try:
+            reply = self._receive(header, place, direct)
+        except (OSError, ValueError) as err:
+            raise TransportBroken(f"{self.kind} transport: {type(err).__name__}: {err}") from err
+        finally:
+            self._lock.release()
         if reply.error_type:
             raise error_classes().get(reply.error_type, PSError)(reply.error_message)
         return reply.summary
 
-    def _call(self, header: pb.ExchangeHeader, buffers: Sequence[np.ndarray], place: Place,
-              direct: Direct) -> pb.TransportReply:
+    def _send(self, header: pb.ExchangeHeader, buffers: Sequence[np.ndarray]) -> None:
         views = [np.ascontiguousarray(b).reshape(-1).view(np.uint8) for b in buffers]
         segment = self._segment
         if segment is not None:
@@ -199,9 +218,12 @@ class FastPath:
                 np.copyto(segment.request[offset:offset + view.nbytes], view)
             views = []
         send_frame(self._sock, REQUEST, header.SerializeToString(), views, self._inbox.deadline)
-        sent = time.perf_counter()
+        self._sent = time.perf_counter()
+
+    def _receive(self, header: pb.ExchangeHeader, place: Place, direct: Direct) -> pb.TransportReply:
+        segment = self._segment
         kind, meta, data_len = self._inbox.frame_head(_SPIN_S if self._spin else 0.0)
-        self._spin = not self.tls and time.perf_counter() - sent <= _SPIN_S
+        self._spin = not self.tls and time.perf_counter() - self._sent <= _SPIN_S
         if kind != REPLY:
             raise TransportBroken(f"expected a reply frame, got kind {kind}")
         reply = pb.TransportReply.FromString(meta)

@@ -22,7 +22,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent import futures
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, NamedTuple, TypeVar
 
 import grpc
 import numpy as np
@@ -34,7 +34,7 @@ from pshard.common.shm import align
 from pshard.common.sparse import TableConfig, server_of
 from pshard.common.sparse_codec import spec_to_proto
 from pshard.common.types import Stamp
-from pshard.worker.fastpath import TABLE_ROOM_BYTES
+from pshard.worker.fastpath import TABLE_ROOM_BYTES, FastPath
 
 from pshard.api.v1 import parameter_server_pb2 as ps_pb
 from pshard.api.v1 import sparse_pb2 as pb
@@ -44,6 +44,17 @@ if TYPE_CHECKING:
     from pshard.worker.client import PSClient
 
 T = TypeVar("T")
+# What one server gets: pushed (ids, gradients) or (), pulled ids or None, and where pulled rows go.
+_Request = tuple[Sequence[np.ndarray], "np.ndarray | None", "np.ndarray | None"]
+
+
+class _Sent(NamedTuple):
+    """A table request sent on a fast-path session, whose reply is still to read."""
+
+    fast: FastPath
+    header: ps_pb.ExchangeHeader
+    target: np.ndarray  # uint8 view of where the pulled rows go (empty for a push)
+    push: bool
 log = logging.getLogger("pshard.worker")
 _SLACK_S = 5.0  # past the request's own timeout, as PSClient's calls allow
 _RETRY_S = 10.0  # a broken session is negotiated again after this (PSClient's FAST_PATH_RETRY_S)
@@ -153,22 +164,17 @@ class TableClient:
         split = self._split(ids)
         rows = self._buffer("pulled", config, len(split.ids))
         worker = self._client.worker_id
+        parts = [split.part(s) for s in range(len(self._stubs))]
 
-        def call(s: int, stub: pb_grpc.SparseTablesServiceStub) -> None:
-            part = split.part(s)
-            ids = split.ids[part]
-            if not len(ids):
-                return
-            try:
-                done = self._fast(s, table, clock, (), ids, rows[part]) is not None
-            except (TransportBroken, UnavailableError):
-                done = False  # a pull changes nothing: it is safe to ask again over gRPC
-            if not done:
-                reply = stub.PullRows(pb.PullRowsRequest(table=table, ids=ids.tobytes(), clock=clock,
-                                                         worker_id=worker), timeout=self._client._timeout_s)
-                rows[part] = self._rows(config, reply.rows, len(ids))
+        def slow(s: int, stub: pb_grpc.SparseTablesServiceStub) -> int:
+            ids = split.ids[parts[s]]
+            reply = stub.PullRows(pb.PullRowsRequest(table=table, ids=ids.tobytes(), clock=clock,
+                                                     worker_id=worker), timeout=self._client._timeout_s)
+            rows[parts[s]] = self._rows(config, reply.rows, len(ids))
+            return 0
 
-        self._each(call)
+        self._calls(table, clock, [((), split.ids[p], rows[p]) if p.stop > p.start else None for p in parts],
+                    slow)
         return np.take(rows, split.inverse, axis=0).reshape(*split.shape, config.dim)
 
     def push(self, table: str, ids: np.ndarray, grads: np.ndarray, clock: int = 0) -> int:
@@ -177,20 +183,18 @@ class TableClient:
         split = self._split(ids)
         summed = self._coalesce(config, split, grads)
 
-        def call(s: int, stub: pb_grpc.SparseTablesServiceStub) -> int:
-            part = split.part(s)
-            ids, rows = split.ids[part], summed[part]
-            if not len(ids) and config.mode != "sync":
-                return 0
-            stored = self._fast(s, table, clock, (ids, rows), None, None)
-            if stored is not None:
-                return stored
+        parts = [split.part(s) for s in range(len(self._stubs))]
+
+        def slow(s: int, stub: pb_grpc.SparseTablesServiceStub) -> int:
+            ids, rows = split.ids[parts[s]], summed[parts[s]]
             reply = stub.PushRows(pb.PushRowsRequest(table=table, ids=ids.tobytes(), grads=rows.tobytes(),
                                                      clock=clock, worker_id=self._client.worker_id),
                                   timeout=self._client._timeout_s)
             return int(reply.stored)
 
-        return sum(self._each(call))
+        sync = config.mode == "sync"
+        return sum(self._calls(table, clock, [((split.ids[p], summed[p]), None, None)
+                                              if sync or p.stop > p.start else None for p in parts], slow))
 
     def push_pull(self, table: str, ids: np.ndarray, grads: np.ndarray, pull_ids: np.ndarray,
                   clock: int = 0) -> np.ndarray:
@@ -201,19 +205,22 @@ class TableClient:
         want = self._split(pull_ids)
         rows = self._buffer("pulled", config, len(want.ids))
 
-        def call(s: int, stub: pb_grpc.SparseTablesServiceStub) -> None:
-            part, wanted = split.part(s), want.part(s)
-            push_ids, grads, pull_ids = split.ids[part], summed[part], want.ids[wanted]
-            if not (len(push_ids) or len(pull_ids) or config.mode == "sync"):
-                return
-            if self._fast(s, table, clock, (push_ids, grads), pull_ids, rows[wanted]) is None:
-                reply = stub.PushPullRows(pb.PushPullRowsRequest(
-                    table=table, push_ids=push_ids.tobytes(), grads=grads.tobytes(),
-                    pull_ids=pull_ids.tobytes(), clock=clock, worker_id=self._client.worker_id),
-                    timeout=self._client._timeout_s)
-                rows[wanted] = self._rows(config, reply.rows, len(pull_ids))
+        parts = [(split.part(s), want.part(s)) for s in range(len(self._stubs))]
 
-        self._each(call)
+        def slow(s: int, stub: pb_grpc.SparseTablesServiceStub) -> int:
+            part, wanted = parts[s]
+            pull_ids = want.ids[wanted]
+            reply = stub.PushPullRows(pb.PushPullRowsRequest(
+                table=table, push_ids=split.ids[part].tobytes(), grads=summed[part].tobytes(),
+                pull_ids=pull_ids.tobytes(), clock=clock, worker_id=self._client.worker_id),
+                timeout=self._client._timeout_s)
+            rows[wanted] = self._rows(config, reply.rows, len(pull_ids))
+            return 0
+
+        sync = config.mode == "sync"
+        self._calls(table, clock, [((split.ids[p], summed[p]), want.ids[w], rows[w])
+                                   if sync or p.stop > p.start or w.stop > w.start else None
+                                   for p, w in parts], slow)
         return np.take(rows, want.inverse, axis=0).reshape(*want.shape, config.dim)
 
     def export(self, table: str) -> list[pb.ExportTableResponse]:
@@ -274,12 +281,84 @@ class TableClient:
                                        f"{n} rows of dim {config.dim}")
         return np.frombuffer(raw, config.np_dtype).reshape(n, config.dim)
 
-    def _fast(self, s: int, table: str, clock: int, push: Sequence[np.ndarray], pull_ids: np.ndarray | None,
-              rows: np.ndarray | None) -> int | None:
-        """One request over server `s`'s fast-path session: push (ids, gradients) when given, then pull
-        `pull_ids` into `rows`; the rows stored. None: no session, or the request does not fit its
-        table room (the caller sends it over gRPC). A session that breaks is dropped, and raises
-        UnavailableError (TransportBroken for a pull alone: it is safe to send again)."""
+    def _calls(self, table: str, clock: int, requests: Sequence[_Request | None],
+               slow: Callable[[int, pb_grpc.SparseTablesServiceStub], int]) -> list[int]:
+        """One request per server (`requests[s]`: pushed (ids, gradients) or (), pulled ids or None and
+        the rows they go to; None: nothing for that server); the rows stored by each.
+
+        Fast-path requests are all sent before the first reply is read, on this thread (no hand-off to
+        the pool and back: two thread wake-ups per server). A server with no session, or a request
+        larger than its table room, is called over gRPC by `slow(s, stub)`, on the pool; so is a pull
+        alone whose session broke or was unavailable (a pull changes nothing: safe to ask again).
+        The first error, in server order, wins after every call has ended."""
+        n = len(requests)
+        stored = [0] * n
+        errors: list[BaseException | None] = [None] * n
+        sent: list[tuple[int, _Sent]] = []
+        grpc_servers: list[int] = []
+        for s, request in enumerate(requests):
+            if request is None:
+                continue
+            try:
+                started = self._fast_start(s, table, clock, *request)
+            except (TransportBroken, UnavailableError) as err:
+                if request[0]:
+                    errors[s] = err
+                else:
+                    grpc_servers.append(s)
+                continue
+            except BaseException as err:
+                errors[s] = err
+                continue
+            if started is None:
+                grpc_servers.append(s)
+            else:
+                sent.append((s, started))
+
+        def run(s: int) -> int:
+            try:
+                return slow(s, self._stubs[s])
+            except grpc.RpcError as err:
+                raise error_from_rpc_error(err) from err
+
+        inline = grpc_servers[:1] if not sent else []  # gRPC alone: the first call runs on this thread
+        others = {s: self._client._pool.submit(run, s) for s in grpc_servers[len(inline):]}
+        try:
+            for s, started in sent:
+                try:
+                    stored[s] = self._fast_finish(s, table, started)
+                except (TransportBroken, UnavailableError) as err:
+                    if requests[s][0]:  # type: ignore[index]
+                        errors[s] = err
+                    else:
+                        inline.append(s)
+                except BaseException as err:
+                    errors[s] = err
+            for s in inline:
+                try:
+                    stored[s] = run(s)
+                except BaseException as err:
+                    errors[s] = err
+        finally:
+            if others:
+                futures.wait(others.values())
+        for s, future in others.items():
+            error = future.exception()
+            if error is None:
+                stored[s] = future.result()
+            else:
+                errors[s] = error
+        for error in errors:
+            if error is not None:
+                raise error
+        return stored
+
+    def _fast_start(self, s: int, table: str, clock: int, push: Sequence[np.ndarray],
+                    pull_ids: np.ndarray | None, rows: np.ndarray | None) -> _Sent | None:
+        """Send one request over server `s`'s fast-path session: push (ids, gradients) when given, then
+        pull `pull_ids` into `rows`. None: no session, or the request does not fit its table room (the
+        caller sends it over gRPC). A session that breaks is dropped, and raises UnavailableError
+        (TransportBroken for a pull alone: it is safe to send again)."""
         fast = self._client._fast_path(s)
         buffers = [*push, *(() if pull_ids is None else (pull_ids,))]
         if fast is None or sum(align(b.nbytes) for b in buffers) > TABLE_ROOM_BYTES or (
@@ -293,6 +372,15 @@ class TableClient:
             push=[ps_pb.SliceMeta(dtype=_INT64 if b.dtype == np.int64 else codec.dtype_to_proto(b.dtype.name),
                                   shape=b.shape) for b in buffers])
         target = np.zeros(0, np.uint8) if rows is None else rows.reshape(-1).view(np.uint8)
+        try:
+            fast.start(header, buffers, self._client._timeout_s + _SLACK_S)
+        except TransportBroken as err:
+            raise self._broken_call(s, fast, err, bool(push), table) from err
+        return _Sent(fast, header, target, bool(push))
+
+    def _fast_finish(self, s: int, table: str, sent: _Sent) -> int:
+        """The rows stored by the request `_fast_start` sent; its pulled rows are in place."""
+        target = sent.target
 
         def place(index: int, raw: np.ndarray) -> None:
             if raw.nbytes != target.nbytes:
@@ -300,17 +388,22 @@ class TableClient:
             np.copyto(target, raw)
 
         try:
-            summary = fast.call(header, buffers, place, lambda index: target,
-                                self._client._timeout_s + _SLACK_S)
+            summary = sent.fast.finish(sent.header, place, lambda index: target)
         except TransportBroken as err:
-            self._broken(s, fast, err)
-            if push:
-                raise UnavailableError(f"push of table {table!r} to {self._client.servers[s]}: the "
-                                       f"{fast.kind} transport broke ({err}); the push may have been "
-                                       "applied or not") from err
-            raise
-        self.transports[s] = fast.kind
+            raise self._broken_call(s, sent.fast, err, sent.push, table) from err
+        self.transports[s] = sent.fast.kind
         return int(summary.applied)
+
+    def _broken_call(self, s: int, fast: FastPath, err: TransportBroken, push: bool,
+                     table: str) -> BaseException:
+        """Drop a broken session; what its call raises: UnavailableError for a push (it may have been
+        applied), else the TransportBroken itself."""
+        self._broken(s, fast, err)
+        if push:
+            return UnavailableError(f"push of table {table!r} to {self._client.servers[s]}: the "
+                                    f"{fast.kind} transport broke ({err}); the push may have been "
+                                    "applied or not")
+        return err
 
     def _broken(self, s: int, fast: object, err: BaseException) -> None:
         client = self._client
