@@ -31,7 +31,7 @@ from pshard.common.errors import InvalidArgumentError, UnavailableError, Unknown
 from pshard.common.fastwire import TransportBroken
 from pshard.common.rpc_status import error_from_rpc_error
 from pshard.common.shm import align
-from pshard.common.sparse import TableConfig, server_of
+from pshard.common.sparse import TableConfig, put_rows, server_of, take_rows
 from pshard.common.sparse_codec import spec_to_proto
 from pshard.common.types import Stamp
 from pshard.worker.fastpath import TABLE_ROOM_BYTES, FastPath
@@ -44,8 +44,9 @@ if TYPE_CHECKING:
     from pshard.worker.client import PSClient
 
 T = TypeVar("T")
-# What one server gets: pushed (ids, gradients) or (), pulled ids or None, and where pulled rows go.
-_Request = tuple[Sequence[np.ndarray], "np.ndarray | None", "np.ndarray | None"]
+# What one server gets: pushed (ids, gradients) or (), pulled ids or None, and where pulled rows go:
+# that array, or when positions are given (last), rows `positions` of it.
+_Request = tuple[Sequence[np.ndarray], "np.ndarray | None", "np.ndarray | None", "np.ndarray | None"]
 
 
 class _Sent(NamedTuple):
@@ -53,8 +54,9 @@ class _Sent(NamedTuple):
 
     fast: FastPath
     header: ps_pb.ExchangeHeader
-    target: np.ndarray  # uint8 view of where the pulled rows go (empty for a push)
+    target: np.ndarray  # uint8 view of where the pulled rows go (empty for a push), or the call's rows
     push: bool
+    positions: np.ndarray | None  # the rows of `target` the pulled rows go to, in order
 log = logging.getLogger("pshard.worker")
 _SLACK_S = 5.0  # past the request's own timeout, as PSClient's calls allow
 _RETRY_S = 10.0  # a broken session is negotiated again after this (PSClient's FAST_PATH_RETRY_S)
@@ -125,6 +127,11 @@ class _Split:
             self._source = order[group]
             self.inverse[self._source] = np.arange(n)
 
+    @property
+    def source(self) -> np.ndarray | None:
+        """Without repeated ids: the position of the call that each id sent (in `ids` order)."""
+        return self._source
+
     def part(self, s: int) -> slice:
         return slice(self._bounds[s], self._bounds[s + 1])
 
@@ -133,11 +140,11 @@ class _Split:
         (in call order): a gather without repeats (cheaper than a scatter), a sorted segment sum with
         them (np.add.at is 3x slower)."""
         if self._source is not None:
-            return np.take(flat, self._source, axis=0, out=out, mode="clip")
+            return take_rows(flat, self._source, out)
         assert self._sorted is not None
         order, starts = self._sorted
-        summed = np.add.reduceat(np.take(flat, order, axis=0), starts, axis=0)
-        return np.take(summed, self._group, axis=0, out=out, mode="clip")
+        summed = np.add.reduceat(take_rows(flat, order), starts, axis=0)
+        return take_rows(summed, self._group, out)
 
 
 class TableClient:
@@ -162,20 +169,31 @@ class TableClient:
         """Rows of `ids` (any shape, repeats allowed): an array of shape ids.shape + (dim,)."""
         config = self._config(table)
         split = self._split(ids)
-        rows = self._buffer("pulled", config, len(split.ids))
         worker = self._client.worker_id
         parts = [split.part(s) for s in range(len(self._stubs))]
+        source = split.source
+        requests: list[_Request | None]
+        if source is None:  # repeated ids: the distinct rows land in a buffer, then gathered
+            rows = self._buffer("pulled", config, len(split.ids))
+            requests = [((), split.ids[p], rows[p], None) if p.stop > p.start else None for p in parts]
+        else:  # each server's rows are scattered from the reply straight to the positions that asked
+            rows = np.empty((len(source), config.dim), config.np_dtype)
+            requests = [((), split.ids[p], rows, source[p]) if p.stop > p.start else None for p in parts]
 
         def slow(s: int, stub: pb_grpc.SparseTablesServiceStub) -> int:
             ids = split.ids[parts[s]]
             reply = stub.PullRows(pb.PullRowsRequest(table=table, ids=ids.tobytes(), clock=clock,
                                                      worker_id=worker), timeout=self._client._timeout_s)
-            rows[parts[s]] = self._rows(config, reply.rows, len(ids))
+            if source is None:
+                rows[parts[s]] = self._rows(config, reply.rows, len(ids))
+            else:
+                put_rows(rows, source[parts[s]], self._rows(config, reply.rows, len(ids)))
             return 0
 
-        self._calls(table, clock, [((), split.ids[p], rows[p]) if p.stop > p.start else None for p in parts],
-                    slow)
-        return np.take(rows, split.inverse, axis=0).reshape(*split.shape, config.dim)
+        self._calls(table, clock, requests, slow)
+        if source is None:
+            rows = take_rows(rows, split.inverse)
+        return rows.reshape(*split.shape, config.dim)
 
     def push(self, table: str, ids: np.ndarray, grads: np.ndarray, clock: int = 0) -> int:
         """Apply `grads` (ids.shape + (dim,)) to the rows of `ids`, repeated ids summed; rows stored."""
@@ -193,7 +211,7 @@ class TableClient:
             return int(reply.stored)
 
         sync = config.mode == "sync"
-        return sum(self._calls(table, clock, [((split.ids[p], summed[p]), None, None)
+        return sum(self._calls(table, clock, [((split.ids[p], summed[p]), None, None, None)
                                               if sync or p.stop > p.start else None for p in parts], slow))
 
     def push_pull(self, table: str, ids: np.ndarray, grads: np.ndarray, pull_ids: np.ndarray,
@@ -218,10 +236,10 @@ class TableClient:
             return 0
 
         sync = config.mode == "sync"
-        self._calls(table, clock, [((split.ids[p], summed[p]), want.ids[w], rows[w])
+        self._calls(table, clock, [((split.ids[p], summed[p]), want.ids[w], rows[w], None)
                                    if sync or p.stop > p.start or w.stop > w.start else None
                                    for p, w in parts], slow)
-        return np.take(rows, want.inverse, axis=0).reshape(*want.shape, config.dim)
+        return take_rows(rows, want.inverse).reshape(*want.shape, config.dim)
 
     def export(self, table: str) -> list[pb.ExportTableResponse]:
         """Every server writes its rows of `table` as ids.npy and rows.npy; where they are."""
@@ -258,7 +276,8 @@ class TableClient:
         if grads.shape != (*split.shape, config.dim):
             raise InvalidArgumentError(f"push of table {config.name!r}: gradients of shape {grads.shape}, "
                                        f"expected ids' shape {split.shape} + ({config.dim},)")
-        return split.coalesce(grads.reshape(-1, config.dim), self._buffer("pushed", config, len(split.ids)))
+        return split.coalesce(np.ascontiguousarray(grads.reshape(-1, config.dim)),
+                              self._buffer("pushed", config, len(split.ids)))
 
     def _buffer(self, name: str, config: TableConfig, n: int) -> np.ndarray:
         """An (n, dim) array for this thread's call, reused by its next calls: the rows only pass
@@ -354,15 +373,18 @@ class TableClient:
         return stored
 
     def _fast_start(self, s: int, table: str, clock: int, push: Sequence[np.ndarray],
-                    pull_ids: np.ndarray | None, rows: np.ndarray | None) -> _Sent | None:
+                    pull_ids: np.ndarray | None, rows: np.ndarray | None,
+                    positions: np.ndarray | None) -> _Sent | None:
         """Send one request over server `s`'s fast-path session: push (ids, gradients) when given, then
-        pull `pull_ids` into `rows`. None: no session, or the request does not fit its table room (the
-        caller sends it over gRPC). A session that breaks is dropped, and raises UnavailableError
-        (TransportBroken for a pull alone: it is safe to send again)."""
+        pull `pull_ids` into `rows` (into rows[positions] when given). None: no session, or the request
+        does not fit its table room (the caller sends it over gRPC). A session that breaks is dropped,
+        and raises UnavailableError (TransportBroken for a pull alone: it is safe to send again)."""
         fast = self._client._fast_path(s)
         buffers = [*push, *(() if pull_ids is None else (pull_ids,))]
+        pulled = 0 if rows is None else rows.nbytes if positions is None else (
+            len(positions) * rows.shape[1] * rows.itemsize)
         if fast is None or sum(align(b.nbytes) for b in buffers) > TABLE_ROOM_BYTES or (
-                rows is not None and rows.nbytes > TABLE_ROOM_BYTES):
+                pulled > TABLE_ROOM_BYTES):
             self.transports[s] = "grpc"
             return None
         header = ps_pb.ExchangeHeader(
@@ -371,24 +393,32 @@ class TableClient:
             stamp=codec.stamp_to_proto(Stamp(self._client.worker_id, self._client.generation, clock)),
             push=[ps_pb.SliceMeta(dtype=_INT64 if b.dtype == np.int64 else codec.dtype_to_proto(b.dtype.name),
                                   shape=b.shape) for b in buffers])
-        target = np.zeros(0, np.uint8) if rows is None else rows.reshape(-1).view(np.uint8)
+        if rows is None:
+            target = np.zeros(0, np.uint8)
+        else:
+            target = rows if positions is not None else rows.reshape(-1).view(np.uint8)
         try:
             fast.start(header, buffers, self._client._timeout_s + _SLACK_S)
         except TransportBroken as err:
             raise self._broken_call(s, fast, err, bool(push), table) from err
-        return _Sent(fast, header, target, bool(push))
+        return _Sent(fast, header, target, bool(push), positions)
 
     def _fast_finish(self, s: int, table: str, sent: _Sent) -> int:
         """The rows stored by the request `_fast_start` sent; its pulled rows are in place."""
-        target = sent.target
+        target, positions = sent.target, sent.positions
+        due = target.nbytes if positions is None else len(positions) * target.shape[1] * target.itemsize
 
         def place(index: int, raw: np.ndarray) -> None:
-            if raw.nbytes != target.nbytes:
-                raise TransportBroken(f"table {table!r}: {raw.nbytes} bytes of rows, {target.nbytes} due")
-            np.copyto(target, raw)
+            if raw.nbytes != due:
+                raise TransportBroken(f"table {table!r}: {raw.nbytes} bytes of rows, {due} due")
+            if positions is None:
+                np.copyto(target, raw)
+            else:
+                put_rows(target, positions, raw.view(target.dtype).reshape(len(positions), -1))
 
         try:
-            summary = sent.fast.finish(sent.header, place, lambda index: target)
+            summary = sent.fast.finish(sent.header, place,
+                                       lambda index: target if positions is None else None)
         except TransportBroken as err:
             raise self._broken_call(s, sent.fast, err, sent.push, table) from err
         self.transports[s] = sent.fast.kind
