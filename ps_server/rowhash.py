@@ -97,8 +97,12 @@ class IdIndex:
         """Row of each id (any order, repeats allowed), -1 where absent."""
         if len(ids) == 0:
             return np.zeros(0, np.int64)
+        first, last = ids[0], ids[-1]
         for changes, seen, rows in self._recent:
-            if changes == self._changes and len(seen) == len(ids) and np.array_equal(seen, ids):
+            # Ends first: batches of equal length are common (a worker's batch split evenly), and a
+            # whole comparison of each remembered batch costs a tenth of the lookup it would save.
+            if (changes == self._changes and len(seen) == len(ids) and seen[0] == first and seen[-1] == last
+                    and np.array_equal(seen, ids)):
                 return rows.copy()
         rows = self._lookup(ids)
         if len(ids) <= _RECENT_IDS:
