@@ -9,7 +9,8 @@ non-blocking, with the call's deadline kept here: a blocking socket with a timeo
 before every send and receive, and a reply that is microseconds away is waited for by spinning
 (`Inbox.frame_head`) rather than by sleeping, whose wake-up costs more than a small request. Over TLS
 (an `ssl.SSLSocket`, which has no `sendmsg` nor receive flags) the same calls encrypt and decrypt
-between the buffers and the socket: a small frame still goes as one TLS record.
+between the buffers and the socket: a small frame still goes as one TLS record. An SSL socket keeps
+its timeout and is made non-blocking only while the worker spins for a reply's header.
 
 Pure: no gRPC.
 """
@@ -152,7 +153,10 @@ class Inbox:
         while self._end - self._start < n:
             try:
                 got = self._sock.recv_into(self._buf[self._end:])
-            except BlockingIOError:
+            except ssl.SSLWantWriteError:  # TLS 1.3 may have to write (a key update) to read on
+                wait_ready(self._sock, True, self.deadline)
+                continue
+            except (BlockingIOError, ssl.SSLWantReadError):
                 if time.perf_counter() >= self._spin_until:
                     wait_ready(self._sock, False, self.deadline)
                 else:  # let a runnable peer have this core (on a busy machine it may be the server)

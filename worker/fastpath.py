@@ -222,8 +222,18 @@ class FastPath:
 
     def _receive(self, header: pb.ExchangeHeader, place: Place, direct: Direct) -> pb.TransportReply:
         segment = self._segment
-        kind, meta, data_len = self._inbox.frame_head(_SPIN_S if self._spin else 0.0)
-        self._spin = not self.tls and time.perf_counter() - self._sent <= _SPIN_S
+        if self._spin and self.tls:
+            # An SSL socket keeps its timeout for sends and for reading the data (sendall and
+            # recv_into wait on it); only the spin for the reply's header runs non-blocking.
+            timeout_s = self._sock.gettimeout()
+            self._sock.settimeout(0.0)
+            try:
+                kind, meta, data_len = self._inbox.frame_head(_SPIN_S)
+            finally:
+                self._sock.settimeout(timeout_s)
+        else:
+            kind, meta, data_len = self._inbox.frame_head(_SPIN_S if self._spin else 0.0)
+        self._spin = time.perf_counter() - self._sent <= _SPIN_S
         if kind != REPLY:
             raise TransportBroken(f"expected a reply frame, got kind {kind}")
         reply = pb.TransportReply.FromString(meta)
