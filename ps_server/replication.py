@@ -73,11 +73,6 @@ class Record(NamedTuple):
     offset: int = 0
     specs: tuple[ArraySpec, ...] = ()
 
-    @property
-    def nbytes(self) -> int:
-        extra = sum(v.nbytes for v in (self.opt_state or {}).values() if isinstance(v, np.ndarray))
-        return self.value.nbytes + extra
-
 
 def step_record(slot: Slot, update: np.ndarray, count: int, seq: int) -> Record:
     """Called under the slice's lock, before the step: `update` may be scratch or a network buffer."""
@@ -314,7 +309,6 @@ class Replicator:
         self._backups: dict[str, _Backup] = {}
         self._store: ShardStore | None = None
         self._acked = asyncio.Condition()
-        self.records_sent = 0
 
     # ---- wiring ----
 
@@ -576,7 +570,6 @@ class Replicator:
                 b.acked[key] = max(b.acked.get(key, 0), seq)
                 if b.need.get(key, 0) <= b.acked[key]:
                     b.pending.pop(key, None)
-            self.records_sent += len(shipped)
         if b.shm is not None:
             b.shm.acknowledged(k for k in shipped if k not in refused)
         if refused:

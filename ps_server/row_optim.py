@@ -32,14 +32,14 @@ def initial_state(config: TableConfig, name: str) -> float:
 
 
 def apply(config: TableConfig, rows: np.ndarray, grads: np.ndarray, state: dict[str, np.ndarray],
-          step: int | np.ndarray, scratch: np.ndarray | None = None) -> np.ndarray:
+          step: int | np.ndarray, scratch: np.ndarray) -> np.ndarray:
     """New values of `rows` after one update with `grads`; `step` counts this update (from 1):
     the table's step for adam, each row's own (an (n,) array) for lazy_adam. `rows` is the caller's
     gathered copy and may be updated in place; `scratch`, an array like `rows` the caller keeps
     between requests, holds sgd's and adagrad's temporaries (fresh ones would cost page faults)."""
     dt = rows.dtype.type
     lr = dt(config.lr)
-    tmp = np.empty_like(rows) if scratch is None else scratch
+    tmp = scratch
     if config.optimizer == "sgd":
         rows -= np.multiply(grads, lr, out=tmp)
         return rows

@@ -89,7 +89,7 @@ class IdIndex:
             out[missing] = -1 - np.where(first_free[missing] >= 0, first_free[missing], at[~found])
             todo = todo[~ends]
             pos[todo] = (pos[todo] + width) & mask
-            # Widen as the ids left get few: a wide window over many ids is a large temporary.
+            # Widen round by round (the ids left get few): a wide window over many ids is a large temporary.
             width = _FIRST_WINDOW if width < _FIRST_WINDOW else _WINDOW
         return out
 

@@ -58,8 +58,7 @@ class InSyncCopies:
     def forget(self, address: str, why: str) -> None:
         """A new process, or none, at `address`: it holds no copy, and its own backups copied a state
         that is gone."""
-        for backup in self._copies.pop(address, {}):
-            self._out(address, backup, f"its primary {why}")
+        self.reset(address, why)
         for primary, copies in list(self._copies.items()):
             if address in copies:
                 del copies[address]

@@ -334,14 +334,8 @@ class TableClient:
             else:
                 sent.append((s, started))
 
-        def run(s: int) -> int:
-            try:
-                return slow(s, self._stubs[s])
-            except grpc.RpcError as err:
-                raise error_from_rpc_error(err) from err
-
         inline = grpc_servers[:1] if not sent else []  # gRPC alone: the first call runs on this thread
-        others = {s: self._client._pool.submit(run, s) for s in grpc_servers[len(inline):]}
+        others = {s: self._client._pool.submit(self._rpc, s, slow) for s in grpc_servers[len(inline):]}
         try:
             for s, started in sent:
                 try:
@@ -355,7 +349,7 @@ class TableClient:
                     errors[s] = err
             for s in inline:
                 try:
-                    stored[s] = run(s)
+                    stored[s] = self._rpc(s, slow)
                 except BaseException as err:
                     errors[s] = err
         finally:
@@ -445,18 +439,19 @@ class TableClient:
                 client._fast_retry_at[s] = time.monotonic() + _RETRY_S
         self.transports[s] = "grpc"
 
+    def _rpc(self, s: int, call: Callable[[int, pb_grpc.SparseTablesServiceStub], T]) -> T:
+        """call(s, server s's stub), with a gRPC error turned into pshard's own."""
+        try:
+            return call(s, self._stubs[s])
+        except grpc.RpcError as err:
+            raise error_from_rpc_error(err) from err
+
     def _each(self, call: Callable[[int, pb_grpc.SparseTablesServiceStub], T]) -> list[T]:
         """call(s, stub) for every server at once, the first on this thread (a hand-off to the pool and
         back costs two thread wake-ups); the first error wins, after every call has ended."""
-        def run(s: int) -> T:
-            try:
-                return call(s, self._stubs[s])
-            except grpc.RpcError as err:
-                raise error_from_rpc_error(err) from err
-
-        others = [self._client._pool.submit(run, s) for s in range(1, len(self._stubs))]
+        others = [self._client._pool.submit(self._rpc, s, call) for s in range(1, len(self._stubs))]
         try:
-            first = run(0)
+            first = self._rpc(0, call)
         finally:
             if others:
                 futures.wait(others)
