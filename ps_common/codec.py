@@ -284,7 +284,8 @@ def layout_to_proto(layout: Layout) -> sched_pb.Layout:
         version=layout.version, params=[param_spec_to_proto(p) for p in layout.params],
         servers=layout.servers, slice_bytes=layout.slice_bytes,
         slices=[sched_pb.LayoutSlice(key=s.key, part=s.part, server=s.server, offset=s.offset,
-                                     numel=s.numel) for s in layout.slices], replicas=layout.replicas)
+                                     numel=s.numel) for s in layout.slices], replicas=layout.replicas,
+        row_owners=layout.row_owners)
 
 
 def layout_from_proto(p: sched_pb.Layout) -> Layout:
@@ -292,7 +293,7 @@ def layout_from_proto(p: sched_pb.Layout) -> Layout:
         params=tuple(param_spec_from_proto(x) for x in p.params), servers=tuple(p.servers),
         slice_bytes=p.slice_bytes, version=p.version,
         slices=tuple(LayoutSlice(s.key, s.part, s.server, s.offset, s.numel) for s in p.slices),
-        replicas=p.replicas)
+        replicas=p.replicas, row_owners=tuple(p.row_owners))
 
 
 # ---- Exchange frames ----

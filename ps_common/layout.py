@@ -73,6 +73,10 @@ class Layout:
     # Backups per slice (docs/architecture.md, 9 Failures): server i's slices are copied to the next
     # `replicas` live servers in ring order (pshard.common.replicas).
     replicas: int = 0
+    # Sparse-table row partitions (docs/architecture.md, 9 Failures): partition p, the ids whose row
+    # hash (pshard.common.sparse.server_of) is p, is served by server row_owners[p]. A failover
+    # moves a dead server's partitions with its slices; () is the identity.
+    row_owners: tuple[int, ...] = ()
     _by_key: dict[str, tuple[LayoutSlice, ...]] = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -89,6 +93,18 @@ class Layout:
 
     def slices_of(self, key: str) -> tuple[LayoutSlice, ...]:
         return self._by_key[key]
+
+    def row_owner(self, partition: int) -> int:
+        """The server serving row partition `partition` (itself unless a failover moved it)."""
+        return self.row_owners[partition] if self.row_owners else partition
+
+    def owners(self) -> tuple[int, ...]:
+        """The server of every row partition, in partition order."""
+        return self.row_owners or tuple(range(len(self.servers)))
+
+    def partitions_on(self, server: int) -> tuple[int, ...]:
+        """The row partitions server `server` serves."""
+        return tuple(p for p, s in enumerate(self.owners()) if s == server)
 
     def slices_on(self, server: int) -> tuple[LayoutSlice, ...]:
         return tuple(s for s in self.slices if s.server == server)

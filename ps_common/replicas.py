@@ -5,8 +5,9 @@ Placement is per server, in ring order: the slices whose primary is server i are
 next `replicas` live servers after i in the layout's server list. A server needs nothing but the
 ring and who is live to know whom it forwards to, and every server computes the same answer.
 
-Promotion: when a primary dies, each of its slices moves to its first in-sync backup in ring order:
-a live server its primary reported as holding a copy of every slice (the scheduler tracks which,
+Promotion: when a primary dies, each of its slices, and its sparse-table row partitions (the ids whose
+row hash maps to it, or that an earlier failover gave it), move to its first in-sync backup in ring order:
+a live server its primary reported as holding a copy of every slice and row (the scheduler tracks which,
 scheduler/membership.py). A backup that is still copying (it just joined, or restarted) holds only
 part, and is never promoted. Nothing else moves, so the layout stays what it was except for the
 failed-over slices.
@@ -41,16 +42,19 @@ def backed_up_by(backup: int, servers: int, replicas: int, live: Collection[int]
 
 def fail_over(layout: Layout, dead: int, live: Collection[int],
               in_sync: Collection[int] | None = None) -> tuple[Layout, tuple[LayoutSlice, ...]]:
-    """The layout with every slice of `dead` on its first in-sync backup, and the slices that moved.
+    """The layout with every slice and table-row partition of `dead` on its first in-sync backup,
+    and the slices that moved (`moved_partitions` tells which partitions did).
 
     `live`: the servers alive now (`dead` excluded); `in_sync`: those holding a copy of every slice
-    of `dead` (None: every live one, for callers that know no better). The caller bumps the version.
-    A layout without replicas, or a dead server without slices, comes back unchanged with nothing
-    moved. NoInSyncCopyError when no live server holds a copy: the slices are lost.
+    and table row of `dead` (None: every live one, for callers that know no better). The caller
+    bumps the version. A layout without replicas, or a dead server serving nothing (no slices, no
+    partitions: a failover already moved them), comes back unchanged with nothing moved.
+    NoInSyncCopyError when no live server holds a copy: the slices and rows are lost.
     """
     n = len(layout.servers)
     moved = tuple(s for s in layout.slices if s.server == dead)
-    if layout.replicas == 0 or not moved:
+    partitions = layout.partitions_on(dead) if 0 <= dead < n else ()
+    if layout.replicas == 0 or not (moved or partitions):
         return layout, ()
     alive = set(live) - {dead}
     if in_sync is not None:
@@ -59,9 +63,26 @@ def fail_over(layout: Layout, dead: int, live: Collection[int],
     if heir is None:
         raise NoInSyncCopyError(
             f"fail over server {dead}: no live server holds an in-sync copy of its {len(moved)} slices ("
-            + ", ".join(str(s.slice_key) for s in moved[:8]) + (", ..." if len(moved) > 8 else "") + ")")
+            + ", ".join(str(s.slice_key) for s in moved[:8]) + (", ..." if len(moved) > 8 else "")
+            + f") and table rows (partitions {list(partitions)})")
     slices = tuple(dataclasses.replace(s, server=heir) if s.server == dead else s for s in layout.slices)
-    return dataclasses.replace(layout, slices=slices), moved
+    owners = tuple(heir if o == dead else o for o in layout.owners())
+    return dataclasses.replace(layout, slices=slices, row_owners=owners), moved
+
+
+def moved_partitions(before: Layout, after: Layout) -> dict[int, int]:
+    """Row partitions whose server differs between two layouts of the same servers: partition -> its new
+    server."""
+    return {p: b for p, (a, b) in enumerate(zip(before.owners(), after.owners(), strict=True)) if a != b}
+
+
+def heir_of(before: Layout, after: Layout, dead: int) -> int | None:
+    """Where `after` put what server `dead` served in `before` (None: it served nothing)."""
+    for s in before.slices_on(dead):
+        return after.slices_of(s.key)[s.part].server
+    for p in before.partitions_on(dead):
+        return after.row_owner(p)
+    return None
 
 
 def index_of(layout: Layout, address: str) -> int | None:

@@ -33,7 +33,14 @@ from pshard.common.errors import (
     UnknownNodeError,
 )
 from pshard.common.layout import ITEMSIZE, Layout, LayoutSlice, ParamSpec, plan_layout
-from pshard.common.replicas import NoInSyncCopyError, backups_of, fail_over, index_of
+from pshard.common.replicas import (
+    NoInSyncCopyError,
+    backups_of,
+    fail_over,
+    heir_of,
+    index_of,
+    moved_partitions,
+)
 from pshard.common.view import (
     RANK_SPACE,
     ROLES,
@@ -490,7 +497,10 @@ class Membership:
                 return stored, False
         self.limits.check_int("restored layout version", layout.version, self.limits.max_generation)
         bad = next((sl for sl in layout.slices if sl.server >= len(layout.servers)), None)
-        if bad is not None or layout.version < 1 or not layout.replicas < max(1, len(layout.servers)):
+        owners_ok = not layout.row_owners or (len(layout.row_owners) == len(layout.servers)
+                                              and max(layout.row_owners) < len(layout.servers))
+        if (bad is not None or not owners_ok or layout.version < 1
+                or not layout.replicas < max(1, len(layout.servers))):
             raise InvalidArgumentError(
                 f"restored layout version {layout.version}: {len(layout.servers)} servers, replicas "
                 f"{layout.replicas}" + (f", slice {bad.key!r} on server {bad.server}" if bad else ""))
@@ -531,15 +541,16 @@ class Membership:
         except InvalidArgumentError as e:
             log.error("cannot fail over %s: %s; its slices are lost", address, e)
             return ()
-        if moved:
-            heir = moved_layout.slices_of(moved[0].key)[moved[0].part].server
+        heir = heir_of(layout, moved_layout, dead)
+        if heir is not None:
             new = self.replace_layout(moved_layout)
             self.failovers += 1
             self.in_sync.changes[PROMOTED] += 1
             # The heir's backups hold none of its new slices yet: they count once it reports them again.
             self.in_sync.reset(layout.servers[heir], "was promoted to primary of more slices")
-            log.warning("FAILOVER: server %d (%s) is gone; its %d slices now have server %d (%s) as primary "
-                        "(layout version %d, generation %d)", dead, address, len(moved), heir,
+            log.warning("FAILOVER: server %d (%s) is gone; its %d slices and table-row partitions %s now "
+                        "have server %d (%s) as primary (layout version %d, generation %d)", dead, address,
+                        len(moved), sorted(moved_partitions(layout, moved_layout)), heir,
                         layout.servers[heir], new.version, self._generation)
         return moved
 
