@@ -81,6 +81,8 @@ class SparseTable:
         self._rng = np.random.default_rng(config.seed)
         self._next_sweep = 0.0
         self._buffers: dict[str, np.ndarray] = {}
+        # Told the ids of every eviction too (ps_server/table_replication.py: backups drop them).
+        self.evict_hook: Callable[[np.ndarray], None] | None = None
 
     def _buffer(self, name: str, n: int) -> np.ndarray:
         """An (n, dim) array for a push's temporaries, kept between requests: a fresh one of a few
@@ -226,6 +228,8 @@ class SparseTable:
         self.evicted += len(rows)
         if self._on_evict is not None:
             self._on_evict(ids)
+        if self.evict_hook is not None:
+            self.evict_hook(ids)
 
     def _enforce_cap(self, keep: np.ndarray, now: float) -> None:
         cap = self.config.max_rows
@@ -263,6 +267,35 @@ class SparseTable:
         own = self.columns()
         for name, values in columns.items():
             own[name][0][rows] = values
+
+
+    # ---- admission state, for replicas (ps_server/table_replica.py) ----
+
+    def sightings(self, ids: np.ndarray) -> np.ndarray:
+        """Admission sightings of each of `ids` that is not a row (int32; 0: none counted)."""
+        slot = self._seen.lookup(ids)
+        return np.where(slot >= 0, self._seen_count[np.maximum(slot, 0)], 0).astype(np.int32)
+
+    def set_sightings(self, ids: np.ndarray, counts: np.ndarray) -> None:
+        """Make each of `ids` have `counts` sightings (0: forget it), as a primary's copy says."""
+        slot = self._seen.lookup(ids)
+        self._seen.delete_rows(slot[(slot >= 0) & (counts == 0)])
+        new = (slot < 0) & (counts > 0)
+        if new.any():
+            slot[new] = self._seen.insert(ids[new])
+            if len(self._seen_count) < self._seen.row_capacity:
+                self._seen_count = _grow(self._seen_count, self._seen.row_capacity)
+        keep = counts > 0
+        self._seen_count[slot[keep]] = counts[keep]
+
+    @property
+    def rng_state(self) -> dict[str, object]:
+        """The admission generator's state (admit_prob < 1 draws from it)."""
+        return dict(self._rng.bit_generator.state)
+
+    @rng_state.setter
+    def rng_state(self, state: dict[str, object]) -> None:
+        self._rng.bit_generator.state = state
 
 
 def _grow(a: np.ndarray, cap: int) -> np.ndarray:

@@ -25,6 +25,7 @@ import zlib
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 from pshard.common.errors import (
@@ -41,6 +42,9 @@ from pshard.ps_server.settings import ServerSettings
 from pshard.ps_server.table import SparseTable
 from pshard.ps_server.table_files import append_ids, export_table, load_tables, save_tables
 from pshard.ps_server.table_sync import SyncClocks
+
+if TYPE_CHECKING:
+    from pshard.ps_server.table_replication import TableReplication
 
 _ID = np.dtype("<i8")
 # Ids and rows as the transports hand them: gRPC's bytes, or a fast path's view of its region.
@@ -71,6 +75,9 @@ class TableHandlers:
         self._changed: dict[str, asyncio.Event] = {}  # set (and replaced) when a sync clock is applied
         self._quorum: dict[str, int] | None = dict(settings.static_quorum) if settings.static_quorum else None
         self._dir = Path(settings.checkpoint_dir) if settings.checkpoint_dir else None
+        # With replicas (ps_server/table_replication.py): rows changed go to the backups before a
+        # push is acknowledged, and ids of row partitions served elsewhere are refused.
+        self.replication: TableReplication | None = None
         if self._dir is not None:
             for table in load_tables(self._dir, settings.shard_name, self._make):
                 self._add(table)
@@ -133,18 +140,33 @@ class TableHandlers:
         keys = self._ids(table, ids, "pull")
         await self._wait_applied(name, clock)
         async with self._locks[name]:
-            return table.pull(keys, clock or None, into(table.config, len(keys)) if into else None)
+            return self._pull(table, keys, clock, into(table.config, len(keys)) if into else None)
 
-    async def push(self, name: str, ids: Raw, grads: Raw, clock: int = 0, worker: str = "") -> int:
+    def _pull(self, table: SparseTable, keys: np.ndarray, clock: int, out: np.ndarray | None) -> np.ndarray:
+        if self.replication is None:
+            return table.pull(keys, clock or None, out)
+        admitted = table.admitted
+        rows = table.pull(keys, clock or None, out)
+        if table.admitted != admitted:  # the pull created rows: their backups create them too
+            self.replication.changed(table.config.name, keys)
+        return rows
+
+    async def push(self, name: str, ids: Raw, grads: Raw, clock: int = 0, worker: str = "",
+                   push_id: int = 0) -> int:
+        """`push_id`: the push's idempotence key per worker (0: none); a repeat is dropped, stored 0."""
         table = self._table(name)
         keys = self._ids(table, ids, "push")
         rows = self._grads(table, keys, grads)
         quorum = self._sync_quorum(name, worker)
         async with self._locks[name]:
-            return self._push(table, keys, rows, clock, worker, quorum)
+            stored = self._push(table, keys, rows, clock, worker, quorum, push_id)
+        if self.replication is not None:  # acknowledged once the backups hold it
+            await self.replication.settle(time.monotonic() + self._settings.pull_timeout_s)
+        return stored
 
-    async def push_pull(self, name: str, push_ids: Raw, grads: Raw, pull_ids: Raw,
-                        clock: int = 0, worker: str = "", into: Into | None = None) -> tuple[int, np.ndarray]:
+    async def push_pull(self, name: str, push_ids: Raw, grads: Raw, pull_ids: Raw, clock: int = 0,
+                        worker: str = "", into: Into | None = None,
+                        push_id: int = 0) -> tuple[int, np.ndarray]:
         """Push for `clock`, then pull: at clock + 1 in a sync table (the clock just pushed, applied)."""
         table = self._table(name)
         keys = self._ids(table, push_ids, "push")
@@ -152,20 +174,29 @@ class TableHandlers:
         wanted = self._ids(table, pull_ids, "pull")
         quorum = self._sync_quorum(name, worker)
         async with self._locks[name]:
-            stored = self._push(table, keys, rows, clock, worker, quorum)
+            stored = self._push(table, keys, rows, clock, worker, quorum, push_id)
         if name in self._sync:
             clock += 1
             await self._wait_applied(name, clock)
+        elif self.replication is not None:
+            await self.replication.settle(time.monotonic() + self._settings.pull_timeout_s)
         async with self._locks[name]:
             out = into(table.config, len(wanted)) if into else None
-            return stored, table.pull(wanted, clock or None, out)
+            return stored, self._pull(table, wanted, clock, out)
 
     def _push(self, table: SparseTable, keys: np.ndarray, rows: np.ndarray, clock: int, worker: str,
-              quorum: dict[str, int] | None) -> int:
+              quorum: dict[str, int] | None, push_id: int = 0) -> int:
         name = table.config.name
         sync = self._sync.get(name)
         if sync is None or quorum is None:
-            return table.push(keys, rows, clock or None)
+            repl = self.replication
+            if repl is None:
+                return table.push(keys, rows, clock or None)
+            if repl.duplicate(name, worker, push_id):
+                return 0  # applied before, and replicated then (a resend after a failover)
+            stored = table.push(keys, rows, clock or None)
+            repl.changed(name, keys, worker, push_id)
+            return stored
         self._apply(name, sync.push(clock, worker, keys, rows, quorum))
         return len(keys)
 
@@ -173,6 +204,8 @@ class TableHandlers:
         table = self._tables[name]
         for ids, mean, clock in updates:
             table.push(ids, mean, clock or None)
+            if self.replication is not None:
+                self.replication.changed(name, ids)
         if updates:
             self._changed[name].set()
             self._changed[name] = asyncio.Event()
@@ -207,6 +240,8 @@ class TableHandlers:
                     f"pull of sync table {name!r} at clock {clock}: clock {sync.applied} still waits for "
                     f"{sync.waiting_for(sync.applied, self._quorum or {})} after "
                     f"{self._settings.pull_timeout_s:.1f}s") from None
+        if self.replication is not None:  # a clock's update is read once its backups hold it
+            await self.replication.settle(deadline)
 
     async def export(self, name: str) -> tuple[Path, Path, int]:
         table = self._table(name)
@@ -216,6 +251,12 @@ class TableHandlers:
         folder = self._dir / "export" / f"{self._settings.shard_name}.{_file_name(name)}"
         async with self._locks[name]:
             return await asyncio.get_running_loop().run_in_executor(None, export_table, table, folder)
+
+    def tables(self) -> list[SparseTable]:
+        return list(self._tables.values())
+
+    def find(self, name: str) -> SparseTable | None:
+        return self._tables.get(name)
 
     def make(self, config: TableConfig) -> SparseTable:
         """An empty table as a Declare would create it (a global checkpoint's restore fills it)."""
@@ -281,6 +322,8 @@ class TableHandlers:
             if repeats.any():
                 raise InvalidArgumentError(f"{what} of table {name!r}: id {int(ordered[1:][repeats][0])} "
                                            "appears more than once (send each id once, gradients summed)")
+        if self.replication is not None:  # ids of a partition another server serves (a failover)
+            self.replication.check(table, ids, what)
         return ids  # read-only (gRPC's bytes) or a view of a fast path's region: the tables keep no reference
 
     def _grads(self, table: SparseTable, ids: np.ndarray, raw: Raw) -> np.ndarray:

@@ -1,0 +1,201 @@
+"""Sparse-table rows as a backup holds them (docs/architecture.md, 9 Failures). Pure: numpy only.
+
+A primary ships the rows that changed since its last batch to a backup, each with its whole state:
+value, optimizer state, last touch, count of updates, lazy Adam's step count (`capture`). A row
+pushed many times between two batches travels once, as it is after the last push; an id that is
+no longer a row (evicted, or only counted by admission) travels as a deletion, with its admission
+sightings. The table's scalars (pushes applied, newest clock, evictions, admissions), the
+admission generator's state and the idempotence keys of recent pushes ride along, so the copy
+(`install`) is the primary's table, row for row and counter for counter.
+
+A backup keeps one replica table per (primary, table) (`ReplicaTables`); on failover the heir
+merges a dead primary's replica tables into its own serving tables (`merge`): the two hold ids of
+different row partitions (pshard.common.sparse.server_of), so no id is in both. One thing does not
+survive the merge exactly: dense Adam's bias correction counts a server's pushes per table, and the
+heir keeps the larger of the two counts.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections import OrderedDict
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import numpy as np
+from pshard.common.sparse import TableConfig
+from pshard.ps_server.table import CHUNK_ROWS, SparseTable
+
+# Idempotence keys remembered per worker and table: far more pushes than a worker has in flight
+# while a failover happens (its calls wait, a few per table at most).
+PUSHES_KEPT = 256
+
+
+class PushLog:
+    """Idempotence keys of the recent pushes to one table, by worker: a resend is dropped."""
+
+    def __init__(self) -> None:
+        self._by_worker: dict[str, OrderedDict[int, None]] = {}
+
+    def seen(self, worker: str, push_id: int) -> bool:
+        keys = self._by_worker.get(worker)
+        return keys is not None and push_id in keys
+
+    def add(self, worker: str, push_id: int) -> None:
+        keys = self._by_worker.setdefault(worker, OrderedDict())
+        keys[push_id] = None
+        while len(keys) > PUSHES_KEPT:
+            keys.popitem(last=False)
+
+    def keys_of(self, workers: Iterable[str]) -> dict[str, list[int]]:
+        return {w: list(self._by_worker[w]) for w in workers if w in self._by_worker}
+
+    def workers(self) -> list[str]:
+        return list(self._by_worker)
+
+    def replace(self, worker: str, keys: Iterable[int]) -> None:
+        """Hold `keys` for `worker` (a primary's list, oldest first), replacing what was there."""
+        self._by_worker[worker] = OrderedDict((k, None) for k in list(keys)[-PUSHES_KEPT:])
+
+    def merge(self, other: PushLog) -> None:
+        for worker, keys in other._by_worker.items():
+            for key in keys:
+                self.add(worker, key)
+
+
+@dataclass
+class RowBatch:
+    """Changed rows of one table and its scalars, as `capture` takes them from a primary's table."""
+
+    config: TableConfig
+    ids: np.ndarray  # int64, the rows shipped
+    columns: dict[str, np.ndarray]  # SparseTable.columns() names -> their rows, in `ids` order
+    deleted: np.ndarray  # int64 ids that are no rows
+    step: int = 0
+    clock: float = 0.0
+    evicted: int = 0
+    admitted: int = 0
+    seen_ids: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    seen_counts: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
+    rng_state: str = ""  # json of the admission generator's state ("": no admission by probability)
+    pushes: dict[str, list[int]] = field(default_factory=dict)
+
+    @property
+    def nbytes(self) -> int:
+        return (self.ids.nbytes + self.deleted.nbytes + self.seen_ids.nbytes
+                + sum(c.nbytes for c in self.columns.values()))
+
+
+def capture(table: SparseTable, ids: np.ndarray, pushes: dict[str, list[int]] | None = None) -> RowBatch:
+    """The state of `ids` (distinct) in `table` now: rows with every per-row array, the rest as
+    deletions with their admission sightings. Copies: the batch outlives the table's next request."""
+    rows = table.index.lookup(ids)
+    live = rows >= 0
+    taken = rows[live]
+    columns = {name: array[taken] for name, (array, _) in table.columns().items()}
+    deleted = ids[~live]
+    filtered = table.config.admit_after > 1 or table.config.admit_prob < 1.0
+    counts = table.sightings(deleted) if filtered and len(deleted) else np.zeros(len(deleted), np.int32)
+    return RowBatch(table.config, ids[live].copy(), columns, deleted.copy(), table.step, table.clock,
+                    table.evicted, table.admitted, deleted[counts > 0].copy(), counts[counts > 0],
+                    json.dumps(table.rng_state) if table.config.admit_prob < 1.0 else "", pushes or {})
+
+
+def install(table: SparseTable, batch: RowBatch) -> None:
+    """Make `table` (a replica) hold `batch` as its primary did."""
+    if len(batch.ids):
+        table.restore_rows(batch.ids, batch.columns)
+    if len(batch.deleted):
+        rows = table.index.lookup(batch.deleted)
+        table.index.delete_rows(rows[rows >= 0])  # the primary counted the eviction (`evicted`)
+    if table.config.admit_after > 1 or table.config.admit_prob < 1.0:
+        # Admitted rows leave the sightings; ids seen again, or for the first time, enter them.
+        table.set_sightings(batch.ids, np.zeros(len(batch.ids), np.int32))
+        gone = np.setdiff1d(batch.deleted, batch.seen_ids, assume_unique=True)
+        table.set_sightings(gone, np.zeros(len(gone), np.int32))
+        table.set_sightings(batch.seen_ids, batch.seen_counts)
+    table.step, table.clock, table.evicted, table.admitted = batch.step, batch.clock, batch.evicted, \
+        batch.admitted
+    if batch.rng_state:
+        table.rng_state = json.loads(batch.rng_state)
+
+
+def all_ids(table: SparseTable) -> np.ndarray:
+    """Every live id of `table` (a new backup's copy ships them all)."""
+    parts = [ids for _, ids in table.chunks()]
+    return np.concatenate(parts) if parts else np.zeros(0, np.int64)
+
+
+def merge(into: SparseTable, replica: SparseTable) -> np.ndarray:
+    """Move every row of `replica` into `into` (the heir's serving table) with its whole state; the
+    ids moved. Their row partitions differ, so no id is in both."""
+    moved = []
+    for rows, ids in replica.chunks():
+        into.restore_rows(ids, {name: array[rows] for name, (array, _) in replica.columns().items()})
+        moved.append(ids.copy())
+    into.step = max(into.step, replica.step)
+    into.clock = max(into.clock, replica.clock)
+    into.evicted += replica.evicted
+    into.admitted += replica.admitted
+    return np.concatenate(moved) if moved else np.zeros(0, np.int64)
+
+
+class ReplicaTables:
+    """Backup side: per primary, a replica of each of its tables, and its push log. Thread-safe: the
+    Replicate call applies batches off the event loop, a promotion takes them on it."""
+
+    def __init__(self) -> None:
+        self._tables: dict[tuple[str, str], SparseTable] = {}
+        self._logs: dict[tuple[str, str], PushLog] = {}
+        self._lock = threading.Lock()
+        self.batches_applied = 0
+
+    def apply(self, primary: str, batches: Iterable[RowBatch]) -> None:
+        with self._lock:
+            for batch in batches:
+                key = (primary, batch.config.name)
+                table = self._tables.get(key)
+                if table is None or table.config != batch.config:  # first batch, or redeclared
+                    table = self._tables[key] = SparseTable(batch.config, expected_rows=len(batch.ids))
+                    self._logs[key] = PushLog()
+                install(table, batch)
+                log = self._logs[key]
+                for worker, keys in batch.pushes.items():
+                    log.replace(worker, keys)
+                self.batches_applied += 1
+
+    def release(self, primary: str) -> int:
+        """Drop `primary`'s replicas (it forwards elsewhere now); the rows dropped."""
+        with self._lock:
+            keys = [k for k in self._tables if k[0] == primary]
+            rows = sum(len(self._tables[k]) for k in keys)
+            for key in keys:
+                del self._tables[key]
+                self._logs.pop(key, None)
+            return rows
+
+    def take(self, primary: str) -> list[tuple[SparseTable, PushLog]]:
+        """Hand over `primary`'s replicas, to be merged into this server's tables (a failover)."""
+        with self._lock:
+            keys = sorted(k for k in self._tables if k[0] == primary)
+            return [(self._tables.pop(k), self._logs.pop(k)) for k in keys]
+
+    def primaries(self) -> set[str]:
+        with self._lock:
+            return {p for p, _ in self._tables}
+
+    def rows(self, primary: str, name: str) -> int:
+        with self._lock:
+            table = self._tables.get((primary, name))
+            return 0 if table is None else len(table)
+
+    def table(self, primary: str, name: str) -> SparseTable | None:
+        """The replica itself (tests compare it with its primary's table)."""
+        with self._lock:
+            return self._tables.get((primary, name))
+
+
+def chunked(ids: np.ndarray, rows: int = CHUNK_ROWS) -> list[np.ndarray]:
+    """`ids` in pieces of at most `rows` (a big copy goes in several batches)."""
+    return [ids[i:i + rows] for i in range(0, len(ids), rows)] or [ids]
