@@ -55,6 +55,7 @@ from pshard.ps_server.store import (
     dtype_name,
     unknown_key_error,
 )
+from pshard.ps_server.table_replication import TableReplication
 
 log = logging.getLogger("pshard.ps")
 
@@ -160,6 +161,8 @@ class ParameterServerHandlers:
         self.replica_shm_dir = replica_shm_dir(settings.transport, settings.shm_dir)
         self.replica_set = ReplicaSet(self.replica_shm_dir)
         self.replicator: Replicator | None = None
+        # Table rows' replication (ps_server/table_replication.py): its Replicate batches land there.
+        self.table_replication: TableReplication | None = None
         self.promotions = 0  # slices this server took over as primary after a failover
         self.failovers = 0  # times it did (each a role change, logged): pshard_failovers_total
         # The newest layout's slices of this server (replicas only; None: not known, nothing checked).

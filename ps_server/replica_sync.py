@@ -30,6 +30,8 @@ class InSyncReporter:
         self._report = report
         self._generations: dict[str, int] = {}  # every server's incarnation, by address
         self._layout: Layout | None = None
+        # The backups holding every table row too (ps_server/table_replication.py); None: no tables.
+        self.tables_in_sync: Callable[[], set[str]] | None = None
 
     def on_view(self, view: ClusterView) -> None:
         """Note each server's incarnation; a backup with a new one is copied to from scratch."""
@@ -55,4 +57,7 @@ class InSyncReporter:
             self._report({}, 0)
             return
         copies = {a: self._generations[a] for a in self._replicator.in_sync(owned) if a in self._generations}
+        if self.tables_in_sync is not None:
+            rows = self.tables_in_sync()
+            copies = {a: g for a, g in copies.items() if a in rows}
         self._report(copies, layout.version)

@@ -39,6 +39,7 @@ from pshard.ps_server.replication import Replicator
 from pshard.ps_server.servicer import ParameterServerServicer
 from pshard.ps_server.settings import ServerSettings
 from pshard.ps_server.table_handlers import TableHandlers
+from pshard.ps_server.table_replication import TableReplication
 from pshard.ps_server.table_servicer import SparseTablesServicer
 from pshard.ps_server.table_servicer import rpc_handlers as table_rpc_handlers
 from pshard.ps_server.tarpit import Tarpit
@@ -208,13 +209,19 @@ def follow_scheduler(running: RunningServer, spec: ClusterSpec,
     handlers.follow_views()
     replicas = handlers.replicas_setting
     reporter: InSyncReporter | None = None
+    rows: TableReplication | None = None
     if replicas > 0:
-        replicator = Replicator(spec.own_address or spec.node_id, grpc_sender(security), loop,
+        send = grpc_sender(security)
+        replicator = Replicator(spec.own_address or spec.node_id, send, loop,
                                 shm_dir=handlers.replica_shm_dir)
         handlers.enable_replication(replicator)
         # Which backups hold all our slices, with each heartbeat: only those can be promoted.
         reporter = InSyncReporter(replicator, spec.own_address or "",
                                   lambda copies, version: client.report_in_sync(copies, version))
+        if running.tables is not None:  # table rows go to the same backups, over the same calls
+            rows = TableReplication(spec.own_address or spec.node_id, send, loop, running.tables)
+            running.tables.replication = handlers.table_replication = rows
+            reporter.tables_in_sync = rows.in_sync
 
         def report_in_sync() -> None:
             assert reporter is not None
@@ -229,6 +236,9 @@ def follow_scheduler(running: RunningServer, spec: ClusterSpec,
     def install(view: ClusterView | None = None) -> None:
         if view is not None and handlers.replicator is not None:
             handlers.replicator.set_backups(backup_addresses(view, spec.node_id, replicas))
+        if view is not None and rows is not None:
+            rows.set_backups(backup_addresses(view, spec.node_id, replicas))
+            rows.on_view(view)
         if view is not None and reporter is not None:
             reporter.on_view(view)
         quorum = follower.apply(view)
@@ -255,6 +265,8 @@ def follow_scheduler(running: RunningServer, spec: ClusterSpec,
                 owned = owned_slices(layout, spec.own_address or "")
                 if owned is not None:
                     loop.call_soon_threadsafe(handlers.set_ownership, layout.version, owned)
+                if rows is not None:  # before the report: a promotion makes the backups copy again
+                    loop.call_soon_threadsafe(rows.on_layout, layout)
                 if reporter is not None:
                     loop.call_soon_threadsafe(reporter.on_layout, layout)
         loop.call_soon_threadsafe(install, view)

@@ -257,6 +257,12 @@ class ParameterServerServicer:
     async def Replicate(self, request: pb.ReplicateRequest, context: grpc.aio.ServicerContext
                         ) -> pb.ReplicateResponse:
         # Server to server (docs/architecture.md, 9 Failures); the role table lets only servers call it.
+        if request.tables or request.release_tables:  # table rows (ps_server/table_replication.py)
+            tables = self._handlers.table_replication
+            if tables is None:
+                raise InvalidArgumentError("replicate: this server replicates no table rows (no --replicas)")
+            await asyncio.get_running_loop().run_in_executor(self._executor, tables.apply, request)
+            return pb.ReplicateResponse()
         records, primary, release = request.records, request.primary, request.release
         config = JobConfig() if release else codec.job_from_proto(request.config)  # a release carries none
         # Decoding and replaying copy and step every byte: off the event loop (the replica set locks itself).
