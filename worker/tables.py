@@ -17,6 +17,7 @@ have been applied and async pushes are not idempotent.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
 import time
@@ -94,7 +95,8 @@ class _Split:
     `part(s)` of the call's arrays: they are sent and received in place, with no per-server copy.
     `inverse` maps each position of the call's ids to its row in `ids`."""
 
-    def __init__(self, ids: np.ndarray, n_servers: int) -> None:
+    def __init__(self, ids: np.ndarray, n_servers: int, owners: np.ndarray | None = None) -> None:
+        """`owners`: the server of each row partition, when a failover moved one (Layout.row_owners)."""
         ids = np.asarray(ids)
         if ids.dtype.kind not in "iu":
             raise InvalidArgumentError(f"ids: got dtype {ids.dtype}, expected integers (int64)")
@@ -109,6 +111,8 @@ class _Split:
         repeats = not new.all()
         unique = ordered[new] if repeats else ordered
         owner = server_of(unique, n_servers)
+        if owners is not None:
+            owner = owners[owner]
         # A stable sort of small integers is a radix sort: ids stay ascending within each server.
         group = np.argsort(owner.astype(np.int16 if n_servers < 2**15 else np.int64), kind="stable")
         self._bounds = [0, *np.cumsum(np.bincount(owner, minlength=n_servers)).tolist()]
@@ -156,6 +160,10 @@ class TableClient:
         self.transports = ["grpc"] * len(self._stubs)
         # The last few calls' ids and their splits: a push is most often of the ids just pulled.
         self._splits: list[tuple[np.ndarray, _Split]] = []
+        self._split_owners: tuple[int, ...] = ()  # the row owners the splits were made for
+        # Idempotence keys of pushes: from the clock in microseconds, so a restarted worker's are new.
+        self._push_ids = itertools.count(time.time_ns() // 1000)
+        self.reroutes = 0  # table requests sent again after a failover
         # Per thread, arrays of rows kept between calls (see _buffer).
         self._local = threading.local()
 
@@ -167,6 +175,46 @@ class TableClient:
 
     def pull(self, table: str, ids: np.ndarray, clock: int = 0) -> np.ndarray:
         """Rows of `ids` (any shape, repeats allowed): an array of shape ids.shape + (dim,)."""
+        return self._routed(lambda: self._pull(table, ids, clock))
+
+    def push(self, table: str, ids: np.ndarray, grads: np.ndarray, clock: int = 0) -> int:
+        """Apply `grads` (ids.shape + (dim,)) to the rows of `ids`, repeated ids summed; rows stored."""
+        push_id = next(self._push_ids)  # the same on a resend: a server that applied it drops it
+        return self._routed(lambda: self._push(table, ids, grads, clock, push_id))
+
+    def push_pull(self, table: str, ids: np.ndarray, grads: np.ndarray, pull_ids: np.ndarray,
+                  clock: int = 0) -> np.ndarray:
+        """Push as `push`, then pull `pull_ids` as `pull`, in one round trip per server."""
+        push_id = next(self._push_ids)
+        return self._routed(lambda: self._push_pull(table, ids, grads, pull_ids, clock, push_id))
+
+    def _routed(self, call: Callable[[], T]) -> T:
+        """`call()`, again on each newer layout the scheduler publishes after a server failed it: a
+        failover moved its row partitions to their backup (Layout.row_owners). A push resent keeps
+        its idempotence key, so a server that applied it before drops it."""
+        client = self._client
+        deadline = time.monotonic() + client._timeout_s
+        while True:
+            layout = client.layout
+            try:
+                return call()
+            except (UnavailableError, UnknownKeyError) as err:
+                left = deadline - time.monotonic()
+                if (client._relayout is None or layout is None or not layout.replicas or left <= 0
+                        or client._closed.is_set()):
+                    raise
+                newer = client._relayout(layout, min(left, client._reroute_wait_s))
+                if newer is not None and newer.version > layout.version:
+                    log.warning("FAILOVER: layout %d -> %d; resending a table request (%s)", layout.version,
+                                newer.version, err)
+                    client.set_layout(newer)
+                    self.reroutes += 1
+                elif client.layout is layout:  # the heir may not know the new layout yet
+                    log.warning("table request failed (%s); no newer layout yet, sending it again", err)
+                    if client._closed.wait(min(0.5, max(0.0, deadline - time.monotonic()))):
+                        raise
+
+    def _pull(self, table: str, ids: np.ndarray, clock: int) -> np.ndarray:
         config = self._config(table)
         split = self._split(ids)
         worker = self._client.worker_id
@@ -195,8 +243,7 @@ class TableClient:
             rows = take_rows(rows, split.inverse)
         return rows.reshape(*split.shape, config.dim)
 
-    def push(self, table: str, ids: np.ndarray, grads: np.ndarray, clock: int = 0) -> int:
-        """Apply `grads` (ids.shape + (dim,)) to the rows of `ids`, repeated ids summed; rows stored."""
+    def _push(self, table: str, ids: np.ndarray, grads: np.ndarray, clock: int, push_id: int) -> int:
         config = self._config(table)
         split = self._split(ids)
         summed = self._coalesce(config, split, grads)
@@ -206,17 +253,19 @@ class TableClient:
         def slow(s: int, stub: pb_grpc.SparseTablesServiceStub) -> int:
             ids, rows = split.ids[parts[s]], summed[parts[s]]
             reply = stub.PushRows(pb.PushRowsRequest(table=table, ids=ids.tobytes(), grads=rows.tobytes(),
-                                                     clock=clock, worker_id=self._client.worker_id),
+                                                     clock=clock, worker_id=self._client.worker_id,
+                                                     push_id=push_id),
                                   timeout=self._client._timeout_s)
             return int(reply.stored)
 
         sync = config.mode == "sync"
+        serving = self._serving()
         return sum(self._calls(table, clock, [((split.ids[p], summed[p]), None, None, None)
-                                              if sync or p.stop > p.start else None for p in parts], slow))
+                                              if (sync and s in serving) or p.stop > p.start else None
+                                              for s, p in enumerate(parts)], slow, push_id))
 
-    def push_pull(self, table: str, ids: np.ndarray, grads: np.ndarray, pull_ids: np.ndarray,
-                  clock: int = 0) -> np.ndarray:
-        """Push as `push`, then pull `pull_ids` as `pull`, in one round trip per server."""
+    def _push_pull(self, table: str, ids: np.ndarray, grads: np.ndarray, pull_ids: np.ndarray, clock: int,
+                   push_id: int) -> np.ndarray:
         config = self._config(table)
         split = self._split(ids)
         summed = self._coalesce(config, split, grads)
@@ -230,15 +279,16 @@ class TableClient:
             pull_ids = want.ids[wanted]
             reply = stub.PushPullRows(pb.PushPullRowsRequest(
                 table=table, push_ids=split.ids[part].tobytes(), grads=summed[part].tobytes(),
-                pull_ids=pull_ids.tobytes(), clock=clock, worker_id=self._client.worker_id),
+                pull_ids=pull_ids.tobytes(), clock=clock, worker_id=self._client.worker_id, push_id=push_id),
                 timeout=self._client._timeout_s)
             rows[wanted] = self._rows(config, reply.rows, len(pull_ids))
             return 0
 
         sync = config.mode == "sync"
+        serving = self._serving()
         self._calls(table, clock, [((split.ids[p], summed[p]), want.ids[w], rows[w], None)
-                                   if sync or p.stop > p.start or w.stop > w.start else None
-                                   for p, w in parts], slow)
+                                   if (sync and s in serving) or p.stop > p.start or w.stop > w.start
+                                   else None for s, (p, w) in enumerate(parts)], slow, push_id)
         return take_rows(rows, want.inverse).reshape(*want.shape, config.dim)
 
     def export(self, table: str) -> list[pb.ExportTableResponse]:
@@ -256,12 +306,25 @@ class TableClient:
 
     # ---- helpers ----
 
+    def _owners(self) -> tuple[int, ...]:
+        """The server of each row partition: its own, unless a failover moved it (Layout.row_owners)."""
+        layout = self._client.layout
+        return layout.row_owners if layout is not None else ()
+
+    def _serving(self) -> set[int]:
+        """The servers serving some row partition (a sync push goes to each, even empty)."""
+        owners = self._owners()
+        return set(owners) if owners else set(range(len(self._stubs)))
+
     def _split(self, ids: np.ndarray) -> _Split:
         ids = np.asarray(ids)
+        owners = self._owners()
+        if owners != self._split_owners:  # a failover moved rows: the splits are stale
+            self._splits, self._split_owners = [], owners
         for seen, split in self._splits:
             if seen.shape == ids.shape and seen.dtype == ids.dtype and np.array_equal(seen, ids):
                 return split
-        split = _Split(ids, len(self._stubs))
+        split = _Split(ids, len(self._stubs), np.array(owners, np.int64) if owners else None)
         self._splits = [(ids.copy(), split), *self._splits[:1]]
         return split
 
@@ -301,7 +364,7 @@ class TableClient:
         return np.frombuffer(raw, config.np_dtype).reshape(n, config.dim)
 
     def _calls(self, table: str, clock: int, requests: Sequence[_Request | None],
-               slow: Callable[[int, pb_grpc.SparseTablesServiceStub], int]) -> list[int]:
+               slow: Callable[[int, pb_grpc.SparseTablesServiceStub], int], push_id: int = 0) -> list[int]:
         """One request per server (`requests[s]`: pushed (ids, gradients) or (), pulled ids or None and
         the rows they go to; None: nothing for that server); the rows stored by each.
 
@@ -319,7 +382,7 @@ class TableClient:
             if request is None:
                 continue
             try:
-                started = self._fast_start(s, table, clock, *request)
+                started = self._fast_start(s, table, clock, *request, push_id=push_id)
             except (TransportBroken, UnavailableError) as err:
                 if request[0]:
                     errors[s] = err
@@ -368,7 +431,7 @@ class TableClient:
 
     def _fast_start(self, s: int, table: str, clock: int, push: Sequence[np.ndarray],
                     pull_ids: np.ndarray | None, rows: np.ndarray | None,
-                    positions: np.ndarray | None) -> _Sent | None:
+                    positions: np.ndarray | None, push_id: int = 0) -> _Sent | None:
         """Send one request over server `s`'s fast-path session: push (ids, gradients) when given, then
         pull `pull_ids` into `rows` (into rows[positions] when given). None: no session, or the request
         does not fit its table room (the caller sends it over gRPC). A session that breaks is dropped,
@@ -383,7 +446,7 @@ class TableClient:
             return None
         header = ps_pb.ExchangeHeader(
             op=ps_pb.EXCHANGE_OP_TABLE, table=ps_pb.TableRequest(table=table, push=bool(push),
-                                                                 pull=pull_ids is not None),
+                                                                 pull=pull_ids is not None, push_id=push_id),
             stamp=codec.stamp_to_proto(Stamp(self._client.worker_id, self._client.generation, clock)),
             push=[ps_pb.SliceMeta(dtype=_INT64 if b.dtype == np.int64 else codec.dtype_to_proto(b.dtype.name),
                                   shape=b.shape) for b in buffers])
