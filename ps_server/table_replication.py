@@ -219,6 +219,7 @@ class TableReplication:
             if address not in self._peers:
                 peer = self._peers[address] = _Peer(address, acked=self._seq)
                 self._copy_all(peer)
+                peer.wake.set()
                 peer.task = self._loop.create_task(self._sender(peer))
                 log.info("table replication: %s backs up %s; copying its table rows", address, self.own)
 
@@ -394,10 +395,10 @@ class TableReplication:
                     continue  # the old process's acknowledgement
                 if drained:
                     peer.acked = max(peer.acked, seq)
-                if not peer.backlog and not peer.copied and drained:
-                    peer.copied = True
-                    log.info("table replication: %s holds every table row of %s", peer.address, self.own)
                 await self._notify()
+            if not peer.copied and not peer.closed and not (peer.backlog or peer.dirty or peer.workers):
+                peer.copied = True  # every batch since the copy began is acknowledged
+                log.info("table replication: %s holds every table row of %s", peer.address, self.own)
 
     def _ship(self, address: str, request: pb.ReplicateRequest, batches: list[RowBatch]) -> None:
         request.tables.extend(batch_to_proto(b) for b in batches)

@@ -1,0 +1,166 @@
+"""Sparse-table replication and failover through real servers and channels (docs/architecture.md, 9).
+
+Three servers, replicas 1, each forwarding its table rows to the next in ring order (what
+follow_scheduler sets up from the scheduler's views). A push is acknowledged only once the backup
+holds the rows it changed, so the backup's replica equals its primary's table byte for byte when
+the push returns. After a primary stops and the failover layout names its backup the heir, the
+workers re-route its row partition there and get the exact rows, optimizer state included, and
+training goes on exactly as on one unsharded table; a push resent with the same idempotence key is
+dropped.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from collections.abc import Callable
+
+import numpy as np
+from pshard.common.layout import Layout, ParamSpec, plan_layout
+from pshard.common.replicas import fail_over
+from pshard.common.serving import ServerThread
+from pshard.common.sparse import TableConfig, server_of
+from pshard.ps_server.replica_link import grpc_sender
+from pshard.ps_server.settings import ServerSettings
+from pshard.ps_server.table import SparseTable
+from pshard.ps_server.table_replica import all_ids
+from pshard.ps_server.table_replication import TableReplication
+from pshard.worker.client import PSClient
+
+from pshard.api.v1 import sparse_pb2 as pb
+from pshard.api.v1 import sparse_pb2_grpc as pb_grpc
+from tests.e2e.harness import wait_until
+
+WAIT_S = 10.0
+DIM = 8
+CONFIG = TableConfig("emb", DIM, optimizer="adagrad", lr=0.5, initializer="normal", seed=5)
+IDS = np.arange(-300, 900, 7, dtype=np.int64)
+
+
+def _grads(step: int, n: int) -> np.ndarray:
+    return np.random.default_rng(step).standard_normal((n, DIM)).astype(np.float32)
+
+
+def _replicated(start_server: Callable[..., ServerThread], layout_of: Callable[[list[str]], Layout]
+                ) -> tuple[list[ServerThread], Layout]:
+    servers = [start_server(ServerSettings(replicas=1)) for _ in range(3)]
+    layout = layout_of([s.address for s in servers])
+    for i, server in enumerate(servers):
+        def wire(server: ServerThread = server, backup: str = servers[(i + 1) % 3].address) -> None:
+            rows = TableReplication(server.address, grpc_sender(), server.loop, server.running.tables)
+            server.running.tables.replication = server.running.handlers.table_replication = rows
+            rows.set_backups([backup])
+            rows.on_layout(layout)
+        server.call(wire)
+    return servers, layout
+
+
+def _layout(addresses: list[str]) -> Layout:
+    return dataclasses.replace(plan_layout([ParamSpec("w", "float32", (4,))], addresses, replicas=1), version=1)
+
+
+def _rows(server: ServerThread) -> TableReplication:
+    rows = server.running.tables.replication
+    assert rows is not None
+    return rows
+
+
+def _state(table: SparseTable, ids: np.ndarray) -> dict[str, bytes]:
+    rows = table.index.lookup(ids)
+    assert (rows >= 0).all()
+    return {name: array[rows].tobytes() for name, (array, _) in table.columns().items()}
+
+
+def test_a_push_returns_once_the_backup_holds_its_rows_and_the_heir_serves_them_exactly(
+        start_server, new_client) -> None:
+    servers, layout = _replicated(start_server, _layout)
+    addresses = [s.address for s in servers]
+    moved, _ = fail_over(layout, 1, {0, 2})
+    moved = dataclasses.replace(moved, version=layout.version + 1)
+    published = threading.Event()
+
+    def relayout(current: Layout, timeout_s: float) -> Layout | None:
+        return moved if published.wait(timeout_s) and moved.version > current.version else None
+
+    client = new_client(servers, "w0", layout=layout, relayout=relayout, reroute_wait_s=WAIT_S,
+                        transport="grpc")
+    client.declare_table(CONFIG)
+    reference = SparseTable(CONFIG)  # one unsharded table: per-row optimizers make sharding invisible
+    mine = IDS[server_of(IDS, 3) == 1]
+    assert len(mine) > 20
+    for step in range(4):
+        ids = IDS[step % 2::2] if step < 3 else IDS
+        grads = _grads(step, len(ids))
+        client.push_rows("emb", ids, grads)
+        reference.push(ids, grads)
+        # Acknowledged: each backup already holds what its primary holds, byte for byte.
+        for i, server in enumerate(servers):
+            primary = server.running.tables.find("emb")
+            replica = _rows(servers[(i + 1) % 3]).replicas.table(addresses[i], "emb")
+            assert primary is not None and replica is not None
+            held = np.sort(all_ids(primary))
+            assert np.array_equal(held, np.sort(all_ids(replica)))
+            assert _state(primary, held) == _state(replica, held), (step, i)
+    # A push applied (and replicated) whose reply is lost: its resend after the failover is dropped.
+    stub = pb_grpc.SparseTablesServiceStub(client._channels[1])
+    lost = pb.PushRowsRequest(table="emb", ids=mine[:5].tobytes(), grads=_grads(9, 5).tobytes(),
+                              worker_id="w0", push_id=424242)
+    assert stub.PushRows(lost, timeout=WAIT_S).stored == 5
+    reference.push(mine[:5], _grads(9, 5))
+    before = servers[1].running.tables.find("emb")
+    assert before is not None
+    expected = _state(before, mine)
+
+    servers[1].stop(grace_s=0)
+    for i in (0, 2):  # the view without server 1, and the failover layout naming server 2 the heir
+        servers[i].call(lambda i=i: (_rows(servers[i]).set_backups([addresses[2 - i]]),
+                                     _rows(servers[i]).on_layout(moved)))
+    published.set()
+    pulled = client.pull_rows("emb", IDS)
+    assert pulled.tobytes() == reference.pull(IDS).tobytes()
+    assert client.tables.reroutes == 1 and client.layout is moved
+    heir = servers[2].running.tables.find("emb")
+    assert heir is not None and _state(heir, mine) == expected  # optimizer state and metadata too
+    assert _rows(servers[2]).promoted_rows == len(all_ids(before))
+    resent = pb_grpc.SparseTablesServiceStub(client._channels[2]).PushRows(lost, timeout=WAIT_S)
+    assert resent.stored == 0  # the heir knows the push: not applied twice
+    for step in range(10, 13):  # training goes on, the heir replicating to server 0 now
+        grads = _grads(step, len(IDS))
+        client.push_rows("emb", IDS, grads)
+        reference.push(IDS, grads)
+    assert client.pull_rows("emb", IDS).tobytes() == reference.pull(IDS).tobytes()
+    wait_until(lambda: servers[2].call(lambda: _rows(servers[2]).in_sync()) == {addresses[0]}, WAIT_S,
+               "server 0 to hold every row of server 2, promoted ones included")
+    replica = _rows(servers[0]).replicas.table(addresses[2], "emb")
+    assert replica is not None
+    assert _state(replica, IDS[server_of(IDS, 3) > 0]) == _state(heir, IDS[server_of(IDS, 3) > 0])
+
+
+def test_a_new_backup_copies_every_row_before_it_counts_in_sync_and_foreign_ids_are_refused(
+        start_server, new_client) -> None:
+    servers, layout = _replicated(start_server, _layout)
+    client = new_client(servers, "w0", layout=layout)
+    client.declare_table(CONFIG)
+    client.push_rows("emb", IDS, _grads(0, len(IDS)))
+    primary = servers[0]
+    assert primary.call(lambda: _rows(primary).in_sync()) == {servers[1].address}
+    # Server 2 becomes a backup of server 0 too: it must first get every row.
+    joined = primary.call(lambda: (_rows(primary).set_backups([servers[1].address, servers[2].address]),
+                                   _rows(primary).in_sync())[1])
+    assert joined == {servers[1].address}
+    wait_until(lambda: primary.call(lambda: _rows(primary).in_sync()) == {s.address for s in servers[1:]},
+               WAIT_S, "server 2 to copy server 0's rows")
+    table, replica = primary.running.tables.find("emb"), _rows(servers[2]).replicas.table(primary.address, "emb")
+    assert table is not None and replica is not None
+    held = all_ids(table)
+    assert len(held) and _state(table, held) == _state(replica, held)
+    # Ids of server 1's partition sent to server 0: refused (NOT_FOUND), nothing created.
+    stub = pb_grpc.SparseTablesServiceStub(client._channels[0])
+    foreign = IDS[server_of(IDS, 3) == 1][:3]
+    try:
+        stub.PullRows(pb.PullRowsRequest(table="emb", ids=foreign.tobytes()), timeout=WAIT_S)
+    except Exception as err:
+        assert "row partition 1" in str(err)
+    else:
+        raise AssertionError("server 0 served ids of another server's partition")
+    assert (table.index.lookup(foreign) < 0).all()
