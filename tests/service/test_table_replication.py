@@ -25,7 +25,6 @@ from pshard.ps_server.settings import ServerSettings
 from pshard.ps_server.table import SparseTable
 from pshard.ps_server.table_replica import all_ids
 from pshard.ps_server.table_replication import TableReplication
-from pshard.worker.client import PSClient
 
 from pshard.api.v1 import sparse_pb2 as pb
 from pshard.api.v1 import sparse_pb2_grpc as pb_grpc
@@ -56,7 +55,8 @@ def _replicated(start_server: Callable[..., ServerThread], layout_of: Callable[[
 
 
 def _layout(addresses: list[str]) -> Layout:
-    return dataclasses.replace(plan_layout([ParamSpec("w", "float32", (4,))], addresses, replicas=1), version=1)
+    layout = plan_layout([ParamSpec("w", "float32", (4,))], addresses, replicas=1)
+    return dataclasses.replace(layout, version=1)
 
 
 def _rows(server: ServerThread) -> TableReplication:
@@ -150,7 +150,8 @@ def test_a_new_backup_copies_every_row_before_it_counts_in_sync_and_foreign_ids_
     assert joined == {servers[1].address}
     wait_until(lambda: primary.call(lambda: _rows(primary).in_sync()) == {s.address for s in servers[1:]},
                WAIT_S, "server 2 to copy server 0's rows")
-    table, replica = primary.running.tables.find("emb"), _rows(servers[2]).replicas.table(primary.address, "emb")
+    table = primary.running.tables.find("emb")
+    replica = _rows(servers[2]).replicas.table(primary.address, "emb")
     assert table is not None and replica is not None
     held = all_ids(table)
     assert len(held) and _state(table, held) == _state(replica, held)
