@@ -192,9 +192,10 @@ class TableHandlers:
             repl = self.replication
             if repl is None:
                 return table.push(keys, rows, clock or None)
-            if repl.duplicate(name, worker, push_id):
-                return 0  # applied before, and replicated then (a resend after a failover)
-            stored = table.push(keys, rows, clock or None)
+            keep = repl.fresh(name, keys, worker, push_id)
+            if keep is not None:  # applied before (a resend after a failover): those rows are done
+                keys, rows = keys[keep], rows[keep]
+            stored = table.push(keys, rows, clock or None) if len(keys) else 0
             repl.changed(name, keys, worker, push_id)
             return stored
         self._apply(name, sync.push(clock, worker, keys, rows, quorum))

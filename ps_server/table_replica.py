@@ -32,29 +32,32 @@ from pshard.ps_server.table import CHUNK_ROWS, SparseTable
 PUSHES_KEPT = 256
 
 
+PushKey = tuple[int, int]  # (push_id, row partition): one push spans the partitions a server serves
+
+
 class PushLog:
     """Idempotence keys of the recent pushes to one table, by worker: a resend is dropped."""
 
     def __init__(self) -> None:
-        self._by_worker: dict[str, OrderedDict[int, None]] = {}
+        self._by_worker: dict[str, OrderedDict[PushKey, None]] = {}
 
-    def seen(self, worker: str, push_id: int) -> bool:
+    def seen(self, worker: str, push_id: PushKey) -> bool:
         keys = self._by_worker.get(worker)
         return keys is not None and push_id in keys
 
-    def add(self, worker: str, push_id: int) -> None:
+    def add(self, worker: str, push_id: PushKey) -> None:
         keys = self._by_worker.setdefault(worker, OrderedDict())
         keys[push_id] = None
         while len(keys) > PUSHES_KEPT:
             keys.popitem(last=False)
 
-    def keys_of(self, workers: Iterable[str]) -> dict[str, list[int]]:
+    def keys_of(self, workers: Iterable[str]) -> dict[str, list[PushKey]]:
         return {w: list(self._by_worker[w]) for w in workers if w in self._by_worker}
 
     def workers(self) -> list[str]:
         return list(self._by_worker)
 
-    def replace(self, worker: str, keys: Iterable[int]) -> None:
+    def replace(self, worker: str, keys: Iterable[PushKey]) -> None:
         """Hold `keys` for `worker` (a primary's list, oldest first), replacing what was there."""
         self._by_worker[worker] = OrderedDict((k, None) for k in list(keys)[-PUSHES_KEPT:])
 
@@ -79,7 +82,7 @@ class RowBatch:
     seen_ids: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     seen_counts: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
     rng_state: str = ""  # json of the admission generator's state ("": no admission by probability)
-    pushes: dict[str, list[int]] = field(default_factory=dict)
+    pushes: dict[str, list[PushKey]] = field(default_factory=dict)
 
     @property
     def nbytes(self) -> int:
@@ -87,7 +90,8 @@ class RowBatch:
                 + sum(c.nbytes for c in self.columns.values()))
 
 
-def capture(table: SparseTable, ids: np.ndarray, pushes: dict[str, list[int]] | None = None) -> RowBatch:
+def capture(table: SparseTable, ids: np.ndarray, pushes: dict[str, list[PushKey]] | None = None
+            ) -> RowBatch:
     """The state of `ids` (distinct) in `table` now: rows with every per-row array, the rest as
     deletions with their admission sightings. Copies: the batch outlives the table's next request."""
     rows = table.index.lookup(ids)

@@ -79,7 +79,8 @@ def batch_to_proto(b: RowBatch) -> pb.TableReplica:
         deleted=b.deleted.astype(_ID, copy=False).tobytes(), step=b.step, clock=b.clock, evicted=b.evicted,
         admitted=b.admitted, seen_ids=b.seen_ids.astype(_ID, copy=False).tobytes(),
         seen_counts=b.seen_counts.astype("<i4", copy=False).tobytes(), rng_state=b.rng_state,
-        pushes={w: pb.PushIds(ids=keys) for w, keys in b.pushes.items()})
+        pushes={w: pb.PushIds(ids=[k for k, _ in keys], partitions=[p for _, p in keys])
+                for w, keys in b.pushes.items()})
 
 
 def batch_from_proto(msg: pb.TableReplica) -> RowBatch:
@@ -97,7 +98,7 @@ def batch_from_proto(msg: pb.TableReplica) -> RowBatch:
     return RowBatch(config, ids, columns, np.frombuffer(msg.deleted, _ID).astype(np.int64), msg.step,
                     msg.clock, msg.evicted, msg.admitted, np.frombuffer(msg.seen_ids, _ID).astype(np.int64),
                     np.frombuffer(msg.seen_counts, "<i4").astype(np.int32), msg.rng_state,
-                    {w: list(p.ids) for w, p in msg.pushes.items()})
+                    {w: list(zip(p.ids, p.partitions, strict=True)) for w, p in msg.pushes.items()})
 
 
 # ---- primary side ----
@@ -166,19 +167,37 @@ class TableReplication:
                 f"layout version {layout.version} has on server {layout.row_owner(p)} "
                 f"({layout.servers[layout.row_owner(p)]}), not here; re-route")
 
-    def duplicate(self, name: str, worker: str, push_id: int) -> bool:
-        """A push this table already applied (resent after a failover or a broken session)."""
-        if not push_id or not worker:
-            return False
+    def fresh(self, name: str, ids: np.ndarray, worker: str, push_id: int) -> np.ndarray | None:
+        """Which of a push's `ids` to apply: None, all; else a mask without the ids of the partitions
+        that applied this push already (a resend after a failover, or after a broken session)."""
         push_log = self._logs.get(name)
-        return push_log is not None and push_log.seen(worker, push_id)
+        if not push_id or not worker or push_log is None:
+            return None
+        partition = self._partition_of(ids)
+        if isinstance(partition, int):
+            return np.zeros(len(ids), bool) if push_log.seen(worker, (push_id, partition)) else None
+        done = [p for p in np.unique(partition).tolist() if push_log.seen(worker, (push_id, p))]
+        return ~np.isin(partition, done) if done else None
+
+    def _partition_of(self, ids: np.ndarray) -> int | np.ndarray:
+        """The row partition of each of `ids` (checked to be served here): one number when this
+        server serves one partition, as it does until a failover gives it more."""
+        owned, layout = self._owned, self._layout
+        if owned is not None and len(owned) == 1:
+            return next(iter(owned))
+        if layout is None:
+            return -1
+        return server_of(ids, len(layout.servers))
 
     def changed(self, name: str, ids: np.ndarray, worker: str = "", push_id: int = 0) -> None:
         """Rows of `name` changed (after the change, on the loop): every backup gets them, and the
         push's idempotence key (a resend after a failover is then dropped by the heir)."""
         keyed = bool(push_id and worker)
         if keyed:
-            self._logs.setdefault(name, PushLog()).add(worker, push_id)
+            push_log = self._logs.setdefault(name, PushLog())
+            partition = self._partition_of(ids)
+            for p in [partition] if isinstance(partition, int) else np.unique(partition).tolist():
+                push_log.add(worker, (push_id, p))
         if not self._peers or not (len(ids) or keyed):
             return
         self._seq += 1

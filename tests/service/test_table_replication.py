@@ -122,8 +122,18 @@ def test_a_push_returns_once_the_backup_holds_its_rows_and_the_heir_serves_them_
     heir = servers[2].running.tables.find("emb")
     assert heir is not None and _state(heir, mine) == expected  # optimizer state and metadata too
     assert _rows(servers[2]).promoted_rows == len(all_ids(before))
-    resent = pb_grpc.SparseTablesServiceStub(client._channels[2]).PushRows(lost, timeout=WAIT_S)
-    assert resent.stored == 0  # the heir knows the push: not applied twice
+    heir_stub = pb_grpc.SparseTablesServiceStub(client._channels[2])
+    assert heir_stub.PushRows(lost, timeout=WAIT_S).stored == 0  # the heir knows the push: not applied twice
+    # The same push resent with ids of the heir's own partition too (one request per server): only
+    # the partition that had applied it drops its part.
+    own = IDS[server_of(IDS, 3) == 2][:4]
+    both = np.concatenate([mine[:5], own])
+    order = np.argsort(both)
+    grads = np.concatenate([_grads(9, 5), _grads(11, 4)])
+    again = pb.PushRowsRequest(table="emb", ids=both[order].tobytes(), grads=grads[order].tobytes(),
+                               worker_id="w0", push_id=424242)
+    assert heir_stub.PushRows(again, timeout=WAIT_S).stored == len(own)
+    reference.push(own, _grads(11, 4))
     for step in range(10, 13):  # training goes on, the heir replicating to server 0 now
         grads = _grads(step, len(IDS))
         client.push_rows("emb", IDS, grads)

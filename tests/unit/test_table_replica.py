@@ -118,16 +118,18 @@ def test_merge_moves_every_row_of_another_partition_with_its_state() -> None:
 def test_push_log_and_replica_tables() -> None:
     log = PushLog()
     for key in range(PUSHES_KEPT + 5):
-        log.add("w0", key)
-    assert log.seen("w0", PUSHES_KEPT + 4) and not log.seen("w0", 0) and not log.seen("w1", 7)
+        log.add("w0", (key, 1))
+    assert log.seen("w0", (PUSHES_KEPT + 4, 1)) and not log.seen("w0", (PUSHES_KEPT + 4, 2))
+    assert not log.seen("w0", (0, 1)) and not log.seen("w1", (7, 1))
     primary = _table()
     keys = _push(primary, [4, 8, 15], 0)
     replicas = ReplicaTables()
-    replicas.apply("p:1", [capture(primary, keys, {"w0": [11, 12]})])
+    batch = capture(primary, keys, {"w0": [(11, 1), (12, 2)]})
+    replicas.apply("p:1", [batch_from_proto(batch_to_proto(batch))])
     assert replicas.primaries() == {"p:1"} and replicas.rows("p:1", "emb") == 3
     [(table, pushes)] = replicas.take("p:1")
     _assert_same(primary, table)
-    assert pushes.seen("w0", 12) and not pushes.seen("w0", 13)
+    assert pushes.seen("w0", (12, 2)) and not pushes.seen("w0", (12, 1)) and not pushes.seen("w0", (13, 2))
     assert replicas.primaries() == set()
     replicas.apply("p:2", [capture(primary, keys)])
     assert replicas.release("p:2") == 3 and replicas.release("p:2") == 0
