@@ -52,7 +52,10 @@ log = logging.getLogger("pshard.ps.replication")
 _BATCH_BYTES = 32 * 2**20
 # Through shared memory a call carries no bytes, but the copies come before it: smaller batches let
 # the first slices of a step be acknowledged (and their pulls answered) while later ones are copied.
-_SHM_BATCH_BYTES = 4 * 2**20
+# Not smaller: each call costs a round of thread wake-ups on both servers, and on a busy 2-core host
+# that CPU is the step's (4 MiB: 11 calls a step per server of the 2x2 bench, 16 MiB: 3; 135-142 ->
+# 112-115 ms of server CPU per step, replicas 0 at 55-60). A batch only takes what is due meanwhile.
+_SHM_BATCH_BYTES = 16 * 2**20
 _IN_FLIGHT = 2  # calls per backup at once (on different slices)
 _RETRY_S = (0.05, 1.0)  # first and longest wait between attempts to reach a backup
 
@@ -309,6 +312,7 @@ class Replicator:
         self._backups: dict[str, _Backup] = {}
         self._store: ShardStore | None = None
         self._acked = asyncio.Condition()
+        self._config_cache: tuple[JobConfig, pb.JobConfig] | None = None
 
     # ---- wiring ----
 
@@ -533,8 +537,8 @@ class Replicator:
         """Snapshot `keys` (each under its lock) into one Replicate call to `b`: the sequence number
         each shipped state covers, and the slices the backup could not take."""
         store = self._store
-        slots = {s.key: s for s in store.slots()} if store is not None else {}
-        config = store.config if store is not None else JobConfig()
+        slots = store.find(keys) if store is not None else {}
+        config = self._config_proto(store.config if store is not None else JobConfig())
         shm = b.shm
         if shm is not None:
             try:
@@ -556,10 +560,17 @@ class Replicator:
                 with self._lock:
                     shipped[key] = b.need.get(key, 0)
                 records.append(_state_to_proto(slot, shm))
-        request = pb.ReplicateRequest(primary=self.own, config=codec.job_to_proto(config), records=records,
+        request = pb.ReplicateRequest(primary=self.own, config=config, records=records,
                                       segments=shm.names if shm is not None else [])
         reply = self._send(b.address, request)
         return shipped, [codec.slice_id_from_proto(k) for k in reply.need_state]
+
+    def _config_proto(self, config: JobConfig) -> pb.JobConfig:
+        """The job's config as every call carries it, encoded once (it changes only with a new job)."""
+        cached = self._config_cache
+        if cached is None or cached[0] is not config:
+            cached = self._config_cache = (config, codec.job_to_proto(config))
+        return cached[1]
 
     def _shipped(self, b: _Backup, shipped: dict[SliceKey, int], need: Sequence[SliceKey]) -> None:
         refused = set(need)

@@ -255,6 +255,11 @@ class ShardStore:
         with self._meta:
             return key in self._slots
 
+    def find(self, keys: Iterable[SliceKey]) -> dict[SliceKey, Slot]:
+        """The slices of `keys` held here (replication ships a batch of them: no sort of every slice)."""
+        with self._meta:
+            return {k: self._slots[k] for k in keys if k in self._slots}
+
     def adopt(self, slots: Sequence[Slot]) -> None:
         """Take over slices a backup held (a failover promoted this server to their primary).
 
