@@ -3,6 +3,9 @@
 A frame is a fixed 20-byte header (magic, kind, metadata length, data length), the metadata
 (a small protobuf message the caller encodes), then `data length` raw bytes (TCP only: the
 slices themselves; over shared memory the bytes are in the segment and the length is 0).
+A large TCP reply sends each pulled slice as its own SLICE frame (metadata: the slice's index in
+the request's pull list) as soon as the server has it, then the REPLY frame with the summary and
+no data; a small one sends its slices inline after the REPLY's metadata.
 One thread per connection reads straight into pre-allocated, page-aligned buffers with
 `recv_into`, and writes numpy buffers with `sendmsg`, no copy. A worker's plain socket is
 non-blocking, with the call's deadline kept here: a blocking socket with a timeout costs a poll
@@ -40,7 +43,9 @@ _JOIN_BYTES = 64 * 1024
 HELLO = 1
 REQUEST = 2
 REPLY = 3
-KINDS = (HELLO, REQUEST, REPLY)
+SLICE = 4
+KINDS = (HELLO, REQUEST, REPLY, SLICE)
+_SLICE_META = struct.Struct("<I")
 
 
 class TransportBroken(PSError):
@@ -61,6 +66,17 @@ def decode_header(raw: bytes | bytearray | memoryview) -> tuple[int, int, int]:
         raise TransportBroken(f"bad fast-path frame header (magic {magic!r}, kind {kind}, "
                               f"metadata {meta_len} bytes)")
     return kind, meta_len, data_len
+
+
+def encode_slice_meta(index: int) -> bytes:
+    return _SLICE_META.pack(index)
+
+
+def decode_slice_meta(meta: bytes) -> int:
+    """The pull-list index a SLICE frame carries; TransportBroken for anything else."""
+    if len(meta) != _SLICE_META.size:
+        raise TransportBroken(f"slice frame with {len(meta)} bytes of metadata, expected {_SLICE_META.size}")
+    return int(_SLICE_META.unpack(meta)[0])
 
 
 def wait_ready(sock: socket.socket, writable: bool, deadline: float | None) -> None:

@@ -3,11 +3,14 @@
 A `BufferedProtocol`: the transport keeps the socket registered and reads straight into the
 buffer we hand it, the frame header's scratch or (TCP) the session's page-aligned request
 region, so bulk bytes land where the handlers read them without a copy, and a small request
-costs no per-message registration. The worker sends nothing while it waits for a reply, so
-anything that arrives meanwhile (EOF above all: a dead worker) cancels the request at once:
-its session and segment do not outlive the worker, even while a sync pull waits for minutes.
-Big replies are written a chunk at a time as the socket drains, so the transport never copies
-them into its own buffer.
+costs no per-message registration. A large TCP request is served from its header on: the
+handler applies each slice as soon as its bytes are in (`Inflow`) and each pulled slice goes out
+as a SLICE frame as soon as it is ready, while later slices are still being received. Once its
+data is in, the worker sends nothing while it waits for the reply, so anything that arrives
+meanwhile (EOF above all: a dead worker) cancels the request at once: its session and segment
+do not outlive the worker, even while a sync pull waits for minutes. Big replies are sent
+straight from the reply region on a plain socket as far as it takes them; only when it is full
+does a small piece go through the transport, whose buffer copies it, to learn when it drains.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ import asyncio
 import logging
 import os
 import socket
-from collections.abc import Coroutine, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from typing import Any, Protocol
 
 import numpy as np
@@ -29,9 +32,11 @@ from pshard.common.fastwire import (
     HELLO,
     REPLY,
     REQUEST,
+    SLICE,
     TransportBroken,
     decode_header,
     encode_header,
+    encode_slice_meta,
     tune,
 )
 from pshard.common.shm import Segment, packed, recv_with_fds
@@ -43,12 +48,47 @@ log = logging.getLogger("pshard.ps.transport")
 
 _SCRATCH_BYTES = 64 * 1024  # a header and its metadata; grown for a request of very many slices
 _WRITE_CHUNK_BYTES = 1 << 20
+# A full socket: this much of a reply goes through the transport (copied into its buffer), which
+# then tells us when the socket drained.
+_NUDGE_BYTES = 64 * 1024
+# TCP requests with more data than this are served while their data arrives.
+PIPELINE_BYTES = 1 << 20
 _HELLO_TIMEOUT_S = 10.0
 _MAX_HELLO_BYTES = 4096  # a session id and a 32-byte secret
 
 
 # A request whose data is being received: header, pushed slices, their views, or its error.
 _Pending = tuple[pb.ExchangeHeader, list[SliceMeta], list[np.ndarray], PSError | None]
+
+
+class Inflow:
+    """How much of a request's data has arrived, for a handler that runs while it arrives (TCP)."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, total: int) -> None:
+        self._loop = loop
+        self.total = total
+        self.got = 0
+        self._want = 0
+        self._waiter: asyncio.Future[None] | None = None
+
+    def add(self, nbytes: int) -> None:
+        self.got += nbytes
+        if self._waiter is not None and self.got >= self._want and not self._waiter.done():
+            self._waiter.set_result(None)
+
+    async def wait(self, nbytes: int) -> None:
+        """Until the first `nbytes` of the request's data are in (the connection's loss cancels)."""
+        while self.got < min(nbytes, self.total):
+            self._want = nbytes
+            self._waiter = self._loop.create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+
+
+# write_slice(index in the pull list, its bytes): a SLICE frame, sent before the reply (TCP).
+SliceWriter = Callable[[int, np.ndarray], Awaitable[None]]
 
 
 class Session(Protocol):
@@ -63,7 +103,11 @@ class Sessions(Protocol):
     def attach(self, hello: bytes, connection: Connection) -> Session | None: ...
 
     async def serve(self, session: Session, header: pb.ExchangeHeader, metas: Sequence[SliceMeta],
-                    views: Sequence[np.ndarray]) -> pb.TransportReply: ...
+                    views: Sequence[np.ndarray], inflow: Inflow | None,
+                    write_slice: SliceWriter | None) -> pb.TransportReply:
+        """`inflow`: the data is still arriving (None: it is all in); `write_slice`: how to send
+        pulled slices ahead of the reply (None: shared memory, they stay in the segment)."""
+        ...
 
     def end(self, session: Session) -> None: ...
 
@@ -186,6 +230,7 @@ class Connection(asyncio.BufferedProtocol):
         self._target = 0
         self._filled = 0
         self._pending: _Pending | None = None
+        self._inflow: Inflow | None = None  # a request served while its data arrives
         # The last request's push list (a header's repeated field), with its slices and views decoded.
         self._layout: tuple[Sequence[pb.SliceMeta], list[SliceMeta], list[np.ndarray], int, list[memoryview]
                             ] | None = None
@@ -193,6 +238,8 @@ class Connection(asyncio.BufferedProtocol):
         self._task: asyncio.Task[None] | None = None  # what is left of serving one that had to wait
         self._drained: asyncio.Future[None] | None = None
         self._hello_timer: asyncio.TimerHandle | None = None
+        self._raw: socket.socket | None = None  # plain TCP: our own handle to send replies from
+        self._streamed = 0  # SLICE frames sent for the request being served
 
     # ---- asyncio callbacks ----
 
@@ -202,6 +249,10 @@ class Connection(asyncio.BufferedProtocol):
         tune(transport.get_extra_info("socket"))
         if transport.get_extra_info("sslcontext") is None:
             transport.set_write_buffer_limits(high=0)  # pause_writing as soon as anything is queued
+            sock = transport.get_extra_info("socket")
+            if sock.family in (socket.AF_INET, socket.AF_INET6):
+                self._raw = socket.socket(sock.family, sock.type, fileno=os.dup(sock.fileno()))
+                self._raw.setblocking(False)
         else:  # TLS copies anyway (into its records); and its flow control pauses at size >= high,
             # so a high of 0 would pause on an empty buffer and never resume
             transport.set_write_buffer_limits(high=_WRITE_CHUNK_BYTES)
@@ -219,11 +270,13 @@ class Connection(asyncio.BufferedProtocol):
 
     def buffer_updated(self, nbytes: int) -> None:
         try:
-            if self._serving:
-                raise TransportBroken("the worker sent bytes while its request was served")
-            if self._targets:
+            if self._targets:  # a request's data: it may arrive while the request is served
                 self._filled += nbytes
+                if self._inflow is not None:
+                    self._inflow.add(nbytes)
                 self._advance_targets()
+            elif self._serving:
+                raise TransportBroken("the worker sent bytes while its request was served")
             else:
                 self._have += nbytes
                 self._parse()
@@ -242,6 +295,9 @@ class Connection(asyncio.BufferedProtocol):
         if self._drained is not None:
             self._drained.cancel()  # a reply being written ends quietly: the connection is gone
         self._layout = None  # views of the region: the segment can only be unmapped without them
+        self._inflow = None
+        if self._raw is not None:
+            self._raw.close()
         if self.session is not None:
             session, self.session = self.session, None
             self._sessions.end(session)
@@ -311,6 +367,10 @@ class Connection(asyncio.BufferedProtocol):
         self._pending = (header, metas, views, error)
         self._have = 0
         self._targets, self._target, self._filled = targets, 0, 0
+        if error is None and inline and data_len - len(extra) > PIPELINE_BYTES:
+            # Served from now on: each slice is applied, and pulled, as soon as its bytes are in.
+            self._inflow = Inflow(self._loop, data_len)
+            self._start_serving()
         if len(extra):
             self._fill_from(extra)
         else:
@@ -345,6 +405,8 @@ class Connection(asyncio.BufferedProtocol):
             target[self._filled:self._filled + n] = data[:n]
             data = data[n:]
             self._filled += n
+            if self._inflow is not None:
+                self._inflow.add(n)
             self._advance_targets()
 
     def _advance_targets(self) -> None:
@@ -352,25 +414,35 @@ class Connection(asyncio.BufferedProtocol):
             self._target, self._filled = self._target + 1, 0
             if self._target == len(self._targets):
                 self._targets = []
-        if not self._targets and self._pending is not None:
-            pending, self._pending = self._pending, None
-            self._serving = True
-            self._task = run_eagerly(self._loop, self._serve(*pending))
+        if not self._targets:
+            self._inflow = None
+            if self._pending is not None:
+                self._start_serving()
+
+    def _start_serving(self) -> None:
+        pending, self._pending = self._pending, None
+        assert pending is not None
+        self._serving = True
+        self._task = run_eagerly(self._loop, self._serve(*pending, self._inflow))
 
     # ---- serving ----
 
     async def _serve(self, header: pb.ExchangeHeader, metas: list[SliceMeta], views: list[np.ndarray],
-                     error: PSError | None) -> None:
+                     error: PSError | None, inflow: Inflow | None) -> None:
         session = self.session
         assert session is not None and self.transport is not None
+        self._streamed = 0
         try:
             if error is not None:
                 reply = error_reply(error)
             else:
-                reply = await self._sessions.serve(session, header, metas, views)
-            self._serving = False  # from here on, bytes from the worker are its next request
+                reply = await self._sessions.serve(session, header, metas, views, inflow,
+                                                   self._write_slice if session.kind == "tcp" else None)
+            # From here on, bytes from the worker are the rest of this request's data (a reply that
+            # came before it, an error), then its next request.
+            self._serving = False
             data = []
-            if session.kind == "tcp" and not reply.error_type:
+            if session.kind == "tcp" and not reply.error_type and not self._streamed:
                 region = session.regions.reply
                 data = [region[o:o + n] for o, n in zip(reply.offsets, reply.sizes, strict=True)]
             await self._write(reply.SerializeToString(), data)
@@ -381,19 +453,51 @@ class Connection(asyncio.BufferedProtocol):
         finally:
             self._serving = False
 
-    async def _write(self, meta: bytes, data: Sequence[np.ndarray]) -> None:
+    async def _write_slice(self, index: int, data: np.ndarray) -> None:
+        """Pulled slice `index` of the request being served, as a SLICE frame, before its reply."""
+        self._streamed += 1
+        await self._write(encode_slice_meta(index), [data], SLICE)
+
+    async def _write(self, meta: bytes, data: Sequence[np.ndarray], kind: int = REPLY) -> None:
         transport = self.transport
         assert transport is not None
         size = sum([d.nbytes for d in data])
-        head = encode_header(REPLY, len(meta), size) + meta
+        head = encode_header(kind, len(meta), size) + meta
         if size <= _SCRATCH_BYTES:  # small: one system call for all of it
             transport.write(b"".join([head, *[byte_view(d) for d in data]]) if data else head)
             return
         transport.write(head)
         for part in data:
             view = byte_view(part)
+            if self._raw is not None:
+                await self._send(view)
+                continue
             for start in range(0, len(view), _WRITE_CHUNK_BYTES):
                 if self._drained is not None:
                     await self._drained  # only what the socket did not take is ever copied
                     self._drained = None
                 transport.write(view[start:start + _WRITE_CHUNK_BYTES])
+
+    async def _send(self, view: memoryview) -> None:
+        """`view` on the plain socket, straight from where it lies, as fast as the worker reads it."""
+        transport, raw = self.transport, self._raw
+        assert transport is not None and raw is not None
+        while len(view):
+            if self._drained is not None:
+                await self._drained
+                self._drained = None
+            if transport.is_closing():
+                raise asyncio.CancelledError()  # the connection is gone: connection_lost cancels us
+            if not transport.get_write_buffer_size():  # in order: nothing of ours is queued before
+                try:
+                    view = view[raw.send(view):]
+                except BlockingIOError:
+                    pass
+                except OSError as err:
+                    raise TransportBroken(f"reply not sent: {err}") from None
+                if not len(view):
+                    return
+            # The socket is full: a small piece is queued (copied) by the transport, which waits
+            # for room and resumes us once it sent the piece.
+            transport.write(view[:_NUDGE_BYTES])
+            view = view[_NUDGE_BYTES:]

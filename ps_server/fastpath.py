@@ -15,7 +15,9 @@ bytes travel differs (docs/architecture.md, 11 Transports):
   Over TCP the gradients follow the header and the pulled slices follow the reply; over shm both
   stay in the segment and the socket only carries these small frames (the doorbell);
 * each connection is a task on the server's event loop: it reads into the session's page-aligned
-  request region (`recv_into`) and awaits the handler, with no thread hop. Pulled slices are
+  request region (`recv_into`) and awaits the handler, with no thread hop. A large TCP request is
+  pipelined: the Exchange core applies each pushed slice as soon as its bytes are in, and each
+  pulled slice is sent (a SLICE frame) as soon as it is ready, before the reply. Pulled slices are
   copied once, under the slice's lock, into a slot of the reply region that belongs to that slice
   for the session's lifetime: a pull at version v returns exactly v's bytes, and sync mode's
   shared-encoding cache stays valid per slot;
@@ -45,7 +47,7 @@ import grpc.aio
 import numpy as np
 from google.protobuf.message import DecodeError
 from pshard.common import codec
-from pshard.common.auth import AuthRefusals, check_acts_as
+from pshard.common.auth import AuthRefusals, caller, check_acts_as
 from pshard.common.codec import WireArray
 from pshard.common.errors import InvalidArgumentError, PermissionDeniedError, PSError
 from pshard.common.fastwire import TransportBroken
@@ -53,8 +55,17 @@ from pshard.common.rpc import EXCHANGE_METHOD
 from pshard.common.rpc_status import maps_errors
 from pshard.common.shm import Segment, align, listen, remove, sweep_orphans
 from pshard.common.types import SliceKey
-from pshard.ps_server.fastconn import Connection, Session, error_reply, receive_hello, send_hello
+from pshard.ps_server.fastconn import (
+    Connection,
+    Inflow,
+    Session,
+    SliceWriter,
+    error_reply,
+    receive_hello,
+    send_hello,
+)
 from pshard.ps_server.handlers import EncodedSlice, ExchangeDone, ParameterServerHandlers
+from pshard.ps_server.replica_tcp import serve_replicate
 from pshard.ps_server.store import SliceMeta
 from pshard.ps_server.table_fast import serve_table
 from pshard.ps_server.table_handlers import TableHandlers
@@ -123,6 +134,7 @@ class _Session:
         self.claimed = False  # a connection presented the secret (one only, ever)
         self.want = (0, 0)  # the request and reply bytes negotiated
         self.closed = False
+        self.replicates = False  # opened by a server: may carry its replication (ps_server/replica_tcp.py)
         self._slots: dict[SliceKey, tuple[int, int]] = {}
         self._reply_end = 0
         self._pull: tuple[Sequence[object], list[SliceKey]] | None = None
@@ -347,6 +359,8 @@ class FastPathServer:
         regions = Segment.private(*((0, 0) if kind == "shm" else wanted))
         session = _Session(request.worker_id, kind, regions)
         session.want = wanted
+        who = caller()
+        session.replicates = who is None or who.role == "ps"
         with self._lock:
             self._sessions[session.id] = session
             # A worker needs one session here; a few while an old one's end goes unnoticed. More is a
@@ -400,11 +414,13 @@ class FastPathServer:
         return session
 
     async def serve(self, session: Session, header: pb.ExchangeHeader, metas: Sequence[SliceMeta],
-                    views: Sequence[np.ndarray]) -> pb.TransportReply:
+                    views: Sequence[np.ndarray], inflow: Inflow | None = None,
+                    write_slice: SliceWriter | None = None) -> pb.TransportReply:
         assert isinstance(session, _Session)
         started = time.perf_counter()
-        reply = await self._run(session, header, metas, views)
-        method = "Table" if header.op == pb.EXCHANGE_OP_TABLE else "Exchange"
+        reply = await self._run(session, header, metas, views, inflow, write_slice)
+        method = {pb.EXCHANGE_OP_TABLE: "Table", pb.EXCHANGE_OP_REPLICATE: "Replicate"}.get(header.op,
+                                                                                              "Exchange")
         self._handlers.requests.record(session.kind, method, sum([v.nbytes for v in views]),
                                        sum(reply.sizes), time.perf_counter() - started,
                                        reply.error_type or None, header.stamp.clock)
@@ -415,9 +431,10 @@ class FastPathServer:
         self._end(session)
 
     async def _run(self, session: _Session, header: pb.ExchangeHeader, metas: Sequence[SliceMeta],
-                   views: Sequence[np.ndarray]) -> pb.TransportReply:
+                   views: Sequence[np.ndarray], inflow: Inflow | None, write_slice: SliceWriter | None
+                   ) -> pb.TransportReply:
         try:
-            return await self._exchange(session, header, metas, views)
+            return await self._exchange(session, header, metas, views, inflow, write_slice)
         except PSError as err:
             return error_reply(err)
         except Exception as err:  # a bug must not leave the worker waiting: it falls back to gRPC
@@ -425,8 +442,11 @@ class FastPathServer:
             return error_reply(TransportBroken(f"internal error: {type(err).__name__}: {err}"))
 
     async def _exchange(self, session: _Session, header: pb.ExchangeHeader, metas: Sequence[SliceMeta],
-                        views: Sequence[np.ndarray]) -> pb.TransportReply:
-        if header.op not in (pb.EXCHANGE_OP_PUSH_PULL, pb.EXCHANGE_OP_TABLE):
+                        views: Sequence[np.ndarray], inflow: Inflow | None, write_slice: SliceWriter | None
+                        ) -> pb.TransportReply:
+        """`inflow`: the pushed bytes are still arriving (only the Exchange core takes them as they
+        come); `write_slice`: the Exchange core sends each pulled slice with it as soon as it is ready."""
+        if header.op not in (pb.EXCHANGE_OP_PUSH_PULL, pb.EXCHANGE_OP_TABLE, pb.EXCHANGE_OP_REPLICATE):
             raise InvalidArgumentError(f"fast-path header.op: got {header.op}, expected PUSH_PULL or TABLE")
         stamp = header.stamp
         if stamp.worker_id != session.worker_id:  # the opener's credential was checked for it
@@ -435,18 +455,33 @@ class FastPathServer:
                         stamp.worker_id)
             raise PermissionDeniedError(f"fast path: a session of {session.worker_id!r} may not act as "
                                         f"{stamp.worker_id!r}")
+        if header.op == pb.EXCHANGE_OP_REPLICATE:  # a primary's replication link (ps_server/replica_tcp.py)
+            if not session.replicates:
+                self.refusals.add("PERMISSION_DENIED", EXCHANGE_METHOD)
+                raise PermissionDeniedError(f"fast path: {session.worker_id!r} may not replicate (no server)")
+            if inflow is not None:
+                await inflow.wait(inflow.total)
+            return await serve_replicate(self._handlers, header, metas, views)
         if header.op == pb.EXCHANGE_OP_TABLE:
             if self.tables is None:
                 raise TransportRefusedError("fast path: this server holds no sparse tables")
+            if inflow is not None:
+                await inflow.wait(inflow.total)
             return await serve_table(self.tables, header, metas, views, session.reply_room)
         pull, wires, items, pushed = session.decoded(header, metas, views)
         timeout_ms = codec.timeout_ms_from_proto(header)
         timeout_s = timeout_ms / 1000 if timeout_ms is not None else None
         if pushed + session.pulled_bytes(pull) <= _SMALL_BYTES:
+            if inflow is not None:
+                await inflow.wait(inflow.total)
             return await self._push_pull(session, stamp, items, pull, timeout_s)
 
         async def gradients() -> AsyncIterator[tuple[int, WireArray]]:
+            end = 0  # the slices' bytes arrive in push order, back to back
             for index, wire in enumerate(wires):
+                if inflow is not None:
+                    end += views[index].nbytes
+                    await inflow.wait(end)
                 yield index, wire
 
         encoder = session.encoder
@@ -464,6 +499,8 @@ class FastPathServer:
                     reply.sizes.append(nbytes)
                     done = len(reply.offsets)
                     encoder.expect = pull[done] if done < len(pull) else None
+                    if write_slice is not None:  # the slot keeps these bytes until our next request
+                        await write_slice(done - 1, session.regions.reply[offset:offset + nbytes])
                 elif isinstance(event, ExchangeDone):
                     reply.summary.versions.extend(event.versions)
                     reply.summary.applied, reply.summary.dropped = event.applied, event.dropped
