@@ -65,7 +65,7 @@ ALLOWED: dict[str, frozenset[str]] = {
     _PS + "PushPull": TRAINERS,
     _PS + "Exchange": TRAINERS | {"evaluator"},  # an evaluator's Exchange pulls; fencing refuses its pushes
     _PS + "Pull": READERS,
-    _PS + "OpenTransport": TRAINERS | {"evaluator"},
+    _PS + "OpenTransport": TRAINERS | {"evaluator", "ps"},  # ps: its replication link (replica_tcp)
     _PS + "GetStats": NODES,
     _PS + "Checkpoint": OPERATORS,
     _PS + "SaveCheckpointPart": OPERATORS,

@@ -3,12 +3,15 @@
 Backups come from the scheduler's view: the ps nodes in rank order are the ring, and this server's
 backups are the next `replicas` live ones after it (pshard.common.replicas), the same rule the
 scheduler applies when it promotes one. Calls go server to server under the server's own
-credentials (TLS and token when the job has them).
+credentials (TLS and token when the job has them); without shared memory between the two, the
+batches' bytes go over a raw TCP link to the backup's fast-path listener (ps_server/replica_tcp.py),
+negotiated over the same channel, and over gRPC when the link cannot be had or breaks.
 """
 
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 
 from pshard.common.layout import Layout
 from pshard.common.replicas import backups_of, index_of
@@ -16,6 +19,7 @@ from pshard.common.rpc import channel_options
 from pshard.common.security import SecurityConfig
 from pshard.common.types import SliceKey
 from pshard.common.view import ClusterView, NodeState
+from pshard.ps_server.replica_tcp import TcpLinks
 from pshard.ps_server.replication import Send
 
 from pshard.api.v1 import parameter_server_pb2 as pb
@@ -42,19 +46,40 @@ def owned_slices(layout: Layout, address: str) -> frozenset[SliceKey] | None:
     return None if me is None else frozenset(s.slice_key for s in layout.slices_on(me))
 
 
-def grpc_sender(security: SecurityConfig | None = None) -> Send:
-    """A blocking Replicate call per (address, request), over one cached channel per backup."""
+Stubs = Callable[[str], pb_grpc.ParameterServerServiceStub]
+
+
+def stub_cache(security: SecurityConfig | None = None) -> Stubs:
+    """One cached channel per backup, under the server's own credentials."""
     security = security or SecurityConfig()
     stubs: dict[str, pb_grpc.ParameterServerServiceStub] = {}
     lock = threading.Lock()
 
-    def send(address: str, request: pb.ReplicateRequest) -> pb.ReplicateResponse:
+    def stub(address: str) -> pb_grpc.ParameterServerServiceStub:
         with lock:
-            stub = stubs.get(address)
-            if stub is None:
-                stub = stubs[address] = pb_grpc.ParameterServerServiceStub(
+            found = stubs.get(address)
+            if found is None:
+                found = stubs[address] = pb_grpc.ParameterServerServiceStub(
                     security.channel(address, options=channel_options()))
+            return found
+
+    return stub
+
+
+def grpc_sender(security: SecurityConfig | None = None, stubs: Stubs | None = None) -> Send:
+    """A blocking Replicate call per (address, request), over one cached channel per backup."""
+    stub = stubs or stub_cache(security)
+
+    def send(address: str, request: pb.ReplicateRequest) -> pb.ReplicateResponse:
         # No wait_for_ready: a backup that is down fails the call at once, and the sender retries.
-        return stub.Replicate(request, timeout=_CALL_TIMEOUT_S)
+        return stub(address).Replicate(request, timeout=_CALL_TIMEOUT_S)
 
     return send
+
+
+def tcp_links(node_id: str, security: SecurityConfig | None = None, stubs: Stubs | None = None) -> TcpLinks:
+    """The raw TCP replication links of the server `node_id` (TLS when the job has it), negotiated
+    over the same channels as its Replicate calls."""
+    security = security or SecurityConfig()
+    return TcpLinks(node_id, stubs or stub_cache(security),
+                    security.client_ssl_context() if security.tls else None)

@@ -29,11 +29,12 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 import numpy as np
 from pshard.common import codec
-from pshard.common.errors import InvalidArgumentError, PullTimeoutError
+from pshard.common.errors import InvalidArgumentError, PSError, PullTimeoutError
+from pshard.common.fastwire import TransportBroken
 from pshard.common.job import JobConfig
 from pshard.common.types import SliceKey
 from pshard.ps_server.optimizers import Optimizer, SliceState, make_optimizer
@@ -56,6 +57,9 @@ _BATCH_BYTES = 32 * 2**20
 # that CPU is the step's (4 MiB: 11 calls a step per server of the 2x2 bench, 16 MiB: 3; 135-142 ->
 # 112-115 ms of server CPU per step, replicas 0 at 55-60). A batch only takes what is due meanwhile.
 _SHM_BATCH_BYTES = 16 * 2**20
+# Over the raw TCP link (ps_server/replica_tcp.py) the bytes follow the call, received into a region
+# of the backup's session: batches well inside it.
+_TCP_BATCH_BYTES = 8 * 2**20
 _IN_FLIGHT = 2  # calls per backup at once (on different slices)
 _RETRY_S = (0.05, 1.0)  # first and longest wait between attempts to reach a backup
 
@@ -96,8 +100,9 @@ def _tensor(v: np.ndarray, inline: bool) -> tensor_pb.Tensor:
     return tensor_pb.Tensor(dtype=codec.dtype_to_proto(v.dtype.name), shape=v.shape)  # the bytes are in shm
 
 
-def record_to_proto(r: Record) -> pb.ReplicaRecord:
-    inline = not r.segment
+def record_to_proto(r: Record, inline: bool | None = None) -> pb.ReplicaRecord:
+    """`inline`: the arrays' bytes in the message (default: unless they lie in shared memory)."""
+    inline = not r.segment if inline is None else inline
     msg = pb.ReplicaRecord(id=codec.slice_id_to_proto(r.key), version=r.version, state=r.state,
                            value=_tensor(r.value, inline), count=r.summed, clocks=r.clocks,
                            segment=r.segment, offset=r.offset)
@@ -291,18 +296,38 @@ class _Backup:
 Send = Callable[[str, pb.ReplicateRequest], pb.ReplicateResponse]
 
 
+class Link(Protocol):
+    """A raw TCP connection to a backup (ps_server/replica_tcp.py), one call at a time."""
+
+    def call(self, request: pb.ReplicateRequest, arrays: Sequence[np.ndarray]) -> pb.ReplicateResponse: ...
+
+
+class Links(Protocol):
+    """The raw TCP links to the backups (ps_server/replica_tcp.TcpLinks)."""
+
+    region_bytes: int
+
+    def take(self, address: str) -> Link | None: ...
+
+    def give_back(self, address: str, link: Link) -> None: ...
+
+    def broke(self, address: str, err: Exception, link: Link | None = None) -> None: ...
+
+
 class Replicator:
     """Primary side: ships the state of each slice that took a step to its backups, and tracks their acks.
 
     `send(address, request)` is a blocking Replicate call (run in a thread); `own` names this
-    server in the requests; `shm_dir`: try shared memory with each backup first (None: gRPC only).
+    server in the requests; `shm_dir`: try shared memory with each backup first (None: none);
+    `links`: without shared memory, the raw TCP links to try before gRPC (None: gRPC only).
     Lives on the server's event loop; the store hook may run on any thread.
     """
 
     def __init__(self, own: str, send: Send, loop: asyncio.AbstractEventLoop,
-                 shm_dir: str | None = None) -> None:
+                 shm_dir: str | None = None, links: Links | None = None) -> None:
         self.own = own
         self._send = send
+        self._links = links
         self._loop = loop
         self._shm_dir = shm_dir
         self._lock = threading.Lock()
@@ -460,7 +485,8 @@ class Replicator:
     # ---- sending ----
 
     def _batch(self, b: _Backup) -> list[SliceKey]:
-        limit = _SHM_BATCH_BYTES if b.shm is not None else _BATCH_BYTES
+        limit = (_SHM_BATCH_BYTES if b.shm is not None else _TCP_BATCH_BYTES if self._links is not None
+                 else _BATCH_BYTES)
         with self._lock:
             batch: list[SliceKey] = []
             size = 0
@@ -550,6 +576,8 @@ class Replicator:
                 b.shm = shm = None
         shipped: dict[SliceKey, int] = {}
         records: list[pb.ReplicaRecord] = []
+        # Over a raw TCP link the snapshots are arrays sent after the call's metadata, not encoded in it.
+        arrays: list[np.ndarray] | None = [] if shm is None and self._links is not None else None
         for key in keys:
             slot = slots.get(key)
             if slot is None:  # no longer ours (moved away): nothing to hold
@@ -559,11 +587,37 @@ class Replicator:
             with slot.lock:
                 with self._lock:
                     shipped[key] = b.need.get(key, 0)
-                records.append(_state_to_proto(slot, shm))
+                records.append(_state_to_proto(slot, shm, arrays))
         request = pb.ReplicateRequest(primary=self.own, config=config, records=records,
                                       segments=shm.names if shm is not None else [])
-        reply = self._send(b.address, request)
+        reply = self._request(b.address, request, arrays)
         return shipped, [codec.slice_id_from_proto(k) for k in reply.need_state]
+
+    def _request(self, address: str, request: pb.ReplicateRequest, arrays: list[np.ndarray] | None
+                 ) -> pb.ReplicateResponse:
+        """The batch over the raw TCP link when there is one (`arrays`: the records' bytes), else, or
+        when the link breaks under it, over gRPC: the backup replays a resent state idempotently."""
+        if arrays is None:
+            return self._send(address, request)
+        assert self._links is not None
+        fits = sum(a.nbytes for a in arrays) <= self._links.region_bytes
+        link = self._links.take(address) if fits else None
+        if link is not None:
+            try:
+                reply = link.call(request, arrays)
+            except TransportBroken as err:
+                self._links.broke(address, err, link)
+            except PSError:  # the backup's answer (the link is fine)
+                self._links.give_back(address, link)
+                raise
+            except Exception as err:
+                self._links.broke(address, err, link)
+                raise
+            else:
+                self._links.give_back(address, link)
+                return reply
+        _fill_inline(request, arrays)
+        return self._send(address, request)
 
     def _config_proto(self, config: JobConfig) -> pb.JobConfig:
         """The job's config as every call carries it, encoded once (it changes only with a new job)."""
@@ -601,11 +655,28 @@ class Replicator:
             log.debug("replication: could not release %s: %s", b.address, e)
 
 
-def _state_to_proto(slot: Slot, shm: SegmentWriter | None) -> pb.ReplicaRecord:
-    """`slot`'s state as a record (under its lock): its arrays copied into `shm`, else encoded inline."""
+def _state_to_proto(slot: Slot, shm: SegmentWriter | None, arrays: list[np.ndarray] | None = None
+                    ) -> pb.ReplicaRecord:
+    """`slot`'s state as a record (under its lock): its arrays copied into `shm`, else into `arrays`
+    (value, then optimizer arrays by name: the raw link's data), else encoded inline."""
     record = Record(0, slot.key, slot.version, True, slot.value, 0, dict(slot.last_clock), slot.dtype.name,
                     dict(slot.opt_state), dict(slot.floors))
+    if arrays is not None:
+        arrays.append(slot.value.copy())
+        arrays.extend(np.array(v, copy=True) for n, v in sorted(slot.opt_state.items())
+                      if isinstance(v, np.ndarray))
+        return record_to_proto(record, inline=False)
     if shm is None:
         return record_to_proto(record)  # encoding is the one copy
     segment, offset = shm.write(slot)
     return record_to_proto(record._replace(segment=segment, offset=offset))
+
+
+def _fill_inline(request: pb.ReplicateRequest, arrays: Sequence[np.ndarray]) -> None:
+    """Put the raw link's `arrays` into `request`'s records (their order: `_state_to_proto`), for gRPC."""
+    left = iter(arrays)
+    for msg in request.records:
+        if msg.segment or not msg.state:
+            continue
+        for t in [msg.value, *(msg.opt_arrays[n] for n in sorted(msg.opt_arrays))]:
+            t.data = next(left).tobytes()

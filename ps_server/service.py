@@ -33,7 +33,7 @@ from pshard.ps_server.global_handlers import rpc_handlers as global_rpc_handlers
 from pshard.ps_server.handlers import ParameterServerHandlers
 from pshard.ps_server.heap import HeapTrimmer
 from pshard.ps_server.quorum import QuorumFollower
-from pshard.ps_server.replica_link import backup_addresses, grpc_sender, owned_slices
+from pshard.ps_server.replica_link import backup_addresses, grpc_sender, owned_slices, stub_cache, tcp_links
 from pshard.ps_server.replica_sync import InSyncReporter
 from pshard.ps_server.replication import Replicator
 from pshard.ps_server.servicer import ParameterServerServicer
@@ -211,9 +211,11 @@ def follow_scheduler(running: RunningServer, spec: ClusterSpec,
     reporter: InSyncReporter | None = None
     rows: TableReplication | None = None
     if replicas > 0:
-        send = grpc_sender(security)
+        stubs = stub_cache(security)
+        send = grpc_sender(security, stubs)
         replicator = Replicator(spec.own_address or spec.node_id, send, loop,
-                                shm_dir=handlers.replica_shm_dir)
+                                shm_dir=handlers.replica_shm_dir,
+                                links=tcp_links(spec.node_id, security, stubs))
         handlers.enable_replication(replicator)
         # Which backups hold all our slices, with each heartbeat: only those can be promoted.
         reporter = InSyncReporter(replicator, spec.own_address or "",

@@ -20,7 +20,8 @@ from pshard.common.job import JobConfig, OptimizerConfig
 from pshard.common.layout import Layout, ParamSpec, plan_layout
 from pshard.common.replicas import fail_over
 from pshard.common.serving import ServerThread
-from pshard.ps_server.replica_link import grpc_sender
+from pshard.ps_server import fastpath
+from pshard.ps_server.replica_link import grpc_sender, tcp_links
 from pshard.ps_server.replication import Replicator
 from pshard.ps_server.settings import ServerSettings
 from pshard.worker.client import PSClient
@@ -49,10 +50,11 @@ def _layout(addresses: Sequence[str], replicas: int) -> Layout:
 
 
 def _replicated(start_server: Callable[..., ServerThread], n: int, shm_dir: Path | None = None,
-                backup_transport: str = "auto") -> list[ServerThread]:
+                backup_transport: str = "auto", tcp: bool = False) -> list[ServerThread]:
     """`n` servers, each forwarding to the next in ring order (what follow_scheduler sets up from views);
-    with `shm_dir`, through shared memory there, else inline in the Replicate calls. A backup whose
-    transport offers no shared memory refuses the segments."""
+    with `shm_dir`, through shared memory there, else inline in the Replicate calls, or with `tcp`
+    over raw TCP links to the backups' fast-path listeners. A backup whose transport offers no
+    shared memory refuses the segments."""
     shm = {} if shm_dir is None else {"shm_dir": str(shm_dir), "transport": backup_transport}
     servers = [start_server(ServerSettings(replicas=1, static_quorum=dict.fromkeys(WORKERS, 0), **shm))
                for _ in range(n)]
@@ -62,7 +64,8 @@ def _replicated(start_server: Callable[..., ServerThread], n: int, shm_dir: Path
 
         def wire(handlers=handlers, server=server, backup=backup) -> None:
             handlers.enable_replication(Replicator(server.address, grpc_sender(), server.loop,
-                                                   shm_dir=None if shm_dir is None else str(shm_dir)))
+                                                   shm_dir=None if shm_dir is None else str(shm_dir),
+                                                   links=tcp_links(server.address) if tcp else None))
             handlers.replicator.set_backups([backup])
         server.call(wire)
     return servers
@@ -134,6 +137,55 @@ def test_backups_hold_the_primaries_state_bit_for_bit(start_server, new_client, 
         # Through shared memory the copy is a read-only view of the primary's segment, not bytes of its own.
         assert held._slots[slot.key].value.flags.writeable is not shm
     assert list(tmp_path.glob("*.seg")) == []  # each segment unlinked once its backup had opened it
+
+
+def _replicated_bytes(server: ServerThread, transport: str) -> int:
+    """Bytes of Replicate requests `server` received over `transport`."""
+    return sum(t.bytes_in for (kind, method), t in server.running.handlers.requests.items()
+               if (kind, method) == (transport, "Replicate"))
+
+
+def test_without_shared_memory_the_states_go_over_raw_tcp_links(start_server, new_client, reference):
+    servers = _replicated(start_server, 3, tcp=True)
+    layout = _layout([s.address for s in servers], 1)
+    clients = {w: new_client(servers, w, layout=layout) for w in WORKERS}
+    result = _train(clients, range(8), ADAM, _initial())
+    assert _assert_backups_identical(servers) == len(layout.slices)
+    for server in servers:
+        assert server.running.handlers.replicator._links.calls > 0
+        assert not server.running.handlers.replicator._links._down  # no batch fell back to gRPC
+        assert _replicated_bytes(server, "tcp") > 0  # the records' bytes came in tcp frames
+    for key, expected in reference.items():
+        assert result["w0"][key].tobytes() == expected.tobytes(), key
+
+
+def test_a_tcp_link_reset_mid_batch_resends_the_batch_over_grpc(start_server, new_client, reference,
+                                                               monkeypatch):
+    servers = _replicated(start_server, 3, tcp=True)
+    layout = _layout([s.address for s in servers], 1)
+    clients = {w: new_client(servers, w, layout=layout) for w in WORKERS}
+    _train(clients, range(2), ADAM, _initial())
+    serve = fastpath.serve_replicate
+    broken: list[str] = []
+
+    async def reset_once(handlers, header, metas, views):
+        # The whole batch is in (the backup may apply it too): the link is reset before the reply.
+        if not broken:
+            primary = header.replicate.primary
+            broken.append(primary)
+            server = next(s for s in servers if s.running.handlers is handlers)
+            assert server.running.fast.disconnect(primary) == 1
+        return await serve(handlers, header, metas, views)
+
+    monkeypatch.setattr(fastpath, "serve_replicate", reset_once)
+    result = _train(clients, range(2, 8), ADAM)
+    assert broken, "no batch went over a tcp link after the first steps"
+    [primary] = [s for s in servers if s.address == broken[0]]
+    links = primary.running.handlers.replicator._links
+    assert list(links._down) == [primary.running.handlers.replicator.backups[0]]  # gRPC from then on
+    for key, expected in reference.items():  # nothing lost, nothing doubled
+        assert result["w0"][key].tobytes() == expected.tobytes(), key
+    assert _assert_backups_identical(servers) == len(layout.slices)
 
 
 def test_a_backup_that_cannot_map_the_segments_gets_the_states_inline(start_server, new_client, tmp_path):
