@@ -31,7 +31,11 @@ the servers' CPU in the 2x2 gRPC dense bench (0.36-0.44 s per step against 0.29-
 from the heap). So `MmapRegime` raises the threshold just above a frame while large bytes come only
 on streams, and lowers it back at the first large unary request or unread refusal (a flood's shape:
 pshard's own client sends unary requests under 1 MiB); the flood test measured 243-435 MiB peaks
-with the raised threshold always on, against 277-339 MiB at 1 MiB.
+with the raised threshold always on, against 277-339 MiB at 1 MiB. A fixed mmap threshold also
+fixes glibc's trim threshold at 128 KiB, so a freed frame on top of a heap went back to the kernel
+and the next one was faulted in anew just the same (12-18k faults per dense step on the two
+servers): the streaming regime raises the trim threshold with the mmap threshold, and the bounded
+one brings both back (pshard.common.malloc).
 
 Elsewhere than glibc there is nothing to call and both do nothing.
 """
@@ -39,18 +43,23 @@ Elsewhere than glibc there is nothing to call and both do nothing.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import threading
 import time
 from collections.abc import Callable
 
+from pshard.common.malloc import (
+    DEFAULT_TRIM_THRESHOLD_BYTES,
+    M_ARENA_MAX,
+    M_MMAP_THRESHOLD,
+    M_TRIM_THRESHOLD,
+    STREAMING_TRIM_THRESHOLD_BYTES,
+    libc,
+    mallopt,
+)
 from pshard.common.rpc import CHUNK_BYTES, FRAME_SLACK_BYTES
 
 # Requests smaller than this never trigger a trim: they leave too little behind to matter.
 TRIM_AFTER_BYTES = 1 << 20
-# mallopt(3) parameters (malloc.h); the values are glibc's ABI.
-_M_MMAP_THRESHOLD = -3
-_M_ARENA_MAX = -8
 MMAP_THRESHOLD_BYTES = 1 << 20
 # While only streams bring large bytes: above a whole Exchange frame (a chunk and its header).
 STREAM_MMAP_THRESHOLD_BYTES = CHUNK_BYTES + FRAME_SLACK_BYTES + (1 << 20)
@@ -62,29 +71,24 @@ ARENA_MAX = 2
 _threshold_setter: Callable[[int], object] | None = None
 
 
-def _libc() -> ctypes.CDLL | None:
-    try:
-        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-    except OSError:
-        return None
-
-
 def bound_heap(mmap_threshold: int = MMAP_THRESHOLD_BYTES, arena_max: int = ARENA_MAX) -> bool:
     """Keep freed large buffers out of the heaps (see the module docstring); False off glibc.
 
     Call it early: arenas already created stay, and the threshold counts from then on.
     """
-    libc = _libc()
-    mallopt = getattr(libc, "mallopt", None)
-    if mallopt is None:
+    set_option = mallopt()
+    if set_option is None:
         return False
-    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
-    # mallopt returns 1 on success, 0 on error.
-    if not (mallopt(_M_MMAP_THRESHOLD, mmap_threshold) and mallopt(_M_ARENA_MAX, arena_max)):
+    if not (set_option(M_MMAP_THRESHOLD, mmap_threshold) and set_option(M_ARENA_MAX, arena_max)):
         return False
 
     def set_threshold(nbytes: int) -> object:
-        return mallopt(_M_MMAP_THRESHOLD, nbytes)
+        # The trim threshold goes with it: a streaming heap keeps a few frames' worth on top (else
+        # every freed frame there is given back and the next one faulted in), a bounded one none.
+        streaming = nbytes > MMAP_THRESHOLD_BYTES
+        trim = STREAMING_TRIM_THRESHOLD_BYTES if streaming else DEFAULT_TRIM_THRESHOLD_BYTES
+        set_option(M_TRIM_THRESHOLD, trim)
+        return set_option(M_MMAP_THRESHOLD, nbytes)
 
     global _threshold_setter
     _threshold_setter = set_threshold
@@ -123,7 +127,7 @@ class MmapRegime:
 
 
 def _malloc_trim() -> Callable[[int], int] | None:
-    trim = getattr(_libc(), "malloc_trim", None)
+    trim = getattr(libc(), "malloc_trim", None)
     if trim is None:
         return None
     trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int

@@ -47,6 +47,7 @@ from pshard.common.fastwire import TransportBroken
 from pshard.common.framing import SliceReader, pack_frames
 from pshard.common.job import JobConfig
 from pshard.common.layout import DEFAULT_SLICE_BYTES, Layout, LayoutSlice, ParamSpec, plan_layout
+from pshard.common.malloc import keep_stream_buffers
 from pshard.common.retry import Backoff, parameter_server_channel_options
 from pshard.common.rpc import CHUNK_BYTES, EXCHANGE_METHOD, channel_options, identity
 from pshard.common.rpc_status import error_from_rpc_error, raise_from_rpc_error
@@ -599,6 +600,9 @@ class PSClient:
 
     def _exchange_call(self, server: int, header: pb.ExchangeHeader, buffers: Sequence[np.ndarray],
                        pulled: Sequence[LayoutSlice], out: Mapping[str, np.ndarray]) -> pb.ExchangeSummary:
+        # Large bytes over gRPC: its 4 MiB messages come from the heaps instead of fresh pages (about
+        # 14k page faults per worker and dense step otherwise; pshard.common.malloc).
+        keep_stream_buffers()
         what = f"server {self.servers[server]}"
         return self._call_stamped(server, header.stamp, lambda: self._backing_off(
             what, lambda left_s: self._stream_retrying(

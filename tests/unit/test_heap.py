@@ -161,3 +161,57 @@ def test_without_bound_heap_the_process_threshold_is_left_alone() -> None:
         assert not trimmer.regime.streaming
     finally:
         trimmer.close()
+
+
+TOP_PROBE = """
+import ctypes, ctypes.util, sys
+from pshard.ps_server.heap import TRIM_AFTER_BYTES, HeapTrimmer, bound_heap
+assert bound_heap()
+trimmer = HeapTrimmer()
+for kind in sys.argv[1:]:  # requests that ended, in order
+    trimmer.request_ended(TRIM_AFTER_BYTES, stream=kind == "stream")
+libc = ctypes.CDLL(ctypes.util.find_library("c"))
+libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
+libc.free.argtypes = [ctypes.c_void_p]
+class MallInfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd",
+                                                    "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
+libc.mallinfo2.restype = MallInfo2
+chunks = [libc.malloc(512 << 10) for _ in range(16)]  # 8 MiB of heap (below either mmap threshold)
+for chunk in reversed(chunks):
+    libc.free(chunk)
+print(libc.mallinfo2().keepcost)  # free bytes kept on top of the heap
+trimmer.close()
+"""
+
+
+@pytest.mark.parametrize(("requests", "kept"), [((), False), (("stream",), True),
+                                                (("stream", "unary"), False)])
+def test_a_streaming_heap_keeps_freed_frames_and_a_bounded_one_gives_them_back(requests: tuple[str, ...],
+                                                                               kept: bool) -> None:
+    # A fixed mmap threshold also fixes glibc's trim threshold at 128 KiB: without raising it, a frame
+    # freed on top of the heap went back to the kernel and the next one was faulted in anew.
+    out = subprocess.run([sys.executable, "-c", TOP_PROBE, *requests], capture_output=True, text=True,
+                         timeout=60, check=True).stdout
+    assert (int(out) >= 8 << 20) is kept, f"{int(out)} bytes kept on top of the heap"
+
+
+STREAM_BUFFERS_PROBE = """
+import ctypes, ctypes.util, sys
+from pshard.common.malloc import keep_stream_buffers
+if sys.argv[1] == "kept":
+    assert keep_stream_buffers() and keep_stream_buffers()  # once per process, idempotent
+libc = ctypes.CDLL(ctypes.util.find_library("c"))
+libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
+chunk = libc.malloc(8 << 20)  # two frames' worth, before any large buffer was freed
+print(ctypes.c_size_t.from_address(chunk - ctypes.sizeof(ctypes.c_size_t)).value & 2)  # IS_MMAPPED
+"""
+
+
+@pytest.mark.parametrize(("mode", "mmapped"), [("default", 2), ("kept", 0)])
+def test_a_streaming_worker_takes_frames_from_the_heap_from_the_first(mode: str, mmapped: int) -> None:
+    # pshard.common.malloc.keep_stream_buffers, which PSClient calls before its first large Exchange:
+    # glibc's state after a 32 MiB buffer, at once (its default maps an 8 MiB buffer until one was freed).
+    out = subprocess.run([sys.executable, "-c", STREAM_BUFFERS_PROBE, mode], capture_output=True, text=True,
+                         timeout=60, check=True).stdout
+    assert int(out) == mmapped
