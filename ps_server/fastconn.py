@@ -241,6 +241,12 @@ class Connection(asyncio.BufferedProtocol):
         self._raw: socket.socket | None = None  # plain TCP: our own handle to send replies from
         self._streamed = 0  # SLICE frames sent for the request being served
 
+    @property
+    def sends_directly(self) -> bool:
+        """A reply written is in the kernel once the write returns (plain TCP: no transport buffer
+        or TLS layer holds on to the caller's bytes)."""
+        return self._raw is not None
+
     # ---- asyncio callbacks ----
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:

@@ -100,26 +100,40 @@ def offered_kinds(transport: str) -> frozenset[str]:
     return frozenset({"shm", "tcp"} if transport == "auto" else {transport} - {"grpc"})
 
 
+# What a session's encoder hands back: the key, the slot's offset and size, and (lending) the value.
+_Payload = tuple[SliceKey, int, int, "np.ndarray | None"]
+
+
 class _SlotEncoder:
     """The handlers' encoder for one session: copies a pulled slice into its slot of the reply region.
 
     The handlers call it under the slice's lock for the pulled keys in request order, and the
     session's serving loop names the key it expects next (`expect`); the payload repeats the key so
     the loop can check the pairing. Hashable by identity: sync mode caches payloads per encoder.
+
+    `lend`: sync mode over TCP, where the copy is a fifth of a server's CPU per dense step. The
+    payload is a view of the value itself and the serving loop sends from it: a sync slice
+    changes only once every worker pushed the next clock, and this worker pushes it only after
+    the whole reply (its slices written to the socket first). The loop checks the slice's version
+    after each send all the same: a slice that changed under it (a quorum that dropped this worker)
+    breaks the path, and the worker pulls again over gRPC.
     """
 
-    def __init__(self, session: _Session) -> None:
+    def __init__(self, session: _Session, lend: bool = False) -> None:
         self.session: _Session | None = session
         self.expect: SliceKey | None = None
+        self.lend = lend
 
-    def __call__(self, wire: WireArray) -> tuple[SliceKey, int, int]:
+    def __call__(self, wire: WireArray) -> _Payload:
         session, key = self.session, self.expect
         if session is None or key is None:
             raise TransportBroken("fast-path session closed while serving a request")
         src = np.ascontiguousarray(wire.array).reshape(-1).view(np.uint8)
+        if self.lend:
+            return key, 0, src.nbytes, src
         offset = session.slot(key, src.nbytes)
         np.copyto(session.regions.reply[offset:offset + src.nbytes], src)
-        return key, offset, src.nbytes
+        return key, offset, src.nbytes, None
 
 
 class _Session:
@@ -130,6 +144,7 @@ class _Session:
         self.kind = kind
         self.regions = regions
         self.encoder = _SlotEncoder(self)
+        self.lender = _SlotEncoder(self, lend=True)  # a cache of its own: its payloads are not slots
         self.conn: Connection | None = None  # once the worker connected with the secret
         self.claimed = False  # a connection presented the secret (one only, ever)
         self.want = (0, 0)  # the request and reply bytes negotiated
@@ -184,7 +199,7 @@ class _Session:
 
     def close(self) -> None:
         self.closed = True
-        self.encoder.session = None
+        self.encoder.session = self.lender.session = None
         self._pull = self._wires = None  # views of the region: it can only be unmapped without them
         self.regions.close()
 
@@ -338,6 +353,7 @@ class FastPathServer:
                 return
         session.close()
         self._handlers.forget_encoder(session.encoder)
+        self._handlers.forget_encoder(session.lender)
 
     # ---- negotiation (on the event loop, from the gRPC method) ----
 
@@ -484,7 +500,12 @@ class FastPathServer:
                     await inflow.wait(end)
                 yield index, wire
 
-        encoder = session.encoder
+        store = self._handlers.store
+        # Sent from the value itself only when a send's return means the kernel has the bytes (not TLS,
+        # whose transport may encrypt them later).
+        lend = (write_slice is not None and session.conn is not None and session.conn.sends_directly
+                and store.config.mode == "sync")
+        encoder = session.lender if lend else session.encoder
         encoder.expect = pull[0] if pull else None
         reply = pb.TransportReply()
         events = self._handlers.exchange(codec.stamp_from_proto(stamp), metas, pull, gradients(),
@@ -492,15 +513,21 @@ class FastPathServer:
         async with contextlib.aclosing(events):
             async for event in events:
                 if isinstance(event, EncodedSlice):
-                    key, offset, nbytes = event.payload
+                    key, offset, nbytes, lent = event.payload
                     if key != event.key:
                         raise TransportBroken(f"encoder wrote {str(key)!r} for {str(event.key)!r}")
                     reply.offsets.append(offset)
                     reply.sizes.append(nbytes)
                     done = len(reply.offsets)
                     encoder.expect = pull[done] if done < len(pull) else None
-                    if write_slice is not None:  # the slot keeps these bytes until our next request
+                    if write_slice is None:
+                        continue
+                    if lent is None:  # the slot keeps these bytes until our next request
                         await write_slice(done - 1, session.regions.reply[offset:offset + nbytes])
+                        continue
+                    await write_slice(done - 1, lent)
+                    if store.version(key) != event.version:
+                        raise TransportBroken(f"slice {str(key)!r} changed while it was sent")
                 elif isinstance(event, ExchangeDone):
                     reply.summary.versions.extend(event.versions)
                     reply.summary.applied, reply.summary.dropped = event.applied, event.dropped

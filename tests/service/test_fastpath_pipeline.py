@@ -1,0 +1,88 @@
+"""The pipelined TCP fast path on a real server: a large request is applied slice by slice as its
+bytes arrive, and pulled slices go out before the reply's summary; a connection lost between two
+slices leaves the ones that arrived applied, and the step resent over gRPC applies only the rest."""
+
+from __future__ import annotations
+
+import socket
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+from pshard.common import fastwire
+from pshard.common.job import JobConfig, OptimizerConfig
+from pshard.ps_server.settings import ServerSettings
+
+from pshard.api.v1 import parameter_server_pb2 as pb
+from tests.service.conftest import WAIT_S
+
+ASYNC = JobConfig(mode="async", optimizer=OptimizerConfig(name="sgd", lr=1.0))
+SYNC = JobConfig(mode="sync", optimizer=OptimizerConfig(name="sgd", lr=1.0))
+N = 2**19  # 2 MB of float32 per slice: a request of two is served while it arrives
+PARAMS = {"a": np.zeros(N, np.float32), "b": np.zeros(N, np.float32)}
+
+
+def _connect(wire, server, worker: str) -> socket.socket:
+    """A raw TCP session of `worker`, its hello sent."""
+    opened = wire.stub(server).OpenTransport(pb.OpenTransportRequest(
+        worker_id=worker, kind=pb.TRANSPORT_KIND_TCP, request_bytes=8 * N, reply_bytes=8 * N), timeout=WAIT_S)
+    sock = socket.create_connection(("127.0.0.1", opened.port), timeout=WAIT_S)
+    hello = pb.TransportHello(session=opened.session, secret=opened.secret).SerializeToString()
+    fastwire.send_frame(sock, fastwire.HELLO, hello)
+    return sock
+
+
+def _header(wire, worker: str, clock: int) -> bytes:
+    return pb.ExchangeHeader(op=pb.EXCHANGE_OP_PUSH_PULL, stamp=wire.stamp(worker, clock),
+                             push=[wire.meta(k, "float32", (N,)) for k in PARAMS],
+                             pull=[wire.slice_id(k) for k in PARAMS], timeout_ms=int(WAIT_S * 1000)
+                             ).SerializeToString()
+
+
+def test_a_connection_reset_between_two_slices_falls_back_and_applies_nothing_twice(start_server, new_client,
+                                                                                    wire):
+    server = start_server(ServerSettings())
+    w0 = new_client([server], "w0", transport="grpc")
+    w0.declare(PARAMS, ASYNC)
+    ones = np.ones(N, np.float32)
+    meta = _header(wire, "w0", 0)
+    with _connect(wire, server, "w0") as sock:
+        # Slice a whole and half of b: the request announces both, and the connection goes first.
+        sock.sendall(fastwire.encode_header(fastwire.REQUEST, len(meta), 2 * ones.nbytes) + meta)
+        sock.sendall(ones)
+        sock.sendall(ones[:N // 2])
+        wire.wait_stats(server, lambda s: s.pushes_applied == 1, "slice a applied before b arrived")
+        # a is pulled back as soon as it is applied, ahead of the reply: before b is in.
+        kind, slice_meta, data_len = fastwire.recv_frame_head(sock)
+        assert (kind, fastwire.decode_slice_meta(slice_meta), data_len) == (fastwire.SLICE, 0, ones.nbytes)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")  # reset
+    # The step again, whole, over gRPC: a is a duplicate, only b is applied.
+    weights = w0.push_pull({k: np.ones(N, np.float32) for k in PARAMS}, 0)
+    assert (w0.last_result.applied, w0.last_result.dropped) == (1, 1)
+    for key in PARAMS:
+        np.testing.assert_array_equal(weights[key], np.full(N, -1.0, np.float32))
+    stats = wire.stats(server)
+    assert (stats.pushes_applied, stats.pushes_dropped) == (2, 1)
+
+
+def test_sync_slices_sent_from_the_store_are_each_one_versions_bytes(start_server, new_client):
+    """Over plain TCP in sync mode the pulled slices are sent from the values themselves (no copy
+    into the session's slot): every worker still gets exactly the version its step produced."""
+    server = start_server(ServerSettings(static_quorum={"w0": 0, "w1": 0}))
+    workers = [new_client([server], w, transport="tcp") for w in ("w0", "w1")]
+    for w in workers:
+        w.declare(PARAMS, SYNC)
+
+    def steps(rank: int) -> list[dict[str, np.ndarray]]:
+        seen = []
+        for clock in range(4):
+            grads = {k: np.full(N, rank + 1.0, np.float32) for k in PARAMS}
+            seen.append({k: v.copy() for k, v in workers[rank].push_pull(grads, clock).items()})
+        return seen
+
+    with ThreadPoolExecutor(2) as pool:
+        results = [f.result(timeout=WAIT_S) for f in [pool.submit(steps, r) for r in range(2)]]
+    for seen in results:
+        for clock, weights in enumerate(seen):  # each step averages 1 and 2: down by 1.5
+            for value in weights.values():
+                np.testing.assert_array_equal(value, np.full(N, -1.5 * (clock + 1), np.float32))
+    assert all(w.transports == ["tcp"] for w in workers)
