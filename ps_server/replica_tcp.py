@@ -110,7 +110,8 @@ class TcpLink:
 
 
 def _keyed(request: pb.ReplicateRequest, arrays: Sequence[np.ndarray]) -> list[tuple[SliceKey, np.ndarray]]:
-    keys = [codec.slice_id_from_proto(r.id) for r in request.records for _ in range(1 + len(r.opt_arrays))]
+    keys = [codec.slice_id_from_proto(r.id) for r in request.records if r.state and not r.segment
+            for _ in range(1 + len(r.opt_arrays))]
     if len(keys) != len(arrays):
         raise ValueError(f"replication link: {len(arrays)} arrays for {len(keys)} in the records")
     return list(zip(keys, arrays, strict=True))

@@ -576,8 +576,9 @@ class Replicator:
                 b.shm = shm = None
         shipped: dict[SliceKey, int] = {}
         records: list[pb.ReplicaRecord] = []
-        # Over a raw TCP link the snapshots are arrays sent after the call's metadata, not encoded in it.
-        arrays: list[np.ndarray] | None = [] if shm is None and self._links is not None else None
+        # Over a raw TCP link the snapshots are arrays sent after the call's metadata, not encoded in it
+        # (none through shared memory: the link then carries the metadata, cheaper than a gRPC call).
+        arrays: list[np.ndarray] | None = [] if self._links is not None else None
         for key in keys:
             slot = slots.get(key)
             if slot is None:  # no longer ours (moved away): nothing to hold
@@ -657,11 +658,11 @@ class Replicator:
 
 def _state_to_proto(slot: Slot, shm: SegmentWriter | None, arrays: list[np.ndarray] | None = None
                     ) -> pb.ReplicaRecord:
-    """`slot`'s state as a record (under its lock): its arrays copied into `shm`, else into `arrays`
-    (value, then optimizer arrays by name: the raw link's data), else encoded inline."""
+    """`slot`'s state as a record (under its lock): its arrays copied into `shm`, else appended to
+    `arrays` (value, then optimizer arrays by name: the raw link's data), else encoded inline."""
     record = Record(0, slot.key, slot.version, True, slot.value, 0, dict(slot.last_clock), slot.dtype.name,
                     dict(slot.opt_state), dict(slot.floors))
-    if arrays is not None:
+    if shm is None and arrays is not None:
         arrays.append(slot.value.copy())
         arrays.extend(np.array(v, copy=True) for n, v in sorted(slot.opt_state.items())
                       if isinstance(v, np.ndarray))

@@ -116,9 +116,11 @@ def reference(start_server, new_client) -> dict[str, np.ndarray]:
     return result["w0"]
 
 
-@pytest.mark.parametrize("shm", [False, True], ids=["inline", "shm"])
-def test_backups_hold_the_primaries_state_bit_for_bit(start_server, new_client, reference, shm, tmp_path):
-    servers = _replicated(start_server, 3, tmp_path if shm else None)
+@pytest.mark.parametrize(("shm", "tcp"), [(False, False), (True, False), (True, True)],
+                         ids=["inline", "shm", "shm-over-tcp-link"])
+def test_backups_hold_the_primaries_state_bit_for_bit(start_server, new_client, reference, shm, tcp,
+                                                      tmp_path):
+    servers = _replicated(start_server, 3, tmp_path if shm else None, tcp=tcp)
     layout = _layout([s.address for s in servers], 1)
     clients = {w: new_client(servers, w, layout=layout) for w in WORKERS}
     _train(clients, range(4), ADAM, _initial())
@@ -137,6 +139,12 @@ def test_backups_hold_the_primaries_state_bit_for_bit(start_server, new_client, 
         # Through shared memory the copy is a read-only view of the primary's segment, not bytes of its own.
         assert held._slots[slot.key].value.flags.writeable is not shm
     assert list(tmp_path.glob("*.seg")) == []  # each segment unlinked once its backup had opened it
+    if tcp:  # the calls that name the segments went over the raw links, with no bytes of their own
+        for server in servers:
+            assert server.running.handlers.replicator._links.calls > 0
+            assert not server.running.handlers.replicator._links._down
+            traffic = dict(server.running.handlers.requests.items())
+            assert ("tcp", "Replicate") in traffic and traffic["tcp", "Replicate"].bytes_in == 0
 
 
 def _replicated_bytes(server: ServerThread, transport: str) -> int:
