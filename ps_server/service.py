@@ -221,7 +221,8 @@ def follow_scheduler(running: RunningServer, spec: ClusterSpec,
         reporter = InSyncReporter(replicator, spec.own_address or "",
                                   lambda copies, version: client.report_in_sync(copies, version))
         if running.tables is not None:  # table rows go to the same backups, over the same calls
-            rows = TableReplication(spec.own_address or spec.node_id, send, loop, running.tables)
+            rows = TableReplication(spec.own_address or spec.node_id, send, loop, running.tables,
+                                    shm_dir=handlers.replica_shm_dir)
             running.tables.replication = handlers.table_replication = rows
             reporter.tables_in_sync = rows.in_sync
 

@@ -261,8 +261,8 @@ class ParameterServerServicer:
             tables = self._handlers.table_replication
             if tables is None:
                 raise InvalidArgumentError("replicate: this server replicates no table rows (no --replicas)")
-            await asyncio.get_running_loop().run_in_executor(self._executor, tables.apply, request)
-            return pb.ReplicateResponse()
+            inline = await asyncio.get_running_loop().run_in_executor(self._executor, tables.apply, request)
+            return pb.ReplicateResponse(tables_need_inline=inline)
         records, primary, release = request.records, request.primary, request.release
         config = JobConfig() if release else codec.job_from_proto(request.config)  # a release carries none
         # Decoding and replaying copy and step every byte: off the event loop (the replica set locks itself).

@@ -20,11 +20,11 @@ from __future__ import annotations
 import json
 import threading
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import numpy as np
-from pshard.common.sparse import TableConfig
+from pshard.common.sparse import TableConfig, take_rows
 from pshard.ps_server.table import CHUNK_ROWS, SparseTable
 
 # Idempotence keys remembered per worker and table: far more pushes than a worker has in flight
@@ -90,14 +90,25 @@ class RowBatch:
                 + sum(c.nbytes for c in self.columns.values()))
 
 
-def capture(table: SparseTable, ids: np.ndarray, pushes: dict[str, list[PushKey]] | None = None
-            ) -> RowBatch:
-    """The state of `ids` (distinct) in `table` now: rows with every per-row array, the rest as
-    deletions with their admission sightings. Copies: the batch outlives the table's next request."""
+# alloc(dtype, shape) -> an array to gather a column into (a shared-memory segment's room).
+Alloc = Callable[[np.dtype, tuple[int, ...]], np.ndarray]
+
+
+def capture(table: SparseTable, ids: np.ndarray, pushes: dict[str, list[PushKey]] | None = None,
+            alloc: Alloc | None = None) -> RowBatch:
+    """The state of `ids` (distinct) in `table` now: rows with every per-row array (gathered into
+    `alloc`'s arrays, in column name order, when given), the rest as deletions with their admission
+    sightings. Copies: the batch outlives the table's next request."""
     rows = table.index.lookup(ids)
     live = rows >= 0
     taken = rows[live]
-    columns = {name: array[taken] for name, (array, _) in table.columns().items()}
+    columns = {}
+    for name, (array, shape) in sorted(table.columns().items()):
+        out = alloc(array.dtype, (len(taken), *shape)) if alloc is not None else None
+        if array.ndim == 2:
+            columns[name] = take_rows(array, taken, out)
+        else:
+            columns[name] = np.take(array, taken, out=out)
     deleted = ids[~live]
     filtered = table.config.admit_after > 1 or table.config.admit_prob < 1.0
     counts = table.sightings(deleted) if filtered and len(deleted) else np.zeros(len(deleted), np.int32)

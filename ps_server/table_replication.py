@@ -32,24 +32,24 @@ import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import numpy as np
 from pshard.common.errors import PullTimeoutError, StaleGenerationError, UnknownKeyError
 from pshard.common.layout import Layout
 from pshard.common.replicas import index_of
 from pshard.common.sparse import TableConfig, server_of
-from pshard.common.sparse_codec import spec_from_proto, spec_to_proto
 from pshard.common.view import ClusterView
+from pshard.ps_server.replica_shm import SegmentMaps
 from pshard.ps_server.replication import Send
 from pshard.ps_server.table import SparseTable
-from pshard.ps_server.table_replica import PushLog, ReplicaTables, RowBatch, all_ids, capture, merge
+from pshard.ps_server.table_replica import Alloc, PushLog, ReplicaTables, RowBatch, all_ids, capture, merge
+from pshard.ps_server.table_replica_wire import RowSegment, batch_from_proto, batch_into_proto, needed_bytes
 
 from pshard.api.v1 import parameter_server_pb2 as pb
 
 log = logging.getLogger("pshard.ps.replication")
 
-_ID = np.dtype("<i8")
 _BATCH_BYTES = 16 * 2**20  # rows per Replicate call, by bytes (the servers' message limit is 64 MiB)
 _RETRY_S = (0.05, 1.0)  # first and longest wait between attempts to reach a backup
 
@@ -70,38 +70,15 @@ class TableSource(Protocol):
         ...
 
 
-# ---- wire ----
-
-def batch_to_proto(b: RowBatch) -> pb.TableReplica:
-    return pb.TableReplica(
-        spec=spec_to_proto(b.config), ids=b.ids.astype(_ID, copy=False).tobytes(),
-        columns={name: np.ascontiguousarray(c).tobytes() for name, c in b.columns.items()},
-        deleted=b.deleted.astype(_ID, copy=False).tobytes(), step=b.step, clock=b.clock, evicted=b.evicted,
-        admitted=b.admitted, seen_ids=b.seen_ids.astype(_ID, copy=False).tobytes(),
-        seen_counts=b.seen_counts.astype("<i4", copy=False).tobytes(), rng_state=b.rng_state,
-        pushes={w: pb.PushIds(ids=[k for k, _ in keys], partitions=[p for _, p in keys])
-                for w, keys in b.pushes.items()})
-
-
-def batch_from_proto(msg: pb.TableReplica) -> RowBatch:
-    """The batch of `msg`, its arrays their own (the replica keeps none of the message's bytes)."""
-    config = spec_from_proto(msg.spec)
-    ids = np.frombuffer(msg.ids, _ID).astype(np.int64)
-    # The column layout of a table of this config, as SparseTable.columns() has it.
-    shapes = {name: (a.dtype, shape) for name, (a, shape) in SparseTable(config).columns().items()}
-    columns = {}
-    for name, raw in msg.columns.items():
-        if name not in shapes:
-            raise StaleGenerationError(f"table replica {config.name!r}: unknown column {name!r}")
-        dtype, shape = shapes[name]
-        columns[name] = np.frombuffer(raw, dtype.newbyteorder("<")).astype(dtype).reshape(len(ids), *shape)
-    return RowBatch(config, ids, columns, np.frombuffer(msg.deleted, _ID).astype(np.int64), msg.step,
-                    msg.clock, msg.evicted, msg.admitted, np.frombuffer(msg.seen_ids, _ID).astype(np.int64),
-                    np.frombuffer(msg.seen_counts, "<i4").astype(np.int32), msg.rng_state,
-                    {w: list(zip(p.ids, p.partitions, strict=True)) for w, p in msg.pushes.items()})
-
-
 # ---- primary side ----
+
+class _Call(NamedTuple):
+    seq: int  # every change marked up to it is in the call, when `drained`
+    batches: list[tuple[RowBatch, str, int]]  # (rows, segment, offset of their columns)
+    drained: bool
+    taken: list[tuple[str, np.ndarray]]  # the part of the full copy the call ships
+    incarnation: int  # of the backup when the call was taken
+
 
 @dataclass
 class _Peer:
@@ -116,6 +93,8 @@ class _Peer:
     incarnation: int = 0
     task: asyncio.Task[None] | None = None
     failing_since: float | None = None
+    segment: RowSegment | None = None  # same host: the columns go through shared memory
+    shm_worked: bool = False  # the backup took a call through `segment`
 
     def mark(self, name: str, ids: np.ndarray, worker: str) -> None:
         self.dirty.setdefault(name, []).append(ids)
@@ -127,9 +106,14 @@ class TableReplication:
     """Both sides of table replication for one server: what it forwards as a primary, the replicas it
     holds as a backup, and which row partitions it serves."""
 
-    def __init__(self, own: str, send: Send, loop: asyncio.AbstractEventLoop, tables: TableSource) -> None:
-        """`send`: the Replicate call (ps_server/replica_link.py); `tables`: the server's tables."""
+    def __init__(self, own: str, send: Send, loop: asyncio.AbstractEventLoop, tables: TableSource,
+                 shm_dir: str | None = None) -> None:
+        """`send`: the Replicate call (ps_server/replica_link.py); `tables`: the server's tables;
+        `shm_dir`: the shared-memory directory row columns go through to same-host backups (and are
+        read from as a backup), None: inline only."""
         self.own = own
+        self._shm_dir = shm_dir
+        self._maps = SegmentMaps(shm_dir) if shm_dir is not None else None
         self._send = send
         self._loop = loop
         self._tables = tables
@@ -231,12 +215,16 @@ class TableReplication:
             peer = self._peers.pop(address)
             peer.closed = True
             peer.wake.set()
+            if peer.segment is not None:
+                peer.segment.close()
             log.warning("table replication: %s is no longer a backup of %s", address, self.own)
             self._loop.run_in_executor(None, self._release, address)
             self._loop.create_task(self._notify())
         for address in wanted:
             if address not in self._peers:
                 peer = self._peers[address] = _Peer(address, acked=self._seq)
+                if self._shm_dir is not None:
+                    peer.segment = RowSegment(self._shm_dir)
                 self._copy_all(peer)
                 peer.wake.set()
                 peer.task = self._loop.create_task(self._sender(peer))
@@ -252,6 +240,9 @@ class TableReplication:
             peer = self._peers.get(node.address)
             if before is not None and before != node.generation and peer is not None:
                 peer.incarnation += 1
+                if peer.segment is not None:  # the new process cannot open an unlinked file
+                    peer.segment.close()
+                    peer.segment, peer.shm_worked = RowSegment(peer.segment.directory), False
                 peer.dirty.clear()
                 peer.workers.clear()
                 peer.acked = self._seq  # what it lacks comes in the copy, which marks it out of sync
@@ -316,30 +307,43 @@ class TableReplication:
 
     # ---- backup side (the Replicate call, on a thread) ----
 
-    def apply(self, request: pb.ReplicateRequest) -> None:
+    def apply(self, request: pb.ReplicateRequest) -> bool:
+        """Hold a primary's batches; True when their columns lie in shared memory this server cannot
+        map (nothing applied: the primary sends them inline)."""
         primary = request.primary
         if request.release_tables:
             dropped = self.replicas.release(primary)
+            if self._maps is not None:
+                self._maps.drop(primary)
             log.info("table replication: %s no longer forwards here; dropped %d rows", primary, dropped)
-            return
+            return False
         layout = self._layout
         p = index_of(layout, primary) if layout is not None else None
         if layout is not None and p is not None and layout.row_owner(p) != p:
             raise StaleGenerationError(f"replicate: {primary}'s row partition {p} has server "
                                        f"{layout.row_owner(p)} as its primary since a failover (layout "
                                        f"version {layout.version}); the sender was declared dead")
-        self.replicas.apply(primary, [batch_from_proto(t) for t in request.tables])
+        try:
+            batches = [batch_from_proto(t, self._maps, primary) for t in request.tables]
+        except OSError as e:
+            log.warning("table replication: cannot map %s's shared memory (%s); asking for rows inline",
+                        primary, e)
+            return True
+        segments = {t.segment for t in request.tables if t.segment}
+        if self._maps is not None and segments:
+            self._maps.keep(primary, segments)  # a new segment replaces the old
+        self.replicas.apply(primary, batches)
+        return False
 
     # ---- sending ----
 
-    def _take(self, peer: _Peer) -> tuple[int, list[RowBatch], bool, list[tuple[str, np.ndarray]]]:
-        """The next batch for `peer`, taken now (on the loop: no request runs meanwhile): the sequence
-        number it covers, the batches, whether it drains the dirty rows, and the backlog it took."""
+    def _take(self, peer: _Peer) -> _Call:
+        """The next call to `peer`, its rows captured now (on the loop: no request runs meanwhile)."""
         seq = self._seq
         dirty, peer.dirty = peer.dirty, {}
         workers, peer.workers = peer.workers, {}
         budget = _BATCH_BYTES
-        batches: list[RowBatch] = []
+        plan: list[tuple[SparseTable, np.ndarray, set[str]]] = []
         drained = True
         for name, parts in dirty.items():
             table = self._tables.find(name)
@@ -351,10 +355,10 @@ class TableReplication:
                 drained = False
                 peer.dirty.setdefault(name, []).insert(0, ids[fits:])
                 ids = ids[:fits]
-            batches.append(self._capture(table, ids, workers.pop(name, set())))
-            budget -= batches[-1].nbytes
+            plan.append((table, ids, workers.pop(name, set())))
+            budget -= len(ids) * _row_bytes(table)
         taken: list[tuple[str, np.ndarray]] = []
-        while peer.backlog and (budget > 0 or not batches):
+        while peer.backlog and (budget > 0 or not plan):
             name, ids = peer.backlog[0]
             table = self._tables.find(name)
             if table is None:
@@ -368,17 +372,29 @@ class TableReplication:
                 peer.backlog.pop(0)
             taken.append((name, part))
             if len(part):
-                batches.append(self._capture(table, np.unique(part), workers.pop(name, set())))
-                budget -= batches[-1].nbytes
+                plan.append((table, np.unique(part), workers.pop(name, set())))
+                budget -= len(part) * _row_bytes(table)
         for name, names in workers.items():  # push ids alone (a duplicate dropped, nothing changed)
             table = self._tables.find(name)
             if table is not None:
-                batches.append(self._capture(table, np.zeros(0, np.int64), names))
-        return seq, batches, drained, taken
-
-    def _capture(self, table: SparseTable, ids: np.ndarray, workers: set[str]) -> RowBatch:
-        push_log = self._logs.get(table.config.name)
-        return capture(table, ids, push_log.keys_of(workers) if push_log is not None and workers else None)
+                plan.append((table, np.zeros(0, np.int64), names))
+        segment = peer.segment
+        if segment is not None and plan:
+            try:
+                segment.start(sum(needed_bytes(t.config, len(ids)) for t, ids, _ in plan))
+            except OSError as e:  # the directory is full (a container's small /dev/shm): inline from now on
+                log.warning("table replication: no room in shared memory for %s (%s); rows go inline",
+                            peer.address, e)
+                segment.close()
+                peer.segment = segment = None
+        batches: list[tuple[RowBatch, str, int]] = []
+        for table, ids, names in plan:
+            push_log = self._logs.get(table.config.name)
+            pushes = push_log.keys_of(names) if push_log is not None and names else None
+            alloc: Alloc | None = segment.alloc if segment is not None else None
+            offset = segment.position if segment is not None else 0
+            batches.append((capture(table, ids, pushes, alloc), segment.name if segment else "", offset))
+        return _Call(seq, batches, drained, taken, peer.incarnation)
 
     async def _sender(self, peer: _Peer) -> None:
         delay = _RETRY_S[0]
@@ -386,19 +402,14 @@ class TableReplication:
             await peer.wake.wait()
             peer.wake.clear()
             while not peer.closed and (peer.dirty or peer.workers or peer.backlog):
-                incarnation = peer.incarnation
-                seq, batches, drained, taken = self._take(peer)
-                if not batches:  # only tables that are gone
-                    peer.acked = max(peer.acked, seq) if drained else peer.acked
+                call = self._take(peer)
+                if not call.batches:  # only tables that are gone
+                    peer.acked = max(peer.acked, call.seq) if call.drained else peer.acked
                     continue
-                request = pb.ReplicateRequest(primary=self.own)
                 try:
-                    await self._loop.run_in_executor(None, self._ship, peer.address, request, batches)
+                    inline = await self._loop.run_in_executor(None, self._ship, peer.address, call.batches)
                 except Exception as e:  # unreachable, restarting, refusing: the rows stay due
-                    for b in batches:
-                        peer.mark(b.config.name, np.concatenate([b.ids, b.deleted]), "")
-                        peer.workers.setdefault(b.config.name, set()).update(b.pushes)
-                    peer.backlog[:0] = taken
+                    self._again(peer, call)
                     if peer.failing_since is None:
                         peer.failing_since = time.monotonic()
                         log.warning("table replication: backup %s unreachable (%s); retrying until it is "
@@ -410,18 +421,48 @@ class TableReplication:
                 if peer.failing_since is not None:
                     log.info("table replication: backup %s reachable again", peer.address)
                     peer.failing_since = None
-                if peer.incarnation != incarnation:
+                if inline:  # it could not map the segment: nothing applied
+                    self._again(peer, call)
+                    self._refused_segment(peer)
+                    continue
+                if peer.incarnation != call.incarnation:
                     continue  # the old process's acknowledgement
-                if drained:
-                    peer.acked = max(peer.acked, seq)
+                if peer.segment is not None:
+                    peer.segment.acknowledged()
+                    peer.shm_worked = True
+                if call.drained:
+                    peer.acked = max(peer.acked, call.seq)
                 await self._notify()
             if not peer.copied and not peer.closed and not (peer.backlog or peer.dirty or peer.workers):
                 peer.copied = True  # every batch since the copy began is acknowledged
                 log.info("table replication: %s holds every table row of %s", peer.address, self.own)
 
-    def _ship(self, address: str, request: pb.ReplicateRequest, batches: list[RowBatch]) -> None:
-        request.tables.extend(batch_to_proto(b) for b in batches)
-        self._send(address, request)
+    def _again(self, peer: _Peer, call: _Call) -> None:
+        """A call that was not applied: its rows are due again."""
+        for b, _, _ in call.batches:
+            peer.mark(b.config.name, np.concatenate([b.ids, b.deleted]), "")
+            peer.workers.setdefault(b.config.name, set()).update(b.pushes)
+        peer.backlog[:0] = call.taken
+
+    def _refused_segment(self, peer: _Peer) -> None:
+        segment = peer.segment
+        if segment is None:
+            return
+        segment.close()
+        if peer.shm_worked:  # a new backup process cannot open the unlinked file: a fresh one
+            peer.segment = RowSegment(segment.directory)
+            peer.shm_worked = False
+        else:
+            peer.segment = None
+            log.warning("table replication: backup %s cannot map %s's shared memory; rows go inline",
+                        peer.address, self.own)
+
+    def _ship(self, address: str, batches: list[tuple[RowBatch, str, int]]) -> bool:
+        """One Replicate call of `batches`; True when the backup asks for the columns inline."""
+        request = pb.ReplicateRequest(primary=self.own)
+        for batch, segment, offset in batches:
+            batch_into_proto(batch, request.tables.add(), segment, offset)
+        return bool(self._send(address, request).tables_need_inline)
 
     async def _notify(self) -> None:
         async with self._acked:

@@ -14,8 +14,10 @@ from __future__ import annotations
 import dataclasses
 import threading
 from collections.abc import Callable
+from pathlib import Path
 
 import numpy as np
+import pytest
 from pshard.common.layout import Layout, ParamSpec, plan_layout
 from pshard.common.replicas import fail_over
 from pshard.common.serving import ServerThread
@@ -40,13 +42,17 @@ def _grads(step: int, n: int) -> np.ndarray:
     return np.random.default_rng(step).standard_normal((n, DIM)).astype(np.float32)
 
 
-def _replicated(start_server: Callable[..., ServerThread], layout_of: Callable[[list[str]], Layout]
-                ) -> tuple[list[ServerThread], Layout]:
+def _replicated(start_server: Callable[..., ServerThread], layout_of: Callable[[list[str]], Layout],
+                shm_dirs: tuple[Path | None, ...] = (None, None, None)) -> tuple[list[ServerThread], Layout]:
+    """Three servers, each forwarding to the next; server i's rows through shared memory in
+    shm_dirs[i] when given (its backup reads them there, or asks for them inline if it cannot)."""
     servers = [start_server(ServerSettings(replicas=1)) for _ in range(3)]
     layout = layout_of([s.address for s in servers])
     for i, server in enumerate(servers):
-        def wire(server: ServerThread = server, backup: str = servers[(i + 1) % 3].address) -> None:
-            rows = TableReplication(server.address, grpc_sender(), server.loop, server.running.tables)
+        def wire(server: ServerThread = server, backup: str = servers[(i + 1) % 3].address,
+                 shm: Path | None = shm_dirs[i]) -> None:
+            rows = TableReplication(server.address, grpc_sender(), server.loop, server.running.tables,
+                                    shm_dir=None if shm is None else str(shm))
             server.running.tables.replication = server.running.handlers.table_replication = rows
             rows.set_backups([backup])
             rows.on_layout(layout)
@@ -71,9 +77,10 @@ def _state(table: SparseTable, ids: np.ndarray) -> dict[str, bytes]:
     return {name: array[rows].tobytes() for name, (array, _) in table.columns().items()}
 
 
+@pytest.mark.parametrize("shm", [False, True], ids=["inline", "shm"])
 def test_a_push_returns_once_the_backup_holds_its_rows_and_the_heir_serves_them_exactly(
-        start_server, new_client) -> None:
-    servers, layout = _replicated(start_server, _layout)
+        start_server, new_client, shm: bool, tmp_path: Path) -> None:
+    servers, layout = _replicated(start_server, _layout, (tmp_path if shm else None,) * 3)
     addresses = [s.address for s in servers]
     moved, _ = fail_over(layout, 1, {0, 2})
     moved = dataclasses.replace(moved, version=layout.version + 1)
@@ -101,6 +108,9 @@ def test_a_push_returns_once_the_backup_holds_its_rows_and_the_heir_serves_them_
             held = np.sort(all_ids(primary))
             assert np.array_equal(held, np.sort(all_ids(replica)))
             assert _state(primary, held) == _state(replica, held), (step, i)
+    for server in servers:  # the rows went the way the test asked
+        worked = server.call(lambda server=server: [p.shm_worked for p in _rows(server)._peers.values()])
+        assert worked == [shm]
     # A push applied (and replicated) whose reply is lost: its resend after the failover is dropped.
     stub = pb_grpc.SparseTablesServiceStub(client._channels[1])
     lost = pb.PushRowsRequest(table="emb", ids=mine[:5].tobytes(), grads=_grads(9, 5).tobytes(),
@@ -144,6 +154,23 @@ def test_a_push_returns_once_the_backup_holds_its_rows_and_the_heir_serves_them_
     replica = _rows(servers[0]).replicas.table(addresses[2], "emb")
     assert replica is not None
     assert _state(replica, IDS[server_of(IDS, 3) > 0]) == _state(heir, IDS[server_of(IDS, 3) > 0])
+    assert list(tmp_path.glob("*.seg")) == []  # each segment unlinked once its backup had mapped it
+
+
+def test_a_backup_that_cannot_map_the_segment_gets_the_rows_inline(start_server, new_client,
+                                                                   tmp_path: Path) -> None:
+    # Server 0 writes its rows to shared memory; its backup, server 1, has none (another host).
+    servers, layout = _replicated(start_server, _layout, (tmp_path, None, None))
+    client = new_client(servers, "w0", layout=layout)
+    client.declare_table(CONFIG)
+    for step in range(3):
+        client.push_rows("emb", IDS, _grads(step, len(IDS)))
+    table = servers[0].running.tables.find("emb")
+    replica = _rows(servers[1]).replicas.table(servers[0].address, "emb")
+    assert table is not None and replica is not None
+    held = all_ids(table)
+    assert _state(table, held) == _state(replica, held)
+    assert servers[0].call(lambda: [p.segment for p in _rows(servers[0])._peers.values()]) == [None]
 
 
 def test_a_new_backup_copies_every_row_before_it_counts_in_sync_and_foreign_ids_are_refused(

@@ -20,7 +20,7 @@ from pshard.ps_server.table_replica import (
     install,
     merge,
 )
-from pshard.ps_server.table_replication import batch_from_proto, batch_to_proto
+from pshard.ps_server.table_replica_wire import batch_from_proto, batch_to_proto
 
 DIM = 4
 
