@@ -215,9 +215,12 @@ async def serve_replicate(handlers: ParameterServerHandlers, header: pb.Exchange
     request = header.replicate
     config = codec.job_from_proto(request.config)
 
-    def apply() -> list[SliceKey]:  # copies every byte: off the event loop
+    def apply() -> list[SliceKey]:
         return handlers.replicate(config, records_from_frame(request, metas, views), request.primary,
                                   False, request.segments)
 
-    need = await asyncio.get_running_loop().run_in_executor(None, apply)
+    # Bytes in the frame are copied into the copies: off the event loop. States in shared memory are
+    # only mapped (a view each): at once, a thread hop would cost more.
+    mapped = all(r.segment for r in request.records)
+    need = apply() if mapped else await asyncio.get_running_loop().run_in_executor(None, apply)
     return pb.TransportReply(need_state=[codec.slice_id_to_proto(k) for k in need])

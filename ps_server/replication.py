@@ -336,7 +336,8 @@ class Replicator:
         self._sizes: dict[SliceKey, int] = {}  # bytes of a slice's state
         self._backups: dict[str, _Backup] = {}
         self._store: ShardStore | None = None
-        self._acked = asyncio.Condition()
+        # Requests waiting for acknowledgements: what each needs, and the future to resolve (True: held).
+        self._waiters: list[tuple[dict[SliceKey, int], asyncio.Future[bool]]] = []
         self._config_cache: tuple[JobConfig, pb.JobConfig] | None = None
 
     # ---- wiring ----
@@ -373,7 +374,7 @@ class Replicator:
         if new and self._store is not None:
             self.seed([s.key for s in self._store.slots()])
         if gone:
-            self._loop.create_task(self._notify())
+            self._wake()
 
     @property
     def backups(self) -> tuple[str, ...]:
@@ -440,16 +441,22 @@ class Replicator:
         targets = self._targets(keys)
         if not targets or not self._behind(targets):
             return
-        async with self._acked:
-            try:
-                await asyncio.wait_for(self._acked.wait_for(lambda: not self._behind(targets)),
-                                       max(0.0, deadline - time.monotonic()))
-            except TimeoutError:
-                behind = self._behind(targets)
+        # A future per waiting request, resolved by the acknowledgement that completes it: no task of
+        # its own, and an acknowledgement wakes only the requests it completes.
+        held: asyncio.Future[bool] = self._loop.create_future()
+        self._waiters.append((targets, held))
+        timer = self._loop.call_later(max(0.0, deadline - time.monotonic()), _expire, held)
+        try:
+            complete = await held
+        finally:
+            timer.cancel()
+        if not complete:
+            behind = self._behind(targets)
+            if behind:
                 raise PullTimeoutError(
                     "replication: backups " + ", ".join(f"{b.address} ({len(b.pending)} slices unsent)"
                                                         for b in behind)
-                    + f" did not acknowledge {self.own}'s updates before the request's deadline") from None
+                    + f" did not acknowledge {self.own}'s updates before the request's deadline")
 
     def lag(self) -> int:
         """Slices whose newest step the slowest backup has yet to acknowledge (the replication lag gauge)."""
@@ -478,9 +485,19 @@ class Replicator:
         if self._store is not None:
             self.seed([s.key for s in self._store.slots()])
 
-    async def _notify(self) -> None:
-        async with self._acked:
-            self._acked.notify_all()
+    def _wake(self) -> None:
+        """On the event loop: resolve the waiting requests whose steps every backup now holds."""
+        if not self._waiters:
+            return
+        waiting = []
+        for targets, held in self._waiters:
+            if held.done():
+                continue  # timed out, or its request was cancelled
+            if self._behind(targets):
+                waiting.append((targets, held))
+            else:
+                held.set_result(True)
+        self._waiters = waiting
 
     # ---- sending ----
 
@@ -557,7 +574,7 @@ class Replicator:
         if b.incarnation != incarnation:
             return  # the old process's acknowledgement: the slices are due again
         self._shipped(b, shipped, need)
-        await self._notify()
+        self._wake()
 
     def _ship(self, b: _Backup, keys: Sequence[SliceKey]) -> tuple[dict[SliceKey, int], list[SliceKey]]:
         """Snapshot `keys` (each under its lock) into one Replicate call to `b`: the sequence number
@@ -671,6 +688,11 @@ def _state_to_proto(slot: Slot, shm: SegmentWriter | None, arrays: list[np.ndarr
         return record_to_proto(record)  # encoding is the one copy
     segment, offset = shm.write(slot)
     return record_to_proto(record._replace(segment=segment, offset=offset))
+
+
+def _expire(held: asyncio.Future[bool]) -> None:
+    if not held.done():
+        held.set_result(False)
 
 
 def _fill_inline(request: pb.ReplicateRequest, arrays: Sequence[np.ndarray]) -> None:
