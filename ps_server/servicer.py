@@ -61,6 +61,8 @@ _OFFLOAD_BYTES = 1 << 20
 _PARSE_ON_LOOP_BYTES = 8 << 20
 
 Request = TypeVar("Request", bound=Message)
+# Table rows a Replicate call applies on the event loop: their ids' bytes (8 each), 65,536 rows.
+_LOOP_ROW_BYTES = 8 << 16
 # Unary methods whose request carries a stamp (its clock feeds the staleness histogram).
 _STAMPED = frozenset({"Push", "Pull", "PushPull"})
 UnaryHandler = Callable[[bytes, grpc.aio.ServicerContext], Awaitable[bytes]]
@@ -261,6 +263,10 @@ class ParameterServerServicer:
             tables = self._handlers.table_replication
             if tables is None:
                 raise InvalidArgumentError("replicate: this server replicates no table rows (no --replicas)")
+            # A step's rows on the loop: copied once into the replicas (as fast as a push of them), where a
+            # thread hop each way would cost more; a big copy (a new backup's) on a thread.
+            if sum(len(t.ids) for t in request.tables) <= _LOOP_ROW_BYTES:
+                return pb.ReplicateResponse(tables_need_inline=tables.apply(request))
             inline = await asyncio.get_running_loop().run_in_executor(self._executor, tables.apply, request)
             return pb.ReplicateResponse(tables_need_inline=inline)
         records, primary, release = request.records, request.primary, request.release

@@ -33,6 +33,13 @@ def _columns(config: TableConfig) -> tuple[tuple[str, np.dtype, tuple[int, ...]]
     return tuple((name, a.dtype, shape) for name, (a, shape) in sorted(SparseTable(config).columns().items()))
 
 
+@functools.lru_cache(maxsize=64)
+def row_bytes(config: TableConfig) -> int:
+    """Bytes of one row's id and columns."""
+    return 8 + sum(dtype.itemsize * int(np.prod(shape, dtype=np.int64))
+                   for _, dtype, shape in _columns(config))
+
+
 def column_specs(config: TableConfig, rows: int) -> list[ArraySpec]:
     return [(name, dtype.name, (rows, *shape)) for name, dtype, shape in _columns(config)]
 

@@ -44,7 +44,13 @@ from pshard.ps_server.replica_shm import SegmentMaps
 from pshard.ps_server.replication import Send
 from pshard.ps_server.table import SparseTable
 from pshard.ps_server.table_replica import Alloc, PushLog, ReplicaTables, RowBatch, all_ids, capture, merge
-from pshard.ps_server.table_replica_wire import RowSegment, batch_from_proto, batch_into_proto, needed_bytes
+from pshard.ps_server.table_replica_wire import (
+    RowSegment,
+    batch_from_proto,
+    batch_into_proto,
+    needed_bytes,
+    row_bytes,
+)
 
 from pshard.api.v1 import parameter_server_pb2 as pb
 
@@ -350,13 +356,13 @@ class TableReplication:
             if table is None:
                 continue
             ids = np.unique(np.concatenate(parts))
-            fits = max(1, budget // _row_bytes(table))
+            fits = max(1, budget // row_bytes(table.config))
             if len(ids) > fits:
                 drained = False
                 peer.dirty.setdefault(name, []).insert(0, ids[fits:])
                 ids = ids[:fits]
             plan.append((table, ids, workers.pop(name, set())))
-            budget -= len(ids) * _row_bytes(table)
+            budget -= len(ids) * row_bytes(table.config)
         taken: list[tuple[str, np.ndarray]] = []
         while peer.backlog and (budget > 0 or not plan):
             name, ids = peer.backlog[0]
@@ -364,7 +370,7 @@ class TableReplication:
             if table is None:
                 peer.backlog.pop(0)
                 continue
-            fits = max(1, budget // _row_bytes(table))
+            fits = max(1, budget // row_bytes(table.config))
             part, rest = ids[:fits], ids[fits:]
             if len(rest):
                 peer.backlog[0] = (name, rest)
@@ -373,7 +379,7 @@ class TableReplication:
             taken.append((name, part))
             if len(part):
                 plan.append((table, np.unique(part), workers.pop(name, set())))
-                budget -= len(part) * _row_bytes(table)
+                budget -= len(part) * row_bytes(table.config)
         for name, names in workers.items():  # push ids alone (a duplicate dropped, nothing changed)
             table = self._tables.find(name)
             if table is not None:
@@ -476,8 +482,3 @@ class TableReplication:
 
     def close(self) -> None:
         self.set_backups([])
-
-
-def _row_bytes(table: SparseTable) -> int:
-    return 8 + sum(a.itemsize * int(np.prod(shape)) for a, shape in table.columns().values())
-
