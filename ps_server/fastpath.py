@@ -129,9 +129,11 @@ class _SlotEncoder:
         if session is None or key is None:
             raise TransportBroken("fast-path session closed while serving a request")
         src = np.ascontiguousarray(wire.array).reshape(-1).view(np.uint8)
-        if self.lend:
-            return key, 0, src.nbytes, src
+        # The slot is taken even when lending: its size is what tells a small request (the session's
+        # pulled_bytes) from a large one.
         offset = session.slot(key, src.nbytes)
+        if self.lend:
+            return key, offset, src.nbytes, src
         np.copyto(session.regions.reply[offset:offset + src.nbytes], src)
         return key, offset, src.nbytes, None
 
