@@ -133,15 +133,15 @@ class TableReplication:
         self._me: int | None = None
         self._owned: frozenset[int] | None = None  # partitions served (None: no layout, nothing checked)
         self.promoted_rows = 0
+        self._watched: dict[str, SparseTable] = {}  # the tables whose rows the backups are given
 
     # ---- requests (TableHandlers' hooks, on the loop) ----
 
     def check(self, table: SparseTable, ids: np.ndarray, what: str) -> None:
         """Refuse ids of partitions this server does not serve (moved by a failover, or not yet here)."""
         owned, layout = self._owned, self._layout
-        if table.evict_hook is None:
-            name = table.config.name
-            table.evict_hook = lambda evicted: self.changed(name, evicted)
+        if self._watched.get(table.config.name) is not table:
+            self._watch()
         if owned is None or layout is None or not len(ids):
             return
         partition = server_of(ids, len(layout.servers))
@@ -217,6 +217,7 @@ class TableReplication:
 
     def set_backups(self, addresses: Sequence[str]) -> None:
         wanted = list(dict.fromkeys(addresses))
+        self._watch()  # a new backup's copy then covers every table once
         for address in [a for a in self._peers if a not in wanted]:
             peer = self._peers.pop(address)
             peer.closed = True
@@ -259,7 +260,29 @@ class TableReplication:
 
     def in_sync(self) -> set[str]:
         """The backups holding every row of this server's tables (the rest are still copying)."""
+        self._watch()
         return {a for a, p in self._peers.items() if p.copied}
+
+    def _watch(self) -> None:
+        """Tables this server has gained since it last looked (declared, or restored by a global
+        checkpoint with rows no backup has): every backup gets their rows, and their evictions."""
+        for table in self._tables.tables():
+            name = table.config.name
+            if self._watched.get(name) is table:
+                continue
+            self._hook(table)
+            ids = all_ids(table)
+            if not len(ids):
+                continue
+            for peer in self._peers.values():
+                peer.copied = False
+                peer.backlog.append((name, ids))
+                peer.wake.set()
+
+    def _hook(self, table: SparseTable) -> None:
+        name = table.config.name
+        self._watched[name] = table
+        table.evict_hook = lambda evicted: self.changed(name, evicted)
 
     def _copy_all(self, peer: _Peer) -> None:
         peer.copied = False
@@ -300,6 +323,7 @@ class TableReplication:
             if table is None:
                 table = self._tables.make(replica.config)
                 self._tables.add(table)
+                self._hook(table)  # its rows go to the backups below
             moved = merge(table, replica)
             self._logs.setdefault(name, PushLog()).merge(push_log)
             rows += len(moved)

@@ -192,6 +192,18 @@ def test_a_new_backup_copies_every_row_before_it_counts_in_sync_and_foreign_ids_
     assert table is not None and replica is not None
     held = all_ids(table)
     assert len(held) and _state(table, held) == _state(replica, held)
+    # A table restored by a global checkpoint (rows no backup has): the backups copy it before they
+    # count in sync again.
+    restored = SparseTable(dataclasses.replace(CONFIG, name="restored"))
+    own = IDS[server_of(IDS, 3) == 0]
+    restored.push(own, _grads(1, len(own)))
+    copying = primary.call(lambda: (primary.running.tables.add(restored), _rows(primary).in_sync())[1])
+    assert copying == set()
+    wait_until(lambda: primary.call(lambda: _rows(primary).in_sync()) == {s.address for s in servers[1:]},
+               WAIT_S, "the backups to copy the restored table")
+    for backup in servers[1:]:
+        copy = _rows(backup).replicas.table(primary.address, "restored")
+        assert copy is not None and _state(copy, own) == _state(restored, own)
     # Ids of server 1's partition sent to server 0: refused (NOT_FOUND), nothing created.
     stub = pb_grpc.SparseTablesServiceStub(client._channels[0])
     foreign = IDS[server_of(IDS, 3) == 1][:3]
