@@ -510,11 +510,13 @@ class TableClient:
             raise error_from_rpc_error(err) from err
 
     def _each(self, call: Callable[[int, pb_grpc.SparseTablesServiceStub], T]) -> list[T]:
-        """call(s, stub) for every server at once, the first on this thread (a hand-off to the pool and
-        back costs two thread wake-ups); the first error wins, after every call has ended."""
-        others = [self._client._pool.submit(self._rpc, s, call) for s in range(1, len(self._stubs))]
+        """call(s, stub) for every server serving rows at once (after a failover not the dead one: its
+        heir serves its rows), the first on this thread (a hand-off to the pool and back costs two
+        thread wake-ups); the first error wins, after every call has ended."""
+        servers = sorted(self._serving())
+        others = [self._client._pool.submit(self._rpc, s, call) for s in servers[1:]]
         try:
-            first = self._rpc(0, call)
+            first = self._rpc(servers[0], call)
         finally:
             if others:
                 futures.wait(others)

@@ -131,6 +131,11 @@ def test_a_push_returns_once_the_backup_holds_its_rows_and_the_heir_serves_them_
     assert client.tables.reroutes == 1 and client.layout is moved
     heir = servers[2].running.tables.find("emb")
     assert heir is not None and _state(heir, mine) == expected  # optimizer state and metadata too
+    # A worker that starts now declares the table on the servers that serve rows, not the dead one.
+    late = new_client(servers, "w9", layout=moved, transport="grpc")
+    late.declare_table(CONFIG)
+    assert late.pull_rows("emb", mine).tobytes() == reference.pull(mine).tobytes()
+    assert len(late.tables.stats("emb")) == 2
     assert _rows(servers[2]).promoted_rows == len(all_ids(before))
     heir_stub = pb_grpc.SparseTablesServiceStub(client._channels[2])
     assert heir_stub.PushRows(lost, timeout=WAIT_S).stored == 0  # the heir knows the push: not applied twice
