@@ -373,8 +373,10 @@ class Connection(asyncio.BufferedProtocol):
         self._pending = (header, metas, views, error)
         self._have = 0
         self._targets, self._target, self._filled = targets, 0, 0
-        if error is None and inline and data_len - len(extra) > PIPELINE_BYTES:
-            # Served from now on: each slice is applied, and pulled, as soon as its bytes are in.
+        if (error is None and inline and header.op == pb.EXCHANGE_OP_PUSH_PULL
+                and data_len - len(extra) > PIPELINE_BYTES):
+            # Served from now on: each slice is applied, and pulled, as soon as its bytes are in (other
+            # ops, tables and replication, are served once all their bytes are in, as before).
             self._inflow = Inflow(self._loop, data_len)
             self._start_serving()
         if len(extra):
