@@ -8,7 +8,9 @@ import socket
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
+import pytest
 from pshard.common import fastwire
+from pshard.common.errors import PSError
 from pshard.common.job import JobConfig, OptimizerConfig
 from pshard.ps_server.settings import ServerSettings
 
@@ -86,3 +88,20 @@ def test_sync_slices_sent_from_the_store_are_each_one_versions_bytes(start_serve
             for value in weights.values():
                 np.testing.assert_array_equal(value, np.full(N, -1.5 * (clock + 1), np.float32))
     assert all(w.transports == ["tcp"] for w in workers)
+
+
+def test_a_large_push_refused_at_its_header_is_answered_and_the_path_serves_the_next_step(start_server,
+                                                                                          new_client, wire):
+    """The refusal (a clock from the future, in sync mode) can come while the worker still sends the
+    request's bytes: the server reads them to the end, and the next request on the path is served."""
+    server = start_server(ServerSettings(static_quorum={"w0": 0}))
+    w0 = new_client([server], "w0", transport="tcp")
+    w0.declare(PARAMS, SYNC)
+    grads = {k: np.ones(N, np.float32) for k in PARAMS}
+    with pytest.raises(PSError, match="clock"):
+        w0.push_pull(grads, 5)
+    weights = w0.push_pull(grads, 0)
+    for key in PARAMS:
+        np.testing.assert_array_equal(weights[key], np.full(N, -1.0, np.float32))
+    assert w0.transports == ["tcp"]
+    assert wire.stats(server).pushes_applied == 2
