@@ -62,6 +62,8 @@ log = logging.getLogger("pshard.worker")
 _SLACK_S = 5.0  # past the request's own timeout, as PSClient's calls allow
 _RETRY_S = 10.0  # a broken session is negotiated again after this (PSClient's FAST_PATH_RETRY_S)
 _INT64 = codec.dtype_to_proto("int64")
+# How a server refuses ids of a row partition it does not serve (ps_server/table_replication.py).
+_PARTITION_MOVED = "not here; re-route"
 # Numbers (rows x dim) up to which a call's rows pass through buffers kept per thread (8 MB of float32).
 _BUFFER_NUMBERS = 1 << 21
 
@@ -200,8 +202,9 @@ class TableClient:
                 return call()
             except (UnavailableError, UnknownKeyError) as err:
                 left = deadline - time.monotonic()
-                if (client._relayout is None or layout is None or not layout.replicas or left <= 0
-                        or client._closed.is_set()):
+                moved = isinstance(err, UnavailableError) or _PARTITION_MOVED in str(err)
+                if (not moved or client._relayout is None or layout is None or not layout.replicas
+                        or left <= 0 or client._closed.is_set()):
                     raise
                 newer = client._relayout(layout, min(left, client._reroute_wait_s))
                 if newer is not None and newer.version > layout.version:

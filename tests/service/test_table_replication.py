@@ -13,11 +13,13 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 import pytest
+from pshard.common.errors import UnknownKeyError
 from pshard.common.layout import Layout, ParamSpec, plan_layout
 from pshard.common.replicas import fail_over
 from pshard.common.serving import ServerThread
@@ -92,6 +94,10 @@ def test_a_push_returns_once_the_backup_holds_its_rows_and_the_heir_serves_them_
     client = new_client(servers, "w0", layout=layout, relayout=relayout, reroute_wait_s=WAIT_S,
                         transport="grpc")
     client.declare_table(CONFIG)
+    started = time.monotonic()
+    with pytest.raises(UnknownKeyError):  # a table never declared is no failover to wait for
+        client.pull_rows("nope", IDS[:3])
+    assert time.monotonic() - started < WAIT_S / 2
     reference = SparseTable(CONFIG)  # one unsharded table: per-row optimizers make sharding invisible
     mine = IDS[server_of(IDS, 3) == 1]
     assert len(mine) > 20
