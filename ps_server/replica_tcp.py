@@ -87,11 +87,7 @@ class TcpLink:
 
     def call(self, request: pb.ReplicateRequest, arrays: Sequence[np.ndarray]) -> pb.ReplicateResponse:
         """The batch `request` (records without bytes) with `arrays`, in record order; its answer."""
-        header = pb.ExchangeHeader(op=pb.EXCHANGE_OP_REPLICATE, replicate=request)
-        header.stamp.worker_id = self._node_id
-        header.push.extend(pb.SliceMeta(id=codec.slice_id_to_proto(key), shape=a.shape,
-                                        dtype=codec.dtype_to_proto(a.dtype.name))
-                           for key, a in _keyed(request, arrays))
+        header = frame_header(self._node_id, request, arrays)
         try:
             send_frame(self._sock, REQUEST, header.SerializeToString(), arrays)
             kind, meta, data_len = self._inbox.frame_head()
@@ -107,6 +103,18 @@ class TcpLink:
 
     def close(self) -> None:
         self._sock.close()
+
+
+def frame_header(node_id: str, request: pb.ReplicateRequest, arrays: Sequence[np.ndarray]
+                 ) -> pb.ExchangeHeader:
+    """The REQUEST frame's header for a batch: the records, and each array as a pushed slice (so the
+    backup's connection receives them into its region as it receives a worker's gradients)."""
+    header = pb.ExchangeHeader(op=pb.EXCHANGE_OP_REPLICATE, replicate=request)
+    header.stamp.worker_id = node_id
+    header.push.extend(pb.SliceMeta(id=codec.slice_id_to_proto(key), shape=a.shape,
+                                    dtype=codec.dtype_to_proto(a.dtype.name))
+                       for key, a in _keyed(request, arrays))
+    return header
 
 
 def _keyed(request: pb.ReplicateRequest, arrays: Sequence[np.ndarray]) -> list[tuple[SliceKey, np.ndarray]]:

@@ -605,7 +605,7 @@ class Replicator:
             with slot.lock:
                 with self._lock:
                     shipped[key] = b.need.get(key, 0)
-                records.append(_state_to_proto(slot, shm, arrays))
+                records.append(state_to_proto(slot, shm, arrays))
         request = pb.ReplicateRequest(primary=self.own, config=config, records=records,
                                       segments=shm.names if shm is not None else [])
         reply = self._request(b.address, request, arrays)
@@ -634,7 +634,7 @@ class Replicator:
             else:
                 self._links.give_back(address, link)
                 return reply
-        _fill_inline(request, arrays)
+        fill_inline(request, arrays)
         return self._send(address, request)
 
     def _config_proto(self, config: JobConfig) -> pb.JobConfig:
@@ -673,7 +673,7 @@ class Replicator:
             log.debug("replication: could not release %s: %s", b.address, e)
 
 
-def _state_to_proto(slot: Slot, shm: SegmentWriter | None, arrays: list[np.ndarray] | None = None
+def state_to_proto(slot: Slot, shm: SegmentWriter | None, arrays: list[np.ndarray] | None = None
                     ) -> pb.ReplicaRecord:
     """`slot`'s state as a record (under its lock): its arrays copied into `shm`, else appended to
     `arrays` (value, then optimizer arrays by name: the raw link's data), else encoded inline."""
@@ -695,8 +695,8 @@ def _expire(held: asyncio.Future[bool]) -> None:
         held.set_result(False)
 
 
-def _fill_inline(request: pb.ReplicateRequest, arrays: Sequence[np.ndarray]) -> None:
-    """Put the raw link's `arrays` into `request`'s records (their order: `_state_to_proto`), for gRPC."""
+def fill_inline(request: pb.ReplicateRequest, arrays: Sequence[np.ndarray]) -> None:
+    """Put the raw link's `arrays` into `request`'s records (their order: `state_to_proto`), for gRPC."""
     left = iter(arrays)
     for msg in request.records:
         if msg.segment or not msg.state:
