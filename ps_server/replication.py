@@ -313,6 +313,8 @@ class Links(Protocol):
 
     def broke(self, address: str, err: Exception, link: Link | None = None) -> None: ...
 
+    def close(self, address: str | None = None) -> None: ...
+
 
 class Replicator:
     """Primary side: ships the state of each slice that took a step to its backups, and tracks their acks.
@@ -667,6 +669,8 @@ class Replicator:
         """Tell a former backup to drop our copies; best effort (a dead one has nothing to drop)."""
         if b.shm is not None:
             b.shm.close()
+        if self._links is not None:
+            self._links.close(b.address)
         try:
             self._send(b.address, pb.ReplicateRequest(primary=self.own, release=True))
         except Exception as e:
