@@ -9,8 +9,11 @@ are batched that way), and a backup that restarted or joined just gets every sli
 that catches up while training goes on.
 
 Where the bytes go: with a backup on the same host, into shared-memory segments both map, so a
-Replicate call carries only metadata (ps_server/replica_shm.py); with one that cannot map them
-(another host, or a server without shared memory), inline in the call. Backups also still replay
+call carries only metadata (ps_server/replica_shm.py); with one that cannot map them (another
+host, or a server without shared memory), as the data of a frame on a raw TCP link to the backup's
+fast-path listener (ps_server/replica_tcp.py). The calls themselves go over that link when the
+backup offers one (a frame on a kept connection costs less than a gRPC call), else, or when it
+breaks, as Replicate calls with the bytes inline. Backups also still replay
 step records (`step_record`: an update and how many gradients it sums, run through the same
 element-wise optimizer), the form of older primaries.
 
