@@ -57,6 +57,7 @@ from pshard.api.v1 import parameter_server_pb2 as pb
 log = logging.getLogger("pshard.ps.replication")
 
 _BATCH_BYTES = 16 * 2**20  # rows per Replicate call, by bytes (the servers' message limit is 64 MiB)
+_CHECKED = 2  # id arrays `check` remembers as served here (a pull's, then the push of the same ids)
 _RETRY_S = (0.05, 1.0)  # first and longest wait between attempts to reach a backup
 
 
@@ -134,6 +135,7 @@ class TableReplication:
         self._owned: frozenset[int] | None = None  # partitions served (None: no layout, nothing checked)
         self.promoted_rows = 0
         self._watched: dict[str, SparseTable] = {}  # the tables whose rows the backups are given
+        self._checked: list[np.ndarray] = []  # the last ids found served here (see `check`)
 
     # ---- requests (TableHandlers' hooks, on the loop) ----
 
@@ -144,6 +146,10 @@ class TableReplication:
             self._watch()
         if owned is None or layout is None or not len(ids):
             return
+        first, last = ids[0], ids[-1]
+        for seen in self._checked:  # a push of the ids pulled a moment before: hashed once
+            if len(seen) == len(ids) and seen[0] == first and seen[-1] == last and np.array_equal(seen, ids):
+                return
         partition = server_of(ids, len(layout.servers))
         if len(owned) == 1:
             bad = partition != next(iter(owned))
@@ -156,6 +162,7 @@ class TableReplication:
                 f"{what} of table {table.config.name!r}: id {int(ids[i])} is in row partition {p}, which "
                 f"layout version {layout.version} has on server {layout.row_owner(p)} "
                 f"({layout.servers[layout.row_owner(p)]}), not here; re-route")
+        self._checked = [ids.copy(), *self._checked[:_CHECKED - 1]]
 
     def fresh(self, name: str, ids: np.ndarray, worker: str, push_id: int) -> np.ndarray | None:
         """Which of a push's `ids` to apply: None, all; else a mask without the ids of the partitions
@@ -303,6 +310,7 @@ class TableReplication:
             self._owned = None
             return
         owned = frozenset(layout.partitions_on(me))
+        self._checked = []
         gained = owned - (self._owned if self._owned is not None else frozenset({me}))
         self._owned = owned
         if not gained:
