@@ -24,6 +24,7 @@ from pshard.common.layout import Layout, ParamSpec, plan_layout
 from pshard.common.replicas import fail_over
 from pshard.common.serving import ServerThread
 from pshard.common.sparse import TableConfig, server_of
+from pshard.common.view import ClusterView, Node, NodeState
 from pshard.ps_server.replica_link import grpc_sender
 from pshard.ps_server.settings import ServerSettings
 from pshard.ps_server.table import SparseTable
@@ -215,6 +216,19 @@ def test_a_new_backup_copies_every_row_before_it_counts_in_sync_and_foreign_ids_
     for backup in servers[1:]:
         copy = _rows(backup).replicas.table(primary.address, "restored")
         assert copy is not None and _state(copy, own) == _state(restored, own)
+    # Server 1 comes back as a new process (a new generation in the view): it holds nothing, so it is
+    # out of sync at once, and in sync again only once it has every row anew.
+    def view(generation: int) -> ClusterView:
+        node = Node("ps-1", "ps", 1, servers[1].address, NodeState.LIVE, generation)
+        return ClusterView(generation, (node,))
+    primary.call(lambda: _rows(primary).on_view(view(1)))
+    _rows(servers[1]).replicas.release(primary.address)  # what a new process holds: nothing
+    assert primary.call(lambda: (_rows(primary).on_view(view(2)), _rows(primary).in_sync())[1]) == {
+        servers[2].address}
+    wait_until(lambda: primary.call(lambda: _rows(primary).in_sync()) == {s.address for s in servers[1:]},
+               WAIT_S, "the restarted backup to copy server 0's rows again")
+    again = _rows(servers[1]).replicas.table(primary.address, "emb")
+    assert again is not None and _state(again, held) == _state(table, held)
     # Ids of server 1's partition sent to server 0: refused (NOT_FOUND), nothing created.
     stub = pb_grpc.SparseTablesServiceStub(client._channels[0])
     foreign = IDS[server_of(IDS, 3) == 1][:3]
