@@ -502,11 +502,12 @@ class FastPathServer:
                     await inflow.wait(end)
                 yield index, wire
 
-        store = self._handlers.store
+        # No store yet: an heir's first request after a failover, which the handlers promote its copies for.
+        store = self._handlers.store if self._handlers.has_store else None
         # Sent from the value itself only when a send's return means the kernel has the bytes (not TLS,
         # whose transport may encrypt them later).
         lend = (write_slice is not None and session.conn is not None and session.conn.sends_directly
-                and store.config.mode == "sync")
+                and store is not None and store.config.mode == "sync")
         encoder = session.lender if lend else session.encoder
         encoder.expect = pull[0] if pull else None
         reply = pb.TransportReply()
@@ -528,7 +529,7 @@ class FastPathServer:
                         await write_slice(done - 1, session.regions.reply[offset:offset + nbytes])
                         continue
                     await write_slice(done - 1, lent)
-                    if store.version(key) != event.version:
+                    if store is not None and store.version(key) != event.version:  # lent: a store
                         raise TransportBroken(f"slice {str(key)!r} changed while it was sent")
                 elif isinstance(event, ExchangeDone):
                     reply.summary.versions.extend(event.versions)
