@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 from pshard.common.errors import InvalidArgumentError
-from pshard.common.sparse import TableConfig, server_of
+from pshard.common.sparse import TableConfig, mix64, server_of
 from pshard.ps_server.table import SparseTable, initial_rows
 
 N_IDS, DIM, STEPS = 30, 6, 50
@@ -82,6 +82,29 @@ def test_placement_spreads_ids_evenly_and_moves_few_when_a_server_joins() -> Non
     assert np.bincount(three).min() > 0.3 * len(ids)
     moved = three != four
     assert (four[moved] == 3).all() and 0.2 < moved.mean() < 0.3
+
+
+def _jump_reference(key: int, n: int) -> int:
+    """Lamport & Veach's jump consistent hash, one id at a time in Python integers and floats."""
+    bucket, jump = -1, 0
+    while jump < n:
+        bucket = jump
+        key = (key * 2862933555777941757 + 1) % 2**64
+        jump = int((bucket + 1) * (float(1 << 31) / float((key >> 33) + 1)))
+    return max(bucket, 0)
+
+
+def test_placement_is_the_jump_hash_of_each_id() -> None:
+    # Placement is a contract between every client and server: the vectorised rounds (compacted to
+    # the ids still jumping) must land each id where the one-at-a-time algorithm does.
+    rng = np.random.default_rng(5)
+    ids = np.concatenate([rng.integers(-(2**63), 2**63 - 1, 600, dtype=np.int64),
+                          np.arange(-50, 50, dtype=np.int64), [2**63 - 1, -(2**63)]])
+    keys = [int(k) for k in mix64(ids.view(np.uint64))]
+    for n in [*range(1, 12), 17, 64, 1000]:
+        expected = [_jump_reference(k, n) for k in keys]
+        np.testing.assert_array_equal(server_of(ids, n), expected, err_msg=f"{n} servers")
+    assert server_of(np.zeros(0, np.int64), 3).shape == (0,)
 
 
 def test_admission_counts_pushes_until_the_nth_sighting() -> None:
