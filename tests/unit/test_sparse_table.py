@@ -8,6 +8,7 @@ import torch
 from pshard.common.errors import InvalidArgumentError
 from pshard.common.sparse import TableConfig, mix64, server_of
 from pshard.ps_server.table import SparseTable, initial_rows
+from pshard.worker.tables import _FEW_RUNS, _Split
 
 N_IDS, DIM, STEPS = 30, 6, 50
 
@@ -105,6 +106,24 @@ def test_placement_is_the_jump_hash_of_each_id() -> None:
         expected = [_jump_reference(k, n) for k in keys]
         np.testing.assert_array_equal(server_of(ids, n), expected, err_msg=f"{n} servers")
     assert server_of(np.zeros(0, np.int64), 3).shape == (0,)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_client_sums_the_gradients_of_repeated_ids_in_call_order(dtype: type) -> None:
+    # Zipf ids: hundreds of short runs (summed a row per round) and a few runs of hundreds of
+    # repeats (summed whole); each id's sum is its gradients added one after another, in call order.
+    rng = np.random.default_rng(2)
+    ids = ((rng.zipf(1.1, 4096) - 1) % 100_000).astype(np.int64)
+    counts = np.unique(ids, return_counts=True)[1]
+    assert (counts > 1).sum() > 4 * _FEW_RUNS and (counts > 100).any()
+    grads = rng.standard_normal((4096, 5)).astype(dtype)
+    split = _Split(ids, 3)
+    summed = split.coalesce(grads, np.empty((len(split.ids), 5), dtype))
+    position = {int(i): k for k, i in enumerate(split.ids)}
+    expected = np.zeros_like(summed)
+    for p, i in enumerate(ids.tolist()):
+        expected[position[i]] += grads[p]
+    np.testing.assert_array_equal(summed, expected)
 
 
 def test_admission_counts_pushes_until_the_nth_sighting() -> None:
