@@ -105,3 +105,44 @@ def test_a_large_push_refused_at_its_header_is_answered_and_the_path_serves_the_
         np.testing.assert_array_equal(weights[key], np.full(N, -1.0, np.float32))
     assert w0.transports == ["tcp"]
     assert wire.stats(server).pushes_applied == 2
+
+
+def test_a_sync_slice_updated_while_it_is_sent_from_the_store_breaks_the_path_not_the_bytes(
+        start_server, new_client, wire):
+    """The torn-read guard of lending: a reader that stalls mid-pull while the only trainer completes
+    the next clock (the values are rewritten under the send) gets the path broken (the worker then
+    pulls over gRPC), never a reply that vouches for the bytes it was sent."""
+    n = 2**23  # 32 MB in 4 MiB slices: more than the kernel's buffers hold, so the send stalls
+    server = start_server(ServerSettings(static_quorum={"w0": 0}))
+    w0 = new_client([server], "w0", transport="grpc")
+    w0.declare({"a": np.zeros(n, np.float32)}, SYNC)
+    parts = [s.slice_key.part for s in w0.layout.slices_on(0)]
+    assert len(parts) >= 4
+    opened = wire.stub(server).OpenTransport(pb.OpenTransportRequest(
+        worker_id="reader", kind=pb.TRANSPORT_KIND_TCP, request_bytes=4 * n, reply_bytes=4 * n),
+        timeout=WAIT_S)
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 * 1024)  # before connecting: the window
+        sock.settimeout(WAIT_S)
+        sock.connect(("127.0.0.1", opened.port))
+        hello = pb.TransportHello(session=opened.session, secret=opened.secret).SerializeToString()
+        fastwire.send_frame(sock, fastwire.HELLO, hello)
+        meta = pb.ExchangeHeader(op=pb.EXCHANGE_OP_PUSH_PULL, stamp=wire.stamp("reader", 0),
+                                 pull=[wire.slice_id("a", p) for p in parts],
+                                 timeout_ms=int(WAIT_S * 1000)).SerializeToString()
+        sock.sendall(fastwire.encode_header(fastwire.REQUEST, len(meta), 0) + meta)
+        kind, _, data_len = fastwire.recv_frame_head(sock)
+        assert kind == fastwire.SLICE
+        # The send is under way and stalled on our window: the clock completes under it.
+        weights = w0.push_pull({"a": np.ones(n, np.float32)}, 0)
+        np.testing.assert_array_equal(weights["a"], np.full(n, -1.0, np.float32))
+        slices = 0
+        while kind == fastwire.SLICE:
+            slices += 1
+            fastwire.discard(sock, data_len)
+            kind, reply_meta, data_len = fastwire.recv_frame_head(sock)
+    assert kind == fastwire.REPLY
+    reply = pb.TransportReply.FromString(reply_meta)
+    assert reply.error_type == "TransportBroken", (slices, reply)
+    assert "changed while it was sent" in reply.error_message
+    assert slices < len(parts)  # broken at the slice that changed, not after them all
