@@ -123,19 +123,34 @@ def test_an_error_reply_before_the_request_is_all_sent_is_raised_and_the_path_se
     assert calls == [4 * N, 4 * N]
 
 
-def _drop(sock: socket.socket, n: int) -> None:
+def _out_of_order(sock: socket.socket, n: int) -> None:
     fastwire.discard(sock, n)
+    _slice(sock, 1, np.ones(N, np.float32))
+
+
+def _summary_lists_unsent(sock: socket.socket, n: int) -> None:
+    fastwire.discard(sock, n)
+    _slice(sock, 0, np.ones(N, np.float32))
+    _reply(sock, [4 * N, 4 * N])
+
+
+def _summary_lists_other_size(sock: socket.socket, n: int) -> None:
+    fastwire.discard(sock, n)
+    _slice(sock, 0, np.ones(N // 2, np.float32))
+    _reply(sock, [4 * N])
+
+
+def _closed_between_slices(sock: socket.socket, n: int) -> None:
+    _slice(sock, 0, np.ones(N, np.float32))
+    sock.shutdown(socket.SHUT_RDWR)
 
 
 @pytest.mark.parametrize(("script", "pulled"), [
-    pytest.param(lambda sock, n: (_drop(sock, n), _slice(sock, 1, np.ones(N, np.float32))), 2,
-                 id="a slice out of order"),
-    pytest.param(lambda sock, n: (_drop(sock, n), _slice(sock, 0, np.ones(N, np.float32)),
-                                  _reply(sock, [4 * N, 4 * N])), 2, id="a summary listing a slice not sent"),
-    pytest.param(lambda sock, n: (_drop(sock, n), _slice(sock, 0, np.ones(N // 2, np.float32)),
-                                  _reply(sock, [4 * N])), 1, id="a summary listing another size"),
-    pytest.param(lambda sock, n: (_slice(sock, 0, np.ones(N, np.float32)), sock.shutdown(socket.SHUT_RDWR)),
-                 2, id="the connection closed between two slices, the request half sent"),
+    pytest.param(_out_of_order, 2, id="a slice out of order"),
+    pytest.param(_summary_lists_unsent, 2, id="a summary listing a slice not sent"),
+    pytest.param(_summary_lists_other_size, 1, id="a summary listing another size"),
+    pytest.param(_closed_between_slices, 2,
+                 id="the connection closed between two slices, the request half sent"),
 ])
 def test_a_reply_that_breaks_the_framing_breaks_the_path_before_the_deadline(path, script, pulled):
     fast = path(script)

@@ -116,7 +116,7 @@ def test_client_sums_the_gradients_of_repeated_ids_in_call_order(dtype: type) ->
     ids = ((rng.zipf(1.1, 4096) - 1) % 100_000).astype(np.int64)
     counts = np.unique(ids, return_counts=True)[1]
     assert (counts > 1).sum() > 4 * _FEW_RUNS and (counts > 100).any()
-    grads = rng.standard_normal((4096, 5)).astype(dtype)
+    grads: np.ndarray = rng.standard_normal((4096, 5)).astype(dtype)
     split = _Split(ids, 3)
     summed = split.coalesce(grads, np.empty((len(split.ids), 5), dtype))
     position = {int(i): k for k, i in enumerate(split.ids)}
