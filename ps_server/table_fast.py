@@ -52,10 +52,11 @@ async def serve_table(tables: TableHandlers, header: pb.ExchangeHeader, metas: S
     reply = pb.TransportReply()
     if request.push and request.pull:
         stored, _ = await tables.push_pull(request.table, views[0], views[1], views[2], stamp.clock,
-                                           stamp.worker_id, into, request.push_id)
+                                           stamp.worker_id, into, request.push_id,
+                                           request.layout_version)
     elif request.push:
         stored = await tables.push(request.table, views[0], views[1], stamp.clock, stamp.worker_id,
-                                   request.push_id)
+                                   request.push_id, request.layout_version)
     else:
         stored = 0
         await tables.pull(request.table, views[0], stamp.clock, stamp.worker_id, into)

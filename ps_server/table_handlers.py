@@ -12,7 +12,8 @@ and write from a worker thread, so the loop keeps serving other tables meanwhile
 
 Sync tables (ps_server.table_sync) need the worker of each push and the quorum: the server's
 static one (--workers) or the scheduler's, given to `set_quorum`. Their pulls wait, as coroutines,
-until the clock they read is applied.
+until the clock they read is applied in the row partitions of their ids. With replicas, a sync
+push also names the layout version it was routed with (TableReplication.routed).
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ from pshard.common.sparse import TableConfig
 from pshard.ps_server.settings import ServerSettings
 from pshard.ps_server.table import SparseTable
 from pshard.ps_server.table_files import append_ids, export_table, load_tables, save_tables
-from pshard.ps_server.table_sync import SyncClocks
+from pshard.ps_server.table_sync import OWN, PartitionClocks
 
 if TYPE_CHECKING:
     from pshard.ps_server.table_replication import TableReplication
@@ -71,7 +72,7 @@ class TableHandlers:
         self._now = now
         self._tables: dict[str, SparseTable] = {}
         self._locks: dict[str, asyncio.Lock] = {}
-        self._sync: dict[str, SyncClocks] = {}
+        self._sync: dict[str, PartitionClocks] = {}
         self._changed: dict[str, asyncio.Event] = {}  # set (and replaced) when a sync clock is applied
         self._quorum: dict[str, int] | None = dict(settings.static_quorum) if settings.static_quorum else None
         self._dir = Path(settings.checkpoint_dir) if settings.checkpoint_dir else None
@@ -87,7 +88,7 @@ class TableHandlers:
         self._tables[name] = table
         self._locks[name] = asyncio.Lock()
         if table.config.mode == "sync":
-            self._sync[name] = SyncClocks()
+            self._sync[name] = PartitionClocks()
             self._changed[name] = asyncio.Event()
 
     def _make(self, config: TableConfig) -> SparseTable:
@@ -138,7 +139,7 @@ class TableHandlers:
         """`into(config, n)`: where the n rows are written (a fast path's reply region), else a new array."""
         table = self._table(name)
         keys = self._ids(table, ids, "pull")
-        await self._wait_applied(name, clock)
+        await self._wait_applied(name, clock, keys)
         async with self._locks[name]:
             return self._pull(table, keys, clock, into(table.config, len(keys)) if into else None)
 
@@ -152,21 +153,22 @@ class TableHandlers:
         return rows
 
     async def push(self, name: str, ids: Raw, grads: Raw, clock: int = 0, worker: str = "",
-                   push_id: int = 0) -> int:
-        """`push_id`: the push's idempotence key per worker (0: none); a repeat is dropped, stored 0."""
+                   push_id: int = 0, layout_version: int = 0) -> int:
+        """`push_id`: the push's idempotence key per worker (0: none); a repeat is dropped, stored 0.
+        `layout_version`: the layout the worker routed the push with (0: none)."""
         table = self._table(name)
         keys = self._ids(table, ids, "push")
         rows = self._grads(table, keys, grads)
         quorum = self._sync_quorum(name, worker)
         async with self._locks[name]:
-            stored = self._push(table, keys, rows, clock, worker, quorum, push_id)
+            stored = self._push(table, keys, rows, clock, worker, quorum, push_id, layout_version)
         if self.replication is not None:  # acknowledged once the backups hold it
             await self.replication.settle(time.monotonic() + self._settings.pull_timeout_s)
         return stored
 
     async def push_pull(self, name: str, push_ids: Raw, grads: Raw, pull_ids: Raw, clock: int = 0,
                         worker: str = "", into: Into | None = None,
-                        push_id: int = 0) -> tuple[int, np.ndarray]:
+                        push_id: int = 0, layout_version: int = 0) -> tuple[int, np.ndarray]:
         """Push for `clock`, then pull: at clock + 1 in a sync table (the clock just pushed, applied)."""
         table = self._table(name)
         keys = self._ids(table, push_ids, "push")
@@ -174,10 +176,10 @@ class TableHandlers:
         wanted = self._ids(table, pull_ids, "pull")
         quorum = self._sync_quorum(name, worker)
         async with self._locks[name]:
-            stored = self._push(table, keys, rows, clock, worker, quorum, push_id)
+            stored = self._push(table, keys, rows, clock, worker, quorum, push_id, layout_version)
         if name in self._sync:
             clock += 1
-            await self._wait_applied(name, clock)
+            await self._wait_applied(name, clock, wanted)
         elif self.replication is not None:
             await self.replication.settle(time.monotonic() + self._settings.pull_timeout_s)
         async with self._locks[name]:
@@ -185,7 +187,7 @@ class TableHandlers:
             return stored, self._pull(table, wanted, clock, out)
 
     def _push(self, table: SparseTable, keys: np.ndarray, rows: np.ndarray, clock: int, worker: str,
-              quorum: dict[str, int] | None, push_id: int = 0) -> int:
+              quorum: dict[str, int] | None, push_id: int = 0, layout_version: int = 0) -> int:
         name = table.config.name
         sync = self._sync.get(name)
         if sync is None or quorum is None:
@@ -198,15 +200,22 @@ class TableHandlers:
             stored = table.push(keys, rows, clock or None) if len(keys) else 0
             repl.changed(name, keys, worker, push_id)
             return stored
-        self._apply(name, sync.push(clock, worker, keys, rows, quorum))
+        repl = self.replication
+        served = None if repl is None else repl.served()
+        if repl is not None:
+            repl.routed(name, layout_version)  # before anything is recorded
+        if repl is None or served is None:  # no layout: one partition, its own
+            self._apply(name, sync.push(clock, worker, keys, rows, OWN, (OWN,), quorum))
+        else:
+            self._apply(name, sync.push(clock, worker, keys, rows, repl.partitions(keys), served, quorum))
         return len(keys)
 
     def _apply(self, name: str, updates: list[tuple[np.ndarray, np.ndarray, int]]) -> None:
         table = self._tables[name]
         for ids, mean, clock in updates:
             table.push(ids, mean, clock or None)
-            if self.replication is not None:
-                self.replication.changed(name, ids)
+            if self.replication is not None:  # the rows, and the partition's applied clock
+                self.replication.changed(name, ids, clocked=True)
         if updates:
             self._changed[name].set()
             self._changed[name] = asyncio.Event()
@@ -226,20 +235,35 @@ class TableHandlers:
                                        f"quorum {sorted(self._quorum)}")
         return self._quorum
 
-    async def _wait_applied(self, name: str, clock: int) -> None:
-        """Until every clock below `clock` of sync table `name` is applied (async tables: at once)."""
+    def _partitions(self, keys: np.ndarray) -> set[int]:
+        """The row partitions of `keys` (all those served here when there are none)."""
+        repl = self.replication
+        served = None if repl is None else repl.served()
+        if repl is None or served is None:
+            return {OWN}
+        if not len(keys):
+            return set(served)
+        partition = repl.partitions(keys)
+        return {partition} if isinstance(partition, int) else set(np.unique(partition).tolist())
+
+    async def _wait_applied(self, name: str, clock: int, keys: np.ndarray) -> None:
+        """Until every clock below `clock` of sync table `name` is applied in the row partitions of
+        `keys` (async tables: at once)."""
         sync = self._sync.get(name)
         if sync is None:
             return
         deadline = time.monotonic() + self._settings.pull_timeout_s
-        while sync.applied is not None and sync.applied < clock:
+        partitions = self._partitions(keys)
+        while (behind := sync.behind(clock, partitions)) is not None:
             left = deadline - time.monotonic()
             try:
                 await asyncio.wait_for(self._changed[name].wait(), max(left, 0.0))
             except TimeoutError:
+                partition, applied = behind
+                where = "" if partition == OWN else f" of row partition {partition}"
                 raise PullTimeoutError(
-                    f"pull of sync table {name!r} at clock {clock}: clock {sync.applied} still waits for "
-                    f"{sync.waiting_for(sync.applied, self._quorum or {})} after "
+                    f"pull of sync table {name!r} at clock {clock}: clock {applied}{where} still waits for "
+                    f"{sync.waiting_for(partition, applied, self._quorum or {})} after "
                     f"{self._settings.pull_timeout_s:.1f}s") from None
         if self.replication is not None:  # a clock's update is read once its backups hold it
             await self.replication.settle(deadline)
@@ -258,6 +282,22 @@ class TableHandlers:
 
     def find(self, name: str) -> SparseTable | None:
         return self._tables.get(name)
+
+    def sync_applied(self, name: str) -> dict[int, int] | None:
+        """A sync table's first clock not applied per row partition (None: not a sync table)."""
+        sync = self._sync.get(name)
+        return None if sync is None else sync.applied()
+
+    def adopt_sync(self, name: str, applied: dict[int, int]) -> None:
+        """Serve a failover's partitions of sync table `name` from their replicated applied clocks."""
+        sync = self._sync.get(name)
+        if sync is not None:
+            sync.adopt(applied)
+
+    def number_own(self, partition: int) -> None:
+        """The layout told this server its partition's number (ps_server/table_replication.py)."""
+        for sync in self._sync.values():
+            sync.number_own(partition)
 
     def make(self, config: TableConfig) -> SparseTable:
         """An empty table as a Declare would create it (a global checkpoint's restore fills it)."""

@@ -83,6 +83,8 @@ class RowBatch:
     seen_counts: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
     rng_state: str = ""  # json of the admission generator's state ("": no admission by probability)
     pushes: dict[str, list[PushKey]] = field(default_factory=dict)
+    # Sync tables: per row partition, the first clock not applied when the rows were captured.
+    applied: dict[int, int] | None = None
 
     @property
     def nbytes(self) -> int:
@@ -163,6 +165,7 @@ class ReplicaTables:
     def __init__(self) -> None:
         self._tables: dict[tuple[str, str], SparseTable] = {}
         self._logs: dict[tuple[str, str], PushLog] = {}
+        self._clocks: dict[tuple[str, str], dict[int, int]] = {}  # sync tables' applied clocks
         self._lock = threading.Lock()
         self.batches_applied = 0
 
@@ -175,6 +178,8 @@ class ReplicaTables:
                     table = self._tables[key] = SparseTable(batch.config, expected_rows=len(batch.ids))
                     self._logs[key] = PushLog()
                 install(table, batch)
+                if batch.applied is not None:
+                    self._clocks[key] = dict(batch.applied)
                 log = self._logs[key]
                 for worker, keys in batch.pushes.items():
                     log.replace(worker, keys)
@@ -188,12 +193,20 @@ class ReplicaTables:
             for key in keys:
                 del self._tables[key]
                 self._logs.pop(key, None)
+                self._clocks.pop(key, None)
             return rows
+
+    def clocks(self, primary: str) -> dict[str, dict[int, int]]:
+        """`primary`'s sync tables' applied clocks per partition, by table (read before `take`)."""
+        with self._lock:
+            return {name: dict(c) for (p, name), c in self._clocks.items() if p == primary}
 
     def take(self, primary: str) -> list[tuple[SparseTable, PushLog]]:
         """Hand over `primary`'s replicas, to be merged into this server's tables (a failover)."""
         with self._lock:
             keys = sorted(k for k in self._tables if k[0] == primary)
+            for key in keys:
+                self._clocks.pop(key, None)
             return [(self._tables.pop(k), self._logs.pop(k)) for k in keys]
 
     def primaries(self) -> set[str]:

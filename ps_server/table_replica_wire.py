@@ -62,6 +62,8 @@ def batch_into_proto(b: RowBatch, msg: pb.TableReplica, segment: str = "", offse
         entry = msg.pushes[worker]
         entry.ids.extend(k for k, _ in keys)
         entry.partitions.extend(p for _, p in keys)
+    if b.applied:
+        msg.applied_clocks.update(b.applied)
 
 
 def batch_to_proto(b: RowBatch) -> pb.TableReplica:
@@ -93,7 +95,8 @@ def batch_from_proto(msg: pb.TableReplica, maps: SegmentMaps | None = None, prim
     return RowBatch(config, ids, columns, np.frombuffer(msg.deleted, _ID), msg.step, msg.clock, msg.evicted,
                     msg.admitted, np.frombuffer(msg.seen_ids, _ID), np.frombuffer(msg.seen_counts, "<i4"),
                     msg.rng_state,
-                    {w: list(zip(p.ids, p.partitions, strict=True)) for w, p in msg.pushes.items()})
+                    {w: list(zip(p.ids, p.partitions, strict=True)) for w, p in msg.pushes.items()},
+                    dict(msg.applied_clocks) if config.mode == "sync" else None)
 
 
 class RowSegment:

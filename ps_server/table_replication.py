@@ -20,6 +20,13 @@ holds the rows it changed:
   it does not serve (UnknownKeyError: the worker re-routes). Pushes carry an idempotence key
   (worker, push_id) replicated with the rows, so a push resent after a failover, that the old
   primary had applied and replicated before it died, is dropped by the heir.
+- Sync tables: a clock's update is applied per row partition (ps_server/table_sync.py) and
+  replicated like any change, with each partition's applied clock, in the same batch as the rows
+  (a sync table's changed rows are never split over two calls, so the two agree). The heir serves
+  an adopted partition from that clock on; the pushes its old primary held pending come again from
+  the workers, which keep each sync push until a pull shows it applied (worker/tables.py). A sync
+  push counts, empty parts included, for the partitions its server serves, so it is taken only when
+  the layout it was routed with gave this server the partitions it serves now (`routed`).
 
 Lives on the server's event loop (table requests run there); the Replicate call's decoding and
 applying of batches run on a thread (ReplicaTables locks itself).
@@ -59,6 +66,10 @@ log = logging.getLogger("pshard.ps.replication")
 _BATCH_BYTES = 16 * 2**20  # rows per Replicate call, by bytes (the servers' message limit is 64 MiB)
 _CHECKED = 2  # id arrays `check` remembers as served here (a pull's, then the push of the same ids)
 _RETRY_S = (0.05, 1.0)  # first and longest wait between attempts to reach a backup
+_VERSIONS_KEPT = 64  # layouts whose served partitions `routed` remembers
+# How a server refuses a sync push routed with a layout it has not received yet (worker/tables.py
+# waits a moment and sends it again).
+NOT_YET = "this server has not received that layout yet; retry"
 
 
 class TableSource(Protocol):
@@ -74,6 +85,16 @@ class TableSource(Protocol):
         ...
 
     def add(self, table: SparseTable) -> None:
+        ...
+
+    def sync_applied(self, name: str) -> dict[int, int] | None:
+        """A sync table's first clock not applied per partition (None: not a sync table)."""
+        ...
+
+    def adopt_sync(self, name: str, applied: dict[int, int]) -> None:
+        ...
+
+    def number_own(self, partition: int) -> None:
         ...
 
 
@@ -133,6 +154,7 @@ class TableReplication:
         self._layout: Layout | None = None
         self._me: int | None = None
         self._owned: frozenset[int] | None = None  # partitions served (None: no layout, nothing checked)
+        self._owned_at: dict[int, frozenset[int] | None] = {}  # layout version -> partitions served then
         self.promoted_rows = 0
         self._watched: dict[str, SparseTable] = {}  # the tables whose rows the backups are given
         self._checked: list[np.ndarray] = []  # the last ids found served here (see `check`)
@@ -170,15 +192,37 @@ class TableReplication:
         push_log = self._logs.get(name)
         if not push_id or not worker or push_log is None:
             return None
-        partition = self._partition_of(ids)
+        partition = self.partitions(ids)
         if isinstance(partition, int):
             return np.zeros(len(ids), bool) if push_log.seen(worker, (push_id, partition)) else None
         done = [p for p in np.unique(partition).tolist() if push_log.seen(worker, (push_id, p))]
         return ~np.isin(partition, done) if done else None
 
-    def _partition_of(self, ids: np.ndarray) -> int | np.ndarray:
+    def served(self) -> frozenset[int] | None:
+        """The row partitions this server serves (None: it knows no layout yet)."""
+        return self._owned
+
+    def routed(self, name: str, version: int) -> None:
+        """Refuse a sync push routed with layout `version` unless that layout gave this server the
+        partitions it serves: the push counts for each of them, empty parts too, so a worker routing
+        with another layout would be counted for a partition whose ids it sent elsewhere, or not
+        counted for one it believes it pushed to here. 0: a worker without a layout, not checked."""
+        layout = self._layout
+        if not version:
+            return
+        if layout is None or version > layout.version:
+            raise UnknownKeyError(f"push of sync table {name!r}: routed with layout version {version}, while "
+                                  f"this server knows version {layout.version if layout else 'none'}; "
+                                  f"{NOT_YET}")
+        if version < layout.version and self._owned_at.get(version, frozenset()) != self._owned:
+            raise UnknownKeyError(f"push of sync table {name!r}: routed with layout version {version}, whose "
+                                  f"row partitions on this server are not those of version {layout.version}; "
+                                  "not here; re-route")
+
+    def partitions(self, ids: np.ndarray) -> int | np.ndarray:
         """The row partition of each of `ids` (checked to be served here): one number when this
-        server serves one partition, as it does until a failover gives it more."""
+        server serves one partition, as it does until a failover gives it more (-1: no layout yet,
+        ps_server.table_sync.OWN)."""
         owned, layout = self._owned, self._layout
         if owned is not None and len(owned) == 1:
             return next(iter(owned))
@@ -186,16 +230,18 @@ class TableReplication:
             return -1
         return server_of(ids, len(layout.servers))
 
-    def changed(self, name: str, ids: np.ndarray, worker: str = "", push_id: int = 0) -> None:
+    def changed(self, name: str, ids: np.ndarray, worker: str = "", push_id: int = 0,
+                clocked: bool = False) -> None:
         """Rows of `name` changed (after the change, on the loop): every backup gets them, and the
-        push's idempotence key (a resend after a failover is then dropped by the heir)."""
+        push's idempotence key (a resend after a failover is then dropped by the heir). `clocked`: a
+        sync clock was applied, touching these rows or none: the backups get its applied clock."""
         keyed = bool(push_id and worker)
         if keyed:
             push_log = self._logs.setdefault(name, PushLog())
-            partition = self._partition_of(ids)
+            partition = self.partitions(ids)
             for p in [partition] if isinstance(partition, int) else np.unique(partition).tolist():
                 push_log.add(worker, (push_id, p))
-        if not self._peers or not (len(ids) or keyed):
+        if not self._peers or not (len(ids) or keyed or clocked):
             return
         self._seq += 1
         ids = np.array(ids, np.int64)  # a view of a request's bytes or of a fast-path region: copy
@@ -305,14 +351,18 @@ class TableReplication:
             return
         before, self._layout = self._layout, layout
         me = index_of(layout, self.own)
+        if me is not None and self._me is None:
+            self._tables.number_own(me)
         self._me = me
         if me is None:
             self._owned = None
+            self._remember(layout.version)
             return
         owned = frozenset(layout.partitions_on(me))
         self._checked = []
         gained = owned - (self._owned if self._owned is not None else frozenset({me}))
         self._owned = owned
+        self._remember(layout.version)
         if not gained:
             return
         # Whose replicas hold the gained partitions: their previous servers (an earlier failover may
@@ -323,8 +373,14 @@ class TableReplication:
         for primary in sorted(sources & self.replicas.primaries()):
             self._promote(primary)
 
+    def _remember(self, version: int) -> None:
+        self._owned_at[version] = self._owned
+        while len(self._owned_at) > _VERSIONS_KEPT:
+            del self._owned_at[min(self._owned_at)]
+
     def _promote(self, primary: str) -> None:
         rows = 0
+        clocks = self.replicas.clocks(primary)
         for replica, push_log in self.replicas.take(primary):
             name = replica.config.name
             table = self._tables.find(name)
@@ -333,6 +389,8 @@ class TableReplication:
                 self._tables.add(table)
                 self._hook(table)  # its rows go to the backups below
             moved = merge(table, replica)
+            if name in clocks:  # a sync table: its partitions go on from the clock the rows hold
+                self._tables.adopt_sync(name, clocks[name])
             self._logs.setdefault(name, PushLog()).merge(push_log)
             rows += len(moved)
             for peer in self._peers.values():  # they count in sync again once they hold these rows too
@@ -389,7 +447,8 @@ class TableReplication:
                 continue
             ids = np.unique(np.concatenate(parts))
             fits = max(1, budget // row_bytes(table.config))
-            if len(ids) > fits:
+            # A sync table's rows go whole: its applied clocks ride along and must match every row.
+            if len(ids) > fits and table.config.mode != "sync":
                 drained = False
                 peer.dirty.setdefault(name, []).insert(0, ids[fits:])
                 ids = ids[:fits]
@@ -431,7 +490,9 @@ class TableReplication:
             pushes = push_log.keys_of(names) if push_log is not None and names else None
             alloc: Alloc | None = segment.alloc if segment is not None else None
             offset = segment.position if segment is not None else 0
-            batches.append((capture(table, ids, pushes, alloc), segment.name if segment else "", offset))
+            batch = capture(table, ids, pushes, alloc)
+            batch.applied = self._tables.sync_applied(table.config.name)
+            batches.append((batch, segment.name if segment else "", offset))
         return _Call(seq, batches, drained, taken, peer.incarnation)
 
     async def _sender(self, peer: _Peer) -> None:

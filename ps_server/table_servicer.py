@@ -35,13 +35,15 @@ class SparseTablesServicer:
 
     async def PushRows(self, request: pb.PushRowsRequest, context: object) -> pb.PushRowsResponse:
         stored = await self._handlers.push(request.table, request.ids, request.grads, request.clock,
-                                           request.worker_id, request.push_id)
+                                           request.worker_id, request.push_id,
+                                           request.layout_version)
         return pb.PushRowsResponse(stored=stored)
 
     async def PushPullRows(self, request: pb.PushPullRowsRequest, context: object) -> pb.PushPullRowsResponse:
         stored, rows = await self._handlers.push_pull(request.table, request.push_ids, request.grads,
                                                       request.pull_ids, request.clock, request.worker_id,
-                                                      push_id=request.push_id)
+                                                      push_id=request.push_id,
+                                                      layout_version=request.layout_version)
         return pb.PushPullRowsResponse(stored=stored, rows=rows.tobytes())
 
     async def ExportTable(self, request: pb.ExportTableRequest, context: object) -> pb.ExportTableResponse:

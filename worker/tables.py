@@ -13,6 +13,13 @@ ps_server.table_fast), the one the dense steps use; else, or when a request is l
 session's table room, over gRPC. A session that breaks is dropped (PSClient negotiates again after
 a pause); a pull then completes over gRPC, while a push fails with UnavailableError, since it may
 have been applied and async pushes are not idempotent.
+
+With replicas, a sync table's push is held by its server pending until every worker pushed that
+clock, and is not replicated meanwhile: the client keeps each sync push until pulls at a later clock
+have read every row partition since (or, after a few clocks, asks the partitions it did not read,
+with a pull of no ids), and sends the pushes it keeps again, in clock order, to the servers of a
+new layout before anything else of that table (docs/architecture.md, 9 Failures). Servers drop
+what they have or applied, by (worker, clock) per partition.
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent import futures
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple, TypeVar
 
 import grpc
@@ -30,6 +38,7 @@ import numpy as np
 from pshard.common import codec
 from pshard.common.errors import InvalidArgumentError, UnavailableError, UnknownKeyError
 from pshard.common.fastwire import TransportBroken
+from pshard.common.layout import Layout
 from pshard.common.rpc_status import error_from_rpc_error
 from pshard.common.shm import align
 from pshard.common.sparse import TableConfig, put_rows, server_of, take_rows
@@ -64,6 +73,11 @@ _RETRY_S = 10.0  # a broken session is negotiated again after this (PSClient's F
 _INT64 = codec.dtype_to_proto("int64")
 # How a server refuses ids of a row partition it does not serve (ps_server/table_replication.py).
 _PARTITION_MOVED = "not here; re-route"
+# How a server refuses a sync push routed with a layout it has not received yet (table_replication.NOT_YET).
+_NOT_YET = "has not received that layout yet"
+_NOT_YET_WAIT_S = 0.05
+# Sync pushes kept per table past which the oldest is confirmed by a pull of no ids (see _Kept).
+_KEPT_CLOCKS = 4
 # Numbers (rows x dim) up to which a call's rows pass through buffers kept per thread (8 MB of float32).
 _BUFFER_NUMBERS = 1 << 21
 # Runs of repeated ids left for _run_sums to sum whole, one at a time, rather than a row per round.
@@ -111,6 +125,19 @@ def _run_sums(flat: np.ndarray, order: np.ndarray, starts: np.ndarray) -> np.nda
     return out
 
 
+@dataclass
+class _Kept:
+    """A sync push kept until every row partition applied it: its server held it pending, unreplicated,
+    and a failover would lose it (docs/architecture.md, 9 Failures)."""
+
+    clock: int
+    push_id: int
+    ids: np.ndarray
+    grads: np.ndarray
+    unread: set[int]  # partitions no pull at a later clock has read since
+    version: int  # the layout version it was last sent with
+
+
 class _Split:
     """Distinct ids of a call grouped by the server that holds them, and where each position came from.
 
@@ -135,11 +162,14 @@ class _Split:
         repeats = not new.all()
         unique = ordered[new] if repeats else ordered
         owner = server_of(unique, n_servers)
+        counts = np.bincount(owner, minlength=n_servers)
+        self.partitions = set(np.flatnonzero(counts).tolist())  # the row partitions of the ids
         if owners is not None:
             owner = owners[owner]
+            counts = np.bincount(owner, minlength=n_servers)
         # A stable sort of small integers is a radix sort: ids stay ascending within each server.
         group = np.argsort(owner.astype(np.int16 if n_servers < 2**15 else np.int64), kind="stable")
-        self._bounds = [0, *np.cumsum(np.bincount(owner, minlength=n_servers)).tolist()]
+        self._bounds = [0, *np.cumsum(counts).tolist()]
         self.ids = unique[group]
         self._group = group
         self.inverse = np.empty(n, np.int64)
@@ -187,6 +217,9 @@ class TableClient:
         # Idempotence keys of pushes: from the clock in microseconds, so a restarted worker's are new.
         self._push_ids = itertools.count(time.time_ns() // 1000)
         self.reroutes = 0  # table requests sent again after a failover
+        self._kept: dict[str, list[_Kept]] = {}  # sync tables' pushes not known applied everywhere
+        self._kept_lock = threading.Lock()
+        self.resent = 0  # kept sync pushes sent again after a failover
         # Per thread, arrays of rows kept between calls (see _buffer).
         self._local = threading.local()
 
@@ -198,31 +231,93 @@ class TableClient:
 
     def pull(self, table: str, ids: np.ndarray, clock: int = 0) -> np.ndarray:
         """Rows of `ids` (any shape, repeats allowed): an array of shape ids.shape + (dim,)."""
-        return self._routed(lambda: self._pull(table, ids, clock))
+        return self._routed(table, lambda layout: self._pull(table, ids, clock, layout))
 
     def push(self, table: str, ids: np.ndarray, grads: np.ndarray, clock: int = 0) -> int:
         """Apply `grads` (ids.shape + (dim,)) to the rows of `ids`, repeated ids summed; rows stored."""
         push_id = next(self._push_ids)  # the same on a resend: a server that applied it drops it
-        return self._routed(lambda: self._push(table, ids, grads, clock, push_id))
+        stored = self._routed(table, lambda layout: self._push(table, ids, grads, clock, push_id, layout))
+        self._keep(table, ids, grads, clock, push_id)
+        return stored
 
     def push_pull(self, table: str, ids: np.ndarray, grads: np.ndarray, pull_ids: np.ndarray,
                   clock: int = 0) -> np.ndarray:
         """Push as `push`, then pull `pull_ids` as `pull`, in one round trip per server."""
         push_id = next(self._push_ids)
-        return self._routed(lambda: self._push_pull(table, ids, grads, pull_ids, clock, push_id))
+        rows, read = self._routed(table, lambda layout: self._push_pull(table, ids, grads, pull_ids, clock,
+                                                                        push_id, layout))
+        self._keep(table, ids, grads, clock, push_id)
+        self._read(table, clock + 1, read)  # its pull was at clock + 1
+        return rows
 
-    def _routed(self, call: Callable[[], T]) -> T:
-        """`call()`, again on each newer layout the scheduler publishes after a server failed it: a
-        failover moved its row partitions to their backup (Layout.row_owners). A push resent keeps
-        its idempotence key, so a server that applied it before drops it."""
+    # ---- sync pushes kept for a failover ----
+
+    def _keep(self, table: str, ids: np.ndarray, grads: np.ndarray, clock: int, push_id: int) -> None:
+        """Keep an acknowledged sync push (replicated layouts only) until every partition applied it."""
+        layout = self._client.layout
+        if layout is None or not layout.replicas or self._config(table).mode != "sync":
+            return
+        kept = _Kept(clock, push_id, np.array(ids, copy=True), np.array(grads, copy=True),
+                     set(range(len(layout.servers))), layout.version)
+        with self._kept_lock:
+            pushes = self._kept.setdefault(table, [])
+            pushes.append(kept)
+            oldest = pushes[0] if len(pushes) > _KEPT_CLOCKS else None
+        if oldest is not None:
+            self._routed(table, lambda layout: self._confirm(table, oldest, layout))
+
+    def _read(self, table: str, clock: int, partitions: set[int]) -> None:
+        """A sync pull at `clock` read `partitions`: the kept pushes of clocks below are applied there."""
+        with self._kept_lock:
+            pushes = self._kept.get(table)
+            if not pushes:
+                return
+            for kept in pushes:
+                if kept.clock < clock:
+                    kept.unread -= partitions
+            pushes[:] = [k for k in pushes if k.unread]
+
+    def _confirm(self, table: str, kept: _Kept, layout: Layout | None) -> None:
+        """Wait until the partitions no pull read since `kept` applied it: a pull of no ids at its next
+        clock from each of their servers (a server then waits for every partition it serves)."""
+        if layout is None:
+            return
+        servers = sorted({layout.row_owner(p) for p in kept.unread})
+        request = pb.PullRowsRequest(table=table, ids=b"", clock=kept.clock + 1,
+                                     worker_id=self._client.worker_id)
+        for s in servers:
+            self._rpc(s, lambda s, stub: stub.PullRows(request, timeout=self._client._timeout_s))
+        self._read(table, kept.clock + 1, set(kept.unread))
+
+    def _resend(self, table: str, layout: Layout | None) -> None:
+        """Send the kept sync pushes that went out with another layout again, in clock order, before
+        the table's next request: a new owner of their partition needs them (servers drop the rest)."""
+        if layout is None:
+            return
+        with self._kept_lock:
+            pushes = [k for k in self._kept.get(table, ()) if k.version != layout.version]
+        for kept in pushes:
+            self._push(table, kept.ids, kept.grads, kept.clock, kept.push_id, layout)
+            kept.version = layout.version
+            self.resent += 1
+
+    def _routed(self, table: str, call: Callable[[Layout | None], T]) -> T:
+        """`call(layout)`, again on each newer layout the scheduler publishes after a server failed it:
+        a failover moved its row partitions to their backup (Layout.row_owners). A push resent keeps
+        its idempotence key, so a server that applied it before drops it. The kept sync pushes of
+        `table` sent with an older layout go first (_resend)."""
         client = self._client
         deadline = time.monotonic() + client._timeout_s
         while True:
             layout = client.layout
             try:
-                return call()
+                self._resend(table, layout)
+                return call(layout)
             except (UnavailableError, UnknownKeyError) as err:
                 left = deadline - time.monotonic()
+                if _NOT_YET in str(err) and left > 0 and not client._closed.is_set():
+                    client._closed.wait(min(_NOT_YET_WAIT_S, left))  # the server learns the layout soon
+                    continue
                 moved = isinstance(err, UnavailableError) or _PARTITION_MOVED in str(err)
                 if (not moved or client._relayout is None or layout is None or not layout.replicas
                         or left <= 0 or client._closed.is_set()):
@@ -238,9 +333,9 @@ class TableClient:
                     if client._closed.wait(min(0.5, max(0.0, deadline - time.monotonic()))):
                         raise
 
-    def _pull(self, table: str, ids: np.ndarray, clock: int) -> np.ndarray:
+    def _pull(self, table: str, ids: np.ndarray, clock: int, layout: Layout | None) -> np.ndarray:
         config = self._config(table)
-        split = self._split(ids)
+        split = self._split(ids, layout)
         worker = self._client.worker_id
         parts = [split.part(s) for s in range(len(self._stubs))]
         source = split.source
@@ -263,13 +358,16 @@ class TableClient:
             return 0
 
         self._calls(table, clock, requests, slow)
+        self._read(table, clock, split.partitions)
         if source is None:
             rows = take_rows(rows, split.inverse)
         return rows.reshape(*split.shape, config.dim)
 
-    def _push(self, table: str, ids: np.ndarray, grads: np.ndarray, clock: int, push_id: int) -> int:
+    def _push(self, table: str, ids: np.ndarray, grads: np.ndarray, clock: int, push_id: int,
+              layout: Layout | None) -> int:
         config = self._config(table)
-        split = self._split(ids)
+        split = self._split(ids, layout)
+        version = layout.version if layout is not None else 0
         summed = self._coalesce(config, split, grads)
 
         parts = [split.part(s) for s in range(len(self._stubs))]
@@ -278,22 +376,24 @@ class TableClient:
             ids, rows = split.ids[parts[s]], summed[parts[s]]
             reply = stub.PushRows(pb.PushRowsRequest(table=table, ids=ids.tobytes(), grads=rows.tobytes(),
                                                      clock=clock, worker_id=self._client.worker_id,
-                                                     push_id=push_id),
+                                                     push_id=push_id, layout_version=version),
                                   timeout=self._client._timeout_s)
             return int(reply.stored)
 
         sync = config.mode == "sync"
-        serving = self._serving()
+        serving = self._serving(layout)
         return sum(self._calls(table, clock, [((split.ids[p], summed[p]), None, None, None)
                                               if (sync and s in serving) or p.stop > p.start else None
-                                              for s, p in enumerate(parts)], slow, push_id))
+                                              for s, p in enumerate(parts)], slow, push_id, version))
 
     def _push_pull(self, table: str, ids: np.ndarray, grads: np.ndarray, pull_ids: np.ndarray, clock: int,
-                   push_id: int) -> np.ndarray:
+                   push_id: int, layout: Layout | None) -> tuple[np.ndarray, set[int]]:
+        """The pulled rows, and the row partitions they were read from."""
         config = self._config(table)
-        split = self._split(ids)
+        split = self._split(ids, layout)
         summed = self._coalesce(config, split, grads)
-        want = self._split(pull_ids)
+        want = self._split(pull_ids, layout)
+        version = layout.version if layout is not None else 0
         rows = self._buffer("pulled", config, len(want.ids))
 
         parts = [(split.part(s), want.part(s)) for s in range(len(self._stubs))]
@@ -303,17 +403,18 @@ class TableClient:
             pull_ids = want.ids[wanted]
             reply = stub.PushPullRows(pb.PushPullRowsRequest(
                 table=table, push_ids=split.ids[part].tobytes(), grads=summed[part].tobytes(),
-                pull_ids=pull_ids.tobytes(), clock=clock, worker_id=self._client.worker_id, push_id=push_id),
+                pull_ids=pull_ids.tobytes(), clock=clock, worker_id=self._client.worker_id, push_id=push_id,
+                layout_version=version),
                 timeout=self._client._timeout_s)
             rows[wanted] = self._rows(config, reply.rows, len(pull_ids))
             return 0
 
         sync = config.mode == "sync"
-        serving = self._serving()
+        serving = self._serving(layout)
         self._calls(table, clock, [((split.ids[p], summed[p]), want.ids[w], rows[w], None)
                                    if (sync and s in serving) or p.stop > p.start or w.stop > w.start
-                                   else None for s, (p, w) in enumerate(parts)], slow, push_id)
-        return take_rows(rows, want.inverse).reshape(*want.shape, config.dim)
+                                   else None for s, (p, w) in enumerate(parts)], slow, push_id, version)
+        return take_rows(rows, want.inverse).reshape(*want.shape, config.dim), want.partitions
 
     def export(self, table: str) -> list[pb.ExportTableResponse]:
         """Every server writes its rows of `table` as ids.npy and rows.npy; where they are."""
@@ -330,19 +431,20 @@ class TableClient:
 
     # ---- helpers ----
 
-    def _owners(self) -> tuple[int, ...]:
+    @staticmethod
+    def _owners(layout: Layout | None) -> tuple[int, ...]:
         """The server of each row partition: its own, unless a failover moved it (Layout.row_owners)."""
-        layout = self._client.layout
         return layout.row_owners if layout is not None else ()
 
-    def _serving(self) -> set[int]:
+    def _serving(self, layout: Layout | None) -> set[int]:
         """The servers serving some row partition (a sync push goes to each, even empty)."""
-        owners = self._owners()
+        owners = self._owners(layout)
         return set(owners) if owners else set(range(len(self._stubs)))
 
-    def _split(self, ids: np.ndarray) -> _Split:
+    def _split(self, ids: np.ndarray, layout: Layout | None) -> _Split:
+        """`ids` split by the servers of `layout` (one layout per request: a sync push names it)."""
         ids = np.asarray(ids)
-        owners = self._owners()
+        owners = self._owners(layout)
         if owners != self._split_owners:  # a failover moved rows: the splits are stale
             self._splits, self._split_owners = [], owners
         for seen, split in self._splits:
@@ -388,7 +490,8 @@ class TableClient:
         return np.frombuffer(raw, config.np_dtype).reshape(n, config.dim)
 
     def _calls(self, table: str, clock: int, requests: Sequence[_Request | None],
-               slow: Callable[[int, pb_grpc.SparseTablesServiceStub], int], push_id: int = 0) -> list[int]:
+               slow: Callable[[int, pb_grpc.SparseTablesServiceStub], int], push_id: int = 0,
+               layout_version: int = 0) -> list[int]:
         """One request per server (`requests[s]`: pushed (ids, gradients) or (), pulled ids or None and
         the rows they go to; None: nothing for that server); the rows stored by each.
 
@@ -406,7 +509,8 @@ class TableClient:
             if request is None:
                 continue
             try:
-                started = self._fast_start(s, table, clock, *request, push_id=push_id)
+                started = self._fast_start(s, table, clock, *request, push_id=push_id,
+                                           layout_version=layout_version)
             except (TransportBroken, UnavailableError) as err:
                 if request[0]:
                     errors[s] = err
@@ -455,7 +559,7 @@ class TableClient:
 
     def _fast_start(self, s: int, table: str, clock: int, push: Sequence[np.ndarray],
                     pull_ids: np.ndarray | None, rows: np.ndarray | None,
-                    positions: np.ndarray | None, push_id: int = 0) -> _Sent | None:
+                    positions: np.ndarray | None, push_id: int = 0, layout_version: int = 0) -> _Sent | None:
         """Send one request over server `s`'s fast-path session: push (ids, gradients) when given, then
         pull `pull_ids` into `rows` (into rows[positions] when given). None: no session, or the request
         does not fit its table room (the caller sends it over gRPC). A session that breaks is dropped,
@@ -470,7 +574,8 @@ class TableClient:
             return None
         header = ps_pb.ExchangeHeader(
             op=ps_pb.EXCHANGE_OP_TABLE, table=ps_pb.TableRequest(table=table, push=bool(push),
-                                                                 pull=pull_ids is not None, push_id=push_id),
+                                                                 pull=pull_ids is not None, push_id=push_id,
+                                                                 layout_version=layout_version),
             stamp=codec.stamp_to_proto(Stamp(self._client.worker_id, self._client.generation, clock)),
             push=[ps_pb.SliceMeta(dtype=_INT64 if b.dtype == np.int64 else codec.dtype_to_proto(b.dtype.name),
                                   shape=b.shape) for b in buffers])
@@ -537,7 +642,7 @@ class TableClient:
         """call(s, stub) for every server serving rows at once (after a failover not the dead one: its
         heir serves its rows), the first on this thread (a hand-off to the pool and back costs two
         thread wake-ups); the first error wins, after every call has ended."""
-        servers = sorted(self._serving())
+        servers = sorted(self._serving(self._client.layout))
         others = [self._client._pool.submit(self._rpc, s, call) for s in servers[1:]]
         try:
             first = self._rpc(servers[0], call)
