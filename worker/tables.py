@@ -220,6 +220,7 @@ class TableClient:
         self._kept: dict[str, list[_Kept]] = {}  # sync tables' pushes not known applied everywhere
         self._kept_lock = threading.Lock()
         self.resent = 0  # kept sync pushes sent again after a failover
+        self.not_yet = 0  # sync pushes refused by a server that had not received their layout yet
         # Per thread, arrays of rows kept between calls (see _buffer).
         self._local = threading.local()
 
@@ -236,25 +237,37 @@ class TableClient:
     def push(self, table: str, ids: np.ndarray, grads: np.ndarray, clock: int = 0) -> int:
         """Apply `grads` (ids.shape + (dim,)) to the rows of `ids`, repeated ids summed; rows stored."""
         push_id = next(self._push_ids)  # the same on a resend: a server that applied it drops it
-        stored = self._routed(table, lambda layout: self._push(table, ids, grads, clock, push_id, layout))
-        self._keep(table, ids, grads, clock, push_id)
+        used: list[Layout | None] = [None]  # the layout of the attempt that succeeded
+
+        def call(layout: Layout | None) -> int:
+            used[0] = layout
+            return self._push(table, ids, grads, clock, push_id, layout)
+
+        stored = self._routed(table, call)
+        self._keep(table, ids, grads, clock, push_id, used[0])
         return stored
 
     def push_pull(self, table: str, ids: np.ndarray, grads: np.ndarray, pull_ids: np.ndarray,
                   clock: int = 0) -> np.ndarray:
         """Push as `push`, then pull `pull_ids` as `pull`, in one round trip per server."""
         push_id = next(self._push_ids)
-        rows, read = self._routed(table, lambda layout: self._push_pull(table, ids, grads, pull_ids, clock,
-                                                                        push_id, layout))
-        self._keep(table, ids, grads, clock, push_id)
+        used: list[Layout | None] = [None]
+
+        def call(layout: Layout | None) -> tuple[np.ndarray, set[int]]:
+            used[0] = layout
+            return self._push_pull(table, ids, grads, pull_ids, clock, push_id, layout)
+
+        rows, read = self._routed(table, call)
+        self._keep(table, ids, grads, clock, push_id, used[0])
         self._read(table, clock + 1, read)  # its pull was at clock + 1
         return rows
 
     # ---- sync pushes kept for a failover ----
 
-    def _keep(self, table: str, ids: np.ndarray, grads: np.ndarray, clock: int, push_id: int) -> None:
-        """Keep an acknowledged sync push (replicated layouts only) until every partition applied it."""
-        layout = self._client.layout
+    def _keep(self, table: str, ids: np.ndarray, grads: np.ndarray, clock: int, push_id: int,
+              layout: Layout | None) -> None:
+        """Keep an acknowledged sync push (replicated layouts only) until every partition applied it;
+        `layout`: the one it was sent with (a newer one gets it again, _resend)."""
         if layout is None or not layout.replicas or self._config(table).mode != "sync":
             return
         kept = _Kept(clock, push_id, np.array(ids, copy=True), np.array(grads, copy=True),
@@ -316,6 +329,7 @@ class TableClient:
             except (UnavailableError, UnknownKeyError) as err:
                 left = deadline - time.monotonic()
                 if _NOT_YET in str(err) and left > 0 and not client._closed.is_set():
+                    self.not_yet += 1
                     client._closed.wait(min(_NOT_YET_WAIT_S, left))  # the server learns the layout soon
                     continue
                 moved = isinstance(err, UnavailableError) or _PARTITION_MOVED in str(err)

@@ -46,10 +46,11 @@ def _grads(step: int, n: int) -> np.ndarray:
 
 
 def _replicated(start_server: Callable[..., ServerThread], layout_of: Callable[[list[str]], Layout],
-                shm_dirs: tuple[Path | None, ...] = (None, None, None)) -> tuple[list[ServerThread], Layout]:
+                shm_dirs: tuple[Path | None, ...] = (None, None, None),
+                settings: ServerSettings | None = None) -> tuple[list[ServerThread], Layout]:
     """Three servers, each forwarding to the next; server i's rows through shared memory in
     shm_dirs[i] when given (its backup reads them there, or asks for them inline if it cannot)."""
-    servers = [start_server(ServerSettings(replicas=1)) for _ in range(3)]
+    servers = [start_server(settings or ServerSettings(replicas=1)) for _ in range(3)]
     layout = layout_of([s.address for s in servers])
     for i, server in enumerate(servers):
         def wire(server: ServerThread = server, backup: str = servers[(i + 1) % 3].address,
