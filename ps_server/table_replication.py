@@ -447,12 +447,19 @@ class TableReplication:
                 continue
             ids = np.unique(np.concatenate(parts))
             fits = max(1, budget // row_bytes(table.config))
+            keys = workers.pop(name, set())
             # A sync table's rows go whole: its applied clocks ride along and must match every row.
             if len(ids) > fits and table.config.mode != "sync":
                 drained = False
                 peer.dirty.setdefault(name, []).insert(0, ids[fits:])
                 ids = ids[:fits]
-            plan.append((table, ids, workers.pop(name, set())))
+                # The pushes' idempotence keys go with their last rows: a key that reached the backup
+                # before the rest of its push's rows would make an heir drop the resend of a push
+                # whose rows it lacks (the primary dying between the two calls).
+                if keys:
+                    peer.workers.setdefault(name, set()).update(keys)
+                    keys = set()
+            plan.append((table, ids, keys))
             budget -= len(ids) * row_bytes(table.config)
         taken: list[tuple[str, np.ndarray]] = []
         while peer.backlog and (budget > 0 or not plan):

@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import numpy as np
@@ -28,7 +28,7 @@ from pshard.common.view import ClusterView, Node, NodeState
 from pshard.ps_server.replica_link import grpc_sender
 from pshard.ps_server.settings import ServerSettings
 from pshard.ps_server.table import SparseTable
-from pshard.ps_server.table_replica import all_ids
+from pshard.ps_server.table_replica import RowBatch, all_ids
 from pshard.ps_server.table_replication import TableReplication
 
 from pshard.api.v1 import sparse_pb2 as pb
@@ -240,3 +240,43 @@ def test_a_new_backup_copies_every_row_before_it_counts_in_sync_and_foreign_ids_
     else:
         raise AssertionError("server 0 served ids of another server's partition")
     assert (table.index.lookup(foreign) < 0).all()
+
+
+def test_a_push_split_over_several_calls_sends_its_idempotence_key_with_its_last_rows(
+        start_server, new_client, monkeypatch) -> None:
+    """A push whose rows exceed one Replicate call goes out in several; its key must reach the backup
+    no earlier than its last rows, else an heir (the primary dead between two calls) would drop the
+    worker's resend of a push whose rows it lacks."""
+    import pshard.ps_server.table_replication as table_replication
+
+    monkeypatch.setattr(table_replication, "_BATCH_BYTES", 1000)  # about ten rows a call
+    servers, layout = _replicated(start_server, _layout)
+    calls: list[tuple[str, np.ndarray, bool]] = []  # (primary, ids, carried w0's push keys)
+    lock = threading.Lock()
+    backup = _rows(servers[2])  # server 1's backup
+    apply = backup.replicas.apply
+
+    def recording(primary: str, batches: Iterable[RowBatch]) -> None:
+        taken = list(batches)
+        with lock:
+            for batch in taken:
+                calls.append((primary, batch.ids.copy(), bool(batch.pushes.get("w0"))))
+        apply(primary, taken)
+
+    backup.replicas.apply = recording  # type: ignore[method-assign]
+    client = new_client(servers, "w0", layout=layout, transport="grpc")
+    client.declare_table(CONFIG)
+    mine = IDS[server_of(IDS, 3) == 1]
+    client.push_rows("emb", IDS, _grads(0, len(IDS)))  # returns once the backup holds every row
+    with lock:
+        of_primary = [(ids, keyed) for primary, ids, keyed in calls if primary == servers[1].address]
+    assert len(of_primary) > 2, "the push was not split: the test proves nothing"
+    received: set[int] = set()
+    for ids, keyed in of_primary:
+        received.update(ids.tolist())
+        if keyed:
+            missing = sorted(set(mine.tolist()) - received)
+            assert not missing, f"the push's key reached the backup before its rows {missing[:5]}"
+            break
+    else:
+        pytest.fail("the push's key never reached the backup")
