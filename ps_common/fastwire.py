@@ -226,3 +226,26 @@ def tune(sock: socket.socket) -> None:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     for option in (socket.SO_SNDBUF, socket.SO_RCVBUF):
         sock.setsockopt(socket.SOL_SOCKET, option, 4 * 2**20)
+
+
+def host_of(address: str) -> str:
+    """The host part of a gRPC target "host:port" ("[::1]:5000" -> "::1")."""
+    return address.rsplit(":", 1)[0].strip("[]")
+
+
+def open_session(address: str, port: int, hello: bytes, timeout_s: float,
+                 ssl_context: ssl.SSLContext | None) -> socket.socket:
+    """A session's socket: connected to `port` on the host of gRPC target `address`, tuned, under TLS
+    when `ssl_context` is given (the server's name checked against `address`'s host), its hello frame
+    sent. OSError, the socket closed, if any of it fails (a worker's session and the servers'
+    replication link open theirs alike)."""
+    sock = socket.create_connection((host_of(address), port), timeout=timeout_s)
+    try:
+        tune(sock)
+        if ssl_context is not None:
+            sock = ssl_context.wrap_socket(sock, server_hostname=host_of(address))
+        send_frame(sock, HELLO, hello)
+    except BaseException:
+        sock.close()
+        raise
+    return sock

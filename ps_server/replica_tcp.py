@@ -27,7 +27,7 @@ import grpc
 import numpy as np
 from pshard.common import codec
 from pshard.common.errors import InvalidArgumentError, PSError, error_classes
-from pshard.common.fastwire import HELLO, REPLY, REQUEST, Inbox, TransportBroken, send_frame, tune
+from pshard.common.fastwire import REPLY, REQUEST, Inbox, TransportBroken, open_session, send_frame
 from pshard.common.rpc_status import error_from_rpc_error
 from pshard.common.types import SliceKey
 from pshard.ps_server.handlers import ParameterServerHandlers
@@ -46,11 +46,6 @@ _TIMEOUT_S = 30.0  # as a Replicate call's (replica_link._CALL_TIMEOUT_S)
 _DOWN_S = 30.0  # after a link fails, gRPC only for this long, then try again
 _REFUSED_S = 300.0  # after a backup refused a link (it offers no tcp, or no session to servers)
 _REFUSALS = ("FAILED_PRECONDITION", "PERMISSION_DENIED", "UNIMPLEMENTED")
-
-
-def host_of(address: str) -> str:
-    """The host part of a gRPC target "host:port" ("[::1]:5000" -> "::1")."""
-    return address.rsplit(":", 1)[0].strip("[]")
 
 
 class TcpLink:
@@ -72,16 +67,9 @@ class TcpLink:
         except grpc.RpcError as err:
             raise error_from_rpc_error(err) from err
         hello = pb.TransportHello(session=reply.session, secret=reply.secret).SerializeToString()
-        sock: socket.socket | None = None
         try:
-            sock = socket.create_connection((host_of(address), reply.port), timeout=timeout_s)
-            tune(sock)
-            if ssl_context is not None:
-                sock = ssl_context.wrap_socket(sock, server_hostname=host_of(address))
-            send_frame(sock, HELLO, hello)
+            sock = open_session(address, reply.port, hello, timeout_s, ssl_context)
         except OSError as err:
-            if sock is not None:
-                sock.close()
             raise TransportBroken(f"replication link to {address} (port {reply.port}): {err}") from None
         return cls(sock, node_id)
 

@@ -40,6 +40,7 @@ from pshard.common.fastwire import (
     TransportBroken,
     decode_slice_meta,
     encode_header,
+    open_session,
     send_frame,
     tune,
 )
@@ -97,11 +98,6 @@ class _Sender:
                 self._done.put(err)
             else:
                 self._done.put(None)
-
-
-def host_of(address: str) -> str:
-    """The host part of a gRPC target "host:port" ("[::1]:5000" -> "::1")."""
-    return address.rsplit(":", 1)[0].strip("[]")
 
 
 def _handoff(segment: Segment, shm_dir: str, name: str, hello: bytes, timeout_s: float) -> socket.socket:
@@ -180,11 +176,7 @@ class FastPath:
                 sock = _handoff(segment, shm_dir, reply.socket, hello, timeout_s)
                 return cls(kind, sock, segment, scratch)
             try:
-                sock = socket.create_connection((host_of(address), reply.port), timeout=timeout_s)
-                tune(sock)
-                if ssl_context is not None:
-                    sock = ssl_context.wrap_socket(sock, server_hostname=host_of(address))
-                send_frame(sock, HELLO, hello)
+                sock = open_session(address, reply.port, hello, timeout_s, ssl_context)
             except OSError as err:
                 raise TransportBroken(f"cannot connect to port {reply.port}: {err}") from None
             return cls(kind, sock, segment, scratch)
