@@ -24,7 +24,7 @@ from pshard.common.scheduler_client import SchedulerClient
 from pshard.common.sparse import TableConfig, server_of
 from pshard.worker.client import PSClient
 
-from tests.e2e.harness import LocalCluster, Procs
+from tests.e2e.harness import LocalCluster, Procs, wait_until
 from tests.e2e.test_replication_async import _newer_layout
 
 pytestmark = pytest.mark.e2e
@@ -78,6 +78,12 @@ def test_sync_table_workers_lose_no_update_when_a_server_with_a_pending_clock_is
         with ThreadPoolExecutor(WORKERS) as pool:
             futures = [pool.submit(run, w) for w in range(WORKERS)]
             assert pushed.wait(RUN_TIMEOUT_S), [f.exception() for f in futures if f.done()]
+            # Only a backup the scheduler counts in sync is promoted: killed before ps-1's heartbeat
+            # reported its copy (a loaded machine, in CI), ps-1 fails over to no one, loudly. Clock
+            # KILL_AT stays pending meanwhile: worker 1 waits for the kill to push it.
+            in_sync = f"is an in-sync backup of {ps[1]}"
+            wait_until(lambda: any(in_sync in line for line in started[0].lines), RUN_TIMEOUT_S,
+                       f"the scheduler counting a backup of ps-1 ({ps[1]}) in sync")
             os.kill(started[2].pid, signal.SIGKILL)  # started: scheduler, ps-0, ps-1, ps-2: ps-1
             killed.set()
             for f in futures:
