@@ -33,6 +33,7 @@ from pshard.common.types import SliceKey
 from pshard.ps_server.handlers import ParameterServerHandlers
 from pshard.ps_server.replication import Record, record_from_proto
 from pshard.ps_server.store import SliceMeta
+from pshard.ps_server.table_replica_wire import frame_keys, small_batch
 
 from pshard.api.v1 import parameter_server_pb2 as pb
 from pshard.api.v1 import parameter_server_pb2_grpc as pb_grpc
@@ -108,6 +109,7 @@ def frame_header(node_id: str, request: pb.ReplicateRequest, arrays: Sequence[np
 def _keyed(request: pb.ReplicateRequest, arrays: Sequence[np.ndarray]) -> list[tuple[SliceKey, np.ndarray]]:
     keys = [codec.slice_id_from_proto(r.id) for r in request.records if r.state and not r.segment
             for _ in range(1 + len(r.opt_arrays))]
+    keys += frame_keys(request.tables)  # table rows' columns (ps_server/table_replica_wire.py)
     if len(keys) != len(arrays):
         raise ValueError(f"replication link: {len(arrays)} arrays for {len(keys)} in the records")
     return list(zip(keys, arrays, strict=True))
@@ -209,6 +211,8 @@ async def serve_replicate(handlers: ParameterServerHandlers, header: pb.Exchange
                           metas: Sequence[SliceMeta], views: Sequence[np.ndarray]) -> pb.TransportReply:
     """Replay a batch that came over a fast-path session, as the Replicate call does."""
     request = header.replicate
+    if request.tables:
+        return await _serve_rows(handlers, request, views)
     config = codec.job_from_proto(request.config)
 
     def apply() -> list[SliceKey]:
@@ -220,3 +224,25 @@ async def serve_replicate(handlers: ParameterServerHandlers, header: pb.Exchange
     mapped = all(r.segment for r in request.records)
     need = apply() if mapped else await asyncio.get_running_loop().run_in_executor(None, apply)
     return pb.TransportReply(need_state=[codec.slice_id_to_proto(k) for k in need])
+
+
+async def _serve_rows(handlers: ParameterServerHandlers, request: pb.ReplicateRequest,
+                      views: Sequence[np.ndarray]) -> pb.TransportReply:
+    """Hold a batch of table rows whose columns are the frame's data (ps_server/table_replication.py)."""
+    rows = handlers.table_replication
+    if rows is None:
+        raise InvalidArgumentError("replicate: this server replicates no table rows (no --replicas)")
+    if request.records or request.release or request.release_tables:
+        raise InvalidArgumentError("replicate: a link frame carries table rows or slice records, not both")
+
+    def apply() -> None:
+        # The views are of the session's region, which the next request reuses: apply copies the
+        # rows out before the reply lets the primary send it.
+        if rows.apply(request, views):  # only rows not in shared memory go over a link
+            raise InvalidArgumentError("replicate: table rows in shared memory came over a link")
+
+    if small_batch(request.tables):
+        apply()
+    else:
+        await asyncio.get_running_loop().run_in_executor(None, apply)
+    return pb.TransportReply()

@@ -39,6 +39,7 @@ from pshard.common import codec
 from pshard.common.errors import InvalidArgumentError, PSError, PullTimeoutError
 from pshard.common.fastwire import TransportBroken
 from pshard.common.job import JobConfig
+from pshard.common.shm import packed
 from pshard.common.types import SliceKey
 from pshard.ps_server.optimizers import Optimizer, SliceState, make_optimizer
 from pshard.ps_server.policies import NO_CLOCK, Slot
@@ -623,22 +624,9 @@ class Replicator:
         if arrays is None:
             return self._send(address, request)
         assert self._links is not None
-        fits = sum(a.nbytes for a in arrays) <= self._links.region_bytes
-        link = self._links.take(address) if fits else None
-        if link is not None:
-            try:
-                reply = link.call(request, arrays)
-            except TransportBroken as err:
-                self._links.broke(address, err, link)
-            except PSError:  # the backup's answer (the link is fine)
-                self._links.give_back(address, link)
-                raise
-            except Exception as err:
-                self._links.broke(address, err, link)
-                raise
-            else:
-                self._links.give_back(address, link)
-                return reply
+        reply = over_link(self._links, address, request, arrays)
+        if reply is not None:
+            return reply
         fill_inline(request, arrays)
         return self._send(address, request)
 
@@ -700,6 +688,31 @@ def state_to_proto(slot: Slot, shm: SegmentWriter | None, arrays: list[np.ndarra
 def _expire(held: asyncio.Future[bool]) -> None:
     if not held.done():
         held.set_result(False)
+
+
+def over_link(links: Links, address: str, request: pb.ReplicateRequest, arrays: Sequence[np.ndarray]
+              ) -> pb.ReplicateResponse | None:
+    """The backup's answer to a batch sent over a raw TCP link to it; None when no link is to be had
+    (down, refused, the arrays exceed its region) or it broke under the call: the caller then sends
+    the batch over gRPC, and the backup's replay of a batch it may have applied already is idempotent
+    (dense states and table rows travel whole). The backup's own refusal (a PSError) is raised."""
+    fits = packed([a.nbytes for a in arrays])[1] <= links.region_bytes  # as the backup lays them out
+    link = links.take(address) if fits else None
+    if link is None:
+        return None
+    try:
+        reply = link.call(request, arrays)
+    except TransportBroken as err:
+        links.broke(address, err, link)
+        return None
+    except PSError:  # the backup's answer (the link is fine)
+        links.give_back(address, link)
+        raise
+    except Exception as err:
+        links.broke(address, err, link)
+        raise
+    links.give_back(address, link)
+    return reply
 
 
 def fill_inline(request: pb.ReplicateRequest, arrays: Sequence[np.ndarray]) -> None:

@@ -213,16 +213,16 @@ def follow_scheduler(running: RunningServer, spec: ClusterSpec,
     if replicas > 0:
         stubs = stub_cache(security)
         send = grpc_sender(security, stubs)
+        links = tcp_links(spec.node_id, security, stubs)  # the slices' and the rows': one session each
         replicator = Replicator(spec.own_address or spec.node_id, send, loop,
-                                shm_dir=handlers.replica_shm_dir,
-                                links=tcp_links(spec.node_id, security, stubs))
+                                shm_dir=handlers.replica_shm_dir, links=links)
         handlers.enable_replication(replicator)
         # Which backups hold all our slices, with each heartbeat: only those can be promoted.
         reporter = InSyncReporter(replicator, spec.own_address or "",
                                   lambda copies, version: client.report_in_sync(copies, version))
         if running.tables is not None:  # table rows go to the same backups, over the same calls
             rows = TableReplication(spec.own_address or spec.node_id, send, loop, running.tables,
-                                    shm_dir=handlers.replica_shm_dir)
+                                    shm_dir=handlers.replica_shm_dir, links=links)
             running.tables.replication = handlers.table_replication = rows
             reporter.tables_in_sync = rows.in_sync
 

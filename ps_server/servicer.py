@@ -43,6 +43,7 @@ from pshard.ps_server.handlers import EncodedSlice, ExchangeDone, ParameterServe
 from pshard.ps_server.heap import HeapTrimmer
 from pshard.ps_server.replication import record_from_proto
 from pshard.ps_server.store import SliceMeta
+from pshard.ps_server.table_replica_wire import small_batch
 
 from pshard.api.v1 import parameter_server_pb2 as pb
 from pshard.api.v1 import tensor_pb2 as tensor_pb
@@ -61,8 +62,6 @@ _OFFLOAD_BYTES = 1 << 20
 _PARSE_ON_LOOP_BYTES = 8 << 20
 
 Request = TypeVar("Request", bound=Message)
-# Table rows a Replicate call applies on the event loop: their ids' bytes (8 each), 65,536 rows.
-_LOOP_ROW_BYTES = 8 << 16
 # Unary methods whose request carries a stamp (its clock feeds the staleness histogram).
 _STAMPED = frozenset({"Push", "Pull", "PushPull"})
 UnaryHandler = Callable[[bytes, grpc.aio.ServicerContext], Awaitable[bytes]]
@@ -263,9 +262,7 @@ class ParameterServerServicer:
             tables = self._handlers.table_replication
             if tables is None:
                 raise InvalidArgumentError("replicate: this server replicates no table rows (no --replicas)")
-            # A step's rows on the loop: copied once into the replicas (as fast as a push of them), where a
-            # thread hop each way would cost more; a big copy (a new backup's) on a thread.
-            if sum(len(t.ids) for t in request.tables) <= _LOOP_ROW_BYTES:
+            if small_batch(request.tables):  # on the loop
                 return pb.ReplicateResponse(tables_need_inline=tables.apply(request))
             inline = await asyncio.get_running_loop().run_in_executor(self._executor, tables.apply, request)
             return pb.ReplicateResponse(tables_need_inline=inline)

@@ -6,17 +6,22 @@ call: one call per backup is in flight at a time, and the backup copies the rows
 before it answers), and the call carries where they lie. The segments are replica_shm's (named so
 that a dead primary's files are swept; unlinked once the backup has them mapped). A backup that
 cannot map them (another host, no shared memory) says so, and the rows go inline from then on.
+Between hosts, when the backup offers a raw TCP link (ps_server/replica_tcp.py), the columns are the
+link frame's data instead (`frame_columns`): received into the session's request region, which the
+backup reads as it would a segment, and copies out of before it answers.
 """
 
 from __future__ import annotations
 
 import functools
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import numpy as np
 from pshard.common.errors import InvalidArgumentError
 from pshard.common.sparse import TableConfig
 from pshard.common.sparse_codec import spec_from_proto, spec_to_proto
+from pshard.common.types import SliceKey
 from pshard.ps_server.replica_shm import ArraySpec, SegmentMaps, _aligned, _Segment
 from pshard.ps_server.table import SparseTable
 from pshard.ps_server.table_replica import RowBatch
@@ -25,6 +30,8 @@ from pshard.api.v1 import parameter_server_pb2 as pb
 
 _ID = np.dtype("<i8")
 _MIN_SEGMENT = 4 * 2**20
+# Table rows a backup applies on its event loop: their ids' bytes (8 each), 65,536 rows.
+_LOOP_ROW_BYTES = 8 << 16
 
 
 @functools.lru_cache(maxsize=64)
@@ -44,15 +51,16 @@ def column_specs(config: TableConfig, rows: int) -> list[ArraySpec]:
     return [(name, dtype.name, (rows, *shape)) for name, dtype, shape in _columns(config)]
 
 
-def batch_into_proto(b: RowBatch, msg: pb.TableReplica, segment: str = "", offset: int = 0) -> None:
-    """Fill `msg` with `b`; its columns lie in `segment` at `offset` when given, else inline."""
+def batch_into_proto(b: RowBatch, msg: pb.TableReplica, segment: str = "", offset: int = 0,
+                     inline: bool = True) -> None:
+    """Fill `msg` with `b`; its columns lie in `segment` at `offset` when given, else inline, or,
+    not `inline`, nowhere: they go as a link frame's data (`frame_columns`)."""
     msg.spec.CopyFrom(spec_to_proto(b.config))
     msg.ids = b.ids.astype(_ID, copy=False).tobytes()
     if segment:
         msg.segment, msg.offset = segment, offset
-    else:
-        for name, column in b.columns.items():
-            msg.columns[name] = np.ascontiguousarray(column).tobytes()
+    elif inline:
+        columns_into_proto(b, msg)
     msg.deleted = b.deleted.astype(_ID, copy=False).tobytes()
     msg.step, msg.clock, msg.evicted, msg.admitted = b.step, b.clock, b.evicted, b.admitted
     msg.seen_ids = b.seen_ids.astype(_ID, copy=False).tobytes()
@@ -66,15 +74,43 @@ def batch_into_proto(b: RowBatch, msg: pb.TableReplica, segment: str = "", offse
         msg.applied_clocks.update(b.applied)
 
 
+def columns_into_proto(b: RowBatch, msg: pb.TableReplica) -> None:
+    for name, column in b.columns.items():
+        msg.columns[name] = np.ascontiguousarray(column).tobytes()
+
+
+def frame_columns(b: RowBatch) -> list[np.ndarray]:
+    """`b`'s columns as a link frame carries them: raw bytes, in the segment's (name) order, so that
+    one description of a table's columns (`_columns`) reads them on either side."""
+    return [np.ascontiguousarray(b.columns[name]).reshape(-1).view(np.uint8)
+            for name, _, _ in _columns(b.config)]
+
+
+def small_batch(msgs: Sequence[pb.TableReplica]) -> bool:
+    """Whether a backup applies these rows on its event loop: a step's rows are copied once into the
+    replicas (as fast as a push of them), where a thread hop each way would cost more; a big copy (a
+    new backup's) goes to a thread."""
+    return sum(len(msg.ids) for msg in msgs) <= _LOOP_ROW_BYTES
+
+
+def frame_keys(msgs: Sequence[pb.TableReplica]) -> list[SliceKey]:
+    """A name for each array `frame_columns` puts in a frame for `msgs` (those not in a segment),
+    for the frame's header and the backup's error messages."""
+    return [SliceKey(f"{msg.spec.name}.{name}") for msg in msgs if not msg.segment
+            for name, _, _ in _columns(spec_from_proto(msg.spec))]
+
+
 def batch_to_proto(b: RowBatch) -> pb.TableReplica:
     msg = pb.TableReplica()
     batch_into_proto(b, msg)
     return msg
 
 
-def batch_from_proto(msg: pb.TableReplica, maps: SegmentMaps | None = None, primary: str = "") -> RowBatch:
-    """The batch of `msg`; its columns are views of the message's bytes or of `primary`'s segment in
-    `maps` (install copies them). OSError: the segment cannot be mapped here."""
+def batch_from_proto(msg: pb.TableReplica, maps: SegmentMaps | None = None, primary: str = "",
+                     frame: Iterator[np.ndarray] | None = None) -> RowBatch:
+    """The batch of `msg`; its columns are views of the message's bytes, of `primary`'s segment in
+    `maps`, or, with `frame` (a link frame's arrays as received, next ones first), of the frame's
+    (install copies them). OSError: the segment cannot be mapped here."""
     config = spec_from_proto(msg.spec)
     ids = np.frombuffer(msg.ids, _ID)
     known = {name: (dtype, shape) for name, dtype, shape in _columns(config)}
@@ -82,6 +118,9 @@ def batch_from_proto(msg: pb.TableReplica, maps: SegmentMaps | None = None, prim
         if maps is None:
             raise OSError("no shared-memory directory")
         columns = maps.arrays(primary, msg.segment, msg.offset, column_specs(config, len(ids)))
+    elif frame is not None:
+        columns = {name: _from_frame(config, name, next(frame, None), (len(ids), *shape), dtype)
+                   for name, dtype, shape in _columns(config)}
     else:
         columns = {}
         for name, raw in msg.columns.items():
@@ -97,6 +136,16 @@ def batch_from_proto(msg: pb.TableReplica, maps: SegmentMaps | None = None, prim
                     msg.rng_state,
                     {w: list(zip(p.ids, p.partitions, strict=True)) for w, p in msg.pushes.items()},
                     dict(msg.applied_clocks) if config.mode == "sync" else None)
+
+
+def _from_frame(config: TableConfig, name: str, raw: np.ndarray | None, shape: tuple[int, ...],
+                dtype: np.dtype) -> np.ndarray:
+    want = dtype.itemsize * int(np.prod(shape, dtype=np.int64))
+    if raw is None or raw.nbytes != want:
+        got = "none" if raw is None else f"{raw.nbytes} bytes"
+        raise InvalidArgumentError(f"table replica {config.name!r} column {name!r}: the frame has {got}, "
+                                   f"its rows take {want}")
+    return np.frombuffer(raw, dtype.newbyteorder("<")).reshape(shape)
 
 
 class RowSegment:

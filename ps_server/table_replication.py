@@ -11,7 +11,9 @@ holds the rows it changed:
   ships the dirty rows' whole state as it is when the batch is taken (ps_server/table_replica.py):
   pushes in between coalesce. A push waits (`settle`) until every backup acknowledged a batch
   taken after it, over the same Replicate call and channel as the dense slices
-  (ps_server/replica_link.py).
+  (ps_server/replica_link.py); between hosts over the same raw TCP link as theirs when the backup
+  offers one (ps_server/replica_tcp.py: the columns are the link frame's data), over gRPC when it
+  breaks.
 - A backup that joins, or comes back as a new process, first gets every row, a chunk at a time
   behind the dirty rows (so pushes are not held up by the copy), and only then counts as in sync
   (ps_server/replica_sync.py reports the backups that hold both the slices and the rows).
@@ -42,19 +44,21 @@ from dataclasses import dataclass, field
 from typing import NamedTuple, Protocol
 
 import numpy as np
-from pshard.common.errors import PullTimeoutError, StaleGenerationError, UnknownKeyError
+from pshard.common.errors import InvalidArgumentError, PullTimeoutError, StaleGenerationError, UnknownKeyError
 from pshard.common.layout import Layout
 from pshard.common.replicas import index_of
 from pshard.common.sparse import TableConfig, server_of
 from pshard.common.view import ClusterView
 from pshard.ps_server.replica_shm import SegmentMaps
-from pshard.ps_server.replication import Send
+from pshard.ps_server.replication import Links, Send, over_link
 from pshard.ps_server.table import SparseTable
 from pshard.ps_server.table_replica import Alloc, PushLog, ReplicaTables, RowBatch, all_ids, capture, merge
 from pshard.ps_server.table_replica_wire import (
     RowSegment,
     batch_from_proto,
     batch_into_proto,
+    columns_into_proto,
+    frame_columns,
     needed_bytes,
     row_bytes,
 )
@@ -64,6 +68,9 @@ from pshard.api.v1 import parameter_server_pb2 as pb
 log = logging.getLogger("pshard.ps.replication")
 
 _BATCH_BYTES = 16 * 2**20  # rows per Replicate call, by bytes (the servers' message limit is 64 MiB)
+# Over a raw TCP link the columns are received into the backup's session region (16 MiB,
+# replica_tcp.REGION_BYTES), each page-aligned: batches well inside it, as the dense slices' are.
+_LINK_BATCH_BYTES = 8 * 2**20
 _CHECKED = 2  # id arrays `check` remembers as served here (a pull's, then the push of the same ids)
 _RETRY_S = (0.05, 1.0)  # first and longest wait between attempts to reach a backup
 _VERSIONS_KEPT = 64  # layouts whose served partitions `routed` remembers
@@ -135,12 +142,14 @@ class TableReplication:
     holds as a backup, and which row partitions it serves."""
 
     def __init__(self, own: str, send: Send, loop: asyncio.AbstractEventLoop, tables: TableSource,
-                 shm_dir: str | None = None) -> None:
+                 shm_dir: str | None = None, links: Links | None = None) -> None:
         """`send`: the Replicate call (ps_server/replica_link.py); `tables`: the server's tables;
         `shm_dir`: the shared-memory directory row columns go through to same-host backups (and are
-        read from as a backup), None: inline only."""
+        read from as a backup), None: inline only; `links`: the raw TCP links rows not in shared
+        memory go over before gRPC (the dense slices', ps_server/replica_tcp.py), None: gRPC only."""
         self.own = own
         self._shm_dir = shm_dir
+        self._links = links
         self._maps = SegmentMaps(shm_dir) if shm_dir is not None else None
         self._send = send
         self._loop = loop
@@ -403,9 +412,10 @@ class TableReplication:
 
     # ---- backup side (the Replicate call, on a thread) ----
 
-    def apply(self, request: pb.ReplicateRequest) -> bool:
+    def apply(self, request: pb.ReplicateRequest, frame: Sequence[np.ndarray] | None = None) -> bool:
         """Hold a primary's batches; True when their columns lie in shared memory this server cannot
-        map (nothing applied: the primary sends them inline)."""
+        map (nothing applied: the primary sends them inline). `frame`: the columns of the batches not
+        in shared memory, as a raw link's frame brought them (views of its region: copied here)."""
         primary = request.primary
         if request.release_tables:
             dropped = self.replicas.release(primary)
@@ -419,12 +429,16 @@ class TableReplication:
             raise StaleGenerationError(f"replicate: {primary}'s row partition {p} has server "
                                        f"{layout.row_owner(p)} as its primary since a failover (layout "
                                        f"version {layout.version}); the sender was declared dead")
+        arrays = iter(frame) if frame is not None else None
         try:
-            batches = [batch_from_proto(t, self._maps, primary) for t in request.tables]
+            batches = [batch_from_proto(t, self._maps, primary, arrays) for t in request.tables]
         except OSError as e:
             log.warning("table replication: cannot map %s's shared memory (%s); asking for rows inline",
                         primary, e)
             return True
+        if arrays is not None and next(arrays, None) is not None:
+            raise InvalidArgumentError(f"replicate: {len(frame or ())} arrays in the frame, more than "
+                                       f"{primary}'s table rows take")
         segments = {t.segment for t in request.tables if t.segment}
         if self._maps is not None and segments:
             self._maps.keep(primary, segments)  # a new segment replaces the old
@@ -438,7 +452,7 @@ class TableReplication:
         seq = self._seq
         dirty, peer.dirty = peer.dirty, {}
         workers, peer.workers = peer.workers, {}
-        budget = _BATCH_BYTES
+        budget = _LINK_BATCH_BYTES if self._links is not None and peer.segment is None else _BATCH_BYTES
         plan: list[tuple[SparseTable, np.ndarray, set[str]]] = []
         drained = True
         for name, parts in dirty.items():
@@ -564,10 +578,21 @@ class TableReplication:
                         peer.address, self.own)
 
     def _ship(self, address: str, batches: list[tuple[RowBatch, str, int]]) -> bool:
-        """One Replicate call of `batches`; True when the backup asks for the columns inline."""
+        """One Replicate call of `batches`; True when the backup asks for the columns inline. Rows not
+        in shared memory go over the raw TCP link when there is one, else, or when it breaks under
+        the call, inline over gRPC: the backup's replay of a batch it may hold already is idempotent
+        (each row travels whole, and a batch's scalars and push ids are its primary's state then)."""
+        linked = self._links is not None and not any(segment for _, segment, _ in batches)
         request = pb.ReplicateRequest(primary=self.own)
         for batch, segment, offset in batches:
-            batch_into_proto(batch, request.tables.add(), segment, offset)
+            batch_into_proto(batch, request.tables.add(), segment, offset, inline=not linked)
+        if linked:
+            assert self._links is not None
+            arrays = [a for batch, _, _ in batches for a in frame_columns(batch)]
+            if over_link(self._links, address, request, arrays) is not None:
+                return False
+            for (batch, _, _), msg in zip(batches, request.tables, strict=True):
+                columns_into_proto(batch, msg)
         return bool(self._send(address, request).tables_need_inline)
 
     async def _notify(self) -> None:
