@@ -25,7 +25,7 @@ from pshard.common.replicas import fail_over
 from pshard.common.serving import ServerThread
 from pshard.common.sparse import TableConfig, server_of
 from pshard.common.view import ClusterView, Node, NodeState
-from pshard.ps_server.replica_link import grpc_sender
+from pshard.ps_server.replica_link import grpc_sender, tcp_links
 from pshard.ps_server.settings import ServerSettings
 from pshard.ps_server.table import SparseTable
 from pshard.ps_server.table_replica import RowBatch, all_ids
@@ -47,16 +47,18 @@ def _grads(step: int, n: int) -> np.ndarray:
 
 def _replicated(start_server: Callable[..., ServerThread], layout_of: Callable[[list[str]], Layout],
                 shm_dirs: tuple[Path | None, ...] = (None, None, None),
-                settings: ServerSettings | None = None) -> tuple[list[ServerThread], Layout]:
+                settings: ServerSettings | None = None, tcp: bool = False) -> tuple[list[ServerThread], Layout]:
     """Three servers, each forwarding to the next; server i's rows through shared memory in
-    shm_dirs[i] when given (its backup reads them there, or asks for them inline if it cannot)."""
+    shm_dirs[i] when given (its backup reads them there, or asks for them inline if it cannot),
+    else, with `tcp`, over raw TCP links to the backups' fast-path listeners, else inline."""
     servers = [start_server(settings or ServerSettings(replicas=1)) for _ in range(3)]
     layout = layout_of([s.address for s in servers])
     for i, server in enumerate(servers):
         def wire(server: ServerThread = server, backup: str = servers[(i + 1) % 3].address,
                  shm: Path | None = shm_dirs[i]) -> None:
             rows = TableReplication(server.address, grpc_sender(), server.loop, server.running.tables,
-                                    shm_dir=None if shm is None else str(shm))
+                                    shm_dir=None if shm is None else str(shm),
+                                    links=tcp_links(server.address) if tcp else None)
             server.running.tables.replication = server.running.handlers.table_replication = rows
             rows.set_backups([backup])
             rows.on_layout(layout)
