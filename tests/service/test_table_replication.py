@@ -47,7 +47,8 @@ def _grads(step: int, n: int) -> np.ndarray:
 
 def _replicated(start_server: Callable[..., ServerThread], layout_of: Callable[[list[str]], Layout],
                 shm_dirs: tuple[Path | None, ...] = (None, None, None),
-                settings: ServerSettings | None = None, tcp: bool = False) -> tuple[list[ServerThread], Layout]:
+                settings: ServerSettings | None = None, tcp: bool = False
+                ) -> tuple[list[ServerThread], Layout]:
     """Three servers, each forwarding to the next; server i's rows through shared memory in
     shm_dirs[i] when given (its backup reads them there, or asks for them inline if it cannot),
     else, with `tcp`, over raw TCP links to the backups' fast-path listeners, else inline."""
