@@ -308,7 +308,7 @@ class ParameterServerHandlers:
     def _store_holding(self, keys: Sequence[SliceKey]) -> ShardStore:
         """The store, or (none yet) the error a request for `keys` gets from a server holding nothing."""
         if self._store is None and keys:
-            raise unknown_key_error(keys[0], 0)
+            raise unknown_key_error(keys[0], 0, replicated=self._settings.replicas > 0)
         return self.store
 
     @property

@@ -81,9 +81,13 @@ def dtype_name(dtype: np.dtype) -> str:
     return _FLOAT_DTYPES.get(dtype) or dtype.name
 
 
-def unknown_key_error(key: SliceKey, held: int) -> UnknownKeyError:
+def unknown_key_error(key: SliceKey, held: int, replicated: bool = False) -> UnknownKeyError:
     held_text = (f"{held} slices are" if held else
-                 # The usual way to get here mid-run: a server restarted with nothing to restore.
+                 # With replicas the usual way here is a server restarted at a dead primary's address
+                 # before the scheduler published the failover: the sender re-routes on the new layout.
+                 "it holds none yet: restarted, it rejoins as a backup; the request's layout predates "
+                 "the failover" if replicated else
+                 # Without: a server restarted with nothing to restore.
                  "it holds none: restarted without a checkpoint? see --checkpoint-dir")
     return UnknownKeyError(f"slice {str(key)!r} is not declared on this server ({held_text})")
 

@@ -143,7 +143,10 @@ def test_a_job_survives_a_seeded_schedule_of_kills(procs: Procs, tmp_path: Path,
     assert "worker-0" in results, run.output()
     assert chief_accuracy(*results.values()) > DIGITS_ACCURACY_BAR, results
     if replicas:
-        text = "\n".join(run.lines)
+        # A server restarted at a dead primary's address may answer a step before the failover is
+        # published ("rejoins as a backup"): the worker re-routes, as designed (seen in CI). Any other
+        # "not declared" means a server lacked slices that the layout gave it.
+        text = "\n".join(line for line in run.lines if "rejoins as a backup" not in line)
         for loss in ("FAILOVER IMPOSSIBLE", "holds no copy of it", "not declared on this server"):
             assert loss not in text, f"{loss!r}:\n{run.output()}"
         server_kills = sum(v.startswith("ps-") for v, _ in done)

@@ -225,6 +225,21 @@ def test_push_to_a_server_holding_nothing_points_at_a_missing_checkpoint(start_s
     assert wire.stats(server).slices == 0
 
 
+def test_push_to_a_replicated_server_holding_nothing_says_it_rejoins_as_a_backup(start_server, wire):
+    # With replicas, a server restarted at a dead primary's address answers before the scheduler has
+    # published the failover: the sender's layout is stale, and a checkpoint is not what it lacks.
+    server = start_server(ServerSettings(static_quorum={"w0": GENERATION}, replicas=1))
+
+    with pytest.raises(grpc.RpcError) as caught:
+        wire.stub(server).Push(pb.PushRequest(stamp=wire.stamp("w0", 3, GENERATION), gradients=[
+            wire.tensor("fc.bias", np.ones(4, np.float32))]), timeout=10)
+
+    _assert_error(caught.value, CODE.NOT_FOUND, UnknownKeyError, "'fc.bias'", "holds none",
+                  "rejoins as a backup", "predates the failover")
+    assert "--checkpoint-dir" not in caught.value.details()
+    assert wire.stats(server).slices == 0
+
+
 def test_unary_message_over_the_servers_limit_is_refused_before_it_reaches_the_store(start_server, wire):
     # gRPC's limit is raised to fit one Exchange frame whatever is asked for: that is the floor.
     limit = CHUNK_BYTES + FRAME_SLACK_BYTES
