@@ -83,6 +83,27 @@ class ClusterView:
         return {n.node_id: n.generation for n in self.live(*TRAINER_ROLES)}
 
 
+class ServerIncarnations:
+    """Each other parameter server's generation as the views show it, by address. A generation that
+    changes is a new process at the same address: whatever its old incarnation held is gone."""
+
+    def __init__(self, own_address: str) -> None:
+        self._own = own_address
+        self.generations: dict[str, int] = {}
+
+    def restarted(self, view: ClusterView) -> list[str]:
+        """Note `view`'s servers; the addresses whose incarnation changed since the last view."""
+        changed = []
+        for node in view.nodes:
+            if node.role != "ps" or not node.address or node.address == self._own:
+                continue
+            before = self.generations.get(node.address)
+            self.generations[node.address] = node.generation
+            if before is not None and before != node.generation:
+                changed.append(node.address)
+        return changed
+
+
 @dataclass(frozen=True)
 class Registration:
     node_id: str

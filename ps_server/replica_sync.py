@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from pshard.common.layout import Layout
-from pshard.common.view import ClusterView
+from pshard.common.view import ClusterView, ServerIncarnations
 from pshard.ps_server.replica_link import owned_slices
 from pshard.ps_server.replication import Replicator
 
@@ -28,20 +28,15 @@ class InSyncReporter:
         self._replicator = replicator
         self._own = own_address
         self._report = report
-        self._generations: dict[str, int] = {}  # every server's incarnation, by address
+        self._incarnations = ServerIncarnations(own_address)
         self._layout: Layout | None = None
         # The backups holding every table row too (ps_server/table_replication.py); None: no tables.
         self.tables_in_sync: Callable[[], set[str]] | None = None
 
     def on_view(self, view: ClusterView) -> None:
         """Note each server's incarnation; a backup with a new one is copied to from scratch."""
-        for node in view.nodes:
-            if node.role != "ps" or not node.address or node.address == self._own:
-                continue
-            before = self._generations.get(node.address)
-            self._generations[node.address] = node.generation
-            if before is not None and before != node.generation:
-                self._replicator.restarted(node.address)
+        for address in self._incarnations.restarted(view):
+            self._replicator.restarted(address)
         self.report()
 
     def on_layout(self, layout: Layout) -> None:
@@ -56,7 +51,8 @@ class InSyncReporter:
         if layout is None or owned is None:
             self._report({}, 0)
             return
-        copies = {a: self._generations[a] for a in self._replicator.in_sync(owned) if a in self._generations}
+        generations = self._incarnations.generations
+        copies = {a: generations[a] for a in self._replicator.in_sync(owned) if a in generations}
         if self.tables_in_sync is not None:
             rows = self.tables_in_sync()
             copies = {a: g for a, g in copies.items() if a in rows}

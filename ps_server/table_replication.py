@@ -48,7 +48,7 @@ from pshard.common.errors import InvalidArgumentError, PullTimeoutError, StaleGe
 from pshard.common.layout import Layout
 from pshard.common.replicas import index_of
 from pshard.common.sparse import TableConfig, server_of
-from pshard.common.view import ClusterView
+from pshard.common.view import ClusterView, ServerIncarnations
 from pshard.ps_server.replica_shm import SegmentMaps
 from pshard.ps_server.replication import Links, Send, over_link
 from pshard.ps_server.table import SparseTable
@@ -159,7 +159,7 @@ class TableReplication:
         self._peers: dict[str, _Peer] = {}
         self._seq = 0
         self._acked = asyncio.Condition()
-        self._generations: dict[str, int] = {}
+        self._incarnations = ServerIncarnations(own)
         self._layout: Layout | None = None
         self._me: int | None = None
         self._owned: frozenset[int] | None = None  # partitions served (None: no layout, nothing checked)
@@ -301,13 +301,9 @@ class TableReplication:
 
     def on_view(self, view: ClusterView) -> None:
         """A backup with a new incarnation holds nothing: copy every row to it again."""
-        for node in view.nodes:
-            if node.role != "ps" or not node.address or node.address == self.own:
-                continue
-            before = self._generations.get(node.address)
-            self._generations[node.address] = node.generation
-            peer = self._peers.get(node.address)
-            if before is not None and before != node.generation and peer is not None:
+        for address in self._incarnations.restarted(view):
+            peer = self._peers.get(address)
+            if peer is not None:
                 peer.incarnation += 1
                 if peer.segment is not None:  # the new process cannot open an unlinked file
                     peer.segment.close()
@@ -318,7 +314,7 @@ class TableReplication:
                 self._copy_all(peer)
                 peer.wake.set()
                 log.info("table replication: backup %s restarted; copying %s's rows to it again",
-                         node.address, self.own)
+                         address, self.own)
 
     def in_sync(self) -> set[str]:
         """The backups holding every row of this server's tables (the rest are still copying)."""

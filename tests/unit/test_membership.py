@@ -15,7 +15,7 @@ from pshard.common.errors import (
     UnknownNodeError,
 )
 from pshard.common.layout import ParamSpec, plan_layout
-from pshard.common.view import ManualClock, NodeState
+from pshard.common.view import ManualClock, NodeState, ServerIncarnations
 from pshard.scheduler.membership import Membership, MembershipLimits
 
 
@@ -429,3 +429,19 @@ def test_a_layout_within_the_limits_is_planned_as_before(members):
     planned = members.plan(PARAMS, ["p0:1", "p1:1"], 64)
 
     assert planned == plan_layout(PARAMS, ["p0:1", "p1:1"], 64)
+
+
+def test_server_incarnations_name_a_server_restarted_at_its_address_once(members, clock):
+    # What the replicators key their "copy everything to it again" on: a changed generation at one
+    # address, seen once; a first sighting, the server itself and workers are not restarts.
+    incarnations = ServerIncarnations("ps0:1")
+    for node_id, address in (("ps-0", "ps0:1"), ("ps-1", "ps1:1"), ("worker-0", "")):
+        members.register(node_id.split("-")[0], address, node_id)
+    assert incarnations.restarted(members.view()) == []
+    clock.advance(11)  # ps-1 misses its heartbeats and comes back as a new process
+    members.register("ps", "ps1:1", "ps-1")
+    view = members.view()
+    assert incarnations.restarted(view) == ["ps1:1"]
+    assert incarnations.restarted(view) == []
+    assert incarnations.generations["ps1:1"] == view.node("ps-1").generation
+    assert "ps0:1" not in incarnations.generations
