@@ -68,8 +68,11 @@ class Outcome:
         if self.test_accuracy is not None:
             parts.append(f"test_accuracy={self.test_accuracy:.4f}")
         parts += [f"steps={self.steps}"] + ([f"skipped={self.skipped}"] if self.skipped else [])
-        parts += [f"train_loss={self.train_loss:.4f}",
-                  f"time_s={time.monotonic() - self.started:.1f}"]
+        if self.steps or math.isfinite(self.train_loss):
+            # A worker that rejoined a finished job trained nothing: no loss to show, where "nan"
+            # would read as divergence. A trainer whose loss is NaN after steps shows it.
+            parts.append(f"train_loss={self.train_loss:.4f}")
+        parts.append(f"time_s={time.monotonic() - self.started:.1f}")
         if self.model_path is not None:
             parts.append(f"model={self.model_path}")
         return " ".join(parts)
