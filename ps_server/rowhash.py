@@ -114,26 +114,35 @@ class IdIndex:
         # window of slots at a time. Leaner than _probe (a third of the numpy calls per round, which
         # is what a lookup of a few thousand ids costs): a slot holds one id, so a query hits at
         # most one slot of its window, and a present id has no empty slot between its home and it,
-        # so a query is settled by a hit or by an empty slot, whichever its window shows.
-        mask = len(self._slots) - 1
+        # so a query is settled by a hit or by an empty slot, whichever its window shows. What a
+        # lookup pays for is its random reads (slots, then `ids` of the rows they name: a cache
+        # miss each), so a window reads the ids of only the occupied slots before its first empty
+        # one (about one per query at this load, not the window's width), and `take` gathers with
+        # mode="wrap" in place of masking the slot numbers (the table is a power of two).
         pos = self._home(ids)
-        s = self._slots[pos]
-        rows = s.astype(np.int64) - 1
-        home = self.ids[rows] == ids  # row -1 (empty, tombstone) reads the last id: refuted by s > 0
+        s = self._slots.take(pos)
+        rows = s.astype(np.int64)
+        rows -= 1
+        home = self.ids.take(rows, mode="clip") == ids  # row -1 (empty), -2 (tombstone): refuted by s > 0
         home &= s > 0
         if home.all():
             return rows
-        rows[~home] = -1
-        rest = np.flatnonzero(~home & (s != _EMPTY))  # an empty home slot: absent, nothing to probe
+        miss = ~home
+        rows[miss] = -1
+        rest = np.flatnonzero(miss & (s != _EMPTY))  # an empty home slot: absent, nothing to probe
         start, width = 1, _FIRST_WINDOW
         while len(rest):
-            window = self._slots[(pos[rest, None] + (start + _STEPS[:width])) & mask]
-            found = window.astype(np.int64) - 1
-            hit = self.ids[found] == ids[rest, None]
-            hit &= window > 0
-            lines = hit.any(axis=1)
-            rows[rest[lines]] = found[hit]
-            rest = rest[~lines & (window != _EMPTY).all(axis=1)]
+            window = self._slots.take(pos.take(rest)[:, None] + (start + _STEPS[:width]), mode="wrap")
+            chain = np.logical_and.accumulate(window != _EMPTY, axis=1)  # the slots before the first empty
+            at = np.flatnonzero(chain & (window > 0))
+            found = window.reshape(-1).take(at).astype(np.int64)
+            found -= 1
+            line = at // width
+            hit = self.ids.take(found) == ids.take(rest.take(line))
+            rows[rest.take(line[hit])] = found[hit]
+            going = chain[:, -1]  # no empty slot in the window, and no hit: probe on
+            going[line[hit]] = False
+            rest = rest[going]
             start, width = start + width, _WINDOW
         return rows
 
