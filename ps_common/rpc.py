@@ -44,6 +44,11 @@ def channel_options(max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> list[
         # Back off at most 2 s between reconnects, so a restarted server is found quickly.
         ("grpc.max_reconnect_backoff_ms", 2_000),
         ("grpc.initial_reconnect_backoff_ms", 100),
+        # Connections of this channel's own. gRPC otherwise shares one per (target, options) among
+        # the process's channels, with its state: a new channel to a server restarted at a dead
+        # one's address inherited the dead one's "connection refused" and backoff, and its first
+        # calls failed at once (seen in CI: a test's stats call, a port an earlier test had used).
+        ("grpc.use_local_subchannel_pool", 1),
     ]
 
 

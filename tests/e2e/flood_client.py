@@ -47,10 +47,8 @@ def main(address: str, clients: int, seconds: float) -> None:
 
     def run(client: int) -> None:
         body = request(client)
-        # A subchannel pool of its own: grpc shares one connection between channels of the same
-        # target and options otherwise, and the flood would be one peer, not sixteen.
-        options = [*channel_options(), ("grpc.use_local_subchannel_pool", 1)]
-        with grpc.insecure_channel(address, options=options) as channel:
+        # channel_options() gives each channel connections of its own: the flood is sixteen peers.
+        with grpc.insecure_channel(address, options=channel_options()) as channel:
             call = channel.unary_unary(PUSH_PULL, request_serializer=identity, response_deserializer=identity)
             while time.monotonic() < end:
                 try:

@@ -24,9 +24,12 @@ from pshard.common.retry import (
     scheduler_channel_options,
     service_config,
 )
+from pshard.common.rpc import channel_options
 from pshard.common.scheduler_client import SchedulerClient
 from pshard.scheduler.service import start_scheduler_thread
 
+from pshard.api.v1 import parameter_server_pb2 as pb
+from pshard.api.v1 import parameter_server_pb2_grpc as pb_grpc
 from tests.service.conftest import WAIT_S
 
 
@@ -133,3 +136,27 @@ def test_a_ps_call_waits_for_a_server_that_starts_later(start_server: Callable[.
 
     assert not asking.is_alive()
     assert len(outcome["stats"]) == 1  # type: ignore[arg-type]
+
+
+# ---- a channel's connections are its own ----
+
+
+def test_a_new_channel_reaches_a_server_restarted_where_another_channel_saw_it_die(
+        start_server: Callable[..., object]) -> None:
+    # gRPC's global subchannel pool handed a new channel the connection state of an older one with
+    # the same target and options: "connection refused" and its backoff, so the new channel's first
+    # call failed at once though the server was up (CI: a port an earlier test's server had held).
+    first = start_server()
+    address = first.address  # type: ignore[attr-defined]
+    with grpc.insecure_channel(address, options=channel_options()) as old:
+        stats = pb_grpc.ParameterServerServiceStub(old).GetStats
+        stats(pb.GetStatsRequest(), timeout=WAIT_S)
+        first.stop(grace_s=0)  # type: ignore[attr-defined]
+        with pytest.raises(grpc.RpcError) as died:
+            stats(pb.GetStatsRequest(), timeout=WAIT_S)
+        assert died.value.code() is grpc.StatusCode.UNAVAILABLE  # the old channel now backs off
+        start_server(bind=address)  # the same address, as a restarted server gets it
+        with grpc.insecure_channel(address, options=channel_options()) as new:
+            # No wait_for_ready: the call fails at once if it is handed the old channel's state.
+            response = pb_grpc.ParameterServerServiceStub(new).GetStats(pb.GetStatsRequest(), timeout=WAIT_S)
+    assert response.slices == 0
