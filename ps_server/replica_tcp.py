@@ -33,7 +33,8 @@ from pshard.common.types import SliceKey
 from pshard.ps_server.handlers import ParameterServerHandlers
 from pshard.ps_server.replication import Record, record_from_proto
 from pshard.ps_server.store import SliceMeta
-from pshard.ps_server.table_replica_wire import frame_keys, small_batch
+from pshard.ps_server.table_replica_wire import frame_keys
+from pshard.ps_server.table_replication import hold_rows
 
 from pshard.api.v1 import parameter_server_pb2 as pb
 from pshard.api.v1 import parameter_server_pb2_grpc as pb_grpc
@@ -228,21 +229,11 @@ async def serve_replicate(handlers: ParameterServerHandlers, header: pb.Exchange
 
 async def _serve_rows(handlers: ParameterServerHandlers, request: pb.ReplicateRequest,
                       views: Sequence[np.ndarray]) -> pb.TransportReply:
-    """Hold a batch of table rows whose columns are the frame's data (ps_server/table_replication.py)."""
-    rows = handlers.table_replication
-    if rows is None:
-        raise InvalidArgumentError("replicate: this server replicates no table rows (no --replicas)")
+    """Hold a batch of table rows whose columns are the frame's data (ps_server/table_replication.py).
+    The views are of the session's region, which the next request reuses: `apply` copies the rows
+    out before the reply lets the primary send it."""
     if request.records or request.release or request.release_tables:
         raise InvalidArgumentError("replicate: a link frame carries table rows or slice records, not both")
-
-    def apply() -> None:
-        # The views are of the session's region, which the next request reuses: apply copies the
-        # rows out before the reply lets the primary send it.
-        if rows.apply(request, views):  # only rows not in shared memory go over a link
-            raise InvalidArgumentError("replicate: table rows in shared memory came over a link")
-
-    if small_batch(request.tables):
-        apply()
-    else:
-        await asyncio.get_running_loop().run_in_executor(None, apply)
+    if await hold_rows(handlers.table_replication, request, views):  # only rows not in shared memory
+        raise InvalidArgumentError("replicate: table rows in shared memory came over a link")
     return pb.TransportReply()

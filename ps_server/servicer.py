@@ -43,7 +43,7 @@ from pshard.ps_server.handlers import EncodedSlice, ExchangeDone, ParameterServe
 from pshard.ps_server.heap import HeapTrimmer
 from pshard.ps_server.replication import record_from_proto
 from pshard.ps_server.store import SliceMeta
-from pshard.ps_server.table_replica_wire import small_batch
+from pshard.ps_server.table_replication import hold_rows
 
 from pshard.api.v1 import parameter_server_pb2 as pb
 from pshard.api.v1 import tensor_pb2 as tensor_pb
@@ -259,12 +259,7 @@ class ParameterServerServicer:
                         ) -> pb.ReplicateResponse:
         # Server to server (docs/architecture.md, 9 Failures); the role table lets only servers call it.
         if request.tables or request.release_tables:  # table rows (ps_server/table_replication.py)
-            tables = self._handlers.table_replication
-            if tables is None:
-                raise InvalidArgumentError("replicate: this server replicates no table rows (no --replicas)")
-            if small_batch(request.tables):  # on the loop
-                return pb.ReplicateResponse(tables_need_inline=tables.apply(request))
-            inline = await asyncio.get_running_loop().run_in_executor(self._executor, tables.apply, request)
+            inline = await hold_rows(self._handlers.table_replication, request, executor=self._executor)
             return pb.ReplicateResponse(tables_need_inline=inline)
         records, primary, release = request.records, request.primary, request.release
         config = JobConfig() if release else codec.job_from_proto(request.config)  # a release carries none

@@ -23,7 +23,7 @@ import contextlib
 import re
 import time
 import zlib
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Collection
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -200,14 +200,9 @@ class TableHandlers:
             stored = table.push(keys, rows, clock or None) if len(keys) else 0
             repl.changed(name, keys, worker, push_id)
             return stored
-        repl = self.replication
-        served = None if repl is None else repl.served()
-        if repl is not None:
-            repl.routed(name, layout_version)  # before anything is recorded
-        if repl is None or served is None:  # no layout: one partition, its own
-            self._apply(name, sync.push(clock, worker, keys, rows, OWN, (OWN,), quorum))
-        else:
-            self._apply(name, sync.push(clock, worker, keys, rows, repl.partitions(keys), served, quorum))
+        if self.replication is not None:
+            self.replication.routed(name, layout_version)  # before anything is recorded
+        self._apply(name, sync.push(clock, worker, keys, rows, *self._partitioned(keys), quorum))
         return len(keys)
 
     def _apply(self, name: str, updates: list[tuple[np.ndarray, np.ndarray, int]]) -> None:
@@ -235,15 +230,20 @@ class TableHandlers:
                                        f"quorum {sorted(self._quorum)}")
         return self._quorum
 
-    def _partitions(self, keys: np.ndarray) -> set[int]:
-        """The row partitions of `keys` (all those served here when there are none)."""
+    def _partitioned(self, keys: np.ndarray) -> tuple[int | np.ndarray, Collection[int]]:
+        """The row partition of each of `keys` (one number when all are in one), and the partitions
+        served here: OWN for both while this server knows no layout (or replicates nothing)."""
         repl = self.replication
         served = None if repl is None else repl.served()
         if repl is None or served is None:
-            return {OWN}
+            return OWN, (OWN,)
+        return repl.partitions(keys), served
+
+    def _partitions(self, keys: np.ndarray) -> set[int]:
+        """The row partitions of `keys` (all those served here when there are none)."""
+        partition, served = self._partitioned(keys)
         if not len(keys):
             return set(served)
-        partition = repl.partitions(keys)
         return {partition} if isinstance(partition, int) else set(np.unique(partition).tolist())
 
     async def _wait_applied(self, name: str, clock: int, keys: np.ndarray) -> None:

@@ -40,6 +40,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Sequence
+from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from typing import NamedTuple, Protocol
 
@@ -61,6 +62,7 @@ from pshard.ps_server.table_replica_wire import (
     frame_columns,
     needed_bytes,
     row_bytes,
+    small_batch,
 )
 
 from pshard.api.v1 import parameter_server_pb2 as pb
@@ -578,14 +580,13 @@ class TableReplication:
         in shared memory go over the raw TCP link when there is one, else, or when it breaks under
         the call, inline over gRPC: the backup's replay of a batch it may hold already is idempotent
         (each row travels whole, and a batch's scalars and push ids are its primary's state then)."""
-        linked = self._links is not None and not any(segment for _, segment, _ in batches)
+        links = None if any(segment for _, segment, _ in batches) else self._links
         request = pb.ReplicateRequest(primary=self.own)
         for batch, segment, offset in batches:
-            batch_into_proto(batch, request.tables.add(), segment, offset, inline=not linked)
-        if linked:
-            assert self._links is not None
+            batch_into_proto(batch, request.tables.add(), segment, offset, inline=links is None)
+        if links is not None:
             arrays = [a for batch, _, _ in batches for a in frame_columns(batch)]
-            if over_link(self._links, address, request, arrays) is not None:
+            if over_link(links, address, request, arrays) is not None:
                 return False
             for (batch, _, _), msg in zip(batches, request.tables, strict=True):
                 columns_into_proto(batch, msg)
@@ -603,3 +604,16 @@ class TableReplication:
 
     def close(self) -> None:
         self.set_backups([])
+
+
+async def hold_rows(rows: TableReplication | None, request: pb.ReplicateRequest,
+                    frame: Sequence[np.ndarray] | None = None, executor: Executor | None = None) -> bool:
+    """A backup's side of a primary's table rows, from a Replicate call or a raw link's frame
+    (`frame`: their columns): `TableReplication.apply`. A step's rows are applied on the event loop,
+    copied once into the replicas (as fast as a push of them), where a thread hop each way would cost
+    more; a big copy (a new backup's) on a thread of `executor`."""
+    if rows is None:
+        raise InvalidArgumentError("replicate: this server replicates no table rows (no --replicas)")
+    if small_batch(request.tables):
+        return rows.apply(request, frame)
+    return await asyncio.get_running_loop().run_in_executor(executor, rows.apply, request, frame)

@@ -248,31 +248,32 @@ class TableClient:
 
     def push(self, table: str, ids: np.ndarray, grads: np.ndarray, clock: int = 0) -> int:
         """Apply `grads` (ids.shape + (dim,)) to the rows of `ids`, repeated ids summed; rows stored."""
-        push_id = next(self._push_ids)  # the same on a resend: a server that applied it drops it
-        used: list[Layout | None] = [None]  # the layout of the attempt that succeeded
-
-        def call(layout: Layout | None) -> int:
-            used[0] = layout
-            return self._push(table, ids, grads, clock, push_id, layout)
-
-        stored = self._routed(table, call)
-        self._keep(table, ids, grads, clock, push_id, used[0])
-        return stored
+        return self._pushed(table, ids, grads, clock,
+                            lambda layout, push_id: self._push(table, ids, grads, clock, push_id, layout))
 
     def push_pull(self, table: str, ids: np.ndarray, grads: np.ndarray, pull_ids: np.ndarray,
                   clock: int = 0) -> np.ndarray:
         """Push as `push`, then pull `pull_ids` as `pull`, in one round trip per server."""
-        push_id = next(self._push_ids)
-        used: list[Layout | None] = [None]
-
-        def call(layout: Layout | None) -> tuple[np.ndarray, set[int]]:
-            used[0] = layout
-            return self._push_pull(table, ids, grads, pull_ids, clock, push_id, layout)
-
-        rows, read = self._routed(table, call)
-        self._keep(table, ids, grads, clock, push_id, used[0])
+        rows, read = self._pushed(
+            table, ids, grads, clock,
+            lambda layout, push_id: self._push_pull(table, ids, grads, pull_ids, clock, push_id, layout))
         self._read(table, clock + 1, read)  # its pull was at clock + 1
         return rows
+
+    def _pushed(self, table: str, ids: np.ndarray, grads: np.ndarray, clock: int,
+                send: Callable[[Layout | None, int], T]) -> T:
+        """`send(layout, push_id)` under one idempotence key, on each layout `_routed` tries; then the
+        push is kept (`_keep`) with the layout that carried it."""
+        push_id = next(self._push_ids)  # the same on a resend: a server that applied it drops it
+        used: list[Layout | None] = [None]  # the layout of the attempt that succeeded
+
+        def call(layout: Layout | None) -> T:
+            used[0] = layout
+            return send(layout, push_id)
+
+        result = self._routed(table, call)
+        self._keep(table, ids, grads, clock, push_id, used[0])
+        return result
 
     # ---- sync pushes kept for a failover ----
 
