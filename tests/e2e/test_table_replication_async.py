@@ -15,15 +15,16 @@ import os
 import signal
 import threading
 from concurrent.futures import ThreadPoolExecutor
+from typing import NamedTuple
 
 import numpy as np
 import pytest
-from pshard.common.layout import ParamSpec
+from pshard.common.layout import Layout, ParamSpec
 from pshard.common.scheduler_client import SchedulerClient
 from pshard.common.sparse import TableConfig, server_of
 from pshard.worker.client import PSClient
 
-from tests.e2e.harness import LocalCluster, Procs, wait_until
+from tests.e2e.harness import LocalCluster, Proc, Procs, wait_until
 from tests.e2e.test_replication_async import _newer_layout
 
 pytestmark = pytest.mark.e2e
@@ -44,21 +45,36 @@ def _batch(client: int, push: int) -> tuple[np.ndarray, np.ndarray]:
     return ids, rng.integers(-3, 4, size=(len(ids), DIM)).astype(np.float32)
 
 
-def test_async_table_clients_lose_no_acknowledged_update_when_a_server_is_sigkilled(procs: Procs) -> None:
-    cluster = LocalCluster(procs, num_ps=3, num_workers=CLIENTS)
+class ReplicatedJob(NamedTuple):
+    started: list[Proc]  # the scheduler, ps-0, ps-1, ps-2
+    scheds: list[SchedulerClient]  # each client's registration
+    layout: Layout
+    clients: list[PSClient]
+
+
+def replicated_job(procs: Procs, workers: int) -> ReplicatedJob:
+    """A scheduler and three servers with `--replicas 1`, and `workers` registered clients that
+    re-route on a failover; the job's layout (a tiny dense parameter) carries the replica count and
+    the row partitions."""
+    cluster = LocalCluster(procs, num_ps=3, num_workers=workers)
     started = cluster.start_servers("--replicas", "1")
     ps = [cluster.task(f"ps-{i}").address for i in range(3)]
     scheds = [SchedulerClient(cluster.plan.scheduler, "worker", node_id=f"worker-{i}", rank_hint=i,
                               own_address=cluster.task(f"worker-{i}").address, connect_timeout_s=30.0)
-              for i in range(CLIENTS)]
+              for i in range(workers)]
     for s in scheds:
         s.register()
-    # The job's layout (a tiny dense parameter) carries the replica count and the row partitions.
     layout = scheds[0].propose_layout([ParamSpec("bias", "float32", (4,))], servers=ps, replicas=1)
-    assert layout.replicas == 1 and layout.owners() == (0, 1, 2)
+    assert layout.replicas == 1
     clients = [PSClient(ps, f"worker-{i}", layout=layout, generation=lambda s=scheds[i]: s.generation,
                         timeout_s=STEP_TIMEOUT_S, transport="auto", relayout=_newer_layout(scheds[i]),
-                        reroute_wait_s=10.0) for i in range(CLIENTS)]
+                        reroute_wait_s=10.0) for i in range(workers)]
+    return ReplicatedJob(started, scheds, layout, clients)
+
+
+def test_async_table_clients_lose_no_acknowledged_update_when_a_server_is_sigkilled(procs: Procs) -> None:
+    started, scheds, layout, clients = replicated_job(procs, CLIENTS)
+    assert layout.owners() == (0, 1, 2)
     acked = np.zeros((len(IDS), DIM), np.float64)
     lock = threading.Lock()
     count = [0]

@@ -19,13 +19,10 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
-from pshard.common.layout import ParamSpec
-from pshard.common.scheduler_client import SchedulerClient
 from pshard.common.sparse import TableConfig, server_of
-from pshard.worker.client import PSClient
 
-from tests.e2e.harness import LocalCluster, Procs, wait_until
-from tests.e2e.test_replication_async import _newer_layout
+from tests.e2e.harness import Procs, wait_until
+from tests.e2e.test_table_replication_async import replicated_job
 
 pytestmark = pytest.mark.e2e
 
@@ -35,7 +32,6 @@ KILL_AT = 5  # the clock worker 0 pushed, and worker 1 not yet, when ps-1 dies
 DIM = 8
 TABLE = TableConfig("emb", DIM, optimizer="sgd", lr=1.0, initializer="zeros", mode="sync")
 IDS = np.arange(0, 3000, 3, dtype=np.int64)
-STEP_TIMEOUT_S = 60.0
 RUN_TIMEOUT_S = 150.0
 
 
@@ -47,19 +43,7 @@ def _batch(worker: int, clock: int) -> tuple[np.ndarray, np.ndarray]:
 
 def test_sync_table_workers_lose_no_update_when_a_server_with_a_pending_clock_is_sigkilled(
         procs: Procs) -> None:
-    cluster = LocalCluster(procs, num_ps=3, num_workers=WORKERS)
-    started = cluster.start_servers("--replicas", "1")
-    ps = [cluster.task(f"ps-{i}").address for i in range(3)]
-    scheds = [SchedulerClient(cluster.plan.scheduler, "worker", node_id=f"worker-{i}", rank_hint=i,
-                              own_address=cluster.task(f"worker-{i}").address, connect_timeout_s=30.0)
-              for i in range(WORKERS)]
-    for s in scheds:
-        s.register()
-    layout = scheds[0].propose_layout([ParamSpec("bias", "float32", (4,))], servers=ps, replicas=1)
-    assert layout.replicas == 1
-    clients = [PSClient(ps, f"worker-{i}", layout=layout, generation=lambda s=scheds[i]: s.generation,
-                        timeout_s=STEP_TIMEOUT_S, transport="auto", relayout=_newer_layout(scheds[i]),
-                        reroute_wait_s=10.0) for i in range(WORKERS)]
+    started, scheds, layout, clients = replicated_job(procs, WORKERS)
     pushed = threading.Event()  # worker 0 pushed clock KILL_AT
     killed = threading.Event()
 
@@ -81,9 +65,9 @@ def test_sync_table_workers_lose_no_update_when_a_server_with_a_pending_clock_is
             # Only a backup the scheduler counts in sync is promoted: killed before ps-1's heartbeat
             # reported its copy (a loaded machine, in CI), ps-1 fails over to no one, loudly. Clock
             # KILL_AT stays pending meanwhile: worker 1 waits for the kill to push it.
-            in_sync = f"is an in-sync backup of {ps[1]}"
+            in_sync = f"is an in-sync backup of {layout.servers[1]}"
             wait_until(lambda: any(in_sync in line for line in started[0].lines), RUN_TIMEOUT_S,
-                       f"the scheduler counting a backup of ps-1 ({ps[1]}) in sync")
+                       f"the scheduler counting a backup of ps-1 ({layout.servers[1]}) in sync")
             os.kill(started[2].pid, signal.SIGKILL)  # started: scheduler, ps-0, ps-1, ps-2: ps-1
             killed.set()
             for f in futures:

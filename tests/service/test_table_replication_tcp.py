@@ -20,6 +20,7 @@ from pshard.ps_server.handlers import ParameterServerHandlers
 from pshard.ps_server.store import SliceMeta
 from pshard.ps_server.table import SparseTable
 from pshard.ps_server.table_replica import all_ids
+from pshard.worker.client import PSClient
 
 from pshard.api.v1 import parameter_server_pb2 as ps_pb
 from tests.service.test_table_replication import CONFIG, IDS, _grads, _layout, _replicated, _rows, _state
@@ -51,11 +52,17 @@ def _push(client, reference: SparseTable, step: int) -> None:
     reference.push(ids, grads)
 
 
-def test_without_shared_memory_the_rows_go_over_the_raw_tcp_link(start_server, new_client) -> None:
+def _job(start_server, new_client) -> tuple[list[ServerThread], PSClient, SparseTable]:
+    """Three servers offering only raw TCP between them, a client over gRPC, the table declared, and
+    a local table that takes the same pushes."""
     servers, layout = _replicated(start_server, _layout, tcp=True)
     client = new_client(servers, "w0", layout=layout, transport="grpc")
     client.declare_table(CONFIG)
-    reference = SparseTable(CONFIG)
+    return servers, client, SparseTable(CONFIG)
+
+
+def test_without_shared_memory_the_rows_go_over_the_raw_tcp_link(start_server, new_client) -> None:
+    servers, client, reference = _job(start_server, new_client)
     for step in range(4):
         _push(client, reference, step)
         _assert_replicas_exact(servers)
@@ -71,10 +78,7 @@ def test_without_shared_memory_the_rows_go_over_the_raw_tcp_link(start_server, n
 @pytest.mark.parametrize("applied", [False, True], ids=["before-apply", "after-apply"])
 def test_a_link_broken_under_a_batch_resends_it_over_grpc_and_the_replica_stays_exact(
         start_server, new_client, monkeypatch, applied: bool) -> None:
-    servers, layout = _replicated(start_server, _layout, tcp=True)
-    client = new_client(servers, "w0", layout=layout, transport="grpc")
-    client.declare_table(CONFIG)
-    reference = SparseTable(CONFIG)
+    servers, client, reference = _job(start_server, new_client)
     for step in range(2):
         _push(client, reference, step)
     primary, backup = servers[1], servers[2]
