@@ -11,6 +11,8 @@ pull of step t+1 in one round trip (push_pull_rows).
 
 memory: RSS growth of a fresh process that fills a table of 10,000,000 rows of dim 16 (Adagrad),
 over the bytes of its rows and optimizer state: the overhead of the hash index and per-row metadata.
+The table's compiled loops are loaded before the first reading: numba's code and its compiler's
+heap (about 50 MB of anonymous memory, the same for any table) are not the row store's overhead.
 
     python -m bench.sparse [--steps 200] [--fused] [--skip-memory]
 """
@@ -124,8 +126,10 @@ def _memory_child(rows: int, dim: int) -> None:
     """Runs in a fresh process: fill a table and print the RSS figures as JSON."""
     import numpy as np
     from pshard.common.sparse import TableConfig
+    from pshard.ps_server import kernels
     from pshard.ps_server.table import SparseTable
 
+    kernels.warm(np.dtype(np.float32))
     rng = np.random.default_rng(0)
     ids = rng.integers(-(2**62), 2**62, rows + rows // 50)
     ids = np.unique(ids)[:rows]

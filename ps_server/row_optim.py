@@ -11,6 +11,9 @@ present are read and written. These functions do the same to the rows of a table
     lazy_adam  the same update, but bias-corrected by each row's own step count, so a rare row's
                first update is as large as a frequent row's first update
 
+A table runs sgd and adagrad through compiled in-place loops (ps_server.kernels) that compute
+exactly this, in this order; these functions are their reference (tests/unit/test_kernels.py).
+
 `rows` and `grads` are (n, dim) arrays of the table's dtype; `state` maps a state name to the
 (n, dim) gathered state of the same rows. Each function returns the new rows and updates `state`
 in place; the caller scatters both back.

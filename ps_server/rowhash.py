@@ -1,8 +1,10 @@
 """A vectorised open-addressing hash index: int64 ids -> dense row numbers.
 
-Every operation takes a whole batch of ids and probes them together with numpy (linear probing;
-each loop iteration advances all still-unresolved ids by one slot), so a batch of 4,096 ids costs
-a handful of array operations, not 4,096 Python steps.
+Every operation takes a whole batch of ids. Lookups, the hot path of every table request, run as
+one compiled loop (ps_server.kernels.lookup, linear probing with the slots and ids prefetched);
+insertions and deletions probe with numpy (each round advances all still-unresolved ids by a
+window of slots), so a batch of 4,096 ids costs a handful of array operations, not 4,096 Python
+steps. Both find an id's home slot the same way (`_home`: mix64 of the id, its top bits).
 
 Memory is what the issue's 0.3x budget allows: the probe table holds only an int32 per slot
 (0 empty, -1 a tombstone left by a deletion, r+1 for row r); the id of row r lives once, in
@@ -110,40 +112,12 @@ class IdIndex:
         return rows
 
     def _lookup(self, ids: np.ndarray) -> np.ndarray:
-        # Most ids sit in their home slot (load <= 60%): resolve those in one pass, then the rest a
-        # window of slots at a time. Leaner than _probe (a third of the numpy calls per round, which
-        # is what a lookup of a few thousand ids costs): a slot holds one id, so a query hits at
-        # most one slot of its window, and a present id has no empty slot between its home and it,
-        # so a query is settled by a hit or by an empty slot, whichever its window shows. What a
-        # lookup pays for is its random reads (slots, then `ids` of the rows they name: a cache
-        # miss each), so a window reads the ids of only the occupied slots before its first empty
-        # one (about one per query at this load, not the window's width), and `take` gathers with
-        # mode="wrap" in place of masking the slot numbers (the table is a power of two).
-        pos = self._home(ids)
-        s = self._slots.take(pos)
-        rows = s.astype(np.int64)
-        rows -= 1
-        home = self.ids.take(rows, mode="clip") == ids  # row -1 (empty), -2 (tombstone): refuted by s > 0
-        home &= s > 0
-        if home.all():
-            return rows
-        miss = ~home
-        rows[miss] = -1
-        rest = np.flatnonzero(miss & (s != _EMPTY))  # an empty home slot: absent, nothing to probe
-        start, width = 1, _FIRST_WINDOW
-        while len(rest):
-            window = self._slots.take(pos.take(rest)[:, None] + (start + _STEPS[:width]), mode="wrap")
-            chain = np.logical_and.accumulate(window != _EMPTY, axis=1)  # the slots before the first empty
-            at = np.flatnonzero(chain & (window > 0))
-            found = window.reshape(-1).take(at).astype(np.int64)
-            found -= 1
-            line = at // width
-            hit = self.ids.take(found) == ids.take(rest.take(line))
-            rows[rest.take(line[hit])] = found[hit]
-            going = chain[:, -1]  # no empty slot in the window, and no hit: probe on
-            going[line[hit]] = False
-            rest = rest[going]
-            start, width = start + width, _WINDOW
+        # One compiled pass (ps_server.kernels.lookup): the numpy rounds of _probe cost four times
+        # as much for a lookup of a few thousand ids, most of it in temporaries.
+        from pshard.ps_server import kernels
+
+        rows = np.empty(len(ids), np.int64)
+        kernels.lookup(self._slots, self.ids, ids, 64 - (len(self._slots).bit_length() - 1), rows)
         return rows
 
     def insert(self, ids: np.ndarray) -> np.ndarray:

@@ -39,6 +39,9 @@ CHUNK_ROWS = 1 << 16
 # Numbers (rows x dim) up to which a push's temporaries live in buffers the table keeps (4 MB of float32).
 _BUFFER_NUMBERS = 1 << 20
 _UNIT = float(2**-53)
+# Optimizers whose push updates rows in place in one compiled pass (ps_server.kernels); adam's two
+# moments and bias correction stay with row_optim's numpy.
+_IN_PLACE = ("sgd", "adagrad")
 
 
 def initial_rows(config: TableConfig, ids: np.ndarray) -> np.ndarray:
@@ -81,6 +84,12 @@ class SparseTable:
         self._rng = np.random.default_rng(config.seed)
         self._next_sweep = 0.0
         self._buffers: dict[str, np.ndarray] = {}
+        # The compiled loops of the hot path (ps_server.kernels), imported with the first table: a
+        # server that holds none never loads numba. Compiled (or loaded from numba's cache) here, so
+        # that no request waits for a compilation.
+        from pshard.ps_server import kernels
+        kernels.warm(config.np_dtype)
+        self._kernels = kernels
         # Told the ids of every eviction too (ps_server/table_replication.py: backups drop them).
         self.evict_hook: Callable[[np.ndarray], None] | None = None
 
@@ -130,9 +139,9 @@ class SparseTable:
             out[found] = self.values[rows[found]]
             out[missing] = initial_rows(self.config, ids[missing])
             rows = rows[found]
-        else:  # every id a row (the common case): one gather, no boolean masks, no temporary
-            take_rows(self.values, rows, out)
-        self.touch[rows] = now
+            self.touch[rows] = now
+        else:  # every id a row (the common case): one pass gathers them and stamps their touch
+            self._kernels.gather_touch(self.values, self.touch, rows, float(now), out)
         self._enforce_cap(rows, now)
         return out
 
@@ -153,6 +162,27 @@ class SparseTable:
         if n == 0:
             return 0
         self.step += 1
+        if self.config.optimizer in _IN_PLACE:  # one compiled pass updates the rows where they are
+            self._push_in_place(r, np.ascontiguousarray(g), now)
+        else:
+            self._push_gathered(r, g, now)
+        self._enforce_cap(r, now)
+        return len(r)
+
+    def _push_in_place(self, rows: np.ndarray, grads: np.ndarray, now: float) -> None:
+        """row_optim.apply's sgd or adagrad on the rows where they are, with their touch and count
+        (ps_server.kernels: the same arithmetic, bit for bit)."""
+        dt = self.config.np_dtype.type
+        lr, now = dt(self.config.lr), float(now)  # the types warm() compiled for: no compilation here
+        if self.config.optimizer == "sgd":
+            self._kernels.sgd_touch(self.values, self.touch, self.count, rows, grads, lr, now)
+        else:
+            self._kernels.adagrad_touch(self.values, self.state["sum"], self.touch, self.count, rows, grads,
+                                        lr, dt(self.config.eps), now)
+
+    def _push_gathered(self, r: np.ndarray, g: np.ndarray, now: float) -> None:
+        """row_optim.apply on gathered copies of the rows and their state, scattered back (adam's)."""
+        n = len(r)
         # Gathers into buffers kept between requests; rows move as whole items (sparse.take_rows).
         state = {name: take_rows(a, r, self._buffer(name, n)) for name, a in self.state.items()}
         step: int | np.ndarray = self.step
@@ -166,8 +196,6 @@ class SparseTable:
             put_rows(a, r, state[name])
         self.touch[r] = now
         self.count[r] += 1
-        self._enforce_cap(r, now)
-        return len(r)
 
     # ---- rows ----
 

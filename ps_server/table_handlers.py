@@ -112,6 +112,11 @@ class TableHandlers:
 
     async def declare(self, config: TableConfig) -> bool:
         """Create the table; False if it exists with the same config (LayoutConflictError if not)."""
+        if config.name not in self._tables:
+            # The first table of a dtype compiles its loops, or loads them from numba's cache
+            # (ps_server.kernels): seconds or a fraction of one, on a thread, so the event loop
+            # serves meanwhile. The checks below come after, as another declaration may have won.
+            await asyncio.get_running_loop().run_in_executor(None, _warm_kernels, config.np_dtype)
         existing = self._tables.get(config.name)
         if existing is not None:
             if existing.config != config:
@@ -387,6 +392,12 @@ class TableHandlers:
                                            f"holds {grads[i][~np.isfinite(grads[i])][0]} (the table does not "
                                            "allow non-finite gradients)")
         return grads
+
+
+def _warm_kernels(dtype: np.dtype) -> None:
+    from pshard.ps_server import kernels  # numba is loaded by servers that hold a table only
+
+    kernels.warm(dtype)
 
 
 def _file_name(name: str) -> str:
