@@ -108,7 +108,8 @@ def test_in_place_updates_equal_row_optim_bit_for_bit(n: int, dtype: type, optim
     grads.flags.writeable = False  # gRPC's bytes are read-only
 
     state = {"sum": acc[rows].copy()} if optimizer == "adagrad" else {}
-    expect_rows = row_optim.apply(config, values[rows].copy(), grads, state, 1, np.empty((n, 9), dtype))
+    with np.errstate(all="ignore"):  # the hard numbers overflow and make NaN on purpose
+        expect_rows = row_optim.apply(config, values[rows].copy(), grads, state, 1, np.empty((n, 9), dtype))
     expect_count = count.copy()
     expect_count[rows] += 1
     expect_values, expect_acc = values.copy(), acc.copy()
