@@ -1,4 +1,4 @@
-"""Compiled loops for the hot path of sparse tables: id lookup, row gather, and SGD/Adagrad updates.
+"""Compiled loops for the hot path of sparse tables: checks, id lookup, row gather, SGD/Adagrad updates.
 
 A table request of a few thousand ids is bound by random reads (a table's rows lie all over
 hundreds of MB), and numpy paid for them in passes: a lookup was a dozen array operations per
@@ -199,6 +199,36 @@ def adagrad_touch(values, acc, touch, count, rows, grads, lr, eps, now):  # type
         count[r] += 1
 
 
+@_jit
+def ascending(ids):  # type: ignore[no-untyped-def]
+    """Whether every id is above the one before it: strictly ascending, so distinct (clients send each
+    server's ids so); one pass, where numpy compared into a temporary first."""
+    for i in range(1, len(ids)):  # noqa: SIM110 (numba compiles this loop; all() of a generator it would not)
+        if ids[i] <= ids[i - 1]:
+            return False
+    return True
+
+
+@_jit
+def _finite_bits(bits, exponent):  # type: ignore[no-untyped-def]
+    """No number whose exponent bits are all ones (NaN or Inf), over the numbers' bit patterns: an
+    integer OR over the whole array, which LLVM vectorises (a float sum in order it cannot)."""
+    bad = 0
+    for i in range(len(bits)):
+        bad |= (bits[i] & exponent) == exponent
+    return bad == 0
+
+
+_EXPONENT = {np.dtype(np.float32): (np.uint32, np.uint32(0x7F800000)),
+             np.dtype(np.float64): (np.uint64, np.uint64(0x7FF0000000000000))}
+
+
+def all_finite(a: np.ndarray) -> bool:
+    """No NaN and no Inf in the C-contiguous float32 or float64 array `a` (numpy's isfinite, all)."""
+    view, exponent = _EXPONENT[a.dtype]
+    return bool(_finite_bits(a.reshape(-1).view(view), exponent))
+
+
 # The dtypes whose tables use the kernels (pshard.common.sparse.TABLE_DTYPES).
 DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
 _warmed: set[np.dtype] = set()
@@ -217,6 +247,8 @@ def warm(dtype: np.dtype) -> None:
     frozen = ids.copy()
     frozen.flags.writeable = False
     lookup(slots, ids, frozen, 60, rows)
+    ascending(ids)
+    ascending(frozen)
     values = np.zeros((1, 2), dtype)
     touch, count = np.zeros(1, np.float64), np.zeros(1, np.int32)
     gather_touch(values, touch, rows, 0.0, np.empty_like(values))
@@ -224,7 +256,9 @@ def warm(dtype: np.dtype) -> None:
     grads = np.zeros((1, 2), dtype)
     sgd_touch(values, touch, count, rows, grads, one, 0.0)
     adagrad_touch(values, values.copy(), touch, count, rows, grads, one, one, 0.0)
+    all_finite(grads)
     grads.flags.writeable = False
+    all_finite(grads)
     sgd_touch(values, touch, count, rows, grads, one, 0.0)
     adagrad_touch(values, values.copy(), touch, count, rows, grads, one, one, 0.0)
     _warmed.add(dtype)

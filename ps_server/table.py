@@ -89,7 +89,7 @@ class SparseTable:
         # that no request waits for a compilation.
         from pshard.ps_server import kernels
         kernels.warm(config.np_dtype)
-        self._kernels = kernels
+        self.kernels = kernels
         # Told the ids of every eviction too (ps_server/table_replication.py: backups drop them).
         self.evict_hook: Callable[[np.ndarray], None] | None = None
 
@@ -141,7 +141,7 @@ class SparseTable:
             rows = rows[found]
             self.touch[rows] = now
         else:  # every id a row (the common case): one pass gathers them and stamps their touch
-            self._kernels.gather_touch(self.values, self.touch, rows, float(now), out)
+            self.kernels.gather_touch(self.values, self.touch, rows, float(now), out)
         self._enforce_cap(rows, now)
         return out
 
@@ -175,9 +175,9 @@ class SparseTable:
         dt = self.config.np_dtype.type
         lr, now = dt(self.config.lr), float(now)  # the types warm() compiled for: no compilation here
         if self.config.optimizer == "sgd":
-            self._kernels.sgd_touch(self.values, self.touch, self.count, rows, grads, lr, now)
+            self.kernels.sgd_touch(self.values, self.touch, self.count, rows, grads, lr, now)
         else:
-            self._kernels.adagrad_touch(self.values, self.state["sum"], self.touch, self.count, rows, grads,
+            self.kernels.adagrad_touch(self.values, self.state["sum"], self.touch, self.count, rows, grads,
                                         lr, dt(self.config.eps), now)
 
     def _push_gathered(self, r: np.ndarray, g: np.ndarray, now: float) -> None:

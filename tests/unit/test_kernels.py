@@ -136,7 +136,8 @@ def test_warm_compiles_every_kernel_a_request_calls() -> None:
 
     for dtype in kernels.DTYPES:
         kernels.warm(dtype)
-    dispatchers = [kernels.lookup, kernels.gather_touch, kernels.sgd_touch, kernels.adagrad_touch]
+    dispatchers = [kernels.lookup, kernels.gather_touch, kernels.sgd_touch, kernels.adagrad_touch,
+                   kernels.ascending, kernels._finite_bits]
     before = [len(d.signatures) for d in dispatchers]
     for optimizer in ("sgd", "adagrad"):
         for dtype in ("float32", "float64"):
@@ -147,4 +148,33 @@ def test_warm_compiles_every_kernel_a_request_calls() -> None:
             grads = np.frombuffer(np.ones((10, 4), dtype).tobytes(), dtype).reshape(10, 4)
             table.push(ids, grads, clock=5)
             table.push(ids.copy(), np.ones((10, 4), dtype), clock=6)  # a fast path's writable views
+            for checked in (ids, ids.copy()):  # what TableHandlers checks before a table sees them
+                assert kernels.ascending(checked)
+            assert kernels.all_finite(grads) and kernels.all_finite(grads.copy())
     assert [len(d.signatures) for d in dispatchers] == before
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(-(2**63), 2**63 - 1), max_size=30) | st.lists(st.integers(-3, 3), max_size=8))
+def test_ascending_is_strictly_increasing(ids: list[int]) -> None:
+    a = np.array(ids, np.int64)
+    assert kernels.ascending(a) == bool((a[1:] > a[:-1]).all())
+    a.sort()  # sorted, with repeats kept: a repeat is not ascending
+    assert kernels.ascending(a) == (len(set(ids)) == len(ids))
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_all_finite_finds_any_nan_or_inf_and_nothing_else(dtype: type[np.floating]) -> None:
+    rng = np.random.default_rng(7)
+    info = np.finfo(dtype)
+    finite: np.ndarray = rng.standard_normal((33, 5)).astype(dtype)
+    finite[0, :3] = [info.max, info.max, float(info.tiny) / 8]  # a sum overflows; a subnormal
+    finite[1, 0] = -0.0
+    assert kernels.all_finite(finite)
+    for bad in (np.nan, np.inf, -np.inf):
+        for where in ((0, 0), (16, 2), (32, 4)):  # first, middle and last number
+            grads = finite.copy()
+            grads[where] = bad
+            grads.flags.writeable = False
+            assert not kernels.all_finite(grads)
+    assert kernels.all_finite(np.zeros((0, 5), dtype))
