@@ -25,6 +25,7 @@ only servers that hold a table import this module (ps_server.table does, lazily)
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from typing import Any
 
@@ -34,11 +35,30 @@ from numba import njit, types, uint64
 from numba.core import cgutils
 from numba.extending import intrinsic
 
+log = logging.getLogger("pshard.ps")
+
 
 def _jit(function: Callable[..., Any]) -> Any:
     """numba.njit, cached on disk; no fastmath (results must equal numpy's bit for bit); the GIL
-    released (nogil), so the process's other threads run while a kernel does."""
-    return njit(cache=True, nogil=True, boundscheck=False, fastmath=False)(function)
+    released (nogil), so the process's other threads run while a kernel does.
+
+    numba uses a cache directory only if it may write there, even to load what it holds (NUMBA_CACHE_DIR,
+    else beside this file, else the user's cache): under a read-only root file system with none of them
+    writable it refuses to decorate at all. Then each process compiles the kernels for itself (seconds, at
+    its first table), and says so once."""
+    try:
+        return njit(cache=True, nogil=True, boundscheck=False, fastmath=False)(function)
+    except RuntimeError as err:  # "cannot cache function ...: no locator available"
+        global _uncached
+        if not _uncached:
+            _uncached = True
+            log.warning("numba has no cache directory it may write (%s): this process compiles the table "
+                        "kernels itself, a few seconds at its first table; set NUMBA_CACHE_DIR to a "
+                        "writable directory to keep them", err)
+        return njit(cache=False, nogil=True, boundscheck=False, fastmath=False)(function)
+
+
+_uncached = False
 
 
 # Rows ahead that a loop asks the memory for (llvm.prefetch) while it works on the current one: one

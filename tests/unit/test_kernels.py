@@ -178,3 +178,25 @@ def test_all_finite_finds_any_nan_or_inf_and_nothing_else(dtype: type[np.floatin
             grads.flags.writeable = False
             assert not kernels.all_finite(grads)
     assert kernels.all_finite(np.zeros((0, 5), dtype))
+
+
+def test_without_a_writable_cache_directory_the_kernels_compile_in_the_process() -> None:
+    """numba refuses to decorate a cached function when no cache directory is writable (a read-only root
+    file system: Kubernetes' readOnlyRootFilesystem). The kernels then compile uncached, with a warning.
+    NUMBA_CACHE_LOCATOR_CLASSES=IPythonCacheLocator leaves numba only a locator that finds nothing for a
+    file, which is what a read-only system gives it."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("import logging, numpy as np; logging.basicConfig()\n"
+            "from pshard.common.sparse import TableConfig\n"
+            "from pshard.ps_server.table import SparseTable\n"
+            "table = SparseTable(TableConfig('t', 4, initializer='zeros'))\n"
+            "table.push(np.arange(3, dtype=np.int64), np.ones((3, 4), np.float32))\n"
+            "print(table.pull(np.arange(3, dtype=np.int64)).sum())\n")
+    env = {**os.environ, "NUMBA_CACHE_LOCATOR_CLASSES": "IPythonCacheLocator"}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert abs(float(done.stdout) + 0.12) < 1e-6  # SGD, lr 0.01: 12 numbers from 0 by -0.01 each
+    assert "numba has no cache directory it may write" in done.stderr
