@@ -117,7 +117,9 @@ class IdIndex:
         from pshard.ps_server import kernels
 
         rows = np.empty(len(ids), np.int64)
-        kernels.lookup(self._slots, self.ids, ids, 64 - (len(self._slots).bit_length() - 1), rows)
+        # Contiguous int64, the layouts warm() compiled for: any other would compile mid-request.
+        query = np.ascontiguousarray(ids, np.int64)
+        kernels.lookup(self._slots, self.ids, query, 64 - (len(self._slots).bit_length() - 1), rows)
         return rows
 
     def insert(self, ids: np.ndarray) -> np.ndarray:
