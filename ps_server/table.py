@@ -173,12 +173,10 @@ class SparseTable:
         """row_optim.apply's sgd or adagrad on the rows where they are, with their touch and count
         (ps_server.kernels: the same arithmetic, bit for bit)."""
         dt = self.config.np_dtype.type
-        lr, now = dt(self.config.lr), float(now)  # the types warm() compiled for: no compilation here
-        if self.config.optimizer == "sgd":
-            self.kernels.sgd_touch(self.values, self.touch, self.count, rows, grads, lr, now)
-        else:
-            self.kernels.adagrad_touch(self.values, self.state["sum"], self.touch, self.count, rows, grads,
-                                        lr, dt(self.config.eps), now)
+        sums = self.state["sum"] if self.config.optimizer == "adagrad" else self.values[:0]  # sgd: none
+        # dtype scalars and a float: the types warm() compiled for, so no compilation here
+        self.kernels.push_touch(self.values, sums, self.touch, self.count, rows, grads, dt(self.config.lr),
+                                dt(self.config.eps), float(now))
 
     def _push_gathered(self, r: np.ndarray, g: np.ndarray, now: float) -> None:
         """row_optim.apply on gathered copies of the rows and their state, scattered back (adam's)."""

@@ -118,10 +118,8 @@ def test_in_place_updates_equal_row_optim_bit_for_bit(n: int, dtype: type, optim
         expect_acc[rows] = state["sum"]
 
     lr, eps = dtype(config.lr), dtype(config.eps)
-    if optimizer == "sgd":
-        kernels.sgd_touch(values, touch, count, rows, grads, lr, 2.5)
-    else:
-        kernels.adagrad_touch(values, acc, touch, count, rows, grads, lr, eps, 2.5)
+    sums = acc if optimizer == "adagrad" else values[:0]  # sgd passes sums of no rows
+    kernels.push_touch(values, sums, touch, count, rows, grads, lr, eps, 2.5)
     np.testing.assert_array_equal(_bits(values), _bits(expect_values))
     np.testing.assert_array_equal(_bits(acc), _bits(expect_acc))
     np.testing.assert_array_equal(count, expect_count)
@@ -136,7 +134,7 @@ def test_warm_compiles_every_kernel_a_request_calls() -> None:
 
     for dtype in kernels.DTYPES:
         kernels.warm(dtype)
-    dispatchers = [kernels.lookup, kernels.gather_touch, kernels.sgd_touch, kernels.adagrad_touch,
+    dispatchers = [kernels.lookup, kernels.gather_touch, kernels.push_touch,
                    kernels.ascending, kernels._finite_bits]
     before = [len(d.signatures) for d in dispatchers]
     for optimizer in ("sgd", "adagrad"):
