@@ -31,10 +31,11 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent import futures
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, NamedTuple, TypeVar
+from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
 
 import grpc
 import numpy as np
+import numpy.typing as npt
 from pshard.common import codec
 from pshard.common.errors import InvalidArgumentError, UnavailableError, UnknownKeyError
 from pshard.common.fastwire import TransportBroken
@@ -92,25 +93,19 @@ def _stable_sort(flat: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     bits = max(n - 1, 1).bit_length()
     if n > 1:
         low, high = int(flat.min()), int(flat.max())
-        if bits < 32 and high - low < 1 << (32 - bits):
-            # Narrower still (a table of a few million rows, a batch of thousands): the same keys in
-            # 32 bits sort in half the time of 64 (4,096 of them: 57 against 110 us here).
-            small = (flat - low).astype(np.uint32)
-            small <<= bits
-            small |= np.arange(n, dtype=np.uint32)
-            small.sort()
-            order = (small & np.uint32((1 << bits) - 1)).astype(np.int64)
-            small >>= bits
-            key = small.astype(np.int64)
-            key += low
-            return order, key
-        if high - low < 1 << (63 - bits):
-            key = flat - low
+        span = high - low
+        # Narrower still (a table of a few million rows, a batch of thousands): the same keys in 32
+        # bits sort in half the time of 64 (4,096 of them: 57 against 110 us here).
+        dtype = (np.uint32 if bits < 32 and span < 1 << (32 - bits) else
+                 np.int64 if span < 1 << (63 - bits) else None)
+        if dtype is not None:
+            key: npt.NDArray[np.integer[Any]] = (flat - low).astype(dtype, copy=False)
             key <<= bits
-            key |= np.arange(n)
+            key |= np.arange(n, dtype=key.dtype)
             key.sort()
-            order = key & ((1 << bits) - 1)
+            order = (key & dtype((1 << bits) - 1)).astype(np.int64, copy=False)
             key >>= bits
+            key = key.astype(np.int64, copy=False)
             key += low
             return order, key
     order = np.argsort(flat, kind="stable")
