@@ -53,6 +53,11 @@ def test_a_server_sigkilled_mid_training_loses_no_update(procs: Procs, tmp_path:
     ps1 = cluster["ps"][1]
     for name in ("worker-0", "worker-1"):
         run.wait_for_line(rf'^\[{name}\] .*"event": "step".*"step": 40,', RUN_TIMEOUT_S)
+    # A copy the scheduler has not vouched for is never promoted (FAILOVER IMPOSSIBLE: the design
+    # refuses it); a kill before ps-1's backup is reported in sync tests that refusal, not a
+    # failover. Under load the report can come after step 40, so the kill waits for it.
+    backed_up = rf"^\[scheduler\] .*ROLE: \S+ is an in-sync backup of {re.escape(ps1)}"
+    run.wait_for_line(backed_up, QUICK_TIMEOUT_S)
     victim = _pid_serving(ps1)
     os.kill(victim, signal.SIGKILL)
     run.wait_for_line(r"^launcher: ps-1 restarted", QUICK_TIMEOUT_S)
