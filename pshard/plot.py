@@ -91,7 +91,7 @@ def _worker_curves(records: list[dict[str, object]], label: str, start: float) -
 
 
 def read_run(path: Path, label: str | None = None) -> list[Curves]:
-    """A run's curves from its metrics file, one per worker that wrote to it, in order of appearance.
+    """A run's curves from its metrics file, one per worker that wrote to it, by name.
 
     Workers launched with one ``--metrics`` path (as ``make demo`` does) share a file: their steps
     interleave, so they are split by each record's ``worker`` field, or the lines would zig-zag
@@ -107,7 +107,7 @@ def read_run(path: Path, label: str | None = None) -> list[Curves]:
     for r in records:
         by_worker.setdefault(str(r.get("worker", "")), []).append(r)
     runs = []
-    for index, (worker, mine) in enumerate(by_worker.items()):
+    for index, (worker, mine) in enumerate(sorted(by_worker.items())):  # worker-0 first: solid lines
         curves = _worker_curves(mine, label if len(by_worker) == 1 else f"{label} {worker}", start)
         curves.run, curves.worker_index = label, index
         if curves.loss_step[0] or curves.test_acc_step[0]:
@@ -154,7 +154,7 @@ def plot(runs: Sequence[Curves], output: Path, title: str | None = None) -> Path
             axes[1][column].plot(*train, color=color, linestyle=style, label=f"{run.label} (train)",
                                  linewidth=1.0, alpha=0.6)
             if test[0]:
-                axes[1][column].plot(*test, color=color, marker="o", linestyle="--",
+                axes[1][column].plot(*test, color=color, marker="o", linestyle=style,
                                      label=f"{run.label} (test)")
     for column, xlabel in enumerate(("step", "wall time (s)")):
         axes[0][column].set_title(f"training loss by {xlabel.split(' (')[0]}")
