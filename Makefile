@@ -13,7 +13,7 @@ STUBS := pshard/api/v1/parameter_server_pb2.py
 COMPOSE_BIN = $(shell $(PY) -c "import importlib.util, pathlib; print(pathlib.Path(importlib.util.find_spec('compose').origin).parent / 'docker-compose')")
 PYTEST_ARGS ?=
 
-.PHONY: install proto data test test-unit test-service test-e2e soak demo demo-args up bench lint clean help
+.PHONY: install proto data test test-unit test-service test-e2e soak demo demo-args up bench lint docs clean help
 
 help:
 	@echo "make install   create $(VENV) and install pshard with torch (CPU), grpc and the dev tools"
@@ -24,7 +24,8 @@ help:
 	@echo "make demo-ctr  train a CTR model with sparse embeddings on a synthetic click log (same cluster)"
 	@echo "make up        docker compose up (needs a Docker engine)"
 	@echo "make bench     run the benchmarks in bench/ and print JSON lines"
-	@echo "make lint      ruff, mypy, buf lint (proto/), compose config and hadolint"
+	@echo "make lint      ruff, mypy, buf lint (proto/), compose config, hadolint and the strict docs build"
+	@echo "make docs      the documentation site (docs/, mkdocs.yml) into site/"
 	@echo "make proto-breaking  buf breaking: proto/ against the previous commit's (CI runs it)"
 
 $(STAMP): pyproject.toml setup.py
@@ -76,8 +77,8 @@ soak: install data
 # The demo's training flags; tests/e2e/test_demo.py runs exactly these (make demo-args prints them).
 DEMO_ARGS := --mode sync --epochs 2 --model cnn --optimizer sgd --lr 0.05 --momentum 0.9
 
-# Mutual TLS on every channel, with certificates made on first use in runs/certs and kept (README
-# "Security"); `make demo LAUNCH_SECURITY=--insecure` turns it off, loudly.
+# Mutual TLS on every channel, with certificates made on first use in runs/certs and kept
+# (docs/operations/security.md); `make demo LAUNCH_SECURITY=--insecure` turns it off, loudly.
 LAUNCH_SECURITY ?= --certs-dir runs/certs
 
 demo: install data
@@ -121,6 +122,11 @@ lint: install
 	$(VENV)/bin/buf lint proto
 	$(COMPOSE_BIN) -f docker-compose.yml config -q
 	$(VENV)/bin/hadolint docker/Dockerfile.server docker/Dockerfile.worker
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --quiet
+
+# The documentation site from docs/ (mkdocs.yml) into site/, strict: a broken link fails it.
+docs: install
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict
 
 # The wire contract changes only compatibly: proto/ against the previous commit's, by buf's FILE rules
 # (proto/buf.yaml). Nothing to compare on a first commit or one whose parent had no proto/ yet; a shallow
@@ -140,4 +146,4 @@ proto-breaking: install
 	fi
 
 clean:
-	rm -rf pshard/api/v1/*_pb2* runs .pytest_cache .ruff_cache .mypy_cache .hypothesis
+	rm -rf pshard/api/v1/*_pb2* runs site .pytest_cache .ruff_cache .mypy_cache .hypothesis

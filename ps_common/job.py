@@ -23,7 +23,7 @@ OPTIMIZERS = ("sgd", "adam", "adamw", "adagrad", "aggregate")
 NONFINITE = ("reject", "skip", "allow")
 __all__ = ["MODES", "NONFINITE", "OPTIMIZERS", "WIRE_DTYPES", "JobConfig", "OptimizerConfig"]
 
-# The accepted ranges (README, Limits). The bounds are far beyond any setting that trains: they are
+# The accepted ranges (docs/operations/limits.md). The bounds are far beyond any setting that trains: they are
 # there so that a typo or a hostile Declare (lr = 1e30, momentum = NaN) cannot configure every server
 # of the job, since the first Declare's settings win for the whole run.
 # (field, lowest, highest), both ends included; non-finite values are always refused.

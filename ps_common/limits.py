@@ -25,7 +25,7 @@ from pshard.common.rpc import DEFAULT_MAX_MESSAGE_BYTES
 
 @dataclass(frozen=True)
 class Limits:
-    """What one request may ask of a parameter server (README, Limits)."""
+    """What one request may ask of a parameter server (docs/operations/limits.md)."""
 
     # Dimensions per tensor. numpy stops at 64; no layer of a real model has more than a handful.
     max_dims: int = 32

@@ -40,7 +40,8 @@ class ServerSettings:
     transport: str = "auto"
     # Where workers' shared-memory segments live (a directory both sides can map).
     shm_dir: str = "/dev/shm"
-    # What one request may ask for (ps_common.limits, README "Limits"); tighter for tests and embedders.
+    # What one request may ask for (ps_common.limits, docs/operations/limits.md); tighter for tests and
+    # embedders.
     limits: Limits = DEFAULT_LIMITS
     # A sync clock with some but not all of its gradients for this long is logged and shown in
     # GetStats (which slice, which clock, which workers), well before a pull's deadline fires; 0 = off.

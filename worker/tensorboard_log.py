@@ -78,8 +78,8 @@ class TensorBoardLog:
         try:
             from torch.utils.tensorboard import SummaryWriter
         except ImportError as e:  # torch without the tensorboard package
-            raise RuntimeError(f"--tensorboard needs the tensorboard package (pip install 'pshard[worker]'): "
-                               f"{e}") from e
+            raise RuntimeError("--tensorboard needs the tensorboard package (in a clone: pip install "
+                               f"'.[worker]'): {e}") from e
         self._log = log
         # flush_secs: a crashed or killed worker loses at most this much of its curves.
         self._writer = SummaryWriter(log_dir=str(directory), flush_secs=10)

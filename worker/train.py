@@ -344,14 +344,14 @@ class TrainingRun:
 
 def warn_learning_rate(cfg: TrainConfig) -> str | None:
     """Async and SSP servers apply every worker's push, so n workers take n steps per round of
-    batches: the sync learning rate is about n times too big there (README, "Learning rates")."""
+    batches: the sync learning rate is about n times too big there (docs/guide/modes.md, "Learning rates")."""
     workers, opt = cfg.spec.world_size, cfg.job.optimizer
     if cfg.job.mode == "sync" or workers < 2 or opt.name == "aggregate":
         return None
     message = (f"{cfg.job.mode} mode applies every worker's push: with {workers} workers, lr={opt.lr:g} "
                f"moves the model about {workers}x as far per round of batches as in sync mode, so a "
                f"learning rate that suits sync should be divided by {workers} here "
-               "(README: 'Learning rates')")
+               "(docs/guide/modes.md: 'Learning rates')")
     log.warning("%s", message)
     return message
 

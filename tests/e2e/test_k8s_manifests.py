@@ -533,7 +533,7 @@ class LocalPods:
         return path
 
     def make_tls_secret(self, pods: list[Pod]) -> Path:
-        """The pshard-tls Secret as README "Run on Kubernetes" makes it: `pshard certs` for every pod's
+        """The pshard-tls Secret as docs/operations/kubernetes.md makes it: `pshard certs` for every pod's
         node (hosts: the namespace's service names), then every file but the CA's key."""
         made = self.tmp_path / "pshard-certs"
         nodes = [f"{p.role}/{p.role}-{p.index}" for p in pods]

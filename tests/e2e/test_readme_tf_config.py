@@ -1,7 +1,7 @@
-"""The README's by-hand TF_CONFIG example, read from README.md itself and run as written.
+"""The docs' by-hand TF_CONFIG example, read from docs/guide/tf-config.md itself and run as written.
 
 A scheduler, two parameter servers and two workers, each with its own TF_CONFIG, started by the
-README's own bash block. The only changes are what one test run needs: the block's fixed ports
+page's own bash block. The only changes are what one test run needs: the block's fixed ports
 become free ones, and the workers get a few steps, on scikit-learn's digits (an empty
 PSHARD_DATA_DIR), with bounded waits. The block must then train, save the model, stop the servers
 (with their final checkpoints) and exit 0.
@@ -20,17 +20,15 @@ from tests.e2e.harness import PYTHON, ROOT, TIMEOUTS, Procs, free_ports, parse_f
 
 pytestmark = pytest.mark.e2e
 
-README = ROOT / "README.md"
-SECTION = "### By hand, with TF_CONFIG"
+PAGE = ROOT / "docs" / "guide" / "tf-config.md"
 PORTS = ("7000", "7100", "7101", "7200", "7201")
 STEPS = ("--max-steps", "5")
 FINISH_TIMEOUT_S = 120
 
 
 def readme_block() -> str:
-    """The section's bash block, exactly as the README shows it."""
-    section = README.read_text(encoding="utf-8").split(SECTION, 1)[1].split("\n## ", 1)[0]
-    return section.split("```bash\n", 1)[1].split("```", 1)[0]
+    """The page's bash block, exactly as the docs show it."""
+    return PAGE.read_text(encoding="utf-8").split("```bash\n", 1)[1].split("```", 1)[0]
 
 
 def for_this_run(block: str, ports: list[int]) -> str:
