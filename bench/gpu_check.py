@@ -67,7 +67,7 @@ class Recorder:
         return record
 
 
-def guarded(rec: Recorder, section: str, body: Callable[[], None]) -> None:
+def guarded(rec: Recorder, section: str, body: Callable[[], object]) -> None:
     """Run one section; an exception is recorded (with its traceback's tail) and the check goes on."""
     began = time.monotonic()
     try:
