@@ -147,6 +147,9 @@ def test_to_device_of_another_key_does_not_wait_for_a_copy_still_queued() -> Non
     # has run every earlier layer (the copy of the previous key is still queued behind them).
     staging = HostStaging(CUDA)
     targets = {k: torch.zeros(1 << 16, device=CUDA) for k in ("a", "b")}
+    # Buffers allocated first: allocating pinned memory may itself wait for the device.
+    staging.to_device({k: np.zeros(1 << 16, np.float32) for k in targets}, targets)
+    torch.cuda.synchronize()
     asleep = busy_stream()
     staging.to_device({"a": np.ones(1 << 16, np.float32)}, {"a": targets["a"]})
     staging.to_device({"b": np.full(1 << 16, 2.0, np.float32)}, {"b": targets["b"]})
