@@ -324,7 +324,10 @@ def main(argv: list[str] | None = None) -> int:
     with open(args.out, "a", encoding="utf-8") as out:
         rec = Recorder(out)
         _watchdog(rec, args.limit_s)
-        rec.write("environment", **environment(device), quick=args.quick, sections=sections)
+        env = rec.write("environment", **environment(device), quick=args.quick, sections=sections)
+        if env.get("carry_matches_tree") is False:
+            print("gpu-check: WARNING: .gpu-carry was built from other sources than this tree's (run "
+                  "`make gpu-carry` again): the figures below measure the carried code", flush=True)
         guarded(rec, "numba_kernels", lambda: kernels_check(rec, args.quick))
         if "cuda_tests" in sections:
             guarded(rec, "cuda_tests", lambda: cuda_tests(rec, BUDGET_S["cuda_tests"] * scale))
