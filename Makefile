@@ -13,7 +13,7 @@ STUBS := pshard/api/v1/parameter_server_pb2.py
 COMPOSE_BIN = $(shell $(PY) -c "import importlib.util, pathlib; print(pathlib.Path(importlib.util.find_spec('compose').origin).parent / 'docker-compose')")
 PYTEST_ARGS ?=
 
-.PHONY: install proto data test test-unit test-service test-e2e soak demo demo-args up bench lint docs clean help
+.PHONY: gpu-carry gpu-check install proto data test test-unit test-service test-e2e soak demo demo-args up bench lint docs clean help
 
 help:
 	@echo "make install   create $(VENV) and install pshard with torch (CPU), grpc and the dev tools"
@@ -24,6 +24,8 @@ help:
 	@echo "make demo-ctr  train a CTR model with sparse embeddings on a synthetic click log (same cluster)"
 	@echo "make up        docker compose up (needs a Docker engine)"
 	@echo "make bench     run the benchmarks in bench/ and print JSON lines"
+	@echo "make gpu-carry build .gpu-carry/ (pshard installed, stubs for the GPU machine's grpcio) to carry there"
+	@echo "make gpu-check the GPU check (CUDA tests, PSTrainer vs torch.optim, CTR) here, JSON lines in runs/gpu"
 	@echo "make lint      ruff, mypy, buf lint (proto/), compose config, hadolint and the strict docs build"
 	@echo "make docs      the documentation site (docs/, mkdocs.yml) into site/"
 	@echo "make proto-breaking  buf breaking: proto/ against the previous commit's (CI runs it)"
@@ -147,3 +149,13 @@ proto-breaking: install
 
 clean:
 	rm -rf pshard/api/v1/*_pb2* runs site .pytest_cache .ruff_cache .mypy_cache .hypothesis
+
+# The GPU check (docs/operations/gpu.md). gpu-carry builds what a bare GPU machine without a registry
+# needs (GPU_GRPC: its grpcio version); there, run `bash bench/gpu_check.sh OUT_DIR`.
+GPU_GRPC ?= 1.84.0
+GPU_OUT ?= runs/gpu
+gpu-carry: install
+	bash bench/gpu_carry.sh $(PY) $(GPU_GRPC)
+
+gpu-check: install
+	$(PY) -m bench.gpu_check --device auto --out $(GPU_OUT)/gpu_check.jsonl

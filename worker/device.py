@@ -70,9 +70,12 @@ class HostStaging:
         # (being encoded) while the pull of the same key lands.
         self._up: dict[str, torch.Tensor] = {}
         self._down: dict[str, torch.Tensor] = {}
-        # Recorded after the last host -> device batch; waited on before the pinned buffers are
-        # rewritten, because the GPU may still be reading them.
-        self._down_done: torch.cuda.Event | None = None
+        # Per key: the event after the last host -> device copy out of its pinned buffer, waited on
+        # before that buffer is rewritten, because the GPU may still be reading it. Per key, not one
+        # for the last batch: with overlap every module's forward lands its own keys, and waiting for
+        # the previous module's copy (queued behind that module's kernels) kept the host from running
+        # more than one module ahead of the GPU.
+        self._down_done: dict[str, torch.cuda.Event] = {}
 
     def to_host(self, tensors: Mapping[str, torch.Tensor]) -> dict[str, np.ndarray]:
         """Host arrays holding the values of `tensors` (same shapes), ready to use on return."""
@@ -104,16 +107,19 @@ class HostStaging:
                 _write(targets[key].detach(), array)
             return
         with torch.cuda.device(self.device), torch.no_grad():
-            if self._down_done is not None:
-                self._down_done.synchronize()
             for key, array in arrays.items():
                 target = targets[key]
+                pending = self._down_done.get(key)
+                if pending is not None:
+                    pending.synchronize()  # usually long done: a step ago
                 buf = self._buffer(self._down, key, target)
                 _write(buf, array)  # a host memcpy into pinned memory
                 # Stream-ordered before any later kernel that reads the target: no wait needed here.
                 target.copy_(buf, non_blocking=True)
-            self._down_done = torch.cuda.Event()
-            self._down_done.record(torch.cuda.current_stream(self.device))
+            done = torch.cuda.Event()
+            done.record(torch.cuda.current_stream(self.device))
+            for key in arrays:
+                self._down_done[key] = done
 
     def _buffer(self, pool: dict[str, torch.Tensor], key: str, like: torch.Tensor) -> torch.Tensor:
         buf = pool.get(key)
