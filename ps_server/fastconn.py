@@ -19,6 +19,7 @@ import asyncio
 import logging
 import os
 import socket
+import sys
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from typing import Any, Protocol
 
@@ -179,11 +180,24 @@ async def send_hello(loop: asyncio.AbstractEventLoop, sock: socket.socket, meta:
     await loop.sock_sendall(sock, encode_header(HELLO, len(meta), 0) + meta)
 
 
+_EAGER_TASKS = sys.version_info >= (3, 12)
+
+
 def run_eagerly(loop: asyncio.AbstractEventLoop, coro: Coroutine[Any, Any, None]
                 ) -> asyncio.Task[None] | None:
     """Run `coro` now, inside this callback, up to its first real wait; the rest as a task (None: it
     finished). A small request is then served with no task and no extra turn of the loop (an epoll
-    call and a task step: a tenth of a small push+pull's server time), as Python 3.12's eager tasks do."""
+    call and a task step: a tenth of a small push+pull's server time), as Python 3.12's eager tasks do.
+
+    From 3.12 on it is one: asyncio.wait_for (and asyncio.timeout) there need a current task, which
+    the hand-driven first step below has not, and the GPU machine's 3.12 broke every shm request that
+    waited in that step ("Timeout should be used inside a task"; docs/operations/gpu.md)."""
+    if _EAGER_TASKS:
+        task: asyncio.Task[None] = asyncio.Task(coro, loop=loop, eager_start=True)  # type: ignore[call-arg]
+        if task.done():
+            task.result()  # as below: an exception of the eager part is raised here, not left in a task
+            return None
+        return task
     try:
         waiting = coro.send(None)
     except StopIteration:

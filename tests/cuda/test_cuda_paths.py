@@ -35,6 +35,10 @@ STEPS = 5
 CUDA = "cuda:0"
 # SGD over a few steps of fp32 kernels that differ between the CPU and cuDNN/cuBLAS in summation order.
 RTOL, ATOL = 1e-4, 1e-5
+# Adam divides by the root of its second moment, which turns the last bits of a gradient that cuDNN and
+# the CPU sum in different orders into weight differences of ~1e-5 (H200, 2 steps: 1.3e-5 on 1 of
+# 4,608 weights): its comparisons allow that much more, and no more.
+ADAM_ATOL = 5e-5
 
 
 @pytest.fixture(autouse=True)
@@ -91,12 +95,12 @@ def train(model: nn.Module, step: Callable[[], object], data: list[Batch],
     return losses
 
 
-def assert_same(got: nn.Module, want: nn.Module) -> None:
+def assert_same(got: nn.Module, want: nn.Module, atol: float = ATOL) -> None:
     for (key, a), (_, b) in zip(got.state_dict().items(), want.state_dict().items(), strict=True):
         def named(m: str, k: str = key) -> str:  # the default binds this iteration's key
             return f"{k}: {m}"
 
-        torch.testing.assert_close(a.cpu(), b.cpu(), rtol=RTOL, atol=ATOL, msg=named)
+        torch.testing.assert_close(a.cpu(), b.cpu(), rtol=RTOL, atol=atol, msg=named)
 
 
 # ---- device selection ----
@@ -235,7 +239,7 @@ def test_aggregate_mode_with_local_adam_on_the_gpu_matches_adam_on_the_cpu(serve
     reference = cnn()
     optimizer = torch.optim.Adam(reference.parameters(), lr=0.01)
     train(reference, optimizer.step, data, "cpu", optimizer.zero_grad)
-    assert_same(model, reference)
+    assert_same(model, reference, atol=ADAM_ATOL)
 
 
 def test_overlap_with_zero_grad_to_none_keeps_the_gradients_until_copied(servers) -> None:

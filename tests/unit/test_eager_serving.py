@@ -97,3 +97,44 @@ def test_a_cancel_that_finds_the_awaited_future_already_done_still_reaches_the_c
 
     asyncio.run(main())
     assert log == ["cancelled"]
+
+
+def test_a_wait_with_a_deadline_in_the_eager_part_works_on_every_python() -> None:
+    # Python 3.12's wait_for needs a current task: run_eagerly must give the eager part one there (the
+    # GPU machine's 3.12 broke every shm request whose first wait had a deadline). On 3.11 the eager
+    # part runs without a task and wait_for needs none.
+    log: list[object] = []
+
+    async def serve(loop: asyncio.AbstractEventLoop) -> None:
+        ready = loop.create_future()
+        loop.call_soon(ready.set_result, "arrived")
+        log.append(await asyncio.wait_for(ready, 5))
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        started: asyncio.Future[asyncio.Task[None] | None] = loop.create_future()
+
+        def read_callback() -> None:  # where the server calls it: a protocol callback, outside any task
+            try:
+                started.set_result(run_eagerly(loop, serve(loop)))
+            except Exception as err:
+                started.set_exception(err)
+
+        loop.call_soon(read_callback)
+        task = await asyncio.wait_for(started, 5)
+        assert task is not None
+        await asyncio.wait_for(task, 5)
+
+    asyncio.run(main())
+    assert log == ["arrived"]
+
+
+def test_an_exception_of_the_eager_part_is_raised_by_the_call() -> None:
+    async def serve() -> None:
+        raise ValueError("refused at once")
+
+    async def main() -> None:
+        with pytest.raises(ValueError, match="refused at once"):
+            run_eagerly(asyncio.get_running_loop(), serve())
+
+    asyncio.run(main())
