@@ -64,7 +64,16 @@ _PARSE_ON_LOOP_BYTES = 8 << 20
 Request = TypeVar("Request", bound=Message)
 # Unary methods whose request carries a stamp (its clock feeds the staleness histogram).
 _STAMPED = frozenset({"Push", "Pull", "PushPull"})
+# Sparse-table methods whose request names a worker (docs/architecture.md, 13 Security): bound to the
+# caller's credential as the stamped dense ones are. A pull without a worker id names nobody.
+_NAMES_WORKER = frozenset({"PushRows", "PushPullRows", "PullRows"})
 UnaryHandler = Callable[[bytes, grpc.aio.ServicerContext], Awaitable[bytes]]
+
+
+def _check_table_caller(name: str, request: Message) -> None:
+    worker: str = request.worker_id  # type: ignore[attr-defined]
+    if worker or name != "PullRows":
+        check_acts_as(worker, name)
 
 
 def _frame_or_bytes(wire: WireArray) -> tuple[bytes, bool]:
@@ -157,6 +166,8 @@ class ParameterServerServicer:
                 if name in _STAMPED:
                     clock = request.stamp.clock  # type: ignore[attr-defined]
                     check_acts_as(request.stamp.worker_id, name)  # type: ignore[attr-defined]
+                elif name in _NAMES_WORKER:
+                    _check_table_caller(name, request)
                 reply = await method(request, context)
                 out = reply if isinstance(reply, bytes) else await self._encode(reply)
                 sent = len(out)
