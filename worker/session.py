@@ -83,6 +83,7 @@ class ClusterSession:
         # Set when a parameter server the job needs is gone for good (ServerWatch): the PSClient is
         # closed then, so the step waiting on it ends now, and the run reports this instead.
         self.lost_server: LostServer | None = None
+        self.fenced: PSError | None = None  # set when a newer incarnation of this node fenced it out
         self._watch_stop = threading.Event()
 
     @property
@@ -214,6 +215,12 @@ class ClusterSession:
         sched = self._registered()
         watch = ServerWatch(layout, grace_s=sched.heartbeat_timeout_s)
         while not self._watch_stop.wait(min(0.5, sched.heartbeat_interval_s)):
+            if sched.fenced is not None:
+                # A newer incarnation of this node registered: nothing this process sends counts any
+                # more, so end the step in flight now rather than at its deadline (issue 23, item 3).
+                self.fenced = sched.fenced
+                client.close()
+                return
             view = sched.view
             if view is not None and layout.replicas and view.layout_version < layout.version:
                 self._restore_layout(max((layout, client.layout or layout), key=lambda known: known.version))
@@ -317,11 +324,12 @@ class ClusterSession:
         """For the PSClient: wait until we re-registered under a generation newer than `stamped`."""
         sched = self._registered()
         try:
-            sched.wait_for_view(lambda _view: sched.generation > stamped, timeout_s)
+            sched.wait_for_view(lambda _view: sched.generation > stamped or sched.fenced is not None,
+                                timeout_s)
         except PullTimeoutError:
             log.warning("fenced out at generation %d and not re-registered within %g s", stamped, timeout_s)
             return False
-        return True
+        return sched.generation > stamped
 
     # ---- the end ----
 

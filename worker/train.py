@@ -99,6 +99,10 @@ def run(cfg: TrainConfig, stdout: IO[str] | None = None, runner: type[TrainingRu
         if lost is not None:  # what the step in flight died of is only a consequence
             print(f"python -m pshard.worker: error: {lost.message} (while {e})", file=sys.stderr, flush=True)
             job.outcome.failed = "server_lost"
+        elif session.fenced is not None:
+            print(f"python -m pshard.worker: error: fenced out: {session.fenced} (while {e})",
+                  file=sys.stderr, flush=True)
+            job.outcome.failed = "fenced"
         else:
             print(f"python -m pshard.worker: error: {e}", file=sys.stderr, flush=True)
             job.outcome.failed = e.stage
