@@ -152,6 +152,7 @@ class _Member:
     generation: int
     last_seen: float
     clock: int = 0
+    layout_version: int = 0  # a server's: the layout it routes by, from its heartbeats' in_sync_layout
 
     def snapshot(self) -> Node:
         return Node(self.node_id, self.role, self.rank, self.address, self.state, self.generation, self.clock)
@@ -279,6 +280,8 @@ class Membership:
         member = self._current(node_id, generation, "heartbeat")
         member.last_seen = self._clock.now()
         member.clock = clock
+        if member.role == "ps":
+            member.layout_version = in_sync_layout
         layout = self._layout
         if (member.role == "ps" and layout is not None and layout.replicas
                 and in_sync_layout >= layout.version):
@@ -528,9 +531,28 @@ class Membership:
             raise InvalidArgumentError(
                 f"restored layout version {layout.version}: {len(layout.servers)} servers, replicas "
                 f"{layout.replicas}" + (f", slice {bad.key!r} on server {bad.server}" if bad else ""))
+        self._check_servers_hold(layout)
         self._layout = layout
         self._bump()
         return layout, True
+
+    def _check_servers_hold(self, layout: Layout) -> None:
+        """A restore must agree with the servers (issue 23, item 5): each registered server at its
+        rank's place in the list, and a version no newer than the newest one a live server reports
+        routing by (with its heartbeats). Until a server has reported, nothing can be checked: refused,
+        and the member tries again at its next look."""
+        servers = [m for m in self._members.values() if m.role == "ps"]
+        for member in servers:
+            listed = layout.servers[member.rank] if member.rank < len(layout.servers) else None
+            if listed != member.address:
+                raise LayoutConflictError(
+                    f"restored layout version {layout.version}: servers[{member.rank}] is {listed!r}, but "
+                    f"{member.node_id[:40]!r} registered at {member.address[:80]!r} with rank {member.rank}")
+        held = max((m.layout_version for m in servers if m.state is NodeState.LIVE), default=0)
+        if layout.version > held:
+            raise LayoutConflictError(
+                f"restored layout version {layout.version}: newer than any live server holds (newest "
+                f"reported: version {held}); a restore must come from a layout the servers route by")
 
     def replace_layout(self, layout: Layout) -> Layout:
         """Install a re-planned layout (e.g. after the server set changed) under a new version."""

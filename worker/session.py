@@ -199,6 +199,14 @@ class ClusterSession:
         newer = sched.get_layout(timeout_s=max(1.0, timeout_s))
         return newer if newer.version > layout.version else None
 
+    @property
+    def _restores(self) -> bool:
+        """Whether this task gives a restarted scheduler the layout back: the chief, or worker-0 of a
+        job without one; the scheduler takes it from no other worker (docs/architecture.md, 9)."""
+        spec = self.spec
+        return spec.task_type == "chief" or (spec.task_type == "worker" and spec.task_index == 0
+                                             and not spec.chief)
+
     def _restore_layout(self, layout: Layout) -> None:
         """The scheduler restarted and forgot the failovers: give it back the layout we route by."""
         try:
@@ -222,7 +230,8 @@ class ClusterSession:
                 client.close()
                 return
             view = sched.view
-            if view is not None and layout.replicas and view.layout_version < layout.version:
+            if (view is not None and layout.replicas and view.layout_version < layout.version
+                    and self._restores):
                 self._restore_layout(max((layout, client.layout or layout), key=lambda known: known.version))
             if view is not None and layout.replicas and view.layout_version > layout.version:
                 # A failover moved the dead server's slices to a live backup: it is no longer needed.
