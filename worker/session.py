@@ -39,6 +39,7 @@ from pshard.common.security import SecurityConfig
 from pshard.common.view import TRAINER_ROLES, ClusterView, NodeState
 from pshard.worker.client import PSClient
 from pshard.worker.config import stage
+from pshard.worker.elastic import Roster
 from pshard.worker.server_watch import LostServer, ServerWatch
 from pshard.worker.waiting import Peer, PeerWait
 
@@ -84,6 +85,7 @@ class ClusterSession:
         # closed then, so the step waiting on it ends now, and the run reports this instead.
         self.lost_server: LostServer | None = None
         self.fenced: PSError | None = None  # set when a newer incarnation of this node fenced it out
+        self._roster = Roster()  # the view that splits a clock's union batch (worker.elastic)
         self._watch_stop = threading.Event()
 
     @property
@@ -129,6 +131,7 @@ class ClusterSession:
                 spec.scheduler_address, spec.task_type, own_address=spec.own_address or "",
                 node_id=spec.node_id, rank_hint=rank_hint, connect_timeout_s=self.startup_timeout_s,
                 security=self.security)
+            sched.add_view_callback(lambda view: self._roster.offer(view, time.monotonic()))
             host = "the scheduler" + ("" if spec.scheduler else f" (hosted by {self._scheduler_host()})")
             with self._peer_wait("registering", lambda: [Peer(host, spec.scheduler_address, listens=True)],
                                  sched.close):
@@ -317,6 +320,15 @@ class ClusterSession:
             delay = min(delay * 2, _QUORUM_POLL_MAX_S)
 
     # ---- while running ----
+
+    def split_view(self) -> ClusterView | None:
+        """The view whose live trainers split a clock's union batch: the scheduler's latest, where a node
+        a restarted scheduler has not heard from yet stays as it was for as long as the servers keep it
+        in their quorum (twice the heartbeat timeout, ps_server.quorum), so every worker splits alike."""
+        sched = self.scheduler
+        if sched is None:
+            return None
+        return self._roster.view(time.monotonic(), 2 * sched.heartbeat_timeout_s)
 
     def report_clock(self, clock: int) -> None:
         self._registered().report_clock(clock)
