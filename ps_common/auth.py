@@ -58,7 +58,8 @@ ALLOWED: dict[str, frozenset[str]] = {
     _SCHED + "Leave": NODES - {"scheduler"},
     _SCHED + "Watch": NODES,
     _SCHED + "Barrier": NODES - {"scheduler"},
-    _SCHED + "ProposeLayout": TRAINERS | {"admin"},
+    # ps: only to give the layout back to a restarted scheduler (scheduler.servicer checks the rest).
+    _SCHED + "ProposeLayout": TRAINERS | {"admin", "ps"},
     _SCHED + "GetLayout": NODES,
     _PS + "Declare": TRAINERS | {"admin"},
     _PS + "Push": TRAINERS,

@@ -119,6 +119,11 @@ class SchedulerClient:
             return self._view
 
     @property
+    def fenced(self) -> PSError | None:
+        """Why a newer incarnation of this node fenced this process out for good (None: it did not)."""
+        return self._fenced
+
+    @property
     def heartbeat_timeout_s(self) -> float:
         """How long the scheduler lets a node stay silent before declaring it dead."""
         return self._heartbeat_timeout_s
@@ -349,7 +354,9 @@ class SchedulerClient:
             elif isinstance(err, StaleGenerationError):
                 # A newer incarnation of this node id exists: this process is fenced out for good.
                 log.error("%s is fenced out by a newer incarnation: %s", self._node_id, err)
-                self._fenced = err
+                with self._view_changed:  # waiters for a newer generation of ours: there will be none
+                    self._fenced = err
+                    self._view_changed.notify_all()
                 return
             elif unreachable_since is None:
                 unreachable_since = time.monotonic()

@@ -33,6 +33,7 @@ from pshard.common.errors import (
     EmptyRequestError,
     InvalidArgumentError,
     LayoutConflictError,
+    PermissionDeniedError,
     PullTimeoutError,
     StaleGenerationError,
     UnknownKeyError,
@@ -251,6 +252,20 @@ class ParameterServerHandlers:
             if key not in owned[1] and store.holds(key):
                 raise UnknownKeyError(f"slice {str(key)!r} moved: layout version {owned[0]} has it on "
                                       "another server (a failover); re-route")
+
+    def check_adds_nothing(self, metas: Sequence[SliceMeta], who: str) -> None:
+        """Once the job is set, only the chief adds parameters (docs/architecture.md, 13 Security):
+        PermissionDeniedError naming the first slice `who`'s declaration would create, one this server
+        neither holds nor backs up. Checked on the declaration's header, before its bytes are read."""
+        store = self._store
+        if store is None:
+            return
+        new = [m.key for m, creates in zip(metas, store.check_declare(metas), strict=True)
+               if creates and not self.replica_set.holds(m.key)]
+        if new:
+            raise PermissionDeniedError(
+                f"Declare: {who} may not add parameters once the job is set: slice {str(new[0])[:256]!r} "
+                f"is not on this server ({len(new)} new slices); only the chief may declare new ones")
 
     def _promote(self, keys: Iterable[SliceKey]) -> None:
         """Take over, as primary, the slices of `keys` this server holds only as a backup: a worker

@@ -64,7 +64,16 @@ _PARSE_ON_LOOP_BYTES = 8 << 20
 Request = TypeVar("Request", bound=Message)
 # Unary methods whose request carries a stamp (its clock feeds the staleness histogram).
 _STAMPED = frozenset({"Push", "Pull", "PushPull"})
+# Sparse-table methods whose request names a worker (docs/architecture.md, 13 Security): bound to the
+# caller's credential as the stamped dense ones are. A pull without a worker id names nobody.
+_NAMES_WORKER = frozenset({"PushRows", "PushPullRows", "PullRows"})
 UnaryHandler = Callable[[bytes, grpc.aio.ServicerContext], Awaitable[bytes]]
+
+
+def _check_table_caller(name: str, request: Message) -> None:
+    worker: str = request.worker_id  # type: ignore[attr-defined]
+    if worker or name != "PullRows":
+        check_acts_as(worker, name)
 
 
 def _frame_or_bytes(wire: WireArray) -> tuple[bytes, bool]:
@@ -157,6 +166,8 @@ class ParameterServerServicer:
                 if name in _STAMPED:
                     clock = request.stamp.clock  # type: ignore[attr-defined]
                     check_acts_as(request.stamp.worker_id, name)  # type: ignore[attr-defined]
+                elif name in _NAMES_WORKER:
+                    _check_table_caller(name, request)
                 reply = await method(request, context)
                 out = reply if isinstance(reply, bytes) else await self._encode(reply)
                 sent = len(out)
@@ -199,6 +210,17 @@ class ParameterServerServicer:
             raise PermissionDeniedError(f"Declare: {caller()} may not set the job configuration, and the "
                                         f"chief did not set it within {wait_s:g} s")
 
+    def _check_adds(self, metas: Sequence[SliceMeta]) -> None:
+        """A declaration that would add parameters to a configured server: the chief's only."""
+        who = caller()
+        if may_configure(who):
+            return
+        try:
+            self._handlers.check_adds_nothing(metas, str(who))
+        except PermissionDeniedError:
+            refused("Declare")
+            raise
+
     # ---- unary ----
 
     async def Declare(self, request: pb.DeclareRequest, context: grpc.aio.ServicerContext
@@ -207,6 +229,7 @@ class ParameterServerServicer:
         remaining = context.time_remaining()
         await self._may_configure(job, None if remaining is None else max(0.0, remaining - 0.2))
         items = [codec.slice_tensor_from_proto(s) for s in request.slices]
+        self._check_adds([SliceMeta(k, w.dtype, tuple(w.array.shape)) for k, w in items])
         created, values = await self._handlers.declare(job, items)
         return pb.DeclareResponse(created=created, slices=[
             codec.slice_tensor_to_proto(k, v) for (k, _), v in zip(items, values, strict=True)])
@@ -318,6 +341,7 @@ class ParameterServerServicer:
                                 frames: _FrameSource) -> AsyncIterator[bytes]:
         job = codec.job_from_proto(header.config) if header.HasField("config") else None
         await self._may_configure(job, frames.remaining_s())
+        self._check_adds(metas)
         # Views of the frames, all held (and reserved) until the store has copied what it keeps.
         items = [(metas[index].key, wire) async for index, wire in _read_slices(metas, frames)]
         created, values = await self._handlers.declare(job, items)

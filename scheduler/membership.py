@@ -80,6 +80,10 @@ class MembershipLimits:
     # last_generation still grows monotonically and always fits on the wire.
     max_generation: int = 2**62
     max_clock: int = 2**62
+    # Generations kept free above a restarted scheduler's jump (`last_generation`), so no jump can
+    # drive later changes past the servers' stamp limit (the same 2**62, ps_common/limits.py): 2**40
+    # changes are more than 300 years of registrations at the bucket's full rate.
+    generation_headroom: int = 2**40
     # Distinct barrier names (each costs a table entry for the life of the scheduler).
     max_barriers: int = 1024
     # Proposed layouts. Planning runs on the event loop every caller shares and costs about
@@ -148,6 +152,7 @@ class _Member:
     generation: int
     last_seen: float
     clock: int = 0
+    layout_version: int = 0  # a server's: the layout it routes by, from its heartbeats' in_sync_layout
 
     def snapshot(self) -> Node:
         return Node(self.node_id, self.role, self.rank, self.address, self.state, self.generation, self.clock)
@@ -200,11 +205,11 @@ class Membership:
             raise EmptyRequestError("role: got '', expected one of " + ", ".join(ROLES))
         if role not in RANK_SPACE:
             raise InvalidArgumentError(f"role: got {role!r}, expected one of {', '.join(ROLES)}")
-        limits.check_int("last_generation", last_generation, limits.max_generation)
         known = self._members.get(node_id) if node_id else None
         if known is not None and RANK_SPACE[known.role] != RANK_SPACE[role]:
             raise InvalidArgumentError(
                 f"node {node_id!r}: registered as {known.role!r}, now as {role!r}; a node id keeps its role")
+        self._check_jump(node_id, known, last_generation)
         if known is None and len(self._members) >= limits.max_members:
             raise QuotaExceededError(
                 f"members: the job has {len(self._members)} (live, dead or left), the limit is "
@@ -241,6 +246,26 @@ class Membership:
             self._ring_moved()
         return Registration(node_id, rank, generation, self.view())
 
+    def _check_jump(self, node_id: str | None, known: _Member | None, last_generation: int) -> None:
+        """A node may carry the scheduler above its generation only when a restart forgot the node, and
+        never so high that later changes would pass the servers' stamp limit (issue 23, item 3)."""
+        limits = self.limits
+        ceiling = limits.max_generation - limits.generation_headroom
+        if last_generation > ceiling:
+            raise InvalidArgumentError(
+                f"last_generation of node {(node_id or '')[:40]!r}: got {last_generation}, expected at most "
+                f"{ceiling} (the servers' stamp limit {limits.max_generation} less "
+                f"{limits.generation_headroom} generations of headroom)")
+        if known is not None and last_generation > self._generation:
+            # This scheduler handed the node every generation it saw: a newer one is made up.
+            raise InvalidArgumentError(
+                f"last_generation of node {known.node_id[:40]!r}: got {last_generation}, expected at most "
+                f"{self._generation} (this scheduler's generation; the node registered here already)")
+        if self._generation >= limits.max_generation:
+            raise StaleGenerationError(
+                f"generation: this scheduler is at {self._generation}, the servers' stamp limit "
+                f"{limits.max_generation}; no registration can be stamped any more")
+
     def heartbeat(self, node_id: str, generation: int, clock: int = 0,
                   in_sync: Mapping[str, int] | None = None, in_sync_layout: int = 0) -> ClusterView:
         """`in_sync` (a server with replicas): its backups holding all the slices layout version
@@ -255,6 +280,8 @@ class Membership:
         member = self._current(node_id, generation, "heartbeat")
         member.last_seen = self._clock.now()
         member.clock = clock
+        if member.role == "ps":
+            member.layout_version = in_sync_layout
         layout = self._layout
         if (member.role == "ps" and layout is not None and layout.replicas
                 and in_sync_layout >= layout.version):
@@ -504,9 +531,28 @@ class Membership:
             raise InvalidArgumentError(
                 f"restored layout version {layout.version}: {len(layout.servers)} servers, replicas "
                 f"{layout.replicas}" + (f", slice {bad.key!r} on server {bad.server}" if bad else ""))
+        self._check_servers_hold(layout)
         self._layout = layout
         self._bump()
         return layout, True
+
+    def _check_servers_hold(self, layout: Layout) -> None:
+        """A restore must agree with the servers (issue 23, item 5): each registered server at its
+        rank's place in the list, and a version no newer than the newest one a live server reports
+        routing by (with its heartbeats). Until a server has reported, nothing can be checked: refused,
+        and the member tries again at its next look."""
+        servers = [m for m in self._members.values() if m.role == "ps"]
+        for member in servers:
+            listed = layout.servers[member.rank] if member.rank < len(layout.servers) else None
+            if listed != member.address:
+                raise LayoutConflictError(
+                    f"restored layout version {layout.version}: servers[{member.rank}] is {listed!r}, but "
+                    f"{member.node_id[:40]!r} registered at {member.address[:80]!r} with rank {member.rank}")
+        held = max((m.layout_version for m in servers if m.state is NodeState.LIVE), default=0)
+        if layout.version > held:
+            raise LayoutConflictError(
+                f"restored layout version {layout.version}: newer than any live server holds (newest "
+                f"reported: version {held}); a restore must come from a layout the servers route by")
 
     def replace_layout(self, layout: Layout) -> Layout:
         """Install a re-planned layout (e.g. after the server set changed) under a new version."""

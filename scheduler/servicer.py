@@ -25,7 +25,12 @@ from pshard.common.codec import (
     timeout_ms_from_proto,
     view_to_proto,
 )
-from pshard.common.errors import EmptyRequestError, PermissionDeniedError, PullTimeoutError
+from pshard.common.errors import (
+    EmptyRequestError,
+    LayoutConflictError,
+    PermissionDeniedError,
+    PullTimeoutError,
+)
 from pshard.common.layout import DEFAULT_SLICE_BYTES
 from pshard.common.rpc_status import maps_errors
 from pshard.common.view import ClusterView
@@ -41,6 +46,9 @@ DEFAULT_WAIT_S = 60.0
 # Answer a wait's timeout this much before the caller's own gRPC deadline, so the caller gets our
 # message naming what was missing instead of a bare DEADLINE_EXCEEDED.
 _DEADLINE_MARGIN_S = 0.2
+# Who proposes a layout (the trainers compute it), and who may give one back to a restarted scheduler.
+PROPOSERS = frozenset({"chief", "worker", "admin"})
+RESTORERS = frozenset({"ps", "chief", "admin"})
 
 class SchedulerServicer(pb_grpc.SchedulerServiceServicer):
     def __init__(self, membership: Membership, heartbeat_interval_s: float) -> None:
@@ -173,6 +181,10 @@ class SchedulerServicer(pb_grpc.SchedulerServiceServicer):
                             ) -> pb.ProposeLayoutResponse:
         if request.HasField("restore"):
             return self._restore_layout(request.restore)
+        who = caller()
+        if who is not None and who.role not in PROPOSERS:  # a server may only give a layout back
+            refused("ProposeLayout")
+            raise PermissionDeniedError(f"ProposeLayout: credential {who} may not propose a layout")
         # Counts first: decoding and planning cost CPU on the event loop every caller shares.
         self._members.check_layout_request(len(request.params), request.servers)
         params = [param_spec_from_proto(p) for p in request.params]
@@ -195,15 +207,34 @@ class SchedulerServicer(pb_grpc.SchedulerServiceServicer):
 
     def _restore_layout(self, proto: pb.Layout) -> pb.ProposeLayoutResponse:
         """A member's layout after this scheduler restarted: kept if newer, failovers and all."""
+        self._check_may_restore()
         limits = self._members.limits
         self._members.check_layout_request(len(proto.params), proto.servers)
         limits.check_int("layout slices", len(proto.slices), limits.max_layout_slices)
-        layout, restored = self._members.restore_layout(layout_from_proto(proto))
+        try:
+            layout, restored = self._members.restore_layout(layout_from_proto(proto))
+        except LayoutConflictError as e:
+            log.warning("refused a layout restore from %s: %s", caller() or "a caller", e)
+            raise
         if restored:
             log.info("layout version %d restored from a member that holds it (this scheduler restarted); "
                      "generation %d", layout.version, self._members.generation)
             self._publish()
         return pb.ProposeLayoutResponse(layout=layout_to_proto(layout), created=restored)
+
+    def _check_may_restore(self) -> None:
+        """Only a role that holds the job's layout across a scheduler restart may give it back: a
+        server, the chief, worker-0 where the job has no chief (it plays the chief), or an admin
+        (issue 23, item 5). Other workers hold it too, but any one of them could forge it."""
+        who = caller()
+        if who is None or who.role in RESTORERS:
+            return
+        chiefless = not any(n.role == "chief" for n in self._members.view().nodes)
+        if who.role == "worker" and who.node_id == "worker-0" and chiefless:
+            return
+        refused("ProposeLayout")
+        raise PermissionDeniedError(f"ProposeLayout: credential {who} may not restore the layout (a server, "
+                                    "the chief, or worker-0 of a job without a chief may)")
 
     @maps_errors
     async def GetLayout(self, request: pb.GetLayoutRequest, context: grpc.aio.ServicerContext

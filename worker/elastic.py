@@ -14,14 +14,20 @@ The plan is fixed by the job, not by who is in it (docs/architecture.md, 8 Worke
   `shard(n, r, world, epoch, seed)`, so a job nobody joins trains what it always trained.
 - A piece left empty (a short last union batch with fewer samples than trainers) becomes one sample
   of it: every member of a sync quorum must push each clock, or it never completes.
+- The view that splits a clock is the `Roster`'s, not the scheduler's latest: a restarted scheduler
+  knows only the nodes that registered with it so far, and the workers re-register a few heartbeats
+  apart, so for a moment their latest views differed and so did their pieces (issue 23, item 11). A
+  node missing from a view (never a departure: a running scheduler keeps dead and departed nodes, and
+  says so) keeps its last known state, for as long as the servers wait for it to re-register.
 """
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field
 
 import numpy as np
-from pshard.common.view import TRAINER_ROLES, ClusterView
+from pshard.common.view import TRAINER_ROLES, ClusterView, Node
 
 
 @dataclass(frozen=True)
@@ -94,3 +100,37 @@ def roster_position(view: ClusterView | None, node_id: str, rank: int, static_wo
         live.append((rank, node_id))
     live.sort()
     return [nid for _, nid in live].index(node_id), len(live)
+
+
+class Roster:
+    """The scheduler's views, merged so that a node a restarted scheduler does not know yet keeps its
+    last known state until `grace_s` after it went missing (see the module doc). Offered views come
+    from the SchedulerClient's threads, reads from the training loop: the state is locked."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._nodes: dict[str, Node] = {}
+        self._missing_since: dict[str, float] = {}
+        self._latest: ClusterView | None = None
+
+    def offer(self, view: ClusterView, now: float) -> None:
+        with self._lock:
+            if self._latest is not None and view.generation <= self._latest.generation:
+                return
+            self._latest = view
+            present = {n.node_id for n in view.nodes}
+            for node in view.nodes:
+                self._nodes[node.node_id] = node
+                self._missing_since.pop(node.node_id, None)
+            for node_id in self._nodes.keys() - present:
+                self._missing_since.setdefault(node_id, now)
+
+    def view(self, now: float, grace_s: float) -> ClusterView | None:
+        """The latest view, plus the nodes missing from it for at most `grace_s`; None before any."""
+        with self._lock:
+            latest = self._latest
+            if latest is None:
+                return None
+            kept = tuple(n for node_id, n in self._nodes.items()
+                         if now - self._missing_since.get(node_id, now) <= grace_s)
+            return ClusterView(latest.generation, kept, latest.layout_version)

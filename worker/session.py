@@ -39,6 +39,7 @@ from pshard.common.security import SecurityConfig
 from pshard.common.view import TRAINER_ROLES, ClusterView, NodeState
 from pshard.worker.client import PSClient
 from pshard.worker.config import stage
+from pshard.worker.elastic import Roster
 from pshard.worker.server_watch import LostServer, ServerWatch
 from pshard.worker.waiting import Peer, PeerWait
 
@@ -83,6 +84,8 @@ class ClusterSession:
         # Set when a parameter server the job needs is gone for good (ServerWatch): the PSClient is
         # closed then, so the step waiting on it ends now, and the run reports this instead.
         self.lost_server: LostServer | None = None
+        self.fenced: PSError | None = None  # set when a newer incarnation of this node fenced it out
+        self._roster = Roster()  # the view that splits a clock's union batch (worker.elastic)
         self._watch_stop = threading.Event()
 
     @property
@@ -128,6 +131,7 @@ class ClusterSession:
                 spec.scheduler_address, spec.task_type, own_address=spec.own_address or "",
                 node_id=spec.node_id, rank_hint=rank_hint, connect_timeout_s=self.startup_timeout_s,
                 security=self.security)
+            sched.add_view_callback(lambda view: self._roster.offer(view, time.monotonic()))
             host = "the scheduler" + ("" if spec.scheduler else f" (hosted by {self._scheduler_host()})")
             with self._peer_wait("registering", lambda: [Peer(host, spec.scheduler_address, listens=True)],
                                  sched.close):
@@ -198,6 +202,14 @@ class ClusterSession:
         newer = sched.get_layout(timeout_s=max(1.0, timeout_s))
         return newer if newer.version > layout.version else None
 
+    @property
+    def _restores(self) -> bool:
+        """Whether this task gives a restarted scheduler the layout back: the chief, or worker-0 of a
+        job without one; the scheduler takes it from no other worker (docs/architecture.md, 9)."""
+        spec = self.spec
+        return spec.task_type == "chief" or (spec.task_type == "worker" and spec.task_index == 0
+                                             and not spec.chief)
+
     def _restore_layout(self, layout: Layout) -> None:
         """The scheduler restarted and forgot the failovers: give it back the layout we route by."""
         try:
@@ -214,8 +226,15 @@ class ClusterSession:
         sched = self._registered()
         watch = ServerWatch(layout, grace_s=sched.heartbeat_timeout_s)
         while not self._watch_stop.wait(min(0.5, sched.heartbeat_interval_s)):
+            if sched.fenced is not None:
+                # A newer incarnation of this node registered: nothing this process sends counts any
+                # more, so end the step in flight now rather than at its deadline (issue 23, item 3).
+                self.fenced = sched.fenced
+                client.close()
+                return
             view = sched.view
-            if view is not None and layout.replicas and view.layout_version < layout.version:
+            if (view is not None and layout.replicas and view.layout_version < layout.version
+                    and self._restores):
                 self._restore_layout(max((layout, client.layout or layout), key=lambda known: known.version))
             if view is not None and layout.replicas and view.layout_version > layout.version:
                 # A failover moved the dead server's slices to a live backup: it is no longer needed.
@@ -302,6 +321,15 @@ class ClusterSession:
 
     # ---- while running ----
 
+    def split_view(self) -> ClusterView | None:
+        """The view whose live trainers split a clock's union batch: the scheduler's latest, where a node
+        a restarted scheduler has not heard from yet stays as it was for as long as the servers keep it
+        in their quorum (twice the heartbeat timeout, ps_server.quorum), so every worker splits alike."""
+        sched = self.scheduler
+        if sched is None:
+            return None
+        return self._roster.view(time.monotonic(), 2 * sched.heartbeat_timeout_s)
+
     def report_clock(self, clock: int) -> None:
         self._registered().report_clock(clock)
 
@@ -317,11 +345,12 @@ class ClusterSession:
         """For the PSClient: wait until we re-registered under a generation newer than `stamped`."""
         sched = self._registered()
         try:
-            sched.wait_for_view(lambda _view: sched.generation > stamped, timeout_s)
+            sched.wait_for_view(lambda _view: sched.generation > stamped or sched.fenced is not None,
+                                timeout_s)
         except PullTimeoutError:
             log.warning("fenced out at generation %d and not re-registered within %g s", stamped, timeout_s)
             return False
-        return True
+        return sched.generation > stamped
 
     # ---- the end ----
 

@@ -99,6 +99,10 @@ def run(cfg: TrainConfig, stdout: IO[str] | None = None, runner: type[TrainingRu
         if lost is not None:  # what the step in flight died of is only a consequence
             print(f"python -m pshard.worker: error: {lost.message} (while {e})", file=sys.stderr, flush=True)
             job.outcome.failed = "server_lost"
+        elif session.fenced is not None:
+            print(f"python -m pshard.worker: error: fenced out: {session.fenced} (while {e})",
+                  file=sys.stderr, flush=True)
+            job.outcome.failed = "fenced"
         else:
             print(f"python -m pshard.worker: error: {e}", file=sys.stderr, flush=True)
             job.outcome.failed = e.stage
@@ -249,8 +253,8 @@ class TrainingRun:
     def _position(self) -> tuple[int, int]:
         """(position, members) of this worker among the live trainers, for this clock's piece."""
         session = self.session
-        view = session.scheduler.view if session.scheduler is not None else None
-        return roster_position(view, self.cfg.spec.node_id, session.rank, self.cfg.spec.world_size)
+        return roster_position(session.split_view(), self.cfg.spec.node_id, session.rank,
+                               self.cfg.spec.world_size)
 
     def _steps_to_skip(self, planned: int, count: int) -> int:
         """Of the `count` planned steps from plan position `planned`, how many the sync clock has passed."""

@@ -61,7 +61,9 @@ def test_register_with_last_generation_2_64_minus_1_is_refused_and_the_scheduler
 
     code, details, _ = refusal(info.value)
     assert code == grpc.StatusCode.INVALID_ARGUMENT
-    assert details == f"last_generation: got {2**64 - 1}, expected at most {2**62}"
+    assert details == (f"last_generation of node 'worker-1': got {2**64 - 1}, expected at most "
+                       f"{2**62 - 2**40} (the servers' stamp limit {2**62} less {2**40} generations "
+                       "of headroom)")
     assert first_view(stub) == before  # nobody admitted, the generation did not move
     stub.Heartbeat(pb.HeartbeatRequest(node_id="worker-0", generation=reg.generation), timeout=WAIT_S)
     again = stub.Register(pb.RegisterRequest(role=WORKER, address="w1:1", node_id="worker-1"),
@@ -72,15 +74,17 @@ def test_register_with_last_generation_2_64_minus_1_is_refused_and_the_scheduler
 
 
 def test_a_restart_generation_at_the_bound_still_fits_every_reply(channel):
+    """The highest jump a restarted scheduler takes leaves 2**40 generations below the servers' limit."""
     stub = pb_grpc.SchedulerServiceStub(channel)
+    ceiling = 2**62 - 2**40
 
-    reg = stub.Register(pb.RegisterRequest(role=PS, address="p:1", last_generation=2**62), timeout=WAIT_S)
+    reg = stub.Register(pb.RegisterRequest(role=PS, address="p:1", last_generation=ceiling), timeout=WAIT_S)
     stub.Heartbeat(pb.HeartbeatRequest(node_id=reg.node_id, generation=reg.generation, clock=2**62),
                    timeout=WAIT_S)
     left = stub.Leave(pb.LeaveRequest(node_id=reg.node_id, generation=reg.generation), timeout=WAIT_S)
 
-    assert reg.generation == 2**62 + 1
-    assert first_view(stub).generation == left.view.generation == 2**62 + 2
+    assert reg.generation == ceiling + 1
+    assert first_view(stub).generation == left.view.generation == ceiling + 2
 
 
 @pytest.mark.parametrize(("method", "raw"), [

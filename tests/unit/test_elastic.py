@@ -10,7 +10,7 @@ from pshard.common.cluster import ClusterSpec
 from pshard.common.errors import ClusterConfigError
 from pshard.common.view import ClusterView, Node, NodeState
 from pshard.worker.data import batches, shard
-from pshard.worker.elastic import ClockPlan, roster_position
+from pshard.worker.elastic import ClockPlan, Roster, roster_position
 
 
 @pytest.mark.parametrize(("n", "world", "batch"), [(1437, 2, 64), (1000, 3, 32), (129, 2, 64), (50, 1, 7)])
@@ -92,3 +92,38 @@ def test_pshard_worker_join_takes_the_jobs_tf_config_with_an_index_beyond_it(tmp
     assert (spec.node_id, spec.joining, spec.world_size, cfg.is_chief) == ("worker-2", True, 2, False)
     with pytest.raises(SystemExit):  # the CTR model's click-log shards are static
         config_from_args([*data, "--join", "--model", "ctr"], env)
+
+
+# ---- the view that splits a clock: issue 23, item 11 ----
+
+def _positions(views: list[ClusterView]) -> list[tuple[int, int]]:
+    """(position, members) of worker-0 and worker-1 when each splits by its own view."""
+    return [roster_position(view, f"worker-{rank}", rank, 2) for rank, view in enumerate(views)]
+
+
+def test_workers_re_registering_after_a_scheduler_restart_split_alike() -> None:
+    """worker-0 has re-registered with the restarted scheduler and worker-1 not yet: their latest views
+    differ (worker-1 is missing from worker-0's), but the split does not."""
+    before = ClusterView(7, (_node("worker-0", 0), _node("worker-1", 1)))
+    restarted = ClusterView(9, (_node("worker-0", 0),))  # the new scheduler knows only worker-0 so far
+    rosters = [Roster(), Roster()]
+    for roster in rosters:
+        roster.offer(before, now=0.0)
+    rosters[0].offer(restarted, now=1.0)
+
+    assert _positions([restarted, before]) == [(0, 1), (1, 2)]  # the latest views: worker-0 takes it all
+    split = [roster.view(now=1.1, grace_s=10.0) for roster in rosters]
+    assert _positions(split) == [(0, 2), (1, 2)]
+
+
+def test_a_node_missing_past_the_grace_is_dropped_and_a_dead_one_at_once() -> None:
+    roster = Roster()
+    roster.offer(ClusterView(1, (_node("worker-0", 0), _node("worker-1", 1), _node("worker-2", 2))), now=0.0)
+    roster.offer(ClusterView(3, (_node("worker-0", 0), _node("worker-2", 2, NodeState.DEAD))), now=1.0)
+
+    assert roster_position(roster.view(now=5.0, grace_s=10.0), "worker-0", 0, 3) == (0, 2)
+    assert roster_position(roster.view(now=11.5, grace_s=10.0), "worker-0", 0, 3) == (0, 1)
+    roster.offer(ClusterView(2, ()), now=12.0)  # an older view changes nothing
+    assert roster.view(now=12.0, grace_s=10.0) == ClusterView(3, (_node("worker-0", 0),
+                                                                  _node("worker-2", 2, NodeState.DEAD)))
+    assert Roster().view(now=0.0, grace_s=1.0) is None

@@ -273,17 +273,45 @@ def test_last_generation_beyond_the_bound_is_refused_naming_field_and_value(memb
     before = snapshot(members)
 
     with pytest.raises(InvalidArgumentError,
-                       match=rf"last_generation: got {2**64 - 1}, expected at most {2**62}"):
+                       match=rf"last_generation of node 'worker-0': got {2**64 - 1}, expected at most "
+                             rf"{2**62 - 2**40} \(the servers' stamp limit {2**62} less {2**40}"):
         members.register("worker", "w:1", node_id="worker-0", last_generation=2**64 - 1)
 
     assert snapshot(members) == before
 
 
-def test_last_generation_at_the_bound_is_accepted_and_later_changes_still_fit_the_wire(members):
-    reg = members.register("worker", "w:1", last_generation=2**62)
+def test_a_jump_that_would_exhaust_the_servers_generations_is_refused(members):
+    """Issue 23, item 3: Register(last_generation=2**62 - 2) was accepted, and the next changes
+    handed out generations the servers refuse."""
+    before = snapshot(members)
+
+    with pytest.raises(InvalidArgumentError, match=rf"got {2**62 - 2}, expected at most {2**62 - 2**40}"):
+        members.register("worker", "w:1", node_id="worker-1", last_generation=2**62 - 2)
+
+    assert snapshot(members) == before
+
+
+def test_a_jump_at_the_ceiling_leaves_the_headroom_below_the_servers_limit(members):
+    reg = members.register("worker", "w:1", last_generation=2**62 - 2**40)
     members.leave(reg.node_id, reg.generation)
 
-    assert 2**62 < members.generation < 2**63
+    assert 2**62 - 2**40 < members.generation <= 2**62 - 2**40 + 2
+
+
+def test_a_known_node_cannot_jump_the_generation(members):
+    """Only a node a restarted scheduler forgot carries a newer generation than the scheduler's: a
+    node registered here saw none, so its jump is made up (worker-1's certificate pushing the job
+    towards the servers' limit)."""
+    members.register("worker", "w:1", node_id="worker-1")
+    before = snapshot(members)
+
+    with pytest.raises(InvalidArgumentError,
+                       match=r"last_generation of node 'worker-1': got 5000, expected at most 1 "
+                             r"\(this scheduler's generation"):
+        members.register("worker", "w:1", node_id="worker-1", last_generation=5000)
+
+    assert snapshot(members) == before
+    assert members.register("worker", "w:1", node_id="worker-1", last_generation=1).generation == 2
 
 
 @pytest.mark.parametrize(("field", "kwargs", "limit_name"), [
@@ -445,3 +473,15 @@ def test_server_incarnations_name_a_server_restarted_at_its_address_once(members
     assert incarnations.restarted(view) == []
     assert incarnations.generations["ps1:1"] == view.node("ps-1").generation
     assert "ps0:1" not in incarnations.generations
+
+
+def test_a_scheduler_at_the_servers_generation_limit_refuses_registrations(clock):
+    members = Membership(10, clock, MembershipLimits(max_generation=3, generation_headroom=1))
+    for i in range(3):
+        members.register("worker", f"w{i}:1")
+    before = snapshot(members)
+
+    with pytest.raises(StaleGenerationError, match=r"this scheduler is at 3, the servers' stamp limit 3"):
+        members.register("worker", "w3:1")
+
+    assert snapshot(members) == before

@@ -191,6 +191,8 @@ def test_a_restarted_scheduler_is_given_back_the_newest_layout():
     failed_over = members.layout()
     assert failed_over is not None and failed_over.version == 2
     fresh, _ = _job(replicas=1)  # the scheduler restarted: a fresh plan was proposed (version 1)
+    for i in range(len(SERVERS)):  # the servers say which layout they route by
+        fresh.heartbeat(f"ps-{i}", fresh.node(f"ps-{i}").generation, in_sync_layout=failed_over.version)
     kept, restored = fresh.restore_layout(failed_over)
     assert restored and kept == failed_over and fresh.layout() == failed_over
     assert fresh.view().layout_version == 2
@@ -200,6 +202,42 @@ def test_a_restarted_scheduler_is_given_back_the_newest_layout():
         fresh.restore_layout(dataclasses.replace(plan_layout(PARAMS[:1], SERVERS, 4096, 1), version=3))
     with pytest.raises(InvalidArgumentError):
         fresh.restore_layout(dataclasses.replace(failed_over, version=4, servers=SERVERS[:1]))
+
+
+def _restarted_scheduler(held: int) -> Membership:
+    """A scheduler that restarted: the servers registered again and report routing by version `held`."""
+    fresh = Membership(heartbeat_timeout_s=5, clock=ManualClock())
+    for address in SERVERS:
+        reg = fresh.register("ps", address)
+        fresh.heartbeat(reg.node_id, reg.generation, in_sync_layout=held)
+    return fresh
+
+
+def test_a_restore_that_swaps_the_servers_is_refused_and_changes_nothing():
+    """Issue 23, item 5: a forged restore (servers swapped) routed the next failover by it."""
+    layout = dataclasses.replace(plan_layout(PARAMS, SERVERS, 4096, 1), version=2)
+    fresh = _restarted_scheduler(held=2)
+    before = fresh.view()
+    swapped = dataclasses.replace(layout, servers=(SERVERS[1], SERVERS[0], *SERVERS[2:]))
+
+    says = rf"servers\[0\] is '{SERVERS[1]}', but 'ps-0' registered at '{SERVERS[0]}' with rank 0"
+    with pytest.raises(LayoutConflictError, match=says):
+        fresh.restore_layout(swapped)
+
+    assert fresh.layout() is None and fresh.view() == before
+    assert fresh.restore_layout(layout) == (layout, True)
+
+
+def test_a_restore_newer_than_the_servers_hold_is_refused_and_changes_nothing():
+    layout = dataclasses.replace(plan_layout(PARAMS, SERVERS, 4096, 1), version=2)
+    fresh = _restarted_scheduler(held=2)
+    before = fresh.view()
+
+    with pytest.raises(LayoutConflictError, match=r"version 12: newer than any live server holds \(newest "
+                                                  r"reported: version 2\)"):
+        fresh.restore_layout(dataclasses.replace(layout, version=12))
+
+    assert fresh.layout() is None and fresh.view() == before
 
 
 def test_role_changes_are_exported_as_scheduler_metrics():
