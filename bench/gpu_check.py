@@ -11,6 +11,12 @@ summary against the issue's bars, also printed as the final line on stdout:
   data, 2 parameter servers on the CPU over shared memory; 1 worker (this process, its blocks of steps
   alternating with local torch.optim's on the same GPU) and 2 spawned workers sharing the GPU, with and
   without overlap=True. Bar: the 1-worker ResNet-18 PSTrainer >= 0.7x local;
+- profile (within training, right after the first model's 1-worker runs; bench.gpu_profile): a
+  diagnostic, not a figure to quote. The copy floor (one flat memcpy, D2H and H2D of the model's
+  bytes), local torch.optim's forward/backward/step, and PSTrainer's step split into phases (forward,
+  backward, D2H, push_pull and its shared-memory copies and server wait, H2D, waits on replies) as
+  mean ms per step, without overlap, with it, and with it in 8 MiB buckets; whether the host buffers
+  are pinned, copy calls per step, bucket count. Its steps are cut by torch.cuda.synchronize();
 - ctr: the CTR demo's model (a PSEmbedding table and an MLP) for a fixed number of steps on the GPU,
   then on the CPU: samples/s of each. Bar: GPU >= 3x CPU.
 
@@ -46,7 +52,9 @@ TRAINING_BAR = 0.7  # 1-worker ResNet-18 PSTrainer / local torch.optim, shared m
 CTR_BAR = 3.0  # GPU samples/s / CPU samples/s
 CUDA_TESTS = ("tests/cuda", "tests/unit/test_model_device.py")
 # Seconds per section on a GPU (the whole check must end within the device's 8 minutes, with room).
-BUDGET_S = {"cuda_tests": 120.0, "training": 200.0, "ctr": 60.0}
+BUDGET_S = {"cuda_tests": 120.0, "training": 230.0, "ctr": 60.0}
+# Of the training budget: the diagnostic split of a step into phases (bench.gpu_profile).
+PROFILE_BUDGET_S = 30.0
 
 
 class Recorder:
@@ -201,9 +209,15 @@ def training(rec: Recorder, device: Any, quick: bool, budget_s: float) -> None:
 
     deadline = time.monotonic() + budget_s
     runs = [(1, False), (1, True), (2, True)] if quick else [(1, False), (1, True), (2, False), (2, True)]
-    for shape in gpu_runs.training_shapes(device.type == "cuda", quick):
+    for index, shape in enumerate(gpu_runs.training_shapes(device.type == "cuda", quick)):
         local_rates: list[float] = []  # this model's local loop, from its 1-worker runs
-        for workers, overlap in runs:
+        for run, (workers, overlap) in enumerate(runs):
+            if index == 0 and run == 2:  # right after the first model's 1-worker runs
+                left = deadline - time.monotonic()
+                if left < PROFILE_BUDGET_S + 40:
+                    rec.write("profile", skipped=f"training budget spent ({budget_s:.0f}s)")
+                else:
+                    guarded(rec, "profile", partial(profile, rec, shape, device, PROFILE_BUDGET_S))
             left = deadline - time.monotonic()
             name = f"training_{shape.model}"
             if left < (15 if workers == 1 else 40):  # spawned workers start torch (and CUDA) first
@@ -229,6 +243,46 @@ def _training_run(rec: Recorder, shape: Any, device: Any, workers: int, overlap:
             got["local_steps_per_s"] = round(local, 2)
             got["ratio"] = round(got["samples_per_s"] / (local * shape.batch), 3)
     rec.write(f"training_{shape.model}", **gpu_runs.describe(shape), workers=workers, overlap=overlap, **got,
+              seconds=round(time.monotonic() - began, 1))
+
+
+def profile(rec: Recorder, shape: Any, device: Any, budget_s: float) -> None:
+    """Where a 1-worker step's time goes (bench.gpu_profile): the copy floor, local torch.optim's
+    phases, then PSTrainer's without overlap, with it, and with it in DDP-sized buckets."""
+    from bench import gpu_profile, gpu_runs
+    from bench.common import stop_processes
+    from bench.gpu_models import build, parameter_count
+
+    deadline = time.monotonic() + budget_s
+    began = time.monotonic()
+    nbytes = 4 * parameter_count(build(shape.model, shape.image, shape.classes))
+    rec.write("profile_floor", model=shape.model, **gpu_profile.bandwidth(nbytes, device),
+              seconds=round(time.monotonic() - began, 1))
+    began = time.monotonic()
+    local = gpu_profile.local_phases(shape, device)
+    rec.write("profile_local", model=shape.model, batch=shape.batch, **local,
+              seconds=round(time.monotonic() - began, 1))
+    variants = [(False, None), (True, None), (True, gpu_profile.BIG_BUCKET_BYTES)]
+    procs, addresses = gpu_runs.start_servers(["w0"])  # one pair for all variants: each start costs seconds
+    try:
+        for overlap, bucket_bytes in variants:
+            if time.monotonic() > deadline:
+                rec.write("profile", model=shape.model, overlap=overlap, bucket_bytes=bucket_bytes,
+                          skipped=f"profile budget spent ({budget_s:.0f}s)")
+                continue
+            guarded(rec, f"profile_{'overlap' if overlap else 'plain'}",
+                    partial(_profile_run, rec, shape, device, addresses, overlap, bucket_bytes))
+    finally:
+        stop_processes(procs)
+
+
+def _profile_run(rec: Recorder, shape: Any, device: Any, addresses: list[str], overlap: bool,
+                 bucket_bytes: int | None) -> None:
+    from bench import gpu_profile
+
+    began = time.monotonic()
+    got = gpu_profile.profile_run(shape, device, addresses, overlap, bucket_bytes)
+    rec.write("profile", model=shape.model, batch=shape.batch, **got,
               seconds=round(time.monotonic() - began, 1))
 
 

@@ -110,7 +110,7 @@ def _local_step(shape: Shape, device: torch.device) -> Callable[[torch.Tensor, t
 
 
 def _trainer(shape: Shape, device: torch.device, addresses: list[str], worker: str,
-             overlap: bool) -> PSTrainer:
+             overlap: bool, bucket_bytes: int | None = None) -> PSTrainer:
     from pshard.common.job import JobConfig, OptimizerConfig
     from pshard.worker.client import PSClient
     from pshard.worker.torch_api import PSTrainer
@@ -118,7 +118,8 @@ def _trainer(shape: Shape, device: torch.device, addresses: list[str], worker: s
     model = build(shape.model, shape.image, shape.classes)
     client = PSClient(addresses, worker, timeout_s=CLIENT_TIMEOUT_S, retry_budget_s=CLIENT_TIMEOUT_S)
     job = JobConfig(mode="sync", optimizer=OptimizerConfig(name="sgd", lr=LR))
-    return PSTrainer(model, client, job, device=device, overlap=overlap)
+    sizes = {} if bucket_bytes is None else {"bucket_bytes": bucket_bytes}
+    return PSTrainer(model, client, job, device=device, overlap=overlap, **sizes)
 
 
 def one_worker(shape: Shape, device: torch.device, overlap: bool) -> dict[str, Any]:

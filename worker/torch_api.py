@@ -208,14 +208,21 @@ class PSTrainer:
 
     def _host_buffers(self, keys: Iterable[str]) -> dict[str, np.ndarray]:
         """Host arrays the pulled values of `keys` land in, allocated once (never the parameters)."""
-        out = {}
-        for key in keys:
-            buf = self._buffers.get(key)
-            if buf is None:
-                p = self.params[key]
-                buf = self._buffers[key] = np.empty(tuple(p.shape), _numpy_dtype(_declared_dtype(p)))
-            out[key] = buf
-        return out
+        return {key: self._host_buffer(key) for key in keys}
+
+    def _host_buffer(self, key: str) -> np.ndarray:
+        """CUDA: the key's pinned staging buffer where its dtype allows (no host copy before the H2D
+        copy; it waits for the GPU to have read the last step's values), else an array of our own."""
+        p = self.params[key]
+        dtype = _numpy_dtype(_declared_dtype(p))
+        pinned = self._staging.landing(key, p.detach())
+        if pinned is not None and pinned.dtype == dtype:
+            self._buffers[key] = pinned
+            return pinned
+        buf = self._buffers.get(key)
+        if buf is None:
+            buf = self._buffers[key] = np.empty(tuple(p.shape), dtype)
+        return buf
 
     def _load_overlapped(self, out: Mapping[str, np.ndarray]) -> None:
         self._staging.to_device(out, {k: self.params[k].detach() for k in out})
@@ -262,10 +269,7 @@ class PSTrainer:
             if not self.aggregate and _writable_in_place(p):
                 out[key] = p.detach().numpy()
                 continue
-            buf = self._buffers.get(key)
-            if buf is None:
-                buf = self._buffers[key] = np.empty(tuple(p.shape), _numpy_dtype(_declared_dtype(p)))
-            out[key] = buf
+            out[key] = self._host_buffer(key)
         return out
 
     def _load(self, out: dict[str, np.ndarray], grads: bool = False) -> None:

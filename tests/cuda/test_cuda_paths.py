@@ -173,6 +173,54 @@ def test_to_device_of_the_same_key_waits_before_rewriting_its_pinned_buffer() ->
     assert float(second.min()) == 2.0
 
 
+def test_a_landing_written_in_place_goes_to_the_device_without_a_host_copy() -> None:
+    staging = HostStaging(CUDA)
+    target = torch.zeros(1 << 16, device=CUDA)
+    landing = staging.landing("w", target)
+    assert landing is not None and landing.ctypes.data == staging._down["w"].data_ptr()
+    assert staging._down["w"].is_pinned()
+    landing[...] = 3.0  # where a pull writes
+    staging.to_device({"w": landing}, {"w": target})
+    torch.cuda.synchronize()
+    assert float(target.min()) == float(target.max()) == 3.0
+    assert staging.landing("w", target) is landing  # the same buffer every step
+
+
+def test_landing_waits_until_the_gpu_has_read_the_last_values() -> None:
+    # The pull writes the landing right after landing() returns: the H2D copy of the last values,
+    # still queued behind the busy stream, must have read them by then.
+    staging = HostStaging(CUDA)
+    first, second = torch.zeros(1 << 20, device=CUDA), torch.zeros(1 << 20, device=CUDA)
+    landing = staging.landing("w", first)
+    assert landing is not None
+    busy_stream()
+    landing[...] = 1.0
+    staging.to_device({"w": landing}, {"w": first})
+    again = staging.landing("w", second)
+    assert again is landing
+    again[...] = 2.0
+    staging.to_device({"w": again}, {"w": second})
+    torch.cuda.synchronize()
+    assert float(first.min()) == float(first.max()) == 1.0
+    assert float(second.min()) == 2.0
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["no-overlap", "overlap"])
+def test_pulled_weights_land_in_pinned_memory(servers, overlap) -> None:
+    # Pulled straight into the pinned staging buffers: no host copy of the whole model before the
+    # H2D copies (47 MB a step for a ResNet-18).
+    data = batches(2, (1, 8, 8), 10)
+    job = JobConfig(mode="sync", optimizer=OptimizerConfig(name="sgd", lr=0.1))
+    model = cnn()
+    with PSTrainer(model, client(servers()), job, device=CUDA, overlap=overlap) as trainer:
+        train(model, trainer.step, data, CUDA, trainer.zero_grad)
+        trainer.synchronize()
+        assert set(trainer._buffers) == set(trainer.params)
+        for key, landed in trainer._buffers.items():
+            assert landed.ctypes.data == trainer._staging._down[key].data_ptr(), key
+            np.testing.assert_array_equal(landed, trainer.params[key].detach().cpu().numpy())
+
+
 # ---- PSTrainer on cuda:0 ----
 
 @pytest.mark.parametrize("overlap", [{}, {"overlap": True}, {"overlap": True, "bucket_bytes": 1}],

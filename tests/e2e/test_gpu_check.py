@@ -53,6 +53,29 @@ def test_the_gpu_check_runs_in_cpu_mode_and_writes_its_figures(tmp_path: Path) -
         assert r["local_steps_per_s"] > 0 and r["pstrainer_steps_per_s"] > 0
         assert 0.01 < r["ratio"] < 20, r  # a same-run ratio: neither loop can be free
 
+    # The diagnostic split of a step, right after the 1-worker runs: each phase took time, and the
+    # copy counts are the model's 8 parameters (D2H every step; CPU weights land in place, no H2D).
+    assert figures.index("profile_floor") == figures.index("training_cnn") + 2, figures
+    floor = next(r for r in lines if r["figure"] == "profile_floor")
+    assert floor["model_mb"] == 0.8 and floor["host_memcpy_ms"] > 0, floor
+    local = next(r for r in lines if r["figure"] == "profile_local")
+    assert local["forward_ms"] > 0 and local["backward_ms"] > 0 and local["optimizer_ms"] > 0, local
+    profiles = [r for r in lines if r["figure"] == "profile"]
+    assert [(r["overlap"], r["bucket_bytes"]) for r in profiles] == [(False, None), (True, None),
+                                                                      (True, 8 * 2**20)], profiles
+    for r in profiles:
+        assert r["transports_used"] == ["shm", "shm"] and r["d2h_copies_per_step"] == 8, r
+        for phase in ("forward", "backward", "d2h", "push_pull", "shm_request_copy", "server_and_wakeup",
+                      "shm_reply_copy"):
+            assert r[f"{phase}_ms"] > 0, (phase, r)
+        assert r["step_ms"] > r["push_pull_ms"] / r["push_pull_calls_per_step"], r
+        assert r["staging_up_pinned"] is False and r["landing_buffers_pinned"] is False, r  # no CUDA here
+    plain, overlapped, big = profiles
+    assert plain["buckets"] is None and plain["h2d_copies_per_step"] == 0
+    assert plain["push_pull_calls_per_step"] == 1, plain
+    assert overlapped["buckets"] == overlapped["push_pull_calls_per_step"] >= 2, overlapped
+    assert big["buckets"] == 1 and big["h2d_copies_per_step"] == 8 and big["wait_reply_ms"] > 0, big
+
     ctr = [r for r in lines if r["figure"] == "ctr"]
     assert [r["device"] for r in ctr] == ["cpu"]
     assert ctr[0]["samples_per_s"] > 0 and ctr[0]["last_loss"] < ctr[0]["first_loss"], ctr
