@@ -56,6 +56,7 @@ from pshard.common.shm import DEFAULT_SHM_DIR, align
 from pshard.common.sparse import TableConfig
 from pshard.common.types import Stamp
 from pshard.worker.fastpath import TABLE_ROOM_BYTES, FastPath
+from pshard.worker.forking import ProcessOwned
 from pshard.worker.tables import TableClient
 
 from pshard.api.v1 import parameter_server_pb2 as pb
@@ -117,6 +118,7 @@ class PSClient:
             raise InvalidArgumentError("servers: got none, expected at least one parameter server address")
         self.servers = tuple(servers)
         self.worker_id = worker_id
+        self._owner = ProcessOwned(f"PSClient {worker_id!r}")  # a forked child must not use its channels
         # A callable (e.g. the SchedulerClient's `generation`) is read at every call, so requests
         # carry the newest incarnation after a re-registration.
         self._generation_source = generation if callable(generation) else None
@@ -170,6 +172,8 @@ class PSClient:
         if self._closed.is_set():
             return
         self._closed.set()
+        if not self._owner.here:
+            return  # a forked child's copy: the channels, sockets and threads are the parent's
         for server in range(len(self.servers)):
             self._drop_fast(server)
         # Channels first: closing one cancels its calls, so a pool thread blocked in a sync pull
@@ -279,6 +283,7 @@ class PSClient:
     def push(self, grads: Mapping[str, np.ndarray], clock: int) -> Future[PushResult]:
         """Send gradients for `clock`; returns at once with a future (see `wait`)."""
         self._check_grads(grads)
+        self._owner.check()
         return self._pool.submit(self._push_pull, grads, clock, None, False)
 
     def wait(self, future: Future[T], timeout_s: float | None = None) -> T:
@@ -375,6 +380,7 @@ class PSClient:
 
     @functools.cached_property
     def tables(self) -> TableClient:
+        self._owner.check()
         return TableClient(self)
 
     def declare_table(self, config: TableConfig) -> None:
@@ -534,6 +540,7 @@ class PSClient:
 
     def _all_servers(self, fn: Callable[[int], T]) -> list[T]:
         """Run fn(server) for every server concurrently; the first error wins, after all have ended."""
+        self._owner.check()
         if len(self.servers) == 1:
             return [fn(0)]
         futures = [self._pool.submit(fn, i) for i in range(len(self.servers))]

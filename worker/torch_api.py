@@ -45,6 +45,7 @@ from pshard.common.layout import ParamSpec
 from pshard.worker.client import PSClient, PushResult
 from pshard.worker.device import HostStaging, select_device
 from pshard.worker.embedding import attach_tables, push_table_grads
+from pshard.worker.forking import warn_if_fork_unsafe
 from pshard.worker.overlap import DEFAULT_BUCKET_BYTES, BackwardOverlap, merge_results
 from torch import nn
 
@@ -72,6 +73,7 @@ class PSTrainer:
                  device: torch.device | str | None = None,
                  local_optimizer: torch.optim.Optimizer | None = None, clock: int | None = None,
                  overlap: bool = False, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> None:
+        warn_if_fork_unsafe()
         self.model = model
         self.client = client
         self.job = job
