@@ -22,7 +22,7 @@ import numpy as np
 from google.protobuf.message import DecodeError
 from pshard.common import dtypes
 from pshard.common.errors import EmptyRequestError, InvalidArgumentError, PayloadSizeError
-from pshard.common.job import MODES, NONFINITE, OPTIMIZERS, JobConfig, OptimizerConfig
+from pshard.common.job import MODES, NONFINITE, OPTIMIZERS, JobConfig, OptimizerConfig, check_lr
 from pshard.common.layout import Layout, LayoutSlice, ParamSpec
 from pshard.common.limits import DEFAULT_LIMITS
 from pshard.common.types import SliceKey, Stamp
@@ -233,13 +233,17 @@ def slice_tensor_from_proto(s: tensor_pb.SliceTensor) -> tuple[SliceKey, WireArr
 # ---- stamps, job config ----
 
 def stamp_to_proto(stamp: Stamp) -> ps_pb.Stamp:
-    return ps_pb.Stamp(worker_id=stamp.worker_id, generation=stamp.generation, clock=stamp.clock)
+    return ps_pb.Stamp(worker_id=stamp.worker_id, generation=stamp.generation, clock=stamp.clock,
+                       lr=stamp.lr)
 
 
 def stamp_from_proto(s: ps_pb.Stamp) -> Stamp:
     if not s.worker_id:
         raise InvalidArgumentError("stamp.worker_id: got '', expected the worker's id")
-    return Stamp(s.worker_id, s.generation, s.clock)
+    if not s.HasField("lr"):
+        return Stamp(s.worker_id, s.generation, s.clock)
+    check_lr("stamp.lr", s.lr)
+    return Stamp(s.worker_id, s.generation, s.clock, s.lr)
 
 
 def job_to_proto(job: JobConfig) -> ps_pb.JobConfig:

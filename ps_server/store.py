@@ -310,6 +310,7 @@ class ShardStore:
             # None = duplicate, False = late, True = accept; FutureClockError leaves everything as it was.
             verdicts = [None if clock <= slot.last_clock.get(worker, NO_CLOCK)
                         else self.policy.admit_push(slot, clock) for slot in slots]
+            self._check_step_lr(stamp, slots, verdicts)
             with self._meta:
                 self._record_stamp(stamp)
                 roster = self._roster
@@ -317,6 +318,8 @@ class ShardStore:
             for slot, grad, verdict in zip(slots, grads.values(), verdicts, strict=True):
                 if verdict is None:
                     continue
+                if verdict:
+                    slot.step_lr = stamp.lr
                 slot.last_clock[worker] = clock
                 slot.max_clock = max(slot.max_clock, clock)
                 if verdict and slot.key in poisoned:
@@ -343,6 +346,21 @@ class ShardStore:
         if applied or skipped:
             self._notify()
         return PushOutcome(applied=applied, dropped=dropped)
+
+    def _check_step_lr(self, stamp: Stamp, slots: Sequence[Slot], verdicts: Sequence[bool | None]) -> None:
+        """Sync: a clock's update has one learning rate; a push that disagrees with the clock's earlier
+        ones is refused whole, before anything of it lands."""
+        if self.config.mode != "sync":
+            return
+        for slot, verdict in zip(slots, verdicts, strict=True):
+            if verdict and slot.aggregate.contributors and slot.step_lr != stamp.lr:
+                def shown(lr: float | None) -> str:
+                    return f"{lr!r}" if lr is not None else f"the job's {self.config.optimizer.lr!r}"
+
+                raise InvalidArgumentError(
+                    f"stamp.lr: worker {stamp.worker_id!r} pushed clock {stamp.clock} of slice "
+                    f"{str(slot.key)!r} with lr {shown(stamp.lr)}, the clock's earlier pushes "
+                    f"({sorted(slot.aggregate.contributors)}) with {shown(slot.step_lr)}")
 
     def _check_finite(self, worker: str, clock: int, grads: Mapping[SliceKey, np.ndarray]) -> set[SliceKey]:
         """The keys whose gradient holds NaN or Inf, for nonfinite = skip; reject raises for the first.

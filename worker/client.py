@@ -280,11 +280,13 @@ class PSClient:
 
     # ---- push / pull ----
 
-    def push(self, grads: Mapping[str, np.ndarray], clock: int) -> Future[PushResult]:
-        """Send gradients for `clock`; returns at once with a future (see `wait`)."""
+    def push(self, grads: Mapping[str, np.ndarray], clock: int, *,
+             lr: float | None = None) -> Future[PushResult]:
+        """Send gradients for `clock`; returns at once with a future (see `wait`). `lr`: the learning
+        rate of this clock's update (an LR schedule; None = the job's)."""
         self._check_grads(grads)
         self._owner.check()
-        return self._pool.submit(self._push_pull, grads, clock, None, False)
+        return self._pool.submit(self._push_pull, grads, clock, None, False, lr)
 
     def wait(self, future: Future[T], timeout_s: float | None = None) -> T:
         return future.result(timeout=timeout_s if timeout_s is not None else self._timeout_s)
@@ -315,23 +317,25 @@ class PSClient:
         return result
 
     def push_pull(self, grads: Mapping[str, np.ndarray], clock: int,
-                  out: Mapping[str, np.ndarray] | None = None) -> dict[str, np.ndarray]:
-        """Fused step: push gradients for `clock` and receive the weights for `clock + 1`.
+                  out: Mapping[str, np.ndarray] | None = None, *,
+                  lr: float | None = None) -> dict[str, np.ndarray]:
+        """Fused step: push gradients for `clock` and receive the weights for `clock + 1`. `lr`: the
+        learning rate of this clock's update (an LR schedule; None = the job's).
 
         Both directions share one stream per server, and the server sends each slice
         back as soon as its update is applied, so sending and receiving overlap.
         """
         self._check_grads(grads)
         result = self._outputs(list(grads), out)
-        self.last_result = self._push_pull(grads, clock, result, True)
+        self.last_result = self._push_pull(grads, clock, result, True, lr)
         return result
 
     def _push_pull(self, grads: Mapping[str, np.ndarray], clock: int,
-                   out: dict[str, np.ndarray] | None, pull: bool) -> PushResult:
-        return self._rerouting(lambda layout: self._push_pull_on(layout, grads, clock, out, pull))
+                   out: dict[str, np.ndarray] | None, pull: bool, lr: float | None = None) -> PushResult:
+        return self._rerouting(lambda layout: self._push_pull_on(layout, grads, clock, out, pull, lr))
 
     def _push_pull_on(self, layout: Layout, grads: Mapping[str, np.ndarray], clock: int,
-                      out: dict[str, np.ndarray] | None, pull: bool) -> PushResult:
+                      out: dict[str, np.ndarray] | None, pull: bool, lr: float | None = None) -> PushResult:
         wire = self.job.wire_dtype if self.job else ""
         flat = {}
         for key, g in grads.items():
@@ -339,7 +343,7 @@ class PSClient:
             flat[key] = codec.cast(codec.WireArray(g, self._dtypes[key]), wire).array if wire else g
 
         def run(server: int) -> pb.ExchangeSummary:
-            slices, header = self._push_header(layout, server, flat, wire, pull, clock)
+            slices, header = self._push_header(layout, server, flat, wire, pull, clock, lr)
             if not slices:
                 return pb.ExchangeSummary()
             buffers = [flat[s.key][s.offset:s.offset + s.numel] for s in slices]
@@ -353,7 +357,7 @@ class PSClient:
         return _result(self._all_servers(run))
 
     def _push_header(self, layout: Layout, server: int, flat: Mapping[str, np.ndarray], wire: str, pull: bool,
-                     clock: int) -> tuple[Sequence[LayoutSlice], pb.ExchangeHeader]:
+                     clock: int, lr: float | None = None) -> tuple[Sequence[LayoutSlice], pb.ExchangeHeader]:
         """The server's slices of `flat` and the step's header. Both are the same every step but for
         the stamp, and building the header's messages costs more than a small step's bytes: they are
         made once per (layout, parameters, wire dtype) and the header copied from a template."""
@@ -370,7 +374,7 @@ class PSClient:
         slices, template = cached
         header = pb.ExchangeHeader()
         header.CopyFrom(template)
-        header.stamp.CopyFrom(self._stamp(clock))
+        header.stamp.CopyFrom(self._stamp(clock, lr))
         header.timeout_ms = int(self._timeout_s * 1000)
         return slices, header
 
@@ -507,8 +511,8 @@ class PSClient:
         self._generation_source = None
         self._generation = value
 
-    def _stamp(self, clock: int) -> pb.Stamp:
-        return codec.stamp_to_proto(Stamp(self.worker_id, self.generation, clock))
+    def _stamp(self, clock: int, lr: float | None = None) -> pb.Stamp:
+        return codec.stamp_to_proto(Stamp(self.worker_id, self.generation, clock, lr))
 
     @staticmethod
     def _meta(s: LayoutSlice, dtype: str) -> pb.SliceMeta:

@@ -42,6 +42,7 @@ from pshard.common import dtypes
 from pshard.common.errors import InvalidArgumentError
 from pshard.common.job import JobConfig
 from pshard.common.layout import ParamSpec
+from pshard.worker import hyper
 from pshard.worker.client import PSClient, PushResult
 from pshard.worker.device import HostStaging, select_device
 from pshard.worker.embedding import attach_tables, push_table_grads
@@ -61,12 +62,17 @@ def param_specs(model: nn.Module) -> list[ParamSpec]:
             for key, p in model.named_parameters() if p.requires_grad]
 
 
-class PSTrainer:
+class PSTrainer(torch.optim.Optimizer):
     """Keeps a model's parameters on the parameter servers and its clock in step with them.
 
     Construction declares the parameters (the first worker's initial values win; every
     worker loads what the servers hold) and picks up the clock where the servers are, so
     a worker that restarts or joins late continues rather than replaying clock 0.
+
+    A torch.optim.Optimizer whose update runs on the servers: `param_groups` shows the job's
+    hyper-parameters, and a `torch.optim.lr_scheduler` given the trainer sets the lr that each
+    step's pushes carry (pshard.worker.hyper). `state_dict()` holds the param groups (the
+    optimizer's state lives on the servers, and in their checkpoints).
     """
 
     def __init__(self, model: nn.Module, client: PSClient, job: JobConfig, *,
@@ -91,6 +97,8 @@ class PSTrainer:
         self.params = {k: p for k, p in model.named_parameters() if p.requires_grad}
         if not self.params:
             raise InvalidArgumentError("model: has no parameters that require gradients")
+        super().__init__(list(self.params.values()), hyper.defaults(job.optimizer))
+        self._stamped_lr: float | None = None  # the lr this step's pushes carry (None: the job's)
         first = next(iter(self.params.values()))
         self.device = first.device
         self._staging = HostStaging(self.device)
@@ -122,6 +130,7 @@ class PSTrainer:
             self._overlap.land()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        self._take_lr()  # with overlap, this step's pushes leave during backward
         if not set_to_none:
             self._settle()  # the last step's pushes read the gradients that zero_() would clear
         for p in self.params.values():
@@ -130,17 +139,21 @@ class PSTrainer:
             elif p.grad is not None:
                 p.grad.zero_()
 
-    def step(self) -> PushResult | None:
+    def step(self, closure: None = None) -> PushResult | None:  # type: ignore[override]
         """Push the gradients of this clock, pull the weights of the next one (into the parameters).
 
         With overlap, returns None without waiting (see the module docstring)."""
+        if closure is not None:
+            raise InvalidArgumentError("closure: PSTrainer.step takes none (the update runs on the servers, "
+                                       "once per backward)")
+        self._take_lr()
         if self._overlap is not None:
             self._overlapped_step()
             return None
         push_table_grads(self.tables, self._clock)  # the tables' rows first: each table has its own mode
         grads = self._grads_on_host()
         out = self._landing()
-        self.client.push_pull(grads, self._clock, out=out)
+        self.client.push_pull(grads, self._clock, out=out, lr=self._stamped_lr)
         result = self.client.last_result
         assert result is not None  # push_pull always records what it did
         self.last_result = result
@@ -183,6 +196,11 @@ class PSTrainer:
 
     # ---- internals ----
 
+    def _take_lr(self) -> None:
+        """The lr this step's pushes carry: param_groups' as a scheduler left it (checked once here)."""
+        self._stamped_lr = hyper.stamped_lr(self.param_groups, self.job.optimizer)
+        if self._overlap is not None:
+            self._overlap.step_lr = self._stamped_lr
     def _advance(self, result: PushResult) -> None:
         # Sync: the servers' version is the clock (a late push jumps to it); otherwise one step each.
         self._clock = max(result.min_version, self._clock + 1) if self.job.mode == "sync" else self._clock + 1

@@ -6,7 +6,7 @@ import threading
 
 import numpy as np
 import pytest
-from pshard.common.errors import FutureClockError, PullTimeoutError
+from pshard.common.errors import FutureClockError, InvalidArgumentError, PullTimeoutError
 from pshard.common.job import JobConfig, OptimizerConfig
 from pshard.common.types import SliceKey, Stamp
 from pshard.ps_server.optimizers import SliceState
@@ -258,3 +258,25 @@ def test_plain_sgd_folds_the_mean_into_the_learning_rate_within_an_ulp() -> None
     assert version == 1
     ulp = np.finfo(np.float32).eps * np.abs(start).max()
     np.testing.assert_allclose(value, expected, rtol=0, atol=4 * ulp)
+
+
+def test_a_clock_steps_with_the_lr_its_pushes_are_stamped_with() -> None:
+    store = sync_store("ab", lr=1.0)
+    store.push(Stamp("a", 1, 0, 0.5), {W: f64(2, 4)})
+    store.push(Stamp("b", 1, 0, 0.5), {W: f64(4, 8)})
+    assert value(store) == ([10 - 0.5 * 3, 20 - 0.5 * 6], 1)
+    push(store, "a", 1, 1, 1)  # unstamped: the job's lr again
+    push(store, "b", 1, 1, 1)
+    assert value(store) == ([8.5 - 1, 17 - 1], 2)
+
+
+def test_a_push_whose_lr_disagrees_with_its_clock_is_refused_whole() -> None:
+    store = sync_store("ab", lr=1.0)
+    store.push(Stamp("a", 1, 0, 0.5), {W: f64(2, 4)})
+    refused = (r"stamp.lr: worker 'b' pushed clock 0 of slice 'w' with lr 0.25, "
+               r"the clock's earlier pushes \(\['a'\]\) with 0.5")
+    with pytest.raises(InvalidArgumentError, match=refused):
+        store.push(Stamp("b", 1, 0, 0.25), {W: f64(4, 8)})
+    assert store.pull_status(Stamp("b", 1, 1), [W]) is not None  # b's push did not count
+    store.push(Stamp("b", 1, 0, 0.5), {W: f64(4, 8)})  # the same push, agreeing, is then accepted
+    assert value(store) == ([8.5, 17.0], 1)
