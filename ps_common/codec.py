@@ -251,7 +251,7 @@ def job_to_proto(job: JobConfig) -> ps_pb.JobConfig:
     return ps_pb.JobConfig(
         mode=mode_to_proto(job.mode), staleness=job.staleness, backup_workers=job.backup_workers,
         wire_dtype=dtype_to_proto(job.wire_dtype) if job.wire_dtype else tensor_pb.DTYPE_UNSPECIFIED,
-        nonfinite=nonfinite_to_proto(job.nonfinite), job_id=job.job_id,
+        nonfinite=nonfinite_to_proto(job.nonfinite), job_id=job.job_id, averaged=job.averaged,
         optimizer=ps_pb.OptimizerConfig(
             name=optimizer_to_proto(o.name), lr=o.lr, momentum=o.momentum, dampening=o.dampening,
             nesterov=o.nesterov,
@@ -266,6 +266,7 @@ def job_from_proto(p: ps_pb.JobConfig) -> JobConfig:
         wire_dtype="" if p.wire_dtype == tensor_pb.DTYPE_UNSPECIFIED
         else dtype_from_proto(p.wire_dtype, "config.wire_dtype"),
         nonfinite=nonfinite_from_proto(p.nonfinite, "config.nonfinite"), job_id=p.job_id,
+        averaged=tuple(p.averaged),
         optimizer=OptimizerConfig(
             name=optimizer_from_proto(o.name, "config.optimizer.name"), lr=o.lr, momentum=o.momentum,
             dampening=o.dampening, nesterov=o.nesterov,

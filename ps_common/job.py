@@ -112,6 +112,9 @@ class JobConfig:
     # The run's identity (docs/architecture.md, 9 Failures): checkpoints carry it, and a server restores
     # only a checkpoint of the same job, so re-running with the same --checkpoint-dir never mixes two.
     job_id: str = ""
+    # Keys whose slices hold the mean of what the workers push rather than an optimizer's update: the
+    # model's floating-point buffers (BatchNorm running statistics), PSTrainer(buffers="average").
+    averaged: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -126,3 +129,7 @@ class JobConfig:
             shown = self.job_id[:MAX_JOB_ID_CHARS + 1]
             raise InvalidArgumentError(f"job_id: got {shown!r}, expected at most {MAX_JOB_ID_CHARS} letters, "
                                        "digits or '-_.:'")
+        object.__setattr__(self, "averaged", tuple(self.averaged))  # JSON and protobuf give lists
+        if len(set(self.averaged)) != len(self.averaged) or not all(self.averaged):
+            raise InvalidArgumentError(f"averaged: got {list(self.averaged)[:8]}, expected distinct, "
+                                       "non-empty keys")

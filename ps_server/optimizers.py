@@ -314,7 +314,7 @@ def make_optimizer(config: OptimizerConfig) -> Optimizer:
 def at_lr(optimizer: Optimizer, lr: float | None) -> Optimizer:
     """`optimizer` stepping with learning rate `lr` (a push's stamp; None = its own). The state is the
     slice's, not the optimizer's, so a copy with another lr takes the very same step otherwise."""
-    if lr is None or lr == optimizer.config.lr:
+    if lr is None or lr == optimizer.config.lr or isinstance(optimizer, Aggregate):
         return optimizer
     return _with_lr(optimizer.config, lr)
 

@@ -31,7 +31,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import NamedTuple, TypeVar
 
 import numpy as np
@@ -167,6 +167,8 @@ class ShardStore:
         self.config = config
         self.policy: ConsistencyPolicy = make_policy(config)
         self._optimizer = optimizer if optimizer is not None else make_optimizer(config.optimizer)
+        self._averaged = frozenset(config.averaged)
+        self._averaging = make_optimizer(replace(config.optimizer, name="aggregate"))
         self._meta = threading.Lock()
         self._quorum_change = threading.Lock()  # one set_quorum at a time: re-checks see old -> new in order
         self._subscribers: list[Callable[[], None]] = []
@@ -236,8 +238,13 @@ class ShardStore:
     def _new_slot(self, key: SliceKey, value: np.ndarray) -> Slot:
         dtype = np.dtype(value.dtype.name)
         master = np.array(value, dtype=_MASTER.get(dtype, dtype), order="C", copy=True)
-        return Slot(key=key, dtype=dtype, value=master, optimizer=self._optimizer,
-                    opt_state=self._optimizer.init_state(master), on_step=self._on_step)
+        optimizer = self._optimizer_for(key)
+        return Slot(key=key, dtype=dtype, value=master, optimizer=optimizer,
+                    opt_state=optimizer.init_state(master), on_step=self._on_step)
+
+    def _optimizer_for(self, key: SliceKey) -> Optimizer:
+        """The job's optimizer, or, for a key the job averages (a model buffer), the mean of the pushes."""
+        return self._averaging if key.key in self._averaged else self._optimizer
 
     # ---- replication (ps_server/replication.py) ----
 
@@ -275,7 +282,7 @@ class ShardStore:
                 if slot.key in self._slots:
                     raise InvalidArgumentError(f"adopt: slice {str(slot.key)!r} is already held here")
             for slot in slots:
-                slot.optimizer = self._optimizer
+                slot.optimizer = self._optimizer_for(slot.key)
                 slot.on_step = self._on_step
                 slot.aggregate = Aggregate()
                 self._slots[slot.key] = slot
@@ -641,7 +648,7 @@ class ShardStore:
             aggregate = Aggregate(None if s.pending is None else np.array(s.pending, copy=True),
                                   set(s.contributors))
             store._slots[s.key] = Slot(
-                key=s.key, dtype=np.dtype(s.dtype), value=value, optimizer=store._optimizer,
+                key=s.key, dtype=np.dtype(s.dtype), value=value, optimizer=store._optimizer_for(s.key),
                 opt_state=_copy_state(s.opt_state), version=s.version, last_clock=dict(s.clocks),
                 max_clock=max(s.clocks.values(), default=NO_CLOCK), aggregate=aggregate,
                 floors=dict(s.floors), behind=True, on_step=store._on_step)

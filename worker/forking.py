@@ -1,5 +1,5 @@
 """Fork safety: `DataLoader(num_workers=N)` forks the training process while PSTrainer's gRPC
-channels, fast paths and threads are alive (docs/architecture.md, 13 Your own training loop).
+channels, fast paths and threads are alive (docs/architecture.md, 14 PyTorch idioms).
 
 What made the loader's children die with SIGSEGV was gRPC's own fork support: grpcio enables its
 core's pthread_atfork handlers, which skip their quiescing whenever another thread is inside gRPC

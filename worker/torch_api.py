@@ -31,6 +31,7 @@ the gRPC threads that carry the push/pull and made steps ~20x slower on a loaded
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Iterable, Mapping
 from concurrent.futures import Future
@@ -42,6 +43,7 @@ from pshard.common import dtypes
 from pshard.common.errors import InvalidArgumentError
 from pshard.common.job import JobConfig
 from pshard.common.layout import ParamSpec
+from pshard.worker import buffers as buffer_policy
 from pshard.worker import hyper
 from pshard.worker.client import PSClient, PushResult
 from pshard.worker.device import HostStaging, select_device
@@ -56,10 +58,12 @@ log = logging.getLogger("pshard.trainer")
 _NATIVE = tuple(getattr(torch, dtypes.info(name).torch_name) for name in dtypes.PARAM_DTYPES)
 
 
-def param_specs(model: nn.Module) -> list[ParamSpec]:
-    """What PSTrainer declares for `model`: every parameter that requires gradients, bf16 as float32."""
-    return [ParamSpec(key, dtypes.of_torch(_declared_dtype(p)).name, tuple(p.shape))
-            for key, p in model.named_parameters() if p.requires_grad]
+def param_specs(model: nn.Module, mode: str = "sync", buffers: str | None = None) -> list[ParamSpec]:
+    """What PSTrainer declares for `model` in a job of `mode` with its `buffers` policy: every parameter
+    that requires gradients, then the buffers that travel (pshard.worker.buffers), bf16 as float32."""
+    tensors = [*((k, p) for k, p in model.named_parameters() if p.requires_grad),
+               *buffer_policy.synced(model, buffer_policy.resolve(buffers, mode)).items()]
+    return [ParamSpec(key, dtypes.of_torch(_declared_dtype(t)).name, tuple(t.shape)) for key, t in tensors]
 
 
 class PSTrainer(torch.optim.Optimizer):
@@ -78,7 +82,10 @@ class PSTrainer(torch.optim.Optimizer):
     def __init__(self, model: nn.Module, client: PSClient, job: JobConfig, *,
                  device: torch.device | str | None = None,
                  local_optimizer: torch.optim.Optimizer | None = None, clock: int | None = None,
-                 overlap: bool = False, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> None:
+                 overlap: bool = False, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+                 buffers: str | None = None) -> None:
+        """`buffers`: how the model's floating-point buffers follow the job, "average" (sync's default)
+        or "local" (async's and SSP's); see pshard.worker.buffers."""
         warn_if_fork_unsafe()
         self.model = model
         self.client = client
@@ -97,6 +104,11 @@ class PSTrainer(torch.optim.Optimizer):
         self.params = {k: p for k, p in model.named_parameters() if p.requires_grad}
         if not self.params:
             raise InvalidArgumentError("model: has no parameters that require gradients")
+        self.buffer_policy = buffer_policy.resolve(buffers, job.mode)
+        self.synced_buffers = buffer_policy.synced(model, self.buffer_policy)
+        if self.synced_buffers:  # the servers hold them as slices that average the pushes
+            self.job = job = dataclasses.replace(job, averaged=tuple(self.synced_buffers))
+        self._buffer_landing: dict[str, np.ndarray] = {}
         super().__init__(list(self.params.values()), hyper.defaults(job.optimizer))
         self._stamped_lr: float | None = None  # the lr this step's pushes carry (None: the job's)
         first = next(iter(self.params.values()))
@@ -152,13 +164,16 @@ class PSTrainer(torch.optim.Optimizer):
             return None
         push_table_grads(self.tables, self._clock)  # the tables' rows first: each table has its own mode
         grads = self._grads_on_host()
+        grads.update(self._buffers_on_host())  # sync: the servers return their mean with the weights
         out = self._landing()
+        out.update(self._buffers_landing())
         self.client.push_pull(grads, self._clock, out=out, lr=self._stamped_lr)
         result = self.client.last_result
         assert result is not None  # push_pull always records what it did
         self.last_result = result
         # Sync: the servers' version is the clock (a late push jumps to it); otherwise one step each.
         self._advance(result)
+        self._load_buffers(out)
         if self.aggregate:
             self._load(out, grads=True)
             assert self.local_optimizer is not None
@@ -207,8 +222,10 @@ class PSTrainer(torch.optim.Optimizer):
 
     def _overlapped_step(self) -> None:
         assert self._overlap is not None
-        push_table_grads(self.tables, self._overlap.step_clock())  # rows first, as without overlap
+        clock = self._overlap.step_clock()
+        push_table_grads(self.tables, clock)  # rows first, as without overlap
         self._pending = self._overlap.finish_step()
+        self._exchange_buffers(clock)
         if self.aggregate:  # the local optimizer needs the mean gradients now
             self._settle()
             out = self._host_buffers(self.params)
@@ -250,7 +267,10 @@ class PSTrainer(torch.optim.Optimizer):
     def _declare(self) -> int:
         """Declare the parameters, load what the servers hold, return the clock to continue from."""
         values = self._staging.to_host({k: _declared(p.detach()) for k, p in self.params.items()})
+        values.update(self._buffers_on_host())
         held = self.client.declare(values, self.job)
+        self._load_buffers(held)
+        held = {k: held[k] for k in self.params}
         stats = [s for s in self.client.stats() if s.slices]
         started = any(s.max_version > 0 for s in stats)
         if self.aggregate and started:
@@ -262,6 +282,33 @@ class PSTrainer(torch.optim.Optimizer):
             return min((s.min_version for s in stats), default=0)
         # Async/SSP: the servers drop pushes at or below a worker's last clock (at-most-once).
         return 1 + max((s.worker_clocks.get(self.client.worker_id, -1) for s in stats), default=-1)
+
+    def _buffers_on_host(self) -> dict[str, np.ndarray]:
+        """Copies of the synced buffers' values (the pulled mean may land in the buffers themselves)."""
+        if not self.synced_buffers:
+            return {}
+        host = self._staging.to_host({k: _declared(b.detach()) for k, b in self.synced_buffers.items()})
+        return {k: np.array(a, copy=True) for k, a in host.items()}
+
+    def _buffers_landing(self) -> dict[str, np.ndarray]:
+        for key, b in self.synced_buffers.items():
+            if key not in self._buffer_landing:
+                self._buffer_landing[key] = np.empty(tuple(b.shape), _numpy_dtype(_declared_dtype(b)))
+        return dict(self._buffer_landing)
+
+    def _load_buffers(self, out: Mapping[str, np.ndarray]) -> None:
+        if self.synced_buffers:
+            self._staging.to_device({k: out[k] for k in self.synced_buffers}, self.synced_buffers)
+
+    def _exchange_buffers(self, clock: int) -> None:
+        """With overlap: the buffers' push of `clock` and the pull of their mean, after backward's buckets
+        (a push and a pull of their own: the fused call's reply is the overlap's to read)."""
+        if not self.synced_buffers:
+            return
+        self.client.wait(self.client.push(self._buffers_on_host(), clock, lr=self._stamped_lr))
+        out = self._buffers_landing()
+        self.client.pull(clock + 1, keys=list(out), out=out)
+        self._load_buffers(out)
 
     def _grads_on_host(self) -> dict[str, np.ndarray]:
         tensors: dict[str, torch.Tensor] = {}
