@@ -280,3 +280,15 @@ def test_a_push_whose_lr_disagrees_with_its_clock_is_refused_whole() -> None:
     assert store.pull_status(Stamp("b", 1, 1), [W]) is not None  # b's push did not count
     store.push(Stamp("b", 1, 0, 0.5), {W: f64(4, 8)})  # the same push, agreeing, is then accepted
     assert value(store) == ([8.5, 17.0], 1)
+
+
+def test_an_averaged_slice_holds_the_mean_of_the_pushes_whatever_the_optimizer() -> None:
+    config = JobConfig(mode="sync", optimizer=OptimizerConfig(name="sgd", lr=0.5, momentum=0.9),
+                       averaged=("b",))
+    store = ShardStore(config, quorum={"a": 1, "c": 1})
+    store.declare([(SliceKey("b"), f64(0, 0)), (W, f64(10, 20))])
+    for worker, values in (("a", (1, 2)), ("c", (3, 6))):
+        store.push(Stamp(worker, 1, 0, 0.25), {SliceKey("b"): f64(*values), W: f64(*values)})
+    [(mean, version), (weights, _)] = store.read([SliceKey("b"), W])
+    assert mean.tolist() == [2, 4] and version == 1  # the mean, not an SGD step of it
+    assert weights.tolist() == [10 - 0.25 * 2, 20 - 0.25 * 4]  # the job's optimizer, at the stamped lr
