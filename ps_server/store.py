@@ -300,6 +300,8 @@ class ShardStore:
         worker, clock = stamp.worker_id, stamp.clock
         if not grads:
             raise EmptyRequestError(f"push from worker {worker!r} at clock {clock}: no gradients")
+        if stamp.lr == self.config.optimizer.lr:
+            stamp = stamp._replace(lr=None)  # the job's own lr, said out loud: the same step as unstamped
         slots = self._lookup(grads)
         for slot, grad in zip(slots, grads.values(), strict=True):
             if grad.dtype != slot.dtype or grad.shape != slot.value.shape:

@@ -292,3 +292,10 @@ def test_an_averaged_slice_holds_the_mean_of_the_pushes_whatever_the_optimizer()
     [(mean, version), (weights, _)] = store.read([SliceKey("b"), W])
     assert mean.tolist() == [2, 4] and version == 1  # the mean, not an SGD step of it
     assert weights.tolist() == [10 - 0.25 * 2, 20 - 0.25 * 4]  # the job's optimizer, at the stamped lr
+
+
+def test_a_stamp_with_the_jobs_own_lr_agrees_with_an_unstamped_push() -> None:
+    store = sync_store("ab", lr=1.0)
+    store.push(Stamp("a", 1, 0, 1.0), {W: f64(2, 4)})
+    push(store, "b", 0, 4, 8)
+    assert value(store) == ([7.0, 14.0], 1)
