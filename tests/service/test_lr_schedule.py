@@ -8,6 +8,7 @@ run mid-schedule; a push whose lr disagrees with its clock's earlier pushes is r
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -42,6 +43,15 @@ def server() -> Iterator[ServerThread]:
     started = start_server_thread(ServerSettings(static_quorum={"w0": 0}, pull_timeout_s=WAIT_S))
     yield started
     started.stop(grace_s=0.2)
+
+
+@pytest.fixture
+def server_pair() -> Iterator[list[ServerThread]]:
+    settings = ServerSettings(static_quorum={"w0": 0, "w1": 0}, pull_timeout_s=WAIT_S)
+    started = [start_server_thread(settings) for _ in range(2)]
+    yield started
+    for s in started:
+        s.stop(grace_s=0.2)
 
 
 def make_model() -> nn.Module:
@@ -133,3 +143,34 @@ def test_momentum_cannot_follow_a_schedule(server) -> None:
         with pytest.raises(InvalidArgumentError, match=refused):
             trainer.step()
         assert trainer.clock == 0  # nothing was pushed
+
+
+def test_two_sync_workers_follow_one_schedule(server_pair) -> None:
+    """Each worker on its half of every batch, each with its own StepLR: the one process on the whole
+    batch with the same schedule."""
+    config, local = OPTIMIZERS["sgd-momentum"]
+    want = make_model()
+    want_opt = local(want)
+    train(want, want_opt, lr_scheduler.StepLR(want_opt, step_size=3, gamma=0.3), range(STEPS))
+
+    models = [make_model() for _ in range(2)]  # here, not in the threads: torch's global RNG is shared
+
+    def run(rank: int) -> nn.Module:
+        model = models[rank]
+        addresses = [s.address for s in server_pair]
+        client = PSClient(addresses, f"w{rank}", timeout_s=WAIT_S, retry_budget_s=WAIT_S)
+        with PSTrainer(model, client, JobConfig(mode="sync", optimizer=config)) as trainer:
+            sched = lr_scheduler.StepLR(trainer, step_size=3, gamma=0.3)
+            for step in range(STEPS):
+                x, y = batch(step)
+                part = slice(rank * 8, rank * 8 + 8)
+                trainer.zero_grad()
+                F.cross_entropy(model(x[part]), y[part]).backward()
+                trainer.step()
+                sched.step()
+        return model
+
+    with ThreadPoolExecutor(2) as pool:
+        got = [f.result(timeout=WAIT_S * 3) for f in [pool.submit(run, rank) for rank in range(2)]]
+    assert_same(got[0], want)
+    assert_same(got[1], want)
