@@ -11,9 +11,12 @@ the fresh weights back into the parameters in one fused exchange per server:
         trainer.step()
     trainer.close()
 
-What travels: the parameters that require gradients (buffers stay local, since running
-statistics are not gradients). bfloat16 parameters are held as float32 on the servers
-(numpy has no bfloat16; set the job's wire_dtype="bfloat16" to keep the traffic small).
+What travels: the parameters that require gradients, and in sync mode the floating-point buffers
+(BatchNorm's running statistics), whose mean every worker loads back (`buffers=`, pshard.worker.buffers).
+An `lr_scheduler` drives the servers' learning rate through `param_groups` (pshard.worker.hyper), and
+`DataLoader(num_workers=N)` may fork the process (pshard.worker.forking). bfloat16 parameters are
+held as float32 on the servers (numpy has no bfloat16; set the job's wire_dtype="bfloat16" to keep
+the traffic small).
 
 Overlap (`overlap=True`, what `python -m pshard.worker` uses): each bucket of gradients is pushed
 as soon as backward has produced it, last layer first, and the next forward waits only for the
