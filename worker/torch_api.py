@@ -192,8 +192,10 @@ class PSTrainer(torch.optim.Optimizer):
             raise InvalidArgumentError("pull: in aggregate mode the servers hold the mean gradient, not the "
                                        "weights; the weights are the ones in your model")
         out = self._landing()
+        out.update(self._buffers_landing())
         self.client.pull(self._clock, out=out)
         self._load(out)
+        self._load_buffers(out)
 
     def close(self) -> None:
         """Finish the last step, then close the client (the trainer owns it from construction on)."""
@@ -219,6 +221,7 @@ class PSTrainer(torch.optim.Optimizer):
         self._stamped_lr = hyper.stamped_lr(self.param_groups, self.job.optimizer)
         if self._overlap is not None:
             self._overlap.step_lr = self._stamped_lr
+
     def _advance(self, result: PushResult) -> None:
         # Sync: the servers' version is the clock (a late push jumps to it); otherwise one step each.
         self._clock = max(result.min_version, self._clock + 1) if self.job.mode == "sync" else self._clock + 1

@@ -121,3 +121,22 @@ def test_declared_specs_include_the_synced_buffers() -> None:
     keys = [s.key for s in param_specs(make_model())]
     assert "1.running_mean" in keys and "1.running_var" in keys and "1.num_batches_tracked" not in keys
     assert "1.running_mean" not in [s.key for s in param_specs(make_model(), "async")]
+
+
+def test_a_restarted_worker_loads_the_jobs_buffers(servers) -> None:
+    got = two_workers(servers)
+    fresh = make_model()  # a restarted process: its buffers are back at their initial values
+    client = PSClient([s.address for s in servers], "w0", timeout_s=WAIT_S, retry_budget_s=WAIT_S)
+    with PSTrainer(fresh, client, JobConfig(mode="sync", optimizer=OptimizerConfig(name="sgd", lr=LR))) as t:
+        assert_same_floats(fresh, got[0])  # num_batches_tracked is each worker's own count
+        fresh[1].running_mean.zero_()
+        t.pull()
+        assert_same_floats(fresh, got[0])
+
+
+def assert_same_floats(got: nn.Module, want: nn.Module) -> None:
+    expected = want.state_dict()
+    for key, value in got.state_dict().items():
+        if value.is_floating_point():
+            torch.testing.assert_close(value, expected[key], rtol=1e-5, atol=1e-6,
+                                       msg=lambda m, k=key: f"{k}: {m}")
