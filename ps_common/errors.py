@@ -5,16 +5,50 @@ place and the client maps them back, so a caller catches the same class whether
 the error happened locally or on a server. Messages carry the values involved:
 ``key 'fc1.weight': got shape (10, 5), store has (10, 4)``.
 
+Messages quote bounded prefixes of what they refuse (`quote`), and every message is bounded whole
+(`bounded`, applied by PSError itself): a status message travels as a gRPC header, and one that
+echoed a 100 kB worker id or key went past gRPC's metadata limit, so the caller saw
+RESOURCE_EXHAUSTED (which clients retry) instead of the refusal.
+
 This module must not import grpc: pure cores use it.
 """
 
 from __future__ import annotations
+
+# Characters of a caller's text an error message quotes before cutting it (its length is then given).
+QUOTE_CHARS = 64
+# UTF-8 bytes of a whole message: gRPC sends it percent-encoded (up to 3 bytes per byte) as a header,
+# whose limit is 8 KiB; the head and the tail are kept, as they name the field and the values.
+MESSAGE_BYTES = 2048
+_TAIL_BYTES = 512
+
+
+def quote(value: str, limit: int = QUOTE_CHARS) -> str:
+    """`repr(value)`, of its first `limit` characters and its length when it is longer."""
+    if len(value) <= limit:
+        return repr(value)
+    return f"{value[:limit]!r}... ({len(value)} characters)"
+
+
+def bounded(message: str) -> str:
+    """`message`, or its head and tail within MESSAGE_BYTES with how many characters were cut."""
+    if len(message) * 4 <= MESSAGE_BYTES:  # short enough whatever its characters
+        return message
+    data = message.encode("utf-8", "backslashreplace")
+    if len(data) <= MESSAGE_BYTES:
+        return message
+    head = data[:MESSAGE_BYTES - _TAIL_BYTES - 64].decode("utf-8", "ignore")
+    tail = data[-_TAIL_BYTES:].decode("utf-8", "ignore")
+    return f"{head} [... {len(message) - len(head) - len(tail)} of {len(message)} characters cut ...] {tail}"
 
 
 class PSError(Exception):
     """Base class. `status` names the gRPC status code (a string keeps grpc out of core code)."""
 
     status = "INTERNAL"
+
+    def __init__(self, message: object = "", *args: object) -> None:
+        super().__init__(bounded(str(message)), *args)
 
 
 class InvalidArgumentError(PSError):

@@ -36,6 +36,7 @@ from pshard.common.errors import (
     PullTimeoutError,
     StaleGenerationError,
     UnknownKeyError,
+    quote,
 )
 from pshard.common.job import JobConfig
 from pshard.common.metrics import RequestMetrics
@@ -249,7 +250,7 @@ class ParameterServerHandlers:
             return
         for key in keys:
             if key not in owned[1] and store.holds(key):
-                raise UnknownKeyError(f"slice {str(key)!r} moved: layout version {owned[0]} has it on "
+                raise UnknownKeyError(f"slice {quote(str(key))} moved: layout version {owned[0]} has it on "
                                       "another server (a failover); re-route")
 
     def _promote(self, keys: Iterable[SliceKey]) -> None:
@@ -355,7 +356,7 @@ class ParameterServerHandlers:
         limits.check_keys(what, (m.key.key for m in push))
         limits.check_keys(what, (k.key for k in pull))
         for meta in push:
-            limits.check_shape(f"slice {str(meta.key)!r}", meta.shape)
+            limits.check_shape(f"slice {quote(str(meta.key))}", meta.shape)
 
     def _deadline(self, timeout_s: float | None) -> float:
         return time.monotonic() + (timeout_s if timeout_s is not None else self._settings.pull_timeout_s)
@@ -566,7 +567,7 @@ class ParameterServerHandlers:
                     await asyncio.wait_for(own.wait(), max(0.0, deadline - time.monotonic()))
                 except TimeoutError:
                     raise PullTimeoutError(f"exchange from {stamp.worker_id!r}: the gradient of slice "
-                                           f"{str(key)!r} did not arrive before the request's deadline"
+                                           f"{quote(str(key))} did not arrive before the request's deadline"
                                            ) from None
             await self._wait_readable(stamp, [key], deadline)
 
