@@ -15,6 +15,9 @@ This module must not import grpc: pure cores use it.
 
 from __future__ import annotations
 
+import errno
+import os
+
 # Characters of a caller's text an error message quotes before cutting it (its length is then given).
 QUOTE_CHARS = 64
 # UTF-8 bytes of a whole message: gRPC sends it percent-encoded (up to 3 bytes per byte) as a header,
@@ -102,6 +105,23 @@ class CheckpointError(PSError):
     layout a request gives): the state it needs is not there, so FAILED_PRECONDITION, never INTERNAL."""
 
     status = "FAILED_PRECONDITION"
+
+
+class CheckpointSpaceError(CheckpointError):
+    """A checkpoint cannot be written for want of space (a full disk or quota): RESOURCE_EXHAUSTED."""
+
+    status = "RESOURCE_EXHAUSTED"
+
+
+def checkpoint_write_error(err: OSError, where: str | os.PathLike[str]) -> CheckpointError:
+    """The error of a checkpoint write that failed with `err` under `where`: the file and the errno
+    named (``ENOSPC``, ``EROFS``, ...), RESOURCE_EXHAUSTED for a full disk, else FAILED_PRECONDITION."""
+    path = os.fsdecode(err.filename) if err.filename else os.fspath(where)
+    code = errno.errorcode.get(err.errno or 0, f"errno {err.errno}")
+    message = f"checkpoint: cannot write {path!r}: {code} ({err.strerror or err})"
+    if err.errno in (errno.ENOSPC, errno.EDQUOT):
+        return CheckpointSpaceError(message)
+    return CheckpointError(message)
 
 
 class PullTimeoutError(PSError):

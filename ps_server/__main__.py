@@ -45,7 +45,7 @@ from pshard.common.cluster import (
     exit_on_config_error,
 )
 from pshard.common.entry import STOP_SIGNALS, check_can_listen, metrics_address
-from pshard.common.errors import ClusterConfigError, PSError
+from pshard.common.errors import CheckpointError, ClusterConfigError, PSError
 from pshard.common.job import MODES, OPTIMIZERS, JobConfig, OptimizerConfig
 from pshard.common.jobend import add_exit_argument, watch_job_end
 from pshard.common.logs import add_log_level_argument, configure_logging
@@ -229,15 +229,20 @@ async def _run(args: argparse.Namespace, spec: ClusterSpec | None, settings: Ser
     log.info("stopping")
     if follower is not None:
         follower.close()
+    status = 0
     if args.checkpoint_dir and running.servicer.has_store:
-        path, version = await running.servicer.checkpoint(0, 30.0)
-        log.info("final checkpoint at version %d: %s", version, path)
+        try:
+            path, version = await running.servicer.checkpoint(0, 30.0)
+            log.info("final checkpoint at version %d: %s", version, path)
+        except PSError as err:  # a full or read-only disk: said in one line, and the server still stops
+            log.error("final checkpoint failed: %s", err)
+            status = 1
     await running.stop(grace_s=5.0)
     if metrics is not None:
         metrics.close()
     for task in tasks:
         task.cancel()
-    return 0
+    return status
 
 
 @exit_on_config_error(prog=PROG)
@@ -261,7 +266,8 @@ def main(argv: Sequence[str] | None = None, *, prog: str = PROG) -> int:
         check_can_listen(metrics_address(bind, args.metrics_port))
     try:
         return asyncio.run(_run(args, spec, settings, bind, security))
-    except OSError as err:  # the checkpoint's arrays, or the port lost since check_can_listen
+    # An unreadable checkpoint, or the port lost since check_can_listen: start-up errors, as usage errors.
+    except (OSError, CheckpointError) as err:
         print(f"{prog}: error: {err}", file=sys.stderr)
         return 2
     except PSError as err:

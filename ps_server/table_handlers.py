@@ -43,6 +43,7 @@ from pshard.common.errors import (
     QuotaExceededError,
     StaleGenerationError,
     UnknownKeyError,
+    checkpoint_write_error,
 )
 from pshard.common.sparse import TableConfig
 from pshard.ps_server.settings import ServerSettings
@@ -339,6 +340,8 @@ class TableHandlers:
         try:
             return await asyncio.get_running_loop().run_in_executor(
                 None, save_tables, self._dir, self._settings.shard_name, [self._tables[n] for n in names])
+        except OSError as err:  # a full or read-only disk: its errno, not UNKNOWN
+            raise checkpoint_write_error(err, self._dir) from None
         finally:
             for name in names:
                 self._locks[name].release()
