@@ -35,17 +35,22 @@ _FORMAT = 1
 
 
 def _write_npy(path: Path, dtype: np.dtype, shape: tuple[int, ...], chunks: Iterable[np.ndarray]) -> None:
-    with open(path, "wb") as f:
-        header = {"descr": np.lib.format.dtype_to_descr(dtype), "fortran_order": False, "shape": shape}
-        np.lib.format.write_array_header_2_0(f, header)
-        written = 0
-        for chunk in chunks:
-            f.write(np.ascontiguousarray(chunk, dtype).data)
-            written += len(chunk)
-        if written != shape[0]:
-            raise RuntimeError(f"{path}: wrote {written} rows, header says {shape[0]}")
-        f.flush()
-        os.fsync(f.fileno())
+    try:
+        with open(path, "wb") as f:
+            header = {"descr": np.lib.format.dtype_to_descr(dtype), "fortran_order": False, "shape": shape}
+            np.lib.format.write_array_header_2_0(f, header)
+            written = 0
+            for chunk in chunks:
+                f.write(np.ascontiguousarray(chunk, dtype).data)
+                written += len(chunk)
+            if written != shape[0]:
+                raise RuntimeError(f"{path}: wrote {written} rows, header says {shape[0]}")
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as err:  # a write to a full disk names no file: name it
+        if err.errno is not None and err.filename is None:
+            err.filename = str(path)
+        raise
 
 
 def _stream_column(table: SparseTable, path: Path, column: Callable[[np.ndarray, np.ndarray], np.ndarray],
