@@ -177,11 +177,7 @@ def build_parser(environ: Mapping[str, str], prog: str = PROG) -> argparse.Argum
 
 
 def _check_numbers(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    # Where 0 means something (no limit, torch's default), so positive_int does not fit.
-    for flag, value in (("--max-steps", args.max_steps), ("--staleness", args.staleness),
-                        ("--seed", args.seed), ("--threads", args.threads)):
-        if value < 0:
-            parser.error(f"{flag}: got {value}, expected >= 0")
+    # Each number's range is its flag's type (ps_common.argtypes); what is left spans flags.
     if args.join and args.model == CTR_MODEL:  # its click-log shards are static (worker.ctr)
         parser.error("--join: the CTR model's shards are fixed by TF_CONFIG's workers; join an image model")
 
