@@ -28,7 +28,13 @@ import uuid
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from pshard.common.argtypes import positive_float, positive_int
+from pshard.common.argtypes import (
+    non_negative_float,
+    non_negative_int,
+    positive_float,
+    positive_int,
+    replicas,
+)
 from pshard.common.logs import add_log_level_argument, configure_logging
 from pshard.launcher.plan import RESTART_POLICIES, TASK_PLACEHOLDER, ClusterPlan, Options, cert_names
 from pshard.launcher.supervisor import run
@@ -55,7 +61,7 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
         f"Example: {prog} --ps 2 --workers 2 -- --mode sync --epochs 2 --output runs/model.pt")
     parser.add_argument("--ps", metavar="N", type=positive_int, default=2,
                         help="number of parameter servers (default 2)")
-    parser.add_argument("--workers", metavar="M", type=int, default=2,
+    parser.add_argument("--workers", metavar="M", type=non_negative_int, default=2,
                         help="number of worker tasks (default 2)")
     parser.add_argument("--chief", action="store_true",
                         help="also run a chief task (TF_CONFIG type 'chief': the worker that evaluates "
@@ -69,7 +75,7 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
                              "(default 5000)")
     parser.add_argument("--checkpoint-dir", metavar="DIR",
                         help="parameter servers checkpoint their shards to DIR/ps-<i>")
-    parser.add_argument("--checkpoint-interval-s", metavar="S", type=float, default=0.0,
+    parser.add_argument("--checkpoint-interval-s", metavar="S", type=non_negative_float, default=0.0,
                         help="with --checkpoint-dir: servers also checkpoint every S seconds, so a "
                              "restarted one loses at most S seconds of training (default 0: only at "
                              "shutdown)")
@@ -80,14 +86,14 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
     parser.add_argument("--resume", action="store_true",
                         help="servers continue the checkpoints in --checkpoint-dir even though they are of "
                              "another job (another launch); logged loudly")
-    parser.add_argument("--replicas", metavar="R", type=int, default=0,
+    parser.add_argument("--replicas", metavar="R", type=replicas, default=0,
                         help="backups per slice: every server's slices are copied to the next R servers, "
                              "and one takes over when it dies (default 0; needs R < --ps)")
     parser.add_argument("--restart", choices=RESTART_POLICIES, default="never",
                         help="on-failure: start a scheduler or parameter server that died again on its "
                              "address (like Kubernetes' restartPolicy), after a backoff; with "
                              "--checkpoint-dir a server restores its shard. never (default): stop the job")
-    parser.add_argument("--max-restarts", metavar="N", type=int, default=Options.max_restarts,
+    parser.add_argument("--max-restarts", metavar="N", type=non_negative_int, default=Options.max_restarts,
                         help=f"most restarts of any one server (default {Options.max_restarts})")
     parser.add_argument("--restart-backoff-s", metavar="S", type=positive_float,
                         default=Options.restart_backoff_s,
@@ -116,21 +122,24 @@ def parse_options(argv: Sequence[str], prog: str = PROG) -> Options:
     split = argv.index("--") if "--" in argv else len(argv)
     parser = build_parser(prog)
     args, unknown = parser.parse_known_args(argv[:split])
-    if args.workers < 0:
-        parser.error(f"--workers: got {args.workers}, expected a whole number >= 0")
     if args.workers == 0 and not args.chief:
         parser.error("--workers: got 0 without --chief, expected at least one training process")
     if args.scheduler_timeout_ms <= args.scheduler_interval_ms:
         parser.error(f"--scheduler-timeout-ms: got {args.scheduler_timeout_ms}, expected more than "
                      f"--scheduler-interval-ms ({args.scheduler_interval_ms})")
-    if args.max_restarts < 0:
-        parser.error(f"--max-restarts: got {args.max_restarts}, expected a whole number >= 0")
     if not 0 <= args.replicas < args.ps:
         parser.error(f"--replicas: got {args.replicas}, expected 0 to {args.ps - 1} (--ps is {args.ps})")
-    if args.checkpoint_interval_s < 0:
-        parser.error(f"--checkpoint-interval-s: got {args.checkpoint_interval_s:g}, expected >= 0")
     if args.checkpoint_interval_s > 0 and not args.checkpoint_dir:
         parser.error("--checkpoint-interval-s: needs --checkpoint-dir")
+    if args.checkpoint_dir:  # each server's would fail alone, after the scheduler started
+        try:
+            os.makedirs(args.checkpoint_dir, exist_ok=True)
+            probe = Path(args.checkpoint_dir, f".pshard-launch-{os.getpid()}")
+            probe.touch()
+            probe.unlink()
+        except OSError as e:
+            parser.error(f"--checkpoint-dir: {args.checkpoint_dir!r} is not a writable directory "
+                         f"({e.strerror or e})")
     worker_cmd = Options.worker_cmd if args.worker_cmd is None else tuple(shlex.split(args.worker_cmd))
     if not worker_cmd:
         parser.error("--worker-cmd: got an empty command")

@@ -99,7 +99,8 @@ def digest(path: Path) -> tuple[str, int]:
 
 
 def write_atomically(path: Path, write: Callable[[BinaryIO], object]) -> None:
-    """Write to a temporary name, fsync, then rename: a reader sees the whole file or none."""
+    """Write to a temporary name, fsync, then rename: a reader sees the whole file or none. An
+    OSError names `path` when the system named no file (a write to a full disk)."""
     tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}{_TMP_SUFFIX}")
     try:
         with open(tmp, "wb") as f:
@@ -107,6 +108,10 @@ def write_atomically(path: Path, write: Callable[[BinaryIO], object]) -> None:
             f.flush()
             os.fsync(f.fileno())  # the bytes must be on disk before the name points at them
         os.replace(tmp, path)
+    except OSError as err:
+        if err.errno is not None and err.filename in (None, str(tmp)):  # the file meant, not its temporary
+            err.filename = str(path)
+        raise
     finally:
         tmp.unlink(missing_ok=True)
 

@@ -29,6 +29,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields, replace
 from typing import Any, TypeVar, overload
 
+from pshard.common.argtypes import non_negative_int
 from pshard.common.errors import ClusterConfigError
 
 # Cluster jobs we read, in the order they are listed; "master" is folded into "chief".
@@ -330,7 +331,7 @@ def add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--task-type", metavar="TYPE", type=str.lower, choices=TASK_TYPES, default=None,
                        help=f"this process's role, overrides task.type; one of {', '.join(TASK_TYPES)} "
                             "('master' is read as 'chief')")
-    group.add_argument("--task-index", metavar="N", type=int, default=None,
+    group.add_argument("--task-index", metavar="N", type=non_negative_int, default=None,
                        help="index of this task within its role, overrides task.index (default 0 when "
                             "there is no TF_CONFIG)")
     group.add_argument("--scheduler", metavar="HOST:PORT", type=_address_list("--scheduler"), default=None,

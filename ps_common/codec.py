@@ -21,7 +21,7 @@ from typing import NamedTuple, Protocol
 import numpy as np
 from google.protobuf.message import DecodeError
 from pshard.common import dtypes
-from pshard.common.errors import EmptyRequestError, InvalidArgumentError, PayloadSizeError
+from pshard.common.errors import EmptyRequestError, InvalidArgumentError, PayloadSizeError, quote
 from pshard.common.job import MODES, NONFINITE, OPTIMIZERS, JobConfig, OptimizerConfig, check_lr
 from pshard.common.layout import Layout, LayoutSlice, ParamSpec
 from pshard.common.limits import DEFAULT_LIMITS
@@ -227,7 +227,7 @@ def slice_tensor_to_proto(key: SliceKey, wire: WireArray, version: int = 0) -> t
 
 def slice_tensor_from_proto(s: tensor_pb.SliceTensor) -> tuple[SliceKey, WireArray]:
     key = slice_id_from_proto(s.id)
-    return key, tensor_from_proto(s.tensor, f"slice {str(key)!r}")
+    return key, tensor_from_proto(s.tensor, f"slice {quote(str(key))}")
 
 
 # ---- stamps, job config ----
@@ -281,7 +281,7 @@ def param_spec_to_proto(p: ParamSpec) -> sched_pb.ParamSpec:
 
 
 def param_spec_from_proto(p: sched_pb.ParamSpec) -> ParamSpec:
-    return ParamSpec(p.key, dtype_from_proto(p.dtype, f"param {p.key!r} dtype"), tuple(p.shape))
+    return ParamSpec(p.key, dtype_from_proto(p.dtype, f"param {quote(p.key)} dtype"), tuple(p.shape))
 
 
 def layout_to_proto(layout: Layout) -> sched_pb.Layout:

@@ -5,16 +5,53 @@ place and the client maps them back, so a caller catches the same class whether
 the error happened locally or on a server. Messages carry the values involved:
 ``key 'fc1.weight': got shape (10, 5), store has (10, 4)``.
 
+Messages quote bounded prefixes of what they refuse (`quote`), and every message is bounded whole
+(`bounded`, applied by PSError itself): a status message travels as a gRPC header, and one that
+echoed a 100 kB worker id or key went past gRPC's metadata limit, so the caller saw
+RESOURCE_EXHAUSTED (which clients retry) instead of the refusal.
+
 This module must not import grpc: pure cores use it.
 """
 
 from __future__ import annotations
+
+import errno
+import os
+
+# Characters of a caller's text an error message quotes before cutting it (its length is then given).
+QUOTE_CHARS = 64
+# UTF-8 bytes of a whole message: gRPC sends it percent-encoded (up to 3 bytes per byte) as a header,
+# whose limit is 8 KiB; the head and the tail are kept, as they name the field and the values.
+MESSAGE_BYTES = 2048
+_TAIL_BYTES = 512
+
+
+def quote(value: str, limit: int = QUOTE_CHARS) -> str:
+    """`repr(value)`, of its first `limit` characters and its length when it is longer."""
+    if len(value) <= limit:
+        return repr(value)
+    return f"{value[:limit]!r}... ({len(value)} characters)"
+
+
+def bounded(message: str) -> str:
+    """`message`, or its head and tail within MESSAGE_BYTES with how many characters were cut."""
+    if len(message) * 4 <= MESSAGE_BYTES:  # short enough whatever its characters
+        return message
+    data = message.encode("utf-8", "backslashreplace")
+    if len(data) <= MESSAGE_BYTES:
+        return message
+    head = data[:MESSAGE_BYTES - _TAIL_BYTES - 64].decode("utf-8", "ignore")
+    tail = data[-_TAIL_BYTES:].decode("utf-8", "ignore")
+    return f"{head} [... {len(message) - len(head) - len(tail)} of {len(message)} characters cut ...] {tail}"
 
 
 class PSError(Exception):
     """Base class. `status` names the gRPC status code (a string keeps grpc out of core code)."""
 
     status = "INTERNAL"
+
+    def __init__(self, message: object = "", *args: object) -> None:
+        super().__init__(bounded(str(message)), *args)
 
 
 class InvalidArgumentError(PSError):
@@ -68,6 +105,23 @@ class CheckpointError(PSError):
     layout a request gives): the state it needs is not there, so FAILED_PRECONDITION, never INTERNAL."""
 
     status = "FAILED_PRECONDITION"
+
+
+class CheckpointSpaceError(CheckpointError):
+    """A checkpoint cannot be written for want of space (a full disk or quota): RESOURCE_EXHAUSTED."""
+
+    status = "RESOURCE_EXHAUSTED"
+
+
+def checkpoint_write_error(err: OSError, where: str | os.PathLike[str]) -> CheckpointError:
+    """The error of a checkpoint write that failed with `err` under `where`: the file and the errno
+    named (``ENOSPC``, ``EROFS``, ...), RESOURCE_EXHAUSTED for a full disk, else FAILED_PRECONDITION."""
+    path = os.fsdecode(err.filename) if err.filename else os.fspath(where)
+    code = errno.errorcode.get(err.errno or 0, f"errno {err.errno}")
+    message = f"checkpoint: cannot write {path!r}: {code} ({err.strerror or err})"
+    if err.errno in (errno.ENOSPC, errno.EDQUOT):
+        return CheckpointSpaceError(message)
+    return CheckpointError(message)
 
 
 class PullTimeoutError(PSError):

@@ -24,6 +24,7 @@ import tempfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+from pshard.common.argtypes import int_range
 from pshard.common.cluster import ClusterSpec, exit_on_config_error
 from pshard.common.errors import ClusterConfigError
 
@@ -101,7 +102,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--task-type", required=True, type=str.lower, help="this pod's role, e.g. ps")
     p.add_argument("--task-index", required=True, type=_index, help="this pod's index within its role")
     p.add_argument("--replicas", required=True, metavar="ROLE=N[,...]", help="replica count of every role")
-    p.add_argument("--port", type=int, default=DEFAULT_PORT,
+    p.add_argument("--port", type=int_range(1, 65535), default=DEFAULT_PORT,
                    help=f"every role's port (default {DEFAULT_PORT})")
     p.add_argument("--cluster-domain", default="",
                    help="appended to '.svc' (the operator's CUSTOM_CLUSTER_DOMAIN; default none)")

@@ -19,7 +19,7 @@ import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from pshard.common.errors import InvalidArgumentError
+from pshard.common.errors import InvalidArgumentError, quote
 from pshard.common.rpc import DEFAULT_MAX_MESSAGE_BYTES
 
 
@@ -89,10 +89,11 @@ class Limits:
         self.check_worker_id(worker_id)
         if generation > self.max_generation:
             raise InvalidArgumentError(
-                f"worker {worker_id!r}: got generation {generation}, expected at most {self.max_generation}")
+                f"worker {quote(worker_id)}: got generation {generation}, "
+                f"expected at most {self.max_generation}")
         if clock > self.max_clock:
             raise InvalidArgumentError(
-                f"worker {worker_id!r}: got clock {clock}, expected at most {self.max_clock}")
+                f"worker {quote(worker_id)}: got clock {clock}, expected at most {self.max_clock}")
 
 
 DEFAULT_LIMITS = Limits()

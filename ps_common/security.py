@@ -68,6 +68,27 @@ def _read(path: Path, what: str) -> bytes:
         raise ClusterConfigError(f"{what}: cannot read {str(path)!r}: {e.strerror or e}") from None
 
 
+def _check_tls_files(cert: Path, key: Path, ca: Path) -> None:
+    """ClusterConfigError naming the flag and the file unless each is readable PEM of its kind and
+    the key is the certificate's."""
+    from cryptography import x509
+    from cryptography.exceptions import UnsupportedAlgorithm
+    from cryptography.hazmat.primitives import serialization
+
+    cert_pem, key_pem, ca_pem = _read(cert, "--tls-cert"), _read(key, "--tls-key"), _read(ca, "--tls-ca")
+    checks = ((cert, "--tls-cert", "a PEM certificate", lambda: x509.load_pem_x509_certificate(cert_pem)),
+              (key, "--tls-key", "an unencrypted PEM private key",
+               lambda: serialization.load_pem_private_key(key_pem, None)),
+              (ca, "--tls-ca", "PEM certificates", lambda: x509.load_pem_x509_certificates(ca_pem)),
+              (key, "--tls-key", "the key of --tls-cert", lambda: _check_pair(cert_pem, key_pem)))
+    for path, flag, kind, load in checks:
+        try:
+            load()
+        except (ValueError, TypeError, UnsupportedAlgorithm) as e:  # cryptography's: not that kind
+            reason = str(e).split(". See https://")[0]
+            raise ClusterConfigError(f"{flag}: {str(path)!r} is not {kind} ({reason})") from None
+
+
 @dataclass(frozen=True)
 class SecurityConfig:
     cert: Path | None = None
@@ -93,11 +114,16 @@ class SecurityConfig:
         if self.insecure and (given or self.token_file):
             raise ClusterConfigError("--insecure: cannot be combined with --tls-* or --token-file")
         if self.token_file is not None and not self.tokens.entries:
-            text = _read(self.token_file, "--token-file").decode()
+            raw = _read(self.token_file, "--token-file")
+            try:
+                text = raw.decode()
+            except UnicodeDecodeError as e:
+                raise ClusterConfigError(f"--token-file: {str(self.token_file)!r} is not UTF-8 text "
+                                         f"(byte {e.start})") from None
             object.__setattr__(self, "tokens", TokenTable.parse(text, str(self.token_file)))
-        for path, what in ((self.cert, "--tls-cert"), (self.key, "--tls-key"), (self.ca, "--tls-ca")):
-            if path is not None:
-                _read(path, what)  # fail at start-up, naming the flag, not at the first handshake
+        if self.cert is not None and self.key is not None and self.ca is not None:
+            # Fail at start-up, one line naming the flag, not with a traceback at the first handshake.
+            _check_tls_files(self.cert, self.key, self.ca)
         if self.crl is not None:
             from pshard.common.revocation import read_crl
 

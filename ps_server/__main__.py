@@ -26,7 +26,16 @@ import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from pshard.common.argtypes import listen_address, positive_float, positive_int
+from pshard.common.argtypes import (
+    float_range,
+    int_range,
+    listen_address,
+    non_negative_float,
+    non_negative_int,
+    positive_float,
+    positive_int,
+    replicas,
+)
 from pshard.common.bind import default_bind, own_hosts
 from pshard.common.cluster import (
     ClusterSpec,
@@ -36,7 +45,7 @@ from pshard.common.cluster import (
     exit_on_config_error,
 )
 from pshard.common.entry import STOP_SIGNALS, check_can_listen, metrics_address
-from pshard.common.errors import ClusterConfigError, PSError
+from pshard.common.errors import CheckpointError, ClusterConfigError, PSError
 from pshard.common.job import MODES, OPTIMIZERS, JobConfig, OptimizerConfig
 from pshard.common.jobend import add_exit_argument, watch_job_end
 from pshard.common.logs import add_log_level_argument, configure_logging
@@ -51,6 +60,8 @@ from pshard.ps_server.table_files import pointer_path
 log = logging.getLogger("pshard.ps")
 
 PROG = "python -m pshard.ps_server"
+# gRPC's message limits are int32 byte counts.
+MAX_MESSAGE_MB = (2**31 - 1) // 2**20
 
 
 def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
@@ -69,21 +80,22 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
                    help="do not register with a scheduler even if TF_CONFIG names one")
     job = p.add_argument_group("job defaults", "used only when the workers' Declare carries no job config")
     job.add_argument("--mode", choices=MODES, help="consistency mode")
-    job.add_argument("--staleness", type=int, default=0, help="SSP staleness bound s (default 0)")
+    job.add_argument("--staleness", type=non_negative_int, default=0,
+                     help="SSP staleness bound s (default 0)")
     job.add_argument("--optimizer", choices=OPTIMIZERS, default="sgd", help="server-side optimizer")
-    job.add_argument("--lr", type=float, default=0.01, help="learning rate (default 0.01)")
-    job.add_argument("--momentum", type=float, default=0.0, help="SGD momentum (default 0)")
+    job.add_argument("--lr", type=positive_float, default=0.01, help="learning rate (default 0.01)")
+    job.add_argument("--momentum", type=float_range(0.0, 1.0), default=0.0, help="SGD momentum (default 0)")
     p.add_argument("--pull-timeout-s", type=positive_float, default=ServerSettings.pull_timeout_s,
                    help="longest a pull waits for its consistency condition "
                         f"(default {ServerSettings.pull_timeout_s:g})")
-    p.add_argument("--replicas", type=int, default=ServerSettings.replicas,
+    p.add_argument("--replicas", type=replicas, default=ServerSettings.replicas,
                    help="backups per slice, the same on every server of the job: this server's slices are "
                         "copied to the next N live servers before a push is acknowledged, and one takes "
                         "over if it dies (default 0: none)")
     p.add_argument("--resume", action="store_true",
                    help="continue the checkpoint in --checkpoint-dir even if it is of another job (another "
                         "job id); without it such a checkpoint is set aside and the server starts fresh")
-    p.add_argument("--hang-report-s", type=float, default=ServerSettings.hang_report_s,
+    p.add_argument("--hang-report-s", type=non_negative_float, default=ServerSettings.hang_report_s,
                    help="log (and show in stats) a sync clock that has waited this long for some workers' "
                         f"gradients, naming them; 0 = off (default {ServerSettings.hang_report_s:g})")
     p.add_argument("--checkpoint-dir", metavar="DIR",
@@ -93,15 +105,17 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
                    help="the only directory global checkpoints are written to and restored from: the "
                         "chief's --global-checkpoint-dir, on a file system both share (env "
                         "PSHARD_GLOBAL_CHECKPOINT_DIR); without it they are refused")
-    p.add_argument("--checkpoint-interval-s", type=float, default=0.0,
+    p.add_argument("--checkpoint-interval-s", type=non_negative_float, default=0.0,
                    help="also checkpoint every N seconds (default 0: only on request and at shutdown)")
-    p.add_argument("--max-message-mb", type=int, default=DEFAULT_MAX_MESSAGE_BYTES // 2**20,
-                   help="largest unary message accepted, MiB (default 64; bigger payloads use Exchange)")
+    p.add_argument("--max-message-mb", type=int_range(1, MAX_MESSAGE_MB),
+                   default=DEFAULT_MAX_MESSAGE_BYTES // 2**20,
+                   help="largest unary message accepted, MiB, at most 2047 (gRPC's limit is an int32 of "
+                        "bytes; default 64; bigger payloads use Exchange)")
     p.add_argument("--max-inflight-mb", type=positive_int, default=ServerSettings.max_inflight_bytes // 2**20,
                    help="budget of request bytes held at once; past it new requests get RESOURCE_EXHAUSTED "
                         "with a retry hint and clients back off (default "
                         f"{ServerSettings.max_inflight_bytes // 2**20}; a lone bigger request still passes)")
-    p.add_argument("--waste-limit-mb", type=_non_negative_int,
+    p.add_argument("--waste-limit-mb", type=non_negative_int,
                    default=ServerSettings.waste_limit_bytes // 2**20,
                    help="a connection whose last requests, this many MiB of them, were all refused or "
                         "changed nothing (duplicate pushes) has its next ones held and refused unread until "
@@ -118,12 +132,6 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
     add_exit_argument(p)
     add_log_level_argument(p)
     return p
-
-
-def _non_negative_int(text: str) -> int:
-    if not (text.isascii() and text.isdigit()):
-        raise argparse.ArgumentTypeError(f"got {text!r}, expected a whole number >= 0")
-    return int(text)
 
 
 def _bind(args: argparse.Namespace, spec: ClusterSpec | None) -> str:
@@ -221,15 +229,20 @@ async def _run(args: argparse.Namespace, spec: ClusterSpec | None, settings: Ser
     log.info("stopping")
     if follower is not None:
         follower.close()
+    status = 0
     if args.checkpoint_dir and running.servicer.has_store:
-        path, version = await running.servicer.checkpoint(0, 30.0)
-        log.info("final checkpoint at version %d: %s", version, path)
+        try:
+            path, version = await running.servicer.checkpoint(0, 30.0)
+            log.info("final checkpoint at version %d: %s", version, path)
+        except PSError as err:  # a full or read-only disk: said in one line, and the server still stops
+            log.error("final checkpoint failed: %s", err)
+            status = 1
     await running.stop(grace_s=5.0)
     if metrics is not None:
         metrics.close()
     for task in tasks:
         task.cancel()
-    return 0
+    return status
 
 
 @exit_on_config_error(prog=PROG)
@@ -253,7 +266,8 @@ def main(argv: Sequence[str] | None = None, *, prog: str = PROG) -> int:
         check_can_listen(metrics_address(bind, args.metrics_port))
     try:
         return asyncio.run(_run(args, spec, settings, bind, security))
-    except OSError as err:  # the checkpoint's arrays, or the port lost since check_can_listen
+    # An unreadable checkpoint, or the port lost since check_can_listen: start-up errors, as usage errors.
+    except (OSError, CheckpointError) as err:
         print(f"{prog}: error: {err}", file=sys.stderr)
         return 2
     except PSError as err:

@@ -26,20 +26,26 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 import re
 import threading
+import time
 import uuid
+import zipfile
+import zlib
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 from pshard.common.checkpoints import sync_directory, write_atomically
-from pshard.common.errors import PSError
+from pshard.common.errors import CheckpointError
 from pshard.common.job import JobConfig, OptimizerConfig
 from pshard.common.types import SliceKey
 from pshard.ps_server.optimizers import SliceState
 from pshard.ps_server.store import ShardSnapshot, SliceSnapshot
+
+log = logging.getLogger("pshard.ps")
 
 FORMAT = 1
 _TMP_SUFFIX = ".tmp"
@@ -71,6 +77,7 @@ def _save(folder: Path, snapshot: ShardSnapshot, name: str) -> Path:
     meta = {
         "format": FORMAT,
         "arrays": arrays_name,
+        "saved_at": time.time(),  # logged by a restore (not read otherwise)
         "config": dataclasses.asdict(snapshot.config),
         "generations": snapshot.generations,
         "quorum": snapshot.quorum,
@@ -86,29 +93,68 @@ def _save(folder: Path, snapshot: ShardSnapshot, name: str) -> Path:
     return meta_path
 
 
+# What reading a damaged checkpoint raises: a truncated or byte-flipped npz fails in zipfile (bad
+# header, bad CRC), zlib or numpy's header parsing; a damaged json in json (ValueError) or in its fields.
+_UNREADABLE = (OSError, ValueError, EOFError, KeyError, TypeError, AttributeError, zipfile.BadZipFile,
+               zlib.error)
+
+
 def load_shard(directory: str | os.PathLike[str], name: str) -> ShardSnapshot | None:
-    """The last completely written checkpoint `name`, or None if there is none."""
+    """The last completely written checkpoint `name`, or None if there is none; CheckpointError naming
+    the file and why when it cannot be read. A restore logs which checkpoint it read."""
     folder = Path(directory)
     meta_path = folder / f"{name}.json"
     try:
         meta = json.loads(meta_path.read_bytes())
     except FileNotFoundError:
         return None
-    if meta.get("format") != FORMAT:
-        raise PSError(f"checkpoint {meta_path}: got format {meta.get('format')!r}, expected {FORMAT}")
-    arrays_path = folder / meta["arrays"]
+    except _UNREADABLE as err:
+        raise CheckpointError(f"checkpoint {meta_path}: cannot read it ({_reason(err)})") from None
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        got = meta.get("format") if isinstance(meta, dict) else type(meta).__name__
+        raise CheckpointError(f"checkpoint {meta_path}: got format {got!r}, expected {FORMAT}")
+    arrays_path = folder / str(meta.get("arrays"))
     if not arrays_path.exists():
-        raise PSError(f"checkpoint {meta_path}: names {arrays_path.name}, which is missing")
-    with np.load(arrays_path, allow_pickle=False) as npz:
-        arrays = {k: npz[k] for k in npz.files}
-    return ShardSnapshot(
-        config=_config_from_json(meta["config"]),
-        slices=tuple(_slice_from_meta(i, m, arrays) for i, m in enumerate(meta["slices"])),
-        generations={w: int(g) for w, g in meta["generations"].items()},
-        quorum=None if meta["quorum"] is None else {w: int(g) for w, g in meta["quorum"].items()},
-        seen=tuple(meta["seen"]),
-        counters={k: int(v) for k, v in meta["counters"].items()},
-    )
+        raise CheckpointError(f"checkpoint {meta_path}: names {arrays_path.name}, which is missing")
+    try:
+        with np.load(arrays_path, allow_pickle=False) as npz:
+            arrays = {k: npz[k] for k in npz.files}
+    except _UNREADABLE as err:
+        raise CheckpointError(f"checkpoint {meta_path}: cannot read {arrays_path} ({_reason(err)})") from None
+    try:
+        snap = ShardSnapshot(
+            config=_config_from_json(meta["config"]),
+            slices=tuple(_slice_from_meta(i, m, arrays) for i, m in enumerate(meta["slices"])),
+            generations={w: int(g) for w, g in meta["generations"].items()},
+            quorum=None if meta["quorum"] is None else {w: int(g) for w, g in meta["quorum"].items()},
+            seen=tuple(meta["seen"]),
+            counters={k: int(v) for k, v in meta["counters"].items()},
+        )
+    except _UNREADABLE as err:
+        raise CheckpointError(f"checkpoint {meta_path}: does not match {arrays_path.name} or is damaged "
+                              f"({_reason(err)})") from None
+    log.info("restoring checkpoint %s (arrays %s, %s): %s", meta_path, arrays_path.name,
+             _age(meta.get("saved_at")), _versions(snap))
+    return snap
+
+
+def _reason(err: BaseException) -> str:
+    text = str(err).strip().splitlines()
+    return f"{type(err).__name__}: {text[0]}" if text else type(err).__name__
+
+
+def _age(saved_at: object) -> str:
+    if not isinstance(saved_at, (int, float)):
+        return "saved at an unrecorded time"
+    stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(saved_at))
+    return f"saved {stamp}, {max(0.0, time.time() - saved_at):.0f} s ago"
+
+
+def _versions(snap: ShardSnapshot) -> str:
+    if not snap.slices:
+        return "no slices"
+    low, high = min(s.version for s in snap.slices), max(s.version for s in snap.slices)
+    return f"{len(snap.slices)} slices at version {low}" + (f"..{high}" if high != low else "")
 
 
 # ---- one slice ----

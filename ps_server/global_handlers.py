@@ -19,7 +19,7 @@ from typing import Any
 import grpc
 from pshard.common import checkpoints as ckpt
 from pshard.common import codec
-from pshard.common.errors import InvalidArgumentError, LayoutConflictError
+from pshard.common.errors import InvalidArgumentError, LayoutConflictError, checkpoint_write_error
 from pshard.common.job import JobConfig
 from pshard.common.types import SliceKey
 from pshard.ps_server import checkpoint_guard as guard
@@ -73,9 +73,12 @@ class GlobalCheckpoints:
                 f"checkpoint at clock {clock}: slices are at versions {min(versions)}..{max(versions)}, "
                 "not at one clock boundary; take global checkpoints from the chief between its steps")
         async with self._writing, self._locked_tables() as tables:
-            files = await asyncio.get_running_loop().run_in_executor(
-                None, lambda: write_part(directory, server, snap, ranges,
-                                            write_tables=_table_writer(tables), between=self._pause(server)))
+            try:
+                files = await asyncio.get_running_loop().run_in_executor(
+                    None, lambda: write_part(directory, server, snap, ranges,
+                                             write_tables=_table_writer(tables), between=self._pause(server)))
+            except OSError as err:  # a full or read-only disk: its errno, not UNKNOWN
+                raise checkpoint_write_error(err, directory) from None
         log.info("checkpoint part %d at clock %d written to %s (%d files)", server, clock, directory,
                  len(files))
         return files, min(versions), max(versions)

@@ -37,6 +37,8 @@ from pshard.common.errors import (
     PullTimeoutError,
     StaleGenerationError,
     UnknownKeyError,
+    checkpoint_write_error,
+    quote,
 )
 from pshard.common.job import JobConfig
 from pshard.common.metrics import RequestMetrics
@@ -157,6 +159,10 @@ class ParameterServerHandlers:
         self.requests = RequestMetrics()
         # A restored checkpoint until the first Declare says which job this is (see _claim).
         self._restored_unclaimed = False
+        # The restored checkpoint's newest slice version, until the first stamped request is compared
+        # with it: a worker's clock past it means the server restarted from an older checkpoint than
+        # the one it trained to, which is said once (the steps in between are lost).
+        self._restored_version: int | None = None
         # Replication (docs/architecture.md, 9 Failures): the copies this server holds as a backup,
         # and (with replicas) what forwards its own slices' steps to its backups.
         self.replica_shm_dir = replica_shm_dir(settings.transport, settings.shm_dir)
@@ -174,6 +180,7 @@ class ParameterServerHandlers:
             if snap is not None:
                 self._install(ShardStore.restore(snap))
                 self._restored_unclaimed = True
+                self._restored_version = max((s.version for s in snap.slices), default=0)
                 log.info("restored %d slices from %s (job %r)", len(snap.slices), settings.checkpoint_dir,
                          snap.config.job_id)
         if self._store is None and settings.default_job is not None:
@@ -250,7 +257,7 @@ class ParameterServerHandlers:
             return
         for key in keys:
             if key not in owned[1] and store.holds(key):
-                raise UnknownKeyError(f"slice {str(key)!r} moved: layout version {owned[0]} has it on "
+                raise UnknownKeyError(f"slice {quote(str(key))} moved: layout version {owned[0]} has it on "
                                       "another server (a failover); re-route")
 
     def check_adds_nothing(self, metas: Sequence[SliceMeta], who: str) -> None:
@@ -365,12 +372,21 @@ class ParameterServerHandlers:
         limits = self._limits
         if stamp is not None:
             limits.check_stamp(stamp.worker_id, stamp.generation, stamp.clock)
+            self._compare_with_restored(stamp)
         limits.check_count(what, len(push))
         limits.check_count(what, len(pull))
         limits.check_keys(what, (m.key.key for m in push))
         limits.check_keys(what, (k.key for k in pull))
         for meta in push:
-            limits.check_shape(f"slice {str(meta.key)!r}", meta.shape)
+            limits.check_shape(f"slice {quote(str(meta.key))}", meta.shape)
+
+    def _compare_with_restored(self, stamp: Stamp) -> None:
+        restored, self._restored_version = self._restored_version, None
+        if restored is not None and stamp.clock > restored:
+            log.warning("worker %s is at clock %d, but the checkpoint restored at start (in %s) is at "
+                        "version %d: this server restarted from an older checkpoint than it trained to, and "
+                        "the steps trained after version %d are lost", quote(stamp.worker_id), stamp.clock,
+                        self._settings.checkpoint_dir, restored, restored)
 
     def _deadline(self, timeout_s: float | None) -> float:
         return time.monotonic() + (timeout_s if timeout_s is not None else self._settings.pull_timeout_s)
@@ -581,7 +597,7 @@ class ParameterServerHandlers:
                     await asyncio.wait_for(own.wait(), max(0.0, deadline - time.monotonic()))
                 except TimeoutError:
                     raise PullTimeoutError(f"exchange from {stamp.worker_id!r}: the gradient of slice "
-                                           f"{str(key)!r} did not arrive before the request's deadline"
+                                           f"{quote(str(key))} did not arrive before the request's deadline"
                                            ) from None
             await self._wait_readable(stamp, [key], deadline)
 
@@ -660,10 +676,14 @@ class ParameterServerHandlers:
         if not self._settings.checkpoint_dir:
             raise InvalidArgumentError("checkpoint: this server was started without --checkpoint-dir")
         store = await self._await_min_version(at_version, timeout_s, f"checkpoint at version {at_version}")
+        folder = Path(self._settings.checkpoint_dir)
         async with self._checkpoint_lock:
             snap = store.snapshot()
-            path = await asyncio.get_running_loop().run_in_executor(
-                None, save_shard, Path(self._settings.checkpoint_dir), snap, self._settings.shard_name)
-            if self.after_checkpoint is not None:  # the sparse tables join the shard's checkpoint
-                await self.after_checkpoint()
+            try:
+                path = await asyncio.get_running_loop().run_in_executor(
+                    None, save_shard, folder, snap, self._settings.shard_name)
+                if self.after_checkpoint is not None:  # the sparse tables join the shard's checkpoint
+                    await self.after_checkpoint()
+            except OSError as err:  # a full or read-only disk: its errno, not UNKNOWN
+                raise checkpoint_write_error(err, folder) from None
         return path, min(s.version for s in snap.slices) if snap.slices else 0

@@ -19,6 +19,7 @@ from google.protobuf.message import Message
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from pshard.common.auth import AuthRefusals
 from pshard.common.cluster import ClusterSpec
+from pshard.common.errors import PSError
 from pshard.common.interceptors import DecodeErrors
 from pshard.common.rpc import DEFAULT_MAX_MESSAGE_BYTES, server_options
 from pshard.common.scheduler_client import SchedulerClient
@@ -298,17 +299,23 @@ def follow_scheduler(running: RunningServer, spec: ClusterSpec,
 
 
 async def checkpoint_every(running: RunningServer, interval_s: float) -> None:
-    """Periodic shard checkpoints, so a killed server loses at most `interval_s` of training."""
+    """Periodic shard checkpoints, so a killed server loses at most `interval_s` of training. A
+    checkpoint that fails for a reason the error names (a full or read-only disk) is one line each
+    time; anything else keeps its traceback (a bug)."""
     while True:
         await asyncio.sleep(interval_s)
         if running.handlers.has_store:
             try:
                 path, version = await running.handlers.checkpoint(0, interval_s)
                 log.info("checkpoint at version %d: %s", version, path)
+            except PSError as err:
+                log.error("periodic checkpoint failed: %s", err)
             except Exception:
                 log.exception("periodic checkpoint failed")
         if running.tables is not None and not running.handlers.has_store:  # else the shard's wrote them
             try:
                 await running.tables.checkpoint()
+            except PSError as err:
+                log.error("periodic checkpoint of the sparse tables failed: %s", err)
             except Exception:
                 log.exception("periodic checkpoint of the sparse tables failed")

@@ -33,6 +33,7 @@ from pshard.common.errors import (
     PermissionDeniedError,
     PSError,
     PullTimeoutError,
+    quote,
 )
 from pshard.common.framing import FramePacker, SliceReader
 from pshard.common.job import JobConfig
@@ -104,7 +105,8 @@ def _unique(keys: list[SliceKey], what: str) -> list[SliceKey]:
     and send it thousands of times."""
     if len(set(keys)) != len(keys):
         key, count = Counter(keys).most_common(1)[0]
-        raise InvalidArgumentError(f"{what}: slice {str(key)!r} named {count} times, each slice at most once")
+        raise InvalidArgumentError(f"{what}: slice {quote(str(key))} named {count} times, each slice at "
+                                   "most once")
     return keys
 
 
@@ -440,7 +442,7 @@ async def _read_slices(metas: Sequence[SliceMeta], frames: _FrameSource
     Nothing is allocated for what the header announces: a slice spanning frames grows as its bytes
     arrive (ps_common.framing.SliceReader), and those bytes are reserved like the frames'.
     """
-    names = [f"slice {str(m.key)!r}" for m in metas]
+    names = [f"slice {quote(str(m.key))}" for m in metas]
     reader = SliceReader([codec.nbytes_of(n, m.dtype, m.shape) for n, m in zip(names, metas, strict=True)],
                          names)
 

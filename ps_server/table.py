@@ -8,11 +8,11 @@ grow by doubling into fresh zeroed memory, whose untouched pages cost no RSS.
 A row that does not exist yet has a deterministic initial value, a function of (seed, table
 name, id, column) only (`initial_rows`), so any server, restart or replica makes the same row.
 
-Admission (`admit_after` > 1 or `admit_prob` < 1): only pushes are sightings. A pull of an id that
-is not a row returns its initial value and creates nothing; a push of it is counted, and once an
-id has `admit_after` sightings, each further sighting admits it with probability `admit_prob`
-(a seeded generator), the admitting push then being applied to the fresh row. Without admission a
-row is created at first touch, pull or push.
+Reads never create state: a pull of an id that is not a row returns its initial value and inserts
+nothing, so only pushes make rows. Admission (`admit_after` > 1 or `admit_prob` < 1): a push of an
+id that is not a row is counted as a sighting, and once an id has `admit_after` sightings, each
+further sighting admits it with probability `admit_prob` (a seeded generator), the admitting push
+then being applied to the fresh row. Without admission a push creates the rows it touches.
 
 Eviction: with a TTL, a row whose last touch is more than `ttl` ago (clocks: the clock passed to
 `push`/`pull`; seconds: the injected `now`) is treated as absent from then on and freed by a sweep;
@@ -26,6 +26,7 @@ Not thread-safe: ps_server.table_handlers serialises requests per table.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable, Iterator
 
@@ -92,6 +93,7 @@ class SparseTable:
         self.kernels = kernels
         # Told the ids of every eviction too (ps_server/table_replication.py: backups drop them).
         self.evict_hook: Callable[[np.ndarray], None] | None = None
+        self._held: list[np.ndarray] | None = None  # evictions whose evict_hook waits (hooks_held)
 
     def _buffer(self, name: str, n: int) -> np.ndarray:
         """An (n, dim) array for a push's temporaries, kept between requests: a fresh one of a few
@@ -124,25 +126,22 @@ class SparseTable:
 
     def pull(self, ids: np.ndarray, clock: float | None = None, out: np.ndarray | None = None) -> np.ndarray:
         """Rows of `ids` (distinct int64), (len(ids), dim): a copy, written into `out` when given (a
-        fast-path reply region: the rows then need no second copy)."""
+        fast-path reply region: the rows then need no second copy). Reads create nothing: an id
+        that is not a row reads as its initial value (a pure function of seed, table and id), so an
+        evaluator's or a hostile caller's pulls leave the table's rows and memory as they were."""
         now = self._time(clock)
         rows = self._live(ids, now)
         missing = rows < 0
-        if missing.any() and not self._filtered:
-            rows[missing] = self._create(ids[missing])
-            self.admitted += int(missing.sum())
-            missing[:] = False
         if out is None:
             out = np.empty((len(ids), self.config.dim), self.config.np_dtype)
         if missing.any():
             found = ~missing
-            out[found] = self.values[rows[found]]
-            out[missing] = initial_rows(self.config, ids[missing])
             rows = rows[found]
+            out[found] = self.values[rows]
+            out[missing] = initial_rows(self.config, ids[missing])
             self.touch[rows] = now
         else:  # every id a row (the common case): one pass gathers them and stamps their touch
             self.kernels.gather_touch(self.values, self.touch, rows, float(now), out)
-        self._enforce_cap(rows, now)
         return out
 
     def push(self, ids: np.ndarray, grads: np.ndarray, clock: float | None = None) -> int:
@@ -254,8 +253,24 @@ class SparseTable:
         self.evicted += len(rows)
         if self._on_evict is not None:
             self._on_evict(ids)
-        if self.evict_hook is not None:
+        if self._held is not None:
+            self._held.append(ids)
+        elif self.evict_hook is not None:
             self.evict_hook(ids)
+
+    @contextlib.contextmanager
+    def hooks_held(self) -> Iterator[None]:
+        """Within: evictions reach `evict_hook` only at the exit, in order. A request run on a worker
+        thread (ps_server.table_handlers) is entered and left on the event loop, where the hook
+        (replication's bookkeeping and events) must run."""
+        self._held = []
+        try:
+            yield
+        finally:
+            held, self._held = self._held, None
+            if self.evict_hook is not None:
+                for ids in held:
+                    self.evict_hook(ids)
 
     def _enforce_cap(self, keep: np.ndarray, now: float) -> None:
         cap = self.config.max_rows

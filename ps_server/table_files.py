@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 import shutil
 import uuid
@@ -24,24 +25,32 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from pshard.common.errors import CheckpointError, PSError
 from pshard.common.sparse import TableConfig
 from pshard.ps_server.table import CHUNK_ROWS, SparseTable
+
+log = logging.getLogger("pshard.ps")
 
 _FORMAT = 1
 
 
 def _write_npy(path: Path, dtype: np.dtype, shape: tuple[int, ...], chunks: Iterable[np.ndarray]) -> None:
-    with open(path, "wb") as f:
-        header = {"descr": np.lib.format.dtype_to_descr(dtype), "fortran_order": False, "shape": shape}
-        np.lib.format.write_array_header_2_0(f, header)
-        written = 0
-        for chunk in chunks:
-            f.write(np.ascontiguousarray(chunk, dtype).data)
-            written += len(chunk)
-        if written != shape[0]:
-            raise RuntimeError(f"{path}: wrote {written} rows, header says {shape[0]}")
-        f.flush()
-        os.fsync(f.fileno())
+    try:
+        with open(path, "wb") as f:
+            header = {"descr": np.lib.format.dtype_to_descr(dtype), "fortran_order": False, "shape": shape}
+            np.lib.format.write_array_header_2_0(f, header)
+            written = 0
+            for chunk in chunks:
+                f.write(np.ascontiguousarray(chunk, dtype).data)
+                written += len(chunk)
+            if written != shape[0]:
+                raise RuntimeError(f"{path}: wrote {written} rows, header says {shape[0]}")
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as err:  # a write to a full disk names no file: name it
+        if err.errno is not None and err.filename is None:
+            err.filename = str(path)
+        raise
 
 
 def _stream_column(table: SparseTable, path: Path, column: Callable[[np.ndarray, np.ndarray], np.ndarray],
@@ -97,10 +106,25 @@ def save_tables(directory: Path, name: str, tables: list[SparseTable]) -> Path:
 
 
 def load_tables(directory: Path, name: str, make: Callable[[TableConfig], SparseTable]) -> list[SparseTable]:
-    """The tables of checkpoint `name` in `directory` ([] if none); `make` builds an empty table."""
+    """The tables of checkpoint `name` in `directory` ([] if none); `make` builds an empty table.
+    CheckpointError naming the pointer and why when a file is missing or damaged."""
     pointer = pointer_path(directory, name)
     if not pointer.exists():
         return []
+    try:
+        tables = _load_tables(directory, pointer, make)
+    except PSError:
+        raise
+    except (OSError, ValueError, EOFError, KeyError, TypeError) as err:
+        reason = str(err).strip().splitlines()[0] if str(err).strip() else ""
+        raise CheckpointError(f"table checkpoint {pointer}: cannot read it ({type(err).__name__}: "
+                              f"{reason})") from None
+    log.info("restored %d tables from %s", len(tables), pointer)
+    return tables
+
+
+def _load_tables(directory: Path, pointer: Path, make: Callable[[TableConfig], SparseTable]
+                 ) -> list[SparseTable]:
     index = json.loads(pointer.read_text())
     folder = directory / index["directory"]
     tables = []

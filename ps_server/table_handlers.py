@@ -7,8 +7,14 @@ ids a whole number of int64s, distinct, within the request limit; gradients exac
 names the table (and the id, when one is to blame) and leaves the table unchanged.
 
 Requests of one table are serialised by an asyncio lock; they run on the event loop (a request
-of a few thousand rows is a few vectorised numpy passes). Checkpoints and exports hold the lock
-and write from a worker thread, so the loop keeps serving other tables meanwhile.
+of a few thousand rows is a few vectorised numpy passes), except large ones (OFF_LOOP_IDS ids or
+more), whose table work runs on a worker thread while the lock is held, so that health probes and
+other tables' callers keep their latency. Checkpoints and exports hold the lock and write from a
+worker thread too.
+
+Reads create nothing (ps_server.table): a pull of ids that have no row returns their initial
+values. In a PushPullRows, the push is applied first, so the rows it created are read as they
+are now; its other pulled ids, like any pull's, stay absent.
 
 Sync tables (ps_server.table_sync) need the worker of each push and the quorum: the server's
 static one (--workers) or the scheduler's, given to `set_quorum`. Their pulls wait, as coroutines,
@@ -26,7 +32,7 @@ import zlib
 from collections.abc import AsyncIterator, Callable, Collection
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 import numpy as np
 from pshard.common.errors import (
@@ -37,6 +43,7 @@ from pshard.common.errors import (
     QuotaExceededError,
     StaleGenerationError,
     UnknownKeyError,
+    checkpoint_write_error,
 )
 from pshard.common.sparse import TableConfig
 from pshard.ps_server.settings import ServerSettings
@@ -50,11 +57,16 @@ if TYPE_CHECKING:
 _ID = np.dtype("<i8")
 # Ids and rows as the transports hand them: gRPC's bytes, or a fast path's view of its region.
 Raw = bytes | np.ndarray
+T = TypeVar("T")
 # Where the rows of a pull go: (table config, number of rows) -> a (rows, dim) array of the table's dtype.
 Into = Callable[[TableConfig, int], np.ndarray]
 # Tables per server: far more than any model has, few enough that hostile declarations cannot
 # exhaust the server with empty tables (each holds a few KB of index).
 MAX_TABLES = 1024
+# Ids from which a request's table work leaves the event loop: below, a thread's hand-off costs more
+# than the work (tens of microseconds); at 64 Ki ids the work is a few milliseconds, and a 2 Mi-id
+# pull held the loop, and every health probe, for seconds.
+OFF_LOOP_IDS = 1 << 16
 
 
 @dataclass(frozen=True)
@@ -146,16 +158,8 @@ class TableHandlers:
         keys = self._ids(table, ids, "pull")
         await self._wait_applied(name, clock, keys)
         async with self._locks[name]:
-            return self._pull(table, keys, clock, into(table.config, len(keys)) if into else None)
-
-    def _pull(self, table: SparseTable, keys: np.ndarray, clock: int, out: np.ndarray | None) -> np.ndarray:
-        if self.replication is None:
-            return table.pull(keys, clock or None, out)
-        admitted = table.admitted
-        rows = table.pull(keys, clock or None, out)
-        if table.admitted != admitted:  # the pull created rows: their backups create them too
-            self.replication.changed(table.config.name, keys)
-        return rows
+            out = into(table.config, len(keys)) if into else None
+            return await _run(table, len(keys), table.pull, keys, clock or None, out)
 
     async def push(self, name: str, ids: Raw, grads: Raw, clock: int = 0, worker: str = "",
                    push_id: int = 0, layout_version: int = 0) -> int:
@@ -166,7 +170,7 @@ class TableHandlers:
         rows = self._grads(table, keys, grads)
         quorum = self._sync_quorum(name, worker)
         async with self._locks[name]:
-            stored = self._push(table, keys, rows, clock, worker, quorum, push_id, layout_version)
+            stored = await self._push(table, keys, rows, clock, worker, quorum, push_id, layout_version)
         if self.replication is not None:  # acknowledged once the backups hold it
             await self.replication.settle(time.monotonic() + self._settings.pull_timeout_s)
         return stored
@@ -181,7 +185,7 @@ class TableHandlers:
         wanted = self._ids(table, pull_ids, "pull")
         quorum = self._sync_quorum(name, worker)
         async with self._locks[name]:
-            stored = self._push(table, keys, rows, clock, worker, quorum, push_id, layout_version)
+            stored = await self._push(table, keys, rows, clock, worker, quorum, push_id, layout_version)
         if name in self._sync:
             clock += 1
             await self._wait_applied(name, clock, wanted)
@@ -189,20 +193,20 @@ class TableHandlers:
             await self.replication.settle(time.monotonic() + self._settings.pull_timeout_s)
         async with self._locks[name]:
             out = into(table.config, len(wanted)) if into else None
-            return stored, self._pull(table, wanted, clock, out)
+            return stored, await _run(table, len(wanted), table.pull, wanted, clock or None, out)
 
-    def _push(self, table: SparseTable, keys: np.ndarray, rows: np.ndarray, clock: int, worker: str,
+    async def _push(self, table: SparseTable, keys: np.ndarray, rows: np.ndarray, clock: int, worker: str,
               quorum: dict[str, int] | None, push_id: int = 0, layout_version: int = 0) -> int:
         name = table.config.name
         sync = self._sync.get(name)
         if sync is None or quorum is None:
             repl = self.replication
             if repl is None:
-                return table.push(keys, rows, clock or None)
+                return await _run(table, len(keys), table.push, keys, rows, clock or None)
             keep = repl.fresh(name, keys, worker, push_id)
             if keep is not None:  # applied before (a resend after a failover): those rows are done
                 keys, rows = keys[keep], rows[keep]
-            stored = table.push(keys, rows, clock or None) if len(keys) else 0
+            stored = await _run(table, len(keys), table.push, keys, rows, clock or None) if len(keys) else 0
             repl.changed(name, keys, worker, push_id)
             return stored
         if self.replication is not None:
@@ -336,6 +340,8 @@ class TableHandlers:
         try:
             return await asyncio.get_running_loop().run_in_executor(
                 None, save_tables, self._dir, self._settings.shard_name, [self._tables[n] for n in names])
+        except OSError as err:  # a full or read-only disk: its errno, not UNKNOWN
+            raise checkpoint_write_error(err, self._dir) from None
         finally:
             for name in names:
                 self._locks[name].release()
@@ -390,6 +396,28 @@ class TableHandlers:
                                        f"holds {grads[i][~np.isfinite(grads[i])][0]} (the table does not "
                                        "allow non-finite gradients)")
         return grads
+
+
+async def _run(table: SparseTable, n: int, work: Callable[..., T], *args: object) -> T:
+    """`work(*args)` on table `table` for a request of `n` ids: on the loop, or on a worker thread when
+    large. The caller holds the table's lock; the thread's run is awaited to its end even when the
+    caller is cancelled meanwhile (the lock must not be released while the thread changes the table),
+    and the cancellation is then raised. Evictions reach the table's evict_hook back on the loop."""
+    if n < OFF_LOOP_IDS:
+        return work(*args)
+    with table.hooks_held():
+        done = asyncio.get_running_loop().run_in_executor(None, work, *args)
+        cancelled: asyncio.CancelledError | None = None
+        while not done.done():
+            try:
+                await asyncio.shield(done)
+            except asyncio.CancelledError as e:
+                if done.done() and done.cancelled():
+                    raise
+                cancelled = e
+        if cancelled is not None:
+            raise cancelled
+        return done.result()
 
 
 def _warm_kernels(dtype: np.dtype) -> None:

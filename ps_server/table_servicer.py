@@ -2,16 +2,20 @@
 
 The methods decode a request, call the handler and encode its reply; the wrapping each gets from
 `rpc_handlers` (the parameter server's `unary`: in-flight budget, parsing, PSError -> status) is
-the dense service's own, so both services refuse and account for requests the same way.
+the dense service's own, so both services refuse and account for requests the same way. Rows of
+a large reply are copied and encoded on a worker thread (the wrapping then sends the bytes as
+they are): a 2 Mi-row reply's copies and encoding held the event loop for a second.
 """
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 import grpc
 import grpc.aio
+import numpy as np
 from google.protobuf.message import Message
 from pshard.common.sparse_codec import spec_from_proto
 from pshard.ps_server.table_handlers import TableHandlers
@@ -19,6 +23,8 @@ from pshard.ps_server.table_handlers import TableHandlers
 from pshard.api.v1 import sparse_pb2 as pb
 
 SERVICE_NAME = "pshard.api.v1.SparseTablesService"
+# Reply rows from which the copy and encoding leave the event loop (the servicer's _OFFLOAD_BYTES).
+OFF_LOOP_BYTES = 1 << 20
 Wrap = Callable[[str, type[Message], Any], Callable[[bytes, grpc.aio.ServicerContext], Awaitable[bytes]]]
 
 
@@ -29,9 +35,9 @@ class SparseTablesServicer:
     async def DeclareTable(self, request: pb.DeclareTableRequest, context: object) -> pb.DeclareTableResponse:
         return pb.DeclareTableResponse(created=await self._handlers.declare(spec_from_proto(request.spec)))
 
-    async def PullRows(self, request: pb.PullRowsRequest, context: object) -> pb.PullRowsResponse:
+    async def PullRows(self, request: pb.PullRowsRequest, context: object) -> pb.PullRowsResponse | bytes:
         rows = await self._handlers.pull(request.table, request.ids, request.clock, request.worker_id)
-        return pb.PullRowsResponse(rows=rows.tobytes())
+        return await _reply(rows, lambda b: pb.PullRowsResponse(rows=b))
 
     async def PushRows(self, request: pb.PushRowsRequest, context: object) -> pb.PushRowsResponse:
         stored = await self._handlers.push(request.table, request.ids, request.grads, request.clock,
@@ -39,12 +45,13 @@ class SparseTablesServicer:
                                            request.layout_version)
         return pb.PushRowsResponse(stored=stored)
 
-    async def PushPullRows(self, request: pb.PushPullRowsRequest, context: object) -> pb.PushPullRowsResponse:
+    async def PushPullRows(self, request: pb.PushPullRowsRequest,
+                           context: object) -> pb.PushPullRowsResponse | bytes:
         stored, rows = await self._handlers.push_pull(request.table, request.push_ids, request.grads,
                                                       request.pull_ids, request.clock, request.worker_id,
                                                       push_id=request.push_id,
                                                       layout_version=request.layout_version)
-        return pb.PushPullRowsResponse(stored=stored, rows=rows.tobytes())
+        return await _reply(rows, lambda b: pb.PushPullRowsResponse(stored=stored, rows=b))
 
     async def ExportTable(self, request: pb.ExportTableRequest, context: object) -> pb.ExportTableResponse:
         ids_path, rows_path, n = await self._handlers.export(request.table)
@@ -65,6 +72,14 @@ class SparseTablesServicer:
         """Deprecated: table requests ride the fast-path sessions (EXCHANGE_OP_TABLE); port 0 tells an
         older client to use gRPC."""
         return pb.OpenTableStreamResponse(port=0)
+
+
+async def _reply(rows: np.ndarray, make: Callable[[bytes], Message]) -> Message | bytes:
+    """`make(rows' bytes)`: the reply, or for large rows its encoding, done on a worker thread."""
+    if rows.nbytes < OFF_LOOP_BYTES:
+        return make(rows.tobytes())
+    loop = asyncio.get_running_loop()
+    return await loop.run_in_executor(None, lambda: make(rows.tobytes()).SerializeToString())
 
 
 def rpc_handlers(servicer: SparseTablesServicer, wrap: Wrap) -> grpc.GenericRpcHandler:

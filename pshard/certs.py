@@ -37,12 +37,15 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
+from pshard.common.argtypes import int_range
 from pshard.common.errors import ClusterConfigError
 from pshard.common.identity import Identity, parse_identity
 from pshard.common.security import SecurityConfig
 
 DEFAULT_DIR = "pshard-certs"
 DEFAULT_DAYS = 365
+# Longest validity: X.509 dates end at 9999, and a CA valid for a century is long enough.
+MAX_DAYS = 36500
 LOCAL_HOSTS = ("localhost", "127.0.0.1")
 _RENEW_BEFORE = dt.timedelta(days=1)
 CRL_NAME = "crl.pem"
@@ -284,7 +287,8 @@ def main(argv: Sequence[str] | None = None, *, prog: str = "pshard certs") -> in
     parser.add_argument("--host", action="append", default=[],
                         help="another host name or IP the nodes answer on (repeatable; localhost and "
                              "127.0.0.1 are always in)")
-    parser.add_argument("--days", type=int, default=DEFAULT_DAYS, help=f"validity (default {DEFAULT_DAYS})")
+    parser.add_argument("--days", type=int_range(1, MAX_DAYS), default=DEFAULT_DAYS,
+                        help=f"validity, 1..{MAX_DAYS} (default {DEFAULT_DAYS})")
     args = parser.parse_args(argv)
     if not args.nodes and not args.revoke:
         parser.error("name a NODE to certify or a certificate to --revoke")
@@ -292,9 +296,13 @@ def main(argv: Sequence[str] | None = None, *, prog: str = "pshard certs") -> in
         nodes = [parse_identity(n, "NODE") for n in args.nodes]
         for name, serial in revoke(args.dir, args.revoke).items() if args.revoke else ():
             print(f"revoked {name} (serial {serial:x}) in {Path(args.dir) / CRL_NAME}")
+        made = ensure(args.dir, nodes, args.host, days=args.days)
     except ClusterConfigError as e:
         parser.error(str(e))
-    made = ensure(args.dir, nodes, args.host, days=args.days)
+    except OSError as e:  # a read-only or full disk, a directory of another user: one line, no traceback
+        where = e.filename or args.dir
+        print(f"{prog}: error: --dir: cannot write {str(where)!r}: {e.strerror or e}", file=sys.stderr)
+        return 2
     for identity, files in made.items():
         print(f"{identity.spiffe_id()}: {files.cert} {files.key} (CA {files.ca})")
     return 0

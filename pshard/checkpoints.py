@@ -22,6 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from pshard.common import checkpoints as ckpt
+from pshard.common.argtypes import non_negative_int, positive_int
 
 PROG = "pshard checkpoint"
 
@@ -35,10 +36,12 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
     export = sub.add_parser("export", help="a torch state_dict of the dense parameters, and the tables")
     export.add_argument("root", help="the checkpoint root, or one checkpoint's directory")
     export.add_argument("--out", required=True, help="directory to write model.pt and tables/ into")
-    export.add_argument("--clock", type=int, help="the checkpoint at this clock (default: the newest)")
+    export.add_argument("--clock", type=non_negative_int,
+                        help="the checkpoint at this clock (default: the newest)")
     prune = sub.add_parser("prune", help="delete all but the newest K committed checkpoints")
     prune.add_argument("root", help="the checkpoint root")
-    prune.add_argument("--keep-checkpoints", type=int, required=True, metavar="K", help="how many to keep")
+    prune.add_argument("--keep-checkpoints", type=positive_int, required=True, metavar="K",
+                       help="how many to keep")
     return p
 
 
@@ -107,7 +110,10 @@ def main(argv: Sequence[str] | None = None, *, prog: str = PROG) -> int:
         else:
             for gone in ckpt.retain(root, args.keep_checkpoints):
                 print(f"removed {gone}")
-    except (ckpt.CheckpointError, ValueError, OSError) as err:
+    except OSError as err:  # a file or directory that cannot be read or written: exit 2, as usage errors
+        print(f"{prog}: error: {err.filename or args.root}: {err.strerror or err}", file=sys.stderr)
+        return 2
+    except (ckpt.CheckpointError, ValueError) as err:
         print(f"{prog}: error: {err}", file=sys.stderr)
         return 1
     return 0

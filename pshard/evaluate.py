@@ -35,7 +35,7 @@ def main(argv: Sequence[str] | None = None, *, prog: str = PROG) -> int:
     from pshard.common.errors import PSError
     from pshard.worker.data import default_data_dir, load_dataset
     from pshard.worker.model import evaluate
-    from pshard.worker.saved_model import load_model
+    from pshard.worker.saved_model import SavedModelError, load_model
 
     try:
         model, description = load_model(args.model)
@@ -46,6 +46,9 @@ def main(argv: Sequence[str] | None = None, *, prog: str = PROG) -> int:
             raise PSError(f"data: the model was trained on {dataset!r}, {data_dir!r} holds {data.name!r} "
                           "(pass --data-dir)")
         accuracy, loss = evaluate(model, data, torch.device("cpu"))
+    except SavedModelError as err:  # a file that is missing or not a model: one line, as argparse's errors
+        print(f"{prog}: error: {err}", file=sys.stderr)
+        return 2
     except (PSError, KeyError) as err:
         print(f"{prog}: error: {err}", file=sys.stderr)
         return 1

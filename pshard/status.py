@@ -20,6 +20,7 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 
+from pshard.common.argtypes import positive_float
 from pshard.common.security import SecurityConfig, add_security_arguments, security_from_args
 from pshard.common.view import ClusterView, NodeState
 
@@ -212,9 +213,10 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
                                 "servers and what a stuck clock waits for.")
     p.add_argument("--scheduler", metavar="HOST:PORT", help="the scheduler (default: TF_CONFIG's)")
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")
-    p.add_argument("--watch", metavar="SECONDS", type=float, nargs="?", const=2.0, default=None,
+    p.add_argument("--watch", metavar="SECONDS", type=positive_float, nargs="?", const=2.0, default=None,
                    help="refresh every SECONDS (default 2) until interrupted")
-    p.add_argument("--timeout-s", metavar="S", type=float, default=10.0, help="per-RPC timeout (default 10)")
+    p.add_argument("--timeout-s", metavar="S", type=positive_float, default=10.0,
+                   help="per-RPC timeout (default 10)")
     add_security_arguments(p)
     return p
 

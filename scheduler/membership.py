@@ -31,6 +31,7 @@ from pshard.common.errors import (
     QuotaExceededError,
     StaleGenerationError,
     UnknownNodeError,
+    quote,
 )
 from pshard.common.layout import ITEMSIZE, Layout, LayoutSlice, ParamSpec, plan_layout
 from pshard.common.replicas import (
@@ -208,12 +209,13 @@ class Membership:
         known = self._members.get(node_id) if node_id else None
         if known is not None and RANK_SPACE[known.role] != RANK_SPACE[role]:
             raise InvalidArgumentError(
-                f"node {node_id!r}: registered as {known.role!r}, now as {role!r}; a node id keeps its role")
+                f"node {quote(node_id)}: registered as {known.role!r}, now as {role!r}; a node id keeps "
+                "its role")
         self._check_jump(node_id, known, last_generation)
         if known is None and len(self._members) >= limits.max_members:
             raise QuotaExceededError(
                 f"members: the job has {len(self._members)} (live, dead or left), the limit is "
-                f"{limits.max_members}; node {node_id or role!r} not admitted")
+                f"{limits.max_members}; node {quote(node_id or role)} not admitted")
         wait_s = self._registrations.wait_s()
         if wait_s > 0:
             raise QuotaExceededError(
@@ -272,9 +274,9 @@ class Membership:
         `in_sync_layout` makes it primary of, by address, with the generation of each one's
         incarnation. A report on an older layout than the current one is ignored."""
         limits = self.limits
-        limits.check_int(f"node {node_id[:40]!r} heartbeat clock", clock, limits.max_clock)
+        limits.check_int(f"node {quote(node_id)} heartbeat clock", clock, limits.max_clock)
         in_sync = in_sync or {}
-        limits.check_int(f"node {node_id[:40]!r} in-sync backups", len(in_sync), limits.max_layout_servers)
+        limits.check_int(f"node {quote(node_id)} in-sync backups", len(in_sync), limits.max_layout_servers)
         for address in in_sync:
             limits.check_chars("in-sync backup address", address, limits.max_address_chars)
         member = self._current(node_id, generation, "heartbeat")
@@ -362,7 +364,7 @@ class Membership:
         member = self._members.get(node_id)
         if member is None:
             raise UnknownNodeError(
-                f"node {node_id!r}: not registered (the scheduler may have restarted); register again")
+                f"node {quote(node_id)}: not registered (the scheduler may have restarted); register again")
         return member
 
     def _current(self, node_id: str, generation: int, what: str) -> _Member:
@@ -372,10 +374,10 @@ class Membership:
         self._check_generation(member, generation, what)
         if member.state is NodeState.DEAD:
             raise UnknownNodeError(
-                f"node {node_id!r}: declared dead (silent for more than {self.heartbeat_timeout_s:g} s); "
-                "register again")
+                f"node {quote(node_id)}: declared dead (silent for more than "
+                f"{self.heartbeat_timeout_s:g} s); register again")
         if member.state is NodeState.LEFT:
-            raise UnknownNodeError(f"node {node_id!r}: has left the cluster; register again to rejoin")
+            raise UnknownNodeError(f"node {quote(node_id)}: has left the cluster; register again to rejoin")
         return member
 
     def _check_known_generation(self, generation: int, what: str) -> None:
@@ -390,11 +392,11 @@ class Membership:
     def _check_generation(member: _Member, generation: int, what: str) -> None:
         if generation < member.generation:
             raise StaleGenerationError(
-                f"node {member.node_id!r}: {what} from generation {generation}, but its current "
+                f"node {quote(member.node_id)}: {what} from generation {generation}, but its current "
                 f"incarnation is generation {member.generation}")
         if generation > member.generation:
             raise StaleGenerationError(
-                f"node {member.node_id!r}: {what} from generation {generation}, which is not an "
+                f"node {quote(member.node_id)}: {what} from generation {generation}, which is not an "
                 f"incarnation of it (current: generation {member.generation})")
 
     def _free_rank(self, space: str, hint: int | None) -> int:
@@ -423,19 +425,19 @@ class Membership:
         if not name:
             raise EmptyRequestError("barrier name: got '', expected a name")
         if count < 1:
-            raise InvalidArgumentError(f"barrier {name!r} count: got {count}, expected >= 1")
+            raise InvalidArgumentError(f"barrier {quote(name)} count: got {count}, expected >= 1")
         # More than the job can ever have would never release: refuse now rather than time out.
-        limits.check_int(f"barrier {name!r} count", count, limits.max_members)
+        limits.check_int(f"barrier {quote(name)} count", count, limits.max_members)
         self._member(node_id)
         if name not in self._barriers and len(self._barriers) >= limits.max_barriers:
             raise QuotaExceededError(
                 f"barriers: {len(self._barriers)} names in use, the limit is {limits.max_barriers}; "
-                f"barrier {name!r} not opened")
+                f"barrier {quote(name)} not opened")
         barrier = self._barriers.setdefault(name, _Barrier())
         if barrier.arrived and count != barrier.count:
             raise InvalidArgumentError(
-                f"barrier {name!r} round {barrier.round}: {node_id!r} expects count {count}, but "
-                f"{next(iter(barrier.arrived))!r} opened it with count {barrier.count}")
+                f"barrier {quote(name)} round {barrier.round}: {quote(node_id)} expects count {count}, but "
+                f"{quote(next(iter(barrier.arrived)))} opened it with count {barrier.count}")
         barrier.count = count
         barrier.arrived[node_id] = None
         round_ = barrier.round
@@ -465,7 +467,8 @@ class Membership:
         missing = [f"{m.node_id} ({m.state.value})" for m in self._members.values()
                    if RANK_SPACE[m.role] in spaces and m.node_id not in arrived]
         return BarrierTimeoutError(
-            f"barrier {name!r} round {round_}: {len(arrived)} of {count} arrived within {waited_s:.3g} s "
+            f"barrier {quote(name)} round {round_}: {len(arrived)} of {count} arrived within "
+            f"{waited_s:.3g} s "
             f"({', '.join(arrived)}); not arrived: {', '.join(missing) or 'no other registered node'}")
 
     # ---- layout ----
@@ -486,8 +489,8 @@ class Membership:
         slices = 0
         for p in params:
             limits.check_chars("param key", p.key, limits.max_key_chars)
-            limits.check_int(f"param {p.key!r} dims", len(p.shape), limits.max_dims)
-            limits.check_int(f"param {p.key!r} elements", p.numel, limits.max_param_elements)
+            limits.check_int(f"param {quote(p.key)} dims", len(p.shape), limits.max_dims)
+            limits.check_int(f"param {quote(p.key)} elements", p.numel, limits.max_param_elements)
             # As plan_layout cuts it: at least one piece per server once a tensor is split.
             per_slice = max(1, slice_bytes // ITEMSIZE[p.dtype])
             parts = max(1, -(-p.numel // per_slice))
@@ -530,7 +533,7 @@ class Membership:
                 or not layout.replicas < max(1, len(layout.servers))):
             raise InvalidArgumentError(
                 f"restored layout version {layout.version}: {len(layout.servers)} servers, replicas "
-                f"{layout.replicas}" + (f", slice {bad.key!r} on server {bad.server}" if bad else ""))
+                f"{layout.replicas}" + (f", slice {quote(bad.key)} on server {bad.server}" if bad else ""))
         self._check_servers_hold(layout)
         self._layout = layout
         self._bump()

@@ -36,7 +36,16 @@ import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from pshard.common.argtypes import listen_address, positive_float, positive_int
+from pshard.common.argtypes import (
+    float_range,
+    int_range,
+    listen_address,
+    non_negative_float,
+    non_negative_int,
+    positive_float,
+    positive_int,
+    replicas,
+)
 from pshard.common.bind import own_hosts
 from pshard.common.cluster import (
     ClusterSpec,
@@ -72,7 +81,7 @@ def build_parser(environ: Mapping[str, str], prog: str = PROG) -> argparse.Argum
     add_cluster_arguments(p)
     job = p.add_argument_group("job", "must be the same on every worker (the first declaration wins)")
     job.add_argument("--mode", choices=MODES, default="sync", help="consistency mode (default sync)")
-    job.add_argument("--staleness", metavar="N", type=int, default=0,
+    job.add_argument("--staleness", metavar="N", type=non_negative_int, default=0,
                      help="ssp: how many clocks the fastest worker may run ahead (default 0)")
     job.add_argument("--optimizer", choices=OPTIMIZERS, default="sgd",
                      help="server-side optimizer; 'aggregate' = servers average, workers apply "
@@ -80,10 +89,10 @@ def build_parser(environ: Mapping[str, str], prog: str = PROG) -> argparse.Argum
     job.add_argument("--local-optimizer", choices=LOCAL_OPTIMIZERS, default=D.LOCAL_OPTIMIZER,
                      help="aggregate mode: the torch optimizer each worker runs "
                           f"(default {D.LOCAL_OPTIMIZER})")
-    job.add_argument("--lr", type=float, default=None,
+    job.add_argument("--lr", type=positive_float, default=None,
                      help="learning rate (default: sgd 0.05, adam/adamw 0.001, adagrad 0.01)")
-    job.add_argument("--momentum", type=float, default=0.9, help="SGD momentum (default 0.9)")
-    job.add_argument("--weight-decay", type=float, default=0.0, help="weight decay (default 0)")
+    job.add_argument("--momentum", type=float_range(0.0, 1.0), default=0.9, help="SGD momentum (default 0.9)")
+    job.add_argument("--weight-decay", type=non_negative_float, default=0.0, help="weight decay (default 0)")
     job.add_argument("--wire-dtype", choices=WIRE_DTYPES, default="",
                      help="cast gradients and weights to this on the wire (default '': as stored)")
     job.add_argument("--job-id", default=environ.get("PSHARD_JOB_ID", ""),
@@ -102,15 +111,15 @@ def build_parser(environ: Mapping[str, str], prog: str = PROG) -> argparse.Argum
                        help=f"epochs (default {D.EPOCHS})")
     train.add_argument("--batch-size", metavar="N", type=positive_int, default=D.BATCH_SIZE,
                        help=f"batch size per worker (default {D.BATCH_SIZE})")
-    train.add_argument("--max-steps", metavar="N", type=int, default=D.MAX_STEPS,
+    train.add_argument("--max-steps", metavar="N", type=non_negative_int, default=D.MAX_STEPS,
                        help="stop after N steps (default 0: no limit)")
     train.add_argument("--join", action="store_true",
                        help="join a running job as a new worker: --task-index may lie beyond TF_CONFIG's "
                             "worker list (which still lists the workers the job started with); it enters "
                             "the sync quorum at the next clock with the current weights")
-    train.add_argument("--seed", metavar="N", type=int, default=D.SEED,
+    train.add_argument("--seed", metavar="N", type=int_range(0, 2**32 - 1), default=D.SEED,
                        help=f"seed of the initial weights and of the shuffling (default {D.SEED})")
-    train.add_argument("--threads", metavar="N", type=int, default=D.THREADS,
+    train.add_argument("--threads", metavar="N", type=int_range(0, 4096), default=D.THREADS,
                        help="torch CPU threads (default 0: torch's default, one per core)")
     train.add_argument("--device", choices=DEVICES, default=D.DEVICE,
                        help="auto = CUDA when available, else CPU (default auto)")
@@ -134,9 +143,9 @@ def build_parser(environ: Mapping[str, str], prog: str = PROG) -> argparse.Argum
                      help="global checkpoints (a directory the servers and the chief share): restored at "
                           "start from the newest committed one, on any number of servers; the chief writes "
                           "them")
-    out.add_argument("--checkpoint-every-steps", metavar="N", type=int, default=0,
+    out.add_argument("--checkpoint-every-steps", metavar="N", type=non_negative_int, default=0,
                      help="the chief takes a global checkpoint every N clocks (default 0: never)")
-    out.add_argument("--keep-checkpoints", metavar="K", type=int, default=0,
+    out.add_argument("--keep-checkpoints", metavar="K", type=non_negative_int, default=0,
                      help="keep the newest K global checkpoints (default 0: all)")
     add_metrics_argument(out, host="0.0.0.0", environ=environ)
     add_ctr_arguments(p)
@@ -148,7 +157,7 @@ def build_parser(environ: Mapping[str, str], prog: str = PROG) -> argparse.Argum
     p.add_argument("--transport", choices=("auto", "shm", "tcp", "grpc"), default=D.TRANSPORT,
                    help="how push/pull bytes travel: auto = shared memory with a server on this host, "
                         "else a raw TCP socket, else gRPC (default auto; gRPC is always the fallback)")
-    p.add_argument("--replicas", type=int, default=int(os.environ.get("PSHARD_REPLICAS") or 0),
+    p.add_argument("--replicas", type=replicas, default=int(os.environ.get("PSHARD_REPLICAS") or 0),
                    help="backups per slice (give every server the same --replicas): a step whose server "
                         "died is sent again to the backup the scheduler promotes (default 0: none)")
     p.add_argument("--overlap", action="store_true",
@@ -168,11 +177,7 @@ def build_parser(environ: Mapping[str, str], prog: str = PROG) -> argparse.Argum
 
 
 def _check_numbers(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    # Where 0 means something (no limit, torch's default), so positive_int does not fit.
-    for flag, value in (("--max-steps", args.max_steps), ("--staleness", args.staleness),
-                        ("--seed", args.seed), ("--threads", args.threads)):
-        if value < 0:
-            parser.error(f"{flag}: got {value}, expected >= 0")
+    # Each number's range is its flag's type (ps_common.argtypes); what is left spans flags.
     if args.join and args.model == CTR_MODEL:  # its click-log shards are static (worker.ctr)
         parser.error("--join: the CTR model's shards are fixed by TF_CONFIG's workers; join an image model")
 

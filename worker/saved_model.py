@@ -90,7 +90,7 @@ def load_saved(model_path: str | Path) -> tuple[dict[str, torch.Tensor], dict[st
     except FileNotFoundError:
         raise SavedModelError(f"{model_path}: no such file") from None
     except Exception as err:  # torch raises anything from OSError to UnpicklingError for a bad file
-        why = f"{type(err).__name__}: {err}"
+        why = f"{type(err).__name__}: {str(err).strip().splitlines()[0] if str(err).strip() else ''}"
         raise SavedModelError(f"{model_path}: not a model pshard saved ({why})") from None
     if not isinstance(saved, dict):
         raise SavedModelError(f"{model_path}: holds a {type(saved).__name__}, not a saved model")

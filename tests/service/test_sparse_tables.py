@@ -208,3 +208,22 @@ def test_table_requests_ride_the_dense_fast_path_session_and_the_old_stream_is_n
                                   [[-2.0] * 4, [-1.0] * 4, [-1.0] * 4])
     assert client.tables.transports == ["tcp"] and client.transports == ["tcp"]  # one session, the dense one
     assert server.running.fast.transports() == {"w0": "tcp"}
+
+
+@pytest.mark.parametrize("transport", ["auto", "grpc"])  # auto: the fast-path session (shm on one host)
+def test_an_evaluators_pulls_leave_the_row_counts_as_they_were(start_server: StartServer,
+                                                               new_client: NewClient, transport: str) -> None:
+    servers = [start_server(), start_server()]
+    config = TableConfig("emb", 4, optimizer="sgd", lr=1.0)
+    trainer = new_client(servers, "w0", transport=transport)
+    trainer.declare_table(config)
+    trained = np.arange(0, 2000, 3, dtype=np.int64)
+    trainer.push_rows("emb", trained, np.ones((len(trained), 4), np.float32))
+    before = [s.rows for s in trainer.tables.stats("emb")]
+    evaluator = new_client(servers, "evaluator-0", transport=transport)
+    evaluator.declare_table(config)
+    unseen = np.arange(10**6, 10**6 + 100_000, dtype=np.int64)  # large enough to leave the event loop
+    np.testing.assert_array_equal(evaluator.pull_rows("emb", unseen), initial_rows(config, unseen))
+    np.testing.assert_array_equal(evaluator.pull_rows("emb", trained), initial_rows(config, trained) - 1)
+    assert [s.rows for s in trainer.tables.stats("emb")] == before and sum(before) == len(trained)
+    assert evaluator.tables.transports == ["shm" if transport == "auto" else "grpc"] * 2

@@ -50,8 +50,10 @@ def test_table_rows_admissions_and_evictions_move_with_pushes_and_pulls(procs: P
         client.push_rows("emb", second, grad, clock=3)
         assert table_values(port, "emb") == (50, 80, 30)
 
-        client.pull_rows("other", np.arange(7, dtype=np.int64))  # no admission filter: pulls create rows
-        assert table_values(port, "other") == (7, 7, 0)
+        client.pull_rows("other", np.arange(7, dtype=np.int64))  # reads create nothing
+        assert table_values(port, "other") == (0, 0, 0)
+        client.push_rows("other", np.arange(7, dtype=np.int64), np.ones((7, 2), np.float32), clock=0)
+        assert table_values(port, "other") == (7, 7, 0)  # no admission filter: pushes create rows
         assert table_values(port, "emb") == (50, 80, 30)
 
         # The checkpoint age appears with the server's first checkpoint: here of its tables alone, which

@@ -141,6 +141,26 @@ def test_admission_counts_pushes_until_the_nth_sighting() -> None:
     assert len(table) == 1
 
 
+@pytest.mark.parametrize("initializer", ["normal", "zeros"])
+def test_pulls_of_ids_without_rows_return_initial_values_and_create_nothing(initializer: str) -> None:
+    config = TableConfig("t", 3, optimizer="sgd", lr=1.0, initializer=initializer, seed=7, max_rows=4)
+    table = SparseTable(config)
+    table.push(np.array([1], np.int64), np.ones((1, 3), np.float32))
+    ids = np.array([1, 5, 9, 2**40], np.int64)
+    before = (len(table), table.admitted, table.evicted, table.index.row_capacity)
+    for _ in range(3):  # a repeated read is still a read
+        rows = table.pull(ids)
+        np.testing.assert_array_equal(rows[1:], initial_rows(config, ids[1:]))
+        np.testing.assert_array_equal(rows[0], initial_rows(config, ids[:1])[0] - 1)
+    assert (len(table), table.admitted, table.evicted, table.index.row_capacity) == before
+    # A pull of many new ids neither grows the arrays nor evicts the one row (max_rows=4).
+    table.pull(np.arange(10, 100_010, dtype=np.int64))
+    assert (len(table), table.admitted, table.evicted, len(table.values)) == (1, 1, 0, before[3])
+    # A push then starts from the value the pull returned.
+    table.push(ids[1:2], np.ones((1, 3), np.float32))
+    np.testing.assert_array_equal(table.pull(ids[1:2]), initial_rows(config, ids[1:2]) - 1)
+
+
 def test_probability_admission_is_seeded() -> None:
     def admitted(seed: int) -> int:
         table = SparseTable(TableConfig("t", 2, admit_prob=0.25, seed=seed))
@@ -167,11 +187,11 @@ def test_ttl_in_clocks_evicts_rows_not_touched_for_t_clocks() -> None:
 def test_ttl_in_seconds_uses_the_injected_clock() -> None:
     now = [100.0]
     table = SparseTable(TableConfig("t", 2, ttl=10, ttl_unit="seconds"), now=lambda: now[0])
-    table.pull(np.array([1, 2], np.int64))
+    table.push(np.array([1, 2], np.int64), np.zeros((2, 2), np.float32))
     now[0] = 105.0
-    table.pull(np.array([2], np.int64))
+    table.pull(np.array([2], np.int64))  # a read of a row touches it
     now[0] = 112.0
-    table.pull(np.array([3], np.int64))
+    table.push(np.array([3], np.int64), np.zeros((1, 2), np.float32))
     assert sorted(table.index.ids[table.index.live_rows()].tolist()) == [2, 3]
 
 

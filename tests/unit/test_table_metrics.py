@@ -13,10 +13,12 @@ from pshard.ps_server.table import SparseTable
 from pshard.ps_server.table_handlers import TableStats
 
 
-def test_admissions_count_rows_created_by_pulls_and_admitted_pushes_not_restores() -> None:
+def test_admissions_count_rows_created_by_pushes_not_pulls_or_restores() -> None:
     plain = SparseTable(TableConfig("plain", 2))
-    plain.pull(np.arange(5, dtype=np.int64))
-    plain.pull(np.arange(3, 8, dtype=np.int64))  # 3 new, 2 already rows
+    plain.pull(np.arange(5, dtype=np.int64))  # reads create nothing
+    assert (len(plain), plain.admitted) == (0, 0)
+    plain.push(np.arange(5, dtype=np.int64), np.zeros((5, 2), np.float32))
+    plain.push(np.arange(3, 8, dtype=np.int64), np.zeros((5, 2), np.float32))  # 3 new, 2 already rows
     assert (len(plain), plain.admitted) == (8, 8)
 
     filtered = SparseTable(TableConfig("filtered", 2, admit_after=2, max_rows=3))
