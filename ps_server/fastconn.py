@@ -63,8 +63,9 @@ _HELLO_SCRATCH_BYTES = HEADER_BYTES + MAX_HELLO_BYTES
 _SINK_BYTES = 1 << 20
 
 
-# A request whose data is being received: header, pushed slices, their views, or its error.
-_Pending = tuple[pb.ExchangeHeader, list[SliceMeta], list[np.ndarray], PSError | None]
+# A request whose data is being received: header, pushed slices, their views, or its error, and the
+# bytes it brings (its data over TCP, its views over shared memory).
+_Pending = tuple[pb.ExchangeHeader, list[SliceMeta], list[np.ndarray], PSError | None, int]
 
 
 class Inflow:
@@ -124,6 +125,10 @@ class Sessions(Protocol):
         ...
 
     def end(self, session: Session) -> None: ...
+
+    def tally(self, session: Session, nbytes: int, reply: pb.TransportReply) -> float:
+        """Record a request's outcome (the tarpit): the seconds not to read its connection from now."""
+        ...
 
 
 def push_metas(header: pb.ExchangeHeader) -> tuple[list[SliceMeta], list[int]]:
@@ -440,7 +445,7 @@ class Connection(asyncio.BufferedProtocol):
         except PSError as err:  # the answer is this error; its data (if any) is read and dropped
             error = err
             targets = Sink(data_len) if inline else []
-        self._pending = (header, metas, views, error)
+        self._pending = (header, metas, views, error, max(data_len, sum([v.nbytes for v in views])))
         self._have = 0
         self._targets, self._target, self._filled = targets, 0, 0
         if (error is None and inline and header.op == pb.EXCHANGE_OP_PUSH_PULL
@@ -506,7 +511,7 @@ class Connection(asyncio.BufferedProtocol):
     # ---- serving ----
 
     async def _serve(self, header: pb.ExchangeHeader, metas: list[SliceMeta], views: list[np.ndarray],
-                     error: PSError | None, inflow: Inflow | None) -> None:
+                     error: PSError | None, nbytes: int, inflow: Inflow | None) -> None:
         session = self.session
         assert session is not None and self.transport is not None
         self._streamed = 0
@@ -524,12 +529,27 @@ class Connection(asyncio.BufferedProtocol):
                 region = session.regions.reply
                 data = [region[o:o + n] for o, n in zip(reply.offsets, reply.sizes, strict=True)]
             await self._write(reply.SerializeToString(), data)
+            hold_s = self._sessions.tally(session, nbytes, reply)
+            if hold_s > 0:
+                self._hold(hold_s)
         except asyncio.CancelledError:
             return  # the connection is gone (connection_lost ended the session)
         except TransportBroken as err:
             self.abort(str(err))
         finally:
             self._serving = False
+
+    def _hold(self, hold_s: float) -> None:
+        """Read nothing of this connection for `hold_s` (the tarpit: its requests keep being wasted)."""
+        transport = self.transport
+        assert transport is not None
+        transport.pause_reading()
+
+        def resume() -> None:
+            if not transport.is_closing():
+                transport.resume_reading()
+
+        self._loop.call_later(hold_s, resume)
 
     async def _write_slice(self, index: int, data: np.ndarray) -> None:
         """Pulled slice `index` of the request being served, as a SLICE frame, before its reply."""

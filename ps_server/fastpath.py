@@ -55,6 +55,7 @@ from pshard.common.rpc import EXCHANGE_METHOD
 from pshard.common.rpc_status import maps_errors
 from pshard.common.shm import Segment, align, listen, remove, sweep_orphans
 from pshard.common.types import SliceKey
+from pshard.ps_server.budget import WasteTarpit
 from pshard.ps_server.fastconn import (
     HELLO_TIMEOUT_S,
     Connection,
@@ -70,6 +71,7 @@ from pshard.ps_server.replica_tcp import serve_replicate
 from pshard.ps_server.store import SliceMeta
 from pshard.ps_server.table_fast import serve_table
 from pshard.ps_server.table_handlers import TableHandlers
+from pshard.ps_server.tarpit import wasted_reply
 
 from pshard.api.v1 import parameter_server_pb2 as pb
 
@@ -241,6 +243,8 @@ class FastPathServer:
         self.greeting = 0  # connections waiting for their hello (greet/greeted), at most max_greeting
         self.max_greeting = MAX_GREETING
         self.refused_greetings = 0  # connections closed because max_greeting others were waiting
+        # Sessions whose requests keep being wasted are not read for a while (ps_server/tarpit.py).
+        self.tarpit: WasteTarpit | None = None
         self.port = 0
         if not self.kinds:
             return
@@ -472,6 +476,17 @@ class FastPathServer:
     def end(self, session: Session) -> None:
         assert isinstance(session, _Session)
         self._end(session)
+
+    def tally(self, session: Session, nbytes: int, reply: pb.TransportReply) -> float:
+        if self.tarpit is None:
+            return 0.0
+        assert isinstance(session, _Session)
+        peer = f"{session.kind}-session:{session.id}"
+        if self.tarpit.served(peer, nbytes, wasted_reply(reply)):
+            log.warning("worker %s: %s of fast-path requests in a row refused or changing nothing; not "
+                        "reading its %s connection for a while", session.worker_id,
+                        self.tarpit.describe(peer), session.kind)
+        return self.tarpit.hold_left(peer)
 
     async def _run(self, session: _Session, header: pb.ExchangeHeader, metas: Sequence[SliceMeta],
                    views: Sequence[np.ndarray], inflow: Inflow | None, write_slice: SliceWriter | None
