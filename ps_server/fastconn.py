@@ -39,6 +39,7 @@ from pshard.common.fastwire import (
     encode_slice_meta,
     tune,
 )
+from pshard.common.limits import DEFAULT_LIMITS
 from pshard.common.shm import Segment, packed, recv_with_fds
 from pshard.ps_server.store import SliceMeta
 
@@ -437,6 +438,9 @@ class Connection(asyncio.BufferedProtocol):
         metas: list[SliceMeta] = []
         targets: Sequence[memoryview]
         try:
+            # Before any slice is decoded: a 16 MiB header can name millions (the gRPC servicer's limit).
+            DEFAULT_LIMITS.check_count("fast-path request push", len(header.push))
+            DEFAULT_LIMITS.check_count("fast-path request pull", len(header.pull))
             metas, views, pushed, targets = self._push_layout(header, session)
             if data_len != (pushed if inline else 0):
                 raise TransportBroken(f"request announces {data_len} data bytes, its header {pushed}")

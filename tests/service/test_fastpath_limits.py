@@ -30,12 +30,13 @@ from pshard.worker.client import PSClient
 
 from pshard.api.v1 import parameter_server_pb2 as pb
 from pshard.api.v1 import parameter_server_pb2_grpc as pb_grpc
+from pshard.api.v1 import tensor_pb2
 from tests.service.conftest import WAIT_S
 from tests.service.test_memory_bounds import server_rss_bytes
 
 MIB = 2**20
 ASYNC = JobConfig(mode="async", optimizer=OptimizerConfig(name="sgd", lr=0.1))
-F32 = 1  # tensor_pb2.DTYPE_FLOAT32
+F32 = tensor_pb2.DTYPE_FLOAT32
 
 
 def test_a_sink_of_any_size_holds_one_buffer():
@@ -210,3 +211,19 @@ def test_a_first_frame_that_is_not_a_small_hello_is_refused_on_its_header(start_
             sock.sendall(header)  # no metadata follows: refused on the header alone
             assert _closed(sock), header
     _wait(lambda: fast.greeting == 0, "refused connections still counted as waiting for a hello")
+
+
+def test_a_header_naming_too_many_slices_is_refused_before_they_are_decoded(start_server, wire):
+    server = start_server()
+    wire.declare(server, ASYNC, {"w": np.zeros(16, np.float32)})
+    opened = _open(server.address)
+    pulls = pb.ExchangeHeader(op=pb.EXCHANGE_OP_PUSH_PULL, stamp=pb.Stamp(worker_id="w0"),
+                              pull=[{"key": "w"}] * 70_000).SerializeToString()
+    with socket.create_connection(("127.0.0.1", opened.port), timeout=WAIT_S) as sock:
+        hello = pb.TransportHello(session=opened.session, secret=opened.secret)
+        fastwire.send_frame(sock, fastwire.HELLO, hello.SerializeToString())
+        fastwire.send_frame(sock, fastwire.REQUEST, pulls)
+        kind, meta, n = fastwire.recv_frame_head(sock)
+    reply = pb.TransportReply.FromString(meta)
+    assert kind == fastwire.REPLY and not n and reply.error_type == "InvalidArgumentError", reply
+    assert reply.error_message.startswith("fast-path request pull: got 70000 slices"), reply.error_message
