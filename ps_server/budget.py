@@ -191,6 +191,18 @@ class WasteTarpit:
         waster.until = self._now() + waster.hold_s
         return started
 
+    def hold_left(self, peer: str) -> float:
+        """Seconds `peer` is held from now (0: it is not): a fast-path connection stops being read for
+        that long, since its frames cannot be refused unread as a gRPC call can (ps_server/fastconn.py)."""
+        waster = self._peers.get(peer)
+        if waster is None or waster.hold_s == 0:
+            return 0.0
+        left = waster.until - self._now()
+        if left <= 0:
+            return 0.0
+        self.held += 1
+        return left
+
     def retry_after_ms(self, hold_s: float) -> int:
         return max(1, round(hold_s * 1000))
 

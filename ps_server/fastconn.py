@@ -21,7 +21,7 @@ import os
 import socket
 import sys
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
-from typing import Any, Protocol
+from typing import Any, Protocol, overload
 
 import numpy as np
 from google.protobuf.message import DecodeError
@@ -40,6 +40,7 @@ from pshard.common.fastwire import (
     encode_slice_meta,
     tune,
 )
+from pshard.common.limits import DEFAULT_LIMITS
 from pshard.common.shm import Segment, packed, recv_with_fds
 from pshard.ps_server.store import SliceMeta
 
@@ -54,12 +55,19 @@ _WRITE_CHUNK_BYTES = 1 << 20
 _NUDGE_BYTES = 64 * 1024
 # TCP requests with more data than this are served while their data arrives.
 PIPELINE_BYTES = 1 << 20
-_HELLO_TIMEOUT_S = 10.0
-_MAX_HELLO_BYTES = 4096  # a session id and a 32-byte secret
+# Before its hello a connection is anyone's: it holds a scratch of this size and no more, for this long
+# (a worker sends its hello right after connecting, or after the TLS handshake). A session id and a
+# 32-byte secret take 50 bytes.
+HELLO_TIMEOUT_S = 3.0
+MAX_HELLO_BYTES = 4096
+_HELLO_SCRATCH_BYTES = HEADER_BYTES + MAX_HELLO_BYTES
+# A refused request's data is read into one buffer of this size, again and again, and dropped.
+_SINK_BYTES = 1 << 20
 
 
-# A request whose data is being received: header, pushed slices, their views, or its error.
-_Pending = tuple[pb.ExchangeHeader, list[SliceMeta], list[np.ndarray], PSError | None]
+# A request whose data is being received: header, pushed slices, their views, or its error, and the
+# bytes it brings (its data over TCP, its views over shared memory).
+_Pending = tuple[pb.ExchangeHeader, list[SliceMeta], list[np.ndarray], PSError | None, int]
 
 
 class Inflow:
@@ -103,6 +111,14 @@ class Sessions(Protocol):
 
     def attach(self, hello: bytes, connection: Connection) -> Session | None: ...
 
+    def greet(self) -> bool:
+        """Whether one more connection may wait for its hello (False: too many already do)."""
+        ...
+
+    def greeted(self) -> None:
+        """A connection counted by `greet` sent its hello, or is gone."""
+        ...
+
     async def serve(self, session: Session, header: pb.ExchangeHeader, metas: Sequence[SliceMeta],
                     views: Sequence[np.ndarray], inflow: Inflow | None,
                     write_slice: SliceWriter | None) -> pb.TransportReply:
@@ -111,6 +127,10 @@ class Sessions(Protocol):
         ...
 
     def end(self, session: Session) -> None: ...
+
+    def tally(self, session: Session, nbytes: int, reply: pb.TransportReply) -> float:
+        """Record a request's outcome (the tarpit): the seconds not to read its connection from now."""
+        ...
 
 
 def push_metas(header: pb.ExchangeHeader) -> tuple[list[SliceMeta], list[int]]:
@@ -124,11 +144,30 @@ def error_reply(err: PSError) -> pb.TransportReply:
     return pb.TransportReply(error_type=type(err).__name__, error_message=str(err))
 
 
-def _discarding(nbytes: int) -> list[memoryview]:
-    """Targets that take `nbytes` into one reused scratch buffer: data to read and drop."""
-    chunk = memoryview(bytearray(min(nbytes, 1 << 20)))
-    full, rest = divmod(nbytes, len(chunk)) if nbytes else (0, 0)
-    return [chunk] * full + ([chunk[:rest]] if rest else [])
+class Sink(Sequence[memoryview]):
+    """Targets that take `nbytes` into one reused buffer: a refused request's data, read and dropped.
+    O(1) memory whatever `nbytes` is: the targets are computed, not listed (a list of 1 MiB views of a
+    header announcing 2**49 bytes was 2**29 references, 8 GiB)."""
+
+    def __init__(self, nbytes: int) -> None:
+        self._chunk = memoryview(bytearray(min(nbytes, _SINK_BYTES)))
+        self._full, self._rest = divmod(nbytes, len(self._chunk)) if nbytes else (0, 0)
+
+    def __len__(self) -> int:
+        return self._full + (1 if self._rest else 0)
+
+    @overload
+    def __getitem__(self, index: int) -> memoryview: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> Sequence[memoryview]: ...
+
+    def __getitem__(self, index: int | slice) -> memoryview | Sequence[memoryview]:
+        if isinstance(index, slice):
+            return [self[i] for i in range(*index.indices(len(self)))]
+        if not 0 <= index < len(self):
+            raise IndexError(index)
+        return self._chunk if index < self._full else self._chunk[:self._rest]
 
 
 async def _readable(loop: asyncio.AbstractEventLoop, sock: socket.socket) -> None:
@@ -165,7 +204,7 @@ async def receive_hello(loop: asyncio.AbstractEventLoop, sock: socket.socket) ->
             buf += data
             if len(buf) == HEADER_BYTES:
                 kind, meta_len, data_len = decode_header(buf)
-                if kind != HELLO or data_len or meta_len > _MAX_HELLO_BYTES:
+                if kind != HELLO or data_len or meta_len > MAX_HELLO_BYTES:
                     raise TransportBroken(f"expected a hello frame, got kind {kind}")
                 need = HEADER_BYTES + meta_len
         return buf[HEADER_BYTES:], fds
@@ -237,10 +276,12 @@ class Connection(asyncio.BufferedProtocol):
         self._loop = loop
         self.transport: asyncio.Transport | None = None
         self.session: Session | None = session
-        self._scratch = memoryview(bytearray(_SCRATCH_BYTES))
+        # Small until the hello: a connection that never authenticates holds 4 KiB, not 64.
+        self._scratch = memoryview(bytearray(_SCRATCH_BYTES if session is not None else _HELLO_SCRATCH_BYTES))
         self._have = 0  # bytes of the scratch filled
+        self._greeting = False  # counted among the connections waiting for their hello
         # A request's data (TCP): where its bytes go, which target is being filled and how far.
-        self._targets: list[memoryview] = []
+        self._targets: Sequence[memoryview] = []
         self._target = 0
         self._filled = 0
         self._pending: _Pending | None = None
@@ -277,7 +318,14 @@ class Connection(asyncio.BufferedProtocol):
             # so a high of 0 would pause on an empty buffer and never resume
             transport.set_write_buffer_limits(high=_WRITE_CHUNK_BYTES)
         if self.session is None:
-            self._hello_timer = self._loop.call_later(_HELLO_TIMEOUT_S, self.abort, "no hello in time")
+            if not self._sessions.greet():
+                peer = transport.get_extra_info("peername")
+                log.warning("fast path: refused a connection from %s: too many connections without a hello",
+                            peer)
+                transport.abort()
+                return
+            self._greeting = True
+            self._hello_timer = self._loop.call_later(HELLO_TIMEOUT_S, self.abort, "no hello in time")
 
     def get_buffer(self, sizehint: int) -> memoryview:
         if self._targets:
@@ -310,6 +358,7 @@ class Connection(asyncio.BufferedProtocol):
     def connection_lost(self, exc: Exception | None) -> None:
         if self._hello_timer is not None:
             self._hello_timer.cancel()
+        self._greeted()
         if self._task is not None:
             self._task.cancel()
         if self._drained is not None:
@@ -337,25 +386,43 @@ class Connection(asyncio.BufferedProtocol):
         if self.transport is not None:
             self.transport.abort()
 
+    def _greeted(self) -> None:
+        if self._greeting:
+            self._greeting = False
+            self._sessions.greeted()
+
+    def _refuse_hello(self, why: str) -> None:
+        peer = self.transport.get_extra_info("peername") if self.transport is not None else None
+        log.warning("fast path: refused a connection from %s: %s", peer, why)
+        raise TransportBroken(f"refused a connection: {why}")
+
     def _parse(self) -> None:
         if self._have < HEADER_BYTES:
             return
         kind, meta_len, data_len = decode_header(self._scratch[:HEADER_BYTES])
+        if self.session is None and (kind != HELLO or data_len or meta_len > MAX_HELLO_BYTES):
+            # Checked on the header alone: metadata announced before the secret is never buffered.
+            self._refuse_hello(f"its first frame (kind {kind}, {meta_len} bytes of metadata, {data_len} of "
+                               f"data) is not a hello of at most {MAX_HELLO_BYTES} bytes")
         end = HEADER_BYTES + meta_len
         if self._have < end:
+            if end > len(self._scratch):  # room for exactly this frame's metadata (at most MAX_META_BYTES)
+                grown = memoryview(bytearray(end))
+                grown[:self._have] = self._scratch[:self._have]
+                self._scratch = grown
             return
         meta = bytes(self._scratch[HEADER_BYTES:end])
         extra = self._scratch[end:self._have]  # data that came with the header (TCP)
         if self.session is None:
             if self._hello_timer is not None:
                 self._hello_timer.cancel()
-            self.session = self._sessions.attach(meta, self) if kind == HELLO and not data_len else None
+            self._greeted()
+            self.session = self._sessions.attach(meta, self)
             if self.session is None:
-                peer = self.transport.get_extra_info("peername") if self.transport is not None else None
-                log.warning("fast path: refused a connection from %s without a valid session secret", peer)
-                raise TransportBroken("refused a connection without a valid session secret")
+                self._refuse_hello("no valid session secret")
             # The first request may have come in the same read.
             rest = bytes(extra)
+            self._scratch = memoryview(bytearray(max(_SCRATCH_BYTES, len(rest))))
             self._scratch[:len(rest)] = rest
             self._have = len(rest)
             self._parse()
@@ -367,15 +434,27 @@ class Connection(asyncio.BufferedProtocol):
     def _request(self, meta: bytes, data_len: int, extra: memoryview) -> None:
         session = self.session
         assert session is not None
+        inline = session.kind == "tcp"
+        # Checked on the header alone, before anything is decoded, allocated or looped over: no request
+        # can bring more than the session's request region (negotiated, and bounded by the shard's size);
+        # over shared memory the data is in the segment and a frame brings none. A frame past that is
+        # not a request this server could serve, so its connection is closed rather than read for ever.
+        most = session.regions.request_bytes if inline else 0
+        if data_len > most:
+            raise TransportBroken(f"request announces {data_len} data bytes, at most {most} expected "
+                                  f"(the session's request region over {session.kind})")
         try:
             header = pb.ExchangeHeader.FromString(meta)
         except DecodeError as err:
             raise TransportBroken(f"undecodable request header: {err}") from None
-        inline = session.kind == "tcp"
         error: PSError | None = None
         views: list[np.ndarray] = []
         metas: list[SliceMeta] = []
+        targets: Sequence[memoryview]
         try:
+            # Before any slice is decoded: a 16 MiB header can name millions (the gRPC servicer's limit).
+            DEFAULT_LIMITS.check_count("fast-path request push", len(header.push))
+            DEFAULT_LIMITS.check_count("fast-path request pull", len(header.pull))
             metas, views, pushed, targets = self._push_layout(header, session)
             if data_len != (pushed if inline else 0):
                 raise TransportBroken(f"request announces {data_len} data bytes, its header {pushed}")
@@ -383,8 +462,8 @@ class Connection(asyncio.BufferedProtocol):
                 targets = []
         except PSError as err:  # the answer is this error; its data (if any) is read and dropped
             error = err
-            targets = _discarding(data_len) if inline else []
-        self._pending = (header, metas, views, error)
+            targets = Sink(data_len) if inline else []
+        self._pending = (header, metas, views, error, max(data_len, sum([v.nbytes for v in views])))
         self._have = 0
         self._targets, self._target, self._filled = targets, 0, 0
         if (error is None and inline and header.op == pb.EXCHANGE_OP_PUSH_PULL
@@ -450,7 +529,7 @@ class Connection(asyncio.BufferedProtocol):
     # ---- serving ----
 
     async def _serve(self, header: pb.ExchangeHeader, metas: list[SliceMeta], views: list[np.ndarray],
-                     error: PSError | None, inflow: Inflow | None) -> None:
+                     error: PSError | None, nbytes: int, inflow: Inflow | None) -> None:
         session = self.session
         assert session is not None and self.transport is not None
         self._streamed = 0
@@ -468,12 +547,27 @@ class Connection(asyncio.BufferedProtocol):
                 region = session.regions.reply
                 data = [region[o:o + n] for o, n in zip(reply.offsets, reply.sizes, strict=True)]
             await self._write(reply.SerializeToString(), data)
+            hold_s = self._sessions.tally(session, nbytes, reply)
+            if hold_s > 0:
+                self._hold(hold_s)
         except asyncio.CancelledError:
             return  # the connection is gone (connection_lost ended the session)
         except TransportBroken as err:
             self.abort(str(err))
         finally:
             self._serving = False
+
+    def _hold(self, hold_s: float) -> None:
+        """Read nothing of this connection for `hold_s` (the tarpit: its requests keep being wasted)."""
+        transport = self.transport
+        assert transport is not None
+        transport.pause_reading()
+
+        def resume() -> None:
+            if not transport.is_closing():
+                transport.resume_reading()
+
+        self._loop.call_later(hold_s, resume)
 
     async def _write_slice(self, index: int, data: np.ndarray) -> None:
         """Pulled slice `index` of the request being served, as a SLICE frame, before its reply."""

@@ -55,7 +55,9 @@ from pshard.common.rpc import EXCHANGE_METHOD
 from pshard.common.rpc_status import maps_errors
 from pshard.common.shm import Segment, align, listen, remove, sweep_orphans
 from pshard.common.types import SliceKey
+from pshard.ps_server.budget import WasteTarpit
 from pshard.ps_server.fastconn import (
+    HELLO_TIMEOUT_S,
     Connection,
     Inflow,
     Session,
@@ -69,6 +71,7 @@ from pshard.ps_server.replica_tcp import serve_replicate
 from pshard.ps_server.store import SliceMeta
 from pshard.ps_server.table_fast import serve_table
 from pshard.ps_server.table_handlers import TableHandlers
+from pshard.ps_server.tarpit import wasted_reply
 
 from pshard.api.v1 import parameter_server_pb2 as pb
 
@@ -78,7 +81,13 @@ TRANSPORTS = ("auto", "shm", "tcp", "grpc")
 KIND_NAMES = {pb.TRANSPORT_KIND_SHM: "shm", pb.TRANSPORT_KIND_TCP: "tcp"}
 # A negotiated session whose worker never connects is dropped (and its segment unmapped) after this.
 _ATTACH_TIMEOUT_S = 30.0
-_HELLO_TIMEOUT_S = 10.0
+# A TLS handshake is the peer proving its certificate: a few round trips, longer than a hello on a
+# busy host, still short (the connection holds the TLS layer's buffers meanwhile).
+_HANDSHAKE_TIMEOUT_S = 5.0
+# Connections that have not sent their hello yet (TCP and shm hand-offs together): each holds a few KiB
+# for at most HELLO_TIMEOUT_S, and past this many the newest are closed at once. Workers send their
+# hello right after connecting, so only a crowd of strangers ever reaches it.
+MAX_GREETING = 32
 # Requests moving at most this many bytes take the plain push_pull handler; larger ones the
 # Exchange core, which overlaps a slice's push with the pull of those already applied.
 _SMALL_BYTES = 1 << 20
@@ -231,6 +240,11 @@ class FastPathServer:
         self._server: asyncio.Server | None = None
         self._unix: tuple[socket.socket, Path] | None = None
         self._handoffs: set[asyncio.Task[None]] = set()
+        self.greeting = 0  # connections waiting for their hello (greet/greeted), at most max_greeting
+        self.max_greeting = MAX_GREETING
+        self.refused_greetings = 0  # connections closed because max_greeting others were waiting
+        # Sessions whose requests keep being wasted are not read for a while (ps_server/tarpit.py).
+        self.tarpit: WasteTarpit | None = None
         self.port = 0
         if not self.kinds:
             return
@@ -257,7 +271,7 @@ class FastPathServer:
     async def _start(self, listener: socket.socket) -> None:
         self._server = await self._loop.create_server(
             lambda: Connection(self, self._loop), sock=listener, ssl=self._ssl,
-            ssl_handshake_timeout=_HELLO_TIMEOUT_S if self._ssl is not None else None)
+            ssl_handshake_timeout=_HANDSHAKE_TIMEOUT_S if self._ssl is not None else None)
 
     async def _accept_unix(self, listener: socket.socket) -> None:
         while not self._stopping:
@@ -265,18 +279,23 @@ class FastPathServer:
                 conn, _ = await self._loop.sock_accept(listener)
             except OSError:
                 return  # closed
+            if not self.greet():
+                log.warning("fast path: refused a shm hand-off: too many connections without a hello")
+                conn.close()
+                continue
             task = self._loop.create_task(self._handoff(conn))
             self._handoffs.add(task)
             task.add_done_callback(self._handoffs.discard)
+            task.add_done_callback(lambda _: self.greeted())
 
     async def _handoff(self, conn: socket.socket) -> None:
         """A shm worker's first frame, with its segment's descriptor: then a connection like TCP's."""
         conn.setblocking(False)
         session = None
         try:
-            hello, fds = await asyncio.wait_for(receive_hello(self._loop, conn), _HELLO_TIMEOUT_S)
+            hello, fds = await asyncio.wait_for(receive_hello(self._loop, conn), HELLO_TIMEOUT_S)
             session = self._adopt(hello, fds)
-            await asyncio.wait_for(send_hello(self._loop, conn, session.regions.nonce), _HELLO_TIMEOUT_S)
+            await asyncio.wait_for(send_hello(self._loop, conn, session.regions.nonce), HELLO_TIMEOUT_S)
             _, connection = await self._loop.connect_accepted_socket(
                 lambda: Connection(self, self._loop, session), conn)
         except (OSError, PSError, asyncio.TimeoutError) as err:
@@ -420,6 +439,16 @@ class FastPathServer:
             session.claimed = True
         return session
 
+    def greet(self) -> bool:
+        if self.greeting >= self.max_greeting:
+            self.refused_greetings += 1
+            return False
+        self.greeting += 1
+        return True
+
+    def greeted(self) -> None:
+        self.greeting -= 1
+
     def attach(self, hello: bytes, connection: Connection) -> _Session | None:
         """The TCP session whose secret the first frame carries; None for anyone else."""
         try:
@@ -447,6 +476,17 @@ class FastPathServer:
     def end(self, session: Session) -> None:
         assert isinstance(session, _Session)
         self._end(session)
+
+    def tally(self, session: Session, nbytes: int, reply: pb.TransportReply) -> float:
+        if self.tarpit is None:
+            return 0.0
+        assert isinstance(session, _Session)
+        peer = f"{session.kind}-session:{session.id}"
+        if self.tarpit.served(peer, nbytes, wasted_reply(reply)):
+            log.warning("worker %s: %s of fast-path requests in a row refused or changing nothing; not "
+                        "reading its %s connection for a while", session.worker_id,
+                        self.tarpit.describe(peer), session.kind)
+        return self.tarpit.hold_left(peer)
 
     async def _run(self, session: _Session, header: pb.ExchangeHeader, metas: Sequence[SliceMeta],
                    views: Sequence[np.ndarray], inflow: Inflow | None, write_slice: SliceWriter | None

@@ -141,6 +141,7 @@ async def start(settings: ServerSettings, bind: str = "127.0.0.1:0",
                           ssl_context=security.server_ssl_context() if security.tls else None,
                           refusals=refusals)
     handlers.transport_report = fast.transports
+    fast.tarpit = tarpit  # the same peers' budget: a fast-path session is a peer of its own
     fast.tables = tables  # table requests ride the same sessions (ps_server.table_fast)
     server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(SERVICE_NAME, {
         "OpenTransport": grpc.unary_unary_rpc_method_handler(

@@ -13,6 +13,10 @@ never copied into Python (gRPC's flow control stops the rest of them at the wind
 backs off as asked and is read again. Other requests are read and served as usual, and their
 outcome (the status code; for Push and PushPull without a pull, whether anything was applied) is
 recorded. The cost for a normal call is one awaited read, within the noise of a small call.
+
+The fast paths (ps_server/fastconn.py) cannot refuse a frame unread without losing the stream's step,
+so a held session's connection is not read at all for the hold: its next request waits in the
+kernel's buffers and the worker's socket, and a flood sends one request per hold there too.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ from typing import Any
 
 import grpc
 import grpc.aio
-from pshard.common.errors import EmptyRequestError, OverloadedError
+from pshard.common.errors import EmptyRequestError, OverloadedError, PSError, error_classes
 from pshard.common.rpc_status import abort
 from pshard.ps_server.budget import WasteTarpit
 
@@ -32,17 +36,34 @@ from pshard.api.v1 import parameter_server_pb2 as pb
 
 log = logging.getLogger("pshard.ps")
 
-# The client's fault: sending more of the same is wasted. Not RESOURCE_EXHAUSTED (the server's own
-# load: clients back off from it), DEADLINE_EXCEEDED, UNAVAILABLE or FAILED_PRECONDITION (a state).
-WASTED_CODES = frozenset({grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND,
-                          grpc.StatusCode.OUT_OF_RANGE, grpc.StatusCode.PERMISSION_DENIED,
-                          grpc.StatusCode.UNAUTHENTICATED})
+# What a request can come back with without being wasted: served, or not served for the server's own
+# reasons (its load: clients back off from RESOURCE_EXHAUSTED on their own; a deadline; the server not
+# ready or failing). Every other code is a refusal of what the client sent, FAILED_PRECONDITION
+# included: a push from an id outside the quorum is read in full and refused as StaleGenerationError, and
+# a flood of them cost as much as one of unknown keys (issue 23, item 7).
+NOT_WASTED_CODES = frozenset({
+    grpc.StatusCode.OK, grpc.StatusCode.CANCELLED, grpc.StatusCode.DEADLINE_EXCEEDED,
+    grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.ABORTED,
+    grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN, grpc.StatusCode.DATA_LOSS})
+WASTED_CODES = frozenset(code for code in grpc.StatusCode if code not in NOT_WASTED_CODES)
 # Push-only replies: (applied, dropped) fit in a few bytes; a reply with pulled slices is never wasted.
 _PUSH_REPLIES: dict[str, type[pb.PushResponse] | type[pb.PushPullResponse]] = {
     "/pshard.api.v1.ParameterServerService/Push": pb.PushResponse,
     "/pshard.api.v1.ParameterServerService/PushPull": pb.PushPullResponse,
 }
 _PUSH_REPLY_MAX_BYTES = 32
+
+
+_NOT_WASTED_NAMES = frozenset(code.name for code in NOT_WASTED_CODES)
+
+
+def wasted_reply(reply: pb.TransportReply) -> bool:
+    """A fast-path reply that refuses what the client sent (as WASTED_CODES), or a push-only request
+    whose every gradient was dropped. A broken path (TransportBroken) or an unknown error is not."""
+    if reply.error_type:
+        cls = error_classes().get(reply.error_type, PSError)
+        return cls.status not in _NOT_WASTED_NAMES
+    return not reply.sizes and reply.summary.applied == 0 and reply.summary.dropped > 0
 
 
 def _changed_nothing(method: str, reply: object) -> bool:

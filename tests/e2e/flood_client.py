@@ -1,8 +1,11 @@
 """A flood for tests/e2e/test_flood.py: `python flood_client.py ADDRESS CLIENTS SECONDS`.
 
 Each client is a thread with a channel (a connection) of its own, sending 4 MiB PushPull requests
-back to back for SECONDS, with no backoff: even clients push a gradient of a parameter the server
-holds, odd ones of one it does not (refused). Prints one line, `flood: {json}`, with the counts.
+back to back for SECONDS, with no backoff. Three kinds of client, in turn: a member of the server's
+quorum pushing a gradient of a parameter the server holds, always at the same clock (the first is
+applied, every later one dropped as a duplicate); a member pushing one of a parameter it does not hold
+(NOT_FOUND); and an id outside the quorum pushing the held parameter (FAILED_PRECONDITION: not a live
+member). Prints one line, `flood: {json}`, with the counts.
 
 The process lowers its own priority (nice 19): the flood's clients stand for other machines, so
 their CPU must not be taken from the server on a shared two-core test machine; they still send as
@@ -31,10 +34,26 @@ FLOOD_FLOATS = 2**20  # 4 MiB
 HELD_KEY = "flood"  # the server holds it (the test declares it)
 
 
+KINDS = ("duplicate", "unknown-key", "outsider")
+
+
+def kind(client: int) -> str:
+    return KINDS[client % len(KINDS)]
+
+
+def worker_id(client: int) -> str:
+    return f"outsider-{client}" if kind(client) == "outsider" else f"flood-{client}"
+
+
+def members(clients: int) -> list[str]:
+    """The flood's ids that the server's quorum (--workers) must name."""
+    return [worker_id(c) for c in range(clients) if kind(c) != "outsider"]
+
+
 def request(client: int) -> bytes:
-    key = HELD_KEY if client % 2 == 0 else "not-held"
+    key = "not-held" if kind(client) == "unknown-key" else HELD_KEY
     gradient = codec.WireArray(np.full(FLOOD_FLOATS, 1e-6, np.float32), "float32")
-    return pb.PushPullRequest(stamp=codec.stamp_to_proto(Stamp(f"flood-{client}", 0, 0)),
+    return pb.PushPullRequest(stamp=codec.stamp_to_proto(Stamp(worker_id(client), 0, 0)),
                               gradients=[codec.slice_tensor_to_proto(SliceKey(key), gradient)]
                               ).SerializeToString()
 

@@ -29,6 +29,7 @@ import numpy as np
 from pshard.common.job import JobConfig, OptimizerConfig
 from pshard.worker.client import PSClient
 
+from tests.e2e.flood_client import members
 from tests.e2e.harness import ROOT, STARTUP_TIMEOUT_S, Procs, wait_healthy
 
 MIB = 2**20
@@ -71,6 +72,7 @@ def p90_ms(latencies: list[float]) -> float:
 
 def test_a_flood_is_held_to_the_budget_and_a_worker_beside_it_keeps_stepping(procs: Procs) -> None:
     server = procs.python("ps", "-m", "pshard.ps_server", "--bind", "127.0.0.1:0", "--no-scheduler",
+                          "--workers", ",".join(["worker-0", *members(FLOOD_CLIENTS)]),
                           "--mode", "async", "--max-inflight-mb", str(BUDGET_MIB), "--log-level", "WARNING")
     port = int(server.wait_for_line(r"listening on port (\d+)", STARTUP_TIMEOUT_S).group(1))
     address = f"127.0.0.1:{port}"
@@ -110,6 +112,7 @@ def test_a_flood_is_held_to_the_budget_and_a_worker_beside_it_keeps_stepping(pro
           f"transport {transports}")
     print(f"worker step p90: {p90_ms(quiet):.2f} ms without the flood, {p90_ms(loud):.2f} ms during it")
     assert stats["requests"] >= FLOOD_S * 5, f"the flood hardly flooded: {stats}"
+    assert stats["codes"].get("FAILED_PRECONDITION"), f"no outsider's push was read and refused: {stats}"
     assert peak <= (BUDGET_MIB + 200) * MIB, f"peak RSS {peak / MIB:.0f} MiB"
     assert settled - baseline <= 100 * MIB, f"RSS {settled / MIB:.0f} MiB, baseline {baseline / MIB:.0f}"
     assert p99_ms(loud) <= 5 * p99_ms(quiet), (

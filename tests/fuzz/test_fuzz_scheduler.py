@@ -1,8 +1,9 @@
 """Fuzzing a live scheduler: every RPC with generated, mutated and raw requests.
 
 After every case: the scheduler's thread is alive, health answers SERVING, the status was a proper
-refusal (never UNKNOWN or INTERNAL, no hang), a refused request left the cluster view exactly as it
-was, and RSS stays within budget.
+refusal (never UNKNOWN or INTERNAL, no hang), a refused request left the cluster view and the layout
+exactly as they were, and RSS stays within budget. ProposeLayout is fuzzed with `restore` too (a
+scheduler that restarted takes the layout a member holds): its seeds include the stored layout.
 """
 
 from __future__ import annotations
@@ -48,6 +49,11 @@ class LiveScheduler:
     rss_baseline: int
     valid: dict[str, list[Message]]
     view: pb.ClusterView | None = None
+    layout: pb.Layout | None = None
+
+    def current_layout(self) -> pb.Layout:
+        return pb_grpc.SchedulerServiceStub(self.channel).GetLayout(pb.GetLayoutRequest(timeout_ms=20),
+                                                                    timeout=NO_HANG_S).layout
 
     def current_view(self) -> pb.ClusterView:
         stream = pb_grpc.SchedulerServiceStub(self.channel).Watch(pb.WatchRequest(), timeout=NO_HANG_S)
@@ -68,9 +74,11 @@ class LiveScheduler:
         # Generations only grow, and stay within an int64 (another language's client) with room to grow.
         assert self.view is None or view.generation >= self.view.generation, f"after {what}: generation fell"
         assert view.generation < 2**63, f"after {what}: generation {view.generation} is past int64"
+        layout = self.current_layout()
         if outcome.refused:
             assert view == self.view, f"{what} was refused ({outcome.code.name}) but the view changed"
-        self.view = view
+            assert layout == self.layout, f"{what} was refused ({outcome.code.name}) but the layout changed"
+        self.view, self.layout = view, layout
         assert_rss_within(self.rss_baseline, what)
         return outcome
 
@@ -85,6 +93,9 @@ def valid_requests(stub: pb_grpc.SchedulerServiceStub) -> dict[str, list[Message
                            timeout=NO_HANG_S)
     params = [pb.ParamSpec(key="fc1.weight", dtype=tensor_pb2.DTYPE_FLOAT32, shape=[10, 4]),
               pb.ParamSpec(key="fc1.bias", dtype=tensor_pb2.DTYPE_FLOAT32, shape=[10])]
+    # The job's layout, so that restores (a member's copy of it) have something to agree or disagree with.
+    first = pb.ProposeLayoutRequest(params=params, slice_bytes=64, servers=["127.0.0.1:7100"])
+    layout = stub.ProposeLayout(first, timeout=NO_HANG_S).layout
     return {
         "Register": [pb.RegisterRequest(role=WORKER, address="127.0.0.1:7201", node_id="worker-1",
                                         rank_hint=1, last_generation=ps.generation),
@@ -96,7 +107,8 @@ def valid_requests(stub: pb_grpc.SchedulerServiceStub) -> dict[str, list[Message
         "Barrier": [pb.BarrierRequest(name="start", count=1, node_id="worker-0", timeout_ms=20),
                     pb.BarrierRequest(name="ckpt", count=2, node_id="ps-0", timeout_ms=1)],
         "ProposeLayout": [pb.ProposeLayoutRequest(params=params, slice_bytes=64, servers=["127.0.0.1:7100"]),
-                          pb.ProposeLayoutRequest(params=list(reversed(params)))],
+                          pb.ProposeLayoutRequest(params=list(reversed(params))),
+                          pb.ProposeLayoutRequest(restore=layout)],
         "GetLayout": [pb.GetLayoutRequest(timeout_ms=20)],
     }
 
@@ -109,7 +121,7 @@ def live() -> Iterator[LiveScheduler]:
         with grpc.insecure_channel(handle.address, options=channel_options()) as channel:
             valid = valid_requests(pb_grpc.SchedulerServiceStub(channel))
             scheduler = LiveScheduler(handle, channel, rss_bytes(), valid)
-            scheduler.view = scheduler.current_view()
+            scheduler.view, scheduler.layout = scheduler.current_view(), scheduler.current_layout()
             yield scheduler
     finally:
         handle.stop()

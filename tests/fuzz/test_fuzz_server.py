@@ -28,7 +28,7 @@ from pshard.common.job import JobConfig
 from pshard.common.rpc import EXCHANGE_METHOD, channel_options, identity
 
 from pshard.api.v1 import parameter_server_pb2 as pb
-from pshard.api.v1 import sparse_pb2, tensor_pb2
+from pshard.api.v1 import sparse_pb2, sparse_pb2_grpc, tensor_pb2
 from tests.fuzz.exchange import Stream, data_frame, header_frame, streams
 from tests.fuzz.harness import (
     BROKEN,
@@ -62,10 +62,20 @@ MODEL = {"w": np.arange(12, dtype=np.float32).reshape(4, 3), "b": np.ones(3, dty
          "fc1.weight": np.zeros(5, dtype=np.float32)}
 PUSHED = ("w", "b")
 # Known broken answers that depend on timing, not on the request: tolerated in the open fuzz, shown
-# by their own xfail'd test. (method, status) -> a substring of the details. None open now: concurrent
+# by their own xfail'd test. (method, status) -> a substring of the details. Concurrent dense
 # Checkpoints (UNKNOWN FileNotFoundError) are fixed, test_concurrent_checkpoints_are_answered_cleanly.
-KNOWN_OUTCOMES: dict[tuple[str, grpc.StatusCode], str] = {}
+KNOWN_OUTCOMES: dict[tuple[str, grpc.StatusCode], str] = {
+    # With a sparse table declared, a checkpoint left running by a short deadline races the next one on
+    # the tables' files (UNKNOWN FileNotFoundError, table_files.save_tables): checkpoint faults, issue
+    # 23 item 8; shown by test_concurrent_table_checkpoints_are_answered_cleanly.
+    ("Checkpoint", grpc.StatusCode.UNKNOWN): "FileNotFoundError",
+    ("CheckpointTables", grpc.StatusCode.UNKNOWN): "FileNotFoundError",
+    ("SaveCheckpointPart", grpc.StatusCode.UNKNOWN): "FileNotFoundError",  # saves the tables alike
+}
 READER = "fuzz-weights-reader"  # a worker id no generated request uses (they draw from NAMES or text)
+# A sparse table the seeds push to and pull from; its rows of SEEN_IDS are read back after every case.
+TABLE, TABLE_DIM = "emb", 4
+SEEN_IDS = np.array([1, 2, 3], np.int64)
 
 
 @dataclass
@@ -76,6 +86,28 @@ class LiveServer:
     rss_baseline: int
     valid: dict[str, list[Message]] = field(default_factory=dict)
     weights: dict[str, tuple[bytes, int]] = field(default_factory=dict)
+    table: tuple[int, bytes] = (0, b"")  # the table's row count and the rows of SEEN_IDS
+    reader: grpc.Channel | None = None  # a connection of its own: the tarpit may hold `channel`'s
+    tarpit: bool = False
+
+    opened: list[grpc.Channel] = field(default_factory=list)  # connections made by `next_connection`
+
+    def next_connection(self) -> None:
+        """Under the tarpit, a connection it holds has every later case refused unread after a hold (up
+        to 1 s each): once it is held, the next cases go on a new connection (a peer of its own)."""
+        running = self.server.running
+        if running.tarpit is None or running.tarpit.held == len(self.opened):
+            return
+        self.channel = grpc.insecure_channel(self.server.address, options=[
+            *channel_options(), ("pshard.fuzz.connection", running.tarpit.held)])
+        self.opened.append(self.channel)
+        while len(self.opened) < running.tarpit.held:  # more than one held meanwhile: count them alike
+            self.opened.append(self.channel)
+
+    def cases(self, n: int) -> int:
+        """`n`, or an eighth of it under the tarpit in make test (make test's time; make fuzz shares its
+        own budget between the tests)."""
+        return n if not self.tarpit else max(10, n // 8)
 
     def seeds(self, method: MethodDescriptor) -> list[Message]:
         """The valid requests to mutate; an empty one for a method added since they were written."""
@@ -84,18 +116,29 @@ class LiveServer:
     def stored(self) -> dict[str, tuple[bytes, int]]:
         return self.wire.read(self.server, MODEL, worker=READER)
 
+    def table_state(self) -> tuple[int, bytes]:
+        """The table's row count and the rows of SEEN_IDS (rows already: reading them creates none)."""
+        stub = sparse_pb2_grpc.SparseTablesServiceStub(self.reader or self.channel)
+        rows = stub.GetTableStats(sparse_pb2.GetTableStatsRequest(table=TABLE), timeout=NO_HANG_S).rows
+        pull = sparse_pb2.PullRowsRequest(table=TABLE, ids=SEEN_IDS.tobytes(), worker_id=READER)
+        pulled = stub.PullRows(pull, timeout=NO_HANG_S).rows
+        return rows, pulled
+
     def after(self, outcome: Outcome, what: str, may_wait: bool,
               may_change: frozenset[str] = frozenset()) -> None:
         assert_proper_status(outcome, what, may_wait)
         assert self.server.thread.is_alive(), f"after {what}: the server's thread ended"
         assert_serving(self.channel, "", what)
-        weights = self.stored()
+        weights, table = self.stored(), self.table_state()
         if outcome.refused:
             changed = sorted(k for k in MODEL if weights[k] != self.weights[k] and k not in may_change)
             assert not changed, (f"{what} was refused ({outcome.code.name}: {outcome.details[:200]}) but "
                                  f"changed the stored {changed}")
-        self.weights = weights
+            assert table == self.table, (f"{what} was refused ({outcome.code.name}: {outcome.details[:200]}) "
+                                         f"but changed table {TABLE!r}: rows {self.table[0]} -> {table[0]}")
+        self.weights, self.table = weights, table
         assert_rss_within(self.rss_baseline, what)
+        self.next_connection()
 
     def check(self, method: MethodDescriptor, payload: bytes, what: str) -> Outcome:
         waiting = waits(method)
@@ -139,7 +182,9 @@ def valid_requests(global_root: Path) -> dict[str, list[Message]]:
               for k, v in {**MODEL, "extra": np.zeros(5, np.float32)}.items()]
     metas = [pb.SliceMeta(id=tensor_pb2.SliceId(key=k), dtype=F32, shape=list(MODEL[k].shape))
              for k in PUSHED]
+    row_grads = np.full((3, TABLE_DIM), 0.01, np.float32).tobytes()
     return {
+        **table_requests(SEEN_IDS.tobytes(), row_grads),
         "Declare": [pb.DeclareRequest(slices=[tensor(k, v) for k, v in MODEL.items()]),
                     pb.DeclareRequest(slices=[tensor("extra", np.zeros(5, np.float32))])],
         "Push": [pb.PushRequest(stamp=stamp("w0", 0), gradients=grads),
@@ -160,27 +205,71 @@ def valid_requests(global_root: Path) -> dict[str, list[Message]]:
     }
 
 
-@pytest.fixture(scope="module")
-def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
+def table_spec(name: str = TABLE) -> sparse_pb2.TableSpec:
+    return sparse_pb2.TableSpec(name=name, dim=TABLE_DIM, dtype=sparse_pb2.TABLE_DTYPE_FLOAT32,
+                                initializer=sparse_pb2.TABLE_INITIALIZER_UNIFORM, init_scale=0.1, seed=7,
+                                optimizer=sparse_pb2.TABLE_OPTIMIZER_SGD, lr=0.1,
+                                mode=sparse_pb2.TABLE_MODE_ASYNC)
+
+
+def table_requests(ids: bytes, grads: bytes) -> dict[str, list[Message]]:
+    """Seeds of the table RPCs: the declared table, the rows of SEEN_IDS (ids and float32 gradients)."""
+    return {
+        "DeclareTable": [sparse_pb2.DeclareTableRequest(spec=table_spec()),
+                         sparse_pb2.DeclareTableRequest(spec=table_spec("emb2"))],
+        "PullRows": [sparse_pb2.PullRowsRequest(table=TABLE, ids=ids, worker_id="w0")],
+        "PushRows": [sparse_pb2.PushRowsRequest(table=TABLE, ids=ids, grads=grads, worker_id="w0",
+                                                push_id=1)],
+        "PushPullRows": [sparse_pb2.PushPullRowsRequest(table=TABLE, push_ids=ids, grads=grads, pull_ids=ids,
+                                                        worker_id="w1", push_id=2)],
+        "GetTableStats": [sparse_pb2.GetTableStatsRequest(table=TABLE)],
+        "ExportTable": [sparse_pb2.ExportTableRequest(table=TABLE)],
+        "CheckpointTables": [sparse_pb2.CheckpointTablesRequest()],
+    }
+
+
+def declare_table(channel: grpc.Channel) -> None:
+    """The table, with rows for SEEN_IDS (a push creates them)."""
+    stub = sparse_pb2_grpc.SparseTablesServiceStub(channel)
+    stub.DeclareTable(sparse_pb2.DeclareTableRequest(spec=table_spec()), timeout=NO_HANG_S)
+    stub.PushRows(sparse_pb2.PushRowsRequest(table=TABLE, ids=SEEN_IDS.tobytes(), worker_id="w0", push_id=99,
+                                             grads=np.zeros((3, TABLE_DIM), np.float32).tobytes()),
+                  timeout=NO_HANG_S)
+
+
+# Run with the tarpit off (the handlers see every case) and on, as deployed: a connection whose cases
+# keep being refused is then held and refused unread, which must be a proper refusal too.
+TARPITS = {"tarpit-off": 0, "tarpit-on": 4 * 2**20}
+
+
+@pytest.fixture(scope="module", params=list(TARPITS))
+def live(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
     # Async: a pull answers at once, so most cases cost one round trip; a short pull timeout bounds
     # the ones that wait anyway.
     global_root = tmp_path_factory.mktemp("fuzz-global-checkpoints")
     (global_root / "ckpt-0").mkdir()
-    # No tarpit: the fuzz sends refused requests on one connection on purpose, and a held connection
-    # would have every later case refused unread by the interceptor, never reaching the handlers it is
-    # here to test (some generated Replicate requests, with their table-row batches, are MiBs each).
-    # The tarpit has its own tests: tests/service/test_tarpit.py and tests/e2e/test_flood.py.
+    # Tarpit off: the fuzz sends refused requests on one connection on purpose, and a held connection
+    # has later cases refused unread by the interceptor, never reaching the handlers it is here to test
+    # (some generated Replicate requests, with their table-row batches, are MiBs each). Tarpit on: as
+    # deployed. It has its own tests too: tests/service/test_tarpit.py and tests/e2e/test_flood.py.
     settings = ServerSettings(default_job=JobConfig(mode="async"), pull_timeout_s=0.1,
                               checkpoint_dir=str(tmp_path_factory.mktemp("fuzz-checkpoints")),
-                              global_checkpoint_dir=str(global_root), waste_limit_bytes=0)
+                              global_checkpoint_dir=str(global_root),
+                              waste_limit_bytes=TARPITS[request.param])
     server = start_server_thread(settings)
     wire = Wire()
     try:
         wire.declare(server, None, MODEL)
-        with grpc.insecure_channel(server.address, options=channel_options()) as channel:
-            live = LiveServer(server, wire, channel, rss_bytes(), valid_requests(global_root))
-            live.weights = live.stored()
+        with grpc.insecure_channel(server.address, options=channel_options()) as channel, \
+                grpc.insecure_channel(server.address, options=[*channel_options(), ("pshard.fuzz.reader", 1)]
+                                      ) as reader:
+            declare_table(reader)
+            live = LiveServer(server, wire, channel, rss_bytes(), valid_requests(global_root), reader=reader,
+                              tarpit=TARPITS[request.param] > 0)
+            live.weights, live.table = live.stored(), live.table_state()
             yield live
+            for opened in set(live.opened):
+                opened.close()
     finally:
         wire.close()
         server.stop(grace_s=0.2)
@@ -191,7 +280,10 @@ def test_the_valid_seeds_are_accepted(live):
     for method in UNARY:
         for request in live.valid.get(method.name, []):
             outcome = live.check(method, request.SerializeToString(), describe(request))
-            assert outcome.code is grpc.StatusCode.OK, (method.name, outcome)
+            # ABORTED: a known race with a checkpoint the previous seed left running (KNOWN_OUTCOMES).
+            raced = (method.name, grpc.StatusCode.UNKNOWN) in KNOWN_OUTCOMES
+            ok = outcome.code is grpc.StatusCode.OK
+            assert ok or (raced and outcome.code is grpc.StatusCode.ABORTED), (method.name, outcome)
     push_pull, declare, pull = live.valid["Exchange"]
     data = b"".join(np.full_like(MODEL[k], 0.01).astype("<f4").tobytes() for k in PUSHED)
     initial = b"".join(MODEL[k].astype("<f4").tobytes() for k in PUSHED)
@@ -213,13 +305,13 @@ def check_unless_known(live: LiveServer, method: MethodDescriptor, request: Mess
 
 @pytest.mark.parametrize("method", UNARY, ids=method_id)
 def test_generated_requests_are_refused_cleanly(live, method):
-    run_cases(messages(method.input_type), lambda m: check_unless_known(live, method, m), CASES,
+    run_cases(messages(method.input_type), lambda m: check_unless_known(live, method, m), live.cases(CASES),
               f"gen-{method.name}")
 
 
 @pytest.mark.parametrize("method", UNARY, ids=method_id)
 def test_mutated_valid_requests_are_refused_cleanly(live, method):
-    run_cases(mutated(live.seeds(method)), lambda m: check_unless_known(live, method, m), CASES,
+    run_cases(mutated(live.seeds(method)), lambda m: check_unless_known(live, method, m), live.cases(CASES),
               f"mut-{method.name}")
 
 
@@ -233,16 +325,17 @@ RAW_FINDINGS: dict[str, str] = {}
                  if m.name in RAW_FINDINGS else []) for m in UNARY])
 def test_raw_bytes_are_refused_cleanly(live, method):
     run_cases(raw_bytes(live.seeds(method)),
-              lambda raw: live.check(method, raw, describe(raw)), CASES, f"raw-{method.name}")
+              lambda raw: live.check(method, raw, describe(raw)), live.cases(CASES), f"raw-{method.name}")
 
 
 def test_exchange_streams_are_refused_cleanly(live):
-    run_cases(streams(live.valid["Exchange"]), live.exchange, EXCHANGE_CASES, "exchange-streams")
+    run_cases(streams(live.valid["Exchange"]), live.exchange, live.cases(EXCHANGE_CASES), "exchange-streams")
 
 
 def test_exchange_raw_frames_are_refused_cleanly(live):
     frames = raw_bytes([pb.ExchangeRequest(header=h) for h in live.valid["Exchange"]])
-    run_cases(frames, lambda raw: live.exchange(Stream((raw,), frozenset(), "raw")), CASES, "exchange-raw")
+    run_cases(frames, lambda raw: live.exchange(Stream((raw,), frozenset(), "raw")), live.cases(CASES),
+              "exchange-raw")
 
 
 # ---- findings: each a minimal request that fails the checks on today's server ----
@@ -319,3 +412,15 @@ def test_concurrent_checkpoints_are_answered_cleanly(live):
 
     broken = [o for o in outcomes if o.code in BROKEN]
     assert not broken, f"{len(broken)} of 64 concurrent Checkpoints: {broken[0]}"
+
+
+@pytest.mark.xfail(strict=False, reason="issue 23 item 8 (checkpoint faults): concurrent checkpoints of a "
+                   "server holding a sparse table race on the tables' files, UNKNOWN FileNotFoundError "
+                   "(table_files.save_tables); timing-dependent, so not strict")
+def test_concurrent_table_checkpoints_are_answered_cleanly(live):
+    methods = [PS.methods_by_name["Checkpoint"], SERVICES[1].methods_by_name["CheckpointTables"]]
+    with ThreadPoolExecutor(8) as pool:
+        outcomes = list(pool.map(lambda i: call(live.channel, methods[i % 2], b"", NO_HANG_S), range(64)))
+
+    broken = [o for o in outcomes if o.code in BROKEN]
+    assert not broken, f"{len(broken)} of 64 concurrent Checkpoints and CheckpointTables: {broken[0]}"

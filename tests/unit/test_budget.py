@@ -171,3 +171,22 @@ def test_bad_tarpit_settings_are_programming_errors() -> None:
         WasteTarpit(0)
     with pytest.raises(ValueError, match="max_hold_s"):
         WasteTarpit(MIB, first_hold_s=2.0, max_hold_s=1.0)
+
+
+def test_a_fast_path_peer_is_not_read_for_what_is_left_of_its_hold() -> None:
+    clock = Clock()
+    pit = tarpit(clock)
+    assert pit.hold_left("a") == 0.0  # never wasted anything
+    assert not pit.served("a", 4 * MIB, wasted=True)
+    assert pit.hold_left("a") == 0.0  # under the limit
+    assert pit.served("a", 4 * MIB, wasted=True)
+    assert pit.hold_left("a") == pytest.approx(0.05)
+    clock.t += 0.03
+    assert pit.hold_left("a") == pytest.approx(0.02)
+    clock.t += 0.02
+    assert pit.hold_left("a") == 0.0  # the hold is over: read again
+    assert not pit.served("a", 4 * MIB, wasted=True)  # wasted again after it: held twice as long
+    assert pit.hold_left("a") == pytest.approx(0.1)
+    assert pit.held == 3
+    pit.served("a", 10, wasted=False)
+    assert pit.hold_left("a") == 0.0
