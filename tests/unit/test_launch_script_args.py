@@ -1,0 +1,58 @@
+"""`pshard launch [options] train.py [args]`: the script form, parsed as torchrun does; the launch record."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+from pshard.launcher.cli import parse_options
+from pshard.launcher.plan import ClusterPlan, child_specs
+from pshard.launcher.record import LaunchRecord, read_record, remove_record, write_record
+
+
+def test_everything_after_the_script_is_the_scripts_even_launcher_flags() -> None:
+    options = parse_options(["--ps", "1", "--workers", "3", "train.py", "--epochs", "2", "--workers", "9",
+                             "--"])
+    assert (options.ps, options.workers, options.script) == (1, 3, "train.py")
+    assert options.worker_cmd == (sys.executable, "train.py")
+    assert options.worker_args == ("--epochs", "2", "--workers", "9", "--")
+
+
+def test_without_a_script_the_worker_cmd_forms_keep_working() -> None:
+    plain = parse_options(["--ps", "1", "--", "--mode", "sync", "--output", "x.py"])
+    assert plain.script is None and plain.worker_cmd[1:] == ("-m", "pshard.worker")
+    assert plain.worker_args == ("--mode", "sync", "--output", "x.py")
+    custom = parse_options(["--worker-cmd", "python my.py", "--mode", "sync"])
+    assert custom.script is None and custom.worker_cmd == ("python", "my.py")
+
+
+def test_a_flag_the_launcher_does_not_know_before_the_script_is_refused(capsys: pytest.CaptureFixture[str]
+                                                                         ) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        parse_options(["--mode", "sync", "train.py"])
+    assert exit_.value.code == 2
+    assert "'--mode': got it with the script 'train.py'" in capsys.readouterr().err
+
+
+def test_script_trainers_get_tf_config_and_passive_openmp() -> None:
+    options = parse_options(["--ps", "1", "--workers", "1", "train.py", "--out", "m-{task}.pt"])
+    plan = ClusterPlan.allocate(1, 1, ports=lambda n, host: list(range(7000, 7000 + n)))
+    trainer = child_specs(plan, options)[-1]
+    assert trainer.argv == (sys.executable, "train.py", "--out", "m-worker-0.pt")
+    assert '"task": {"type": "worker", "index": 0}' in trainer.env["TF_CONFIG"]
+    assert trainer.env["OMP_WAIT_POLICY"] == "PASSIVE"
+
+
+def test_the_launch_record_says_how_to_reach_the_job_and_only_its_launcher_removes_it(tmp_path: Path) -> None:
+    env = {"PSHARD_CERTS_DIR": str(tmp_path / "certs")}
+    record = LaunchRecord("127.0.0.1:7000", str(tmp_path / "certs"), "launch-1", pid=4242)
+    assert record.status_command(env) == "pshard status --scheduler 127.0.0.1:7000"
+    assert LaunchRecord("h:1", "/elsewhere", "j", 1).status_command(env).endswith("--tls-dir /elsewhere")
+    assert LaunchRecord("h:1", None, "j", 1).status_command(env).endswith("--insecure")
+    assert write_record(record, env) == tmp_path / "launch.json"
+    assert read_record(env) == record
+    remove_record(4243, env)  # another launcher's exit leaves it
+    assert read_record(env) == record
+    remove_record(4242, env)
+    assert read_record(env) is None
