@@ -30,6 +30,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from pshard.common.argtypes import positive_float, positive_int
+from pshard.common.dirlock import DirectoryInUseError, DirectoryLock
 from pshard.common.logs import add_log_level_argument, configure_logging
 from pshard.launcher.plan import RESTART_POLICIES, TASK_PLACEHOLDER, ClusterPlan, Options, cert_names
 from pshard.launcher.record import default_certs_dir
@@ -221,9 +222,28 @@ def main(argv: Sequence[str] | None = None, prog: str = PROG) -> int:
                         "%s can read and overwrite the model", options.host)
         else:
             _ensure_certs(options)
-        return run(options)
+        lock = _lock_checkpoint_dir(options)
+        try:
+            return run(options)
+        finally:
+            if lock is not None:
+                lock.release()
     except LaunchError as err:
         print(f"{prog}: error: {err}", file=sys.stderr)
         return 2
+
+
+def _lock_checkpoint_dir(options: Options) -> DirectoryLock | None:
+    """--checkpoint-dir for this launch alone while it runs (its servers lock their own sub-directories):
+    a second job there is refused before anything starts, naming this one (pshard.common.dirlock)."""
+    if not options.checkpoint_dir:
+        return None
+    try:
+        Path(options.checkpoint_dir).mkdir(parents=True, exist_ok=True)
+        return DirectoryLock.acquire(options.checkpoint_dir, {"job_id": options.job_id, "role": "launcher"})
+    except DirectoryInUseError as err:
+        raise LaunchError(str(err)) from None
+    except OSError:
+        return None  # an unusable directory: the parameter server names it (see check_startable)
 
 

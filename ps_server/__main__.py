@@ -35,6 +35,7 @@ from pshard.common.cluster import (
     cluster_spec_from_args,
     exit_on_config_error,
 )
+from pshard.common.dirlock import DirectoryLock
 from pshard.common.entry import STOP_SIGNALS, check_can_listen, metrics_address
 from pshard.common.errors import ClusterConfigError, PSError
 from pshard.common.job import MODES, OPTIMIZERS, JobConfig, OptimizerConfig
@@ -251,6 +252,7 @@ def main(argv: Sequence[str] | None = None, *, prog: str = PROG) -> int:
     check_can_listen(bind)
     if args.metrics_port:
         check_can_listen(metrics_address(bind, args.metrics_port))
+    lock = _lock_checkpoint_dir(args.checkpoint_dir, spec)
     try:
         return asyncio.run(_run(args, spec, settings, bind, security))
     except OSError as err:  # the checkpoint's arrays, or the port lost since check_can_listen
@@ -259,6 +261,23 @@ def main(argv: Sequence[str] | None = None, *, prog: str = PROG) -> int:
     except PSError as err:
         print(f"{prog}: error: {err}", file=sys.stderr)
         return 1
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _lock_checkpoint_dir(path: str | None, spec: ClusterSpec | None) -> DirectoryLock | None:
+    """This server's checkpoint directory, for as long as it runs: a second server (of another job, or
+    a copy of this one) writing there would delete this one's files (pshard.common.dirlock)."""
+    if not path:
+        return None
+    # PSHARD_JOB_ID: set by `pshard launch` for every child, so a refusal names the job too.
+    owner = {"role": spec.node_id if spec is not None else "ps",
+             "job_id": os.environ.get("PSHARD_JOB_ID", "")}
+    try:
+        return DirectoryLock.acquire(path, owner)
+    except OSError as err:
+        raise ClusterConfigError(f"--checkpoint-dir: cannot lock {path!r} ({err.strerror or err})") from None
 
 
 if __name__ == "__main__":
