@@ -45,6 +45,7 @@ from pshard.common.metrics import add_metrics_argument, serve_server_metrics
 from pshard.common.rpc import DEFAULT_MAX_MESSAGE_BYTES
 from pshard.common.security import SecurityConfig, add_security_arguments, security_from_args
 from pshard.ps_server import service
+from pshard.ps_server.handlers import NO_QUORUM_GRACE_S
 from pshard.ps_server.heap import bound_heap
 from pshard.ps_server.settings import ServerSettings
 from pshard.ps_server.table_files import pointer_path
@@ -211,6 +212,11 @@ async def _run(args: argparse.Namespace, spec: ClusterSpec | None, settings: Ser
     follower = None
     if spec is not None and not args.no_scheduler:
         follower = service.follow_scheduler(running, spec, loop, security)
+    elif settings.static_quorum is None:
+        log.warning("NO SYNC QUORUM: this server has neither --workers nor a scheduler (TF_CONFIG or "
+                    "--scheduler), so it cannot know whom a sync clock waits for: sync pulls fail after %gs "
+                    "saying so. Name the workers with --workers ID,ID,... or run it with the job's "
+                    "scheduler; async jobs need neither", NO_QUORUM_GRACE_S)
     tasks: list[asyncio.Future[object]] = [asyncio.ensure_future(stop.wait())]
     if args.checkpoint_dir and args.checkpoint_interval_s > 0:
         tasks.append(asyncio.ensure_future(service.checkpoint_every(running, args.checkpoint_interval_s)))

@@ -68,6 +68,10 @@ Encoder = Callable[[WireArray], P]
 
 # A view newer than ours is on its way from the scheduler: wait this long for it at most.
 _VIEW_WAIT_S = 10.0
+# How long a sync pull waits for a server's first quorum before it says there is none: a registered
+# worker's view reaches the servers in milliseconds (seconds on a loaded host); the session waits for
+# it before clock 0, so only a worker that never joined the job gets here.
+NO_QUORUM_GRACE_S = 10.0
 
 
 def _metas(items: Sequence[tuple[SliceKey, WireArray]]) -> list[SliceMeta]:
@@ -437,6 +441,8 @@ class ParameterServerHandlers:
         started = time.monotonic()
         if store.pull_status(stamp, keys) is None:  # validates; raises on bad keys or clocks
             return
+        if store.policy.name == "sync" and not store.had_quorum:
+            await self._await_first_quorum(store, stamp, keys, min(deadline, started + NO_QUORUM_GRACE_S))
         ready = await self._changes.wait_for(
             lambda: True if store.pull_status(stamp, keys) is None else None, deadline)
         if ready is None:
@@ -448,6 +454,22 @@ class ParameterServerHandlers:
                 f"pull by {stamp.worker_id!r} at clock {stamp.clock} timed out after "
                 f"{time.monotonic() - started:.1f}s waiting for workers {list(waiting.workers)} "
                 f"to reach clock {waiting.clock} (slices {[str(k) for k in waiting.keys][:5]})")
+
+    async def _await_first_quorum(self, store: ShardStore, stamp: Stamp, keys: Sequence[SliceKey],
+                                  deadline: float) -> None:
+        """A sync clock completes only when the quorum has pushed it; a server that never knew one (no
+        --workers, and no scheduler view with a live worker) would hold the pull to its deadline
+        "waiting for workers []". Say why, and what to do, within seconds instead."""
+        known = await self._changes.wait_for(
+            lambda: True if store.had_quorum or store.pull_status(stamp, keys) is None else None, deadline)
+        if known is None:
+            self.pulls_timed_out += 1
+            raise PullTimeoutError(
+                f"pull by {stamp.worker_id!r} at clock {stamp.clock}: this server has no sync quorum after "
+                f"{NO_QUORUM_GRACE_S:g}s, so no clock can complete. Its quorum is the live workers of the "
+                "job's scheduler, and none has registered there: a worker joins by registering (PSTrainer("
+                "model, job=...) with no client, or 'pshard worker'). A server without a scheduler needs "
+                "--workers ID,ID,... naming the workers")
 
     async def push(self, stamp: Stamp, items: Sequence[tuple[SliceKey, WireArray]]) -> PushOutcome:
         """Apply (sync: accumulate) the gradients of `stamp.clock`, all or none."""
