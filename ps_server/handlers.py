@@ -32,6 +32,7 @@ from pshard.common.codec import WireArray, cast
 from pshard.common.errors import (
     EmptyRequestError,
     InvalidArgumentError,
+    JobConflictError,
     LayoutConflictError,
     PullTimeoutError,
     StaleGenerationError,
@@ -385,7 +386,7 @@ class ParameterServerHandlers:
             if store is None:
                 store = ShardStore(job or JobConfig(), quorum=self._quorum)
             elif job is not None and job != store.config:
-                raise LayoutConflictError(f"config: got {job}, this server runs {store.config}")
+                self._adopt_other_job(store, job)
             store.check_declare([SliceMeta(k, w.dtype, tuple(w.array.shape)) for k, w in items])
             created = store.declare([(k, w.array) for k, w in items])
             if self._store is None:  # installed only once it holds the request's slices
@@ -396,6 +397,24 @@ class ParameterServerHandlers:
             await self._settle([k for k, _ in items], self._deadline(None))
         values = store.read([k for k, _ in items])
         return created, [self._to_wire(WireArray(v, dtype_name(v.dtype))) for v, _ in values]
+
+    def _adopt_other_job(self, store: ShardStore, job: JobConfig) -> None:
+        """A Declare whose config differs from the running one: another job (refused, naming both, unless
+        the server was started with --resume), or the same job with other settings (refused)."""
+        ours, theirs = job.job_id, store.config.job_id
+        if ours == theirs:
+            raise LayoutConflictError(f"config: got {job}, this server runs {store.config}")
+        if not self._settings.resume or dataclasses.replace(job, job_id=theirs) != store.config:
+            stats = store.stats()
+            raise JobConflictError(
+                f"job {ours!r}: this server holds the parameters of job {theirs!r} (slice versions "
+                f"{stats.min_version}..{stats.max_version}), which a new job would silently continue. Start "
+                f"job {ours!r} on servers of its own (or stop these), or restart these with --resume to "
+                f"continue job {theirs!r}'s weights under the new id")
+        log.warning("RESUMING ANOTHER JOB (--resume): this server holds job %r's parameters; job %r "
+                    "continues its weights, optimizer state and clocks", theirs, ours)
+        store.config = dataclasses.replace(store.config, job_id=ours)
+        store.forget_incarnations()
 
     def _claim(self, job: JobConfig | None) -> ShardStore | None:
         """The store a Declare of `job` configures: a restored checkpoint only if it is of the same job.

@@ -312,6 +312,11 @@ class PSTrainer:
             log.warning("aggregate mode: the job is under way, keeping this model's own initial weights")
         else:
             self._staging.to_device(held, {k: p.detach() for k, p in self.params.items()})
+            if started and self.session is None and not self.job.job_id:
+                log.warning("the servers' job is under way (clock %d): this worker continues it with their "
+                            "weights, not this model's initial values. If this is a new run, name each run "
+                            "(JobConfig(job_id=...)): a new job on servers holding another is then refused",
+                            max(s.max_version for s in stats))
         if self.job.mode == "sync":
             return min((s.min_version for s in stats), default=0)
         # Async/SSP: the servers drop pushes at or below a worker's last clock (at-most-once).
