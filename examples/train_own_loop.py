@@ -1,7 +1,7 @@
 """Your own model and training loop on pshard: a BatchNorm convnet on Fashion-MNIST.
 
-    pshard launch --ps 2 --workers 2 examples/train_own_loop.py --epochs 2 --output runs/own.pt
-    python examples/train_own_loop.py --local --epochs 2 --output runs/local.pt   # one process, torch.optim
+    pshard launch --ps 2 --workers 2 examples/train_own_loop.py --output runs/own.pt
+    python examples/train_own_loop.py --local --output runs/local.pt      # one process, torch.optim
 
 Under the launcher (or compose, or a TFJob: anything that sets TF_CONFIG) `PSTrainer(model, job=...)`
 joins the cluster: the weights live on the parameter servers, which run SGD on the mean gradient of
@@ -42,7 +42,7 @@ def accuracy(model: nn.Module, data: TensorDataset) -> float:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--epochs", type=int, default=2)
+    p.add_argument("--epochs", type=int, default=4)
     p.add_argument("--batch-size", type=int, default=64, help="per worker")
     p.add_argument("--lr", type=float, default=0.05)
     p.add_argument("--train-size", type=int, default=0, help="use the first N training images (0: all)")
@@ -68,7 +68,7 @@ def main() -> None:
             name="sgd", lr=args.lr, momentum=0.9)))
         sampler = ShardSampler(train, optimizer)  # this worker's shard, like DistributedSampler
         batch_size = args.batch_size
-    scheduler = StepLR(optimizer, step_size=1, gamma=0.5)
+    scheduler = StepLR(optimizer, step_size=2, gamma=0.5)
     loader = DataLoader(train, batch_size=batch_size, sampler=sampler, num_workers=2, persistent_workers=True)
 
     rank = getattr(optimizer, "rank", 0)

@@ -1,7 +1,7 @@
 """Where a local launch leaves what `pshard status` needs: the certificates' folder and the last launch.
 
 `pshard launch` turns mutual TLS on with certificates in `default_certs_dir()` and, while it runs, keeps
-a small record of the launch (scheduler address, certificates' folder, job id, its pid) beside them. `pshard
+a small record of the launch (scheduler address, certificates' folder, job id, its pid) among them. `pshard
 status` with no flags reads that record, and with only an address it looks for the certificates in the same
 folder the launcher uses: so the command the launcher prints is all a user types. The record names no
 secret: the private keys stay in the certificates' folder, readable by their owner only.
@@ -25,8 +25,8 @@ def default_certs_dir(environ: Mapping[str, str] | None = None) -> str:
 
 
 def record_path(environ: Mapping[str, str] | None = None) -> Path:
-    """The last launch's record: beside the default certificates' folder (one per user)."""
-    return Path(default_certs_dir(environ)).parent / "launch.json"
+    """The last launch's record: in the default certificates' folder (one per user), pshard's own."""
+    return Path(default_certs_dir(environ)) / "launch.json"
 
 
 @dataclass(frozen=True)

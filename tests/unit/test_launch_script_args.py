@@ -50,7 +50,7 @@ def test_the_launch_record_says_how_to_reach_the_job_and_only_its_launcher_remov
     assert record.status_command(env) == "pshard status --scheduler 127.0.0.1:7000"
     assert LaunchRecord("h:1", "/elsewhere", "j", 1).status_command(env).endswith("--tls-dir /elsewhere")
     assert LaunchRecord("h:1", None, "j", 1).status_command(env).endswith("--insecure")
-    assert write_record(record, env) == tmp_path / "launch.json"
+    assert write_record(record, env) == tmp_path / "certs" / "launch.json"
     assert read_record(env) == record
     remove_record(4243, env)  # another launcher's exit leaves it
     assert read_record(env) == record
