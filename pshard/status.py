@@ -35,7 +35,7 @@ from pshard.common.security import (
     security_from_args,
 )
 from pshard.common.view import ClusterView, NodeState
-from pshard.launcher.record import default_certs_dir, read_record, record_path
+from pshard.launcher.record import find_record, records_dir
 
 PROG = "pshard status"
 
@@ -218,35 +218,30 @@ def _scheduler_address(args: argparse.Namespace, environ: Mapping[str, str]) -> 
         from pshard.common.cluster import ClusterSpec
 
         return ClusterSpec.from_tf_config(raw).scheduler_address
-    record = read_record(environ)
+    record = find_record(environ)
     if record is not None:
         return record.scheduler
-    raise ValueError(f"no scheduler: pass --scheduler HOST:PORT, set TF_CONFIG, or run a 'pshard launch' (it "
-                     f"leaves {record_path(environ)} while it runs)")
+    raise ValueError(f"no scheduler: pass --scheduler HOST:PORT or set TF_CONFIG (no 'pshard launch' is "
+                     f"running: a running one keeps a record in {records_dir(environ)})")
 
 
 _SECURITY_FLAGS = ("tls_cert", "tls_key", "tls_ca", "token_file", "tls_dir", "insecure")
 
 
 def _launcher_security(args: argparse.Namespace, scheduler: str, environ: Mapping[str, str]) -> None:
-    """No credentials given: those of `pshard launch`, found where the launcher keeps them.
-
-    The launcher turns mutual TLS on with certificates in `default_certs_dir()` (an admin's among them)
-    and records its scheduler there; a launch with --insecure records that. Anything given explicitly
-    (flags or PSHARD_TLS_* / PSHARD_TOKEN_FILE / PSHARD_TLS_DIR / PSHARD_INSECURE) wins."""
+    """No credentials given, and `scheduler` is a running `pshard launch`'s: that launch's (its certificates'
+    folder holds an admin's), or none for an --insecure launch (pshard.launcher.record). Anything given
+    explicitly (flags or PSHARD_TLS_* / PSHARD_TOKEN_FILE / PSHARD_TLS_DIR / PSHARD_INSECURE) wins."""
     if any(getattr(args, flag, None) is not None for flag in _SECURITY_FLAGS) or any(
             environ.get(var) for var in (ENV_CERT, ENV_KEY, ENV_CA, ENV_TOKEN, ENV_TLS_DIR, ENV_INSECURE)):
         return
-    record = read_record(environ)
-    if record is not None and record.scheduler == scheduler:
-        if record.certs_dir is None:
-            args.insecure = True
-        else:
-            args.tls_dir = record.certs_dir
+    record = find_record(environ, scheduler)
+    if record is None:
         return
-    certs = default_certs_dir(environ)
-    if os.path.isfile(os.path.join(certs, "ca.pem")):
-        args.tls_dir = certs
+    if record.certs_dir is None:
+        args.insecure = True
+    else:
+        args.tls_dir = record.certs_dir
 
 
 def build_parser(prog: str = PROG) -> argparse.ArgumentParser:

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 from pshard.launcher.cli import parse_options
 from pshard.launcher.plan import ClusterPlan, child_specs
-from pshard.launcher.record import LaunchRecord, read_record, remove_record, write_record
+from pshard.launcher.record import LaunchRecord, find_record, remove_record, write_record
 
 
 def test_everything_after_the_script_is_the_scripts_even_launcher_flags() -> None:
@@ -44,15 +46,19 @@ def test_script_trainers_get_tf_config_and_passive_openmp() -> None:
     assert trainer.env["OMP_WAIT_POLICY"] == "PASSIVE"
 
 
-def test_the_launch_record_says_how_to_reach_the_job_and_only_its_launcher_removes_it(tmp_path: Path) -> None:
+def test_a_running_launch_is_found_by_its_address_and_a_finished_or_killed_one_is_not(tmp_path: Path) -> None:
     env = {"PSHARD_CERTS_DIR": str(tmp_path / "certs")}
-    record = LaunchRecord("127.0.0.1:7000", str(tmp_path / "certs"), "launch-1", pid=4242)
-    assert record.status_command(env) == "pshard status --scheduler 127.0.0.1:7000"
+    mine = LaunchRecord("127.0.0.1:7000", str(tmp_path / "certs"), "launch-1", pid=os.getpid())
+    assert mine.status_command(env) == "pshard status --scheduler 127.0.0.1:7000"
     assert LaunchRecord("h:1", "/elsewhere", "j", 1).status_command(env).endswith("--tls-dir /elsewhere")
-    assert LaunchRecord("h:1", None, "j", 1).status_command(env).endswith("--insecure")
-    assert write_record(record, env) == tmp_path / "certs" / "launch.json"
-    assert read_record(env) == record
-    remove_record(4243, env)  # another launcher's exit leaves it
-    assert read_record(env) == record
-    remove_record(4242, env)
-    assert read_record(env) is None
+    assert write_record(mine, env) == tmp_path / "launches" / f"{os.getpid()}.json"
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    # A launcher SIGKILLed leaves its record behind.
+    write_record(LaunchRecord("127.0.0.1:7001", None, "launch-2", pid=gone.pid), env)
+
+    assert find_record(env) == mine
+    assert find_record(env, "127.0.0.1:7000") == mine
+    assert find_record(env, "127.0.0.1:7001") is None  # its launcher is gone
+    remove_record(os.getpid(), env)
+    assert find_record(env) is None
