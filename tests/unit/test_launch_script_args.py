@@ -62,3 +62,31 @@ def test_a_running_launch_is_found_by_its_address_and_a_finished_or_killed_one_i
     assert find_record(env, "127.0.0.1:7001") is None  # its launcher is gone
     remove_record(os.getpid(), env)
     assert find_record(env) is None
+
+
+def test_pshard_status_takes_the_credentials_of_the_launch_it_was_pointed_at(tmp_path: Path) -> None:
+    from pshard.status import _launcher_security, build_parser
+
+    env = {"PSHARD_CERTS_DIR": str(tmp_path / "certs")}
+    write_record(LaunchRecord("127.0.0.1:7000", str(tmp_path / "certs"), "launch-1", pid=os.getpid()), env)
+    try:
+        args = build_parser().parse_args([])
+        _launcher_security(args, "127.0.0.1:7000", env)
+        assert (args.tls_dir, args.insecure) == (str(tmp_path / "certs"), None)
+        other = build_parser().parse_args([])
+        _launcher_security(other, "127.0.0.1:9999", env)  # not a launch of ours: no guess
+        assert (other.tls_dir, other.insecure) == (None, None)
+        explicit = build_parser().parse_args(["--insecure"])
+        _launcher_security(explicit, "127.0.0.1:7000", env)
+        assert (explicit.tls_dir, explicit.insecure) == (None, True)
+        _launcher_security(from_env := build_parser().parse_args([]), "127.0.0.1:7000",
+                           {**env, "PSHARD_TLS_DIR": "/mine"})
+        assert from_env.tls_dir is None  # security_from_args reads PSHARD_TLS_DIR itself
+    finally:
+        remove_record(os.getpid(), env)
+    write_record(LaunchRecord("127.0.0.1:7001", None, "launch-2", pid=os.getpid()), env)
+    try:
+        _launcher_security(args := build_parser().parse_args([]), "127.0.0.1:7001", env)
+        assert args.insecure is True  # an --insecure launch
+    finally:
+        remove_record(os.getpid(), env)
