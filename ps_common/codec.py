@@ -22,7 +22,7 @@ import numpy as np
 from google.protobuf.message import DecodeError
 from pshard.common import dtypes
 from pshard.common.errors import EmptyRequestError, InvalidArgumentError, PayloadSizeError
-from pshard.common.job import MODES, NONFINITE, OPTIMIZERS, JobConfig, OptimizerConfig
+from pshard.common.job import MODES, NONFINITE, OPTIMIZERS, JobConfig, OptimizerConfig, check_lr
 from pshard.common.layout import Layout, LayoutSlice, ParamSpec
 from pshard.common.limits import DEFAULT_LIMITS
 from pshard.common.types import SliceKey, Stamp
@@ -233,13 +233,17 @@ def slice_tensor_from_proto(s: tensor_pb.SliceTensor) -> tuple[SliceKey, WireArr
 # ---- stamps, job config ----
 
 def stamp_to_proto(stamp: Stamp) -> ps_pb.Stamp:
-    return ps_pb.Stamp(worker_id=stamp.worker_id, generation=stamp.generation, clock=stamp.clock)
+    return ps_pb.Stamp(worker_id=stamp.worker_id, generation=stamp.generation, clock=stamp.clock,
+                       lr=stamp.lr)
 
 
 def stamp_from_proto(s: ps_pb.Stamp) -> Stamp:
     if not s.worker_id:
         raise InvalidArgumentError("stamp.worker_id: got '', expected the worker's id")
-    return Stamp(s.worker_id, s.generation, s.clock)
+    if not s.HasField("lr"):
+        return Stamp(s.worker_id, s.generation, s.clock)
+    check_lr("stamp.lr", s.lr)
+    return Stamp(s.worker_id, s.generation, s.clock, s.lr)
 
 
 def job_to_proto(job: JobConfig) -> ps_pb.JobConfig:
@@ -247,7 +251,7 @@ def job_to_proto(job: JobConfig) -> ps_pb.JobConfig:
     return ps_pb.JobConfig(
         mode=mode_to_proto(job.mode), staleness=job.staleness, backup_workers=job.backup_workers,
         wire_dtype=dtype_to_proto(job.wire_dtype) if job.wire_dtype else tensor_pb.DTYPE_UNSPECIFIED,
-        nonfinite=nonfinite_to_proto(job.nonfinite), job_id=job.job_id,
+        nonfinite=nonfinite_to_proto(job.nonfinite), job_id=job.job_id, averaged=job.averaged,
         optimizer=ps_pb.OptimizerConfig(
             name=optimizer_to_proto(o.name), lr=o.lr, momentum=o.momentum, dampening=o.dampening,
             nesterov=o.nesterov,
@@ -262,6 +266,7 @@ def job_from_proto(p: ps_pb.JobConfig) -> JobConfig:
         wire_dtype="" if p.wire_dtype == tensor_pb.DTYPE_UNSPECIFIED
         else dtype_from_proto(p.wire_dtype, "config.wire_dtype"),
         nonfinite=nonfinite_from_proto(p.nonfinite, "config.nonfinite"), job_id=p.job_id,
+        averaged=tuple(p.averaged),
         optimizer=OptimizerConfig(
             name=optimizer_from_proto(o.name, "config.optimizer.name"), lr=o.lr, momentum=o.momentum,
             dampening=o.dampening, nesterov=o.nesterov,

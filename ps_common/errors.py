@@ -129,6 +129,13 @@ class PermissionDeniedError(PSError):
     status = "PERMISSION_DENIED"
 
 
+class ForkedClientError(PSError):
+    """A client made in one process was used in a process forked from it (a DataLoader worker, ...):
+    its channels and threads belong to the parent."""
+
+    status = "FAILED_PRECONDITION"
+
+
 def error_classes() -> dict[str, type[PSError]]:
     """Every PSError subclass by name, so a client can re-raise the server's class."""
     found: dict[str, type[PSError]] = {}

@@ -21,7 +21,7 @@ OPTIMIZERS = ("sgd", "adam", "adamw", "adagrad", "aggregate")
 # reject refuses the whole request (INVALID_ARGUMENT naming the key and the first bad index), skip drops
 # the poisoned gradients and counts them, allow applies them as they are.
 NONFINITE = ("reject", "skip", "allow")
-__all__ = ["MODES", "NONFINITE", "OPTIMIZERS", "WIRE_DTYPES", "JobConfig", "OptimizerConfig"]
+__all__ = ["MODES", "NONFINITE", "OPTIMIZERS", "WIRE_DTYPES", "JobConfig", "OptimizerConfig", "check_lr"]
 
 # The accepted ranges (README, Limits). The bounds are far beyond any setting that trains: they are
 # there so that a typo or a hostile Declare (lr = 1e30, momentum = NaN) cannot configure every server
@@ -47,6 +47,14 @@ MAX_JOB_ID_CHARS = 128
 def _check_range(field: str, value: float, low: float, high: float) -> None:
     if not (math.isfinite(value) and low <= value <= high):
         raise InvalidArgumentError(f"{field}: got {value}, expected a finite value in [{low:g}, {high:g}]")
+
+
+def check_lr(field: str, lr: float) -> None:
+    """A learning rate from anywhere (the job's, a push's stamp) within the accepted range."""
+    _check_range(field, lr, *_LR_RANGE)
+
+
+_LR_RANGE = next((low, high) for name, low, high in _OPTIMIZER_RANGES if name == "lr")
 
 
 @dataclass(frozen=True)
@@ -104,6 +112,9 @@ class JobConfig:
     # The run's identity (docs/architecture.md, 9 Failures): checkpoints carry it, and a server restores
     # only a checkpoint of the same job, so re-running with the same --checkpoint-dir never mixes two.
     job_id: str = ""
+    # Keys whose slices hold the mean of what the workers push rather than an optimizer's update: the
+    # model's floating-point buffers (BatchNorm running statistics), PSTrainer(buffers="average").
+    averaged: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -118,3 +129,7 @@ class JobConfig:
             shown = self.job_id[:MAX_JOB_ID_CHARS + 1]
             raise InvalidArgumentError(f"job_id: got {shown!r}, expected at most {MAX_JOB_ID_CHARS} letters, "
                                        "digits or '-_.:'")
+        object.__setattr__(self, "averaged", tuple(self.averaged))  # JSON and protobuf give lists
+        if len(set(self.averaged)) != len(self.averaged) or not all(self.averaged):
+            raise InvalidArgumentError(f"averaged: got {list(self.averaged)[:8]}, expected distinct, "
+                                       "non-empty keys")

@@ -21,3 +21,5 @@ class Stamp(NamedTuple):
     worker_id: str
     generation: int
     clock: int
+    # The learning rate of this clock's update (a worker's LR scheduler); None = the job's optimizer.lr.
+    lr: float | None = None

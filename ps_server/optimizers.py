@@ -23,6 +23,8 @@ Arrays have the slice's shape and dtype; "step" counts the updates applied.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -307,3 +309,16 @@ _FACTORIES: dict[str, Callable[[OptimizerConfig], Optimizer]] = {
 def make_optimizer(config: OptimizerConfig) -> Optimizer:
     """The optimizer named by `config.name` (OptimizerConfig has already checked the name)."""
     return _FACTORIES[config.name](config)
+
+
+def at_lr(optimizer: Optimizer, lr: float | None) -> Optimizer:
+    """`optimizer` stepping with learning rate `lr` (a push's stamp; None = its own). The state is the
+    slice's, not the optimizer's, so a copy with another lr takes the very same step otherwise."""
+    if lr is None or lr == optimizer.config.lr or isinstance(optimizer, Aggregate):
+        return optimizer
+    return _with_lr(optimizer.config, lr)
+
+
+@functools.lru_cache(maxsize=32)  # a schedule revisits few values per stretch; each copy holds a scratch pool
+def _with_lr(config: OptimizerConfig, lr: float) -> Optimizer:
+    return make_optimizer(dataclasses.replace(config, lr=lr))

@@ -23,7 +23,7 @@ import numpy as np
 from pshard.common.errors import FutureClockError
 from pshard.common.job import JobConfig
 from pshard.common.types import SliceKey
-from pshard.ps_server.optimizers import Optimizer, SliceState, fold_scale
+from pshard.ps_server.optimizers import Optimizer, SliceState, at_lr, fold_scale
 
 NO_CLOCK = -1  # "has pushed nothing yet": clock 0 is then the next one
 
@@ -61,6 +61,9 @@ class Slot:
     floors: dict[str, int] = field(default_factory=dict)
     # Restored from a checkpoint and not yet caught up with the clock the workers are at.
     behind: bool = False
+    # The learning rate of the step being gathered or applied, from the pushes' stamps (a worker's LR
+    # scheduler); None = the job's optimizer.lr. Sync: every push of a clock carries the same one.
+    step_lr: float | None = None
     # Replication (ps_server/replication.py): told, before each optimizer step, what the step applies
     # (the gradient, or a sum and how many gradients it holds), so backups can take the same step.
     on_step: Callable[[Slot, np.ndarray, int], None] | None = field(default=None, repr=False, compare=False)
@@ -77,7 +80,7 @@ class Slot:
     def _step(self, grad: np.ndarray) -> None:
         if grad.dtype != self.value.dtype:
             grad = grad.astype(self.value.dtype)  # float16 off the wire: optimizers work in master precision
-        self.optimizer.step(self.value, grad, self.opt_state)
+        at_lr(self.optimizer, self.step_lr).step(self.value, grad, self.opt_state)
         self.version += 1
         self.behind = False  # a restored slice is back in step once it applies an update
 
@@ -88,8 +91,9 @@ class Slot:
             return
         if self.on_step is not None:
             self.on_step(self, total, count)
-        if total.dtype == self.value.dtype and fold_scale(self.optimizer):
-            self.optimizer.step_scaled(self.value, total, 1.0 / count)  # type: ignore[attr-defined]
+        optimizer = at_lr(self.optimizer, self.step_lr)
+        if total.dtype == self.value.dtype and fold_scale(optimizer):
+            optimizer.step_scaled(self.value, total, 1.0 / count)  # type: ignore[attr-defined]
             self.version += 1
             self.behind = False
             return

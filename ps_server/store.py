@@ -31,7 +31,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import NamedTuple, TypeVar
 
 import numpy as np
@@ -167,6 +167,8 @@ class ShardStore:
         self.config = config
         self.policy: ConsistencyPolicy = make_policy(config)
         self._optimizer = optimizer if optimizer is not None else make_optimizer(config.optimizer)
+        self._averaged = frozenset(config.averaged)
+        self._averaging = make_optimizer(replace(config.optimizer, name="aggregate"))
         self._meta = threading.Lock()
         self._quorum_change = threading.Lock()  # one set_quorum at a time: re-checks see old -> new in order
         self._subscribers: list[Callable[[], None]] = []
@@ -237,8 +239,13 @@ class ShardStore:
     def _new_slot(self, key: SliceKey, value: np.ndarray) -> Slot:
         dtype = np.dtype(value.dtype.name)
         master = np.array(value, dtype=_MASTER.get(dtype, dtype), order="C", copy=True)
-        return Slot(key=key, dtype=dtype, value=master, optimizer=self._optimizer,
-                    opt_state=self._optimizer.init_state(master), on_step=self._on_step)
+        optimizer = self._optimizer_for(key)
+        return Slot(key=key, dtype=dtype, value=master, optimizer=optimizer,
+                    opt_state=optimizer.init_state(master), on_step=self._on_step)
+
+    def _optimizer_for(self, key: SliceKey) -> Optimizer:
+        """The job's optimizer, or, for a key the job averages (a model buffer), the mean of the pushes."""
+        return self._averaging if key.key in self._averaged else self._optimizer
 
     # ---- replication (ps_server/replication.py) ----
 
@@ -276,7 +283,7 @@ class ShardStore:
                 if slot.key in self._slots:
                     raise InvalidArgumentError(f"adopt: slice {str(slot.key)!r} is already held here")
             for slot in slots:
-                slot.optimizer = self._optimizer
+                slot.optimizer = self._optimizer_for(slot.key)
                 slot.on_step = self._on_step
                 slot.aggregate = Aggregate()
                 self._slots[slot.key] = slot
@@ -294,6 +301,8 @@ class ShardStore:
         worker, clock = stamp.worker_id, stamp.clock
         if not grads:
             raise EmptyRequestError(f"push from worker {worker!r} at clock {clock}: no gradients")
+        if stamp.lr == self.config.optimizer.lr:
+            stamp = stamp._replace(lr=None)  # the job's own lr, said out loud: the same step as unstamped
         slots = self._lookup(grads)
         for slot, grad in zip(slots, grads.values(), strict=True):
             if grad.dtype != slot.dtype or grad.shape != slot.value.shape:
@@ -311,6 +320,7 @@ class ShardStore:
             # None = duplicate, False = late, True = accept; FutureClockError leaves everything as it was.
             verdicts = [None if clock <= slot.last_clock.get(worker, NO_CLOCK)
                         else self.policy.admit_push(slot, clock) for slot in slots]
+            self._check_step_lr(stamp, slots, verdicts)
             with self._meta:
                 self._record_stamp(stamp)
                 roster = self._roster
@@ -318,6 +328,8 @@ class ShardStore:
             for slot, grad, verdict in zip(slots, grads.values(), verdicts, strict=True):
                 if verdict is None:
                     continue
+                if verdict:
+                    slot.step_lr = stamp.lr
                 slot.last_clock[worker] = clock
                 slot.max_clock = max(slot.max_clock, clock)
                 if verdict and slot.key in poisoned:
@@ -344,6 +356,21 @@ class ShardStore:
         if applied or skipped:
             self._notify()
         return PushOutcome(applied=applied, dropped=dropped)
+
+    def _check_step_lr(self, stamp: Stamp, slots: Sequence[Slot], verdicts: Sequence[bool | None]) -> None:
+        """Sync: a clock's update has one learning rate; a push that disagrees with the clock's earlier
+        ones is refused whole, before anything of it lands."""
+        if self.config.mode != "sync":
+            return
+        for slot, verdict in zip(slots, verdicts, strict=True):
+            if verdict and slot.aggregate.contributors and slot.step_lr != stamp.lr:
+                def shown(lr: float | None) -> str:
+                    return f"{lr!r}" if lr is not None else f"the job's {self.config.optimizer.lr!r}"
+
+                raise InvalidArgumentError(
+                    f"stamp.lr: worker {stamp.worker_id!r} pushed clock {stamp.clock} of slice "
+                    f"{str(slot.key)!r} with lr {shown(stamp.lr)}, the clock's earlier pushes "
+                    f"({sorted(slot.aggregate.contributors)}) with {shown(slot.step_lr)}")
 
     def _check_finite(self, worker: str, clock: int, grads: Mapping[SliceKey, np.ndarray]) -> set[SliceKey]:
         """The keys whose gradient holds NaN or Inf, for nonfinite = skip; reject raises for the first.
@@ -625,7 +652,7 @@ class ShardStore:
             aggregate = Aggregate(None if s.pending is None else np.array(s.pending, copy=True),
                                   set(s.contributors))
             store._slots[s.key] = Slot(
-                key=s.key, dtype=np.dtype(s.dtype), value=value, optimizer=store._optimizer,
+                key=s.key, dtype=np.dtype(s.dtype), value=value, optimizer=store._optimizer_for(s.key),
                 opt_state=_copy_state(s.opt_state), version=s.version, last_clock=dict(s.clocks),
                 max_clock=max(s.clocks.values(), default=NO_CLOCK), aggregate=aggregate,
                 floors=dict(s.floors), behind=True, on_step=store._on_step)

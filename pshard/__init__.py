@@ -11,4 +11,13 @@ direction of their dependencies are in docs/architecture.md, 1 Layers):
 - ``pshard.api.v1``:   gRPC stubs generated from ``proto/`` at build time (never committed)
 """
 
+import os
+import sys
+
 __version__ = "0.2.0"
+
+# Before anything imports grpc, which reads this once: its fork handlers crash forked children such as
+# DataLoader workers (pshard.worker.forking says why). Left alone when the user set it, or when grpc
+# was imported before pshard (then the value stays the one grpc read, and PSTrainer warns).
+if "grpc" not in sys.modules:
+    os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "0")

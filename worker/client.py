@@ -57,6 +57,7 @@ from pshard.common.shm import DEFAULT_SHM_DIR, align
 from pshard.common.sparse import TableConfig
 from pshard.common.types import Stamp
 from pshard.worker.fastpath import TABLE_ROOM_BYTES, FastPath
+from pshard.worker.forking import ProcessOwned
 from pshard.worker.tables import TableClient
 
 from pshard.api.v1 import parameter_server_pb2 as pb
@@ -118,6 +119,7 @@ class PSClient:
             raise InvalidArgumentError("servers: got none, expected at least one parameter server address")
         self.servers = tuple(servers)
         self.worker_id = worker_id
+        self._owner = ProcessOwned(f"PSClient {worker_id!r}")  # a forked child must not use its channels
         # A callable (e.g. the SchedulerClient's `generation`) is read at every call, so requests
         # carry the newest incarnation after a re-registration.
         self._generation_source = generation if callable(generation) else None
@@ -171,6 +173,8 @@ class PSClient:
         if self._closed.is_set():
             return
         self._closed.set()
+        if not self._owner.here:
+            return  # a forked child's copy: the channels, sockets and threads are the parent's
         for server in range(len(self.servers)):
             self._drop_fast(server)
         # Channels first: closing one cancels its calls, so a pool thread blocked in a sync pull
@@ -277,10 +281,13 @@ class PSClient:
 
     # ---- push / pull ----
 
-    def push(self, grads: Mapping[str, np.ndarray], clock: int) -> Future[PushResult]:
-        """Send gradients for `clock`; returns at once with a future (see `wait`)."""
+    def push(self, grads: Mapping[str, np.ndarray], clock: int, *,
+             lr: float | None = None) -> Future[PushResult]:
+        """Send gradients for `clock`; returns at once with a future (see `wait`). `lr`: the learning
+        rate of this clock's update (an LR schedule; None = the job's)."""
         self._check_grads(grads)
-        return self._pool.submit(self._push_pull, grads, clock, None, False)
+        self._owner.check()
+        return self._pool.submit(self._push_pull, grads, clock, None, False, lr)
 
     def wait(self, future: Future[T], timeout_s: float | None = None) -> T:
         return future.result(timeout=timeout_s if timeout_s is not None else self._timeout_s)
@@ -311,23 +318,25 @@ class PSClient:
         return result
 
     def push_pull(self, grads: Mapping[str, np.ndarray], clock: int,
-                  out: Mapping[str, np.ndarray] | None = None) -> dict[str, np.ndarray]:
-        """Fused step: push gradients for `clock` and receive the weights for `clock + 1`.
+                  out: Mapping[str, np.ndarray] | None = None, *,
+                  lr: float | None = None) -> dict[str, np.ndarray]:
+        """Fused step: push gradients for `clock` and receive the weights for `clock + 1`. `lr`: the
+        learning rate of this clock's update (an LR schedule; None = the job's).
 
         Both directions share one stream per server, and the server sends each slice
         back as soon as its update is applied, so sending and receiving overlap.
         """
         self._check_grads(grads)
         result = self._outputs(list(grads), out)
-        self.last_result = self._push_pull(grads, clock, result, True)
+        self.last_result = self._push_pull(grads, clock, result, True, lr)
         return result
 
     def _push_pull(self, grads: Mapping[str, np.ndarray], clock: int,
-                   out: dict[str, np.ndarray] | None, pull: bool) -> PushResult:
-        return self._rerouting(lambda layout: self._push_pull_on(layout, grads, clock, out, pull))
+                   out: dict[str, np.ndarray] | None, pull: bool, lr: float | None = None) -> PushResult:
+        return self._rerouting(lambda layout: self._push_pull_on(layout, grads, clock, out, pull, lr))
 
     def _push_pull_on(self, layout: Layout, grads: Mapping[str, np.ndarray], clock: int,
-                      out: dict[str, np.ndarray] | None, pull: bool) -> PushResult:
+                      out: dict[str, np.ndarray] | None, pull: bool, lr: float | None = None) -> PushResult:
         wire = self.job.wire_dtype if self.job else ""
         flat = {}
         for key, g in grads.items():
@@ -335,7 +344,7 @@ class PSClient:
             flat[key] = codec.cast(codec.WireArray(g, self._dtypes[key]), wire).array if wire else g
 
         def run(server: int) -> pb.ExchangeSummary:
-            slices, header = self._push_header(layout, server, flat, wire, pull, clock)
+            slices, header = self._push_header(layout, server, flat, wire, pull, clock, lr)
             if not slices:
                 return pb.ExchangeSummary()
             buffers = [flat[s.key][s.offset:s.offset + s.numel] for s in slices]
@@ -349,7 +358,7 @@ class PSClient:
         return _result(self._all_servers(run))
 
     def _push_header(self, layout: Layout, server: int, flat: Mapping[str, np.ndarray], wire: str, pull: bool,
-                     clock: int) -> tuple[Sequence[LayoutSlice], pb.ExchangeHeader]:
+                     clock: int, lr: float | None = None) -> tuple[Sequence[LayoutSlice], pb.ExchangeHeader]:
         """The server's slices of `flat` and the step's header. Both are the same every step but for
         the stamp, and building the header's messages costs more than a small step's bytes: they are
         made once per (layout, parameters, wire dtype) and the header copied from a template."""
@@ -366,7 +375,7 @@ class PSClient:
         slices, template = cached
         header = pb.ExchangeHeader()
         header.CopyFrom(template)
-        header.stamp.CopyFrom(self._stamp(clock))
+        header.stamp.CopyFrom(self._stamp(clock, lr))
         header.timeout_ms = int(self._timeout_s * 1000)
         return slices, header
 
@@ -376,6 +385,7 @@ class PSClient:
 
     @functools.cached_property
     def tables(self) -> TableClient:
+        self._owner.check()
         return TableClient(self)
 
     def declare_table(self, config: TableConfig) -> None:
@@ -502,8 +512,8 @@ class PSClient:
         self._generation_source = None
         self._generation = value
 
-    def _stamp(self, clock: int) -> pb.Stamp:
-        return codec.stamp_to_proto(Stamp(self.worker_id, self.generation, clock))
+    def _stamp(self, clock: int, lr: float | None = None) -> pb.Stamp:
+        return codec.stamp_to_proto(Stamp(self.worker_id, self.generation, clock, lr))
 
     @staticmethod
     def _meta(s: LayoutSlice, dtype: str) -> pb.SliceMeta:
@@ -535,6 +545,7 @@ class PSClient:
 
     def _all_servers(self, fn: Callable[[int], T]) -> list[T]:
         """Run fn(server) for every server concurrently; the first error wins, after all have ended."""
+        self._owner.check()
         if len(self.servers) == 1:
             return [self._naming_unreachable(fn, 0)]
         futures = [self._pool.submit(self._naming_unreachable, fn, i) for i in range(len(self.servers))]

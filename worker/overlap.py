@@ -97,6 +97,7 @@ class BackwardOverlap:
             raise ValueError(f"bucket_bytes: got {bucket_bytes}, expected > 0")
         self._params = dict(params)
         self._client = client
+        self.step_lr: float | None = None  # the lr the step's pushes carry (a schedule's; None: the job's)
         self._staging = staging
         self._next_clock = next_clock
         self._landing = landing
@@ -205,9 +206,10 @@ class BackwardOverlap:
         grads, clock = dict(bucket.grads), self._clock
         bucket.grads.clear()
         bucket.sent = True
-        bucket.inflight = self._comm.submit(self._exchange, bucket.keys, grads, clock)
+        bucket.inflight = self._comm.submit(self._exchange, bucket.keys, grads, clock, self.step_lr)
 
-    def _exchange(self, keys: tuple[str, ...], grads: Mapping[str, _Grad], clock: int) -> PushResult:
+    def _exchange(self, keys: tuple[str, ...], grads: Mapping[str, _Grad], clock: int,
+                  lr: float | None) -> PushResult:
         if self._copy_stream is not None:
             for tensor, event in grads.values():
                 assert event is not None
@@ -220,7 +222,7 @@ class BackwardOverlap:
         else:
             host = self._staging.to_host({k: t for k, (t, _) in grads.items()})
         out = self._landing(keys)
-        self._client.push_pull(host, clock, out=out)
+        self._client.push_pull(host, clock, out=out, lr=lr)
         result = self._client.last_result
         assert result is not None  # push_pull records what it did; only this thread calls it
         return result

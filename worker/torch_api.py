@@ -17,9 +17,12 @@ as `pshard launch ... train.py`, compose or a TFJob set it) through the same `Cl
 for `pshard.worker.ShardSampler`) and the layout, waits at the start barrier, reports each clock,
 and `close()` leaves the job at a clock boundary. A restarted worker rejoins at the job's clock.
 
-What travels: the parameters that require gradients (buffers stay local, since running
-statistics are not gradients). bfloat16 parameters are held as float32 on the servers
-(numpy has no bfloat16; set the job's wire_dtype="bfloat16" to keep the traffic small).
+What travels: the parameters that require gradients, and in sync mode the floating-point buffers
+(BatchNorm's running statistics), whose mean every worker loads back (`buffers=`, pshard.worker.buffers).
+An `lr_scheduler` drives the servers' learning rate through `param_groups` (pshard.worker.hyper), and
+`DataLoader(num_workers=N)` may fork the process (pshard.worker.forking). bfloat16 parameters are
+held as float32 on the servers (numpy has no bfloat16; set the job's wire_dtype="bfloat16" to keep
+the traffic small).
 
 Overlap (`overlap=True`, what `python -m pshard.worker` uses): each bucket of gradients is pushed
 as soon as backward has produced it, last layer first, and the next forward waits only for the
@@ -38,6 +41,7 @@ the gRPC threads that carry the push/pull and made steps ~20x slower on a loaded
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 from collections.abc import Iterable, Mapping
 from concurrent.futures import Future
@@ -49,9 +53,12 @@ from pshard.common import dtypes
 from pshard.common.errors import InvalidArgumentError, PSError
 from pshard.common.job import JobConfig
 from pshard.common.layout import ParamSpec
+from pshard.worker import buffers as buffer_policy
+from pshard.worker import hyper
 from pshard.worker.client import PSClient, PushResult
 from pshard.worker.device import HostStaging, select_device
 from pshard.worker.embedding import attach_tables, push_table_grads
+from pshard.worker.forking import warn_if_fork_unsafe
 from pshard.worker.overlap import DEFAULT_BUCKET_BYTES, BackwardOverlap, merge_results
 from pshard.worker.session import ClusterSession
 from torch import nn
@@ -62,27 +69,37 @@ log = logging.getLogger("pshard.trainer")
 _NATIVE = tuple(getattr(torch, dtypes.info(name).torch_name) for name in dtypes.PARAM_DTYPES)
 
 
-def param_specs(model: nn.Module) -> list[ParamSpec]:
-    """What PSTrainer declares for `model`: every parameter that requires gradients, bf16 as float32."""
-    return [ParamSpec(key, dtypes.of_torch(_declared_dtype(p)).name, tuple(p.shape))
-            for key, p in model.named_parameters() if p.requires_grad]
+def param_specs(model: nn.Module, mode: str = "sync", buffers: str | None = None) -> list[ParamSpec]:
+    """What PSTrainer declares for `model` in a job of `mode` with its `buffers` policy: every parameter
+    that requires gradients, then the buffers that travel (pshard.worker.buffers), bf16 as float32."""
+    tensors = [*((k, p) for k, p in model.named_parameters() if p.requires_grad),
+               *buffer_policy.synced(model, buffer_policy.resolve(buffers, mode)).items()]
+    return [ParamSpec(key, dtypes.of_torch(_declared_dtype(t)).name, tuple(t.shape)) for key, t in tensors]
 
 
-class PSTrainer:
+class PSTrainer(torch.optim.Optimizer):
     """Keeps a model's parameters on the parameter servers and its clock in step with them.
 
     Construction declares the parameters (the first worker's initial values win; every
     worker loads what the servers hold) and picks up the clock where the servers are, so
     a worker that restarts or joins late continues rather than replaying clock 0.
+
+    A torch.optim.Optimizer whose update runs on the servers: `param_groups` shows the job's
+    hyper-parameters, and a `torch.optim.lr_scheduler` given the trainer sets the lr that each
+    step's pushes carry (pshard.worker.hyper). `state_dict()` holds the param groups (the
+    optimizer's state lives on the servers, and in their checkpoints).
     """
 
     def __init__(self, model: nn.Module, client: PSClient | None = None, job: JobConfig | None = None, *,
                  device: torch.device | str | None = None,
                  local_optimizer: torch.optim.Optimizer | None = None, clock: int | None = None,
                  overlap: bool = False, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-                 session: ClusterSession | None = None) -> None:
-        """`client` None: join the cluster through `session` (default: the one the environment
-        describes, `ClusterSession.from_environment()`); the trainer then owns the session."""
+                 buffers: str | None = None, session: ClusterSession | None = None) -> None:
+        """`buffers`: how the model's floating-point buffers follow the job, "average" (sync's default)
+        or "local" (async's and SSP's); see pshard.worker.buffers. `client` None: join the cluster
+        through `session` (default: the one the environment describes,
+        `ClusterSession.from_environment()`); the trainer then owns the session."""
+        warn_if_fork_unsafe()
         if job is None:
             raise InvalidArgumentError("job: got None, expected a JobConfig (the consistency mode and the "
                                        "server-side optimizer)")
@@ -91,7 +108,7 @@ class PSTrainer:
             self.session = session or ClusterSession.from_environment()
             job = self.session.job_of(job)
             try:
-                client = self.session.join(param_specs(model))
+                client = self.session.join(param_specs(model, job.mode, buffers))
             except BaseException:
                 self.session.close()
                 raise
@@ -112,6 +129,13 @@ class PSTrainer:
         self.params = {k: p for k, p in model.named_parameters() if p.requires_grad}
         if not self.params:
             raise InvalidArgumentError("model: has no parameters that require gradients")
+        self.buffer_policy = buffer_policy.resolve(buffers, job.mode)
+        self.synced_buffers = buffer_policy.synced(model, self.buffer_policy)
+        if self.synced_buffers:  # the servers hold them as slices that average the pushes
+            self.job = job = dataclasses.replace(job, averaged=tuple(self.synced_buffers))
+        self._buffer_landing: dict[str, np.ndarray] = {}
+        super().__init__(list(self.params.values()), hyper.defaults(job.optimizer))
+        self._stamped_lr: float | None = None  # the lr this step's pushes carry (None: the job's)
         first = next(iter(self.params.values()))
         self.device = first.device
         self._staging = HostStaging(self.device)
@@ -164,6 +188,7 @@ class PSTrainer:
             self._overlap.land()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        self._take_lr()  # with overlap, this step's pushes leave during backward
         if not set_to_none:
             self._settle()  # the last step's pushes read the gradients that zero_() would clear
         for p in self.params.values():
@@ -172,22 +197,29 @@ class PSTrainer:
             elif p.grad is not None:
                 p.grad.zero_()
 
-    def step(self) -> PushResult | None:
+    def step(self, closure: None = None) -> PushResult | None:  # type: ignore[override]
         """Push the gradients of this clock, pull the weights of the next one (into the parameters).
 
         With overlap, returns None without waiting (see the module docstring)."""
+        if closure is not None:
+            raise InvalidArgumentError("closure: PSTrainer.step takes none (the update runs on the servers, "
+                                       "once per backward)")
+        self._take_lr()
         if self._overlap is not None:
             self._overlapped_step()
             return None
         push_table_grads(self.tables, self._clock)  # the tables' rows first: each table has its own mode
         grads = self._grads_on_host()
+        grads.update(self._buffers_on_host())  # sync: the servers return their mean with the weights
         out = self._landing()
-        self.client.push_pull(grads, self._clock, out=out)
+        out.update(self._buffers_landing())
+        self.client.push_pull(grads, self._clock, out=out, lr=self._stamped_lr)
         result = self.client.last_result
         assert result is not None  # push_pull always records what it did
         self.last_result = result
         # Sync: the servers' version is the clock (a late push jumps to it); otherwise one step each.
         self._advance(result)
+        self._load_buffers(out)
         if self.aggregate:
             self._load(out, grads=True)
             assert self.local_optimizer is not None
@@ -204,8 +236,10 @@ class PSTrainer:
             raise InvalidArgumentError("pull: in aggregate mode the servers hold the mean gradient, not the "
                                        "weights; the weights are the ones in your model")
         out = self._landing()
+        out.update(self._buffers_landing())
         self.client.pull(self._clock, out=out)
         self._load(out)
+        self._load_buffers(out)
 
     def close(self) -> None:
         """Finish the last step, then close the client (the trainer owns it from construction on).
@@ -254,14 +288,22 @@ class PSTrainer:
             with contextlib.suppress(PSError):  # progress for `pshard status`; the heartbeat still runs
                 self.session.report_clock(self._clock)
 
+    def _take_lr(self) -> None:
+        """The lr this step's pushes carry: param_groups' as a scheduler left it (checked once here)."""
+        self._stamped_lr = hyper.stamped_lr(self.param_groups, self.job.optimizer)
+        if self._overlap is not None:
+            self._overlap.step_lr = self._stamped_lr
+
     def _advance(self, result: PushResult) -> None:
         # Sync: the servers' version is the clock (a late push jumps to it); otherwise one step each.
         self._clock = max(result.min_version, self._clock + 1) if self.job.mode == "sync" else self._clock + 1
 
     def _overlapped_step(self) -> None:
         assert self._overlap is not None
-        push_table_grads(self.tables, self._overlap.step_clock())  # rows first, as without overlap
+        clock = self._overlap.step_clock()
+        push_table_grads(self.tables, clock)  # rows first, as without overlap
         self._pending = self._overlap.finish_step()
+        self._exchange_buffers(clock)
         if self.aggregate:  # the local optimizer needs the mean gradients now
             self._settle()
             out = self._host_buffers(self.params)
@@ -304,7 +346,10 @@ class PSTrainer:
     def _declare(self) -> int:
         """Declare the parameters, load what the servers hold, return the clock to continue from."""
         values = self._staging.to_host({k: _declared(p.detach()) for k, p in self.params.items()})
+        values.update(self._buffers_on_host())
         held = self.client.declare(values, self.job)
+        self._load_buffers(held)
+        held = {k: held[k] for k in self.params}
         stats = [s for s in self.client.stats() if s.slices]
         started = any(s.max_version > 0 for s in stats)
         if self.aggregate and started:
@@ -321,6 +366,33 @@ class PSTrainer:
             return min((s.min_version for s in stats), default=0)
         # Async/SSP: the servers drop pushes at or below a worker's last clock (at-most-once).
         return 1 + max((s.worker_clocks.get(self.client.worker_id, -1) for s in stats), default=-1)
+
+    def _buffers_on_host(self) -> dict[str, np.ndarray]:
+        """Copies of the synced buffers' values (the pulled mean may land in the buffers themselves)."""
+        if not self.synced_buffers:
+            return {}
+        host = self._staging.to_host({k: _declared(b.detach()) for k, b in self.synced_buffers.items()})
+        return {k: np.array(a, copy=True) for k, a in host.items()}
+
+    def _buffers_landing(self) -> dict[str, np.ndarray]:
+        for key, b in self.synced_buffers.items():
+            if key not in self._buffer_landing:
+                self._buffer_landing[key] = np.empty(tuple(b.shape), _numpy_dtype(_declared_dtype(b)))
+        return dict(self._buffer_landing)
+
+    def _load_buffers(self, out: Mapping[str, np.ndarray]) -> None:
+        if self.synced_buffers:
+            self._staging.to_device({k: out[k] for k in self.synced_buffers}, self.synced_buffers)
+
+    def _exchange_buffers(self, clock: int) -> None:
+        """With overlap: the buffers' push of `clock` and the pull of their mean, after backward's buckets
+        (a push and a pull of their own: the fused call's reply is the overlap's to read)."""
+        if not self.synced_buffers:
+            return
+        self.client.wait(self.client.push(self._buffers_on_host(), clock, lr=self._stamped_lr))
+        out = self._buffers_landing()
+        self.client.pull(clock + 1, keys=list(out), out=out)
+        self._load_buffers(out)
 
     def _grads_on_host(self) -> dict[str, np.ndarray]:
         tensors: dict[str, torch.Tensor] = {}

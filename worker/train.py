@@ -177,7 +177,7 @@ class TrainingRun:
     def _join(self, model: nn.Module) -> None:
         cfg, session = self.cfg, self.session
         session.register()
-        layout = session.propose_layout(param_specs(model))
+        layout = session.propose_layout(param_specs(model, cfg.job.mode))
         with stage("declare", f"declaring the parameters on {', '.join(layout.servers)}"):
             client = session.connect(layout)
             restored = None

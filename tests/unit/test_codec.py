@@ -621,3 +621,14 @@ def test_timeout_zero_is_present_and_distinct_from_absent(message) -> None:
     assert codec.timeout_ms_from_proto(wire_round_trip(message(timeout_ms=0))) == 0
     assert codec.timeout_ms_from_proto(wire_round_trip(message(timeout_ms=250))) == 250
     assert codec.timeout_ms_from_proto(wire_round_trip(message())) is None
+
+
+@pytest.mark.parametrize("lr", [float("nan"), -0.1, 1e9])
+def test_a_stamp_with_a_bad_lr_is_refused_naming_the_field(lr: float) -> None:
+    with pytest.raises(InvalidArgumentError, match=r"stamp.lr: got"):
+        codec.stamp_from_proto(codec.stamp_to_proto(Stamp("w0", 0, 3, lr)))
+
+
+def test_a_stamp_carries_its_lr_or_none() -> None:
+    assert codec.stamp_from_proto(codec.stamp_to_proto(Stamp("w0", 2, 3, 0.25))) == Stamp("w0", 2, 3, 0.25)
+    assert codec.stamp_from_proto(codec.stamp_to_proto(Stamp("w0", 2, 3))).lr is None

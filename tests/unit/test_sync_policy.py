@@ -6,7 +6,7 @@ import threading
 
 import numpy as np
 import pytest
-from pshard.common.errors import FutureClockError, PullTimeoutError
+from pshard.common.errors import FutureClockError, InvalidArgumentError, PullTimeoutError
 from pshard.common.job import JobConfig, OptimizerConfig
 from pshard.common.types import SliceKey, Stamp
 from pshard.ps_server.optimizers import SliceState
@@ -258,3 +258,44 @@ def test_plain_sgd_folds_the_mean_into_the_learning_rate_within_an_ulp() -> None
     assert version == 1
     ulp = np.finfo(np.float32).eps * np.abs(start).max()
     np.testing.assert_allclose(value, expected, rtol=0, atol=4 * ulp)
+
+
+def test_a_clock_steps_with_the_lr_its_pushes_are_stamped_with() -> None:
+    store = sync_store("ab", lr=1.0)
+    store.push(Stamp("a", 1, 0, 0.5), {W: f64(2, 4)})
+    store.push(Stamp("b", 1, 0, 0.5), {W: f64(4, 8)})
+    assert value(store) == ([10 - 0.5 * 3, 20 - 0.5 * 6], 1)
+    push(store, "a", 1, 1, 1)  # unstamped: the job's lr again
+    push(store, "b", 1, 1, 1)
+    assert value(store) == ([8.5 - 1, 17 - 1], 2)
+
+
+def test_a_push_whose_lr_disagrees_with_its_clock_is_refused_whole() -> None:
+    store = sync_store("ab", lr=1.0)
+    store.push(Stamp("a", 1, 0, 0.5), {W: f64(2, 4)})
+    refused = (r"stamp.lr: worker 'b' pushed clock 0 of slice 'w' with lr 0.25, "
+               r"the clock's earlier pushes \(\['a'\]\) with 0.5")
+    with pytest.raises(InvalidArgumentError, match=refused):
+        store.push(Stamp("b", 1, 0, 0.25), {W: f64(4, 8)})
+    assert store.pull_status(Stamp("b", 1, 1), [W]) is not None  # b's push did not count
+    store.push(Stamp("b", 1, 0, 0.5), {W: f64(4, 8)})  # the same push, agreeing, is then accepted
+    assert value(store) == ([8.5, 17.0], 1)
+
+
+def test_an_averaged_slice_holds_the_mean_of_the_pushes_whatever_the_optimizer() -> None:
+    config = JobConfig(mode="sync", optimizer=OptimizerConfig(name="sgd", lr=0.5, momentum=0.9),
+                       averaged=("b",))
+    store = ShardStore(config, quorum={"a": 1, "c": 1})
+    store.declare([(SliceKey("b"), f64(0, 0)), (W, f64(10, 20))])
+    for worker, values in (("a", (1, 2)), ("c", (3, 6))):
+        store.push(Stamp(worker, 1, 0, 0.25), {SliceKey("b"): f64(*values), W: f64(*values)})
+    [(mean, version), (weights, _)] = store.read([SliceKey("b"), W])
+    assert mean.tolist() == [2, 4] and version == 1  # the mean, not an SGD step of it
+    assert weights.tolist() == [10 - 0.25 * 2, 20 - 0.25 * 4]  # the job's optimizer, at the stamped lr
+
+
+def test_a_stamp_with_the_jobs_own_lr_agrees_with_an_unstamped_push() -> None:
+    store = sync_store("ab", lr=1.0)
+    store.push(Stamp("a", 1, 0, 1.0), {W: f64(2, 4)})
+    push(store, "b", 0, 4, 8)
+    assert value(store) == ([7.0, 14.0], 1)
