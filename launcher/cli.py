@@ -1,9 +1,11 @@
 """``pshard launch`` (or ``python -m pshard.launcher``): a whole pshard cluster as local processes.
 
     pshard launch --ps 2 --workers 2 -- --mode sync --epochs 2 --output runs/model.pt
+    pshard launch --ps 2 --workers 2 train.py --epochs 2      # your own script, as torchrun runs it
 
 starts ``python -m pshard.scheduler`` and N ``python -m pshard.ps_server``, waits until each answers its gRPC
-health check, then starts M ``python -m pshard.worker`` (plus a chief with ``--chief``). Each child
+health check, then starts M ``python -m pshard.worker`` (plus a chief with ``--chief``), or M copies of
+a script given as the first argument ending in ``.py`` (everything after it is the script's). Each child
 gets its own TF_CONFIG naming the whole cluster on free ports of ``--host``. Every line a child
 writes is printed prefixed with its name (``[ps-0] ...``). The exit status is the workers': 0
 only when every worker exited 0. A failing child, Ctrl-C or SIGTERM stops every child: SIGTERM
@@ -25,7 +27,7 @@ import shlex
 import shutil
 import sys
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 from pshard.common.argtypes import (
@@ -35,8 +37,10 @@ from pshard.common.argtypes import (
     positive_int,
     replicas,
 )
+from pshard.common.dirlock import DirectoryInUseError, DirectoryLock
 from pshard.common.logs import add_log_level_argument, configure_logging
 from pshard.launcher.plan import RESTART_POLICIES, TASK_PLACEHOLDER, ClusterPlan, Options, cert_names
+from pshard.launcher.record import default_certs_dir
 from pshard.launcher.supervisor import run
 
 PROG = "python -m pshard.launcher"
@@ -50,12 +54,15 @@ class LaunchError(Exception):
 def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog=prog, allow_abbrev=False,
-        usage=f"{prog} [options] [--] [WORKER_ARG ...]",
+        usage=f"{prog} [options] [--] [WORKER_ARG ...]\n       {prog} [options] SCRIPT.py [SCRIPT_ARG ...]",
         description="Run a local pshard cluster as real processes: a scheduler, N parameter servers "
         "and M workers on free ports of one host, each with its own TF_CONFIG. Workers start once "
         "the scheduler and every server are healthy. Output lines are prefixed with the process "
         "name. Exit status: 0 only if every worker exited 0.",
-        epilog="Arguments after '--' (and any the launcher does not know) go to every worker; "
+        epilog="A script (the first argument ending in .py) runs as every worker, with this Python, as "
+        "torchrun runs one: every argument after it is the script's; PSTrainer(model, job=...) in it "
+        "joins the cluster from its TF_CONFIG. Otherwise workers run 'pshard worker': "
+        "arguments after '--' (and any the launcher does not know) go to every worker; "
         f"'{TASK_PLACEHOLDER}' in them becomes the worker's name, e.g. "
         f"--metrics runs/metrics-{TASK_PLACEHOLDER}.jsonl. "
         f"Example: {prog} --ps 2 --workers 2 -- --mode sync --epochs 2 --output runs/model.pt")
@@ -116,12 +123,37 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
     return parser
 
 
+def split_script(argv: Sequence[str], parser: argparse.ArgumentParser) -> tuple[list[str], list[str]] | None:
+    """(launcher args, [script, *script args]) when `argv` names a script (torchrun's form), else None.
+
+    The script is the first argument ending in '.py' before any '--' that is not the value of a
+    launcher flag (``--worker-cmd 'python x.py'`` stays a command)."""
+    for i, arg in enumerate(argv):
+        if arg == "--":
+            return None
+        if not arg.endswith(".py") or arg.startswith("-"):
+            continue
+        previous = parser._option_string_actions.get(argv[i - 1]) if i else None
+        if previous is not None and previous.nargs != 0:
+            continue
+        return list(argv[:i]), list(argv[i:])
+    return None
+
+
 def parse_options(argv: Sequence[str], prog: str = PROG) -> Options:
-    """Launcher flags up to '--'; everything after it, and unknown flags before it, go to workers."""
+    """Launcher flags up to '--' (or up to a script); what follows, and unknown flags before it, go to
+    workers."""
     argv = list(argv)
-    split = argv.index("--") if "--" in argv else len(argv)
     parser = build_parser(prog)
+    script = split_script(argv, parser)
+    if script is not None:
+        argv = [*script[0], "--", *script[1][1:]]
+    split = argv.index("--") if "--" in argv else len(argv)
     args, unknown = parser.parse_known_args(argv[:split])
+    if script is not None and (args.worker_cmd is not None or unknown):
+        what = "--worker-cmd" if args.worker_cmd is not None else f"{unknown[0]!r}"
+        parser.error(f"{what}: got it with the script {script[1][0]!r}; arguments for the script go after "
+                     "it, and a script replaces --worker-cmd")
     if args.workers == 0 and not args.chief:
         parser.error("--workers: got 0 without --chief, expected at least one training process")
     if args.scheduler_timeout_ms <= args.scheduler_interval_ms:
@@ -141,24 +173,21 @@ def parse_options(argv: Sequence[str], prog: str = PROG) -> Options:
             parser.error(f"--checkpoint-dir: {args.checkpoint_dir!r} is not a writable directory "
                          f"({e.strerror or e})")
     worker_cmd = Options.worker_cmd if args.worker_cmd is None else tuple(shlex.split(args.worker_cmd))
+    if script is not None:  # this Python: the one pshard is installed in, as for `pshard worker`
+        worker_cmd = (sys.executable, script[1][0])
     if not worker_cmd:
         parser.error("--worker-cmd: got an empty command")
     return Options(ps=args.ps, workers=args.workers, chief=args.chief, host=args.host,
                    heartbeat_interval_ms=args.scheduler_interval_ms,
                    heartbeat_timeout_ms=args.scheduler_timeout_ms, checkpoint_dir=args.checkpoint_dir,
                    worker_cmd=worker_cmd, worker_args=(*unknown, *argv[split + 1:]),
+                   script=script[1][0] if script is not None else None,
                    startup_timeout_s=args.startup_timeout_s, grace_s=args.grace_s,
                    log_level=args.log_level, restart=args.restart, max_restarts=args.max_restarts,
                    restart_backoff_s=args.restart_backoff_s, checkpoint_interval_s=args.checkpoint_interval_s,
                    job_id=args.job_id or f"launch-{uuid.uuid4().hex[:12]}", resume=args.resume,
                    replicas=args.replicas,
                    certs_dir=None if args.insecure else (args.certs_dir or default_certs_dir()))
-
-
-def default_certs_dir(environ: Mapping[str, str] | None = None) -> str:
-    env = os.environ if environ is None else environ
-    cache = env.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return env.get("PSHARD_CERTS_DIR") or os.path.join(cache, "pshard", "certs")
 
 
 def _ensure_certs(options: Options) -> None:
@@ -181,6 +210,8 @@ def _ensure_certs(options: Options) -> None:
 def check_startable(options: Options) -> None:
     """What would only fail once servers run, checked before any starts; LaunchError names it."""
     program = options.worker_cmd[0]
+    if options.script is not None and not Path(options.script).is_file():
+        raise LaunchError(f"script: {options.script!r} is not a file")
     if shutil.which(program) is None:
         raise LaunchError(f"--worker-cmd: {program!r} is not an executable program")
     # An unusable --checkpoint-dir is left to the parameter server, which names it (exit 2) and
@@ -201,9 +232,28 @@ def main(argv: Sequence[str] | None = None, prog: str = PROG) -> int:
                         "%s can read and overwrite the model", options.host)
         else:
             _ensure_certs(options)
-        return run(options)
+        lock = _lock_checkpoint_dir(options)
+        try:
+            return run(options)
+        finally:
+            if lock is not None:
+                lock.release()
     except LaunchError as err:
         print(f"{prog}: error: {err}", file=sys.stderr)
         return 2
+
+
+def _lock_checkpoint_dir(options: Options) -> DirectoryLock | None:
+    """--checkpoint-dir for this launch alone while it runs (its servers lock their own sub-directories):
+    a second job there is refused before anything starts, naming this one (pshard.common.dirlock)."""
+    if not options.checkpoint_dir:
+        return None
+    try:
+        Path(options.checkpoint_dir).mkdir(parents=True, exist_ok=True)
+        return DirectoryLock.acquire(options.checkpoint_dir, {"job_id": options.job_id, "role": "launcher"})
+    except DirectoryInUseError as err:
+        raise LaunchError(str(err)) from None
+    except OSError:
+        return None  # an unusable directory: the parameter server names it (see check_startable)
 
 

@@ -127,6 +127,7 @@ class Options:
     checkpoint_dir: str | None = None
     worker_cmd: tuple[str, ...] = (sys.executable, "-m", "pshard.worker")
     worker_args: tuple[str, ...] = ()
+    script: str | None = None  # `pshard launch ... train.py`: worker_cmd runs it (checked before start)
     startup_timeout_s: float = 60.0
     grace_s: float = 10.0
     log_level: str = DEFAULT_LOG_LEVEL  # the launcher's, and its servers'
@@ -222,6 +223,10 @@ def child_specs(plan: ClusterPlan, options: Options, python: str = sys.executabl
         env = _child_env(plan, task, options.job_id, options.certs_dir)
         if options.replicas:
             env = {**env, "PSHARD_REPLICAS": str(options.replicas)}
+        if options.script is not None:
+            # What `pshard worker` sets for itself (see its module): OpenMP's busy-waiting starves the
+            # gRPC threads on a host shared with servers and peers, as torchrun sets OMP_NUM_THREADS.
+            env = {**env, "OMP_WAIT_POLICY": "PASSIVE"}
         specs.append(ChildSpec(task.name, (*options.worker_cmd, *args), env))
     return specs
 

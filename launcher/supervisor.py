@@ -52,6 +52,7 @@ from pshard.launcher.plan import (
     restart_decision,
     trainer_restart_decision,
 )
+from pshard.launcher.record import LaunchRecord, remove_record, write_record
 
 _PROBE_INTERVAL_S = 0.2
 _PROBE_TIMEOUT_S = 2.0
@@ -259,6 +260,7 @@ def _supervise(sup: Supervisor, specs: Sequence[ChildSpec], options: Options,
         return 1
     sup.say(f"scheduler and {len(servers) - 1} parameter server(s) healthy; "
             f"starting {len(trainers)} worker(s)")
+    _announce(sup, options, servers, environ)
     for spec in trainers:
         sup.start(spec, environ)
     by_name = {s.name: s for s in specs}
@@ -307,6 +309,16 @@ def _supervise(sup: Supervisor, specs: Sequence[ChildSpec], options: Options,
     return 0
 
 
+def _announce(sup: Supervisor, options: Options, servers: Sequence[ChildSpec],
+              environ: Mapping[str, str]) -> None:
+    """Say where the scheduler is and how to look at the job, and keep that for a plain `pshard status`."""
+    address = next(s.health_address for s in servers if s.name == "scheduler")
+    assert address is not None
+    record = LaunchRecord(address, options.certs_dir, options.job_id, os.getpid())
+    sup.say(f"scheduler at {address}, job {options.job_id}; see it with: {record.status_command(environ)}")
+    write_record(record, environ)
+
+
 def _restart_later(sup: Supervisor, name: str, number: int, delay_s: float) -> None:
     """A ("restart", name, number) event after the backoff, from a timer: the event loop never sleeps."""
     timer = threading.Timer(delay_s, sup.events.put, args=(("restart", name, number),))
@@ -336,6 +348,7 @@ def run(options: Options, out: TextIO | None = None, environ: Mapping[str, str] 
         sup.stop(trainers)
         sup.stop([name for name in sup.children if name not in codes])
         _restore_signal_handlers(previous)
+        remove_record(os.getpid(), environ)
         for name in codes:
             if codes[name] is None and name in sup.children:
                 codes[name] = sup.children[name].returncode

@@ -100,6 +100,11 @@ class LayoutConflictError(PSError):
     status = "FAILED_PRECONDITION"
 
 
+class JobConflictError(LayoutConflictError):
+    """A Declare of one job on servers that hold another job's parameters (a new run needs its own
+    servers, or must say it resumes the other); the message names both job ids."""
+
+
 class CheckpointError(PSError):
     """A global checkpoint cannot be written or read (torn, foreign, or not matching the model or the
     layout a request gives): the state it needs is not there, so FAILED_PRECONDITION, never INTERNAL."""

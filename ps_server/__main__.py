@@ -44,6 +44,7 @@ from pshard.common.cluster import (
     cluster_spec_from_args,
     exit_on_config_error,
 )
+from pshard.common.dirlock import DirectoryLock
 from pshard.common.entry import STOP_SIGNALS, check_can_listen, metrics_address
 from pshard.common.errors import CheckpointError, ClusterConfigError, PSError
 from pshard.common.job import MODES, OPTIMIZERS, JobConfig, OptimizerConfig
@@ -53,6 +54,7 @@ from pshard.common.metrics import add_metrics_argument, serve_server_metrics
 from pshard.common.rpc import DEFAULT_MAX_MESSAGE_BYTES
 from pshard.common.security import SecurityConfig, add_security_arguments, security_from_args
 from pshard.ps_server import service
+from pshard.ps_server.handlers import NO_QUORUM_GRACE_S
 from pshard.ps_server.heap import bound_heap
 from pshard.ps_server.settings import ServerSettings
 from pshard.ps_server.table_files import pointer_path
@@ -218,6 +220,11 @@ async def _run(args: argparse.Namespace, spec: ClusterSpec | None, settings: Ser
     follower = None
     if spec is not None and not args.no_scheduler:
         follower = service.follow_scheduler(running, spec, loop, security)
+    elif settings.static_quorum is None:
+        log.warning("NO SYNC QUORUM: this server has neither --workers nor a scheduler (TF_CONFIG or "
+                    "--scheduler), so it cannot know whom a sync clock waits for: sync pulls fail after %gs "
+                    "saying so. Name the workers with --workers ID,ID,... or run it with the job's "
+                    "scheduler; async jobs need neither", NO_QUORUM_GRACE_S)
     tasks: list[asyncio.Future[object]] = [asyncio.ensure_future(stop.wait())]
     if args.checkpoint_dir and args.checkpoint_interval_s > 0:
         tasks.append(asyncio.ensure_future(service.checkpoint_every(running, args.checkpoint_interval_s)))
@@ -264,6 +271,7 @@ def main(argv: Sequence[str] | None = None, *, prog: str = PROG) -> int:
     check_can_listen(bind)
     if args.metrics_port:
         check_can_listen(metrics_address(bind, args.metrics_port))
+    lock = _lock_checkpoint_dir(args.checkpoint_dir, spec)
     try:
         return asyncio.run(_run(args, spec, settings, bind, security))
     # An unreadable checkpoint, or the port lost since check_can_listen: start-up errors, as usage errors.
@@ -273,6 +281,23 @@ def main(argv: Sequence[str] | None = None, *, prog: str = PROG) -> int:
     except PSError as err:
         print(f"{prog}: error: {err}", file=sys.stderr)
         return 1
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _lock_checkpoint_dir(path: str | None, spec: ClusterSpec | None) -> DirectoryLock | None:
+    """This server's checkpoint directory, for as long as it runs: a second server (of another job, or
+    a copy of this one) writing there would delete this one's files (pshard.common.dirlock)."""
+    if not path:
+        return None
+    # PSHARD_JOB_ID: set by `pshard launch` for every child, so a refusal names the job too.
+    owner = {"role": spec.node_id if spec is not None else "ps",
+             "job_id": os.environ.get("PSHARD_JOB_ID", "")}
+    try:
+        return DirectoryLock.acquire(path, owner)
+    except OSError as err:
+        raise ClusterConfigError(f"--checkpoint-dir: cannot lock {path!r} ({err.strerror or err})") from None
 
 
 if __name__ == "__main__":

@@ -32,6 +32,7 @@ from pshard.common.codec import WireArray, cast
 from pshard.common.errors import (
     EmptyRequestError,
     InvalidArgumentError,
+    JobConflictError,
     LayoutConflictError,
     PermissionDeniedError,
     PullTimeoutError,
@@ -71,6 +72,10 @@ Encoder = Callable[[WireArray], P]
 
 # A view newer than ours is on its way from the scheduler: wait this long for it at most.
 _VIEW_WAIT_S = 10.0
+# How long a sync pull waits for a server's first quorum before it says there is none: a registered
+# worker's view reaches the servers in milliseconds (seconds on a loaded host); the session waits for
+# it before clock 0, so only a worker that never joined the job gets here.
+NO_QUORUM_GRACE_S = 10.0
 
 
 def _metas(items: Sequence[tuple[SliceKey, WireArray]]) -> list[SliceMeta]:
@@ -412,7 +417,7 @@ class ParameterServerHandlers:
             if store is None:
                 store = ShardStore(job or JobConfig(), quorum=self._quorum)
             elif job is not None and job != store.config:
-                raise LayoutConflictError(f"config: got {job}, this server runs {store.config}")
+                self._adopt_other_job(store, job)
             store.check_declare([SliceMeta(k, w.dtype, tuple(w.array.shape)) for k, w in items])
             created = store.declare([(k, w.array) for k, w in items])
             if self._store is None:  # installed only once it holds the request's slices
@@ -423,6 +428,24 @@ class ParameterServerHandlers:
             await self._settle([k for k, _ in items], self._deadline(None))
         values = store.read([k for k, _ in items])
         return created, [self._to_wire(WireArray(v, dtype_name(v.dtype))) for v, _ in values]
+
+    def _adopt_other_job(self, store: ShardStore, job: JobConfig) -> None:
+        """A Declare whose config differs from the running one: another job (refused, naming both, unless
+        the server was started with --resume), or the same job with other settings (refused)."""
+        ours, theirs = job.job_id, store.config.job_id
+        if ours == theirs:
+            raise LayoutConflictError(f"config: got {job}, this server runs {store.config}")
+        if not self._settings.resume or dataclasses.replace(job, job_id=theirs) != store.config:
+            stats = store.stats()
+            raise JobConflictError(
+                f"job {ours!r}: this server holds the parameters of job {theirs!r} (slice versions "
+                f"{stats.min_version}..{stats.max_version}), which a new job would silently continue. Start "
+                f"job {ours!r} on servers of its own (or stop these), or restart these with --resume to "
+                f"continue job {theirs!r}'s weights under the new id")
+        log.warning("RESUMING ANOTHER JOB (--resume): this server holds job %r's parameters; job %r "
+                    "continues its weights, optimizer state and clocks", theirs, ours)
+        store.config = dataclasses.replace(store.config, job_id=ours)
+        store.forget_incarnations()
 
     def _claim(self, job: JobConfig | None) -> ShardStore | None:
         """The store a Declare of `job` configures: a restored checkpoint only if it is of the same job.
@@ -468,6 +491,8 @@ class ParameterServerHandlers:
         started = time.monotonic()
         if store.pull_status(stamp, keys) is None:  # validates; raises on bad keys or clocks
             return
+        if store.policy.name == "sync" and not store.had_quorum:
+            await self._await_first_quorum(store, stamp, keys, min(deadline, started + NO_QUORUM_GRACE_S))
         ready = await self._changes.wait_for(
             lambda: True if store.pull_status(stamp, keys) is None else None, deadline)
         if ready is None:
@@ -479,6 +504,22 @@ class ParameterServerHandlers:
                 f"pull by {stamp.worker_id!r} at clock {stamp.clock} timed out after "
                 f"{time.monotonic() - started:.1f}s waiting for workers {list(waiting.workers)} "
                 f"to reach clock {waiting.clock} (slices {[str(k) for k in waiting.keys][:5]})")
+
+    async def _await_first_quorum(self, store: ShardStore, stamp: Stamp, keys: Sequence[SliceKey],
+                                  deadline: float) -> None:
+        """A sync clock completes only when the quorum has pushed it; a server that never knew one (no
+        --workers, and no scheduler view with a live worker) would hold the pull to its deadline
+        "waiting for workers []". Say why, and what to do, within seconds instead."""
+        known = await self._changes.wait_for(
+            lambda: True if store.had_quorum or store.pull_status(stamp, keys) is None else None, deadline)
+        if known is None:
+            self.pulls_timed_out += 1
+            raise PullTimeoutError(
+                f"pull by {stamp.worker_id!r} at clock {stamp.clock}: this server has no sync quorum after "
+                f"{NO_QUORUM_GRACE_S:g}s, so no clock can complete. Its quorum is the live workers of the "
+                "job's scheduler, and none has registered there: a worker joins by registering (PSTrainer("
+                "model, job=...) with no client, or 'pshard worker'). A server without a scheduler needs "
+                "--workers ID,ID,... naming the workers")
 
     async def push(self, stamp: Stamp, items: Sequence[tuple[SliceKey, WireArray]]) -> PushOutcome:
         """Apply (sync: accumulate) the gradients of `stamp.clock`, all or none."""

@@ -177,6 +177,7 @@ class ShardStore:
         self._quorum: dict[str, int] | None = None
         self._seen: set[str] = set()
         self._roster = Roster(None, frozenset())
+        self.had_quorum = False  # whether any quorum was ever known (set_quorum, or `quorum` here)
         self._worker_clocks: dict[str, int] = {}
         self._counters = {"pushes_applied": 0, "pushes_dropped": 0, "late_gradients_dropped": 0,
                           "nonfinite_dropped": 0}
@@ -555,6 +556,7 @@ class ShardStore:
 
     def _install_quorum(self, quorum: Mapping[str, int]) -> None:
         self._quorum = dict(quorum) if quorum else None
+        self.had_quorum = self.had_quorum or bool(quorum)
         for worker, generation in quorum.items():
             self._generations[worker] = max(self._generations.get(worker, generation), generation)
         self._roster = Roster(frozenset(self._quorum) if self._quorum is not None else None,

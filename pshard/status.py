@@ -1,6 +1,9 @@
 """``pshard status``: the job at a glance, from the scheduler's view and every server's GetStats.
 
-    pshard status --scheduler HOST:PORT [--json] [--watch [SECONDS]]
+    pshard status [--scheduler HOST:PORT] [--json] [--watch [SECONDS]]
+
+With no --scheduler: TF_CONFIG's, else the running `pshard launch`'s. With no credentials: those the
+launcher made (pshard.launcher.record), so the command the launcher prints works as it is.
 
 The scheduler names the members (role, state, generation); each live server says what it holds
 (slices, bytes, versions), which clock each worker last pushed and over which transport. From
@@ -21,8 +24,19 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 
 from pshard.common.argtypes import positive_float
-from pshard.common.security import SecurityConfig, add_security_arguments, security_from_args
+from pshard.common.security import (
+    ENV_CA,
+    ENV_CERT,
+    ENV_INSECURE,
+    ENV_KEY,
+    ENV_TLS_DIR,
+    ENV_TOKEN,
+    SecurityConfig,
+    add_security_arguments,
+    security_from_args,
+)
 from pshard.common.view import ClusterView, NodeState
+from pshard.launcher.record import find_record, records_dir
 
 PROG = "pshard status"
 
@@ -205,13 +219,37 @@ def _scheduler_address(args: argparse.Namespace, environ: Mapping[str, str]) -> 
         from pshard.common.cluster import ClusterSpec
 
         return ClusterSpec.from_tf_config(raw).scheduler_address
-    raise ValueError("no scheduler: pass --scheduler HOST:PORT or set TF_CONFIG")
+    record = find_record(environ)
+    if record is not None:
+        return record.scheduler
+    raise ValueError(f"no scheduler: pass --scheduler HOST:PORT or set TF_CONFIG (no 'pshard launch' is "
+                     f"running: a running one keeps a record in {records_dir(environ)})")
+
+
+_SECURITY_FLAGS = ("tls_cert", "tls_key", "tls_ca", "token_file", "tls_dir", "insecure")
+
+
+def _launcher_security(args: argparse.Namespace, scheduler: str, environ: Mapping[str, str]) -> None:
+    """No credentials given, and `scheduler` is a running `pshard launch`'s: that launch's (its certificates'
+    folder holds an admin's), or none for an --insecure launch (pshard.launcher.record). Anything given
+    explicitly (flags or PSHARD_TLS_* / PSHARD_TOKEN_FILE / PSHARD_TLS_DIR / PSHARD_INSECURE) wins."""
+    if any(getattr(args, flag, None) is not None for flag in _SECURITY_FLAGS) or any(
+            environ.get(var) for var in (ENV_CERT, ENV_KEY, ENV_CA, ENV_TOKEN, ENV_TLS_DIR, ENV_INSECURE)):
+        return
+    record = find_record(environ, scheduler)
+    if record is None:
+        return
+    if record.certs_dir is None:
+        args.insecure = True
+    else:
+        args.tls_dir = record.certs_dir
 
 
 def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=prog, description="Show a running pshard job: members, clocks, lag, "
                                 "servers and what a stuck clock waits for.")
-    p.add_argument("--scheduler", metavar="HOST:PORT", help="the scheduler (default: TF_CONFIG's)")
+    p.add_argument("--scheduler", metavar="HOST:PORT",
+                   help="the scheduler (default: TF_CONFIG's, else the one 'pshard launch' is running)")
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")
     p.add_argument("--watch", metavar="SECONDS", type=positive_float, nargs="?", const=2.0, default=None,
                    help="refresh every SECONDS (default 2) until interrupted")
@@ -225,6 +263,7 @@ def main(argv: Sequence[str] | None = None, *, prog: str = PROG) -> int:
     args = build_parser(prog).parse_args(argv)
     try:
         scheduler = _scheduler_address(args, os.environ)
+        _launcher_security(args, scheduler, os.environ)
         security = security_from_args(args, os.environ, role="admin")
     except Exception as err:  # a bad TF_CONFIG names its field
         print(f"{prog}: error: {err}", file=sys.stderr)

@@ -30,8 +30,6 @@ import os
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import argparse
-import hashlib
-import json
 import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -64,6 +62,7 @@ from pshard.worker.data import default_data_dir
 from pshard.worker.device import DEVICES, select_device
 from pshard.worker.evaluate import run_evaluator
 from pshard.worker.model import MODELS
+from pshard.worker.session import default_job_id
 from pshard.worker.tensorboard_log import run_dir
 from pshard.worker.train import run
 
@@ -216,12 +215,6 @@ def _cluster(args: argparse.Namespace, environ: Mapping[str, str], prog: str) ->
     if not spec.ps:
         raise ClusterConfigError("cluster.ps: got no parameter servers, a worker needs at least one")
     return spec
-
-
-def default_job_id(spec: ClusterSpec) -> str:
-    """The same on every task of one cluster: a digest of TF_CONFIG's cluster part."""
-    cluster = {job: list(spec.job(job)) for job in ("scheduler", "chief", "ps", "worker", "evaluator")}
-    return "tf-" + hashlib.sha256(json.dumps(cluster, sort_keys=True).encode()).hexdigest()[:12]
 
 
 def _job(args: argparse.Namespace, spec: ClusterSpec) -> JobConfig:

@@ -38,6 +38,7 @@ from pshard.common.errors import (
     InvalidArgumentError,
     OverloadedError,
     PSError,
+    PullTimeoutError,
     ShapeMismatchError,
     StaleGenerationError,
     UnavailableError,
@@ -546,16 +547,32 @@ class PSClient:
         """Run fn(server) for every server concurrently; the first error wins, after all have ended."""
         self._owner.check()
         if len(self.servers) == 1:
-            return [fn(0)]
-        futures = [self._pool.submit(fn, i) for i in range(len(self.servers))]
+            return [self._naming_unreachable(fn, 0)]
+        futures = [self._pool.submit(self._naming_unreachable, fn, i) for i in range(len(self.servers))]
         return [f.result() for f in futures]
+
+    def _naming_unreachable(self, fn: Callable[[int], T], server: int) -> T:
+        """fn(server); a deadline passed while servers were unreachable names them, not a bare
+        DEADLINE_EXCEEDED: waiting for a server nobody started looks like waiting for slow peers."""
+        try:
+            return fn(server)
+        except PullTimeoutError as err:
+            down = sorted(self._unreachable)
+            if not down:
+                raise
+            raise PullTimeoutError(
+                f"parameter server(s) {', '.join(down)} (of {', '.join(self.servers)}) unreachable until "
+                f"the deadline ({self._timeout_s:g} s): is each one running at that address, with the same "
+                f"TLS settings as this worker? ({err})") from err
 
     def _on_connectivity(self, address: str, state: grpc.ChannelConnectivity) -> None:
         if self._closed.is_set():
             return
         if state is grpc.ChannelConnectivity.TRANSIENT_FAILURE and address not in self._unreachable:
             self._unreachable.add(address)
-            log.warning("server %s unreachable: calls wait for it, retrying until their deadline", address)
+            log.warning("parameter server %s unreachable (not running there yet, or refusing this worker's "
+                        "TLS): calls wait for it, retrying until their deadline (%g s)", address,
+                        self._timeout_s)
         elif state is grpc.ChannelConnectivity.READY and address in self._unreachable:
             self._unreachable.discard(address)
             log.info("server %s reachable again", address)

@@ -16,11 +16,16 @@ Each step runs as a named stage: a failure raises `StageError`, which names it.
 
 from __future__ import annotations
 
+import argparse
 import contextlib
+import hashlib
+import json
 import logging
+import os
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
 from typing import Any, Protocol
 
 from pshard.common.bind import default_bind
@@ -33,12 +38,13 @@ from pshard.common.errors import (
     PullTimeoutError,
     UnavailableError,
 )
+from pshard.common.job import JobConfig
 from pshard.common.layout import Layout, ParamSpec
 from pshard.common.scheduler_client import SchedulerClient
-from pshard.common.security import SecurityConfig
+from pshard.common.security import SecurityConfig, security_from_args
 from pshard.common.view import TRAINER_ROLES, ClusterView, NodeState
 from pshard.worker.client import PSClient
-from pshard.worker.config import stage
+from pshard.worker.config import Defaults, stage
 from pshard.worker.elastic import Roster
 from pshard.worker.server_watch import LostServer, ServerWatch
 from pshard.worker.waiting import Peer, PeerWait
@@ -51,6 +57,12 @@ _QUORUM_POLL_MAX_S = 0.5
 
 class _Stoppable(Protocol):
     def stop(self, timeout_s: float = ...) -> None: ...
+
+
+def default_job_id(spec: ClusterSpec) -> str:
+    """The same on every task of one cluster: a digest of TF_CONFIG's cluster part."""
+    cluster = {job: list(spec.job(job)) for job in ("scheduler", "chief", "ps", "worker", "evaluator")}
+    return "tf-" + hashlib.sha256(json.dumps(cluster, sort_keys=True).encode()).hexdigest()[:12]
 
 
 def training_over(view: ClusterView) -> bool:
@@ -88,10 +100,60 @@ class ClusterSession:
         self._roster = Roster()  # the view that splits a clock's union batch (worker.elastic)
         self._watch_stop = threading.Event()
 
+    @classmethod
+    def from_environment(cls, environ: Mapping[str, str] | None = None, *,
+                         startup_timeout_s: float = Defaults.STARTUP_TIMEOUT_S,
+                         step_timeout_s: float = Defaults.STEP_TIMEOUT_S,
+                         transport: str = Defaults.TRANSPORT) -> ClusterSession:
+        """The session of the trainer task the environment describes, as `pshard launch`, compose and a
+        TFJob set it: TF_CONFIG, the PSHARD_TLS_* / PSHARD_TOKEN_FILE files, PSHARD_REPLICAS and
+        PSHARD_JOB_ID. Raises ClusterConfigError naming what is missing or wrong."""
+        env = os.environ if environ is None else environ
+        raw = env.get("TF_CONFIG")
+        if not raw:
+            raise ClusterConfigError(
+                "TF_CONFIG: not set; a trainer without a PSClient joins the cluster TF_CONFIG describes "
+                "(pshard launch, docker compose and a TFJob set it): run the script under 'pshard launch "
+                "... script.py', or pass a PSClient")
+        spec = ClusterSpec.from_tf_config(raw)
+        if spec.task_type not in TRAINER_ROLES:
+            raise ClusterConfigError(f"task.type: got {spec.task_type!r}, a training script runs as one of "
+                                     f"{sorted(TRAINER_ROLES)}")
+        if not spec.ps:
+            raise ClusterConfigError("cluster.ps: got no parameter servers, a worker needs at least one")
+        security = security_from_args(argparse.Namespace(), env, role=spec.task_type, node_id=spec.node_id)
+        replicas = env.get("PSHARD_REPLICAS") or "0"
+        if not replicas.isdigit():
+            raise ClusterConfigError(f"PSHARD_REPLICAS: got {replicas!r}, expected a whole number >= 0")
+        session = cls(spec, startup_timeout_s=startup_timeout_s, step_timeout_s=step_timeout_s,
+                      transport=transport, security=security, replicas=int(replicas))
+        session.job_id = env.get("PSHARD_JOB_ID") or default_job_id(spec)
+        return session
+
+    job_id = ""  # from_environment: the job's identity, for a JobConfig that names none
+
+    def job_of(self, job: JobConfig) -> JobConfig:
+        """`job`, with this session's job id when it names none (every task of a launch shares it)."""
+        return job if job.job_id or not self.job_id else replace(job, job_id=self.job_id)
+
+    def join(self, params: Sequence[ParamSpec]) -> PSClient:
+        """Trainers: host the scheduler if this task must, register, agree on the layout of `params`,
+        and connect. Next: declare (inside `waiting_for_servers(client.layout)`), then `await_start`."""
+        self.host_scheduler_if_needed()
+        self.register()
+        return self.connect(self.propose_layout(params))
+
     @property
     def rank(self) -> int:
         """The data-parallel rank (chief first); evaluators have none and read as 0."""
         return self.spec.data_rank or 0
+
+    @property
+    def is_chief(self) -> bool:
+        """The chief, or worker 0 when the cluster has none (TensorFlow's rule)."""
+        spec = self.spec
+        return spec.task_type == "chief" or (spec.task_type == "worker" and spec.task_index == 0
+                                             and not spec.chief)
 
     # ---- joining ----
 

@@ -11,6 +11,12 @@ the fresh weights back into the parameters in one fused exchange per server:
         trainer.step()
     trainer.close()
 
+Given no client, `PSTrainer(model, job=...)` joins the cluster its environment describes (TF_CONFIG,
+as `pshard launch ... train.py`, compose or a TFJob set it) through the same `ClusterSession` as
+`pshard worker`: it registers with the scheduler, gets its rank (`trainer.rank`, `trainer.world_size`,
+for `pshard.worker.ShardSampler`) and the layout, waits at the start barrier, reports each clock,
+and `close()` leaves the job at a clock boundary. A restarted worker rejoins at the job's clock.
+
 What travels: the parameters that require gradients, and in sync mode the floating-point buffers
 (BatchNorm's running statistics), whose mean every worker loads back (`buffers=`, pshard.worker.buffers).
 An `lr_scheduler` drives the servers' learning rate through `param_groups` (pshard.worker.hyper), and
@@ -34,6 +40,7 @@ the gRPC threads that carry the push/pull and made steps ~20x slower on a loaded
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 from collections.abc import Iterable, Mapping
@@ -43,7 +50,7 @@ from types import TracebackType
 import numpy as np
 import torch
 from pshard.common import dtypes
-from pshard.common.errors import InvalidArgumentError
+from pshard.common.errors import InvalidArgumentError, PSError
 from pshard.common.job import JobConfig
 from pshard.common.layout import ParamSpec
 from pshard.worker import buffers as buffer_policy
@@ -53,6 +60,7 @@ from pshard.worker.device import HostStaging, select_device
 from pshard.worker.embedding import attach_tables, push_table_grads
 from pshard.worker.forking import warn_if_fork_unsafe
 from pshard.worker.overlap import DEFAULT_BUCKET_BYTES, BackwardOverlap, merge_results
+from pshard.worker.session import ClusterSession
 from torch import nn
 
 log = logging.getLogger("pshard.trainer")
@@ -82,14 +90,28 @@ class PSTrainer(torch.optim.Optimizer):
     optimizer's state lives on the servers, and in their checkpoints).
     """
 
-    def __init__(self, model: nn.Module, client: PSClient, job: JobConfig, *,
+    def __init__(self, model: nn.Module, client: PSClient | None = None, job: JobConfig | None = None, *,
                  device: torch.device | str | None = None,
                  local_optimizer: torch.optim.Optimizer | None = None, clock: int | None = None,
                  overlap: bool = False, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-                 buffers: str | None = None) -> None:
+                 buffers: str | None = None, session: ClusterSession | None = None) -> None:
         """`buffers`: how the model's floating-point buffers follow the job, "average" (sync's default)
-        or "local" (async's and SSP's); see pshard.worker.buffers."""
+        or "local" (async's and SSP's); see pshard.worker.buffers. `client` None: join the cluster
+        through `session` (default: the one the environment describes,
+        `ClusterSession.from_environment()`); the trainer then owns the session."""
         warn_if_fork_unsafe()
+        if job is None:
+            raise InvalidArgumentError("job: got None, expected a JobConfig (the consistency mode and the "
+                                       "server-side optimizer)")
+        self.session: ClusterSession | None = None
+        if client is None:
+            self.session = session or ClusterSession.from_environment()
+            job = self.session.job_of(job)
+            try:
+                client = self.session.join(param_specs(model, job.mode, buffers))
+            except BaseException:
+                self.session.close()
+                raise
         self.model = model
         self.client = client
         self.job = job
@@ -120,13 +142,34 @@ class PSTrainer(torch.optim.Optimizer):
         self._buffers: dict[str, np.ndarray] = {}
         self._zeros: dict[str, torch.Tensor] = {}
         self.last_result: PushResult | None = None
-        self._clock = self._declare() if clock is None else clock
+        try:
+            self._clock = self._join() if clock is None else clock
+        except BaseException:
+            if self.session is not None:
+                self.session.leave_quietly()
+                self.session.close()
+            raise
         self._pending: list[Future[PushResult]] = []  # overlap: the last step's buckets in flight
         self._overlap = BackwardOverlap(
             model, self.params, client, self._staging, self._settle, self._host_buffers,
             self._load_overlapped, self._zero_grad_of, bucket_bytes) if overlap else None
 
     # ---- the training-loop API ----
+
+    @property
+    def rank(self) -> int:
+        """This worker's data-parallel rank in the job (chief first); 0 with a client of your own."""
+        return self.session.rank if self.session is not None else 0
+
+    @property
+    def world_size(self) -> int:
+        """Trainers in the job as TF_CONFIG lists them; 1 with a client of your own."""
+        return self.session.spec.world_size if self.session is not None else 1
+
+    @property
+    def is_chief(self) -> bool:
+        """The worker that saves and evaluates: the chief, else worker 0 (TensorFlow's rule)."""
+        return self.session.is_chief if self.session is not None else True
 
     @property
     def clock(self) -> int:
@@ -183,6 +226,7 @@ class PSTrainer(torch.optim.Optimizer):
             self.local_optimizer.step()
         else:
             self._load(out)
+        self._report()
         return result
 
     def pull(self) -> None:
@@ -198,23 +242,51 @@ class PSTrainer(torch.optim.Optimizer):
         self._load_buffers(out)
 
     def close(self) -> None:
-        """Finish the last step, then close the client (the trainer owns it from construction on)."""
+        """Finish the last step, then close the client (the trainer owns it from construction on).
+
+        Joined through a session: leave the job at this clock boundary (the sync quorum shrinks and the
+        others go on); a chief hosting the scheduler first waits until the other workers are done."""
         try:
             if self._overlap is not None:
                 self.synchronize()
+            if self.session is not None:
+                if self.session.hosted_scheduler is not None:
+                    self.session.await_peers()
+                self.session.leave()
         finally:
             if self._overlap is not None:
                 self._overlap.close()
             self.client.close()
+            if self.session is not None:
+                self.session.close()
 
     def __enter__(self) -> PSTrainer:
         return self
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
+        if exc is not None and self.session is not None:
+            self.session.leave_quietly()  # the failure is the exception: leaving must not mask it
         self.close()
 
     # ---- internals ----
+
+    def _join(self) -> int:
+        """Declare (naming the servers that do not answer), then the start barrier and full quorum."""
+        session = self.session
+        if session is None:
+            return self._declare()
+        layout = self.client.layout
+        assert layout is not None  # session.join connected on a layout
+        with session.waiting_for_servers(layout):
+            clock = self._declare()
+        session.await_start(clock, wait_for_quorum=self.job.mode != "async")  # async waits for nobody
+        return clock
+
+    def _report(self) -> None:
+        if self.session is not None:
+            with contextlib.suppress(PSError):  # progress for `pshard status`; the heartbeat still runs
+                self.session.report_clock(self._clock)
 
     def _take_lr(self) -> None:
         """The lr this step's pushes carry: param_groups' as a scheduler left it (checked once here)."""
@@ -247,6 +319,7 @@ class PSTrainer(torch.optim.Optimizer):
             result = merge_results(self.client.wait(f) for f in futures)
             self.last_result = result
             self._advance(result)
+            self._report()
         return self._clock
 
     def _host_buffers(self, keys: Iterable[str]) -> dict[str, np.ndarray]:
@@ -291,6 +364,11 @@ class PSTrainer(torch.optim.Optimizer):
             log.warning("aggregate mode: the job is under way, keeping this model's own initial weights")
         else:
             self._staging.to_device(held, {k: p.detach() for k, p in self.params.items()})
+            if started and self.session is None and not self.job.job_id:
+                log.warning("the servers' job is under way (clock %d): this worker continues it with their "
+                            "weights, not this model's initial values. If this is a new run, name each run "
+                            "(JobConfig(job_id=...)): a new job on servers holding another is then refused",
+                            max(s.max_version for s in stats))
         if self.job.mode == "sync":
             return min((s.min_version for s in stats), default=0)
         # Async/SSP: the servers drop pushes at or below a worker's last clock (at-most-once).

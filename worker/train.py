@@ -59,6 +59,7 @@ class Outcome:
     model_path: str | None = None
     failed: str | None = None
     skipped: int = 0  # planned steps the others trained while this worker was away (sync)
+    loss_so_far: float = float("nan")  # mean over the epoch in progress, for a run stopped in mid-epoch
     started: float = field(default_factory=time.monotonic)
 
     def final_line(self, role: str) -> str:
@@ -68,7 +69,13 @@ class Outcome:
         if self.test_accuracy is not None:
             parts.append(f"test_accuracy={self.test_accuracy:.4f}")
         parts += [f"steps={self.steps}"] + ([f"skipped={self.skipped}"] if self.skipped else [])
-        if self.steps or math.isfinite(self.train_loss):
+        stopped_early = self.failed == "stopped" and not math.isfinite(self.train_loss)
+        if stopped_early:
+            # Stopped (Ctrl-C, SIGTERM) before an epoch ended: no epoch's loss to show, and "nan" would
+            # read as divergence. The epoch's loss so far says how it was going.
+            if math.isfinite(self.loss_so_far):
+                parts.append(f"epoch_loss_so_far={self.loss_so_far:.4f}")
+        elif self.steps or math.isfinite(self.train_loss):
             # A worker that rejoined a finished job trained nothing: no loss to show, where "nan"
             # would read as divergence. A trainer whose loss is NaN after steps shows it.
             parts.append(f"train_loss={self.train_loss:.4f}")
@@ -214,6 +221,7 @@ class TrainingRun:
             self.progress.start_epoch(epoch, total - skip)
             self.outcome.epoch = epoch
             losses, correct, seen, started = [], 0, 0, time.monotonic()
+            loss_sum = 0.0
             for clock in clocks[skip:]:
                 if self._steps_to_skip(clock, 1):
                     continue  # the clock jumped during this epoch: those batches were trained without us
@@ -222,6 +230,8 @@ class TrainingRun:
                 loss, hits = self._step(data.train_x[batch], data.train_y[batch])
                 self._check_divergence(loss)
                 losses.append(loss)
+                loss_sum += loss
+                self.outcome.loss_so_far = loss_sum / len(losses)
                 correct, seen = correct + hits, seen + len(batch)
                 self.outcome.steps += 1
                 session.report_clock(trainer.clock)

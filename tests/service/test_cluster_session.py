@@ -6,12 +6,15 @@ OS picked a moment before.
 
 from __future__ import annotations
 
+import json
+import re
 import socket
 import threading
 
 import pytest
 from pshard.common.cluster import ClusterSpec
 from pshard.common.errors import ClusterConfigError
+from pshard.common.job import JobConfig
 from pshard.common.view import ClusterView, Node, NodeState
 from pshard.worker.session import ClusterSession, training_over
 
@@ -97,3 +100,32 @@ def test_a_worker_joining_before_the_first_clock_waits_for_the_listed_workers_no
     finally:
         joiner.close()
         first.close()
+
+
+def test_the_session_a_script_joins_through_comes_from_its_environment() -> None:
+    cluster = {"scheduler": ["127.0.0.1:7000"], "ps": ["127.0.0.1:7100"],
+               "worker": ["127.0.0.1:7200", "127.0.0.1:7201"]}
+    env = {"TF_CONFIG": json.dumps({"cluster": cluster, "task": {"type": "worker", "index": 1}}),
+           "PSHARD_JOB_ID": "launch-1", "PSHARD_REPLICAS": "0", "PSHARD_INSECURE": "1"}
+    session = ClusterSession.from_environment(env)
+    assert (session.spec.node_id, session.rank, session.is_chief, session.spec.world_size) == ("worker-1", 1,
+                                                                                               False, 2)
+    assert session.job_of(JobConfig()).job_id == "launch-1"
+    assert session.job_of(JobConfig(job_id="mine")).job_id == "mine"
+    without_id = ClusterSession.from_environment({**env, "PSHARD_JOB_ID": ""})
+    assert without_id.job_of(JobConfig()).job_id.startswith("tf-")  # the same on every task of the cluster
+
+
+@pytest.mark.parametrize(("env", "message"), [
+    ({}, "TF_CONFIG: not set; a trainer without a PSClient joins"),
+    ({"TF_CONFIG": json.dumps({"cluster": {"scheduler": ["127.0.0.1:7000"], "ps": ["127.0.0.1:7100"]},
+                               "task": {"type": "ps", "index": 0}})},
+     "task.type: got 'ps'"),
+    ({"TF_CONFIG": json.dumps({"cluster": {"ps": ["127.0.0.1:7100"], "worker": ["127.0.0.1:7200"]},
+                               "task": {"type": "worker", "index": 0}}), "PSHARD_REPLICAS": "two"},
+     "PSHARD_REPLICAS: got 'two'"),
+])
+def test_an_environment_that_describes_no_trainer_is_refused_naming_what(env: dict[str, str],
+                                                                        message: str) -> None:
+    with pytest.raises(ClusterConfigError, match=re.escape(message)):
+        ClusterSession.from_environment(env)

@@ -7,6 +7,8 @@ from __future__ import annotations
 import logging
 
 import numpy as np
+import pytest
+from pshard.common.errors import JobConflictError
 from pshard.common.job import JobConfig, OptimizerConfig
 from pshard.ps_server.settings import ServerSettings
 
@@ -98,3 +100,31 @@ def test_a_resumed_job_is_not_fenced_by_the_other_jobs_generations(start_server,
     reply = wire.stub(server).Push(wire.push_request("w0", 1, {"w": np.ones(6, np.float32)}, generation=1),
                                    timeout=WAIT_S)
     assert reply.applied == 1
+
+
+def _live_server_of_run_1(start_server, wire, **settings) -> tuple[object, np.ndarray]:
+    server = start_server(ServerSettings(static_quorum={"w0": 0}, **settings))
+    wire.declare(server, job("run-1"), MODEL)
+    wire.stub(server).Push(wire.push_request("w0", 0, {"w": np.full(6, 0.5, np.float32)}), timeout=WAIT_S)
+    return server, MODEL["w"] - 0.5
+
+
+def test_a_new_job_on_live_servers_of_another_is_refused_naming_both(start_server, wire, new_client):
+    server, trained = _live_server_of_run_1(start_server, wire)
+
+    refusal = r"job 'run-2': this server holds the parameters of job 'run-1' \(slice versions 1\.\.1\).*resu"
+    with pytest.raises(JobConflictError, match=refusal):
+        new_client([server], "w0").declare({"w": np.zeros(6, np.float32)}, job("run-2"))
+    np.testing.assert_array_equal(_declared_values(server, wire, "run-1"), trained)  # run-1 unharmed
+
+
+def test_a_new_job_on_live_servers_started_with_resume_continues_their_weights(start_server, wire, new_client,
+                                                                                caplog):
+    server, trained = _live_server_of_run_1(start_server, wire, resume=True)
+    caplog.set_level(logging.WARNING, logger="pshard.ps")
+
+    held = new_client([server], "w0").declare({"w": np.zeros(6, np.float32)}, job("run-2"))
+
+    np.testing.assert_array_equal(held["w"], trained)
+    assert any("RESUMING ANOTHER JOB (--resume)" in r.getMessage() and "'run-1'" in r.getMessage()
+               for r in caplog.records)

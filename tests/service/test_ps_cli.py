@@ -183,8 +183,10 @@ def test_sigterm_during_start_up_is_a_quiet_stop():
 
 
 def test_log_level_warning_leaves_a_served_and_stopped_server_silent():
+    # --workers: without a quorum of any kind the server warns (test_a_server_with_neither_workers...).
     process = subprocess.Popen(
-        [sys.executable, "-m", "pshard.ps_server", "--bind", "127.0.0.1:0", "--log-level", "warning"],
+        [sys.executable, "-m", "pshard.ps_server", "--bind", "127.0.0.1:0", "--log-level", "warning",
+         "--workers", "worker-0"],
         cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         lines: queue.Queue[str | None] = queue.Queue()
