@@ -6,7 +6,7 @@
                 streams of raw 4 MiB chunks: each server process echoes back every chunk
                 it receives; per step each worker streams its share of the model to every
                 server and reads as many bytes back (like a fused push+pull). Same channel
-                and server options as ps_common.rpc, no parameter-server logic.
+                and server options as common.rpc.options, no parameter-server logic.
 (c) grpc_small: round-trip time of one small message on a fresh bidi stream of the
                 same kind of server (the floor under a small push+pull).
 
@@ -97,7 +97,7 @@ def _echo_server(conn: object) -> None:
     import asyncio
 
     import grpc
-    from pshard.common.rpc import server_options
+    from pshard.common.rpc.options import server_options
 
     async def echo(requests: object, context: object) -> object:
         async for message in requests:  # type: ignore[attr-defined]
@@ -169,7 +169,7 @@ def _echo_worker(run: WorkerRun, addresses: list[str], bytes_per_server: int, ch
     from concurrent.futures import ThreadPoolExecutor
 
     import grpc
-    from pshard.common.rpc import channel_options, identity
+    from pshard.common.rpc.options import channel_options, identity
 
     channels = [grpc.insecure_channel(a, options=channel_options()) for a in addresses]
     calls = [c.stream_stream(ECHO_METHOD, request_serializer=identity, response_deserializer=identity)
@@ -210,7 +210,7 @@ def _echo_worker(run: WorkerRun, addresses: list[str], bytes_per_server: int, ch
 def grpc_dense(model_bytes: int, servers: int = 2, workers: int = 2, warmup: int = 2, steps: int = 8,
                chunk_bytes: int | None = None) -> dict[str, object]:
     """Bytes sent plus received by all workers per second, through plain grpcio echo streams."""
-    from pshard.common.rpc import CHUNK_BYTES
+    from pshard.common.rpc.options import CHUNK_BYTES
 
     chunk = chunk_bytes or CHUNK_BYTES
     per_server = model_bytes // servers
@@ -229,7 +229,7 @@ def grpc_dense(model_bytes: int, servers: int = 2, workers: int = 2, warmup: int
 def grpc_small(payload_bytes: int = 4000, iterations: int = 2000, warmup: int = 200) -> dict[str, object]:
     """Round trip of one `payload_bytes` message on a new bidi stream per call, from this process."""
     import grpc
-    from pshard.common.rpc import channel_options, identity
+    from pshard.common.rpc.options import channel_options, identity
 
     message = b"\x01" * payload_bytes
     from bench.latency import cpu_per_call
@@ -263,7 +263,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--workers", type=int, default=2, help="worker processes (default 2)")
     p.add_argument("--warmup", type=int, default=2, help="warm-up steps of (b) (default 2)")
     p.add_argument("--steps", type=int, default=8, help="timed steps of (b) (default 8)")
-    p.add_argument("--chunk-bytes", type=int, default=0, help="chunk size of (b) (default ps_common.rpc's)")
+    p.add_argument("--chunk-bytes", type=int, default=0, help="chunk size of (b) "
+                   "(default common.rpc.options's)")
     p.add_argument("--small-bytes", type=int, default=4000, help="payload of (c) (default 4000)")
     p.add_argument("--small-iterations", type=int, default=2000, help="round trips of (c) (default 2000)")
     return p

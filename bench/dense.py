@@ -40,8 +40,8 @@ def _dense_worker(run: WorkerRun, addresses: list[str], sizes: list[int], lr: fl
                   steps: int, profile_dir: str | None, server_pids: list[int], transport: str,
                   pki: str | None) -> dict[str, float | list[float]]:
     import numpy as np
+    from pshard.client.ps_client import PSClient
     from pshard.common.job import JobConfig, OptimizerConfig
-    from pshard.worker.client import PSClient
 
     rng = np.random.default_rng(run.index)
     params = {f"t{i:02d}": rng.standard_normal(n, dtype=np.float32) for i, n in enumerate(sizes)}

@@ -47,7 +47,7 @@ from typing import IO, Any
 
 REPO = Path(__file__).resolve().parent.parent
 # The folders the installed package is built from (pyproject.toml's package-dir) and its protos.
-PACKAGE_SOURCES = ("pshard", "ps_common", "ps_server", "worker", "scheduler", "launcher", "proto")
+PACKAGE_SOURCES = ("pshard", "common", "ps_server", "worker", "scheduler", "launcher", "proto")
 TRAINING_BAR = 0.7  # 1-worker ResNet-18 PSTrainer / local torch.optim, shared memory
 CTR_BAR = 3.0  # GPU samples/s / CPU samples/s
 CUDA_TESTS = ("tests/cuda", "tests/unit/test_model_device.py")
@@ -124,7 +124,7 @@ def kernels_check(rec: Recorder, quick: bool) -> None:
     """The sparse tables' numba kernels (an llvm prefetch intrinsic, written for numba 0.68.1's LLVM)
     compiled for every dtype on this machine's numba: if they do not, the CTR figures cannot exist."""
     import numba
-    from pshard.ps_server import kernels
+    from pshard.ps_server.tables import kernels
 
     began = time.monotonic()
     # The cache (NUMBA_CACHE_DIR) is shared with the servers started later: they load, not compile.

@@ -111,8 +111,8 @@ def _local_step(shape: Shape, device: torch.device) -> Callable[[torch.Tensor, t
 
 def _trainer(shape: Shape, device: torch.device, addresses: list[str], worker: str,
              overlap: bool, bucket_bytes: int | None = None) -> PSTrainer:
+    from pshard.client.ps_client import PSClient
     from pshard.common.job import JobConfig, OptimizerConfig
-    from pshard.worker.client import PSClient
     from pshard.worker.torch_api import PSTrainer
 
     model = build(shape.model, shape.image, shape.classes)
@@ -242,8 +242,8 @@ def ctr_shape(cuda: bool, quick: bool) -> CtrShape:
 
 def ctr_run(shape: CtrShape, device: torch.device) -> dict[str, Any]:
     """The CTR demo's model (pshard.worker.ctr: a PSEmbedding table and an MLP), a fixed number of steps."""
+    from pshard.client.ps_client import PSClient
     from pshard.common.job import JobConfig, OptimizerConfig
-    from pshard.worker.client import PSClient
     from pshard.worker.ctr import CtrModel
     from pshard.worker.ctr_data import CHUNK, ClickLog, CtrSpec
     from pshard.worker.torch_api import PSTrainer

@@ -21,8 +21,8 @@ def latency(numel: int = 1000, iterations: int = 2000, warmup: int = 200, transp
             pki: str | None = None) -> dict[str, object]:
     """`pki`: a directory of bench.tls certificates to run with TLS on (None: in clear)."""
     import numpy as np
+    from pshard.client.ps_client import PSClient
     from pshard.common.job import JobConfig, OptimizerConfig
-    from pshard.worker.client import PSClient
 
     node = worker_id(0)
     [server] = start_ps_servers(1, [node], ["--transport", transport, *server_args(pki)])

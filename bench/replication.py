@@ -33,11 +33,11 @@ def _worker(run: WorkerRun, scheduler: str, servers: list[str], address: str, si
             replicas: int, warmup: int, steps: int, victim_pid: int | None,
             transport: str) -> dict[str, object]:
     import numpy as np
+    from pshard.client.ps_client import PSClient
+    from pshard.common.cluster.layout import Layout, ParamSpec
+    from pshard.common.cluster.scheduler_client import SchedulerClient
     from pshard.common.errors import PullTimeoutError
     from pshard.common.job import JobConfig, OptimizerConfig
-    from pshard.common.layout import Layout, ParamSpec
-    from pshard.common.scheduler_client import SchedulerClient
-    from pshard.worker.client import PSClient
 
     node = f"worker-{run.index}"
     sched = SchedulerClient(scheduler, "worker", own_address=address, node_id=node, rank_hint=run.index)
@@ -95,7 +95,7 @@ def _start(plan: object, task: object, argv: list[str]) -> subprocess.Popen[str]
 
 def run(sizes: list[int], replicas: int, steps: int = 8, warmup: int = 2, kill: bool = False,
         transport: str = "shm") -> dict[str, object]:
-    from pshard.common.health import probe
+    from pshard.common.rpc.health import probe
     from pshard.launcher.plan import ClusterPlan
 
     plan = ClusterPlan.allocate(3, 2)

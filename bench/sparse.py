@@ -59,8 +59,8 @@ def _batches(rng: object, steps: int, zipf: bool) -> list[object]:
 def _sparse_worker(run: WorkerRun, addresses: list[str], steps: int, warmup: int, zipf: bool,
                    fused: bool, server_pids: list[int], transport: str) -> dict[str, float]:
     import numpy as np
+    from pshard.client.ps_client import PSClient
     from pshard.common.sparse import TableConfig
-    from pshard.worker.client import PSClient
 
     rng = np.random.default_rng(run.index)
     config = TableConfig("bench", DIM, optimizer="sgd", lr=0.01)
@@ -126,8 +126,8 @@ def _memory_child(rows: int, dim: int) -> None:
     """Runs in a fresh process: fill a table and print the RSS figures as JSON."""
     import numpy as np
     from pshard.common.sparse import TableConfig
-    from pshard.ps_server import kernels
-    from pshard.ps_server.table import SparseTable
+    from pshard.ps_server.tables import kernels
+    from pshard.ps_server.tables.table import SparseTable
 
     kernels.warm(np.dtype(np.float32))
     rng = np.random.default_rng(0)

@@ -19,9 +19,8 @@ def worker_id(index: int) -> str:
 def make_pki(workers: int = 2) -> Path:
     """A new directory with a CA, the servers' certificate and one per worker (removed at exit by
     the OS's temporary-file clean-up; nothing secret outlives the bench)."""
-    from pshard.common.identity import Identity
-
-    from pshard.certs import ensure
+    from pshard.common.security.ca import ensure
+    from pshard.common.security.identity import Identity
 
     directory = Path(tempfile.mkdtemp(prefix="pshard-bench-pki-"))
     ensure(directory, [Identity(*PS_IDENTITY), *(Identity("worker", worker_id(i)) for i in range(workers))])
@@ -40,7 +39,7 @@ def worker_security(pki: str | None, node_id: str) -> object:
     """The PSClient `security` of worker `node_id` (None: in clear)."""
     if pki is None:
         return None
-    from pshard.common.security import SecurityConfig
+    from pshard.common.security.credentials import SecurityConfig
 
     base = Path(pki) / node_id
     return SecurityConfig(Path(f"{base}.pem"), Path(f"{base}-key.pem"), Path(pki) / "ca.pem",

@@ -94,8 +94,8 @@ def with_servers(batches: list[tuple[object, object]], warmup: int, overlap: boo
                  run: int, block: int) -> tuple[float, float, list[str]]:
     """(local seconds, PSTrainer seconds, transports) over the timed batches, interleaved."""
     import torch
+    from pshard.client.ps_client import PSClient
     from pshard.common.job import JobConfig, OptimizerConfig
-    from pshard.worker.client import PSClient
     from pshard.worker.torch_api import PSTrainer
     from torch.nn import functional as F
 

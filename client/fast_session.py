@@ -31,7 +31,8 @@ from pathlib import Path
 import grpc
 import numpy as np
 from pshard.common.errors import PSError, error_classes
-from pshard.common.fastwire import (
+from pshard.common.rpc.status import error_from_rpc_error
+from pshard.common.wire.fastwire import (
     HELLO,
     REPLY,
     REQUEST,
@@ -44,15 +45,14 @@ from pshard.common.fastwire import (
     send_frame,
     tune,
 )
-from pshard.common.rpc_status import error_from_rpc_error
-from pshard.common.shm import Segment, connect, packed, parse_socket_name, send_fd, sweep_orphans
+from pshard.common.wire.shm import Segment, connect, packed, parse_socket_name, send_fd, sweep_orphans
 
 from pshard.api.v1 import parameter_server_pb2 as pb
 from pshard.api.v1 import parameter_server_pb2_grpc as pb_grpc
 
 KINDS = {"shm": pb.TRANSPORT_KIND_SHM, "tcp": pb.TRANSPORT_KIND_TCP}
 # A session's room for sparse-table requests, each way, beside its dense slices: 8 MiB is a step of
-# 30,000 rows of dim 64 per server; a larger table request goes over gRPC (worker.tables).
+# 30,000 rows of dim 64 per server; a larger table request goes over gRPC (client.tables).
 TABLE_ROOM_BYTES = 8 * 2**20
 _swept = threading.Event()  # the orphan sweep runs once per process
 # A reply that came within this long after its request makes the next one wait for its reply by

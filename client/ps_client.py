@@ -5,7 +5,7 @@ one Exchange stream) and the servers are contacted concurrently. Payloads of any
 size travel as 4 MiB frames. Pushes, pulls and declarations are idempotent on the
 server (a (worker, clock, slice) is applied at most once; the first declaration
 wins), so a call that fails with UNAVAILABLE is retried until its deadline: unary calls by
-gRPC's own retry policy (`pshard.common.retry`), the Exchange stream by a loop here within
+gRPC's own retry policy (`pshard.common.rpc.retry`), the Exchange stream by a loop here within
 `retry_budget_s`. A server past its in-flight byte budget (OverloadedError, RESOURCE_EXHAUSTED) is
 retried after the wait it asks for, jittered, until the call's own deadline (`_backing_off`). Nothing
 else is retried, except one resend under a newer generation after a re-registration overtook a
@@ -13,7 +13,7 @@ request (`_call_stamped`).
 
 Push and pull bytes take a faster path when the server offers one (`transport`, negotiated per
 server at the first step: shared memory on the same host, else a raw TCP socket; see
-worker/fastpath.py and docs/architecture.md, 11 Transports). gRPC stays the control plane and
+client/fast_session.py and docs/architecture.md, 11 Transports). gRPC stays the control plane and
 the fallback: a call whose fast path breaks is sent again over gRPC, where the server drops what
 had already landed.
 """
@@ -32,8 +32,10 @@ from typing import TypeVar
 
 import grpc
 import numpy as np
-from pshard.common import codec
-from pshard.common.dtypes import PARAM_DTYPES
+from pshard.client.fast_session import TABLE_ROOM_BYTES, FastPath
+from pshard.client.forking import ProcessOwned
+from pshard.client.tables import TableClient
+from pshard.common.cluster.layout import DEFAULT_SLICE_BYTES, Layout, LayoutSlice, ParamSpec, plan_layout
 from pshard.common.errors import (
     InvalidArgumentError,
     OverloadedError,
@@ -44,21 +46,19 @@ from pshard.common.errors import (
     UnavailableError,
     UnknownKeyError,
 )
-from pshard.common.fastwire import TransportBroken
-from pshard.common.framing import SliceReader, pack_frames
 from pshard.common.job import JobConfig
-from pshard.common.layout import DEFAULT_SLICE_BYTES, Layout, LayoutSlice, ParamSpec, plan_layout
 from pshard.common.malloc import keep_stream_buffers
-from pshard.common.retry import Backoff, parameter_server_channel_options
-from pshard.common.rpc import CHUNK_BYTES, EXCHANGE_METHOD, channel_options, identity
-from pshard.common.rpc_status import error_from_rpc_error, raise_from_rpc_error
-from pshard.common.security import SecurityConfig
-from pshard.common.shm import DEFAULT_SHM_DIR, align
+from pshard.common.rpc.options import CHUNK_BYTES, EXCHANGE_METHOD, channel_options, identity
+from pshard.common.rpc.retry import Backoff, parameter_server_channel_options
+from pshard.common.rpc.status import error_from_rpc_error, raise_from_rpc_error
+from pshard.common.security.credentials import SecurityConfig
 from pshard.common.sparse import TableConfig
 from pshard.common.types import Stamp
-from pshard.worker.fastpath import TABLE_ROOM_BYTES, FastPath
-from pshard.worker.forking import ProcessOwned
-from pshard.worker.tables import TableClient
+from pshard.common.wire import codec
+from pshard.common.wire.dtypes import PARAM_DTYPES
+from pshard.common.wire.fastwire import TransportBroken
+from pshard.common.wire.framing import SliceReader, pack_frames
+from pshard.common.wire.shm import DEFAULT_SHM_DIR, align
 
 from pshard.api.v1 import parameter_server_pb2 as pb
 from pshard.api.v1 import parameter_server_pb2_grpc as pb_grpc
@@ -106,7 +106,7 @@ class PSClient:
                  security: SecurityConfig | None = None,
                  relayout: Callable[[Layout, float], Layout | None] | None = None,
                  reroute_wait_s: float = 15.0) -> None:
-        """`security`: this worker's TLS files or token (pshard.common.security; default plain).
+        """`security`: this worker's TLS files or token (pshard.common.security.credentials; default plain).
         `relayout(layout, timeout_s)`: a layout newer than `layout` once the scheduler publishes one
         (a failover), else None at the timeout; with it and a replicated layout, a step whose server
         is gone waits up to `reroute_wait_s` for the failover and is sent again on the new layout.
@@ -381,7 +381,7 @@ class PSClient:
 
     # ---- operations ----
 
-    # ---- sparse tables: worker.tables does the work over these channels ----
+    # ---- sparse tables: client.tables does the work over these channels ----
 
     @functools.cached_property
     def tables(self) -> TableClient:
@@ -413,7 +413,7 @@ class PSClient:
             timeout=t + DEADLINE_SLACK_S, wait_for_ready=True).path))
 
     def each_server(self, call: Callable[[int, pb_grpc.ParameterServerServiceStub], T]) -> list[T]:
-        """`call(index, stub)` on every server at once, in server order (worker.checkpoints); gRPC
+        """`call(index, stub)` on every server at once, in server order (worker.checkpoint_coordinator); gRPC
         errors come back as the project's errors."""
         return self._all_servers(lambda i: self._unary(i, lambda stub: call(i, stub)))
 
@@ -433,7 +433,7 @@ class PSClient:
                 return fast
             layout = self.layout
             # Room for this worker's every slice on the server, each page-aligned, in its own dtype
-            # (the wire dtype only ever shrinks it), and for sparse-table requests (worker.tables):
+            # (the wire dtype only ever shrinks it), and for sparse-table requests (client.tables):
             # allocated once, reused by every step.
             dense = layout.slices_on(server) if layout is not None else ()
             room = TABLE_ROOM_BYTES + sum(

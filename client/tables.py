@@ -9,7 +9,7 @@ to every server, empty where the server holds none of the ids: each server's clo
 
 Unless the client's transport is "grpc", requests ride PSClient's fast-path session with each
 server (shared memory on one host, raw TCP or TLS between hosts; EXCHANGE_OP_TABLE, served by
-ps_server.table_fast), the one the dense steps use; else, or when a request is larger than the
+ps_server.transport.table_fast), the one the dense steps use; else, or when a request is larger than the
 session's table room, over gRPC. A session that breaks is dropped (PSClient negotiates again after
 a pause); a pull then completes over gRPC, while a push fails with UnavailableError, since it may
 have been applied and async pushes are not idempotent.
@@ -36,23 +36,23 @@ from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
 import grpc
 import numpy as np
 import numpy.typing as npt
-from pshard.common import codec
+from pshard.client.fast_session import TABLE_ROOM_BYTES, FastPath
+from pshard.common.cluster.layout import Layout
 from pshard.common.errors import InvalidArgumentError, UnavailableError, UnknownKeyError
-from pshard.common.fastwire import TransportBroken
-from pshard.common.layout import Layout
-from pshard.common.rpc_status import error_from_rpc_error
-from pshard.common.shm import align
+from pshard.common.rpc.status import error_from_rpc_error
 from pshard.common.sparse import TableConfig, put_rows, server_of, take_rows
-from pshard.common.sparse_codec import spec_to_proto
 from pshard.common.types import Stamp
-from pshard.worker.fastpath import TABLE_ROOM_BYTES, FastPath
+from pshard.common.wire import codec
+from pshard.common.wire.fastwire import TransportBroken
+from pshard.common.wire.shm import align
+from pshard.common.wire.sparse_codec import spec_to_proto
 
 from pshard.api.v1 import parameter_server_pb2 as ps_pb
 from pshard.api.v1 import sparse_pb2 as pb
 from pshard.api.v1 import sparse_pb2_grpc as pb_grpc
 
 if TYPE_CHECKING:
-    from pshard.worker.client import PSClient
+    from pshard.client.ps_client import PSClient
 
 T = TypeVar("T")
 # What one server gets: pushed (ids, gradients) or (), pulled ids or None, and where pulled rows go:
@@ -72,7 +72,7 @@ log = logging.getLogger("pshard.worker")
 _SLACK_S = 5.0  # past the request's own timeout, as PSClient's calls allow
 _RETRY_S = 10.0  # a broken session is negotiated again after this (PSClient's FAST_PATH_RETRY_S)
 _INT64 = codec.dtype_to_proto("int64")
-# How a server refuses ids of a row partition it does not serve (ps_server/table_replication.py).
+# How a server refuses ids of a row partition it does not serve (ps_server/replication/tables.py).
 _PARTITION_MOVED = "not here; re-route"
 # How a server refuses a sync push routed with a layout it has not received yet (table_replication.NOT_YET).
 _NOT_YET = "has not received that layout yet"

@@ -8,15 +8,15 @@ servers. A checkpoint directory `ckpt-<clock>-<token>/` holds, per server index 
 - `part-<i>.npz`: the slices' values and optimizer state arrays (numpy, allow_pickle=False);
 - `part-<i>.json`: per slice its parameter, range, shape, dtype, version, clocks and scalar
   optimizer state; the job config;
-- `part-<i>.tables-<token>/` and `part-<i>.tables.json`: the sparse tables (ps_server.table_files),
+- `part-<i>.tables-<token>/` and `part-<i>.tables.json`: the sparse tables (ps_server.tables.files),
   when the server holds any;
 
 and `MANIFEST.json`, written last by the coordinator (tmp file, fsync, rename): the clock, the
 job, the parameters' shapes and every part file with its size and SHA-256. A directory without
 a manifest, or whose files do not match it, is torn: never restored, reported and skipped.
 
-The format, shared by the servers (ps_server.global_checkpoint writes and restores parts), the
-coordinator (worker.checkpoints) and `pshard checkpoint`. Pure: numpy, json and files.
+The format, shared by the servers (ps_server.checkpoints.global_part writes and restores parts), the
+coordinator (worker.checkpoint_coordinator) and `pshard checkpoint`. Pure: numpy, json and files.
 """
 
 from __future__ import annotations
@@ -331,7 +331,7 @@ class DenseReader:
 
 
 def table_parts(checkpoint: Checkpoint) -> list[str]:
-    """The names under which the parts saved tables (for ps_server.table_files.load_tables)."""
+    """The names under which the parts saved tables (for ps_server.tables.files.load_tables)."""
     return sorted(f.name[: -len(".tables.json")] for f in checkpoint.files if f.name.endswith(".tables.json"))
 
 

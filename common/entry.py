@@ -74,7 +74,7 @@ def metrics_address(bind: str, port: int) -> str:
 def check_can_listen(address: str) -> None:
     """Raise ClusterConfigError naming `address` if nothing could listen there now.
 
-    gRPC servers here bind without SO_REUSEPORT (ps_common.rpc.server_options), so a port that
+    gRPC servers here bind without SO_REUSEPORT (common.rpc.options.server_options), so a port that
     another process listens on fails the same way in gRPC a moment later. SO_REUSEADDR, as gRPC
     sets it, lets a restarted service take back a port that still has connections in TIME_WAIT.
     Port 0 (any free port) always succeeds.

@@ -1,6 +1,6 @@
 """One error hierarchy for all of pshard.
 
-Core modules raise these; `ps_common.rpc_status` maps them to gRPC status codes in one
+Core modules raise these; `common.rpc.status` maps them to gRPC status codes in one
 place and the client maps them back, so a caller catches the same class whether
 the error happened locally or on a server. Messages carry the values involved:
 ``key 'fc1.weight': got shape (10, 5), store has (10, 4)``.

@@ -10,11 +10,11 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from pshard.common.dtypes import WIRE_DTYPES
 from pshard.common.errors import InvalidArgumentError
+from pshard.common.wire.dtypes import WIRE_DTYPES
 
 # The wire's enums (ConsistencyMode, Optimizer) carry these as CONSISTENCY_MODE_SYNC, OPTIMIZER_SGD,
-# ...; pshard.common.codec converts.
+# ...; pshard.common.wire.codec converts.
 MODES = ("sync", "async", "ssp")
 OPTIMIZERS = ("sgd", "adam", "adamw", "adagrad", "aggregate")
 # What a server does with a pushed gradient holding NaN or Inf (docs/architecture.md, 6 Server updates):

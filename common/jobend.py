@@ -15,7 +15,7 @@ import asyncio
 import os
 from collections.abc import Callable, Mapping
 
-from pshard.common.view import TRAINER_ROLES, ClusterView, NodeState
+from pshard.common.cluster.view import TRAINER_ROLES, ClusterView, NodeState
 
 EXIT_WHEN_DONE_ENV = "PSHARD_EXIT_WHEN_DONE"
 DEFAULT_QUIET_S = 15.0

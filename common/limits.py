@@ -20,7 +20,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from pshard.common.errors import InvalidArgumentError, quote
-from pshard.common.rpc import DEFAULT_MAX_MESSAGE_BYTES
+from pshard.common.rpc.options import DEFAULT_MAX_MESSAGE_BYTES
 
 
 @dataclass(frozen=True)
@@ -36,7 +36,7 @@ class Limits:
     # Slices named by one request (pushed and pulled counted apart): a layout has at most this many.
     max_slices_per_request: int = 65536
     # Bytes of one unary request; larger payloads use the Exchange stream (the gRPC server's
-    # message limit enforces it, ps_common.rpc; the in-flight budget bounds the sum of all requests).
+    # message limit enforces it, common.rpc.options; the in-flight budget bounds the sum of all requests).
     max_request_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
     # Characters of a worker id and of a parameter name (torch state_dict names are far shorter).
     max_worker_id_chars: int = 256

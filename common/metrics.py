@@ -29,7 +29,7 @@ from prometheus_client import CollectorRegistry, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 from pshard.common import errors
-from pshard.common.view import TRAINER_ROLES, ClusterView, NodeState
+from pshard.common.cluster.view import TRAINER_ROLES, ClusterView, NodeState
 
 log = logging.getLogger("pshard.metrics")
 T = TypeVar("T")
@@ -206,13 +206,13 @@ class _TableStats(Protocol):
 
 
 class _Tables(Protocol):
-    """ps_server.table_handlers.TableHandlers, as the metrics read it."""
+    """ps_server.handlers.tables.TableHandlers, as the metrics read it."""
 
     def all_stats(self) -> Mapping[str, _TableStats]: ...
 
 
 class _Refusals(Protocol):
-    """ps_common.auth.AuthRefusals: refused calls by (gRPC status, method), read under its own lock."""
+    """common.security.auth.AuthRefusals: refused calls by (gRPC status, method), read under its own lock."""
 
     def snapshot(self) -> dict[tuple[str, str], int]: ...
 

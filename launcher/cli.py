@@ -191,10 +191,10 @@ def parse_options(argv: Sequence[str], prog: str = PROG) -> Options:
 
 
 def _ensure_certs(options: Options) -> None:
-    """Every process's certificate (and an admin's), made on first use, kept after (pshard.certs)."""
-    from pshard.common.identity import Identity
-
-    from pshard.certs import ensure
+    """Every process's certificate (and an admin's), made on first use, kept after
+    (pshard.common.security.ca)."""
+    from pshard.common.security.ca import ensure
+    from pshard.common.security.identity import Identity
 
     assert options.certs_dir is not None
     plan = ClusterPlan.allocate(options.ps, options.workers, chief=options.chief, host=options.host,

@@ -41,8 +41,8 @@ from types import FrameType
 from typing import TextIO
 
 from pshard.common.entry import LAUNCHER_PID_ENV
-from pshard.common.health import probe
-from pshard.common.security import security_from_args
+from pshard.common.rpc.health import probe
+from pshard.common.security.credentials import security_from_args
 from pshard.launcher.plan import (
     ChildSpec,
     ClusterPlan,

@@ -1,1 +1,10 @@
-"""The parameter server: shard store, consistency policies, optimizers, request handlers, gRPC servicer."""
+"""pshard.ps_server: the parameter server.
+
+core/ (store, consistency policies, optimizers, quorum, step times: pure, no wire), tables/ (sparse tables:
+table, hash index, compiled kernels, per-row optimizers, sync mode, files), replication/ (dense and table
+replication, links, in-sync reports), checkpoints/ (a shard's, a global checkpoint's part, the request
+guard), handlers/ (what the server does with a request, whatever transport brought it), transport/ (gRPC
+servicers, the fast paths, the replication link's serving side, the tarpit and the in-flight budget);
+service.py builds and runs the whole, settings.py parses its configuration once, __main__.py is
+`pshard ps`. docs/architecture.md §1 draws the layers; tests/unit/test_layers.py keeps them.
+"""

@@ -36,8 +36,7 @@ from pshard.common.argtypes import (
     positive_int,
     replicas,
 )
-from pshard.common.bind import default_bind, own_hosts
-from pshard.common.cluster import (
+from pshard.common.cluster.spec import (
     ClusterSpec,
     add_cluster_arguments,
     cluster_config_given,
@@ -51,13 +50,14 @@ from pshard.common.job import MODES, OPTIMIZERS, JobConfig, OptimizerConfig
 from pshard.common.jobend import add_exit_argument, watch_job_end
 from pshard.common.logs import add_log_level_argument, configure_logging
 from pshard.common.metrics import add_metrics_argument, serve_server_metrics
-from pshard.common.rpc import DEFAULT_MAX_MESSAGE_BYTES
-from pshard.common.security import SecurityConfig, add_security_arguments, security_from_args
+from pshard.common.rpc.bind import default_bind, own_hosts
+from pshard.common.rpc.options import DEFAULT_MAX_MESSAGE_BYTES
+from pshard.common.security.credentials import SecurityConfig, add_security_arguments, security_from_args
 from pshard.ps_server import service
-from pshard.ps_server.handlers import NO_QUORUM_GRACE_S
+from pshard.ps_server.handlers.dense import NO_QUORUM_GRACE_S
 from pshard.ps_server.heap import bound_heap
 from pshard.ps_server.settings import ServerSettings
-from pshard.ps_server.table_files import pointer_path
+from pshard.ps_server.tables.files import pointer_path
 
 log = logging.getLogger("pshard.ps")
 

@@ -56,7 +56,7 @@ from pshard.common.malloc import (
     libc,
     mallopt,
 )
-from pshard.common.rpc import CHUNK_BYTES, FRAME_SLACK_BYTES
+from pshard.common.rpc.options import CHUNK_BYTES, FRAME_SLACK_BYTES
 
 # Requests smaller than this never trigger a trim: they leave too little behind to matter.
 TRIM_AFTER_BYTES = 1 << 20
@@ -171,8 +171,8 @@ class HeapTrimmer:
             self.regime.large_request(stream)
 
     def unread_refused(self) -> None:
-        """A request was refused unread (ps_server.tarpit): gRPC's core had buffered some of its bytes,
-        how many is not known here, in small chunks that stay in the heap until a trim."""
+        """A request was refused unread (ps_server.transport.tarpit): gRPC's core had buffered some of
+        its bytes, how many is not known here, in small chunks that stay in the heap until a trim."""
         self._wake.set()
         self.regime.large_request(stream=False)
 

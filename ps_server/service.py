@@ -17,33 +17,40 @@ from typing import Any, TypeAlias
 import grpc
 from google.protobuf.message import Message
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from pshard.common.auth import AuthRefusals
-from pshard.common.cluster import ClusterSpec
+from pshard.common.cluster.scheduler_client import SchedulerClient
+from pshard.common.cluster.spec import ClusterSpec
+from pshard.common.cluster.view import ClusterView
 from pshard.common.errors import PSError
-from pshard.common.interceptors import DecodeErrors
-from pshard.common.rpc import DEFAULT_MAX_MESSAGE_BYTES, server_options
-from pshard.common.scheduler_client import SchedulerClient
-from pshard.common.security import SecurityConfig
-from pshard.common.serving import ServerThread as _ServerThread
-from pshard.common.serving import start_in_thread
-from pshard.common.view import ClusterView
-from pshard.ps_server.budget import InflightBudget, WasteTarpit
-from pshard.ps_server.fastpath import FastPathServer, OpenTransportMethod
-from pshard.ps_server.global_handlers import GlobalCheckpoints, GlobalCheckpointServicer
-from pshard.ps_server.global_handlers import rpc_handlers as global_rpc_handlers
-from pshard.ps_server.handlers import ParameterServerHandlers
+from pshard.common.rpc.interceptors import DecodeErrors
+from pshard.common.rpc.options import DEFAULT_MAX_MESSAGE_BYTES, server_options
+from pshard.common.rpc.serving import ServerThread as _ServerThread
+from pshard.common.rpc.serving import start_in_thread
+from pshard.common.security.auth import AuthRefusals
+from pshard.common.security.credentials import SecurityConfig
+from pshard.ps_server.core.quorum import QuorumFollower
+from pshard.ps_server.handlers.dense import ParameterServerHandlers
+from pshard.ps_server.handlers.global_checkpoints import GlobalCheckpoints
+from pshard.ps_server.handlers.tables import TableHandlers
 from pshard.ps_server.heap import HeapTrimmer
-from pshard.ps_server.quorum import QuorumFollower
-from pshard.ps_server.replica_link import backup_addresses, grpc_sender, owned_slices, stub_cache, tcp_links
-from pshard.ps_server.replica_sync import InSyncReporter
-from pshard.ps_server.replication import Replicator
-from pshard.ps_server.servicer import ParameterServerServicer
+from pshard.ps_server.replication.dense import Replicator
+from pshard.ps_server.replication.in_sync import InSyncReporter
+from pshard.ps_server.replication.link import (
+    backup_addresses,
+    grpc_sender,
+    owned_slices,
+    stub_cache,
+    tcp_links,
+)
+from pshard.ps_server.replication.tables import TableReplication
 from pshard.ps_server.settings import ServerSettings
-from pshard.ps_server.table_handlers import TableHandlers
-from pshard.ps_server.table_replication import TableReplication
-from pshard.ps_server.table_servicer import SparseTablesServicer
-from pshard.ps_server.table_servicer import rpc_handlers as table_rpc_handlers
-from pshard.ps_server.tarpit import Tarpit
+from pshard.ps_server.transport.budget import InflightBudget, WasteTarpit
+from pshard.ps_server.transport.fastpath import FastPathServer, OpenTransportMethod
+from pshard.ps_server.transport.global_checkpoint_servicer import GlobalCheckpointServicer
+from pshard.ps_server.transport.global_checkpoint_servicer import rpc_handlers as global_rpc_handlers
+from pshard.ps_server.transport.servicer import ParameterServerServicer
+from pshard.ps_server.transport.table_servicer import SparseTablesServicer
+from pshard.ps_server.transport.table_servicer import rpc_handlers as table_rpc_handlers
+from pshard.ps_server.transport.tarpit import Tarpit
 
 from pshard.api.v1 import parameter_server_pb2 as pb
 
@@ -69,7 +76,7 @@ def _rpc_handlers(servicer: ParameterServerServicer) -> grpc.GenericRpcHandler:
         "GetStats": unary("GetStats", pb.GetStatsRequest, servicer.GetStats),
         "Checkpoint": unary("Checkpoint", pb.CheckpointRequest, servicer.Checkpoint),
         "Replicate": unary("Replicate", pb.ReplicateRequest, servicer.Replicate),
-        # Frames are encoded by ps_common.codec, one copy per chunk.
+        # Frames are encoded by common.wire.codec, one copy per chunk.
         "Exchange": grpc.stream_stream_rpc_method_handler(servicer.Exchange),
     })
 
@@ -83,8 +90,8 @@ class RunningServer:
     budget: InflightBudget
     executor: ThreadPoolExecutor
     trimmer: HeapTrimmer
-    fast: FastPathServer | None = None  # the shm and tcp transports (ps_server.fastpath)
-    tables: TableHandlers | None = None  # sparse embedding tables (ps_server.table_handlers)
+    fast: FastPathServer | None = None  # the shm and tcp transports (ps_server.transport.fastpath)
+    tables: TableHandlers | None = None  # sparse embedding tables (ps_server.handlers.tables)
     hang_watch: asyncio.Task[None] | None = None  # report_hangs
     refusals: AuthRefusals | None = None  # calls refused UNAUTHENTICATED/PERMISSION_DENIED (security on)
     tarpit: WasteTarpit | None = None  # peers whose wasted requests are held and refused unread
@@ -108,7 +115,7 @@ class RunningServer:
 async def start(settings: ServerSettings, bind: str = "127.0.0.1:0",
                 max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
                 security: SecurityConfig | None = None) -> RunningServer:
-    """`security`: TLS files and tokens (pshard.common.security); default: plain and open."""
+    """`security`: TLS files and tokens (pshard.common.security.credentials); default: plain and open."""
     security = security or SecurityConfig()
     refusals = AuthRefusals()
     handlers = ParameterServerHandlers(settings, asyncio.get_running_loop())
@@ -142,7 +149,7 @@ async def start(settings: ServerSettings, bind: str = "127.0.0.1:0",
                           refusals=refusals)
     handlers.transport_report = fast.transports
     fast.tarpit = tarpit  # the same peers' budget: a fast-path session is a peer of its own
-    fast.tables = tables  # table requests ride the same sessions (ps_server.table_fast)
+    fast.tables = tables  # table requests ride the same sessions (ps_server.transport.table_fast)
     server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(SERVICE_NAME, {
         "OpenTransport": grpc.unary_unary_rpc_method_handler(
             OpenTransportMethod(fast).OpenTransport, pb.OpenTransportRequest.FromString,

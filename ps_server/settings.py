@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from pshard.common.job import JobConfig
 from pshard.common.limits import DEFAULT_LIMITS, Limits
-from pshard.common.rpc import CHUNK_BYTES
+from pshard.common.rpc.options import CHUNK_BYTES
 
 
 @dataclass(frozen=True)
@@ -23,12 +23,14 @@ class ServerSettings:
     # Longest a pull (or a checkpoint) waits when the request names no timeout. Generous: a sync pull
     # waits for the slowest worker's whole step, which can take minutes on a loaded machine.
     pull_timeout_s: float = 120.0
-    # Exchange frames are at most this big (ps_common.rpc).
+    # Exchange frames are at most this big (common.rpc.options).
     chunk_bytes: int = CHUNK_BYTES
-    # In-flight request bytes past which new requests are refused (RESOURCE_EXHAUSTED, ps_server.budget).
+    # In-flight request bytes past which new requests are refused (RESOURCE_EXHAUSTED,
+    # ps_server.transport.budget).
     max_inflight_bytes: int = 512 * 2**20
     # A connection that sent this many request bytes in a row that were refused or changed nothing
-    # (duplicates) has its next early requests held and refused unread (ps_server.budget.WasteTarpit);
+    # (duplicates) has its next early requests held and refused unread
+    # (ps_server.transport.budget.WasteTarpit);
     # 0 = off.
     waste_limit_bytes: int = 4 * 2**20  # budget.DEFAULT_WASTE_LIMIT_BYTES says why this much
     checkpoint_dir: str | None = None
@@ -40,7 +42,7 @@ class ServerSettings:
     transport: str = "auto"
     # Where workers' shared-memory segments live (a directory both sides can map).
     shm_dir: str = "/dev/shm"
-    # What one request may ask for (ps_common.limits, docs/operations/limits.md); tighter for tests and
+    # What one request may ask for (common.limits, docs/operations/limits.md); tighter for tests and
     # embedders.
     limits: Limits = DEFAULT_LIMITS
     # A sync clock with some but not all of its gradients for this long is logged and shown in

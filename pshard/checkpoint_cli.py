@@ -6,7 +6,7 @@
                                                 ids.npy / rows.npy (DIR/tables/<table>/)
     pshard checkpoint prune ROOT --keep-checkpoints K
 
-The format is pshard.common.checkpoints (docs/architecture.md, 9 Failures): the export needs no
+The format is pshard.common.checkpoint_store (docs/architecture.md, 9 Failures): the export needs no
 server and does not depend on how many servers wrote the checkpoint.
 """
 
@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-from pshard.common import checkpoints as ckpt
+from pshard.common import checkpoint_store as ckpt
 from pshard.common.argtypes import non_negative_int, positive_int
 
 PROG = "pshard checkpoint"

@@ -43,12 +43,12 @@ COMMANDS: dict[str, Command] = {
     "worker": Command("pshard.worker.__main__", "run one worker, chief or evaluator"),
     "launch": Command("pshard.launcher.__main__", "run a whole local cluster as real processes"),
     "run": Command("", "run the role TF_CONFIG's task.type names"),
-    "health": Command("pshard.common.health", "probe a service's gRPC health check"),
+    "health": Command("pshard.common.rpc.health", "probe a service's gRPC health check"),
     "status": Command("pshard.status", "show a running job: members, clocks, lag, servers, who waits"),
     "plot": Command("pshard.plot", "draw loss and accuracy curves from metrics JSON lines"),
     "evaluate": Command("pshard.evaluate", "reload a saved model and print its test accuracy"),
     "certs": Command("pshard.certs", "make a development CA and node certificates (kept once made)"),
-    "checkpoint": Command("pshard.checkpoints",
+    "checkpoint": Command("pshard.checkpoint_cli",
                           "list, export (torch state_dict) or prune global checkpoints"),
 }
 

@@ -1,6 +1,6 @@
 """``pshard plot RUN.jsonl [RUN2.jsonl ...] -o curves.png``: training curves of one or more runs.
 
-Reads the JSON lines a worker writes with ``--metrics`` (pshard.worker.metrics) and draws, per
+Reads the JSON lines a worker writes with ``--metrics`` (pshard.worker.run_report) and draws, per
 worker of each run, the training loss and the accuracy against the step and against wall time
 (seconds since the run's first record). Accuracy is the test accuracy of the chief's evaluations
 where the file has them, and the running training accuracy of the step records besides. Each file

@@ -24,7 +24,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 
 from pshard.common.argtypes import positive_float
-from pshard.common.security import (
+from pshard.common.cluster.view import ClusterView, NodeState
+from pshard.common.security.credentials import (
     ENV_CA,
     ENV_CERT,
     ENV_INSECURE,
@@ -35,7 +36,6 @@ from pshard.common.security import (
     add_security_arguments,
     security_from_args,
 )
-from pshard.common.view import ClusterView, NodeState
 from pshard.launcher.record import find_record, records_dir
 
 PROG = "pshard status"
@@ -179,7 +179,7 @@ def fetch(scheduler: str, timeout_s: float, security: SecurityConfig | None = No
     from pshard.api.v1 import parameter_server_pb2 as pb
     from pshard.api.v1 import parameter_server_pb2_grpc as pb_grpc
     from pshard.api.v1 import scheduler_pb2, scheduler_pb2_grpc
-    from pshard.common.codec import mode_from_proto, view_from_proto
+    from pshard.common.wire.codec import mode_from_proto, view_from_proto
 
     security = security or SecurityConfig()
     with security.channel(scheduler) as channel:
@@ -216,7 +216,7 @@ def _scheduler_address(args: argparse.Namespace, environ: Mapping[str, str]) -> 
         return str(args.scheduler)
     raw = environ.get("TF_CONFIG")
     if raw:
-        from pshard.common.cluster import ClusterSpec
+        from pshard.common.cluster.spec import ClusterSpec
 
         return ClusterSpec.from_tf_config(raw).scheduler_address
     record = find_record(environ)

@@ -1,7 +1,7 @@
 """``pshard scheduler`` (or ``python -m pshard.scheduler``): run the scheduler until SIGTERM or SIGINT.
 
 Where to listen: ``--bind``; else the port of the scheduler's address in TF_CONFIG (else 7000) on
-127.0.0.1, or in a container on TF_CONFIG's host (pshard.common.bind). With TF_CONFIG the task
+127.0.0.1, or in a container on TF_CONFIG's host (pshard.common.rpc.bind). With TF_CONFIG the task
 must be the cluster's ``scheduler`` task:
 a chief or worker 0 that hosts the scheduler (a cluster without a scheduler entry) does so
 in-process, from ``pshard worker``.
@@ -26,8 +26,7 @@ import sys
 from collections.abc import Mapping, Sequence
 
 from pshard.common.argtypes import listen_address, positive_int
-from pshard.common.bind import default_bind, own_hosts
-from pshard.common.cluster import (
+from pshard.common.cluster.spec import (
     add_cluster_arguments,
     cluster_config_given,
     cluster_spec_from_args,
@@ -38,7 +37,8 @@ from pshard.common.errors import ClusterConfigError
 from pshard.common.jobend import add_exit_argument, watch_job_end
 from pshard.common.logs import add_log_level_argument, configure_logging
 from pshard.common.metrics import add_metrics_argument, serve_scheduler_metrics
-from pshard.common.security import SecurityConfig, add_security_arguments, security_from_args
+from pshard.common.rpc.bind import default_bind, own_hosts
+from pshard.common.security.credentials import SecurityConfig, add_security_arguments, security_from_args
 from pshard.scheduler.service import DEFAULT_HEARTBEAT_INTERVAL_S, DEFAULT_HEARTBEAT_TIMEOUT_S, start
 
 PROG = "python -m pshard.scheduler"

@@ -23,6 +23,25 @@ import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from pshard.common.cluster.layout import ITEMSIZE, Layout, LayoutSlice, ParamSpec, plan_layout
+from pshard.common.cluster.replicas import (
+    NoInSyncCopyError,
+    backups_of,
+    fail_over,
+    heir_of,
+    index_of,
+    moved_partitions,
+)
+from pshard.common.cluster.view import (
+    RANK_SPACE,
+    ROLES,
+    Clock,
+    ClusterView,
+    MonotonicClock,
+    Node,
+    NodeState,
+    Registration,
+)
 from pshard.common.errors import (
     BarrierTimeoutError,
     EmptyRequestError,
@@ -32,25 +51,6 @@ from pshard.common.errors import (
     StaleGenerationError,
     UnknownNodeError,
     quote,
-)
-from pshard.common.layout import ITEMSIZE, Layout, LayoutSlice, ParamSpec, plan_layout
-from pshard.common.replicas import (
-    NoInSyncCopyError,
-    backups_of,
-    fail_over,
-    heir_of,
-    index_of,
-    moved_partitions,
-)
-from pshard.common.view import (
-    RANK_SPACE,
-    ROLES,
-    Clock,
-    ClusterView,
-    MonotonicClock,
-    Node,
-    NodeState,
-    Registration,
 )
 from pshard.scheduler.in_sync import LOST, PROMOTED, InSyncCopies
 
@@ -82,7 +82,7 @@ class MembershipLimits:
     max_generation: int = 2**62
     max_clock: int = 2**62
     # Generations kept free above a restarted scheduler's jump (`last_generation`), so no jump can
-    # drive later changes past the servers' stamp limit (the same 2**62, ps_common/limits.py): 2**40
+    # drive later changes past the servers' stamp limit (the same 2**62, common/limits.py): 2**40
     # changes are more than 300 years of registrations at the bucket's full rate.
     generation_headroom: int = 2**40
     # Distinct barrier names (each costs a table entry for the life of the scheduler).
@@ -325,7 +325,7 @@ class Membership:
 
     def _ring_backups(self, primary: _Member) -> frozenset[str]:
         """`primary`'s backups now: the rule each server applies to the views it gets (ranks in ring
-        order, the next `replicas` live ones; ps_server/replica_link.py)."""
+        order, the next `replicas` live ones; ps_server/replication/link.py)."""
         replicas = self._layout.replicas if self._layout is not None else 0
         servers = self._ps_by_rank()
         live = {r for r, m in servers.items() if m.state is NodeState.LIVE} | {primary.rank}

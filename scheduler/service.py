@@ -16,12 +16,12 @@ from typing import TypeAlias
 import grpc
 import grpc.aio
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from pshard.common.auth import AuthRefusals
-from pshard.common.interceptors import DecodeErrors
-from pshard.common.rpc import server_options
-from pshard.common.security import SecurityConfig
-from pshard.common.serving import ServerThread, start_in_thread
-from pshard.common.view import Clock
+from pshard.common.cluster.view import Clock
+from pshard.common.rpc.interceptors import DecodeErrors
+from pshard.common.rpc.options import server_options
+from pshard.common.rpc.serving import ServerThread, start_in_thread
+from pshard.common.security.auth import AuthRefusals
+from pshard.common.security.credentials import SecurityConfig
 from pshard.scheduler.membership import Membership, MembershipLimits
 from pshard.scheduler.servicer import SchedulerServicer
 
@@ -67,7 +67,7 @@ async def start(bind: str = "127.0.0.1:0", *, heartbeat_interval_s: float = DEFA
                 security: SecurityConfig | None = None) -> RunningScheduler:
     """Start serving on `bind` (port 0 picks a free port); raises OSError if it cannot listen.
 
-    `security`: TLS files and tokens (pshard.common.security); default: plain and open."""
+    `security`: TLS files and tokens (pshard.common.security.credentials); default: plain and open."""
     security = security or SecurityConfig()
     membership = Membership(heartbeat_timeout_s, clock, limits)
     servicer = SchedulerServicer(membership, heartbeat_interval_s)

@@ -15,9 +15,18 @@ from collections.abc import AsyncIterator
 
 import grpc
 import grpc.aio
-from pshard.common.auth import caller, check_acts_as, refused
 from pshard.common.changes import ChangeSignal
-from pshard.common.codec import (
+from pshard.common.cluster.layout import DEFAULT_SLICE_BYTES
+from pshard.common.cluster.view import ClusterView
+from pshard.common.errors import (
+    EmptyRequestError,
+    LayoutConflictError,
+    PermissionDeniedError,
+    PullTimeoutError,
+)
+from pshard.common.rpc.status import maps_errors
+from pshard.common.security.auth import caller, check_acts_as, refused
+from pshard.common.wire.codec import (
     layout_from_proto,
     layout_to_proto,
     param_spec_from_proto,
@@ -25,15 +34,6 @@ from pshard.common.codec import (
     timeout_ms_from_proto,
     view_to_proto,
 )
-from pshard.common.errors import (
-    EmptyRequestError,
-    LayoutConflictError,
-    PermissionDeniedError,
-    PullTimeoutError,
-)
-from pshard.common.layout import DEFAULT_SLICE_BYTES
-from pshard.common.rpc_status import maps_errors
-from pshard.common.view import ClusterView
 from pshard.scheduler.membership import Membership
 
 from pshard.api.v1 import scheduler_pb2 as pb

@@ -5,13 +5,13 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from pshard.worker.client import PSClient
+    from pshard.client.ps_client import PSClient
     from pshard.worker.sampler import ShardSampler
     from pshard.worker.session import ClusterSession
     from pshard.worker.torch_api import PSTrainer
 
 __all__ = ["ClusterSession", "PSClient", "PSTrainer", "ShardSampler"]
-_PUBLIC = {"PSClient": "pshard.worker.client", "PSTrainer": "pshard.worker.torch_api",
+_PUBLIC = {"PSClient": "pshard.client.ps_client", "PSTrainer": "pshard.worker.torch_api",
            "ShardSampler": "pshard.worker.sampler", "ClusterSession": "pshard.worker.session"}
 
 

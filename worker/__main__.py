@@ -44,8 +44,7 @@ from pshard.common.argtypes import (
     positive_int,
     replicas,
 )
-from pshard.common.bind import own_hosts
-from pshard.common.cluster import (
+from pshard.common.cluster.spec import (
     ClusterSpec,
     add_cluster_arguments,
     cluster_spec_from_args,
@@ -55,7 +54,8 @@ from pshard.common.errors import ClusterConfigError, InvalidArgumentError
 from pshard.common.job import MODES, NONFINITE, OPTIMIZERS, WIRE_DTYPES, JobConfig, OptimizerConfig
 from pshard.common.logs import add_log_level_argument, configure_logging
 from pshard.common.metrics import add_metrics_argument
-from pshard.common.security import add_security_arguments, security_from_args
+from pshard.common.rpc.bind import own_hosts
+from pshard.common.security.credentials import add_security_arguments, security_from_args
 from pshard.worker.config import LOCAL_OPTIMIZERS, Defaults, Stopped, TrainConfig, stop_on_signals
 from pshard.worker.ctr import CTR_MODEL, add_ctr_arguments, ctr_settings, run_ctr
 from pshard.worker.data import default_data_dir
@@ -176,7 +176,7 @@ def build_parser(environ: Mapping[str, str], prog: str = PROG) -> argparse.Argum
 
 
 def _check_numbers(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    # Each number's range is its flag's type (ps_common.argtypes); what is left spans flags.
+    # Each number's range is its flag's type (common.argtypes); what is left spans flags.
     if args.join and args.model == CTR_MODEL:  # its click-log shards are static (worker.ctr)
         parser.error("--join: the CTR model's shards are fixed by TF_CONFIG's workers; join an image model")
 

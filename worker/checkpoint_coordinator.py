@@ -17,12 +17,12 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from pshard.common import checkpoints as gc
-from pshard.common import codec
+from pshard.client.ps_client import DEADLINE_SLACK_S, PSClient
+from pshard.common import checkpoint_store as gc
+from pshard.common.cluster.layout import Layout, LayoutSlice
 from pshard.common.errors import InvalidArgumentError, PermissionDeniedError, PSError
 from pshard.common.job import JobConfig
-from pshard.common.layout import Layout, LayoutSlice
-from pshard.worker.client import DEADLINE_SLACK_S, PSClient
+from pshard.common.wire import codec
 
 from pshard.api.v1 import parameter_server_pb2 as pb
 

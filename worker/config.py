@@ -14,10 +14,10 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from types import FrameType
 
-from pshard.common.cluster import ClusterSpec
+from pshard.common.cluster.spec import ClusterSpec
 from pshard.common.errors import ClusterConfigError, PSError
 from pshard.common.job import JobConfig
-from pshard.common.security import SecurityConfig
+from pshard.common.security.credentials import SecurityConfig
 from pshard.worker.ctr_data import CtrSpec
 
 LOCAL_OPTIMIZERS = ("sgd", "adam", "adamw", "adagrad")
@@ -78,14 +78,15 @@ class TrainConfig:
     shm_dir: str = Defaults.SHM_DIR  # where shared-memory segments are created
     metrics_port: int | None = None  # serve Prometheus metrics on 0.0.0.0:PORT (0: a free port)
     tensorboard: str | None = None  # also write the metrics as TensorBoard scalars under DIR/<node id>
-    # Global checkpoints (worker.checkpoints): restored at start when one is committed there; the chief
+    # Global checkpoints (worker.checkpoint_coordinator): restored at start when one is committed there; the
+    # chief
     # takes one every N clocks (0: never) and keeps the newest K (0: all).
     global_checkpoint_dir: str | None = None
     checkpoint_every_steps: int = 0
     keep_checkpoints: int = 0
-    # TLS files or tokens of every channel (pshard.common.security); default plain.
+    # TLS files or tokens of every channel (pshard.common.security.credentials); default plain.
     security: SecurityConfig = field(default_factory=SecurityConfig)
-    bind: str | None = None  # where a chief hosting the scheduler listens (None: pshard.common.bind)
+    bind: str | None = None  # where a chief hosting the scheduler listens (None: pshard.common.rpc.bind)
     # --model ctr: the synthetic click log (pshard.worker.ctr_data) and its table's learning rate.
     ctr: CtrSpec = field(default_factory=CtrSpec)
     table_lr: float = Defaults.TABLE_LR

@@ -26,7 +26,7 @@ from typing import IO, Any
 import numpy as np
 import torch
 from pshard.common.argtypes import positive_float, positive_int
-from pshard.common.cluster import ClusterSpec
+from pshard.common.cluster.spec import ClusterSpec
 from pshard.common.errors import ClusterConfigError, InvalidArgumentError
 from pshard.worker.config import Defaults, TrainConfig, stage
 from pshard.worker.ctr_data import CHUNK, ClickLog, Clicks, CtrSpec, auc

@@ -27,7 +27,7 @@ import threading
 from dataclasses import dataclass, field
 
 import numpy as np
-from pshard.common.view import TRAINER_ROLES, ClusterView, Node
+from pshard.common.cluster.view import TRAINER_ROLES, ClusterView, Node
 
 
 @dataclass(frozen=True)

@@ -21,9 +21,9 @@ from typing import Any
 import numpy as np
 import torch
 import torch.nn.functional as F
+from pshard.client.ps_client import PSClient
 from pshard.common.errors import InvalidArgumentError
 from pshard.common.sparse import TableConfig
-from pshard.worker.client import PSClient
 from torch import nn
 
 BAG_MODES = ("sum", "mean")

@@ -18,8 +18,8 @@ import torch
 from pshard.worker.config import StageError, Stopped, TrainConfig, stage
 from pshard.worker.data import load_dataset
 from pshard.worker.device import select_device
-from pshard.worker.metrics import MetricsLog
 from pshard.worker.model import build_model, evaluate
+from pshard.worker.run_report import MetricsLog
 from pshard.worker.session import ClusterSession
 
 log = logging.getLogger("pshard.evaluator")

@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
-from pshard.worker.client import PSClient, PushResult
+from pshard.client.ps_client import PSClient, PushResult
 from pshard.worker.device import HostStaging
 from torch import nn
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pshard.common.layout import Layout
-from pshard.common.view import ClusterView, NodeState
+from pshard.common.cluster.layout import Layout
+from pshard.common.cluster.view import ClusterView, NodeState
 
 
 @dataclass(frozen=True)

@@ -28,8 +28,11 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from typing import Any, Protocol
 
-from pshard.common.bind import default_bind
-from pshard.common.cluster import ClusterSpec
+from pshard.client.ps_client import PSClient
+from pshard.common.cluster.layout import Layout, ParamSpec
+from pshard.common.cluster.scheduler_client import SchedulerClient
+from pshard.common.cluster.spec import ClusterSpec
+from pshard.common.cluster.view import TRAINER_ROLES, ClusterView, NodeState
 from pshard.common.entry import check_can_listen
 from pshard.common.errors import (
     BarrierTimeoutError,
@@ -39,11 +42,8 @@ from pshard.common.errors import (
     UnavailableError,
 )
 from pshard.common.job import JobConfig
-from pshard.common.layout import Layout, ParamSpec
-from pshard.common.scheduler_client import SchedulerClient
-from pshard.common.security import SecurityConfig, security_from_args
-from pshard.common.view import TRAINER_ROLES, ClusterView, NodeState
-from pshard.worker.client import PSClient
+from pshard.common.rpc.bind import default_bind
+from pshard.common.security.credentials import SecurityConfig, security_from_args
 from pshard.worker.config import Defaults, stage
 from pshard.worker.elastic import Roster
 from pshard.worker.server_watch import LostServer, ServerWatch
@@ -77,8 +77,8 @@ class ClusterSession:
     def __init__(self, spec: ClusterSpec, *, startup_timeout_s: float, step_timeout_s: float,
                  transport: str = "auto", shm_dir: str = "/dev/shm",
                  security: SecurityConfig | None = None, bind: str | None = None, replicas: int = 0) -> None:
-        """`security`: TLS files or tokens of this task (pshard.common.security; default plain);
-        `bind`: where a hosted scheduler listens (default pshard.common.bind)."""
+        """`security`: TLS files or tokens of this task (pshard.common.security.credentials; default plain);
+        `bind`: where a hosted scheduler listens (default pshard.common.rpc.bind)."""
         self.spec = spec
         self.replicas = replicas  # proposed with the layout; the servers get the same --replicas
         self.security = (security or SecurityConfig()).for_node(spec.task_type, spec.node_id)
@@ -386,7 +386,7 @@ class ClusterSession:
     def split_view(self) -> ClusterView | None:
         """The view whose live trainers split a clock's union batch: the scheduler's latest, where a node
         a restarted scheduler has not heard from yet stays as it was for as long as the servers keep it
-        in their quorum (twice the heartbeat timeout, ps_server.quorum), so every worker splits alike."""
+        in their quorum (twice the heartbeat timeout, ps_server.core.quorum), so every worker splits alike."""
         sched = self.scheduler
         if sched is None:
             return None

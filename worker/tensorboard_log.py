@@ -19,7 +19,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, NamedTuple
 
-from pshard.worker.metrics import MetricsLog
+from pshard.worker.run_report import MetricsLog
 
 # event -> (the record's field holding the x value, {record field: tag})
 TAGS: dict[str, tuple[str, dict[str, str]]] = {

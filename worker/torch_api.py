@@ -20,7 +20,7 @@ and `close()` leaves the job at a clock boundary. A restarted worker rejoins at 
 What travels: the parameters that require gradients, and in sync mode the floating-point buffers
 (BatchNorm's running statistics), whose mean every worker loads back (`buffers=`, pshard.worker.buffers).
 An `lr_scheduler` drives the servers' learning rate through `param_groups` (pshard.worker.hyper), and
-`DataLoader(num_workers=N)` may fork the process (pshard.worker.forking). bfloat16 parameters are
+`DataLoader(num_workers=N)` may fork the process (pshard.client.forking). bfloat16 parameters are
 held as float32 on the servers (numpy has no bfloat16; set the job's wire_dtype="bfloat16" to keep
 the traffic small).
 
@@ -49,16 +49,16 @@ from types import TracebackType
 
 import numpy as np
 import torch
-from pshard.common import dtypes
+from pshard.client.forking import warn_if_fork_unsafe
+from pshard.client.ps_client import PSClient, PushResult
+from pshard.common.cluster.layout import ParamSpec
 from pshard.common.errors import InvalidArgumentError, PSError
 from pshard.common.job import JobConfig
-from pshard.common.layout import ParamSpec
+from pshard.common.wire import dtypes
 from pshard.worker import buffers as buffer_policy
 from pshard.worker import hyper
-from pshard.worker.client import PSClient, PushResult
 from pshard.worker.device import HostStaging, select_device
 from pshard.worker.embedding import attach_tables, push_table_grads
-from pshard.worker.forking import warn_if_fork_unsafe
 from pshard.worker.overlap import DEFAULT_BUCKET_BYTES, BackwardOverlap, merge_results
 from pshard.worker.session import ClusterSession
 from torch import nn

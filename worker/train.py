@@ -30,13 +30,13 @@ from pshard.common.metrics import (
     new_registry,
     serve_metrics,
 )
-from pshard.worker.checkpoints import restore_checkpoint, save_checkpoint
+from pshard.worker.checkpoint_coordinator import restore_checkpoint, save_checkpoint
 from pshard.worker.config import StageError, Stopped, TrainConfig, stage
 from pshard.worker.data import Dataset, load_dataset
 from pshard.worker.device import select_device
 from pshard.worker.elastic import ClockPlan, roster_position
-from pshard.worker.metrics import MetricsLog, Progress
 from pshard.worker.model import build_model, evaluate
+from pshard.worker.run_report import MetricsLog, Progress
 from pshard.worker.saved_model import describe, save_model
 from pshard.worker.session import ClusterSession
 from pshard.worker.tensorboard_log import TensorBoardLog, run_dir

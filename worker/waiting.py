@@ -19,7 +19,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from types import TracebackType
 
-from pshard.common.cluster import parse_address
+from pshard.common.cluster.spec import parse_address
 from pshard.common.errors import PSError, UnavailableError
 
 log = logging.getLogger("pshard.worker")

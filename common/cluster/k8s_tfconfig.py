@@ -1,6 +1,6 @@
 """Write a pod's TF_CONFIG the way Kubeflow's training operator would, for clusters without it.
 
-    python -m pshard.common.k8s_tfconfig --job pshard --namespace NS --task-type ps --task-index 1 \\
+    python -m pshard.common.cluster.k8s_tfconfig --job pshard --namespace NS --task-type ps --task-index 1 \\
         --replicas scheduler=1,ps=2,worker=2 --port 2222 --output /etc/pshard/tf_config.json
 
 The plain manifests of deploy/k8s/plain/ run it as an init container: the StatefulSet's pod index
@@ -25,7 +25,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from pshard.common.argtypes import int_range
-from pshard.common.cluster import ClusterSpec, exit_on_config_error
+from pshard.common.cluster.spec import ClusterSpec, exit_on_config_error
 from pshard.common.errors import ClusterConfigError
 
 DEFAULT_PORT = 2222  # the training operator's default tfjob-port
@@ -93,9 +93,9 @@ def _index(value: str) -> int:
     return int(value)
 
 
-@exit_on_config_error(prog="python -m pshard.common.k8s_tfconfig")
+@exit_on_config_error(prog="python -m pshard.common.cluster.k8s_tfconfig")
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m pshard.common.k8s_tfconfig",
+    p = argparse.ArgumentParser(prog="python -m pshard.common.cluster.k8s_tfconfig",
                                 description="Write TF_CONFIG as Kubeflow's training operator would.")
     p.add_argument("--job", required=True, help="job name, the first part of every host name")
     p.add_argument("--namespace", required=True, help="the pods' namespace")

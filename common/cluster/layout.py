@@ -15,9 +15,9 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from pshard.common.dtypes import DTYPES
 from pshard.common.errors import EmptyRequestError, InvalidArgumentError, LayoutConflictError
 from pshard.common.types import SliceKey
+from pshard.common.wire.dtypes import DTYPES
 
 # 4 MiB: the largest chunk the data plane sends, so every slice travels in one frame
 # and the server can use it zero-copy. Small enough to spread a 32 MiB layer over servers.
@@ -71,7 +71,7 @@ class Layout:
     slices: tuple[LayoutSlice, ...]
     version: int = 0
     # Backups per slice (docs/architecture.md, 9 Failures): server i's slices are copied to the next
-    # `replicas` live servers in ring order (pshard.common.replicas).
+    # `replicas` live servers in ring order (pshard.common.cluster.replicas).
     replicas: int = 0
     # Sparse-table row partitions (docs/architecture.md, 9 Failures): partition p, the ids whose row
     # hash (pshard.common.sparse.server_of) is p, is served by server row_owners[p]. A failover

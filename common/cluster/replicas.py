@@ -18,8 +18,8 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Collection
 
+from pshard.common.cluster.layout import Layout, LayoutSlice
 from pshard.common.errors import InvalidArgumentError
-from pshard.common.layout import Layout, LayoutSlice
 
 
 class NoInSyncCopyError(InvalidArgumentError):

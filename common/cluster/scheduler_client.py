@@ -3,7 +3,7 @@
 Synchronous, with two daemon threads: one sends heartbeats at the interval the scheduler asks
 for, one follows the Watch stream and keeps `view` current (calling `on_view` callbacks in
 generation order). Unary calls wait for a scheduler that is not up yet and retry while it is
-UNAVAILABLE, up to their deadline, through gRPC's own retry policy (`pshard.common.retry`).
+UNAVAILABLE, up to their deadline, through gRPC's own retry policy (`pshard.common.rpc.retry`).
 When the scheduler restarts it has forgotten everyone (soft state) and answers
 NOT_FOUND: the client re-registers with the same node id, its rank as the hint and the newest
 generation it has seen, so ranks are kept, generations keep growing and training goes on.
@@ -23,13 +23,8 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any, TypeVar
 
 import grpc
-from pshard.common.codec import (
-    layout_from_proto,
-    layout_to_proto,
-    param_spec_to_proto,
-    register_to_proto,
-    view_from_proto,
-)
+from pshard.common.cluster.layout import DEFAULT_SLICE_BYTES, Layout, ParamSpec
+from pshard.common.cluster.view import ClusterView, Registration
 from pshard.common.errors import (
     PSError,
     PullTimeoutError,
@@ -37,12 +32,17 @@ from pshard.common.errors import (
     UnavailableError,
     UnknownNodeError,
 )
-from pshard.common.layout import DEFAULT_SLICE_BYTES, Layout, ParamSpec
-from pshard.common.retry import Backoff, scheduler_channel_options
-from pshard.common.rpc import channel_options
-from pshard.common.rpc_status import ERROR_TYPE_KEY, error_from_rpc_error
-from pshard.common.security import SecurityConfig
-from pshard.common.view import ClusterView, Registration
+from pshard.common.rpc.options import channel_options
+from pshard.common.rpc.retry import Backoff, scheduler_channel_options
+from pshard.common.rpc.status import ERROR_TYPE_KEY, error_from_rpc_error
+from pshard.common.security.credentials import SecurityConfig
+from pshard.common.wire.codec import (
+    layout_from_proto,
+    layout_to_proto,
+    param_spec_to_proto,
+    register_to_proto,
+    view_from_proto,
+)
 
 from pshard.api.v1 import scheduler_pb2 as pb
 from pshard.api.v1 import scheduler_pb2_grpc as pb_grpc
@@ -64,7 +64,7 @@ class SchedulerClient:
                  rank_hint: int | None = None, *, on_view: ViewCallback | None = None,
                  rpc_timeout_s: float = 5.0, connect_timeout_s: float = 30.0,
                  last_generation: int = 0, security: SecurityConfig | None = None) -> None:
-        """`security`: this node's TLS files or token (pshard.common.security); default plain."""
+        """`security`: this node's TLS files or token (pshard.common.security.credentials); default plain."""
         self.address = address
         self.role = role
         self.own_address = own_address

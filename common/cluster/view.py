@@ -1,7 +1,7 @@
 """What every node knows of the cluster: roles, node states, nodes and the versioned cluster view.
 
 Shared by the scheduler (which decides them), the parameter servers (which follow them for the sync
-quorum) and the workers. Pure types: no grpc, no environment. The wire form is in `pshard.common.codec`.
+quorum) and the workers. Pure types: no grpc, no environment. The wire form is in `pshard.common.wire.codec`.
 """
 
 from __future__ import annotations

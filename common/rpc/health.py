@@ -1,6 +1,6 @@
 """A standard gRPC health probe: `pshard health HOST:PORT [--service NAME] [--timeout-s S]`.
 
-(`python -m pshard.common.health` is the same probe.)
+(`python -m pshard.common.rpc.health` is the same probe.)
 
 Exit 0 when the server answers SERVING; exit 1 otherwise, with one line on stderr saying
 why. That is the contract of a Docker (or Kubernetes exec) health check, and it keeps the
@@ -18,7 +18,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from pshard.common.argtypes import positive_float
 from pshard.common.errors import PSError
-from pshard.common.security import SecurityConfig, add_security_arguments, security_from_args
+from pshard.common.security.credentials import SecurityConfig, add_security_arguments, security_from_args
 
 DEFAULT_TIMEOUT_S = 3.0
 
@@ -47,7 +47,7 @@ def probe(target: str, service: str = "", timeout_s: float = DEFAULT_TIMEOUT_S,
     return reply.status == health_pb2.HealthCheckResponse.SERVING, f"{target}: {name}: {status_name}"
 
 
-def main(argv: Sequence[str] | None = None, *, prog: str = "python -m pshard.common.health") -> int:
+def main(argv: Sequence[str] | None = None, *, prog: str = "python -m pshard.common.rpc.health") -> int:
     parser = argparse.ArgumentParser(
         prog=prog,
         description="Ask a gRPC server's standard health service (grpc.health.v1) whether it is SERVING. "

@@ -53,5 +53,5 @@ def channel_options(max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> list[
 
 
 def identity(data: bytes) -> bytes:
-    """Exchange frames are encoded by ps_common.codec; grpc must pass them through untouched."""
+    """Exchange frames are encoded by common.wire.codec; grpc must pass them through untouched."""
     return data

@@ -39,7 +39,7 @@ INITIAL_BACKOFF_S = 0.05
 MAX_BACKOFF_S = 1.0
 BACKOFF_MULTIPLIER = 2.0
 # A call is retried only while its request is still buffered; past gRPC's default 256 KiB the call
-# commits and fails on the first error. The unary PushPull carries up to 1 MiB (worker/client.py's
+# commits and fails on the first error. The unary PushPull carries up to 1 MiB (client/ps_client.py's
 # SMALL_PAYLOAD_BYTES); bigger payloads take the Exchange stream.
 RETRY_BUFFER_BYTES = 2 * 2**20
 

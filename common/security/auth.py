@@ -2,7 +2,7 @@
 
 `Authorizer` runs in front of every handler of a secured server (scheduler, parameter server,
 the scheduler a chief hosts). It names the caller from the peer certificate's
-``spiffe://pshard/<role>/<id>`` (`pshard.common.identity`) or, failing that, from a token in the
+``spiffe://pshard/<role>/<id>`` (`pshard.common.security.identity`) or, failing that, from a token in the
 ``authorization: Bearer`` metadata, then:
 
 - no credential (or an unknown token, or a certificate naming no role, or one the CRL revokes)
@@ -29,8 +29,8 @@ from typing import Any
 import grpc
 import grpc.aio
 from pshard.common.errors import PermissionDeniedError
-from pshard.common.identity import Identity, TokenTable, identity_from_pem
-from pshard.common.revocation import RevocationList
+from pshard.common.security.identity import Identity, TokenTable, identity_from_pem
+from pshard.common.security.revocation import RevocationList
 
 log = logging.getLogger("pshard.auth")
 
@@ -70,8 +70,9 @@ ALLOWED: dict[str, frozenset[str]] = {
     _PS + "GetStats": NODES,
     _PS + "Checkpoint": OPERATORS,
     _PS + "SaveCheckpointPart": OPERATORS,
-    # Every trainer asks before its Declare (worker.checkpoints.restore); a configured server ignores it,
-    # and the directory must lie in the server's --global-checkpoint-dir (ps_server.checkpoint_guard).
+    # Every trainer asks before its Declare (worker.checkpoint_coordinator.restore); a configured server
+    # ignores it,
+    # and the directory must lie in the server's --global-checkpoint-dir (ps_server.checkpoints.guard).
     _PS + "RestoreCheckpoint": OPERATORS | TRAINERS,
     _PS + "Replicate": frozenset({"ps"}),  # a primary's steps to its backups
     _SPARSE + "DeclareTable": TRAINERS | {"admin"},
@@ -176,7 +177,7 @@ class Authorizer(grpc.aio.ServerInterceptor):  # type: ignore[misc]
         return who
 
     def _revoked(self, context: grpc.aio.ServicerContext) -> bool:
-        # gRPC has verified the chain but cannot check a CRL (pshard.common.revocation).
+        # gRPC has verified the chain but cannot check a CRL (pshard.common.security.revocation).
         assert self._revocations is not None
         pem = context.auth_context().get("x509_pem_cert")
         return bool(pem) and self._revocations.revoked(pem[0])

@@ -1,10 +1,13 @@
-"""``pshard certs``: a development CA and one certificate per node, made on first use and kept after.
+"""The development CA: one certificate per node, made on first use and kept after (`pshard certs`).
+
+The `pshard certs` command (pshard/certs.py) and the launcher call it; every process told to make its
+certificates (common.security.credentials) does too, which is why it lives in the shared layer.
 
     pshard certs --dir ./pshard-certs --host ps-0 ps/ps-0 worker/worker-0 chief/chief-0 admin
     pshard certs --dir ./pshard-certs --revoke worker-1      # add worker-1.pem's serial to crl.pem
 
 Each NODE is ``ROLE`` or ``ROLE/NODE-ID``; its certificate names it in a URI SAN,
-``spiffe://pshard/<role>/<node-id>`` (what servers authorise on, `pshard.common.identity`), and
+``spiffe://pshard/<role>/<node-id>`` (what servers authorise on, `pshard.common.security.identity`), and
 its host names in DNS/IP SANs (always ``localhost`` and ``127.0.0.1``, plus every ``--host`` and
 the node id itself, which is the host name in the compose file). Files in DIR:
 
@@ -20,12 +23,10 @@ use your own CA: pshard needs only the URI SAN above in each certificate.
 
 from __future__ import annotations
 
-import argparse
 import datetime as dt
 import fcntl
 import ipaddress
 import os
-import sys
 from collections.abc import Iterable, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
@@ -36,11 +37,9 @@ from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
-
-from pshard.common.argtypes import int_range
 from pshard.common.errors import ClusterConfigError
-from pshard.common.identity import Identity, parse_identity
-from pshard.common.security import SecurityConfig
+from pshard.common.security.credentials import SecurityConfig
+from pshard.common.security.identity import Identity
 
 DEFAULT_DIR = "pshard-certs"
 DEFAULT_DAYS = 365
@@ -268,45 +267,3 @@ def ensure(directory: Path | str, nodes: Sequence[Identity], hosts: Iterable[str
                 files = replace(issue(directory, identity, wanted, days=days), crl=crl)
             out[identity] = files
     return out
-
-
-def main(argv: Sequence[str] | None = None, *, prog: str = "pshard certs") -> int:
-    parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0] if __doc__ else None,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter,
-                                     epilog="Each NODE: ROLE or ROLE/NODE-ID, ROLE one of scheduler, ps, "
-                                            "chief, worker, evaluator, admin. Certificates name it as "
-                                            "spiffe://pshard/ROLE/NODE-ID.")
-    parser.add_argument("nodes", metavar="NODE", nargs="*",
-                        help="e.g. ps/ps-0 worker/worker-1 chief/chief-0 admin")
-    parser.add_argument("--revoke", metavar="NAME", action="append", default=[],
-                        help="revoke a certificate: its name in DIR (worker-1 for worker-1.pem) or a PEM "
-                             "file (repeatable); adds it to DIR/crl.pem, which servers re-read at once")
-    parser.add_argument("--dir", default=os.environ.get("PSHARD_CERTS_DIR", DEFAULT_DIR),
-                        help="where the CA and certificates live "
-                             f"(env PSHARD_CERTS_DIR, default ./{DEFAULT_DIR})")
-    parser.add_argument("--host", action="append", default=[],
-                        help="another host name or IP the nodes answer on (repeatable; localhost and "
-                             "127.0.0.1 are always in)")
-    parser.add_argument("--days", type=int_range(1, MAX_DAYS), default=DEFAULT_DAYS,
-                        help=f"validity, 1..{MAX_DAYS} (default {DEFAULT_DAYS})")
-    args = parser.parse_args(argv)
-    if not args.nodes and not args.revoke:
-        parser.error("name a NODE to certify or a certificate to --revoke")
-    try:
-        nodes = [parse_identity(n, "NODE") for n in args.nodes]
-        for name, serial in revoke(args.dir, args.revoke).items() if args.revoke else ():
-            print(f"revoked {name} (serial {serial:x}) in {Path(args.dir) / CRL_NAME}")
-        made = ensure(args.dir, nodes, args.host, days=args.days)
-    except ClusterConfigError as e:
-        parser.error(str(e))
-    except OSError as e:  # a read-only or full disk, a directory of another user: one line, no traceback
-        where = e.filename or args.dir
-        print(f"{prog}: error: --dir: cannot write {str(where)!r}: {e.strerror or e}", file=sys.stderr)
-        return 2
-    for identity, files in made.items():
-        print(f"{identity.spiffe_id()}: {files.cert} {files.key} (CA {files.ca})")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -6,7 +6,7 @@ Parsed once at an entry point into a frozen `SecurityConfig`:
     --tls-key FILE    (PSHARD_TLS_KEY)    its private key (PEM)
     --tls-ca FILE     (PSHARD_TLS_CA)     the CA that signs every pshard certificate (PEM)
     --tls-crl FILE    (PSHARD_TLS_CRL)    certificates the CA revoked (a CRL it signed; re-read on change)
-    --token-file FILE (PSHARD_TOKEN_FILE) role tokens, see `pshard.common.identity.TokenTable`
+    --token-file FILE (PSHARD_TOKEN_FILE) role tokens, see `pshard.common.security.identity.TokenTable`
     --tls-dir DIR     (PSHARD_TLS_DIR)    a development CA: this node's certificate made there on first use
     --insecure        (PSHARD_INSECURE=1) no TLS and no token, on purpose (a loud warning says so)
 
@@ -25,11 +25,11 @@ What the rest of pshard uses (docs/architecture.md, 13 Security):
 - `server_ssl_context()` / `client_ssl_context()`: `ssl.SSLContext`s from the same files, for the
   raw TCP fast path (mutual authentication, TLS 1.2+, the CRL checked by OpenSSL); the server's
   builds a fresh context for a new connection when a file changed (rotation, a new CRL).
-- `server_interceptors()`: the `pshard.common.auth.Authorizer` that names each caller's role (and
-  refuses a certificate the CRL revokes: gRPC Python cannot load a CRL, `pshard.common.revocation`).
+- `server_interceptors()`: the `pshard.common.security.auth.Authorizer` that names each caller's role (and
+  refuses a certificate the CRL revokes: gRPC Python cannot load a CRL, `pshard.common.security.revocation`).
 
 Certificates name their holder's role and node id in a URI SAN, ``spiffe://pshard/<role>/<id>``
-(`pshard certs` makes them; see `pshard.common.identity`).
+(`pshard certs` makes them; see `pshard.common.security.identity`).
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ from typing import Any
 
 import grpc
 from pshard.common.errors import ClusterConfigError
-from pshard.common.identity import Identity, TokenTable
+from pshard.common.security.identity import Identity, TokenTable
 
 log = logging.getLogger("pshard.security")
 
@@ -125,7 +125,7 @@ class SecurityConfig:
             # Fail at start-up, one line naming the flag, not with a traceback at the first handshake.
             _check_tls_files(self.cert, self.key, self.ca)
         if self.crl is not None:
-            from pshard.common.revocation import read_crl
+            from pshard.common.security.revocation import read_crl
 
             try:
                 read_crl(self.crl, self.ca)
@@ -190,8 +190,8 @@ class SecurityConfig:
         """The interceptors a secured server adds (none when security is off)."""
         if not self.enabled:
             return []
-        from pshard.common.auth import Authorizer
-        from pshard.common.revocation import RevocationList
+        from pshard.common.security.auth import Authorizer
+        from pshard.common.security.revocation import RevocationList
 
         revocations = RevocationList(self.crl, self.ca) if self.crl is not None else None
         return [Authorizer(self.tokens if self.token_file else None, refusals, revocations)]
@@ -251,7 +251,7 @@ class SecurityConfig:
     def own_identity(self) -> Identity | None:
         """Who this process is, from its certificate (or its token line)."""
         if self.tls:
-            from pshard.common.identity import identity_from_pem
+            from pshard.common.security.identity import identity_from_pem
 
             return identity_from_pem(_read(self.cert, "--tls-cert"))  # type: ignore[arg-type]
         if self.token_file is not None:
@@ -451,9 +451,10 @@ def security_from_args(args: argparse.Namespace, environ: Mapping[str, str] | No
 
 def _auto_certificate(directory: Path, role: str, node_id: str,
                       hosts: Sequence[str]) -> tuple[Path, Path, Path]:
-    from pshard.common.identity import parse_identity
-
-    from pshard.certs import ensure  # the CLI's module: only processes told to make certificates import it
+    from pshard.common.security.ca import (
+        ensure,  # the CA's half of cryptography: only processes told to make certificates load it
+    )
+    from pshard.common.security.identity import parse_identity
 
     identity = parse_identity(f"{role}/{node_id}" if node_id else role, "--tls-dir")
     try:

@@ -1,7 +1,7 @@
 """Certificate revocation: which peer certificates a CRL file revokes, re-read when the file changes.
 
 gRPC Python cannot load a CRL into its TLS credentials, so a revoked certificate still completes
-the handshake; the server interceptor (`pshard.common.auth.Authorizer`) then asks `RevocationList`
+the handshake; the server interceptor (`pshard.common.security.auth.Authorizer`) then asks `RevocationList`
 about the peer certificate gRPC hands it and refuses the call with UNAUTHENTICATED. The raw TCP fast
 path checks the same file inside OpenSSL instead (`SecurityConfig.server_ssl_context`).
 

@@ -5,9 +5,9 @@ numpy dtype: on the wire and in numpy it is its raw 16-bit pattern (a uint16
 array) tagged "bfloat16"; `bf16_to_f32`/`f32_to_bf16` convert. Never pickle.
 
 Arrays in this module travel with a logical dtype name (`WireArray`), because
-a uint16 array may be bfloat16. The facts about each dtype live in `pshard.common.dtypes`.
+a uint16 array may be bfloat16. The facts about each dtype live in `pshard.common.wire.dtypes`.
 
-The Python side names roles, modes and optimizers with strings (`pshard.common.view.ROLES`,
+The Python side names roles, modes and optimizers with strings (`pshard.common.cluster.view.ROLES`,
 `pshard.common.job.MODES`/`OPTIMIZERS`); the wire uses enums. This module is the one place that
 converts: an enum value this version does not know is an InvalidArgumentError naming the field.
 """
@@ -20,13 +20,13 @@ from typing import NamedTuple, Protocol
 
 import numpy as np
 from google.protobuf.message import DecodeError
-from pshard.common import dtypes
+from pshard.common.cluster.layout import Layout, LayoutSlice, ParamSpec
+from pshard.common.cluster.view import ROLES, ClusterView, Node, NodeState
 from pshard.common.errors import EmptyRequestError, InvalidArgumentError, PayloadSizeError, quote
 from pshard.common.job import MODES, NONFINITE, OPTIMIZERS, JobConfig, OptimizerConfig, check_lr
-from pshard.common.layout import Layout, LayoutSlice, ParamSpec
 from pshard.common.limits import DEFAULT_LIMITS
 from pshard.common.types import SliceKey, Stamp
-from pshard.common.view import ROLES, ClusterView, Node, NodeState
+from pshard.common.wire import dtypes
 
 from pshard.api.v1 import parameter_server_pb2 as ps_pb
 from pshard.api.v1 import scheduler_pb2 as sched_pb

@@ -29,8 +29,8 @@ import time
 from collections.abc import Sequence
 
 import numpy as np
-from pshard.common.codec import byte_view
 from pshard.common.errors import PSError
+from pshard.common.wire.codec import byte_view
 
 _HEADER = struct.Struct("<4sB3xIQ")
 HEADER_BYTES = _HEADER.size

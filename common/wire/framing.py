@@ -12,8 +12,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator, Sequence
 
 import numpy as np
-from pshard.common.codec import byte_view, encode_data_frame
 from pshard.common.errors import PayloadSizeError
+from pshard.common.wire.codec import byte_view, encode_data_frame
 
 Buffer = bytes | memoryview | np.ndarray
 

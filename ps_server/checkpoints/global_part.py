@@ -1,6 +1,6 @@
 """A server's part of a global checkpoint: written by parameter and range, restored by the current layout.
 
-The format is pshard.common.checkpoints (docs/architecture.md, 9 Failures). Here: a shard's
+The format is pshard.common.checkpoint_store (docs/architecture.md, 9 Failures). Here: a shard's
 snapshot becomes a part (`write_part`), and a committed checkpoint becomes the snapshot one
 server of any layout restores (`shard_snapshot`: its slices re-cut from the pieces that cover
 them) plus the table rows it owns by row hash (`restore_tables`). Pure: numpy, json and files.
@@ -14,14 +14,14 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from pshard.common import checkpoints as ckpt
-from pshard.common.checkpoints import CheckpointError
+from pshard.common import checkpoint_store as ckpt
+from pshard.common.checkpoint_store import CheckpointError
 from pshard.common.job import JobConfig
 from pshard.common.sparse import TableConfig, server_of
 from pshard.common.types import SliceKey
-from pshard.ps_server.optimizers import SliceState
-from pshard.ps_server.store import ShardSnapshot, SliceSnapshot
-from pshard.ps_server.table import CHUNK_ROWS, SparseTable
+from pshard.ps_server.core.optimizers import SliceState
+from pshard.ps_server.core.store import ShardSnapshot, SliceSnapshot
+from pshard.ps_server.tables.table import CHUNK_ROWS, SparseTable
 
 
 def write_part(directory: Path, server: int, snapshot: ShardSnapshot, ranges: Mapping[SliceKey, ckpt.Range],

@@ -18,8 +18,8 @@ import math
 from collections.abc import Mapping
 from pathlib import Path
 
-from pshard.common import checkpoints as ckpt
-from pshard.common.checkpoints import CheckpointError
+from pshard.common import checkpoint_store as ckpt
+from pshard.common.checkpoint_store import CheckpointError
 from pshard.common.errors import FutureClockError, InvalidArgumentError, PermissionDeniedError
 from pshard.common.types import SliceKey
 

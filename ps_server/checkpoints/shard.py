@@ -2,7 +2,7 @@
 
 This is a server's own checkpoint, restored by the same server with the same layout after a
 restart. A consistent checkpoint of the whole job, which restores onto any number of servers, is a
-global checkpoint (pshard.common.checkpoints, ps_server.global_checkpoint).
+global checkpoint (pshard.common.checkpoint_store, ps_server.checkpoints.global_part).
 
 A checkpoint named `name` is two files in `directory`:
 
@@ -38,12 +38,12 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from pshard.common.checkpoints import sync_directory, write_atomically
+from pshard.common.checkpoint_store import sync_directory, write_atomically
 from pshard.common.errors import CheckpointError
 from pshard.common.job import JobConfig, OptimizerConfig
 from pshard.common.types import SliceKey
-from pshard.ps_server.optimizers import SliceState
-from pshard.ps_server.store import ShardSnapshot, SliceSnapshot
+from pshard.ps_server.core.optimizers import SliceState
+from pshard.ps_server.core.store import ShardSnapshot, SliceSnapshot
 
 log = logging.getLogger("pshard.ps")
 

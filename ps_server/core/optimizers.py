@@ -31,15 +31,15 @@ from contextlib import contextmanager
 from typing import Protocol, cast
 
 import numpy as np
-from pshard.common.dtypes import MASTER_DTYPES
 from pshard.common.errors import DTypeMismatchError
 from pshard.common.job import OptimizerConfig
+from pshard.common.wire.dtypes import MASTER_DTYPES
 
 # Per-slice optimizer state: named arrays (same shape as the slice) and scalars such as the step count.
 # Plain data, so a checkpoint can store it with np.savez and JSON (never pickle).
 SliceState = dict[str, "np.ndarray | float | int"]
 
-# The dtypes optimizers compute in: the masters of every parameter dtype (pshard.common.dtypes).
+# The dtypes optimizers compute in: the masters of every parameter dtype (pshard.common.wire.dtypes).
 PARAM_DTYPES = tuple(np.dtype(name) for name in MASTER_DTYPES)
 
 

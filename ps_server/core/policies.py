@@ -23,7 +23,7 @@ import numpy as np
 from pshard.common.errors import FutureClockError
 from pshard.common.job import JobConfig
 from pshard.common.types import SliceKey
-from pshard.ps_server.optimizers import Optimizer, SliceState, at_lr, fold_scale
+from pshard.ps_server.core.optimizers import Optimizer, SliceState, at_lr, fold_scale
 
 NO_CLOCK = -1  # "has pushed nothing yet": clock 0 is then the next one
 
@@ -64,7 +64,7 @@ class Slot:
     # The learning rate of the step being gathered or applied, from the pushes' stamps (a worker's LR
     # scheduler); None = the job's optimizer.lr. Sync: every push of a clock carries the same one.
     step_lr: float | None = None
-    # Replication (ps_server/replication.py): told, before each optimizer step, what the step applies
+    # Replication (ps_server/replication/dense.py): told, before each optimizer step, what the step applies
     # (the gradient, or a sum and how many gradients it holds), so backups can take the same step.
     on_step: Callable[[Slot, np.ndarray, int], None] | None = field(default=None, repr=False, compare=False)
     # Taken by the store around every policy call: one update at a time per slice,

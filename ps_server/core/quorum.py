@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from pshard.common.view import TRAINER_ROLES, ClusterView, NodeState
+from pshard.common.cluster.view import TRAINER_ROLES, ClusterView, NodeState
 
 
 class QuorumFollower:

@@ -35,7 +35,6 @@ from dataclasses import dataclass, field, replace
 from typing import NamedTuple, TypeVar
 
 import numpy as np
-from pshard.common.dtypes import DTYPES, PARAM_DTYPES
 from pshard.common.errors import (
     DTypeMismatchError,
     EmptyRequestError,
@@ -46,9 +45,10 @@ from pshard.common.errors import (
 )
 from pshard.common.job import JobConfig
 from pshard.common.types import SliceKey, Stamp
-from pshard.ps_server.optimizers import Optimizer, SliceState, make_optimizer
-from pshard.ps_server.policies import NO_CLOCK, Aggregate, ConsistencyPolicy, Roster, Slot, make_policy
-from pshard.ps_server.steptimes import HangReport, StepTimes, StepTimeSummary
+from pshard.common.wire.dtypes import DTYPES, PARAM_DTYPES
+from pshard.ps_server.core.optimizers import Optimizer, SliceState, make_optimizer
+from pshard.ps_server.core.policies import NO_CLOCK, Aggregate, ConsistencyPolicy, Roster, Slot, make_policy
+from pshard.ps_server.core.steptimes import HangReport, StepTimes, StepTimeSummary
 
 # Slices hold floating point values only: gradients of anything else mean nothing.
 FLOAT_DTYPE_NAMES = PARAM_DTYPES
@@ -247,7 +247,7 @@ class ShardStore:
         """The job's optimizer, or, for a key the job averages (a model buffer), the mean of the pushes."""
         return self._averaging if key.key in self._averaged else self._optimizer
 
-    # ---- replication (ps_server/replication.py) ----
+    # ---- replication (ps_server/replication/dense.py) ----
 
     def set_step_hook(self, hook: Callable[[Slot, np.ndarray, int], None] | None) -> None:
         """Call `hook(slot, update, count)` under the slice's lock before every optimizer step."""

@@ -10,7 +10,7 @@ waiting (as coroutines, never threads) until the consistency policy lets a pull 
 wire dtype on the way out, the encodings that sync mode shares between workers, and the
 Exchange core that overlaps a push's data with the pull of what is already ready.
 Requests are validated once, whole, before any part of them is applied: first against the
-documented limits (ps_common.limits: string lengths, counts, shapes, generations, clocks), then by
+documented limits (common.limits: string lengths, counts, shapes, generations, clocks), then by
 the store, which alone holds the slices' specs. The one exception is the Exchange stream, whose
 header is validated whole first and whose slices are then applied one by one as they arrive.
 """
@@ -28,7 +28,6 @@ from typing import Generic, NamedTuple, TypeVar
 
 import numpy as np
 from pshard.common.changes import ChangeSignal
-from pshard.common.codec import WireArray, cast
 from pshard.common.errors import (
     EmptyRequestError,
     InvalidArgumentError,
@@ -44,12 +43,10 @@ from pshard.common.errors import (
 from pshard.common.job import JobConfig
 from pshard.common.metrics import RequestMetrics
 from pshard.common.types import SliceKey, Stamp
-from pshard.ps_server.checkpoint import load_shard, save_shard
-from pshard.ps_server.replica_shm import replica_shm_dir
-from pshard.ps_server.replication import Record, ReplicaSet, Replicator
-from pshard.ps_server.settings import ServerSettings
-from pshard.ps_server.steptimes import HangReport
-from pshard.ps_server.store import (
+from pshard.common.wire.codec import WireArray, cast
+from pshard.ps_server.checkpoints.shard import load_shard, save_shard
+from pshard.ps_server.core.steptimes import HangReport
+from pshard.ps_server.core.store import (
     PushOutcome,
     ShardSnapshot,
     ShardStore,
@@ -59,7 +56,10 @@ from pshard.ps_server.store import (
     dtype_name,
     unknown_key_error,
 )
-from pshard.ps_server.table_replication import TableReplication
+from pshard.ps_server.replication.dense import Record, ReplicaSet, Replicator
+from pshard.ps_server.replication.shm import replica_shm_dir
+from pshard.ps_server.replication.tables import TableReplication
+from pshard.ps_server.settings import ServerSettings
 
 log = logging.getLogger("pshard.ps")
 
@@ -173,7 +173,7 @@ class ParameterServerHandlers:
         self.replica_shm_dir = replica_shm_dir(settings.transport, settings.shm_dir)
         self.replica_set = ReplicaSet(self.replica_shm_dir)
         self.replicator: Replicator | None = None
-        # Table rows' replication (ps_server/table_replication.py): its Replicate batches land there.
+        # Table rows' replication (ps_server/replication/tables.py): its Replicate batches land there.
         self.table_replication: TableReplication | None = None
         self.promotions = 0  # slices this server took over as primary after a failover
         self.failovers = 0  # times it did (each a role change, logged): pshard_failovers_total
@@ -373,7 +373,7 @@ class ParameterServerHandlers:
 
     def _check_limits(self, what: str, stamp: Stamp | None, push: Sequence[SliceMeta],
                       pull: Sequence[SliceKey]) -> None:
-        """The documented limits (ps_common.limits), before the store or a wait sees the request."""
+        """The documented limits (common.limits), before the store or a wait sees the request."""
         limits = self._limits
         if stamp is not None:
             limits.check_stamp(stamp.worker_id, stamp.generation, stamp.clock)

@@ -1,8 +1,9 @@
 """A server's side of global checkpoints: write its part, restore from a committed checkpoint.
 
-Transport-free handlers (GlobalCheckpoints) and their thin gRPC servicer. The coordinator
-(worker.checkpoints) asks every server for its part at a clock boundary, then commits the
-checkpoint with a manifest (ps_server.global_checkpoint, docs/architecture.md 9 Failures).
+Transport-free handlers (GlobalCheckpoints); their thin gRPC servicer is
+ps_server/transport/global_checkpoint_servicer.py. The coordinator
+(worker.checkpoint_coordinator) asks every server for its part at a clock boundary, then commits the
+checkpoint with a manifest (ps_server.checkpoints.global_part, docs/architecture.md 9 Failures).
 """
 
 from __future__ import annotations
@@ -14,23 +15,18 @@ import logging
 import time
 from collections.abc import AsyncIterator, Callable, Mapping
 from pathlib import Path
-from typing import Any
 
-import grpc
-from pshard.common import checkpoints as ckpt
-from pshard.common import codec
+from pshard.common import checkpoint_store as ckpt
 from pshard.common.errors import InvalidArgumentError, LayoutConflictError, checkpoint_write_error
 from pshard.common.job import JobConfig
 from pshard.common.types import SliceKey
-from pshard.ps_server import checkpoint_guard as guard
-from pshard.ps_server.global_checkpoint import restore_tables, shard_snapshot, write_part
-from pshard.ps_server.handlers import ParameterServerHandlers
-from pshard.ps_server.store import ShardStore
-from pshard.ps_server.table import SparseTable
-from pshard.ps_server.table_files import save_tables
-from pshard.ps_server.table_handlers import TableHandlers
-
-from pshard.api.v1 import parameter_server_pb2 as pb
+from pshard.ps_server.checkpoints import guard
+from pshard.ps_server.checkpoints.global_part import restore_tables, shard_snapshot, write_part
+from pshard.ps_server.core.store import ShardStore
+from pshard.ps_server.handlers.dense import ParameterServerHandlers
+from pshard.ps_server.handlers.tables import TableHandlers
+from pshard.ps_server.tables.files import save_tables
+from pshard.ps_server.tables.table import SparseTable
 
 log = logging.getLogger("pshard.ps")
 
@@ -41,7 +37,7 @@ class GlobalCheckpoints:
     def __init__(self, handlers: ParameterServerHandlers, tables: TableHandlers | None,
                  pause_dir: str | None = None, root: str | None = None) -> None:
         """`root`: the only directory checkpoints are written and read under (--global-checkpoint-dir);
-        None refuses them (ps_server.checkpoint_guard)."""
+        None refuses them (ps_server.checkpoints.guard)."""
         self._handlers = handlers
         self._root = root
         self._tables = tables
@@ -155,42 +151,3 @@ def _table_writer(tables: list[SparseTable]) -> Callable[[Path, str], Path | Non
     if not tables:
         return None
     return lambda directory, name: save_tables(directory, name, tables)
-
-
-def ranges_from_proto(ranges: Any) -> dict[SliceKey, ckpt.Range]:
-    return {SliceKey(r.key, r.part): ckpt.Range(r.key, r.offset, r.numel, tuple(r.shape)) for r in ranges}
-
-
-class GlobalCheckpointServicer:
-    """SaveCheckpointPart and RestoreCheckpoint: five-line delegates to GlobalCheckpoints."""
-
-    def __init__(self, checkpoints: GlobalCheckpoints) -> None:
-        self._checkpoints = checkpoints
-
-    async def SaveCheckpointPart(self, request: pb.SaveCheckpointPartRequest, context: object
-                                 ) -> pb.SaveCheckpointPartResponse:
-        timeout_s = request.timeout_ms / 1000 if request.HasField("timeout_ms") else None
-        files, lo, hi = await self._checkpoints.save_part(request.directory, request.clock,
-                                                          ranges_from_proto(request.ranges), request.server,
-                                                          timeout_s, len(request.ranges))
-        return pb.SaveCheckpointPartResponse(
-            files=[pb.CheckpointFile(name=f.name, sha256=f.sha256, size=f.size) for f in files],
-            min_version=lo, max_version=hi)
-
-    async def RestoreCheckpoint(self, request: pb.RestoreCheckpointRequest, context: object
-                                ) -> pb.RestoreCheckpointResponse:
-        restored, clock, slices, rows = await self._checkpoints.restore(
-            request.directory, codec.job_from_proto(request.config), ranges_from_proto(request.ranges),
-            request.server, request.servers, request.resume, len(request.ranges))
-        return pb.RestoreCheckpointResponse(restored=restored, clock=clock, slices=slices, rows=rows)
-
-
-def rpc_handlers(servicer: GlobalCheckpointServicer, unary: Callable[..., Any], service: str
-                 ) -> grpc.GenericRpcHandler:
-    """The two methods, through the dense servicer's `unary` wrapper (budget, error mapping, metrics)."""
-    return grpc.method_handlers_generic_handler(service, {
-        "SaveCheckpointPart": grpc.unary_unary_rpc_method_handler(
-            unary("SaveCheckpointPart", pb.SaveCheckpointPartRequest, servicer.SaveCheckpointPart)),
-        "RestoreCheckpoint": grpc.unary_unary_rpc_method_handler(
-            unary("RestoreCheckpoint", pb.RestoreCheckpointRequest, servicer.RestoreCheckpoint)),
-    })

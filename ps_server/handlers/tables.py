@@ -12,11 +12,11 @@ more), whose table work runs on a worker thread while the lock is held, so that 
 other tables' callers keep their latency. Checkpoints and exports hold the lock and write from a
 worker thread too.
 
-Reads create nothing (ps_server.table): a pull of ids that have no row returns their initial
+Reads create nothing (ps_server.tables.table): a pull of ids that have no row returns their initial
 values. In a PushPullRows, the push is applied first, so the rows it created are read as they
 are now; its other pulled ids, like any pull's, stay absent.
 
-Sync tables (ps_server.table_sync) need the worker of each push and the quorum: the server's
+Sync tables (ps_server.tables.sync) need the worker of each push and the quorum: the server's
 static one (--workers) or the scheduler's, given to `set_quorum`. Their pulls wait, as coroutines,
 until the clock they read is applied in the row partitions of their ids. With replicas, a sync
 push also names the layout version it was routed with (TableReplication.routed).
@@ -47,12 +47,12 @@ from pshard.common.errors import (
 )
 from pshard.common.sparse import TableConfig
 from pshard.ps_server.settings import ServerSettings
-from pshard.ps_server.table import SparseTable
-from pshard.ps_server.table_files import append_ids, export_table, load_tables, save_tables
-from pshard.ps_server.table_sync import OWN, PartitionClocks
+from pshard.ps_server.tables.files import append_ids, export_table, load_tables, save_tables
+from pshard.ps_server.tables.sync import OWN, PartitionClocks
+from pshard.ps_server.tables.table import SparseTable
 
 if TYPE_CHECKING:
-    from pshard.ps_server.table_replication import TableReplication
+    from pshard.ps_server.replication.tables import TableReplication
 
 _ID = np.dtype("<i8")
 # Ids and rows as the transports hand them: gRPC's bytes, or a fast path's view of its region.
@@ -88,7 +88,7 @@ class TableHandlers:
         self._changed: dict[str, asyncio.Event] = {}  # set (and replaced) when a sync clock is applied
         self._quorum: dict[str, int] | None = dict(settings.static_quorum) if settings.static_quorum else None
         self._dir = Path(settings.checkpoint_dir) if settings.checkpoint_dir else None
-        # With replicas (ps_server/table_replication.py): rows changed go to the backups before a
+        # With replicas (ps_server/replication/tables.py): rows changed go to the backups before a
         # push is acknowledged, and ids of row partitions served elsewhere are refused.
         self.replication: TableReplication | None = None
         if self._dir is not None:
@@ -126,7 +126,7 @@ class TableHandlers:
         """Create the table; False if it exists with the same config (LayoutConflictError if not)."""
         if config.name not in self._tables:
             # The first table of a dtype compiles its loops, or loads them from numba's cache
-            # (ps_server.kernels): seconds or a fraction of one, on a thread, so the event loop
+            # (ps_server.tables.kernels): seconds or a fraction of one, on a thread, so the event loop
             # serves meanwhile. The checks below come after, as another declaration may have won.
             await asyncio.get_running_loop().run_in_executor(None, _warm_kernels, config.np_dtype)
         existing = self._tables.get(config.name)
@@ -304,7 +304,7 @@ class TableHandlers:
             sync.adopt(applied)
 
     def number_own(self, partition: int) -> None:
-        """The layout told this server its partition's number (ps_server/table_replication.py)."""
+        """The layout told this server its partition's number (ps_server/replication/tables.py)."""
         for sync in self._sync.values():
             sync.number_own(partition)
 
@@ -421,7 +421,7 @@ async def _run(table: SparseTable, n: int, work: Callable[..., T], *args: object
 
 
 def _warm_kernels(dtype: np.dtype) -> None:
-    from pshard.ps_server import kernels  # numba is loaded by servers that hold a table only
+    from pshard.ps_server.tables import kernels  # numba is loaded by servers that hold a table only
 
     kernels.warm(dtype)
 

@@ -9,9 +9,9 @@ are batched that way), and a backup that restarted or joined just gets every sli
 that catches up while training goes on.
 
 Where the bytes go: with a backup on the same host, into shared-memory segments both map, so a
-call carries only metadata (ps_server/replica_shm.py); with one that cannot map them (another
+call carries only metadata (ps_server/replication/shm.py); with one that cannot map them (another
 host, or a server without shared memory), as the data of a frame on a raw TCP link to the backup's
-fast-path listener (ps_server/replica_tcp.py). The calls themselves go over that link when the
+fast-path listener (ps_server/transport/replica_tcp.py). The calls themselves go over that link when the
 backup offers one (a frame on a kept connection costs less than a gRPC call), else, or when it
 breaks, as Replicate calls with the bytes inline. Backups also still replay
 step records (`step_record`: an update and how many gradients it sums, run through the same
@@ -35,16 +35,16 @@ from dataclasses import dataclass, field
 from typing import NamedTuple, Protocol
 
 import numpy as np
-from pshard.common import codec
 from pshard.common.errors import InvalidArgumentError, PSError, PullTimeoutError
-from pshard.common.fastwire import TransportBroken
 from pshard.common.job import JobConfig
-from pshard.common.shm import packed
 from pshard.common.types import SliceKey
-from pshard.ps_server.optimizers import Optimizer, SliceState, make_optimizer
-from pshard.ps_server.policies import NO_CLOCK, Slot
-from pshard.ps_server.replica_shm import ArraySpec, SegmentMaps, SegmentWriter, specs_bytes, state_specs
-from pshard.ps_server.store import ShardStore
+from pshard.common.wire import codec
+from pshard.common.wire.fastwire import TransportBroken
+from pshard.common.wire.shm import packed
+from pshard.ps_server.core.optimizers import Optimizer, SliceState, make_optimizer
+from pshard.ps_server.core.policies import NO_CLOCK, Slot
+from pshard.ps_server.core.store import ShardStore
+from pshard.ps_server.replication.shm import ArraySpec, SegmentMaps, SegmentWriter, specs_bytes, state_specs
 
 from pshard.api.v1 import parameter_server_pb2 as pb
 from pshard.api.v1 import tensor_pb2 as tensor_pb
@@ -61,7 +61,7 @@ _BATCH_BYTES = 32 * 2**20
 # that CPU is the step's (4 MiB: 11 calls a step per server of the 2x2 bench, 16 MiB: 3; 135-142 ->
 # 112-115 ms of server CPU per step, replicas 0 at 55-60). A batch only takes what is due meanwhile.
 _SHM_BATCH_BYTES = 16 * 2**20
-# Over the raw TCP link (ps_server/replica_tcp.py) the bytes follow the call, received into a region
+# Over the raw TCP link (ps_server/transport/replica_tcp.py) the bytes follow the call, received into a region
 # of the backup's session: batches well inside it.
 _TCP_BATCH_BYTES = 8 * 2**20
 _IN_FLIGHT = 2  # calls per backup at once (on different slices)
@@ -79,7 +79,7 @@ class Record(NamedTuple):
     dtype: str = ""  # state: the declared dtype
     opt_state: SliceState | None = None
     floors: dict[str, int] | None = None
-    # State through shared memory (ps_server/replica_shm.py): where its arrays lie, and what they are.
+    # State through shared memory (ps_server/replication/shm.py): where its arrays lie, and what they are.
     segment: str = ""
     offset: int = 0
     specs: tuple[ArraySpec, ...] = ()
@@ -154,7 +154,7 @@ class ReplicaSet:
 
     def __init__(self, shm_dir: str | None = None) -> None:
         self.config: JobConfig | None = None
-        # Same-host primaries' segments (ps_server/replica_shm.py); None: states come inline only.
+        # Same-host primaries' segments (ps_server/replication/shm.py); None: states come inline only.
         self._segments = SegmentMaps(shm_dir) if shm_dir is not None else None
         self._optimizer: Optimizer | None = None
         self._slots: dict[SliceKey, Slot] = {}
@@ -301,7 +301,7 @@ Send = Callable[[str, pb.ReplicateRequest], pb.ReplicateResponse]
 
 
 class Link(Protocol):
-    """A raw TCP connection to a backup (ps_server/replica_tcp.py), one call at a time."""
+    """A raw TCP connection to a backup (ps_server/transport/replica_tcp.py), one call at a time."""
 
     def call(self, request: pb.ReplicateRequest, arrays: Sequence[np.ndarray]) -> pb.ReplicateResponse: ...
 

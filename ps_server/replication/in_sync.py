@@ -13,10 +13,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from pshard.common.layout import Layout
-from pshard.common.view import ClusterView, ServerIncarnations
-from pshard.ps_server.replica_link import owned_slices
-from pshard.ps_server.replication import Replicator
+from pshard.common.cluster.layout import Layout
+from pshard.common.cluster.view import ClusterView, ServerIncarnations
+from pshard.ps_server.replication.dense import Replicator
+from pshard.ps_server.replication.link import owned_slices
 
 Report = Callable[[dict[str, int], int], None]  # (backup address -> its generation, layout version)
 
@@ -30,7 +30,7 @@ class InSyncReporter:
         self._report = report
         self._incarnations = ServerIncarnations(own_address)
         self._layout: Layout | None = None
-        # The backups holding every table row too (ps_server/table_replication.py); None: no tables.
+        # The backups holding every table row too (ps_server/replication/tables.py); None: no tables.
         self.tables_in_sync: Callable[[], set[str]] | None = None
 
     def on_view(self, view: ClusterView) -> None:

@@ -1,10 +1,10 @@
-"""The gRPC side of replication (ps_server/replication.py): whom this server forwards to, and how.
+"""The gRPC side of replication (ps_server/replication/dense.py): whom this server forwards to, and how.
 
 Backups come from the scheduler's view: the ps nodes in rank order are the ring, and this server's
-backups are the next `replicas` live ones after it (pshard.common.replicas), the same rule the
+backups are the next `replicas` live ones after it (pshard.common.cluster.replicas), the same rule the
 scheduler applies when it promotes one. Calls go server to server under the server's own
 credentials (TLS and token when the job has them); without shared memory between the two, the
-batches' bytes go over a raw TCP link to the backup's fast-path listener (ps_server/replica_tcp.py),
+batches' bytes go over a raw TCP link to the backup's fast-path listener (ps_server/transport/replica_tcp.py),
 negotiated over the same channel, and over gRPC when the link cannot be had or breaks.
 """
 
@@ -13,14 +13,14 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 
-from pshard.common.layout import Layout
-from pshard.common.replicas import backups_of, index_of
-from pshard.common.rpc import channel_options
-from pshard.common.security import SecurityConfig
+from pshard.common.cluster.layout import Layout
+from pshard.common.cluster.replicas import backups_of, index_of
+from pshard.common.cluster.view import ClusterView, NodeState
+from pshard.common.rpc.options import channel_options
+from pshard.common.security.credentials import SecurityConfig
 from pshard.common.types import SliceKey
-from pshard.common.view import ClusterView, NodeState
-from pshard.ps_server.replica_tcp import TcpLinks
-from pshard.ps_server.replication import Send
+from pshard.ps_server.replication.dense import Send
+from pshard.ps_server.transport.replica_tcp import TcpLinks
 
 from pshard.api.v1 import parameter_server_pb2 as pb
 from pshard.api.v1 import parameter_server_pb2_grpc as pb_grpc

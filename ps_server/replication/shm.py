@@ -1,4 +1,4 @@
-"""Same-host replication through shared memory: the data plane of ps_server/replication.py when a
+"""Same-host replication through shared memory: the data plane of ps_server/replication/dense.py when a
 primary and its backup share a host (docs/architecture.md, 9 Failures and 11 Transports).
 
 The primary writes each slice's state (its value, then its optimizer arrays by name, each 64-byte
@@ -13,7 +13,7 @@ it when the call is applied: a primary that dies mid-copy tears only a slot no c
 call whose outcome is unknown (it failed) leaves the primary unsure which slot the backup holds, so
 it `reset`s: later states go to fresh segments. What the backup holds stays mapped by it, so it
 outlives the primary's process; the primary unlinks a file once the backup has opened it (a
-SIGKILLed primary's files are swept by the next server on the host, ps_common/shm.py).
+SIGKILLed primary's files are swept by the next server on the host, common/wire/shm.py).
 
 Files, not memfds: a backup opens them by name, so no descriptor hand-off is needed. Primary and
 backup are servers of one job that trust each other (the names travel over their authenticated
@@ -31,10 +31,10 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 import numpy as np
-from pshard.common.codec import numpy_dtype
-from pshard.common.shm import parse_socket_name, pid_namespace
 from pshard.common.types import SliceKey
-from pshard.ps_server.policies import Slot
+from pshard.common.wire.codec import numpy_dtype
+from pshard.common.wire.shm import parse_socket_name, pid_namespace
+from pshard.ps_server.core.policies import Slot
 
 _ALIGN = 64
 # (array name, dtype name, shape): "" names the value; optimizer arrays follow by name.
@@ -61,7 +61,7 @@ def specs_bytes(specs: Iterable[ArraySpec]) -> int:
 
 
 def segment_name() -> str:
-    # The hand-off sockets' naming (ps_common/shm.py), so that a dead primary's files are swept.
+    # The hand-off sockets' naming (common/wire/shm.py), so that a dead primary's files are swept.
     return f"pshard-s-{pid_namespace()}-{os.getpid()}-{secrets.token_hex(8)}.seg"
 
 

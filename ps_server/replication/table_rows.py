@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 from pshard.common.sparse import TableConfig, take_rows
-from pshard.ps_server.table import CHUNK_ROWS, SparseTable
+from pshard.ps_server.tables.table import CHUNK_ROWS, SparseTable
 
 # Idempotence keys remembered per worker and table: far more pushes than a worker has in flight
 # while a failover happens (its calls wait, a few per table at most).

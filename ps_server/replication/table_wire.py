@@ -1,4 +1,4 @@
-"""Table-row batches (ps_server/table_replica.py) on the wire: parameter_server.proto's TableReplica.
+"""Table-row batches (ps_server/replication/table_rows.py) on the wire: parameter_server.proto's TableReplica.
 
 Between servers on one host the columns do not travel in the call: the primary gathers them straight
 into a segment file of the shared-memory directory (`RowSegment`, one per backup, reused call after
@@ -6,7 +6,7 @@ call: one call per backup is in flight at a time, and the backup copies the rows
 before it answers), and the call carries where they lie. The segments are replica_shm's (named so
 that a dead primary's files are swept; unlinked once the backup has them mapped). A backup that
 cannot map them (another host, no shared memory) says so, and the rows go inline from then on.
-Between hosts, when the backup offers a raw TCP link (ps_server/replica_tcp.py), the columns are the
+Between hosts, when the backup offers a raw TCP link (ps_server/transport/replica_tcp.py), the columns are the
 link frame's data instead (`frame_columns`): received into the session's request region, which the
 backup reads as it would a segment, and copies out of before it answers.
 """
@@ -20,11 +20,11 @@ from pathlib import Path
 import numpy as np
 from pshard.common.errors import InvalidArgumentError
 from pshard.common.sparse import TableConfig
-from pshard.common.sparse_codec import spec_from_proto, spec_to_proto
 from pshard.common.types import SliceKey
-from pshard.ps_server.replica_shm import ArraySpec, SegmentMaps, _aligned, _Segment
-from pshard.ps_server.table import SparseTable
-from pshard.ps_server.table_replica import RowBatch
+from pshard.common.wire.sparse_codec import spec_from_proto, spec_to_proto
+from pshard.ps_server.replication.shm import ArraySpec, SegmentMaps, _aligned, _Segment
+from pshard.ps_server.replication.table_rows import RowBatch
+from pshard.ps_server.tables.table import SparseTable
 
 from pshard.api.v1 import parameter_server_pb2 as pb
 

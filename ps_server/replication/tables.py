@@ -3,30 +3,30 @@
 A server's tables hold the ids of the row partitions it serves: partition p is the ids whose row
 hash (pshard.common.sparse.server_of) is p, served by server p until a failover moves it
 (Layout.row_owners). With `--replicas r` the server forwards its table rows to the same backups
-as its slices (pshard.common.replicas.backups_of), and acknowledges a push only once every backup
+as its slices (pshard.common.cluster.replicas.backups_of), and acknowledges a push only once every backup
 holds the rows it changed:
 
 - Each applied push (async), or each clock's aggregated update (sync), marks the rows it touched
   dirty for every backup; evictions and row-creating pulls mark theirs. One sender task per backup
-  ships the dirty rows' whole state as it is when the batch is taken (ps_server/table_replica.py):
+  ships the dirty rows' whole state as it is when the batch is taken (ps_server/replication/table_rows.py):
   pushes in between coalesce. A push waits (`settle`) until every backup acknowledged a batch
   taken after it, over the same Replicate call and channel as the dense slices
-  (ps_server/replica_link.py); between hosts over the same raw TCP link as theirs when the backup
-  offers one (ps_server/replica_tcp.py: the columns are the link frame's data), over gRPC when it
+  (ps_server/replication/link.py); between hosts over the same raw TCP link as theirs when the backup
+  offers one (ps_server/transport/replica_tcp.py: the columns are the link frame's data), over gRPC when it
   breaks.
 - A backup that joins, or comes back as a new process, first gets every row, a chunk at a time
   behind the dirty rows (so pushes are not held up by the copy), and only then counts as in sync
-  (ps_server/replica_sync.py reports the backups that hold both the slices and the rows).
+  (ps_server/replication/in_sync.py reports the backups that hold both the slices and the rows).
 - On failover the heir merges the dead primary's replica tables into its own tables when the
   layout naming it arrives, and serves those ids from then on; a server refuses ids of partitions
   it does not serve (UnknownKeyError: the worker re-routes). Pushes carry an idempotence key
   (worker, push_id) replicated with the rows, so a push resent after a failover, that the old
   primary had applied and replicated before it died, is dropped by the heir.
-- Sync tables: a clock's update is applied per row partition (ps_server/table_sync.py) and
+- Sync tables: a clock's update is applied per row partition (ps_server/tables/sync.py) and
   replicated like any change, with each partition's applied clock, in the same batch as the rows
   (a sync table's changed rows are never split over two calls, so the two agree). The heir serves
   an adopted partition from that clock on; the pushes its old primary held pending come again from
-  the workers, which keep each sync push until a pull shows it applied (worker/tables.py). A sync
+  the workers, which keep each sync push until a pull shows it applied (client/tables.py). A sync
   push counts, empty parts included, for the partitions its server serves, so it is taken only when
   the layout it was routed with gave this server the partitions it serves now (`routed`).
 
@@ -45,16 +45,23 @@ from dataclasses import dataclass, field
 from typing import NamedTuple, Protocol
 
 import numpy as np
+from pshard.common.cluster.layout import Layout
+from pshard.common.cluster.replicas import index_of
+from pshard.common.cluster.view import ClusterView, ServerIncarnations
 from pshard.common.errors import InvalidArgumentError, PullTimeoutError, StaleGenerationError, UnknownKeyError
-from pshard.common.layout import Layout
-from pshard.common.replicas import index_of
 from pshard.common.sparse import TableConfig, server_of
-from pshard.common.view import ClusterView, ServerIncarnations
-from pshard.ps_server.replica_shm import SegmentMaps
-from pshard.ps_server.replication import Links, Send, over_link
-from pshard.ps_server.table import SparseTable
-from pshard.ps_server.table_replica import Alloc, PushLog, ReplicaTables, RowBatch, all_ids, capture, merge
-from pshard.ps_server.table_replica_wire import (
+from pshard.ps_server.replication.dense import Links, Send, over_link
+from pshard.ps_server.replication.shm import SegmentMaps
+from pshard.ps_server.replication.table_rows import (
+    Alloc,
+    PushLog,
+    ReplicaTables,
+    RowBatch,
+    all_ids,
+    capture,
+    merge,
+)
+from pshard.ps_server.replication.table_wire import (
     RowSegment,
     batch_from_proto,
     batch_into_proto,
@@ -64,6 +71,7 @@ from pshard.ps_server.table_replica_wire import (
     row_bytes,
     small_batch,
 )
+from pshard.ps_server.tables.table import SparseTable
 
 from pshard.api.v1 import parameter_server_pb2 as pb
 
@@ -76,13 +84,13 @@ _LINK_BATCH_BYTES = 8 * 2**20
 _CHECKED = 2  # id arrays `check` remembers as served here (a pull's, then the push of the same ids)
 _RETRY_S = (0.05, 1.0)  # first and longest wait between attempts to reach a backup
 _VERSIONS_KEPT = 64  # layouts whose served partitions `routed` remembers
-# How a server refuses a sync push routed with a layout it has not received yet (worker/tables.py
+# How a server refuses a sync push routed with a layout it has not received yet (client/tables.py
 # waits a moment and sends it again).
 NOT_YET = "this server has not received that layout yet; retry"
 
 
 class TableSource(Protocol):
-    """What replication needs of the server's tables (ps_server.table_handlers.TableHandlers has it)."""
+    """What replication needs of the server's tables (ps_server.handlers.tables.TableHandlers has it)."""
 
     def tables(self) -> list[SparseTable]:
         ...
@@ -145,10 +153,11 @@ class TableReplication:
 
     def __init__(self, own: str, send: Send, loop: asyncio.AbstractEventLoop, tables: TableSource,
                  shm_dir: str | None = None, links: Links | None = None) -> None:
-        """`send`: the Replicate call (ps_server/replica_link.py); `tables`: the server's tables;
+        """`send`: the Replicate call (ps_server/replication/link.py); `tables`: the server's tables;
         `shm_dir`: the shared-memory directory row columns go through to same-host backups (and are
         read from as a backup), None: inline only; `links`: the raw TCP links rows not in shared
-        memory go over before gRPC (the dense slices', ps_server/replica_tcp.py), None: gRPC only."""
+        memory go over before gRPC (the dense slices', ps_server/transport/replica_tcp.py), None: gRPC
+        only."""
         self.own = own
         self._shm_dir = shm_dir
         self._links = links
@@ -233,7 +242,7 @@ class TableReplication:
     def partitions(self, ids: np.ndarray) -> int | np.ndarray:
         """The row partition of each of `ids` (checked to be served here): one number when this
         server serves one partition, as it does until a failover gives it more (-1: no layout yet,
-        ps_server.table_sync.OWN)."""
+        ps_server.tables.sync.OWN)."""
         owned, layout = self._owned, self._layout
         if owned is not None and len(owned) == 1:
             return next(iter(owned))

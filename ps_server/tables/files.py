@@ -2,7 +2,7 @@
 
 Both are plain `.npy` files, readable with numpy alone, written by streaming: the header is
 written first (the live row count is known), then the live rows a chunk at a time
-(ps_server.table.CHUNK_ROWS), so saving a table never makes a second in-memory copy of it.
+(ps_server.tables.table.CHUNK_ROWS), so saving a table never makes a second in-memory copy of it.
 
 A checkpoint of a server's tables is a directory `<name>.tables-<token>/` holding one
 subdirectory per table (`t0`, `t1`, ...: table names may hold any character) with `ids.npy`,
@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 from pshard.common.errors import CheckpointError, PSError
 from pshard.common.sparse import TableConfig
-from pshard.ps_server.table import CHUNK_ROWS, SparseTable
+from pshard.ps_server.tables.table import CHUNK_ROWS, SparseTable
 
 log = logging.getLogger("pshard.ps")
 

@@ -13,14 +13,14 @@ Every kernel computes exactly what the numpy code it replaces computes, bit for 
 float operations in the same order and precision (no fastmath, so LLVM neither reassociates nor
 contracts a*b+c into an FMA); tests/unit/test_kernels.py checks each against its numpy reference.
 They trust their inputs (no bounds checks): row numbers come from the table's own index, and
-requests are validated before they reach a table (ps_server.table_handlers).
+requests are validated before they reach a table (ps_server.handlers.tables).
 
 numba compiles a kernel at its first call for each new combination of argument types (about 4 s
 for every kernel and both dtypes) and caches the machine code next to this file or in
 NUMBA_CACHE_DIR, so later processes load it in a fraction of a second. `warm(dtype)` makes those
 first calls on tiny arrays when a table is created (TableHandlers.declare, on a thread), so no
 request waits for a compilation. Importing numba takes 0.3 s and ~50 MB of anonymous memory, so
-only servers that hold a table import this module (ps_server.table does, lazily).
+only servers that hold a table import this module (ps_server.tables.table does, lazily).
 """
 
 from __future__ import annotations
@@ -122,7 +122,7 @@ def _mix64(x):  # type: ignore[no-untyped-def]
 
 @_jit
 def lookup(slots, row_ids, query, shift, out):  # type: ignore[no-untyped-def]
-    """out[i] = the row of query[i] in an IdIndex (ps_server.rowhash), -1 where absent.
+    """out[i] = the row of query[i] in an IdIndex (ps_server.tables.rowhash), -1 where absent.
 
     `slots`: the index's int32 probe table (0 empty, -1 a tombstone, r + 1 for row r), its length a
     power of two; `row_ids`: the id of each row; `shift`: 64 - log2(len(slots)), so that an id's

@@ -2,7 +2,7 @@
 
 `nn.Embedding(sparse=True)` hands torch's optimizers a coalesced sparse gradient: only the rows
 present are read and written. These functions do the same to the rows of a table
-(ps_server.table), with torch's operations in torch's order:
+(ps_server.tables.table), with torch's operations in torch's order:
 
     sgd        row -= lr * g                                   (torch.optim.SGD)
     adagrad    sum += g*g; row -= lr * g / (sqrt(sum) + eps)   (torch.optim.Adagrad, lr_decay 0)
@@ -11,7 +11,7 @@ present are read and written. These functions do the same to the rows of a table
     lazy_adam  the same update, but bias-corrected by each row's own step count, so a rare row's
                first update is as large as a frequent row's first update
 
-A table runs sgd and adagrad through compiled in-place loops (ps_server.kernels) that compute
+A table runs sgd and adagrad through compiled in-place loops (ps_server.tables.kernels) that compute
 exactly this, in this order; these functions are their reference (tests/unit/test_kernels.py).
 
 `rows` and `grads` are (n, dim) arrays of the table's dtype; `state` maps a state name to the

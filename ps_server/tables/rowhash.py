@@ -1,7 +1,7 @@
 """A vectorised open-addressing hash index: int64 ids -> dense row numbers.
 
 Every operation takes a whole batch of ids. Lookups, the hot path of every table request, run as
-one compiled loop (ps_server.kernels.lookup, linear probing with the slots and ids prefetched);
+one compiled loop (ps_server.tables.kernels.lookup, linear probing with the slots and ids prefetched);
 insertions and deletions probe with numpy (each round advances all still-unresolved ids by a
 window of slots), so a batch of 4,096 ids costs a handful of array operations, not 4,096 Python
 steps. Both find an id's home slot the same way (`_home`: mix64 of the id, its top bits).
@@ -13,7 +13,7 @@ row numbers stay below the peak number of live ids. The table is rehashed when l
 tombstones pass 60% of its slots: doubled when the live ids alone need it, same size otherwise
 (that only clears tombstones). Row numbers fit int32: at most 2**31 - 2 rows per index.
 
-Not thread-safe: the owner (ps_server.table) serialises access.
+Not thread-safe: the owner (ps_server.tables.table) serialises access.
 """
 
 from __future__ import annotations
@@ -112,9 +112,9 @@ class IdIndex:
         return rows
 
     def _lookup(self, ids: np.ndarray) -> np.ndarray:
-        # One compiled pass (ps_server.kernels.lookup): the numpy rounds of _probe cost four times
+        # One compiled pass (ps_server.tables.kernels.lookup): the numpy rounds of _probe cost four times
         # as much for a lookup of a few thousand ids, most of it in temporaries.
-        from pshard.ps_server import kernels
+        from pshard.ps_server.tables import kernels
 
         rows = np.empty(len(ids), np.int64)
         # Contiguous int64, the layouts warm() compiled for: any other would compile mid-request.

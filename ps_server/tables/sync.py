@@ -18,7 +18,7 @@ Failures). A push is split by partition, an empty part counting as the worker's 
 partition; a partition applies clock c once every quorum member pushed c to it, and a pull waits
 only for the partitions of the ids it reads.
 
-Pure: no asyncio, no grpc. ps_server.table_handlers drives it.
+Pure: no asyncio, no grpc. ps_server.handlers.tables drives it.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """One sparse embedding table on one server: rows, per-row optimizer state and metadata, admission, eviction.
 
-Rows live in flat numpy arrays indexed by the row numbers of an `IdIndex` (ps_server.rowhash):
+Rows live in flat numpy arrays indexed by the row numbers of an `IdIndex` (ps_server.tables.rowhash):
 `values` (rows, dim), one (rows, dim) array per optimizer state, and per row its last touch
 (a clock or a time, float64), its count of updates, and for lazy Adam its step count. Arrays
 grow by doubling into fresh zeroed memory, whose untouched pages cost no RSS.
@@ -21,7 +21,7 @@ least often updated (lfu) rows, never the ones this request touched, down to the
 of it, so that a full table pays the O(rows) selection once per many requests, not on each.
 Evicted ids are counted and handed to `on_evict`.
 
-Not thread-safe: ps_server.table_handlers serialises requests per table.
+Not thread-safe: ps_server.handlers.tables serialises requests per table.
 """
 
 from __future__ import annotations
@@ -32,15 +32,15 @@ from collections.abc import Callable, Iterator
 
 import numpy as np
 from pshard.common.sparse import TableConfig, mix64, put_rows, table_hash, take_rows
-from pshard.ps_server import row_optim
-from pshard.ps_server.rowhash import IdIndex
+from pshard.ps_server.tables import row_optim
+from pshard.ps_server.tables.rowhash import IdIndex
 
 # Rows per chunk when a table is streamed out (checkpoint, export): bounds the temporary memory.
 CHUNK_ROWS = 1 << 16
 # Numbers (rows x dim) up to which a push's temporaries live in buffers the table keeps (4 MB of float32).
 _BUFFER_NUMBERS = 1 << 20
 _UNIT = float(2**-53)
-# Optimizers whose push updates rows in place in one compiled pass (ps_server.kernels); adam's two
+# Optimizers whose push updates rows in place in one compiled pass (ps_server.tables.kernels); adam's two
 # moments and bias correction stay with row_optim's numpy.
 _IN_PLACE = ("sgd", "adagrad")
 
@@ -85,13 +85,13 @@ class SparseTable:
         self._rng = np.random.default_rng(config.seed)
         self._next_sweep = 0.0
         self._buffers: dict[str, np.ndarray] = {}
-        # The compiled loops of the hot path (ps_server.kernels), imported with the first table: a
+        # The compiled loops of the hot path (ps_server.tables.kernels), imported with the first table: a
         # server that holds none never loads numba. Compiled (or loaded from numba's cache) here, so
         # that no request waits for a compilation.
-        from pshard.ps_server import kernels
+        from pshard.ps_server.tables import kernels
         kernels.warm(config.np_dtype)
         self.kernels = kernels
-        # Told the ids of every eviction too (ps_server/table_replication.py: backups drop them).
+        # Told the ids of every eviction too (ps_server/replication/tables.py: backups drop them).
         self.evict_hook: Callable[[np.ndarray], None] | None = None
         self._held: list[np.ndarray] | None = None  # evictions whose evict_hook waits (hooks_held)
 
@@ -170,7 +170,7 @@ class SparseTable:
 
     def _push_in_place(self, rows: np.ndarray, grads: np.ndarray, now: float) -> None:
         """row_optim.apply's sgd or adagrad on the rows where they are, with their touch and count
-        (ps_server.kernels: the same arithmetic, bit for bit)."""
+        (ps_server.tables.kernels: the same arithmetic, bit for bit)."""
         dt = self.config.np_dtype.type
         sums = self.state["sum"] if self.config.optimizer == "adagrad" else self.values[:0]  # sgd: none
         # dtype scalars and a float: the types warm() compiled for, so no compilation here
@@ -261,7 +261,7 @@ class SparseTable:
     @contextlib.contextmanager
     def hooks_held(self) -> Iterator[None]:
         """Within: evictions reach `evict_hook` only at the exit, in order. A request run on a worker
-        thread (ps_server.table_handlers) is entered and left on the event loop, where the hook
+        thread (ps_server.handlers.tables) is entered and left on the event loop, where the hook
         (replication's bookkeeping and events) must run."""
         self._held = []
         try:
@@ -310,7 +310,7 @@ class SparseTable:
             own[name][0][rows] = values
 
 
-    # ---- admission state, for replicas (ps_server/table_replica.py) ----
+    # ---- admission state, for replicas (ps_server/replication/table_rows.py) ----
 
     def sightings(self, ids: np.ndarray) -> np.ndarray:
         """Admission sightings of each of `ids` that is not a row (int32; 0: none counted)."""

@@ -15,7 +15,7 @@ requests keep being refused, or keep changing nothing (pushes that are all dupli
 requests held for a while and then refused unread. See the class docstring.
 
 Pure: no grpc, no asyncio; unit-tested in tests/unit/test_budget.py (the gRPC adapter of the
-tarpit is ps_server/tarpit.py).
+tarpit is ps_server/transport/tarpit.py).
 """
 
 from __future__ import annotations
@@ -193,7 +193,8 @@ class WasteTarpit:
 
     def hold_left(self, peer: str) -> float:
         """Seconds `peer` is held from now (0: it is not): a fast-path connection stops being read for
-        that long, since its frames cannot be refused unread as a gRPC call can (ps_server/fastconn.py)."""
+        that long, since its frames cannot be refused unread as a gRPC call can
+        (ps_server/transport/fastconn.py)."""
         waster = self._peers.get(peer)
         if waster is None or waster.hold_s == 0:
             return 0.0

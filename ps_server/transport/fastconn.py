@@ -25,10 +25,11 @@ from typing import Any, Protocol, overload
 
 import numpy as np
 from google.protobuf.message import DecodeError
-from pshard.common import codec
-from pshard.common.codec import byte_view
 from pshard.common.errors import PSError
-from pshard.common.fastwire import (
+from pshard.common.limits import DEFAULT_LIMITS
+from pshard.common.wire import codec
+from pshard.common.wire.codec import byte_view
+from pshard.common.wire.fastwire import (
     HEADER_BYTES,
     HELLO,
     REPLY,
@@ -40,9 +41,8 @@ from pshard.common.fastwire import (
     encode_slice_meta,
     tune,
 )
-from pshard.common.limits import DEFAULT_LIMITS
-from pshard.common.shm import Segment, packed, recv_with_fds
-from pshard.ps_server.store import SliceMeta
+from pshard.common.wire.shm import Segment, packed, recv_with_fds
+from pshard.ps_server.core.store import SliceMeta
 
 from pshard.api.v1 import parameter_server_pb2 as pb
 

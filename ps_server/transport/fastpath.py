@@ -9,7 +9,7 @@ bytes travel differs (docs/architecture.md, 11 Transports):
   the shared directory;
 * the worker connects there; its first frame must carry the secret, else the server closes the
   socket. For shm that frame also carries the segment's descriptor: a memfd sealed against any
-  change of size (ps_common/shm.py says why: a worker must not be able to SIGBUS the server),
+  change of size (common/wire/shm.py says why: a worker must not be able to SIGBUS the server),
   which the server checks and maps before answering with the nonce it read inside. Then each
   request is an ExchangeHeader frame, answered by a TransportReply frame.
   Over TCP the gradients follow the header and the pulled slices follow the reply; over shm both
@@ -21,7 +21,7 @@ bytes travel differs (docs/architecture.md, 11 Transports):
   copied once, under the slice's lock, into a slot of the reply region that belongs to that slice
   for the session's lifetime: a pull at version v returns exactly v's bytes, and sync mode's
   shared-encoding cache stays valid per slot;
-* sparse-table requests (EXCHANGE_OP_TABLE) ride the same sessions: ps_server.table_fast hands
+* sparse-table requests (EXCHANGE_OP_TABLE) ride the same sessions: ps_server.transport.table_fast hands
   their bytes to the table handlers and writes the pulled rows past the dense slots;
 * a session ends with its socket: a worker that closes, dies or is SIGKILLed is noticed at once
   (EOF, even while its pull waits) and its segment is unmapped (a memfd: no file to remove); a
@@ -46,17 +46,20 @@ from pathlib import Path
 import grpc.aio
 import numpy as np
 from google.protobuf.message import DecodeError
-from pshard.common import codec
-from pshard.common.auth import AuthRefusals, caller, check_acts_as
-from pshard.common.codec import WireArray
 from pshard.common.errors import InvalidArgumentError, PermissionDeniedError, PSError
-from pshard.common.fastwire import TransportBroken
-from pshard.common.rpc import EXCHANGE_METHOD
-from pshard.common.rpc_status import maps_errors
-from pshard.common.shm import Segment, align, listen, remove, sweep_orphans
+from pshard.common.rpc.options import EXCHANGE_METHOD
+from pshard.common.rpc.status import maps_errors
+from pshard.common.security.auth import AuthRefusals, caller, check_acts_as
 from pshard.common.types import SliceKey
-from pshard.ps_server.budget import WasteTarpit
-from pshard.ps_server.fastconn import (
+from pshard.common.wire import codec
+from pshard.common.wire.codec import WireArray
+from pshard.common.wire.fastwire import TransportBroken
+from pshard.common.wire.shm import Segment, align, listen, remove, sweep_orphans
+from pshard.ps_server.core.store import SliceMeta
+from pshard.ps_server.handlers.dense import EncodedSlice, ExchangeDone, ParameterServerHandlers
+from pshard.ps_server.handlers.tables import TableHandlers
+from pshard.ps_server.transport.budget import WasteTarpit
+from pshard.ps_server.transport.fastconn import (
     HELLO_TIMEOUT_S,
     Connection,
     Inflow,
@@ -66,12 +69,9 @@ from pshard.ps_server.fastconn import (
     receive_hello,
     send_hello,
 )
-from pshard.ps_server.handlers import EncodedSlice, ExchangeDone, ParameterServerHandlers
-from pshard.ps_server.replica_tcp import serve_replicate
-from pshard.ps_server.store import SliceMeta
-from pshard.ps_server.table_fast import serve_table
-from pshard.ps_server.table_handlers import TableHandlers
-from pshard.ps_server.tarpit import wasted_reply
+from pshard.ps_server.transport.replica_tcp import serve_replicate
+from pshard.ps_server.transport.table_fast import serve_table
+from pshard.ps_server.transport.tarpit import wasted_reply
 
 from pshard.api.v1 import parameter_server_pb2 as pb
 
@@ -160,7 +160,8 @@ class _Session:
         self.claimed = False  # a connection presented the secret (one only, ever)
         self.want = (0, 0)  # the request and reply bytes negotiated
         self.closed = False
-        self.replicates = False  # opened by a server: may carry its replication (ps_server/replica_tcp.py)
+        # Opened by a server: may carry its replication (ps_server/transport/replica_tcp.py).
+        self.replicates = False
         self._slots: dict[SliceKey, tuple[int, int]] = {}
         self._reply_end = 0
         self._pull: tuple[Sequence[object], list[SliceKey]] | None = None
@@ -243,7 +244,7 @@ class FastPathServer:
         self.greeting = 0  # connections waiting for their hello (greet/greeted), at most max_greeting
         self.max_greeting = MAX_GREETING
         self.refused_greetings = 0  # connections closed because max_greeting others were waiting
-        # Sessions whose requests keep being wasted are not read for a while (ps_server/tarpit.py).
+        # Sessions whose requests keep being wasted are not read for a while (ps_server/transport/tarpit.py).
         self.tarpit: WasteTarpit | None = None
         self.port = 0
         if not self.kinds:
@@ -418,7 +419,7 @@ class FastPathServer:
         if not session.claimed:
             self._end(session)
 
-    # ---- what connections (ps_server.fastconn) call ----
+    # ---- what connections (ps_server.transport.fastconn) call ----
 
     def _claim(self, hello: bytes, kind: str) -> _Session:
         """The not yet connected session of `kind` whose id and secret the first frame carries, now
@@ -513,7 +514,8 @@ class FastPathServer:
                         stamp.worker_id)
             raise PermissionDeniedError(f"fast path: a session of {session.worker_id!r} may not act as "
                                         f"{stamp.worker_id!r}")
-        if header.op == pb.EXCHANGE_OP_REPLICATE:  # a primary's replication link (ps_server/replica_tcp.py)
+        # A primary's replication link (ps_server/transport/replica_tcp.py).
+        if header.op == pb.EXCHANGE_OP_REPLICATE:
             if not session.replicates:
                 self.refusals.add("PERMISSION_DENIED", EXCHANGE_METHOD)
                 raise PermissionDeniedError(f"fast path: {session.worker_id!r} may not replicate (no server)")

@@ -25,16 +25,16 @@ from collections.abc import Callable, Sequence
 
 import grpc
 import numpy as np
-from pshard.common import codec
 from pshard.common.errors import InvalidArgumentError, PSError, error_classes
-from pshard.common.fastwire import REPLY, REQUEST, Inbox, TransportBroken, open_session, send_frame
-from pshard.common.rpc_status import error_from_rpc_error
+from pshard.common.rpc.status import error_from_rpc_error
 from pshard.common.types import SliceKey
-from pshard.ps_server.handlers import ParameterServerHandlers
-from pshard.ps_server.replication import Record, record_from_proto
-from pshard.ps_server.store import SliceMeta
-from pshard.ps_server.table_replica_wire import frame_keys
-from pshard.ps_server.table_replication import hold_rows
+from pshard.common.wire import codec
+from pshard.common.wire.fastwire import REPLY, REQUEST, Inbox, TransportBroken, open_session, send_frame
+from pshard.ps_server.core.store import SliceMeta
+from pshard.ps_server.handlers.dense import ParameterServerHandlers
+from pshard.ps_server.replication.dense import Record, record_from_proto
+from pshard.ps_server.replication.table_wire import frame_keys
+from pshard.ps_server.replication.tables import hold_rows
 
 from pshard.api.v1 import parameter_server_pb2 as pb
 from pshard.api.v1 import parameter_server_pb2_grpc as pb_grpc
@@ -110,7 +110,7 @@ def frame_header(node_id: str, request: pb.ReplicateRequest, arrays: Sequence[np
 def _keyed(request: pb.ReplicateRequest, arrays: Sequence[np.ndarray]) -> list[tuple[SliceKey, np.ndarray]]:
     keys = [codec.slice_id_from_proto(r.id) for r in request.records if r.state and not r.segment
             for _ in range(1 + len(r.opt_arrays))]
-    keys += frame_keys(request.tables)  # table rows' columns (ps_server/table_replica_wire.py)
+    keys += frame_keys(request.tables)  # table rows' columns (ps_server/replication/table_wire.py)
     if len(keys) != len(arrays):
         raise ValueError(f"replication link: {len(arrays)} arrays for {len(keys)} in the records")
     return list(zip(keys, arrays, strict=True))
@@ -229,7 +229,7 @@ async def serve_replicate(handlers: ParameterServerHandlers, header: pb.Exchange
 
 async def _serve_rows(handlers: ParameterServerHandlers, request: pb.ReplicateRequest,
                       views: Sequence[np.ndarray]) -> pb.TransportReply:
-    """Hold a batch of table rows whose columns are the frame's data (ps_server/table_replication.py).
+    """Hold a batch of table rows whose columns are the frame's data (ps_server/replication/tables.py).
     The views are of the session's region, which the next request reuses: `apply` copies the rows
     out before the reply lets the primary send it."""
     if request.records or request.release or request.release_tables:

@@ -1,10 +1,10 @@
 """gRPC adapter of the parameter server: decode the request, call the handler, encode the reply.
 
-Everything the server means by a request lives in ps_server.handlers (and the store below it);
+Everything the server means by a request lives in ps_server.handlers.dense (and the store below it);
 this module only knows the protobuf messages, the Exchange stream's frames, and that a PSError
-ends the call with its status (ps_common.rpc_status).
+ends the call with its status (common.rpc.status).
 
-It also keeps the server's in-flight byte budget (ps_server.budget): a unary request reserves its
+It also keeps the server's in-flight byte budget (ps_server.transport.budget): a unary request reserves its
 serialized size before it is parsed (the methods receive raw bytes, see `unary`), an Exchange stream
 reserves each frame as it arrives and gives it back once the frame's slices are applied. Large
 replies are encoded on a small thread pool, so one big pull does not stall the event loop that
@@ -24,9 +24,6 @@ from typing import TypeVar
 
 import grpc.aio
 from google.protobuf.message import DecodeError, Message
-from pshard.common import codec
-from pshard.common.auth import caller, check_acts_as, may_configure, refused, sees_worker_ids
-from pshard.common.codec import WireArray, encode_data_frame
 from pshard.common.errors import (
     EmptyRequestError,
     InvalidArgumentError,
@@ -35,16 +32,19 @@ from pshard.common.errors import (
     PullTimeoutError,
     quote,
 )
-from pshard.common.framing import FramePacker, SliceReader
 from pshard.common.job import JobConfig
-from pshard.common.rpc_status import maps_stream_errors, set_status
+from pshard.common.rpc.status import maps_stream_errors, set_status
+from pshard.common.security.auth import caller, check_acts_as, may_configure, refused, sees_worker_ids
 from pshard.common.types import SliceKey
-from pshard.ps_server.budget import InflightBudget, Reservation
-from pshard.ps_server.handlers import EncodedSlice, ExchangeDone, ParameterServerHandlers, PulledSlice
+from pshard.common.wire import codec
+from pshard.common.wire.codec import WireArray, encode_data_frame
+from pshard.common.wire.framing import FramePacker, SliceReader
+from pshard.ps_server.core.store import SliceMeta
+from pshard.ps_server.handlers.dense import EncodedSlice, ExchangeDone, ParameterServerHandlers, PulledSlice
 from pshard.ps_server.heap import HeapTrimmer
-from pshard.ps_server.replication import record_from_proto
-from pshard.ps_server.store import SliceMeta
-from pshard.ps_server.table_replication import hold_rows
+from pshard.ps_server.replication.dense import record_from_proto
+from pshard.ps_server.replication.tables import hold_rows
+from pshard.ps_server.transport.budget import InflightBudget, Reservation
 
 from pshard.api.v1 import parameter_server_pb2 as pb
 from pshard.api.v1 import tensor_pb2 as tensor_pb
@@ -283,7 +283,7 @@ class ParameterServerServicer:
     async def Replicate(self, request: pb.ReplicateRequest, context: grpc.aio.ServicerContext
                         ) -> pb.ReplicateResponse:
         # Server to server (docs/architecture.md, 9 Failures); the role table lets only servers call it.
-        if request.tables or request.release_tables:  # table rows (ps_server/table_replication.py)
+        if request.tables or request.release_tables:  # table rows (ps_server/replication/tables.py)
             inline = await hold_rows(self._handlers.table_replication, request, executor=self._executor)
             return pb.ReplicateResponse(tables_need_inline=inline)
         records, primary, release = request.records, request.primary, request.release
@@ -440,7 +440,7 @@ async def _read_slices(metas: Sequence[SliceMeta], frames: _FrameSource
     """(index into `metas`, zero-copy view) of each slice as its bytes complete in the data frames.
 
     Nothing is allocated for what the header announces: a slice spanning frames grows as its bytes
-    arrive (ps_common.framing.SliceReader), and those bytes are reserved like the frames'.
+    arrive (common.wire.framing.SliceReader), and those bytes are reserved like the frames'.
     """
     names = [f"slice {quote(str(m.key))}" for m in metas]
     reader = SliceReader([codec.nbytes_of(n, m.dtype, m.shape) for n, m in zip(names, metas, strict=True)],

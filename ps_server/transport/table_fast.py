@@ -3,7 +3,7 @@
 A table request travels in the same session, frames and regions as a dense step (shared memory on
 one host, raw TCP or TLS between hosts; docs/architecture.md, 11 Transports and 12 Sparse tables):
 the header's `push` entries describe its bytes (pushed ids, gradients, pulled ids, in that order;
-parameter_server.proto's TableRequest), so the connection (ps_server.fastconn) lands them in the
+parameter_server.proto's TableRequest), so the connection (ps_server.transport.fastconn) lands them in the
 session's request region as it lands dense slices, and they reach the same TableHandlers as gRPC's
 PullRows/PushRows/PushPullRows as views of that region, with no copy. The table writes the pulled
 rows straight into the reply region, past the slots of the session's dense slices (those keep their
@@ -19,8 +19,8 @@ from collections.abc import Callable, Sequence
 import numpy as np
 from pshard.common.errors import InvalidArgumentError
 from pshard.common.sparse import TableConfig
-from pshard.ps_server.store import SliceMeta
-from pshard.ps_server.table_handlers import TableHandlers
+from pshard.ps_server.core.store import SliceMeta
+from pshard.ps_server.handlers.tables import TableHandlers
 
 from pshard.api.v1 import parameter_server_pb2 as pb
 

@@ -1,4 +1,4 @@
-"""gRPC adapter of the sparse tables (proto/pshard/api/v1/sparse.proto) over ps_server.table_handlers.
+"""gRPC adapter of the sparse tables (proto/pshard/api/v1/sparse.proto) over ps_server.handlers.tables.
 
 The methods decode a request, call the handler and encode its reply; the wrapping each gets from
 `rpc_handlers` (the parameter server's `unary`: in-flight budget, parsing, PSError -> status) is
@@ -17,8 +17,8 @@ import grpc
 import grpc.aio
 import numpy as np
 from google.protobuf.message import Message
-from pshard.common.sparse_codec import spec_from_proto
-from pshard.ps_server.table_handlers import TableHandlers
+from pshard.common.wire.sparse_codec import spec_from_proto
+from pshard.ps_server.handlers.tables import TableHandlers
 
 from pshard.api.v1 import sparse_pb2 as pb
 

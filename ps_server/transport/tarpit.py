@@ -1,4 +1,5 @@
-"""gRPC adapter of the wasted-request tarpit (ps_server.budget.WasteTarpit): a flood stops costing reads.
+"""gRPC adapter of the wasted-request tarpit (ps_server.transport.budget.WasteTarpit): a flood stops costing
+reads.
 
 A unary request is only worth reading if it can do something. A connection whose requests keep
 being refused, or keep changing nothing, is a client that ignores its refusals: a buggy retry loop
@@ -14,8 +15,8 @@ backs off as asked and is read again. Other requests are read and served as usua
 outcome (the status code; for Push and PushPull without a pull, whether anything was applied) is
 recorded. The cost for a normal call is one awaited read, within the noise of a small call.
 
-The fast paths (ps_server/fastconn.py) cannot refuse a frame unread without losing the stream's step,
-so a held session's connection is not read at all for the hold: its next request waits in the
+The fast paths (ps_server/transport/fastconn.py) cannot refuse a frame unread without losing the stream's
+step, so a held session's connection is not read at all for the hold: its next request waits in the
 kernel's buffers and the worker's socket, and a flood sends one request per hold there too.
 """
 
@@ -29,8 +30,8 @@ from typing import Any
 import grpc
 import grpc.aio
 from pshard.common.errors import EmptyRequestError, OverloadedError, PSError, error_classes
-from pshard.common.rpc_status import abort
-from pshard.ps_server.budget import WasteTarpit
+from pshard.common.rpc.status import abort
+from pshard.ps_server.transport.budget import WasteTarpit
 
 from pshard.api.v1 import parameter_server_pb2 as pb
 

@@ -15,10 +15,10 @@ from collections.abc import Callable, Iterator
 import numpy as np
 import pytest
 import torch
+from pshard.client.ps_client import PSClient
 from pshard.common.job import JobConfig, OptimizerConfig
 from pshard.ps_server.service import ServerThread, start_server_thread
 from pshard.ps_server.settings import ServerSettings
-from pshard.worker.client import PSClient
 from pshard.worker.device import HostStaging, select_device
 from pshard.worker.embedding import PSEmbedding, PSEmbeddingBag
 from pshard.worker.model import build_model

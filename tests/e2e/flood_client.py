@@ -23,9 +23,9 @@ import time
 
 import grpc
 import numpy as np
-from pshard.common import codec
-from pshard.common.rpc import channel_options, identity
+from pshard.common.rpc.options import channel_options, identity
 from pshard.common.types import SliceKey, Stamp
+from pshard.common.wire import codec
 
 from pshard.api.v1 import parameter_server_pb2 as pb
 

@@ -25,8 +25,8 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TypeVar
 
-from pshard.common.health import probe
-from pshard.common.security import SecurityConfig
+from pshard.common.rpc.health import probe
+from pshard.common.security.credentials import SecurityConfig
 from pshard.launcher.plan import ClusterPlan, Task, free_ports
 
 ROOT = Path(__file__).resolve().parents[2]

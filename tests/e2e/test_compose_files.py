@@ -28,7 +28,7 @@ import grpc
 import pytest
 import tomllib
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from pshard.common.health import probe
+from pshard.common.rpc.health import probe
 
 pytestmark = pytest.mark.e2e
 
@@ -383,7 +383,7 @@ def test_dockerignore_keeps_local_state_out_of_the_build_context() -> None:
     ignored = {line.strip() for line in (ROOT / ".dockerignore").read_text().splitlines()}
     assert {".venv", ".git", "runs", "pshard/api/v1/*_pb2*"} <= ignored
     # ... but not what the wheel is built from.
-    needed = {"pyproject.toml", "setup.py", "README.md", "LICENSE", "proto", "pshard", "ps_common",
+    needed = {"pyproject.toml", "setup.py", "README.md", "LICENSE", "proto", "pshard", "common",
               "ps_server", "scheduler", "worker", "launcher"}
     assert not needed & ignored
 

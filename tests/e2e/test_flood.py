@@ -13,7 +13,7 @@ transport it would pick on this host).
 The quiet p99 is measured both before and after the flood: other jobs share these two cores, and
 a baseline taken on either side of the flood is exposed to the same background load as the flood.
 
-What holds the bar is the server's tarpit (ps_server/tarpit.py): reading and refusing the flood took
+What holds the bar is the server's tarpit (ps_server/transport/tarpit.py): reading and refusing the flood took
 half of the event loop the fast paths share (bystander p99 12-70 ms), so a connection whose requests
 keep being refused or changing nothing is, after 4 MiB of them, refused unread and held until it
 waits as asked. The flood's own counts (printed) show how many of its requests were read.
@@ -26,8 +26,8 @@ import re
 import time
 
 import numpy as np
+from pshard.client.ps_client import PSClient
 from pshard.common.job import JobConfig, OptimizerConfig
-from pshard.worker.client import PSClient
 
 from tests.e2e.flood_client import members
 from tests.e2e.harness import ROOT, STARTUP_TIMEOUT_S, Procs, wait_healthy

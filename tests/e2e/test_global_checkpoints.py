@@ -9,7 +9,7 @@ the restore before the Declare and retention are proven with real processes.
 from __future__ import annotations
 
 import pytest
-from pshard.common import checkpoints as ckpt
+from pshard.common import checkpoint_store as ckpt
 
 from tests.e2e.harness import SYNC, TIMEOUTS, LocalCluster, Procs, assert_trained
 

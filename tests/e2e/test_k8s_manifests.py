@@ -37,9 +37,9 @@ import kubernetes_validate
 import pytest
 import torch
 import yaml
-from pshard.common.cluster import ClusterSpec
-from pshard.common.k8s_tfconfig import main as tfconfig_main
-from pshard.common.k8s_tfconfig import operator_tf_config
+from pshard.common.cluster.k8s_tfconfig import main as tfconfig_main
+from pshard.common.cluster.k8s_tfconfig import operator_tf_config
+from pshard.common.cluster.spec import ClusterSpec
 from pshard.common.metrics import METRICS_PORT_ENV
 from pshard.ps_server.__main__ import build_parser as ps_parser
 from pshard.scheduler.__main__ import build_parser as scheduler_parser
@@ -146,7 +146,7 @@ def operator_port(replica_spec: dict[str, Any]) -> int:
 
 def emulated_operator_tf_config(job: str, specs: dict[str, Any], ports: dict[str, int], rtype: str,
                                 index: int) -> str:
-    """genTFConfigJSONStr, transcribed: written apart from ps_common/k8s_tfconfig.py to check it."""
+    """genTFConfigJSONStr, transcribed: written apart from common/cluster/k8s_tfconfig.py to check it."""
     cluster = {}
     for other, spec in specs.items():
         if other == "Evaluator":  # "evaluator is not part of training cluster"
@@ -331,7 +331,7 @@ def test_every_tfjob_pod_reads_its_tf_config_as_the_operator_writes_it() -> None
         assert spec.scheduler_address == "pshard-chief-0.ml.svc:2222"
         assert spec.hosts_scheduler == (pod.role == "chief")
         assert spec.worker_ids == ("chief-0", "worker-0", "worker-1")
-        # ps_common/k8s_tfconfig.py writes the same bytes for the same replicas.
+        # common/cluster/k8s_tfconfig.py writes the same bytes for the same replicas.
         replicas = {r: s["replicas"] for r, s in tfjob["spec"]["tfReplicaSpecs"].items()}
         assert operator_tf_config("pshard", NAMESPACE, replicas, pod.role, pod.index) == pod.tf_config
     assert ClusterSpec.from_tf_config(pods["pshard-evaluator-0"].tf_config or "").own_address is None
@@ -343,7 +343,7 @@ def run_init_steps(pods: list[Pod], tmp_path: Path) -> dict[str, str]:
     for pod in pods:
         (init,) = pod.spec["initContainers"]
         argv = argv_of(pod, init)
-        assert argv[:3] == ["python", "-m", "pshard.common.k8s_tfconfig"], argv
+        assert argv[:3] == ["python", "-m", "pshard.common.cluster.k8s_tfconfig"], argv
         (mount,) = init["volumeMounts"]
         out = argv.index("--output") + 1
         target = Path(argv[out])

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 from pshard.common.entry import LAUNCHER_PID_ENV
-from pshard.common.health import probe
+from pshard.common.rpc.health import probe
 
 from tests.e2e.harness import PYTHON, Proc, Procs, finals, start_launcher, wait_until
 

@@ -85,7 +85,7 @@ def test_the_package_its_client_and_its_stubs_import_from_the_installed_copy(ins
         import json, pshard, pshard.worker
         from pshard.worker import PSClient
         from pshard.api.v1 import parameter_server_pb2, parameter_server_pb2_grpc, scheduler_pb2, tensor_pb2
-        assert PSClient.__module__ == "pshard.worker.client"
+        assert PSClient.__module__ == "pshard.client.ps_client"
         print(json.dumps([m.__file__ for m in (pshard, parameter_server_pb2, scheduler_pb2, tensor_pb2)]))
     """)
 

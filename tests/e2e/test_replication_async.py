@@ -17,11 +17,11 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
+from pshard.client.ps_client import PSClient
+from pshard.common.cluster.layout import Layout, ParamSpec
+from pshard.common.cluster.scheduler_client import SchedulerClient
 from pshard.common.errors import PullTimeoutError
 from pshard.common.job import JobConfig, OptimizerConfig
-from pshard.common.layout import Layout, ParamSpec
-from pshard.common.scheduler_client import SchedulerClient
-from pshard.worker.client import PSClient
 
 from tests.e2e.harness import LocalCluster, Procs, wait_until
 

@@ -8,7 +8,7 @@ import json
 
 import grpc
 import pytest
-from pshard.common.health import probe
+from pshard.common.rpc.health import probe
 
 from pshard.api.v1 import parameter_server_pb2 as pb
 from pshard.api.v1 import parameter_server_pb2_grpc as pb_grpc

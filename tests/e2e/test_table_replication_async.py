@@ -19,10 +19,10 @@ from typing import NamedTuple
 
 import numpy as np
 import pytest
-from pshard.common.layout import Layout, ParamSpec
-from pshard.common.scheduler_client import SchedulerClient
+from pshard.client.ps_client import PSClient
+from pshard.common.cluster.layout import Layout, ParamSpec
+from pshard.common.cluster.scheduler_client import SchedulerClient
 from pshard.common.sparse import TableConfig, server_of
-from pshard.worker.client import PSClient
 
 from tests.e2e.harness import LocalCluster, Proc, Procs, wait_until
 from tests.e2e.test_replication_async import _newer_layout

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from hypothesis import strategies as st
-from pshard.common.layout import ITEMSIZE
+from pshard.common.cluster.layout import ITEMSIZE
 
 from pshard.api.v1 import parameter_server_pb2 as pb
 from pshard.api.v1 import tensor_pb2

@@ -21,7 +21,7 @@ from google.protobuf.descriptor import MethodDescriptor
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from hypothesis import HealthCheck, Phase, given, seed, settings
 from hypothesis import strategies as st
-from pshard.common.rpc import identity
+from pshard.common.rpc.options import identity
 
 FUZZ = os.environ.get("PSHARD_FUZZ") == "1"
 FUZZ_CASES = int(os.environ.get("PSHARD_FUZZ_CASES", "100000"))

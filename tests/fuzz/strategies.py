@@ -26,7 +26,7 @@ from google.protobuf import message_factory
 from google.protobuf.descriptor import Descriptor, FieldDescriptor
 from google.protobuf.message import Message
 from hypothesis import strategies as st
-from pshard.common.layout import ITEMSIZE
+from pshard.common.cluster.layout import ITEMSIZE
 
 _F = FieldDescriptor
 INT_EXTREMES: dict[int, tuple[int, int, tuple[int, ...]]] = {

@@ -28,9 +28,9 @@ import numpy as np
 import pytest
 from google.protobuf.message import DecodeError
 from hypothesis import strategies as st
-from pshard.common import fastwire, shm
 from pshard.common.job import JobConfig
-from pshard.common.rpc import channel_options
+from pshard.common.rpc.options import channel_options
+from pshard.common.wire import fastwire, shm
 
 from pshard.api.v1 import parameter_server_pb2 as pb
 from pshard.api.v1 import sparse_pb2, sparse_pb2_grpc, tensor_pb2
@@ -56,7 +56,7 @@ CASES = 150  # per transport in make test (a third of it under the tarpit)
 SHORT_WAIT_S = 0.2  # a frame that announces more than it sends: how long to see whether it is closed
 F32, I64 = tensor_pb2.DTYPE_FLOAT32, tensor_pb2.DTYPE_INT64
 TARPITS = {"tarpit-off": 0, "tarpit-on": 4 * 2**20}
-_HEADER = struct.Struct("<4sB3xIQ")  # ps_common/fastwire.py's frame header, any field any value
+_HEADER = struct.Struct("<4sB3xIQ")  # common/wire/fastwire.py's frame header, any field any value
 
 
 def _meta(key: str, dtype: tensor_pb2.Dtype, shape: list[int]) -> pb.SliceMeta:

@@ -15,7 +15,7 @@ import grpc
 import pytest
 from google.protobuf.descriptor import MethodDescriptor
 from google.protobuf.message import Message
-from pshard.common.rpc import channel_options
+from pshard.common.rpc.options import channel_options
 from pshard.scheduler.service import SERVICE_NAME, SchedulerHandle, start_scheduler_thread
 
 from pshard.api.v1 import scheduler_pb2 as pb

@@ -25,7 +25,7 @@ from google.protobuf.descriptor import MethodDescriptor
 from google.protobuf.message import Message
 from hypothesis import reject
 from pshard.common.job import JobConfig
-from pshard.common.rpc import EXCHANGE_METHOD, channel_options, identity
+from pshard.common.rpc.options import EXCHANGE_METHOD, channel_options, identity
 
 from pshard.api.v1 import parameter_server_pb2 as pb
 from pshard.api.v1 import sparse_pb2, sparse_pb2_grpc, tensor_pb2
@@ -316,7 +316,7 @@ def test_mutated_valid_requests_are_refused_cleanly(live, method):
 
 
 # Methods whose unparseable requests still come back UNKNOWN. None now: OpenTransport(b"\x0b") was, until
-# the server's DecodeErrors interceptor (ps_common.interceptors).
+# the server's DecodeErrors interceptor (common.rpc.interceptors).
 RAW_FINDINGS: dict[str, str] = {}
 
 

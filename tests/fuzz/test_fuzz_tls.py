@@ -15,14 +15,14 @@ import grpc
 import numpy as np
 import pytest
 from google.protobuf.descriptor import MethodDescriptor
-from pshard.common.identity import Identity
 from pshard.common.job import JobConfig
-from pshard.common.rpc import channel_options
-from pshard.common.security import SecurityConfig
+from pshard.common.rpc.options import channel_options
+from pshard.common.security.ca import ensure, issue
+from pshard.common.security.credentials import SecurityConfig
+from pshard.common.security.identity import Identity
 
 from pshard.api.v1 import parameter_server_pb2 as pb
 from pshard.api.v1 import parameter_server_pb2_grpc as pb_grpc
-from pshard.certs import ensure, issue
 from tests.fuzz.harness import (
     NO_HANG_S,
     WAITING_CALL_S,

@@ -13,13 +13,13 @@ from typing import Any
 import grpc
 import numpy as np
 import pytest
-from pshard.common import codec
+from pshard.client.ps_client import PSClient
 from pshard.common.job import JobConfig
-from pshard.common.rpc import DEFAULT_MAX_MESSAGE_BYTES, EXCHANGE_METHOD, channel_options, identity
+from pshard.common.rpc.options import DEFAULT_MAX_MESSAGE_BYTES, EXCHANGE_METHOD, channel_options, identity
 from pshard.common.types import SliceKey, Stamp
+from pshard.common.wire import codec
 from pshard.ps_server.service import ServerThread, start_server_thread
 from pshard.ps_server.settings import ServerSettings
-from pshard.worker.client import PSClient
 
 from pshard.api.v1 import parameter_server_pb2 as pb
 from pshard.api.v1 import parameter_server_pb2_grpc as pb_grpc

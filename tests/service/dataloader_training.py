@@ -10,9 +10,9 @@ from __future__ import annotations
 import argparse
 
 import torch
+from pshard.client.ps_client import PSClient
 from pshard.common.errors import ForkedClientError
 from pshard.common.job import JobConfig, OptimizerConfig
-from pshard.worker.client import PSClient
 from pshard.worker.torch_api import PSTrainer
 from torch import nn
 from torch.nn import functional as F

@@ -10,7 +10,7 @@ import grpc
 import numpy as np
 import pytest
 from pshard.common.metrics import MetricsServer, serve_scheduler_metrics, serve_server_metrics
-from pshard.common.security import SecurityConfig
+from pshard.common.security.credentials import SecurityConfig
 from pshard.ps_server.service import start_server_thread
 from pshard.ps_server.settings import ServerSettings
 from pshard.scheduler.service import start_scheduler_thread

@@ -13,10 +13,10 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
+from pshard.client.ps_client import PSClient
 from pshard.common.job import JobConfig, OptimizerConfig
 from pshard.ps_server.service import ServerThread, start_server_thread
 from pshard.ps_server.settings import ServerSettings
-from pshard.worker.client import PSClient
 from pshard.worker.torch_api import PSTrainer, param_specs
 from torch import nn
 from torch.nn import functional as F

@@ -14,9 +14,9 @@ from typing import Any
 
 import numpy as np
 import pytest
+from pshard.client.ps_client import PSClient
 from pshard.common.errors import CheckpointError, CheckpointSpaceError
 from pshard.common.job import JobConfig
-from pshard.worker.client import PSClient
 
 from tests.e2e.harness import Proc, Procs, wait_until
 from tests.service.entrypoints import REPO, WAIT_S, child_env

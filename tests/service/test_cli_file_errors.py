@@ -8,9 +8,9 @@ import sys
 from pathlib import Path
 
 import pytest
-from pshard.common.identity import parse_identity
+from pshard.common.security.ca import ensure
+from pshard.common.security.identity import parse_identity
 
-from pshard.certs import ensure
 from tests.service.entrypoints import REPO, WAIT_S, child_env
 from tests.service.mounts import tmpfs
 

@@ -12,10 +12,10 @@ import socket
 import threading
 
 import pytest
-from pshard.common.cluster import ClusterSpec
+from pshard.common.cluster.spec import ClusterSpec
+from pshard.common.cluster.view import ClusterView, Node, NodeState
 from pshard.common.errors import ClusterConfigError
 from pshard.common.job import JobConfig
-from pshard.common.view import ClusterView, Node, NodeState
 from pshard.worker.session import ClusterSession, training_over
 
 from tests.service.conftest import WAIT_S

@@ -2,7 +2,7 @@
 
 A user's script (dataloader_training.py) runs as its own process against a real server process, in
 every mode and over every transport. Without pshard's fork handling the loader's workers died with
-SIGSEGV within an epoch or two (gRPC restarted its threads in them; pshard.worker.forking).
+SIGSEGV within an epoch or two (gRPC restarted its threads in them; pshard.client.forking).
 """
 
 from __future__ import annotations

@@ -15,16 +15,16 @@ from pathlib import Path
 import grpc
 import numpy as np
 import pytest
+from pshard.client.ps_client import PSClient
 from pshard.common.errors import PermissionDeniedError
-from pshard.common.identity import Identity
 from pshard.common.job import JobConfig, OptimizerConfig
+from pshard.common.security.ca import CertFiles, ensure
+from pshard.common.security.identity import Identity
 from pshard.ps_server.service import ServerThread, start_server_thread
 from pshard.ps_server.settings import ServerSettings
-from pshard.worker.client import PSClient
 
 from pshard.api.v1 import parameter_server_pb2 as pb
 from pshard.api.v1 import parameter_server_pb2_grpc as pb_grpc
-from pshard.certs import CertFiles, ensure
 
 from .conftest import WAIT_S, Wire
 

@@ -21,12 +21,12 @@ import grpc
 import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from pshard.common import fastwire
+from pshard.client.ps_client import PSClient
 from pshard.common.job import JobConfig, OptimizerConfig
-from pshard.common.rpc import channel_options
-from pshard.ps_server.fastconn import HELLO_TIMEOUT_S, MAX_HELLO_BYTES, Sink
-from pshard.ps_server.fastpath import MAX_GREETING
-from pshard.worker.client import PSClient
+from pshard.common.rpc.options import channel_options
+from pshard.common.wire import fastwire
+from pshard.ps_server.transport.fastconn import HELLO_TIMEOUT_S, MAX_HELLO_BYTES, Sink
+from pshard.ps_server.transport.fastpath import MAX_GREETING
 
 from pshard.api.v1 import parameter_server_pb2 as pb
 from pshard.api.v1 import parameter_server_pb2_grpc as pb_grpc

@@ -9,9 +9,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
-from pshard.common import fastwire
 from pshard.common.errors import PSError
 from pshard.common.job import JobConfig, OptimizerConfig
+from pshard.common.wire import fastwire
 from pshard.ps_server.settings import ServerSettings
 
 from pshard.api.v1 import parameter_server_pb2 as pb

@@ -9,8 +9,8 @@ from __future__ import annotations
 import socket
 
 import numpy as np
-from pshard.common import fastwire
-from pshard.common.rpc import EXCHANGE_METHOD
+from pshard.common.rpc.options import EXCHANGE_METHOD
+from pshard.common.wire import fastwire
 from pshard.ps_server.settings import ServerSettings
 
 from pshard.api.v1 import parameter_server_pb2 as pb

@@ -13,10 +13,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from pshard.common import fastwire, shm
+from pshard.client import fast_session as fastpath
 from pshard.common.job import JobConfig, OptimizerConfig
+from pshard.common.wire import fastwire, shm
 from pshard.ps_server.settings import ServerSettings
-from pshard.worker import fastpath
 
 from pshard.api.v1 import parameter_server_pb2 as pb
 

@@ -14,17 +14,17 @@ from pathlib import Path
 import grpc
 import numpy as np
 import pytest
-from pshard.common import fastwire
-from pshard.common.identity import Identity
+from pshard.client.ps_client import PSClient
 from pshard.common.job import JobConfig, OptimizerConfig
-from pshard.common.rpc import DEFAULT_MAX_MESSAGE_BYTES, channel_options
-from pshard.common.security import SecurityConfig
+from pshard.common.rpc.options import DEFAULT_MAX_MESSAGE_BYTES, channel_options
+from pshard.common.security.ca import ensure, issue, make_ca
+from pshard.common.security.credentials import SecurityConfig
+from pshard.common.security.identity import Identity
+from pshard.common.wire import fastwire
 from pshard.ps_server.service import ServerThread, start_server_thread
 from pshard.ps_server.settings import ServerSettings
-from pshard.worker.client import PSClient
 
 from pshard.api.v1 import parameter_server_pb2 as pb
-from pshard.certs import ensure, issue, make_ca
 
 from .conftest import WAIT_S, Wire
 from .test_transports import (  # noqa: F401  (the contract's tests and fixtures, collected here again)

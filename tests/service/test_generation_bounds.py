@@ -19,12 +19,13 @@ from pathlib import Path
 import grpc
 import numpy as np
 import pytest
-from pshard.common.cluster import ClusterSpec
+from pshard.common.cluster.layout import ParamSpec
+from pshard.common.cluster.scheduler_client import SchedulerClient
+from pshard.common.cluster.spec import ClusterSpec
 from pshard.common.errors import PSError
-from pshard.common.identity import Identity
 from pshard.common.job import JobConfig, OptimizerConfig
-from pshard.common.layout import ParamSpec
-from pshard.common.scheduler_client import SchedulerClient
+from pshard.common.security.ca import CertFiles, ensure
+from pshard.common.security.identity import Identity
 from pshard.ps_server.service import start_server_thread
 from pshard.ps_server.settings import ServerSettings
 from pshard.scheduler.service import SchedulerHandle, start_scheduler_thread
@@ -32,7 +33,6 @@ from pshard.worker.session import ClusterSession
 
 from pshard.api.v1 import scheduler_pb2 as spb
 from pshard.api.v1 import scheduler_pb2_grpc as spb_grpc
-from pshard.certs import CertFiles, ensure
 
 from .conftest import WAIT_S
 

@@ -17,15 +17,15 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from pshard.common import checkpoints as ckpt
+from pshard.client.ps_client import PSClient
+from pshard.common import checkpoint_store as ckpt
+from pshard.common.cluster.layout import ParamSpec, plan_layout
 from pshard.common.errors import LayoutConflictError
 from pshard.common.job import JobConfig, OptimizerConfig
-from pshard.common.layout import ParamSpec, plan_layout
 from pshard.common.sparse import TableConfig
 from pshard.ps_server.service import ServerThread
 from pshard.ps_server.settings import ServerSettings
-from pshard.worker import checkpoints
-from pshard.worker.client import PSClient
+from pshard.worker import checkpoint_coordinator as checkpoints
 
 from pshard.cli import main as cli_main
 from tests.service.conftest import WAIT_S

@@ -14,8 +14,8 @@ from pathlib import Path
 import grpc
 import numpy as np
 import pytest
-from pshard.common import codec
 from pshard.common.job import JobConfig
+from pshard.common.wire import codec
 from pshard.ps_server.settings import ServerSettings
 
 from pshard.api.v1 import parameter_server_pb2 as pb

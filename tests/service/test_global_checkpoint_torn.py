@@ -18,12 +18,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from pshard.common import checkpoints as ckpt
+from pshard.client.ps_client import PSClient
+from pshard.common import checkpoint_store as ckpt
 from pshard.common.errors import PSError
 from pshard.ps_server.service import ServerThread
 from pshard.ps_server.settings import ServerSettings
-from pshard.worker import checkpoints
-from pshard.worker.client import PSClient
+from pshard.worker import checkpoint_coordinator as checkpoints
 
 from tests.e2e.harness import PYTHON, Procs, wait_until
 from tests.service.conftest import WAIT_S

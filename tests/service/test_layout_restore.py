@@ -15,14 +15,14 @@ from pathlib import Path
 
 import grpc
 import pytest
-from pshard.common.codec import layout_to_proto
-from pshard.common.identity import Identity
-from pshard.common.layout import Layout, ParamSpec, plan_layout
+from pshard.common.cluster.layout import Layout, ParamSpec, plan_layout
+from pshard.common.security.ca import CertFiles, ensure
+from pshard.common.security.identity import Identity
+from pshard.common.wire.codec import layout_to_proto
 from pshard.scheduler.service import SchedulerHandle, start_scheduler_thread
 
 from pshard.api.v1 import scheduler_pb2 as spb
 from pshard.api.v1 import scheduler_pb2_grpc as spb_grpc
-from pshard.certs import CertFiles, ensure
 
 from .conftest import WAIT_S
 

@@ -9,11 +9,11 @@ from collections.abc import Callable, Iterator
 import grpc
 import numpy as np
 import pytest
+from pshard.client.ps_client import PSClient
 from pshard.common.errors import MESSAGE_BYTES, InvalidArgumentError, error_classes
 from pshard.common.job import JobConfig
-from pshard.common.rpc_status import ERROR_TYPE_KEY
+from pshard.common.rpc.status import ERROR_TYPE_KEY
 from pshard.ps_server.service import ServerThread
-from pshard.worker.client import PSClient
 
 from pshard.api.v1 import parameter_server_pb2 as pb
 from pshard.api.v1 import tensor_pb2

@@ -19,12 +19,12 @@ from collections.abc import Iterator
 import grpc
 import numpy as np
 import pytest
+from pshard.client.ps_client import PSClient
 from pshard.common.errors import OverloadedError
 from pshard.common.job import JobConfig, OptimizerConfig
-from pshard.common.rpc import EXCHANGE_METHOD, channel_options, identity
-from pshard.common.rpc_status import RETRY_AFTER_KEY, error_from_rpc_error
+from pshard.common.rpc.options import EXCHANGE_METHOD, channel_options, identity
+from pshard.common.rpc.status import RETRY_AFTER_KEY, error_from_rpc_error
 from pshard.ps_server.settings import ServerSettings
-from pshard.worker.client import PSClient
 
 from pshard.api.v1 import parameter_server_pb2 as pb
 from tests.service.conftest import WAIT_S
@@ -153,7 +153,7 @@ def test_refused_requests_leave_no_memory_behind(procs, wire):
 
     The server is a process of its own, so its RSS is not mixed with the senders' malloc arenas or
     with the other in-process servers of the test session. Its tarpit is off: it would refuse most of
-    these requests unread (ps_server.tarpit), and this is about the ones that are read."""
+    these requests unread (ps_server.transport.tarpit), and this is about the ones that are read."""
     server = procs.python("ps", "-m", "pshard.ps_server", "--bind", "127.0.0.1:0", "--no-scheduler",
                           "--workers", "w0", "--mode", "async", "--lr", "0.1", "--waste-limit-mb", "0",
                           "--log-level", "WARNING")

@@ -12,12 +12,12 @@ from collections.abc import Callable
 
 import numpy as np
 import pytest
+from pshard.client.ps_client import PSClient
 from pshard.common.errors import PullTimeoutError
 from pshard.common.job import JobConfig
-from pshard.ps_server.handlers import NO_QUORUM_GRACE_S
+from pshard.ps_server.handlers.dense import NO_QUORUM_GRACE_S
 from pshard.ps_server.service import ServerThread
 from pshard.ps_server.settings import ServerSettings
-from pshard.worker.client import PSClient
 
 
 def test_a_sync_pull_on_a_server_without_a_quorum_fails_fast_saying_how_to_join(

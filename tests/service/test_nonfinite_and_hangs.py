@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from pshard.common.errors import InvalidArgumentError
 from pshard.common.job import JobConfig, OptimizerConfig
-from pshard.common.rpc_status import ERROR_TYPE_KEY
+from pshard.common.rpc.status import ERROR_TYPE_KEY
 from pshard.ps_server.settings import ServerSettings
 
 from pshard.api.v1 import parameter_server_pb2 as pb

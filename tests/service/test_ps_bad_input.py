@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import grpc
 import numpy as np
 import pytest
+from pshard.common.cluster.layout import ParamSpec, plan_layout
 from pshard.common.errors import (
     DTypeMismatchError,
     EmptyRequestError,
@@ -25,9 +26,8 @@ from pshard.common.errors import (
     UnknownKeyError,
 )
 from pshard.common.job import JobConfig, OptimizerConfig
-from pshard.common.layout import ParamSpec, plan_layout
-from pshard.common.rpc import CHUNK_BYTES, FRAME_SLACK_BYTES
-from pshard.common.rpc_status import ERROR_TYPE_KEY, error_from_rpc_error
+from pshard.common.rpc.options import CHUNK_BYTES, FRAME_SLACK_BYTES
+from pshard.common.rpc.status import ERROR_TYPE_KEY, error_from_rpc_error
 from pshard.ps_server.service import ServerThread
 from pshard.ps_server.settings import ServerSettings
 

@@ -13,11 +13,11 @@ import threading
 
 import numpy as np
 import pytest
-from pshard.common.health import probe
+from pshard.client.ps_client import PSClient
 from pshard.common.job import JobConfig
-from pshard.ps_server.checkpoint import load_shard
+from pshard.common.rpc.health import probe
+from pshard.ps_server.checkpoints.shard import load_shard
 from pshard.ps_server.service import SERVICE_NAME
-from pshard.worker.client import PSClient
 
 from tests.service.entrypoints import (
     REPO,

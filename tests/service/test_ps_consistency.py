@@ -9,8 +9,8 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import pytest
 import torch
-from pshard.common import codec
 from pshard.common.job import JobConfig, OptimizerConfig
+from pshard.common.wire import codec
 from pshard.ps_server.settings import ServerSettings
 
 from pshard.api.v1 import parameter_server_pb2 as pb

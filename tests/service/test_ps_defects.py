@@ -12,7 +12,6 @@ from collections.abc import Callable
 import grpc
 import numpy as np
 import pytest
-from pshard.common import codec
 from pshard.common.errors import (
     FutureClockError,
     InvalidArgumentError,
@@ -20,9 +19,10 @@ from pshard.common.errors import (
     StaleGenerationError,
 )
 from pshard.common.job import JobConfig, OptimizerConfig
-from pshard.common.rpc_status import ERROR_TYPE_KEY, error_from_rpc_error
+from pshard.common.rpc.status import ERROR_TYPE_KEY, error_from_rpc_error
 from pshard.common.types import SliceKey, Stamp
-from pshard.ps_server.handlers import ParameterServerHandlers
+from pshard.common.wire import codec
+from pshard.ps_server.handlers.dense import ParameterServerHandlers
 from pshard.ps_server.settings import ServerSettings
 
 from pshard.api.v1 import parameter_server_pb2 as pb

@@ -7,9 +7,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
-from pshard.common import codec
 from pshard.common.job import JobConfig, OptimizerConfig
-from pshard.common.rpc import CHUNK_BYTES
+from pshard.common.rpc.options import CHUNK_BYTES
+from pshard.common.wire import codec
 from pshard.ps_server.settings import ServerSettings
 
 from pshard.api.v1 import parameter_server_pb2 as pb

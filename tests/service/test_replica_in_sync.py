@@ -1,4 +1,4 @@
-"""A primary's in-sync report (ps_server/replica_sync.py) through real servers and channels.
+"""A primary's in-sync report (ps_server/replication/in_sync.py) through real servers and channels.
 
 Two servers, replicas 1: server 0 forwards to server 1. The report names server 1, with its
 incarnation, only once server 1 acknowledged a copy of every slice the layout gives server 0; a new
@@ -10,12 +10,12 @@ from __future__ import annotations
 import dataclasses
 
 import numpy as np
+from pshard.common.cluster.layout import ParamSpec, plan_layout
+from pshard.common.cluster.view import ClusterView, Node, NodeState
 from pshard.common.job import JobConfig, OptimizerConfig
-from pshard.common.layout import ParamSpec, plan_layout
-from pshard.common.view import ClusterView, Node, NodeState
-from pshard.ps_server.replica_link import grpc_sender
-from pshard.ps_server.replica_sync import InSyncReporter
-from pshard.ps_server.replication import Replicator
+from pshard.ps_server.replication.dense import Replicator
+from pshard.ps_server.replication.in_sync import InSyncReporter
+from pshard.ps_server.replication.link import grpc_sender
 from pshard.ps_server.settings import ServerSettings
 
 from tests.e2e.harness import wait_until

@@ -16,15 +16,15 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from pshard.client.ps_client import PSClient
+from pshard.common.cluster.layout import Layout, ParamSpec, plan_layout
+from pshard.common.cluster.replicas import fail_over
 from pshard.common.job import JobConfig, OptimizerConfig
-from pshard.common.layout import Layout, ParamSpec, plan_layout
-from pshard.common.replicas import fail_over
-from pshard.common.serving import ServerThread
-from pshard.ps_server import fastpath
-from pshard.ps_server.replica_link import grpc_sender, tcp_links
-from pshard.ps_server.replication import Replicator
+from pshard.common.rpc.serving import ServerThread
+from pshard.ps_server.replication.dense import Replicator
+from pshard.ps_server.replication.link import grpc_sender, tcp_links
 from pshard.ps_server.settings import ServerSettings
-from pshard.worker.client import PSClient
+from pshard.ps_server.transport import fastpath
 
 from tests.e2e.harness import wait_until
 

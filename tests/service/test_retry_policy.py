@@ -14,8 +14,10 @@ from collections.abc import Callable
 
 import grpc
 import pytest
+from pshard.common.cluster.scheduler_client import SchedulerClient
 from pshard.common.errors import UnavailableError
-from pshard.common.retry import (
+from pshard.common.rpc.options import channel_options
+from pshard.common.rpc.retry import (
     MAX_ATTEMPTS,
     PARAMETER_SERVER_RETRIED,
     SCHEDULER_RETRIED,
@@ -24,8 +26,6 @@ from pshard.common.retry import (
     scheduler_channel_options,
     service_config,
 )
-from pshard.common.rpc import channel_options
-from pshard.common.scheduler_client import SchedulerClient
 from pshard.scheduler.service import start_scheduler_thread
 
 from pshard.api.v1 import parameter_server_pb2 as pb

@@ -16,18 +16,19 @@ from pathlib import Path
 import grpc
 import numpy as np
 import pytest
-from pshard.common import fastwire
+from pshard.client.ps_client import PSClient
 from pshard.common.errors import ClusterConfigError, UnauthenticatedError
-from pshard.common.identity import Identity
 from pshard.common.job import JobConfig, OptimizerConfig
-from pshard.common.security import SecurityConfig
+from pshard.common.security.ca import CertFiles, ensure, revoke
+from pshard.common.security.credentials import SecurityConfig
+from pshard.common.security.identity import Identity
+from pshard.common.wire import fastwire
 from pshard.ps_server.service import ServerThread, start_server_thread
 from pshard.ps_server.settings import ServerSettings
-from pshard.worker.client import PSClient
 
 from pshard.api.v1 import parameter_server_pb2 as pb
 from pshard.api.v1 import parameter_server_pb2_grpc as pb_grpc
-from pshard.certs import CertFiles, ensure, main, revoke
+from pshard.certs import main
 
 from .conftest import WAIT_S, Wire
 
@@ -168,7 +169,7 @@ def test_a_worker_with_a_revoked_certificate_cannot_train(server: ServerThread, 
 
 def test_a_crl_that_the_ca_did_not_sign_is_refused_at_start_up(pki: dict[str, CertFiles],
                                                                  tmp_path: Path) -> None:
-    from pshard.certs import make_ca, write_crl
+    from pshard.common.security.ca import make_ca, write_crl
 
     make_ca(tmp_path / "other")
     forged = write_crl(tmp_path / "other", {})

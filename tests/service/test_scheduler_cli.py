@@ -14,7 +14,7 @@ import sys
 import time
 
 import pytest
-from pshard.common.health import probe
+from pshard.common.rpc.health import probe
 
 from tests.service.entrypoints import (
     REPO,

@@ -7,8 +7,8 @@ from collections.abc import Iterator
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from pshard.common.rpc_status import ERROR_TYPE_KEY
-from pshard.common.serving import start_in_thread
+from pshard.common.rpc.serving import start_in_thread
+from pshard.common.rpc.status import ERROR_TYPE_KEY
 from pshard.scheduler import service
 from pshard.scheduler.membership import MembershipLimits
 from pshard.scheduler.service import SchedulerHandle, start_scheduler_thread

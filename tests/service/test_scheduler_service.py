@@ -16,16 +16,16 @@ from pathlib import Path
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from pshard.common.cluster.layout import ParamSpec
+from pshard.common.cluster.scheduler_client import SchedulerClient
+from pshard.common.cluster.view import NodeState
 from pshard.common.errors import (
     BarrierTimeoutError,
     LayoutConflictError,
     PullTimeoutError,
     StaleGenerationError,
 )
-from pshard.common.layout import ParamSpec
-from pshard.common.rpc_status import ERROR_TYPE_KEY, raise_from_rpc_error
-from pshard.common.scheduler_client import SchedulerClient
-from pshard.common.view import NodeState
+from pshard.common.rpc.status import ERROR_TYPE_KEY, raise_from_rpc_error
 from pshard.scheduler.service import SchedulerHandle, start_scheduler_thread
 
 from pshard.api.v1 import scheduler_pb2 as pb

@@ -15,21 +15,21 @@ import grpc
 import numpy as np
 import pytest
 from cryptography import x509
-from pshard.common import codec
-from pshard.common.identity import Identity
+from pshard.client.ps_client import PSClient
+from pshard.common.cluster.scheduler_client import SchedulerClient
 from pshard.common.job import JobConfig, OptimizerConfig
-from pshard.common.scheduler_client import SchedulerClient
-from pshard.common.security import SecurityConfig
+from pshard.common.security.ca import CertFiles, ensure, issue, make_ca
+from pshard.common.security.credentials import SecurityConfig
+from pshard.common.security.identity import Identity
+from pshard.common.wire import codec
 from pshard.ps_server.service import ServerThread, start_server_thread
 from pshard.ps_server.settings import ServerSettings
 from pshard.scheduler.service import SchedulerHandle, start_scheduler_thread
-from pshard.worker.client import PSClient
 
 from pshard.api.v1 import parameter_server_pb2 as pb
 from pshard.api.v1 import parameter_server_pb2_grpc as pb_grpc
 from pshard.api.v1 import scheduler_pb2 as spb
 from pshard.api.v1 import scheduler_pb2_grpc as spb_grpc
-from pshard.certs import CertFiles, ensure, issue, make_ca
 
 from .conftest import WAIT_S, Wire
 
@@ -357,7 +357,7 @@ def test_a_rotated_certificate_is_served_without_a_restart(tmp_path: Path) -> No
 # ---- the scheduler a chief hosts in-process (no scheduler task) ----
 
 def test_the_scheduler_a_chief_hosts_speaks_mutual_tls(tmp_path: Path) -> None:
-    from pshard.common.cluster import ClusterSpec
+    from pshard.common.cluster.spec import ClusterSpec
     from pshard.worker.session import ClusterSession
 
     with socket.socket() as sock:

@@ -9,13 +9,13 @@ from collections.abc import Callable
 import numpy as np
 import pytest
 import torch
+from pshard.client.ps_client import PSClient
 from pshard.common.errors import PullTimeoutError, StaleGenerationError
 from pshard.common.job import JobConfig, OptimizerConfig
 from pshard.common.sparse import TableConfig
 from pshard.ps_server.service import ServerThread
 from pshard.ps_server.settings import ServerSettings
-from pshard.ps_server.table import initial_rows
-from pshard.worker.client import PSClient
+from pshard.ps_server.tables.table import initial_rows
 from pshard.worker.embedding import PSEmbedding
 from pshard.worker.torch_api import PSTrainer
 from torch import nn

@@ -10,6 +10,7 @@ from pathlib import Path
 import grpc
 import numpy as np
 import pytest
+from pshard.client.ps_client import PSClient
 from pshard.common.errors import (
     InvalidArgumentError,
     LayoutConflictError,
@@ -21,8 +22,7 @@ from pshard.common.limits import Limits
 from pshard.common.sparse import TableConfig
 from pshard.ps_server.service import ServerThread
 from pshard.ps_server.settings import ServerSettings
-from pshard.ps_server.table import SparseTable, initial_rows
-from pshard.worker.client import PSClient
+from pshard.ps_server.tables.table import SparseTable, initial_rows
 
 from pshard.api.v1 import sparse_pb2 as pb
 from pshard.api.v1 import sparse_pb2_grpc as pb_grpc

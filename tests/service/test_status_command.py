@@ -10,7 +10,7 @@ import sys
 from typing import Any
 
 import grpc
-from pshard.common.view import ClusterView, Node, NodeState
+from pshard.common.cluster.view import ClusterView, Node, NodeState
 
 from pshard.api.v1 import parameter_server_pb2 as pb
 from pshard.api.v1 import parameter_server_pb2_grpc as pb_grpc

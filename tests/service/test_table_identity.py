@@ -11,15 +11,15 @@ from pathlib import Path
 import grpc
 import numpy as np
 import pytest
-from pshard.common.identity import Identity
+from pshard.common.security.ca import CertFiles, ensure
+from pshard.common.security.identity import Identity
 from pshard.common.sparse import TableConfig
-from pshard.common.sparse_codec import spec_to_proto
+from pshard.common.wire.sparse_codec import spec_to_proto
 from pshard.ps_server.service import ServerThread, start_server_thread
 from pshard.ps_server.settings import ServerSettings
 
 from pshard.api.v1 import sparse_pb2 as spb
 from pshard.api.v1 import sparse_pb2_grpc as spb_grpc
-from pshard.certs import CertFiles, ensure
 
 from .conftest import WAIT_S
 

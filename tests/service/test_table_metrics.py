@@ -6,9 +6,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
+from pshard.client.ps_client import PSClient
 from pshard.common.job import JobConfig
 from pshard.common.sparse import TableConfig
-from pshard.worker.client import PSClient
 
 from tests.e2e.harness import Procs
 from tests.service.test_metrics_endpoints import metrics_port, scrape, value

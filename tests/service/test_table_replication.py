@@ -19,17 +19,17 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from pshard.common.cluster.layout import Layout, ParamSpec, plan_layout
+from pshard.common.cluster.replicas import fail_over
+from pshard.common.cluster.view import ClusterView, Node, NodeState
 from pshard.common.errors import UnknownKeyError
-from pshard.common.layout import Layout, ParamSpec, plan_layout
-from pshard.common.replicas import fail_over
-from pshard.common.serving import ServerThread
+from pshard.common.rpc.serving import ServerThread
 from pshard.common.sparse import TableConfig, server_of
-from pshard.common.view import ClusterView, Node, NodeState
-from pshard.ps_server.replica_link import grpc_sender, tcp_links
+from pshard.ps_server.replication.link import grpc_sender, tcp_links
+from pshard.ps_server.replication.table_rows import RowBatch, all_ids
+from pshard.ps_server.replication.tables import TableReplication
 from pshard.ps_server.settings import ServerSettings
-from pshard.ps_server.table import SparseTable
-from pshard.ps_server.table_replica import RowBatch, all_ids
-from pshard.ps_server.table_replication import TableReplication
+from pshard.ps_server.tables.table import SparseTable
 
 from pshard.api.v1 import sparse_pb2 as pb
 from pshard.api.v1 import sparse_pb2_grpc as pb_grpc
@@ -250,7 +250,7 @@ def test_a_push_split_over_several_calls_sends_its_idempotence_key_with_its_last
     """A push whose rows exceed one Replicate call goes out in several; its key must reach the backup
     no earlier than its last rows, else an heir (the primary dead between two calls) would drop the
     worker's resend of a push whose rows it lacks."""
-    import pshard.ps_server.table_replication as table_replication
+    import pshard.ps_server.replication.tables as table_replication
 
     monkeypatch.setattr(table_replication, "_BATCH_BYTES", 1000)  # about ten rows a call
     servers, layout = _replicated(start_server, _layout)

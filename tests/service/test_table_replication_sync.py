@@ -20,12 +20,12 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import numpy as np
 import pytest
-from pshard.common.layout import Layout
-from pshard.common.replicas import fail_over
-from pshard.common.serving import ServerThread
+from pshard.client.ps_client import PSClient
+from pshard.common.cluster.layout import Layout
+from pshard.common.cluster.replicas import fail_over
+from pshard.common.rpc.serving import ServerThread
 from pshard.common.sparse import TableConfig, server_of
 from pshard.ps_server.settings import ServerSettings
-from pshard.worker.client import PSClient
 
 from pshard.api.v1 import sparse_pb2 as pb
 from pshard.api.v1 import sparse_pb2_grpc as pb_grpc

@@ -14,13 +14,13 @@ from collections.abc import Sequence
 
 import numpy as np
 import pytest
-from pshard.common.serving import ServerThread
-from pshard.ps_server import fastpath
-from pshard.ps_server.handlers import ParameterServerHandlers
-from pshard.ps_server.store import SliceMeta
-from pshard.ps_server.table import SparseTable
-from pshard.ps_server.table_replica import all_ids
-from pshard.worker.client import PSClient
+from pshard.client.ps_client import PSClient
+from pshard.common.rpc.serving import ServerThread
+from pshard.ps_server.core.store import SliceMeta
+from pshard.ps_server.handlers.dense import ParameterServerHandlers
+from pshard.ps_server.replication.table_rows import all_ids
+from pshard.ps_server.tables.table import SparseTable
+from pshard.ps_server.transport import fastpath
 
 from pshard.api.v1 import parameter_server_pb2 as ps_pb
 from tests.service.test_table_replication import CONFIG, IDS, _grads, _layout, _replicated, _rows, _state

@@ -1,4 +1,4 @@
-"""The wasted-request tarpit on a real server (ps_server/tarpit.py): a connection that keeps sending
+"""The wasted-request tarpit on a real server (ps_server/transport/tarpit.py): a connection that keeps sending
 requests that are refused or change nothing is refused unread; one that waits as asked is read again."""
 
 from __future__ import annotations
@@ -9,10 +9,10 @@ import time
 import grpc
 import numpy as np
 import pytest
-from pshard.common import fastwire
 from pshard.common.job import JobConfig, OptimizerConfig
-from pshard.common.rpc import channel_options, identity
-from pshard.common.rpc_status import RETRY_AFTER_KEY
+from pshard.common.rpc.options import channel_options, identity
+from pshard.common.rpc.status import RETRY_AFTER_KEY
+from pshard.common.wire import fastwire
 
 from pshard.api.v1 import parameter_server_pb2 as pb
 from tests.service.conftest import WAIT_S, ServerSettings, Wire

@@ -13,12 +13,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from pshard.client.ps_client import PSClient
+from pshard.common.cluster.layout import ParamSpec, plan_layout
 from pshard.common.errors import InvalidArgumentError
 from pshard.common.job import JobConfig, OptimizerConfig
-from pshard.common.layout import ParamSpec, plan_layout
 from pshard.ps_server.service import ServerThread, start_server_thread
 from pshard.ps_server.settings import ServerSettings
-from pshard.worker.client import PSClient
 from pshard.worker.torch_api import PSTrainer
 from torch import nn
 from torch.nn import functional as F

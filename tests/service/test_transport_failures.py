@@ -17,9 +17,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from pshard.common import fastwire, shm
 from pshard.common.errors import PSError
 from pshard.common.job import JobConfig, OptimizerConfig
+from pshard.common.wire import fastwire, shm
 from pshard.ps_server.settings import ServerSettings
 
 from pshard.api.v1 import parameter_server_pb2 as pb
@@ -159,7 +159,7 @@ def _mapped_segments() -> int:
 def _worker_process(address: str, shm_dir: Path) -> subprocess.Popen[str]:
     code = (
         "import numpy as np\n"
-        "from pshard.worker.client import PSClient\n"
+        "from pshard.client.ps_client import PSClient\n"
         "from pshard.common.job import JobConfig, OptimizerConfig\n"
         f"c = PSClient([{address!r}], 'doomed', transport='shm', shm_dir={str(shm_dir)!r}, timeout_s=60)\n"
         "c.declare({'a': np.zeros(1000, np.float32)}, JobConfig(mode='sync', "
@@ -186,7 +186,7 @@ def test_a_killed_workers_segment_is_unmapped_once_the_server_notices(shm_dir, s
 
 
 def test_a_restarted_server_sweeps_the_sockets_its_dead_peers_left(shm_dir, start_server):
-    code = ("import time; from pshard.common import shm; "
+    code = ("import time; from pshard.common.wire import shm; "
             f"s, path = shm.listen({str(shm_dir)!r}); "
             "print(path, flush=True); time.sleep(60)")
     child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)

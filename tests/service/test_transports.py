@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from pshard.common import shm
+from pshard.common.cluster.layout import ParamSpec, plan_layout
 from pshard.common.errors import (
     FutureClockError,
     PSError,
@@ -22,7 +22,7 @@ from pshard.common.errors import (
     UnknownKeyError,
 )
 from pshard.common.job import JobConfig, OptimizerConfig
-from pshard.common.layout import ParamSpec, plan_layout
+from pshard.common.wire import shm
 from pshard.ps_server.settings import ServerSettings
 
 WAIT_S = 10.0

@@ -9,9 +9,9 @@ import time
 
 import numpy as np
 import pytest
+from pshard.client.ps_client import PSClient
 from pshard.common.errors import PullTimeoutError
 from pshard.common.job import JobConfig
-from pshard.worker.client import PSClient
 
 
 def _closed_port() -> str:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 from pshard.common.types import SliceKey
-from pshard.ps_server.store import ShardSnapshot, ShardStore, SliceSnapshot
+from pshard.ps_server.core.store import ShardSnapshot, ShardStore, SliceSnapshot
 
 
 def snapshot_diff(mine: ShardSnapshot, other: ShardSnapshot) -> list[str]:

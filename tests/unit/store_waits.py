@@ -10,7 +10,7 @@ from collections.abc import Sequence
 import numpy as np
 from pshard.common.errors import PullTimeoutError
 from pshard.common.types import SliceKey, Stamp
-from pshard.ps_server.store import ShardStore
+from pshard.ps_server.core.store import ShardStore
 
 
 class _Changes:

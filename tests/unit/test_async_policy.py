@@ -12,8 +12,8 @@ import pytest
 from pshard.common.errors import FutureClockError
 from pshard.common.job import JobConfig, OptimizerConfig
 from pshard.common.types import SliceKey, Stamp
-from pshard.ps_server.optimizers import Optimizer, SliceState
-from pshard.ps_server.store import PushOutcome, ShardStore
+from pshard.ps_server.core.optimizers import Optimizer, SliceState
+from pshard.ps_server.core.store import PushOutcome, ShardStore
 
 from tests.unit.store_waits import wait_pull
 

@@ -1,11 +1,18 @@
-"""The in-flight byte budget (ps_server/budget.py): admission, release, the lone-request exception, hints;
+"""The in-flight byte budget (ps_server/transport/budget.py): admission, release, the lone-request exception,
+hints;
 the wasted-request tarpit: when a peer is held, for how long, and when it is read again."""
 
 from __future__ import annotations
 
 import pytest
 from pshard.common.errors import OverloadedError
-from pshard.ps_server.budget import MAX_RETRY_AFTER_MS, MIB, MIN_RETRY_AFTER_MS, InflightBudget, WasteTarpit
+from pshard.ps_server.transport.budget import (
+    MAX_RETRY_AFTER_MS,
+    MIB,
+    MIN_RETRY_AFTER_MS,
+    InflightBudget,
+    WasteTarpit,
+)
 
 
 def test_requests_within_the_budget_are_admitted_and_counted() -> None:

@@ -11,10 +11,10 @@ import pytest
 from pshard.common.errors import FutureClockError
 from pshard.common.job import JobConfig, OptimizerConfig
 from pshard.common.types import SliceKey, Stamp
-from pshard.ps_server import checkpoint
-from pshard.ps_server.checkpoint import load_shard, save_shard
-from pshard.ps_server.optimizers import Optimizer, SliceState, make_optimizer
-from pshard.ps_server.store import ShardStore
+from pshard.ps_server.checkpoints import shard as checkpoint
+from pshard.ps_server.checkpoints.shard import load_shard, save_shard
+from pshard.ps_server.core.optimizers import Optimizer, SliceState, make_optimizer
+from pshard.ps_server.core.store import ShardStore
 
 from tests.unit.snapshots import snapshot_diff
 

@@ -1,17 +1,17 @@
-"""What a global-checkpoint request may name (ps_server.checkpoint_guard), and who may send one."""
+"""What a global-checkpoint request may name (ps_server.checkpoints.guard), and who may send one."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import pytest
-from pshard.common import checkpoints as ckpt
-from pshard.common.auth import allowed
-from pshard.common.checkpoints import CheckpointError
+from pshard.common import checkpoint_store as ckpt
+from pshard.common.checkpoint_store import CheckpointError
 from pshard.common.errors import FutureClockError, InvalidArgumentError, PermissionDeniedError
+from pshard.common.security.auth import allowed
 from pshard.common.types import SliceKey
 from pshard.launcher.plan import ClusterPlan, Options, child_specs
-from pshard.ps_server import checkpoint_guard as guard
+from pshard.ps_server.checkpoints import guard
 
 PS = "/pshard.api.v1.ParameterServerService/"
 

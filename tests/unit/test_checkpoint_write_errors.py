@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 from pshard.common.errors import CheckpointError, CheckpointSpaceError, checkpoint_write_error
 from pshard.common.sparse import TableConfig
+from pshard.ps_server.handlers.tables import TableHandlers
 from pshard.ps_server.settings import ServerSettings
-from pshard.ps_server.table import SparseTable
-from pshard.ps_server.table_files import load_tables, save_tables
-from pshard.ps_server.table_handlers import TableHandlers
+from pshard.ps_server.tables.files import load_tables, save_tables
+from pshard.ps_server.tables.table import SparseTable
 
 from tests.service.mounts import tmpfs
 

@@ -1,4 +1,4 @@
-"""Every numeric flag of every entry point is range-checked by ps_common.argtypes: an out-of-range value
+"""Every numeric flag of every entry point is range-checked by common.argtypes: an out-of-range value
 is argparse's usage error (exit status 2, one error line naming the flag and the value), never a
 traceback at first use nor a silently accepted nonsense."""
 
@@ -74,13 +74,13 @@ CASES = [
     (LAUNCH, ["--replicas", "-1"], "--replicas"),
     (LAUNCH, ["--checkpoint-interval-s", "-5"], "--checkpoint-interval-s"),
     (LAUNCH, ["--max-restarts", "-1"], "--max-restarts"),
-    ("pshard.certs", ["--days", "0", "admin"], "--days"),
-    ("pshard.certs", ["--days", "10000000", "admin"], "--days"),
+    ("pshard.common.security.ca", ["--days", "0", "admin"], "--days"),
+    ("pshard.common.security.ca", ["--days", "10000000", "admin"], "--days"),
     ("pshard.status", ["--timeout-s", "-1"], "--timeout-s"),
     ("pshard.status", ["--watch", "0"], "--watch"),
-    ("pshard.checkpoints", ["export", "root", "--out", "o", "--clock", "-1"], "--clock"),
-    ("pshard.checkpoints", ["prune", "root", "--keep-checkpoints", "0"], "--keep-checkpoints"),
-    ("pshard.common.k8s_tfconfig", ["--job", "j", "--namespace", "n", "--task-type", "ps",
+    ("pshard.checkpoint_cli", ["export", "root", "--out", "o", "--clock", "-1"], "--clock"),
+    ("pshard.checkpoint_cli", ["prune", "root", "--keep-checkpoints", "0"], "--keep-checkpoints"),
+    ("pshard.common.cluster.k8s_tfconfig", ["--job", "j", "--namespace", "n", "--task-type", "ps",
                                     "--task-index", "0", "--replicas", "ps=1", "--port", "70000"], "--port"),
 ]
 

@@ -7,7 +7,7 @@ import dataclasses
 import json
 
 import pytest
-from pshard.common.cluster import (
+from pshard.common.cluster.spec import (
     ClusterSpec,
     add_cluster_arguments,
     cluster_config_given,

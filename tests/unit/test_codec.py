@@ -15,13 +15,13 @@ import torch
 from google.protobuf.message import Message
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
-from pshard.common import codec, dtypes
-from pshard.common.codec import WireArray
+from pshard.common.cluster.layout import ParamSpec, plan_layout
+from pshard.common.cluster.view import ROLES, ClusterView, Node, NodeState
 from pshard.common.errors import DTypeMismatchError, EmptyRequestError, InvalidArgumentError, PayloadSizeError
 from pshard.common.job import MODES, NONFINITE, OPTIMIZERS, WIRE_DTYPES, JobConfig, OptimizerConfig
-from pshard.common.layout import ParamSpec, plan_layout
 from pshard.common.types import SliceKey, Stamp
-from pshard.common.view import ROLES, ClusterView, Node, NodeState
+from pshard.common.wire import codec, dtypes
+from pshard.common.wire.codec import WireArray
 
 from pshard.api.v1 import parameter_server_pb2 as ps_pb
 from pshard.api.v1 import scheduler_pb2 as sched_pb

@@ -1,4 +1,4 @@
-"""run_eagerly (ps_server.fastconn): a request served inside the read callback when it never waits,
+"""run_eagerly (ps_server.transport.fastconn): a request served inside the read callback when it never waits,
 and exactly as under a task when it does (results, exceptions and cancellation reach it)."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from pshard.ps_server.fastconn import run_eagerly
+from pshard.ps_server.transport.fastconn import run_eagerly
 
 
 def test_a_coroutine_that_never_waits_finishes_in_the_call_without_a_task() -> None:

@@ -6,9 +6,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from pshard.common.cluster import ClusterSpec
+from pshard.common.cluster.spec import ClusterSpec
+from pshard.common.cluster.view import ClusterView, Node, NodeState
 from pshard.common.errors import ClusterConfigError
-from pshard.common.view import ClusterView, Node, NodeState
 from pshard.worker.data import batches, shard
 from pshard.worker.elastic import ClockPlan, Roster, roster_position
 

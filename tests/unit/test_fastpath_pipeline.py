@@ -11,10 +11,10 @@ from collections.abc import Callable, Iterator
 
 import numpy as np
 import pytest
-from pshard.common import fastwire
+from pshard.client.fast_session import FastPath
 from pshard.common.errors import InvalidArgumentError
-from pshard.common.shm import Segment
-from pshard.worker.fastpath import FastPath
+from pshard.common.wire import fastwire
+from pshard.common.wire.shm import Segment
 
 from pshard.api.v1 import parameter_server_pb2 as pb
 from pshard.api.v1 import tensor_pb2

@@ -10,7 +10,7 @@ from collections.abc import Iterator
 
 import numpy as np
 import pytest
-from pshard.common.fastwire import REPLY, REQUEST, Inbox, recv_into, send_frame
+from pshard.common.wire.fastwire import REPLY, REQUEST, Inbox, recv_into, send_frame
 
 
 @pytest.fixture

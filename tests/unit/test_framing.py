@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
-from pshard.common.codec import decode_data_frame
 from pshard.common.errors import PayloadSizeError
-from pshard.common.framing import Buffer, FramePacker, SliceReader, pack_frames
+from pshard.common.wire.codec import decode_data_frame
+from pshard.common.wire.framing import Buffer, FramePacker, SliceReader, pack_frames
 
 
 def make_slices(sizes: list[int], seed: int = 0) -> list[bytes]:

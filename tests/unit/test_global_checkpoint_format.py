@@ -1,4 +1,5 @@
-"""The global checkpoint format (pshard.common.checkpoints, ps_server.global_checkpoint), without a network:
+"""The global checkpoint format (pshard.common.checkpoint_store, ps_server.checkpoints.global_part), without
+a network:
 what commits a checkpoint, what makes one torn, retention, and re-cutting slices by range."""
 
 from __future__ import annotations
@@ -7,11 +8,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from pshard.common import checkpoints as ckpt
+from pshard.common import checkpoint_store as ckpt
 from pshard.common.job import JobConfig, OptimizerConfig
 from pshard.common.types import SliceKey, Stamp
-from pshard.ps_server.global_checkpoint import shard_snapshot, write_part
-from pshard.ps_server.store import ShardStore
+from pshard.ps_server.checkpoints.global_part import shard_snapshot, write_part
+from pshard.ps_server.core.store import ShardStore
 
 JOB = JobConfig(mode="async", optimizer=OptimizerConfig(name="sgd", lr=0.5, momentum=0.9), job_id="fmt")
 VALUE = np.arange(10, dtype=np.float32)

@@ -13,7 +13,6 @@ from typing import TypeVar
 
 import numpy as np
 import pytest
-from pshard.common.codec import WireArray, bf16_to_f32, f32_to_bf16
 from pshard.common.errors import (
     DTypeMismatchError,
     EmptyRequestError,
@@ -24,9 +23,10 @@ from pshard.common.errors import (
 )
 from pshard.common.job import JobConfig, OptimizerConfig
 from pshard.common.types import SliceKey, Stamp
-from pshard.ps_server.handlers import EncodedSlice, ExchangeDone, ParameterServerHandlers, Stall
+from pshard.common.wire.codec import WireArray, bf16_to_f32, f32_to_bf16
+from pshard.ps_server.core.store import SliceMeta
+from pshard.ps_server.handlers.dense import EncodedSlice, ExchangeDone, ParameterServerHandlers, Stall
 from pshard.ps_server.settings import ServerSettings
-from pshard.ps_server.store import SliceMeta
 
 from tests.unit.snapshots import snapshot_diff
 
@@ -277,7 +277,7 @@ def test_exchange_in_sync_mode_stalls_until_the_quorum_pushed_and_shares_one_enc
 
 
 def test_the_handlers_import_no_grpc() -> None:
-    code = ("import sys, pshard.ps_server.handlers; "
+    code = ("import sys, pshard.ps_server.handlers.dense; "
             "found = sorted(m for m in sys.modules if m == 'grpc' or m.startswith('grpc.')); "
             "sys.exit(f'imported {found}' if found else 0)")
     process = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)

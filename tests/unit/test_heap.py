@@ -77,7 +77,7 @@ def test_bound_heap_keeps_large_buffers_in_mappings_of_their_own(mode: str, mmap
 
 FRAME_PROBE = """
 import ctypes, ctypes.util, sys
-from pshard.common.rpc import CHUNK_BYTES, FRAME_SLACK_BYTES
+from pshard.common.rpc.options import CHUNK_BYTES, FRAME_SLACK_BYTES
 from pshard.ps_server.heap import TRIM_AFTER_BYTES, HeapTrimmer, bound_heap
 assert bound_heap()
 trimmer = HeapTrimmer()

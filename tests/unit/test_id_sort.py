@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from pshard.worker.tables import _stable_sort
+from pshard.client.tables import _stable_sort
 
 INT64 = np.iinfo(np.int64)
 

@@ -3,7 +3,7 @@
 - The parameter server and the worker never import the scheduler service at module level; the one
   exception is the worker's in-process scheduler hosting, which imports it inside the function
   that starts it, and only then. The parameter server does not import it at all.
-- The shared layer (ps_common/, `pshard.common`) imports no service: not the parameter server,
+- The shared layer (common/, `pshard.common`) imports no service: not the parameter server,
   the worker, the scheduler or the launcher.
 - The parameter server imports no torch: its image holds none.
 """
@@ -19,7 +19,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 # Folder -> import package (pyproject.toml's package-dir).
-PACKAGES = {"ps_common": "pshard.common", "ps_server": "pshard.ps_server", "worker": "pshard.worker",
+PACKAGES = {"common": "pshard.common", "ps_server": "pshard.ps_server", "worker": "pshard.worker",
             "scheduler": "pshard.scheduler", "launcher": "pshard.launcher"}
 SERVICES = ("pshard.ps_server", "pshard.worker", "pshard.scheduler", "pshard.launcher")
 
@@ -90,7 +90,7 @@ def violations(folder: str, forbidden: tuple[str, ...], *, allow_in_function: bo
 
 
 def test_every_checked_folder_has_modules():
-    for folder in ("ps_common", "ps_server", "worker"):
+    for folder in ("common", "ps_server", "worker"):
         assert len(modules(folder)) >= 3, folder
 
 
@@ -103,7 +103,7 @@ def test_the_worker_imports_the_scheduler_service_only_inside_the_function_that_
 
 
 def test_the_shared_layer_imports_no_service():
-    assert violations("ps_common", SERVICES) == []
+    assert violations("common", SERVICES) == []
 
 
 def test_the_parameter_server_imports_no_torch():
@@ -118,7 +118,7 @@ def test_the_parameter_server_imports_no_torch():
      "pshard.scheduler.membership", False),
     ("from pshard import scheduler\n", "pshard.common", "pshard.scheduler", False),
     ("from ..scheduler import servicer\n", "pshard.common", "pshard.scheduler.servicer", False),
-    ("from . import codec\n", "pshard.common", "pshard.common.codec", False),
+    ("from . import codec\n", "pshard.common", "pshard.common.wire.codec", False),
     ("def host():\n    from pshard.scheduler.service import start\n", "pshard.worker",
      "pshard.scheduler.service", True),
     ("class A:\n    def f(self):\n        import torch\n", "pshard.ps_server", "torch", True),

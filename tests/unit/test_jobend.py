@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 
 import pytest
+from pshard.common.cluster.view import ClusterView, Node, NodeState
 from pshard.common.jobend import DEFAULT_QUIET_S, JobEnd, add_exit_argument, training_finished
-from pshard.common.view import ClusterView, Node, NodeState
 
 
 def view(*states: NodeState, evaluator: NodeState | None = None) -> ClusterView:

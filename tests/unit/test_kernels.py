@@ -1,4 +1,4 @@
-"""The compiled loops of sparse tables (ps_server.kernels) against the numpy code they replace."""
+"""The compiled loops of sparse tables (ps_server.tables.kernels) against the numpy code they replace."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from pshard.common.sparse import TableConfig
-from pshard.ps_server import kernels, row_optim
-from pshard.ps_server.rowhash import IdIndex
+from pshard.ps_server.tables import kernels, row_optim
+from pshard.ps_server.tables.rowhash import IdIndex
 
 # Row counts around the prefetch distance: loops whose look-ahead runs past the end of `rows`.
 _SIZES = (0, 1, kernels.AHEAD - 1, kernels.AHEAD, kernels.AHEAD + 1, 300)
@@ -130,7 +130,7 @@ def test_in_place_updates_equal_row_optim_bit_for_bit(n: int, dtype: type, optim
 def test_warm_compiles_every_kernel_a_request_calls() -> None:
     """After warm(), a table's requests add no compiled signature (a compilation mid-request costs
     a fraction of a second, and would land on the event loop)."""
-    from pshard.ps_server.table import SparseTable
+    from pshard.ps_server.tables.table import SparseTable
 
     for dtype in kernels.DTYPES:
         kernels.warm(dtype)
@@ -189,7 +189,7 @@ def test_without_a_writable_cache_directory_the_kernels_compile_in_the_process()
 
     code = ("import logging, numpy as np; logging.basicConfig()\n"
             "from pshard.common.sparse import TableConfig\n"
-            "from pshard.ps_server.table import SparseTable\n"
+            "from pshard.ps_server.tables.table import SparseTable\n"
             "table = SparseTable(TableConfig('t', 4, initializer='zeros'))\n"
             "table.push(np.arange(3, dtype=np.int64), np.ones((3, 4), np.float32))\n"
             "print(table.pull(np.arange(3, dtype=np.int64)).sum())\n")

@@ -8,7 +8,7 @@ import socket
 import sys
 
 import pytest
-from pshard.common.cluster import ClusterSpec
+from pshard.common.cluster.spec import ClusterSpec
 from pshard.launcher.cli import parse_options
 from pshard.launcher.plan import (
     ClusterPlan,

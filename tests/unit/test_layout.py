@@ -8,8 +8,8 @@ import re
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from pshard.common.cluster.layout import DEFAULT_SLICE_BYTES, ITEMSIZE, Layout, ParamSpec, plan_layout
 from pshard.common.errors import EmptyRequestError, InvalidArgumentError, LayoutConflictError
-from pshard.common.layout import DEFAULT_SLICE_BYTES, ITEMSIZE, Layout, ParamSpec, plan_layout
 
 SERVERS = [f"ps-{i}:7100" for i in range(8)]
 

@@ -1,4 +1,4 @@
-"""The documented request limits (ps_common.limits): each refusal names the field, the value and the limit."""
+"""The documented request limits (common.limits): each refusal names the field, the value and the limit."""
 
 from __future__ import annotations
 

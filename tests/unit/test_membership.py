@@ -6,6 +6,8 @@ import dataclasses
 import re
 
 import pytest
+from pshard.common.cluster.layout import ParamSpec, plan_layout
+from pshard.common.cluster.view import ManualClock, NodeState, ServerIncarnations
 from pshard.common.errors import (
     BarrierTimeoutError,
     InvalidArgumentError,
@@ -14,8 +16,6 @@ from pshard.common.errors import (
     StaleGenerationError,
     UnknownNodeError,
 )
-from pshard.common.layout import ParamSpec, plan_layout
-from pshard.common.view import ManualClock, NodeState, ServerIncarnations
 from pshard.scheduler.membership import Membership, MembershipLimits
 
 

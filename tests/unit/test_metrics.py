@@ -1,4 +1,4 @@
-"""worker.metrics: JSON-lines events and the TTY-aware progress display."""
+"""worker.run_report: JSON-lines events and the TTY-aware progress display."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from pshard.worker.metrics import MetricsLog, Progress
+from pshard.worker.run_report import MetricsLog, Progress
 
 
 class FakeClock:

@@ -25,7 +25,7 @@ import numpy as np
 import pytest
 from pshard.common.errors import DTypeMismatchError
 from pshard.common.job import OPTIMIZERS, OptimizerConfig
-from pshard.ps_server.optimizers import SliceState, make_optimizer
+from pshard.ps_server.core.optimizers import SliceState, make_optimizer
 
 torch = pytest.importorskip("torch")  # only the parameter server's image goes without torch
 

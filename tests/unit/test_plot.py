@@ -1,4 +1,4 @@
-"""``pshard plot``: a PNG from metrics files as the worker writes them (pshard.worker.metrics)."""
+"""``pshard plot``: a PNG from metrics files as the worker writes them (pshard.worker.run_report)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from pshard.worker.metrics import MetricsLog
+from pshard.worker.run_report import MetricsLog
 
 from pshard.cli import main as pshard
 from pshard.plot import PlotError, read_run, run_labels

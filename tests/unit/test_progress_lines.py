@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import io
 
-from pshard.worker.metrics import Progress
+from pshard.worker.run_report import Progress
 
 
 class Clock:

@@ -3,8 +3,8 @@ amnesia (a restart forgets everyone) bridged for a grace period."""
 
 from __future__ import annotations
 
-from pshard.common.view import ClusterView, ManualClock, Node, NodeState
-from pshard.ps_server.quorum import QuorumFollower
+from pshard.common.cluster.view import ClusterView, ManualClock, Node, NodeState
+from pshard.ps_server.core.quorum import QuorumFollower
 
 GRACE_S = 5.0
 

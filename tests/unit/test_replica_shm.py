@@ -1,4 +1,4 @@
-"""Same-host replication's data plane (ps_server/replica_shm.py): a primary's states written into
+"""Same-host replication's data plane (ps_server/replication/shm.py): a primary's states written into
 segment files, read back by a backup's mapping; the double-buffered slots and their reset. Real files
 in a temporary directory, real stores, no network."""
 
@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 from pshard.common.job import JobConfig, OptimizerConfig
 from pshard.common.types import SliceKey, Stamp
-from pshard.ps_server.policies import Slot
-from pshard.ps_server.replica_shm import SegmentMaps, SegmentWriter, state_specs
-from pshard.ps_server.store import ShardStore
+from pshard.ps_server.core.policies import Slot
+from pshard.ps_server.core.store import ShardStore
+from pshard.ps_server.replication.shm import SegmentMaps, SegmentWriter, state_specs
 
 A, B = SliceKey("a"), SliceKey("b", 1)
 ADAM = JobConfig(mode="async", optimizer=OptimizerConfig(name="adam", lr=0.01))

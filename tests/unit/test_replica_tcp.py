@@ -1,4 +1,4 @@
-"""The raw TCP replication link's frame form (ps_server/replica_tcp.py): a batch as records without
+"""The raw TCP replication link's frame form (ps_server/transport/replica_tcp.py): a batch as records without
 bytes plus the states' arrays, decoded as a backup's fast-path connection decodes a request, and the
 same batch filled in for gRPC when the link breaks. Real stores, no network."""
 
@@ -9,10 +9,10 @@ import pytest
 from pshard.common.errors import InvalidArgumentError
 from pshard.common.job import JobConfig, OptimizerConfig
 from pshard.common.types import SliceKey, Stamp
-from pshard.ps_server.fastconn import push_metas
-from pshard.ps_server.replica_tcp import frame_header, records_from_frame
-from pshard.ps_server.replication import ReplicaSet, fill_inline, record_from_proto, state_to_proto
-from pshard.ps_server.store import ShardStore
+from pshard.ps_server.core.store import ShardStore
+from pshard.ps_server.replication.dense import ReplicaSet, fill_inline, record_from_proto, state_to_proto
+from pshard.ps_server.transport.fastconn import push_metas
+from pshard.ps_server.transport.replica_tcp import frame_header, records_from_frame
 
 from pshard.api.v1 import parameter_server_pb2 as pb
 

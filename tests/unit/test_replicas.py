@@ -1,15 +1,15 @@
-"""Replica placement and promotion (pshard.common.replicas) and the scheduler's failover on them."""
+"""Replica placement and promotion (pshard.common.cluster.replicas) and the scheduler's failover on them."""
 
 from __future__ import annotations
 
 import dataclasses
 
 import pytest
+from pshard.common.cluster.layout import ParamSpec, plan_layout
+from pshard.common.cluster.replicas import backed_up_by, backups_of, fail_over
+from pshard.common.cluster.view import ManualClock
 from pshard.common.errors import InvalidArgumentError, LayoutConflictError
-from pshard.common.layout import ParamSpec, plan_layout
 from pshard.common.metrics import SchedulerCollector
-from pshard.common.replicas import backed_up_by, backups_of, fail_over
-from pshard.common.view import ManualClock
 from pshard.scheduler.membership import Membership
 
 SERVERS = ("a:1", "b:1", "c:1")

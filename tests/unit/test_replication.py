@@ -1,4 +1,4 @@
-"""The replication core (ps_server/replication.py): what a primary records of each step, how a backup
+"""The replication core (ps_server/replication/dense.py): what a primary records of each step, how a backup
 replays it, and how promoted copies become a store's own slices. Real stores, no network."""
 
 from __future__ import annotations
@@ -7,8 +7,9 @@ import numpy as np
 import pytest
 from pshard.common.job import JobConfig, OptimizerConfig
 from pshard.common.types import SliceKey, Stamp
-from pshard.ps_server.policies import Slot
-from pshard.ps_server.replication import (
+from pshard.ps_server.core.policies import Slot
+from pshard.ps_server.core.store import ShardStore
+from pshard.ps_server.replication.dense import (
     Record,
     ReplicaSet,
     record_from_proto,
@@ -16,7 +17,6 @@ from pshard.ps_server.replication import (
     state_record,
     step_record,
 )
-from pshard.ps_server.store import ShardStore
 
 A, B = SliceKey("a"), SliceKey("b", 1)
 ADAM_SYNC = JobConfig(mode="sync", optimizer=OptimizerConfig(name="adam", lr=0.01))

@@ -8,11 +8,12 @@ from pathlib import Path
 
 import pytest
 from pshard.common.errors import ClusterConfigError
-from pshard.common.identity import Identity
-from pshard.common.revocation import RevocationList
-from pshard.common.security import add_security_arguments, security_from_args
+from pshard.common.security.ca import CRL_NAME, ensure, revoke, revoked_serials
+from pshard.common.security.credentials import add_security_arguments, security_from_args
+from pshard.common.security.identity import Identity
+from pshard.common.security.revocation import RevocationList
 
-from pshard.certs import CRL_NAME, ensure, main, revoke, revoked_serials
+from pshard.certs import main
 
 W0, W1 = Identity("worker", "worker-0"), Identity("worker", "worker-1")
 

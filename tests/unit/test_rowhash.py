@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from pshard.ps_server.rowhash import IdIndex
+from pshard.ps_server.tables.rowhash import IdIndex
 
 # Small id ranges force collisions, tombstone reuse and rehashes; the extremes check int64's edges.
 _IDS = st.one_of(st.integers(-50, 50), st.sampled_from([-(2**63), 2**63 - 1, 0, 1 << 40]))

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 import torch
-from pshard.common.cluster import ClusterSpec
+from pshard.common.cluster.spec import ClusterSpec
 from pshard.common.job import JobConfig
 from pshard.worker.config import TrainConfig
 from pshard.worker.data import load_dataset

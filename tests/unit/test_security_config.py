@@ -8,13 +8,14 @@ from pathlib import Path
 
 import pytest
 from cryptography import x509
-from pshard.common.auth import ALLOWED, allowed, may_act_as, may_configure
-from pshard.common.bind import default_bind
 from pshard.common.errors import ClusterConfigError
-from pshard.common.identity import Identity, TokenTable, identity_from_pem
-from pshard.common.security import add_security_arguments, security_from_args
+from pshard.common.rpc.bind import default_bind
+from pshard.common.security.auth import ALLOWED, allowed, may_act_as, may_configure
+from pshard.common.security.ca import ensure
+from pshard.common.security.credentials import add_security_arguments, security_from_args
+from pshard.common.security.identity import Identity, TokenTable, identity_from_pem
 
-from pshard.certs import ensure, main
+from pshard.certs import main
 
 PS = "/pshard.api.v1.ParameterServerService/"
 SCHED = "/pshard.api.v1.SchedulerService/"

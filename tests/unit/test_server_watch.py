@@ -3,8 +3,8 @@ the server and what it held; one that comes back within the grace does not (issu
 
 from __future__ import annotations
 
-from pshard.common.layout import ParamSpec, plan_layout
-from pshard.common.view import ClusterView, Node, NodeState
+from pshard.common.cluster.layout import ParamSpec, plan_layout
+from pshard.common.cluster.view import ClusterView, Node, NodeState
 from pshard.worker.server_watch import ServerWatch
 
 SERVERS = ("127.0.0.1:7001", "127.0.0.1:7002")

@@ -1,4 +1,4 @@
-"""Shared-memory segments and fast-path frames (ps_common.shm, ps_common.fastwire), without a server."""
+"""Shared-memory segments and fast-path frames (common.wire.shm, common.wire.fastwire), without a server."""
 
 from __future__ import annotations
 
@@ -15,9 +15,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from pshard.common import fastwire, shm
 from pshard.common.errors import InvalidArgumentError
-from pshard.common.fastwire import TransportBroken
+from pshard.common.wire import fastwire, shm
+from pshard.common.wire.fastwire import TransportBroken
 
 WAIT_S = 10.0
 
@@ -119,7 +119,7 @@ def test_socket_names_carry_pid_namespace_and_pid():
 
 
 def test_the_sweep_removes_a_killed_servers_socket_and_spares_live_and_foreign_ones(shm_dir):
-    code = ("import sys, time; from pshard.common import shm; "
+    code = ("import sys, time; from pshard.common.wire import shm; "
             f"s, path = shm.listen({str(shm_dir)!r}); "
             "print(path, flush=True); time.sleep(60)")
     child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)

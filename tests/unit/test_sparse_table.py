@@ -5,10 +5,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from pshard.client.tables import _FEW_RUNS, _Split
 from pshard.common.errors import InvalidArgumentError
 from pshard.common.sparse import TableConfig, mix64, server_of
-from pshard.ps_server.table import SparseTable, initial_rows
-from pshard.worker.tables import _FEW_RUNS, _Split
+from pshard.ps_server.tables.table import SparseTable, initial_rows
 
 N_IDS, DIM, STEPS = 30, 6, 50
 
@@ -215,7 +215,7 @@ def test_config_refuses_bad_values_naming_the_table() -> None:
 
 
 def test_sync_clocks_apply_the_mean_once_every_member_pushed() -> None:
-    from pshard.ps_server.table_sync import SyncClocks
+    from pshard.ps_server.tables.sync import SyncClocks
 
     sync = SyncClocks()
     g = np.ones((2, 3), np.float32)

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from pshard.common.job import JobConfig, OptimizerConfig
 from pshard.common.types import SliceKey, Stamp
-from pshard.ps_server.store import ShardStore, Waiting
+from pshard.ps_server.core.store import ShardStore, Waiting
 
 from tests.unit.store_waits import wait_pull
 

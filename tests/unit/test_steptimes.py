@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from pshard.ps_server.steptimes import WINDOW, StepTimes
+from pshard.ps_server.core.steptimes import WINDOW, StepTimes
 
 
 def test_intervals_between_consecutive_clocks_are_the_step_times() -> None:

@@ -23,8 +23,8 @@ from pshard.common.errors import (
 )
 from pshard.common.job import JobConfig, OptimizerConfig
 from pshard.common.types import SliceKey, Stamp
-from pshard.ps_server.policies import AsyncPolicy, BoundedStalenessPolicy, SyncPolicy
-from pshard.ps_server.store import ShardStore, SliceMeta
+from pshard.ps_server.core.policies import AsyncPolicy, BoundedStalenessPolicy, SyncPolicy
+from pshard.ps_server.core.store import ShardStore, SliceMeta
 
 from tests.unit.snapshots import declared_keys, snapshot_diff
 from tests.unit.store_waits import wait_pull

@@ -8,7 +8,7 @@ import pytest
 from pshard.common.errors import InvalidArgumentError
 from pshard.common.job import JobConfig, OptimizerConfig
 from pshard.common.types import SliceKey, Stamp
-from pshard.ps_server.store import ShardStore
+from pshard.ps_server.core.store import ShardStore
 
 W = SliceKey("w", 0)
 

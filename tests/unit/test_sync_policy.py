@@ -9,8 +9,8 @@ import pytest
 from pshard.common.errors import FutureClockError, InvalidArgumentError, PullTimeoutError
 from pshard.common.job import JobConfig, OptimizerConfig
 from pshard.common.types import SliceKey, Stamp
-from pshard.ps_server.optimizers import SliceState
-from pshard.ps_server.store import PushOutcome, ShardStore, Waiting
+from pshard.ps_server.core.optimizers import SliceState
+from pshard.ps_server.core.store import PushOutcome, ShardStore, Waiting
 
 from tests.unit.store_waits import wait_pull
 

@@ -10,12 +10,12 @@ import numpy as np
 import pytest
 from pshard.common.errors import QuotaExceededError
 from pshard.common.sparse import TableConfig
-from pshard.ps_server import table as table_module
-from pshard.ps_server import table_handlers
+from pshard.ps_server.handlers import tables as table_handlers
+from pshard.ps_server.handlers.tables import TableHandlers
 from pshard.ps_server.settings import ServerSettings
-from pshard.ps_server.table import SparseTable
-from pshard.ps_server.table_files import export_table, load_tables, save_tables
-from pshard.ps_server.table_handlers import TableHandlers
+from pshard.ps_server.tables import table as table_module
+from pshard.ps_server.tables.files import export_table, load_tables, save_tables
+from pshard.ps_server.tables.table import SparseTable
 
 
 def test_checkpoint_and_export_stream_live_rows_across_chunks_and_holes(

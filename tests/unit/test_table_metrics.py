@@ -9,8 +9,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector
 from pshard.common.metrics import new_registry, table_families
 from pshard.common.sparse import TableConfig
-from pshard.ps_server.table import SparseTable
-from pshard.ps_server.table_handlers import TableStats
+from pshard.ps_server.handlers.tables import TableStats
+from pshard.ps_server.tables.table import SparseTable
 
 
 def test_admissions_count_rows_created_by_pushes_not_pulls_or_restores() -> None:

@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 from pshard.common.limits import Limits
 from pshard.common.sparse import TableConfig
+from pshard.ps_server.handlers.tables import OFF_LOOP_IDS, TableHandlers
 from pshard.ps_server.settings import ServerSettings
-from pshard.ps_server.table import initial_rows
-from pshard.ps_server.table_handlers import OFF_LOOP_IDS, TableHandlers
-from pshard.ps_server.table_servicer import OFF_LOOP_BYTES, SparseTablesServicer
+from pshard.ps_server.tables.table import initial_rows
+from pshard.ps_server.transport.table_servicer import OFF_LOOP_BYTES, SparseTablesServicer
 
 from pshard.api.v1 import sparse_pb2 as pb
 

@@ -1,4 +1,5 @@
-"""Table rows as a backup holds them (ps_server/table_replica.py) and row partitions in the layout."""
+"""Table rows as a backup holds them (ps_server/replication/table_rows.py) and row partitions in the
+layout."""
 
 from __future__ import annotations
 
@@ -6,12 +7,11 @@ import dataclasses
 
 import numpy as np
 import pytest
-from pshard.common import codec
-from pshard.common.layout import ParamSpec, plan_layout
-from pshard.common.replicas import NoInSyncCopyError, fail_over, heir_of, moved_partitions
+from pshard.common.cluster.layout import ParamSpec, plan_layout
+from pshard.common.cluster.replicas import NoInSyncCopyError, fail_over, heir_of, moved_partitions
 from pshard.common.sparse import TableConfig, server_of
-from pshard.ps_server.table import SparseTable
-from pshard.ps_server.table_replica import (
+from pshard.common.wire import codec
+from pshard.ps_server.replication.table_rows import (
     PUSHES_KEPT,
     PushLog,
     ReplicaTables,
@@ -20,7 +20,8 @@ from pshard.ps_server.table_replica import (
     install,
     merge,
 )
-from pshard.ps_server.table_replica_wire import batch_from_proto, batch_to_proto
+from pshard.ps_server.replication.table_wire import batch_from_proto, batch_to_proto
+from pshard.ps_server.tables.table import SparseTable
 
 DIM = 4
 

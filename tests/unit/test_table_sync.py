@@ -1,9 +1,9 @@
-"""Sync clocks per row partition (ps_server/table_sync.py): what a failover's heir relies on."""
+"""Sync clocks per row partition (ps_server/tables/sync.py): what a failover's heir relies on."""
 
 from __future__ import annotations
 
 import numpy as np
-from pshard.ps_server.table_sync import OWN, PartitionClocks
+from pshard.ps_server.tables.sync import OWN, PartitionClocks
 
 QUORUM = {"a", "b"}
 G = np.ones((3, 2), np.float32)

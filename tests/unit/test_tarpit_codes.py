@@ -1,4 +1,5 @@
-"""Which outcomes the tarpit counts as wasted (ps_server/tarpit.py): every refusal of what the client
+"""Which outcomes the tarpit counts as wasted (ps_server/transport/tarpit.py): every refusal of what the
+client
 sent, whatever its code, and no failure of the server's own (issue 23, item 7)."""
 
 from __future__ import annotations
@@ -14,9 +15,9 @@ from pshard.common.errors import (
     StaleGenerationError,
     UnknownKeyError,
 )
-from pshard.common.fastwire import TransportBroken
-from pshard.ps_server.fastconn import error_reply
-from pshard.ps_server.tarpit import WASTED_CODES, wasted_reply
+from pshard.common.wire.fastwire import TransportBroken
+from pshard.ps_server.transport.fastconn import error_reply
+from pshard.ps_server.transport.tarpit import WASTED_CODES, wasted_reply
 
 from pshard.api.v1 import parameter_server_pb2 as pb
 

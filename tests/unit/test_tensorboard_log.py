@@ -8,7 +8,7 @@ import json
 import math
 from pathlib import Path
 
-from pshard.worker.metrics import MetricsLog
+from pshard.worker.run_report import MetricsLog
 from pshard.worker.tensorboard_log import Scalar, TensorBoardLog, scalars
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
