@@ -92,6 +92,22 @@ def role_command(environ: Mapping[str, str]) -> str:
     return command
 
 
+# Modules that only an optional extra installs (pyproject.toml), and that extra: a command that needs one
+# says which `pip install` brings it instead of ending in a traceback (the server image has no torch).
+EXTRA_OF = {"torch": "worker", "tqdm": "worker", "sklearn": "worker", "tensorboard": "worker",
+            "matplotlib": "plot"}
+
+
+def missing_extra(err: ModuleNotFoundError, prog: str) -> str | None:
+    """The one line that says which extra brings the module `err` names, or None if no extra does."""
+    top = (err.name or "").partition(".")[0]
+    extra = EXTRA_OF.get(top)
+    if extra is None:
+        return None
+    return (f"{prog}: error: this command needs {top}, which is not installed: "
+            f"pip install '.[{extra}]' in a clone of pshard")
+
+
 def run_command(command: str, argv: Sequence[str], prog: str) -> int:
     """Import `command`'s module and run its main; usage and errors name `prog`."""
     from pshard.common.entry import die_with_launcher, stop_quietly_on_signals
@@ -100,8 +116,15 @@ def run_command(command: str, argv: Sequence[str], prog: str) -> int:
         # Before the import: grpc and numpy take a while to load on a busy machine.
         stop_quietly_on_signals()
     die_with_launcher()
-    main: Callable[..., int | None] = importlib.import_module(COMMANDS[command].module).main
-    return int(main(argv, prog=prog) or 0)
+    try:
+        main: Callable[..., int | None] = importlib.import_module(COMMANDS[command].module).main
+        return int(main(argv, prog=prog) or 0)
+    except ModuleNotFoundError as err:
+        line = missing_extra(err, prog)
+        if line is None:
+            raise
+        print(line, file=sys.stderr)
+        return 2
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -84,6 +84,8 @@ def test_the_package_its_client_and_its_stubs_import_from_the_installed_copy(ins
     files = python_json(installed, """if True:
         import json, pshard, pshard.worker
         from pshard.worker import PSClient
+        from pshard.client import PSClient as client_PSClient, TableClient
+        assert client_PSClient is PSClient and TableClient.__module__ == "pshard.client.tables"
         from pshard.api.v1 import parameter_server_pb2, parameter_server_pb2_grpc, scheduler_pb2, tensor_pb2
         assert PSClient.__module__ == "pshard.client.ps_client"
         print(json.dumps([m.__file__ for m in (pshard, parameter_server_pb2, scheduler_pb2, tensor_pb2)]))
@@ -124,6 +126,17 @@ def test_without_the_worker_extra_nothing_installs_torch(installed: Installed) -
                                    "print(json.dumps(importlib.util.find_spec('torch') is not None))")
 
     assert found is False
+
+
+def test_a_worker_command_without_the_worker_extra_names_the_install_in_one_line(
+        installed: Installed) -> None:
+    done = run_in(installed, installed.bin / "pshard", "worker", "--help")
+
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "Traceback" not in done.stderr
+    assert done.stderr.strip().splitlines() == [
+        "pshard worker: error: this command needs torch, which is not installed: pip install '.[worker]' "
+        "in a clone of pshard"]
 
 
 def test_a_wheel_built_from_the_sdist_has_the_stubs(installed: Installed, tmp_path: Path) -> None:
