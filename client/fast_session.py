@@ -30,7 +30,7 @@ from pathlib import Path
 
 import grpc
 import numpy as np
-from pshard.common.errors import PSError, error_classes
+from pshard.common.errors import rebuild
 from pshard.common.rpc.status import error_from_rpc_error
 from pshard.common.wire.fastwire import (
     HELLO,
@@ -247,7 +247,7 @@ class FastPath:
         finally:
             self._lock.release()
         if reply.error_type:
-            raise error_classes().get(reply.error_type, PSError)(reply.error_message)
+            raise rebuild(reply.error_type, reply.error_message, reply.error_facts)
         return reply.summary
 
     def _send(self, header: pb.ExchangeHeader, buffers: Sequence[np.ndarray]) -> None:

@@ -38,7 +38,13 @@ import numpy as np
 import numpy.typing as npt
 from pshard.client.fast_session import TABLE_ROOM_BYTES, FastPath
 from pshard.common.cluster.layout import Layout
-from pshard.common.errors import InvalidArgumentError, UnavailableError, UnknownKeyError
+from pshard.common.errors import (
+    InvalidArgumentError,
+    LayoutNotYetError,
+    PartitionMovedError,
+    UnavailableError,
+    UnknownKeyError,
+)
 from pshard.common.rpc.status import error_from_rpc_error
 from pshard.common.sparse import TableConfig, put_rows, server_of, take_rows
 from pshard.common.types import Stamp
@@ -72,10 +78,8 @@ log = logging.getLogger("pshard.worker")
 _SLACK_S = 5.0  # past the request's own timeout, as PSClient's calls allow
 _RETRY_S = 10.0  # a broken session is negotiated again after this (PSClient's FAST_PATH_RETRY_S)
 _INT64 = codec.dtype_to_proto("int64")
-# How a server refuses ids of a row partition it does not serve (ps_server/replication/tables.py).
-_PARTITION_MOVED = "not here; re-route"
-# How a server refuses a sync push routed with a layout it has not received yet (table_replication.NOT_YET).
-_NOT_YET = "has not received that layout yet"
+# A server refuses ids of a row partition it does not serve with PartitionMovedError (re-route), and a sync
+# push routed with a layout it has not received yet with LayoutNotYetError (send it again after this).
 _NOT_YET_WAIT_S = 0.05
 # Sync pushes kept per table past which the oldest is confirmed by a pull of no ids (see _Kept).
 _KEPT_CLOCKS = 4
@@ -336,11 +340,11 @@ class TableClient:
                 return call(layout)
             except (UnavailableError, UnknownKeyError) as err:
                 left = deadline - time.monotonic()
-                if _NOT_YET in str(err) and left > 0 and not client._closed.is_set():
+                if isinstance(err, LayoutNotYetError) and left > 0 and not client._closed.is_set():
                     self.not_yet += 1
                     client._closed.wait(min(_NOT_YET_WAIT_S, left))  # the server learns the layout soon
                     continue
-                moved = isinstance(err, UnavailableError) or _PARTITION_MOVED in str(err)
+                moved = isinstance(err, UnavailableError | PartitionMovedError)
                 if (not moved or client._relayout is None or layout is None or not layout.replicas
                         or left <= 0 or client._closed.is_set()):
                     raise

@@ -16,7 +16,9 @@ This module must not import grpc: pure cores use it.
 from __future__ import annotations
 
 import errno
+import json
 import os
+from collections.abc import Mapping
 
 # Characters of a caller's text an error message quotes before cutting it (its length is then given).
 QUOTE_CHARS = 64
@@ -45,13 +47,22 @@ def bounded(message: str) -> str:
     return f"{head} [... {len(message) - len(head) - len(tail)} of {len(message)} characters cut ...] {tail}"
 
 
+Fact = str | int
+_FACTS_BYTES = 4096  # a reply's facts, encoded: a few names and numbers, never a payload
+
+
 class PSError(Exception):
-    """Base class. `status` names the gRPC status code (a string keeps grpc out of core code)."""
+    """Base class. `status` names the gRPC status code (a string keeps grpc out of core code).
+
+    `facts`: what a caller may decide on (a table, a partition, a layout version), by name; they cross
+    every transport beside the message (`facts_json`, `rebuild`), so no caller parses message text.
+    """
 
     status = "INTERNAL"
 
-    def __init__(self, message: object = "", *args: object) -> None:
+    def __init__(self, message: object = "", *args: object, **facts: Fact) -> None:
         super().__init__(bounded(str(message)), *args)
+        self.facts: dict[str, Fact] = dict(facts)
 
 
 class InvalidArgumentError(PSError):
@@ -76,6 +87,25 @@ class PayloadSizeError(InvalidArgumentError):
 
 class UnknownKeyError(PSError):
     status = "NOT_FOUND"
+
+
+class PartitionMovedError(UnknownKeyError):
+    """Rows of a table partition that this server does not serve under the layout the request was routed
+    with (a failover moved it, or the request predates one): the client re-routes with a newer layout."""
+
+    def __init__(self, message: str = "", *, table: str = "", partition: int = -1, layout_version: int = 0,
+                 **facts: Fact) -> None:
+        super().__init__(message, table=table, partition=partition, layout_version=layout_version, **facts)
+
+
+class LayoutNotYetError(UnknownKeyError):
+    """A request routed with a layout newer than this server has received: the client sends it again in a
+    moment, once the scheduler's view has reached the server."""
+
+    def __init__(self, message: str = "", *, table: str = "", routed_version: int = 0, known_version: int = 0,
+                 **facts: Fact) -> None:
+        super().__init__(message, table=table, routed_version=routed_version, known_version=known_version,
+                         **facts)
 
 
 class UnknownNodeError(PSError):
@@ -154,8 +184,8 @@ class OverloadedError(PSError):
 
     status = "RESOURCE_EXHAUSTED"
 
-    def __init__(self, message: str, retry_after_ms: int | None = None) -> None:
-        super().__init__(message)
+    def __init__(self, message: str = "", retry_after_ms: int | None = None, **facts: Fact) -> None:
+        super().__init__(message, **facts)
         self.retry_after_ms = retry_after_ms
 
 
@@ -199,3 +229,33 @@ def error_classes() -> dict[str, type[PSError]]:
         found[cls.__name__] = cls
         stack.extend(cls.__subclasses__())
     return found
+
+
+def facts_json(err: PSError) -> str:
+    """`err.facts` as the wire carries them ("" when it has none): a JSON object of names to str or int."""
+    return json.dumps(err.facts, sort_keys=True) if err.facts else ""
+
+
+def _facts(raw: str) -> dict[str, Fact]:
+    """Facts read back from a peer: only str and int values under str names, bounded; else none."""
+    if not raw or len(raw) > _FACTS_BYTES:
+        return {}
+    try:
+        decoded = json.loads(raw)
+    except ValueError:
+        return {}
+    if not isinstance(decoded, Mapping):
+        return {}
+    return {str(k): v for k, v in decoded.items()
+            if isinstance(v, str | int) and not isinstance(v, bool) and k.isidentifier()}
+
+
+def rebuild(type_name: str, message: str, facts: str = "", fallback: type[PSError] | None = None) -> PSError:
+    """The error a peer raised, from what crossed the wire: its class by name (else `fallback`, else
+    PSError), its message and its facts. The one way every transport turns a refusal back into a type."""
+    cls = error_classes().get(type_name) or fallback or PSError
+    known = _facts(facts)
+    try:
+        return cls(message, **known)
+    except TypeError:  # facts this version's class does not take (a newer peer): the type still decides
+        return cls(message)

@@ -24,12 +24,15 @@ from pshard.common.errors import (
     PullTimeoutError,
     UnauthenticatedError,
     UnavailableError,
-    error_classes,
+    facts_json,
+    rebuild,
 )
 
 ERROR_TYPE_KEY = "ps-error-type"
 # Trailing metadata of an OverloadedError: how long the client should wait before retrying.
 RETRY_AFTER_KEY = "ps-retry-after-ms"
+# Trailing metadata: the error's facts (PSError.facts) as a JSON object, when it has any.
+FACTS_KEY = "ps-error-facts"
 
 # Without a ps-error-type (a proxy answered, or the transport failed), the code alone picks a class.
 _BY_CODE: dict[grpc.StatusCode, type[PSError]] = {
@@ -51,6 +54,8 @@ def _trailing_metadata(err: PSError) -> tuple[tuple[str, str], ...]:
     metadata: tuple[tuple[str, str], ...] = ((ERROR_TYPE_KEY, type(err).__name__),)
     if isinstance(err, OverloadedError) and err.retry_after_ms is not None:
         metadata += ((RETRY_AFTER_KEY, str(err.retry_after_ms)),)
+    if err.facts:
+        metadata += ((FACTS_KEY, facts_json(err)),)
     return metadata
 
 
@@ -110,12 +115,13 @@ def error_from_rpc_error(e: grpc.RpcError) -> PSError:
     code, details = e.code(), e.details() or ""
     metadata = e.trailing_metadata() or ()
     name = next((str(v) for k, v in metadata if k == ERROR_TYPE_KEY), None)
-    cls = error_classes().get(name) if name else None
     if name == OverloadedError.__name__:
         hint = next((str(v) for k, v in metadata if k == RETRY_AFTER_KEY), "")
         return OverloadedError(details, int(hint) if hint.isdigit() else None)
-    if cls is not None:
-        return cls(details)
+    if name:
+        found = rebuild(name, details, next((str(v) for k, v in metadata if k == FACTS_KEY), ""))
+        if type(found) is not PSError or name == PSError.__name__:
+            return found
     fallback = _BY_CODE.get(code, PSError)
     return fallback(f"{code.name if code else 'UNKNOWN'}: {details}")
 

@@ -263,7 +263,8 @@ class ParameterServerHandlers:
         for key in keys:
             if key not in owned[1] and store.holds(key):
                 raise UnknownKeyError(f"slice {quote(str(key))} moved: layout version {owned[0]} has it on "
-                                      "another server (a failover); re-route")
+                                      "another server (a failover); re-route", key=str(key),
+                                      layout_version=owned[0])
 
     def check_adds_nothing(self, metas: Sequence[SliceMeta], who: str) -> None:
         """Once the job is set, only the chief adds parameters (docs/architecture.md, 13 Security):

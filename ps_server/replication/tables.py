@@ -48,7 +48,13 @@ import numpy as np
 from pshard.common.cluster.layout import Layout
 from pshard.common.cluster.replicas import index_of
 from pshard.common.cluster.view import ClusterView, ServerIncarnations
-from pshard.common.errors import InvalidArgumentError, PullTimeoutError, StaleGenerationError, UnknownKeyError
+from pshard.common.errors import (
+    InvalidArgumentError,
+    LayoutNotYetError,
+    PartitionMovedError,
+    PullTimeoutError,
+    StaleGenerationError,
+)
 from pshard.common.sparse import TableConfig, server_of
 from pshard.ps_server.replication.dense import Links, Send, over_link
 from pshard.ps_server.replication.shm import SegmentMaps
@@ -84,9 +90,6 @@ _LINK_BATCH_BYTES = 8 * 2**20
 _CHECKED = 2  # id arrays `check` remembers as served here (a pull's, then the push of the same ids)
 _RETRY_S = (0.05, 1.0)  # first and longest wait between attempts to reach a backup
 _VERSIONS_KEPT = 64  # layouts whose served partitions `routed` remembers
-# How a server refuses a sync push routed with a layout it has not received yet (client/tables.py
-# waits a moment and sends it again).
-NOT_YET = "this server has not received that layout yet; retry"
 
 
 class TableSource(Protocol):
@@ -200,10 +203,11 @@ class TableReplication:
         if bad.any():
             i = int(np.flatnonzero(bad)[0])
             p = int(partition[i])
-            raise UnknownKeyError(
+            raise PartitionMovedError(
                 f"{what} of table {table.config.name!r}: id {int(ids[i])} is in row partition {p}, which "
                 f"layout version {layout.version} has on server {layout.row_owner(p)} "
-                f"({layout.servers[layout.row_owner(p)]}), not here; re-route")
+                f"({layout.servers[layout.row_owner(p)]}), not here; re-route",
+                table=table.config.name, partition=p, layout_version=layout.version)
         self._checked = [ids.copy(), *self._checked[:_CHECKED - 1]]
 
     def fresh(self, name: str, ids: np.ndarray, worker: str, push_id: int) -> np.ndarray | None:
@@ -231,13 +235,16 @@ class TableReplication:
         if not version:
             return
         if layout is None or version > layout.version:
-            raise UnknownKeyError(f"push of sync table {name!r}: routed with layout version {version}, while "
-                                  f"this server knows version {layout.version if layout else 'none'}; "
-                                  f"{NOT_YET}")
+            raise LayoutNotYetError(f"push of sync table {name!r}: routed with layout version {version}, "
+                                    f"while this server knows version {layout.version if layout else 'none'}"
+                                    "; it has not received that layout yet; retry",
+                                    table=name, routed_version=version,
+                                    known_version=layout.version if layout else 0)
         if version < layout.version and self._owned_at.get(version, frozenset()) != self._owned:
-            raise UnknownKeyError(f"push of sync table {name!r}: routed with layout version {version}, whose "
-                                  f"row partitions on this server are not those of version {layout.version}; "
-                                  "not here; re-route")
+            raise PartitionMovedError(f"push of sync table {name!r}: routed with layout version {version}, "
+                                      f"whose row partitions on this server are not those of version "
+                                      f"{layout.version}; not here; re-route",
+                                      table=name, layout_version=layout.version)
 
     def partitions(self, ids: np.ndarray) -> int | np.ndarray:
         """The row partition of each of `ids` (checked to be served here): one number when this

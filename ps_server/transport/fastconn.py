@@ -25,7 +25,7 @@ from typing import Any, Protocol, overload
 
 import numpy as np
 from google.protobuf.message import DecodeError
-from pshard.common.errors import PSError
+from pshard.common.errors import PSError, facts_json
 from pshard.common.limits import DEFAULT_LIMITS
 from pshard.common.wire import codec
 from pshard.common.wire.codec import byte_view
@@ -141,7 +141,8 @@ def push_metas(header: pb.ExchangeHeader) -> tuple[list[SliceMeta], list[int]]:
 
 
 def error_reply(err: PSError) -> pb.TransportReply:
-    return pb.TransportReply(error_type=type(err).__name__, error_message=str(err))
+    return pb.TransportReply(error_type=type(err).__name__, error_message=str(err),
+                             error_facts=facts_json(err))
 
 
 class Sink(Sequence[memoryview]):

@@ -25,7 +25,7 @@ from collections.abc import Callable, Sequence
 
 import grpc
 import numpy as np
-from pshard.common.errors import InvalidArgumentError, PSError, error_classes
+from pshard.common.errors import InvalidArgumentError, PSError, rebuild
 from pshard.common.rpc.status import error_from_rpc_error
 from pshard.common.types import SliceKey
 from pshard.common.wire import codec
@@ -88,7 +88,7 @@ class TcpLink:
                                   f"{data_len} data bytes")
         reply = pb.TransportReply.FromString(meta)
         if reply.error_type:
-            raise error_classes().get(reply.error_type, PSError)(reply.error_message)
+            raise rebuild(reply.error_type, reply.error_message, reply.error_facts)
         return pb.ReplicateResponse(need_state=reply.need_state)
 
     def close(self) -> None:

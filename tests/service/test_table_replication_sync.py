@@ -21,9 +21,11 @@ import grpc
 import numpy as np
 import pytest
 from pshard.client.ps_client import PSClient
+from pshard.common import errors
 from pshard.common.cluster.layout import Layout
 from pshard.common.cluster.replicas import fail_over
 from pshard.common.rpc.serving import ServerThread
+from pshard.common.rpc.status import error_from_rpc_error
 from pshard.common.sparse import TableConfig, server_of
 from pshard.ps_server.settings import ServerSettings
 
@@ -118,8 +120,24 @@ def test_a_sync_clock_pending_on_a_server_that_stops_is_applied_once_by_its_heir
     assert heir is not None and len(heir) == len(pushed[server_of(pushed, 3) != 0])  # pulls create no rows
 
 
+@pytest.fixture(params=["as_written", "reworded"])
+def wording(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """The re-route errors as the server words them, or with every message replaced: clients decide on
+    the error's type (and its facts), never on its text, so a reworded message changes nothing."""
+    if request.param == "reworded":
+        for cls in (errors.PartitionMovedError, errors.LayoutNotYetError):
+            init = cls.__init__
+
+            def reworded(self: errors.PSError, message: str = "", *, _init: Callable[..., None] = init,
+                         **facts: object) -> None:
+                _init(self, "a message reworded beyond recognition", **facts)
+
+            monkeypatch.setattr(cls, "__init__", reworded)
+    return str(request.param)
+
+
 def test_a_sync_push_waits_for_a_server_to_know_its_layout_and_an_older_routing_is_refused(
-        start_server: Callable[..., ServerThread], new_client: Callable[..., PSClient]) -> None:
+        start_server: Callable[..., ServerThread], new_client: Callable[..., PSClient], wording: str) -> None:
     layouts: list[Layout] = []
 
     def relayout(current: Layout, timeout_s: float) -> Layout | None:
@@ -151,12 +169,25 @@ def test_a_sync_push_waits_for_a_server_to_know_its_layout_and_an_older_routing_
     rows = clients[0].pull_rows(TABLE.name, IDS, clock=PENDING + 1)
     np.testing.assert_array_equal(rows, _expected(PENDING + 1))
     # A push routed with the old layout: taken by server 0, whose partitions did not change; refused
-    # by the heir, which the old layout did not give partition 1 (its empty part would count there).
+    # by the heir, which the old layout did not give partition 1 (its empty part would count there),
+    # with a typed error that says so in facts: the partitions' layout version.
     empty = pb.PushRowsRequest(table=TABLE.name, clock=PENDING + 1, worker_id="w0",
                                layout_version=layout.version)
     pb_grpc.SparseTablesServiceStub(clients[0]._channels[0]).PushRows(empty, timeout=WAIT_S)
-    with pytest.raises(grpc.RpcError, match="re-route"):
+    with pytest.raises(grpc.RpcError) as refused:
         pb_grpc.SparseTablesServiceStub(clients[0]._channels[2]).PushRows(empty, timeout=WAIT_S)
+    err = error_from_rpc_error(refused.value)
+    assert isinstance(err, errors.PartitionMovedError), err
+    assert err.facts == {"table": TABLE.name, "partition": -1, "layout_version": moved.version}
+    assert ("re-route" in str(err)) == (wording == "as_written")
+    # A worker routing by the right servers but an older layout version is refused the same way by the
+    # heir, and re-routes on the type alone (every other server it routes to is alive and serving).
+    stale = clients[1]
+    reroutes = stale.tables.reroutes
+    stale.set_layout(dataclasses.replace(moved, version=layout.version))
+    ids, grads = _batch(1, PENDING + 1)
+    stale.push_rows(TABLE.name, ids, grads, clock=PENDING + 1)
+    assert stale.tables.reroutes == reroutes + 1 and stale.layout is moved
 
 
 def test_a_worker_keeps_few_sync_pushes_when_its_pulls_read_one_partition_only(
