@@ -8,7 +8,7 @@ halves' updates at every step, weights included.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -28,6 +28,11 @@ BATCH = 16
 LR = 0.1
 
 
+def _prefixed(prefix: str) -> Callable[[str], str]:
+    """assert_close's msg: its own message under `prefix` (the key that differs)."""
+    return lambda message: f"{prefix}: {message}"
+
+
 @pytest.fixture
 def servers() -> Iterator[list[ServerThread]]:
     settings = ServerSettings(static_quorum={w: 0 for w in WORKERS}, pull_timeout_s=WAIT_S)
@@ -35,6 +40,13 @@ def servers() -> Iterator[list[ServerThread]]:
     yield started
     for server in started:
         server.stop(grace_s=0.2)
+
+
+def running_mean(model: nn.Module) -> torch.Tensor:
+    """The running mean of the model's BatchNorm layer (make_model's second)."""
+    layer = list(model.children())[1]
+    assert isinstance(layer, nn.BatchNorm1d) and layer.running_mean is not None
+    return layer.running_mean
 
 
 def make_model() -> nn.Module:
@@ -100,7 +112,7 @@ def averaged_reference() -> nn.Module:
 
 def assert_same(got: nn.Module, want: nn.Module) -> None:
     for (key, a), (_, b) in zip(got.state_dict().items(), want.state_dict().items(), strict=True):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=lambda m, k=key: f"{k}: {m}")
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=_prefixed(key))
 
 
 @pytest.mark.parametrize("overlap", [False, True], ids=["no-overlap", "overlap"])
@@ -113,8 +125,8 @@ def test_sync_workers_end_with_the_same_averaged_buffers(servers, overlap) -> No
 def test_local_buffers_drift_apart(servers) -> None:
     """What the default prevents, and what "local" keeps: each worker's own statistics."""
     got = two_workers(servers, buffers="local")
-    torch.testing.assert_close(got[0][0].weight, got[1][0].weight)  # the weights are shared
-    assert not torch.allclose(got[0][1].running_mean, got[1][1].running_mean)
+    torch.testing.assert_close(got[0].state_dict()["0.weight"], got[1].state_dict()["0.weight"])  # shared
+    assert not torch.allclose(running_mean(got[0]), running_mean(got[1]))
 
 
 def test_declared_specs_include_the_synced_buffers() -> None:
@@ -129,7 +141,7 @@ def test_a_restarted_worker_loads_the_jobs_buffers(servers) -> None:
     client = PSClient([s.address for s in servers], "w0", timeout_s=WAIT_S, retry_budget_s=WAIT_S)
     with PSTrainer(fresh, client, JobConfig(mode="sync", optimizer=OptimizerConfig(name="sgd", lr=LR))) as t:
         assert_same_floats(fresh, got[0])  # num_batches_tracked is each worker's own count
-        fresh[1].running_mean.zero_()
+        running_mean(fresh).zero_()
         t.pull()
         assert_same_floats(fresh, got[0])
 
@@ -139,4 +151,4 @@ def assert_same_floats(got: nn.Module, want: nn.Module) -> None:
     for key, value in got.state_dict().items():
         if value.is_floating_point():
             torch.testing.assert_close(value, expected[key], rtol=1e-5, atol=1e-6,
-                                       msg=lambda m, k=key: f"{k}: {m}")
+                                       msg=_prefixed(key))

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from typing import cast
 
 import pytest
 import torch
@@ -36,6 +37,11 @@ SCHEDULES: dict[str, Callable[[torch.optim.Optimizer], lr_scheduler.LRScheduler]
     "step": lambda opt: lr_scheduler.StepLR(opt, step_size=3, gamma=0.3),
     "cosine": lambda opt: lr_scheduler.CosineAnnealingLR(opt, T_max=STEPS, eta_min=0.001),
 }
+
+def _prefixed(prefix: str) -> Callable[[str], str]:
+    """assert_close's msg: its own message under `prefix` (the key that differs)."""
+    return lambda message: f"{prefix}: {message}"
+
 
 
 @pytest.fixture
@@ -86,7 +92,7 @@ def trainer_on(server: ServerThread, model: nn.Module, config: OptimizerConfig,
 
 def assert_same(got: nn.Module, want: nn.Module) -> None:
     for (key, a), (_, b) in zip(got.state_dict().items(), want.state_dict().items(), strict=True):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=lambda m, k=key: f"{k}: {m}")
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=_prefixed(key))
 
 
 @pytest.mark.parametrize("schedule", SCHEDULES)
@@ -102,8 +108,9 @@ def test_scheduler_on_trainer_matches_local_torch_optim(server, optimizer, sched
     with trainer_on(server, model, config, overlap=overlap) as trainer:
         assert isinstance(trainer, torch.optim.Optimizer)
         got_lrs = train(model, trainer, SCHEDULES[schedule](trainer), range(STEPS))
-        trainer.synchronize()
-        assert trainer.clock == STEPS
+        ours = cast(PSTrainer, trainer)  # the isinstance above narrowed it to what torch sees
+        ours.synchronize()
+        assert ours.clock == STEPS
     assert got_lrs == want_lrs and len(set(want_lrs)) > 2  # the schedule really moved
     assert_same(model, want)
 

@@ -23,6 +23,11 @@ WAIT_S = 20.0
 STEPS = 5
 Batch = tuple[torch.Tensor, ...]
 
+def _prefixed(prefix: str) -> Callable[[str], str]:
+    """assert_close's msg: its own message under `prefix` (the key that differs)."""
+    return lambda message: f"{prefix}: {message}"
+
+
 
 class ResidualBlock(nn.Module):
     def __init__(self, channels: int) -> None:
@@ -168,4 +173,4 @@ def test_one_worker_trains_as_local_torch_optim(servers, case) -> None:
     assert any("running_mean" in k for k in got) == (case == "resnet-batchnorm")
     for key in expected:
         torch.testing.assert_close(got[key], expected[key], rtol=1e-5, atol=1e-6,
-                                   msg=lambda m, k=key: f"{case} {k}: {m}")
+                                   msg=_prefixed(f"{case} {key}"))

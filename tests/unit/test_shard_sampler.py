@@ -20,8 +20,9 @@ def test_shards_equal_distributed_samplers_every_epoch(n: int, world: int, shuff
     data = list(range(n))
     for rank in range(world):
         ours = ShardSampler(data, _Trainer(rank, world), shuffle=shuffle, seed=7, drop_last=drop_last)
-        theirs = DistributedSampler(data, num_replicas=world, rank=rank, shuffle=shuffle, seed=7,
-                                    drop_last=drop_last)
+        theirs: DistributedSampler[int] = DistributedSampler(
+            data, num_replicas=world, rank=rank, shuffle=shuffle, seed=7,  # type: ignore[arg-type]
+            drop_last=drop_last)  # a list is a map-style dataset to torch, not to its stubs
         for epoch in range(3):
             ours.set_epoch(epoch)
             theirs.set_epoch(epoch)
