@@ -3,19 +3,8 @@
     pshard certs --dir ./pshard-certs --host ps-0 ps/ps-0 worker/worker-0 chief/chief-0 admin
     pshard certs --dir ./pshard-certs --revoke worker-1      # add worker-1.pem's serial to crl.pem
 
-Each NODE is ``ROLE`` or ``ROLE/NODE-ID``; its certificate names it in a URI SAN,
-``spiffe://pshard/<role>/<node-id>`` (what servers authorise on, `pshard.common.security.identity`), and
-its host names in DNS/IP SANs (always ``localhost`` and ``127.0.0.1``, plus every ``--host`` and
-the node id itself, which is the host name in the compose file). Files in DIR:
-
-    ca.pem, ca-key.pem          the CA (its key never leaves DIR; guard it)
-    crl.pem                     the certificates the CA revoked (empty at first; --tls-crl FILE)
-    <name>.pem, <name>-key.pem  a node, <name> = its node id, or its role when it has none
-
-Run twice, it changes nothing: a file is (re)made only when missing, expired within a day, not
-signed by DIR's CA, revoked, or lacking a host asked for (so after ``--revoke NAME``, naming the
-node again gives it a new certificate). Servers re-read crl.pem when it changes. For production,
-use your own CA: pshard needs only the URI SAN above in each certificate.
+Each NODE is ``ROLE`` or ``ROLE/NODE-ID``. What the certificates name, the files in DIR and when one is
+made again: the CA's own module, common/security/ca.py, which this command is a thin front of.
 """
 
 from __future__ import annotations

@@ -3,9 +3,6 @@
 The `pshard certs` command (pshard/certs.py) and the launcher call it; every process told to make its
 certificates (common.security.credentials) does too, which is why it lives in the shared layer.
 
-    pshard certs --dir ./pshard-certs --host ps-0 ps/ps-0 worker/worker-0 chief/chief-0 admin
-    pshard certs --dir ./pshard-certs --revoke worker-1      # add worker-1.pem's serial to crl.pem
-
 Each NODE is ``ROLE`` or ``ROLE/NODE-ID``; its certificate names it in a URI SAN,
 ``spiffe://pshard/<role>/<node-id>`` (what servers authorise on, `pshard.common.security.identity`), and
 its host names in DNS/IP SANs (always ``localhost`` and ``127.0.0.1``, plus every ``--host`` and
