@@ -44,7 +44,7 @@ import contextlib
 import dataclasses
 import logging
 from collections.abc import Iterable, Mapping
-from concurrent.futures import Future
+from concurrent.futures import Future, wait
 from types import TracebackType
 
 import numpy as np
@@ -396,6 +396,12 @@ class PSTrainer(torch.optim.Optimizer):
         (a push and a pull of their own: the fused call's reply is the overlap's to read)."""
         if not self.synced_buffers:
             return
+        # Not before this step's buckets have had their replies. A fast path carries one request at a
+        # time per server and a sync pull holds it while the server waits for the other workers: our
+        # buffer pull would then keep our last bucket's push unsent while a peer's last bucket waits
+        # for that push and holds the path its buffer push needs, each worker waiting for the other
+        # until the deadline. (Their results stay pending for `_settle`.)
+        wait(self._pending, timeout=self.client.timeout_s)
         self.client.wait(self.client.push(self._buffers_on_host(), clock, lr=self._stamped_lr))
         out = self._buffers_landing()
         self.client.pull(clock + 1, keys=list(out), out=out)

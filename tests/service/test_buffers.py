@@ -8,9 +8,12 @@ halves' updates at every step, weights included.
 
 from __future__ import annotations
 
+import threading
+import traceback
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 
+import numpy as np
 import pytest
 import torch
 from pshard.client.ps_client import PSClient
@@ -83,7 +86,14 @@ def two_workers(servers: list[ServerThread], **kwargs: object) -> list[nn.Module
         return models[rank]
 
     with ThreadPoolExecutor(2) as pool:
-        return [f.result(timeout=WAIT_S * 3) for f in [pool.submit(run, r) for r in range(2)]]
+        futures = [pool.submit(run, r) for r in range(2)]  # leaving the block waits for both
+    # Every worker's failure, not only the first: a worker that dies leaves the other timing out waiting
+    # for it, and that timeout says nothing about why.
+    errors = {WORKERS[r]: err for r, f in enumerate(futures) if (err := f.exception()) is not None}
+    if errors:
+        raise AssertionError("\n".join(f"worker {w} failed:\n{''.join(traceback.format_exception(err))}"
+                                        for w, err in errors.items()))
+    return [f.result() for f in futures]
 
 
 def averaged_reference() -> nn.Module:
@@ -152,3 +162,46 @@ def assert_same_floats(got: nn.Module, want: nn.Module) -> None:
         if value.is_floating_point():
             torch.testing.assert_close(value, expected[key], rtol=1e-5, atol=1e-6,
                                        msg=_prefixed(key))
+
+
+class _GatedClient(PSClient):
+    """A real client whose overlapped bucket exchanges wait for `gate`, and which notes, at each push
+    of the buffers, whether the gate was open (every bucket exchange then free to end) at that moment."""
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+        self.gate = threading.Event()
+        self.buffer_push_after_buckets: list[bool] = []
+
+    def push_pull(self, *args: object, **kwargs: object) -> dict[str, np.ndarray]:
+        self.gate.wait(WAIT_S)
+        return super().push_pull(*args, **kwargs)  # type: ignore[arg-type]
+
+    def push(self, grads, clock, *, lr=None):  # type: ignore[no-untyped-def,override]
+        if "1.running_mean" in grads:
+            self.buffer_push_after_buckets.append(self.gate.is_set())
+            self.gate.set()  # without the order asked for, let the step go on rather than hang
+        return super().push(grads, clock, lr=lr)
+
+
+def test_overlap_exchanges_the_buffers_after_the_steps_buckets() -> None:
+    """The buffers' push and pull wait for the step's bucket exchanges to end. Over a fast path (one
+    request at a time per server, a sync pull holding it while the server waits for the other workers),
+    a buffer pull sent while a bucket is still queued kept that bucket's push unsent while a peer's
+    bucket waited for it: both workers stalled until their deadline (1 run in 2 of the test above)."""
+    server = start_server_thread(ServerSettings(static_quorum={"w0": 0}, pull_timeout_s=WAIT_S))
+    try:
+        client = _GatedClient([server.address], "w0", timeout_s=WAIT_S, retry_budget_s=WAIT_S)
+        x, y = data()
+        # The gate opens on its own after a while: a buffer push before then came before the buckets ended.
+        opener = threading.Timer(2.0, client.gate.set)
+        opener.start()
+        job = JobConfig(mode="sync", optimizer=OptimizerConfig(name="sgd", lr=LR))
+        with PSTrainer(make_model(), client, job, overlap=True) as trainer:
+            trainer.zero_grad()
+            F.cross_entropy(trainer.model(x[:BATCH]), y[:BATCH]).backward()
+            trainer.step()
+        opener.cancel()
+        assert client.buffer_push_after_buckets == [True]
+    finally:
+        server.stop(grace_s=0.2)
