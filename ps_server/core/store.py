@@ -39,9 +39,11 @@ from pshard.common.errors import (
     DTypeMismatchError,
     EmptyRequestError,
     InvalidArgumentError,
+    LayoutConflictError,
     ShapeMismatchError,
     StaleGenerationError,
     UnknownKeyError,
+    quote,
 )
 from pshard.common.job import JobConfig
 from pshard.common.types import SliceKey, Stamp
@@ -242,6 +244,21 @@ class ShardStore:
         optimizer = self._optimizer_for(key)
         return Slot(key=key, dtype=dtype, value=master, optimizer=optimizer,
                     opt_state=optimizer.init_state(master), on_step=self._on_step)
+
+    def average(self, keys: Iterable[str]) -> None:
+        """Also average the pushes of `keys` (model buffers, JobConfig.averaged): what a server configured
+        from its own flags, which name no buffers, learns from the first trainer that declares them. A
+        key already declared keeps the optimizer it was declared with, so it cannot change here."""
+        new = [k for k in keys if k not in self._averaged]
+        with self._meta:
+            held = sorted({s.key for s in self._slots if s.key in new})
+            if held:
+                raise LayoutConflictError(
+                    f"averaged: key {quote(held[0])} is declared already with the job's optimizer "
+                    f"{self.config.optimizer.name!r}; declare the buffers before training starts, on every "
+                    "worker alike")
+            self._averaged = self._averaged | frozenset(new)
+            self.config = replace(self.config, averaged=(*self.config.averaged, *new))
 
     def _optimizer_for(self, key: SliceKey) -> Optimizer:
         """The job's optimizer, or, for a key the job averages (a model buffer), the mean of the pushes."""

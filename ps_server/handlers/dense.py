@@ -434,6 +434,15 @@ class ParameterServerHandlers:
         """A Declare whose config differs from the running one: another job (refused, naming both, unless
         the server was started with --resume), or the same job with other settings (refused)."""
         ours, theirs = job.job_id, store.config.job_id
+        running = store.config
+        if ours == theirs and not running.averaged and job.averaged \
+                and dataclasses.replace(job, averaged=()) == running:
+            # The same job, its trainer averaging model buffers that this server's flags could not name
+            # (pshard ps --mode ... has no flag for them): they are the declaration's to add.
+            store.average(job.averaged)
+            log.info("averaging the pushes of %d model buffers the job declares (e.g. %s)",
+                     len(job.averaged), job.averaged[0])
+            return
         if ours == theirs:
             raise LayoutConflictError(f"config: got {job}, this server runs {store.config}")
         if not self._settings.resume or dataclasses.replace(job, job_id=theirs) != store.config:

@@ -132,6 +132,21 @@ def test_sync_workers_end_with_the_same_averaged_buffers(servers, overlap) -> No
     assert_same(got[0], averaged_reference())
 
 
+def test_servers_given_the_jobs_flags_learn_its_buffers_from_the_trainers() -> None:
+    """`pshard ps --mode sync --optimizer sgd ...` configures a server before any worker declares, with no
+    flag for the model's buffers: the trainers' declaration adds them (it was refused as another config)."""
+    job = JobConfig(mode="sync", optimizer=OptimizerConfig(name="sgd", lr=LR))
+    settings = ServerSettings(static_quorum={w: 0 for w in WORKERS}, pull_timeout_s=WAIT_S, default_job=job)
+    started = [start_server_thread(settings) for _ in range(2)]
+    try:
+        got = two_workers(started)
+        assert_same(got[0], got[1])
+        assert_same(got[0], averaged_reference())
+    finally:
+        for server in started:
+            server.stop(grace_s=0.2)
+
+
 def test_local_buffers_drift_apart(servers) -> None:
     """What the default prevents, and what "local" keeps: each worker's own statistics."""
     got = two_workers(servers, buffers="local")
