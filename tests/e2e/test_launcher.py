@@ -108,10 +108,12 @@ def test_a_failing_worker_stops_everything_and_fails_the_launch(procs: Procs) ->
 
 
 def test_a_server_that_cannot_start_fails_the_launch_before_any_worker(procs: Procs) -> None:
-    # A stand-in worker that would say so if it ran; --checkpoint-dir on a file makes ps fail.
-    blocker = procs.tmp_path / "not-a-dir"
-    blocker.write_text("")
-    run = start_launcher(procs, "--ps", "1", "--workers", "1", "--checkpoint-dir", str(blocker),
+    # A stand-in worker that would say so if it ran. The launcher checks --checkpoint-dir itself, so a
+    # file where the server's own sub-directory (<dir>/ps-0) goes is what makes ps fail, after it started.
+    root = procs.tmp_path / "checkpoints"
+    root.mkdir()
+    (root / "ps-0").write_text("")
+    run = start_launcher(procs, "--ps", "1", "--workers", "1", "--checkpoint-dir", str(root),
                          "--worker-cmd", f"{PYTHON} -c 'print(\"worker ran\")'")
     code = run.wait(QUICK_TIMEOUT_S)
     assert code == 1, run.output()
