@@ -14,7 +14,10 @@ import sys
 import time
 from typing import IO
 
+import numpy as np
 import torch
+from pshard.client.ps_client import PSClient
+from pshard.common.errors import UnknownKeyError
 from pshard.worker.config import StageError, Stopped, TrainConfig, stage
 from pshard.worker.data import load_dataset
 from pshard.worker.device import select_device
@@ -51,7 +54,7 @@ def run_evaluator(cfg: TrainConfig, stdout: IO[str] | None = None) -> int:
             # Wakes early when the training ends; otherwise an interval passed: evaluate as they are now.
             done = session.wait_for_training_over(cfg.eval_interval_s)
             with stage("eval", "pulling and evaluating the weights"):
-                values = client.pull(clock=0, keys=list(params))
+                values = _pull_once_declared(client, session, list(params), cfg.startup_timeout_s)
                 with torch.no_grad():
                     for key, param in params.items():
                         param.copy_(torch.from_numpy(values[key]).reshape(param.shape))
@@ -79,3 +82,23 @@ def run_evaluator(cfg: TrainConfig, stdout: IO[str] | None = None) -> int:
     metrics.close()
     print(" ".join(parts), file=stdout, flush=True)
     return code
+
+
+_DECLARED_POLL_S = 0.2  # how often a first pull asks again while the trainers have not declared yet
+
+
+def _pull_once_declared(client: PSClient, session: ClusterSession, keys: list[str], timeout_s: float
+                        ) -> dict[str, np.ndarray]:
+    """The weights as they are now. The trainers declare the model only after the layout the evaluator
+    waited for is agreed, so an early first pull finds servers that hold none of it yet: it asks again,
+    until they do, the training is over, or `timeout_s` has passed (then the servers' refusal stands)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return client.pull(clock=0, keys=keys)
+        except UnknownKeyError:
+            if time.monotonic() >= deadline:
+                raise
+            log.info("the servers do not hold the model yet: waiting for the trainers to declare it")
+            if session.wait_for_training_over(_DECLARED_POLL_S):
+                return client.pull(clock=0, keys=keys)  # over: declared by now, or never will be
