@@ -44,7 +44,11 @@ class DirectoryLock:
 
         Raises DirectoryInUseError naming the holder; OSError when the directory cannot be written."""
         path = Path(directory) / name
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        # The lock is held on a read-only descriptor, and the record written through one that is closed
+        # at once: a file held open for writing keeps its file system from being remounted read-only
+        # (EBUSY) for the whole life of the server, which tests of a read-only checkpoint disk, and an
+        # operator, need to do.
+        fd = os.open(path, os.O_RDONLY | os.O_CREAT | os.O_CLOEXEC, 0o644)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -57,16 +61,28 @@ class DirectoryLock:
             os.close(fd)
             raise
         record = {**owner, "host": socket.gethostname(), "pid": os.getpid(), "since": round(time.time())}
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, (json.dumps(record, sort_keys=True) + "\n").encode(), 0)
+        try:
+            _write(path, (json.dumps(record, sort_keys=True) + "\n").encode())
+        except BaseException:
+            os.close(fd)
+            raise
         return cls(path, fd)
 
     def release(self) -> None:
         if self._fd is not None:
             with contextlib.suppress(OSError):
-                os.ftruncate(self._fd, 0)
+                _write(self.path, b"")
             os.close(self._fd)  # closing the last descriptor drops the flock
             self._fd = None
+
+
+def _write(path: Path, data: bytes) -> None:
+    """Replace the lock file's record in place (its inode is the one locked), closing at once."""
+    fd = os.open(path, os.O_WRONLY | os.O_TRUNC | os.O_CLOEXEC)
+    try:
+        os.write(fd, data)
+    finally:
+        os.close(fd)
 
 
 def _read(fd: int) -> dict[str, object]:

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.e2e.harness import wait_until
+
 
 @contextlib.contextmanager
 def tmpfs(where: Path, *, size: str = "64k", read_only: bool = False) -> Iterator[Path]:
@@ -28,6 +30,21 @@ def tmpfs(where: Path, *, size: str = "64k", read_only: bool = False) -> Iterato
         subprocess.run(["umount", "-l", str(where)], capture_output=True, timeout=30)
 
 
-def remount_read_only(where: Path) -> None:
-    """Make a tmpfs mounted by `tmpfs` read-only, keeping its files."""
-    subprocess.run(["mount", "-o", "remount,ro", str(where)], check=True, capture_output=True, timeout=30)
+def remount_read_only(where: Path, timeout_s: float = 30.0) -> None:
+    """Make a tmpfs mounted by `tmpfs` read-only, keeping its files.
+
+    The kernel refuses (EBUSY) while a process holds a file there open for writing, as a server's
+    periodic checkpoint does for a moment every interval: the remount is tried until it is taken, and a
+    refusal that lasts `timeout_s` fails with mount's own words."""
+    said: list[str] = []
+
+    def remounted() -> bool:
+        done = subprocess.run(["mount", "-o", "remount,ro", str(where)], capture_output=True, text=True,
+                              timeout=30)
+        said[:] = [done.stderr.strip()]
+        return done.returncode == 0
+
+    try:
+        wait_until(remounted, timeout_s, f"{where} remounted read-only")
+    except AssertionError as err:
+        raise AssertionError(f"{err}; mount said: {said[0] if said else ''}") from None
