@@ -165,21 +165,11 @@ def profile_run(shape: Shape, device: torch.device, addresses: list[str], overla
         phases.reset()
         began = time.perf_counter()
         for i in range(steps):
-            x, y = batches[i % len(batches)]
-            t0 = time.perf_counter()
-            trainer.zero_grad()
-            loss = F.cross_entropy(model(x), y)
-            _sync(device)
-            t1 = time.perf_counter()
-            loss.backward()
-            _sync(device)
-            t2 = time.perf_counter()
-            trainer.step()
-            _sync(device)
-            t3 = time.perf_counter()
-            phases.add("forward", t1 - t0)
-            phases.add("backward", t2 - t1)
-            phases.add("step_call", t3 - t2)
+            forward, backward, step = _split_step(model, *batches[i % len(batches)], trainer.zero_grad,
+                                                  trainer.step, device)
+            phases.add("forward", forward)
+            phases.add("backward", backward)
+            phases.add("step_call", step)
         trainer.synchronize()
         _sync(device)
         total = time.perf_counter() - began
@@ -199,6 +189,23 @@ def profile_run(shape: Shape, device: torch.device, addresses: list[str], overla
             **state, "transports_used": transports}
 
 
+def _split_step(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, zero_grad: Callable[[], object],
+                step: Callable[[], object], device: torch.device) -> tuple[float, float, float]:
+    """One training step cut by synchronize: (forward, backward, step) seconds. zero_grad counts with
+    forward, as both loops always did."""
+    t0 = time.perf_counter()
+    zero_grad()
+    loss = F.cross_entropy(model(x), y)
+    _sync(device)
+    t1 = time.perf_counter()
+    loss.backward()
+    _sync(device)
+    t2 = time.perf_counter()
+    step()
+    _sync(device)
+    return t1 - t0, t2 - t1, time.perf_counter() - t2
+
+
 def local_phases(shape: Shape, device: torch.device, steps: int = PROFILE_STEPS) -> dict[str, Any]:
     """The same split for local torch.optim: forward, backward, optimizer step."""
     model = build(shape.model, shape.image, shape.classes).to(device)
@@ -206,20 +213,9 @@ def local_phases(shape: Shape, device: torch.device, steps: int = PROFILE_STEPS)
     batches = synthetic(shape, device, seed=1)
     spent = [0.0, 0.0, 0.0]
     for i in range(PROFILE_WARMUP + steps):
-        x, y = batches[i % len(batches)]
-        t0 = time.perf_counter()
-        optimizer.zero_grad(set_to_none=True)
-        loss = F.cross_entropy(model(x), y)
-        _sync(device)
-        t1 = time.perf_counter()
-        loss.backward()
-        _sync(device)
-        t2 = time.perf_counter()
-        optimizer.step()
-        _sync(device)
-        t3 = time.perf_counter()
+        times = _split_step(model, *batches[i % len(batches)], optimizer.zero_grad, optimizer.step, device)
         if i >= PROFILE_WARMUP:
-            for k, d in enumerate((t1 - t0, t2 - t1, t3 - t2)):
+            for k, d in enumerate(times):
                 spent[k] += d
     return {"forward_ms": round(1000 * spent[0] / steps, 3), "backward_ms": round(1000 * spent[1] / steps, 3),
             "optimizer_ms": round(1000 * spent[2] / steps, 3)}
