@@ -19,6 +19,7 @@ import json
 import logging
 import os
 import shutil
+import threading
 import uuid
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -77,8 +78,24 @@ def pointer_path(directory: Path, name: str) -> Path:
     return directory / f"{name}.tables.json"
 
 
+# One save at a time per checkpoint (pointer path), whoever asks: a Checkpoint and a CheckpointTables (or a
+# global checkpoint's part) ran save_tables at once on executor threads, shared the pointer's temporary
+# file, and each deleted the other's folder after committing, so the pointer could be left naming a
+# deleted folder (fuzzed: UNKNOWN FileNotFoundError).
+_SAVING: dict[Path, threading.Lock] = {}
+_SAVING_GUARD = threading.Lock()
+
+
 def save_tables(directory: Path, name: str, tables: list[SparseTable]) -> Path:
     """Checkpoint `tables` (callers hold each table's lock); returns the path of the committing json."""
+    pointer = pointer_path(directory, name)
+    with _SAVING_GUARD:
+        saving = _SAVING.setdefault(pointer.resolve(), threading.Lock())
+    with saving:
+        return _save_tables(directory, name, tables, pointer)
+
+
+def _save_tables(directory: Path, name: str, tables: list[SparseTable], pointer: Path) -> Path:
     directory.mkdir(parents=True, exist_ok=True)
     folder = directory / f"{name}.tables-{uuid.uuid4().hex[:12]}"
     folder.mkdir()
@@ -93,7 +110,6 @@ def save_tables(directory: Path, name: str, tables: list[SparseTable]) -> Path:
                 "evicted": table.evicted}
         (sub / "table.json").write_text(json.dumps(meta))
         entries.append(sub.name)
-    pointer = pointer_path(directory, name)
     tmp = pointer.with_suffix(".json.tmp")
     tmp.write_text(json.dumps({"format": _FORMAT, "directory": folder.name, "tables": entries}))
     with open(tmp, "rb") as f:

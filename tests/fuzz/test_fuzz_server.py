@@ -62,16 +62,10 @@ MODEL = {"w": np.arange(12, dtype=np.float32).reshape(4, 3), "b": np.ones(3, dty
          "fc1.weight": np.zeros(5, dtype=np.float32)}
 PUSHED = ("w", "b")
 # Known broken answers that depend on timing, not on the request: tolerated in the open fuzz, shown
-# by their own xfail'd test. (method, status) -> a substring of the details. Concurrent dense
-# Checkpoints (UNKNOWN FileNotFoundError) are fixed, test_concurrent_checkpoints_are_answered_cleanly.
-KNOWN_OUTCOMES: dict[tuple[str, grpc.StatusCode], str] = {
-    # With a sparse table declared, a checkpoint left running by a short deadline races the next one on
-    # the tables' files (UNKNOWN FileNotFoundError, table_files.save_tables): checkpoint faults, issue
-    # 23 item 8; shown by test_concurrent_table_checkpoints_are_answered_cleanly.
-    ("Checkpoint", grpc.StatusCode.UNKNOWN): "FileNotFoundError",
-    ("CheckpointTables", grpc.StatusCode.UNKNOWN): "FileNotFoundError",
-    ("SaveCheckpointPart", grpc.StatusCode.UNKNOWN): "FileNotFoundError",  # saves the tables alike
-}
+# by their own xfail'd test. (method, status) -> a substring of the details. None open now: concurrent
+# dense Checkpoints (test_concurrent_checkpoints_are_answered_cleanly) and table checkpoints racing on
+# their files (test_concurrent_table_checkpoints_are_answered_cleanly) are fixed.
+KNOWN_OUTCOMES: dict[tuple[str, grpc.StatusCode], str] = {}
 READER = "fuzz-weights-reader"  # a worker id no generated request uses (they draw from NAMES or text)
 # A sparse table the seeds push to and pull from; its rows of SEEN_IDS are read back after every case.
 TABLE, TABLE_DIM = "emb", 4
@@ -414,9 +408,6 @@ def test_concurrent_checkpoints_are_answered_cleanly(live):
     assert not broken, f"{len(broken)} of 64 concurrent Checkpoints: {broken[0]}"
 
 
-@pytest.mark.xfail(strict=False, reason="issue 23 item 8 (checkpoint faults): concurrent checkpoints of a "
-                   "server holding a sparse table race on the tables' files, UNKNOWN FileNotFoundError "
-                   "(table_files.save_tables); timing-dependent, so not strict")
 def test_concurrent_table_checkpoints_are_answered_cleanly(live):
     methods = [PS.methods_by_name["Checkpoint"], SERVICES[1].methods_by_name["CheckpointTables"]]
     with ThreadPoolExecutor(8) as pool:
