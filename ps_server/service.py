@@ -283,6 +283,16 @@ def follow_scheduler(running: RunningServer, spec: ClusterSpec,
                     loop.call_soon_threadsafe(reporter.on_layout, layout)
         loop.call_soon_threadsafe(install, view)
 
+    def on_answer(sent_at: float, timeout_s: float) -> None:
+        # The lease (ps_server/core/lease.py) is renewed only once the newest layout's ownership is in
+        # place: a server back from a partition must first refuse the slices a failover moved away.
+        view = client.view
+        if view is not None and view.layout_version > layout_seen[0]:
+            on_view(view)  # a layout read that failed before is tried again first
+            if view.layout_version > layout_seen[0]:
+                return
+        loop.call_soon_threadsafe(handlers.renew_lease, sent_at, timeout_s)
+
     # A restored shard remembers the generations its workers had; a fresh scheduler must hand out newer
     # ones, or the restored fencing refuses the new incarnations (a resumed job's chief could not even
     # pull its final weights).
@@ -290,7 +300,7 @@ def follow_scheduler(running: RunningServer, spec: ClusterSpec,
     client: SchedulerClient = SchedulerClient(
         spec.scheduler_address, "ps", own_address=spec.own_address or "", node_id=spec.node_id,
         rank_hint=spec.task_index, on_view=on_view, connect_timeout_s=300.0, last_generation=restored,
-        security=security)
+        security=security, on_answer=on_answer if replicas > 0 else None)
 
     def register() -> None:
         try:

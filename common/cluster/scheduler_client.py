@@ -63,8 +63,11 @@ class SchedulerClient:
     def __init__(self, address: str, role: str, own_address: str = "", node_id: str | None = None,
                  rank_hint: int | None = None, *, on_view: ViewCallback | None = None,
                  rpc_timeout_s: float = 5.0, connect_timeout_s: float = 30.0,
-                 last_generation: int = 0, security: SecurityConfig | None = None) -> None:
-        """`security`: this node's TLS files or token (pshard.common.security.credentials); default plain."""
+                 last_generation: int = 0, security: SecurityConfig | None = None,
+                 on_answer: Callable[[float, float], None] | None = None) -> None:
+        """`security`: this node's TLS files or token (pshard.common.security.credentials); default plain.
+        `on_answer(sent_at, heartbeat_timeout_s)`: a heartbeat sent at `sent_at` (time.monotonic()) was
+        answered, after the view it brought went through the view callbacks (a server's lease)."""
         self.address = address
         self.role = role
         self.own_address = own_address
@@ -90,6 +93,7 @@ class SchedulerClient:
         self._deliver = threading.Lock()  # one view at a time through the callbacks, in order
         self._register_lock = threading.Lock()
         self._callbacks: list[ViewCallback] = [on_view] if on_view else []
+        self._on_answer = on_answer
         self._closed = threading.Event()
         self._heartbeats_stopped = threading.Event()
         self._fenced: PSError | None = None
@@ -333,10 +337,13 @@ class SchedulerClient:
             copies, layout_version = self._in_sync
             request = pb.HeartbeatRequest(node_id=self._node_id, generation=generation, clock=self._progress,
                                           in_sync=copies, in_sync_layout=layout_version)
+            sent_at = time.monotonic()
             try:
                 reply = self._stub.Heartbeat(request, timeout=min(self._rpc_timeout_s,
                                                                   self._heartbeat_timeout_s / 2))
                 self._offer_view(view_from_proto(reply.view))
+                if self._on_answer is not None:
+                    self._on_answer(sent_at, self._heartbeat_timeout_s)
                 if unreachable_since is not None:
                     log.info("scheduler %s reachable again after %.1f s", self.address,
                              time.monotonic() - unreachable_since)

@@ -45,6 +45,7 @@ from pshard.common.metrics import RequestMetrics
 from pshard.common.types import SliceKey, Stamp
 from pshard.common.wire.codec import WireArray, cast
 from pshard.ps_server.checkpoints.shard import load_shard, save_shard
+from pshard.ps_server.core.lease import FRACTION, SchedulerLease
 from pshard.ps_server.core.steptimes import HangReport
 from pshard.ps_server.core.store import (
     PushOutcome,
@@ -180,6 +181,10 @@ class ParameterServerHandlers:
         # The newest layout's slices of this server (replicas only; None: not known, nothing checked).
         self._owned: tuple[int, frozenset[SliceKey]] | None = None
         self._gained: frozenset[SliceKey] = frozenset()  # what later layouts moved here (failovers)
+        # Replicas only (follow_scheduler arms it): past it this server may have been failed over, and
+        # takes no write (ps_server/core/lease.py).
+        self.lease: SchedulerLease | None = None
+        self._lease_timer: asyncio.TimerHandle | None = None
         if settings.checkpoint_dir:
             snap = load_shard(Path(settings.checkpoint_dir), settings.shard_name)
             if snap is not None:
@@ -253,6 +258,34 @@ class ParameterServerHandlers:
                   if self.replica_set.holds(k) and (store is None or not store.holds(k))]
         if copies:
             self._promote(copies)
+
+    def renew_lease(self, sent_at: float, timeout_s: float) -> None:
+        """The scheduler answered a heartbeat sent at `sent_at` (on the event loop, after the views that
+        answer brought: a new layout's ownership is in place before writes are taken again)."""
+        if self.lease is None:
+            self.lease = SchedulerLease(time.monotonic)
+        if self.lease.renew(sent_at, timeout_s):
+            log.warning("FENCE: the scheduler answers again; taking writes (%d refused while fenced)",
+                        self.lease.fenced)
+        if self._lease_timer is not None:
+            self._lease_timer.cancel()
+        until = self.lease.expires_at
+        assert until is not None
+        # Wake the waiting pulls at the lease's end: a sync clock can no longer complete here.
+        self._lease_timer = asyncio.get_running_loop().call_later(
+            max(0.0, until - time.monotonic()) + 0.001, self._lease_ended)
+
+    def _lease_ended(self) -> None:
+        self._lease_timer = None
+        if self.lease is not None and self.lease.expired():
+            log.warning("FENCE: no heartbeat answered by the scheduler within %.0f%% of its timeout; this "
+                        "server may be failed over and takes no write until it is answered again",
+                        100 * FRACTION)
+        self._changes.notify()
+
+    def _check_lease(self, what: str) -> None:
+        if self.lease is not None:
+            self.lease.check(what)
 
     def _check_owned(self, keys: Iterable[SliceKey]) -> None:
         """Refuse slices a failover moved away from this server (it was declared dead and came back):
@@ -503,8 +536,14 @@ class ParameterServerHandlers:
             return
         if store.policy.name == "sync" and not store.had_quorum:
             await self._await_first_quorum(store, stamp, keys, min(deadline, started + NO_QUORUM_GRACE_S))
-        ready = await self._changes.wait_for(
-            lambda: True if store.pull_status(stamp, keys) is None else None, deadline)
+        def readable() -> bool | None:
+            if store.pull_status(stamp, keys) is None:
+                return True
+            # Fenced: no push can complete the clock here any more; the worker re-routes.
+            self._check_lease(f"pull by {stamp.worker_id!r} at clock {stamp.clock}")
+            return None
+
+        ready = await self._changes.wait_for(readable, deadline)
         if ready is None:
             self.pulls_timed_out += 1
             waiting = store.pull_status(stamp, keys)
@@ -553,6 +592,8 @@ class ParameterServerHandlers:
             raise EmptyRequestError(f"push-pull from {stamp.worker_id!r}: nothing to push or pull")
         metas = _metas(items)
         self._check_limits("push-pull", stamp, metas, keys)
+        if items:
+            self._check_lease(f"push by {stamp.worker_id!r} at clock {stamp.clock}")
         pushed = [k for k, _ in items]
         touched = [*pushed, *keys]
         self._check_owned(touched)
@@ -592,6 +633,8 @@ class ParameterServerHandlers:
         if not push and not pull:
             raise EmptyRequestError(f"exchange from {stamp.worker_id!r}: nothing to push or pull")
         self._check_limits("exchange", stamp, push, pull)
+        if push:
+            self._check_lease(f"push by {stamp.worker_id!r} at clock {stamp.clock}")
         self._check_owned([*(m.key for m in push), *pull])
         self._promote([*(m.key for m in push), *pull])
         store = self._store_holding([m.key for m in push] or pull)

@@ -1,0 +1,136 @@
+"""A primary cut off from the cluster while its process lives (issue 24, item 3): fenced, then a backup.
+
+Real parts: a scheduler, three parameter servers following it (replicas 1) and a worker, in this
+process on 127.0.0.1, over real channels. Server 1 reaches the scheduler only through a link the
+test cuts and heals (tests/service/cuttable_link.py); the worker still reaches every server, as a
+call sent before a partition reaches the old primary when the link comes back. While cut, the
+scheduler fails server 1 over; server 1 must take no write from then on (its lease ran out first),
+then, once back, refuse the slices that moved and be copied to again as a backup. One worker, SGD,
+integer values: the weights must equal the arithmetic exactly, so no update is lost or applied twice.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import numpy as np
+import pytest
+from pshard.client.ps_client import PSClient
+from pshard.common.cluster.layout import Layout, ParamSpec
+from pshard.common.cluster.scheduler_client import SchedulerClient
+from pshard.common.cluster.spec import ClusterSpec
+from pshard.common.errors import FencedError, UnknownKeyError
+from pshard.common.job import JobConfig, OptimizerConfig
+from pshard.ps_server.core.lease import FRACTION
+from pshard.ps_server.service import ServerThread, follow_scheduler
+from pshard.ps_server.settings import ServerSettings
+from pshard.scheduler.service import SchedulerHandle, start_scheduler_thread
+
+from tests.e2e.harness import wait_until
+from tests.service.cuttable_link import CuttableLink
+
+INTERVAL_S = 0.2
+TIMEOUT_S = 2.0  # the scheduler's heartbeat timeout: long enough for a loaded 2-core machine
+WAIT_S = 20.0
+LR = 0.5
+SGD = JobConfig(mode="sync", optimizer=OptimizerConfig(name="sgd", lr=LR))
+SHAPES = {"a": (256,), "b": (64, 4), "c": (32,)}
+
+
+def _ints(seed: int) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return {k: rng.integers(-8, 9, s).astype(np.float32) for k, s in SHAPES.items()}
+
+
+def _versions(server: ServerThread) -> dict[str, int]:
+    handlers = server.running.handlers
+    return server.call(lambda: {str(s.key): s.version for s in handlers.store.slots()})
+
+
+def _lease_expired(server: ServerThread) -> bool:
+    handlers = server.running.handlers
+    return server.call(lambda: handlers.lease is not None and handlers.lease.expired())
+
+
+def _in_sync(scheduler: SchedulerHandle, primary: str) -> frozenset[str]:
+    membership = scheduler.running.servicer.membership
+    return scheduler.call(lambda: membership.in_sync.of(primary))
+
+
+def test_a_primary_cut_off_is_fenced_by_its_lease_and_rejoins_as_a_backup(
+        start_server: Callable[..., ServerThread], new_client: Callable[..., PSClient]) -> None:
+    scheduler = start_scheduler_thread(heartbeat_interval_s=INTERVAL_S, heartbeat_timeout_s=TIMEOUT_S)
+    link = CuttableLink(scheduler.address)
+    followers: list[SchedulerClient] = []
+    worker: SchedulerClient | None = None
+    try:
+        servers = [start_server(ServerSettings(replicas=1, pull_timeout_s=WAIT_S)) for _ in range(3)]
+        addresses = tuple(s.address for s in servers)
+        for i, server in enumerate(servers):
+            spec = ClusterSpec(task_type="ps", task_index=i, ps=addresses,
+                               scheduler=(link.address if i == 1 else scheduler.address,))
+            # On the server's loop, as `pshard ps` does: its first callbacks run after the call.
+            followers.append(server.call(lambda server=server, spec=spec: follow_scheduler(
+                server.running, spec, server.loop)))
+        worker = member = SchedulerClient(scheduler.address, "worker", node_id="worker-0", rank_hint=0)
+        member.register()
+        worker.wait_for_view(lambda v: len(v.live("ps")) == 3, WAIT_S)
+        layout = worker.propose_layout([ParamSpec(k, "float32", s) for k, s in SHAPES.items()],
+                                       slice_bytes=256, replicas=1)
+        assert all(layout.slices_on(i) for i in range(3))
+        client = new_client(servers, "worker-0", generation=lambda: member.generation, layout=layout)
+        expected = _ints(0)
+        client.declare(dict(expected), SGD)
+        for clock in (0, 1):
+            client.push_pull(_ints(10 + clock), clock)
+            expected = {k: v - np.float32(LR) * _ints(10 + clock)[k] for k, v in expected.items()}
+        wait_until(lambda: addresses[2] in _in_sync(scheduler, addresses[1]), WAIT_S,
+                   "server 2 holding an in-sync copy of server 1")
+
+        # Cut server 1 off from the scheduler: it is failed over within the detection bound, and its
+        # lease has run out before that, so nothing it took after the failover could count.
+        before = _versions(servers[1])
+        cut_at = time.monotonic()
+        link.cut()
+        wait_until(lambda: _lease_expired(servers[1]), WAIT_S, "server 1's lease to run out")
+        fenced_after = time.monotonic() - cut_at
+        view = worker.wait_for_view(lambda v: v.layout_version > layout.version, WAIT_S)
+        detected_after = time.monotonic() - cut_at
+        assert fenced_after < detected_after <= 2 * TIMEOUT_S, (fenced_after, detected_after)
+        print(f"cut-off server fenced after {fenced_after:.2f} s, failed over after {detected_after:.2f} s "
+              f"(heartbeat timeout {TIMEOUT_S:g} s, lease {FRACTION:g} of it)")
+        moved = worker.get_layout(WAIT_S)
+        assert moved.version == view.layout_version and not moved.slices_on(1)
+
+        # A worker still routing by the old layout (its call sent before the cut): refused, nothing moved.
+        with pytest.raises(FencedError, match="no heartbeat answered by the scheduler"):
+            client.push_pull(_ints(12), 2)
+        assert _versions(servers[1]) == before
+
+        # The link is back: server 1 learns it was declared dead, registers again, follows the new
+        # layout, and only then takes writes again: for the slices that moved, a re-route.
+        link.heal()
+        wait_until(lambda: not _lease_expired(servers[1]), WAIT_S, "server 1 answered by the scheduler again")
+        with pytest.raises(UnknownKeyError, match="moved"):
+            client.push_pull(_ints(12), 2)
+        assert _versions(servers[1]) == before
+
+        # On the new layout the step goes to the heir; each clock is applied exactly once.
+        client.set_layout(moved)
+        for clock in (2, 3):
+            weights = client.push_pull(_ints(10 + clock), clock)
+            expected = {k: v - np.float32(LR) * _ints(10 + clock)[k] for k, v in expected.items()}
+        for key, value in expected.items():
+            assert weights[key].tobytes() == value.tobytes(), key
+        # Rejoined as a backup: server 0, whose ring successor it is again, copies its slices to it.
+        wait_until(lambda: addresses[1] in _in_sync(scheduler, addresses[0]), WAIT_S,
+                   "server 1 holding an in-sync copy of server 0 again")
+        assert _versions(servers[1]) == before  # its old slices, frozen: no write landed there
+    finally:
+        for follower in followers:
+            follower.close()
+        if worker is not None:
+            worker.close()
+        link.close()
+        scheduler.stop()
