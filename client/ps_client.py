@@ -137,6 +137,7 @@ class PSClient:
         self._closed = threading.Event()
         # gRPC retries unary calls silently; say once when a server drops out and when it is back.
         self._unreachable: set[str] = set()
+        self._answered: dict[str, float] = {}  # server -> when it last answered a call (reached_servers)
         self._watchers = [functools.partial(self._on_connectivity, a) for a in self.servers]
         for channel, watcher in zip(self._channels, self._watchers, strict=True):
             channel.subscribe(watcher, try_to_connect=False)
@@ -555,7 +556,9 @@ class PSClient:
         """fn(server); a deadline passed while servers were unreachable names them, not a bare
         DEADLINE_EXCEEDED: waiting for a server nobody started looks like waiting for slow peers."""
         try:
-            return fn(server)
+            result = fn(server)
+            self._answered[self.servers[server]] = time.monotonic()
+            return result
         except PullTimeoutError as err:
             down = sorted(self._unreachable)
             if not down:
@@ -564,6 +567,11 @@ class PSClient:
                 f"parameter server(s) {', '.join(down)} (of {', '.join(self.servers)}) unreachable until "
                 f"the deadline ({self._timeout_s:g} s): is each one running at that address, with the same "
                 f"TLS settings as this worker? ({err})") from err
+
+    def reached_servers(self, within_s: float) -> list[str]:
+        """The servers that answered a call of this client within the last `within_s` seconds."""
+        since = time.monotonic() - within_s
+        return [address for address, at in list(self._answered.items()) if at >= since]
 
     def _on_connectivity(self, address: str, state: grpc.ChannelConnectivity) -> None:
         if self._closed.is_set():

@@ -250,6 +250,7 @@ class ClusterSession:
                                timeout_s=self.step_timeout_s, transport=self.transport, shm_dir=self.shm_dir,
                                security=self.security, relayout=self._newer_layout,
                                reroute_wait_s=3 * sched.heartbeat_timeout_s)
+        sched.report_reached(self.client.reached_servers)  # the scheduler keeps a server only it cannot hear
         threading.Thread(target=self._watch_servers, args=(layout, self.client), name="server-watch",
                          daemon=True).start()
         return self.client

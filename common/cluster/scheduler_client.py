@@ -82,6 +82,7 @@ class SchedulerClient:
         self._heartbeat_timeout_s = 5.0
         self._progress = 0
         self._in_sync: tuple[dict[str, int], int] = ({}, 0)
+        self._reached: Callable[[float], Sequence[str]] | None = None
         self._rpc_timeout_s = rpc_timeout_s
         self._connect_timeout_s = connect_timeout_s
         self._channel = (security or SecurityConfig()).for_node(role, node_id or "").channel(
@@ -142,6 +143,11 @@ class SchedulerClient:
     def report_clock(self, clock: int) -> None:
         """Progress (a worker's clock) sent with the next heartbeats."""
         self._progress = clock
+
+    def report_reached(self, reached: Callable[[float], Sequence[str]]) -> None:
+        """A worker: `reached(within_s)` names the servers that answered it within `within_s`; sent with
+        each heartbeat, so the scheduler keeps a server only it cannot hear (docs/architecture.md, 9)."""
+        self._reached = reached
 
     def report_in_sync(self, copies: dict[str, int], layout_version: int) -> None:
         """A server with replicas: its backups holding all the slices layout `layout_version` makes
@@ -335,8 +341,10 @@ class SchedulerClient:
         while not self._heartbeats_stopped.wait(self._heartbeat_interval_s):
             generation = self._generation
             copies, layout_version = self._in_sync
+            reached = self._reached(self._heartbeat_timeout_s) if self._reached is not None else ()
             request = pb.HeartbeatRequest(node_id=self._node_id, generation=generation, clock=self._progress,
-                                          in_sync=copies, in_sync_layout=layout_version)
+                                          in_sync=copies, in_sync_layout=layout_version,
+                                          reached_servers=reached)
             sent_at = time.monotonic()
             try:
                 reply = self._stub.Heartbeat(request, timeout=min(self._rpc_timeout_s,

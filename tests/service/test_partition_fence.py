@@ -20,6 +20,7 @@ from pshard.client.ps_client import PSClient
 from pshard.common.cluster.layout import Layout, ParamSpec
 from pshard.common.cluster.scheduler_client import SchedulerClient
 from pshard.common.cluster.spec import ClusterSpec
+from pshard.common.cluster.view import NodeState
 from pshard.common.errors import FencedError, UnknownKeyError
 from pshard.common.job import JobConfig, OptimizerConfig
 from pshard.ps_server.core.lease import FRACTION
@@ -127,6 +128,53 @@ def test_a_primary_cut_off_is_fenced_by_its_lease_and_rejoins_as_a_backup(
         wait_until(lambda: addresses[1] in _in_sync(scheduler, addresses[0]), WAIT_S,
                    "server 1 holding an in-sync copy of server 0 again")
         assert _versions(servers[1]) == before  # its old slices, frozen: no write landed there
+    finally:
+        for follower in followers:
+            follower.close()
+        if worker is not None:
+            worker.close()
+        link.close()
+        scheduler.stop()
+
+
+def test_without_replicas_a_server_cut_off_from_the_scheduler_alone_serves_on(
+        start_server: Callable[..., ServerThread], new_client: Callable[..., PSClient]) -> None:
+    """Scheduler <-> one server only, workers still reach it: nothing to fail over to, and it serves every
+    step, so the workers' word keeps it live (the job was killed within 11 s before)."""
+    scheduler = start_scheduler_thread(heartbeat_interval_s=INTERVAL_S, heartbeat_timeout_s=TIMEOUT_S)
+    link = CuttableLink(scheduler.address)
+    followers: list[SchedulerClient] = []
+    worker: SchedulerClient | None = None
+    try:
+        server = start_server(ServerSettings(pull_timeout_s=WAIT_S))
+        spec = ClusterSpec(task_type="ps", task_index=0, ps=(server.address,), scheduler=(link.address,))
+        followers.append(server.call(lambda: follow_scheduler(server.running, spec, server.loop)))
+        worker = member = SchedulerClient(scheduler.address, "worker", node_id="worker-0", rank_hint=0)
+        member.register()
+        member.wait_for_view(lambda v: len(v.live("ps")) == 1, WAIT_S)
+        layout = member.propose_layout([ParamSpec(k, "float32", s) for k, s in SHAPES.items()], slice_bytes=256)
+        client = new_client([server], "worker-0", generation=lambda: member.generation, layout=layout)
+        member.report_reached(client.reached_servers)
+        expected = _ints(0)
+        client.declare(dict(expected), SGD)
+        link.cut()
+        cut_at, clock = time.monotonic(), 0
+        while time.monotonic() - cut_at < 2.5 * TIMEOUT_S:  # steps for longer than a death takes to declare
+            client.push_pull(_ints(10 + clock), clock)
+            expected = {k: v - np.float32(LR) * _ints(10 + clock)[k] for k, v in expected.items()}
+            clock += 1
+            view = member.view
+            assert view is not None and [n.node_id for n in view.live("ps")] == ["ps-0"], view
+        membership = scheduler.running.servicer.membership
+        assert scheduler.call(lambda: membership.vouches) == 1
+        assert scheduler.call(lambda: membership.silent_for("ps-0")) > TIMEOUT_S
+        link.heal()
+        wait_until(lambda: scheduler.call(lambda: membership.silent_for("ps-0")) < TIMEOUT_S, WAIT_S,
+                   "the server heard by the scheduler again")
+        weights = client.pull(clock)
+        for key, value in expected.items():
+            assert weights[key].tobytes() == value.tobytes(), key
+        assert scheduler.call(lambda: membership.node("ps-0").state) is NodeState.LIVE
     finally:
         for follower in followers:
             follower.close()
