@@ -304,8 +304,11 @@ def follow_scheduler(running: RunningServer, spec: ClusterSpec,
 
     def register() -> None:
         try:
+            sent_at = time.monotonic()
             registration = client.register()
             follower.grace_s = 2 * client.heartbeat_timeout_s
+            if replicas > 0:  # armed from the start: a server cut off before its first heartbeat is fenced too
+                on_answer(sent_at, client.heartbeat_timeout_s)
             log.info("registered with scheduler %s as %s (rank %d, generation %d)", spec.scheduler_address,
                      registration.node_id, registration.rank, registration.generation)
         except Exception:

@@ -189,6 +189,8 @@ class Membership:
         self._reached: dict[str, float] = {}
         self._vouched: set[str] = set()
         self.vouches = 0  # times a silent server was kept live on the workers' word
+        self._isolated = False
+        self.isolations = 0  # times this scheduler heard from no live node and so declared none dead
 
     @property
     def generation(self) -> int:
@@ -327,6 +329,8 @@ class Membership:
         off from the scheduler alone, it is still serving, and there is no copy to fail over to, so
         declaring it dead would only kill the job (docs/architecture.md, 9 Failures). With replicas
         the silent server is failed over: its lease has run out by then and it takes no write."""
+        if self._cut_off():
+            return []
         deadline = self._clock.now() - self.heartbeat_timeout_s
         silent = [m for m in self._members.values() if m.state is NodeState.LIVE and m.last_seen < deadline]
         dead = [m for m in silent if not self._served(m, deadline)]
@@ -343,6 +347,28 @@ class Membership:
         if any(m.role == "ps" for m in dead):
             self._ring_moved()
         return [m.snapshot() for m in dead]
+
+    def _cut_off(self) -> bool:
+        """Heard from none of two or more live nodes for half the timeout: this scheduler's own host is
+        the one cut off (they cannot all have died at once), so it declares none dead; they stay live and
+        each gets a whole timeout to be heard again once one is (docs/architecture.md, 9 Failures)."""
+        now = self._clock.now()
+        live = [m for m in self._members.values() if m.state is NodeState.LIVE]
+        if len(live) >= 2 and all(m.last_seen < now - self.heartbeat_timeout_s / 2 for m in live):
+            if not self._isolated:
+                self._isolated = True
+                self.isolations += 1
+                log.warning("ISOLATED: heard from none of the %d live nodes for %.1f s; this scheduler's own "
+                            "link is suspect, so it declares none dead until one is heard again", len(live),
+                            now - max(m.last_seen for m in live))
+            return True
+        if self._isolated:
+            self._isolated = False
+            for m in live:  # the silence was ours: each gets a whole timeout from now
+                m.last_seen = max(m.last_seen, now)
+            log.warning("ISOLATED no more: a node was heard again; the others have %g s to be",
+                        self.heartbeat_timeout_s)
+        return False
 
     def _served(self, member: _Member, deadline: float) -> bool:
         """A silent server kept live: no replicas, and a live worker reached it since `deadline`."""

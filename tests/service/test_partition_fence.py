@@ -11,6 +11,7 @@ integer values: the weights must equal the arithmetic exactly, so no update is l
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
 
@@ -21,7 +22,7 @@ from pshard.common.cluster.layout import Layout, ParamSpec
 from pshard.common.cluster.scheduler_client import SchedulerClient
 from pshard.common.cluster.spec import ClusterSpec
 from pshard.common.cluster.view import NodeState
-from pshard.common.errors import FencedError, UnknownKeyError
+from pshard.common.errors import FencedError, PullTimeoutError, UnknownKeyError
 from pshard.common.job import JobConfig, OptimizerConfig
 from pshard.ps_server.core.lease import FRACTION
 from pshard.ps_server.service import ServerThread, follow_scheduler
@@ -52,6 +53,11 @@ def _versions(server: ServerThread) -> dict[str, int]:
 def _lease_expired(server: ServerThread) -> bool:
     handlers = server.running.handlers
     return server.call(lambda: handlers.lease is not None and handlers.lease.expired())
+
+
+def _lease_armed(server: ServerThread) -> bool:
+    handlers = server.running.handlers
+    return server.call(lambda: handlers.lease is not None and not handlers.lease.expired())
 
 
 def _in_sync(scheduler: SchedulerHandle, primary: str) -> frozenset[str]:
@@ -91,6 +97,7 @@ def test_a_primary_cut_off_is_fenced_by_its_lease_and_rejoins_as_a_backup(
 
         # Cut server 1 off from the scheduler: it is failed over within the detection bound, and its
         # lease has run out before that, so nothing it took after the failover could count.
+        wait_until(lambda: _lease_armed(servers[1]), WAIT_S, "server 1's lease")
         before = _versions(servers[1])
         cut_at = time.monotonic()
         link.cut()
@@ -175,6 +182,72 @@ def test_without_replicas_a_server_cut_off_from_the_scheduler_alone_serves_on(
         for key, value in expected.items():
             assert weights[key].tobytes() == value.tobytes(), key
         assert scheduler.call(lambda: membership.node("ps-0").state) is NodeState.LIVE
+    finally:
+        for follower in followers:
+            follower.close()
+        if worker is not None:
+            worker.close()
+        link.close()
+        scheduler.stop()
+
+
+def test_the_scheduler_cut_off_from_every_node_stops_the_job_cleanly_and_it_resumes_with_nothing_lost(
+        start_server: Callable[..., ServerThread], new_client: Callable[..., PSClient]) -> None:
+    """The scheduler's host cut off (replicas 1): the servers' leases run out, so writes pause; the
+    scheduler, hearing from nobody, declares nobody dead; once the link is back the leases are renewed
+    and the same steps go on, no failover, every clock applied once."""
+    scheduler = start_scheduler_thread(heartbeat_interval_s=INTERVAL_S, heartbeat_timeout_s=TIMEOUT_S)
+    link = CuttableLink(scheduler.address)
+    followers: list[SchedulerClient] = []
+    worker: SchedulerClient | None = None
+    try:
+        servers = [start_server(ServerSettings(replicas=1, pull_timeout_s=WAIT_S)) for _ in range(3)]
+        addresses = tuple(s.address for s in servers)
+        for i, server in enumerate(servers):
+            spec = ClusterSpec(task_type="ps", task_index=i, ps=addresses, scheduler=(link.address,))
+            followers.append(server.call(lambda server=server, spec=spec: follow_scheduler(
+                server.running, spec, server.loop)))
+        worker = member = SchedulerClient(link.address, "worker", node_id="worker-0", rank_hint=0)
+        member.register()
+        member.wait_for_view(lambda v: len(v.live("ps")) == 3, WAIT_S)
+        layout = member.propose_layout([ParamSpec(k, "float32", s) for k, s in SHAPES.items()],
+                                       slice_bytes=256, replicas=1)
+
+        def newer(known: Layout, timeout_s: float) -> Layout | None:  # as the worker session's
+            try:
+                member.wait_for_view(lambda v: v.layout_version > known.version, timeout_s)
+            except PullTimeoutError:
+                return None
+            return member.get_layout(WAIT_S)
+
+        client = new_client(servers, "worker-0", generation=lambda: member.generation, layout=layout,
+                            relayout=newer, reroute_wait_s=TIMEOUT_S, timeout_s=3 * WAIT_S)
+        expected = _ints(0)
+        client.declare(dict(expected), SGD)
+        client.push_pull(_ints(10), 0)
+        expected = {k: v - np.float32(LR) * _ints(10)[k] for k, v in expected.items()}
+        wait_until(lambda: all(_lease_armed(s) for s in servers), WAIT_S, "every server's lease")
+        link.cut()
+        wait_until(lambda: all(_lease_expired(s) for s in servers), WAIT_S, "every server's lease to run out")
+        done: list[dict[str, np.ndarray]] = []
+        stepping = threading.Thread(target=lambda: done.append(client.push_pull(_ints(11), 1)), daemon=True)
+        stepping.start()
+        membership = scheduler.running.servicer.membership
+        nodes = ["ps-0", "ps-1", "ps-2", "worker-0"]
+        wait_until(lambda: scheduler.call(lambda: min(membership.silent_for(n) for n in nodes)) > TIMEOUT_S,
+                   WAIT_S, "the cut to outlast the heartbeat timeout")
+        assert not done  # paused: no server takes the step
+        link.heal()
+        stepping.join(timeout=3 * WAIT_S)
+        assert done, "the step did not resume"
+        expected = {k: v - np.float32(LR) * _ints(11)[k] for k, v in expected.items()}
+        weights = client.push_pull(_ints(12), 2)
+        expected = {k: v - np.float32(LR) * _ints(12)[k] for k, v in expected.items()}
+        for key, value in expected.items():
+            assert weights[key].tobytes() == value.tobytes(), key
+        assert scheduler.call(lambda: (membership.failovers, membership.isolations)) == (0, 1)
+        assert all(n.state is NodeState.LIVE for n in scheduler.call(membership.view).nodes)
+        assert sum(s.call(lambda s=s: s.running.handlers.lease.fenced) for s in servers) > 0
     finally:
         for follower in followers:
             follower.close()

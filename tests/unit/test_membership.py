@@ -538,3 +538,23 @@ def test_a_heartbeat_naming_too_many_reached_servers_is_refused_and_changes_noth
     with pytest.raises(InvalidArgumentError, match=f"reached servers: got {limit + 1}, expected at most {limit}"):
         members.heartbeat("worker-0", worker.generation, reached=["p:1"] * (limit + 1))
     assert members.silent_for("worker-0") == 1
+
+
+def test_a_scheduler_that_hears_from_no_node_declares_none_dead_and_gives_each_a_timeout_once_one_is_back(
+        members, clock):
+    """Issue 24: the scheduler's host cut off. Every node silent at once means the scheduler is the one
+    cut off: declaring them all dead (a failover with no live heir) killed the job when the link came back."""
+    ps = [members.register("ps", f"p{i}:1", node_id=f"ps-{i}") for i in range(2)]
+    worker = members.register("worker", "w:1", node_id="worker-0")
+    generation = members.generation
+    clock.advance(30)
+    assert members.expire() == [] and members.generation == generation and members.isolations == 1
+    assert members.expire() == [] and members.isolations == 1  # said once
+    members.heartbeat("ps-0", ps[0].generation)  # the link is back: ps-0 first
+    clock.advance(1)
+    assert members.expire() == []  # the others were silent for 31 s, but they get a whole timeout from now
+    members.heartbeat("worker-0", worker.generation)
+    clock.advance(11)
+    members.heartbeat("ps-0", ps[0].generation)
+    members.heartbeat("worker-0", worker.generation)
+    assert [n.node_id for n in members.expire()] == ["ps-1"]  # one that really stayed silent
