@@ -181,6 +181,7 @@ class ParameterServerHandlers:
         # The newest layout's slices of this server (replicas only; None: not known, nothing checked).
         self._owned: tuple[int, frozenset[SliceKey]] | None = None
         self._gained: frozenset[SliceKey] = frozenset()  # what later layouts moved here (failovers)
+        self._released: frozenset[SliceKey] = frozenset()  # moved away, then held only as a backup
         # Replicas only (follow_scheduler arms it): past it this server may have been failed over, and
         # takes no write (ps_server/core/lease.py).
         self.lease: SchedulerLease | None = None
@@ -228,6 +229,7 @@ class ParameterServerHandlers:
         """
         store = self._store
         if store is not None:
+            self._release_moved([r.key for r in records], primary)
             taken = next((r.key for r in records if store.holds(r.key)), None)
             if taken is not None:
                 raise StaleGenerationError(f"replicate: slice {str(taken)!r} has this server as its primary "
@@ -258,6 +260,18 @@ class ParameterServerHandlers:
                   if self.replica_set.holds(k) and (store is None or not store.holds(k))]
         if copies:
             self._promote(copies)
+
+    def _release_moved(self, keys: Sequence[SliceKey], primary: str) -> None:
+        """Slices a failover moved away from this server while it was cut off, now copied to it by their
+        new primary: its own frozen ones go, and it holds them as that primary's backup from now on."""
+        owned, store = self._owned, self._store
+        if owned is None or store is None:
+            return
+        moved = [k for k in keys if k not in owned[1] and store.holds(k)]
+        if moved and store.release(moved):
+            self._released |= frozenset(moved)
+            log.warning("ROLE: %d slices moved away from this server by layout version %d are dropped here; it "
+                        "holds them as a backup of %s from now on", len(moved), owned[0], primary or "their primary")
 
     def renew_lease(self, sent_at: float, timeout_s: float) -> None:
         """The scheduler answered a heartbeat sent at `sent_at` (on the event loop, after the views that
@@ -294,7 +308,7 @@ class ParameterServerHandlers:
         if owned is None or store is None:
             return
         for key in keys:
-            if key not in owned[1] and store.holds(key):
+            if key not in owned[1] and (store.holds(key) or key in self._released):
                 raise UnknownKeyError(f"slice {quote(str(key))} moved: layout version {owned[0]} has it on "
                                       "another server (a failover); re-route", key=str(key),
                                       layout_version=owned[0])
