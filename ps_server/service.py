@@ -307,7 +307,7 @@ def follow_scheduler(running: RunningServer, spec: ClusterSpec,
             sent_at = time.monotonic()
             registration = client.register()
             follower.grace_s = 2 * client.heartbeat_timeout_s
-            if replicas > 0:  # armed from the start: a server cut off before its first heartbeat is fenced too
+            if replicas > 0:  # armed at once: a server cut off before its first heartbeat is fenced too
                 on_answer(sent_at, client.heartbeat_timeout_s)
             log.info("registered with scheduler %s as %s (rank %d, generation %d)", spec.scheduler_address,
                      registration.node_id, registration.rank, registration.generation)

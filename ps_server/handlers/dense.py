@@ -270,8 +270,9 @@ class ParameterServerHandlers:
         moved = [k for k in keys if k not in owned[1] and store.holds(k)]
         if moved and store.release(moved):
             self._released |= frozenset(moved)
-            log.warning("ROLE: %d slices moved away from this server by layout version %d are dropped here; it "
-                        "holds them as a backup of %s from now on", len(moved), owned[0], primary or "their primary")
+            log.warning("ROLE: %d slices moved away from this server by layout version %d are dropped here; "
+                        "it holds them as a backup of %s from now on", len(moved), owned[0],
+                        primary or "their primary")
 
     def renew_lease(self, sent_at: float, timeout_s: float) -> None:
         """The scheduler answered a heartbeat sent at `sent_at` (on the event loop, after the views that

@@ -6,8 +6,9 @@ mid-training (its link down, its process alive) until the scheduler has failed i
 back: the job must finish with weights bit for bit those of an undisturbed run of the same seed, the
 old primary having taken no write after the failover and rejoined as a backup. Between hosts the
 workers use the raw TCP path: a call they sent to the cut-off server is delivered when its link comes
-back, and only the server's fencing makes it re-route (without it the old primary keeps the worker's
-gradient, and both workers stall to their step timeout: the issue's fourth trial).
+back, and only the server's fencing makes it re-route (without it, when the cut catches such a call,
+the old primary keeps the worker's gradient and both workers stall to their step timeout: the issue's
+fourth trial; a race, so tests/service/test_partition_fence.py is the deterministic proof).
 """
 
 from __future__ import annotations
@@ -44,7 +45,8 @@ class Job:
         self.dir.mkdir()
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
         ip = {h: bed.hosts[h].address for h in HOSTS}
-        self.cluster = {"scheduler": [f"{ip['sched']}:7000"], "ps": [f"{ip[f'ps{i}']}:7100" for i in range(3)],
+        self.cluster = {"scheduler": [f"{ip['sched']}:7000"],
+                        "ps": [f"{ip[f'ps{i}']}:7100" for i in range(3)],
                         "worker": [f"{ip[f'w{i}']}:7200" for i in range(2)]}
         self.model = self.dir / "model.pt"
         data = self.dir / "no-dataset"
@@ -53,9 +55,9 @@ class Job:
                   "--model", "mlp", "--optimizer", "sgd", "--lr", "0.05", "--seed", "0", "--threads", "1",
                   "--data-dir", str(data), "--metrics", "-", "--log-every", "1",
                   "--step-timeout-s", "45", "--startup-timeout-s", "60"]
-        self._start("sched", "scheduler", 0, ["-m", "pshard.scheduler", "--bind", self.cluster["scheduler"][0],
-                                                "--heartbeat-interval-ms", "200",
-                                                "--heartbeat-timeout-ms", str(TIMEOUT_MS)])
+        scheduler = ["-m", "pshard.scheduler", "--bind", self.cluster["scheduler"][0],
+                     "--heartbeat-interval-ms", "200", "--heartbeat-timeout-ms", str(TIMEOUT_MS)]
+        self._start("sched", "scheduler", 0, scheduler)
         for i in range(3):
             self._start(f"ps{i}", "ps", i, ["-m", "pshard.ps_server", "--bind", self.cluster["ps"][i],
                                              "--replicas", "1"])
@@ -64,9 +66,9 @@ class Job:
 
     def _start(self, host: str, role: str, index: int, args: list[str]) -> None:
         env = {k: v for k, v in os.environ.items() if k != "TF_CONFIG"}
-        env.update(PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1", PSHARD_INSECURE="1", PSHARD_JOB_ID=self.dir.name,
-                   PSHARD_REPLICAS="1", TF_CONFIG=json.dumps({"cluster": self.cluster,
-                                                             "task": {"type": role, "index": index}}))
+        tf_config = json.dumps({"cluster": self.cluster, "task": {"type": role, "index": index}})
+        env.update(PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1", PSHARD_INSECURE="1",
+                   PSHARD_JOB_ID=self.dir.name, PSHARD_REPLICAS="1", TF_CONFIG=tf_config)
         out = (self.dir / f"{host}.log").open("wb")
         self.procs[host] = self.bed.spawn(host, [sys.executable, *args], env=env, cwd=self.dir, stdout=out)
 

@@ -72,7 +72,8 @@ def _in_sync(scheduler: SchedulerHandle, primary: str) -> frozenset[str]:
 
 @pytest.mark.parametrize("n_servers", [3, 2])
 def test_a_primary_cut_off_is_fenced_by_its_lease_and_rejoins_as_a_backup(
-        start_server: Callable[..., ServerThread], new_client: Callable[..., PSClient], n_servers: int) -> None:
+        start_server: Callable[..., ServerThread], new_client: Callable[..., PSClient],
+        n_servers: int) -> None:
     """With 2 servers the heir is the returning server's own backup's primary: it copies back to it the
     very slices the returning server still holds, frozen, which must give way to the copies."""
     scheduler = start_scheduler_thread(heartbeat_interval_s=INTERVAL_S, heartbeat_timeout_s=TIMEOUT_S)
@@ -168,7 +169,8 @@ def test_without_replicas_a_server_cut_off_from_the_scheduler_alone_serves_on(
         worker = member = SchedulerClient(scheduler.address, "worker", node_id="worker-0", rank_hint=0)
         member.register()
         member.wait_for_view(lambda v: len(v.live("ps")) == 1, WAIT_S)
-        layout = member.propose_layout([ParamSpec(k, "float32", s) for k, s in SHAPES.items()], slice_bytes=256)
+        layout = member.propose_layout([ParamSpec(k, "float32", s) for k, s in SHAPES.items()],
+                                       slice_bytes=256)
         client = new_client([server], "worker-0", generation=lambda: member.generation, layout=layout)
         member.report_reached(client.reached_servers)
         expected = _ints(0)

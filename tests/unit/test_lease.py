@@ -23,7 +23,7 @@ def test_a_server_that_never_heard_from_a_scheduler_is_never_fenced() -> None:
     lease.check("push")  # nothing raised
 
 
-def test_the_lease_runs_from_the_answered_heartbeat_s_sending_and_ends_before_the_scheduler_s_timeout() -> None:
+def test_the_lease_runs_from_the_answered_heartbeats_sending_and_ends_before_the_schedulers_timeout() -> None:
     clock = Clock()
     lease = SchedulerLease(clock.now)
     assert lease.renew(sent_at=99.0, timeout_s=5.0) is False

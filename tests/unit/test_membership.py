@@ -501,7 +501,7 @@ def _silent_server_with_a_worker(members, clock, replicas: int):
 def test_a_server_only_the_scheduler_cannot_hear_is_kept_live_while_workers_reach_it(members, clock):
     """Issue 24: cut off from the scheduler alone, a server of a job without replicas is serving and has no
     copy to fail over to; declaring it dead only killed the job. Kept while a worker vouches for it."""
-    ps, backup, worker = _silent_server_with_a_worker(members, clock, replicas=0)
+    _, backup, worker = _silent_server_with_a_worker(members, clock, replicas=0)
     generation = members.generation
     for _ in range(4):  # 24 s of silence from ps-0; the worker reaches it all along
         clock.advance(6)
@@ -522,7 +522,7 @@ def test_a_server_only_the_scheduler_cannot_hear_is_kept_live_while_workers_reac
 
 
 def test_with_replicas_a_server_silent_to_the_scheduler_is_failed_over_whatever_workers_say(members, clock):
-    ps, backup, worker = _silent_server_with_a_worker(members, clock, replicas=1)
+    _, backup, worker = _silent_server_with_a_worker(members, clock, replicas=1)
     version = members.layout().version
     clock.advance(11)
     members.heartbeat("worker-0", worker.generation, reached=["p0:1"])
@@ -535,7 +535,8 @@ def test_a_heartbeat_naming_too_many_reached_servers_is_refused_and_changes_noth
     worker = members.register("worker", "w:1", node_id="worker-0")
     limit = members.limits.max_layout_servers
     clock.advance(1)
-    with pytest.raises(InvalidArgumentError, match=f"reached servers: got {limit + 1}, expected at most {limit}"):
+    refused = f"reached servers: got {limit + 1}, expected at most {limit}"
+    with pytest.raises(InvalidArgumentError, match=refused):
         members.heartbeat("worker-0", worker.generation, reached=["p:1"] * (limit + 1))
     assert members.silent_for("worker-0") == 1
 
