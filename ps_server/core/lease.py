@@ -10,8 +10,13 @@ that still routes to it (a call sent before the partition, delivered when the li
 to re-route rather than leave an update on a copy that is no longer the primary
 (docs/architecture.md, 9 Failures).
 
-The lease is armed by the first answered heartbeat: a server that never followed a scheduler (static
-quorum, tests) is never fenced by it.
+A write that finds the lease expired waits for a renewal up to one more heartbeat timeout (`lapsed`):
+on a loaded host an answer comes late and the write goes on unseen, while behind a partition the
+scheduler has failed the server over by then and the worker, refused, re-routes. A pull waiting for a
+sync clock ends, refused, once the lease has lapsed.
+
+The lease is armed by the first answered heartbeat (or registration): a server that never followed a
+scheduler (static quorum, tests) is never fenced by it.
 """
 
 from __future__ import annotations
@@ -40,6 +45,11 @@ class SchedulerLease:
     def expires_at(self) -> float | None:
         return self._until
 
+    @property
+    def lapses_at(self) -> float | None:
+        """When a write stops waiting for a renewal: one heartbeat timeout after the lease's end."""
+        return None if self._until is None else self._until + self._timeout_s
+
     def renew(self, sent_at: float, timeout_s: float) -> bool:
         """A heartbeat sent at `sent_at` was answered; `timeout_s` is the scheduler's heartbeat timeout.
         Returns whether the lease had expired (the server was fenced until now)."""
@@ -55,6 +65,10 @@ class SchedulerLease:
 
     def expired(self) -> bool:
         return self._until is not None and self._now() >= self._until
+
+    def lapsed(self) -> bool:
+        lapses_at = self.lapses_at
+        return lapses_at is not None and self._now() >= lapses_at
 
     def check(self, what: str) -> None:
         """FencedError naming `what` and the silence, when the lease has run out; else nothing."""

@@ -185,7 +185,7 @@ class ParameterServerHandlers:
         # Replicas only (follow_scheduler arms it): past it this server may have been failed over, and
         # takes no write (ps_server/core/lease.py).
         self.lease: SchedulerLease | None = None
-        self._lease_timer: asyncio.TimerHandle | None = None
+        self._lease_timers: list[asyncio.TimerHandle] = []
         if settings.checkpoint_dir:
             snap = load_shard(Path(settings.checkpoint_dir), settings.shard_name)
             if snap is not None:
@@ -282,24 +282,36 @@ class ParameterServerHandlers:
         if self.lease.renew(sent_at, timeout_s):
             log.warning("FENCE: the scheduler answers again; taking writes (%d refused while fenced)",
                         self.lease.fenced)
-        if self._lease_timer is not None:
-            self._lease_timer.cancel()
-        until = self.lease.expires_at
-        assert until is not None
-        # Wake the waiting pulls at the lease's end: a sync clock can no longer complete here.
-        self._lease_timer = asyncio.get_running_loop().call_later(
-            max(0.0, until - time.monotonic()) + 0.001, self._lease_ended)
+        self._changes.notify()  # writes waiting for the renewal go on
+        for timer in self._lease_timers:
+            timer.cancel()
+        loop = asyncio.get_running_loop()
+        ends, lapses = self.lease.expires_at, self.lease.lapses_at
+        assert ends is not None and lapses is not None
+        # Said at the lease's end; at its lapse the waiting pulls are woken: no clock can complete here.
+        self._lease_timers = [loop.call_later(max(0.0, at - time.monotonic()) + 0.001, self._lease_ended)
+                              for at in (ends, lapses)]
 
     def _lease_ended(self) -> None:
-        self._lease_timer = None
-        if self.lease is not None and self.lease.expired():
+        if self.lease is not None and self.lease.expired() and not self.lease.lapsed():
             log.warning("FENCE: no heartbeat answered by the scheduler within %.0f%% of its timeout; this "
                         "server may be failed over and takes no write until it is answered again",
                         100 * FRACTION)
         self._changes.notify()
 
-    def _check_lease(self, what: str) -> None:
-        if self.lease is not None:
+    async def _await_lease(self, what: str, deadline: float) -> None:
+        """Let a write through only while the lease holds; one that finds it expired waits for a
+        renewal until the lease lapses (a late answer on a loaded host), then is refused."""
+        lease = self.lease
+        if lease is None or not lease.expired():
+            return
+        lapses_at = lease.lapses_at
+        assert lapses_at is not None
+        await self._changes.wait_for(lambda: True if not lease.expired() else None, min(deadline, lapses_at))
+        lease.check(what)
+
+    def _check_lapsed(self, what: str) -> None:
+        if self.lease is not None and self.lease.lapsed():
             self.lease.check(what)
 
     def _check_owned(self, keys: Iterable[SliceKey]) -> None:
@@ -554,8 +566,8 @@ class ParameterServerHandlers:
         def readable() -> bool | None:
             if store.pull_status(stamp, keys) is None:
                 return True
-            # Fenced: no push can complete the clock here any more; the worker re-routes.
-            self._check_lease(f"pull by {stamp.worker_id!r} at clock {stamp.clock}")
+            # Fenced for good: no push can complete the clock here any more; the worker re-routes.
+            self._check_lapsed(f"pull by {stamp.worker_id!r} at clock {stamp.clock}")
             return None
 
         ready = await self._changes.wait_for(readable, deadline)
@@ -607,8 +619,9 @@ class ParameterServerHandlers:
             raise EmptyRequestError(f"push-pull from {stamp.worker_id!r}: nothing to push or pull")
         metas = _metas(items)
         self._check_limits("push-pull", stamp, metas, keys)
-        if items:
-            self._check_lease(f"push by {stamp.worker_id!r} at clock {stamp.clock}")
+        if items:  # first: the ownership checked next may change with the renewal this waits for
+            await self._await_lease(f"push by {stamp.worker_id!r} at clock {stamp.clock}",
+                                    self._deadline(timeout_s))
         pushed = [k for k, _ in items]
         touched = [*pushed, *keys]
         self._check_owned(touched)
@@ -648,8 +661,9 @@ class ParameterServerHandlers:
         if not push and not pull:
             raise EmptyRequestError(f"exchange from {stamp.worker_id!r}: nothing to push or pull")
         self._check_limits("exchange", stamp, push, pull)
-        if push:
-            self._check_lease(f"push by {stamp.worker_id!r} at clock {stamp.clock}")
+        if push:  # first: the ownership checked next may change with the renewal this waits for
+            await self._await_lease(f"push by {stamp.worker_id!r} at clock {stamp.clock}",
+                                    self._deadline(timeout_s))
         self._check_owned([*(m.key for m in push), *pull])
         self._promote([*(m.key for m in push), *pull])
         store = self._store_holding([m.key for m in push] or pull)

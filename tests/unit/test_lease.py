@@ -52,3 +52,15 @@ def test_an_answer_lifts_the_fence_and_a_late_answer_to_an_older_heartbeat_never
     assert lease.expires_at == pytest.approx(100.9 + FRACTION)
     with pytest.raises(ValueError, match="timeout_s: got 0"):
         lease.renew(sent_at=101.0, timeout_s=0)
+
+
+def test_a_write_waits_for_a_renewal_until_the_lease_lapses_one_timeout_after_its_end() -> None:
+    clock = Clock()
+    lease = SchedulerLease(clock.now)
+    assert lease.lapses_at is None and not lease.lapsed()
+    lease.renew(sent_at=100.0, timeout_s=2.0)
+    assert lease.lapses_at == pytest.approx(100.0 + FRACTION * 2.0 + 2.0)
+    clock.t = 100.0 + FRACTION * 2.0 + 1.9
+    assert lease.expired() and not lease.lapsed()
+    clock.t += 0.1
+    assert lease.lapsed()
