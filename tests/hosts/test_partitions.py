@@ -21,6 +21,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import BinaryIO
 
 import pytest
 import torch
@@ -44,6 +45,7 @@ class Job:
         self.bed, self.dir = bed, tmp_path / name
         self.dir.mkdir()
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
+        self._files: list[BinaryIO] = []
         ip = {h: bed.hosts[h].address for h in HOSTS}
         self.cluster = {"scheduler": [f"{ip['sched']}:7000"],
                         "ps": [f"{ip[f'ps{i}']}:7100" for i in range(3)],
@@ -70,7 +72,9 @@ class Job:
         env.update(PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1", PSHARD_INSECURE="1",
                    PSHARD_JOB_ID=self.dir.name, PSHARD_REPLICAS="1", TF_CONFIG=tf_config)
         out = (self.dir / f"{host}.log").open("wb")
-        self.procs[host] = self.bed.spawn(host, [sys.executable, *args], env=env, cwd=self.dir, stdout=out)
+        self._files.append(out)  # open for the process's life
+        self.procs[host] = self.bed.spawn(host, [sys.executable, *args], env=env, cwd=self.dir,
+                                          stdout=out.fileno())
 
     def log(self, host: str) -> str:
         return (self.dir / f"{host}.log").read_text(errors="replace")
@@ -84,9 +88,11 @@ class Job:
                 raise AssertionError(f"{host} exited {self.procs[host].returncode}:\n{self.logs()}")
             return re.search(pattern, self.log(host), re.MULTILINE)
         try:
-            return wait_until(found, timeout_s, f"{pattern!r} from {host}")
+            match = wait_until(found, timeout_s, f"{pattern!r} from {host}")
         except AssertionError as err:
             raise AssertionError(f"{err}\n{self.logs()}") from None
+        assert match is not None
+        return match
 
     def finish(self) -> dict[str, torch.Tensor]:
         deadline = time.monotonic() + RUN_TIMEOUT_S
@@ -99,6 +105,8 @@ class Job:
         for host, proc in self.procs.items():
             if host not in ("w0", "w1"):
                 self.bed.kill(proc)
+        for out in self._files:
+            out.close()
         return torch.load(self.model, weights_only=True)["state_dict"]
 
 
