@@ -375,9 +375,25 @@ class ParameterServerHandlers:
                     min(s.version for s in slots), max(s.version for s in slots))
 
     async def _settle(self, keys: Iterable[SliceKey], deadline: float) -> None:
-        """Wait until every step of `keys` so far is on every backup (a no-op without replicas)."""
-        if self.replicator is not None:
-            await self.replicator.settle(list(keys), deadline)
+        """Wait until every step of `keys` so far is on every backup (a no-op without replicas).
+
+        Past the lease's lapse the wait ends with FencedError: the backup that stopped acknowledging
+        may be the new primary (it refuses a declared-dead sender), and the worker must send the step
+        to it rather than wait for its deadline."""
+        if self.replicator is None:
+            return
+        keys = list(keys)
+        while True:
+            lapses_at = self.lease.lapses_at if self.lease is not None else None
+            until = deadline if lapses_at is None else min(deadline, lapses_at)
+            try:
+                await self.replicator.settle(keys, until)
+                return
+            except PullTimeoutError:
+                if self.lease is None or time.monotonic() >= deadline:
+                    raise
+                if self.lease.lapsed():
+                    self.lease.check(f"replication of {len(keys)} slices to the backups")
 
     @property
     def store(self) -> ShardStore:
