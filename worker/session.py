@@ -249,7 +249,8 @@ class ClusterSession:
                                generation=lambda: sched.generation, await_generation=self._await_generation,
                                timeout_s=self.step_timeout_s, transport=self.transport, shm_dir=self.shm_dir,
                                security=self.security, relayout=self._newer_layout,
-                               reroute_wait_s=3 * sched.heartbeat_timeout_s)
+                               reroute_wait_s=3 * sched.heartbeat_timeout_s,
+                               dead_after_s=sched.heartbeat_timeout_s)
         threading.Thread(target=self._watch_servers, args=(layout, self.client), name="server-watch",
                          daemon=True).start()
         return self.client
