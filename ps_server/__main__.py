@@ -126,6 +126,11 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
     p.add_argument("--transport", choices=("auto", "shm", "tcp", "grpc"), default=ServerSettings.transport,
                    help="fast paths offered to workers besides gRPC: auto = shared memory and raw TCP "
                         f"(default {ServerSettings.transport})")
+    p.add_argument("--fast-port", metavar="N", type=int_range(0, 65535),
+                   default=os.environ.get("PSHARD_FAST_PORT", str(ServerSettings.fast_port)),
+                   help="TCP port of the raw TCP fast path, on the --bind host: pin it to open it in a "
+                        "firewall between hosts (docs/operations/ports.md); env PSHARD_FAST_PORT; "
+                        "default 0: any free port")
     p.add_argument("--shm-dir", metavar="DIR", default=ServerSettings.shm_dir,
                    help="directory of the workers' shared-memory segments (default "
                         f"{ServerSettings.shm_dir})")
@@ -188,7 +193,7 @@ def _settings(args: argparse.Namespace) -> ServerSettings:
     return ServerSettings(default_job=default_job, static_quorum=_static_quorum(args),
                           pull_timeout_s=args.pull_timeout_s, checkpoint_dir=args.checkpoint_dir,
                           global_checkpoint_dir=args.global_checkpoint_dir,
-                          transport=args.transport, shm_dir=args.shm_dir,
+                          transport=args.transport, shm_dir=args.shm_dir, fast_port=args.fast_port,
                           max_inflight_bytes=args.max_inflight_mb * 2**20, hang_report_s=args.hang_report_s,
                           waste_limit_bytes=args.waste_limit_mb * 2**20,
                           resume=args.resume, replicas=args.replicas,

@@ -69,7 +69,7 @@ def test_keep_alive_leaves_a_unix_socket_alone() -> None:
         assert a.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE) == 0
 
 
-def test_a_port_that_answers_nothing_fails_fast_as_silent_naming_port_and_fix(listener: socket.socket) -> None:
+def test_a_port_that_answers_nothing_fails_fast_naming_it_and_the_fix(listener: socket.socket) -> None:
     # A listener nobody accepts from, its queue full: the kernel drops further SYNs without a word,
     # as a dropping firewall does.
     port = listener.getsockname()[1]
