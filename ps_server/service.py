@@ -299,7 +299,8 @@ def follow_scheduler(running: RunningServer, spec: ClusterSpec,
             registration = client.register()
             follower.grace_s = 2 * client.heartbeat_timeout_s
             # Fast-path and replication sockets notice a silent peer as the scheduler does.
-            running.fast.dead_after_s = client.heartbeat_timeout_s
+            if running.fast is not None:
+                running.fast.dead_after_s = client.heartbeat_timeout_s
             if links is not None:
                 links.dead_after_s = client.heartbeat_timeout_s
             log.info("registered with scheduler %s as %s (rank %d, generation %d)", spec.scheduler_address,

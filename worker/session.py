@@ -207,7 +207,8 @@ class ClusterSession:
     def _peer_wait(self, what: str, pending: Callable[[], list[Peer]], abort: Callable[[], None]) -> PeerWait:
         # Half the start-up timeout, at most 30 s: long enough for peers started by hand one after the
         # other, short enough that an address nobody serves fails in seconds rather than minutes.
-        return PeerWait(what, pending, abort, refused_grace_s=min(30.0, self.startup_timeout_s / 2))
+        return PeerWait(what, pending, abort, refused_grace_s=min(30.0, self.startup_timeout_s / 2),
+                        tls=self.security.client_ssl_context if self.security.tls else None)
 
     def waiting_for_servers(self, layout: Layout) -> PeerWait:
         """Around the Declare: names the servers not answering, ends the wait for one that is gone."""

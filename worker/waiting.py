@@ -5,7 +5,10 @@ A worker waits for peers at start-up (the scheduler, the parameter servers) and 
 an error that did not name the missing peer. `PeerWait` runs beside a blocking wait: every few seconds
 it logs whom the wait is for and at which address, and it ends the wait at once (through `abort`) when
 a peer is known to be gone (the scheduler declared it dead, or it left) or has refused connections for
-longer than a short grace (nothing listens at its address). `failure` then says why, naming the peer.
+longer than a short grace (nothing listens at its address), or at once when the peer's TLS certificate
+is one this process refuses (it does not name the address the peer is reached by, or another CA signed
+it): gRPC would retry that handshake for the whole start-up timeout without a word (issue 24).
+`failure` then says why, naming the peer and the fix.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from __future__ import annotations
 import errno
 import logging
 import socket
+import ssl
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -63,12 +67,37 @@ def refused(address: str, timeout_s: float = _PROBE_TIMEOUT_S) -> str | None:
         return None
 
 
+def certificate_refused(address: str, context: ssl.SSLContext, timeout_s: float = _PROBE_TIMEOUT_S
+                        ) -> str | None:
+    """Why this process refuses the TLS certificate served at `address`, with the fix; None when it is
+    accepted, or when that is not known (nothing answers there: `refused` tells that apart)."""
+    try:
+        host, _, port = parse_address(address, "address").rpartition(":")
+        target = (host.strip("[]"), int(port))
+    except (PSError, ValueError):
+        return None
+    context.set_alpn_protocols(["h2"])  # as gRPC's handshake: a gRPC server may insist on it
+    try:
+        with socket.create_connection(target, timeout=timeout_s) as raw, \
+                context.wrap_socket(raw, server_hostname=target[0]):
+            return None
+    except ssl.SSLCertVerificationError as err:
+        return (f"its TLS certificate is refused here ({err.verify_message}): issue it from the job's CA "
+                f"for the address it is reached by (`pshard certs --host {target[0]}`), or reach it by a "
+                "name its certificate has")
+    except OSError:  # refused, unreachable, timed out, or the peer refused our certificate
+        return None
+
+
 class PeerWait:
     """A context manager around a blocking wait for `pending()` peers; see the module docstring."""
 
     def __init__(self, what: str, pending: Callable[[], Sequence[Peer]], abort: Callable[[], None], *,
                  log_every_s: float = 5.0, refused_grace_s: float = 30.0,
-                 probe: Callable[[str], str | None] = refused) -> None:
+                 probe: Callable[[str], str | None] = refused,
+                 tls: Callable[[], ssl.SSLContext] | None = None) -> None:
+        """`tls`: this process's client context (a new one per call) when the job runs TLS: a peer
+        whose certificate it refuses ends the wait at once."""
         self.what = what
         self.failure: str | None = None
         self._pending = pending
@@ -76,6 +105,7 @@ class PeerWait:
         self._log_every_s = log_every_s
         self._refused_grace_s = refused_grace_s
         self._probe = probe
+        self._tls = tls
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="peer-wait", daemon=True)
 
@@ -125,6 +155,10 @@ class PeerWait:
         if peer.gone:
             return note, (f"{peer.name} at {peer.address} is gone ({peer.state or 'the scheduler says so'}); "
                           "it will not come, so waiting for it is pointless")
+        if why is None and peer.listens and self._tls is not None:
+            refusal = certificate_refused(peer.address, self._tls())
+            if refusal is not None:
+                return note, f"{peer.name} at {peer.address}: {refusal}"
         if why is not None and refused_for >= self._refused_grace_s:
             return note, (f"{peer.name} at {peer.address}: {why} for {refused_for:.0f} s (nothing listens "
                           "there: is it started, and is the address right?)")
