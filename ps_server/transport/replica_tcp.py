@@ -137,6 +137,7 @@ class TcpLinks:
         self._ssl = ssl_context
         self._idle: dict[str, list[TcpLink]] = {}
         self._down: dict[str, float] = {}  # address -> when to try again
+        self._announced: set[str] = set()  # backups whose link's transport was logged
         self._lock = threading.Lock()
         self.region_bytes = REGION_BYTES
         self.calls = 0  # batches that went over a link (for tests and stats)
@@ -152,7 +153,7 @@ class TcpLinks:
             if idle:
                 return idle.pop()
         try:
-            return TcpLink.open(self._stub(address), address, self._node_id, self._ssl,
+            link = TcpLink.open(self._stub(address), address, self._node_id, self._ssl,
                                 dead_after_s=self.dead_after_s)
         except PSError as err:
             if isinstance(err, FastPortSilent):  # each try would wait as long again
@@ -166,6 +167,12 @@ class TcpLinks:
             else:
                 self.broke(address, err)
             return None
+        with self._lock:
+            first = address not in self._announced
+            self._announced.add(address)
+        if first:  # the bytes' real path, once per backup (the gRPC fallback is logged when it happens)
+            log.info("replication: batches to %s over raw TCP%s", address, " with TLS" if self._ssl else "")
+        return link
 
     def give_back(self, address: str, link: TcpLink) -> None:
         """`link` answered its call: reuse it."""
