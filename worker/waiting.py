@@ -128,10 +128,13 @@ class PeerWait:
         while not self._stop.wait(CHECK_INTERVAL_S):
             now = time.monotonic()
             peers = list(self._pending())
-            notes = []
+            notes: list[str] = []
+            troubled: list[str] = []
             for peer in peers:
-                note, failure = self._check(peer, now, refused_since)
+                note, failure, wrong = self._check(peer, now, refused_since)
                 notes.append(note)
+                if wrong:
+                    troubled.append(note)
                 if failure is not None:
                     self.failure = f"{self.what}: {failure}"
                     log.error("%s", self.failure)
@@ -139,11 +142,13 @@ class PeerWait:
                     return
             if peers and now >= next_log:
                 log.warning("%s: still waiting after %.0f s for %s", self.what, now - started,
-                            "; ".join(notes))
+                            _naming(notes, troubled))
                 next_log = now + self._log_every_s
 
-    def _check(self, peer: Peer, now: float, refused_since: dict[str, float]) -> tuple[str, str | None]:
-        """(how the peer reads in the log line, why the wait must end now or None)."""
+    def _check(self, peer: Peer, now: float, refused_since: dict[str, float]
+               ) -> tuple[str, str | None, bool]:
+        """(how the peer reads in the log line, why the wait must end now or None, whether something
+        is known to be wrong with it)."""
         why = self._probe(peer.address) if peer.listens else None
         if why is None:
             refused_since.pop(peer.address, None)
@@ -154,12 +159,22 @@ class PeerWait:
         note = f"{peer.name} at {peer.address}" + (f" ({', '.join(details)})" if details else "")
         if peer.gone:
             return note, (f"{peer.name} at {peer.address} is gone ({peer.state or 'the scheduler says so'}); "
-                          "it will not come, so waiting for it is pointless")
+                          "it will not come, so waiting for it is pointless"), True
         if why is None and peer.listens and self._tls is not None:
             refusal = certificate_refused(peer.address, self._tls())
             if refusal is not None:
-                return note, f"{peer.name} at {peer.address}: {refusal}"
+                return note, f"{peer.name} at {peer.address}: {refusal}", True
         if why is not None and refused_for >= self._refused_grace_s:
             return note, (f"{peer.name} at {peer.address}: {why} for {refused_for:.0f} s (nothing listens "
-                          "there: is it started, and is the address right?)")
-        return note, None
+                          "there: is it started, and is the address right?)"), True
+        return note, None, bool(details)
+
+
+def _naming(notes: Sequence[str], troubled: Sequence[str]) -> str:
+    """The peers a wait line names: those with something known wrong when some have (the one server
+    nobody reaches, not every server of the job), else all."""
+    if not troubled or len(troubled) == len(notes):
+        return "; ".join(notes)
+    others = len(notes) - len(troubled)
+    answer = f"{others} others answer" if others > 1 else "1 other answers"
+    return f"{'; '.join(troubled)} ({answer})"

@@ -73,3 +73,25 @@ def test_a_wait_that_ends_on_its_own_is_left_alone(caplog) -> None:
     assert wait.failure is None and not aborted.is_set()
     lines = [r.getMessage() for r in caplog.records]
     assert any("declaring: still waiting after" in m and "ps-0 at 127.0.0.1:1 (slow)" in m for m in lines)
+
+
+def test_the_wait_line_names_the_peer_that_does_not_answer_not_every_peer(caplog) -> None:
+    """Issue 24: of three servers, the one nobody reaches is named, the others only counted."""
+    down = closed_port_address()
+    released = threading.Event()
+    caplog.set_level(logging.WARNING, logger="pshard.worker")
+    with socket.socket() as up1, socket.socket() as up2:
+        for s in (up1, up2):
+            s.bind(("127.0.0.1", 0))
+            s.listen()
+        peers = [Peer(f"ps-{i}", a, listens=True) for i, a in enumerate(
+            [f"127.0.0.1:{up1.getsockname()[1]}", down, f"127.0.0.1:{up2.getsockname()[1]}"])]
+        with PeerWait("declaring", lambda: peers, released.set, log_every_s=0.5, refused_grace_s=WAIT_S):
+            deadline = time.monotonic() + WAIT_S
+            while not any("still waiting" in r.getMessage() for r in caplog.records):
+                assert time.monotonic() < deadline, "no wait line"
+                time.sleep(0.05)
+    line = next(r.getMessage() for r in caplog.records if "still waiting" in r.getMessage())
+    assert f"for ps-1 at {down} (connection refused for " in line
+    assert line.endswith("(2 others answer)"), line
+    assert "ps-0" not in line and "ps-2" not in line
