@@ -74,8 +74,9 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
                "Declare); the --mode/--optimizer flags set them for clients that send none.")
     add_cluster_arguments(p)
     p.add_argument("--bind", metavar="HOST:PORT", type=listen_address,
-                   help="listen address (default: the port of this task's TF_CONFIG address on 127.0.0.1, "
-                        "or in a container on TF_CONFIG's host; 127.0.0.1:0 without TF_CONFIG)")
+                   help="listen address (default: this task's TF_CONFIG address when its host is an "
+                        "address of this machine, else every interface with its port; 127.0.0.1:0 without "
+                        "TF_CONFIG)")
     p.add_argument("--workers", metavar="ID[,ID...]",
                    help="static sync quorum of worker ids (e.g. worker-0,worker-1) when no scheduler is used")
     p.add_argument("--no-scheduler", action="store_true",
