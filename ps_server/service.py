@@ -292,7 +292,7 @@ def follow_scheduler(running: RunningServer, spec: ClusterSpec,
     client: SchedulerClient = SchedulerClient(
         spec.scheduler_address, "ps", own_address=spec.own_address or "", node_id=spec.node_id,
         rank_hint=spec.task_index, on_view=on_view, connect_timeout_s=300.0, last_generation=restored,
-        security=security)
+        security=security, scheduler_host="" if spec.scheduler else ("chief-0" if spec.chief else "worker-0"))
 
     def register() -> None:
         try:
