@@ -44,9 +44,13 @@ class Peer:
     gone: bool = False
 
 
+class Silence(str):
+    """A probe's reason that is no answer at all (a dropping firewall, a host down), not a refusal."""
+
+
 def refused(address: str, timeout_s: float = _PROBE_TIMEOUT_S) -> str | None:
-    """Why nothing accepts a TCP connection at `address` ("connection refused", ...); None if
-    something does, or if that is not known (a timeout)."""
+    """Why nothing accepts a TCP connection at `address` ("connection refused", a Silence, ...); None
+    if something does, or if that is not known."""
     try:
         host, _, port = parse_address(address, "address").rpartition(":")
         target = (host.strip("[]"), int(port))
@@ -58,7 +62,9 @@ def refused(address: str, timeout_s: float = _PROBE_TIMEOUT_S) -> str | None:
     except ConnectionRefusedError:
         return "connection refused"
     except TimeoutError:
-        return None  # filtered or slow: not known to be absent, the wait's own timeout decides
+        # No answer at all, not even a refusal: a firewall drops the port, or the host is down. A kernel
+        # answers a connect in microseconds whatever its processes do, so the grace makes it a verdict.
+        return Silence(f"no answer within {timeout_s:g} s")
     except OSError as e:
         if e.errno in (errno.EHOSTUNREACH, errno.ENETUNREACH):
             return f"unreachable ({e.strerror})"
@@ -165,8 +171,11 @@ class PeerWait:
             if refusal is not None:
                 return note, f"{peer.name} at {peer.address}: {refusal}", True
         if why is not None and refused_for >= self._refused_grace_s:
-            return note, (f"{peer.name} at {peer.address}: {why} for {refused_for:.0f} s (nothing listens "
-                          "there: is it started, and is the address right?)"), True
+            host, _, port = peer.address.rpartition(":")
+            hint = (f"a firewall drops port {port}, or the host is down: open TCP port {port} on {host} to "
+                    "this host" if isinstance(why, Silence)
+                    else "nothing listens there: is it started, and is the address right?")
+            return note, f"{peer.name} at {peer.address}: {why} for {refused_for:.0f} s ({hint})", True
         return note, None, bool(details)
 
 

@@ -95,3 +95,28 @@ def test_the_wait_line_names_the_peer_that_does_not_answer_not_every_peer(caplog
     assert f"for ps-1 at {down} (connection refused for " in line
     assert line.endswith("(2 others answer)"), line
     assert "ps-0" not in line and "ps-2" not in line
+
+
+def test_a_peer_whose_port_answers_nothing_ends_the_wait_naming_a_firewall(caplog) -> None:
+    """Issue 24: a port others cannot reach (dropped, not refused) is named with the port to open, not
+    waited for until the start-up timeout."""
+    released = threading.Event()
+    with socket.create_server(("127.0.0.1", 0), backlog=0) as full:
+        address = f"127.0.0.1:{full.getsockname()[1]}"
+        # Nobody accepts and the queue is full: the kernel drops further SYNs unanswered, as a firewall does.
+        held = socket.create_connection(full.getsockname(), timeout=5.0)
+        try:
+            peers = [Peer("ps-0", address, listens=True)]
+            started = time.monotonic()
+            with pytest.raises(UnavailableError) as caught, PeerWait("declaring", lambda: peers, released.set,
+                                                                     refused_grace_s=1.5):
+                if not released.wait(WAIT_S):
+                    raise AssertionError("never aborted")
+                raise RuntimeError("cancelled")
+        finally:
+            held.close()
+    assert time.monotonic() - started < WAIT_S
+    port = address.rsplit(":", 1)[1]
+    assert f"ps-0 at {address}: no answer within 1 s for " in str(caught.value)
+    assert f"a firewall drops port {port}, or the host is down: open TCP port {port} on 127.0.0.1" in str(
+        caught.value)
