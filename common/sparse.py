@@ -156,7 +156,8 @@ class TableConfig:
             ("initial_accumulator_value", self.initial_accumulator_value, 0.0, 1e6),
             ("beta1", self.betas[0], 0.0, 0.999999), ("beta2", self.betas[1], 0.0, 0.999999),
             ("admit_prob", self.admit_prob, 1e-9, 1.0), ("ttl", self.ttl, 0.0, 1e12),
-            ("admit_memory_mb", self.admit_memory_mb, 0.001, 65536.0))
+            # A declaration allocates it at once: bounded, so that a hostile one cannot take the host.
+            ("admit_memory_mb", self.admit_memory_mb, 0.001, 1024.0))
         for field, number, low, high in ranges:
             if not (math.isfinite(number) and low <= number <= high):
                 raise bad(field, number, f"a number in [{low}, {high}]")

@@ -109,8 +109,10 @@ def test_without_admission_by_count_no_counters_are_kept() -> None:
 
 
 def test_admit_memory_mb_is_checked_and_crosses_the_wire() -> None:
-    with pytest.raises(InvalidArgumentError, match=r"table 'emb': admit_memory_mb: got -1.0, expected"):
-        TableConfig("emb", 2, admit_memory_mb=-1.0)
+    for bad in (-1.0, 0.0, 2048.0, float("nan")):
+        message = rf"table 'emb': admit_memory_mb: got {bad}, expected a number in \[0.001, 1024.0\]"
+        with pytest.raises(InvalidArgumentError, match=message):
+            TableConfig("emb", 2, admit_memory_mb=bad)
     config = TableConfig("emb", 2, admit_after=3, admit_memory_mb=0.5)
     assert spec_from_proto(spec_to_proto(config)) == config
     unset = spec_to_proto(TableConfig("emb", 2))
