@@ -4,7 +4,9 @@ the id stream, and a backup's counts following its primary's."""
 
 from __future__ import annotations
 
+import json
 import tracemalloc
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -16,6 +18,7 @@ from pshard.common.wire.sparse_codec import spec_from_proto, spec_to_proto
 from pshard.ps_server.replication.table_rows import capture, install
 from pshard.ps_server.replication.table_wire import batch_from_proto, batch_to_proto
 from pshard.ps_server.tables.admission import DEPTH, CountMinSketch, counter_dtype
+from pshard.ps_server.tables.files import load_tables, pointer_path, restore_admission, save_tables
 from pshard.ps_server.tables.table import SparseTable
 
 
@@ -141,3 +144,31 @@ def test_loading_counters_of_another_size_names_both() -> None:
     counters, added, epoch = CountMinSketch(2048, 2).state()
     with pytest.raises(ValueError, match=r"got uint8\(4, 512\), expected uint8\(4, 256\)"):
         sketch.load(counters, added, epoch)
+
+
+def test_the_counts_survive_a_checkpoint_and_fold_onto_another_server_count(tmp_path: Path) -> None:
+    config = TableConfig("emb", 2, admit_after=3, admit_memory_mb=0.01)
+    parts = [SparseTable(config), SparseTable(config)]
+    once, twice = np.arange(0, 400, 2, dtype=np.int64), np.arange(1, 400, 2, dtype=np.int64)
+    for number, (part, ids) in enumerate(zip(parts, (once, twice), strict=True)):
+        for _ in range(1 + number):  # part0 saw its ids once, part1 twice
+            part.push(ids, np.ones((len(ids), 2), np.float32))
+        save_tables(tmp_path, f"part{number}", [part])
+
+    (loaded,) = load_tables(tmp_path, "part1", SparseTable)  # the same server: its counts exactly
+    assert loaded.admission is not None and parts[1].admission is not None
+    assert np.array_equal(loaded.admission.counters, parts[1].admission.counters)
+    assert loaded.admit_epoch == parts[1].admit_epoch and len(loaded) == 0
+    assert loaded.push(twice[:5], np.ones((5, 2), np.float32)) == 5  # the third sighting admits
+
+    folded = SparseTable(config)  # one server takes both parts: every id counts at least as before
+    for name in ("part0", "part1"):
+        index = json.loads(pointer_path(tmp_path, name).read_text())
+        sub = tmp_path / index["directory"] / index["tables"][0]
+        restore_admission(folded, sub, json.loads((sub / "table.json").read_text()))
+    for part, ids in zip(parts, (once, twice), strict=True):
+        assert (folded.sightings(ids) >= part.sightings(ids)).all()
+
+    fresh = SparseTable(TableConfig("emb", 2, admit_after=3, admit_memory_mb=0.02))  # another size: anew
+    restore_admission(fresh, sub, json.loads((sub / "table.json").read_text()))
+    assert fresh.sightings(twice).max() == 0
