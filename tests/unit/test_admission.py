@@ -12,9 +12,12 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from pshard.common.checkpoint_store import Checkpoint, FileEntry
 from pshard.common.errors import InvalidArgumentError
+from pshard.common.job import JobConfig
 from pshard.common.sparse import TableConfig
 from pshard.common.wire.sparse_codec import spec_from_proto, spec_to_proto
+from pshard.ps_server.checkpoints.global_part import restore_tables
 from pshard.ps_server.replication.table_rows import capture, install
 from pshard.ps_server.replication.table_wire import batch_from_proto, batch_to_proto
 from pshard.ps_server.tables.admission import DEPTH, CountMinSketch, counter_dtype
@@ -161,13 +164,14 @@ def test_the_counts_survive_a_checkpoint_and_fold_onto_another_server_count(tmp_
     assert loaded.admit_epoch == parts[1].admit_epoch and len(loaded) == 0
     assert loaded.push(twice[:5], np.ones((5, 2), np.float32)) == 5  # the third sighting admits
 
-    folded = SparseTable(config)  # one server takes both parts: every id counts at least as before
-    for name in ("part0", "part1"):
-        index = json.loads(pointer_path(tmp_path, name).read_text())
-        sub = tmp_path / index["directory"] / index["tables"][0]
-        restore_admission(folded, sub, json.loads((sub / "table.json").read_text()))
+    # One server takes both parts (a global checkpoint's restore): every id counts at least as before.
+    files = tuple(FileEntry(f"part{n}.tables.json", "", 0) for n in range(2))
+    checkpoint = Checkpoint(tmp_path, 0, 0.0, JobConfig(), {}, files, servers=2)
+    (folded,) = restore_tables(checkpoint, 0, 1, SparseTable)
     for part, ids in zip(parts, (once, twice), strict=True):
         assert (folded.sightings(ids) >= part.sightings(ids)).all()
+    index = json.loads(pointer_path(tmp_path, "part1").read_text())
+    sub = tmp_path / index["directory"] / index["tables"][0]
 
     fresh = SparseTable(TableConfig("emb", 2, admit_after=3, admit_memory_mb=0.02))  # another size: anew
     restore_admission(fresh, sub, json.loads((sub / "table.json").read_text()))
