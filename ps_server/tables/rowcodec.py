@@ -63,16 +63,21 @@ def encode_int8(rows: np.ndarray, ids: np.ndarray, versions: np.ndarray, seed: i
         raise ValueError(f"int8 rows: row of id {int(ids[bad])} holds a NaN or an infinity")
     low = rows.min(axis=1) if rows.shape[1] else np.zeros(len(rows), np.float32)
     high = rows.max(axis=1) if rows.shape[1] else np.zeros(len(rows), np.float32)
-    scale = ((high - low) / np.float32(_LEVELS)).astype(np.float32)
-    safe = np.where(scale > 0, scale, np.float32(1))
-    steps = (rows - low[:, None]) / safe[:, None]
+    # In float64: a range near float32's limits would overflow. The float32 scale is rounded up, so that
+    # 255 levels reach the row's maximum (a subnormal one, rounded to nearest, fell short or to 0).
+    span = high.astype(np.float64) - low.astype(np.float64)
+    exact = span / _LEVELS
+    scale = exact.astype(np.float32)
+    scale = np.where(scale.astype(np.float64) < exact, np.nextafter(scale, np.float32(np.inf)), scale)
+    safe = np.where(scale > 0, scale, np.float32(1)).astype(np.float64)
+    steps = (rows.astype(np.float64) - low[:, None]) / safe[:, None]
     q = np.floor(steps + _uniform(seed, ids, versions, rows.shape[1]))
     return np.clip(q, 0, _LEVELS).astype(np.uint8), scale, low.astype(np.float32)
 
 
 def decode_int8(q: np.ndarray, scale: np.ndarray, offset: np.ndarray) -> np.ndarray:
     """The float32 rows an int8 encoding stands for: offset + scale * q."""
-    return (offset[:, None] + scale[:, None] * q.astype(np.float32)).astype(np.float32)
+    return (offset[:, None].astype(np.float64) + scale[:, None].astype(np.float64) * q).astype(np.float32)
 
 
 def encode16(rows: np.ndarray, row_dtype: str) -> np.ndarray:
