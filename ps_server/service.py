@@ -218,6 +218,7 @@ def follow_scheduler(running: RunningServer, spec: ClusterSpec,
     handlers.follow_views()
     replicas = handlers.replicas_setting
     reporter: InSyncReporter | None = None
+    replicator: Replicator | None = None
     rows: TableReplication | None = None
     if replicas > 0:
         stubs = stub_cache(security)
@@ -246,8 +247,8 @@ def follow_scheduler(running: RunningServer, spec: ClusterSpec,
     follower = QuorumFollower(grace_s=10.0, now=time.monotonic)
 
     def install(view: ClusterView | None = None) -> None:
-        if view is not None and handlers.replicator is not None:
-            handlers.replicator.set_backups(backup_addresses(view, spec.node_id, replicas))
+        if view is not None and replicator is not None:
+            replicator.set_backups(backup_addresses(view, spec.node_id, replicas))
         if view is not None and rows is not None:
             rows.set_backups(backup_addresses(view, spec.node_id, replicas))
             rows.on_view(view)

@@ -32,7 +32,7 @@ from pshard.common.wire import codec
 from pshard.common.wire.fastwire import REPLY, REQUEST, Inbox, TransportBroken, open_session, send_frame
 from pshard.ps_server.core.store import SliceMeta
 from pshard.ps_server.handlers.dense import ParameterServerHandlers
-from pshard.ps_server.replication.dense import Record, record_from_proto
+from pshard.ps_server.replication.records import Record, record_from_proto
 from pshard.ps_server.replication.table_wire import frame_keys
 from pshard.ps_server.replication.tables import hold_rows
 
