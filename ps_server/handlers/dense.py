@@ -176,7 +176,7 @@ class ParameterServerHandlers:
         self._restored_version: int | None = None
         # Replication (docs/architecture.md, 9 Failures): the copies this server holds as a backup,
         # and what forwards its own slices' steps to its backups (ps_server/replication/api.py: a no-op
-        # until service.py enables replication, which a job without --replicas never does).
+        # until follower.py enables replication, which a job without --replicas never does).
         self.replica_shm_dir = replica_shm_dir(settings.transport, settings.shm_dir)
         self.replica_set = ReplicaSet(self.replica_shm_dir)
         self.replication: SliceReplication = NO_SLICE_REPLICATION
@@ -215,7 +215,7 @@ class ParameterServerHandlers:
         return self._settings.replicas
 
     def enable_replication(self, replication: SliceReplication) -> None:
-        """Forward this server's steps to its backups before acknowledging (service.py wires it)."""
+        """Forward this server's steps to its backups before acknowledging (follower.py wires it)."""
         self.replication = replication
         if self._store is not None:
             replication.attach(self._store)
@@ -240,7 +240,7 @@ class ParameterServerHandlers:
         return self.replica_set.apply(config, records, primary, segments)
 
     def set_ownership(self, version: int, owned: frozenset[SliceKey]) -> None:
-        """Layout `version` makes this server primary of `owned` (follow_scheduler, with replicas)."""
+        """Layout `version` makes this server primary of `owned` (follower.py, with replicas)."""
         if self._owned is not None and version <= self._owned[0]:
             return
         held = [s.key for s in self._store.slots()] if self._store is not None else []
