@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -23,6 +24,8 @@ from pshard.common.errors import PSError
 from pshard.common.rpc.options import channel_options
 from pshard.common.rpc.retry import parameter_server_channel_options
 from pshard.common.security.credentials import SecurityConfig
+from pshard.common.wire.fastwire import FastPortSilent
+from pshard.common.wire.liveness import DEFAULT_DEAD_AFTER_S, figures
 
 from pshard.api.v1 import parameter_server_pb2_grpc as pb_grpc
 
@@ -37,9 +40,12 @@ Relayout = Callable[[Layout, float], "Layout | None"]
 class ServerConnections:
     def __init__(self, servers: Sequence[str], worker_id: str, security: SecurityConfig, *, timeout_s: float,
                  transport: str, shm_dir: str, layout: Layout | None = None, relayout: Relayout | None = None,
-                 reroute_wait_s: float = 15.0, room: Callable[[int], int] = lambda server: 0) -> None:
+                 reroute_wait_s: float = 15.0, dead_after_s: float = DEFAULT_DEAD_AFTER_S,
+                 room: Callable[[int], int] = lambda server: 0) -> None:
         """`transport`: "auto", "shm", "tcp" or "grpc" (PSClient checked it); `room(server)`: the bytes a
-        fast-path session with that server must hold each way (asked when one is negotiated)."""
+        fast-path session with that server must hold each way (asked when one is negotiated);
+        `dead_after_s`: a server silent this long breaks its raw TCP session (common.wire.liveness)."""
+        figures(dead_after_s)  # a bad figure fails here, not at the first step
         self.servers = tuple(servers)
         self.worker_id = worker_id
         self.security = security
@@ -63,6 +69,7 @@ class ServerConnections:
         # Fast paths, per server: the open one, when the next try is due, and what carries the calls.
         self._transport = transport
         self._shm_dir = shm_dir
+        self._dead_after_s = dead_after_s
         self._fast: list[FastPath | None] = [None] * len(self.servers)
         self._fast_retry_at = [0.0] * len(self.servers)
         self._fast_locks = [threading.Lock() for _ in self.servers]
@@ -107,7 +114,13 @@ class ServerConnections:
                                          request_bytes=room, reply_bytes=room, shm_dir=self._shm_dir,
                                          timeout_s=min(self.timeout_s, 10.0),
                                          ssl_context=self.security.client_ssl_context() if self.security.tls
-                                         else None)
+                                         else None, dead_after_s=self._dead_after_s)
+                except FastPortSilent as err:
+                    # Each try would block a step as long again (issue 24): this server's calls stay on
+                    # gRPC for this client's life, said once.
+                    self._fast_retry_at[server] = math.inf
+                    log.warning("server %s: %s; not tried again by this worker", self.servers[server], err)
+                    return None
                 except PSError as err:
                     reasons.append(f"{kind}: {err}")
                     continue
@@ -118,9 +131,9 @@ class ServerConnections:
             log.info("server %s: push and pull over grpc (%s)", self.servers[server], "; ".join(reasons))
             return None
 
-    def open_sessions(self) -> list[FastPath]:
-        """The fast-path sessions open now (bench/gpu_profile.py times their copies)."""
-        return [fast for fast in self._fast if fast is not None]
+    def sessions(self) -> list[FastPath | None]:
+        """Each server's fast-path session open now (None: its calls ride gRPC); negotiates nothing."""
+        return list(self._fast)
 
     def broke(self, server: int, fast: object) -> None:
         """`fast` broke under a call: gRPC carries the server's calls until a new try is due (unless another

@@ -56,8 +56,9 @@ from pshard.common.sparse import TableConfig
 from pshard.common.types import Stamp
 from pshard.common.wire import codec
 from pshard.common.wire.dtypes import PARAM_DTYPES
-from pshard.common.wire.fastwire import TransportBroken
+from pshard.common.wire.fastwire import PeerSilent, TransportBroken
 from pshard.common.wire.framing import SliceReader, pack_frames
+from pshard.common.wire.liveness import DEFAULT_DEAD_AFTER_S
 from pshard.common.wire.shm import DEFAULT_SHM_DIR, align
 
 from pshard.api.v1 import parameter_server_pb2 as pb
@@ -103,14 +104,16 @@ class PSClient:
                  transport: str = "auto", shm_dir: str = DEFAULT_SHM_DIR,
                  security: SecurityConfig | None = None,
                  relayout: Callable[[Layout, float], Layout | None] | None = None,
-                 reroute_wait_s: float = 15.0) -> None:
+                 reroute_wait_s: float = 15.0, dead_after_s: float = DEFAULT_DEAD_AFTER_S) -> None:
         """`security`: this worker's TLS files or token (pshard.common.security.credentials; default plain).
         `relayout(layout, timeout_s)`: a layout newer than `layout` once the scheduler publishes one
         (a failover), else None at the timeout; with it and a replicated layout, a step whose server
         is gone waits up to `reroute_wait_s` for the failover and is sent again on the new layout.
         `transport`: how push and pull bytes travel (docs/architecture.md, 11 Transports): "auto"
         takes shared memory when the server proves it shares this host's `shm_dir`, else a raw TCP
-        socket, else gRPC; "shm" or "tcp" only that one (else gRPC); "grpc" never negotiates."""
+        socket, else gRPC; "shm" or "tcp" only that one (else gRPC); "grpc" never negotiates.
+        `dead_after_s`: a server silent this long breaks its raw TCP session (the job's heartbeat
+        timeout; common.wire.liveness), and with a replicated layout the step is re-routed."""
         if transport not in TRANSPORTS:
             raise InvalidArgumentError(f"transport: got {transport!r}, expected one of {TRANSPORTS}")
         if not servers:
@@ -132,7 +135,8 @@ class PSClient:
         # Channels, fast-path sessions, the thread pool and the routing layout: shared with the tables client.
         self.connections = ServerConnections(
             self.servers, worker_id, self.security, timeout_s=timeout_s, transport=transport, shm_dir=shm_dir,
-            layout=layout, relayout=relayout, reroute_wait_s=reroute_wait_s, room=self._session_room)
+            layout=layout, relayout=relayout, reroute_wait_s=reroute_wait_s, dead_after_s=dead_after_s,
+            room=self._session_room)
         self._channels = self.connections.channels
         self._closed = self.connections.closed
         self._pool = self.connections.pool
@@ -444,6 +448,10 @@ class PSClient:
             log.warning("server %s: %s transport broke (%s); this call completes over gRPC",
                         self.servers[server], fast.kind, err)
             self.connections.broke(server, fast)
+            if isinstance(err, PeerSilent) and self._fail_fast:
+                # Its host is most likely cut off: over gRPC to the same address the call would wait
+                # as long again. Re-routing waits for the failover the scheduler publishes.
+                raise UnavailableError(f"server {self.servers[server]}: {err}") from err
             return None
 
     # ---- internals ----

@@ -20,6 +20,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from pshard.common.cluster.layout import Layout
 from pshard.common.cluster.scheduler_client import SchedulerClient
@@ -39,6 +40,10 @@ from pshard.ps_server.replication.link import (
     tcp_links,
 )
 from pshard.ps_server.replication.tables import TableReplication
+
+if TYPE_CHECKING:
+    from pshard.ps_server.service import RunningServer
+    from pshard.ps_server.transport.fastpath import FastPathServer
 
 log = logging.getLogger("pshard.ps")
 
@@ -73,7 +78,8 @@ class SchedulerFollower:
         self.client = SchedulerClient(
             spec.scheduler_address, "ps", own_address=spec.own_address or "", node_id=spec.node_id,
             rank_hint=spec.task_index, on_view=self._on_view, connect_timeout_s=300.0,
-            last_generation=last_generation, security=security)
+            last_generation=last_generation, security=security,
+            scheduler_host="" if spec.scheduler else ("chief-0" if spec.chief else "worker-0"))
 
     def subscribe_views(self, consumer: ViewConsumer) -> None:
         self._views.append(consumer)
@@ -83,7 +89,7 @@ class SchedulerFollower:
         self._layouts.append(consumer)
 
     def subscribe_heartbeat_timeout(self, consumer: Callable[[float], None]) -> None:
-        """The scheduler's heartbeat timeout, once registered."""
+        """The scheduler's heartbeat timeout, once registered (called on the registering thread)."""
         self._grace_subscribers.append(consumer)
 
     def start(self) -> SchedulerClient:
@@ -109,7 +115,7 @@ class SchedulerFollower:
         try:
             registration = client.register()
             for consumer in self._grace_subscribers:
-                self._loop.call_soon_threadsafe(consumer, client.heartbeat_timeout_s)
+                consumer(client.heartbeat_timeout_s)
             log.info("registered with scheduler %s as %s (rank %d, generation %d)", spec.scheduler_address,
                      registration.node_id, registration.rank, registration.generation)
         except Exception:
@@ -157,7 +163,7 @@ class ReplicaWiring:
         self._loop = loop
         stubs = stub_cache(security)
         send = grpc_sender(security, stubs)
-        links = tcp_links(spec.node_id, security, stubs)  # the slices' and the rows': one session each
+        self.links = links = tcp_links(spec.node_id, security, stubs)  # the slices' and the rows': one each
         self.slices = Replicator(spec.own_address or spec.node_id, send, loop,
                                  shm_dir=handlers.replica_shm_dir, links=links)
         handlers.enable_replication(self.slices)
@@ -190,22 +196,34 @@ class ReplicaWiring:
             self.rows.on_layout(layout)
         self.reporter.on_layout(layout)
 
+    def set_heartbeat_timeout(self, timeout_s: float) -> None:
+        """Replication sockets notice a silent backup as the scheduler notices a silent node."""
+        self.links.dead_after_s = timeout_s
+
     def _report(self) -> None:
         self.reporter.report()
         self._loop.call_later(IN_SYNC_REPORT_S, self._report)
 
 
-def follow_scheduler(handlers: ParameterServerHandlers, tables: TableHandlers | None, spec: ClusterSpec,
-                     loop: asyncio.AbstractEventLoop, security: SecurityConfig | None = None
-                     ) -> SchedulerClient:
-    """Register this server with the scheduler and apply every cluster view to it."""
+def follow_scheduler(running: RunningServer, spec: ClusterSpec, loop: asyncio.AbstractEventLoop,
+                     security: SecurityConfig | None = None) -> SchedulerClient:
+    """Register the running server with the scheduler and apply every cluster view to it."""
+    handlers, tables, fast = running.handlers, running.tables, running.fast
+    # A restored shard remembers the generations its workers had; a fresh scheduler must hand out newer
+    # ones, or the restored fencing refuses the new incarnations (a resumed job's chief could not even
+    # pull its final weights).
     restored = handlers.store.newest_generation() if handlers.has_store else 0
     follower = SchedulerFollower(spec, loop, security, last_generation=restored)
     if handlers.replicas_setting > 0:
         replicas = ReplicaWiring(handlers, tables, spec, loop, follower.client.report_in_sync, security)
         follower.subscribe_layouts(replicas.on_layout)
         follower.subscribe_views(replicas.on_view)
+        follower.subscribe_heartbeat_timeout(replicas.set_heartbeat_timeout)
     quorum = QuorumInstaller(handlers, tables, loop)
     follower.subscribe_views(quorum.on_view)
     follower.subscribe_heartbeat_timeout(quorum.set_heartbeat_timeout)
+    if fast is not None:  # fast-path sockets notice a silent peer as the scheduler does
+        def dead_after(timeout_s: float, fast: FastPathServer = fast) -> None:
+            fast.dead_after_s = timeout_s
+        follower.subscribe_heartbeat_timeout(dead_after)
     return follower.start()

@@ -129,7 +129,7 @@ async def start(settings: ServerSettings, bind: str = "127.0.0.1:0",
     fast = FastPathServer(handlers, asyncio.get_running_loop(), transport=settings.transport,
                           shm_dir=settings.shm_dir, host=bind.rsplit(":", 1)[0].strip("[]") or "0.0.0.0",
                           ssl_context=security.server_ssl_context() if security.tls else None,
-                          refusals=refusals)
+                          refusals=refusals, port=settings.fast_port)
     handlers.transport_report = fast.transports
     fast.tarpit = tarpit  # the same peers' budget: a fast-path session is a peer of its own
     fast.tables = tables  # table requests ride the same sessions (ps_server.transport.table_fast)

@@ -76,6 +76,7 @@ class Backend(Link, Protocol):
     """A `Link` that also lays the states out its way; the sender's one handle on a backup's way."""
 
     batch_bytes: int  # a batch's bytes at most (at least one record)
+    path: str  # how the bytes go, as the log says it
     segmented: bool  # states lie in segments the backup maps: a new backup process must not reuse them
 
     def prepare(self, slots: Sequence[Slot]) -> Backend:
@@ -108,6 +109,7 @@ class GrpcBackend:
 
     batch_bytes = GRPC_BATCH_BYTES
     segmented = False
+    path = "over gRPC"
 
     def __init__(self, address: str, send: Send) -> None:
         self._address = address
@@ -142,6 +144,7 @@ class TcpBackend:
 
     batch_bytes = TCP_BATCH_BYTES
     segmented = False
+    path = "over the raw TCP link (gRPC where it breaks)"
 
     def __init__(self, address: str, links: Links, then: Backend) -> None:
         self._address = address
@@ -177,6 +180,7 @@ class ShmBackend:
 
     batch_bytes = SHM_BATCH_BYTES
     segmented = True
+    path = "through shared memory"
 
     def __init__(self, address: str, own: str, writer: SegmentWriter, then: Backend) -> None:
         self._address = address
@@ -189,7 +193,7 @@ class ShmBackend:
             self._writer.reserve(slots)
         except OSError as e:  # the directory is full (a container's small /dev/shm): inline from now on
             log.warning("replication: no room for %s's segments for %s in shared memory (%s); "
-                        "replicating over gRPC", self._own, self._address, e)
+                        "replicating %s", self._own, self._address, e, self._then.path)
             self._writer.close()
             return self._then.prepare(slots)
         return self
@@ -206,8 +210,8 @@ class ShmBackend:
 
     def refused(self) -> Backend:
         # It cannot map our segments (another host): bytes inline from now on.
-        log.warning("replication: backup %s cannot map %s's shared memory; replicating over gRPC",
-                    self._address, self._own)
+        log.warning("replication: backup %s cannot map %s's shared memory; replicating %s",
+                    self._address, self._own, self._then.path)
         self._writer.close()
         return self._then
 
