@@ -25,7 +25,8 @@ from pshard.common.cluster.view import NodeState
 from pshard.common.errors import FencedError, PullTimeoutError, UnknownKeyError
 from pshard.common.job import JobConfig, OptimizerConfig
 from pshard.ps_server.core.lease import FRACTION
-from pshard.ps_server.service import ServerThread, follow_scheduler
+from pshard.ps_server.follower import follow_scheduler
+from pshard.ps_server.service import ServerThread
 from pshard.ps_server.settings import ServerSettings
 from pshard.scheduler.service import SchedulerHandle, start_scheduler_thread
 
