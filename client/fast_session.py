@@ -38,6 +38,7 @@ from pshard.common.wire.fastwire import (
     REQUEST,
     SLICE,
     Inbox,
+    Stream,
     TransportBroken,
     decode_slice_meta,
     encode_header,
@@ -46,6 +47,7 @@ from pshard.common.wire.fastwire import (
     tune,
 )
 from pshard.common.wire.shm import Segment, connect, packed, parse_socket_name, send_fd, sweep_orphans
+from pshard.common.wire.tls_stream import TlsStream
 
 from pshard.api.v1 import parameter_server_pb2 as pb
 from pshard.api.v1 import parameter_server_pb2_grpc as pb_grpc
@@ -60,7 +62,7 @@ _swept = threading.Event()  # the orphan sweep runs once per process
 # that time, and the wake-up of a sleeping thread costs tens of microseconds (more on a busy machine).
 # Slower replies (big steps, waits for other workers) are slept for at once.
 _SPIN_S = 300e-6
-# Plain TCP requests with more data than this are sent by the session's sender thread while the
+# TCP requests (plain or TLS) with more data than this are sent by the session's sender thread while the
 # caller reads the reply (the server sends pulled slices while it still receives): the handoff
 # costs two thread wake-ups, tens of microseconds, nothing beside a megabyte.
 _PIPELINE_BYTES = 1 << 20
@@ -125,12 +127,10 @@ def _handoff(segment: Segment, shm_dir: str, name: str, hello: bytes, timeout_s:
 
 
 class FastPath:
-    def __init__(self, kind: str, sock: socket.socket, segment: Segment | None,
-                 scratch: Segment | None) -> None:
+    def __init__(self, kind: str, sock: Stream, segment: Segment | None, scratch: Segment | None) -> None:
         self.kind = kind
-        self.tls = isinstance(sock, ssl.SSLSocket)
-        if not self.tls:  # deadlines are kept by the Inbox and send_frame (fastwire says why)
-            sock.settimeout(0.0)
+        self.tls = isinstance(sock, TlsStream)
+        sock.settimeout(0.0)  # deadlines are kept by the Inbox and send_frame (fastwire says why)
         self._sock = sock
         self._inbox = Inbox(sock)
         self._spin = False  # the last reply came within _SPIN_S
@@ -138,7 +138,7 @@ class FastPath:
         self._segment = segment  # shm: the shared regions
         self._scratch = scratch  # tcp: where pulled slices that need a cast land first
         self._lock = threading.Lock()  # one request at a time: the regions hold one request's bytes
-        self._sender: _Sender | None = None  # started for the first large request (plain TCP)
+        self._sender: _Sender | None = None  # started for the first large request (TCP)
         self._sending = False  # the sender thread is writing the request in flight
         self.closed = False
 
@@ -153,7 +153,7 @@ class FastPath:
         Shared memory needs none: the bytes never leave the host, and the session's secret came
         over the authenticated gRPC channel."""
         segment = scratch = None
-        sock = None
+        sock: Stream | None = None
         try:
             request = pb.OpenTransportRequest(worker_id=worker_id, kind=KINDS[kind],
                                               request_bytes=request_bytes, reply_bytes=reply_bytes)
@@ -217,8 +217,6 @@ class FastPath:
         try:
             if self.closed:
                 raise TransportBroken(f"{self.kind} transport closed")
-            if self.tls and self._sock.gettimeout() != timeout_s:  # each settimeout costs system calls
-                self._sock.settimeout(timeout_s)
             self._inbox.deadline = time.monotonic() + timeout_s
             self._send(header, buffers)
         except (OSError, ValueError) as err:  # ValueError: a region unmapped under us (closed)
@@ -262,7 +260,7 @@ class FastPath:
                 np.copyto(segment.request[offset:offset + view.nbytes], view)
             views = []
         meta, deadline = header.SerializeToString(), self._inbox.deadline
-        if not self.tls and sum([v.nbytes for v in views]) > _PIPELINE_BYTES:
+        if sum([v.nbytes for v in views]) > _PIPELINE_BYTES:
             if self._sender is None:
                 self._sender = _Sender()
             self._sending = True
@@ -291,17 +289,7 @@ class FastPath:
         return self._sender.wait()
     def _receive(self, header: pb.ExchangeHeader, place: Place, direct: Direct) -> pb.TransportReply:
         segment = self._segment
-        if self._spin and self.tls:
-            # An SSL socket keeps its timeout for sends and for reading the data (sendall and
-            # recv_into wait on it); only the spin for the reply's header runs non-blocking.
-            timeout_s = self._sock.gettimeout()
-            self._sock.settimeout(0.0)
-            try:
-                kind, meta, data_len = self._inbox.frame_head(_SPIN_S)
-            finally:
-                self._sock.settimeout(timeout_s)
-        else:
-            kind, meta, data_len = self._inbox.frame_head(_SPIN_S if self._spin else 0.0)
+        kind, meta, data_len = self._inbox.frame_head(_SPIN_S if self._spin else 0.0)
         self._spin = time.perf_counter() - self._sent <= _SPIN_S
         pulled = int(header.table.pull) if header.op == pb.EXCHANGE_OP_TABLE else len(header.pull)
         streamed: list[int] = []  # sizes of the slices that came ahead of the reply (TCP)
