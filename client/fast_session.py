@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import hmac
+import logging
 import queue
 import socket
 import ssl
@@ -47,16 +48,19 @@ from pshard.common.wire.fastwire import (
     tune,
 )
 from pshard.common.wire.shm import Segment, connect, packed, parse_socket_name, send_fd, sweep_orphans
-from pshard.common.wire.tls_stream import TlsStream
+from pshard.common.wire.tls_stream import TlsStream, kernel_tls_available
 
 from pshard.api.v1 import parameter_server_pb2 as pb
 from pshard.api.v1 import parameter_server_pb2_grpc as pb_grpc
+
+log = logging.getLogger("pshard.client.fastpath")
 
 KINDS = {"shm": pb.TRANSPORT_KIND_SHM, "tcp": pb.TRANSPORT_KIND_TCP}
 # A session's room for sparse-table requests, each way, beside its dense slices: 8 MiB is a step of
 # 30,000 rows of dim 64 per server; a larger table request goes over gRPC (client.tables).
 TABLE_ROOM_BYTES = 8 * 2**20
 _swept = threading.Event()  # the orphan sweep runs once per process
+_told_tls = threading.Event()  # which TLS the fast path runs is logged once per process
 # A reply that came within this long after its request makes the next one wait for its reply by
 # spinning on the socket, up to this long, before sleeping: a small push+pull's reply comes in about
 # that time, and the wake-up of a sleeping thread costs tens of microseconds (more on a busy machine).
@@ -179,6 +183,11 @@ class FastPath:
                 sock = open_session(address, reply.port, hello, timeout_s, ssl_context)
             except OSError as err:
                 raise TransportBroken(f"cannot connect to port {reply.port}: {err}") from None
+            if isinstance(sock, TlsStream) and not _told_tls.is_set():
+                _told_tls.set()
+                log.info("fast path over TLS (%s, %s): encrypted in user space, in batches of records "
+                         "(kernel TLS: %s)", sock.version(), (sock.cipher() or ("?",))[0],
+                         "offered here, not used" if kernel_tls_available() else "not in this kernel")
             return cls(kind, sock, segment, scratch)
         except BaseException:
             for region in (segment, scratch):

@@ -1,23 +1,23 @@
 """A TLS connection for the fast path's worker side: the TLS state in memory, the socket our own.
 
-`ssl.SSLSocket` works record by record: each 16 KiB record is one `write` system call, and each one
-read is two `recv` calls (its 5-byte header, then its body), so a 50 MB slice costs some 9,000
-system calls each way and the cipher (AES-GCM, GB/s per core) is not the limit. An SSLSocket also
-cannot be read by one thread while another writes to it, so a large request could not be sent while
-its reply's slices already arrive, as it is in clear.
+An `ssl.SSLSocket` cannot be read by one thread while another writes to it (one OpenSSL connection
+must not be used by two threads at once), so over TLS a large request was sent whole before its
+reply was read, while in clear the sender thread writes it as the server already sends the pulled
+slices back. It also works record by record: a 16 KiB record per `write` system call, and (OpenSSL
+reads no further ahead than asked) one or two `recv` calls per record read.
 
 Here the same OpenSSL connection runs on an `ssl.SSLObject` over memory BIOs (the handshake, the
 certificate checks and the verification of the peer's host name are OpenSSL's, exactly as for an
-SSLSocket from the same context): `send_all` encrypts a batch of up to 1 MiB of records and writes
-it with one system call, and `recv_into` reads up to 1 MiB of records with one and decrypts them
-straight into the caller's buffer. One lock guards the TLS state, another keeps the encrypted bytes
-in order on the socket, so a sender thread and a reader thread may use one stream at once: the
-system calls of each and the cipher of the other overlap.
+SSLSocket from the same context): `send_all` encrypts up to 1 MiB of records and writes them with one
+system call, and `recv_into` reads up to 1 MiB of records with one and decrypts them straight into the
+caller's buffer. One lock guards the TLS state; encrypted bytes are queued in order and sent by one
+thread at a time, so a sender thread and a reader thread may use one stream at once. One Python TLS
+stream runs about 1.2x an SSLSocket's (`python -m bench.tls_ceiling`).
 
-Kernel TLS (the socket option TCP_ULP "tls") would save the copies too, but needs a kernel built with
-CONFIG_TLS, OpenSSL 3.2 to receive TLS 1.3 in the kernel, and an SSLSocket (not an SSLObject) to hand
-the keys over; `kernel_tls_available()` says whether this host has it, and the fast path says which
-TLS it runs (docs/architecture.md, 11 Transports).
+Kernel TLS (the socket option TCP_ULP "tls") would save the copies too, but needs a kernel with
+CONFIG_TLS (neither this project's build machine nor its GPU machines have it), OpenSSL 3.2 to receive
+TLS 1.3 in the kernel, and an SSLSocket, not an SSLObject, to hand the keys over: `kernel_tls_available()`
+says whether a host offers it, and the worker logs which TLS its fast path runs.
 
 Pure: no gRPC.
 """
@@ -131,8 +131,10 @@ class TlsStream:
         view = memoryview(buffer).cast("B")
         if nbytes:
             view = view[:nbytes]
-        with self._state:
-            got = self._decrypt_into(view)
+        got = 0
+        if self._incoming.pending or self._tls.pending():  # else nothing to decrypt: straight to the socket
+            with self._state:
+                got = self._decrypt_into(view)
         while not got:
             n = self._sock.recv_into(self._raw)  # BlockingIOError, TimeoutError: as a plain socket's
             if not n:
