@@ -87,7 +87,7 @@ def _instrument(trainer: Any, phases: Phases, device: torch.device) -> None:
     client = trainer.client
     client.push_pull = phases.timed("push_pull", client.push_pull)
     client.wait = phases.timed("wait_reply", client.wait)
-    for fast in client._fast:
+    for fast in client.connections.sessions():
         if fast is None:
             continue
         fast._send = phases.timed("shm_request_copy", fast._send)

@@ -54,6 +54,7 @@ from pshard.common.rpc.bind import default_bind, own_hosts
 from pshard.common.rpc.options import DEFAULT_MAX_MESSAGE_BYTES
 from pshard.common.security.credentials import SecurityConfig, add_security_arguments, security_from_args
 from pshard.ps_server import service
+from pshard.ps_server.follower import follow_scheduler
 from pshard.ps_server.handlers.dense import NO_QUORUM_GRACE_S
 from pshard.ps_server.heap import bound_heap
 from pshard.ps_server.settings import ServerSettings
@@ -225,7 +226,7 @@ async def _run(args: argparse.Namespace, spec: ClusterSpec | None, settings: Ser
         print(f"pshard ps: metrics on port {metrics.port}", flush=True)
     follower = None
     if spec is not None and not args.no_scheduler:
-        follower = service.follow_scheduler(running, spec, loop, security)
+        follower = follow_scheduler(running, spec, loop, security)
     elif settings.static_quorum is None:
         log.warning("NO SYNC QUORUM: this server has neither --workers nor a scheduler (TF_CONFIG or "
                     "--scheduler), so it cannot know whom a sync clock waits for: sync pulls fail after %gs "

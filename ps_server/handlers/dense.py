@@ -56,9 +56,15 @@ from pshard.ps_server.core.store import (
     dtype_name,
     unknown_key_error,
 )
-from pshard.ps_server.replication.dense import Record, ReplicaSet, Replicator
+from pshard.ps_server.replication.api import (
+    NO_ROW_REPLICATION,
+    NO_SLICE_REPLICATION,
+    RowReplication,
+    SliceReplication,
+)
+from pshard.ps_server.replication.dense import ReplicaSet
+from pshard.ps_server.replication.records import Record
 from pshard.ps_server.replication.shm import replica_shm_dir
-from pshard.ps_server.replication.tables import TableReplication
 from pshard.ps_server.settings import ServerSettings
 
 log = logging.getLogger("pshard.ps")
@@ -169,12 +175,13 @@ class ParameterServerHandlers:
         # the one it trained to, which is said once (the steps in between are lost).
         self._restored_version: int | None = None
         # Replication (docs/architecture.md, 9 Failures): the copies this server holds as a backup,
-        # and (with replicas) what forwards its own slices' steps to its backups.
+        # and what forwards its own slices' steps to its backups (ps_server/replication/api.py: a no-op
+        # until follower.py enables replication, which a job without --replicas never does).
         self.replica_shm_dir = replica_shm_dir(settings.transport, settings.shm_dir)
         self.replica_set = ReplicaSet(self.replica_shm_dir)
-        self.replicator: Replicator | None = None
+        self.replication: SliceReplication = NO_SLICE_REPLICATION
         # Table rows' replication (ps_server/replication/tables.py): its Replicate batches land there.
-        self.table_replication: TableReplication | None = None
+        self.table_replication: RowReplication = NO_ROW_REPLICATION
         self.promotions = 0  # slices this server took over as primary after a failover
         self.failovers = 0  # times it did (each a role change, logged): pshard_failovers_total
         # The newest layout's slices of this server (replicas only; None: not known, nothing checked).
@@ -198,8 +205,7 @@ class ParameterServerHandlers:
             store.set_quorum(self._quorum)
         store.subscribe(self._changes.notify)
         self._store = store
-        if self.replicator is not None:
-            self.replicator.attach(store)
+        self.replication.attach(store)
         self._changes.notify()  # wakes wait_configured
 
     # ---- replication ----
@@ -208,11 +214,11 @@ class ParameterServerHandlers:
     def replicas_setting(self) -> int:
         return self._settings.replicas
 
-    def enable_replication(self, replicator: Replicator) -> None:
-        """Forward this server's steps to its backups before acknowledging (service.py wires it)."""
-        self.replicator = replicator
+    def enable_replication(self, replication: SliceReplication) -> None:
+        """Forward this server's steps to its backups before acknowledging (follower.py wires it)."""
+        self.replication = replication
         if self._store is not None:
-            replicator.attach(self._store)
+            replication.attach(self._store)
 
     def replicate(self, config: JobConfig, records: Sequence[Record], primary: str = "",
                   release: bool = False, segments: Sequence[str] = ()) -> list[SliceKey]:
@@ -234,7 +240,7 @@ class ParameterServerHandlers:
         return self.replica_set.apply(config, records, primary, segments)
 
     def set_ownership(self, version: int, owned: frozenset[SliceKey]) -> None:
-        """Layout `version` makes this server primary of `owned` (follow_scheduler, with replicas)."""
+        """Layout `version` makes this server primary of `owned` (follower.py, with replicas)."""
         if self._owned is not None and version <= self._owned[0]:
             return
         held = [s.key for s in self._store.slots()] if self._store is not None else []
@@ -306,8 +312,7 @@ class ParameterServerHandlers:
             self._install(store)
         else:
             store.adopt(slots)
-            if self.replicator is not None:
-                self.replicator.seed([s.key for s in slots])
+            self.replication.seed([s.key for s in slots])
         self.promotions += len(slots)
         self.failovers += 1
         log.warning("FAILOVER: promoted to primary of %d slices (%s%s) at versions %d..%d",
@@ -315,9 +320,8 @@ class ParameterServerHandlers:
                     min(s.version for s in slots), max(s.version for s in slots))
 
     async def _settle(self, keys: Iterable[SliceKey], deadline: float) -> None:
-        """Wait until every step of `keys` so far is on every backup (a no-op without replicas)."""
-        if self.replicator is not None:
-            await self.replicator.settle(list(keys), deadline)
+        """Wait until every step of `keys` so far is on every backup (at once without replicas)."""
+        await self.replication.settle(list(keys), deadline)
 
     @property
     def store(self) -> ShardStore:
@@ -424,9 +428,9 @@ class ParameterServerHandlers:
             if self._store is None:  # installed only once it holds the request's slices
                 self._install(store)
                 log.info("configured: %s", store.config)
-        if self.replicator is not None:  # a slice is declared once its backups hold it too
-            self.replicator.seed([k for k, _ in items])
-            await self._settle([k for k, _ in items], self._deadline(None))
+        # A slice is declared once its backups hold it too.
+        self.replication.seed([k for k, _ in items])
+        await self._settle([k for k, _ in items], self._deadline(None))
         values = store.read([k for k, _ in items])
         return created, [self._to_wire(WireArray(v, dtype_name(v.dtype))) for v, _ in values]
 
@@ -615,8 +619,7 @@ class ParameterServerHandlers:
                 counts[0] += outcome.applied
                 counts[1] += outcome.dropped
                 pushed[key].set()
-                if self.replicator is not None:  # its sender starts copying this slice while the next applies
-                    await asyncio.sleep(0)
+                await self.replication.hand_off()  # its senders copy this slice while the next applies
 
         reader = asyncio.ensure_future(consume())
         try:
@@ -692,7 +695,7 @@ class ParameterServerHandlers:
                            pulls_timed_out=self.pulls_timed_out, transports=self.transport_report(),
                            hangs=tuple(store.hangs(self._settings.hang_report_s))
                            if store and self._settings.hang_report_s > 0 else (),
-                           replication_lag=self.replicator.lag() if self.replicator is not None else 0,
+                           replication_lag=self.replication.lag(),
                            failovers=self.failovers)
 
     async def snapshot_at(self, at_version: int, timeout_s: float | None = None) -> ShardSnapshot:

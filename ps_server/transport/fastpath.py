@@ -249,7 +249,7 @@ class FastPathServer:
         # Sessions whose requests keep being wasted are not read for a while (ps_server/transport/tarpit.py).
         self.tarpit: WasteTarpit | None = None
         self.port = 0
-        # Set from the job's heartbeat timeout once the server registered (ps_server.service).
+        # Set from the job's heartbeat timeout once the server registered (ps_server.follower).
         self.dead_after_s = DEFAULT_DEAD_AFTER_S
         if not self.kinds:
             return

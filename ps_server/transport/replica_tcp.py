@@ -41,7 +41,7 @@ from pshard.common.wire.fastwire import (
 from pshard.common.wire.liveness import DEFAULT_DEAD_AFTER_S
 from pshard.ps_server.core.store import SliceMeta
 from pshard.ps_server.handlers.dense import ParameterServerHandlers
-from pshard.ps_server.replication.dense import Record, record_from_proto
+from pshard.ps_server.replication.records import Record, record_from_proto
 from pshard.ps_server.replication.table_wire import frame_keys
 from pshard.ps_server.replication.tables import hold_rows
 

@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 import numpy as np
 import pytest
-from pshard.client import ps_client
+from pshard.client import connections
 from pshard.client.ps_client import PSClient
 from pshard.common.job import JobConfig, OptimizerConfig
 from pshard.ps_server.__main__ import build_parser
@@ -72,7 +72,7 @@ def test_a_silently_dropped_fast_port_costs_one_short_wait_then_steps_go_over_gr
         monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
     server = start_server(ServerSettings(transport="tcp"))
     _drop_everything(server.running.fast._listener)  # type: ignore[arg-type]  # the server's own port
-    monkeypatch.setattr(ps_client, "FAST_PATH_RETRY_S", 0.0)  # a broken path would be tried every step
+    monkeypatch.setattr(connections, "FAST_PATH_RETRY_S", 0.0)  # a broken path would be tried every step
     client = new_client([server], "worker-0", transport="tcp", timeout_s=2.0)
     client.declare({"w": np.zeros(8, np.float32)}, JobConfig(mode="async", optimizer=OptimizerConfig(lr=1.0)))
     with caplog.at_level(logging.WARNING, logger="pshard.client"):

@@ -69,7 +69,7 @@ def test_a_silent_primary_is_re_routed_within_the_liveness_figure(
     # Server 1's host is cut off: the workers hear nothing more from it, and the scheduler fails it over
     # (it is fenced out of its old slices, as a primary declared dead is).
     for client in clients.values():
-        _deaf(client._fast[1]._sock)  # type: ignore[union-attr]  # the session's own socket
+        _deaf(client.connections.sessions()[1]._sock)  # type: ignore[union-attr]  # the session's own socket
     if fenced:
         servers[1].call(lambda: servers[1].running.handlers.set_ownership(moved.version, frozenset()))
     published.set()
