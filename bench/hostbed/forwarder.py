@@ -61,7 +61,8 @@ class Impairment:
         settings = json.loads(line)
         delay, loss = float(settings.get("delay_ms", self.delay_ms)), float(settings.get("loss", self.loss))
         if delay < 0 or not 0 <= loss <= 1:
-            raise ValueError(f"impairment: got delay_ms={delay}, loss={loss}; want delay_ms >= 0, 0 <= loss <= 1")
+            raise ValueError(f"impairment: got delay_ms={delay}, loss={loss}; "
+                             "want delay_ms >= 0, 0 <= loss <= 1")
         self.delay_ms, self.loss = delay, loss
 
 
@@ -125,14 +126,16 @@ def forward(a: int, b: int, impairment: Impairment, deadline: float, seed: int =
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.hostbed.forwarder", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m bench.hostbed.forwarder",
+                                     description=__doc__.split("\n\n")[0] if __doc__ else None)
     parser.add_argument("--bridge-ns", required=True, help="the bed's bridge namespace")
     parser.add_argument("--bridge-tap", required=True, help="name of the TAP device made in --bridge-ns")
     parser.add_argument("--host-ns", required=True, help="the host's namespace (its TAP device is eth0)")
     parser.add_argument("--delay-ms", type=float, default=0.0, help="one-way delay each way (default 0)")
     parser.add_argument("--loss", type=float, default=0.0, help="probability of dropping a frame (default 0)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the drops (default 0)")
-    parser.add_argument("--max-seconds", type=float, default=3600.0, help="exit after this long (default 3600)")
+    parser.add_argument("--max-seconds", type=float, default=3600.0,
+                        help="exit after this long (default 3600)")
     args = parser.parse_args(argv)
     impairment = Impairment()
     impairment.update(json.dumps({"delay_ms": args.delay_ms, "loss": args.loss}))
