@@ -50,10 +50,10 @@ def tls(certs: Path, name: str) -> list[str]:
 
 
 def pair_transports(bed: HostBed, certs: Path, scheduler: str) -> dict[str, dict[str, str]]:
-    """server -> worker -> transport, from `pshard status --json` run on the scheduler's host."""
+    """worker -> server -> transport, from `pshard status --json` run on the scheduler's host."""
     out = bed.run("sched", [PYTHON, "-m", "pshard", "status", "--scheduler", scheduler, "--json",
                             *tls(certs, "admin")], timeout_s=60)
-    return {s["node_id"]: dict(s["transports"]) for s in json.loads(out)["servers"]}
+    return {worker: dict(row) for worker, row in json.loads(out)["pairs"].items()}
 
 
 @pytest.mark.skipif(not (DATA_DIR / "train-images-idx3-ubyte.gz").exists(),
@@ -92,13 +92,12 @@ def test_a_job_across_hosts_trains_with_tls_and_picks_a_transport_per_pair(
         if not all(any(r.get("event") == "step" for r in read_metrics(m)) for m in metrics.values()):
             return None
         seen = pair_transports(bed, certs, spec["scheduler"][0])
-        return seen if all(len(seen.get(f"ps-{i}", {})) == 2 for i in range(3)) else None
+        return seen if all(len(seen.get(f"worker-{i}", {})) == 3 for i in range(2)) else None
 
     seen = wait_until(both_pushed_everywhere, FINISH_TIMEOUT_S, "every worker x server pair to be in use",
                       interval_s=0.5)
-    assert seen == {"ps-0": {"worker-0": "tcp", "worker-1": "tcp"},
-                    "ps-1": {"worker-0": "tcp", "worker-1": "tcp"},
-                    "ps-2": {"worker-0": "tcp", "worker-1": "shm"}}, seen
+    assert seen == {"worker-0": {"ps-0": "tcp", "ps-1": "tcp", "ps-2": "tcp"},
+                    "worker-1": {"ps-0": "tcp", "ps-1": "tcp", "ps-2": "shm"}}, seen
 
     for proc in workers:
         assert proc.wait(FINISH_TIMEOUT_S) == 0, proc.output()
