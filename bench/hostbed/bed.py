@@ -168,11 +168,11 @@ class HostBed:
         self._up = False
         for proc in self._spawned:
             self.kill(proc)
-        for proc in self._forwarders.values():
+        for forwarder in self._forwarders.values():
             with contextlib.suppress(OSError):
-                os.killpg(proc.pid, signal.SIGKILL)
+                os.killpg(forwarder.pid, signal.SIGKILL)
             with contextlib.suppress(subprocess.TimeoutExpired):
-                proc.wait(10)
+                forwarder.wait(10)
         teardown(self.names.token, [h.netns for h in self.hosts.values()] + [self.names.bridge_ns])
         with contextlib.suppress(Exception):
             atexit.unregister(self.down)

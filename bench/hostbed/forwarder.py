@@ -102,18 +102,24 @@ def forward(a: int, b: int, impairment: Impairment, deadline: float, seed: int =
     sel = selectors.DefaultSelector()
     for fd in (a, b):
         sel.register(fd, selectors.EVENT_READ)
-    sel.register(sys.stdin, selectors.EVENT_READ)
+    control = sys.stdin.fileno()
+    sel.register(control, selectors.EVENT_READ)
+    pending = b""
     while (now := time.monotonic()) < deadline:
         dues = [d for d in (x.next_due() for x in directions.values()) if d is not None]
         timeout = max(0.0, min([*dues, deadline]) - now)
         for key, _ in sel.select(timeout):
-            if key.fileobj is sys.stdin:
-                line = sys.stdin.readline()
-                if not line:
-                    return  # the bed closed our stdin or died
-                impairment.update(line)
-                continue
             fd = int(key.fd)
+            if fd == control:
+                # os.read, not sys.stdin's buffered readline: a second line already buffered would wait
+                # for the next wake-up.
+                chunk = os.read(control, 4096)
+                if not chunk:
+                    return  # the bed closed our stdin or died
+                *lines, pending = (pending + chunk).split(b"\n")
+                for line in lines:
+                    impairment.update(line.decode())
+                continue
             for _ in range(64):  # a burst per wake-up, bounded so the other direction gets its turn
                 try:
                     frame = os.read(fd, _FRAME)
