@@ -32,7 +32,7 @@ _CLONE_NEWNET = 0x40000000
 _FRAME = 65536
 
 
-def _setns(netns: str) -> None:
+def enter_netns(netns: str) -> None:
     """Enter network namespace `netns` (Python 3.11 has no os.setns)."""
     libc = ctypes.CDLL(None, use_errno=True)
     fd = os.open(f"/run/netns/{netns}", os.O_RDONLY)
@@ -46,7 +46,7 @@ def _setns(netns: str) -> None:
 
 def open_tap(netns: str, name: str) -> int:
     """A new TAP device `name` in `netns`, non-blocking; it lives as long as the returned descriptor."""
-    _setns(netns)
+    enter_netns(netns)
     fd = os.open("/dev/net/tun", os.O_RDWR | os.O_NONBLOCK)
     fcntl.ioctl(fd, _TUNSETIFF, struct.pack("16sH22x", name.encode(), _IFF_TAP | _IFF_NO_PI))
     return fd
