@@ -105,8 +105,8 @@ def test_a_job_across_hosts_trains_with_tls_and_picks_a_transport_per_pair(
     assert chief is not None and float(chief["test_accuracy"]) >= ACCURACY_BAR, workers[0].output()
     # Every listening socket of the servers (gRPC, fast paths) is on its host's address: nothing on 0.0.0.0
     # or 127.0.0.1. The workers, which have finished, listen on nothing.
-    for host in (bed.hosts[PLACES[task]] for task in PLACES if task[0] != "worker"):
-        listening = {line.split()[3] for line in bed.run(host.name, ["ss", "-ltnH"]).splitlines()}
+    for server in (bed.hosts[PLACES[task]] for task in PLACES if task[0] != "worker"):
+        listening = {line.split()[3] for line in bed.run(server.name, ["ss", "-ltnH"]).splitlines()}
         # gRPC listens on an IPv6 socket for an IPv4 address: [::ffff:10.a.b.c]:port.
         hosts = {a.rsplit(":", 1)[0].removeprefix("[::ffff:").strip("[]") for a in listening}
-        assert listening and hosts == {host.address}, (host.name, listening)
+        assert listening and hosts == {server.address}, (server.name, listening)
