@@ -5,6 +5,7 @@ teardown that leaves nothing, also after an exception or a SIGKILLed owner."""
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -188,3 +189,22 @@ def test_sweep_takes_a_dead_owners_bed_and_leaves_live_ones(hostbed: Bed) -> Non
     wait_until(lambda: not (STATE_ROOT / token).exists(), 5, "the dead owner's state to go")
     assert not [n for n in _netns_list() if n.startswith(f"pb{token}")]
     assert mine.state_dir.exists() and not _bed_gone(mine)
+
+
+def test_the_command_line_holds_a_bed_until_sigterm_then_tears_it_down(hostbed: Bed) -> None:
+    hostbed(["x"])  # only for the skip and the sweep: the command makes its own bed
+    cli = subprocess.Popen([sys.executable, "-m", "bench.hostbed", "up", "a", "b", "--forwarded", "b"],
+                           cwd=ROOT, stdout=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        assert cli.stdout is not None
+        rows = [cli.stdout.readline().split() for _ in range(3)]
+        assert [r[0] for r in rows[:2]] == ["a", "b"] and rows[2][0] == "holding", rows
+        netns = rows[0][1]
+        assert netns in _netns_list()
+        cli.send_signal(signal.SIGTERM)
+        assert cli.wait(30) == 0
+        assert not [n for n in _netns_list() if n.startswith(netns.rsplit("-", 1)[0])]
+    finally:
+        if cli.poll() is None:
+            cli.kill()
+            cli.wait(10)
