@@ -140,6 +140,7 @@ class PSClient:
         self._channels = self.connections.channels
         self._closed = self.connections.closed
         self._pool = self.connections.pool
+        self._answered: dict[str, float] = {}  # server -> when it last answered a call (reached_servers)
         self._stubs = [pb_grpc.ParameterServerServiceStub(c) for c in self._channels]
         self._exchange = [c.stream_stream(EXCHANGE_METHOD, request_serializer=identity,
                                           response_deserializer=identity) for c in self._channels]
@@ -513,7 +514,9 @@ class PSClient:
         """fn(server); a deadline passed while servers were unreachable names them, not a bare
         DEADLINE_EXCEEDED: waiting for a server nobody started looks like waiting for slow peers."""
         try:
-            return fn(server)
+            result = fn(server)
+            self._answered[self.servers[server]] = time.monotonic()
+            return result
         except PullTimeoutError as err:
             down = sorted(self.connections.unreachable)
             if not down:
@@ -522,6 +525,11 @@ class PSClient:
                 f"parameter server(s) {', '.join(down)} (of {', '.join(self.servers)}) unreachable until "
                 f"the deadline ({self._timeout_s:g} s): is each one running at that address, with the same "
                 f"TLS settings as this worker? ({err})") from err
+
+    def reached_servers(self, within_s: float) -> list[str]:
+        """The servers that answered a call of this client within the last `within_s` seconds."""
+        since = time.monotonic() - within_s
+        return [address for address, at in list(self._answered.items()) if at >= since]
 
     def _unary(self, server: int, call: Callable[[pb_grpc.ParameterServerServiceStub], T]) -> T:
         """A unary call; gRPC retries it on UNAVAILABLE (the channel's retry policy)."""

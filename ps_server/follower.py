@@ -74,12 +74,14 @@ class SchedulerFollower:
         self._views: list[ViewConsumer] = []
         self._layouts: list[LayoutConsumer] = []
         self._grace_subscribers: list[Callable[[float], None]] = []
+        self._answers: list[Callable[[float, float], None]] = []
         self._layout_seen = 0
         self.client = SchedulerClient(
             spec.scheduler_address, "ps", own_address=spec.own_address or "", node_id=spec.node_id,
             rank_hint=spec.task_index, on_view=self._on_view, connect_timeout_s=300.0,
             last_generation=last_generation, security=security,
-            scheduler_host="" if spec.scheduler else ("chief-0" if spec.chief else "worker-0"))
+            scheduler_host="" if spec.scheduler else ("chief-0" if spec.chief else "worker-0"),
+            on_answer=self._on_answer)
 
     def subscribe_views(self, consumer: ViewConsumer) -> None:
         self._views.append(consumer)
@@ -91,6 +93,12 @@ class SchedulerFollower:
     def subscribe_heartbeat_timeout(self, consumer: Callable[[float], None]) -> None:
         """The scheduler's heartbeat timeout, once registered (called on the registering thread)."""
         self._grace_subscribers.append(consumer)
+
+    def subscribe_answers(self, consumer: Callable[[float, float], None]) -> None:
+        """(sending time, heartbeat timeout) of each heartbeat (and the registration) the scheduler
+        answered, on `loop`, once the layout that answer brought went to the layout subscribers: a
+        server's lease (ps_server/core/lease.py) is renewed only with the newest ownership in place."""
+        self._answers.append(consumer)
 
     def start(self) -> SchedulerClient:
         threading.Thread(target=self._register, name="ps-register", daemon=True).start()
@@ -110,10 +118,23 @@ class SchedulerFollower:
         for on_view in self._views:
             self._loop.call_soon_threadsafe(on_view, view)
 
+    def _on_answer(self, sent_at: float, timeout_s: float) -> None:
+        if not self._answers:
+            return
+        view = self.client.view
+        if self._layouts and view is not None and view.layout_version > self._layout_seen:
+            self._on_view(view)  # a layout read that failed before is tried again first
+            if view.layout_version > self._layout_seen:
+                return
+        for consumer in self._answers:
+            self._loop.call_soon_threadsafe(consumer, sent_at, timeout_s)
+
     def _register(self) -> None:
         client, spec = self.client, self._spec
         try:
+            sent_at = time.monotonic()
             registration = client.register()
+            self._on_answer(sent_at, client.heartbeat_timeout_s)  # armed at once: cut off before a heartbeat
             for consumer in self._grace_subscribers:
                 consumer(client.heartbeat_timeout_s)
             log.info("registered with scheduler %s as %s (rank %d, generation %d)", spec.scheduler_address,
@@ -219,6 +240,7 @@ def follow_scheduler(running: RunningServer, spec: ClusterSpec, loop: asyncio.Ab
         follower.subscribe_layouts(replicas.on_layout)
         follower.subscribe_views(replicas.on_view)
         follower.subscribe_heartbeat_timeout(replicas.set_heartbeat_timeout)
+        follower.subscribe_answers(handlers.renew_lease)  # fenced when it may have been failed over
     quorum = QuorumInstaller(handlers, tables, loop)
     follower.subscribe_views(quorum.on_view)
     follower.subscribe_heartbeat_timeout(quorum.set_heartbeat_timeout)

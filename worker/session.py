@@ -252,6 +252,7 @@ class ClusterSession:
                                security=self.security, relayout=self._newer_layout,
                                reroute_wait_s=3 * sched.heartbeat_timeout_s,
                                dead_after_s=sched.heartbeat_timeout_s)
+        sched.report_reached(self.client.reached_servers)  # the scheduler keeps a server only it cannot hear
         threading.Thread(target=self._watch_servers, args=(layout, self.client), name="server-watch",
                          daemon=True).start()
         return self.client

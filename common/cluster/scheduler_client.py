@@ -68,11 +68,14 @@ class SchedulerClient:
                  rank_hint: int | None = None, *, on_view: ViewCallback | None = None,
                  rpc_timeout_s: float = 5.0, connect_timeout_s: float = 30.0,
                  last_generation: int = 0, security: SecurityConfig | None = None,
-                 scheduler_host: str | None = None) -> None:
+                 scheduler_host: str | None = None,
+                 on_answer: Callable[[float, float], None] | None = None) -> None:
         """`security`: this node's TLS files or token (pshard.common.security.credentials); default plain.
         `scheduler_host`: with TLS, check once registered that the scheduler's certificate is a
         scheduler's, or that of this task ("chief-0", "worker-0") hosting it ("" when the cluster has a
-        scheduler task); None: no check."""
+        scheduler task); None: no check. `on_answer(sent_at, heartbeat_timeout_s)`: a heartbeat sent at
+        `sent_at` (time.monotonic()) was answered, after the view it brought went through the view
+        callbacks (a server's lease)."""
         self.address = address
         self.role = role
         self.own_address = own_address
@@ -87,6 +90,7 @@ class SchedulerClient:
         self._heartbeat_timeout_s = 5.0
         self._progress = 0
         self._in_sync: tuple[dict[str, int], int] = ({}, 0)
+        self._reached: Callable[[float], Sequence[str]] | None = None
         self._rpc_timeout_s = rpc_timeout_s
         self._connect_timeout_s = connect_timeout_s
         self._security = (security or SecurityConfig()).for_node(role, node_id or "")
@@ -100,6 +104,7 @@ class SchedulerClient:
         self._deliver = threading.Lock()  # one view at a time through the callbacks, in order
         self._register_lock = threading.Lock()
         self._callbacks: list[ViewCallback] = [on_view] if on_view else []
+        self._on_answer = on_answer
         self._closed = threading.Event()
         self._heartbeats_stopped = threading.Event()
         self._fenced: PSError | None = None
@@ -148,6 +153,11 @@ class SchedulerClient:
     def report_clock(self, clock: int) -> None:
         """Progress (a worker's clock) sent with the next heartbeats."""
         self._progress = clock
+
+    def report_reached(self, reached: Callable[[float], Sequence[str]]) -> None:
+        """A worker: `reached(within_s)` names the servers that answered it within `within_s`; sent with
+        each heartbeat, so the scheduler keeps a server only it cannot hear (docs/architecture.md, 9)."""
+        self._reached = reached
 
     def report_in_sync(self, copies: dict[str, int], layout_version: int) -> None:
         """A server with replicas: its backups holding all the slices layout `layout_version` makes
@@ -363,12 +373,17 @@ class SchedulerClient:
         while not self._heartbeats_stopped.wait(self._heartbeat_interval_s):
             generation = self._generation
             copies, layout_version = self._in_sync
+            reached = self._reached(self._heartbeat_timeout_s) if self._reached is not None else ()
             request = pb.HeartbeatRequest(node_id=self._node_id, generation=generation, clock=self._progress,
-                                          in_sync=copies, in_sync_layout=layout_version)
+                                          in_sync=copies, in_sync_layout=layout_version,
+                                          reached_servers=reached)
+            sent_at = time.monotonic()
             try:
                 reply = self._stub.Heartbeat(request, timeout=min(self._rpc_timeout_s,
                                                                   self._heartbeat_timeout_s / 2))
                 self._offer_view(view_from_proto(reply.view))
+                if self._on_answer is not None:
+                    self._on_answer(sent_at, self._heartbeat_timeout_s)
                 if unreachable_since is not None:
                     log.info("scheduler %s reachable again after %.1f s", self.address,
                              time.monotonic() - unreachable_since)

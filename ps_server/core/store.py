@@ -308,6 +308,15 @@ class ShardStore:
                     self._worker_clocks[worker] = max(self._worker_clocks.get(worker, NO_CLOCK), clock)
         self._notify()
 
+    def release(self, keys: Iterable[SliceKey]) -> int:
+        """Drop the slices of `keys` held here (a failover moved them away while this server was cut off:
+        it keeps a copy of them as a backup instead). Returns how many were held."""
+        with self._meta:
+            dropped = [self._slots.pop(k) for k in list(keys) if k in self._slots]
+        if dropped:
+            self._notify()
+        return len(dropped)
+
     # ---- pushing ----
 
     def push(self, stamp: Stamp, grads: Mapping[SliceKey, np.ndarray]) -> PushOutcome:
