@@ -39,6 +39,7 @@ from pshard.common.wire.fastwire import (
     REQUEST,
     SLICE,
     Inbox,
+    PeerSilent,
     TransportBroken,
     decode_slice_meta,
     encode_header,
@@ -46,6 +47,7 @@ from pshard.common.wire.fastwire import (
     send_frame,
     tune,
 )
+from pshard.common.wire.liveness import DEFAULT_DEAD_AFTER_S
 from pshard.common.wire.shm import Segment, connect, packed, parse_socket_name, send_fd, sweep_orphans
 
 from pshard.api.v1 import parameter_server_pb2 as pb
@@ -125,6 +127,13 @@ def _handoff(segment: Segment, shm_dir: str, name: str, hello: bytes, timeout_s:
     return sock
 
 
+def _broken(kind: str, err: OSError | ValueError) -> TransportBroken:
+    """What a failure of the path under a request means for the caller: ETIMEDOUT (the kernel's
+    keepalive or user timeout) or the call's deadline is a silent peer, anything else a broken path."""
+    cls = PeerSilent if isinstance(err, TimeoutError) else TransportBroken
+    return cls(f"{kind} transport: {type(err).__name__}: {err}")
+
+
 class FastPath:
     def __init__(self, kind: str, sock: socket.socket, segment: Segment | None,
                  scratch: Segment | None) -> None:
@@ -147,13 +156,15 @@ class FastPath:
     @classmethod
     def open(cls, kind: str, stub: pb_grpc.ParameterServerServiceStub, address: str, worker_id: str, *,
              request_bytes: int, reply_bytes: int, shm_dir: str, timeout_s: float,
-             ssl_context: ssl.SSLContext | None = None) -> FastPath:
+             ssl_context: ssl.SSLContext | None = None,
+             dead_after_s: float = DEFAULT_DEAD_AFTER_S) -> FastPath:
         """Negotiate and connect; a PSError says why this kind is not possible with this server.
 
         `ssl_context` (a client context: our certificate, the job's CA): TCP runs over TLS, the
         server authenticated by its certificate and the host name we reached it by, as gRPC does.
         Shared memory needs none: the bytes never leave the host, and the session's secret came
-        over the authenticated gRPC channel."""
+        over the authenticated gRPC channel. `dead_after_s`: a server silent this long (its host
+        cut off) breaks the TCP session (common.wire.liveness): the job's heartbeat timeout."""
         segment = scratch = None
         sock = None
         try:
@@ -178,7 +189,7 @@ class FastPath:
                 sock = _handoff(segment, shm_dir, reply.socket, hello, timeout_s)
                 return cls(kind, sock, segment, scratch)
             try:
-                sock = open_session(address, reply.port, hello, timeout_s, ssl_context)
+                sock = open_session(address, reply.port, hello, timeout_s, ssl_context, dead_after_s)
             except OSError as err:
                 raise TransportBroken(f"cannot connect to port {reply.port}: {err}") from None
             return cls(kind, sock, segment, scratch)
@@ -225,7 +236,7 @@ class FastPath:
             self._send(header, buffers)
         except (OSError, ValueError) as err:  # ValueError: a region unmapped under us (closed)
             self._lock.release()
-            raise TransportBroken(f"{self.kind} transport: {type(err).__name__}: {err}") from err
+            raise _broken(self.kind, err) from err
         except BaseException:
             self._lock.release()
             raise
@@ -245,7 +256,7 @@ class FastPath:
             if sent is not None:  # the reply came (an error, early) but the request did not all go
                 raise sent
         except (OSError, ValueError) as err:
-            raise TransportBroken(f"{self.kind} transport: {type(err).__name__}: {err}") from err
+            raise _broken(self.kind, err) from err
         finally:
             self._lock.release()
         if reply.error_type:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 import random
 import threading
 import time
@@ -56,8 +57,9 @@ from pshard.common.sparse import TableConfig
 from pshard.common.types import Stamp
 from pshard.common.wire import codec
 from pshard.common.wire.dtypes import PARAM_DTYPES
-from pshard.common.wire.fastwire import TransportBroken
+from pshard.common.wire.fastwire import FastPortSilent, PeerSilent, TransportBroken
 from pshard.common.wire.framing import SliceReader, pack_frames
+from pshard.common.wire.liveness import DEFAULT_DEAD_AFTER_S, figures
 from pshard.common.wire.shm import DEFAULT_SHM_DIR, align
 
 from pshard.api.v1 import parameter_server_pb2 as pb
@@ -105,14 +107,16 @@ class PSClient:
                  transport: str = "auto", shm_dir: str = DEFAULT_SHM_DIR,
                  security: SecurityConfig | None = None,
                  relayout: Callable[[Layout, float], Layout | None] | None = None,
-                 reroute_wait_s: float = 15.0) -> None:
+                 reroute_wait_s: float = 15.0, dead_after_s: float = DEFAULT_DEAD_AFTER_S) -> None:
         """`security`: this worker's TLS files or token (pshard.common.security.credentials; default plain).
         `relayout(layout, timeout_s)`: a layout newer than `layout` once the scheduler publishes one
         (a failover), else None at the timeout; with it and a replicated layout, a step whose server
         is gone waits up to `reroute_wait_s` for the failover and is sent again on the new layout.
         `transport`: how push and pull bytes travel (docs/architecture.md, 11 Transports): "auto"
         takes shared memory when the server proves it shares this host's `shm_dir`, else a raw TCP
-        socket, else gRPC; "shm" or "tcp" only that one (else gRPC); "grpc" never negotiates."""
+        socket, else gRPC; "shm" or "tcp" only that one (else gRPC); "grpc" never negotiates.
+        `dead_after_s`: a server silent this long breaks its raw TCP session (the job's heartbeat
+        timeout; common.wire.liveness), and with a replicated layout the step is re-routed."""
         if transport not in TRANSPORTS:
             raise InvalidArgumentError(f"transport: got {transport!r}, expected one of {TRANSPORTS}")
         if not servers:
@@ -152,6 +156,8 @@ class PSClient:
         # Fast paths, per server: the open one, when the next try is due, and what carries the calls.
         self._transport = transport
         self._shm_dir = shm_dir
+        figures(dead_after_s)  # a bad figure fails here, not at the first step
+        self._dead_after_s = dead_after_s
         self._fast: list[FastPath | None] = [None] * len(self.servers)
         self._fast_retry_at = [0.0] * len(self.servers)
         self._fast_locks = [threading.Lock() for _ in self.servers]
@@ -445,7 +451,13 @@ class PSClient:
                                          request_bytes=room, reply_bytes=room, shm_dir=self._shm_dir,
                                          timeout_s=min(self._timeout_s, 10.0),
                                          ssl_context=self.security.client_ssl_context() if self.security.tls
-                                         else None)
+                                         else None, dead_after_s=self._dead_after_s)
+                except FastPortSilent as err:
+                    # Each try would block a step as long again (issue 24): this server's calls stay on
+                    # gRPC for this client's life, said once.
+                    self._fast_retry_at[server] = math.inf
+                    log.warning("server %s: %s; not tried again by this worker", self.servers[server], err)
+                    return None
                 except PSError as err:
                     reasons.append(f"{kind}: {err}")
                     continue
@@ -494,6 +506,10 @@ class PSClient:
                 if self._fast[server] is fast:
                     self._drop_fast(server)
                     self._fast_retry_at[server] = time.monotonic() + FAST_PATH_RETRY_S
+            if isinstance(err, PeerSilent) and self._fail_fast:
+                # Its host is most likely cut off: over gRPC to the same address the call would wait
+                # as long again. Re-routing waits for the failover the scheduler publishes.
+                raise UnavailableError(f"server {self.servers[server]}: {err}") from err
             return None
 
     # ---- internals ----

@@ -75,8 +75,9 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
                "Declare); the --mode/--optimizer flags set them for clients that send none.")
     add_cluster_arguments(p)
     p.add_argument("--bind", metavar="HOST:PORT", type=listen_address,
-                   help="listen address (default: the port of this task's TF_CONFIG address on 127.0.0.1, "
-                        "or in a container on TF_CONFIG's host; 127.0.0.1:0 without TF_CONFIG)")
+                   help="listen address (default: this task's TF_CONFIG address when its host is an "
+                        "address of this machine, else every interface with its port; 127.0.0.1:0 without "
+                        "TF_CONFIG)")
     p.add_argument("--workers", metavar="ID[,ID...]",
                    help="static sync quorum of worker ids (e.g. worker-0,worker-1) when no scheduler is used")
     p.add_argument("--no-scheduler", action="store_true",
@@ -130,6 +131,11 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
     p.add_argument("--update-threads", type=int_range(0, 256), default=ServerSettings.update_threads,
                    help="threads a large slice's optimizer update is split over (same results as one "
                         "thread); 0 = half the cores this process may use, 1 to 8 (default 0)")
+    p.add_argument("--fast-port", metavar="N", type=int_range(0, 65535),
+                   default=os.environ.get("PSHARD_FAST_PORT", str(ServerSettings.fast_port)),
+                   help="TCP port of the raw TCP fast path, on the --bind host: pin it to open it in a "
+                        "firewall between hosts (docs/operations/ports.md); env PSHARD_FAST_PORT; "
+                        "default 0: any free port")
     p.add_argument("--shm-dir", metavar="DIR", default=ServerSettings.shm_dir,
                    help="directory of the workers' shared-memory segments (default "
                         f"{ServerSettings.shm_dir})")
@@ -192,7 +198,7 @@ def _settings(args: argparse.Namespace) -> ServerSettings:
     return ServerSettings(default_job=default_job, static_quorum=_static_quorum(args),
                           pull_timeout_s=args.pull_timeout_s, checkpoint_dir=args.checkpoint_dir,
                           global_checkpoint_dir=args.global_checkpoint_dir,
-                          transport=args.transport, shm_dir=args.shm_dir,
+                          transport=args.transport, shm_dir=args.shm_dir, fast_port=args.fast_port,
                           max_inflight_bytes=args.max_inflight_mb * 2**20, hang_report_s=args.hang_report_s,
                           waste_limit_bytes=args.waste_limit_mb * 2**20,
                           resume=args.resume, replicas=args.replicas, update_threads=args.update_threads,

@@ -47,6 +47,7 @@ from pshard.ps_server.transport.budget import InflightBudget, WasteTarpit
 from pshard.ps_server.transport.fastpath import FastPathServer, OpenTransportMethod
 from pshard.ps_server.transport.global_checkpoint_servicer import GlobalCheckpointServicer
 from pshard.ps_server.transport.global_checkpoint_servicer import rpc_handlers as global_rpc_handlers
+from pshard.ps_server.transport.replica_tcp import TcpLinks
 from pshard.ps_server.transport.servicer import ParameterServerServicer
 from pshard.ps_server.transport.table_servicer import SparseTablesServicer
 from pshard.ps_server.transport.table_servicer import rpc_handlers as table_rpc_handlers
@@ -146,7 +147,7 @@ async def start(settings: ServerSettings, bind: str = "127.0.0.1:0",
     fast = FastPathServer(handlers, asyncio.get_running_loop(), transport=settings.transport,
                           shm_dir=settings.shm_dir, host=bind.rsplit(":", 1)[0].strip("[]") or "0.0.0.0",
                           ssl_context=security.server_ssl_context() if security.tls else None,
-                          refusals=refusals)
+                          refusals=refusals, port=settings.fast_port)
     handlers.transport_report = fast.transports
     fast.tarpit = tarpit  # the same peers' budget: a fast-path session is a peer of its own
     fast.tables = tables  # table requests ride the same sessions (ps_server.transport.table_fast)
@@ -219,6 +220,7 @@ def follow_scheduler(running: RunningServer, spec: ClusterSpec,
     replicas = handlers.replicas_setting
     reporter: InSyncReporter | None = None
     rows: TableReplication | None = None
+    links: TcpLinks | None = None
     if replicas > 0:
         stubs = stub_cache(security)
         send = grpc_sender(security, stubs)
@@ -290,12 +292,17 @@ def follow_scheduler(running: RunningServer, spec: ClusterSpec,
     client: SchedulerClient = SchedulerClient(
         spec.scheduler_address, "ps", own_address=spec.own_address or "", node_id=spec.node_id,
         rank_hint=spec.task_index, on_view=on_view, connect_timeout_s=300.0, last_generation=restored,
-        security=security)
+        security=security, scheduler_host="" if spec.scheduler else ("chief-0" if spec.chief else "worker-0"))
 
     def register() -> None:
         try:
             registration = client.register()
             follower.grace_s = 2 * client.heartbeat_timeout_s
+            # Fast-path and replication sockets notice a silent peer as the scheduler does.
+            if running.fast is not None:
+                running.fast.dead_after_s = client.heartbeat_timeout_s
+            if links is not None:
+                links.dead_after_s = client.heartbeat_timeout_s
             log.info("registered with scheduler %s as %s (rank %d, generation %d)", spec.scheduler_address,
                      registration.node_id, registration.rank, registration.generation)
         except Exception:

@@ -40,6 +40,9 @@ class ServerSettings:
     global_checkpoint_dir: str | None = None
     # Fast paths offered to workers besides gRPC: auto (shm and tcp), shm, tcp or grpc (none).
     transport: str = "auto"
+    # The raw TCP fast path's port on the bind host; 0: any free one. Pinned where a firewall between
+    # hosts must let it through (docs/operations/ports.md).
+    fast_port: int = 0
     # Where workers' shared-memory segments live (a directory both sides can map).
     shm_dir: str = "/dev/shm"
     # What one request may ask for (common.limits, docs/operations/limits.md); tighter for tests and

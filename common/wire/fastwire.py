@@ -31,6 +31,7 @@ from collections.abc import Sequence
 import numpy as np
 from pshard.common.errors import PSError
 from pshard.common.wire.codec import byte_view
+from pshard.common.wire.liveness import DEFAULT_DEAD_AFTER_S, keep_alive
 
 _HEADER = struct.Struct("<4sB3xIQ")
 HEADER_BYTES = _HEADER.size
@@ -46,6 +47,9 @@ REPLY = 3
 SLICE = 4
 KINDS = (HELLO, REQUEST, REPLY, SLICE)
 _SLICE_META = struct.Struct("<I")
+# A fast-path connect that got no answer for this long is dropped by a firewall, not slow: on a
+# network that answers, a lost SYN is sent again after 1 s and 3 s, both within it.
+CONNECT_TIMEOUT_S = 4.0
 
 
 class TransportBroken(PSError):
@@ -53,6 +57,18 @@ class TransportBroken(PSError):
     the request must complete over gRPC. Never a verdict on the request itself."""
 
     status = "UNAVAILABLE"
+
+
+class PeerSilent(TransportBroken):
+    """The peer answered nothing, not even the kernel's keepalive probes, until a deadline or the
+    socket's liveness timeout (common.wire.liveness): its host is cut off or gone. Unlike a reset,
+    sending the same request to the same address over gRPC would most likely wait as long again."""
+
+
+class FastPortSilent(TransportBroken):
+    """Connecting to a fast-path port got no answer at all, neither an accept nor a refusal: a
+    firewall drops it. Trying again costs the same wait each time, so callers stop trying that port
+    (gRPC, on its own port, carries the calls)."""
 
 
 def encode_header(kind: int, meta_len: int, data_len: int) -> bytes:
@@ -234,16 +250,29 @@ def host_of(address: str) -> str:
 
 
 def open_session(address: str, port: int, hello: bytes, timeout_s: float,
-                 ssl_context: ssl.SSLContext | None) -> socket.socket:
-    """A session's socket: connected to `port` on the host of gRPC target `address`, tuned, under TLS
-    when `ssl_context` is given (the server's name checked against `address`'s host), its hello frame
+                 ssl_context: ssl.SSLContext | None,
+                 dead_after_s: float = DEFAULT_DEAD_AFTER_S) -> socket.socket:
+    """A session's socket: connected to `port` on the host of gRPC target `address`, tuned, kept
+    alive (a peer silent for `dead_after_s` breaks it: common.wire.liveness), under TLS when
+    `ssl_context` is given (the server's name checked against `address`'s host), its hello frame
     sent. OSError, the socket closed, if any of it fails (a worker's session and the servers'
-    replication link open theirs alike)."""
-    sock = socket.create_connection((host_of(address), port), timeout=timeout_s)
+    replication link open theirs alike); FastPortSilent when the connect got no answer within
+    CONNECT_TIMEOUT_S."""
+    host = host_of(address)
+    connect_s = min(timeout_s, CONNECT_TIMEOUT_S)
     try:
+        sock = socket.create_connection((host, port), timeout=connect_s)
+    except TimeoutError:
+        raise FastPortSilent(f"fast-path port {port} on {host} gave no answer within {connect_s:g} s "
+                             "(a firewall drops it?): open TCP port "
+                             f"{port} on {host} to the workers and servers, or pin it with `pshard ps "
+                             "--fast-port N` and open that one; gRPC carries the calls meanwhile") from None
+    try:
+        sock.settimeout(timeout_s)
         tune(sock)
+        keep_alive(sock, dead_after_s)
         if ssl_context is not None:
-            sock = ssl_context.wrap_socket(sock, server_hostname=host_of(address))
+            sock = ssl_context.wrap_socket(sock, server_hostname=host)
         send_frame(sock, HELLO, hello)
     except BaseException:
         sock.close()

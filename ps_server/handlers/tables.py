@@ -75,6 +75,8 @@ class TableStats:
     evicted: int
     steps: int
     admitted: int = 0
+    admission_bytes: int = 0  # the admission counts' fixed size (0: no admission by count)
+    admission_halvings: int = 0
 
 
 class TableHandlers:
@@ -348,7 +350,10 @@ class TableHandlers:
 
     def stats(self, name: str) -> TableStats:
         table = self._table(name)
-        return TableStats(rows=len(table), evicted=table.evicted, steps=table.step, admitted=table.admitted)
+        sketch = table.admission
+        return TableStats(rows=len(table), evicted=table.evicted, steps=table.step, admitted=table.admitted,
+                          admission_bytes=sketch.nbytes if sketch else 0,
+                          admission_halvings=sketch.epoch if sketch else 0)
 
     def all_stats(self) -> dict[str, TableStats]:
         """Every table's stats by name (the metrics endpoint reads them at scrape time)."""

@@ -594,7 +594,7 @@ class Replicator:
                 shm.reserve([slots[k] for k in keys if k in slots])
             except OSError as e:  # the directory is full (a container's small /dev/shm): inline from now on
                 log.warning("replication: no room for %s's segments for %s in shared memory (%s); "
-                            "replicating over gRPC", self.own, b.address, e)
+                            "replicating %s", self.own, b.address, e, self._inline_path())
                 shm.close()
                 b.shm = shm = None
         shipped: dict[SliceKey, int] = {}
@@ -630,6 +630,10 @@ class Replicator:
         fill_inline(request, arrays)
         return self._send(address, request)
 
+    def _inline_path(self) -> str:
+        """How the bytes go once shared memory is out, as the log says it (not always gRPC)."""
+        return "over the raw TCP link (gRPC where it breaks)" if self._links is not None else "over gRPC"
+
     def _config_proto(self, config: JobConfig) -> pb.JobConfig:
         """The job's config as every call carries it, encoded once (it changes only with a new job)."""
         cached = self._config_cache
@@ -650,8 +654,8 @@ class Replicator:
             b.shm.acknowledged(k for k in shipped if k not in refused)
         if refused:
             if b.shm is not None:  # it cannot map our segments (another host): bytes inline from now on
-                log.warning("replication: backup %s cannot map %s's shared memory; replicating over gRPC",
-                            b.address, self.own)
+                log.warning("replication: backup %s cannot map %s's shared memory; replicating %s",
+                            b.address, self.own, self._inline_path())
                 b.shm.close()
                 b.shm = None
             b.wake.set()
