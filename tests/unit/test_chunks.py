@@ -143,3 +143,10 @@ def test_a_store_on_a_pool_trains_as_one_on_a_single_thread(pool):
     assert v1 == v2 == 3
     assert one.tobytes() == many.tobytes()
     assert not np.array_equal(one, start)
+
+
+def test_the_server_flag_sizes_its_update_pool():
+    from pshard.ps_server.__main__ import _settings, build_parser
+
+    assert _settings(build_parser().parse_args(["--update-threads", "3"])).update_threads == 3
+    assert _settings(build_parser().parse_args([])).update_threads == 0  # 0: half the cores, 1 to 8
