@@ -37,7 +37,7 @@ from bench.gpu_runs import Shape, _sync, _trainer, synthetic
 
 PROFILE_STEPS = 12
 PROFILE_WARMUP = 3
-BIG_BUCKET_BYTES = 8 * 2**20  # the overlap variant with DDP-sized buckets, beside the default
+SMALL_BUCKET_BYTES = 256 * 1024  # the overlap variant with many small buckets (the default before 4 MiB)
 
 
 class Phases:

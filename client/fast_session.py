@@ -31,6 +31,7 @@ from pathlib import Path
 
 import grpc
 import numpy as np
+from pshard.common.chunks import shared_pool
 from pshard.common.errors import rebuild
 from pshard.common.rpc.status import error_from_rpc_error
 from pshard.common.wire.fastwire import (
@@ -153,6 +154,7 @@ class FastPath:
         self._lock = threading.Lock()  # one request at a time: the regions hold one request's bytes
         self._sender: _Sender | None = None  # started for the first large request (TCP)
         self._sending = False  # the sender thread is writing the request in flight
+        self._copies = shared_pool()  # copies into and out of the segment, multi-MiB each: on a few threads
         self.closed = False
 
     @classmethod
@@ -277,7 +279,7 @@ class FastPath:
                 raise TransportBroken(f"request of {total} bytes exceeds the segment's "
                                       f"{segment.request_bytes}")
             for offset, view in zip(offsets, views, strict=True):
-                np.copyto(segment.request[offset:offset + view.nbytes], view)
+                self._copies.copy(segment.request[offset:offset + view.nbytes], view)
             views = []
         meta, deadline = header.SerializeToString(), self._inbox.deadline
         if sum([v.nbytes for v in views]) > _PIPELINE_BYTES:
@@ -338,7 +340,7 @@ class FastPath:
                     raise TransportBroken(f"reply slice at {offset}+{size} is outside the segment")
                 target = direct(index)
                 if target is not None and target.nbytes == size:  # one copy, no conversion to look up
-                    np.copyto(target, segment.reply[offset:offset + size])
+                    self._copies.copy(target, segment.reply[offset:offset + size])
                 else:
                     place(index, segment.reply[offset:offset + size])
             return reply

@@ -36,6 +36,7 @@ from pshard.common.argtypes import (
     positive_int,
     replicas,
 )
+from pshard.common.chunks import configure_shared_pool
 from pshard.common.cluster.spec import (
     ClusterSpec,
     add_cluster_arguments,
@@ -128,6 +129,9 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
     p.add_argument("--transport", choices=("auto", "shm", "tcp", "grpc"), default=ServerSettings.transport,
                    help="fast paths offered to workers besides gRPC: auto = shared memory and raw TCP "
                         f"(default {ServerSettings.transport})")
+    p.add_argument("--update-threads", type=int_range(0, 256), default=ServerSettings.update_threads,
+                   help="threads a large slice's optimizer update is split over (same results as one "
+                        "thread); 0 = half the cores this process may use, 1 to 8 (default 0)")
     p.add_argument("--fast-port", metavar="N", type=int_range(0, 65535),
                    default=os.environ.get("PSHARD_FAST_PORT", str(ServerSettings.fast_port)),
                    help="TCP port of the raw TCP fast path, on the --bind host: pin it to open it in a "
@@ -198,7 +202,7 @@ def _settings(args: argparse.Namespace) -> ServerSettings:
                           transport=args.transport, shm_dir=args.shm_dir, fast_port=args.fast_port,
                           max_inflight_bytes=args.max_inflight_mb * 2**20, hang_report_s=args.hang_report_s,
                           waste_limit_bytes=args.waste_limit_mb * 2**20,
-                          resume=args.resume, replicas=args.replicas,
+                          resume=args.resume, replicas=args.replicas, update_threads=args.update_threads,
                           # Test hook only (ServerSettings.checkpoint_pause_dir); unset in production.
                           checkpoint_pause_dir=os.environ.get("PSHARD_TEST_CHECKPOINT_PAUSE_DIR") or None)
 
@@ -272,6 +276,7 @@ def main(argv: Sequence[str] | None = None, *, prog: str = PROG) -> int:
                 f"task.type: got {spec.task_type!r} (index {spec.task_index}), but {prog} runs 'ps' "
                 f"tasks; start a {spec.task_type!r} task with 'pshard run' or its own command")
     settings = _settings(args)
+    configure_shared_pool(settings.update_threads)  # before any slice exists: every slice takes this pool
     security = security_from_args(args, os.environ, role="ps", node_id=spec.node_id if spec else "",
                                   hosts=own_hosts(spec.own_address) if spec else [])
     bind = _bind(args, spec)

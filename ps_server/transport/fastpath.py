@@ -46,6 +46,7 @@ from pathlib import Path
 import grpc.aio
 import numpy as np
 from google.protobuf.message import DecodeError
+from pshard.common.chunks import shared_pool
 from pshard.common.errors import InvalidArgumentError, PermissionDeniedError, PSError
 from pshard.common.rpc.options import EXCHANGE_METHOD
 from pshard.common.rpc.status import maps_errors
@@ -144,7 +145,7 @@ class _SlotEncoder:
         offset = session.slot(key, src.nbytes)
         if self.lend:
             return key, offset, src.nbytes, src
-        np.copyto(session.regions.reply[offset:offset + src.nbytes], src)
+        shared_pool().copy(session.regions.reply[offset:offset + src.nbytes], src)  # multi-MiB: threads
         return key, offset, src.nbytes, None
 
 
@@ -598,7 +599,7 @@ class FastPathServer:
         for pulled in result.slices:
             src = pulled.value.array.reshape(-1).view(np.uint8)
             offset = session.slot(pulled.key, src.nbytes)
-            session.regions.reply[offset:offset + src.nbytes] = src
+            shared_pool().copy(session.regions.reply[offset:offset + src.nbytes], src)
             reply.offsets.append(offset)
             reply.sizes.append(src.nbytes)
             reply.summary.versions.append(pulled.version)
