@@ -131,7 +131,8 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
                         f"(default {ServerSettings.transport})")
     p.add_argument("--update-threads", type=int_range(0, 256), default=ServerSettings.update_threads,
                    help="threads a large slice's optimizer update is split over (same results as one "
-                        "thread); 0 = half the cores this process may use, 1 to 8 (default 0)")
+                        "thread); 0 = half the cores this process may use, 1 to 8. Opt-in (default 1): helps "
+                        "Adam on a host with idle cores, measured slower for SGD beside GPU workers")
     p.add_argument("--fast-port", metavar="N", type=int_range(0, 65535),
                    default=os.environ.get("PSHARD_FAST_PORT", str(ServerSettings.fast_port)),
                    help="TCP port of the raw TCP fast path, on the --bind host: pin it to open it in a "

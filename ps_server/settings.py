@@ -60,7 +60,7 @@ class ServerSettings:
     # Threads one slice's optimizer update (and sync sum) is split over, the caller's included
     # (pshard.common.chunks: the same bits as one thread); 0 = half the available cores, 1 to 8. A process
     # setting: the entry point sizes the process's pool with it (configure_shared_pool) before any slice.
-    update_threads: int = 0
+    update_threads: int = 1  # 0 = half the cores, 1 to 8; common/chunks.py says why 1 is the default
     # Test hook (PSHARD_TEST_CHECKPOINT_PAUSE_DIR, read by the entry point): a global checkpoint's part
     # writer, while `<dir>/armed` exists, touches `<dir>/part-<i>.<stage>.reached` between its files and
     # waits there, so a test can SIGKILL the server mid-checkpoint deterministically. None in production.

@@ -149,4 +149,15 @@ def test_the_server_flag_sizes_its_update_pool():
     from pshard.ps_server.__main__ import _settings, build_parser
 
     assert _settings(build_parser().parse_args(["--update-threads", "3"])).update_threads == 3
-    assert _settings(build_parser().parse_args([])).update_threads == 0  # 0: half the cores, 1 to 8
+    assert _settings(build_parser().parse_args([])).update_threads == 1  # opt-in: 0 = half the cores
+
+
+def test_a_process_that_configures_nothing_works_on_one_thread():
+    import pshard.common.chunks as chunks
+
+    saved = chunks._shared
+    chunks._shared = None
+    try:
+        assert shared_pool().threads == 1
+    finally:
+        chunks._shared = saved
