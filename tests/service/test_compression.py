@@ -65,3 +65,30 @@ def test_a_payload_of_the_wrong_size_is_refused_and_changes_nothing(start_server
     assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "key 'a': got 12 bytes of topk" in refused.value.details()
     assert client.pull(0)["a"].tobytes() == params["a"].tobytes()
+
+
+def test_residuals_are_the_trainers_state_and_a_restart_says_they_are_lost(start_server, new_client, caplog):
+    import torch
+    from pshard.worker.torch_api import RESIDUALS, PSTrainer
+    from torch import nn
+
+    server = start_server()
+    job = JobConfig(mode="async", optimizer=SGD_1, compression=Compression("topk:0.1", (("bias", "none"),)))
+    torch.manual_seed(0)
+    model = nn.Linear(20, 5)
+    x, y = torch.randn(8, 20), torch.randn(8, 5)
+    first = PSTrainer(model, new_client([server], "w0"), job)
+    for _ in range(2):
+        first.zero_grad()
+        nn.functional.mse_loss(model(x), y).backward()
+        first.step()
+    saved = first.state_dict()
+    assert set(saved[RESIDUALS]) == {"weight"} and saved[RESIDUALS]["weight"].abs().sum() > 0
+    assert "residuals" not in caplog.text
+
+    with caplog.at_level("WARNING", logger="pshard.trainer"):
+        again = PSTrainer(nn.Linear(20, 5), new_client([server], "w0"), job)  # the same worker, restarted
+    assert "w0 restarted in a job that compresses gradients with error feedback: the residuals" in caplog.text
+    assert again.state_dict().get(RESIDUALS, {}) == {}
+    again.load_state_dict(saved)
+    assert torch.equal(again.state_dict()[RESIDUALS]["weight"], saved[RESIDUALS]["weight"])

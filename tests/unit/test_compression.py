@@ -239,3 +239,28 @@ def test_topk_indices_out_of_range_or_repeated_are_refused() -> None:
         raw = np.concatenate([np.array(indices, "<u4").view(np.uint8), np.ones(2, "<f4").view(np.uint8)])
         with pytest.raises(InvalidArgumentError, match=r"topk indices must be increasing and below 100"):
             compress.decode(WireArray(raw, "uint8", "topk"), 100, KEY, 0)
+
+
+# ---- the worker's command line ----
+
+TF_CONFIG = ('{"cluster": {"ps": ["127.0.0.1:7100"], "worker": ["127.0.0.1:7200"]}, '
+             '"task": {"type": "worker", "index": 0}}')
+
+
+def test_pshard_worker_takes_compression_flags(tmp_path) -> None:
+    from pshard.worker.__main__ import config_from_args
+
+    base, env = ["--data-dir", str(tmp_path), "--insecure"], {"TF_CONFIG": TF_CONFIG}
+    cfg = config_from_args([*base, "--compression", "topk:0.01", "--compression-rule", "*.bias=none",
+                            "--compression-min-numel", "256", "--no-error-feedback"], env)
+    assert cfg.job.compression == Compression("topk:0.01", (("*.bias", "none"),), 256, False)
+    assert config_from_args([*base, "--compression", "bf16"], env).job.wire_dtype == "bfloat16"
+
+
+def test_pshard_worker_refuses_a_bad_compressor_naming_it(tmp_path) -> None:
+    from pshard.common.errors import ClusterConfigError
+    from pshard.worker.__main__ import config_from_args
+
+    with pytest.raises(ClusterConfigError, match=r"compression: got 'topk:2', k=2.0 is outside \(0, 1\]"):
+        config_from_args(["--data-dir", str(tmp_path), "--insecure", "--compression", "topk:2"],
+                         {"TF_CONFIG": TF_CONFIG})
