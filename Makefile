@@ -24,6 +24,7 @@ help:
 	@echo "make demo-ctr  train a CTR model with sparse embeddings on a synthetic click log (same cluster)"
 	@echo "make up        docker compose up (needs a Docker engine)"
 	@echo "make bench     run the benchmarks in bench/ and print JSON lines"
+	@echo "make bench-compression-accuracy  compressed vs uncompressed Fashion-MNIST accuracy (issue 19)"
 	@echo "make gpu-carry build .gpu-carry/ (pshard installed, stubs for the GPU machine's grpcio) to carry there"
 	@echo "make gpu-check the GPU check (CUDA tests, PSTrainer vs torch.optim, CTR) here, JSON lines in runs/gpu"
 	@echo "make lint      ruff, mypy, buf lint (proto/), compose config, hadolint and the strict docs build"
@@ -107,6 +108,14 @@ up:
 
 bench: install
 	$(PY) -m bench.run_all
+
+# Issue 19: test accuracy with --compression topk:0.01 and sign (error feedback on) against uncompressed
+# training, same epochs and seed, 2 servers and 2 workers in sync mode (minutes: 3 trainings of
+# COMPRESSION_EPOCHS epochs each). Exits 1 when a compressor ends more than 0.5 pp behind.
+COMPRESSION_EPOCHS ?= 5
+.PHONY: bench-compression-accuracy
+bench-compression-accuracy: install data
+	$(PY) -m bench.compression_accuracy --epochs $(COMPRESSION_EPOCHS)
 
 # The fuzzer in tests/fuzz, at length: 100,000 cases shared by its tests (or PSHARD_FUZZ_SECONDS of them)
 # from a random seed that is printed; PSHARD_FUZZ_SEED=<seed> replays a run. `make test` runs a fixed,

@@ -240,7 +240,8 @@ class PSClient:
     def _plan_compression(self, job: JobConfig, sizes: Mapping[str, int]) -> None:
         """Each parameter's compressor; a rule matching none of them is refused here, before any step.
         Declared again (a rejoin), the residuals are kept."""
-        plan = job.compression.plan(sizes)
+        # The averaged buffers' pushes are values to take the mean of, not gradients: never compressed.
+        plan = job.compression.plan({k: n for k, n in sizes.items() if k not in job.averaged})
         lossy = {k: c for k, c in plan.items() if c.lossy}
         if self.compression is not None and self.compression.plan == lossy:
             return
