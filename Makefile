@@ -25,6 +25,7 @@ help:
 	@echo "make up        docker compose up (needs a Docker engine)"
 	@echo "make bench     run the benchmarks in bench/ and print JSON lines"
 	@echo "make bench-compression-accuracy  compressed vs uncompressed Fashion-MNIST accuracy (issue 19)"
+	@echo "make bench-links  W1 step time per compressor on a tc-shaped 1 Gbit/s link, compressors' CPU cost"
 	@echo "make gpu-carry build .gpu-carry/ (pshard installed, stubs for the GPU machine's grpcio) to carry there"
 	@echo "make gpu-check the GPU check (CUDA tests, PSTrainer vs torch.optim, CTR) here, JSON lines in runs/gpu"
 	@echo "make lint      ruff, mypy, buf lint (proto/), compose config, hadolint and the strict docs build"
@@ -116,6 +117,15 @@ COMPRESSION_EPOCHS ?= 5
 .PHONY: bench-compression-accuracy
 bench-compression-accuracy: install data
 	$(PY) -m bench.compression_accuracy --epochs $(COMPRESSION_EPOCHS)
+
+# Issue 19: W1 (25 M float32, 2 servers x 2 workers, sync, raw TCP) on hosts of the namespace test bed
+# (bench/hostbed) with each worker's link shaped to LINK_MBIT by tc tbf, per compressor; then each
+# compressor's CPU cost per 100 MB. Needs root.
+LINK_MBIT ?= 1000
+.PHONY: bench-links
+bench-links: install
+	$(PY) -m bench.compression_link --mbit $(LINK_MBIT)
+	$(PY) -m bench.compression_cost
 
 # The fuzzer in tests/fuzz, at length: 100,000 cases shared by its tests (or PSHARD_FUZZ_SECONDS of them)
 # from a random seed that is printed; PSHARD_FUZZ_SEED=<seed> replays a run. `make test` runs a fixed,
