@@ -84,11 +84,14 @@ def _metas(items: Sequence[tuple[SliceKey, WireArray]]) -> list[SliceMeta]:
     return [SliceMeta(k, w.dtype, tuple(w.array.shape), w.encoding) for k, w in items]
 
 
-def _gradient(key: SliceKey, wire: WireArray, spec: SliceSpec, clock: int) -> np.ndarray:
+def _gradient(key: SliceKey, wire: WireArray, spec: SliceSpec, clock: int, metrics: RequestMetrics
+              ) -> np.ndarray:
     """A pushed gradient in the slice's declared dtype: a packed one unpacked to float32 first (the
     servers aggregate in float32, whatever travelled), a wire-dtype one cast back."""
     if wire.encoding:
+        started = time.perf_counter()
         dense = compress.decode(wire, math.prod(spec.shape), key, clock).reshape(spec.shape)
+        metrics.record_unpack(wire.encoding, wire.array.nbytes, dense.nbytes, time.perf_counter() - started)
         wire = WireArray(dense, "float32")
     return cast(wire, spec.dtype).array
 
@@ -504,7 +507,7 @@ class ParameterServerHandlers:
         if specs is None:
             specs = store.check_push(_metas(items))
         # Wire-dtype gradients become the declared dtype (bfloat16 has no numpy dtype of its own).
-        return store.push(stamp, {k: _gradient(k, w, spec, stamp.clock)
+        return store.push(stamp, {k: _gradient(k, w, spec, stamp.clock, self.requests)
                                   for (k, w), spec in zip(items, specs, strict=True)})
 
     async def _wait_readable(self, stamp: Stamp, keys: Sequence[SliceKey], deadline: float) -> None:

@@ -51,6 +51,9 @@ def test_a_server_applies_exactly_what_was_sent(start_server, new_client, tmp_pa
     np.testing.assert_array_equal(got["a"], want["a"])
     np.testing.assert_array_equal(got["b"], params["b"] - grads["b"])  # its rule: uncompressed
     assert client.compression is not None and client.compression.stats.ratio > 1.9
+    unpacked = server.running.handlers.requests.unpacked[name.split(":")[0]]  # the server's metrics
+    assert unpacked.packed_bytes == client.compression.stats.bytes_after
+    assert unpacked.dense_bytes == numel * 4 and unpacked.seconds > 0
 
 
 def test_a_payload_of_the_wrong_size_is_refused_and_changes_nothing(start_server, new_client, wire):
