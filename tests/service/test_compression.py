@@ -95,3 +95,12 @@ def test_residuals_are_the_trainers_state_and_a_restart_says_they_are_lost(start
     assert again.state_dict().get(RESIDUALS, {}) == {}
     again.load_state_dict(saved)
     assert torch.equal(again.state_dict()[RESIDUALS]["weight"], saved[RESIDUALS]["weight"])
+
+
+def test_averaged_buffers_are_never_compressed(start_server, new_client):
+    """Their pushes are values whose mean the servers keep (BatchNorm statistics), not gradients."""
+    client = new_client([start_server()], "w0")
+    job = JobConfig(mode="async", optimizer=SGD_1, averaged=("bn.running_var",),
+                    compression=Compression("sign"))
+    client.declare({"fc.weight": np.zeros(64, np.float32), "bn.running_var": np.ones(8, np.float32)}, job)
+    assert client.compression is not None and set(client.compression.plan) == {"fc.weight"}
