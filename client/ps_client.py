@@ -490,7 +490,7 @@ class PSClient:
     def _slice_room(self, s: LayoutSlice) -> int:
         """The most bytes a slice takes either way: its elements, or top-k's index and value per sent one."""
         itemsize = codec.numpy_dtype(self._param_dtype(s.key)).itemsize
-        if self.compression is not None and self.compression.plan.get(s.key, None) is not None:
+        if self.compression is not None and s.key in self.compression.plan:
             itemsize = max(itemsize, 8)
         return s.numel * itemsize
 
