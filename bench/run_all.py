@@ -29,6 +29,7 @@ import argparse
 import sys
 
 from bench import ceilings
+from bench.admission import admission_memory
 from bench.common import DEFAULT_SIZES, emit, load_average, machine, parse_sizes
 from bench.dense import dense
 from bench.latency import latency
@@ -155,6 +156,8 @@ def main(argv: list[str] | None = None) -> int:
     sparse_figs = [emit("sparse_rows", **sparse_throughput(steps=sparse_steps, zipf=zipf, fused=fused))
                    for zipf, fused in ((False, False), (False, True), (True, False))]
     sparse_mem = emit("sparse_memory", **sparse_memory(rows=1_000_000 if args.quick else 10_000_000))
+    # Admission in bounded memory (issue 22): once-seen ids with admit_after=2, the sketch vs an exact record.
+    admit = emit("admission_memory", **admission_memory(ids=2_000_000 if args.quick else 20_000_000))
     # Replication (issue 10): replicas 1 vs 0 on 3 servers, and the failover time after a SIGKILL.
     repl = emit("replication", **replication(sizes, steps=steps))
     # Training (issue 8): the demo CNN with 2 servers, with and without overlap, against local torch.optim.
@@ -193,6 +196,10 @@ def main(argv: list[str] | None = None) -> int:
     print("\n".join(replication_summary(repl)))
     print(f"sparse memory, {sparse_mem['rows']} rows of dim {sparse_mem['dim']} (adagrad): overhead "
           f"{sparse_mem['overhead']}x of {sparse_mem['raw_mb']} MB [bar 0.3x: {ok}]")
+    ok = "ok" if float(admit["rss_growth_mb"]) <= float(admit["bar_rss_growth_mb"]) else "above"  # type: ignore[arg-type]
+    print(f"admission, {admit['ids']} once-seen ids, admit_after=2: +{admit['rss_growth_mb']} MB RSS "
+          f"({admit['rows_admitted_early']} rows admitted early), exact record "
+          f"+{admit['exact_rss_growth_mb']} MB ({admit['ratio_exact_to_sketch']}x) [bar 16 MiB: {ok}]")
     ratios = [float(train[k]) for k in ("ratio_pstrainer_to_local", "ratio_overlap_to_local")]  # type: ignore[arg-type]
     print(f"training, demo CNN, 1 worker x 2 servers: local {train['local_steps_per_s']} steps/s, PSTrainer "
           f"{train['pstrainer_steps_per_s']} ({train['ratio_pstrainer_to_local']}x), with overlap "

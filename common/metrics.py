@@ -221,6 +221,8 @@ class _TableStats(Protocol):
     rows: int
     admitted: int
     evicted: int
+    admission_bytes: int
+    admission_halvings: int
 
 
 class _Tables(Protocol):
@@ -375,7 +377,7 @@ class ServerCollector(Collector):
 
 
 def table_families(tables: Mapping[str, _TableStats]) -> Iterator[Any]:
-    """Rows, admissions and evictions of each sparse table (labelled by its name)."""
+    """Rows, admissions, evictions and admission counts of each sparse table (labelled by its name)."""
     rows = GaugeMetricFamily("pshard_table_rows", "Rows a sparse table holds here", labels=["table"])
     admitted = CounterMetricFamily(
         "pshard_table_admissions",
@@ -385,11 +387,23 @@ def table_families(tables: Mapping[str, _TableStats]) -> Iterator[Any]:
     evicted = CounterMetricFamily(
         "pshard_table_evictions", "Rows a sparse table evicted (cap or ttl)", labels=["table"]
     )
+    sketch = GaugeMetricFamily(
+        "pshard_table_admission_bytes",
+        "Memory of a sparse table's admission counts (fixed by admit_memory_mb; 0: admit_after=1)",
+        labels=["table"],
+    )
+    halvings = CounterMetricFamily(
+        "pshard_table_admission_halvings",
+        "Times a sparse table's admission counts were halved (decay: how fast sightings fade)",
+        labels=["table"],
+    )
     for name, stats in sorted(tables.items()):
         rows.add_metric([name], stats.rows)
         admitted.add_metric([name], stats.admitted)
         evicted.add_metric([name], stats.evicted)
-    yield from (rows, admitted, evicted)
+        sketch.add_metric([name], stats.admission_bytes)
+        halvings.add_metric([name], stats.admission_halvings)
+    yield from (rows, admitted, evicted, sketch, halvings)
 
 
 def request_families(requests: RequestMetrics, service: str) -> Iterator[Any]:

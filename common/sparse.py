@@ -120,7 +120,10 @@ class TableConfig:
     betas: tuple[float, float] = (0.9, 0.999)
     eps: float = 1e-8
     initial_accumulator_value: float = 0.0
-    admit_after: int = 1  # sightings (pulls or pushes) before an id becomes a row
+    admit_after: int = 1  # pushes that must see an id before it becomes a row
+    # Size of the admission counts per server (a count-min sketch, ps_server/tables/admission.py): fixed
+    # whatever the id stream; more memory, fewer early admissions and a longer memory of sightings.
+    admit_memory_mb: float = 4.0
     admit_prob: float = 1.0  # chance that a sighting of a not-yet-admitted id admits it
     ttl: float = 0.0  # 0: rows never expire
     ttl_unit: str = "clocks"
@@ -152,7 +155,9 @@ class TableConfig:
             ("init_scale", self.init_scale, 0.0, 1e3),
             ("initial_accumulator_value", self.initial_accumulator_value, 0.0, 1e6),
             ("beta1", self.betas[0], 0.0, 0.999999), ("beta2", self.betas[1], 0.0, 0.999999),
-            ("admit_prob", self.admit_prob, 1e-9, 1.0), ("ttl", self.ttl, 0.0, 1e12))
+            ("admit_prob", self.admit_prob, 1e-9, 1.0), ("ttl", self.ttl, 0.0, 1e12),
+            # A declaration allocates it at once: bounded, so that a hostile one cannot take the host.
+            ("admit_memory_mb", self.admit_memory_mb, 0.001, 1024.0))
         for field, number, low, high in ranges:
             if not (math.isfinite(number) and low <= number <= high):
                 raise bad(field, number, f"a number in [{low}, {high}]")

@@ -10,6 +10,7 @@ too, see HostBed.command). Ctrl-C or SIGTERM tears it down.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import signal
 import sys
 import threading
@@ -40,10 +41,8 @@ def main(argv: list[str] | None = None) -> int:
         for host in bed.hosts.values():
             print(f"{host.name}\t{host.netns}\t{host.address}{'  (forwarded)' if host.forwarded else ''}")
         print("holding the bed; Ctrl-C to tear it down", flush=True)
-        try:
+        with contextlib.suppress(KeyboardInterrupt):
             stop.wait()
-        except KeyboardInterrupt:
-            pass
     return 0
 
 

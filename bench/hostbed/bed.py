@@ -168,11 +168,11 @@ class HostBed:
         self._up = False
         for proc in self._spawned:
             self.kill(proc)
-        for proc in self._forwarders.values():
+        for forwarder in self._forwarders.values():
             with contextlib.suppress(OSError):
-                os.killpg(proc.pid, signal.SIGKILL)
+                os.killpg(forwarder.pid, signal.SIGKILL)
             with contextlib.suppress(subprocess.TimeoutExpired):
-                proc.wait(10)
+                forwarder.wait(10)
         teardown(self.names.token, [h.netns for h in self.hosts.values()] + [self.names.bridge_ns])
         with contextlib.suppress(Exception):
             atexit.unregister(self.down)
@@ -187,7 +187,8 @@ class HostBed:
 
     def spawn(self, host: str, argv: Sequence[str], *, env: Mapping[str, str] | None = None,
               cwd: Path | None = None, stdin: int | None = subprocess.DEVNULL,
-              stdout: int | None = subprocess.PIPE, stderr: int | None = subprocess.STDOUT) -> subprocess.Popen[bytes]:
+              stdout: int | None = subprocess.PIPE, stderr: int | None = subprocess.STDOUT
+              ) -> subprocess.Popen[bytes]:
         """Start `argv` on `host` in a session of its own (so `kill` takes its children too)."""
         proc = subprocess.Popen(self.command(host, argv), env=None if env is None else dict(env), cwd=cwd,
                                 stdin=stdin, stdout=stdout, stderr=stderr, start_new_session=True)
@@ -231,7 +232,8 @@ class HostBed:
         """Undo `cut(a, b)`: the entries go, and ARP finds the real addresses again."""
         for src, dst in ((a, b), (b, a)):
             with contextlib.suppress(BedError):  # not cut: nothing to undo
-                _run(["ip", "-n", self.hosts[src].netns, "neigh", "del", self.hosts[dst].address, "dev", "eth0"])
+                _run(["ip", "-n", self.hosts[src].netns, "neigh", "del", self.hosts[dst].address,
+                      "dev", "eth0"])
 
     def shape(self, host: str, rate_mbit: float, *, burst_kb: int = 256, latency_ms: int = 50) -> None:
         """Limit `host`'s link to `rate_mbit` each way with tc tbf (on its eth0 and its bridge port)."""
@@ -249,9 +251,11 @@ class HostBed:
         Only for hosts made with `forwarded=`: their link goes through the user-space forwarder."""
         proc = self._forwarders.get(host)
         if proc is None:
-            raise ValueError(f"impair: host {host!r} has no forwarder; make the bed with forwarded=[{host!r}]")
+            raise ValueError(f"impair: host {host!r} has no forwarder; make the bed with "
+                             f"forwarded=[{host!r}]")
         if delay_ms < 0 or not 0 <= loss <= 1:
-            raise ValueError(f"impair: got delay_ms={delay_ms}, loss={loss}; want delay_ms >= 0, 0 <= loss <= 1")
+            raise ValueError(f"impair: got delay_ms={delay_ms}, loss={loss}; "
+                             "want delay_ms >= 0, 0 <= loss <= 1")
         assert proc.stdin is not None
         proc.stdin.write(json.dumps({"delay_ms": delay_ms, "loss": loss}) + "\n")
         proc.stdin.flush()

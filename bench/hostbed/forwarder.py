@@ -32,7 +32,7 @@ _CLONE_NEWNET = 0x40000000
 _FRAME = 65536
 
 
-def _setns(netns: str) -> None:
+def enter_netns(netns: str) -> None:
     """Enter network namespace `netns` (Python 3.11 has no os.setns)."""
     libc = ctypes.CDLL(None, use_errno=True)
     fd = os.open(f"/run/netns/{netns}", os.O_RDONLY)
@@ -46,7 +46,7 @@ def _setns(netns: str) -> None:
 
 def open_tap(netns: str, name: str) -> int:
     """A new TAP device `name` in `netns`, non-blocking; it lives as long as the returned descriptor."""
-    _setns(netns)
+    enter_netns(netns)
     fd = os.open("/dev/net/tun", os.O_RDWR | os.O_NONBLOCK)
     fcntl.ioctl(fd, _TUNSETIFF, struct.pack("16sH22x", name.encode(), _IFF_TAP | _IFF_NO_PI))
     return fd
@@ -61,7 +61,8 @@ class Impairment:
         settings = json.loads(line)
         delay, loss = float(settings.get("delay_ms", self.delay_ms)), float(settings.get("loss", self.loss))
         if delay < 0 or not 0 <= loss <= 1:
-            raise ValueError(f"impairment: got delay_ms={delay}, loss={loss}; want delay_ms >= 0, 0 <= loss <= 1")
+            raise ValueError(f"impairment: got delay_ms={delay}, loss={loss}; "
+                             "want delay_ms >= 0, 0 <= loss <= 1")
         self.delay_ms, self.loss = delay, loss
 
 
@@ -101,18 +102,24 @@ def forward(a: int, b: int, impairment: Impairment, deadline: float, seed: int =
     sel = selectors.DefaultSelector()
     for fd in (a, b):
         sel.register(fd, selectors.EVENT_READ)
-    sel.register(sys.stdin, selectors.EVENT_READ)
+    control = sys.stdin.fileno()
+    sel.register(control, selectors.EVENT_READ)
+    pending = b""
     while (now := time.monotonic()) < deadline:
         dues = [d for d in (x.next_due() for x in directions.values()) if d is not None]
         timeout = max(0.0, min([*dues, deadline]) - now)
         for key, _ in sel.select(timeout):
-            if key.fileobj is sys.stdin:
-                line = sys.stdin.readline()
-                if not line:
-                    return  # the bed closed our stdin or died
-                impairment.update(line)
-                continue
             fd = int(key.fd)
+            if fd == control:
+                # os.read, not sys.stdin's buffered readline: a second line already buffered would wait
+                # for the next wake-up.
+                chunk = os.read(control, 4096)
+                if not chunk:
+                    return  # the bed closed our stdin or died
+                *lines, pending = (pending + chunk).split(b"\n")
+                for line in lines:
+                    impairment.update(line.decode())
+                continue
             for _ in range(64):  # a burst per wake-up, bounded so the other direction gets its turn
                 try:
                     frame = os.read(fd, _FRAME)
@@ -125,14 +132,16 @@ def forward(a: int, b: int, impairment: Impairment, deadline: float, seed: int =
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.hostbed.forwarder", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m bench.hostbed.forwarder",
+                                     description=__doc__.split("\n\n")[0] if __doc__ else None)
     parser.add_argument("--bridge-ns", required=True, help="the bed's bridge namespace")
     parser.add_argument("--bridge-tap", required=True, help="name of the TAP device made in --bridge-ns")
     parser.add_argument("--host-ns", required=True, help="the host's namespace (its TAP device is eth0)")
     parser.add_argument("--delay-ms", type=float, default=0.0, help="one-way delay each way (default 0)")
     parser.add_argument("--loss", type=float, default=0.0, help="probability of dropping a frame (default 0)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the drops (default 0)")
-    parser.add_argument("--max-seconds", type=float, default=3600.0, help="exit after this long (default 3600)")
+    parser.add_argument("--max-seconds", type=float, default=3600.0,
+                        help="exit after this long (default 3600)")
     args = parser.parse_args(argv)
     impairment = Impairment()
     impairment.update(json.dumps({"delay_ms": args.delay_ms, "loss": args.loss}))

@@ -41,7 +41,7 @@ def spec_to_proto(config: TableConfig) -> pb.TableSpec:
         admit_prob=config.admit_prob, ttl=config.ttl, ttl_unit=_back(_UNITS)[config.ttl_unit],  # type: ignore[arg-type]
         max_rows=config.max_rows, cap_policy=_back(_POLICIES)[config.cap_policy],  # type: ignore[arg-type]
         log_evictions=config.log_evictions, allow_nonfinite=config.allow_nonfinite,
-        mode=_back(_MODES)[config.mode])  # type: ignore[arg-type]
+        mode=_back(_MODES)[config.mode], admit_memory_mb=config.admit_memory_mb)  # type: ignore[arg-type]
 
 
 def spec_from_proto(spec: pb.TableSpec) -> TableConfig:
@@ -57,4 +57,5 @@ def spec_from_proto(spec: pb.TableSpec) -> TableConfig:
         ttl_unit=_named(_UNITS, spec.ttl_unit, _DEFAULT.ttl_unit), max_rows=spec.max_rows,
         cap_policy=_named(_POLICIES, spec.cap_policy, _DEFAULT.cap_policy),
         log_evictions=spec.log_evictions, allow_nonfinite=spec.allow_nonfinite,
-        mode=_named(_MODES, spec.mode, _DEFAULT.mode))
+        mode=_named(_MODES, spec.mode, _DEFAULT.mode),
+        admit_memory_mb=spec.admit_memory_mb or _DEFAULT.admit_memory_mb)

@@ -21,6 +21,7 @@ from pshard.common.sparse import TableConfig, server_of
 from pshard.common.types import SliceKey
 from pshard.ps_server.core.optimizers import SliceState
 from pshard.ps_server.core.store import ShardSnapshot, SliceSnapshot
+from pshard.ps_server.tables.files import restore_admission
 from pshard.ps_server.tables.table import CHUNK_ROWS, SparseTable
 
 
@@ -158,6 +159,7 @@ def restore_tables(checkpoint: ckpt.Checkpoint, server: int, servers: int,
                     table.restore_rows(chunk_ids[mine], chunk)
             table.step = max(table.step, int(meta["step"]))
             table.clock = max(table.clock, float(meta["clock"]))
+            restore_admission(table, sub, meta)
     return list(tables.values())
 
 

@@ -3,10 +3,11 @@
 A primary ships the rows that changed since its last batch to a backup, each with its whole state:
 value, optimizer state, last touch, count of updates, lazy Adam's step count (`capture`). A row
 pushed many times between two batches travels once, as it is after the last push; an id that is
-no longer a row (evicted, or only counted by admission) travels as a deletion, with its admission
-sightings. The table's scalars (pushes applied, newest clock, evictions, admissions), the
-admission generator's state and the idempotence keys of recent pushes ride along, so the copy
-(`install`) is the primary's table, row for row and counter for counter.
+no longer a row (evicted, or only counted by admission) travels as a deletion; every shipped id
+travels with its estimated admission sightings (ps_server.tables.admission). The table's scalars
+(pushes applied, newest clock, evictions, admissions), the admission counts' halvings, the admission
+generator's state and the idempotence keys of recent pushes ride along, so the copy (`install`) is
+the primary's table, row for row and counter for counter.
 
 A backup keeps one replica table per (primary, table) (`ReplicaTables`); on failover the heir
 merges a dead primary's replica tables into its own serving tables (`merge`): the two hold ids of
@@ -85,6 +86,7 @@ class RowBatch:
     pushes: dict[str, list[PushKey]] = field(default_factory=dict)
     # Sync tables: per row partition, the first clock not applied when the rows were captured.
     applied: dict[int, int] | None = None
+    admit_epoch: int = 0  # halvings of the primary's admission counts at capture
 
     @property
     def nbytes(self) -> int:
@@ -112,11 +114,12 @@ def capture(table: SparseTable, ids: np.ndarray, pushes: dict[str, list[PushKey]
         else:
             columns[name] = np.take(array, taken, out=out)
     deleted = ids[~live]
-    filtered = table.config.admit_after > 1 or table.config.admit_prob < 1.0
-    counts = table.sightings(deleted) if filtered and len(deleted) else np.zeros(len(deleted), np.int32)
+    # Rows too: the sketch keeps counting admitted ids, and an evicted row's counts readmit it.
+    counts = table.sightings(ids)
     return RowBatch(table.config, ids[live].copy(), columns, deleted.copy(), table.step, table.clock,
-                    table.evicted, table.admitted, deleted[counts > 0].copy(), counts[counts > 0],
-                    json.dumps(table.rng_state) if table.config.admit_prob < 1.0 else "", pushes or {})
+                    table.evicted, table.admitted, ids[counts > 0].copy(), counts[counts > 0],
+                    json.dumps(table.rng_state) if table.config.admit_prob < 1.0 else "", pushes or {},
+                    admit_epoch=table.admit_epoch)
 
 
 def install(table: SparseTable, batch: RowBatch) -> None:
@@ -126,12 +129,9 @@ def install(table: SparseTable, batch: RowBatch) -> None:
     if len(batch.deleted):
         rows = table.index.lookup(batch.deleted)
         table.index.delete_rows(rows[rows >= 0])  # the primary counted the eviction (`evicted`)
-    if table.config.admit_after > 1 or table.config.admit_prob < 1.0:
-        # Admitted rows leave the sightings; ids seen again, or for the first time, enter them.
-        table.set_sightings(batch.ids, np.zeros(len(batch.ids), np.int32))
-        gone = np.setdiff1d(batch.deleted, batch.seen_ids, assume_unique=True)
-        table.set_sightings(gone, np.zeros(len(gone), np.int32))
-        table.set_sightings(batch.seen_ids, batch.seen_counts)
+    # Counts only grow between halvings (a count-min sketch forgets nothing but by decay): raising the
+    # shipped ids' counts to the primary's makes the backup's estimates of them the primary's.
+    table.follow_sightings(batch.admit_epoch, batch.seen_ids, batch.seen_counts)
     table.step, table.clock, table.evicted, table.admitted = batch.step, batch.clock, batch.evicted, \
         batch.admitted
     if batch.rng_state:

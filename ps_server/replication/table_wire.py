@@ -66,6 +66,7 @@ def batch_into_proto(b: RowBatch, msg: pb.TableReplica, segment: str = "", offse
     msg.seen_ids = b.seen_ids.astype(_ID, copy=False).tobytes()
     msg.seen_counts = b.seen_counts.astype("<i4", copy=False).tobytes()
     msg.rng_state = b.rng_state
+    msg.admit_epoch = b.admit_epoch
     for worker, keys in b.pushes.items():
         entry = msg.pushes[worker]
         entry.ids.extend(k for k, _ in keys)
@@ -135,7 +136,7 @@ def batch_from_proto(msg: pb.TableReplica, maps: SegmentMaps | None = None, prim
                     msg.admitted, np.frombuffer(msg.seen_ids, _ID), np.frombuffer(msg.seen_counts, "<i4"),
                     msg.rng_state,
                     {w: list(zip(p.ids, p.partitions, strict=True)) for w, p in msg.pushes.items()},
-                    dict(msg.applied_clocks) if config.mode == "sync" else None)
+                    dict(msg.applied_clocks) if config.mode == "sync" else None, msg.admit_epoch)
 
 
 def _from_frame(config: TableConfig, name: str, raw: np.ndarray | None, shape: tuple[int, ...],

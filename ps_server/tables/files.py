@@ -9,7 +9,9 @@ subdirectory per table (`t0`, `t1`, ...: table names may hold any character) wit
 one `.npy` per per-row array (values, optimizer state, last touch, count, lazy Adam's steps) and
 `table.json` (the config and the scalar state). `<name>.tables.json`, replaced atomically last,
 names the directory; older directories are removed after it, so a crash at any point leaves the
-previous checkpoint loadable. Ids waiting for admission are not saved: they start counting anew.
+previous checkpoint loadable. A table with admission by count also saves its counts (`admission.npy`,
+the count-min sketch's counters, a few MB whatever the table; its halvings in `table.json`), so ids
+waiting for admission keep their sightings across a restart (`restore_admission`).
 """
 
 from __future__ import annotations
@@ -106,8 +108,11 @@ def _save_tables(directory: Path, name: str, tables: list[SparseTable], pointer:
         _stream_column(table, sub / "ids.npy", lambda rows, ids: ids, np.dtype(np.int64), ())
         for column, (array, row_shape) in table.columns().items():
             _stream_column(table, sub / f"{column}.npy", _rows_of(array), array.dtype, row_shape)
-        meta = {"config": dataclasses.asdict(table.config), "step": table.step, "clock": table.clock,
-                "evicted": table.evicted}
+        meta: dict[str, Any] = {"config": dataclasses.asdict(table.config), "step": table.step,
+                                "clock": table.clock, "evicted": table.evicted}
+        if table.admission is not None:
+            counters, meta["admit_added"], meta["admit_epoch"] = table.admission.state()
+            _write_npy(sub / "admission.npy", counters.dtype, counters.shape, [counters])
         (sub / "table.json").write_text(json.dumps(meta))
         entries.append(sub.name)
     tmp = pointer.with_suffix(".json.tmp")
@@ -156,8 +161,27 @@ def _load_tables(directory: Path, pointer: Path, make: Callable[[TableConfig], S
             chunk = {c: np.array(a[start:stop]) for c, a in columns.items()}
             table.restore_rows(np.array(ids[start:stop]), chunk)
         table.step, table.clock, table.evicted = int(meta["step"]), float(meta["clock"]), int(meta["evicted"])
+        restore_admission(table, sub, meta)
         tables.append(table)
     return tables
+
+
+def restore_admission(table: SparseTable, sub: Path, meta: dict[str, Any]) -> None:
+    """Fold the admission counts saved in `sub` into `table`'s: each counter the larger of the two, so
+    that folding several servers' parts (a restore onto another server count) counts every id at least
+    as its own server did: never later admitted, at times earlier. A checkpoint without them (older, or
+    another admit_after): the counts start anew."""
+    path = sub / "admission.npy"
+    if table.admission is None or not path.exists():
+        return
+    counters, added, epoch = table.admission.state()
+    saved = np.load(path)
+    if saved.shape != counters.shape or saved.dtype != counters.dtype:
+        log.warning("%s: admission counts of another size (%s%s, the table has %s%s): they start anew",
+                    path, saved.dtype, saved.shape, counters.dtype, counters.shape)
+        return
+    table.admission.load(np.maximum(counters, saved), max(added, int(meta["admit_added"])),
+                         max(epoch, int(meta["admit_epoch"])))
 
 
 def append_ids(path: Path, ids: np.ndarray) -> None:

@@ -13,6 +13,9 @@ nothing, so only pushes make rows. Admission (`admit_after` > 1 or `admit_prob` 
 id that is not a row is counted as a sighting, and once an id has `admit_after` sightings, each
 further sighting admits it with probability `admit_prob` (a seeded generator), the admitting push
 then being applied to the fresh row. Without admission a push creates the rows it touches.
+Sightings are counted in `admit_memory_mb` whatever the id stream: a count-min sketch with decay
+(ps_server.tables.admission), which may admit an id early, never late, and forgets old sightings.
+It keeps counting an admitted id, so a row evicted while its counts last comes back at its next push.
 
 Eviction: with a TTL, a row whose last touch is more than `ttl` ago (clocks: the clock passed to
 `push`/`pull`; seconds: the injected `now`) is treated as absent from then on and freed by a sweep;
@@ -33,6 +36,7 @@ from collections.abc import Callable, Iterator
 import numpy as np
 from pshard.common.sparse import TableConfig, mix64, put_rows, table_hash, take_rows
 from pshard.ps_server.tables import row_optim
+from pshard.ps_server.tables.admission import CountMinSketch
 from pshard.ps_server.tables.rowhash import IdIndex
 
 # Rows per chunk when a table is streamed out (checkpoint, export): bounds the temporary memory.
@@ -79,9 +83,9 @@ class SparseTable:
         self.clock = 0.0  # newest clock seen (ttl in clocks)
         self.evicted = 0
         self.admitted = 0  # rows created by requests (restored ones are not admissions)
-        # Sightings of ids that are not rows yet (admission).
-        self._seen = IdIndex()
-        self._seen_count = np.zeros(self._seen.row_capacity, np.int32)
+        # Sightings of ids that are not rows yet (admission by count): bounded memory, None without.
+        self.admission = (CountMinSketch(int(config.admit_memory_mb * 2**20), config.admit_after, config.seed)
+                          if config.admit_after > 1 else None)
         self._rng = np.random.default_rng(config.seed)
         self._next_sweep = 0.0
         self._buffers: dict[str, np.ndarray] = {}
@@ -231,18 +235,12 @@ class SparseTable:
 
     def _admit(self, ids: np.ndarray) -> np.ndarray:
         """Count a sighting of each id (not rows yet); which of them are admitted now."""
-        slot = self._seen.lookup(ids)
-        new = slot < 0
-        if new.any():
-            slot[new] = self._seen.insert(ids[new])
-            if len(self._seen_count) < self._seen.row_capacity:
-                self._seen_count = _grow(self._seen_count, self._seen.row_capacity)
-            self._seen_count[slot[new]] = 0
-        self._seen_count[slot] += 1
-        admit = self._seen_count[slot] >= self.config.admit_after
+        if self.admission is None:
+            admit = np.ones(len(ids), bool)
+        else:
+            admit = self.admission.add(ids) >= self.config.admit_after
         if self.config.admit_prob < 1.0:
             admit &= self._rng.random(len(ids)) < self.config.admit_prob
-        self._seen.delete_rows(slot[admit])
         return admit
 
     def _evict(self, rows: np.ndarray) -> None:
@@ -313,21 +311,22 @@ class SparseTable:
     # ---- admission state, for replicas (ps_server/replication/table_rows.py) ----
 
     def sightings(self, ids: np.ndarray) -> np.ndarray:
-        """Admission sightings of each of `ids` that is not a row (int32; 0: none counted)."""
-        slot = self._seen.lookup(ids)
-        return np.where(slot >= 0, self._seen_count[np.maximum(slot, 0)], 0).astype(np.int32)
+        """Estimated admission sightings of each of `ids` (int32; 0 without admission by count)."""
+        if self.admission is None:
+            return np.zeros(len(ids), np.int32)
+        return self.admission.estimate(ids).astype(np.int32)
 
-    def set_sightings(self, ids: np.ndarray, counts: np.ndarray) -> None:
-        """Make each of `ids` have `counts` sightings (0: forget it), as a primary's copy says."""
-        slot = self._seen.lookup(ids)
-        self._seen.delete_rows(slot[(slot >= 0) & (counts == 0)])
-        new = (slot < 0) & (counts > 0)
-        if new.any():
-            slot[new] = self._seen.insert(ids[new])
-            if len(self._seen_count) < self._seen.row_capacity:
-                self._seen_count = _grow(self._seen_count, self._seen.row_capacity)
-        keep = counts > 0
-        self._seen_count[slot[keep]] = counts[keep]
+    @property
+    def admit_epoch(self) -> int:
+        """Halvings of the admission counts so far (a backup decays in step)."""
+        return self.admission.epoch if self.admission is not None else 0
+
+    def follow_sightings(self, epoch: int, ids: np.ndarray, counts: np.ndarray) -> None:
+        """A backup: decay to its primary's `epoch`, then make each of `ids` count at least `counts`
+        (the primary's estimates at capture). Its estimates of those ids then equal the primary's."""
+        if self.admission is not None:
+            self.admission.decay_to(epoch)
+            self.admission.raise_to(ids, counts)
 
     @property
     def rng_state(self) -> dict[str, object]:

@@ -15,11 +15,13 @@ import pytest
 
 from bench.hostbed import HostBed, skip_reason, sweep
 
+# The fixture's type: hostbed(hosts, forwarded=()) -> a bed that is up, torn down after the test.
+Bed = Callable[..., HostBed]
 _swept = False
 
 
 @pytest.fixture
-def hostbed() -> Iterator[Callable[..., HostBed]]:
+def hostbed() -> Iterator[Bed]:
     global _swept
     if (reason := skip_reason()) is not None:
         pytest.skip(reason)

@@ -5,9 +5,9 @@ teardown that leaves nothing, also after an exception or a SIGKILLed owner."""
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -15,8 +15,7 @@ import pytest
 from bench.hostbed import BedError, HostBed, sweep
 from bench.hostbed.bed import STATE_ROOT, _netns_list
 from tests.e2e.harness import ROOT, wait_until
-
-Bed = Callable[..., HostBed]
+from tests.hosts.conftest import Bed
 
 # A TCP server on every address of its host: prints its port, then echoes each connection's bytes back
 # (sink=1: reads to EOF and answers the byte count instead).
@@ -93,7 +92,8 @@ def test_link_down_loses_traffic_silently_and_link_up_restores_it(hostbed: Bed) 
         f"s = socket.create_connection(({host!r}, {port}), timeout=5)\n"
         "print('connected', flush=True); sys.stdin.readline()\n"
         "s.settimeout(1.5); s.sendall(b'1')\n"
-        "try:\n    print('got', s.recv(1), flush=True)\nexcept TimeoutError:\n    print('silent', flush=True)\n"
+        "try:\n    print('got', s.recv(1), flush=True)\n"
+        "except TimeoutError:\n    print('silent', flush=True)\n"
         "s.settimeout(30)\nprint('late', s.recv(1), flush=True)\n")], stdin=subprocess.PIPE)
     assert client.stdout is not None
     assert client.stdout.readline().strip() == b"connected"
@@ -145,7 +145,7 @@ def test_a_forwarded_link_delays_and_drops(hostbed: Bed) -> None:
     assert on(bed, "f", connect_code(address, 1)) == "TimeoutError"
     bed.impair("f", delay_ms=0, loss=0)
     assert on(bed, "f", connect_code(address, 5)).startswith("ok")
-    with pytest.raises(ValueError, match="loss=1.5"):
+    with pytest.raises(ValueError, match="loss=1\\.5"):
         bed.impair("f", loss=1.5)
     with pytest.raises(ValueError, match="no forwarder"):
         bed.impair("a", delay_ms=1)
@@ -189,3 +189,22 @@ def test_sweep_takes_a_dead_owners_bed_and_leaves_live_ones(hostbed: Bed) -> Non
     wait_until(lambda: not (STATE_ROOT / token).exists(), 5, "the dead owner's state to go")
     assert not [n for n in _netns_list() if n.startswith(f"pb{token}")]
     assert mine.state_dir.exists() and not _bed_gone(mine)
+
+
+def test_the_command_line_holds_a_bed_until_sigterm_then_tears_it_down(hostbed: Bed) -> None:
+    hostbed(["x"])  # only for the skip and the sweep: the command makes its own bed
+    cli = subprocess.Popen([sys.executable, "-m", "bench.hostbed", "up", "a", "b", "--forwarded", "b"],
+                           cwd=ROOT, stdout=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        assert cli.stdout is not None
+        rows = [cli.stdout.readline().split() for _ in range(3)]
+        assert [r[0] for r in rows[:2]] == ["a", "b"] and rows[2][0] == "holding", rows
+        netns = rows[0][1]
+        assert netns in _netns_list()
+        cli.send_signal(signal.SIGTERM)
+        assert cli.wait(30) == 0
+        assert not [n for n in _netns_list() if n.startswith(netns.rsplit("-", 1)[0])]
+    finally:
+        if cli.poll() is None:
+            cli.kill()
+            cli.wait(10)

@@ -35,9 +35,13 @@ def test_table_rows_admissions_and_evictions_move_with_pushes_and_pulls(procs: P
     first, second = np.arange(40, dtype=np.int64), np.arange(40, 80, dtype=np.int64)
     with PSClient([address], "w0", timeout_s=WAIT_S, retry_budget_s=WAIT_S) as client:
         # An id becomes a row at its second sighting; at most 50 rows, the least recently touched go.
-        client.declare_table(TableConfig("emb", 4, lr=1.0, admit_after=2, max_rows=50))
+        client.declare_table(TableConfig("emb", 4, lr=1.0, admit_after=2, max_rows=50, admit_memory_mb=0.5))
         client.declare_table(TableConfig("other", 2))
         assert table_values(port, "emb") == (0, 0, 0)
+        # The admission counts' fixed size, as declared (none without admit_after).
+        samples = scrape(port)
+        assert value(samples, "pshard_table_admission_bytes", table="emb") == 1 << 19
+        assert value(samples, "pshard_table_admission_bytes", table="other") == 0
 
         assert client.push_rows("emb", first, grad, clock=0) == 0  # first sightings: only counted
         assert table_values(port, "emb") == (0, 0, 0)

@@ -47,7 +47,8 @@ class _Tables(Collector):
 
 def test_each_table_is_one_label_of_the_rows_admissions_and_evictions_families() -> None:
     registry = new_registry()
-    registry.register(_Tables({"emb": TableStats(rows=5, evicted=2, steps=9, admitted=7),
+    registry.register(_Tables({"emb": TableStats(rows=5, evicted=2, steps=9, admitted=7, admission_bytes=4096,
+                                                 admission_halvings=3),
                                "ids": TableStats(rows=1, evicted=0, steps=1, admitted=1)}))
     text = generate_latest(registry).decode()
     families = {f.name: f for f in text_string_to_metric_families(text)}
@@ -61,4 +62,7 @@ def test_each_table_is_one_label_of_the_rows_admissions_and_evictions_families()
         ("pshard_table_rows", "emb"): 5, ("pshard_table_rows", "ids"): 1,
         ("pshard_table_admissions_total", "emb"): 7, ("pshard_table_admissions_total", "ids"): 1,
         ("pshard_table_evictions_total", "emb"): 2, ("pshard_table_evictions_total", "ids"): 0,
+        ("pshard_table_admission_bytes", "emb"): 4096, ("pshard_table_admission_bytes", "ids"): 0,
+        ("pshard_table_admission_halvings_total", "emb"): 3,
+        ("pshard_table_admission_halvings_total", "ids"): 0,
     }

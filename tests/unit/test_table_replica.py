@@ -80,7 +80,9 @@ def test_evictions_and_admission_counts_reach_the_replica() -> None:
     assert primary.evicted > 0 and len(primary) <= 64
     _assert_same(primary, replica)
     assert replica.sightings(np.arange(80, 100)).tolist() == [1] * 20
-    assert replica.sightings(np.arange(80)).tolist() == [0] * 80  # rows (or evicted rows) now
+    # The counts of rows, and of evicted rows, go on (ps_server.tables.admission): the replica's follow.
+    assert replica.sightings(np.arange(100)).tolist() == primary.sightings(np.arange(100)).tolist()
+    assert primary.sightings(np.arange(80)).tolist() == [2] * 80
     # A second sighting of 80..99 admits them (the cap evicting others): the replica follows.
     evicted.clear()
     dirty = [_push(primary, list(range(80, 100)), 3, clock=3), *evicted]

@@ -1,0 +1,99 @@
+"""8- and 16-bit rows: how float32 rows are rounded into a narrower stored form and read back (issue 22).
+
+Not wired into SparseTable yet: this is the pure core a `row_dtype` table option is to use (updates
+applied in float32 to the decoded rows, then `encode`d once per push).
+
+- float16: IEEE half, numpy's conversion (round to nearest, ties to even; overflow to inf).
+- bfloat16: the top 16 bits of the float32, rounded to nearest, ties to even (as torch's conversion);
+  stored as uint16, numpy having no bfloat16. NaN stays NaN.
+- int8 (row-wise, as FBGEMM's and Monolith's fixed_r8): each row keeps a float32 `scale` and `offset`
+  (its min), a value is `offset + scale * q` with q in 0..255 stored as uint8, and
+  scale = (max - min) / 255. The rounding is stochastic and unbiased (E[decode] = the value): q is
+  floor(x + u) with u uniform in [0, 1) drawn from a counter-based hash of (seed, id, version, column),
+  not from a generator's state, so a backup, a restart or another batch order rounds a row's push the
+  same way: `version` is the row's update count.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from pshard.common.sparse import mix64
+
+ROW_DTYPES = ("float32", "float16", "bfloat16", "int8")
+_LEVELS = 255
+_UNIT = float(2**-24)
+
+
+def stored_bytes_per_row(row_dtype: str, dim: int) -> int:
+    """Bytes a row of `dim` values takes in `row_dtype` (int8: with its scale and offset)."""
+    return {"float32": 4 * dim, "float16": 2 * dim, "bfloat16": 2 * dim, "int8": dim + 8}[row_dtype]
+
+
+def to_bfloat16(x: np.ndarray) -> np.ndarray:
+    """float32 -> bfloat16 bits (uint16), round to nearest, ties to even; NaN stays a quiet NaN."""
+    bits = np.ascontiguousarray(x, np.float32).view(np.uint32)
+    rounded = (bits + (np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1)))) >> np.uint32(16)
+    nan = np.isnan(x)
+    return np.where(nan, (bits >> np.uint32(16)) | np.uint32(0x40), rounded).astype(np.uint16)
+
+
+def from_bfloat16(bits: np.ndarray) -> np.ndarray:
+    """bfloat16 bits (uint16) -> float32, exactly."""
+    return (bits.astype(np.uint32) << np.uint32(16)).view(np.float32)
+
+
+def _uniform(seed: int, ids: np.ndarray, versions: np.ndarray, dim: int) -> np.ndarray:
+    """(len(ids), dim) float32 in [0, 1): a pure function of (seed, id, version, column)."""
+    key = mix64(np.array([seed], np.uint64))[0]
+    with np.errstate(over="ignore"):
+        base = mix64(ids.astype(np.int64).view(np.uint64) ^ key) + versions.astype(np.uint64) * np.uint64(
+            0x9E3779B97F4A7C15)
+        words = mix64(mix64(base)[:, None] + np.arange(dim, dtype=np.uint64)[None, :])
+    return ((words >> np.uint64(40)).astype(np.float32) * np.float32(_UNIT)).astype(np.float32)
+
+
+def encode_int8(rows: np.ndarray, ids: np.ndarray, versions: np.ndarray, seed: int
+                ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """float32 rows (n, dim) -> (q uint8 (n, dim), scale float32 (n,), offset float32 (n,)),
+    rounded stochastically with the counter-based draws of (seed, id, version). ValueError if a row
+    holds a NaN or an infinity (an int8 row cannot hold one)."""
+    rows = np.asarray(rows, np.float32)
+    if not np.isfinite(rows).all():
+        bad = int(np.flatnonzero(~np.isfinite(rows).all(axis=1))[0])
+        raise ValueError(f"int8 rows: row of id {int(ids[bad])} holds a NaN or an infinity")
+    low = rows.min(axis=1) if rows.shape[1] else np.zeros(len(rows), np.float32)
+    high = rows.max(axis=1) if rows.shape[1] else np.zeros(len(rows), np.float32)
+    # In float64: a range near float32's limits would overflow. The float32 scale is rounded up, so that
+    # 255 levels reach the row's maximum (a subnormal one, rounded to nearest, fell short or to 0).
+    span = high.astype(np.float64) - low.astype(np.float64)
+    exact = span / _LEVELS
+    scale = exact.astype(np.float32)
+    scale = np.where(scale.astype(np.float64) < exact, np.nextafter(scale, np.float32(np.inf)), scale)
+    safe = np.where(scale > 0, scale, np.float32(1)).astype(np.float64)
+    steps = (rows.astype(np.float64) - low[:, None]) / safe[:, None]
+    q = np.floor(steps + _uniform(seed, ids, versions, rows.shape[1]))
+    return np.clip(q, 0, _LEVELS).astype(np.uint8), scale, low.astype(np.float32)
+
+
+def decode_int8(q: np.ndarray, scale: np.ndarray, offset: np.ndarray) -> np.ndarray:
+    """The float32 rows an int8 encoding stands for: offset + scale * q."""
+    return (offset[:, None].astype(np.float64) + scale[:, None].astype(np.float64) * q).astype(np.float32)
+
+
+def encode16(rows: np.ndarray, row_dtype: str) -> np.ndarray:
+    """float32 rows -> float16 values or bfloat16 bits, rounded to nearest even."""
+    if row_dtype == "float16":
+        with np.errstate(over="ignore"):  # beyond 65504: inf, as torch's conversion
+            return np.asarray(rows, np.float32).astype(np.float16)
+    if row_dtype == "bfloat16":
+        return to_bfloat16(np.asarray(rows, np.float32))
+    raise ValueError(f"row_dtype: got {row_dtype!r}, expected float16 or bfloat16")
+
+
+def decode16(stored: np.ndarray, row_dtype: str) -> np.ndarray:
+    """The float32 rows of `encode16`'s output, exactly."""
+    if row_dtype == "float16":
+        return stored.astype(np.float32)
+    if row_dtype == "bfloat16":
+        return from_bfloat16(stored)
+    raise ValueError(f"row_dtype: got {row_dtype!r}, expected float16 or bfloat16")
