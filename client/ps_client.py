@@ -31,6 +31,7 @@ from typing import TypeVar
 
 import grpc
 import numpy as np
+from pshard.client.compressing import PushEncoder
 from pshard.client.connections import ServerConnections
 from pshard.client.fast_session import TABLE_ROOM_BYTES
 from pshard.client.forking import ProcessOwned
@@ -53,7 +54,7 @@ from pshard.common.rpc.retry import Backoff
 from pshard.common.rpc.status import error_from_rpc_error, raise_from_rpc_error
 from pshard.common.security.credentials import SecurityConfig
 from pshard.common.sparse import TableConfig
-from pshard.common.types import Stamp
+from pshard.common.types import SliceKey, Stamp
 from pshard.common.wire import codec
 from pshard.common.wire.dtypes import PARAM_DTYPES
 from pshard.common.wire.fastwire import PeerSilent, TransportBroken
@@ -148,13 +149,15 @@ class PSClient:
         self.last_result: PushResult | None = None
         self.last_pull: PushResult | None = None
         # Step headers by (server, parameters, wire dtype, pull), for the layout they were made for.
-        self._templates: dict[tuple[int, tuple[str, ...], str, bool],
+        self._templates: dict[tuple[int, tuple[str, ...], str, bool, bool],
                               tuple[Sequence[LayoutSlice], pb.ExchangeHeader]] = {}
         self._templates_layout: Layout | None = None
         # Calls resent because a server was past its in-flight budget (a sign to add servers).
         self.overload_retries = 0
         self._declared = False
         self.reroutes = 0  # steps sent again after a failover moved slices
+        # The job's gradient compression (set by declare); None: every slice travels as it is.
+        self.compression: PushEncoder | None = None
 
     # ---- lifecycle ----
 
@@ -192,6 +195,7 @@ class PSClient:
                 raise ShapeMismatchError(f"declare: {problem}")
         self.job = job
         self._dtypes = {p.key: p.dtype for p in specs}
+        self._plan_compression(job, {p.key: p.numel for p in specs})
         out = {key: np.empty(value.shape, value.dtype) for key, value in params.items()}
         flat = {key: np.ascontiguousarray(value).reshape(-1) for key, value in params.items()}
 
@@ -209,6 +213,17 @@ class PSClient:
         self._all_servers(run)
         self._declared = True
         return out
+
+    def _plan_compression(self, job: JobConfig, sizes: Mapping[str, int]) -> None:
+        """Each parameter's compressor; a rule matching none of them is refused here, before any step.
+        Declared again (a rejoin), the residuals are kept."""
+        # The averaged buffers' pushes are values to take the mean of, not gradients: never compressed.
+        plan = job.compression.plan({k: n for k, n in sizes.items() if k not in job.averaged})
+        lossy = {k: c for k, c in plan.items() if c.lossy}
+        if self.compression is not None and self.compression.plan == lossy:
+            return
+        encoder = PushEncoder(plan, sizes, job.compression.error_feedback)
+        self.compression = encoder if encoder.plan else None
 
     # ---- failover (docs/architecture.md, 9 Failures) ----
 
@@ -321,21 +336,32 @@ class PSClient:
 
     def _push_pull(self, grads: Mapping[str, np.ndarray], clock: int,
                    out: dict[str, np.ndarray] | None, pull: bool, lr: float | None = None) -> PushResult:
-        return self._rerouting(lambda layout: self._push_pull_on(layout, grads, clock, out, pull, lr))
+        # Packed once per step, outside the failover's resend: error feedback must move on once.
+        packed: dict[SliceKey, codec.WireArray] = {}
+        if self.compression is not None:
+            flat = {k: np.ascontiguousarray(g).reshape(-1) for k, g in grads.items()}
+            packed = self.compression.encode(flat, self._need_layout().slices, clock)
+        return self._rerouting(lambda layout: self._push_pull_on(layout, grads, clock, out, pull, lr, packed))
 
     def _push_pull_on(self, layout: Layout, grads: Mapping[str, np.ndarray], clock: int,
-                      out: dict[str, np.ndarray] | None, pull: bool, lr: float | None = None) -> PushResult:
+                      out: dict[str, np.ndarray] | None, pull: bool, lr: float | None = None,
+                      packed: Mapping[SliceKey, codec.WireArray] | None = None) -> PushResult:
         wire = self.job.wire_dtype if self.job else ""
+        packed = packed or {}
         flat = {}
         for key, g in grads.items():
             g = np.ascontiguousarray(g).reshape(-1)
-            flat[key] = codec.cast(codec.WireArray(g, self._dtypes[key]), wire).array if wire else g
+            if self.compression is not None and self.compression.compresses(key):
+                flat[key] = g  # its slices travel packed
+            else:
+                flat[key] = codec.cast(codec.WireArray(g, self._dtypes[key]), wire).array if wire else g
 
         def run(server: int) -> pb.ExchangeSummary:
-            slices, header = self._push_header(layout, server, flat, wire, pull, clock, lr)
+            slices, header = self._push_header(layout, server, flat, wire, pull, clock, lr, packed)
             if not slices:
                 return pb.ExchangeSummary()
-            buffers = [flat[s.key][s.offset:s.offset + s.numel] for s in slices]
+            buffers = [packed[s.slice_key].array if s.slice_key in packed
+                       else flat[s.key][s.offset:s.offset + s.numel] for s in slices]
             summary = self._fast_call(server, header, buffers, slices if pull else [], out or {})
             if summary is not None:
                 return summary
@@ -346,18 +372,24 @@ class PSClient:
         return _result(self._all_servers(run))
 
     def _push_header(self, layout: Layout, server: int, flat: Mapping[str, np.ndarray], wire: str, pull: bool,
-                     clock: int, lr: float | None = None) -> tuple[Sequence[LayoutSlice], pb.ExchangeHeader]:
+                     clock: int, lr: float | None = None,
+                     packed: Mapping[SliceKey, codec.WireArray] | None = None
+                     ) -> tuple[Sequence[LayoutSlice], pb.ExchangeHeader]:
         """The server's slices of `flat` and the step's header. Both are the same every step but for
         the stamp, and building the header's messages costs more than a small step's bytes: they are
         made once per (layout, parameters, wire dtype) and the header copied from a template."""
-        cache_key = (server, tuple(flat), wire, pull)
+        cache_key = (server, tuple(flat), wire, pull, bool(packed))
         if self._templates_layout is not layout:
             self._templates_layout, self._templates = layout, {}
         cached = self._templates.get(cache_key)
         if cached is None:
             mine = tuple(s for s in layout.slices_on(server) if s.key in flat)
+            packed = packed or {}
+            # A packed slice's size is fixed by its compressor and element count, so it is cached too.
             cached = mine, pb.ExchangeHeader(
-                op=pb.EXCHANGE_OP_PUSH_PULL, push=[self._meta(s, wire or self._dtypes[s.key]) for s in mine],
+                op=pb.EXCHANGE_OP_PUSH_PULL, push=[
+                    self._packed_meta(s, packed[s.slice_key]) if s.slice_key in packed
+                    else self._meta(s, wire or self._dtypes[s.key]) for s in mine],
                 pull=[codec.slice_id_to_proto(s.slice_key) for s in mine] if pull else [])
             self._templates[cache_key] = cached
         slices, template = cached
@@ -417,8 +449,14 @@ class PSClient:
         fast-path session is negotiated, reused by every step."""
         layout = self.layout
         dense = layout.slices_on(server) if layout is not None else ()
-        return TABLE_ROOM_BYTES + sum(
-            align(s.numel * codec.numpy_dtype(self._param_dtype(s.key)).itemsize) for s in dense)
+        return TABLE_ROOM_BYTES + sum(align(self._slice_room(s)) for s in dense)
+
+    def _slice_room(self, s: LayoutSlice) -> int:
+        """The most bytes a slice takes either way: its elements, or top-k's index and value per sent one."""
+        itemsize = codec.numpy_dtype(self._param_dtype(s.key)).itemsize
+        if self.compression is not None and s.key in self.compression.plan:
+            itemsize = max(itemsize, 8)
+        return s.numel * itemsize
 
     def _fast_call(self, server: int, header: pb.ExchangeHeader, buffers: Sequence[np.ndarray],
                    pulled: Sequence[LayoutSlice], out: Mapping[str, np.ndarray]) -> pb.ExchangeSummary | None:
@@ -473,6 +511,11 @@ class PSClient:
 
     def _stamp(self, clock: int, lr: float | None = None) -> pb.Stamp:
         return codec.stamp_to_proto(Stamp(self.worker_id, self.generation, clock, lr))
+
+    @staticmethod
+    def _packed_meta(s: LayoutSlice, packed: codec.WireArray) -> pb.SliceMeta:
+        return pb.SliceMeta(id=codec.slice_id_to_proto(s.slice_key), dtype=codec.dtype_to_proto(packed.dtype),
+                            shape=[packed.array.size], encoding=codec.encoding_to_proto(packed.encoding))
 
     @staticmethod
     def _meta(s: LayoutSlice, dtype: str) -> pb.SliceMeta:
@@ -568,7 +611,8 @@ class PSClient:
         request = pb.PushPullRequest(
             stamp=header.stamp, timeout_ms=header.timeout_ms, pull=header.pull,
             gradients=[tensor_pb.SliceTensor(id=m.id, tensor=tensor_pb.Tensor(dtype=m.dtype, shape=m.shape,
-                                                                              data=b.tobytes()))
+                                                                              data=b.tobytes()),
+                                             encoding=m.encoding)
                        for m, b in zip(header.push, buffers, strict=True)])
 
         what = f"server {self.servers[server]}"

@@ -132,7 +132,7 @@ def job_to_json(job: JobConfig) -> dict[str, Any]:
 def job_from_json(d: Mapping[str, Any]) -> JobConfig:
     opt = dict(d["optimizer"])
     opt["betas"] = tuple(opt["betas"])  # JSON has no tuples
-    return JobConfig(**{**d, "optimizer": OptimizerConfig(**opt)})
+    return JobConfig(**{**d, "optimizer": OptimizerConfig(**opt)})  # compression: JobConfig reads its dict
 
 
 # ---- the manifest ----

@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from pshard.common.compression import Compression, Compressor
 from pshard.common.errors import InvalidArgumentError
 from pshard.common.wire.dtypes import WIRE_DTYPES
 
@@ -115,8 +116,15 @@ class JobConfig:
     # Keys whose slices hold the mean of what the workers push rather than an optimizer's update: the
     # model's floating-point buffers (BatchNorm running statistics), PSTrainer(buffers="average").
     averaged: tuple[str, ...] = ()
+    # The workers' gradient compression (pshard.common.compression, docs/guide/compression.md): theirs
+    # alone, as a server unpacks whatever each slice says it is, so it never travels in a Declare. A
+    # cast (bf16, fp16) is the wire dtype: the default sets it, and a rule's cast must be it.
+    compression: Compression = field(default_factory=Compression)
 
     def __post_init__(self) -> None:
+        if isinstance(self.compression, dict):  # JSON
+            object.__setattr__(self, "compression", Compression(**self.compression))
+        self._fold_casts()
         if self.mode not in MODES:
             raise InvalidArgumentError(f"mode: got {self.mode!r}, expected one of {MODES}")
         _check_range("staleness", self.staleness, 0, MAX_STALENESS)
@@ -133,3 +141,20 @@ class JobConfig:
         if len(set(self.averaged)) != len(self.averaged) or not all(self.averaged):
             raise InvalidArgumentError(f"averaged: got {list(self.averaged)[:8]}, expected distinct, "
                                        "non-empty keys")
+
+    def _fold_casts(self) -> None:
+        """--compression bf16 is today's wire_dtype=bfloat16, pushes and pulls alike; a cast in a rule must
+        be that same dtype, since pulls travel in one."""
+        cast = self.compression.compressor.wire_dtype
+        if cast:
+            if self.wire_dtype not in ("", cast):
+                raise InvalidArgumentError(f"compression: got {self.compression.default!r}, but wire_dtype "
+                                           f"is {self.wire_dtype!r}; expected one of them, or both the same")
+            object.__setattr__(self, "wire_dtype", cast)
+        for i, (pattern, name) in enumerate(self.compression.rules):
+            rule_cast = Compressor.parse(name).wire_dtype
+            if rule_cast and rule_cast != self.wire_dtype:
+                raise InvalidArgumentError(
+                    f"compression.rules[{i}] ({pattern!r}): got {name!r}, which sends {rule_cast}, but the "
+                    f"job's wire_dtype is {self.wire_dtype!r}; a cast rule must be the job's wire dtype (set "
+                    f"wire_dtype={rule_cast!r})")

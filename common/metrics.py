@@ -134,6 +134,13 @@ class _Traffic:
     latency: LatencyHistogram = field(default_factory=LatencyHistogram)
 
 
+@dataclass
+class _Unpacked:
+    packed_bytes: int = 0
+    dense_bytes: int = 0
+    seconds: float = 0.0
+
+
 class RequestMetrics:
     """Bytes, latency and refusals of one server's requests, by transport and method."""
 
@@ -144,6 +151,17 @@ class RequestMetrics:
         # Clocks each stamped push/pull is behind the fastest clock seen: what SSP's staleness bounds.
         self.fastest_clock = 0
         self.staleness = LatencyHistogram(STALENESS_BUCKETS)
+        # Compressed pushes unpacked (docs/guide/compression.md), by encoding: bytes that arrived, the float32
+        # bytes they stood for, and the seconds spent unpacking them.
+        self.unpacked: dict[str, _Unpacked] = {}
+
+    def record_unpack(self, encoding: str, packed_bytes: int, dense_bytes: int, seconds: float) -> None:
+        done = self.unpacked.get(encoding)
+        if done is None:
+            done = self.unpacked[encoding] = _Unpacked()
+        done.packed_bytes += packed_bytes
+        done.dense_bytes += dense_bytes
+        done.seconds += seconds
 
     def record(
         self,
@@ -415,6 +433,21 @@ def request_families(requests: RequestMetrics, service: str) -> Iterator[Any]:
     )
     staleness.add_metric([], requests.staleness.cumulative(), requests.staleness.sum)
     yield from (bytes_in, bytes_out, latency, refused, staleness)
+    yield from _unpack_families(requests, service)
+
+
+def _unpack_families(requests: RequestMetrics, service: str) -> Iterator[Any]:
+    packed = CounterMetricFamily(f"pshard_{service}_packed_gradient_bytes",
+                                 "Compressed gradient bytes received, by encoding", labels=["encoding"])
+    dense = CounterMetricFamily(f"pshard_{service}_unpacked_gradient_bytes",
+                                "Float32 bytes the compressed gradients unpacked to", labels=["encoding"])
+    seconds = CounterMetricFamily(f"pshard_{service}_unpack_seconds",
+                                  "Time spent unpacking compressed gradients", labels=["encoding"])
+    for encoding, done in sorted(requests.unpacked.items()):
+        packed.add_metric([encoding], done.packed_bytes)
+        dense.add_metric([encoding], done.dense_bytes)
+        seconds.add_metric([encoding], done.seconds)
+    yield from (packed, dense, seconds)
 
 
 # ---- scheduler ----

@@ -50,6 +50,7 @@ from pshard.common.cluster.spec import (
     cluster_spec_from_args,
     exit_on_config_error,
 )
+from pshard.common.compression import Compression
 from pshard.common.errors import ClusterConfigError, InvalidArgumentError
 from pshard.common.job import MODES, NONFINITE, OPTIMIZERS, WIRE_DTYPES, JobConfig, OptimizerConfig
 from pshard.common.logs import add_log_level_argument, configure_logging
@@ -94,6 +95,19 @@ def build_parser(environ: Mapping[str, str], prog: str = PROG) -> argparse.Argum
     job.add_argument("--weight-decay", type=non_negative_float, default=0.0, help="weight decay (default 0)")
     job.add_argument("--wire-dtype", choices=WIRE_DTYPES, default="",
                      help="cast gradients and weights to this on the wire (default '': as stored)")
+    job.add_argument("--compression", metavar="COMPRESSOR", default="none",
+                     help="how gradients travel: none, topk:K or randomk:K (the fraction K in (0, 1] of each "
+                          "slice), sign (1 bit per element and a scale), bf16 or fp16 (the same as "
+                          "--wire-dtype); see docs/guide/compression.md (default none)")
+    job.add_argument("--compression-rule", metavar="PATTERN=COMPRESSOR", action="append", default=[],
+                     help="parameters whose name matches the fnmatch PATTERN use COMPRESSOR instead, e.g. "
+                          "'*.bias=none'; repeatable, the first match wins; a pattern matching no parameter "
+                          "is refused")
+    job.add_argument("--compression-min-numel", metavar="N", type=non_negative_int, default=0,
+                     help="tensors of fewer than N elements travel uncompressed (default 0)")
+    job.add_argument("--no-error-feedback", dest="error_feedback", action="store_false",
+                     help="drop what a lossy compressor does not send, instead of adding it to the next "
+                          "gradient (error feedback is on by default)")
     job.add_argument("--job-id", default=environ.get("PSHARD_JOB_ID", ""),
                      help="this run's identity: servers restore only a checkpoint of the same job "
                           "(default $PSHARD_JOB_ID, which `pshard launch` sets to a new id per launch, else "
@@ -224,6 +238,8 @@ def _job(args: argparse.Namespace, spec: ClusterSpec) -> JobConfig:
     try:
         return JobConfig(mode=args.mode, staleness=args.staleness, wire_dtype=args.wire_dtype,
                          nonfinite=args.nonfinite, job_id=args.job_id or default_job_id(spec),
+                         compression=Compression.from_flags(args.compression, args.compression_rule,
+                                                            args.compression_min_numel, args.error_feedback),
                          optimizer=OptimizerConfig(name=args.optimizer,
                                                    lr=DEFAULT_LR[local] if args.lr is None else args.lr,
                                                    momentum=args.momentum if sgd else 0.0,

@@ -43,9 +43,10 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import Future, wait
 from types import TracebackType
+from typing import Any
 
 import numpy as np
 import torch
@@ -63,9 +64,13 @@ from pshard.worker.overlap import DEFAULT_BUCKET_BYTES, BackwardOverlap, merge_r
 from pshard.worker.session import ClusterSession
 from torch import nn
 
+from pshard.api.v1 import parameter_server_pb2 as pb
+
 log = logging.getLogger("pshard.trainer")
 
 # dtypes the servers hold as they are; anything else that is a float travels as float32.
+# PSTrainer.state_dict()'s entry for the error-feedback residuals of a compressed job.
+RESIDUALS = "compression_residuals"
 _NATIVE = tuple(getattr(torch, dtypes.info(name).torch_name) for name in dtypes.PARAM_DTYPES)
 
 
@@ -87,7 +92,8 @@ class PSTrainer(torch.optim.Optimizer):
     A torch.optim.Optimizer whose update runs on the servers: `param_groups` shows the job's
     hyper-parameters, and a `torch.optim.lr_scheduler` given the trainer sets the lr that each
     step's pushes carry (pshard.worker.hyper). `state_dict()` holds the param groups (the
-    optimizer's state lives on the servers, and in their checkpoints).
+    optimizer's state lives on the servers, and in their checkpoints) and, in a job that compresses
+    gradients with error feedback, this worker's residuals ("compression_residuals").
     """
 
     def __init__(self, model: nn.Module, client: PSClient | None = None, job: JobConfig | None = None, *,
@@ -196,6 +202,28 @@ class PSTrainer(torch.optim.Optimizer):
                 p.grad = None
             elif p.grad is not None:
                 p.grad.zero_()
+
+    def state_dict(self) -> dict[str, Any]:
+        """torch.optim's, plus the error-feedback residuals of a compressed job, per parameter: what
+        compression has not sent yet, which a worker restarted from this state does not lose."""
+        state = super().state_dict()
+        encoder = self.client.compression
+        if encoder is not None and encoder.error_feedback:
+            state[RESIDUALS] = {k: torch.from_numpy(v) for k, v in encoder.state().items()}
+        return state
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """torch.optim's, and the residuals `state_dict()` saved (refused whole, naming the parameter,
+        when this job does not compress it or its size differs)."""
+        state = dict(state_dict)
+        residuals = state.pop(RESIDUALS, None)
+        if residuals:
+            encoder = self.client.compression
+            if encoder is None:
+                raise InvalidArgumentError(f"{RESIDUALS}: got residuals of {sorted(residuals)[:4]}, but this "
+                                           "job compresses no gradient")
+            encoder.load_state({k: v.detach().cpu().numpy() for k, v in residuals.items()})
+        super().load_state_dict(state)
 
     def step(self, closure: None = None) -> PushResult | None:  # type: ignore[override]
         """Push the gradients of this clock, pull the weights of the next one (into the parameters).
@@ -369,10 +397,24 @@ class PSTrainer(torch.optim.Optimizer):
                             "weights, not this model's initial values. If this is a new run, name each run "
                             "(JobConfig(job_id=...)): a new job on servers holding another is then refused",
                             max(s.max_version for s in stats))
+        self._say_residuals_lost(stats)
         if self.job.mode == "sync":
             return min((s.min_version for s in stats), default=0)
         # Async/SSP: the servers drop pushes at or below a worker's last clock (at-most-once).
         return 1 + max((s.worker_clocks.get(self.client.worker_id, -1) for s in stats), default=-1)
+
+    def _say_residuals_lost(self, stats: Sequence[pb.GetStatsResponse]) -> None:
+        """A worker the servers have had pushes from before is a restart: with error feedback, what its
+        compression had not sent yet died with it. Said once; training goes on (load_state_dict puts
+        saved residuals back)."""
+        encoder = self.client.compression
+        me = self.client.worker_id
+        if encoder is None or not encoder.error_feedback or not any(me in s.worker_clocks for s in stats):
+            return
+        log.warning("worker %s restarted in a job that compresses gradients with error feedback: the "
+                    "residuals of what earlier steps did not send are lost (at most a few steps' worth of "
+                    "small gradient entries); training goes on. PSTrainer.state_dict() holds them, "
+                    "load_state_dict() puts them back", me)
 
     def _buffers_on_host(self) -> dict[str, np.ndarray]:
         """Copies of the synced buffers' values (the pulled mean may land in the buffers themselves)."""

@@ -60,6 +60,8 @@ class Outcome:
     failed: str | None = None
     skipped: int = 0  # planned steps the others trained while this worker was away (sync)
     loss_so_far: float = float("nan")  # mean over the epoch in progress, for a run stopped in mid-epoch
+    # Gradient bytes before over bytes sent, with --compression (docs/guide/compression.md); None: off.
+    compression_ratio: float | None = None
     started: float = field(default_factory=time.monotonic)
 
     def final_line(self, role: str) -> str:
@@ -80,6 +82,8 @@ class Outcome:
             # would read as divergence. A trainer whose loss is NaN after steps shows it.
             parts.append(f"train_loss={self.train_loss:.4f}")
         parts.append(f"time_s={time.monotonic() - self.started:.1f}")
+        if self.compression_ratio is not None:
+            parts.append(f"compression_ratio={self.compression_ratio:.1f}")
         if self.model_path is not None:
             parts.append(f"model={self.model_path}")
         return " ".join(parts)
@@ -345,6 +349,9 @@ class TrainingRun:
                     "train_loss": train_loss if math.isfinite(train_loss) else None}))
 
     def close(self) -> None:
+        encoder = self.trainer.client.compression if self.trainer is not None else None
+        if encoder is not None and encoder.stats.steps:
+            self.outcome.compression_ratio = encoder.stats.ratio
         if self._metrics_server is not None:
             self._metrics_server.close()
         self.progress.close()

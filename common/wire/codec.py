@@ -34,10 +34,13 @@ from pshard.api.v1 import tensor_pb2 as tensor_pb
 
 
 class WireArray(NamedTuple):
-    """A numpy array and its logical dtype (bfloat16 arrays are stored as uint16)."""
+    """A numpy array and its logical dtype (bfloat16 arrays are stored as uint16). `encoding`: a pushed
+    gradient packed by a compressor ("topk", "randomk", "sign"; pshard.common.wire.compress) travels as
+    uint8 bytes tagged with it; "" is a plain array."""
 
     array: np.ndarray
     dtype: str
+    encoding: str = ""
 
 
 def numpy_dtype(name: str) -> np.dtype:
@@ -94,6 +97,7 @@ _ROLES = _enum(ROLES, sched_pb.Role.Value, "ROLE")
 _MODES = _enum(MODES, ps_pb.ConsistencyMode.Value, "CONSISTENCY_MODE")
 _OPTIMIZERS = _enum(OPTIMIZERS, ps_pb.Optimizer.Value, "OPTIMIZER")
 _NONFINITE = _enum(NONFINITE, ps_pb.NonfinitePolicy.Value, "NONFINITE_POLICY")
+_ENCODINGS = _enum(("topk", "randomk", "sign"), tensor_pb.Encoding.Value, "ENCODING")
 
 
 def role_to_proto(role: str) -> sched_pb.Role:
@@ -118,6 +122,15 @@ def optimizer_to_proto(name: str) -> ps_pb.Optimizer:
 
 def optimizer_from_proto(value: int, field: str = "optimizer.name") -> str:
     return _from_proto(_OPTIMIZERS, value, field)
+
+
+def encoding_to_proto(encoding: str) -> tensor_pb.Encoding:
+    """A packed slice's encoding ("" = not packed, ENCODING_NONE)."""
+    return typing.cast(tensor_pb.Encoding, _to_proto(_ENCODINGS, encoding, "encoding") if encoding else 0)
+
+
+def encoding_from_proto(value: int, field: str = "encoding") -> str:
+    return "" if value == 0 else _from_proto(_ENCODINGS, value, field)
 
 
 def nonfinite_to_proto(policy: str) -> ps_pb.NonfinitePolicy:
@@ -222,12 +235,15 @@ def slice_id_from_proto(s: tensor_pb.SliceId) -> SliceKey:
 
 
 def slice_tensor_to_proto(key: SliceKey, wire: WireArray, version: int = 0) -> tensor_pb.SliceTensor:
-    return tensor_pb.SliceTensor(id=slice_id_to_proto(key), tensor=tensor_to_proto(wire), version=version)
+    return tensor_pb.SliceTensor(id=slice_id_to_proto(key), tensor=tensor_to_proto(wire), version=version,
+                                 encoding=encoding_to_proto(wire.encoding))
 
 
 def slice_tensor_from_proto(s: tensor_pb.SliceTensor) -> tuple[SliceKey, WireArray]:
     key = slice_id_from_proto(s.id)
-    return key, tensor_from_proto(s.tensor, f"slice {quote(str(key))}")
+    what = f"slice {quote(str(key))}"
+    wire = tensor_from_proto(s.tensor, what)
+    return key, wire._replace(encoding=encoding_from_proto(s.encoding, f"{what} encoding"))
 
 
 # ---- stamps, job config ----

@@ -36,6 +36,7 @@ from typing import NamedTuple, TypeVar
 
 import numpy as np
 from pshard.common.chunks import ChunkPool, shared_pool
+from pshard.common.compression import payload_k
 from pshard.common.errors import (
     DTypeMismatchError,
     EmptyRequestError,
@@ -69,6 +70,8 @@ class SliceMeta(NamedTuple):
     key: SliceKey
     dtype: str  # "bfloat16" included: its numpy arrays are uint16
     shape: tuple[int, ...]
+    # A packed gradient's compressor ("topk", "randomk", "sign"): then dtype is uint8 and shape its bytes.
+    encoding: str = ""
 
 
 class SliceSpec(NamedTuple):  # a tuple: made several times per request, where a dataclass costs µs
@@ -219,7 +222,7 @@ class ShardStore:
             raise EmptyRequestError("declare: no slices")
         known = {k: SliceSpec(dtype_name(s.dtype), s.value.shape) for k, s in self._slots.items()}
         created: list[bool] = []
-        for key, dtype, shape in metas:
+        for key, dtype, shape, _ in metas:
             if dtype not in FLOAT_DTYPE_NAMES:
                 raise DTypeMismatchError(
                     f"key {str(key)!r}: got dtype {dtype}, the store holds {', '.join(FLOAT_DTYPE_NAMES)} "
@@ -507,10 +510,17 @@ class ShardStore:
         _check_unique("push", [m.key for m in metas])
         slots = self._lookup([m.key for m in metas])
         for slot, meta in zip(slots, metas, strict=True):
-            self._check_push_meta(slot, meta.dtype, meta.shape)
+            self._check_push_meta(slot, meta.dtype, meta.shape, meta.encoding)
         return [SliceSpec(dtype_name(slot.dtype), slot.value.shape) for slot in slots]
 
-    def _check_push_meta(self, slot: Slot, dtype: str, shape: tuple[int, ...]) -> None:
+    def _check_push_meta(self, slot: Slot, dtype: str, shape: tuple[int, ...], encoding: str = "") -> None:
+        if encoding:
+            # Packed by a compressor: the handler unpacks it to float32 of the slice's size before push().
+            if dtype != "uint8" or len(shape) != 1:
+                raise DTypeMismatchError(f"key {str(slot.key)!r}: got a {encoding} gradient as {dtype} of "
+                                         f"shape {tuple(shape)}, expected uint8 bytes of shape (n,)")
+            payload_k(encoding, slot.value.size, shape[0], f"key {str(slot.key)!r}")
+            return
         if tuple(shape) != slot.value.shape:
             raise ShapeMismatchError(
                 f"key {str(slot.key)!r}: got shape {tuple(shape)}, store has {slot.value.shape}")

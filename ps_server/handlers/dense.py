@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import math
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -43,6 +44,7 @@ from pshard.common.errors import (
 from pshard.common.job import JobConfig
 from pshard.common.metrics import RequestMetrics
 from pshard.common.types import SliceKey, Stamp
+from pshard.common.wire import compress
 from pshard.common.wire.codec import WireArray, cast
 from pshard.ps_server.checkpoints.shard import load_shard, save_shard
 from pshard.ps_server.core.lease import FRACTION, SchedulerLease
@@ -86,7 +88,19 @@ NO_QUORUM_GRACE_S = 10.0
 
 
 def _metas(items: Sequence[tuple[SliceKey, WireArray]]) -> list[SliceMeta]:
-    return [SliceMeta(k, w.dtype, tuple(w.array.shape)) for k, w in items]
+    return [SliceMeta(k, w.dtype, tuple(w.array.shape), w.encoding) for k, w in items]
+
+
+def _gradient(key: SliceKey, wire: WireArray, spec: SliceSpec, clock: int, metrics: RequestMetrics
+              ) -> np.ndarray:
+    """A pushed gradient in the slice's declared dtype: a packed one unpacked to float32 first (the
+    servers aggregate in float32, whatever travelled), a wire-dtype one cast back."""
+    if wire.encoding:
+        started = time.perf_counter()
+        dense = compress.decode(wire, math.prod(spec.shape), key, clock).reshape(spec.shape)
+        metrics.record_unpack(wire.encoding, wire.array.nbytes, dense.nbytes, time.perf_counter() - started)
+        wire = WireArray(dense, "float32")
+    return cast(wire, spec.dtype).array
 
 
 class PulledSlice(NamedTuple):
@@ -572,7 +586,7 @@ class ParameterServerHandlers:
         if specs is None:
             specs = store.check_push(_metas(items))
         # Wire-dtype gradients become the declared dtype (bfloat16 has no numpy dtype of its own).
-        return store.push(stamp, {k: cast(w, spec.dtype).array
+        return store.push(stamp, {k: _gradient(k, w, spec, stamp.clock, self.requests)
                                   for (k, w), spec in zip(items, specs, strict=True)})
 
     async def _wait_readable(self, stamp: Stamp, keys: Sequence[SliceKey], deadline: float) -> None:

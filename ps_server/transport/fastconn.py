@@ -140,7 +140,8 @@ class Sessions(Protocol):
 def push_metas(header: pb.ExchangeHeader) -> tuple[list[SliceMeta], list[int]]:
     """The pushed slices and their byte sizes, decoded and checked as the gRPC servicer does."""
     metas = [SliceMeta(codec.slice_id_from_proto(m.id), codec.dtype_from_proto(m.dtype, "push dtype"),
-                       tuple(m.shape)) for m in header.push]
+                       tuple(m.shape), codec.encoding_from_proto(m.encoding, "push encoding"))
+             for m in header.push]
     return metas, [codec.nbytes_of(f"slice {str(m.key)!r}", m.dtype, m.shape) for m in metas]
 
 

@@ -178,7 +178,8 @@ class _Session:
         if self._pull is None or self._pull[0] != header.pull:
             self._pull = (header.pull, [codec.slice_id_from_proto(s) for s in header.pull])
         if self._wires is None or self._wires[0] is not metas:
-            wires = [WireArray(view.view(codec.numpy_dtype(meta.dtype)).reshape(meta.shape), meta.dtype)
+            wires = [WireArray(view.view(codec.numpy_dtype(meta.dtype)).reshape(meta.shape), meta.dtype,
+                               meta.encoding)
                      for meta, view in zip(metas, views, strict=True)]
             self._wires = (metas, wires, [(m.key, w) for m, w in zip(metas, wires, strict=True)],
                            sum(view.nbytes for view in views))

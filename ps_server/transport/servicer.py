@@ -325,7 +325,8 @@ class ParameterServerServicer:
                 check_acts_as(header.stamp.worker_id, "Exchange")
             held.release()  # the header is decoded; the data frames reserve their own bytes
             metas = [SliceMeta(codec.slice_id_from_proto(m.id), codec.dtype_from_proto(m.dtype, "push dtype"),
-                               tuple(m.shape)) for m in header.push]
+                               tuple(m.shape), codec.encoding_from_proto(m.encoding, "push encoding"))
+                     for m in header.push]
             # Frames stop being waited for at the request's own deadline, a push or a declare too.
             deadline = time.monotonic() + (t if (t := _seconds(header)) is not None else self._pull_timeout_s)
             if header.op == pb.EXCHANGE_OP_DECLARE:
@@ -447,8 +448,8 @@ async def _read_slices(metas: Sequence[SliceMeta], frames: _FrameSource
                          names)
 
     def wire(index: int, buf: memoryview) -> tuple[int, WireArray]:
-        _, dtype, shape = metas[index]
-        return index, WireArray(codec.array_from_buffer(buf, dtype, shape, names[index]), dtype)
+        _, dtype, shape, encoding = metas[index]
+        return index, WireArray(codec.array_from_buffer(buf, dtype, shape, names[index]), dtype, encoding)
 
     for index, buf in reader.initial():
         yield wire(index, buf)

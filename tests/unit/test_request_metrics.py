@@ -53,3 +53,14 @@ def test_an_unknown_error_type_is_counted_as_unknown() -> None:
 def test_lag_is_measured_from_the_fastest_clock() -> None:
     assert clock_lags({"a": 7, "b": 4, "c": 7}) == {"a": 0, "b": 3, "c": 0}
     assert clock_lags({}) == {}
+
+
+def test_unpacked_gradients_are_counted_by_encoding() -> None:
+    requests = RequestMetrics()
+    requests.record_unpack("topk", 80, 4000, 0.001)
+    requests.record_unpack("topk", 80, 4000, 0.002)
+    requests.record_unpack("sign", 36, 1024, 0.0005)
+    got = samples(requests)
+    assert got[("pshard_ps_packed_gradient_bytes_total", (("encoding", "topk"),))] == 160
+    assert got[("pshard_ps_unpacked_gradient_bytes_total", (("encoding", "topk"),))] == 8000
+    assert got[("pshard_ps_unpack_seconds_total", (("encoding", "sign"),))] == 0.0005

@@ -1,0 +1,111 @@
+"""W1 over a shaped link (issue 19): step time and bytes with and without gradient compression.
+
+2 parameter servers and 2 workers, each on its own host of the multi-host test bed (bench/hostbed: network
+namespaces, tc tbf), every worker's link shaped to `--mbit` both ways, sync mode, raw TCP. The model is
+25 M float32 (100 MB) in 5 tensors; each worker runs `--steps` fused push-pull steps after one warm-up and
+reports its mean step time and the gradient bytes it sent. One JSON line per compressor, with the ratio of
+its step time to uncompressed in the same run. Needs root (`HostBed`'s skip reason says why not).
+
+    python -m bench.compression_link [--mbit 1000] [--steps 4] [--compression none topk:0.01 sign]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+from bench.common import emit
+
+NUMEL = 25_000_000
+TENSORS = 5
+PORT = 7100
+
+
+def worker(servers: list[str], worker_id: str, compression: str, steps: int) -> None:
+    """One worker's loop, run on its host: prints {"step_s": mean, "sent_bytes": per step}."""
+    from pshard.client.ps_client import PSClient
+    from pshard.common.compression import Compression
+    from pshard.common.job import JobConfig, OptimizerConfig
+
+    rng = np.random.default_rng(int(worker_id[-1]))
+    params = {f"w{i}": np.zeros(NUMEL // TENSORS, np.float32) for i in range(TENSORS)}
+    grads = {k: rng.standard_normal(v.size, dtype=np.float32) for k, v in params.items()}
+    job = JobConfig(mode="sync", optimizer=OptimizerConfig(name="sgd", lr=1e-3),
+                    compression=Compression(compression))
+    with PSClient(servers, worker_id, transport="tcp", timeout_s=300) as client:
+        client.declare(params, job)
+        client.push_pull(grads, 0)  # warm-up: the fast path opens, buffers are made
+        started = time.perf_counter()
+        for clock in range(1, steps + 1):
+            client.push_pull(grads, clock)
+        step_s = (time.perf_counter() - started) / steps
+        stats = client.compression.stats if client.compression else None
+        sent = stats.bytes_after / stats.steps if stats else NUMEL * 4
+        print(json.dumps({"step_s": step_s, "sent_bytes": sent, "transports": client.transports}), flush=True)
+
+
+def one_run(bed: object, compression: str, steps: int, mbit: float) -> list[dict[str, object]]:
+    hosts = bed.hosts  # type: ignore[attr-defined]
+    servers = [f"{hosts[h].address}:{PORT}" for h in ("ps0", "ps1")]
+    env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE"}
+    ps = [bed.spawn(h, [sys.executable, "-m", "pshard.ps_server", "--bind", f"{hosts[h].address}:{PORT}",  # type: ignore[attr-defined]
+                        "--workers", "w0,w1", "--no-scheduler", "--insecure", "--transport", "tcp"], env=env)
+          for h in ("ps0", "ps1")]
+    try:
+        workers = [bed.spawn(w, [sys.executable, "-m", "bench.compression_link", "--worker", w,  # type: ignore[attr-defined]
+                                 "--servers", ",".join(servers), "--compression", compression,
+                                 "--steps", str(steps)], env=env, stderr=subprocess.PIPE)
+                   for w in ("w0", "w1")]
+        results = []
+        for proc in workers:
+            out, err = proc.communicate(timeout=900)
+            if proc.returncode != 0:
+                raise SystemExit(f"{compression}: worker failed ({proc.returncode}): {err.decode()[-3000:]}")
+            results.append(json.loads(out.decode().strip().splitlines()[-1]))
+        return results
+    finally:
+        for proc in ps:
+            bed.kill(proc)  # type: ignore[attr-defined]
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.compression_link",
+                                description=(__doc__ or "").split("\n")[0])
+    p.add_argument("--mbit", type=float, default=1000.0)
+    p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--compression", nargs="+", default=["none", "topk:0.01", "sign"])
+    p.add_argument("--worker", help=argparse.SUPPRESS)
+    p.add_argument("--servers", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.worker:
+        worker(args.servers.split(","), args.worker, args.compression[0], args.steps)
+        return 0
+    from bench.hostbed import HostBed, skip_reason
+
+    if (reason := skip_reason()) is not None:
+        raise SystemExit(f"no test bed: {reason}")
+    with HostBed(["ps0", "ps1", "w0", "w1"]) as bed:
+        for w in ("w0", "w1"):
+            bed.shape(w, rate_mbit=args.mbit)
+        base: float | None = None
+        for compression in args.compression:
+            results = one_run(bed, compression, args.steps, args.mbit)
+            step_s = max(float(r["step_s"]) for r in results)  # type: ignore[arg-type]
+            sent = float(results[0]["sent_bytes"])  # type: ignore[arg-type]
+            base = step_s if base is None else base
+            # Uncompressed, each worker pushes and pulls 100 MB a step over its own link, both ways at once.
+            emit("compression_link", compression=compression, mbit=args.mbit, step_s=round(step_s, 3),
+                 speedup_vs_first=round(base / step_s, 2), sent_mb_per_step=round(sent / 1e6, 2),
+                 push_line_rate_fraction=round(sent * 8 / 1e6 / args.mbit / step_s, 2),
+                 transports=results[0]["transports"])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

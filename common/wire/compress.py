@@ -1,0 +1,106 @@
+"""Gradient compressors: pack a float32 slice for the wire, and unpack it back to float32.
+
+Each lossy compressor packs a slice into bytes that travel as a uint8 tensor tagged with its
+encoding (proto/pshard/api/v1/tensor.proto, Encoding); the casts (fp16, bf16) are plain dtypes and go
+through the codec's `cast`. The formats, little-endian:
+
+- topk: the k largest magnitudes, as k uint32 indices (strictly increasing) then their k float32 values;
+- randomk: k float32 values at indices drawn from a seed that worker and server both derive from the
+  (slice, clock), so no index travels;
+- sign: one float32 scale, the mean magnitude, then one bit per element (1: +scale, 0: -scale).
+
+A payload's size is fixed by its encoding and the slice's element count (k from the size for the
+sparsifiers), so a server checks a request's whole header before reading any gradient
+(`check_payload`). A server unpacks into float32 and aggregates there: sync mode's union-batch rule
+then holds for what was sent.
+
+Pure: numpy only.
+"""
+
+from __future__ import annotations
+
+import zlib
+
+import numpy as np
+from pshard.common.compression import CASTS, Compressor, payload_k
+from pshard.common.errors import InvalidArgumentError
+from pshard.common.types import SliceKey
+from pshard.common.wire.codec import WireArray, cast
+
+ENCODINGS = ("topk", "randomk", "sign")
+_INDEX = np.dtype("<u4")
+_VALUE = np.dtype("<f4")
+
+
+def slice_seed(key: SliceKey, clock: int) -> np.random.Generator:
+    """The random-k generator of one (slice, clock): the same on every worker and server, and a new
+    draw each clock, so every element is sent now and then. crc32, not hash(): Python salts str hashes
+    per process."""
+    return np.random.default_rng([zlib.crc32(key.key.encode()), key.part, clock])
+
+
+def random_indices(key: SliceKey, clock: int, numel: int, k: int) -> np.ndarray:
+    """The k distinct indices random-k sends of a slice at a clock, in increasing order."""
+    chosen = slice_seed(key, clock).choice(numel, size=k, replace=False)
+    chosen.sort()
+    return chosen
+
+
+def encode(compressor: Compressor, values: np.ndarray, key: SliceKey, clock: int) -> WireArray:
+    """`values` (a float32 slice, flat) packed by `compressor`: a cast's array in its dtype, or a
+    sparsifier's or sign's bytes tagged with the encoding."""
+    values = np.asarray(values, dtype=np.float32).reshape(-1)
+    if compressor.name == "none":
+        return WireArray(values, "float32")
+    if compressor.name in CASTS:
+        return cast(WireArray(values, "float32"), compressor.wire_dtype)
+    if compressor.name == "topk":
+        return _packed(_topk(values, compressor.k(values.size)), "topk")
+    if compressor.name == "randomk":
+        chosen = random_indices(key, clock, values.size, compressor.k(values.size))
+        return _packed([values[chosen].astype(_VALUE)], "randomk")
+    return _packed(_sign(values), "sign")
+
+
+def decode(wire: WireArray, numel: int, key: SliceKey, clock: int) -> np.ndarray:
+    """The float32 slice (flat, `numel` elements) a packed `wire` stands for; the casts are widened.
+    A payload that is not what its encoding says (size, indices out of range or repeated) is an
+    InvalidArgumentError naming the slice."""
+    what = f"slice {str(key)!r}"
+    if not wire.encoding:
+        return np.asarray(cast(wire, "float32").array, dtype=np.float32).reshape(-1)
+    raw = np.asarray(wire.array).reshape(-1).view(np.uint8)
+    k = payload_k(wire.encoding, numel, raw.nbytes, what)
+    if wire.encoding == "sign":
+        scale = raw[:_VALUE.itemsize].view(_VALUE)[0]
+        bits = np.unpackbits(raw[_VALUE.itemsize:], count=numel, bitorder="little")
+        # A lookup by bit: 3x faster than np.where over 25 M elements, and the same float32 values.
+        return np.array([-scale, scale], dtype=np.float32)[bits]
+    out = np.zeros(numel, dtype=np.float32)
+    if wire.encoding == "topk":
+        indices = raw[:k * _INDEX.itemsize].view(_INDEX)
+        if indices[-1] >= numel or (k > 1 and not np.all(indices[1:] > indices[:-1])):
+            raise InvalidArgumentError(f"{what}: topk indices must be increasing and below {numel}")
+        out[indices] = raw[k * _INDEX.itemsize:].view(_VALUE)
+    else:
+        out[random_indices(key, clock, numel, k)] = raw.view(_VALUE)
+    return out
+
+
+def _packed(parts: list[np.ndarray], encoding: str) -> WireArray:
+    return WireArray(np.concatenate([p.reshape(-1).view(np.uint8) for p in parts]), "uint8", encoding)
+
+
+def _topk(values: np.ndarray, k: int) -> list[np.ndarray]:
+    # argpartition is O(n): a full sort of 25 M magnitudes costs seconds, the partition a tenth of that.
+    chosen = np.argpartition(np.abs(values), values.size - k)[values.size - k:] if k < values.size \
+        else np.arange(values.size)
+    chosen.sort()
+    return [chosen.astype(_INDEX), values[chosen].astype(_VALUE)]
+
+
+def _sign(values: np.ndarray) -> list[np.ndarray]:
+    # The mean magnitude keeps the slice's L1 norm: sign-SGD's step size without a learning-rate change.
+    scale = np.float32(np.abs(values).mean(dtype=np.float64)) if values.size else np.float32(0)
+    bits = np.packbits(values >= 0, bitorder="little")
+    return [np.array([scale], dtype=_VALUE), bits]
