@@ -40,6 +40,7 @@ import time
 from collections.abc import Callable, Iterator
 
 import numpy as np
+from pshard.common.errors import InvalidArgumentError
 from pshard.common.sparse import TableConfig, mix64, put_rows, table_hash, take_rows
 from pshard.common.wire.sparse_codec import decode_rows
 from pshard.ps_server.tables import row_optim, rowcodec
@@ -199,9 +200,8 @@ class SparseTable:
         # Gathers into buffers kept between requests; rows move as whole items (sparse.take_rows).
         state = {name: take_rows(a, r, self._buffer(name, n)) for name, a in self.state.items()}
         step: int | np.ndarray = self.step
-        if self.config.optimizer == "lazy_adam":
-            self.row_step[r] += 1
-            step = self.row_step[r]
+        if self.config.optimizer == "lazy_adam":  # stored once the push cannot be refused any more
+            step = self.row_step[r] + 1
         if self.config.narrow:  # decoded to float32, updated there, rounded once
             current = decode_rows(self.config, take_rows(self.values, r))
         else:
@@ -209,7 +209,9 @@ class SparseTable:
         updated = row_optim.apply(self.config, current, g, state, step, self._buffer("scratch", n))
         versions = self.count[r] + 1
         if self.config.narrow:
-            updated = rowcodec.encode_rows(self.config, updated, self.index.ids[r], versions)
+            updated = self._encode(r, updated, versions)
+        if self.config.optimizer == "lazy_adam":
+            self.row_step[r] = step
         put_rows(self.values, r, updated)
         for name, a in self.state.items():
             put_rows(a, r, state[name])
@@ -250,6 +252,18 @@ class SparseTable:
         if len(self.row_step):
             self.row_step[rows] = 0
         return rows
+
+    def _encode(self, r: np.ndarray, updated: np.ndarray, versions: np.ndarray) -> np.ndarray:
+        """The stored form of rows `r`'s float32 `updated` values. An int8 row cannot hold a NaN or an
+        infinity (an overflow of the update): the push is refused before any row or state changes."""
+        try:
+            return rowcodec.encode_rows(self.config, updated, self.index.ids[r], versions)
+        except ValueError:
+            self.step -= 1
+            bad = int(self.index.ids[r][~np.isfinite(updated).all(axis=1)][0])
+            raise InvalidArgumentError(
+                f"push of table {self.config.name!r}: the update of id {bad} is not finite, which an int8 "
+                "row cannot hold (lower lr, or clip the gradients)") from None
 
     def _initial(self, ids: np.ndarray) -> np.ndarray:
         """The initial rows of `ids` in the stored form (narrow: rounded as update count 0)."""

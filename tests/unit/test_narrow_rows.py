@@ -119,6 +119,18 @@ def test_replicas_and_checkpoints_hold_the_primary_s_stored_bytes(row_dtype: str
     assert np.array_equal(np.sort(exported, axis=0), np.sort(decode_rows(config, primary.pull(ids)), axis=0))
 
 
+def test_an_int8_push_whose_update_overflows_is_refused_and_changes_nothing() -> None:
+    table = SparseTable(TableConfig("big", 2, row_dtype="int8", lr=1000.0))
+    ids = np.array([1, 2], np.int64)
+    table.push(ids, np.ones((2, 2), np.float32))
+    before = {name: array.copy() for name, (array, _) in table.columns().items()}
+    huge = np.array([[0, 0], [3e38, 0]], np.float32)  # finite, but 3e38 x 1000 is not
+    with pytest.raises(InvalidArgumentError, match=r"table 'big'.*id 2 is not finite"):
+        table.push(ids, huge)
+    assert table.step == 1
+    assert all(np.array_equal(a, table.columns()[name][0]) for name, a in before.items())
+
+
 def test_row_dtype_travels_in_the_spec_and_an_unknown_one_is_refused_by_name() -> None:
     for row_dtype in ("float32", *NARROW):
         config = _config(row_dtype)
