@@ -13,7 +13,7 @@ STUBS := pshard/api/v1/parameter_server_pb2.py
 COMPOSE_BIN = $(shell $(PY) -c "import importlib.util, pathlib; print(pathlib.Path(importlib.util.find_spec('compose').origin).parent / 'docker-compose')")
 PYTEST_ARGS ?=
 
-.PHONY: gpu-carry gpu-check install proto data test test-unit test-service test-e2e soak demo demo-args up bench lint docs clean help
+.PHONY: gpu-carry gpu-check install proto data test test-unit test-service test-e2e soak demo demo-args up bench bench-tls lint docs clean help
 
 help:
 	@echo "make install   create $(VENV) and install pshard with torch (CPU), grpc and the dev tools"
@@ -24,6 +24,8 @@ help:
 	@echo "make demo-ctr  train a CTR model with sparse embeddings on a synthetic click log (same cluster)"
 	@echo "make up        docker compose up (needs a Docker engine)"
 	@echo "make bench     run the benchmarks in bench/ and print JSON lines"
+	@echo "make bench-tls one Python stream: clear, SSLSocket, the fast path's TlsStream (JSON lines)"
+	@echo "make bench-hosts  the benchmarks across hosts on the namespace bed (root): stream, W1 clear/TLS, p50, 1 Gbit/s"
 	@echo "make gpu-carry build .gpu-carry/ (pshard installed, stubs for the GPU machine's grpcio) to carry there"
 	@echo "make gpu-check the GPU check (CUDA tests, PSTrainer vs torch.optim, CTR) here, JSON lines in runs/gpu"
 	@echo "make lint      ruff, mypy, buf lint (proto/), compose config, hadolint and the strict docs build"
@@ -107,6 +109,16 @@ up:
 
 bench: install
 	$(PY) -m bench.run_all
+
+# One Python stream in clear, over an SSLSocket and over the fast path's TlsStream (issue 24).
+bench-tls: install
+	$(PY) -m bench.tls_ceiling
+
+# Across hosts (issue 24): the same figures between network namespaces on a bridge (bench/hostbed), in one
+# run, with links shaped by tc tbf for the last two. Needs root; JSON lines, then a table.
+.PHONY: bench-hosts
+bench-hosts: install
+	$(PY) -m bench.hosts
 
 # The fuzzer in tests/fuzz, at length: 100,000 cases shared by its tests (or PSHARD_FUZZ_SECONDS of them)
 # from a random seed that is printed; PSHARD_FUZZ_SEED=<seed> replays a run. `make test` runs a fixed,

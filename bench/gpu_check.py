@@ -6,6 +6,8 @@ short. The first line describes the environment; each section is guarded (a fail
 its line's "error" and the next section still runs) and has a time budget; the last line is a
 summary against the issue's bars, also printed as the final line on stdout:
 
+- server_update: one server's optimizer update of ResNet-18's 11.7 M parameters (SGD with momentum,
+  Adam), ms per step on one thread and on the server's default pool (bench.server_update);
 - cuda_tests: `pytest -m cuda` in a subprocess: passed / failed / skipped, the failing tests' names;
 - training: the demo CNN and a ResNet-18 (11.7 M parameters, 224x224, batch 128 on a GPU) on synthetic
   data, 2 parameter servers on the CPU over shared memory; 1 worker (this process, its blocks of steps
@@ -15,8 +17,9 @@ summary against the issue's bars, also printed as the final line on stdout:
   diagnostic, not a figure to quote. The copy floor (one flat memcpy, D2H and H2D of the model's
   bytes), local torch.optim's forward/backward/step, and PSTrainer's step split into phases (forward,
   backward, D2H, push_pull and its shared-memory copies and server wait, H2D, waits on replies) as
-  mean ms per step, without overlap, with it, and with it in 8 MiB buckets; whether the host buffers
-  are pinned, copy calls per step, bucket count. Its steps are cut by torch.cuda.synchronize();
+  mean ms per step, without overlap, with it, and with it in 256 KiB buckets (the default is 4 MiB);
+  whether the host buffers are pinned, copy calls per step, bucket count. Its steps are cut by
+  torch.cuda.synchronize();
 - ctr: the CTR demo's model (a PSEmbedding table and an MLP) for a fixed number of steps on the GPU,
   then on the CPU: samples/s of each. Bar: GPU >= 3x CPU.
 
@@ -133,6 +136,23 @@ def kernels_check(rec: Recorder, quick: bool) -> None:
         kernels.warm(dtype)
     rec.write("numba_kernels", ok=True, numba=numba.__version__, dtypes=[str(d) for d in dtypes],
               seconds=round(time.monotonic() - began, 1))
+
+
+def server_update_check(rec: Recorder, quick: bool) -> None:
+    """A server's dense update of ResNet-18's parameters (bench.server_update) on one thread and on the
+    pool a server here gets by default: the host-side part of the training bar, measured alone."""
+    from pshard.common.chunks import available_cores, default_threads
+
+    from bench import server_update
+
+    params, steps = (2**20, 2) if quick else (11_689_512, 5)
+    for name, config in server_update.OPTIMIZERS.items():
+        began = time.monotonic()
+        ms = {t: server_update.measure(config, t, params, steps) for t in sorted({1, default_threads()})}
+        rec.write("server_update", optimizer=name, params=params, cores=available_cores(),
+                  default_threads=default_threads(),
+                  ms_by_threads={str(t): round(v, 2) for t, v in ms.items()},
+                  seconds=round(time.monotonic() - began, 1))
 
 
 def source_digest(root: Path = REPO) -> str:
@@ -262,7 +282,7 @@ def profile(rec: Recorder, shape: Any, device: Any, budget_s: float) -> None:
     local = gpu_profile.local_phases(shape, device)
     rec.write("profile_local", model=shape.model, batch=shape.batch, **local,
               seconds=round(time.monotonic() - began, 1))
-    variants = [(False, None), (True, None), (True, gpu_profile.BIG_BUCKET_BYTES)]
+    variants = [(False, None), (True, None), (True, gpu_profile.SMALL_BUCKET_BYTES)]
     procs, addresses = gpu_runs.start_servers(["w0"])  # one pair for all variants: each start costs seconds
     try:
         for overlap, bucket_bytes in variants:
@@ -383,6 +403,7 @@ def main(argv: list[str] | None = None) -> int:
             print("gpu-check: WARNING: .gpu-carry was built from other sources than this tree's (run "
                   "`make gpu-carry` again): the figures below measure the carried code", flush=True)
         guarded(rec, "numba_kernels", lambda: kernels_check(rec, args.quick))
+        guarded(rec, "server_update", lambda: server_update_check(rec, args.quick))
         if "cuda_tests" in sections:
             guarded(rec, "cuda_tests", lambda: cuda_tests(rec, BUDGET_S["cuda_tests"] * scale))
         if "training" in sections:

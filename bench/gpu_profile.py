@@ -37,7 +37,7 @@ from bench.gpu_runs import Shape, _sync, _trainer, synthetic
 
 PROFILE_STEPS = 12
 PROFILE_WARMUP = 3
-BIG_BUCKET_BYTES = 8 * 2**20  # the overlap variant with DDP-sized buckets, beside the default
+SMALL_BUCKET_BYTES = 256 * 1024  # the overlap variant with many small buckets (the default before 4 MiB)
 
 
 class Phases:
@@ -87,7 +87,7 @@ def _instrument(trainer: Any, phases: Phases, device: torch.device) -> None:
     client = trainer.client
     client.push_pull = phases.timed("push_pull", client.push_pull)
     client.wait = phases.timed("wait_reply", client.wait)
-    for fast in client._fast:
+    for fast in client.connections.sessions():
         if fast is None:
             continue
         fast._send = phases.timed("shm_request_copy", fast._send)

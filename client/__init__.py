@@ -1,7 +1,8 @@
 """pshard.client: what users import to talk to parameter servers, from any training code.
 
 `PSClient` (ps_client.py) talks to every server of a job: declare, push, pull, wait; `TableClient`
-(tables.py) does the same for sparse tables over the client's channels; fast_session.py is the worker's
+(tables.py) does the same for sparse tables; both are handed one ServerConnections (connections.py:
+channels, fast-path sessions, the thread pool, the routing layout); fast_session.py is the worker's
 side of the fast paths (same-host shared memory, raw TCP). numpy and grpc only: no torch, no server, no
 scheduler service (tests/unit/test_layers.py).
 """

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import hmac
+import logging
 import queue
 import socket
 import ssl
@@ -30,6 +31,7 @@ from pathlib import Path
 
 import grpc
 import numpy as np
+from pshard.common.chunks import shared_pool
 from pshard.common.errors import rebuild
 from pshard.common.rpc.status import error_from_rpc_error
 from pshard.common.wire.fastwire import (
@@ -38,6 +40,8 @@ from pshard.common.wire.fastwire import (
     REQUEST,
     SLICE,
     Inbox,
+    PeerSilent,
+    Stream,
     TransportBroken,
     decode_slice_meta,
     encode_header,
@@ -45,22 +49,27 @@ from pshard.common.wire.fastwire import (
     send_frame,
     tune,
 )
+from pshard.common.wire.liveness import DEFAULT_DEAD_AFTER_S
 from pshard.common.wire.shm import Segment, connect, packed, parse_socket_name, send_fd, sweep_orphans
+from pshard.common.wire.tls_stream import TlsStream, kernel_tls_available
 
 from pshard.api.v1 import parameter_server_pb2 as pb
 from pshard.api.v1 import parameter_server_pb2_grpc as pb_grpc
+
+log = logging.getLogger("pshard.client.fastpath")
 
 KINDS = {"shm": pb.TRANSPORT_KIND_SHM, "tcp": pb.TRANSPORT_KIND_TCP}
 # A session's room for sparse-table requests, each way, beside its dense slices: 8 MiB is a step of
 # 30,000 rows of dim 64 per server; a larger table request goes over gRPC (client.tables).
 TABLE_ROOM_BYTES = 8 * 2**20
 _swept = threading.Event()  # the orphan sweep runs once per process
+_told_tls = threading.Event()  # which TLS the fast path runs is logged once per process
 # A reply that came within this long after its request makes the next one wait for its reply by
 # spinning on the socket, up to this long, before sleeping: a small push+pull's reply comes in about
 # that time, and the wake-up of a sleeping thread costs tens of microseconds (more on a busy machine).
 # Slower replies (big steps, waits for other workers) are slept for at once.
 _SPIN_S = 300e-6
-# Plain TCP requests with more data than this are sent by the session's sender thread while the
+# TCP requests (plain or TLS) with more data than this are sent by the session's sender thread while the
 # caller reads the reply (the server sends pulled slices while it still receives): the handoff
 # costs two thread wake-ups, tens of microseconds, nothing beside a megabyte.
 _PIPELINE_BYTES = 1 << 20
@@ -124,13 +133,18 @@ def _handoff(segment: Segment, shm_dir: str, name: str, hello: bytes, timeout_s:
     return sock
 
 
+def _broken(kind: str, err: OSError | ValueError) -> TransportBroken:
+    """What a failure of the path under a request means for the caller: ETIMEDOUT (the kernel's
+    keepalive or user timeout) or the call's deadline is a silent peer, anything else a broken path."""
+    cls = PeerSilent if isinstance(err, TimeoutError) else TransportBroken
+    return cls(f"{kind} transport: {type(err).__name__}: {err}")
+
+
 class FastPath:
-    def __init__(self, kind: str, sock: socket.socket, segment: Segment | None,
-                 scratch: Segment | None) -> None:
+    def __init__(self, kind: str, sock: Stream, segment: Segment | None, scratch: Segment | None) -> None:
         self.kind = kind
-        self.tls = isinstance(sock, ssl.SSLSocket)
-        if not self.tls:  # deadlines are kept by the Inbox and send_frame (fastwire says why)
-            sock.settimeout(0.0)
+        self.tls = isinstance(sock, TlsStream)
+        sock.settimeout(0.0)  # deadlines are kept by the Inbox and send_frame (fastwire says why)
         self._sock = sock
         self._inbox = Inbox(sock)
         self._spin = False  # the last reply came within _SPIN_S
@@ -138,22 +152,25 @@ class FastPath:
         self._segment = segment  # shm: the shared regions
         self._scratch = scratch  # tcp: where pulled slices that need a cast land first
         self._lock = threading.Lock()  # one request at a time: the regions hold one request's bytes
-        self._sender: _Sender | None = None  # started for the first large request (plain TCP)
+        self._sender: _Sender | None = None  # started for the first large request (TCP)
         self._sending = False  # the sender thread is writing the request in flight
+        self._copies = shared_pool()  # copies into and out of the segment, multi-MiB each: on a few threads
         self.closed = False
 
     @classmethod
     def open(cls, kind: str, stub: pb_grpc.ParameterServerServiceStub, address: str, worker_id: str, *,
              request_bytes: int, reply_bytes: int, shm_dir: str, timeout_s: float,
-             ssl_context: ssl.SSLContext | None = None) -> FastPath:
+             ssl_context: ssl.SSLContext | None = None,
+             dead_after_s: float = DEFAULT_DEAD_AFTER_S) -> FastPath:
         """Negotiate and connect; a PSError says why this kind is not possible with this server.
 
         `ssl_context` (a client context: our certificate, the job's CA): TCP runs over TLS, the
         server authenticated by its certificate and the host name we reached it by, as gRPC does.
         Shared memory needs none: the bytes never leave the host, and the session's secret came
-        over the authenticated gRPC channel."""
+        over the authenticated gRPC channel. `dead_after_s`: a server silent this long (its host
+        cut off) breaks the TCP session (common.wire.liveness): the job's heartbeat timeout."""
         segment = scratch = None
-        sock = None
+        sock: Stream | None = None
         try:
             request = pb.OpenTransportRequest(worker_id=worker_id, kind=KINDS[kind],
                                               request_bytes=request_bytes, reply_bytes=reply_bytes)
@@ -176,9 +193,14 @@ class FastPath:
                 sock = _handoff(segment, shm_dir, reply.socket, hello, timeout_s)
                 return cls(kind, sock, segment, scratch)
             try:
-                sock = open_session(address, reply.port, hello, timeout_s, ssl_context)
+                sock = open_session(address, reply.port, hello, timeout_s, ssl_context, dead_after_s)
             except OSError as err:
                 raise TransportBroken(f"cannot connect to port {reply.port}: {err}") from None
+            if isinstance(sock, TlsStream) and not _told_tls.is_set():
+                _told_tls.set()
+                log.info("fast path over TLS (%s, %s): encrypted in user space, in batches of records "
+                         "(kernel TLS: %s)", sock.version(), (sock.cipher() or ("?",))[0],
+                         "offered here, not used" if kernel_tls_available() else "not in this kernel")
             return cls(kind, sock, segment, scratch)
         except BaseException:
             for region in (segment, scratch):
@@ -217,13 +239,11 @@ class FastPath:
         try:
             if self.closed:
                 raise TransportBroken(f"{self.kind} transport closed")
-            if self.tls and self._sock.gettimeout() != timeout_s:  # each settimeout costs system calls
-                self._sock.settimeout(timeout_s)
             self._inbox.deadline = time.monotonic() + timeout_s
             self._send(header, buffers)
         except (OSError, ValueError) as err:  # ValueError: a region unmapped under us (closed)
             self._lock.release()
-            raise TransportBroken(f"{self.kind} transport: {type(err).__name__}: {err}") from err
+            raise _broken(self.kind, err) from err
         except BaseException:
             self._lock.release()
             raise
@@ -243,7 +263,7 @@ class FastPath:
             if sent is not None:  # the reply came (an error, early) but the request did not all go
                 raise sent
         except (OSError, ValueError) as err:
-            raise TransportBroken(f"{self.kind} transport: {type(err).__name__}: {err}") from err
+            raise _broken(self.kind, err) from err
         finally:
             self._lock.release()
         if reply.error_type:
@@ -259,10 +279,10 @@ class FastPath:
                 raise TransportBroken(f"request of {total} bytes exceeds the segment's "
                                       f"{segment.request_bytes}")
             for offset, view in zip(offsets, views, strict=True):
-                np.copyto(segment.request[offset:offset + view.nbytes], view)
+                self._copies.copy(segment.request[offset:offset + view.nbytes], view)
             views = []
         meta, deadline = header.SerializeToString(), self._inbox.deadline
-        if not self.tls and sum([v.nbytes for v in views]) > _PIPELINE_BYTES:
+        if sum([v.nbytes for v in views]) > _PIPELINE_BYTES:
             if self._sender is None:
                 self._sender = _Sender()
             self._sending = True
@@ -291,17 +311,7 @@ class FastPath:
         return self._sender.wait()
     def _receive(self, header: pb.ExchangeHeader, place: Place, direct: Direct) -> pb.TransportReply:
         segment = self._segment
-        if self._spin and self.tls:
-            # An SSL socket keeps its timeout for sends and for reading the data (sendall and
-            # recv_into wait on it); only the spin for the reply's header runs non-blocking.
-            timeout_s = self._sock.gettimeout()
-            self._sock.settimeout(0.0)
-            try:
-                kind, meta, data_len = self._inbox.frame_head(_SPIN_S)
-            finally:
-                self._sock.settimeout(timeout_s)
-        else:
-            kind, meta, data_len = self._inbox.frame_head(_SPIN_S if self._spin else 0.0)
+        kind, meta, data_len = self._inbox.frame_head(_SPIN_S if self._spin else 0.0)
         self._spin = time.perf_counter() - self._sent <= _SPIN_S
         pulled = int(header.table.pull) if header.op == pb.EXCHANGE_OP_TABLE else len(header.pull)
         streamed: list[int] = []  # sizes of the slices that came ahead of the reply (TCP)
@@ -330,7 +340,7 @@ class FastPath:
                     raise TransportBroken(f"reply slice at {offset}+{size} is outside the segment")
                 target = direct(index)
                 if target is not None and target.nbytes == size:  # one copy, no conversion to look up
-                    np.copyto(target, segment.reply[offset:offset + size])
+                    self._copies.copy(target, segment.reply[offset:offset + size])
                 else:
                     place(index, segment.reply[offset:offset + size])
             return reply

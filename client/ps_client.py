@@ -23,16 +23,16 @@ from __future__ import annotations
 import functools
 import logging
 import random
-import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TypeVar
 
 import grpc
 import numpy as np
-from pshard.client.fast_session import TABLE_ROOM_BYTES, FastPath
+from pshard.client.connections import ServerConnections
+from pshard.client.fast_session import TABLE_ROOM_BYTES
 from pshard.client.forking import ProcessOwned
 from pshard.client.tables import TableClient
 from pshard.common.cluster.layout import DEFAULT_SLICE_BYTES, Layout, LayoutSlice, ParamSpec, plan_layout
@@ -48,16 +48,17 @@ from pshard.common.errors import (
 )
 from pshard.common.job import JobConfig
 from pshard.common.malloc import keep_stream_buffers
-from pshard.common.rpc.options import CHUNK_BYTES, EXCHANGE_METHOD, channel_options, identity
-from pshard.common.rpc.retry import Backoff, parameter_server_channel_options
+from pshard.common.rpc.options import CHUNK_BYTES, EXCHANGE_METHOD, identity
+from pshard.common.rpc.retry import Backoff
 from pshard.common.rpc.status import error_from_rpc_error, raise_from_rpc_error
 from pshard.common.security.credentials import SecurityConfig
 from pshard.common.sparse import TableConfig
 from pshard.common.types import Stamp
 from pshard.common.wire import codec
 from pshard.common.wire.dtypes import PARAM_DTYPES
-from pshard.common.wire.fastwire import TransportBroken
+from pshard.common.wire.fastwire import PeerSilent, TransportBroken
 from pshard.common.wire.framing import SliceReader, pack_frames
+from pshard.common.wire.liveness import DEFAULT_DEAD_AFTER_S
 from pshard.common.wire.shm import DEFAULT_SHM_DIR, align
 
 from pshard.api.v1 import parameter_server_pb2 as pb
@@ -79,8 +80,6 @@ SMALL_PAYLOAD_BYTES = 1 << 20
 # seconds); True once it is. The SchedulerClient provides it (see worker/session.py).
 GenerationWait = Callable[[int, float], bool]
 TRANSPORTS = ("auto", "shm", "tcp", "grpc")
-# After a fast path failed to open or broke, gRPC carries the calls for this long before a new try.
-FAST_PATH_RETRY_S = 10.0
 
 
 @dataclass(frozen=True)
@@ -105,14 +104,16 @@ class PSClient:
                  transport: str = "auto", shm_dir: str = DEFAULT_SHM_DIR,
                  security: SecurityConfig | None = None,
                  relayout: Callable[[Layout, float], Layout | None] | None = None,
-                 reroute_wait_s: float = 15.0) -> None:
+                 reroute_wait_s: float = 15.0, dead_after_s: float = DEFAULT_DEAD_AFTER_S) -> None:
         """`security`: this worker's TLS files or token (pshard.common.security.credentials; default plain).
         `relayout(layout, timeout_s)`: a layout newer than `layout` once the scheduler publishes one
         (a failover), else None at the timeout; with it and a replicated layout, a step whose server
         is gone waits up to `reroute_wait_s` for the failover and is sent again on the new layout.
         `transport`: how push and pull bytes travel (docs/architecture.md, 11 Transports): "auto"
         takes shared memory when the server proves it shares this host's `shm_dir`, else a raw TCP
-        socket, else gRPC; "shm" or "tcp" only that one (else gRPC); "grpc" never negotiates."""
+        socket, else gRPC; "shm" or "tcp" only that one (else gRPC); "grpc" never negotiates.
+        `dead_after_s`: a server silent this long breaks its raw TCP session (the job's heartbeat
+        timeout; common.wire.liveness), and with a replicated layout the step is re-routed."""
         if transport not in TRANSPORTS:
             raise InvalidArgumentError(f"transport: got {transport!r}, expected one of {TRANSPORTS}")
         if not servers:
@@ -124,65 +125,41 @@ class PSClient:
         # carry the newest incarnation after a re-registration.
         self._generation_source = generation if callable(generation) else None
         self._generation = 0 if callable(generation) else generation
-        self.layout = layout
         self.job: JobConfig | None = None
         self._chunk = chunk_bytes
         self._timeout_s = timeout_s
         self._retry_budget_s = retry_budget_s
         self._await_generation = await_generation
-        options = [*channel_options(), *parameter_server_channel_options()]
         self.security = (security or SecurityConfig()).for_node(worker_id.split("-", 1)[0], worker_id)
-        self._channels = [self.security.channel(a, options=options) for a in self.servers]
-        # Before the subscriptions below: their callbacks may run at once, on gRPC's thread, and read it.
-        self._closed = threading.Event()
-        # gRPC retries unary calls silently; say once when a server drops out and when it is back.
-        self._unreachable: set[str] = set()
-        self._watchers = [functools.partial(self._on_connectivity, a) for a in self.servers]
-        for channel, watcher in zip(self._channels, self._watchers, strict=True):
-            channel.subscribe(watcher, try_to_connect=False)
+        self._dtypes: dict[str, str] = {}
+        # Channels, fast-path sessions, the thread pool and the routing layout: shared with the tables client.
+        self.connections = ServerConnections(
+            self.servers, worker_id, self.security, timeout_s=timeout_s, transport=transport, shm_dir=shm_dir,
+            layout=layout, relayout=relayout, reroute_wait_s=reroute_wait_s, dead_after_s=dead_after_s,
+            room=self._session_room)
+        self._channels = self.connections.channels
+        self._closed = self.connections.closed
+        self._pool = self.connections.pool
+        self._answered: dict[str, float] = {}  # server -> when it last answered a call (reached_servers)
         self._stubs = [pb_grpc.ParameterServerServiceStub(c) for c in self._channels]
         self._exchange = [c.stream_stream(EXCHANGE_METHOD, request_serializer=identity,
                                           response_deserializer=identity) for c in self._channels]
-        # One thread per server drives its stream; a second set lets a push future overlap a pull.
-        self._pool = ThreadPoolExecutor(max_workers=2 * len(self.servers), thread_name_prefix="psclient")
-        self._dtypes: dict[str, str] = {}
         # What the last push_pull did (its versions are the sync clock to follow), and the last pull.
         self.last_result: PushResult | None = None
         self.last_pull: PushResult | None = None
-        # Fast paths, per server: the open one, when the next try is due, and what carries the calls.
-        self._transport = transport
-        self._shm_dir = shm_dir
-        self._fast: list[FastPath | None] = [None] * len(self.servers)
-        self._fast_retry_at = [0.0] * len(self.servers)
-        self._fast_locks = [threading.Lock() for _ in self.servers]
-        self.transports = ["grpc"] * len(self.servers)
         # Step headers by (server, parameters, wire dtype, pull), for the layout they were made for.
         self._templates: dict[tuple[int, tuple[str, ...], str, bool],
                               tuple[Sequence[LayoutSlice], pb.ExchangeHeader]] = {}
         self._templates_layout: Layout | None = None
         # Calls resent because a server was past its in-flight budget (a sign to add servers).
         self.overload_retries = 0
-        self._relayout = relayout
-        self._reroute_wait_s = reroute_wait_s
         self._declared = False
         self.reroutes = 0  # steps sent again after a failover moved slices
 
     # ---- lifecycle ----
 
     def close(self) -> None:
-        if self._closed.is_set():
-            return
-        self._closed.set()
-        if not self._owner.here:
-            return  # a forked child's copy: the channels, sockets and threads are the parent's
-        for server in range(len(self.servers)):
-            self._drop_fast(server)
-        # Channels first: closing one cancels its calls, so a pool thread blocked in a sync pull
-        # (a stop, SIGTERM, in mid-step) ends now instead of at its deadline.
-        for channel, watcher in zip(self._channels, self._watchers, strict=True):
-            channel.unsubscribe(watcher)
-            channel.close()
-        self._pool.shutdown(wait=True, cancel_futures=True)
+        self.connections.close(owned=self._owner.here)
 
     def __enter__(self) -> PSClient:
         return self
@@ -235,18 +212,29 @@ class PSClient:
 
     # ---- failover (docs/architecture.md, 9 Failures) ----
 
+    @property
+    def layout(self) -> Layout | None:
+        """The layout calls are routed by (None until declare() plans one, or the scheduler's is given)."""
+        return self.connections.layout
+
+    @layout.setter
+    def layout(self, layout: Layout | None) -> None:
+        self.connections.layout = layout
+
+    @property
+    def transports(self) -> list[str]:
+        """What each server's calls ride now: "shm", "tcp" or "grpc"."""
+        return self.connections.transports
+
     def set_layout(self, layout: Layout) -> None:
         """Route by `layout` from now on (a failover moved slices to their backups' servers)."""
-        self.layout = layout
-        for server in range(len(self.servers)):  # their buffers were sized for the old slices
-            with self._fast_locks[server]:
-                self._drop_fast(server)
+        self.connections.set_layout(layout)
 
     @property
     def _fail_fast(self) -> bool:
         """Replicated and able to re-route: a call to a dead server fails at once instead of waiting
         for it to come back, and the step goes to the slice's new primary."""
-        return self._declared and self._relayout is not None and bool(self.layout and self.layout.replicas)
+        return self._declared and self.connections.can_reroute and bool(self.layout and self.layout.replicas)
 
     def _rerouting(self, step: Callable[[Layout], T]) -> T:
         """`step(layout)`, again on each newer layout the scheduler publishes after a server failed it.
@@ -260,13 +248,13 @@ class PSClient:
             try:
                 return step(layout)
             except (UnavailableError, UnknownKeyError) as err:
-                if not self._fail_fast or self._relayout is None or self._closed.is_set():
+                if not self._fail_fast or self._closed.is_set():
                     raise
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise
-                newer = self._relayout(layout, min(left, self._reroute_wait_s))
-                if newer is None or newer.version <= layout.version:
+                newer = self.connections.newer_layout(layout, left)
+                if newer is None:
                     if isinstance(err, UnknownKeyError):
                         raise  # the current layout's server lacks the slice: no resend can help
                     log.warning("step failed (%s); no failover published yet, sending it again", err)
@@ -423,50 +411,20 @@ class PSClient:
 
     # ---- fast paths (shared memory, raw TCP) ----
 
-    def _fast_path(self, server: int) -> FastPath | None:
-        """The server's open fast path, negotiating one when none is (and a try is due)."""
-        if self._transport == "grpc":
-            return None
-        with self._fast_locks[server]:
-            fast = self._fast[server]
-            if fast is not None or time.monotonic() < self._fast_retry_at[server] or self._closed.is_set():
-                return fast
-            layout = self.layout
-            # Room for this worker's every slice on the server, each page-aligned, in its own dtype
-            # (the wire dtype only ever shrinks it), and for sparse-table requests (client.tables):
-            # allocated once, reused by every step.
-            dense = layout.slices_on(server) if layout is not None else ()
-            room = TABLE_ROOM_BYTES + sum(
-                align(s.numel * codec.numpy_dtype(self._param_dtype(s.key)).itemsize) for s in dense)
-            reasons = []
-            for kind in ("shm", "tcp") if self._transport == "auto" else (self._transport,):
-                try:
-                    fast = FastPath.open(kind, self._stubs[server], self.servers[server], self.worker_id,
-                                         request_bytes=room, reply_bytes=room, shm_dir=self._shm_dir,
-                                         timeout_s=min(self._timeout_s, 10.0),
-                                         ssl_context=self.security.client_ssl_context() if self.security.tls
-                                         else None)
-                except PSError as err:
-                    reasons.append(f"{kind}: {err}")
-                    continue
-                self._fast[server], self.transports[server] = fast, kind
-                log.info("server %s: push and pull over %s", self.servers[server], kind)
-                return fast
-            self._fast_retry_at[server] = time.monotonic() + FAST_PATH_RETRY_S
-            log.info("server %s: push and pull over grpc (%s)", self.servers[server], "; ".join(reasons))
-            return None
-
-    def _drop_fast(self, server: int) -> None:
-        fast, self._fast[server] = self._fast[server], None
-        self.transports[server] = "grpc"
-        if fast is not None:
-            fast.close()
+    def _session_room(self, server: int) -> int:
+        """Room for this worker's every slice on the server, each page-aligned, in its own dtype (the wire
+        dtype only ever shrinks it), and for sparse-table requests (client.tables): allocated once when a
+        fast-path session is negotiated, reused by every step."""
+        layout = self.layout
+        dense = layout.slices_on(server) if layout is not None else ()
+        return TABLE_ROOM_BYTES + sum(
+            align(s.numel * codec.numpy_dtype(self._param_dtype(s.key)).itemsize) for s in dense)
 
     def _fast_call(self, server: int, header: pb.ExchangeHeader, buffers: Sequence[np.ndarray],
                    pulled: Sequence[LayoutSlice], out: Mapping[str, np.ndarray]) -> pb.ExchangeSummary | None:
         """The request over the server's fast path; None when there is none or it broke (the caller then
         sends the same request over gRPC: what the server already applied it drops as a duplicate)."""
-        fast = self._fast_path(server)
+        fast = self.connections.session(server)
         if fast is None:
             return None
         wire = (self.job.wire_dtype if self.job else "") or ""
@@ -490,10 +448,11 @@ class PSClient:
         except TransportBroken as err:
             log.warning("server %s: %s transport broke (%s); this call completes over gRPC",
                         self.servers[server], fast.kind, err)
-            with self._fast_locks[server]:
-                if self._fast[server] is fast:
-                    self._drop_fast(server)
-                    self._fast_retry_at[server] = time.monotonic() + FAST_PATH_RETRY_S
+            self.connections.broke(server, fast)
+            if isinstance(err, PeerSilent) and self._fail_fast:
+                # Its host is most likely cut off: over gRPC to the same address the call would wait
+                # as long again. Re-routing waits for the failover the scheduler publishes.
+                raise UnavailableError(f"server {self.servers[server]}: {err}") from err
             return None
 
     # ---- internals ----
@@ -555,9 +514,11 @@ class PSClient:
         """fn(server); a deadline passed while servers were unreachable names them, not a bare
         DEADLINE_EXCEEDED: waiting for a server nobody started looks like waiting for slow peers."""
         try:
-            return fn(server)
+            result = fn(server)
+            self._answered[self.servers[server]] = time.monotonic()
+            return result
         except PullTimeoutError as err:
-            down = sorted(self._unreachable)
+            down = sorted(self.connections.unreachable)
             if not down:
                 raise
             raise PullTimeoutError(
@@ -565,17 +526,10 @@ class PSClient:
                 f"the deadline ({self._timeout_s:g} s): is each one running at that address, with the same "
                 f"TLS settings as this worker? ({err})") from err
 
-    def _on_connectivity(self, address: str, state: grpc.ChannelConnectivity) -> None:
-        if self._closed.is_set():
-            return
-        if state is grpc.ChannelConnectivity.TRANSIENT_FAILURE and address not in self._unreachable:
-            self._unreachable.add(address)
-            log.warning("parameter server %s unreachable (not running there yet, or refusing this worker's "
-                        "TLS): calls wait for it, retrying until their deadline (%g s)", address,
-                        self._timeout_s)
-        elif state is grpc.ChannelConnectivity.READY and address in self._unreachable:
-            self._unreachable.discard(address)
-            log.info("server %s reachable again", address)
+    def reached_servers(self, within_s: float) -> list[str]:
+        """The servers that answered a call of this client within the last `within_s` seconds."""
+        since = time.monotonic() - within_s
+        return [address for address, at in list(self._answered.items()) if at >= since]
 
     def _unary(self, server: int, call: Callable[[pb_grpc.ParameterServerServiceStub], T]) -> T:
         """A unary call; gRPC retries it on UNAVAILABLE (the channel's retry policy)."""

@@ -1,17 +1,18 @@
-"""The client of sparse embedding tables: one request per server per call, over PSClient's channels.
+"""The client of sparse embedding tables: one request per server per call, over the connections
+PSClient shares with it (client/connections.py).
 
 Ids of a call are de-duplicated first (sorted, with the inverse): a pull sends each distinct id
 once and scatters the rows back to every position that asked; a push sums the gradients of
 repeated ids (what torch's coalesce does) and sends one row per distinct id. The distinct ids are
 split by the server that holds them (pshard.common.sparse.server_of, the same hash the servers
-use) and every server is called at once, on PSClient's thread pool. A push to a sync table goes
+use) and every server is called at once, on the connections' thread pool. A push to a sync table goes
 to every server, empty where the server holds none of the ids: each server's clock waits for it.
 
-Unless the client's transport is "grpc", requests ride PSClient's fast-path session with each
+Unless the client's transport is "grpc", requests ride the connections' fast-path session with each
 server (shared memory on one host, raw TCP or TLS between hosts; EXCHANGE_OP_TABLE, served by
 ps_server.transport.table_fast), the one the dense steps use; else, or when a request is larger than the
-session's table room, over gRPC. A session that breaks is dropped (PSClient negotiates again after
-a pause); a pull then completes over gRPC, while a push fails with UnavailableError, since it may
+session's table room, over gRPC. A session that breaks is dropped (the connections negotiate again
+after a pause); a pull then completes over gRPC, while a push fails with UnavailableError, since it may
 have been applied and async pushes are not idempotent.
 
 With replicas, a sync table's push is held by its server pending until every worker pushed that
@@ -76,7 +77,6 @@ class _Sent(NamedTuple):
     positions: np.ndarray | None  # the rows of `target` the pulled rows go to, in order
 log = logging.getLogger("pshard.worker")
 _SLACK_S = 5.0  # past the request's own timeout, as PSClient's calls allow
-_RETRY_S = 10.0  # a broken session is negotiated again after this (PSClient's FAST_PATH_RETRY_S)
 _INT64 = codec.dtype_to_proto("int64")
 # A server refuses ids of a row partition it does not serve with PartitionMovedError (re-route), and a sync
 # push routed with a layout it has not received yet with LayoutNotYetError (send it again after this).
@@ -217,8 +217,10 @@ class _Split:
 
 class TableClient:
     def __init__(self, client: PSClient) -> None:
+        """Tables over `client`'s connections (its channels, fast-path sessions, pool and routing layout)."""
         self._client = client
-        self._stubs = [pb_grpc.SparseTablesServiceStub(c) for c in client._channels]
+        self._conn = client.connections
+        self._stubs = [pb_grpc.SparseTablesServiceStub(c) for c in self._conn.channels]
         self.configs: dict[str, TableConfig] = {}
         # What each server's last table request used: "shm", "tcp" or "grpc".
         self.transports = ["grpc"] * len(self._stubs)
@@ -238,7 +240,7 @@ class TableClient:
     def declare(self, config: TableConfig) -> None:
         """Declare the table on every server (the first declaration wins; a different one is refused)."""
         request = pb.DeclareTableRequest(spec=spec_to_proto(config))
-        self._each(lambda s, stub: stub.DeclareTable(request, timeout=self._client._timeout_s))
+        self._each(lambda s, stub: stub.DeclareTable(request, timeout=self._conn.timeout_s))
         self.configs[config.name] = config
 
     def pull(self, table: str, ids: np.ndarray, clock: int = 0) -> np.ndarray:
@@ -311,7 +313,7 @@ class TableClient:
         request = pb.PullRowsRequest(table=table, ids=b"", clock=kept.clock + 1,
                                      worker_id=self._client.worker_id)
         for s in servers:
-            self._rpc(s, lambda s, stub: stub.PullRows(request, timeout=self._client._timeout_s))
+            self._rpc(s, lambda s, stub: stub.PullRows(request, timeout=self._conn.timeout_s))
         self._read(table, kept.clock + 1, set(kept.unread))
 
     def _resend(self, table: str, layout: Layout | None) -> None:
@@ -331,32 +333,32 @@ class TableClient:
         a failover moved its row partitions to their backup (Layout.row_owners). A push resent keeps
         its idempotence key, so a server that applied it before drops it. The kept sync pushes of
         `table` sent with an older layout go first (_resend)."""
-        client = self._client
-        deadline = time.monotonic() + client._timeout_s
+        conn = self._conn
+        deadline = time.monotonic() + conn.timeout_s
         while True:
-            layout = client.layout
+            layout = conn.layout
             try:
                 self._resend(table, layout)
                 return call(layout)
             except (UnavailableError, UnknownKeyError) as err:
                 left = deadline - time.monotonic()
-                if isinstance(err, LayoutNotYetError) and left > 0 and not client._closed.is_set():
+                if isinstance(err, LayoutNotYetError) and left > 0 and not conn.closed.is_set():
                     self.not_yet += 1
-                    client._closed.wait(min(_NOT_YET_WAIT_S, left))  # the server learns the layout soon
+                    conn.closed.wait(min(_NOT_YET_WAIT_S, left))  # the server learns the layout soon
                     continue
                 moved = isinstance(err, UnavailableError | PartitionMovedError)
-                if (not moved or client._relayout is None or layout is None or not layout.replicas
-                        or left <= 0 or client._closed.is_set()):
+                if (not moved or not conn.can_reroute or layout is None or not layout.replicas
+                        or left <= 0 or conn.closed.is_set()):
                     raise
-                newer = client._relayout(layout, min(left, client._reroute_wait_s))
-                if newer is not None and newer.version > layout.version:
+                newer = conn.newer_layout(layout, left)
+                if newer is not None:
                     log.warning("FAILOVER: layout %d -> %d; resending a table request (%s)", layout.version,
                                 newer.version, err)
-                    client.set_layout(newer)
+                    conn.set_layout(newer)
                     self.reroutes += 1
-                elif client.layout is layout:  # the heir may not know the new layout yet
+                elif conn.layout is layout:  # the heir may not know the new layout yet
                     log.warning("table request failed (%s); no newer layout yet, sending it again", err)
-                    if client._closed.wait(min(0.5, max(0.0, deadline - time.monotonic()))):
+                    if conn.closed.wait(min(0.5, max(0.0, deadline - time.monotonic()))):
                         raise
 
     def _pull(self, table: str, ids: np.ndarray, clock: int, layout: Layout | None) -> np.ndarray:
@@ -377,7 +379,7 @@ class TableClient:
         def slow(s: int, stub: pb_grpc.SparseTablesServiceStub) -> int:
             ids = split.ids[parts[s]]
             reply = stub.PullRows(pb.PullRowsRequest(table=table, ids=ids.tobytes(), clock=clock,
-                                                     worker_id=worker), timeout=self._client._timeout_s)
+                                                     worker_id=worker), timeout=self._conn.timeout_s)
             if source is None:
                 rows[parts[s]] = self._rows(config, reply.rows, len(ids))
             else:
@@ -404,7 +406,7 @@ class TableClient:
             reply = stub.PushRows(pb.PushRowsRequest(table=table, ids=ids.tobytes(), grads=rows.tobytes(),
                                                      clock=clock, worker_id=self._client.worker_id,
                                                      push_id=push_id, layout_version=version),
-                                  timeout=self._client._timeout_s)
+                                  timeout=self._conn.timeout_s)
             return int(reply.stored)
 
         sync = config.mode == "sync"
@@ -432,7 +434,7 @@ class TableClient:
                 table=table, push_ids=split.ids[part].tobytes(), grads=summed[part].tobytes(),
                 pull_ids=pull_ids.tobytes(), clock=clock, worker_id=self._client.worker_id, push_id=push_id,
                 layout_version=version),
-                timeout=self._client._timeout_s)
+                timeout=self._conn.timeout_s)
             rows[wanted] = self._rows(config, reply.rows, len(pull_ids))
             return 0
 
@@ -447,15 +449,15 @@ class TableClient:
     def export(self, table: str) -> list[pb.ExportTableResponse]:
         """Every server writes its rows of `table` as ids.npy and rows.npy; where they are."""
         return self._each(lambda s, stub: stub.ExportTable(pb.ExportTableRequest(table=table),
-                                                           timeout=self._client._timeout_s))
+                                                           timeout=self._conn.timeout_s))
 
     def checkpoint(self) -> list[str]:
         return self._each(lambda s, stub: stub.CheckpointTables(
-            pb.CheckpointTablesRequest(), timeout=self._client._timeout_s).path)
+            pb.CheckpointTablesRequest(), timeout=self._conn.timeout_s).path)
 
     def stats(self, table: str) -> list[pb.GetTableStatsResponse]:
         return self._each(lambda s, stub: stub.GetTableStats(pb.GetTableStatsRequest(table=table),
-                                                             timeout=self._client._timeout_s))
+                                                             timeout=self._conn.timeout_s))
 
     # ---- helpers ----
 
@@ -558,7 +560,7 @@ class TableClient:
                 sent.append((s, started))
 
         inline = grpc_servers[:1] if not sent else []  # gRPC alone: the first call runs on this thread
-        others = {s: self._client._pool.submit(self._rpc, s, slow) for s in grpc_servers[len(inline):]}
+        others = {s: self._conn.pool.submit(self._rpc, s, slow) for s in grpc_servers[len(inline):]}
         try:
             for s, started in sent:
                 try:
@@ -596,7 +598,7 @@ class TableClient:
         pull `pull_ids` into `rows` (into rows[positions] when given). None: no session, or the request
         does not fit its table room (the caller sends it over gRPC). A session that breaks is dropped,
         and raises UnavailableError (TransportBroken for a pull alone: it is safe to send again)."""
-        fast = self._client._fast_path(s)
+        fast = self._conn.session(s)
         buffers = [*push, *(() if pull_ids is None else (pull_ids,))]
         pulled = 0 if rows is None else rows.nbytes if positions is None else (
             len(positions) * rows.shape[1] * rows.itemsize)
@@ -616,7 +618,7 @@ class TableClient:
         else:
             target = rows if positions is not None else rows.reshape(-1).view(np.uint8)
         try:
-            fast.start(header, buffers, self._client._timeout_s + _SLACK_S)
+            fast.start(header, buffers, self._conn.timeout_s + _SLACK_S)
         except TransportBroken as err:
             raise self._broken_call(s, fast, err, bool(push), table) from err
         return _Sent(fast, header, target, bool(push), positions)
@@ -654,13 +656,9 @@ class TableClient:
         return err
 
     def _broken(self, s: int, fast: object, err: BaseException) -> None:
-        client = self._client
-        log.warning("server %s: %s transport broke under a table request (%s)", client.servers[s],
+        log.warning("server %s: %s transport broke under a table request (%s)", self._conn.servers[s],
                     getattr(fast, "kind", "?"), err)
-        with client._fast_locks[s]:
-            if client._fast[s] is fast:
-                client._drop_fast(s)
-                client._fast_retry_at[s] = time.monotonic() + _RETRY_S
+        self._conn.broke(s, fast)  # gRPC until a new try is due
         self.transports[s] = "grpc"
 
     def _rpc(self, s: int, call: Callable[[int, pb_grpc.SparseTablesServiceStub], T]) -> T:
@@ -675,7 +673,7 @@ class TableClient:
         heir serves its rows), the first on this thread (a hand-off to the pool and back costs two
         thread wake-ups); the first error wins, after every call has ended."""
         servers = sorted(self._serving(self._client.layout))
-        others = [self._client._pool.submit(self._rpc, s, call) for s in servers[1:]]
+        others = [self._conn.pool.submit(self._rpc, s, call) for s in servers[1:]]
         try:
             first = self._rpc(servers[0], call)
         finally:

@@ -201,6 +201,15 @@ class UnavailableError(PSError):
     status = "UNAVAILABLE"
 
 
+class FencedError(UnavailableError):
+    """Fencing by lease: a primary that may have been failed over (no heartbeat answered by the scheduler
+    for most of its timeout) takes no write until the scheduler answers again. The caller re-routes by
+    a newer layout, or sends again (a server drops what it already has). FAILED_PRECONDITION, as every
+    fencing refusal, so no channel retries it blindly; its class, an UnavailableError, decides."""
+
+    status = "FAILED_PRECONDITION"
+
+
 class UnauthenticatedError(PSError):
     """A request to a secured service carried no valid credential (certificate or token)."""
 

@@ -31,6 +31,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from pshard.common.argtypes import (
+    int_range,
     non_negative_float,
     non_negative_int,
     positive_float,
@@ -96,6 +97,9 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
     parser.add_argument("--replicas", metavar="R", type=replicas, default=0,
                         help="backups per slice: every server's slices are copied to the next R servers, "
                              "and one takes over when it dies (default 0; needs R < --ps)")
+    parser.add_argument("--fast-port", metavar="N", type=int_range(0, 65535), default=0,
+                        help="ps-i's raw TCP fast path listens on port N+i, to open in a firewall "
+                             "(docs/operations/ports.md; default 0: any free port)")
     parser.add_argument("--restart", choices=RESTART_POLICIES, default="never",
                         help="on-failure: start a scheduler or parameter server that died again on its "
                              "address (like Kubernetes' restartPolicy), after a backoff; with "
@@ -161,6 +165,9 @@ def parse_options(argv: Sequence[str], prog: str = PROG) -> Options:
                      f"--scheduler-interval-ms ({args.scheduler_interval_ms})")
     if not 0 <= args.replicas < args.ps:
         parser.error(f"--replicas: got {args.replicas}, expected 0 to {args.ps - 1} (--ps is {args.ps})")
+    if args.fast_port and args.fast_port + args.ps - 1 > 65535:
+        parser.error(f"--fast-port: got {args.fast_port}, but ps-{args.ps - 1} would listen on "
+                     f"{args.fast_port + args.ps - 1}; expected at most {65536 - args.ps} for --ps {args.ps}")
     if args.checkpoint_interval_s > 0 and not args.checkpoint_dir:
         parser.error("--checkpoint-interval-s: needs --checkpoint-dir")
     if args.checkpoint_dir:  # each server's would fail alone, after the scheduler started
@@ -186,7 +193,7 @@ def parse_options(argv: Sequence[str], prog: str = PROG) -> Options:
                    log_level=args.log_level, restart=args.restart, max_restarts=args.max_restarts,
                    restart_backoff_s=args.restart_backoff_s, checkpoint_interval_s=args.checkpoint_interval_s,
                    job_id=args.job_id or f"launch-{uuid.uuid4().hex[:12]}", resume=args.resume,
-                   replicas=args.replicas,
+                   replicas=args.replicas, fast_port=args.fast_port,
                    certs_dir=None if args.insecure else (args.certs_dir or default_certs_dir()))
 
 

@@ -145,6 +145,8 @@ class Options:
     # mTLS for every channel: each child gets its certificate from here (`pshard certs` layout,
     # <node id>.pem); None = no TLS (with --insecure, said loudly by every child).
     certs_dir: str | None = None
+    # ps-i's raw TCP fast path listens on fast_port + i (ps --fast-port), to open in a firewall; 0: any.
+    fast_port: int = 0
 
 
 @dataclass(frozen=True)
@@ -205,6 +207,8 @@ def child_specs(plan: ClusterPlan, options: Options, python: str = sys.executabl
             argv = [python, "-m", "pshard.ps_server", "--bind", task.address]
             if options.replicas:
                 argv += ["--replicas", str(options.replicas)]
+            if options.fast_port:
+                argv += ["--fast-port", str(options.fast_port + task.index)]
             shared = global_checkpoint_dir(options.worker_args)
             if shared is not None:  # servers write and read global checkpoints only under the chief's root
                 argv += ["--global-checkpoint-dir", shared]

@@ -36,6 +36,7 @@ from pshard.common.argtypes import (
     positive_int,
     replicas,
 )
+from pshard.common.chunks import configure_shared_pool
 from pshard.common.cluster.spec import (
     ClusterSpec,
     add_cluster_arguments,
@@ -54,6 +55,7 @@ from pshard.common.rpc.bind import default_bind, own_hosts
 from pshard.common.rpc.options import DEFAULT_MAX_MESSAGE_BYTES
 from pshard.common.security.credentials import SecurityConfig, add_security_arguments, security_from_args
 from pshard.ps_server import service
+from pshard.ps_server.follower import follow_scheduler
 from pshard.ps_server.handlers.dense import NO_QUORUM_GRACE_S
 from pshard.ps_server.heap import bound_heap
 from pshard.ps_server.settings import ServerSettings
@@ -74,8 +76,9 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
                "Declare); the --mode/--optimizer flags set them for clients that send none.")
     add_cluster_arguments(p)
     p.add_argument("--bind", metavar="HOST:PORT", type=listen_address,
-                   help="listen address (default: the port of this task's TF_CONFIG address on 127.0.0.1, "
-                        "or in a container on TF_CONFIG's host; 127.0.0.1:0 without TF_CONFIG)")
+                   help="listen address (default: this task's TF_CONFIG address when its host is an "
+                        "address of this machine, else every interface with its port; 127.0.0.1:0 without "
+                        "TF_CONFIG)")
     p.add_argument("--workers", metavar="ID[,ID...]",
                    help="static sync quorum of worker ids (e.g. worker-0,worker-1) when no scheduler is used")
     p.add_argument("--no-scheduler", action="store_true",
@@ -126,6 +129,14 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
     p.add_argument("--transport", choices=("auto", "shm", "tcp", "grpc"), default=ServerSettings.transport,
                    help="fast paths offered to workers besides gRPC: auto = shared memory and raw TCP "
                         f"(default {ServerSettings.transport})")
+    p.add_argument("--update-threads", type=int_range(0, 256), default=ServerSettings.update_threads,
+                   help="threads a large slice's optimizer update is split over (same results as one "
+                        "thread); 0 = half the cores this process may use, 1 to 8 (default 0)")
+    p.add_argument("--fast-port", metavar="N", type=int_range(0, 65535),
+                   default=os.environ.get("PSHARD_FAST_PORT", str(ServerSettings.fast_port)),
+                   help="TCP port of the raw TCP fast path, on the --bind host: pin it to open it in a "
+                        "firewall between hosts (docs/operations/ports.md); env PSHARD_FAST_PORT; "
+                        "default 0: any free port")
     p.add_argument("--shm-dir", metavar="DIR", default=ServerSettings.shm_dir,
                    help="directory of the workers' shared-memory segments (default "
                         f"{ServerSettings.shm_dir})")
@@ -188,10 +199,10 @@ def _settings(args: argparse.Namespace) -> ServerSettings:
     return ServerSettings(default_job=default_job, static_quorum=_static_quorum(args),
                           pull_timeout_s=args.pull_timeout_s, checkpoint_dir=args.checkpoint_dir,
                           global_checkpoint_dir=args.global_checkpoint_dir,
-                          transport=args.transport, shm_dir=args.shm_dir,
+                          transport=args.transport, shm_dir=args.shm_dir, fast_port=args.fast_port,
                           max_inflight_bytes=args.max_inflight_mb * 2**20, hang_report_s=args.hang_report_s,
                           waste_limit_bytes=args.waste_limit_mb * 2**20,
-                          resume=args.resume, replicas=args.replicas,
+                          resume=args.resume, replicas=args.replicas, update_threads=args.update_threads,
                           # Test hook only (ServerSettings.checkpoint_pause_dir); unset in production.
                           checkpoint_pause_dir=os.environ.get("PSHARD_TEST_CHECKPOINT_PAUSE_DIR") or None)
 
@@ -219,7 +230,7 @@ async def _run(args: argparse.Namespace, spec: ClusterSpec | None, settings: Ser
         print(f"pshard ps: metrics on port {metrics.port}", flush=True)
     follower = None
     if spec is not None and not args.no_scheduler:
-        follower = service.follow_scheduler(running, spec, loop, security)
+        follower = follow_scheduler(running, spec, loop, security)
     elif settings.static_quorum is None:
         log.warning("NO SYNC QUORUM: this server has neither --workers nor a scheduler (TF_CONFIG or "
                     "--scheduler), so it cannot know whom a sync clock waits for: sync pulls fail after %gs "
@@ -265,6 +276,7 @@ def main(argv: Sequence[str] | None = None, *, prog: str = PROG) -> int:
                 f"task.type: got {spec.task_type!r} (index {spec.task_index}), but {prog} runs 'ps' "
                 f"tasks; start a {spec.task_type!r} task with 'pshard run' or its own command")
     settings = _settings(args)
+    configure_shared_pool(settings.update_threads)  # before any slice exists: every slice takes this pool
     security = security_from_args(args, os.environ, role="ps", node_id=spec.node_id if spec else "",
                                   hosts=own_hosts(spec.own_address) if spec else [])
     bind = _bind(args, spec)

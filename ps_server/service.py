@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -17,9 +16,6 @@ from typing import Any, TypeAlias
 import grpc
 from google.protobuf.message import Message
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from pshard.common.cluster.scheduler_client import SchedulerClient
-from pshard.common.cluster.spec import ClusterSpec
-from pshard.common.cluster.view import ClusterView
 from pshard.common.errors import PSError
 from pshard.common.rpc.interceptors import DecodeErrors
 from pshard.common.rpc.options import DEFAULT_MAX_MESSAGE_BYTES, server_options
@@ -27,21 +23,10 @@ from pshard.common.rpc.serving import ServerThread as _ServerThread
 from pshard.common.rpc.serving import start_in_thread
 from pshard.common.security.auth import AuthRefusals
 from pshard.common.security.credentials import SecurityConfig
-from pshard.ps_server.core.quorum import QuorumFollower
 from pshard.ps_server.handlers.dense import ParameterServerHandlers
 from pshard.ps_server.handlers.global_checkpoints import GlobalCheckpoints
 from pshard.ps_server.handlers.tables import TableHandlers
 from pshard.ps_server.heap import HeapTrimmer
-from pshard.ps_server.replication.dense import Replicator
-from pshard.ps_server.replication.in_sync import InSyncReporter
-from pshard.ps_server.replication.link import (
-    backup_addresses,
-    grpc_sender,
-    owned_slices,
-    stub_cache,
-    tcp_links,
-)
-from pshard.ps_server.replication.tables import TableReplication
 from pshard.ps_server.settings import ServerSettings
 from pshard.ps_server.transport.budget import InflightBudget, WasteTarpit
 from pshard.ps_server.transport.fastpath import FastPathServer, OpenTransportMethod
@@ -58,8 +43,6 @@ log = logging.getLogger("pshard.ps")
 
 SERVICE_NAME = "pshard.api.v1.ParameterServerService"
 _ENCODE_THREADS = 2
-# How often a primary recomputes which backups are in sync (sent with the next heartbeat).
-_IN_SYNC_REPORT_S = 0.25
 
 
 def _rpc_handlers(servicer: ParameterServerServicer) -> grpc.GenericRpcHandler:
@@ -146,7 +129,7 @@ async def start(settings: ServerSettings, bind: str = "127.0.0.1:0",
     fast = FastPathServer(handlers, asyncio.get_running_loop(), transport=settings.transport,
                           shm_dir=settings.shm_dir, host=bind.rsplit(":", 1)[0].strip("[]") or "0.0.0.0",
                           ssl_context=security.server_ssl_context() if security.tls else None,
-                          refusals=refusals)
+                          refusals=refusals, port=settings.fast_port)
     handlers.transport_report = fast.transports
     fast.tarpit = tarpit  # the same peers' budget: a fast-path session is a peer of its own
     fast.tables = tables  # table requests ride the same sessions (ps_server.transport.table_fast)
@@ -204,106 +187,6 @@ def start_server_thread(settings: ServerSettings, bind: str = "127.0.0.1:0",
                         security: SecurityConfig | None = None) -> ServerThread:
     return start_in_thread(lambda: start(settings, bind, max_message_bytes, security),
                            name=f"ps-server-{bind}")
-
-
-def follow_scheduler(running: RunningServer, spec: ClusterSpec,
-                     loop: asyncio.AbstractEventLoop,
-                     security: SecurityConfig | None = None) -> SchedulerClient:
-    """Register this server with the scheduler and apply every cluster view to the store.
-
-    Registration retries in the client's own thread (the scheduler may start after us);
-    views arrive on the client's Watch thread and are handed to the event loop.
-    """
-    handlers = running.handlers
-    handlers.follow_views()
-    replicas = handlers.replicas_setting
-    reporter: InSyncReporter | None = None
-    rows: TableReplication | None = None
-    if replicas > 0:
-        stubs = stub_cache(security)
-        send = grpc_sender(security, stubs)
-        links = tcp_links(spec.node_id, security, stubs)  # the slices' and the rows': one session each
-        replicator = Replicator(spec.own_address or spec.node_id, send, loop,
-                                shm_dir=handlers.replica_shm_dir, links=links)
-        handlers.enable_replication(replicator)
-        # Which backups hold all our slices, with each heartbeat: only those can be promoted.
-        reporter = InSyncReporter(replicator, spec.own_address or "",
-                                  lambda copies, version: client.report_in_sync(copies, version))
-        if running.tables is not None:  # table rows go to the same backups, over the same calls
-            rows = TableReplication(spec.own_address or spec.node_id, send, loop, running.tables,
-                                    shm_dir=handlers.replica_shm_dir, links=links)
-            running.tables.replication = handlers.table_replication = rows
-            reporter.tables_in_sync = rows.in_sync
-
-        def report_in_sync() -> None:
-            assert reporter is not None
-            reporter.report()
-            loop.call_later(_IN_SYNC_REPORT_S, report_in_sync)
-
-        loop.call_soon_threadsafe(report_in_sync)
-    # Workers a restarted scheduler forgot are waited for while they re-register (see quorum.py);
-    # the grace is set from the scheduler's heartbeat timeout once we are registered.
-    follower = QuorumFollower(grace_s=10.0, now=time.monotonic)
-
-    def install(view: ClusterView | None = None) -> None:
-        if view is not None and handlers.replicator is not None:
-            handlers.replicator.set_backups(backup_addresses(view, spec.node_id, replicas))
-        if view is not None and rows is not None:
-            rows.set_backups(backup_addresses(view, spec.node_id, replicas))
-            rows.on_view(view)
-        if view is not None and reporter is not None:
-            reporter.on_view(view)
-        quorum = follower.apply(view)
-        handlers.set_quorum(quorum, view.generation if view is not None else None)
-        if running.tables is not None:  # sync tables wait for the same workers
-            running.tables.set_quorum(dict(quorum))
-        deadline = follower.next_deadline()
-        if deadline is not None:
-            loop.call_later(max(0.0, deadline - time.monotonic()) + 0.01, install)
-
-    layout_seen = [0]
-
-    def on_view(view: ClusterView) -> None:
-        # With replicas, each new layout says which slices are this server's: one a failover moved
-        # away (this server was declared dead, and is back) is refused from then on, so a worker
-        # still routing to it re-routes instead of updating a copy nobody replicates.
-        if replicas > 0 and view.layout_version > layout_seen[0]:
-            try:
-                layout = client.get_layout(timeout_s=5.0)
-            except Exception as e:  # the next view tries again
-                log.warning("could not read layout version %d: %s", view.layout_version, e)
-            else:
-                layout_seen[0] = layout.version
-                owned = owned_slices(layout, spec.own_address or "")
-                if owned is not None:
-                    loop.call_soon_threadsafe(handlers.set_ownership, layout.version, owned)
-                if rows is not None:  # before the report: a promotion makes the backups copy again
-                    loop.call_soon_threadsafe(rows.on_layout, layout)
-                if reporter is not None:
-                    loop.call_soon_threadsafe(reporter.on_layout, layout)
-        loop.call_soon_threadsafe(install, view)
-
-    # A restored shard remembers the generations its workers had; a fresh scheduler must hand out newer
-    # ones, or the restored fencing refuses the new incarnations (a resumed job's chief could not even
-    # pull its final weights).
-    restored = handlers.store.newest_generation() if handlers.has_store else 0
-    client: SchedulerClient = SchedulerClient(
-        spec.scheduler_address, "ps", own_address=spec.own_address or "", node_id=spec.node_id,
-        rank_hint=spec.task_index, on_view=on_view, connect_timeout_s=300.0, last_generation=restored,
-        security=security)
-
-    def register() -> None:
-        try:
-            registration = client.register()
-            follower.grace_s = 2 * client.heartbeat_timeout_s
-            log.info("registered with scheduler %s as %s (rank %d, generation %d)", spec.scheduler_address,
-                     registration.node_id, registration.rank, registration.generation)
-        except Exception:
-            if not client.closed:  # a stop (SIGTERM) during registration is not a failure
-                log.exception("could not register with scheduler %s", spec.scheduler_address)
-
-    threading.Thread(target=register, name="ps-register", daemon=True).start()
-    return client
 
 
 async def checkpoint_every(running: RunningServer, interval_s: float) -> None:

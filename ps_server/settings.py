@@ -40,6 +40,9 @@ class ServerSettings:
     global_checkpoint_dir: str | None = None
     # Fast paths offered to workers besides gRPC: auto (shm and tcp), shm, tcp or grpc (none).
     transport: str = "auto"
+    # The raw TCP fast path's port on the bind host; 0: any free one. Pinned where a firewall between
+    # hosts must let it through (docs/operations/ports.md).
+    fast_port: int = 0
     # Where workers' shared-memory segments live (a directory both sides can map).
     shm_dir: str = "/dev/shm"
     # What one request may ask for (common.limits, docs/operations/limits.md); tighter for tests and
@@ -54,6 +57,10 @@ class ServerSettings:
     # server's slices are forwarded to the next `replicas` live servers in ring order before a push
     # is acknowledged. 0: no replication.
     replicas: int = 0
+    # Threads one slice's optimizer update (and sync sum) is split over, the caller's included
+    # (pshard.common.chunks: the same bits as one thread); 0 = half the available cores, 1 to 8. A process
+    # setting: the entry point sizes the process's pool with it (configure_shared_pool) before any slice.
+    update_threads: int = 0
     # Test hook (PSHARD_TEST_CHECKPOINT_PAUSE_DIR, read by the entry point): a global checkpoint's part
     # writer, while `<dir>/armed` exists, touches `<dir>/part-<i>.<stage>.reached` between its files and
     # waits there, so a test can SIGKILL the server mid-checkpoint deterministically. None in production.

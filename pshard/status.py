@@ -84,6 +84,9 @@ class JobStatus:
     members: tuple[MemberReport, ...]
     servers: tuple[ServerReport, ...]
     taken_at: float = 0.0
+    # worker -> server -> transport of that pair's pushes and pulls ("shm", "tcp" or "grpc"): chosen per
+    # peer, so one worker may use shared memory with a server on its host and raw TCP with the others.
+    pairs: Mapping[str, Mapping[str, str]] = field(default_factory=dict)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2, sort_keys=True)
@@ -127,7 +130,29 @@ def summarise(scheduler: str, view: ClusterView, servers: Sequence[ServerReport]
         members.append(MemberReport(n.node_id, n.role, n.rank, n.address, n.state.name.lower(), n.generation,
                                     clock, lag, tuple(sorted(used.get(n.node_id, ())))))
     reports = tuple(ServerReport(**{**asdict(s), "waits_for": waits_for(s, live_trainers)}) for s in servers)
-    return JobStatus(scheduler, view.generation, view.layout_version, tuple(members), reports, now)
+    return JobStatus(scheduler, view.generation, view.layout_version, tuple(members), reports, now,
+                     pairs=pair_transports(servers))
+
+
+def pair_transports(servers: Sequence[ServerReport]) -> dict[str, dict[str, str]]:
+    """worker -> server -> transport, for each pair the server has seen a push from."""
+    pairs: dict[str, dict[str, str]] = {}
+    for report in servers:
+        for worker in sorted(report.worker_clocks):
+            pairs.setdefault(worker, {})[report.node_id] = report.transports.get(worker, "grpc")
+    return dict(sorted(pairs.items()))
+
+
+def _pair_lines(status: JobStatus) -> list[str]:
+    """The transport of each worker x server pair, one row per worker (empty before the first push)."""
+    if not status.pairs:
+        return []
+    servers = sorted({server for row in status.pairs.values() for server in row})
+    width = max(6, *(len(s) for s in servers))
+    lines = ["", f"{'TRANSPORT':<14} " + " ".join(f"{s:<{width}}" for s in servers).rstrip()]
+    for worker, row in status.pairs.items():
+        lines.append(f"{worker:<14} " + " ".join(f"{row.get(s, '-'):<{width}}" for s in servers).rstrip())
+    return lines
 
 
 def _size(n: int) -> str:
@@ -157,6 +182,7 @@ def render(status: JobStatus) -> str:
         mode = f"{s.mode}({s.staleness})" if s.mode == "ssp" else s.mode
         lines.append(f"{s.node_id:<14} {mode:<6} {s.slices:>6} {_size(s.bytes_stored):>10} "
                      f"{f'{s.min_version}-{s.max_version}':>14} {s.pulls_waiting:>7} {s.pushes_applied:>8}")
+    lines += _pair_lines(status)
     stuck = [s for s in status.servers if s.waits_for]
     if stuck:
         lines.append("")

@@ -53,8 +53,9 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
     interval_ms = round(DEFAULT_HEARTBEAT_INTERVAL_S * 1000)
     timeout_ms = round(DEFAULT_HEARTBEAT_TIMEOUT_S * 1000)
     parser.add_argument("--bind", metavar="HOST:PORT", type=listen_address, default=None,
-                        help="address to listen on (default: 127.0.0.1, or in a container TF_CONFIG's host, "
-                             f"with the port of the scheduler's TF_CONFIG address, else {DEFAULT_PORT}; "
+                        help="address to listen on (default: the scheduler's TF_CONFIG address when its "
+                             "host is an address of this machine, else every interface with its port; "
+                             f"without TF_CONFIG 127.0.0.1:{DEFAULT_PORT}, every interface in a container; "
                              "port 0 picks a free port)")
     parser.add_argument("--heartbeat-interval-ms", metavar="MS", type=positive_int, default=interval_ms,
                         help="how often nodes send heartbeats (told to them when they register; "

@@ -184,6 +184,13 @@ class Membership:
         self.failovers = 0  # primaries promoted (pshard_failovers_total)
         # Which backups hold a full copy of which primary (docs/architecture.md, 9 Failures).
         self.in_sync = InSyncCopies()
+        # Server address -> when a live worker last said that server answered it (its heartbeats'
+        # reached_servers), and the servers kept live on that word alone though silent to us.
+        self._reached: dict[str, float] = {}
+        self._vouched: set[str] = set()
+        self.vouches = 0  # times a silent server was kept live on the workers' word
+        self._isolated = False
+        self.isolations = 0  # times this scheduler heard from no live node and so declared none dead
 
     @property
     def generation(self) -> int:
@@ -269,19 +276,32 @@ class Membership:
                 f"{limits.max_generation}; no registration can be stamped any more")
 
     def heartbeat(self, node_id: str, generation: int, clock: int = 0,
-                  in_sync: Mapping[str, int] | None = None, in_sync_layout: int = 0) -> ClusterView:
+                  in_sync: Mapping[str, int] | None = None, in_sync_layout: int = 0,
+                  reached: Sequence[str] = ()) -> ClusterView:
         """`in_sync` (a server with replicas): its backups holding all the slices layout version
         `in_sync_layout` makes it primary of, by address, with the generation of each one's
-        incarnation. A report on an older layout than the current one is ignored."""
+        incarnation. A report on an older layout than the current one is ignored. `reached` (a
+        worker): the servers that answered it within the last heartbeat timeout (see `expire`)."""
         limits = self.limits
         limits.check_int(f"node {quote(node_id)} heartbeat clock", clock, limits.max_clock)
         in_sync = in_sync or {}
         limits.check_int(f"node {quote(node_id)} in-sync backups", len(in_sync), limits.max_layout_servers)
         for address in in_sync:
             limits.check_chars("in-sync backup address", address, limits.max_address_chars)
+        limits.check_int(f"node {quote(node_id)} reached servers", len(reached), limits.max_layout_servers)
+        for address in reached:
+            limits.check_chars("reached server address", address, limits.max_address_chars)
         member = self._current(node_id, generation, "heartbeat")
         member.last_seen = self._clock.now()
         member.clock = clock
+        if member.role != "ps" and reached:
+            servers = {m.address for m in self._members.values() if m.role == "ps"}
+            for address in reached:
+                if address in servers:  # a registered server's address: the table stays bounded
+                    self._reached[address] = member.last_seen
+        if member.role == "ps" and member.node_id in self._vouched:
+            self._vouched.discard(member.node_id)
+            log.info("HEARD: server %s (%s) reaches the scheduler again", member.node_id, member.address)
         if member.role == "ps":
             member.layout_version = in_sync_layout
         layout = self._layout
@@ -303,9 +323,17 @@ class Membership:
         return self.view()
 
     def expire(self) -> list[Node]:
-        """Declare DEAD every LIVE node silent for longer than the timeout; returns them."""
+        """Declare DEAD every LIVE node silent for longer than the timeout; returns them.
+
+        Except a server of a job without replicas that a live worker reached within the timeout: cut
+        off from the scheduler alone, it is still serving, and there is no copy to fail over to, so
+        declaring it dead would only kill the job (docs/architecture.md, 9 Failures). With replicas
+        the silent server is failed over: its lease has run out by then and it takes no write."""
+        if self._cut_off():
+            return []
         deadline = self._clock.now() - self.heartbeat_timeout_s
-        dead = [m for m in self._members.values() if m.state is NodeState.LIVE and m.last_seen < deadline]
+        silent = [m for m in self._members.values() if m.state is NodeState.LIVE and m.last_seen < deadline]
+        dead = [m for m in silent if not self._served(m, deadline)]
         for member in dead:
             member.state = NodeState.DEAD
         if dead:
@@ -319,6 +347,45 @@ class Membership:
         if any(m.role == "ps" for m in dead):
             self._ring_moved()
         return [m.snapshot() for m in dead]
+
+    def _cut_off(self) -> bool:
+        """Heard from none of two or more live nodes for half the timeout: this scheduler's own host is
+        the one cut off (they cannot all have died at once), so it declares none dead; they stay live and
+        each gets a whole timeout to be heard again once one is (docs/architecture.md, 9 Failures)."""
+        now = self._clock.now()
+        live = [m for m in self._members.values() if m.state is NodeState.LIVE]
+        if len(live) >= 2 and all(m.last_seen < now - self.heartbeat_timeout_s / 2 for m in live):
+            if not self._isolated:
+                self._isolated = True
+                self.isolations += 1
+                log.warning("ISOLATED: heard from none of the %d live nodes for %.1f s; this scheduler's own "
+                            "link is suspect, so it declares none dead until one is heard again", len(live),
+                            now - max(m.last_seen for m in live))
+            return True
+        if self._isolated:
+            self._isolated = False
+            for m in live:  # the silence was ours: each gets a whole timeout from now
+                m.last_seen = max(m.last_seen, now)
+            log.warning("ISOLATED no more: a node was heard again; the others have %g s to be",
+                        self.heartbeat_timeout_s)
+        return False
+
+    def _served(self, member: _Member, deadline: float) -> bool:
+        """A silent server kept live: no replicas, and a live worker reached it since `deadline`."""
+        layout = self._layout
+        if member.role != "ps" or (layout is not None and layout.replicas):
+            return False
+        if self._reached.get(member.address, -float("inf")) < deadline:
+            self._vouched.discard(member.node_id)
+            return False
+        if member.node_id not in self._vouched:
+            self._vouched.add(member.node_id)
+            self.vouches += 1
+            log.warning("UNHEARD: server %s (%s) silent to the scheduler for %.1f s, but workers reached it "
+                        "within the last %g s: kept live (it is serving, and the job has no replica to fail "
+                        "over to)", member.node_id, member.address, self._clock.now() - member.last_seen,
+                        self.heartbeat_timeout_s)
+        return True
 
     def _ps_by_rank(self) -> dict[int, _Member]:
         return {m.rank: m for m in self._members.values() if m.role == "ps"}

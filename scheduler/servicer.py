@@ -124,7 +124,8 @@ class SchedulerServicer(pb_grpc.SchedulerServiceServicer):
                         ) -> pb.HeartbeatResponse:
         check_acts_as(request.node_id, "Heartbeat")
         view = self._members.heartbeat(request.node_id, request.generation, request.clock,
-                                       dict(request.in_sync), request.in_sync_layout)
+                                       dict(request.in_sync), request.in_sync_layout,
+                                       list(request.reached_servers))
         return pb.HeartbeatResponse(view=view_to_proto(view))
 
     @maps_errors

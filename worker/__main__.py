@@ -151,8 +151,9 @@ def build_parser(environ: Mapping[str, str], prog: str = PROG) -> argparse.Argum
     add_log_level_argument(p)
     add_security_arguments(p)
     p.add_argument("--bind", metavar="HOST:PORT", type=listen_address, default=None,
-                   help="where a chief (or worker 0) that hosts the scheduler listens (default: 127.0.0.1, "
-                        "or in a container TF_CONFIG's host, with the port of its TF_CONFIG address)")
+                   help="where a chief (or worker 0) that hosts the scheduler listens (default: its "
+                        "TF_CONFIG address when that host is an address of this machine, else every "
+                        "interface with its port)")
     p.add_argument("--transport", choices=("auto", "shm", "tcp", "grpc"), default=D.TRANSPORT,
                    help="how push/pull bytes travel: auto = shared memory with a server on this host, "
                         "else a raw TCP socket, else gRPC (default auto; gRPC is always the fallback)")

@@ -10,7 +10,10 @@ scheduling:
 * A post-accumulate-grad hook on every parameter notes its gradient. When a bucket's last gradient
   arrives, the bucket's fused push+pull is queued on one communication thread, while backward goes
   on with the earlier layers. One thread keeps the buckets in order: the last layer's bucket, which
-  is ready first, also travels first.
+  is ready first, also travels first. The order must be the same on every worker: in sync mode a
+  bucket's fused push+pull waits for the other workers' pushes of that bucket, so a worker that
+  sent the first layers' bucket ahead of its turn (BytePS's priority, tried) waits for a peer whose
+  one thread waits for it in turn. Priority needs pushes on a thread of their own, pulls apart.
 * `finish_step` (PSTrainer.step) queues what backward did not complete (unused parameters owe
   their slice a zero gradient, or a sync clock never completes) and returns without waiting.
 * The pulled weights land in host buffers, not in the parameters. A forward pre-hook on each module
@@ -43,7 +46,9 @@ from pshard.client.ps_client import PSClient, PushResult
 from pshard.worker.device import HostStaging
 from torch import nn
 
-DEFAULT_BUCKET_BYTES = 256 * 1024
+# A bucket is one exchange with every server, about 1.3 ms of fixed cost each (GPU check, ResNet-18 on an
+# H200: 17 buckets of 256 KiB took 56 ms of exchanges a step, 5 of 8 MiB 35 ms); the client's slice size.
+DEFAULT_BUCKET_BYTES = 4 * 2**20
 
 
 # A gradient as a hook saw it, with the CUDA event after which it is complete (None on the CPU).

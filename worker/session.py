@@ -207,7 +207,8 @@ class ClusterSession:
     def _peer_wait(self, what: str, pending: Callable[[], list[Peer]], abort: Callable[[], None]) -> PeerWait:
         # Half the start-up timeout, at most 30 s: long enough for peers started by hand one after the
         # other, short enough that an address nobody serves fails in seconds rather than minutes.
-        return PeerWait(what, pending, abort, refused_grace_s=min(30.0, self.startup_timeout_s / 2))
+        return PeerWait(what, pending, abort, refused_grace_s=min(30.0, self.startup_timeout_s / 2),
+                        tls=self.security.client_ssl_context if self.security.tls else None)
 
     def waiting_for_servers(self, layout: Layout) -> PeerWait:
         """Around the Declare: names the servers not answering, ends the wait for one that is gone."""
@@ -249,7 +250,9 @@ class ClusterSession:
                                generation=lambda: sched.generation, await_generation=self._await_generation,
                                timeout_s=self.step_timeout_s, transport=self.transport, shm_dir=self.shm_dir,
                                security=self.security, relayout=self._newer_layout,
-                               reroute_wait_s=3 * sched.heartbeat_timeout_s)
+                               reroute_wait_s=3 * sched.heartbeat_timeout_s,
+                               dead_after_s=sched.heartbeat_timeout_s)
+        sched.report_reached(self.client.reached_servers)  # the scheduler keeps a server only it cannot hear
         threading.Thread(target=self._watch_servers, args=(layout, self.client), name="server-watch",
                          daemon=True).start()
         return self.client

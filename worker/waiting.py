@@ -5,7 +5,10 @@ A worker waits for peers at start-up (the scheduler, the parameter servers) and 
 an error that did not name the missing peer. `PeerWait` runs beside a blocking wait: every few seconds
 it logs whom the wait is for and at which address, and it ends the wait at once (through `abort`) when
 a peer is known to be gone (the scheduler declared it dead, or it left) or has refused connections for
-longer than a short grace (nothing listens at its address). `failure` then says why, naming the peer.
+longer than a short grace (nothing listens at its address), or at once when the peer's TLS certificate
+is one this process refuses (it does not name the address the peer is reached by, or another CA signed
+it): gRPC would retry that handshake for the whole start-up timeout without a word (issue 24).
+`failure` then says why, naming the peer and the fix.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from __future__ import annotations
 import errno
 import logging
 import socket
+import ssl
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -40,9 +44,13 @@ class Peer:
     gone: bool = False
 
 
+class Silence(str):
+    """A probe's reason that is no answer at all (a dropping firewall, a host down), not a refusal."""
+
+
 def refused(address: str, timeout_s: float = _PROBE_TIMEOUT_S) -> str | None:
-    """Why nothing accepts a TCP connection at `address` ("connection refused", ...); None if
-    something does, or if that is not known (a timeout)."""
+    """Why nothing accepts a TCP connection at `address` ("connection refused", a Silence, ...); None
+    if something does, or if that is not known."""
     try:
         host, _, port = parse_address(address, "address").rpartition(":")
         target = (host.strip("[]"), int(port))
@@ -54,7 +62,9 @@ def refused(address: str, timeout_s: float = _PROBE_TIMEOUT_S) -> str | None:
     except ConnectionRefusedError:
         return "connection refused"
     except TimeoutError:
-        return None  # filtered or slow: not known to be absent, the wait's own timeout decides
+        # No answer at all, not even a refusal: a firewall drops the port, or the host is down. A kernel
+        # answers a connect in microseconds whatever its processes do, so the grace makes it a verdict.
+        return Silence(f"no answer within {timeout_s:g} s")
     except OSError as e:
         if e.errno in (errno.EHOSTUNREACH, errno.ENETUNREACH):
             return f"unreachable ({e.strerror})"
@@ -63,12 +73,37 @@ def refused(address: str, timeout_s: float = _PROBE_TIMEOUT_S) -> str | None:
         return None
 
 
+def certificate_refused(address: str, context: ssl.SSLContext, timeout_s: float = _PROBE_TIMEOUT_S
+                        ) -> str | None:
+    """Why this process refuses the TLS certificate served at `address`, with the fix; None when it is
+    accepted, or when that is not known (nothing answers there: `refused` tells that apart)."""
+    try:
+        host, _, port = parse_address(address, "address").rpartition(":")
+        target = (host.strip("[]"), int(port))
+    except (PSError, ValueError):
+        return None
+    context.set_alpn_protocols(["h2"])  # as gRPC's handshake: a gRPC server may insist on it
+    try:
+        with socket.create_connection(target, timeout=timeout_s) as raw, \
+                context.wrap_socket(raw, server_hostname=target[0]):
+            return None
+    except ssl.SSLCertVerificationError as err:
+        return (f"its TLS certificate is refused here ({err.verify_message}): issue it from the job's CA "
+                f"for the address it is reached by (`pshard certs --host {target[0]}`), or reach it by a "
+                "name its certificate has")
+    except OSError:  # refused, unreachable, timed out, or the peer refused our certificate
+        return None
+
+
 class PeerWait:
     """A context manager around a blocking wait for `pending()` peers; see the module docstring."""
 
     def __init__(self, what: str, pending: Callable[[], Sequence[Peer]], abort: Callable[[], None], *,
                  log_every_s: float = 5.0, refused_grace_s: float = 30.0,
-                 probe: Callable[[str], str | None] = refused) -> None:
+                 probe: Callable[[str], str | None] = refused,
+                 tls: Callable[[], ssl.SSLContext] | None = None) -> None:
+        """`tls`: this process's client context (a new one per call) when the job runs TLS: a peer
+        whose certificate it refuses ends the wait at once."""
         self.what = what
         self.failure: str | None = None
         self._pending = pending
@@ -76,6 +111,7 @@ class PeerWait:
         self._log_every_s = log_every_s
         self._refused_grace_s = refused_grace_s
         self._probe = probe
+        self._tls = tls
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="peer-wait", daemon=True)
 
@@ -98,10 +134,13 @@ class PeerWait:
         while not self._stop.wait(CHECK_INTERVAL_S):
             now = time.monotonic()
             peers = list(self._pending())
-            notes = []
+            notes: list[str] = []
+            troubled: list[str] = []
             for peer in peers:
-                note, failure = self._check(peer, now, refused_since)
+                note, failure, wrong = self._check(peer, now, refused_since)
                 notes.append(note)
+                if wrong:
+                    troubled.append(note)
                 if failure is not None:
                     self.failure = f"{self.what}: {failure}"
                     log.error("%s", self.failure)
@@ -109,11 +148,13 @@ class PeerWait:
                     return
             if peers and now >= next_log:
                 log.warning("%s: still waiting after %.0f s for %s", self.what, now - started,
-                            "; ".join(notes))
+                            _naming(notes, troubled))
                 next_log = now + self._log_every_s
 
-    def _check(self, peer: Peer, now: float, refused_since: dict[str, float]) -> tuple[str, str | None]:
-        """(how the peer reads in the log line, why the wait must end now or None)."""
+    def _check(self, peer: Peer, now: float, refused_since: dict[str, float]
+               ) -> tuple[str, str | None, bool]:
+        """(how the peer reads in the log line, why the wait must end now or None, whether something
+        is known to be wrong with it)."""
         why = self._probe(peer.address) if peer.listens else None
         if why is None:
             refused_since.pop(peer.address, None)
@@ -124,8 +165,25 @@ class PeerWait:
         note = f"{peer.name} at {peer.address}" + (f" ({', '.join(details)})" if details else "")
         if peer.gone:
             return note, (f"{peer.name} at {peer.address} is gone ({peer.state or 'the scheduler says so'}); "
-                          "it will not come, so waiting for it is pointless")
+                          "it will not come, so waiting for it is pointless"), True
+        if why is None and peer.listens and self._tls is not None:
+            refusal = certificate_refused(peer.address, self._tls())
+            if refusal is not None:
+                return note, f"{peer.name} at {peer.address}: {refusal}", True
         if why is not None and refused_for >= self._refused_grace_s:
-            return note, (f"{peer.name} at {peer.address}: {why} for {refused_for:.0f} s (nothing listens "
-                          "there: is it started, and is the address right?)")
-        return note, None
+            host, _, port = peer.address.rpartition(":")
+            hint = (f"a firewall drops port {port}, or the host is down: open TCP port {port} on {host} to "
+                    "this host" if isinstance(why, Silence)
+                    else "nothing listens there: is it started, and is the address right?")
+            return note, f"{peer.name} at {peer.address}: {why} for {refused_for:.0f} s ({hint})", True
+        return note, None, bool(details)
+
+
+def _naming(notes: Sequence[str], troubled: Sequence[str]) -> str:
+    """The peers a wait line names: those with something known wrong when some have (the one server
+    nobody reaches, not every server of the job), else all."""
+    if not troubled or len(troubled) == len(notes):
+        return "; ".join(notes)
+    others = len(notes) - len(troubled)
+    answer = f"{others} others answer" if others > 1 else "1 other answers"
+    return f"{'; '.join(troubled)} ({answer})"

@@ -17,6 +17,8 @@ generation it has seen, so ranks are kept, generations keep growing and training
 from __future__ import annotations
 
 import logging
+import socket
+import ssl
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -26,6 +28,7 @@ import grpc
 from pshard.common.cluster.layout import DEFAULT_SLICE_BYTES, Layout, ParamSpec
 from pshard.common.cluster.view import ClusterView, Registration
 from pshard.common.errors import (
+    PermissionDeniedError,
     PSError,
     PullTimeoutError,
     StaleGenerationError,
@@ -36,6 +39,7 @@ from pshard.common.rpc.options import channel_options
 from pshard.common.rpc.retry import Backoff, scheduler_channel_options
 from pshard.common.rpc.status import ERROR_TYPE_KEY, error_from_rpc_error
 from pshard.common.security.credentials import SecurityConfig
+from pshard.common.security.identity import Identity, identity_from_pem, may_serve_scheduler
 from pshard.common.wire.codec import (
     layout_from_proto,
     layout_to_proto,
@@ -63,8 +67,15 @@ class SchedulerClient:
     def __init__(self, address: str, role: str, own_address: str = "", node_id: str | None = None,
                  rank_hint: int | None = None, *, on_view: ViewCallback | None = None,
                  rpc_timeout_s: float = 5.0, connect_timeout_s: float = 30.0,
-                 last_generation: int = 0, security: SecurityConfig | None = None) -> None:
-        """`security`: this node's TLS files or token (pshard.common.security.credentials); default plain."""
+                 last_generation: int = 0, security: SecurityConfig | None = None,
+                 scheduler_host: str | None = None,
+                 on_answer: Callable[[float, float], None] | None = None) -> None:
+        """`security`: this node's TLS files or token (pshard.common.security.credentials); default plain.
+        `scheduler_host`: with TLS, check once registered that the scheduler's certificate is a
+        scheduler's, or that of this task ("chief-0", "worker-0") hosting it ("" when the cluster has a
+        scheduler task); None: no check. `on_answer(sent_at, heartbeat_timeout_s)`: a heartbeat sent at
+        `sent_at` (time.monotonic()) was answered, after the view it brought went through the view
+        callbacks (a server's lease)."""
         self.address = address
         self.role = role
         self.own_address = own_address
@@ -79,9 +90,12 @@ class SchedulerClient:
         self._heartbeat_timeout_s = 5.0
         self._progress = 0
         self._in_sync: tuple[dict[str, int], int] = ({}, 0)
+        self._reached: Callable[[float], Sequence[str]] | None = None
         self._rpc_timeout_s = rpc_timeout_s
         self._connect_timeout_s = connect_timeout_s
-        self._channel = (security or SecurityConfig()).for_node(role, node_id or "").channel(
+        self._security = (security or SecurityConfig()).for_node(role, node_id or "")
+        self._scheduler_host = scheduler_host
+        self._channel = self._security.channel(
             address, options=[*channel_options(), *scheduler_channel_options()])
         self._stub = pb_grpc.SchedulerServiceStub(self._channel)
         self._lock = threading.Lock()
@@ -90,6 +104,7 @@ class SchedulerClient:
         self._deliver = threading.Lock()  # one view at a time through the callbacks, in order
         self._register_lock = threading.Lock()
         self._callbacks: list[ViewCallback] = [on_view] if on_view else []
+        self._on_answer = on_answer
         self._closed = threading.Event()
         self._heartbeats_stopped = threading.Event()
         self._fenced: PSError | None = None
@@ -139,6 +154,11 @@ class SchedulerClient:
         """Progress (a worker's clock) sent with the next heartbeats."""
         self._progress = clock
 
+    def report_reached(self, reached: Callable[[float], Sequence[str]]) -> None:
+        """A worker: `reached(within_s)` names the servers that answered it within `within_s`; sent with
+        each heartbeat, so the scheduler keeps a server only it cannot hear (docs/architecture.md, 9)."""
+        self._reached = reached
+
     def report_in_sync(self, copies: dict[str, int], layout_version: int) -> None:
         """A server with replicas: its backups holding all the slices layout `layout_version` makes
         it primary of (address -> the backup's generation), sent with the next heartbeats."""
@@ -174,6 +194,7 @@ class SchedulerClient:
         request = register_to_proto(self.role, self.own_address, node_id=self._node_id or None,
                                     rank_hint=rank_hint, last_generation=self._max_generation)
         reply = self._call("Register", self._stub.Register, request, timeout_s)
+        self._check_scheduler_identity()
         with self._view_changed:
             self._node_id, self._rank, self._generation = reply.node_id, reply.rank, reply.generation
             # The Watch stream may have delivered this incarnation's view already: wake waiters
@@ -186,6 +207,27 @@ class SchedulerClient:
         log.info("registered %s (%s rank %d) with scheduler %s; generation %d",
                  self._node_id, self.role, self._rank, self.address, self._generation)
         return Registration(self._node_id, self._rank, self._generation, view)
+
+    def _check_scheduler_identity(self) -> None:
+        """PermissionDeniedError (this client closed) when the scheduler just reached presents a
+        certificate that may not serve it (common.security.identity.may_serve_scheduler). Checked
+        after a registration, when the scheduler is known to answer: gRPC's client shows no peer
+        certificate, so one handshake of our own reads it."""
+        if self._scheduler_host is None or not self._security.tls:
+            return
+        try:
+            who = served_identity(self.address, self._security.client_ssl_context(), self._rpc_timeout_s)
+        except OSError as err:  # gone again: the next registration checks
+            log.warning("could not read the certificate of scheduler %s (%s)", self.address, err)
+            return
+        if may_serve_scheduler(who, self._scheduler_host):
+            return
+        self.close()
+        expected = "scheduler" + (f" or {self._scheduler_host}" if self._scheduler_host else "")
+        raise PermissionDeniedError(
+            f"scheduler at {self.address}: its certificate names {who or 'no pshard role'}, expected "
+            f"{expected}; refusing it (another node's certificate cannot serve the scheduler: give the "
+            "scheduler its own, `pshard certs scheduler`)")
 
     def _reregister(self, failed_generation: int) -> None:
         """Register again after NOT_FOUND, unless another thread already did."""
@@ -331,12 +373,17 @@ class SchedulerClient:
         while not self._heartbeats_stopped.wait(self._heartbeat_interval_s):
             generation = self._generation
             copies, layout_version = self._in_sync
+            reached = self._reached(self._heartbeat_timeout_s) if self._reached is not None else ()
             request = pb.HeartbeatRequest(node_id=self._node_id, generation=generation, clock=self._progress,
-                                          in_sync=copies, in_sync_layout=layout_version)
+                                          in_sync=copies, in_sync_layout=layout_version,
+                                          reached_servers=reached)
+            sent_at = time.monotonic()
             try:
                 reply = self._stub.Heartbeat(request, timeout=min(self._rpc_timeout_s,
                                                                   self._heartbeat_timeout_s / 2))
                 self._offer_view(view_from_proto(reply.view))
+                if self._on_answer is not None:
+                    self._on_answer(sent_at, self._heartbeat_timeout_s)
                 if unreachable_since is not None:
                     log.info("scheduler %s reachable again after %.1f s", self.address,
                              time.monotonic() - unreachable_since)
@@ -390,3 +437,15 @@ def _gave_up_waiting(e: grpc.RpcError) -> bool:
     if not isinstance(e, grpc.Call) or e.code() != grpc.StatusCode.DEADLINE_EXCEEDED:
         return False
     return not any(key == ERROR_TYPE_KEY for key, _ in (e.trailing_metadata() or ()))
+
+
+def served_identity(address: str, context: ssl.SSLContext, timeout_s: float) -> Identity | None:
+    """The pshard identity in the certificate the service at gRPC target `address` presents (None:
+    it names none); OSError (ssl.SSLError among them) when no handshake completes."""
+    host, _, port = address.rpartition(":")
+    host = host.strip("[]")
+    context.set_alpn_protocols(["h2"])
+    with socket.create_connection((host, int(port)), timeout=timeout_s) as raw, \
+            context.wrap_socket(raw, server_hostname=host) as tls:
+        der = tls.getpeercert(binary_form=True)
+    return identity_from_pem(ssl.DER_cert_to_PEM_cert(der).encode()) if der else None

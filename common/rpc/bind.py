@@ -1,11 +1,13 @@
 """Where a service listens when no ``--bind`` is given (docs/architecture.md, 13 Security).
 
-Outside a container or pod: the loopback interface only, so a job started on a laptop or a
-shared host is not reachable from the network by accident. Inside one (``/.dockerenv``, or
-``KUBERNETES_SERVICE_HOST`` set): where TF_CONFIG says this task lives, when that host is an
-address of this container (a headless service, a compose service name); otherwise every
-interface, as before, since a Kubernetes ClusterIP name is not an address of the pod (said in
-the log, so ``--bind`` can pin it).
+Where TF_CONFIG says this task lives, when that host is an address of this machine (an IP of one of
+its interfaces, or a name resolving to one; ``localhost`` stays loopback): the address other hosts
+reach it by, and only that one (issue 24: a bare host bound 127.0.0.1 while TF_CONFIG named its
+network address, and peers got "connection refused"). When TF_CONFIG's host is not an address of this
+machine (a NAT'd name, a Kubernetes ClusterIP service): every interface, said in the log, so
+``--bind`` can pin it. Without TF_CONFIG: the loopback interface outside a container or pod, so a job
+started on a laptop or a shared host is not reachable from the network by accident; inside one
+(``/.dockerenv``, or ``KUBERNETES_SERVICE_HOST`` set) every interface, as before.
 """
 
 from __future__ import annotations
@@ -50,12 +52,16 @@ def default_bind(listen_address: str, own_address: str | None, environ: Mapping[
     (ClusterSpec.listen_address, e.g. ``0.0.0.0:7100``) and whose cluster address is `own_address`."""
     env = os.environ if environ is None else environ
     port = listen_address.rsplit(":", 1)[1]
-    if not in_container(env, dockerenv):
-        return f"[::1]:{port}" if listen_address.startswith("[") else f"127.0.0.1:{port}"
     host = own_address.rsplit(":", 1)[0].strip("[]") if own_address else ""
-    local = _local_ip(host) if host else None
+    if not host:
+        if in_container(env, dockerenv):
+            log.info("no cluster address: listening on every interface (%s); --bind pins it", listen_address)
+            return listen_address
+        return f"[::1]:{port}" if listen_address.startswith("[") else f"127.0.0.1:{port}"
+    local = _local_ip(host)
     if local is None:
-        log.info("%s is not an address of this container: listening on every interface (%s); "
-                 "--bind pins it", host or "TF_CONFIG's host", listen_address)
+        log.warning("%s (this task's TF_CONFIG host) is not an address of this machine: listening on every "
+                    "interface (%s) so peers reach it however it is routed; --bind HOST:PORT pins it", host,
+                    listen_address)
         return listen_address
     return f"{local}:{port}"

@@ -85,6 +85,18 @@ def identity_from_pem(pem: bytes) -> Identity | None:
     return None
 
 
+def may_serve_scheduler(identity: Identity | None, host_task: str) -> bool:
+    """Whether a certificate naming `identity` may serve the scheduler: the scheduler's own, or that
+    of the task hosting it in-process (`host_task`, "chief-0" or "worker-0", in a cluster without a
+    scheduler task; "" when the cluster has one). Any other node's certificate, though signed by the
+    job's CA, is an impostor's (issue 24: a server registered with a worker posing as the scheduler)."""
+    if identity is None:
+        return False
+    if identity.role == "scheduler":
+        return True
+    return bool(host_task) and identity.role == host_task.split("-", 1)[0] and identity.may_be(host_task)
+
+
 @dataclass(frozen=True)
 class TokenTable:
     entries: tuple[tuple[Identity, str], ...] = ()

@@ -11,9 +11,10 @@ One thread per connection reads straight into pre-allocated, page-aligned buffer
 non-blocking, with the call's deadline kept here: a blocking socket with a timeout costs a poll
 before every send and receive, and a reply that is microseconds away is waited for by spinning
 (`Inbox.frame_head`) rather than by sleeping, whose wake-up costs more than a small request. Over TLS
-(an `ssl.SSLSocket`, which has no `sendmsg` nor receive flags) the same calls encrypt and decrypt
-between the buffers and the socket: a small frame still goes as one TLS record. An SSL socket keeps
-its timeout and is made non-blocking only while the worker spins for a reply's header.
+the session's socket is a `TlsStream` (`tls_stream.py`), non-blocking as well: the same calls encrypt
+and decrypt between the buffers and the socket in batches of records, and a small frame still goes
+as one TLS record. An `ssl.SSLSocket` (which has no `sendmsg` nor receive flags) is taken too, with
+its own timeout: tests speak to the server through one.
 
 Pure: no gRPC.
 """
@@ -21,16 +22,18 @@ Pure: no gRPC.
 from __future__ import annotations
 
 import os
-import select
 import socket
 import ssl
 import struct
 import time
 from collections.abc import Sequence
+from typing import TypeAlias
 
 import numpy as np
 from pshard.common.errors import PSError
 from pshard.common.wire.codec import byte_view
+from pshard.common.wire.liveness import DEFAULT_DEAD_AFTER_S, keep_alive
+from pshard.common.wire.tls_stream import TlsStream, wait_ready
 
 _HEADER = struct.Struct("<4sB3xIQ")
 HEADER_BYTES = _HEADER.size
@@ -46,6 +49,11 @@ REPLY = 3
 SLICE = 4
 KINDS = (HELLO, REQUEST, REPLY, SLICE)
 _SLICE_META = struct.Struct("<I")
+# What the fast path reads and writes: a socket (an SSLSocket too), or a TLS stream over one.
+Stream: TypeAlias = "socket.socket | TlsStream"
+# A fast-path connect that got no answer for this long is dropped by a firewall, not slow: on a
+# network that answers, a lost SYN is sent again after 1 s and 3 s, both within it.
+CONNECT_TIMEOUT_S = 4.0
 
 
 class TransportBroken(PSError):
@@ -53,6 +61,18 @@ class TransportBroken(PSError):
     the request must complete over gRPC. Never a verdict on the request itself."""
 
     status = "UNAVAILABLE"
+
+
+class PeerSilent(TransportBroken):
+    """The peer answered nothing, not even the kernel's keepalive probes, until a deadline or the
+    socket's liveness timeout (common.wire.liveness): its host is cut off or gone. Unlike a reset,
+    sending the same request to the same address over gRPC would most likely wait as long again."""
+
+
+class FastPortSilent(TransportBroken):
+    """Connecting to a fast-path port got no answer at all, neither an accept nor a refusal: a
+    firewall drops it. Trying again costs the same wait each time, so callers stop trying that port
+    (gRPC, on its own port, carries the calls)."""
 
 
 def encode_header(kind: int, meta_len: int, data_len: int) -> bytes:
@@ -79,24 +99,18 @@ def decode_slice_meta(meta: bytes) -> int:
     return int(_SLICE_META.unpack(meta)[0])
 
 
-def wait_ready(sock: socket.socket, writable: bool, deadline: float | None) -> None:
-    """Until a non-blocking `sock` can be written (read); TimeoutError at `deadline` (time.monotonic())."""
-    poller = select.poll()
-    poller.register(sock, select.POLLOUT if writable else select.POLLIN)
-    left_ms = None if deadline is None else max(0.0, (deadline - time.monotonic()) * 1000)
-    if not poller.poll(left_ms):
-        raise TimeoutError("fast-path socket: no progress before the call's deadline")
-
-
-def send_frame(sock: socket.socket, kind: int, meta: bytes,
+def send_frame(sock: Stream, kind: int, meta: bytes,
                data: Sequence[bytes | memoryview | np.ndarray] = (), deadline: float | None = None) -> None:
     """Header, metadata and data in as few system calls as the kernel allows (no joining copy).
     `deadline`: for a non-blocking socket, when to give up waiting for room to write."""
     views = [v for v in (byte_view(d) for d in data) if v.nbytes]
     parts = [memoryview(encode_header(kind, len(meta), sum(v.nbytes for v in views)) + meta), *views]
-    if isinstance(sock, ssl.SSLSocket):
+    if isinstance(sock, (ssl.SSLSocket, TlsStream)):
         if sum(p.nbytes for p in parts) <= _JOIN_BYTES:  # one record, one system call
             parts = [memoryview(b"".join(parts))]
+        if isinstance(sock, TlsStream):
+            sock.send_all(parts, deadline)
+            return
         for part in parts:
             sock.sendall(part)
         return
@@ -115,12 +129,12 @@ def send_frame(sock: socket.socket, kind: int, meta: bytes,
                 sent = 0
 
 
-def recv_into(sock: socket.socket, buf: memoryview | np.ndarray, deadline: float | None = None) -> None:
+def recv_into(sock: Stream, buf: memoryview | np.ndarray, deadline: float | None = None) -> None:
     """Fill `buf` exactly; TransportBroken when the peer closes first. `deadline`: for a non-blocking
     socket, when to give up waiting for data."""
     view = byte_view(buf)
     got = 0
-    flags = 0 if isinstance(sock, ssl.SSLSocket) else socket.MSG_WAITALL
+    flags = 0 if isinstance(sock, (ssl.SSLSocket, TlsStream)) else socket.MSG_WAITALL
     while got < view.nbytes:
         try:
             n = sock.recv_into(view[got:], view.nbytes - got, flags)
@@ -132,13 +146,13 @@ def recv_into(sock: socket.socket, buf: memoryview | np.ndarray, deadline: float
         got += n
 
 
-def recv_exact(sock: socket.socket, n: int) -> bytes:
+def recv_exact(sock: Stream, n: int) -> bytes:
     buf = bytearray(n)
     recv_into(sock, memoryview(buf))
     return bytes(buf)
 
 
-def recv_frame_head(sock: socket.socket) -> tuple[int, bytes, int]:
+def recv_frame_head(sock: Stream) -> tuple[int, bytes, int]:
     """(kind, metadata, data length): the data, if any, is for the caller to read where it belongs."""
     kind, meta_len, data_len = decode_header(recv_exact(sock, HEADER_BYTES))
     return kind, recv_exact(sock, meta_len), data_len
@@ -149,7 +163,7 @@ class Inbox:
     usually come in one read, and bytes read past them are handed out first. A non-blocking socket
     waits until `deadline` (time.monotonic(); None: for ever)."""
 
-    def __init__(self, sock: socket.socket, size: int = 64 * 1024) -> None:
+    def __init__(self, sock: Stream, size: int = 64 * 1024) -> None:
         self._sock = sock
         self._buf = memoryview(bytearray(size))
         self._start = self._end = 0
@@ -211,7 +225,7 @@ class Inbox:
             recv_into(self._sock, view[have:], self.deadline)
 
 
-def discard(sock: socket.socket, n: int) -> None:
+def discard(sock: Stream, n: int) -> None:
     """Read and drop `n` bytes (data of a request that is refused), keeping the stream in step."""
     scratch = memoryview(bytearray(min(n, 1 << 20)))
     while n:
@@ -234,16 +248,31 @@ def host_of(address: str) -> str:
 
 
 def open_session(address: str, port: int, hello: bytes, timeout_s: float,
-                 ssl_context: ssl.SSLContext | None) -> socket.socket:
-    """A session's socket: connected to `port` on the host of gRPC target `address`, tuned, under TLS
-    when `ssl_context` is given (the server's name checked against `address`'s host), its hello frame
+                 ssl_context: ssl.SSLContext | None,
+                 dead_after_s: float = DEFAULT_DEAD_AFTER_S) -> Stream:
+    """A session's socket: connected to `port` on the host of gRPC target `address`, tuned, kept
+    alive (a peer silent for `dead_after_s` breaks it: common.wire.liveness), under TLS when
+    `ssl_context` is given (a TlsStream; the server's name checked against `address`'s host), its hello frame
     sent. OSError, the socket closed, if any of it fails (a worker's session and the servers'
-    replication link open theirs alike)."""
-    sock = socket.create_connection((host_of(address), port), timeout=timeout_s)
+    replication link open theirs alike); FastPortSilent when the connect got no answer within
+    CONNECT_TIMEOUT_S."""
+    host = host_of(address)
+    connect_s = min(timeout_s, CONNECT_TIMEOUT_S)
     try:
+        sock = socket.create_connection((host, port), timeout=connect_s)
+    except TimeoutError:
+        raise FastPortSilent(f"fast-path port {port} on {host} gave no answer within {connect_s:g} s "
+                             "(a firewall drops it?): open TCP port "
+                             f"{port} on {host} to the workers and servers, or pin it with `pshard ps "
+                             "--fast-port N` and open that one; gRPC carries the calls meanwhile") from None
+    try:
+        sock.settimeout(timeout_s)
         tune(sock)
+        keep_alive(sock, dead_after_s)
         if ssl_context is not None:
-            sock = ssl_context.wrap_socket(sock, server_hostname=host_of(address))
+            stream = TlsStream.connect(sock, ssl_context, host)
+            send_frame(stream, HELLO, hello)
+            return stream
         send_frame(sock, HELLO, hello)
     except BaseException:
         sock.close()

@@ -20,9 +20,11 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 import numpy as np
+from pshard.common.chunks import ChunkPool, shared_pool
 from pshard.common.errors import FutureClockError
 from pshard.common.job import JobConfig
 from pshard.common.types import SliceKey
+from pshard.ps_server.core import chunked
 from pshard.ps_server.core.optimizers import Optimizer, SliceState, at_lr, fold_scale
 
 NO_CLOCK = -1  # "has pushed nothing yet": clock 0 is then the next one
@@ -70,6 +72,8 @@ class Slot:
     # Taken by the store around every policy call: one update at a time per slice,
     # while different slices update in parallel (numpy releases the GIL on big arrays).
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+    # The threads a step of this slice is split over (its element-wise operations, so the same bits).
+    pool: ChunkPool = field(default_factory=shared_pool, repr=False, compare=False)
 
     def apply(self, grad: np.ndarray) -> None:
         """One optimizer step. `grad` is only read, never kept, so it may be a read-only network buffer."""
@@ -80,7 +84,7 @@ class Slot:
     def _step(self, grad: np.ndarray) -> None:
         if grad.dtype != self.value.dtype:
             grad = grad.astype(self.value.dtype)  # float16 off the wire: optimizers work in master precision
-        at_lr(self.optimizer, self.step_lr).step(self.value, grad, self.opt_state)
+        chunked.step(self.pool, at_lr(self.optimizer, self.step_lr), self.value, grad, self.opt_state)
         self.version += 1
         self.behind = False  # a restored slice is back in step once it applies an update
 
@@ -93,11 +97,11 @@ class Slot:
             self.on_step(self, total, count)
         optimizer = at_lr(self.optimizer, self.step_lr)
         if total.dtype == self.value.dtype and fold_scale(optimizer):
-            optimizer.step_scaled(self.value, total, 1.0 / count)  # type: ignore[attr-defined]
+            chunked.step_scaled(self.pool, optimizer, self.value, total, 1.0 / count)  # type: ignore[arg-type]
             self.version += 1
             self.behind = False
             return
-        total /= count
+        chunked.divide(self.pool, total, count)
         self._step(total)
 
     def progress(self, worker: str) -> int:
@@ -244,10 +248,8 @@ class SyncPolicy:
             return
         if agg.total is None:
             agg.total = np.empty_like(slot.value)
-        if agg.contributors:
-            np.add(agg.total, grad, out=agg.total)
-        else:
-            np.copyto(agg.total, grad)  # no zeroing pass on the first gradient of a clock
+        # No zeroing pass: the clock's first gradient is copied in.
+        chunked.accumulate(slot.pool, agg.total, grad, first=not agg.contributors)
         agg.contributors.add(worker)
         self._apply_if_complete(slot, roster)
 

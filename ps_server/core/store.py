@@ -35,6 +35,7 @@ from dataclasses import dataclass, field, replace
 from typing import NamedTuple, TypeVar
 
 import numpy as np
+from pshard.common.chunks import ChunkPool, shared_pool
 from pshard.common.errors import (
     DTypeMismatchError,
     EmptyRequestError,
@@ -160,13 +161,16 @@ def _copy_state(state: SliceState) -> SliceState:
 
 class ShardStore:
     def __init__(self, config: JobConfig, *, quorum: Mapping[str, int] | None = None,
-                 optimizer: Optimizer | None = None, now: Callable[[], float] = time.monotonic) -> None:
+                 optimizer: Optimizer | None = None, now: Callable[[], float] = time.monotonic,
+                 pool: ChunkPool | None = None) -> None:
         """`quorum`: worker id -> generation of the live workers; None or empty = not known yet.
 
         `optimizer` overrides `make_optimizer(config.optimizer)` (tests inject instrumented ones);
-        `now` is the clock of the step-time and hang reports.
+        `now` is the clock of the step-time and hang reports; `pool` the threads a slice's update is
+        split over (None: the process's, pshard.common.chunks.shared_pool).
         """
         self.config = config
+        self._pool = pool if pool is not None else shared_pool()
         self.policy: ConsistencyPolicy = make_policy(config)
         self._optimizer = optimizer if optimizer is not None else make_optimizer(config.optimizer)
         self._averaged = frozenset(config.averaged)
@@ -243,7 +247,7 @@ class ShardStore:
         master = np.array(value, dtype=_MASTER.get(dtype, dtype), order="C", copy=True)
         optimizer = self._optimizer_for(key)
         return Slot(key=key, dtype=dtype, value=master, optimizer=optimizer,
-                    opt_state=optimizer.init_state(master), on_step=self._on_step)
+                    opt_state=optimizer.init_state(master), on_step=self._on_step, pool=self._pool)
 
     def average(self, keys: Iterable[str]) -> None:
         """Also average the pushes of `keys` (model buffers, JobConfig.averaged): what a server configured
@@ -302,11 +306,21 @@ class ShardStore:
             for slot in slots:
                 slot.optimizer = self._optimizer_for(slot.key)
                 slot.on_step = self._on_step
+                slot.pool = self._pool
                 slot.aggregate = Aggregate()
                 self._slots[slot.key] = slot
                 for worker, clock in slot.last_clock.items():
                     self._worker_clocks[worker] = max(self._worker_clocks.get(worker, NO_CLOCK), clock)
         self._notify()
+
+    def release(self, keys: Iterable[SliceKey]) -> int:
+        """Drop the slices of `keys` held here (a failover moved them away while this server was cut off:
+        it keeps a copy of them as a backup instead). Returns how many were held."""
+        with self._meta:
+            dropped = [self._slots.pop(k) for k in list(keys) if k in self._slots]
+        if dropped:
+            self._notify()
+        return len(dropped)
 
     # ---- pushing ----
 
@@ -658,8 +672,9 @@ class ShardStore:
                 seen=tuple(sorted(self._seen)), counters=dict(self._counters))
 
     @classmethod
-    def restore(cls, snap: ShardSnapshot, *, optimizer: Optimizer | None = None) -> ShardStore:
-        store = cls(snap.config, quorum=snap.quorum, optimizer=optimizer)
+    def restore(cls, snap: ShardSnapshot, *, optimizer: Optimizer | None = None,
+                pool: ChunkPool | None = None) -> ShardStore:
+        store = cls(snap.config, quorum=snap.quorum, optimizer=optimizer, pool=pool)
         store._generations.update(snap.generations)
         store._seen.update(snap.seen)
         store._roster = Roster(store._roster.quorum, frozenset(store._seen))
@@ -672,7 +687,7 @@ class ShardStore:
                 key=s.key, dtype=np.dtype(s.dtype), value=value, optimizer=store._optimizer_for(s.key),
                 opt_state=_copy_state(s.opt_state), version=s.version, last_clock=dict(s.clocks),
                 max_clock=max(s.clocks.values(), default=NO_CLOCK), aggregate=aggregate,
-                floors=dict(s.floors), behind=True, on_step=store._on_step)
+                floors=dict(s.floors), behind=True, on_step=store._on_step, pool=store._pool)
             for worker, clock in s.clocks.items():
                 store._worker_clocks[worker] = max(store._worker_clocks.get(worker, NO_CLOCK), clock)
         return store

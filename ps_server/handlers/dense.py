@@ -45,6 +45,7 @@ from pshard.common.metrics import RequestMetrics
 from pshard.common.types import SliceKey, Stamp
 from pshard.common.wire.codec import WireArray, cast
 from pshard.ps_server.checkpoints.shard import load_shard, save_shard
+from pshard.ps_server.core.lease import FRACTION, SchedulerLease
 from pshard.ps_server.core.steptimes import HangReport
 from pshard.ps_server.core.store import (
     PushOutcome,
@@ -56,9 +57,15 @@ from pshard.ps_server.core.store import (
     dtype_name,
     unknown_key_error,
 )
-from pshard.ps_server.replication.dense import Record, ReplicaSet, Replicator
+from pshard.ps_server.replication.api import (
+    NO_ROW_REPLICATION,
+    NO_SLICE_REPLICATION,
+    RowReplication,
+    SliceReplication,
+)
+from pshard.ps_server.replication.dense import ReplicaSet
+from pshard.ps_server.replication.records import Record
 from pshard.ps_server.replication.shm import replica_shm_dir
-from pshard.ps_server.replication.tables import TableReplication
 from pshard.ps_server.settings import ServerSettings
 
 log = logging.getLogger("pshard.ps")
@@ -169,17 +176,23 @@ class ParameterServerHandlers:
         # the one it trained to, which is said once (the steps in between are lost).
         self._restored_version: int | None = None
         # Replication (docs/architecture.md, 9 Failures): the copies this server holds as a backup,
-        # and (with replicas) what forwards its own slices' steps to its backups.
+        # and what forwards its own slices' steps to its backups (ps_server/replication/api.py: a no-op
+        # until follower.py enables replication, which a job without --replicas never does).
         self.replica_shm_dir = replica_shm_dir(settings.transport, settings.shm_dir)
         self.replica_set = ReplicaSet(self.replica_shm_dir)
-        self.replicator: Replicator | None = None
+        self.replication: SliceReplication = NO_SLICE_REPLICATION
         # Table rows' replication (ps_server/replication/tables.py): its Replicate batches land there.
-        self.table_replication: TableReplication | None = None
+        self.table_replication: RowReplication = NO_ROW_REPLICATION
         self.promotions = 0  # slices this server took over as primary after a failover
         self.failovers = 0  # times it did (each a role change, logged): pshard_failovers_total
         # The newest layout's slices of this server (replicas only; None: not known, nothing checked).
         self._owned: tuple[int, frozenset[SliceKey]] | None = None
         self._gained: frozenset[SliceKey] = frozenset()  # what later layouts moved here (failovers)
+        self._released: frozenset[SliceKey] = frozenset()  # moved away, then held only as a backup
+        # Replicas only (follow_scheduler arms it): past it this server may have been failed over, and
+        # takes no write (ps_server/core/lease.py).
+        self.lease: SchedulerLease | None = None
+        self._lease_timers: list[asyncio.TimerHandle] = []
         if settings.checkpoint_dir:
             snap = load_shard(Path(settings.checkpoint_dir), settings.shard_name)
             if snap is not None:
@@ -198,8 +211,7 @@ class ParameterServerHandlers:
             store.set_quorum(self._quorum)
         store.subscribe(self._changes.notify)
         self._store = store
-        if self.replicator is not None:
-            self.replicator.attach(store)
+        self.replication.attach(store)
         self._changes.notify()  # wakes wait_configured
 
     # ---- replication ----
@@ -208,11 +220,11 @@ class ParameterServerHandlers:
     def replicas_setting(self) -> int:
         return self._settings.replicas
 
-    def enable_replication(self, replicator: Replicator) -> None:
-        """Forward this server's steps to its backups before acknowledging (service.py wires it)."""
-        self.replicator = replicator
+    def enable_replication(self, replication: SliceReplication) -> None:
+        """Forward this server's steps to its backups before acknowledging (follower.py wires it)."""
+        self.replication = replication
         if self._store is not None:
-            replicator.attach(self._store)
+            replication.attach(self._store)
 
     def replicate(self, config: JobConfig, records: Sequence[Record], primary: str = "",
                   release: bool = False, segments: Sequence[str] = ()) -> list[SliceKey]:
@@ -223,6 +235,7 @@ class ParameterServerHandlers:
         """
         store = self._store
         if store is not None:
+            self._release_moved([r.key for r in records], primary)
             taken = next((r.key for r in records if store.holds(r.key)), None)
             if taken is not None:
                 raise StaleGenerationError(f"replicate: slice {str(taken)!r} has this server as its primary "
@@ -234,7 +247,7 @@ class ParameterServerHandlers:
         return self.replica_set.apply(config, records, primary, segments)
 
     def set_ownership(self, version: int, owned: frozenset[SliceKey]) -> None:
-        """Layout `version` makes this server primary of `owned` (follow_scheduler, with replicas)."""
+        """Layout `version` makes this server primary of `owned` (follower.py, with replicas)."""
         if self._owned is not None and version <= self._owned[0]:
             return
         held = [s.key for s in self._store.slots()] if self._store is not None else []
@@ -254,6 +267,59 @@ class ParameterServerHandlers:
         if copies:
             self._promote(copies)
 
+    def _release_moved(self, keys: Sequence[SliceKey], primary: str) -> None:
+        """Slices a failover moved away from this server while it was cut off, now copied to it by their
+        new primary: its own frozen ones go, and it holds them as that primary's backup from now on."""
+        owned, store = self._owned, self._store
+        if owned is None or store is None:
+            return
+        moved = [k for k in keys if k not in owned[1] and store.holds(k)]
+        if moved and store.release(moved):
+            self._released |= frozenset(moved)
+            log.warning("ROLE: %d slices moved away from this server by layout version %d are dropped here; "
+                        "it holds them as a backup of %s from now on", len(moved), owned[0],
+                        primary or "their primary")
+
+    def renew_lease(self, sent_at: float, timeout_s: float) -> None:
+        """The scheduler answered a heartbeat sent at `sent_at` (on the event loop, after the views that
+        answer brought: a new layout's ownership is in place before writes are taken again)."""
+        if self.lease is None:
+            self.lease = SchedulerLease(time.monotonic)
+        if self.lease.renew(sent_at, timeout_s):
+            log.warning("FENCE: the scheduler answers again; taking writes (%d refused while fenced)",
+                        self.lease.fenced)
+        self._changes.notify()  # writes waiting for the renewal go on
+        for timer in self._lease_timers:
+            timer.cancel()
+        loop = asyncio.get_running_loop()
+        ends, lapses = self.lease.expires_at, self.lease.lapses_at
+        assert ends is not None and lapses is not None
+        # Said at the lease's end; at its lapse the waiting pulls are woken: no clock can complete here.
+        self._lease_timers = [loop.call_later(max(0.0, at - time.monotonic()) + 0.001, self._lease_ended)
+                              for at in (ends, lapses)]
+
+    def _lease_ended(self) -> None:
+        if self.lease is not None and self.lease.expired() and not self.lease.lapsed():
+            log.warning("FENCE: no heartbeat answered by the scheduler within %.0f%% of its timeout; this "
+                        "server may be failed over and takes no write until it is answered again",
+                        100 * FRACTION)
+        self._changes.notify()
+
+    async def _await_lease(self, what: str, deadline: float) -> None:
+        """Let a write through only while the lease holds; one that finds it expired waits for a
+        renewal until the lease lapses (a late answer on a loaded host), then is refused."""
+        lease = self.lease
+        if lease is None or not lease.expired():
+            return
+        lapses_at = lease.lapses_at
+        assert lapses_at is not None
+        await self._changes.wait_for(lambda: True if not lease.expired() else None, min(deadline, lapses_at))
+        lease.check(what)
+
+    def _check_lapsed(self, what: str) -> None:
+        if self.lease is not None and self.lease.lapsed():
+            self.lease.check(what)
+
     def _check_owned(self, keys: Iterable[SliceKey]) -> None:
         """Refuse slices a failover moved away from this server (it was declared dead and came back):
         the worker re-routes to their primary instead of updating a copy nobody replicates."""
@@ -261,7 +327,7 @@ class ParameterServerHandlers:
         if owned is None or store is None:
             return
         for key in keys:
-            if key not in owned[1] and store.holds(key):
+            if key not in owned[1] and (store.holds(key) or key in self._released):
                 raise UnknownKeyError(f"slice {quote(str(key))} moved: layout version {owned[0]} has it on "
                                       "another server (a failover); re-route", key=str(key),
                                       layout_version=owned[0])
@@ -306,8 +372,7 @@ class ParameterServerHandlers:
             self._install(store)
         else:
             store.adopt(slots)
-            if self.replicator is not None:
-                self.replicator.seed([s.key for s in slots])
+            self.replication.seed([s.key for s in slots])
         self.promotions += len(slots)
         self.failovers += 1
         log.warning("FAILOVER: promoted to primary of %d slices (%s%s) at versions %d..%d",
@@ -315,9 +380,23 @@ class ParameterServerHandlers:
                     min(s.version for s in slots), max(s.version for s in slots))
 
     async def _settle(self, keys: Iterable[SliceKey], deadline: float) -> None:
-        """Wait until every step of `keys` so far is on every backup (a no-op without replicas)."""
-        if self.replicator is not None:
-            await self.replicator.settle(list(keys), deadline)
+        """Wait until every step of `keys` so far is on every backup (at once without replicas).
+
+        Past the lease's lapse the wait ends with FencedError: the backup that stopped acknowledging
+        may be the new primary (it refuses a declared-dead sender), and the worker must send the step
+        to it rather than wait for its deadline."""
+        keys = list(keys)
+        while True:
+            lapses_at = self.lease.lapses_at if self.lease is not None else None
+            until = deadline if lapses_at is None else min(deadline, lapses_at)
+            try:
+                await self.replication.settle(keys, until)
+                return
+            except PullTimeoutError:
+                if self.lease is None or time.monotonic() >= deadline:
+                    raise
+                if self.lease.lapsed():
+                    self.lease.check(f"replication of {len(keys)} slices to the backups")
 
     @property
     def store(self) -> ShardStore:
@@ -424,9 +503,9 @@ class ParameterServerHandlers:
             if self._store is None:  # installed only once it holds the request's slices
                 self._install(store)
                 log.info("configured: %s", store.config)
-        if self.replicator is not None:  # a slice is declared once its backups hold it too
-            self.replicator.seed([k for k, _ in items])
-            await self._settle([k for k, _ in items], self._deadline(None))
+        # A slice is declared once its backups hold it too.
+        self.replication.seed([k for k, _ in items])
+        await self._settle([k for k, _ in items], self._deadline(None))
         values = store.read([k for k, _ in items])
         return created, [self._to_wire(WireArray(v, dtype_name(v.dtype))) for v, _ in values]
 
@@ -503,8 +582,14 @@ class ParameterServerHandlers:
             return
         if store.policy.name == "sync" and not store.had_quorum:
             await self._await_first_quorum(store, stamp, keys, min(deadline, started + NO_QUORUM_GRACE_S))
-        ready = await self._changes.wait_for(
-            lambda: True if store.pull_status(stamp, keys) is None else None, deadline)
+        def readable() -> bool | None:
+            if store.pull_status(stamp, keys) is None:
+                return True
+            # Fenced for good: no push can complete the clock here any more; the worker re-routes.
+            self._check_lapsed(f"pull by {stamp.worker_id!r} at clock {stamp.clock}")
+            return None
+
+        ready = await self._changes.wait_for(readable, deadline)
         if ready is None:
             self.pulls_timed_out += 1
             waiting = store.pull_status(stamp, keys)
@@ -553,6 +638,9 @@ class ParameterServerHandlers:
             raise EmptyRequestError(f"push-pull from {stamp.worker_id!r}: nothing to push or pull")
         metas = _metas(items)
         self._check_limits("push-pull", stamp, metas, keys)
+        if items:  # first: the ownership checked next may change with the renewal this waits for
+            await self._await_lease(f"push by {stamp.worker_id!r} at clock {stamp.clock}",
+                                    self._deadline(timeout_s))
         pushed = [k for k, _ in items]
         touched = [*pushed, *keys]
         self._check_owned(touched)
@@ -592,6 +680,9 @@ class ParameterServerHandlers:
         if not push and not pull:
             raise EmptyRequestError(f"exchange from {stamp.worker_id!r}: nothing to push or pull")
         self._check_limits("exchange", stamp, push, pull)
+        if push:  # first: the ownership checked next may change with the renewal this waits for
+            await self._await_lease(f"push by {stamp.worker_id!r} at clock {stamp.clock}",
+                                    self._deadline(timeout_s))
         self._check_owned([*(m.key for m in push), *pull])
         self._promote([*(m.key for m in push), *pull])
         store = self._store_holding([m.key for m in push] or pull)
@@ -615,8 +706,7 @@ class ParameterServerHandlers:
                 counts[0] += outcome.applied
                 counts[1] += outcome.dropped
                 pushed[key].set()
-                if self.replicator is not None:  # its sender starts copying this slice while the next applies
-                    await asyncio.sleep(0)
+                await self.replication.hand_off()  # its senders copy this slice while the next applies
 
         reader = asyncio.ensure_future(consume())
         try:
@@ -692,7 +782,7 @@ class ParameterServerHandlers:
                            pulls_timed_out=self.pulls_timed_out, transports=self.transport_report(),
                            hangs=tuple(store.hangs(self._settings.hang_report_s))
                            if store and self._settings.hang_report_s > 0 else (),
-                           replication_lag=self.replicator.lag() if self.replicator is not None else 0,
+                           replication_lag=self.replication.lag(),
                            failovers=self.failovers)
 
     async def snapshot_at(self, at_version: int, timeout_s: float | None = None) -> ShardSnapshot:

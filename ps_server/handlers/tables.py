@@ -32,7 +32,7 @@ import zlib
 from collections.abc import AsyncIterator, Callable, Collection
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, TypeVar
+from typing import TypeVar
 
 import numpy as np
 from pshard.common.errors import (
@@ -46,13 +46,11 @@ from pshard.common.errors import (
     checkpoint_write_error,
 )
 from pshard.common.sparse import TableConfig
+from pshard.ps_server.replication.api import NO_ROW_REPLICATION, RowReplication
 from pshard.ps_server.settings import ServerSettings
 from pshard.ps_server.tables.files import append_ids, export_table, load_tables, save_tables
 from pshard.ps_server.tables.sync import OWN, PartitionClocks
 from pshard.ps_server.tables.table import SparseTable
-
-if TYPE_CHECKING:
-    from pshard.ps_server.replication.tables import TableReplication
 
 _ID = np.dtype("<i8")
 # Ids and rows as the transports hand them: gRPC's bytes, or a fast path's view of its region.
@@ -92,8 +90,9 @@ class TableHandlers:
         self._quorum: dict[str, int] | None = dict(settings.static_quorum) if settings.static_quorum else None
         self._dir = Path(settings.checkpoint_dir) if settings.checkpoint_dir else None
         # With replicas (ps_server/replication/tables.py): rows changed go to the backups before a
-        # push is acknowledged, and ids of row partitions served elsewhere are refused.
-        self.replication: TableReplication | None = None
+        # push is acknowledged, and ids of row partitions served elsewhere are refused. Without, the
+        # no-op of ps_server/replication/api.py: nothing to wait for, nothing refused.
+        self.replication: RowReplication = NO_ROW_REPLICATION
         if self._dir is not None:
             for table in load_tables(self._dir, settings.shard_name, self._make):
                 self._add(table)
@@ -174,8 +173,8 @@ class TableHandlers:
         quorum = self._sync_quorum(name, worker)
         async with self._locks[name]:
             stored = await self._push(table, keys, rows, clock, worker, quorum, push_id, layout_version)
-        if self.replication is not None:  # acknowledged once the backups hold it
-            await self.replication.settle(time.monotonic() + self._settings.pull_timeout_s)
+        # Acknowledged once the backups hold it.
+        await self.replication.settle(time.monotonic() + self._settings.pull_timeout_s)
         return stored
 
     async def push_pull(self, name: str, push_ids: Raw, grads: Raw, pull_ids: Raw, clock: int = 0,
@@ -192,7 +191,7 @@ class TableHandlers:
         if name in self._sync:
             clock += 1
             await self._wait_applied(name, clock, wanted)
-        elif self.replication is not None:
+        else:
             await self.replication.settle(time.monotonic() + self._settings.pull_timeout_s)
         async with self._locks[name]:
             out = into(table.config, len(wanted)) if into else None
@@ -203,17 +202,14 @@ class TableHandlers:
         name = table.config.name
         sync = self._sync.get(name)
         if sync is None or quorum is None:
-            repl = self.replication
-            if repl is None:
-                return await _run(table, len(keys), table.push, keys, rows, clock or None)
-            keep = repl.fresh(name, keys, worker, push_id)
+            keep = self.replication.fresh(name, keys, worker, push_id)
             if keep is not None:  # applied before (a resend after a failover): those rows are done
                 keys, rows = keys[keep], rows[keep]
-            stored = await _run(table, len(keys), table.push, keys, rows, clock or None) if len(keys) else 0
-            repl.changed(name, keys, worker, push_id)
+            stored = (await _run(table, len(keys), table.push, keys, rows, clock or None)
+                      if keep is None or len(keys) else 0)
+            self.replication.changed(name, keys, worker, push_id)
             return stored
-        if self.replication is not None:
-            self.replication.routed(name, layout_version)  # before anything is recorded
+        self.replication.routed(name, layout_version)  # before anything is recorded
         self._apply(name, sync.push(clock, worker, keys, rows, *self._partitioned(keys), quorum))
         return len(keys)
 
@@ -221,8 +217,7 @@ class TableHandlers:
         table = self._tables[name]
         for ids, mean, clock in updates:
             table.push(ids, mean, clock or None)
-            if self.replication is not None:  # the rows, and the partition's applied clock
-                self.replication.changed(name, ids, clocked=True)
+            self.replication.changed(name, ids, clocked=True)  # the rows, and the partition's applied clock
         if updates:
             self._changed[name].set()
             self._changed[name] = asyncio.Event()
@@ -245,11 +240,10 @@ class TableHandlers:
     def _partitioned(self, keys: np.ndarray) -> tuple[int | np.ndarray, Collection[int]]:
         """The row partition of each of `keys` (one number when all are in one), and the partitions
         served here: OWN for both while this server knows no layout (or replicates nothing)."""
-        repl = self.replication
-        served = None if repl is None else repl.served()
-        if repl is None or served is None:
+        served = self.replication.served()
+        if served is None:
             return OWN, (OWN,)
-        return repl.partitions(keys), served
+        return self.replication.partitions(keys), served
 
     def _partitions(self, keys: np.ndarray) -> set[int]:
         """The row partitions of `keys` (all those served here when there are none)."""
@@ -277,8 +271,7 @@ class TableHandlers:
                     f"pull of sync table {name!r} at clock {clock}: clock {applied}{where} still waits for "
                     f"{sync.waiting_for(partition, applied, self._quorum or {})} after "
                     f"{self._settings.pull_timeout_s:.1f}s") from None
-        if self.replication is not None:  # a clock's update is read once its backups hold it
-            await self.replication.settle(deadline)
+        await self.replication.settle(deadline)  # a clock's update is read once its backups hold it
 
     async def export(self, name: str) -> tuple[Path, Path, int]:
         table = self._table(name)
@@ -381,8 +374,7 @@ class TableHandlers:
             if repeats.any():
                 raise InvalidArgumentError(f"{what} of table {name!r}: id {int(ordered[1:][repeats][0])} "
                                            "appears more than once (send each id once, gradients summed)")
-        if self.replication is not None:  # ids of a partition another server serves (a failover)
-            self.replication.check(table, ids, what)
+        self.replication.check(table, ids, what)  # ids of a partition another server serves (a failover)
         return ids  # read-only (gRPC's bytes) or a view of a fast path's region: the tables keep no reference
 
     def _grads(self, table: SparseTable, ids: np.ndarray, raw: Raw) -> np.ndarray:

@@ -8,18 +8,16 @@ primary. Steps taken while a state is on its way coalesce into the next one (asy
 are batched that way), and a backup that restarted or joined just gets every slice's state: a copy
 that catches up while training goes on.
 
-Where the bytes go: with a backup on the same host, into shared-memory segments both map, so a
-call carries only metadata (ps_server/replication/shm.py); with one that cannot map them (another
-host, or a server without shared memory), as the data of a frame on a raw TCP link to the backup's
-fast-path listener (ps_server/transport/replica_tcp.py). The calls themselves go over that link when the
-backup offers one (a frame on a kept connection costs less than a gRPC call), else, or when it
-breaks, as Replicate calls with the bytes inline. Backups also still replay
-step records (`step_record`: an update and how many gradients it sums, run through the same
-element-wise optimizer), the form of older primaries.
+Where the bytes go is each backup's link (ps_server/replication/backends.py): with a backup on the
+same host, into shared-memory segments both map, so a call carries only metadata; with one that
+cannot map them, as the data of a frame on a raw TCP link to the backup's fast-path listener, else,
+or when it breaks, as Replicate calls with the bytes inline. The sender sees only the link. Backups
+also still replay step records (ps_server/replication/records.py `step_record`: an update and how
+many gradients it sums, run through the same element-wise optimizer), the form of older primaries.
 
 Per backup one sender task: it ships the due slices in the order they became due (batches up to
-`_BATCH_BYTES`, one Replicate call at a time, retried until acknowledged or the backup leaves the
-view), so the first slices of a sync clock are acknowledged while later ones are still applied.
+its link's `batch_bytes`, one Replicate call at a time, retried until acknowledged or the backup
+leaves the view), so the first slices of a sync clock are acknowledged while later ones are still applied.
 Steps get one global sequence number; a request is acknowledged once every current backup holds a
 state of each of its slices at least as new as the request's steps (`settle`).
 """
@@ -30,123 +28,27 @@ import asyncio
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import NamedTuple, Protocol
 
 import numpy as np
-from pshard.common.errors import InvalidArgumentError, PSError, PullTimeoutError
+from pshard.common.errors import PullTimeoutError
 from pshard.common.job import JobConfig
 from pshard.common.types import SliceKey
 from pshard.common.wire import codec
-from pshard.common.wire.fastwire import TransportBroken
-from pshard.common.wire.shm import packed
 from pshard.ps_server.core.optimizers import Optimizer, SliceState, make_optimizer
 from pshard.ps_server.core.policies import NO_CLOCK, Slot
 from pshard.ps_server.core.store import ShardStore
-from pshard.ps_server.replication.shm import ArraySpec, SegmentMaps, SegmentWriter, specs_bytes, state_specs
+from pshard.ps_server.replication.backends import Backend, Links, Send, link_to
+from pshard.ps_server.replication.records import Record
+from pshard.ps_server.replication.shm import SegmentMaps, specs_bytes, state_specs
 
 from pshard.api.v1 import parameter_server_pb2 as pb
-from pshard.api.v1 import tensor_pb2 as tensor_pb
 
 log = logging.getLogger("pshard.ps.replication")
 
-# One Replicate call carries records up to this many bytes (at least one record): a round trip costs
-# milliseconds on a loaded host, so a big shard's step goes in a few calls; the servers' message
-# limit (64 MiB by default) leaves room for a 4 MiB slice's state with Adam's two arrays on top.
-_BATCH_BYTES = 32 * 2**20
-# Through shared memory a call carries no bytes, but the copies come before it: smaller batches let
-# the first slices of a step be acknowledged (and their pulls answered) while later ones are copied.
-# Not smaller: each call costs a round of thread wake-ups on both servers, and on a busy 2-core host
-# that CPU is the step's (4 MiB: 11 calls a step per server of the 2x2 bench, 16 MiB: 3; 135-142 ->
-# 112-115 ms of server CPU per step, replicas 0 at 55-60). A batch only takes what is due meanwhile.
-_SHM_BATCH_BYTES = 16 * 2**20
-# Over the raw TCP link (ps_server/transport/replica_tcp.py) the bytes follow the call, received into a region
-# of the backup's session: batches well inside it.
-_TCP_BATCH_BYTES = 8 * 2**20
 _IN_FLIGHT = 2  # calls per backup at once (on different slices)
 _RETRY_S = (0.05, 1.0)  # first and longest wait between attempts to reach a backup
-
-
-class Record(NamedTuple):
-    seq: int
-    key: SliceKey
-    version: int  # the slice's version once applied
-    state: bool  # True: the whole slice; False: one step
-    value: np.ndarray  # state: the master value; step: the update
-    summed: int  # step: how many gradients `value` sums
-    clocks: dict[str, int]
-    dtype: str = ""  # state: the declared dtype
-    opt_state: SliceState | None = None
-    floors: dict[str, int] | None = None
-    # State through shared memory (ps_server/replication/shm.py): where its arrays lie, and what they are.
-    segment: str = ""
-    offset: int = 0
-    specs: tuple[ArraySpec, ...] = ()
-
-
-def step_record(slot: Slot, update: np.ndarray, count: int, seq: int) -> Record:
-    """Called under the slice's lock, before the step: `update` may be scratch or a network buffer."""
-    return Record(seq, slot.key, slot.version + 1, False, np.array(update, copy=True), count,
-                  dict(slot.last_clock))
-
-
-def state_record(slot: Slot, seq: int) -> Record:
-    """The whole slice, under its lock."""
-    state = {k: v.copy() if isinstance(v, np.ndarray) else v for k, v in slot.opt_state.items()}
-    return Record(seq, slot.key, slot.version, True, slot.value.copy(), 0, dict(slot.last_clock),
-                  slot.dtype.name, state, dict(slot.floors))
-
-
-def _tensor(v: np.ndarray, inline: bool) -> tensor_pb.Tensor:
-    if inline:
-        return codec.tensor_to_proto(codec.WireArray(v, v.dtype.name))
-    return tensor_pb.Tensor(dtype=codec.dtype_to_proto(v.dtype.name), shape=v.shape)  # the bytes are in shm
-
-
-def record_to_proto(r: Record, inline: bool | None = None) -> pb.ReplicaRecord:
-    """`inline`: the arrays' bytes in the message (default: unless they lie in shared memory)."""
-    inline = not r.segment if inline is None else inline
-    msg = pb.ReplicaRecord(id=codec.slice_id_to_proto(r.key), version=r.version, state=r.state,
-                           value=_tensor(r.value, inline), count=r.summed, clocks=r.clocks,
-                           segment=r.segment, offset=r.offset)
-    if r.state:
-        msg.dtype = codec.dtype_to_proto(r.dtype)
-        msg.floors.update(r.floors or {})
-        for name, v in (r.opt_state or {}).items():
-            if isinstance(v, np.ndarray):
-                msg.opt_arrays[name].CopyFrom(_tensor(v, inline))
-            elif isinstance(v, (int, np.integer)) and not isinstance(v, bool):
-                msg.opt_ints[name] = int(v)
-            else:
-                msg.opt_floats[name] = float(v)
-    return msg
-
-
-def _spec(t: tensor_pb.Tensor, name: str, what: str) -> ArraySpec:
-    return name, codec.dtype_from_proto(t.dtype, f"{what} dtype"), tuple(t.shape)
-
-
-def record_from_proto(msg: pb.ReplicaRecord) -> Record:
-    key = codec.slice_id_from_proto(msg.id)
-    if msg.segment:  # arrays in shared memory: the replica set maps them (see `ReplicaSet.apply`)
-        if not msg.state:
-            raise InvalidArgumentError(f"replica {key}: only a state may lie in shared memory")
-        specs = (_spec(msg.value, "", f"replica {key}"),
-                 *(_spec(msg.opt_arrays[n], n, f"replica {key} {n}") for n in sorted(msg.opt_arrays)))
-        scalars: SliceState = {**dict(msg.opt_ints), **dict(msg.opt_floats)}
-        return Record(0, key, msg.version, True, np.empty(0), 0, dict(msg.clocks),
-                      codec.dtype_from_proto(msg.dtype), scalars, dict(msg.floors), msg.segment, msg.offset,
-                      specs)
-    value = codec.tensor_from_proto(msg.value, f"replica {key}").array
-    if not msg.state:
-        return Record(0, key, msg.version, False, value, max(1, msg.count), dict(msg.clocks))
-    opt: SliceState = {n: np.array(codec.tensor_from_proto(t, f"replica {key} {n}").array, copy=True)
-                       for n, t in msg.opt_arrays.items()}
-    opt.update(dict(msg.opt_ints))
-    opt.update(dict(msg.opt_floats))
-    return Record(0, key, msg.version, True, np.array(value, copy=True), 0, dict(msg.clocks),
-                  codec.dtype_from_proto(msg.dtype), opt, dict(msg.floors))
 
 
 class ReplicaSet:
@@ -273,6 +175,7 @@ class ReplicaSet:
 @dataclass
 class _Backup:
     address: str
+    link: Backend  # how batches reach it (ps_server/replication/backends.py): where it falls back to
     # Slices whose newest step this backup lacks, in the order they became due (the send order).
     pending: dict[SliceKey, None] = field(default_factory=dict)
     need: dict[SliceKey, int] = field(default_factory=dict)  # the newest sequence number it must hold
@@ -281,11 +184,10 @@ class _Backup:
     closed: bool = False
     task: asyncio.Task[None] | None = None
     failing_since: float | None = None
-    shm: SegmentWriter | None = None  # same host: states go through shared memory (the sender's alone)
     # Bumped when the backup is a new process: a reply of the old one acknowledges nothing, and the
-    # segments it mapped mean nothing to the new one (the sender resets them before its next call).
+    # segments it mapped mean nothing to the new one (the sender resets its link before its next call).
     incarnation: int = 0
-    shm_incarnation: int = 0
+    link_incarnation: int = 0
     flying: set[SliceKey] = field(default_factory=set)  # slices of the calls in flight
     failed: bool = False  # a call failed: reset and wait before the next
 
@@ -295,29 +197,6 @@ class _Backup:
 
     def behind(self, targets: dict[SliceKey, int]) -> bool:
         return any(self.acked.get(k, 0) < min(t, self.need.get(k, 0)) for k, t in targets.items())
-
-
-Send = Callable[[str, pb.ReplicateRequest], pb.ReplicateResponse]
-
-
-class Link(Protocol):
-    """A raw TCP connection to a backup (ps_server/transport/replica_tcp.py), one call at a time."""
-
-    def call(self, request: pb.ReplicateRequest, arrays: Sequence[np.ndarray]) -> pb.ReplicateResponse: ...
-
-
-class Links(Protocol):
-    """The raw TCP links to the backups (ps_server/replica_tcp.TcpLinks)."""
-
-    region_bytes: int
-
-    def take(self, address: str) -> Link | None: ...
-
-    def give_back(self, address: str, link: Link) -> None: ...
-
-    def broke(self, address: str, err: Exception, link: Link | None = None) -> None: ...
-
-    def close(self, address: str | None = None) -> None: ...
 
 
 class Replicator:
@@ -364,7 +243,8 @@ class Replicator:
                 b.closed = True
                 del self._backups[b.address]
             for address in new:
-                self._backups[address] = _Backup(address)
+                self._backups[address] = _Backup(address, link_to(address, self.own, self._send, self._links,
+                                                                  self._shm_dir))
         for b in gone:
             b.wake.set()
             log.warning("replication: %s is no longer a backup of %s (%d slices unsent)", b.address,
@@ -373,8 +253,6 @@ class Replicator:
         for address in new:
             backup = self._backups.get(address)
             if backup is not None:
-                if self._shm_dir is not None:
-                    backup.shm = SegmentWriter(self._shm_dir)
                 backup.task = self._loop.create_task(self._sender(backup))
                 log.info("replication: %s backs up %s; copying its slices", address, self.own)
         if new and self._store is not None:
@@ -464,6 +342,10 @@ class Replicator:
                                                         for b in behind)
                     + f" did not acknowledge {self.own}'s updates before the request's deadline")
 
+    async def hand_off(self) -> None:
+        """One turn of the event loop, in which the senders start on the slice just applied."""
+        await asyncio.sleep(0)
+
     def lag(self) -> int:
         """Slices whose newest step the slowest backup has yet to acknowledge (the replication lag gauge)."""
         with self._lock:
@@ -508,8 +390,7 @@ class Replicator:
     # ---- sending ----
 
     def _batch(self, b: _Backup) -> list[SliceKey]:
-        limit = (_SHM_BATCH_BYTES if b.shm is not None else _TCP_BATCH_BYTES if self._links is not None
-                 else _BATCH_BYTES)
+        limit = b.link.batch_bytes
         with self._lock:
             batch: list[SliceKey] = []
             size = 0
@@ -533,12 +414,11 @@ class Replicator:
             await b.wake.wait()
             b.wake.clear()
             while not b.closed:
-                if b.failed or (b.shm is not None and b.shm_incarnation != b.incarnation):
+                if b.failed or (b.link.segmented and b.link_incarnation != b.incarnation):
                     if calls:
                         break  # each call ending wakes this loop
-                    if b.shm is not None:
-                        b.shm.reset()  # the backup may hold either slot: later states go elsewhere
-                        b.shm_incarnation = b.incarnation
+                    b.link.reset()
+                    b.link_incarnation = b.incarnation
                     if b.failed:
                         b.failed = False
                         await asyncio.sleep(delay)
@@ -583,25 +463,15 @@ class Replicator:
         self._wake()
 
     def _ship(self, b: _Backup, keys: Sequence[SliceKey]) -> tuple[dict[SliceKey, int], list[SliceKey]]:
-        """Snapshot `keys` (each under its lock) into one Replicate call to `b`: the sequence number
-        each shipped state covers, and the slices the backup could not take."""
+        """Snapshot `keys` (each under its lock) into one Replicate call to `b`, the way its link lays
+        them out: the sequence number each shipped state covers, and the slices the backup could not take."""
         store = self._store
         slots = store.find(keys) if store is not None else {}
         config = self._config_proto(store.config if store is not None else JobConfig())
-        shm = b.shm
-        if shm is not None:
-            try:
-                shm.reserve([slots[k] for k in keys if k in slots])
-            except OSError as e:  # the directory is full (a container's small /dev/shm): inline from now on
-                log.warning("replication: no room for %s's segments for %s in shared memory (%s); "
-                            "replicating over gRPC", self.own, b.address, e)
-                shm.close()
-                b.shm = shm = None
+        link = b.link = b.link.prepare([slots[k] for k in keys if k in slots])
         shipped: dict[SliceKey, int] = {}
         records: list[pb.ReplicaRecord] = []
-        # Over a raw TCP link the snapshots are arrays sent after the call's metadata, not encoded in it
-        # (none through shared memory: the link then carries the metadata, cheaper than a gRPC call).
-        arrays: list[np.ndarray] | None = [] if self._links is not None else None
+        arrays: list[np.ndarray] = []  # the records' bytes the link sends after the message, if any
         for key in keys:
             slot = slots.get(key)
             if slot is None:  # no longer ours (moved away): nothing to hold
@@ -611,24 +481,9 @@ class Replicator:
             with slot.lock:
                 with self._lock:
                     shipped[key] = b.need.get(key, 0)
-                records.append(state_to_proto(slot, shm, arrays))
-        request = pb.ReplicateRequest(primary=self.own, config=config, records=records,
-                                      segments=shm.names if shm is not None else [])
-        reply = self._request(b.address, request, arrays)
+                records.append(link.record(slot, arrays))
+        reply = link.call(pb.ReplicateRequest(primary=self.own, config=config, records=records), arrays)
         return shipped, [codec.slice_id_from_proto(k) for k in reply.need_state]
-
-    def _request(self, address: str, request: pb.ReplicateRequest, arrays: list[np.ndarray] | None
-                 ) -> pb.ReplicateResponse:
-        """The batch over the raw TCP link when there is one (`arrays`: the records' bytes), else, or
-        when the link breaks under it, over gRPC: the backup replays a resent state idempotently."""
-        if arrays is None:
-            return self._send(address, request)
-        assert self._links is not None
-        reply = over_link(self._links, address, request, arrays)
-        if reply is not None:
-            return reply
-        fill_inline(request, arrays)
-        return self._send(address, request)
 
     def _config_proto(self, config: JobConfig) -> pb.JobConfig:
         """The job's config as every call carries it, encoded once (it changes only with a new job)."""
@@ -646,80 +501,20 @@ class Replicator:
                 b.acked[key] = max(b.acked.get(key, 0), seq)
                 if b.need.get(key, 0) <= b.acked[key]:
                     b.pending.pop(key, None)
-        if b.shm is not None:
-            b.shm.acknowledged(k for k in shipped if k not in refused)
+        b.link.acknowledged(k for k in shipped if k not in refused)
         if refused:
-            if b.shm is not None:  # it cannot map our segments (another host): bytes inline from now on
-                log.warning("replication: backup %s cannot map %s's shared memory; replicating over gRPC",
-                            b.address, self.own)
-                b.shm.close()
-                b.shm = None
+            b.link = b.link.refused()
             b.wake.set()
 
     def _release(self, b: _Backup) -> None:
         """Tell a former backup to drop our copies; best effort (a dead one has nothing to drop)."""
-        if b.shm is not None:
-            b.shm.close()
-        if self._links is not None:
-            self._links.close(b.address)
+        b.link.close()
         try:
             self._send(b.address, pb.ReplicateRequest(primary=self.own, release=True))
         except Exception as e:
             log.debug("replication: could not release %s: %s", b.address, e)
 
 
-def state_to_proto(slot: Slot, shm: SegmentWriter | None, arrays: list[np.ndarray] | None = None
-                    ) -> pb.ReplicaRecord:
-    """`slot`'s state as a record (under its lock): its arrays copied into `shm`, else appended to
-    `arrays` (value, then optimizer arrays by name: the raw link's data), else encoded inline."""
-    record = Record(0, slot.key, slot.version, True, slot.value, 0, dict(slot.last_clock), slot.dtype.name,
-                    dict(slot.opt_state), dict(slot.floors))
-    if shm is None and arrays is not None:
-        arrays.append(slot.value.copy())
-        arrays.extend(np.array(v, copy=True) for n, v in sorted(slot.opt_state.items())
-                      if isinstance(v, np.ndarray))
-        return record_to_proto(record, inline=False)
-    if shm is None:
-        return record_to_proto(record)  # encoding is the one copy
-    segment, offset = shm.write(slot)
-    return record_to_proto(record._replace(segment=segment, offset=offset))
-
-
 def _expire(held: asyncio.Future[bool]) -> None:
     if not held.done():
         held.set_result(False)
-
-
-def over_link(links: Links, address: str, request: pb.ReplicateRequest, arrays: Sequence[np.ndarray]
-              ) -> pb.ReplicateResponse | None:
-    """The backup's answer to a batch sent over a raw TCP link to it; None when no link is to be had
-    (down, refused, the arrays exceed its region) or it broke under the call: the caller then sends
-    the batch over gRPC, and the backup's replay of a batch it may have applied already is idempotent
-    (dense states and table rows travel whole). The backup's own refusal (a PSError) is raised."""
-    fits = packed([a.nbytes for a in arrays])[1] <= links.region_bytes  # as the backup lays them out
-    link = links.take(address) if fits else None
-    if link is None:
-        return None
-    try:
-        reply = link.call(request, arrays)
-    except TransportBroken as err:
-        links.broke(address, err, link)
-        return None
-    except PSError:  # the backup's answer (the link is fine)
-        links.give_back(address, link)
-        raise
-    except Exception as err:
-        links.broke(address, err, link)
-        raise
-    links.give_back(address, link)
-    return reply
-
-
-def fill_inline(request: pb.ReplicateRequest, arrays: Sequence[np.ndarray]) -> None:
-    """Put the raw link's `arrays` into `request`'s records (their order: `state_to_proto`), for gRPC."""
-    left = iter(arrays)
-    for msg in request.records:
-        if msg.segment or not msg.state:
-            continue
-        for t in [msg.value, *(msg.opt_arrays[n] for n in sorted(msg.opt_arrays))]:
-            t.data = next(left).tobytes()

@@ -19,7 +19,7 @@ from pshard.common.cluster.view import ClusterView, NodeState
 from pshard.common.rpc.options import channel_options
 from pshard.common.security.credentials import SecurityConfig
 from pshard.common.types import SliceKey
-from pshard.ps_server.replication.dense import Send
+from pshard.ps_server.replication.backends import Send
 from pshard.ps_server.transport.replica_tcp import TcpLinks
 
 from pshard.api.v1 import parameter_server_pb2 as pb

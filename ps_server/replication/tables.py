@@ -56,7 +56,8 @@ from pshard.common.errors import (
     StaleGenerationError,
 )
 from pshard.common.sparse import TableConfig, server_of
-from pshard.ps_server.replication.dense import Links, Send, over_link
+from pshard.ps_server.replication.api import RowReplication
+from pshard.ps_server.replication.backends import Links, Send, over_link
 from pshard.ps_server.replication.shm import SegmentMaps
 from pshard.ps_server.replication.table_rows import (
     Alloc,
@@ -622,14 +623,12 @@ class TableReplication:
         self.set_backups([])
 
 
-async def hold_rows(rows: TableReplication | None, request: pb.ReplicateRequest,
+async def hold_rows(rows: RowReplication, request: pb.ReplicateRequest,
                     frame: Sequence[np.ndarray] | None = None, executor: Executor | None = None) -> bool:
     """A backup's side of a primary's table rows, from a Replicate call or a raw link's frame
     (`frame`: their columns): `TableReplication.apply`. A step's rows are applied on the event loop,
     copied once into the replicas (as fast as a push of them), where a thread hop each way would cost
     more; a big copy (a new backup's) on a thread of `executor`."""
-    if rows is None:
-        raise InvalidArgumentError("replicate: this server replicates no table rows (no --replicas)")
     if small_batch(request.tables):
         return rows.apply(request, frame)
     return await asyncio.get_running_loop().run_in_executor(executor, rows.apply, request, frame)

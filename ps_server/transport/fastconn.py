@@ -41,6 +41,7 @@ from pshard.common.wire.fastwire import (
     encode_slice_meta,
     tune,
 )
+from pshard.common.wire.liveness import keep_alive
 from pshard.common.wire.shm import Segment, packed, recv_with_fds
 from pshard.ps_server.core.store import SliceMeta
 
@@ -108,6 +109,9 @@ class Session(Protocol):
 
 class Sessions(Protocol):
     """What the fast-path server provides to its connections."""
+
+    # A peer silent this long is gone (common.wire.liveness): the job's heartbeat timeout.
+    dead_after_s: float
 
     def attach(self, hello: bytes, connection: Connection) -> Session | None: ...
 
@@ -309,6 +313,9 @@ class Connection(asyncio.BufferedProtocol):
         assert isinstance(transport, asyncio.Transport)
         self.transport = transport
         tune(transport.get_extra_info("socket"))
+        # A worker whose host is cut off ends its session (and what it holds) within the heartbeat
+        # timeout, as its gRPC channel would, instead of when the kernel gives up after minutes.
+        keep_alive(transport.get_extra_info("socket"), self._sessions.dead_after_s)
         if transport.get_extra_info("sslcontext") is None:
             transport.set_write_buffer_limits(high=0)  # pause_writing as soon as anything is queued
             sock = transport.get_extra_info("socket")

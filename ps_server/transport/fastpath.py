@@ -46,6 +46,7 @@ from pathlib import Path
 import grpc.aio
 import numpy as np
 from google.protobuf.message import DecodeError
+from pshard.common.chunks import shared_pool
 from pshard.common.errors import InvalidArgumentError, PermissionDeniedError, PSError
 from pshard.common.rpc.options import EXCHANGE_METHOD
 from pshard.common.rpc.status import maps_errors
@@ -54,6 +55,7 @@ from pshard.common.types import SliceKey
 from pshard.common.wire import codec
 from pshard.common.wire.codec import WireArray
 from pshard.common.wire.fastwire import TransportBroken
+from pshard.common.wire.liveness import DEFAULT_DEAD_AFTER_S
 from pshard.common.wire.shm import Segment, align, listen, remove, sweep_orphans
 from pshard.ps_server.core.store import SliceMeta
 from pshard.ps_server.handlers.dense import EncodedSlice, ExchangeDone, ParameterServerHandlers
@@ -143,7 +145,7 @@ class _SlotEncoder:
         offset = session.slot(key, src.nbytes)
         if self.lend:
             return key, offset, src.nbytes, src
-        np.copyto(session.regions.reply[offset:offset + src.nbytes], src)
+        shared_pool().copy(session.regions.reply[offset:offset + src.nbytes], src)  # multi-MiB: threads
         return key, offset, src.nbytes, None
 
 
@@ -219,8 +221,9 @@ class _Session:
 class FastPathServer:
     def __init__(self, handlers: ParameterServerHandlers, loop: asyncio.AbstractEventLoop, *,
                  transport: str, shm_dir: str, host: str, ssl_context: ssl.SSLContext | None = None,
-                 refusals: AuthRefusals | None = None) -> None:
-        """`ssl_context` (a server context that requires client certificates of the job's CA): the
+                 refusals: AuthRefusals | None = None, port: int = 0) -> None:
+        """`port`: the TCP listener's (0: any free one; ServerSettings.fast_port).
+        `ssl_context` (a server context that requires client certificates of the job's CA): the
         TCP path runs over TLS, mutually authenticated. Shared memory is local and needs none: a
         peer gets on it with the session's secret, handed out over the authenticated gRPC channel.
         `refusals`: the server's counter of refused calls (the gRPC interceptor's), where a peer
@@ -247,6 +250,8 @@ class FastPathServer:
         # Sessions whose requests keep being wasted are not read for a while (ps_server/transport/tarpit.py).
         self.tarpit: WasteTarpit | None = None
         self.port = 0
+        # Set from the job's heartbeat timeout once the server registered (ps_server.follower).
+        self.dead_after_s = DEFAULT_DEAD_AFTER_S
         if not self.kinds:
             return
         if "shm" in self.kinds:
@@ -263,7 +268,12 @@ class FastPathServer:
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         # "::" (an IPv6 cluster address) must take IPv4 workers too, as gRPC's listener does.
         dualstack = host == "::" and socket.has_dualstack_ipv6()
-        self._listener = socket.create_server((host, 0), family=family, backlog=64, dualstack_ipv6=dualstack)
+        try:
+            self._listener = socket.create_server((host, port), family=family, backlog=64,
+                                                  dualstack_ipv6=dualstack)
+        except OSError as err:
+            raise OSError(err.errno, f"fast path: cannot listen on {host}:{port} ({err.strerror}): pick "
+                                     "another --fast-port (or 0 for any free one)") from err
         self.port = self._listener.getsockname()[1]
         self._starting = loop.create_task(self._start(self._listener))
         log.info("fast paths %s listening on port %d%s", sorted(self.kinds), self.port,
@@ -589,7 +599,7 @@ class FastPathServer:
         for pulled in result.slices:
             src = pulled.value.array.reshape(-1).view(np.uint8)
             offset = session.slot(pulled.key, src.nbytes)
-            session.regions.reply[offset:offset + src.nbytes] = src
+            shared_pool().copy(session.regions.reply[offset:offset + src.nbytes], src)
             reply.offsets.append(offset)
             reply.sizes.append(src.nbytes)
             reply.summary.versions.append(pulled.version)

@@ -29,10 +29,19 @@ from pshard.common.errors import InvalidArgumentError, PSError, rebuild
 from pshard.common.rpc.status import error_from_rpc_error
 from pshard.common.types import SliceKey
 from pshard.common.wire import codec
-from pshard.common.wire.fastwire import REPLY, REQUEST, Inbox, TransportBroken, open_session, send_frame
+from pshard.common.wire.fastwire import (
+    REPLY,
+    REQUEST,
+    FastPortSilent,
+    Inbox,
+    TransportBroken,
+    open_session,
+    send_frame,
+)
+from pshard.common.wire.liveness import DEFAULT_DEAD_AFTER_S
 from pshard.ps_server.core.store import SliceMeta
 from pshard.ps_server.handlers.dense import ParameterServerHandlers
-from pshard.ps_server.replication.dense import Record, record_from_proto
+from pshard.ps_server.replication.records import Record, record_from_proto
 from pshard.ps_server.replication.table_wire import frame_keys
 from pshard.ps_server.replication.tables import hold_rows
 
@@ -60,7 +69,8 @@ class TcpLink:
 
     @classmethod
     def open(cls, stub: pb_grpc.ParameterServerServiceStub, address: str, node_id: str,
-             ssl_context: ssl.SSLContext | None, timeout_s: float = _TIMEOUT_S) -> TcpLink:
+             ssl_context: ssl.SSLContext | None, timeout_s: float = _TIMEOUT_S,
+             dead_after_s: float = DEFAULT_DEAD_AFTER_S) -> TcpLink:
         """Negotiate and connect; TransportBroken (or the server's PSError) if not possible."""
         try:
             reply = stub.OpenTransport(pb.OpenTransportRequest(
@@ -70,7 +80,7 @@ class TcpLink:
             raise error_from_rpc_error(err) from err
         hello = pb.TransportHello(session=reply.session, secret=reply.secret).SerializeToString()
         try:
-            sock = open_session(address, reply.port, hello, timeout_s, ssl_context)
+            sock = open_session(address, reply.port, hello, timeout_s, ssl_context, dead_after_s)
         except OSError as err:
             raise TransportBroken(f"replication link to {address} (port {reply.port}): {err}") from None
         return cls(sock, node_id)
@@ -127,9 +137,12 @@ class TcpLinks:
         self._ssl = ssl_context
         self._idle: dict[str, list[TcpLink]] = {}
         self._down: dict[str, float] = {}  # address -> when to try again
+        self._announced: set[str] = set()  # backups whose link's transport was logged
         self._lock = threading.Lock()
         self.region_bytes = REGION_BYTES
         self.calls = 0  # batches that went over a link (for tests and stats)
+        # A backup silent this long breaks the link (common.wire.liveness): the job's heartbeat timeout.
+        self.dead_after_s = DEFAULT_DEAD_AFTER_S
 
     def take(self, address: str) -> TcpLink | None:
         """An idle link to `address`, opened if needed; None while its links are down."""
@@ -140,15 +153,26 @@ class TcpLinks:
             if idle:
                 return idle.pop()
         try:
-            return TcpLink.open(self._stub(address), address, self._node_id, self._ssl)
+            link = TcpLink.open(self._stub(address), address, self._node_id, self._ssl,
+                                dead_after_s=self.dead_after_s)
         except PSError as err:
-            if getattr(err, "status", "") in _REFUSALS:  # the backup offers no tcp (its --transport)
+            if isinstance(err, FastPortSilent):  # each try would wait as long again
+                log.warning("replication: %s; over gRPC for %.0fs", err, _REFUSED_S)
+                with self._lock:
+                    self._down[address] = time.monotonic() + _REFUSED_S
+            elif getattr(err, "status", "") in _REFUSALS:  # the backup offers no tcp (its --transport)
                 log.info("replication: %s offers no tcp link (%s); over gRPC", address, err)
                 with self._lock:
                     self._down[address] = time.monotonic() + _REFUSED_S
             else:
                 self.broke(address, err)
             return None
+        with self._lock:
+            first = address not in self._announced
+            self._announced.add(address)
+        if first:  # the bytes' real path, once per backup (the gRPC fallback is logged when it happens)
+            log.info("replication: batches to %s over raw TCP%s", address, " with TLS" if self._ssl else "")
+        return link
 
     def give_back(self, address: str, link: TcpLink) -> None:
         """`link` answered its call: reuse it."""

@@ -42,7 +42,7 @@ from pshard.common.wire.framing import FramePacker, SliceReader
 from pshard.ps_server.core.store import SliceMeta
 from pshard.ps_server.handlers.dense import EncodedSlice, ExchangeDone, ParameterServerHandlers, PulledSlice
 from pshard.ps_server.heap import HeapTrimmer
-from pshard.ps_server.replication.dense import record_from_proto
+from pshard.ps_server.replication.records import record_from_proto
 from pshard.ps_server.replication.tables import hold_rows
 from pshard.ps_server.transport.budget import InflightBudget, Reservation
 

@@ -63,12 +63,20 @@ def _replicated(start_server: Callable[..., ServerThread], n: int, shm_dir: Path
         backup = servers[(i + 1) % n].address
 
         def wire(handlers=handlers, server=server, backup=backup) -> None:
-            handlers.enable_replication(Replicator(server.address, grpc_sender(), server.loop,
-                                                   shm_dir=None if shm_dir is None else str(shm_dir),
-                                                   links=tcp_links(server.address) if tcp else None))
-            handlers.replicator.set_backups([backup])
+            replicator = Replicator(server.address, grpc_sender(), server.loop,
+                                    shm_dir=None if shm_dir is None else str(shm_dir),
+                                    links=tcp_links(server.address) if tcp else None)
+            handlers.enable_replication(replicator)
+            replicator.set_backups([backup])
         server.call(wire)
     return servers
+
+
+def _replicator(server: ServerThread) -> Replicator:
+    """The replication `_replicated` gave `server`."""
+    replicator = server.running.handlers.replication
+    assert isinstance(replicator, Replicator)
+    return replicator
 
 
 def _train(clients: dict[str, PSClient], steps: range, job: JobConfig,
@@ -128,7 +136,7 @@ def test_backups_hold_the_primaries_state_bit_for_bit(start_server, new_client, 
     # The view moves server 0's backup from server 1 to server 2: server 2 gets the whole state, and
     # server 1 is told to drop its now stale copies.
     mine = {s.key for s in servers[0].running.handlers.store.slots()}
-    servers[0].call(lambda: servers[0].running.handlers.replicator.set_backups([servers[2].address]))
+    servers[0].call(lambda: _replicator(servers[0]).set_backups([servers[2].address]))
     held = servers[2].running.handlers.replica_set
     wait_until(lambda: mine <= set(held.keys()), WAIT_S, "server 2 to hold server 0's slices")
     stale = servers[1].running.handlers.replica_set
@@ -141,8 +149,8 @@ def test_backups_hold_the_primaries_state_bit_for_bit(start_server, new_client, 
     assert list(tmp_path.glob("*.seg")) == []  # each segment unlinked once its backup had opened it
     if tcp:  # the calls that name the segments went over the raw links, with no bytes of their own
         for server in servers:
-            assert server.running.handlers.replicator._links.calls > 0
-            assert not server.running.handlers.replicator._links._down
+            assert _replicator(server)._links.calls > 0
+            assert not _replicator(server)._links._down
             traffic = dict(server.running.handlers.requests.items())
             assert ("tcp", "Replicate") in traffic and traffic["tcp", "Replicate"].bytes_in == 0
 
@@ -160,8 +168,8 @@ def test_without_shared_memory_the_states_go_over_raw_tcp_links(start_server, ne
     result = _train(clients, range(8), ADAM, _initial())
     assert _assert_backups_identical(servers) == len(layout.slices)
     for server in servers:
-        assert server.running.handlers.replicator._links.calls > 0
-        assert not server.running.handlers.replicator._links._down  # no batch fell back to gRPC
+        assert _replicator(server)._links.calls > 0
+        assert not _replicator(server)._links._down  # no batch fell back to gRPC
         assert _replicated_bytes(server, "tcp") > 0  # the records' bytes came in tcp frames
     for key, expected in reference.items():
         assert result["w0"][key].tobytes() == expected.tobytes(), key
@@ -189,8 +197,8 @@ def test_a_tcp_link_reset_mid_batch_resends_the_batch_over_grpc(start_server, ne
     result = _train(clients, range(2, 8), ADAM)
     assert broken, "no batch went over a tcp link after the first steps"
     [primary] = [s for s in servers if s.address == broken[0]]
-    links = primary.running.handlers.replicator._links
-    assert list(links._down) == [primary.running.handlers.replicator.backups[0]]  # gRPC from then on
+    links = _replicator(primary)._links
+    assert list(links._down) == [_replicator(primary).backups[0]]  # gRPC from then on
     for key, expected in reference.items():  # nothing lost, nothing doubled
         assert result["w0"][key].tobytes() == expected.tobytes(), key
     assert _assert_backups_identical(servers) == len(layout.slices)
@@ -203,8 +211,8 @@ def test_a_backup_that_cannot_map_the_segments_gets_the_states_inline(start_serv
     _train(clients, range(3), ADAM, _initial())
     assert _assert_backups_identical(servers) == len(layout.slices)
     for server in servers:
-        [backup] = server.running.handlers.replicator._backups.values()
-        assert backup.shm is None  # fell back for good
+        [backup] = _replicator(server)._backups.values()
+        assert not backup.link.segmented  # fell back for good
 
 
 @pytest.mark.parametrize("shm", [False, True], ids=["inline", "shm"])
@@ -223,7 +231,7 @@ def test_a_promoted_backup_continues_bit_for_bit_and_drops_resent_pushes(start_s
     # The view without server 1 (follow_scheduler): each survivor backs the other up; server 0's
     # slices are copied whole to server 2, server 2's (its own and the promoted ones) to server 0.
     for me, other in ((0, 2), (2, 0)):
-        servers[me].call(lambda me=me, other=other: servers[me].running.handlers.replicator.set_backups(
+        servers[me].call(lambda me=me, other=other: _replicator(servers[me]).set_backups(
             [addresses[other]]))
     # The workers re-route: the whole step again on the new layout (duplicates are dropped), then on.
     for client in clients.values():

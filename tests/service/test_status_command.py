@@ -99,3 +99,20 @@ def test_async_waits_for_nobody() -> None:
     view = ClusterView(1, (node("w0", "chief"), node("w1", "worker", 1)))
     server = ServerReport("ps-0", "h:0", mode="async", pulls_waiting=0, worker_clocks={"w0": 5, "w1": 1})
     assert summarise("h", view, [server]).servers[0].waits_for == ()
+
+
+def test_the_transport_of_each_worker_server_pair_is_shown() -> None:
+    # Chosen per peer (issue 24): shared memory with the server on the worker's host, raw TCP to the others.
+    view = ClusterView(1, (node("ps-0", "ps"), node("ps-1", "ps", 1), node("w0", "chief"),
+                           node("w1", "worker", 1)))
+    servers = [ServerReport("ps-0", "h:0", mode="sync", worker_clocks={"w0": 3, "w1": 3},
+                            transports={"w0": "tcp", "w1": "shm"}),
+               ServerReport("ps-1", "h:1", mode="sync", worker_clocks={"w0": 3, "w1": 3},
+                            transports={"w0": "tcp"})]
+    status = summarise("h", view, servers)
+    assert status.pairs == {"w0": {"ps-0": "tcp", "ps-1": "tcp"}, "w1": {"ps-0": "shm", "ps-1": "grpc"}}
+    assert json.loads(status.to_json())["pairs"] == status.pairs
+    text = render(status).splitlines()
+    header = next(i for i, line in enumerate(text) if line.startswith("TRANSPORT"))
+    assert [line.split() for line in text[header:header + 3]] == [
+        ["TRANSPORT", "ps-0", "ps-1"], ["w0", "tcp", "tcp"], ["w1", "shm", "grpc"]]

@@ -74,7 +74,7 @@ def _layout(addresses: list[str]) -> Layout:
 
 def _rows(server: ServerThread) -> TableReplication:
     rows = server.running.tables.replication
-    assert rows is not None
+    assert isinstance(rows, TableReplication)
     return rows
 
 

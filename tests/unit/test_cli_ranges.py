@@ -57,6 +57,8 @@ CASES = [
     (PS, ["--momentum", "1.5"], "--momentum"),
     (PS, ["--max-inflight-mb", "0"], "--max-inflight-mb"),
     (PS, ["--waste-limit-mb", "-1"], "--waste-limit-mb"),
+    (PS, ["--update-threads", "-1"], "--update-threads"),
+    (PS, ["--update-threads", "257"], "--update-threads"),
     (PS, ["--pull-timeout-s", "inf"], "--pull-timeout-s"),
     (PS, ["--task-index", "-1"], "--task-index"),
     (SCHEDULER, ["--heartbeat-interval-ms", "99999999999"], "--heartbeat-interval-ms"),

@@ -257,3 +257,18 @@ def test_a_trainer_is_restarted_only_after_a_signal_and_only_under_on_failure() 
     for code in (0, 1, 2):  # its own verdict: success, a diverged run, bad flags
         assert not trainer_restart_decision(options, code, 0).restart
     assert not trainer_restart_decision(Options(), -9, 0).restart  # --restart never
+
+
+def test_a_fast_port_base_pins_each_servers_fast_path_port(capsys: pytest.CaptureFixture[str]) -> None:
+    """Issue 24: `pshard launch --fast-port N` gives ps-i port N+i, to open in a firewall."""
+    options = parse_options(["--ps", "3", "--fast-port", "7200"])
+    assert options.fast_port == 7200
+    plan = ClusterPlan.allocate(3, 1, ports=fake_ports)
+    specs = {s.name: s for s in child_specs(plan, options, python="py")}
+    assert [specs[f"ps-{i}"].argv[-2:] for i in range(3)] == [("--fast-port", f"720{i}") for i in range(3)]
+    assert "--fast-port" not in specs["scheduler"].argv
+    assert "--fast-port" not in " ".join(child_specs(ClusterPlan.allocate(1, 1, ports=fake_ports), Options(),
+                                                     python="py")[1].argv)
+    with pytest.raises(SystemExit):
+        parse_options(["--ps", "3", "--fast-port", "65534"])
+    assert "--fast-port: got 65534, but ps-2 would listen on 65536" in capsys.readouterr().err

@@ -150,6 +150,12 @@ RULES: list[tuple[str, tuple[str, ...], tuple[str, ...], bool]] = [
     ("handlers import no grpc", ("pshard.ps_server.handlers",), ("grpc",), True),
     ("replication never imports handlers", ("pshard.ps_server.replication",),
      ("pshard.ps_server.handlers",), True),
+    # The handlers call replication through ps_server/replication/api.py (and hold a backup's copies in
+    # its ReplicaSet); how batches travel is for the wiring (follower.py) to choose.
+    ("handlers import no replication backend, link or wiring", ("pshard.ps_server.handlers",),
+     ("pshard.ps_server.replication.backends", "pshard.ps_server.replication.link",
+      "pshard.ps_server.replication.tables", "pshard.ps_server.replication.in_sync",
+      "pshard.ps_server.transport", "pshard.ps_server.follower"), True),
     ("common imports no service and no CLI", ("pshard.common",),
      ("pshard.ps_server", "pshard.worker", "pshard.scheduler", "pshard.launcher", "pshard.client",
       "pshard.cli", "pshard.certs", "pshard.status", "pshard.plot", "pshard.evaluate",

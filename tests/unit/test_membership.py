@@ -485,3 +485,77 @@ def test_a_scheduler_at_the_servers_generation_limit_refuses_registrations(clock
         members.register("worker", "w3:1")
 
     assert snapshot(members) == before
+
+
+def _silent_server_with_a_worker(members, clock, replicas: int):
+    ps = members.register("ps", "p0:1", node_id="ps-0")
+    backup = members.register("ps", "p1:1", node_id="ps-1")
+    worker = members.register("worker", "w:1", node_id="worker-0")
+    members.propose_layout(plan_layout([ParamSpec("w", "float32", (64,))], ["p0:1", "p1:1"], 64, replicas))
+    if replicas:  # ps-1 holds a copy of every slice of ps-0's: a failover is possible
+        members.heartbeat("ps-0", ps.generation, in_sync={"p1:1": backup.generation},
+                          in_sync_layout=members.layout().version)
+    return ps, backup, worker
+
+
+def test_a_server_only_the_scheduler_cannot_hear_is_kept_live_while_workers_reach_it(members, clock):
+    """Issue 24: cut off from the scheduler alone, a server of a job without replicas is serving and has no
+    copy to fail over to; declaring it dead only killed the job. Kept while a worker vouches for it."""
+    _, backup, worker = _silent_server_with_a_worker(members, clock, replicas=0)
+    generation = members.generation
+    for _ in range(4):  # 24 s of silence from ps-0; the worker reaches it all along
+        clock.advance(6)
+        members.heartbeat("worker-0", worker.generation, reached=["p0:1", "not-a-server:9"])
+        members.heartbeat("ps-1", backup.generation)
+        assert members.expire() == []
+    assert members.node("ps-0").state is NodeState.LIVE and members.generation == generation
+    assert members.vouches == 1  # said once, not at every check
+    # The worker no longer reaches it either: declared dead at the next check past the timeout.
+    clock.advance(6)
+    members.heartbeat("worker-0", worker.generation)
+    members.heartbeat("ps-1", backup.generation)
+    assert members.expire() == []  # the last word from the worker is 6 s old, within the 10 s timeout
+    clock.advance(6)
+    members.heartbeat("worker-0", worker.generation)
+    members.heartbeat("ps-1", backup.generation)
+    assert [n.node_id for n in members.expire()] == ["ps-0"]
+
+
+def test_with_replicas_a_server_silent_to_the_scheduler_is_failed_over_whatever_workers_say(members, clock):
+    _, backup, worker = _silent_server_with_a_worker(members, clock, replicas=1)
+    version = members.layout().version
+    clock.advance(11)
+    members.heartbeat("worker-0", worker.generation, reached=["p0:1"])
+    members.heartbeat("ps-1", backup.generation)
+    assert [n.node_id for n in members.expire()] == ["ps-0"]
+    assert members.layout().version == version + 1 and members.failovers == 1 and members.vouches == 0
+
+
+def test_a_heartbeat_naming_too_many_reached_servers_is_refused_and_changes_nothing(members, clock):
+    worker = members.register("worker", "w:1", node_id="worker-0")
+    limit = members.limits.max_layout_servers
+    clock.advance(1)
+    refused = f"reached servers: got {limit + 1}, expected at most {limit}"
+    with pytest.raises(InvalidArgumentError, match=refused):
+        members.heartbeat("worker-0", worker.generation, reached=["p:1"] * (limit + 1))
+    assert members.silent_for("worker-0") == 1
+
+
+def test_a_scheduler_that_hears_from_no_node_declares_none_dead_and_gives_each_a_timeout_once_one_is_back(
+        members, clock):
+    """Issue 24: the scheduler's host cut off. Every node silent at once means the scheduler is the one
+    cut off: declaring them all dead (a failover with no live heir) killed the job when the link came back."""
+    ps = [members.register("ps", f"p{i}:1", node_id=f"ps-{i}") for i in range(2)]
+    worker = members.register("worker", "w:1", node_id="worker-0")
+    generation = members.generation
+    clock.advance(30)
+    assert members.expire() == [] and members.generation == generation and members.isolations == 1
+    assert members.expire() == [] and members.isolations == 1  # said once
+    members.heartbeat("ps-0", ps[0].generation)  # the link is back: ps-0 first
+    clock.advance(1)
+    assert members.expire() == []  # the others were silent for 31 s, but they get a whole timeout from now
+    members.heartbeat("worker-0", worker.generation)
+    clock.advance(11)
+    members.heartbeat("ps-0", ps[0].generation)
+    members.heartbeat("worker-0", worker.generation)
+    assert [n.node_id for n in members.expire()] == ["ps-1"]  # one that really stayed silent

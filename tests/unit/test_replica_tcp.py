@@ -10,7 +10,9 @@ from pshard.common.errors import InvalidArgumentError
 from pshard.common.job import JobConfig, OptimizerConfig
 from pshard.common.types import SliceKey, Stamp
 from pshard.ps_server.core.store import ShardStore
-from pshard.ps_server.replication.dense import ReplicaSet, fill_inline, record_from_proto, state_to_proto
+from pshard.ps_server.replication.backends import fill_inline
+from pshard.ps_server.replication.dense import ReplicaSet
+from pshard.ps_server.replication.records import record_from_proto, state_to_proto
 from pshard.ps_server.transport.fastconn import push_metas
 from pshard.ps_server.transport.replica_tcp import frame_header, records_from_frame
 

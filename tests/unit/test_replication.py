@@ -9,9 +9,9 @@ from pshard.common.job import JobConfig, OptimizerConfig
 from pshard.common.types import SliceKey, Stamp
 from pshard.ps_server.core.policies import Slot
 from pshard.ps_server.core.store import ShardStore
-from pshard.ps_server.replication.dense import (
+from pshard.ps_server.replication.dense import ReplicaSet
+from pshard.ps_server.replication.records import (
     Record,
-    ReplicaSet,
     record_from_proto,
     record_to_proto,
     state_record,

@@ -4,6 +4,7 @@ service binds, and `pshard certs` being idempotent."""
 from __future__ import annotations
 
 import argparse
+import logging
 from pathlib import Path
 
 import pytest
@@ -90,14 +91,34 @@ def test_flags_win_over_environment_and_tls_files_go_together(tmp_path: Path) ->
     assert not plain.enabled and not plain.insecure
 
 
-def test_outside_a_container_services_bind_loopback_inside_the_tf_config_host(tmp_path: Path) -> None:
+def test_services_bind_the_tf_config_host_when_it_is_an_address_of_this_machine(tmp_path: Path) -> None:
+    """Issue 24: on a bare host too, the address peers reach the task by, not loopback."""
     nowhere = str(tmp_path / "no-dockerenv")
-    assert default_bind("0.0.0.0:7100", "ps-0:7100", {}, dockerenv=nowhere) == "127.0.0.1:7100"
-    assert default_bind("[::]:7100", "[fd00::1]:7100", {}, dockerenv=nowhere) == "[::1]:7100"
+    assert default_bind("0.0.0.0:7100", "127.0.0.2:7100", {}, dockerenv=nowhere) == "127.0.0.2:7100"
+    assert default_bind("0.0.0.0:7100", "localhost:7100", {}, dockerenv=nowhere) == "127.0.0.1:7100"
     pod = {"KUBERNETES_SERVICE_HOST": "10.0.0.1"}
     assert default_bind("0.0.0.0:7100", "localhost:7100", pod, dockerenv=nowhere) == "127.0.0.1:7100"
-    # A name that is not an address of this machine (a ClusterIP service): every interface.
-    assert default_bind("0.0.0.0:7100", "no-such-host.invalid:7100", pod, dockerenv=nowhere) == "0.0.0.0:7100"
+
+
+def test_a_tf_config_host_that_is_not_ours_binds_every_interface_saying_so(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    nowhere = str(tmp_path / "no-dockerenv")
+    pod = {"KUBERNETES_SERVICE_HOST": "10.0.0.1"}
+    with caplog.at_level(logging.WARNING, logger="pshard.bind"):
+        # A name that is not an address of this machine (a ClusterIP service, a NAT'd name): every interface.
+        assert default_bind("0.0.0.0:7100", "no-such.invalid:7100", pod, dockerenv=nowhere) == "0.0.0.0:7100"
+        assert default_bind("0.0.0.0:7100", "ps-0.invalid:7100", {}, dockerenv=nowhere) == "0.0.0.0:7100"
+        assert default_bind("[::]:7100", "[fd00::1]:7100", {}, dockerenv=nowhere) == "[::]:7100"
+    assert any("ps-0.invalid (this task's TF_CONFIG host) is not an address of this machine" in r.getMessage()
+               and "--bind" in r.getMessage() for r in caplog.records)
+
+
+def test_without_tf_config_services_bind_loopback_outside_a_container(tmp_path: Path) -> None:
+    nowhere = str(tmp_path / "no-dockerenv")
+    assert default_bind("0.0.0.0:7100", None, {}, dockerenv=nowhere) == "127.0.0.1:7100"
+    assert default_bind("[::]:7100", None, {}, dockerenv=nowhere) == "[::1]:7100"
+    pod = {"KUBERNETES_SERVICE_HOST": "x"}
+    assert default_bind("0.0.0.0:7100", None, pod, dockerenv=nowhere) == "0.0.0.0:7100"
 
 
 def test_pshard_certs_is_idempotent_and_names_roles_in_a_uri(tmp_path: Path,

@@ -1,0 +1,180 @@
+"""What a worker holds open to a job's parameter servers, shared by PSClient and the tables client.
+
+One `ServerConnections` owns, per server, the gRPC channel (and says once when a server drops out and
+when it is back), the fast-path session (client/fast_session.py: negotiated when a try is due, dropped
+when it breaks, gRPC meanwhile), the thread pool that calls every server at once, and the layout calls
+are routed by, with the way to a newer one a failover publishes. PSClient (client/ps_client.py) and
+TableClient (client/tables.py) are each handed it; neither reaches into the other.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import math
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+from pshard.client.fast_session import FastPath
+from pshard.common.cluster.layout import Layout
+from pshard.common.errors import PSError
+from pshard.common.rpc.options import channel_options
+from pshard.common.rpc.retry import parameter_server_channel_options
+from pshard.common.security.credentials import SecurityConfig
+from pshard.common.wire.fastwire import FastPortSilent
+from pshard.common.wire.liveness import DEFAULT_DEAD_AFTER_S, figures
+
+from pshard.api.v1 import parameter_server_pb2_grpc as pb_grpc
+
+log = logging.getLogger("pshard.client")
+
+# After a fast path failed to open or broke, gRPC carries the calls for this long before a new try.
+FAST_PATH_RETRY_S = 10.0
+# (layout, timeout_s) -> a layout newer than `layout` once the scheduler publishes one, else None.
+Relayout = Callable[[Layout, float], "Layout | None"]
+
+
+class ServerConnections:
+    def __init__(self, servers: Sequence[str], worker_id: str, security: SecurityConfig, *, timeout_s: float,
+                 transport: str, shm_dir: str, layout: Layout | None = None, relayout: Relayout | None = None,
+                 reroute_wait_s: float = 15.0, dead_after_s: float = DEFAULT_DEAD_AFTER_S,
+                 room: Callable[[int], int] = lambda server: 0) -> None:
+        """`transport`: "auto", "shm", "tcp" or "grpc" (PSClient checked it); `room(server)`: the bytes a
+        fast-path session with that server must hold each way (asked when one is negotiated);
+        `dead_after_s`: a server silent this long breaks its raw TCP session (common.wire.liveness)."""
+        figures(dead_after_s)  # a bad figure fails here, not at the first step
+        self.servers = tuple(servers)
+        self.worker_id = worker_id
+        self.security = security
+        self.timeout_s = timeout_s
+        self.layout = layout
+        self._relayout = relayout
+        self.reroute_wait_s = reroute_wait_s
+        self._room = room
+        options = [*channel_options(), *parameter_server_channel_options()]
+        self.channels = [security.channel(a, options=options) for a in self.servers]
+        # Before the subscriptions below: their callbacks may run at once, on gRPC's thread, and read it.
+        self.closed = threading.Event()
+        # gRPC retries unary calls silently; say once when a server drops out and when it is back.
+        self.unreachable: set[str] = set()
+        self._watchers = [functools.partial(self._on_connectivity, a) for a in self.servers]
+        for channel, watcher in zip(self.channels, self._watchers, strict=True):
+            channel.subscribe(watcher, try_to_connect=False)
+        self._stubs = [pb_grpc.ParameterServerServiceStub(c) for c in self.channels]
+        # One thread per server drives its stream; a second set lets a push future overlap a pull.
+        self.pool = ThreadPoolExecutor(max_workers=2 * len(self.servers), thread_name_prefix="psclient")
+        # Fast paths, per server: the open one, when the next try is due, and what carries the calls.
+        self._transport = transport
+        self._shm_dir = shm_dir
+        self._dead_after_s = dead_after_s
+        self._fast: list[FastPath | None] = [None] * len(self.servers)
+        self._fast_retry_at = [0.0] * len(self.servers)
+        self._fast_locks = [threading.Lock() for _ in self.servers]
+        self.transports = ["grpc"] * len(self.servers)
+
+    # ---- routing ----
+
+    def set_layout(self, layout: Layout) -> None:
+        """Route by `layout` from now on (a failover moved slices to their backups' servers)."""
+        self.layout = layout
+        for server in range(len(self.servers)):  # their buffers were sized for the old slices
+            with self._fast_locks[server]:
+                self._drop(server)
+
+    @property
+    def can_reroute(self) -> bool:
+        """A newer layout can be asked for (the client was given the scheduler's)."""
+        return self._relayout is not None
+
+    def newer_layout(self, layout: Layout, left_s: float) -> Layout | None:
+        """A layout newer than `layout`, waited for up to `left_s` (at most `reroute_wait_s`); else None."""
+        if self._relayout is None:
+            return None
+        newer = self._relayout(layout, min(left_s, self.reroute_wait_s))
+        return newer if newer is not None and newer.version > layout.version else None
+
+    # ---- fast paths (shared memory, raw TCP) ----
+
+    def session(self, server: int) -> FastPath | None:
+        """The server's open fast path, negotiating one when none is (and a try is due)."""
+        if self._transport == "grpc":
+            return None
+        with self._fast_locks[server]:
+            fast = self._fast[server]
+            if fast is not None or time.monotonic() < self._fast_retry_at[server] or self.closed.is_set():
+                return fast
+            room = self._room(server)
+            reasons = []
+            for kind in ("shm", "tcp") if self._transport == "auto" else (self._transport,):
+                try:
+                    fast = FastPath.open(kind, self._stubs[server], self.servers[server], self.worker_id,
+                                         request_bytes=room, reply_bytes=room, shm_dir=self._shm_dir,
+                                         timeout_s=min(self.timeout_s, 10.0),
+                                         ssl_context=self.security.client_ssl_context() if self.security.tls
+                                         else None, dead_after_s=self._dead_after_s)
+                except FastPortSilent as err:
+                    # Each try would block a step as long again (issue 24): this server's calls stay on
+                    # gRPC for this client's life, said once.
+                    self._fast_retry_at[server] = math.inf
+                    log.warning("server %s: %s; not tried again by this worker", self.servers[server], err)
+                    return None
+                except PSError as err:
+                    reasons.append(f"{kind}: {err}")
+                    continue
+                self._fast[server], self.transports[server] = fast, kind
+                log.info("server %s: push and pull over %s", self.servers[server], kind)
+                return fast
+            self._fast_retry_at[server] = time.monotonic() + FAST_PATH_RETRY_S
+            log.info("server %s: push and pull over grpc (%s)", self.servers[server], "; ".join(reasons))
+            return None
+
+    def sessions(self) -> list[FastPath | None]:
+        """Each server's fast-path session open now (None: its calls ride gRPC); negotiates nothing."""
+        return list(self._fast)
+
+    def broke(self, server: int, fast: object) -> None:
+        """`fast` broke under a call: gRPC carries the server's calls until a new try is due (unless another
+        thread replaced the session meanwhile)."""
+        with self._fast_locks[server]:
+            if self._fast[server] is fast:
+                self._drop(server)
+                self._fast_retry_at[server] = time.monotonic() + FAST_PATH_RETRY_S
+
+    def _drop(self, server: int) -> None:
+        fast, self._fast[server] = self._fast[server], None
+        self.transports[server] = "grpc"
+        if fast is not None:
+            fast.close()
+
+    # ---- lifecycle ----
+
+    def _on_connectivity(self, address: str, state: grpc.ChannelConnectivity) -> None:
+        if self.closed.is_set():
+            return
+        if state is grpc.ChannelConnectivity.TRANSIENT_FAILURE and address not in self.unreachable:
+            self.unreachable.add(address)
+            log.warning("parameter server %s unreachable (not running there yet, or refusing this worker's "
+                        "TLS): calls wait for it, retrying until their deadline (%g s)", address,
+                        self.timeout_s)
+        elif state is grpc.ChannelConnectivity.READY and address in self.unreachable:
+            self.unreachable.discard(address)
+            log.info("server %s reachable again", address)
+
+    def close(self, owned: bool = True) -> None:
+        """`owned`: False in a forked child, whose copy's channels, sockets and threads are the parent's."""
+        if self.closed.is_set():
+            return
+        self.closed.set()
+        if not owned:
+            return
+        for server in range(len(self.servers)):  # unlocked: a session being negotiated may hold a lock
+            self._drop(server)
+        # Channels first: closing one cancels its calls, so a pool thread blocked in a sync pull
+        # (a stop, SIGTERM, in mid-step) ends now instead of at its deadline.
+        for channel, watcher in zip(self.channels, self._watchers, strict=True):
+            channel.unsubscribe(watcher)
+            channel.close()
+        self.pool.shutdown(wait=True, cancel_futures=True)
