@@ -14,7 +14,7 @@ from pshard.common.sparse import TableConfig
 from pshard.common.wire.sparse_codec import decode_rows, spec_from_proto, spec_to_proto
 from pshard.ps_server.replication.table_rows import capture, install
 from pshard.ps_server.replication.table_wire import batch_from_proto, batch_to_proto
-from pshard.ps_server.tables import rowcodec
+from pshard.ps_server.tables import row_optim, rowcodec
 from pshard.ps_server.tables.files import export_table, load_tables, save_tables
 from pshard.ps_server.tables.table import SparseTable, initial_rows
 
@@ -64,6 +64,28 @@ def test_pushes_apply_in_float32_and_round_once_as_a_numpy_reference(row_dtype: 
     if optimizer == "adagrad":  # optimizer state stays float32, unrounded
         assert table.state["sum"].dtype == np.float32
         assert table.state["sum"][table.index.lookup(ids)].tobytes() == acc.tobytes()
+
+
+@pytest.mark.parametrize("optimizer", ["adam", "lazy_adam"])
+@pytest.mark.parametrize("row_dtype", ["bfloat16", "int8"])
+def test_adam_updates_the_decoded_rows_with_float32_moments(row_dtype: str, optimizer: str) -> None:
+    config = _config(row_dtype, optimizer=optimizer)
+    table = SparseTable(config)
+    ids = np.array([4, 8, 15], np.int64)
+    ref = _round(config, initial_rows(config, ids), ids, np.zeros(len(ids), np.int64))
+    state = {name: np.zeros((len(ids), DIM), np.float32) for name in row_optim.STATE_NAMES[optimizer]}
+    rng = np.random.default_rng(2)
+    for step in range(1, STEPS + 1):
+        grads = rng.standard_normal((len(ids), DIM)).astype(np.float32)
+        table.push(ids, grads)
+        steps: int | np.ndarray = np.full(len(ids), step) if optimizer == "lazy_adam" else step
+        ref = row_optim.apply(config, ref.copy(), grads, state, steps, np.empty_like(ref))
+        ref = _round(config, ref, ids, np.full(len(ids), step, np.int64))
+        assert decode_rows(config, table.pull(ids)).tobytes() == ref.tobytes(), step
+    rows = table.index.lookup(ids)
+    for name, array in state.items():
+        assert table.state[name].dtype == np.float32
+        assert table.state[name][rows].tobytes() == array.tobytes(), name
 
 
 @pytest.mark.parametrize(("row_dtype", "row_bytes"), [("float32", 4 * DIM), ("float16", 2 * DIM),
