@@ -4,12 +4,16 @@ checkpoints."""
 
 from __future__ import annotations
 
+import argparse
+import json
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from pshard.common.cluster.spec import ClusterSpec
 from pshard.common.errors import InvalidArgumentError
+from pshard.common.job import JobConfig
 from pshard.common.sparse import TableConfig
 from pshard.common.wire.sparse_codec import decode_rows, spec_from_proto, spec_to_proto
 from pshard.ps_server.replication.table_rows import capture, install
@@ -17,6 +21,8 @@ from pshard.ps_server.replication.table_wire import batch_from_proto, batch_to_p
 from pshard.ps_server.tables import row_optim, rowcodec
 from pshard.ps_server.tables.files import export_table, load_tables, save_tables
 from pshard.ps_server.tables.table import SparseTable, initial_rows
+from pshard.worker.config import TrainConfig
+from pshard.worker.ctr import CTR_MODEL, add_ctr_arguments, build_ctr_model, ctr_settings
 
 from pshard.api.v1 import sparse_pb2 as pb
 
@@ -164,3 +170,18 @@ def test_row_dtype_travels_in_the_spec_and_an_unknown_one_is_refused_by_name() -
         TableConfig("t", 2, dtype="float64", row_dtype="bfloat16")
     with pytest.raises(InvalidArgumentError, match=r"row_dtype: got 'int8'.*allow_nonfinite"):
         TableConfig("t", 2, row_dtype="int8", allow_nonfinite=True)
+
+
+def test_the_ctr_demo_declares_its_table_with_the_row_dtype_flag(capsys: pytest.CaptureFixture[str]) -> None:
+    parser = argparse.ArgumentParser()
+    add_ctr_arguments(parser)
+    args = parser.parse_args(["--table-row-dtype", "int8"])
+    args.seed, args.model, args.output = 0, CTR_MODEL, None
+    spec = ClusterSpec.from_tf_config(json.dumps({"cluster": {"worker": ["127.0.0.1:1"]},
+                                                  "task": {"type": "worker", "index": 0}}))
+    cfg = TrainConfig(spec=spec, job=JobConfig(mode="async"), data_dir="", model=CTR_MODEL,
+                      **ctr_settings(args, spec))
+    assert build_ctr_model(cfg, 3).embedding.config.row_dtype == "int8"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--table-row-dtype", "int4"])
+    assert "--table-row-dtype: invalid choice: 'int4'" in capsys.readouterr().err
