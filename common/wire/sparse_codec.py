@@ -26,6 +26,7 @@ _UNITS: dict[int, str] = {pb.TTL_UNIT_CLOCKS: "clocks", pb.TTL_UNIT_SECONDS: "se
 _POLICIES: dict[int, str] = {pb.CAP_POLICY_LRU: "lru", pb.CAP_POLICY_LFU: "lfu"}
 _MODES: dict[int, str] = {pb.TABLE_MODE_ASYNC: "async", pb.TABLE_MODE_SYNC: "sync"}
 _DEFAULT = TableConfig("default", 1)
+_FLOAT32_MAX = float(np.finfo(np.float32).max)
 
 
 def _back(table: dict[int, str]) -> dict[str, int]:
@@ -82,6 +83,6 @@ def decode_rows(config: TableConfig, stored: np.ndarray) -> np.ndarray:
     if config.row_dtype == "bfloat16":
         return (raw.view("<u2").astype(np.uint32) << np.uint32(16)).view(np.float32)
     tail = np.ascontiguousarray(raw[:, dim:]).view("<f4")  # (n, 2): scale, offset
-    # In float64, rounded once: the server's rowcodec.decode_int8, bit for bit.
+    # In float64, clipped to float32's range, rounded once: the server's rowcodec.decode_int8, bit for bit.
     scale, offset = tail[:, 0:1].astype(np.float64), tail[:, 1:2].astype(np.float64)
-    return (offset + scale * raw[:, :dim]).astype(np.float32)
+    return np.clip(offset + scale * raw[:, :dim], -_FLOAT32_MAX, _FLOAT32_MAX).astype(np.float32)

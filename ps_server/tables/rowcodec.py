@@ -23,6 +23,7 @@ from pshard.common.sparse import ROW_DTYPES, TableConfig, mix64
 __all__ = ["ROW_DTYPES", "decode16", "decode_int8", "encode16", "encode_int8", "encode_rows"]
 _LEVELS = 255
 _UNIT = float(2**-24)
+_FLOAT32_MAX = float(np.finfo(np.float32).max)
 
 
 def stored_bytes_per_row(row_dtype: str, dim: int) -> int:
@@ -78,7 +79,9 @@ def encode_int8(rows: np.ndarray, ids: np.ndarray, versions: np.ndarray, seed: i
 
 def decode_int8(q: np.ndarray, scale: np.ndarray, offset: np.ndarray) -> np.ndarray:
     """The float32 rows an int8 encoding stands for: offset + scale * q."""
-    return (offset[:, None].astype(np.float64) + scale[:, None].astype(np.float64) * q).astype(np.float32)
+    # Clipped to float32's range: a scale rounded up can take a row's top level past float32's maximum.
+    exact = offset[:, None].astype(np.float64) + scale[:, None].astype(np.float64) * q
+    return np.clip(exact, -_FLOAT32_MAX, _FLOAT32_MAX).astype(np.float32)
 
 
 def encode16(rows: np.ndarray, row_dtype: str) -> np.ndarray:
