@@ -33,6 +33,7 @@ from bench.admission import admission_memory
 from bench.common import DEFAULT_SIZES, emit, load_average, machine, parse_sizes
 from bench.dense import dense
 from bench.latency import latency
+from bench.narrow_rows import narrow_rows
 from bench.replication import replication
 from bench.replication import summary as replication_summary
 from bench.sparse import memory as sparse_memory
@@ -158,6 +159,8 @@ def main(argv: list[str] | None = None) -> int:
     sparse_mem = emit("sparse_memory", **sparse_memory(rows=1_000_000 if args.quick else 10_000_000))
     # Admission in bounded memory (issue 22): once-seen ids with admit_after=2, the sketch vs an exact record.
     admit = emit("admission_memory", **admission_memory(ids=2_000_000 if args.quick else 20_000_000))
+    # 8- and 16-bit rows (issue 22): RSS per row and rows/s by row_dtype, float32 the same-run baseline.
+    narrow = emit("narrow_rows", **narrow_rows(rows=250_000 if args.quick else 2_000_000))
     # Replication (issue 10): replicas 1 vs 0 on 3 servers, and the failover time after a SIGKILL.
     repl = emit("replication", **replication(sizes, steps=steps))
     # Training (issue 8): the demo CNN with 2 servers, with and without overlap, against local torch.optim.
@@ -200,6 +203,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"admission, {admit['ids']} once-seen ids, admit_after=2: +{admit['rss_growth_mb']} MB RSS "
           f"({admit['rows_admitted_early']} rows admitted early), exact record "
           f"+{admit['exact_rss_growth_mb']} MB ({admit['ratio_exact_to_sketch']}x) [bar 16 MiB: {ok}]")
+    rss = {rd: narrow[rd]["rss_bytes_per_row"] for rd in ("float32", "float16", "bfloat16", "int8")}  # type: ignore[index]
+    print(f"rows of dim {narrow['dim']} by row_dtype, RSS bytes per row: {rss} (int8: "
+          f"{narrow['int8']['rss_ratio_float32_to_this']}x smaller than float32)")  # type: ignore[index]
     ratios = [float(train[k]) for k in ("ratio_pstrainer_to_local", "ratio_overlap_to_local")]  # type: ignore[arg-type]
     print(f"training, demo CNN, 1 worker x 2 servers: local {train['local_steps_per_s']} steps/s, PSTrainer "
           f"{train['pstrainer_steps_per_s']} ({train['ratio_pstrainer_to_local']}x), with overlap "

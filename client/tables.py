@@ -52,7 +52,7 @@ from pshard.common.types import Stamp
 from pshard.common.wire import codec
 from pshard.common.wire.fastwire import TransportBroken
 from pshard.common.wire.shm import align
-from pshard.common.wire.sparse_codec import spec_to_proto
+from pshard.common.wire.sparse_codec import decode_rows, spec_to_proto
 
 from pshard.api.v1 import parameter_server_pb2 as ps_pb
 from pshard.api.v1 import sparse_pb2 as pb
@@ -369,10 +369,11 @@ class TableClient:
         source = split.source
         requests: list[_Request | None]
         if source is None:  # repeated ids: the distinct rows land in a buffer, then gathered
-            rows = self._buffer("pulled", config, len(split.ids))
+            rows = self._buffer("pulled", config, len(split.ids), stored=True)
             requests = [((), split.ids[p], rows[p], None) if p.stop > p.start else None for p in parts]
         else:  # each server's rows are scattered from the reply straight to the positions that asked
-            rows = np.empty((len(source), config.dim), config.np_dtype)
+            dtype, width = config.row_layout  # narrow rows arrive as stored, decoded at the end
+            rows = np.empty((len(source), width), dtype)
             requests = [((), split.ids[p], rows, source[p]) if p.stop > p.start else None for p in parts]
 
         def slow(s: int, stub: pb_grpc.SparseTablesServiceStub) -> int:
@@ -389,7 +390,7 @@ class TableClient:
         self._read(table, clock, split.partitions)
         if source is None:
             rows = take_rows(rows, split.inverse)
-        return rows.reshape(*split.shape, config.dim)
+        return decode_rows(config, rows).reshape(*split.shape, config.dim)
 
     def _push(self, table: str, ids: np.ndarray, grads: np.ndarray, clock: int, push_id: int,
               layout: Layout | None) -> int:
@@ -422,7 +423,7 @@ class TableClient:
         summed = self._coalesce(config, split, grads)
         want = self._split(pull_ids, layout)
         version = layout.version if layout is not None else 0
-        rows = self._buffer("pulled", config, len(want.ids))
+        rows = self._buffer("pulled", config, len(want.ids), stored=True)
 
         parts = [(split.part(s), want.part(s)) for s in range(len(self._stubs))]
 
@@ -442,7 +443,8 @@ class TableClient:
         self._calls(table, clock, [((split.ids[p], summed[p]), want.ids[w], rows[w], None)
                                    if (sync and s in serving) or p.stop > p.start or w.stop > w.start
                                    else None for s, (p, w) in enumerate(parts)], slow, push_id, version)
-        return take_rows(rows, want.inverse).reshape(*want.shape, config.dim), want.partitions
+        pulled = decode_rows(config, take_rows(rows, want.inverse))
+        return pulled.reshape(*want.shape, config.dim), want.partitions
 
     def export(self, table: str) -> list[pb.ExportTableResponse]:
         """Every server writes its rows of `table` as ids.npy and rows.npy; where they are."""
@@ -496,26 +498,30 @@ class TableClient:
         return split.coalesce(np.ascontiguousarray(grads.reshape(-1, config.dim)),
                               self._buffer("pushed", config, len(split.ids)))
 
-    def _buffer(self, name: str, config: TableConfig, n: int) -> np.ndarray:
+    def _buffer(self, name: str, config: TableConfig, n: int, stored: bool = False) -> np.ndarray:
         """An (n, dim) array for this thread's call, reused by its next calls: the rows only pass
         through it (they are copied into the request, or out into the caller's array), and fresh
-        arrays of a MB would come from pages the allocator gave back, a fault every 4 KB."""
+        arrays of a MB would come from pages the allocator gave back, a fault every 4 KB. `stored`:
+        rows as the server sends them, (n, width) of TableConfig.row_layout (narrow rows' bytes)."""
         buffers: dict[tuple[str, str], np.ndarray] = self._local.__dict__.setdefault("buffers", {})
-        numbers = n * config.dim
+        dtype, width = config.row_layout if stored else (config.np_dtype, config.dim)
+        numbers = n * width
         if numbers > _BUFFER_NUMBERS:
-            return np.empty((n, config.dim), config.np_dtype)
-        buffer = buffers.get((name, config.dtype))
+            return np.empty((n, width), dtype)
+        buffer = buffers.get((name, dtype.name))
         if buffer is None or len(buffer) < numbers:
             size = max(numbers, 2 * len(buffer)) if buffer is not None else numbers
-            buffer = buffers[(name, config.dtype)] = np.empty(size, config.np_dtype)
-        return buffer[:numbers].reshape(n, config.dim)
+            buffer = buffers[(name, dtype.name)] = np.empty(size, dtype)
+        return buffer[:numbers].reshape(n, width)
 
     @staticmethod
     def _rows(config: TableConfig, raw: bytes, n: int) -> np.ndarray:
-        if len(raw) != n * config.dim * config.np_dtype.itemsize:
+        """The rows of a reply as stored (TableConfig.row_layout: narrow ones are decoded by the caller)."""
+        dtype, width = config.row_layout
+        if len(raw) != n * config.row_bytes:
             raise InvalidArgumentError(f"table {config.name!r}: the server sent {len(raw)} bytes for "
-                                       f"{n} rows of dim {config.dim}")
-        return np.frombuffer(raw, config.np_dtype).reshape(n, config.dim)
+                                       f"{n} rows of dim {config.dim} ({config.row_dtype})")
+        return np.frombuffer(raw, dtype).reshape(n, width)
 
     def _calls(self, table: str, clock: int, requests: Sequence[_Request | None],
                slow: Callable[[int, pb_grpc.SparseTablesServiceStub], int], push_id: int = 0,

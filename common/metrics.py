@@ -223,6 +223,7 @@ class _TableStats(Protocol):
     evicted: int
     admission_bytes: int
     admission_halvings: int
+    row_bytes: int
 
 
 class _Tables(Protocol):
@@ -377,7 +378,7 @@ class ServerCollector(Collector):
 
 
 def table_families(tables: Mapping[str, _TableStats]) -> Iterator[Any]:
-    """Rows, admissions, evictions and admission counts of each sparse table (labelled by its name)."""
+    """Rows, admissions, evictions, admission counts and row bytes of each sparse table (labelled by name)."""
     rows = GaugeMetricFamily("pshard_table_rows", "Rows a sparse table holds here", labels=["table"])
     admitted = CounterMetricFamily(
         "pshard_table_admissions",
@@ -397,13 +398,19 @@ def table_families(tables: Mapping[str, _TableStats]) -> Iterator[Any]:
         "Times a sparse table's admission counts were halved (decay: how fast sightings fade)",
         labels=["table"],
     )
+    row_bytes = GaugeMetricFamily(
+        "pshard_table_row_bytes",
+        "Bytes of a sparse table's row values as stored and pulled (row_dtype; optimizer state not counted)",
+        labels=["table"],
+    )
     for name, stats in sorted(tables.items()):
         rows.add_metric([name], stats.rows)
+        row_bytes.add_metric([name], stats.row_bytes)
         admitted.add_metric([name], stats.admitted)
         evicted.add_metric([name], stats.evicted)
         sketch.add_metric([name], stats.admission_bytes)
         halvings.add_metric([name], stats.admission_halvings)
-    yield from (rows, admitted, evicted, sketch, halvings)
+    yield from (rows, admitted, evicted, sketch, halvings, row_bytes)
 
 
 def request_families(requests: RequestMetrics, service: str) -> Iterator[Any]:

@@ -20,6 +20,9 @@ from pshard.common.errors import InvalidArgumentError
 TABLE_OPTIMIZERS = ("sgd", "adagrad", "adam", "lazy_adam")
 INITIALIZERS = ("zeros", "uniform", "normal")
 TABLE_DTYPES = ("float32", "float64")
+# How a table stores and sends its rows' values (issue 22): float32 (the table's dtype, no narrowing), or
+# narrower, rounded once per push (ps_server/tables/rowcodec.py). int8 rows carry a float32 scale and offset.
+ROW_DTYPES = ("float32", "float16", "bfloat16", "int8")
 TTL_UNITS = ("clocks", "seconds")
 CAP_POLICIES = ("lru", "lfu")
 TABLE_MODES = ("async", "sync")
@@ -132,6 +135,8 @@ class TableConfig:
     log_evictions: bool = False  # append evicted ids to a file next to the server's checkpoint
     allow_nonfinite: bool = False
     mode: str = "async"
+    # Stored and pulled form of the values (ROW_DTYPES); optimizer state stays in `dtype`.
+    row_dtype: str = "float32"
 
     def __post_init__(self) -> None:
         def bad(field: str, got: object, expected: str) -> InvalidArgumentError:
@@ -147,7 +152,8 @@ class TableConfig:
                                       ("optimizer", self.optimizer, TABLE_OPTIMIZERS),
                                       ("ttl_unit", self.ttl_unit, TTL_UNITS),
                                       ("cap_policy", self.cap_policy, CAP_POLICIES),
-                                      ("mode", self.mode, TABLE_MODES)):
+                                      ("mode", self.mode, TABLE_MODES),
+                                      ("row_dtype", self.row_dtype, ROW_DTYPES)):
             if value not in allowed:
                 raise bad(field, value, f"one of {allowed}")
         ranges: tuple[tuple[str, float, float, float], ...] = (
@@ -167,7 +173,34 @@ class TableConfig:
             raise bad("max_rows", self.max_rows, "0 (no cap) to 2**31")
         if not 0 <= self.seed < 1 << 63:
             raise bad("seed", self.seed, "0 to 2**63-1")
+        if self.narrow and self.dtype != "float32":
+            raise bad("row_dtype", self.row_dtype, f"float32 with dtype {self.dtype!r} (narrower rows are "
+                      "rounded from float32)")
+        if self.row_dtype == "int8" and self.allow_nonfinite:
+            raise bad("row_dtype", self.row_dtype, "not int8 with allow_nonfinite (an int8 row cannot hold "
+                      "a NaN or an infinity)")
 
     @property
     def np_dtype(self) -> np.dtype:
         return np.dtype(self.dtype)
+
+    @property
+    def narrow(self) -> bool:
+        """Whether rows are stored and sent narrower than float32 (row_dtype)."""
+        return self.row_dtype != "float32"
+
+    @property
+    def row_layout(self) -> tuple[np.dtype, int]:
+        """(dtype, width) of a row as stored and sent: (dtype, dim) when not narrow, else opaque bytes,
+        (uint8, row_bytes): float16 and bfloat16 2 bytes a value (little-endian), int8 a byte a
+        value then its float32 scale and offset (ps_server/tables/rowcodec.py writes them,
+        common/wire/sparse_codec.py reads them)."""
+        if not self.narrow:
+            return self.np_dtype, self.dim
+        return np.dtype(np.uint8), self.dim + 8 if self.row_dtype == "int8" else 2 * self.dim
+
+    @property
+    def row_bytes(self) -> int:
+        """Bytes of a row's values as stored and sent."""
+        dtype, width = self.row_layout
+        return dtype.itemsize * width

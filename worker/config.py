@@ -90,6 +90,7 @@ class TrainConfig:
     # --model ctr: the synthetic click log (pshard.worker.ctr_data) and its table's learning rate.
     ctr: CtrSpec = field(default_factory=CtrSpec)
     table_lr: float = Defaults.TABLE_LR
+    table_row_dtype: str = "float32"  # how the table stores and sends rows (pshard.common.sparse.ROW_DTYPES)
 
     @property
     def is_chief(self) -> bool:

@@ -28,6 +28,7 @@ import torch
 from pshard.common.argtypes import positive_float, positive_int
 from pshard.common.cluster.spec import ClusterSpec
 from pshard.common.errors import ClusterConfigError, InvalidArgumentError
+from pshard.common.sparse import ROW_DTYPES
 from pshard.worker.config import Defaults, TrainConfig, stage
 from pshard.worker.ctr_data import CHUNK, ClickLog, Clicks, CtrSpec, auc
 from pshard.worker.embedding import PSEmbedding
@@ -68,7 +69,7 @@ class CtrModel(nn.Module):
 def build_ctr_model(cfg: TrainConfig, fields: int) -> CtrModel:
     # Rows start near zero, as the planted weights' mean; Adagrad suits ids seen at very different rates.
     return CtrModel(fields, optimizer="adagrad", lr=cfg.table_lr, initializer="normal", init_scale=0.01,
-                    seed=cfg.seed, mode="async")
+                    seed=cfg.seed, mode="async", row_dtype=cfg.table_row_dtype)
 
 
 def scores(model: nn.Module, ids: np.ndarray) -> np.ndarray:
@@ -214,6 +215,10 @@ def add_ctr_arguments(parser: argparse.ArgumentParser) -> None:
                        help=f"distinct ids over all fields (default {spec.num_ids:,})")
     group.add_argument("--table-lr", metavar="LR", type=positive_float, default=Defaults.TABLE_LR,
                        help=f"learning rate of the table's per-row Adagrad (default {Defaults.TABLE_LR:g})")
+    group.add_argument("--table-row-dtype", choices=ROW_DTYPES, default="float32",
+                       help="how the servers store and send the table's rows: float32 (default), float16, "
+                       "bfloat16, or int8 (a byte a value, a scale and an offset per row); updates are "
+                       "applied in float32 and rounded once per push")
 
 
 def ctr_settings(args: argparse.Namespace, spec: ClusterSpec) -> dict[str, Any]:
@@ -230,4 +235,4 @@ def ctr_settings(args: argparse.Namespace, spec: ClusterSpec) -> dict[str, Any]:
         if spec.task_type == "evaluator":
             raise ClusterConfigError("task.type: evaluator tasks do not run --model ctr; the chief scores "
                                      "the test set at the end")
-    return {"ctr": log_spec, "table_lr": args.table_lr}
+    return {"ctr": log_spec, "table_lr": args.table_lr, "table_row_dtype": args.table_row_dtype}

@@ -1,11 +1,18 @@
-"""TableConfig <-> the wire's TableSpec (proto/pshard/api/v1/sparse.proto), for client and server alike.
+"""TableConfig <-> the wire's TableSpec (proto/pshard/api/v1/sparse.proto), and a table's stored rows
+-> float32, for client and server alike.
 
 Unset proto fields (0, the _UNSPECIFIED enum values) mean the TableConfig defaults, so a client in
 another language may send only the name and dim.
+
+Rows of a table with a narrow `row_dtype` are stored and pulled as opaque bytes (TableConfig.row_layout),
+little-endian: float16 values; bfloat16 values (the top 16 bits of a float32); int8, dim unsigned bytes q
+then the row's float32 scale and offset, a value being offset + scale * q. `decode_rows` reads them
+back as float32, exactly what the server computes with (ps_server/tables/rowcodec.py writes them).
 """
 
 from __future__ import annotations
 
+import numpy as np
 from pshard.common.sparse import TableConfig
 
 from pshard.api.v1 import sparse_pb2 as pb
@@ -19,6 +26,7 @@ _UNITS: dict[int, str] = {pb.TTL_UNIT_CLOCKS: "clocks", pb.TTL_UNIT_SECONDS: "se
 _POLICIES: dict[int, str] = {pb.CAP_POLICY_LRU: "lru", pb.CAP_POLICY_LFU: "lfu"}
 _MODES: dict[int, str] = {pb.TABLE_MODE_ASYNC: "async", pb.TABLE_MODE_SYNC: "sync"}
 _DEFAULT = TableConfig("default", 1)
+_FLOAT32_MAX = float(np.finfo(np.float32).max)
 
 
 def _back(table: dict[int, str]) -> dict[str, int]:
@@ -41,7 +49,8 @@ def spec_to_proto(config: TableConfig) -> pb.TableSpec:
         admit_prob=config.admit_prob, ttl=config.ttl, ttl_unit=_back(_UNITS)[config.ttl_unit],  # type: ignore[arg-type]
         max_rows=config.max_rows, cap_policy=_back(_POLICIES)[config.cap_policy],  # type: ignore[arg-type]
         log_evictions=config.log_evictions, allow_nonfinite=config.allow_nonfinite,
-        mode=_back(_MODES)[config.mode], admit_memory_mb=config.admit_memory_mb)  # type: ignore[arg-type]
+        mode=_back(_MODES)[config.mode], admit_memory_mb=config.admit_memory_mb,  # type: ignore[arg-type]
+        row_dtype=config.row_dtype)
 
 
 def spec_from_proto(spec: pb.TableSpec) -> TableConfig:
@@ -58,4 +67,22 @@ def spec_from_proto(spec: pb.TableSpec) -> TableConfig:
         cap_policy=_named(_POLICIES, spec.cap_policy, _DEFAULT.cap_policy),
         log_evictions=spec.log_evictions, allow_nonfinite=spec.allow_nonfinite,
         mode=_named(_MODES, spec.mode, _DEFAULT.mode),
-        admit_memory_mb=spec.admit_memory_mb or _DEFAULT.admit_memory_mb)
+        admit_memory_mb=spec.admit_memory_mb or _DEFAULT.admit_memory_mb,
+        row_dtype=spec.row_dtype or _DEFAULT.row_dtype)
+
+
+def decode_rows(config: TableConfig, stored: np.ndarray) -> np.ndarray:
+    """float32 (n, dim) of rows in `config`'s stored form, (n, width) as TableConfig.row_layout; rows of a
+    table that is not narrow are returned as they are."""
+    if not config.narrow:
+        return stored
+    dim = config.dim
+    raw = np.ascontiguousarray(stored, np.uint8)
+    if config.row_dtype == "float16":
+        return raw.view("<f2").astype(np.float32)
+    if config.row_dtype == "bfloat16":
+        return (raw.view("<u2").astype(np.uint32) << np.uint32(16)).view(np.float32)
+    tail = np.ascontiguousarray(raw[:, dim:]).view("<f4")  # (n, 2): scale, offset
+    # In float64, clipped to float32's range, rounded once: the server's rowcodec.decode_int8, bit for bit.
+    scale, offset = tail[:, 0:1].astype(np.float64), tail[:, 1:2].astype(np.float64)
+    return np.clip(offset + scale * raw[:, :dim], -_FLOAT32_MAX, _FLOAT32_MAX).astype(np.float32)

@@ -56,7 +56,7 @@ _ID = np.dtype("<i8")
 # Ids and rows as the transports hand them: gRPC's bytes, or a fast path's view of its region.
 Raw = bytes | np.ndarray
 T = TypeVar("T")
-# Where the rows of a pull go: (table config, number of rows) -> a (rows, dim) array of the table's dtype.
+# Where the rows of a pull go: (table config, number of rows) -> a (rows, width) array of its row_layout.
 Into = Callable[[TableConfig, int], np.ndarray]
 # Tables per server: far more than any model has, few enough that hostile declarations cannot
 # exhaust the server with empty tables (each holds a few KB of index).
@@ -75,6 +75,7 @@ class TableStats:
     admitted: int = 0
     admission_bytes: int = 0  # the admission counts' fixed size (0: no admission by count)
     admission_halvings: int = 0
+    row_bytes: int = 0  # a row's values as stored and pulled (row_dtype), optimizer state not counted
 
 
 class TableHandlers:
@@ -346,7 +347,8 @@ class TableHandlers:
         sketch = table.admission
         return TableStats(rows=len(table), evicted=table.evicted, steps=table.step, admitted=table.admitted,
                           admission_bytes=sketch.nbytes if sketch else 0,
-                          admission_halvings=sketch.epoch if sketch else 0)
+                          admission_halvings=sketch.epoch if sketch else 0,
+                          row_bytes=table.config.row_bytes)
 
     def all_stats(self) -> dict[str, TableStats]:
         """Every table's stats by name (the metrics endpoint reads them at scrape time)."""

@@ -70,7 +70,8 @@ def export_table(table: SparseTable, folder: Path) -> tuple[Path, Path, int]:
     folder.mkdir(parents=True, exist_ok=True)
     ids_path, rows_path = folder / "ids.npy", folder / "rows.npy"
     _stream_column(table, ids_path, lambda rows, ids: ids, np.dtype(np.int64), ())
-    _stream_column(table, rows_path, lambda rows, ids: table.values[rows], table.values.dtype,
+    # Narrow rows are exported decoded, float32: the file is read by tools that know no row_dtype.
+    _stream_column(table, rows_path, lambda rows, ids: table.decoded(rows), table.config.np_dtype,
                    (table.config.dim,))
     return ids_path, rows_path, len(table)
 

@@ -1,7 +1,8 @@
 """8- and 16-bit rows: how float32 rows are rounded into a narrower stored form and read back (issue 22).
 
-Not wired into SparseTable yet: this is the pure core a `row_dtype` table option is to use (updates
-applied in float32 to the decoded rows, then `encode`d once per push).
+A table with a narrow `row_dtype` (TableConfig) applies each push in float32 to its decoded rows and
+`encode_rows` them once (SparseTable); the stored bytes are what pulls send, replicas copy and
+checkpoints save, and common/wire/sparse_codec.decode_rows reads them back.
 
 - float16: IEEE half, numpy's conversion (round to nearest, ties to even; overflow to inf).
 - bfloat16: the top 16 bits of the float32, rounded to nearest, ties to even (as torch's conversion);
@@ -17,11 +18,12 @@ applied in float32 to the decoded rows, then `encode`d once per push).
 from __future__ import annotations
 
 import numpy as np
-from pshard.common.sparse import mix64
+from pshard.common.sparse import ROW_DTYPES, TableConfig, mix64
 
-ROW_DTYPES = ("float32", "float16", "bfloat16", "int8")
+__all__ = ["ROW_DTYPES", "decode16", "decode_int8", "encode16", "encode_int8", "encode_rows"]
 _LEVELS = 255
 _UNIT = float(2**-24)
+_FLOAT32_MAX = float(np.finfo(np.float32).max)
 
 
 def stored_bytes_per_row(row_dtype: str, dim: int) -> int:
@@ -77,7 +79,9 @@ def encode_int8(rows: np.ndarray, ids: np.ndarray, versions: np.ndarray, seed: i
 
 def decode_int8(q: np.ndarray, scale: np.ndarray, offset: np.ndarray) -> np.ndarray:
     """The float32 rows an int8 encoding stands for: offset + scale * q."""
-    return (offset[:, None].astype(np.float64) + scale[:, None].astype(np.float64) * q).astype(np.float32)
+    # Clipped to float32's range: a scale rounded up can take a row's top level past float32's maximum.
+    exact = offset[:, None].astype(np.float64) + scale[:, None].astype(np.float64) * q
+    return np.clip(exact, -_FLOAT32_MAX, _FLOAT32_MAX).astype(np.float32)
 
 
 def encode16(rows: np.ndarray, row_dtype: str) -> np.ndarray:
@@ -97,3 +101,19 @@ def decode16(stored: np.ndarray, row_dtype: str) -> np.ndarray:
     if row_dtype == "bfloat16":
         return from_bfloat16(stored)
     raise ValueError(f"row_dtype: got {row_dtype!r}, expected float16 or bfloat16")
+
+
+def encode_rows(config: TableConfig, rows: np.ndarray, ids: np.ndarray, versions: np.ndarray) -> np.ndarray:
+    """float32 rows (n, dim) -> their stored form, uint8 (n, config.row_bytes) (TableConfig.row_layout):
+    float16 or bfloat16 little-endian, or int8's bytes then its float32 scale and offset. `versions`:
+    each row's update count, int8's draws. ValueError if an int8 row holds a NaN or an infinity."""
+    n, dim = len(rows), config.dim
+    out = np.empty((n, config.row_bytes), np.uint8)
+    if config.row_dtype in ("float16", "bfloat16"):
+        out.view("<u2")[:] = encode16(rows, config.row_dtype).view(np.uint16)
+        return out
+    q, scale, offset = encode_int8(rows, ids, versions, config.seed)
+    out[:, :dim] = q
+    tail = np.stack([scale, offset], axis=1).astype("<f4")
+    out[:, dim:] = tail.view(np.uint8)
+    return out

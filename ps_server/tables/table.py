@@ -24,6 +24,12 @@ least often updated (lfu) rows, never the ones this request touched, down to the
 of it, so that a full table pays the O(rows) selection once per many requests, not on each.
 Evicted ids are counted and handed to `on_evict`.
 
+Narrow rows (`row_dtype` float16, bfloat16 or int8, issue 22): `values` holds each row in its stored form,
+opaque bytes (TableConfig.row_layout); a push decodes the rows it touches to float32, applies the optimizer
+there with its float32 state, and encodes them once (ps_server.tables.rowcodec; int8 rounds stochastically
+with draws of the seed, the id and the row's update count, so a backup or a restart rounds alike). Pulls
+return the stored bytes as they are, which the client decodes (common.wire.sparse_codec.decode_rows).
+
 Not thread-safe: ps_server.handlers.tables serialises requests per table.
 """
 
@@ -34,8 +40,10 @@ import time
 from collections.abc import Callable, Iterator
 
 import numpy as np
+from pshard.common.errors import InvalidArgumentError
 from pshard.common.sparse import TableConfig, mix64, put_rows, table_hash, take_rows
-from pshard.ps_server.tables import row_optim
+from pshard.common.wire.sparse_codec import decode_rows
+from pshard.ps_server.tables import row_optim, rowcodec
 from pshard.ps_server.tables.admission import CountMinSketch
 from pshard.ps_server.tables.rowhash import IdIndex
 
@@ -73,7 +81,8 @@ class SparseTable:
         self._on_evict = on_evict
         self.index = IdIndex(expected_rows)
         cap = self.index.row_capacity
-        self.values = np.zeros((cap, config.dim), config.np_dtype)
+        dtype, width = config.row_layout  # (np_dtype, dim), or a narrow row's bytes
+        self.values = np.zeros((cap, width), dtype)
         self.state = {name: np.zeros((cap, config.dim), config.np_dtype)
                       for name in row_optim.STATE_NAMES[config.optimizer]}
         self.touch = np.zeros(cap, np.float64)
@@ -137,12 +146,15 @@ class SparseTable:
         rows = self._live(ids, now)
         missing = rows < 0
         if out is None:
-            out = np.empty((len(ids), self.config.dim), self.config.np_dtype)
+            out = np.empty((len(ids), self.values.shape[1]), self.values.dtype)
         if missing.any():
             found = ~missing
             rows = rows[found]
             out[found] = self.values[rows]
-            out[missing] = initial_rows(self.config, ids[missing])
+            out[missing] = self._initial(ids[missing])
+            self.touch[rows] = now
+        elif self.config.narrow:  # stored bytes, sent as they are (the kernels know float rows only)
+            take_rows(self.values, rows, out)
             self.touch[rows] = now
         else:  # every id a row (the common case): one pass gathers them and stamps their touch
             self.kernels.gather_touch(self.values, self.touch, rows, float(now), out)
@@ -165,7 +177,8 @@ class SparseTable:
         if n == 0:
             return 0
         self.step += 1
-        if self.config.optimizer in _IN_PLACE:  # one compiled pass updates the rows where they are
+        # One compiled pass updates float rows where they are; narrow ones are decoded, updated, encoded.
+        if self.config.optimizer in _IN_PLACE and not self.config.narrow:
             self._push_in_place(r, np.ascontiguousarray(g), now)
         else:
             self._push_gathered(r, g, now)
@@ -187,16 +200,23 @@ class SparseTable:
         # Gathers into buffers kept between requests; rows move as whole items (sparse.take_rows).
         state = {name: take_rows(a, r, self._buffer(name, n)) for name, a in self.state.items()}
         step: int | np.ndarray = self.step
-        if self.config.optimizer == "lazy_adam":
-            self.row_step[r] += 1
-            step = self.row_step[r]
-        current = take_rows(self.values, r, self._buffer("values", n))
+        if self.config.optimizer == "lazy_adam":  # stored once the push cannot be refused any more
+            step = self.row_step[r] + 1
+        if self.config.narrow:  # decoded to float32, updated there, rounded once
+            current = decode_rows(self.config, take_rows(self.values, r))
+        else:
+            current = take_rows(self.values, r, self._buffer("values", n))
         updated = row_optim.apply(self.config, current, g, state, step, self._buffer("scratch", n))
+        versions = self.count[r] + 1
+        if self.config.narrow:
+            updated = self._encode(r, updated, versions)
+        if self.config.optimizer == "lazy_adam":
+            self.row_step[r] = step
         put_rows(self.values, r, updated)
         for name, a in self.state.items():
             put_rows(a, r, state[name])
         self.touch[r] = now
-        self.count[r] += 1
+        self.count[r] = versions
 
     # ---- rows ----
 
@@ -225,13 +245,36 @@ class SparseTable:
             self.count = _grow(self.count, cap)
             if len(self.row_step):
                 self.row_step = _grow(self.row_step, cap)
-        self.values[rows] = initial_rows(self.config, ids)
+        self.values[rows] = self._initial(ids)
         for name, a in self.state.items():
             a[rows] = row_optim.initial_state(self.config, name)
         self.count[rows] = 0
         if len(self.row_step):
             self.row_step[rows] = 0
         return rows
+
+    def _encode(self, r: np.ndarray, updated: np.ndarray, versions: np.ndarray) -> np.ndarray:
+        """The stored form of rows `r`'s float32 `updated` values. An int8 row cannot hold a NaN or an
+        infinity (an overflow of the update): the push is refused before any row or state changes."""
+        try:
+            return rowcodec.encode_rows(self.config, updated, self.index.ids[r], versions)
+        except ValueError:
+            self.step -= 1
+            bad = int(self.index.ids[r][~np.isfinite(updated).all(axis=1)][0])
+            raise InvalidArgumentError(
+                f"push of table {self.config.name!r}: the update of id {bad} is not finite, which an int8 "
+                "row cannot hold (lower lr, or clip the gradients)") from None
+
+    def _initial(self, ids: np.ndarray) -> np.ndarray:
+        """The initial rows of `ids` in the stored form (narrow: rounded as update count 0)."""
+        rows = initial_rows(self.config, ids)
+        if not self.config.narrow:
+            return rows
+        return rowcodec.encode_rows(self.config, rows, ids, np.zeros(len(ids), np.int64))
+
+    def decoded(self, rows: np.ndarray) -> np.ndarray:
+        """The values of `rows` (row numbers) as float32 (n, dim), or in the table's dtype if not narrow."""
+        return decode_rows(self.config, self.values[rows])
 
     def _admit(self, ids: np.ndarray) -> np.ndarray:
         """Count a sighting of each id (not rows yet); which of them are admitted now."""

@@ -43,10 +43,11 @@ async def serve_table(tables: TableHandlers, header: pb.ExchangeHeader, metas: S
     placed: list[tuple[int, int]] = []
 
     def into(config: TableConfig, n: int) -> np.ndarray:
-        nbytes = n * config.dim * config.np_dtype.itemsize
+        dtype, width = config.row_layout  # narrow rows go as stored
+        nbytes = n * config.row_bytes
         offset, room = reply_room(nbytes)
         placed.append((offset, nbytes))
-        return room.view(config.np_dtype).reshape(n, config.dim)
+        return room.view(dtype).reshape(n, width)
 
     stamp = header.stamp
     reply = pb.TransportReply()

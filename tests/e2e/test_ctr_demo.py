@@ -82,7 +82,7 @@ def test_the_worker_help_offers_the_ctr_model(command: list[str]) -> None:
     out = subprocess.run([*command, "--help"], capture_output=True, text=True, timeout=60, check=True).stdout
 
     assert "{mlp,cnn,ctr}" in out
-    for flag in ("--ctr-samples", "--ctr-ids", "--ctr-test-samples", "--table-lr"):
+    for flag in ("--ctr-samples", "--ctr-ids", "--ctr-test-samples", "--table-lr", "--table-row-dtype"):
         assert flag in out, flag
 
 

@@ -25,6 +25,7 @@ from pshard.common.cluster.view import ClusterView, Node, NodeState
 from pshard.common.errors import UnknownKeyError
 from pshard.common.rpc.serving import ServerThread
 from pshard.common.sparse import TableConfig, server_of
+from pshard.common.wire.sparse_codec import decode_rows
 from pshard.ps_server.replication.link import grpc_sender, tcp_links
 from pshard.ps_server.replication.table_rows import RowBatch, all_ids
 from pshard.ps_server.replication.tables import TableReplication
@@ -283,3 +284,28 @@ def test_a_push_split_over_several_calls_sends_its_idempotence_key_with_its_last
             break
     else:
         pytest.fail("the push's key never reached the backup")
+
+
+@pytest.mark.parametrize("shm", [False, True], ids=["inline", "shm"])
+def test_int8_rows_reach_the_backup_as_their_primary_stores_them(start_server, new_client, shm: bool,
+                                                                 tmp_path: Path) -> None:
+    """Narrow rows (row_dtype, issue 22) replicate as stored bytes: backups equal their primary bit for bit,
+    and a client over gRPC decodes the rows one unsharded table of the same rounding holds."""
+    config = dataclasses.replace(CONFIG, name="q", row_dtype="int8")
+    servers, layout = _replicated(start_server, _layout, (tmp_path if shm else None,) * 3)
+    client = new_client(servers, "w0", layout=layout, transport="grpc")
+    client.declare_table(config)
+    reference = SparseTable(config)  # int8 draws of the seed, id and update count: sharding is invisible
+    for step in range(3):
+        grads = _grads(step, len(IDS))
+        client.push_rows("q", IDS, grads)
+        reference.push(IDS, grads)
+    for i, server in enumerate(servers):
+        primary = server.running.tables.find("q")
+        replica = _rows(servers[(i + 1) % 3]).replicas.table(server.address, "q")
+        assert primary is not None and replica is not None and primary.values.dtype == np.uint8
+        held = np.sort(all_ids(primary))
+        assert len(held) and _state(primary, held) == _state(replica, held), i
+        worked = server.call(lambda server=server: [p.shm_worked for p in _rows(server)._peers.values()])
+        assert worked == [shm]
+    assert client.pull_rows("q", IDS).tobytes() == decode_rows(config, reference.pull(IDS)).tobytes()

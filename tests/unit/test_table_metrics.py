@@ -48,7 +48,7 @@ class _Tables(Collector):
 def test_each_table_is_one_label_of_the_rows_admissions_and_evictions_families() -> None:
     registry = new_registry()
     registry.register(_Tables({"emb": TableStats(rows=5, evicted=2, steps=9, admitted=7, admission_bytes=4096,
-                                                 admission_halvings=3),
+                                                 admission_halvings=3, row_bytes=72),
                                "ids": TableStats(rows=1, evicted=0, steps=1, admitted=1)}))
     text = generate_latest(registry).decode()
     families = {f.name: f for f in text_string_to_metric_families(text)}
@@ -65,4 +65,5 @@ def test_each_table_is_one_label_of_the_rows_admissions_and_evictions_families()
         ("pshard_table_admission_bytes", "emb"): 4096, ("pshard_table_admission_bytes", "ids"): 0,
         ("pshard_table_admission_halvings_total", "emb"): 3,
         ("pshard_table_admission_halvings_total", "ids"): 0,
+        ("pshard_table_row_bytes", "emb"): 72, ("pshard_table_row_bytes", "ids"): 0,
     }

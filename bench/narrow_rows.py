@@ -1,0 +1,95 @@
+"""8- and 16-bit rows (issue 22): RSS per row and rows/s of a table by row_dtype, in one run.
+
+For each row_dtype (float32 first: the same-run baseline) a fresh process makes a table (SGD) of
+`--rows` rows by pushing distinct ids, 65,536 per push, and reports its RSS growth per row, then times
+pulls and pushes of 2,048 random existing ids (rows/s). A row's RSS is its values as stored (4 x dim
+float32, 2 x dim float16/bfloat16, dim + 8 int8) plus what every row keeps whatever its dtype: its id
+(8 bytes), touch stamp (8), update count (4) and the index's slots (~10), so the ratio to float32
+grows with dim.
+
+    python -m bench.narrow_rows [--rows 1000000] [--dim 64]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+from bench.common import REPO, emit, rss_mb
+
+BATCH = 1 << 16
+REQUEST = 2048
+ROW_DTYPES = ("float32", "float16", "bfloat16", "int8")
+
+
+def _child(row_dtype: str, rows: int, dim: int) -> None:
+    """Runs in a fresh process: fill a table of `row_dtype`, print JSON."""
+    import numpy as np
+    from pshard.common.sparse import TableConfig
+    from pshard.ps_server.tables.table import SparseTable
+
+    table = SparseTable(TableConfig("emb", dim, row_dtype=row_dtype))  # warms the kernels
+    grads = np.full((BATCH, dim), 0.01, np.float32)
+    before = rss_mb(os.getpid())
+    for first in range(0, rows, BATCH):
+        chunk = np.arange(first, min(first + BATCH, rows), dtype=np.int64)
+        table.push(chunk, grads[: len(chunk)])
+    grown = rss_mb(os.getpid()) - before
+    rng = np.random.default_rng(0)
+    requests = [np.sort(rng.choice(rows, REQUEST, replace=False)).astype(np.int64) for _ in range(50)]
+    small = grads[:REQUEST]
+    start = time.monotonic()
+    for ids in requests:
+        table.pull(ids)
+    pull_s = time.monotonic() - start
+    start = time.monotonic()
+    for ids in requests:
+        table.push(ids, small)
+    push_s = time.monotonic() - start
+    moved = REQUEST * len(requests)
+    print(json.dumps({"rss_bytes_per_row": round(grown * 2**20 / rows, 1),
+                      "stored_bytes_per_row": table.config.row_bytes,
+                      "pull_rows_per_s": round(moved / pull_s), "push_rows_per_s": round(moved / push_s)}))
+
+
+def _run_child(row_dtype: str, rows: int, dim: int) -> dict[str, float]:
+    command = [sys.executable, "-m", "bench.narrow_rows", "--child", row_dtype, "--rows", str(rows),
+               "--dim", str(dim)]
+    out = subprocess.run(command, cwd=REPO, capture_output=True, text=True, check=True, timeout=1200)
+    result: dict[str, float] = json.loads(out.stdout.strip().splitlines()[-1])
+    return result
+
+
+def narrow_rows(rows: int = 1_000_000, dim: int = 64) -> dict[str, object]:
+    results = {rd: _run_child(rd, rows, dim) for rd in ROW_DTYPES}
+    base = results["float32"]["rss_bytes_per_row"]
+    out: dict[str, object] = {"rows": rows, "dim": dim}
+    for rd, r in results.items():
+        out[rd] = {**r, "rss_ratio_float32_to_this": round(base / max(r["rss_bytes_per_row"], 0.1), 2)}
+    return out
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m bench.narrow_rows", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    p.add_argument("--rows", type=int, default=1_000_000, help="rows in each table (default 1,000,000)")
+    p.add_argument("--dim", type=int, default=64, help="numbers per row (default 64)")
+    p.add_argument("--child", choices=ROW_DTYPES, help=argparse.SUPPRESS)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.child:
+        _child(args.child, args.rows, args.dim)
+        return 0
+    emit("narrow_rows", **narrow_rows(args.rows, args.dim))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
