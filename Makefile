@@ -76,7 +76,7 @@ test-e2e: install data
 SEEDS ?= 1 2 3 4 5 6 7 8
 soak: install data
 	for seed in $(SEEDS); do \
-		PSHARD_CHAOS_SEED=$$seed $(PY) -m pytest -q "tests/e2e/test_chaos.py::test_a_job_survives_a_seeded_schedule_of_kills[replicas]" \
+		PSHARD_CHAOS_SEED=$$seed PSHARD_CHAOS_EPOCHS=800 $(PY) -m pytest -q "tests/e2e/test_chaos.py::test_a_job_survives_a_seeded_schedule_of_kills[replicas]" \
 			$(PYTEST_ARGS) || exit 1; \
 	done
 

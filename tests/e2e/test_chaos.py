@@ -1,6 +1,6 @@
 """Chaos (issue 10): a job under `pshard launch --restart on-failure` survives a seeded schedule of SIGKILLs.
 
-Three servers, three trainers and a scheduler train an MLP on scikit-learn's digits for about two minutes.
+Three servers, three trainers and a scheduler train an MLP on scikit-learn's digits for one to two minutes.
 Every 10-20 s one node is SIGKILLed: a parameter server, the scheduler, or a worker (the chief too). The
 launcher starts each again: a server or the scheduler on its address, a restarted server restoring its
 shard from the last checkpoint (every 0.5 s); a trainer rejoins at the job's current clock and trains what
@@ -40,8 +40,10 @@ pytestmark = [pytest.mark.e2e, pytest.mark.timeout(720)]  # the run itself is bo
 
 SEED = int(os.environ.get("PSHARD_CHAOS_SEED", "1"))
 NODES = ("scheduler", "ps-0", "ps-1", "ps-2", "worker-0", "worker-1", "worker-2")
-# 800 epochs of digits over 3 workers are 12,000 sync clocks: two to three minutes on this machine.
-EPOCHS = 800
+# 500 epochs of digits over 3 workers are 7,500 sync clocks: one to two minutes on this machine, room for
+# 4-8 kills at the gaps below, and make test's budget (the two variants took 400 s at 800 epochs). make
+# soak runs the longer schedule (PSHARD_CHAOS_EPOCHS=800) on more seeds.
+EPOCHS = int(os.environ.get("PSHARD_CHAOS_EPOCHS", "500"))
 MIN_GAP_S, MAX_GAP_S = 10.0, 20.0
 RUN_TIMEOUT_S = 600.0
 # A kill this close to the job's end may find the trainers done before the restart's backoff is over.
