@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterable, Sequence
-from typing import Protocol
+from typing import Protocol, Self
 
 import numpy as np
 from pshard.common.errors import PSError
@@ -104,7 +104,27 @@ class Backend(Link, Protocol):
         ...
 
 
-class GrpcBackend:
+class _HoldsNothing:
+    """What a backend that keeps no state between calls does: it never falls back by itself, holds
+    nothing an acknowledgement frees, and has nothing to forget."""
+
+    def prepare(self, slots: Sequence[Slot]) -> Self:
+        return self
+
+    def acknowledged(self, keys: Iterable[SliceKey]) -> None:
+        pass
+
+    def refused(self) -> Self:
+        return self
+
+    def reset(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class GrpcBackend(_HoldsNothing):
     """Replicate calls with the states' bytes inline, over the server's channel to the backup."""
 
     batch_bytes = GRPC_BATCH_BYTES
@@ -115,9 +135,6 @@ class GrpcBackend:
         self._address = address
         self._send = send
 
-    def prepare(self, slots: Sequence[Slot]) -> Backend:
-        return self
-
     def record(self, slot: Slot, arrays: list[np.ndarray]) -> pb.ReplicaRecord:
         return state_to_proto(slot, None)  # encoding is the one copy
 
@@ -126,20 +143,8 @@ class GrpcBackend:
             fill_inline(request, arrays)
         return self._send(self._address, request)
 
-    def acknowledged(self, keys: Iterable[SliceKey]) -> None:
-        pass
 
-    def refused(self) -> Backend:
-        return self
-
-    def reset(self) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
-
-
-class TcpBackend:
+class TcpBackend(_HoldsNothing):
     """The states' bytes as a raw TCP link's frame data; a call the link cannot carry goes to `then`."""
 
     batch_bytes = TCP_BATCH_BYTES
@@ -151,24 +156,12 @@ class TcpBackend:
         self._links = links
         self._then = then
 
-    def prepare(self, slots: Sequence[Slot]) -> Backend:
-        return self
-
     def record(self, slot: Slot, arrays: list[np.ndarray]) -> pb.ReplicaRecord:
         return state_to_proto(slot, None, arrays)
 
     def call(self, request: pb.ReplicateRequest, arrays: Sequence[np.ndarray]) -> pb.ReplicateResponse:
         reply = over_link(self._links, self._address, request, arrays)
         return reply if reply is not None else self._then.call(request, arrays)
-
-    def acknowledged(self, keys: Iterable[SliceKey]) -> None:
-        pass
-
-    def refused(self) -> Backend:
-        return self
-
-    def reset(self) -> None:
-        pass
 
     def close(self) -> None:
         self._links.close(self._address)
