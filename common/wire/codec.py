@@ -125,7 +125,7 @@ def optimizer_from_proto(value: int, field: str = "optimizer.name") -> str:
 
 
 def encoding_to_proto(encoding: str) -> tensor_pb.Encoding:
-    """A packed slice's encoding ("" = not packed, ENCODING_NONE)."""
+    """A packed slice's encoding ("" = not packed, ENCODING_UNSPECIFIED)."""
     return typing.cast(tensor_pb.Encoding, _to_proto(_ENCODINGS, encoding, "encoding") if encoding else 0)
 
 
