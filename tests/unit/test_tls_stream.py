@@ -59,7 +59,7 @@ class EchoServer:
                     for start in range(0, size, BATCH_BYTES):
                         part = chunk[:min(BATCH_BYTES, size - start)]
                         inbox.read_into(part)
-                        sock.sendall(part)
+                        sock.sendall(part.data)
         except (OSError, TransportBroken) as err:  # the client went, or was refused
             self.ended.append(err)
         finally:
