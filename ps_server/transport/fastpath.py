@@ -595,6 +595,9 @@ class FastPathServer:
         """A small request through the plain push_pull handler (as gRPC's unary PushPull): one
         coroutine, where the Exchange core's tasks and events would cost more than the bytes."""
         result = await self._handlers.push_pull(codec.stamp_from_proto(stamp), items, pull, timeout_s)
+        if session.closed:  # the worker went (SIGTERM, a kill) while its clock waited: region unmapped
+            raise TransportBroken(f"worker {session.worker_id}'s {session.kind} session closed while its "
+                                  "request waited")
         reply = pb.TransportReply()
         reply.summary.applied, reply.summary.dropped = result.applied, result.dropped
         for pulled in result.slices:
