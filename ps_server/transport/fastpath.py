@@ -186,7 +186,12 @@ class _Session:
         return self._pull[1], *self._wires[1:]
 
     def slot(self, key: SliceKey, nbytes: int) -> int:
-        """The reply region's offset that holds `key` for this session (allocated on first use)."""
+        """The reply region's offset that holds `key` for this session (allocated on first use).
+        Every reply write asks for its slot here, after any wait: a worker that went meanwhile (SIGTERM,
+        a kill) has had its region unmapped, and its request ends as TransportBroken, not a traceback."""
+        if self.closed:
+            raise TransportBroken(f"worker {self.worker_id}'s {self.kind} session closed while its request "
+                                  "waited")
         slot = self._slots.get(key)
         if slot is not None and slot[1] == nbytes:
             return slot[0]
@@ -595,9 +600,6 @@ class FastPathServer:
         """A small request through the plain push_pull handler (as gRPC's unary PushPull): one
         coroutine, where the Exchange core's tasks and events would cost more than the bytes."""
         result = await self._handlers.push_pull(codec.stamp_from_proto(stamp), items, pull, timeout_s)
-        if session.closed:  # the worker went (SIGTERM, a kill) while its clock waited: region unmapped
-            raise TransportBroken(f"worker {session.worker_id}'s {session.kind} session closed while its "
-                                  "request waited")
         reply = pb.TransportReply()
         reply.summary.applied, reply.summary.dropped = result.applied, result.dropped
         for pulled in result.slices:
