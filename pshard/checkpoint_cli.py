@@ -67,12 +67,13 @@ def export(checkpoint: ckpt.Checkpoint, out: Path) -> tuple[Path, dict[str, int]
     import torch  # only here: listing and pruning need no torch
 
     out.mkdir(parents=True, exist_ok=True)
-    with ckpt.DenseReader(checkpoint) as reader:
+    links = ckpt.chain(checkpoint)  # an incremental checkpoint is read with every link, all verified
+    with ckpt.DenseReader(checkpoint, links) as reader:
         state = {key: torch.from_numpy(np.ascontiguousarray(reader.full(key))) for key in reader.keys}
     model = out / "model.pt"
     torch.save(state, model)
     rows: dict[str, int] = {}
-    for name, chunks in ckpt.table_rows(checkpoint).items():
+    for name, chunks in ckpt.table_rows(checkpoint, links).items():
         folder = out / "tables" / _file_name(name)
         folder.mkdir(parents=True, exist_ok=True)
         ids = np.concatenate([c[0] for c in chunks]) if chunks else np.zeros(0, np.int64)

@@ -7,6 +7,12 @@ every part is on disk with its checksums, the chief writes the manifest: the com
 save that fails half way leaves a directory without a manifest, which readers report and skip.
 The checkpoint root must be a file system the servers and the chief share.
 
+Non-blocking (`save_in_background`, issue 22): the chief waits only for every server to capture its
+part in memory (phase CAPTURE), then trains on; a thread waits for the parts to be durable (phase
+DURABLE) and commits the manifest, so a checkpoint is committed only once every file is on disk.
+Incremental (`parent`): the parts hold what changed since a committed checkpoint, and the manifest
+names it; a chain is folded at restore time, or into a new full one by `pshard checkpoint compact`.
+
 Restore: before the first Declare, each server of the current layout (any number of them) is
 configured from the newest committed checkpoint, its slices re-cut by the current layout and its
 table rows re-placed by row hash. The Declare that follows finds the slices and keeps them.
@@ -14,7 +20,9 @@ table rows re-placed by row hash. The Declare that follows finds the slices and 
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
+import threading
 from pathlib import Path
 
 from pshard.client.ps_client import DEADLINE_SLACK_S, PSClient
@@ -43,34 +51,75 @@ def _layout(client: PSClient) -> Layout:
     return client.layout
 
 
+def _job(client: PSClient) -> JobConfig:
+    _layout(client)
+    if client.job is None:
+        raise InvalidArgumentError("global checkpoint: declare the parameters first (the job is not known)")
+    return client.job
+
+
 def report_torn(torn: gc.Torn) -> None:
     log.warning("IGNORING TORN CHECKPOINT %s: %s", torn.path, torn.reason)
 
 
-def save(client: PSClient, root: str | Path, clock: int, *, keep: int | None = None) -> gc.Checkpoint:
+def save(client: PSClient, root: str | Path, clock: int, *, keep: int | None = None,
+         parent: gc.Checkpoint | None = None) -> gc.Checkpoint:
     """Write a global checkpoint at `clock` under `root`; returns it once committed.
 
-    `keep`: afterwards delete all but the newest `keep` committed checkpoints (None: keep all).
+    `keep`: afterwards delete all but the newest `keep` committed checkpoints (None: keep all) and
+    the links they need. `parent`: a committed checkpoint under `root` this one is incremental over.
     """
-    layout = _layout(client)
-    if client.job is None:
-        raise InvalidArgumentError("global checkpoint: declare the parameters first (the job is not known)")
-    job = client.job
+    _job(client)
     directory = gc.new_directory(Path(root), clock)
+    replies = _parts(client, directory, clock, parent, pb.CHECKPOINT_PHASE_UNSPECIFIED)
+    return _commit(client, root, directory, clock, replies, parent, keep)
+
+
+def save_in_background(client: PSClient, root: str | Path, clock: int, *, keep: int | None = None,
+                       parent: gc.Checkpoint | None = None) -> concurrent.futures.Future[gc.Checkpoint]:
+    """`save`, returning as soon as every server captured its part in memory: training goes on while
+    the servers write. The future holds the committed checkpoint, or the error that left it torn."""
+    _job(client)
+    directory = gc.new_directory(Path(root), clock)
+    _parts(client, directory, clock, parent, pb.CHECKPOINT_PHASE_CAPTURE)
+    done: concurrent.futures.Future[gc.Checkpoint] = concurrent.futures.Future()
+
+    def finish() -> None:
+        try:
+            replies = _parts(client, directory, clock, parent, pb.CHECKPOINT_PHASE_DURABLE)
+            done.set_result(_commit(client, root, directory, clock, replies, parent, keep))
+        except BaseException as err:  # handed to whoever waits on the future
+            done.set_exception(err)
+    threading.Thread(target=finish, name=f"checkpoint-{clock}", daemon=True).start()
+    return done
+
+
+def _parts(client: PSClient, directory: Path, clock: int, parent: gc.Checkpoint | None,
+           phase: pb.CheckpointPhase) -> list[pb.SaveCheckpointPartResponse]:
+    layout = _layout(client)
     t = client.timeout_s
     try:
-        replies = client.each_server(lambda i, stub: stub.SaveCheckpointPart(
+        return client.each_server(lambda i, stub: stub.SaveCheckpointPart(
             pb.SaveCheckpointPartRequest(directory=str(directory.resolve()), clock=clock,
-                                         ranges=_ranges(layout, i), server=i, timeout_ms=int(t * 1000)),
+                                         ranges=_ranges(layout, i), server=i, timeout_ms=int(t * 1000),
+                                         parent=str(parent.path.resolve()) if parent is not None else "",
+                                         phase=phase),
             timeout=t + DEADLINE_SLACK_S, wait_for_ready=True))
     except Exception:
         log.error("checkpoint at clock %d in %s NOT committed: a server's part failed (the directory is torn "
                   "and will be ignored)", clock, directory)
         raise
+
+
+def _commit(client: PSClient, root: str | Path, directory: Path, clock: int,
+            replies: list[pb.SaveCheckpointPartResponse], parent: gc.Checkpoint | None, keep: int | None
+            ) -> gc.Checkpoint:
+    layout = _layout(client)
     parts = [[gc.FileEntry(f.name, f.sha256, f.size) for f in r.files] for r in replies]
     params = {p.key: (p.dtype, p.shape) for p in layout.params}
-    gc.commit(directory, clock, job, params, parts)
-    log.info("checkpoint at clock %d committed: %s (%d parts)", clock, directory, len(parts))
+    gc.commit(directory, clock, _job(client), params, parts, parent=parent)
+    log.info("checkpoint at clock %d committed: %s (%d parts%s)", clock, directory, len(parts),
+             f", incremental over {parent.path.name}" if parent is not None else "")
     if keep is not None:
         for gone in gc.retain(Path(root), keep):
             log.info("checkpoint retention (keep %d): removed %s", keep, gone)
@@ -85,6 +134,7 @@ def restore(client: PSClient, root: str | Path, job: JobConfig, *, resume: bool 
     checkpoint = gc.latest(Path(root), report=report_torn)
     if checkpoint is None:
         return None
+    gc.chain(checkpoint)  # a broken chain is refused here, naming its file, before any server reads it
     n = len(layout.servers)
     t = client.timeout_s
     replies = client.each_server(lambda i, stub: stub.RestoreCheckpoint(

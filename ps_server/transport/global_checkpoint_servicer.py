@@ -10,7 +10,7 @@ import grpc
 from pshard.common import checkpoint_store as ckpt
 from pshard.common.types import SliceKey
 from pshard.common.wire import codec
-from pshard.ps_server.handlers.global_checkpoints import GlobalCheckpoints
+from pshard.ps_server.handlers.global_checkpoints import GlobalCheckpoints, Phase
 
 from pshard.api.v1 import parameter_server_pb2 as pb
 
@@ -30,7 +30,8 @@ class GlobalCheckpointServicer:
         timeout_s = request.timeout_ms / 1000 if request.HasField("timeout_ms") else None
         files, lo, hi = await self._checkpoints.save_part(request.directory, request.clock,
                                                           ranges_from_proto(request.ranges), request.server,
-                                                          timeout_s, len(request.ranges))
+                                                          timeout_s, len(request.ranges), request.parent,
+                                                          Phase(request.phase))
         return pb.SaveCheckpointPartResponse(
             files=[pb.CheckpointFile(name=f.name, sha256=f.sha256, size=f.size) for f in files],
             min_version=lo, max_version=hi)

@@ -1,0 +1,128 @@
+"""Tables in a global checkpoint's part: captured in memory, written later, read back through a chain.
+
+A capture (`capture`, under the table's lock) copies what the part will hold, so that the files are
+written in the background while the table keeps serving (issue 22: checkpoints that do not stop
+training). It is either full (every live row) or incremental since the parent part's capture of the
+same table object (same `token`): the live rows stamped after the parent's epoch, and the ids evicted
+since (ps_server.tables.table keeps both). Rows are copied by fancy indexing, a memcpy-speed gather:
+the table's lock is held for that copy only, never for the disk.
+
+On disk, the layout of ps_server.tables.files (`<part>.tables-<token>/t<k>/`, one `.npy` per column,
+`table.json`, and `<part>.tables.json` naming the folder), plus in `table.json` the `token`, the `epoch`
+captured and `since` (the parent's epoch, or null for a full table), and `removed.npy` for an
+incremental one. Reading them back is pshard.common.checkpoint_chain's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from pshard.common.checkpoint_store import write_atomically
+from pshard.ps_server.tables.table import SparseTable
+
+_FORMAT = 1
+
+
+@dataclass(frozen=True)
+class TableImage:
+    """One table as a part holds it: rows (all, or changed since `meta["since"]`), ids removed since."""
+
+    meta: dict[str, Any]  # table.json: config, step, clock, evicted, token, epoch, since, admission's scalars
+    ids: np.ndarray
+    columns: dict[str, np.ndarray]  # SparseTable.columns() names -> the rows of `ids`
+    removed: np.ndarray  # int64 ids evicted since `since` (empty for a full image)
+    admission: np.ndarray | None  # the count-min sketch's counters (a few MB whatever the table)
+
+    @property
+    def nbytes(self) -> int:
+        return self.ids.nbytes + self.removed.nbytes + sum(a.nbytes for a in self.columns.values())
+
+
+def capture(table: SparseTable, parent: Mapping[str, Any] | None) -> TableImage:
+    """What a part holds of `table` (its lock held). `parent`: the table.json of the same table in the
+    parent part, or None; incremental only when it is this table object's and the eviction log
+    still covers it, full otherwise. Advances the table's epoch: later changes go to the next one."""
+    since = _since(table, parent)
+    epoch = table.epoch
+    rows = table.index.live_rows()
+    removed = np.zeros(0, np.int64)
+    if since is not None:
+        rows = rows[table.stamp[rows] > since]
+        logged = [ids for e, ids in table.removed or () if e > since]
+        removed = np.concatenate(logged).astype(np.int64) if logged else removed
+    meta: dict[str, Any] = {"config": dataclasses.asdict(table.config), "step": table.step,
+                            "clock": table.clock, "evicted": table.evicted, "token": table.token,
+                            "epoch": epoch, "since": since}
+    admission = None
+    if table.admission is not None:
+        counters, meta["admit_added"], meta["admit_epoch"] = table.admission.state()
+        admission = counters.copy()
+    image = TableImage(meta=meta, ids=table.index.ids[rows].astype(np.int64),
+                       columns={c: a[rows] for c, (a, _) in table.columns().items()}, removed=removed,
+                       admission=admission)
+    _advance(table, epoch, since)
+    return image
+
+
+def _since(table: SparseTable, parent: Mapping[str, Any] | None) -> int | None:
+    if parent is None or parent.get("token") != table.token or table.removed is None:
+        return None
+    since = int(parent["epoch"])
+    return since if since >= table.removed_since else None
+
+
+def _advance(table: SparseTable, epoch: int, since: int | None) -> None:
+    table.epoch = epoch + 1
+    if table.removed is None:  # the log starts now: complete for every epoch after this capture's
+        table.removed, table.removed_ids, table.removed_since = [], 0, epoch
+    elif since is not None:  # a later part's parent is this one's parent or newer: older entries go
+        table.removed = [(e, ids) for e, ids in table.removed if e > since]
+        table.removed_ids = sum(len(ids) for _, ids in table.removed)
+        table.removed_since = max(table.removed_since, since)
+
+
+# ---- files ----
+
+def write_images(directory: Path, name: str, images: Sequence[TableImage], token: str) -> list[str]:
+    """Write `images` as part `name`'s tables (every file fsync'ed, the index last); the files written,
+    relative to `directory`."""
+    folder = directory / f"{name}.tables-{token}"
+    folder.mkdir()
+    written: list[str] = []
+    entries = []
+    for k, image in enumerate(images):
+        sub = folder / f"t{k}"
+        sub.mkdir()
+        arrays = {"ids": image.ids, **image.columns}
+        if image.meta["since"] is not None:
+            arrays["removed"] = image.removed
+        if image.admission is not None:
+            arrays["admission"] = image.admission
+        for column, array in arrays.items():
+            write_atomically(sub / f"{column}.npy", lambda f, a=array: np.save(f, a, allow_pickle=False))
+        encoded = json.dumps(image.meta).encode()
+        write_atomically(sub / "table.json", lambda f, b=encoded: f.write(b))
+        written += [str((sub / f"{c}.npy").relative_to(directory)) for c in arrays]
+        written.append(str((sub / "table.json").relative_to(directory)))
+        entries.append(sub.name)
+        _sync(sub)
+    _sync(folder)
+    index = json.dumps({"format": _FORMAT, "directory": folder.name, "tables": entries}).encode()
+    write_atomically(directory / f"{name}.tables.json", lambda f: f.write(index))
+    written.append(f"{name}.tables.json")
+    return written
+
+
+def _sync(folder: Path) -> None:
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
