@@ -162,11 +162,39 @@ def restore_checkpoint(client: PSClient, root: str, job: JobConfig) -> int | Non
         return newest.clock if newest is not None else None
 
 
-def save_checkpoint(client: PSClient, root: str, clock: int, keep: int | None) -> gc.Checkpoint | None:
-    """The chief between two steps. A failed checkpoint is logged, not fatal: training goes on, and
-    the previous committed checkpoint stays the one a restart restores."""
-    try:
-        return save(client, root, clock, keep=keep)
-    except (PSError, OSError) as err:
-        log.error("global checkpoint at clock %d failed: %s", clock, err)
-        return None
+class Checkpointer:
+    """The chief's global checkpoints in a training run. `background`: each returns once the servers
+    captured their parts (at most one is being written: the next waits for it). `full_every` K > 1: a
+    full checkpoint, then K - 1 incremental ones over the previous one, then a full one again (the
+    first of a run is full: the servers' changes are tracked from their first part)."""
+
+    def __init__(self, client: PSClient, root: str, keep: int | None, background: bool = False,
+                 full_every: int = 1) -> None:
+        self._client, self._root, self._keep = client, root, keep
+        self._background, self._full_every = background, max(1, full_every)
+        self._last: gc.Checkpoint | None = None
+        self._pending: concurrent.futures.Future[gc.Checkpoint] | None = None
+
+    def take(self, clock: int) -> None:
+        """A checkpoint at `clock`; a failure is logged, not fatal (the previous one stays the latest)."""
+        self.settle()
+        last = self._last
+        parent = last if last is not None and last.depth + 1 < self._full_every else None
+        try:
+            if self._background:
+                self._pending = save_in_background(self._client, self._root, clock, keep=self._keep,
+                                                   parent=parent)
+            else:
+                self._last = save(self._client, self._root, clock, keep=self._keep, parent=parent)
+        except (PSError, OSError) as err:
+            log.error("global checkpoint at clock %d failed: %s", clock, err)
+
+    def settle(self) -> gc.Checkpoint | None:
+        """Wait for the checkpoint being written, if any; the newest committed one of this run."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            try:
+                self._last = pending.result()
+            except (PSError, OSError) as err:
+                log.error("global checkpoint written in the background failed: %s", err)
+        return self._last

@@ -16,12 +16,14 @@ from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
+import torch
 from pshard.client.ps_client import PSClient
 from pshard.common import checkpoint_store as ckpt
 from pshard.common.errors import PSError
 from pshard.ps_server.service import ServerThread
 from pshard.worker import checkpoint_coordinator as checkpoints
 
+from pshard.cli import main as cli_main
 from tests.e2e.harness import Procs, wait_until
 from tests.service.conftest import WAIT_S
 from tests.service.test_global_checkpoint import (
@@ -94,3 +96,32 @@ def test_a_server_killed_during_a_background_checkpoint_leaves_the_previous_one_
     assert re.search(r"ckpt-000000000004-.*no MANIFEST\.json", f"{torn[0].path} {torn[0].reason}")
     assert ckpt.latest(root) == previous
     assert json.loads((torn[0].path / "part-0.json").read_text())["parent"] == previous.path.name
+
+
+def test_the_chiefs_checkpointer_chains_in_the_background_and_the_cli_compacts_and_exports_a_chain(
+        start_server: Callable[..., ServerThread], new_client: Callable[..., PSClient],
+        tmp_path: Path) -> None:
+    root = tmp_path / "ckpt"
+    clients = cluster(start_server, new_client, 2, root)
+    start_job(clients)
+    checkpointer = checkpoints.Checkpointer(clients[0], str(root), None, background=True, full_every=3)
+    for clock in (2, 4, 6, 8):
+        train(clients, clock - 2, 2)
+        touch_table(clients[0], clock)
+        checkpointer.take(clock)
+    last = checkpointer.settle()
+    committed, torn = ckpt.scan(root, verify=True)
+    assert not torn and last == committed[-1]
+    assert [(c.clock, c.depth) for c in committed] == [(2, 0), (4, 1), (6, 2), (8, 0)]
+
+    head = committed[2]
+    assert cli_main(["checkpoint", "export", str(head.path), "--out", str(tmp_path / "chain")]) == 0
+    assert cli_main(["checkpoint", "compact", str(root), "--clock", "6"]) == 0
+    folded = [c for c in ckpt.scan(root)[0] if c.clock == 6 and c.parent is None]
+    assert len(folded) == 1
+    assert cli_main(["checkpoint", "export", str(folded[0].path), "--out", str(tmp_path / "full")]) == 0
+    for name in ("ids.npy", "rows.npy"):
+        chain, full = (np.load(tmp_path / d / "tables" / TABLE.name / name) for d in ("chain", "full"))
+        assert len(chain) == len(IDS) and chain.tobytes() == full.tobytes()
+    chain_model, full_model = (torch.load(tmp_path / d / "model.pt") for d in ("chain", "full"))
+    assert all(torch.equal(chain_model[k], full_model[k]) for k in INITIAL)
