@@ -26,6 +26,7 @@ help:
 	@echo "make bench     run the benchmarks in bench/ and print JSON lines"
 	@echo "make bench-compression-accuracy  compressed vs uncompressed Fashion-MNIST accuracy (issue 19)"
 	@echo "make bench-links  W1 step time per compressor on a tc-shaped 1 Gbit/s link, compressors' CPU cost"
+	@echo "make bench-checkpoints  steps during a background checkpoint, incremental checkpoint size (JSON lines)"
 	@echo "make bench-tls one Python stream: clear, SSLSocket, the fast path's TlsStream (JSON lines)"
 	@echo "make bench-hosts  the benchmarks across hosts on the namespace bed (root): stream, W1 clear/TLS, p50, 1 Gbit/s"
 	@echo "make gpu-carry build .gpu-carry/ (pshard installed, stubs for the GPU machine's grpcio) to carry there"
@@ -129,6 +130,13 @@ LINK_MBIT ?= 1000
 bench-links: install
 	$(PY) -m bench.compression_link --mbit $(LINK_MBIT)
 	$(PY) -m bench.compression_cost
+
+# Global checkpoints (issue 22): the step time while a server writes a full checkpoint in the background
+# over the steps around it, and an incremental checkpoint's bytes after 1 % of the rows were pushed over
+# the full one's. 25 M dense parameters and a 10 M-row table: about 1.3 GB of server memory, 1.2 GB of disk.
+.PHONY: bench-checkpoints
+bench-checkpoints: install
+	$(PY) -m bench.checkpoints
 
 # One Python stream in clear, over an SSLSocket and over the fast path's TlsStream (issue 24).
 bench-tls: install

@@ -14,6 +14,7 @@ names the ancestor's npz that holds it. Tables hold their changed rows (ps_serve
 
 from __future__ import annotations
 
+import hashlib
 import json
 import uuid
 from collections.abc import Callable, Mapping, Sequence
@@ -85,18 +86,17 @@ def write_image(directory: Path, image: PartImage, between: Callable[[str], None
     name = image.name
     arrays = image.arrays
     ckpt.write_atomically(directory / f"{name}.npz", lambda f: np.savez(f, allow_pickle=False, **arrays))
-    written = [f"{name}.npz"]
     if between is not None:
         between("dense")
-    if image.tables:
-        written += write_images(directory, name, image.tables, uuid.uuid4().hex[:12])
+    hashed = write_images(directory, name, image.tables, uuid.uuid4().hex[:12]) if image.tables else {}
     if between is not None:
         between("tables")
     encoded = json.dumps(image.meta, indent=1).encode()
     ckpt.write_atomically(directory / f"{name}.json", lambda f: f.write(encoded))
-    written.append(f"{name}.json")
     ckpt.sync_directory(directory)
-    return [ckpt.FileEntry(n, *ckpt.digest(directory / n)) for n in written]
+    files = [ckpt.FileEntry(f"{name}.npz", *ckpt.digest(directory / f"{name}.npz"))]
+    files += [ckpt.FileEntry(n, sha, size) for n, (sha, size) in hashed.items()]
+    return [*files, ckpt.FileEntry(f"{name}.json", hashlib.sha256(encoded).hexdigest(), len(encoded))]
 
 
 def write_part(directory: Path, server: int, snapshot: ShardSnapshot, ranges: Mapping[SliceKey, ckpt.Range],

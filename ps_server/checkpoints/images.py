@@ -16,12 +16,13 @@ incremental one. Reading them back is pshard.common.checkpoint_chain's.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import numpy as np
 from pshard.common.checkpoint_store import write_atomically
@@ -90,12 +91,40 @@ def _advance(table: SparseTable, epoch: int, since: int | None) -> None:
 
 # ---- files ----
 
-def write_images(directory: Path, name: str, images: Sequence[TableImage], token: str) -> list[str]:
+class _Hashing:
+    """A file that hashes what is written through it: the checksum without reading the file back."""
+
+    def __init__(self, f: BinaryIO) -> None:
+        self._f, self._sha, self.size = f, hashlib.sha256(), 0
+
+    def write(self, data: bytes | memoryview) -> int:
+        self._sha.update(data)
+        self.size += len(data)
+        return self._f.write(data)
+
+    @property
+    def sha256(self) -> str:
+        return self._sha.hexdigest()
+
+
+def _save_npy(path: Path, array: np.ndarray) -> tuple[str, int]:
+    """`np.save` atomically; its (SHA-256, size)."""
+    hashing: list[_Hashing] = []
+
+    def save(f: BinaryIO) -> None:
+        hashing.append(_Hashing(f))
+        np.save(hashing[0], array, allow_pickle=False)
+    write_atomically(path, save)
+    return hashing[0].sha256, hashing[0].size
+
+
+def write_images(directory: Path, name: str, images: Sequence[TableImage], token: str
+                 ) -> dict[str, tuple[str, int]]:
     """Write `images` as part `name`'s tables (every file fsync'ed, the index last); the files written,
-    relative to `directory`."""
+    relative to `directory`, with their SHA-256 and size (the rows' files hashed as they are written)."""
     folder = directory / f"{name}.tables-{token}"
     folder.mkdir()
-    written: list[str] = []
+    written: dict[str, tuple[str, int]] = {}
     entries = []
     for k, image in enumerate(images):
         sub = folder / f"t{k}"
@@ -106,17 +135,18 @@ def write_images(directory: Path, name: str, images: Sequence[TableImage], token
         if image.admission is not None:
             arrays["admission"] = image.admission
         for column, array in arrays.items():
-            write_atomically(sub / f"{column}.npy", lambda f, a=array: np.save(f, a, allow_pickle=False))
+            path = sub / f"{column}.npy"
+            written[str(path.relative_to(directory))] = _save_npy(path, array)
         encoded = json.dumps(image.meta).encode()
         write_atomically(sub / "table.json", lambda f, b=encoded: f.write(b))
-        written += [str((sub / f"{c}.npy").relative_to(directory)) for c in arrays]
-        written.append(str((sub / "table.json").relative_to(directory)))
+        written[str((sub / "table.json").relative_to(directory))] = (hashlib.sha256(encoded).hexdigest(),
+                                                                     len(encoded))
         entries.append(sub.name)
         _sync(sub)
     _sync(folder)
     index = json.dumps({"format": _FORMAT, "directory": folder.name, "tables": entries}).encode()
     write_atomically(directory / f"{name}.tables.json", lambda f: f.write(index))
-    written.append(f"{name}.tables.json")
+    written[f"{name}.tables.json"] = (hashlib.sha256(index).hexdigest(), len(index))
     return written
 
 

@@ -15,10 +15,13 @@ holds a copy of the shard): the next capture waits for the previous write.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import dataclasses
 import enum
 import logging
+import os
+import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Mapping
@@ -43,6 +46,7 @@ from pshard.ps_server.tables.table import SparseTable
 
 log = logging.getLogger("pshard.ps")
 
+WRITER_NICE = 10  # the writer thread's nice, over the server's
 _PAUSE_LIMIT_S = 120.0  # the test hook's wait; the test SIGKILLs the server long before
 
 
@@ -67,6 +71,9 @@ class GlobalCheckpoints:
         # This server process's name in its parts: an incremental part refers only to its own writes.
         self._writer = uuid.uuid4().hex
         self._background: dict[Path, asyncio.Task[tuple[list[ckpt.FileEntry], int, int]]] = {}
+        # Parts are written on a thread of their own, at a lower CPU priority: on a busy host its
+        # hashing and copying yield to the requests of the training it runs beside.
+        self._writer_thread = concurrent.futures.ThreadPoolExecutor(1, "checkpoint-writer", _lower_priority)
 
     async def save_part(self, requested: str, clock: int, ranges: Mapping[SliceKey, ckpt.Range], server: int,
                         timeout_s: float | None, listed: int | None = None, parent: str = "",
@@ -122,7 +129,7 @@ class GlobalCheckpoints:
                      versions: tuple[int, int]) -> tuple[list[ckpt.FileEntry], int, int]:
         try:
             files = await asyncio.get_running_loop().run_in_executor(
-                None, lambda: write_image(directory, image, self._pause(server)))
+                self._writer_thread, lambda: write_image(directory, image, self._pause(server)))
         except OSError as err:  # a full or read-only disk: its errno, not UNKNOWN
             raise checkpoint_write_error(err, directory) from None
         finally:
@@ -209,6 +216,12 @@ class GlobalCheckpoints:
 
 def _without_id(job: JobConfig) -> JobConfig:
     return dataclasses.replace(job, job_id="")
+
+
+def _lower_priority() -> None:
+    with contextlib.suppress(OSError, AttributeError):  # Linux sets a thread's nice by its id; elsewhere not
+        own = os.getpriority(os.PRIO_PROCESS, 0)
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), min(19, own + WRITER_NICE))
 
 
 def _log_failure(task: asyncio.Task[object]) -> None:
