@@ -85,6 +85,8 @@ def write_image(directory: Path, image: PartImage, between: Callable[[str], None
     `between(stage)` runs between the files (a test hook: a server killed there leaves a torn part)."""
     name = image.name
     arrays = image.arrays
+    for table in image.tables:  # first: until it is done, the tables' requests copy before they write
+        table.fill()
     ckpt.write_atomically(directory / f"{name}.npz", lambda f: np.savez(f, allow_pickle=False, **arrays))
     if between is not None:
         between("dense")

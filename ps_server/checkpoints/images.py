@@ -1,11 +1,13 @@
 """Tables in a global checkpoint's part: captured in memory, written later, read back through a chain.
 
-A capture (`capture`, under the table's lock) copies what the part will hold, so that the files are
+A capture (`capture`, under the table's lock) fixes what the part will hold, so that the files are
 written in the background while the table keeps serving (issue 22: checkpoints that do not stop
 training). It is either full (every live row) or incremental since the parent part's capture of the
 same table object (same `token`): the live rows stamped after the parent's epoch, and the ids evicted
-since (ps_server.tables.table keeps both). Rows are copied by fancy indexing, a memcpy-speed gather:
-the table's lock is held for that copy only, never for the disk.
+since (ps_server.tables.table keeps both). Under the lock it takes only the row numbers and ids; the
+rows' columns are copied after, copy-on-write (`Copier`): a chunk of rows at a time in the background,
+and any chunk a request is about to change first, on that request's thread (`SparseTable.before_write`),
+so the image is the table as it was at the capture whatever the requests do meanwhile.
 
 On disk, the layout of ps_server.tables.files (`<part>.tables-<token>/t<k>/`, one `.npy` per column,
 `table.json`, and `<part>.tables.json` naming the folder), plus in `table.json` the `token`, the `epoch`
@@ -19,6 +21,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,7 +29,7 @@ from typing import Any, BinaryIO
 
 import numpy as np
 from pshard.common.checkpoint_store import write_atomically
-from pshard.ps_server.tables.table import SparseTable
+from pshard.ps_server.tables.table import CHUNK_ROWS, SparseTable
 
 _FORMAT = 1
 
@@ -37,13 +40,59 @@ class TableImage:
 
     meta: dict[str, Any]  # table.json: config, step, clock, evicted, token, epoch, since, admission's scalars
     ids: np.ndarray
-    columns: dict[str, np.ndarray]  # SparseTable.columns() names -> the rows of `ids`
+    columns: dict[str, np.ndarray]  # SparseTable.columns() names -> the rows of `ids` (once `fill` ran)
     removed: np.ndarray  # int64 ids evicted since `since` (empty for a full image)
     admission: np.ndarray | None  # the count-min sketch's counters (a few MB whatever the table)
+    copier: Copier | None = None  # fills `columns` (None: filled already)
 
     @property
     def nbytes(self) -> int:
         return self.ids.nbytes + self.removed.nbytes + sum(a.nbytes for a in self.columns.values())
+
+    def fill(self) -> None:
+        """Copy the rows not copied yet (a request may still be copying one chunk: it is waited for)."""
+        if self.copier is not None:
+            self.copier.run()
+
+
+class Copier:
+    """Copy-on-write of a table's `rows` (ascending row numbers) into `out`, a chunk of row numbers at a
+    time: installed as the table's `before_write` until every chunk is copied."""
+
+    def __init__(self, table: SparseTable, rows: np.ndarray, out: dict[str, np.ndarray]) -> None:
+        self._table, self._rows, self._out = table, rows, out
+        chunks = (int(rows[-1]) // CHUNK_ROWS + 1) if len(rows) else 0
+        # bounds[k]:bounds[k + 1] are the positions in `rows` of the row numbers of chunk k
+        self._bounds = np.searchsorted(rows, np.arange(chunks + 1) * CHUNK_ROWS)
+        self._copied = np.zeros(chunks, bool)
+        self._lock = threading.Lock()
+        table.before_write = self.before_write
+
+    def before_write(self, rows: np.ndarray) -> None:
+        if len(rows) == 0:
+            return
+        for k in np.unique(rows // CHUNK_ROWS).tolist():
+            if k < len(self._copied) and not self._copied[k]:
+                self._copy(k)
+
+    def _copy(self, k: int) -> None:
+        with self._lock:
+            if self._copied[k]:
+                return
+            lo, hi = int(self._bounds[k]), int(self._bounds[k + 1])
+            if hi > lo:
+                rows = self._rows[lo:hi]
+                for name, (array, _) in self._table.columns().items():
+                    self._out[name][lo:hi] = array[rows]
+            self._copied[k] = True
+
+    def run(self) -> None:
+        try:
+            for k in range(len(self._copied)):
+                self._copy(k)
+        finally:
+            if self._table.before_write == self.before_write:
+                self._table.before_write = None
 
 
 def capture(table: SparseTable, parent: Mapping[str, Any] | None) -> TableImage:
@@ -65,9 +114,9 @@ def capture(table: SparseTable, parent: Mapping[str, Any] | None) -> TableImage:
     if table.admission is not None:
         counters, meta["admit_added"], meta["admit_epoch"] = table.admission.state()
         admission = counters.copy()
-    image = TableImage(meta=meta, ids=table.index.ids[rows].astype(np.int64),
-                       columns={c: a[rows] for c, (a, _) in table.columns().items()}, removed=removed,
-                       admission=admission)
+    columns = {c: np.empty((len(rows), *shape), a.dtype) for c, (a, shape) in table.columns().items()}
+    image = TableImage(meta=meta, ids=table.index.ids[rows].astype(np.int64), columns=columns,
+                       removed=removed, admission=admission, copier=Copier(table, rows, columns))
     _advance(table, epoch, since)
     return image
 
@@ -122,6 +171,8 @@ def write_images(directory: Path, name: str, images: Sequence[TableImage], token
                  ) -> dict[str, tuple[str, int]]:
     """Write `images` as part `name`'s tables (every file fsync'ed, the index last); the files written,
     relative to `directory`, with their SHA-256 and size (the rows' files hashed as they are written)."""
+    for image in images:
+        image.fill()  # if the caller did not
     folder = directory / f"{name}.tables-{token}"
     folder.mkdir()
     written: dict[str, tuple[str, int]] = {}

@@ -28,7 +28,8 @@ Changes, for incremental checkpoints (ps_server.checkpoints.images): every row a
 touches is stamped with the table's `epoch`, and every eviction is logged with it, so the rows changed
 since a checkpoint taken at epoch e are the live rows stamped after e plus the ids removed after e.
 `token` names this table object: stamps mean nothing to another one (a restart, a table dropped and
-declared again).
+declared again). `before_write`, while a checkpoint copies the table in the background, is told the rows
+a request is about to change, before it changes them (copy-on-write).
 
 Narrow rows (`row_dtype` float16, bfloat16 or int8, issue 22): `values` holds each row in its stored form,
 opaque bytes (TableConfig.row_layout); a push decodes the rows it touches to float32, applies the optimizer
@@ -105,6 +106,7 @@ class SparseTable:
         self.removed: list[tuple[int, np.ndarray]] | None = None
         self.removed_ids = 0
         self.removed_since = 0  # the log holds every eviction of the epochs after this one
+        self.before_write: Callable[[np.ndarray], None] | None = None
         self.step = 0  # pushes applied (adam's bias correction)
         self.clock = 0.0  # newest clock seen (ttl in clocks)
         self.evicted = 0
@@ -162,6 +164,8 @@ class SparseTable:
         now = self._time(clock)
         rows = self._live(ids, now)
         missing = rows < 0
+        if self.before_write is not None:
+            self.before_write(rows[~missing])
         if out is None:
             out = np.empty((len(ids), self.values.shape[1]), self.values.dtype)
         if missing.any():
@@ -194,6 +198,8 @@ class SparseTable:
         r, g, n = rows, grads, len(rows)
         if n == 0:
             return 0
+        if self.before_write is not None:
+            self.before_write(r)
         self.step += 1
         # One compiled pass updates float rows where they are; narrow ones are decoded, updated, encoded.
         if self.config.optimizer in _IN_PLACE and not self.config.narrow:
@@ -265,6 +271,8 @@ class SparseTable:
             self.stamp = _grow(self.stamp, cap)
             if len(self.row_step):
                 self.row_step = _grow(self.row_step, cap)
+        if self.before_write is not None:
+            self.before_write(rows)
         self.values[rows] = self._initial(ids)
         for name, a in self.state.items():
             a[rows] = row_optim.initial_state(self.config, name)
@@ -372,6 +380,8 @@ class SparseTable:
         """Load a chunk saved by a checkpoint: ids and their per-row arrays (names as `columns()`)."""
         rows = self.index.lookup(ids)
         rows[rows < 0] = self._create(ids[rows < 0])
+        if self.before_write is not None:
+            self.before_write(rows)
         own = self.columns()
         for name, values in columns.items():
             own[name][0][rows] = values

@@ -19,8 +19,9 @@ from pshard.common.sparse import TableConfig, server_of
 from pshard.common.types import SliceKey, Stamp
 from pshard.ps_server.checkpoints.compaction import compact
 from pshard.ps_server.checkpoints.global_part import capture_part, restore_tables, shard_snapshot, write_image
+from pshard.ps_server.checkpoints.images import capture
 from pshard.ps_server.core.store import ShardSnapshot, ShardStore
-from pshard.ps_server.tables.table import SparseTable
+from pshard.ps_server.tables.table import CHUNK_ROWS, SparseTable
 
 JOB = JobConfig(mode="async", optimizer=OptimizerConfig(name="adam", lr=0.01), job_id="inc")
 PARAMS = {"w": ("float32", (6, 5)), "frozen": ("float32", (8,))}
@@ -201,3 +202,23 @@ def test_a_server_that_did_not_write_the_parent_writes_a_full_part(
     assert '"npz"' not in (after.path / "part-1.json").read_text()
     _, rows = _restore(after, 2)
     assert rows == {**_rows(restarted[0].table), **_rows(restarted[1].table)}
+
+
+def test_a_capture_is_the_table_as_it_was_whatever_the_requests_change_before_it_is_copied() -> None:
+    table = SparseTable(TableConfig("cow", 2, optimizer="adagrad", lr=0.1, seed=5))
+    ids = np.arange(3 * CHUNK_ROWS, dtype=np.int64)  # three chunks of row numbers
+    table.push(ids, np.ones((len(ids), 2), np.float32), clock=1)
+    before = _rows(table)
+    image = capture(table, None)
+    assert table.before_write is not None  # copy-on-write until filled
+    # Requests change rows in two of the chunks, read others, and make rows that did not exist.
+    table.push(ids[5:9], np.full((4, 2), 7, np.float32), clock=2)
+    table.pull(ids[2 * CHUNK_ROWS + 1:2 * CHUNK_ROWS + 40], clock=3)
+    table.push(np.arange(10**6, 10**6 + 3, dtype=np.int64), np.ones((3, 2), np.float32), clock=4)
+    image.fill()
+    assert table.before_write is None
+    names = sorted(image.columns)
+    copied = {i: tuple(image.columns[n][k].tobytes() for n in names)
+              for k, i in enumerate(image.ids.tolist())}
+    assert copied == before
+    assert _rows(table) != before
