@@ -6,7 +6,7 @@ training). It is either full (every live row) or incremental since the parent pa
 same table object (same `token`): the live rows stamped after the parent's epoch, and the ids evicted
 since (ps_server.tables.table keeps both). Under the lock it takes only the row numbers and ids; the
 rows' columns are copied after, copy-on-write (`Copier`): a chunk of rows at a time in the background,
-and any chunk a request is about to change first, on that request's thread (`SparseTable.before_write`),
+and the rows a request is about to change first, on that request's thread (`SparseTable.before_write`),
 so the image is the table as it was at the capture whatever the requests do meanwhile.
 
 On disk, the layout of ps_server.tables.files (`<part>.tables-<token>/t<k>/`, one `.npy` per column,
@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import io
 import json
 import os
 import threading
@@ -56,40 +57,37 @@ class TableImage:
 
 
 class Copier:
-    """Copy-on-write of a table's `rows` (ascending row numbers) into `out`, a chunk of row numbers at a
-    time: installed as the table's `before_write` until every chunk is copied."""
+    """Copy-on-write of a table's `rows` (ascending row numbers) into `out`: installed as the table's
+    `before_write` until every row is copied. A request copies the rows it is about to change and no
+    other (its ids are spread over the whole table: copying their chunks would copy the table); the
+    writer copies the rest a chunk at a time, skipping rows a request copied."""
 
     def __init__(self, table: SparseTable, rows: np.ndarray, out: dict[str, np.ndarray]) -> None:
         self._table, self._rows, self._out = table, rows, out
-        chunks = (int(rows[-1]) // CHUNK_ROWS + 1) if len(rows) else 0
-        # bounds[k]:bounds[k + 1] are the positions in `rows` of the row numbers of chunk k
-        self._bounds = np.searchsorted(rows, np.arange(chunks + 1) * CHUNK_ROWS)
-        self._copied = np.zeros(chunks, bool)
+        self._copied = np.zeros(len(rows), bool)  # by position in `rows`
         self._lock = threading.Lock()
         table.before_write = self.before_write
 
     def before_write(self, rows: np.ndarray) -> None:
-        if len(rows) == 0:
+        if len(rows) == 0 or len(self._rows) == 0:
             return
-        for k in np.unique(rows // CHUNK_ROWS).tolist():
-            if k < len(self._copied) and not self._copied[k]:
-                self._copy(k)
-
-    def _copy(self, k: int) -> None:
+        at = np.minimum(np.searchsorted(self._rows, rows), len(self._rows) - 1)
+        at = at[self._rows[at] == rows]  # the captured ones among them
         with self._lock:
-            if self._copied[k]:
-                return
-            lo, hi = int(self._bounds[k]), int(self._bounds[k + 1])
-            if hi > lo:
-                rows = self._rows[lo:hi]
-                for name, (array, _) in self._table.columns().items():
-                    self._out[name][lo:hi] = array[rows]
-            self._copied[k] = True
+            self._copy(at[~self._copied[at]])
+
+    def _copy(self, at: np.ndarray) -> None:
+        if len(at):
+            rows = self._rows[at]
+            for name, (array, _) in self._table.columns().items():
+                self._out[name][at] = array[rows]
+            self._copied[at] = True
 
     def run(self) -> None:
         try:
-            for k in range(len(self._copied)):
-                self._copy(k)
+            for lo in range(0, len(self._rows), CHUNK_ROWS):
+                with self._lock:
+                    self._copy(lo + np.flatnonzero(~self._copied[lo:lo + CHUNK_ROWS]))
         finally:
             if self._table.before_write == self.before_write:
                 self._table.before_write = None
@@ -140,31 +138,23 @@ def _advance(table: SparseTable, epoch: int, since: int | None) -> None:
 
 # ---- files ----
 
-class _Hashing:
-    """A file that hashes what is written through it: the checksum without reading the file back."""
-
-    def __init__(self, f: BinaryIO) -> None:
-        self._f, self._sha, self.size = f, hashlib.sha256(), 0
-
-    def write(self, data: bytes | memoryview) -> int:
-        self._sha.update(data)
-        self.size += len(data)
-        return self._f.write(data)
-
-    @property
-    def sha256(self) -> str:
-        return self._sha.hexdigest()
-
-
 def _save_npy(path: Path, array: np.ndarray) -> tuple[str, int]:
-    """`np.save` atomically; its (SHA-256, size)."""
-    hashing: list[_Hashing] = []
+    """`array` as an .npy file, atomically; its (SHA-256, size). The bytes are hashed from memory, not
+    read back, and written by `tofile`, which copies nothing and lets the other threads run."""
+    array = np.ascontiguousarray(array)
+    header = io.BytesIO()
+    np.lib.format.write_array_header_2_0(header, np.lib.format.header_data_from_array_1_0(array))
+    head = header.getvalue()
+    sha = hashlib.sha256(head)
+    sha.update(array.reshape(-1).view(np.uint8).data)
 
     def save(f: BinaryIO) -> None:
-        hashing.append(_Hashing(f))
-        np.save(hashing[0], array, allow_pickle=False)
+        f.write(head)
+        if array.size:
+            f.flush()
+            array.tofile(f)
     write_atomically(path, save)
-    return hashing[0].sha256, hashing[0].size
+    return sha.hexdigest(), len(head) + array.nbytes
 
 
 def write_images(directory: Path, name: str, images: Sequence[TableImage], token: str
