@@ -8,6 +8,7 @@ from typing import Any
 
 import grpc
 from pshard.common import checkpoint_store as ckpt
+from pshard.common.errors import InvalidArgumentError
 from pshard.common.types import SliceKey
 from pshard.common.wire import codec
 from pshard.ps_server.handlers.global_checkpoints import GlobalCheckpoints, Phase
@@ -31,7 +32,7 @@ class GlobalCheckpointServicer:
         files, lo, hi = await self._checkpoints.save_part(request.directory, request.clock,
                                                           ranges_from_proto(request.ranges), request.server,
                                                           timeout_s, len(request.ranges), request.parent,
-                                                          Phase(request.phase))
+                                                          _phase(request.phase))
         return pb.SaveCheckpointPartResponse(
             files=[pb.CheckpointFile(name=f.name, sha256=f.sha256, size=f.size) for f in files],
             min_version=lo, max_version=hi)
@@ -42,6 +43,14 @@ class GlobalCheckpointServicer:
             request.directory, codec.job_from_proto(request.config), ranges_from_proto(request.ranges),
             request.server, request.servers, request.resume, len(request.ranges))
         return pb.RestoreCheckpointResponse(restored=restored, clock=clock, slices=slices, rows=rows)
+
+
+def _phase(value: int) -> Phase:
+    try:
+        return Phase(value)
+    except ValueError:
+        raise InvalidArgumentError(f"phase: got {value}, expected one of "
+                                   f"{[f'{p.name}={p.value}' for p in Phase]}") from None
 
 
 def rpc_handlers(servicer: GlobalCheckpointServicer, unary: Callable[..., Any], service: str
