@@ -7,6 +7,7 @@ torch optimizer, and the documentation's example (docs/guide/library.md), run ex
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -130,7 +131,8 @@ def grad_of(param: torch.Tensor) -> torch.Tensor:
 
 
 OVERLAP: dict[str, dict[str, object]] = {"one-bucket": {"overlap": True},
-                                         "bucket-per-tensor": {"overlap": True, "bucket_bytes": 1}}
+                                         "bucket-per-tensor": {"overlap": True, "bucket_bytes": 1},
+                                         "priority": {"overlap": True, "bucket_bytes": 1, "priority": True}}
 
 
 def land_by_forward(trainer: PSTrainer, x: torch.Tensor) -> None:
@@ -280,3 +282,50 @@ def test_library_page_example_runs_as_written(capsys) -> None:
     exec(compile(library_example(), str(LIBRARY_PAGE), "exec"), {"__name__": "docs_example"})
 
     assert capsys.readouterr().out == "clock 8\n"
+
+
+def test_priority_pushes_the_queued_first_layers_first_and_pulls_them_first(start_servers) -> None:
+    """While the link is busy with the first bucket backward produced, the rest queue up: with priority
+    the one nearest the input goes next (FIFO would send them in backward's order), and the pulls go
+    first layer first, so the next forward can start before the last layers' weights are back."""
+    servers = start_servers(1, quorum=("w0",))
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 4))
+    client = PSClient([servers[0].address], "w0", timeout_s=WAIT_S)
+    job = JobConfig(mode="sync", optimizer=OptimizerConfig(name="sgd", lr=0.1))
+    layer_order = [k for k, _ in model.named_parameters()]  # 0.weight, 0.bias, 2.weight, ...
+    pushes: list[str] = []
+    pulls: list[str] = []
+    link_free = threading.Event()
+    push, pull_into = client.push, client.pull_into
+
+    def busy_push(grads, clock, *, lr=None):  # type: ignore[no-untyped-def]
+        pushes.extend(grads)
+        if len(pushes) == 1:  # the link is busy with the first bucket until backward has queued the rest
+            assert link_free.wait(WAIT_S)
+        return push(grads, clock, lr=lr)
+
+    def noted_pull(clock, keys, out):  # type: ignore[no-untyped-def]
+        pulls.extend(keys)
+        return pull_into(clock, keys, out)
+
+    client.push, client.pull_into = busy_push, noted_pull  # type: ignore[method-assign]
+    x, y = make_data(seed=3, n=8)
+    with PSTrainer(model, client, job, overlap=True, bucket_bytes=1, priority=True) as trainer:
+        trainer.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        assert trainer.step() is None
+        link_free.set()
+        trainer.synchronize()
+        assert pushes[1:] == [k for k in layer_order if k != pushes[0]]
+        assert pulls == layer_order
+        assert trainer.clock == 1 and trainer.last_result is not None
+        assert trainer.last_result.applied == len(layer_order) and trainer.last_result.min_version == 1
+
+
+def test_priority_without_overlap_is_refused_naming_both(start_servers) -> None:
+    servers = start_servers(1, quorum=("w0",))
+    job = JobConfig(mode="sync", optimizer=OptimizerConfig(name="sgd", lr=0.1))
+    with pytest.raises(InvalidArgumentError, match="priority: got True with overlap False"):
+        PSTrainer(make_model(seed=0), PSClient([servers[0].address], "w0", timeout_s=WAIT_S), job,
+                  priority=True)
