@@ -92,6 +92,22 @@ def decode(wire: WireArray, numel: int, key: SliceKey, clock: int) -> np.ndarray
     return out
 
 
+def subtract_sent(acc: np.ndarray, wire: WireArray, key: SliceKey, clock: int) -> None:
+    """acc -= decode(wire), in place (`acc`: the float32 slice `wire` was packed from). The sparsifiers touch
+    only the elements they sent, bit for bit what the full subtraction gives (x - 0 is x, -0.0 too),
+    without unpacking a slice of zeros: error feedback's bookkeeping was most of top-k's time a step."""
+    if wire.encoding in ("topk", "randomk"):
+        raw = np.asarray(wire.array).reshape(-1).view(np.uint8)
+        k = payload_k(wire.encoding, acc.size, raw.nbytes, f"slice {str(key)!r}")
+        if wire.encoding == "topk":
+            indices, values = raw[:k * _INDEX.itemsize].view(_INDEX), raw[k * _INDEX.itemsize:].view(_VALUE)
+        else:
+            indices, values = random_indices(key, clock, acc.size, k), raw.view(_VALUE)
+        acc[indices] -= values
+        return
+    acc -= decode(wire, acc.size, key, clock)
+
+
 def _packed(parts: list[np.ndarray], encoding: str) -> WireArray:
     return WireArray(np.concatenate([p.reshape(-1).view(np.uint8) for p in parts]), "uint8", encoding)
 
