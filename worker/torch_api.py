@@ -103,7 +103,8 @@ class PSTrainer(torch.optim.Optimizer):
                  local_optimizer: torch.optim.Optimizer | None = None, clock: int | None = None,
                  overlap: bool = False, bucket_bytes: int = DEFAULT_BUCKET_BYTES, priority: bool = False,
                  buffers: str | None = None, session: ClusterSession | None = None) -> None:
-        """`priority` (with `overlap`): pushes by layer priority, pulls apart (pshard.worker.priority).
+        """`priority` (with `overlap`): pushes by layer priority, pulls apart (pshard.worker.priority); every
+        worker of a sync job must set it alike (a FIFO worker's fused calls can wait on a priority peer's).
         `buffers`: how the model's floating-point buffers follow the job, "average" (sync's default)
         or "local" (async's and SSP's); see pshard.worker.buffers. `client` None: join the cluster
         through `session` (default: the one the environment describes,

@@ -329,3 +329,50 @@ def test_priority_without_overlap_is_refused_naming_both(start_servers) -> None:
     with pytest.raises(InvalidArgumentError, match="priority: got True with overlap False"):
         PSTrainer(make_model(seed=0), PSClient([servers[0].address], "w0", timeout_s=WAIT_S), job,
                   priority=True)
+
+
+def test_two_priority_workers_whose_push_orders_differ_wait_for_no_one(start_servers) -> None:
+    """Worker 0's link is busy with its first bucket until its backward ends, so it pushes the rest first
+    layer first; worker 1 pushes as backward goes. A fused push+pull per bucket in those orders waited for
+    each other until the deadline (each worker's one thread in a pull the other had not pushed yet); split
+    pushes and pulls in one pull order end as one process on the union batch would."""
+    servers = start_servers(2)
+    x, y = make_data(seed=7, n=STEPS * 32)
+    job = JobConfig(mode="sync", optimizer=OptimizerConfig(name="sgd", lr=0.2, momentum=0.9))
+    models = [make_model(seed=0) for _ in range(2)]
+    layer_order = [k for k, _ in models[0].named_parameters()]
+    backward_done = [threading.Event() for _ in range(STEPS)]
+    pushed: list[list[str]] = [[] for _ in range(STEPS)]  # worker 0's pushes, per clock
+
+    def train(rank: int) -> PSTrainer:
+        client = PSClient([s.address for s in servers], WORKERS[rank], timeout_s=WAIT_S)
+        push = client.push
+
+        def busy_push(grads, clock, *, lr=None):  # type: ignore[no-untyped-def]
+            pushed[clock].extend(grads)
+            if len(pushed[clock]) == len(grads):  # its first push of this clock holds the link
+                assert backward_done[clock].wait(WAIT_S)
+            return push(grads, clock, lr=lr)
+
+        if rank == 0:
+            client.push = busy_push  # type: ignore[method-assign]
+        trainer = PSTrainer(models[rank], client, job, overlap=True, bucket_bytes=1, priority=True)
+        for step in range(STEPS):
+            part = halves(step, 32, rank)
+            trainer.zero_grad()
+            F.cross_entropy(trainer.model(x[part]), y[part]).backward()
+            if rank == 0:
+                backward_done[step].set()
+            trainer.step()
+        trainer.synchronize()
+        return trainer
+
+    with ThreadPoolExecutor(2) as pool:
+        trainers = [f.result(timeout=WAIT_S * 3) for f in [pool.submit(train, rank) for rank in range(2)]]
+    for clock in range(STEPS):
+        assert pushed[clock][1:] == [k for k in layer_order if k != pushed[clock][0]]
+    want = reference(lambda m: torch.optim.SGD(m.parameters(), lr=0.2, momentum=0.9), x, y, batch=32)
+    for trainer in trainers:
+        assert trainer.clock == STEPS
+        assert_same_weights(trainer.model, want)
+        trainer.close()
