@@ -26,6 +26,7 @@ help:
 	@echo "make bench     run the benchmarks in bench/ and print JSON lines"
 	@echo "make bench-compression-accuracy  compressed vs uncompressed Fashion-MNIST accuracy (issue 19)"
 	@echo "make bench-links  W1 step time per compressor on a tc-shaped 1 Gbit/s link, compressors' CPU cost"
+	@echo "make bench-priority layer priority against FIFO, a 24-layer MLP over the same 1 Gbit/s link"
 	@echo "make bench-checkpoints  steps during a background checkpoint, incremental checkpoint size (JSON lines)"
 	@echo "make bench-tls one Python stream: clear, SSLSocket, the fast path's TlsStream (JSON lines)"
 	@echo "make bench-hosts  the benchmarks across hosts on the namespace bed (root): stream, W1 clear/TLS, p50, 1 Gbit/s"
@@ -130,6 +131,12 @@ LINK_MBIT ?= 1000
 bench-links: install
 	$(PY) -m bench.compression_link --mbit $(LINK_MBIT)
 	$(PY) -m bench.compression_cost
+	$(PY) -m bench.priority_link --mbit $(LINK_MBIT)
+
+# Layer priority against FIFO order alone: a 24-layer MLP, PSTrainer(overlap=True), on the bed (root).
+.PHONY: bench-priority
+bench-priority: install
+	$(PY) -m bench.priority_link --mbit $(LINK_MBIT)
 
 # Global checkpoints (issue 22): the step time while a server writes a full checkpoint in the background
 # over the steps around it, and an incremental checkpoint's bytes after 1 % of the rows were pushed over
