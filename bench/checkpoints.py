@@ -60,10 +60,13 @@ def main() -> None:
     p.add_argument("--dim", type=int, default=8, help="table row width")
     p.add_argument("--steps", type=int, default=15, help="steps timed before and after the checkpoint")
     p.add_argument("--dir", help="checkpoint root (default: a temporary directory, removed after)")
+    p.add_argument("--write-mb-s", type=float, default=64.0,
+                   help="the server's --checkpoint-write-mb-s (0: unpaced)")
     args = p.parse_args()
     root = Path(args.dir or tempfile.mkdtemp(prefix="pshard-bench-ckpt-"))
     root.mkdir(parents=True, exist_ok=True)
-    servers = start_ps_servers(1, ["w0"], ["--global-checkpoint-dir", str(root)])
+    servers = start_ps_servers(1, ["w0"], ["--global-checkpoint-dir", str(root),
+                                           "--checkpoint-write-mb-s", str(args.write_mb_s)])
     try:
         _run(args, root, servers[0].address, servers[0].proc.pid)
     finally:
@@ -113,6 +116,7 @@ def _run(args: argparse.Namespace, root: Path, address: str, pid: int) -> None:
 
         around = statistics.mean(before + after)
         emit("checkpoint_stall", dense_params=args.dense, table_rows=args.rows, dim=args.dim,
+             write_mb_s=args.write_mb_s,
              step_ms=round(around * 1e3, 1), steps_during=len(during),
              during_step_ms=round(window_s / max(1, len(during)) * 1e3, 1),
              ratio=round(window_s / max(1, len(during)) / around, 3),

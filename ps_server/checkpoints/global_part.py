@@ -29,7 +29,7 @@ from pshard.common.checkpoint_store import CheckpointError
 from pshard.common.job import JobConfig
 from pshard.common.sparse import TableConfig, server_of
 from pshard.common.types import SliceKey
-from pshard.ps_server.checkpoints.images import TableImage, capture, write_images
+from pshard.ps_server.checkpoints.images import Pace, TableImage, capture, write_images
 from pshard.ps_server.core.optimizers import SliceState
 from pshard.ps_server.core.store import ShardSnapshot, SliceSnapshot
 from pshard.ps_server.tables.files import restore_admission
@@ -79,8 +79,8 @@ def capture_part(server: int, snapshot: ShardSnapshot, ranges: Mapping[SliceKey,
     return PartImage(name=name, meta=meta, arrays=arrays, tables=images)
 
 
-def write_image(directory: Path, image: PartImage, between: Callable[[str], None] | None = None
-                ) -> list[ckpt.FileEntry]:
+def write_image(directory: Path, image: PartImage, between: Callable[[str], None] | None = None,
+                pace: Pace | None = None) -> list[ckpt.FileEntry]:
     """Write a captured part, every file fsync'ed, its json last; the files, with their checksums.
     `between(stage)` runs between the files (a test hook: a server killed there leaves a torn part)."""
     name = image.name
@@ -90,7 +90,7 @@ def write_image(directory: Path, image: PartImage, between: Callable[[str], None
     ckpt.write_atomically(directory / f"{name}.npz", lambda f: np.savez(f, allow_pickle=False, **arrays))
     if between is not None:
         between("dense")
-    hashed = write_images(directory, name, image.tables, uuid.uuid4().hex[:12]) if image.tables else {}
+    hashed = write_images(directory, name, image.tables, uuid.uuid4().hex[:12], pace) if image.tables else {}
     if between is not None:
         between("tables")
     encoded = json.dumps(image.meta, indent=1).encode()

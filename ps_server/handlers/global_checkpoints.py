@@ -39,6 +39,7 @@ from pshard.ps_server.checkpoints.global_part import (
     shard_snapshot,
     write_image,
 )
+from pshard.ps_server.checkpoints.images import Pace
 from pshard.ps_server.core.store import ShardStore
 from pshard.ps_server.handlers.dense import ParameterServerHandlers
 from pshard.ps_server.handlers.tables import TableHandlers
@@ -60,9 +61,11 @@ class Phase(enum.IntEnum):
 
 class GlobalCheckpoints:
     def __init__(self, handlers: ParameterServerHandlers, tables: TableHandlers | None,
-                 pause_dir: str | None = None, root: str | None = None) -> None:
+                 pause_dir: str | None = None, root: str | None = None, write_mb_s: float = 0.0) -> None:
         """`root`: the only directory checkpoints are written and read under (--global-checkpoint-dir);
-        None refuses them (ps_server.checkpoints.guard)."""
+        None refuses them (ps_server.checkpoints.guard). `write_mb_s`: the pace of background writes'
+        tables (0: unpaced)."""
+        self._write_mb_s = write_mb_s
         self._handlers = handlers
         self._root = root
         self._tables = tables
@@ -116,7 +119,8 @@ class GlobalCheckpoints:
         except BaseException:
             self._writing.release()
             raise
-        write = self._write(directory, server, clock, image, (min(versions), max(versions)))
+        pace = Pace(self._write_mb_s) if phase == Phase.CAPTURE and self._write_mb_s > 0 else None
+        write = self._write(directory, server, clock, image, (min(versions), max(versions)), pace)
         if phase == Phase.CAPTURE:
             self._background[directory] = task = asyncio.create_task(write)
             task.add_done_callback(_log_failure)
@@ -126,10 +130,10 @@ class GlobalCheckpoints:
         return await write
 
     async def _write(self, directory: Path, server: int, clock: int, image: PartImage,
-                     versions: tuple[int, int]) -> tuple[list[ckpt.FileEntry], int, int]:
+                     versions: tuple[int, int], pace: Pace | None) -> tuple[list[ckpt.FileEntry], int, int]:
         try:
             files = await asyncio.get_running_loop().run_in_executor(
-                self._writer_thread, lambda: write_image(directory, image, self._pause(server)))
+                self._writer_thread, lambda: write_image(directory, image, self._pause(server), pace))
         except OSError as err:  # a full or read-only disk: its errno, not UNKNOWN
             raise checkpoint_write_error(err, directory) from None
         finally:

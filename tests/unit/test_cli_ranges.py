@@ -60,6 +60,7 @@ CASES = [
     (PS, ["--update-threads", "-1"], "--update-threads"),
     (PS, ["--update-threads", "257"], "--update-threads"),
     (PS, ["--pull-timeout-s", "inf"], "--pull-timeout-s"),
+    (PS, ["--checkpoint-write-mb-s", "-1"], "--checkpoint-write-mb-s"),
     (PS, ["--task-index", "-1"], "--task-index"),
     (SCHEDULER, ["--heartbeat-interval-ms", "99999999999"], "--heartbeat-interval-ms"),
     (WORKER, ["--replicas", "-1"], "--replicas"),

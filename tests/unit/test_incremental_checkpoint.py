@@ -9,6 +9,7 @@ server's handler runs (ps_server.checkpoints.global_part), with table rows place
 from __future__ import annotations
 
 import shutil
+import time
 from pathlib import Path
 
 import numpy as np
@@ -19,7 +20,7 @@ from pshard.common.sparse import TableConfig, server_of
 from pshard.common.types import SliceKey, Stamp
 from pshard.ps_server.checkpoints.compaction import compact
 from pshard.ps_server.checkpoints.global_part import capture_part, restore_tables, shard_snapshot, write_image
-from pshard.ps_server.checkpoints.images import capture
+from pshard.ps_server.checkpoints.images import Pace, capture, save_npy
 from pshard.ps_server.core.store import ShardSnapshot, ShardStore
 from pshard.ps_server.tables.table import CHUNK_ROWS, SparseTable
 
@@ -222,3 +223,14 @@ def test_a_capture_is_the_table_as_it_was_whatever_the_requests_change_before_it
               for k, i in enumerate(image.ids.tolist())}
     assert copied == before
     assert _rows(table) != before
+
+
+def test_a_paced_write_takes_at_least_its_bytes_over_the_pace_and_writes_the_same_file(
+        tmp_path: Path) -> None:
+    array = np.arange(3 << 20, dtype=np.float32)  # 12 MiB
+    started = time.monotonic()
+    paced = save_npy(tmp_path / "paced.npy", array, Pace(60.0))
+    assert time.monotonic() - started >= 12 / 60 - 0.05  # the first piece is not waited for
+    assert paced == save_npy(tmp_path / "unpaced.npy", array)
+    assert paced == ckpt.digest(tmp_path / "paced.npy")
+    assert np.array_equal(np.load(tmp_path / "paced.npy"), array)
