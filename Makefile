@@ -151,7 +151,7 @@ fuzz: install
 
 lint: install
 	$(VENV)/bin/ruff check .
-	$(VENV)/bin/mypy common client ps_server scheduler worker launcher pshard
+	$(VENV)/bin/mypy common client ps_server scheduler worker launcher coordinator pshard
 	$(VENV)/bin/mypy --explicit-package-bases $$(git ls-files 'tests/*.py' 'bench/*.py')
 	$(VENV)/bin/buf lint proto
 	$(COMPOSE_BIN) -f docker-compose.yml config -q

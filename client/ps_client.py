@@ -156,6 +156,9 @@ class PSClient:
         self.overload_retries = 0
         self._declared = False
         self.reroutes = 0  # steps sent again after a failover moved slices
+        # (schedule id, push number, floor) stamped on pushes while a scheduled call runs
+        # (pshard.coordinator): the servers apply each of them once, whichever worker sends it.
+        self.scheduled: tuple[int, int, int] = (0, 0, 0)
         # The job's gradient compression (set by declare); None: every slice travels as it is.
         self.compression: PushEncoder | None = None
 
@@ -510,7 +513,7 @@ class PSClient:
         self._generation = value
 
     def _stamp(self, clock: int, lr: float | None = None) -> pb.Stamp:
-        return codec.stamp_to_proto(Stamp(self.worker_id, self.generation, clock, lr))
+        return codec.stamp_to_proto(Stamp(self.worker_id, self.generation, clock, lr, *self.scheduled))
 
     @staticmethod
     def _packed_meta(s: LayoutSlice, packed: codec.WireArray) -> pb.SliceMeta:

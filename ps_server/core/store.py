@@ -54,6 +54,8 @@ from pshard.ps_server.core.optimizers import Optimizer, SliceState, make_optimiz
 from pshard.ps_server.core.policies import NO_CLOCK, Aggregate, ConsistencyPolicy, Roster, Slot, make_policy
 from pshard.ps_server.core.steptimes import HangReport, StepTimes, StepTimeSummary
 
+# A slice forgets the records of finished scheduled calls once it holds this many (pshard.coordinator).
+_SCHEDULED_KEPT = 256
 # Slices hold floating point values only: gradients of anything else mean nothing.
 FLOAT_DTYPE_NAMES = PARAM_DTYPES
 _FLOAT_DTYPES = {np.dtype(name): name for name in FLOAT_DTYPE_NAMES}
@@ -188,6 +190,8 @@ class ShardStore:
         self._roster = Roster(None, frozenset())
         self.had_quorum = False  # whether any quorum was ever known (set_quorum, or `quorum` here)
         self._worker_clocks: dict[str, int] = {}
+        # The coordinators' schedule floor: every scheduled call below it has finished (pshard.coordinator).
+        self._schedule_floor = 0
         self._counters = {"pushes_applied": 0, "pushes_dropped": 0, "late_gradients_dropped": 0,
                           "nonfinite_dropped": 0}
         self._now = now
@@ -352,8 +356,8 @@ class ShardStore:
                 if slot.behind:
                     self.policy.catch_up(slot, clock)
             # None = duplicate, False = late, True = accept; FutureClockError leaves everything as it was.
-            verdicts = [None if clock <= slot.last_clock.get(worker, NO_CLOCK)
-                        else self.policy.admit_push(slot, clock) for slot in slots]
+            verdicts = [None if self._repeated(slot, stamp) else self.policy.admit_push(slot, clock)
+                        for slot in slots]
             self._check_step_lr(stamp, slots, verdicts)
             with self._meta:
                 self._record_stamp(stamp)
@@ -366,6 +370,8 @@ class ShardStore:
                     slot.step_lr = stamp.lr
                 slot.last_clock[worker] = clock
                 slot.max_clock = max(slot.max_clock, clock)
+                if stamp.schedule:
+                    self._record_scheduled(slot, stamp)
                 if verdict and slot.key in poisoned:
                     skipped += 1
                     if self.config.mode == "sync":
@@ -390,6 +396,24 @@ class ShardStore:
         if applied or skipped:
             self._notify()
         return PushOutcome(applied=applied, dropped=dropped)
+
+    def _repeated(self, slot: Slot, stamp: Stamp) -> bool:
+        """A push this slice has applied already: this worker's clock again (a resend), or a scheduled
+        call's push that another run of the same call sent first (a re-dispatch), or one of a call its
+        coordinator saw finish."""
+        if stamp.clock <= slot.last_clock.get(stamp.worker_id, NO_CLOCK):
+            return True
+        if not stamp.schedule:
+            return False
+        return stamp.schedule < self._schedule_floor or stamp.schedule_seq <= slot.scheduled.get(
+            stamp.schedule, NO_CLOCK)
+
+    def _record_scheduled(self, slot: Slot, stamp: Stamp) -> None:
+        slot.scheduled[stamp.schedule] = stamp.schedule_seq
+        if len(slot.scheduled) > _SCHEDULED_KEPT:  # amortised: the record stays bounded by calls in flight
+            floor = self._schedule_floor
+            for finished in [s for s in slot.scheduled if s < floor]:
+                del slot.scheduled[finished]
 
     def _check_step_lr(self, stamp: Stamp, slots: Sequence[Slot], verdicts: Sequence[bool | None]) -> None:
         """Sync: a clock's update has one learning rate; a push that disagrees with the clock's earlier
@@ -626,6 +650,7 @@ class ShardStore:
         worker = stamp.worker_id
         if not reads:
             self._generations[worker] = max(self._generations.get(worker, stamp.generation), stamp.generation)
+            self._schedule_floor = max(self._schedule_floor, stamp.schedule_floor)
         if worker not in self._seen:
             self._seen.add(worker)
             self._roster = Roster(self._roster.quorum, frozenset(self._seen))
