@@ -204,8 +204,10 @@ class PSClient:
 
         def run(server: int) -> None:
             slices = self.layout.slices_on(server)  # type: ignore[union-attr]
-            if not slices and self.layout.replicas:  # type: ignore[union-attr]
-                return  # a failover left it none (it is only a backup now): nothing to declare there
+            if not slices:
+                # A failover left it none (it is only a backup now), or the model has fewer slices than
+                # there are servers (a coordinator's one variable): nothing to declare there.
+                return
             header = pb.ExchangeHeader(
                 op=pb.EXCHANGE_OP_DECLARE, config=codec.job_to_proto(job),
                 push=[self._meta(s, self._dtypes[s.key]) for s in slices],

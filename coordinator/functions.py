@@ -37,7 +37,9 @@ def name_of(fn: Callable[..., Any] | str, what: str = "fn") -> str:
             "a nested function or a method cannot be named on the workers (nothing is pickled); define "
             "it at the top of a module they import")
     if module == "__main__":
-        module = _main_module_name()
+        # The script itself is not importable under its module name here (its own folder is on sys.path,
+        # not the current directory): the function is checked in __main__, the workers import the name.
+        return f"{_main_module_name()}:{qualname}"
     name = f"{module}:{qualname}"
     resolve(name, what)
     return name

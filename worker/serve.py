@@ -124,7 +124,6 @@ def run_serving(cfg: TrainConfig) -> int:
                 break
         log.info("%s: the coordinator %s; %d call(s) run, exiting", spec.node_id, watch.how or "is gone",
                  servicer.runner.calls)
-        print(f"final: {spec.node_id} ran {servicer.runner.calls} scheduled call(s)", flush=True)
         return 0
     finally:
         session.leave_quietly()
