@@ -68,7 +68,9 @@ class WorkerContext:
     def __init__(self, client: PSClient, job: JobConfig) -> None:
         self.client = client
         self.job = job
-        self.clock = 0  # this worker's own, one per push: the servers' per-worker record needs it rising
+        # Scheduled pushes and pulls go at clock 0: a call runs on any worker, so the servers key its pushes
+        # on (schedule id, push number) instead of a worker's clock, and async reads never wait.
+        self.clock = 0
         self.schedule_id = 0
         self._floor = 0
         self._seq = 0
@@ -116,7 +118,6 @@ class WorkerContext:
         finally:
             self.client.scheduled = (0, 0, 0)
         self._seq += 1
-        self.clock += 1
         self.pushes_applied += result.applied
         self.pushes_dropped += result.dropped
 

@@ -356,8 +356,9 @@ class ShardStore:
                 if slot.behind:
                     self.policy.catch_up(slot, clock)
             # None = duplicate, False = late, True = accept; FutureClockError leaves everything as it was.
-            verdicts = [None if self._repeated(slot, stamp) else self.policy.admit_push(slot, clock)
-                        for slot in slots]
+            # A scheduled push's clock means nothing (its call may run on any worker): its record decides.
+            verdicts = [None if self._repeated(slot, stamp) else True if stamp.schedule
+                        else self.policy.admit_push(slot, clock) for slot in slots]
             self._check_step_lr(stamp, slots, verdicts)
             with self._meta:
                 self._record_stamp(stamp)
@@ -368,10 +369,11 @@ class ShardStore:
                     continue
                 if verdict:
                     slot.step_lr = stamp.lr
-                slot.last_clock[worker] = clock
-                slot.max_clock = max(slot.max_clock, clock)
                 if stamp.schedule:
                     self._record_scheduled(slot, stamp)
+                else:
+                    slot.last_clock[worker] = clock
+                    slot.max_clock = max(slot.max_clock, clock)
                 if verdict and slot.key in poisoned:
                     skipped += 1
                     if self.config.mode == "sync":
@@ -398,13 +400,11 @@ class ShardStore:
         return PushOutcome(applied=applied, dropped=dropped)
 
     def _repeated(self, slot: Slot, stamp: Stamp) -> bool:
-        """A push this slice has applied already: this worker's clock again (a resend), or a scheduled
-        call's push that another run of the same call sent first (a re-dispatch), or one of a call its
-        coordinator saw finish."""
-        if stamp.clock <= slot.last_clock.get(stamp.worker_id, NO_CLOCK):
-            return True
+        """A push this slice has applied already: this worker's clock again (a resend), or for a scheduled
+        call's push, (schedule id, push number) again whichever worker sends it (a re-dispatch), or any
+        push of a call its coordinator saw finish (a run cut off that comes back)."""
         if not stamp.schedule:
-            return False
+            return stamp.clock <= slot.last_clock.get(stamp.worker_id, NO_CLOCK)
         return stamp.schedule < self._schedule_floor or stamp.schedule_seq <= slot.scheduled.get(
             stamp.schedule, NO_CLOCK)
 
@@ -642,6 +642,10 @@ class ShardStore:
         if writes and self._quorum is not None and worker not in self._quorum:
             raise StaleGenerationError(
                 f"worker {worker!r} is not a live member (quorum: {sorted(self._quorum)}); re-register")
+        if writes and stamp.schedule and self.config.mode != "async":
+            raise InvalidArgumentError(
+                f"stamp.schedule_id: worker {worker!r} pushed for scheduled call {stamp.schedule} to a "
+                f"{self.config.mode} job, expected an async one (a ClusterCoordinator's)")
 
     def _record_stamp(self, stamp: Stamp, reads: bool = False) -> None:
         # Only a write moves a worker's fencing stamp: a read names a generation nobody checked (any
