@@ -38,13 +38,15 @@ class Cluster:
     threads: list[threading.Thread] = field(default_factory=list)
     exits: dict[str, int] = field(default_factory=dict)
 
-    def spec(self, task_type: str, index: int) -> ClusterSpec:
-        return ClusterSpec(task_type, index, scheduler=(self.scheduler.address,),
+    def spec(self, task_type: str, index: int, scheduler: str | None = None) -> ClusterSpec:
+        return ClusterSpec(task_type, index, scheduler=(scheduler or self.scheduler.address,),
                            chief=(self.chief,), ps=tuple(s.address for s in self.servers),
                            worker=tuple(self.workers))
 
-    def start_worker(self, index: int) -> threading.Thread:
-        cfg = TrainConfig(spec=self.spec("worker", index), job=JobConfig(), data_dir="",
+    def start_worker(self, index: int, scheduler: str | None = None) -> threading.Thread:
+        """Serving worker `index` on a thread; `scheduler`: the address it reaches the scheduler at (a
+        CuttableLink's, to cut it off)."""
+        cfg = TrainConfig(spec=self.spec("worker", index, scheduler), job=JobConfig(), data_dir="",
                           startup_timeout_s=WAIT_S, step_timeout_s=WAIT_S)
 
         def serve() -> None:

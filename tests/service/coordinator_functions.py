@@ -50,18 +50,39 @@ def read(v: RemoteVariable) -> np.ndarray:
     return v.read()
 
 
+def hold_then_add(v: RemoteVariable, x: float, marker: str) -> float:
+    """The first run writes `marker` and waits for `marker`.release before it adds x (a run cut off from the
+    cluster, still going); any other run adds at once. Each run writes how many gradients the servers
+    applied to `marker`.<worker>."""
+    if _first_run(marker):
+        _hold(marker)
+    ctx = current()
+    v.assign_add(x)
+    Path(f"{marker}.{ctx.client.worker_id}").write_text(f"applied={ctx.pushes_applied}")
+    return float(x)
+
+
+def _first_run(marker: str) -> bool:
+    try:
+        fd = os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+    except FileExistsError:
+        return False
+    with os.fdopen(fd, "w") as f:
+        f.write(str(os.getpid()))
+    return True
+
+
+def _hold(marker: str) -> None:
+    release = Path(marker + ".release")
+    deadline = time.monotonic() + HOLD_S
+    while not release.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)  # a held run is the state under test: the test kills, cuts off or releases it
+
+
 def add_then_hold(v: RemoteVariable, x: float, marker: str) -> float:
     """Adds x, then (the first run only) writes its pid to `marker` and waits to be killed or cut off: a
     re-dispatched run finds the marker and returns at once, so only its push can double-count."""
     v.assign_add(x)
-    try:
-        fd = os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
-    except FileExistsError:
-        return float(x)
-    with os.fdopen(fd, "w") as f:
-        f.write(str(os.getpid()))
-    release = Path(marker + ".release")
-    deadline = time.monotonic() + HOLD_S
-    while not release.exists() and time.monotonic() < deadline:
-        time.sleep(0.05)  # a held worker is the state under test: the test kills or releases it
+    if _first_run(marker):
+        _hold(marker)
     return float(x)

@@ -1,0 +1,178 @@
+"""ClusterCoordinator against a real scheduler, a real parameter server and serving workers on threads
+(tests/service/coordinator_cluster.py): TensorFlow's sample, per-worker iterators, a raising function,
+refusals before anything is sent, a worker cut off mid-call, no worker left, a coordinator that dies."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from pshard.common.errors import InvalidArgumentError, NoWorkersError, ScheduledFunctionError
+
+from tests.e2e.harness import wait_until
+from tests.service import coordinator_functions as f
+from tests.service.coordinator_cluster import WAIT_S, cluster
+from tests.service.cuttable_link import CuttableLink
+
+HEARTBEAT_TIMEOUT_S = 2.0
+
+
+def test_tensorflows_sample_adds_one_to_five_on_the_servers() -> None:
+    with cluster(workers=2) as c:
+        for i in range(2):
+            c.start_worker(i)
+        with c.coordinator() as coordinator:
+            v = coordinator.create_variable("v", np.zeros(1, np.float32))
+            added = [coordinator.schedule(f.add, args=(v, x)) for x in (1, 2, 3, 4, 5)]
+            coordinator.join()
+
+            assert [r.fetch() for r in added] == [1.0, 2.0, 3.0, 4.0, 5.0]
+            assert v.read_value().tolist() == [15.0]
+            assert {r.worker for r in added} <= {"worker-0", "worker-1"}
+            assert coordinator.done()
+    assert c.exits == {"worker-0": 0, "worker-1": 0}  # the coordinator left: its workers exit
+
+
+def test_a_workers_iterator_is_made_once_and_kept_between_calls() -> None:
+    with cluster(workers=1) as c:
+        c.start_worker(0)
+        with c.coordinator() as coordinator:
+            v = coordinator.create_variable("v", np.zeros(1, np.float32))
+            it = iter(coordinator.create_per_worker_dataset(f.count_to, 3))
+            taken = [coordinator.schedule(f.add_next, args=(v, it)) for _ in range(3)]
+            fresh = coordinator.schedule(f.add_next, args=(v, iter(coordinator.create_per_worker_dataset(
+                "tests.service.coordinator_functions:count_to", 3))))
+            coordinator.join()
+
+            assert [r.fetch() for r in taken] == [1, 2, 3]
+            assert fresh.fetch() == 1  # another iter(): another iterator on the worker
+            assert v.read_value().tolist() == [7.0]
+
+
+def test_a_raising_function_reaches_join_with_the_workers_traceback_and_changes_nothing() -> None:
+    with cluster(workers=1) as c:
+        c.start_worker(0)
+        with c.coordinator() as coordinator:
+            v = coordinator.create_variable("v", np.full(1, 2.0, np.float32))
+            failed = coordinator.schedule(f.fail, args=("boom at step 3",))
+
+            with pytest.raises(ScheduledFunctionError) as raised:
+                coordinator.join()
+            message = str(raised.value)
+            assert "schedule 1 (tests.service.coordinator_functions:fail) raised on worker-0" in message
+            assert "builtins.ValueError: boom at step 3" in message
+            assert "the worker's traceback" in message and 'coordinator_functions.py", line' in message
+            assert raised.value.facts["error_type"] == "builtins.ValueError"
+            with pytest.raises(ScheduledFunctionError, match="boom at step 3"):
+                failed.fetch()
+            coordinator.join()  # handled: join raised it
+
+            after = coordinator.schedule(f.add, args=(v, 1.0))  # the worker serves on
+            assert after.fetch(WAIT_S) == 1.0
+            assert v.read_value().tolist() == [3.0]
+
+
+def test_the_next_schedule_raises_an_unhandled_error() -> None:
+    with cluster(workers=1) as c:
+        c.start_worker(0)
+        with c.coordinator() as coordinator:
+            v = coordinator.create_variable("v", np.zeros(1, np.float32))
+            failed = coordinator.schedule(f.fail, args=("first",))
+            with pytest.raises(ScheduledFunctionError):
+                failed.fetch(WAIT_S)
+
+            with pytest.raises(ScheduledFunctionError, match="first"):
+                coordinator.schedule(f.add, args=(v, 1.0))
+            with pytest.raises(ScheduledFunctionError, match="first"):
+                coordinator.join()
+            assert v.read_value().tolist() == [0.0]
+
+
+def test_an_unknown_function_or_an_unencodable_argument_is_refused_before_anything_is_sent() -> None:
+    with cluster(workers=1) as c:
+        c.start_worker(0)
+        with c.coordinator() as coordinator:
+            v = coordinator.create_variable("v", np.full(1, 4.0, np.float32))
+            coordinator.schedule(f.noop).fetch(WAIT_S)
+
+            with pytest.raises(InvalidArgumentError, match=r"'tests.service.coordinator_functions:nope'.*"
+                                                           r"has nothing named 'nope'"):
+                coordinator.schedule("tests.service.coordinator_functions:nope")
+            with pytest.raises(InvalidArgumentError, match=r"schedule\(.*:add\): args\[1\]: got a "
+                                                           r"builtins.object"):
+                coordinator.schedule(f.add, args=(v, object()))
+            with pytest.raises(InvalidArgumentError, match="module-level function"):
+                coordinator.schedule(lambda: None)
+
+            assert coordinator.done()
+            assert v.read_value().tolist() == [4.0]
+            assert coordinator.schedule(f.worker_id).fetch(WAIT_S) == "worker-0"  # and nothing else ran
+
+
+def test_a_cut_off_workers_call_runs_elsewhere_and_its_late_push_counts_zero_times(tmp_path: Path) -> None:
+    marker = str(tmp_path / "call")
+    with cluster(workers=2, heartbeat_timeout_s=HEARTBEAT_TIMEOUT_S) as c, \
+            CuttableLink(c.scheduler.address) as link:
+        c.start_worker(0, scheduler=link.address)
+        with c.coordinator() as coordinator:
+            v = coordinator.create_variable("v", np.zeros(1, np.float32))
+            call = coordinator.schedule(f.hold_then_add, args=(v, 5.0, marker))
+            wait_until(lambda: Path(marker).exists(), WAIT_S, "worker-0 to hold the call")
+            c.start_worker(1)
+
+            link.cut()  # worker-0 goes on running the call, but the scheduler declares it dead
+            assert call.fetch(WAIT_S) == 5.0
+            assert call.worker == "worker-1"
+            assert coordinator.redispatched == 1
+
+            link.heal()
+            Path(marker + ".release").touch()  # the cut-off run goes on: its push arrives after the re-run's
+            late = Path(marker + ".worker-0")
+            wait_until(late.exists, WAIT_S, "worker-0's late run to push")
+
+            assert late.read_text() == "applied=0"
+            assert Path(marker + ".worker-1").read_text() == "applied=1"
+            assert v.read_value().tolist() == [5.0]
+
+
+def test_join_fails_within_two_heartbeat_timeouts_naming_the_calls_when_no_worker_is_left(
+        tmp_path: Path) -> None:
+    marker = str(tmp_path / "call")
+    with cluster(workers=1, heartbeat_timeout_s=HEARTBEAT_TIMEOUT_S) as c, \
+            CuttableLink(c.scheduler.address) as link:
+        c.start_worker(0, scheduler=link.address)
+        with c.coordinator() as coordinator:
+            v = coordinator.create_variable("v", np.zeros(1, np.float32))
+            coordinator.schedule(f.hold_then_add, args=(v, 1.0, marker))
+            wait_until(lambda: Path(marker).exists(), WAIT_S, "worker-0 to hold the call")
+
+            link.cut()
+            cut = time.monotonic()
+            with pytest.raises(NoWorkersError) as raised:
+                coordinator.join(timeout_s=WAIT_S)
+            took = time.monotonic() - cut
+
+            assert took <= 2 * HEARTBEAT_TIMEOUT_S + 1.0  # the margin: the scheduler's expiry sweep
+            assert "1 scheduled call(s) unfinished (schedule ids 1)" in str(raised.value)
+            assert "workers seen: worker-0" in str(raised.value)
+            link.heal()
+            Path(marker + ".release").touch()
+
+
+def test_a_coordinator_that_dies_ends_its_workers() -> None:
+    with cluster(workers=2, heartbeat_timeout_s=HEARTBEAT_TIMEOUT_S) as c:
+        threads = [c.start_worker(i) for i in range(2)]
+        coordinator = c.coordinator()
+        v = coordinator.create_variable("v", np.zeros(1, np.float32))
+        coordinator.schedule(f.add, args=(v, 1.0)).fetch(WAIT_S)
+
+        coordinator._session.close()  # as if killed: it stops heartbeating and never leaves
+        died = time.monotonic()
+        for thread in threads:
+            thread.join(WAIT_S)
+
+        assert not any(t.is_alive() for t in threads)
+        assert time.monotonic() - died <= 2 * HEARTBEAT_TIMEOUT_S + 1.0
+        assert c.exits == {"worker-0": 0, "worker-1": 0}
