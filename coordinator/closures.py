@@ -69,13 +69,16 @@ class Closure:
 
 
 class ClosureQueue:
-    """Calls waiting and running. `no_worker_s`: how long calls may wait with no worker before `join`
-    gives up (the coordinator passes one heartbeat timeout: a dead worker is declared after another)."""
+    """Calls waiting and running. `no_worker_s`: how long calls may wait with no worker left before `join`
+    gives up (the coordinator passes one heartbeat timeout: a dead worker is declared after another);
+    `startup_s`: how long they wait for the first worker to come (workers start slower than a script)."""
 
-    def __init__(self, no_worker_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, no_worker_s: float, clock: Callable[[], float] = time.monotonic,
+                 startup_s: float = 60.0) -> None:
         self._cond = threading.Condition()
         self._clock = clock
         self._no_worker_s = no_worker_s
+        self._startup_s = startup_s
         self._pending: deque[Closure] = deque()
         self._running: dict[int, tuple[Closure, str]] = {}
         self._error: PSError | None = None
@@ -117,13 +120,14 @@ class ClosureQueue:
                 if not self._pending and not self._running:
                     return
                 now = self._clock()
-                if self._no_worker_since is not None and now - self._no_worker_since >= self._no_worker_s:
+                limit = self._no_worker_s if self._seen_workers else self._startup_s
+                if self._no_worker_since is not None and now - self._no_worker_since >= limit:
                     raise self._no_workers(now)
                 if deadline is not None and now >= deadline:
                     raise PullTimeoutError(f"join: {self._unfinished_text()} after {timeout_s:g} s")
                 waits = [0.5]
                 if self._no_worker_since is not None:
-                    waits.append(self._no_worker_since + self._no_worker_s - now)
+                    waits.append(self._no_worker_since + limit - now)
                 if deadline is not None:
                     waits.append(deadline - now)
                 self._cond.wait(max(0.0, min(waits)))

@@ -123,7 +123,8 @@ class ClusterCoordinator:
         self._session.host_scheduler_if_needed()
         self._scheduler = self._session.register()
         # One heartbeat timeout with no worker after the scheduler declared the last one dead: two in all.
-        self._queue = ClosureQueue(no_worker_s=self._scheduler.heartbeat_timeout_s)
+        self._queue = ClosureQueue(no_worker_s=self._scheduler.heartbeat_timeout_s,
+                                   startup_s=self._session.startup_timeout_s)
 
     # ---- variables and datasets ----
 

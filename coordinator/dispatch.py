@@ -71,8 +71,10 @@ class Dispatcher:
         request.schedule_floor = self._queue.floor()
         request.job.CopyFrom(self._job)
         call = self._run.future(request)
-        while not call.done():
-            if self.gone.wait(_POLL_S) and not call.done():
+        ended = threading.Event()
+        call.add_done_callback(lambda _: ended.set())
+        while not ended.wait(_POLL_S):
+            if self.gone.is_set() and not call.done():
                 call.cancel()  # cut off: the scheduler declared it dead; its run may still push, counted once
                 log.warning("schedule %d: %s was declared dead while running it; running it again elsewhere",
                             closure.schedule_id, self.node_id)

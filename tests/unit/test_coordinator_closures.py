@@ -129,3 +129,16 @@ def test_fetch_with_a_timeout_names_the_call() -> None:
     _, (a,) = queue_with("m:a")
     with pytest.raises(PullTimeoutError, match=r"schedule 1 \(m:a\) has no result after 0.01 s"):
         a.fetch(0.01)
+
+
+def test_join_waits_the_start_up_time_for_the_first_worker_and_says_none_came() -> None:
+    clock = FakeClock()
+    q = ClosureQueue(no_worker_s=5.0, clock=clock, startup_s=60.0)
+    q.put(Closure(pb.RunRequest(schedule_id=q.next_id(), function="m:a"), RemoteValue(1, "m:a")))
+    clock.now += 30.0
+    with pytest.raises(PullTimeoutError):
+        q.join(0)  # workers start slower than a script: still waiting
+
+    clock.now += 30.0
+    with pytest.raises(NoWorkersError, match="none ever registered"):
+        q.join(0)
