@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
@@ -234,6 +234,10 @@ class ClusterCoordinator:
         if view is not None:
             self._on_view(view)
 
+    def read(self, name: str) -> np.ndarray:
+        """Variable `name`'s value on the servers now."""
+        return self._read(name)
+
     def _read(self, name: str) -> np.ndarray:
         self._start()
         assert self._client is not None
@@ -263,6 +267,3 @@ class ClusterCoordinator:
         with self._lock:
             ready = {d.node_id for d in self._dispatchers.values() if d.reachable and not d.gone.is_set()}
         self._queue.set_workers(ready)
-
-    def iter_variables(self) -> Iterator[str]:
-        return iter(self._variables)
