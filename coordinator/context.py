@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Iterable, Iterator, Mapping
-from typing import Any
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import Any, TypeVar
 
 import numpy as np
 from pshard.client.ps_client import PSClient
@@ -26,6 +26,7 @@ from pshard.coordinator import functions
 from pshard.coordinator.values import IteratorRef
 
 _current = threading.local()
+T = TypeVar("T")
 
 
 def current() -> WorkerContext:
@@ -75,6 +76,7 @@ class WorkerContext:
         self._floor = 0
         self._seq = 0
         self._iterators: dict[int, Iterator[Any]] = {}
+        self._latest: dict[str, np.ndarray] | None = None
         self.pushes_applied = 0
         self.pushes_dropped = 0
 
@@ -112,14 +114,36 @@ class WorkerContext:
     def push(self, grads: Mapping[str, Any]) -> None:
         """Gradients of variables, applied by the servers' optimizer once for this call and push number."""
         arrays = {k: self._as_param(k, g) for k, g in grads.items()}
-        self.client.scheduled = (self.schedule_id, self._seq, self._floor)
-        try:
-            result = self.client.wait(self.client.push(arrays, self.clock))
-        finally:
-            self.client.scheduled = (0, 0, 0)
-        self._seq += 1
+        result = self._stamped(lambda: self.client.wait(self.client.push(arrays, self.clock)))
         self.pushes_applied += result.applied
         self.pushes_dropped += result.dropped
+
+    def push_pull(self, grads: Mapping[str, Any]) -> dict[str, np.ndarray]:
+        """Push gradients of every variable and get the weights back in the same round trip, as PSTrainer's
+        fused step: `latest()` answers the next call on this worker with them, without a pull."""
+        arrays = {k: self._as_param(k, g) for k, g in grads.items()}
+        weights = self._stamped(lambda: self.client.push_pull(arrays, self.clock))
+        result = self.client.last_result
+        if result is not None:
+            self.pushes_applied += result.applied
+            self.pushes_dropped += result.dropped
+        self._latest = weights
+        return weights
+
+    def latest(self) -> dict[str, np.ndarray]:
+        """The weights this worker got back with its last push_pull (async: as fresh as a pull at the end
+        of its last step, which is what a worker-driven loop trains on), else a pull of every variable."""
+        if self._latest is None:
+            self._latest = self.pull()
+        return self._latest
+
+    def _stamped(self, send: Callable[[], T]) -> T:
+        self.client.scheduled = (self.schedule_id, self._seq, self._floor)
+        try:
+            return send()
+        finally:
+            self.client.scheduled = (0, 0, 0)
+            self._seq += 1  # a failed push keeps its number: a re-run numbers its pushes the same way
 
     def plain_sgd_lr(self, name: str) -> float:
         o = self.job.optimizer

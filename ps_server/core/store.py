@@ -373,7 +373,7 @@ class ShardStore:
                     self._record_scheduled(slot, stamp)
                 else:
                     slot.last_clock[worker] = clock
-                    slot.max_clock = max(slot.max_clock, clock)
+                slot.max_clock = max(slot.max_clock, clock)  # scheduled: 0, so a fused pull at 1 is in order
                 if verdict and slot.key in poisoned:
                     skipped += 1
                     if self.config.mode == "sync":

@@ -16,7 +16,7 @@ from pshard.coordinator.coordinator import ClusterCoordinator
 from pshard.launcher.plan import ClusterPlan
 from pshard.worker.session import ClusterSession
 
-from tests.e2e.harness import Procs, start_launcher, wait_healthy, wait_until
+from tests.e2e.harness import Proc, Procs, start_launcher, wait_healthy, wait_until
 from tests.service import coordinator_functions as f
 
 pytestmark = pytest.mark.e2e
@@ -26,17 +26,18 @@ INCREMENTS = 200
 KILLED_CALL = 60  # the call whose first run is killed after its push
 
 
-def start_cluster(procs: Procs, plan: ClusterPlan) -> dict[str, object]:
-    started = {}
+def start_cluster(procs: Procs, plan: ClusterPlan) -> dict[str, Proc]:
+    started: dict[str, Proc] = {}
     for task in plan.servers:
         if task.task_type == "scheduler":
-            argv = ["-m", "pshard.scheduler", "--heartbeat-interval-ms", "200", "--heartbeat-timeout-ms", "1500"]
+            argv = ["-m", "pshard.scheduler", "--heartbeat-interval-ms", "200",
+                    "--heartbeat-timeout-ms", "1500"]
         else:
             argv = ["-m", "pshard.ps_server"]
         started[task.name] = procs.python(task.name, *argv, "--bind", task.address,
                                           tf_config=plan.tf_config(task))
     for task in plan.servers:
-        wait_healthy(task.address, proc=started[task.name])  # type: ignore[arg-type]
+        wait_healthy(task.address, proc=started[task.name])
     for task in plan.trainers:
         if task.task_type == "worker":
             started[task.name] = procs.python(task.name, "-m", "pshard.worker", "--serve",
@@ -61,17 +62,17 @@ def test_200_increments_count_exactly_once_when_a_worker_is_sigkilled_mid_call(
         wait_until(lambda: Path(marker).exists() and Path(marker).read_text(), WAIT_S,
                    f"call {KILLED_CALL} to push and hold")
         pid = int(Path(marker).read_text())
-        victim = next(p for p in started.values() if p.pid == pid)  # type: ignore[attr-defined]
-        victim.signal_group(signal.SIGKILL)  # type: ignore[attr-defined]
+        victim = next(p for p in started.values() if p.pid == pid)
+        victim.signal_group(signal.SIGKILL)
         coordinator.join(timeout_s=WAIT_S)
 
         assert [r.fetch() for r in results] == [float(x) for x in sizes]
-        assert results[KILLED_CALL - 1].worker != victim.name  # type: ignore[attr-defined]
+        assert results[KILLED_CALL - 1].worker != victim.name
         assert coordinator.redispatched >= 1
         assert v.read_value().tolist() == [float(sum(sizes))]  # 20100: nothing twice, nothing lost
     for name, proc in started.items():  # the coordinator left: the serving workers exit by themselves
         if name.startswith("worker") and proc is not victim:
-            assert proc.wait(WAIT_S) == 0  # type: ignore[attr-defined]
+            assert proc.wait(WAIT_S) == 0
 
 
 def test_tensorflows_sample_through_pshard_launch_prints_the_value_last(procs: Procs) -> None:

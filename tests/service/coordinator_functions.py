@@ -86,3 +86,11 @@ def add_then_hold(v: RemoteVariable, x: float, marker: str) -> float:
     if _first_run(marker):
         _hold(marker)
     return float(x)
+
+
+def add_fused(x: float) -> list[float]:
+    """Adds x to every variable (SGD, lr 1) in one push+pull; returns what `latest()` saw before and after."""
+    ctx = current()
+    before = ctx.latest()
+    after = ctx.push_pull({k: np.full_like(w, -x) for k, w in before.items()})
+    return [float(before["v"][0]), float(after["v"][0]), float(ctx.latest()["v"][0])]

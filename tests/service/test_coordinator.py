@@ -51,6 +51,19 @@ def test_a_workers_iterator_is_made_once_and_kept_between_calls() -> None:
             assert v.read_value().tolist() == [7.0]
 
 
+def test_a_fused_push_pull_counts_once_and_its_weights_answer_the_workers_next_call() -> None:
+    with cluster(workers=1) as c:
+        c.start_worker(0)
+        with c.coordinator() as coordinator:
+            v = coordinator.create_variable("v", np.zeros(1, np.float32))
+            first = coordinator.schedule(f.add_fused, args=(2.0,)).fetch(WAIT_S)
+            second = coordinator.schedule(f.add_fused, args=(3.0,)).fetch(WAIT_S)
+
+            assert first == [0.0, 2.0, 2.0]
+            assert second == [2.0, 5.0, 5.0]  # no pull: the weights its last step got back
+            assert v.read_value().tolist() == [5.0]
+
+
 def test_a_raising_function_reaches_join_with_the_workers_traceback_and_changes_nothing() -> None:
     with cluster(workers=1) as c:
         c.start_worker(0)
