@@ -77,18 +77,16 @@ def start_worker_service(bind: str, servicer: _Servicer, security: SecurityConfi
 
 
 class CoordinatorWatch:
-    """Set once the coordinator (the chief task) that was live has left or been declared dead."""
+    """Set once the coordinator (the chief task) has registered and then left or been declared dead; a
+    worker that starts after its coordinator is gone (a slow start) learns it from its first view."""
 
     def __init__(self) -> None:
         self.gone = threading.Event()
-        self.seen = False
         self.how = ""
 
     def offer(self, view: ClusterView) -> None:
         chiefs = [n for n in view.nodes if n.role == "chief"]
-        if any(n.state is NodeState.LIVE for n in chiefs):
-            self.seen = True
-        elif self.seen and chiefs:
+        if chiefs and not any(n.state is NodeState.LIVE for n in chiefs):
             self.how = chiefs[0].state.value
             self.gone.set()
 
