@@ -180,11 +180,12 @@ def build_parser(environ: Mapping[str, str], prog: str = PROG) -> argparse.Argum
                         "after backward; it pays where compute and network do not share the same few cores")
     p.add_argument("--shm-dir", metavar="DIR", default=D.SHM_DIR,
                    help=f"directory of shared-memory segments, shared with the servers (default {D.SHM_DIR})")
-    p.add_argument("--serve", action="store_true",
+    p.add_argument("--serve", action="store_true", default=_serve_default(environ),
                    help="run the functions a coordinator (the chief task, pshard.coordinator."
                         "ClusterCoordinator) schedules, one at a time, until it leaves, instead of "
                         "training on its own; the training flags are the coordinator's then "
-                        "(docs/guide/coordinator.md)")
+                        "(docs/guide/coordinator.md). Default: $PSHARD_SERVE (1 or 0), so that "
+                        "'pshard run' serves in a coordinator's job")
     limits = p.add_argument_group("timeouts")
     limits.add_argument("--startup-timeout-s", metavar="S", type=positive_float, default=D.STARTUP_TIMEOUT_S,
                         help="longest wait for the scheduler, the servers and the other workers "
@@ -193,6 +194,14 @@ def build_parser(environ: Mapping[str, str], prog: str = PROG) -> argparse.Argum
                         help="longest one push/pull may take, waiting for peers included "
                              f"(default {D.STEP_TIMEOUT_S:g})")
     return p
+
+
+def _serve_default(environ: Mapping[str, str]) -> bool:
+    raw = environ.get("PSHARD_SERVE", "").strip().lower()
+    if raw not in ("", "0", "1", "true", "false"):
+        raise ClusterConfigError(f"PSHARD_SERVE: got {raw!r}, expected 1 or 0 (a worker of a coordinator's "
+                                 "job serves its functions: pshard worker --serve)")
+    return raw in ("1", "true")
 
 
 def _check_numbers(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:

@@ -19,7 +19,8 @@ from pshard.worker.session import ClusterSession
 from tests.e2e.harness import Proc, Procs, start_launcher, wait_healthy, wait_until
 from tests.service import coordinator_functions as f
 
-pytestmark = pytest.mark.e2e
+# Its waits add up past pytest's 120 s default under load (WAIT_S each): the mark covers their bound.
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 
 WAIT_S = 60.0
 INCREMENTS = 200

@@ -1,9 +1,13 @@
-"""A serving worker's watch on its coordinator (worker/serve.py): it ends once the chief has left or died,
-also for a worker whose first view already shows that."""
+"""A serving worker (worker/serve.py): its watch on the coordinator ends once the chief has left or died,
+also for a worker whose first view already shows that; PSHARD_SERVE makes `pshard run` serve."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import pytest
 from pshard.common.cluster.view import ClusterView, Node, NodeState
+from pshard.common.errors import ClusterConfigError
 from pshard.worker.serve import CoordinatorWatch
 
 
@@ -32,3 +36,23 @@ def test_a_worker_that_starts_after_its_coordinator_left_ends_at_its_first_view(
     watch = CoordinatorWatch()
     watch.offer(view(5, NodeState.LEFT))
     assert watch.gone.is_set()
+
+
+TF_CONFIG = ('{"cluster": {"ps": ["127.0.0.1:7100"], "chief": ["127.0.0.1:7300"], '
+             '"worker": ["127.0.0.1:7200"]}, "task": {"type": "worker", "index": 0}}')
+
+
+def test_pshard_run_serves_in_a_coordinators_job_when_pshard_serve_is_set(tmp_path: Path) -> None:
+    from pshard.worker.__main__ import config_from_args
+
+    base = ["--data-dir", str(tmp_path), "--insecure"]
+    assert config_from_args(base, {"TF_CONFIG": TF_CONFIG, "PSHARD_SERVE": "1"}).serve
+    assert not config_from_args(base, {"TF_CONFIG": TF_CONFIG, "PSHARD_SERVE": "0"}).serve
+    assert config_from_args([*base, "--serve"], {"TF_CONFIG": TF_CONFIG}).serve
+
+
+def test_a_bad_pshard_serve_is_a_configuration_error_naming_it(tmp_path: Path) -> None:
+    from pshard.worker.__main__ import config_from_args
+
+    with pytest.raises(ClusterConfigError, match="PSHARD_SERVE: got 'maybe', expected 1 or 0"):
+        config_from_args(["--data-dir", str(tmp_path)], {"TF_CONFIG": TF_CONFIG, "PSHARD_SERVE": "maybe"})
