@@ -166,6 +166,8 @@ class ClusterCoordinator:
         """Run `fn(*args, **kwargs)` on some worker; returns at once. `fn` is a module-level function (or
         its "module:function" name) the workers import; refused here, before anything is sent, when it
         cannot be named or an argument cannot travel. Raises the first unhandled error of an earlier call."""
+        if self._closed:
+            raise PSError("schedule: the coordinator is closed (it has left the cluster, its workers exit)")
         name = functions.name_of(fn, "schedule: fn")
         encoded_args, encoded_kwargs = values.encode_call(tuple(args), dict(kwargs or {}), name)
         self._start()
