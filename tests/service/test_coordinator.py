@@ -17,6 +17,7 @@ from tests.service.coordinator_cluster import WAIT_S, cluster
 from tests.service.cuttable_link import CuttableLink
 
 HEARTBEAT_TIMEOUT_S = 2.0
+SLACK_S = 1.5  # beyond two heartbeat timeouts: the expiry sweep, the view's delivery, a loaded host
 
 
 def test_tensorflows_sample_adds_one_to_five_on_the_servers() -> None:
@@ -167,7 +168,7 @@ def test_join_fails_within_two_heartbeat_timeouts_naming_the_calls_when_no_worke
                 coordinator.join(timeout_s=WAIT_S)
             took = time.monotonic() - cut
 
-            assert took <= 2 * HEARTBEAT_TIMEOUT_S + 1.0  # the margin: the scheduler's expiry sweep
+            assert took <= 2 * HEARTBEAT_TIMEOUT_S + SLACK_S
             assert "1 scheduled call(s) unfinished (schedule ids 1)" in str(raised.value)
             assert "workers seen: worker-0" in str(raised.value)
             link.heal()
@@ -187,5 +188,5 @@ def test_a_coordinator_that_dies_ends_its_workers() -> None:
             thread.join(WAIT_S)
 
         assert not any(t.is_alive() for t in threads)
-        assert time.monotonic() - died <= 2 * HEARTBEAT_TIMEOUT_S + 1.0
+        assert time.monotonic() - died <= 2 * HEARTBEAT_TIMEOUT_S + SLACK_S
         assert c.exits == {"worker-0": 0, "worker-1": 0}
