@@ -74,7 +74,7 @@ class ClosureQueue:
     `startup_s`: how long they wait for the first worker to come (workers start slower than a script)."""
 
     def __init__(self, no_worker_s: float, clock: Callable[[], float] = time.monotonic,
-                 startup_s: float = 60.0) -> None:
+                 startup_s: float = 60.0, first_id: int = 1) -> None:
         self._cond = threading.Condition()
         self._clock = clock
         self._no_worker_s = no_worker_s
@@ -82,7 +82,7 @@ class ClosureQueue:
         self._pending: deque[Closure] = deque()
         self._running: dict[int, tuple[Closure, str]] = {}
         self._error: PSError | None = None
-        self._next_id = 1
+        self._next_id = first_id
         self._workers: set[str] = set()
         self._no_worker_since: float | None = clock()
         self._seen_workers: set[str] = set()

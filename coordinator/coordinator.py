@@ -39,6 +39,15 @@ log = logging.getLogger("pshard.coordinator")
 DEFAULT_JOB = JobConfig(mode="async", optimizer=OptimizerConfig(name="sgd", lr=1.0))
 
 
+def first_schedule_id(generation: int) -> int:
+    """This incarnation's first schedule id: its registration generation in the high 32 bits. A coordinator
+    launched again on the same servers then numbers its calls above every id (and floor) of the one before,
+    so its pushes are not taken for that one's finished calls, and that one's stragglers stay dropped."""
+    if not 0 < generation < 2**32:
+        raise InvalidArgumentError(f"generation: got {generation}, expected 1 to {2**32 - 1}")
+    return (generation << 32) + 1
+
+
 class Variable:
     """A dense variable on the parameter servers, declared through the coordinator. Passed to a scheduled
     function it arrives as a RemoteVariable (read, push_gradient, assign_add)."""
@@ -124,7 +133,8 @@ class ClusterCoordinator:
         self._scheduler = self._session.register()
         # One heartbeat timeout with no worker after the scheduler declared the last one dead: two in all.
         self._queue = ClosureQueue(no_worker_s=self._scheduler.heartbeat_timeout_s,
-                                   startup_s=self._session.startup_timeout_s)
+                                   startup_s=self._session.startup_timeout_s,
+                                   first_id=first_schedule_id(self._scheduler.generation))
 
     # ---- variables and datasets ----
 

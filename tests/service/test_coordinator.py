@@ -75,7 +75,8 @@ def test_a_raising_function_reaches_join_with_the_workers_traceback_and_changes_
             with pytest.raises(ScheduledFunctionError) as raised:
                 coordinator.join()
             message = str(raised.value)
-            assert "schedule 1 (tests.service.coordinator_functions:fail) raised on worker-0" in message
+            assert (f"schedule {failed.schedule_id} (tests.service.coordinator_functions:fail) raised on "
+                    "worker-0") in message
             assert "builtins.ValueError: boom at step 3" in message
             assert "the worker's traceback" in message and 'coordinator_functions.py", line' in message
             assert raised.value.facts["error_type"] == "builtins.ValueError"
@@ -159,7 +160,7 @@ def test_join_fails_within_two_heartbeat_timeouts_naming_the_calls_when_no_worke
         c.start_worker(0, scheduler=link.address)
         with c.coordinator() as coordinator:
             v = coordinator.create_variable("v", np.zeros(1, np.float32))
-            coordinator.schedule(f.hold_then_add, args=(v, 1.0, marker))
+            held = coordinator.schedule(f.hold_then_add, args=(v, 1.0, marker))
             wait_until(lambda: Path(marker).exists(), WAIT_S, "worker-0 to hold the call")
 
             link.cut()
@@ -169,7 +170,7 @@ def test_join_fails_within_two_heartbeat_timeouts_naming_the_calls_when_no_worke
             took = time.monotonic() - cut
 
             assert took <= 2 * HEARTBEAT_TIMEOUT_S + SLACK_S
-            assert "1 scheduled call(s) unfinished (schedule ids 1)" in str(raised.value)
+            assert f"1 scheduled call(s) unfinished (schedule ids {held.schedule_id})" in str(raised.value)
             assert "workers seen: worker-0" in str(raised.value)
             link.heal()
             Path(marker + ".release").touch()
@@ -190,3 +191,21 @@ def test_a_coordinator_that_dies_ends_its_workers() -> None:
         assert not any(t.is_alive() for t in threads)
         assert time.monotonic() - died <= 2 * HEARTBEAT_TIMEOUT_S + SLACK_S
         assert c.exits == {"worker-0": 0, "worker-1": 0}
+
+
+def test_a_coordinator_launched_again_on_the_same_servers_goes_on_from_their_values() -> None:
+    with cluster(workers=1) as c:
+        c.start_worker(0)
+        with c.coordinator() as first:
+            v = first.create_variable("v", np.zeros(1, np.float32))
+            for x in (1.0, 2.0, 3.0):
+                first.schedule(f.add, args=(v, x))
+            first.join()
+        c.threads[0].join(WAIT_S)  # its worker exits with it
+
+        with c.coordinator() as second:  # registered first: the worker started next serves it
+            c.start_worker(0)
+            v = second.create_variable("v", np.zeros(1, np.float32))  # the servers keep 6
+            second.schedule(f.add, args=(v, 4.0)).fetch(WAIT_S)
+
+            assert v.read_value().tolist() == [10.0]  # its calls are not taken for the first one's

@@ -100,3 +100,15 @@ def test_a_scheduled_push_to_a_sync_job_is_refused_naming_the_mode() -> None:
     with pytest.raises(InvalidArgumentError, match="scheduled call 3 to a sync job, expected an async one"):
         add(store, "worker-0", 0, 1.0, schedule=3)
     assert value(store) == 0.0
+
+
+def test_a_coordinator_launched_again_numbers_its_calls_above_the_last_ones_floor() -> None:
+    from pshard.coordinator.coordinator import first_schedule_id
+
+    store = adding_store()
+    old, new = first_schedule_id(3), first_schedule_id(9)  # registration generations of the two
+    add(store, "worker-0", 0, 1.0, schedule=old + 500, floor=old + 500)  # the first one got far
+
+    assert add(store, "worker-0", 0, 2.0, schedule=new, floor=new).applied == 1
+    assert add(store, "worker-1", 0, 4.0, schedule=old + 499).dropped == 1  # a straggler of the first
+    assert value(store) == 3.0
