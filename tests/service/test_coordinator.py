@@ -209,3 +209,26 @@ def test_a_coordinator_launched_again_on_the_same_servers_goes_on_from_their_val
             second.schedule(f.add, args=(v, 4.0)).fetch(WAIT_S)
 
             assert v.read_value().tolist() == [10.0]  # its calls are not taken for the first one's
+
+
+def test_a_coordinator_refuses_what_it_cannot_run_naming_the_field_and_the_value() -> None:
+    from pshard.common.job import JobConfig
+
+    with cluster(workers=1) as c:
+        with pytest.raises(InvalidArgumentError, match=r"job\.mode: got 'sync', expected 'async'"):
+            c.coordinator(JobConfig(mode="sync"))
+        c.start_worker(0)
+        with c.coordinator() as coordinator:
+            with pytest.raises(InvalidArgumentError, match="schedule: no variable declared"):
+                coordinator.schedule(f.noop)
+            with pytest.raises(InvalidArgumentError, match=r"create_variable\('ids'\): got dtype int64"):
+                coordinator.create_variable("ids", np.zeros(2, np.int64))
+            coordinator.create_variable("v", np.zeros(2, np.float32))
+            with pytest.raises(InvalidArgumentError, match="create_variable: 'v' exists already"):
+                coordinator.create_variable("v", np.ones(2, np.float32))
+
+            coordinator.schedule(f.noop).fetch(WAIT_S)
+
+            with pytest.raises(InvalidArgumentError, match=r"create_variable\('w'\): the variables are "):
+                coordinator.create_variable("w", np.zeros(1, np.float32))
+            assert coordinator.read("v").tolist() == [0.0, 0.0]
