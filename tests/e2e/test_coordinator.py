@@ -1,12 +1,13 @@
-"""Coordinator-driven training with real processes: a scheduler, two parameter servers and three serving
-workers (`pshard worker --serve`), the coordinator in this test. 200 scheduled increments of known sizes,
-one worker SIGKILLed right after a call's push landed: the call runs again elsewhere, and the variable ends
-at exactly the sum (the re-run's push is dropped by its schedule id, nothing is lost). And TensorFlow's
-sample through `pshard launch --coordinator`.
+"""Coordinator-driven training with real processes: a scheduler, parameter servers and serving workers
+(`pshard worker --serve`), the coordinator in this test. 200 scheduled increments of known sizes, one worker
+SIGKILLed right after a call's push landed: the call runs again elsewhere, and the variable ends at exactly
+the sum (the re-run's push is dropped by its schedule id, nothing is lost). An evaluator sidecar scoring the
+weights while the coordinator trains. And TensorFlow's sample through `pshard launch --coordinator`.
 """
 
 from __future__ import annotations
 
+import json
 import signal
 from pathlib import Path
 
@@ -16,7 +17,7 @@ from pshard.coordinator.coordinator import ClusterCoordinator
 from pshard.launcher.plan import ClusterPlan
 from pshard.worker.session import ClusterSession
 
-from tests.e2e.harness import Proc, Procs, start_launcher, wait_healthy, wait_until
+from tests.e2e.harness import Proc, Procs, free_port, start_launcher, wait_healthy, wait_until
 from tests.service import coordinator_functions as f
 
 # Its waits add up past pytest's 120 s default under load (WAIT_S each): the mark covers their bound.
@@ -27,7 +28,9 @@ INCREMENTS = 200
 KILLED_CALL = 60  # the call whose first run is killed after its push
 
 
-def start_cluster(procs: Procs, plan: ClusterPlan) -> dict[str, Proc]:
+def start_cluster(procs: Procs, plan: ClusterPlan, evaluator: str = "") -> dict[str, Proc]:
+    """The plan's scheduler, servers and serving workers; with `evaluator` (its address) an evaluator task
+    of the demo's MLP too."""
     started: dict[str, Proc] = {}
     for task in plan.servers:
         if task.task_type == "scheduler":
@@ -43,6 +46,11 @@ def start_cluster(procs: Procs, plan: ClusterPlan) -> dict[str, Proc]:
         if task.task_type == "worker":
             started[task.name] = procs.python(task.name, "-m", "pshard.worker", "--serve",
                                               tf_config=plan.tf_config(task))
+    if evaluator:
+        config = {"cluster": {**plan.cluster(), "evaluator": [evaluator]},
+                  "task": {"type": "evaluator", "index": 0}}
+        started["evaluator"] = procs.python("evaluator", "-m", "pshard.worker", "--model", "mlp",
+                                            "--eval-interval-s", "0.5", tf_config=json.dumps(config))
     return started
 
 
@@ -84,3 +92,30 @@ def test_tensorflows_sample_through_pshard_launch_prints_the_value_last(procs: P
     children = [line for line in launcher.lines if line.startswith("[chief-0]")]
     assert children[-1] == "[chief-0] final: v = 15"
     assert launcher.lines[-1].startswith("launcher: exit 0: chief-0=0 worker-0=0 worker-1=0")
+
+
+def test_an_evaluator_sidecar_scores_the_weights_while_the_coordinator_trains(procs: Procs) -> None:
+    from pshard.worker.data import load_dataset
+    from pshard.worker.model import build_model
+
+    image_shape = load_dataset().image_shape  # what the evaluator will read, Fashion-MNIST or the digits
+    plan = ClusterPlan.allocate(1, 2, chief=True)
+    started = start_cluster(procs, plan, evaluator=f"127.0.0.1:{free_port()}")
+    chief = next(t for t in plan.trainers if t.task_type == "chief")
+    spec = ClusterSession.from_environment({"TF_CONFIG": plan.tf_config(chief)}).spec
+    evaluator = started["evaluator"]
+
+    with ClusterCoordinator(session=ClusterSession(spec, startup_timeout_s=WAIT_S, step_timeout_s=WAIT_S)) \
+            as coordinator:
+        coordinator.create_variables(dict(build_model("mlp", image_shape, 10).state_dict()))
+        it = iter(coordinator.create_per_worker_dataset(f.synthetic_batches, image_shape, 0))
+        steps = 0
+        while steps < 40 or not any("eval 2:" in line for line in evaluator.lines):
+            assert steps < 5000, evaluator.output()  # it evaluates every 0.5 s: long before this
+            coordinator.schedule(f.train_mlp, args=(it,)).fetch(WAIT_S)
+            steps += 1
+
+    assert evaluator.wait(WAIT_S) == 0, evaluator.output()  # the training is over: its final evaluation
+    final = evaluator.final()
+    assert final is not None and final["role"] == "evaluator" and int(final["evals"]) >= 3
+    assert 0.0 <= float(final["test_accuracy"]) <= 1.0

@@ -94,3 +94,33 @@ def add_fused(x: float) -> list[float]:
     before = ctx.latest()
     after = ctx.push_pull({k: np.full_like(w, -x) for k, w in before.items()})
     return [float(before["v"][0]), float(after["v"][0]), float(ctx.latest()["v"][0])]
+
+
+def synthetic_batches(shape: tuple[int, ...], seed: int) -> Iterator[tuple[Any, Any]]:
+    """Endless random batches of 32 images of `shape` (C, H, W) and labels in 0..9."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    while True:
+        yield torch.randn(32, *shape, generator=g), torch.randint(0, 10, (32,), generator=g)
+
+
+_mlps: dict[tuple[int, ...], Any] = {}
+
+
+def train_mlp(batches: Iterator[tuple[Any, Any]]) -> float:
+    """One step of the demo's MLP: the weights of this worker's last step, one push+pull."""
+    import torch
+    from pshard.worker.model import build_model
+    from torch.nn import functional as F
+
+    ctx = current()
+    x, y = next(batches)
+    shape = tuple(x.shape[1:])
+    model = _mlps.setdefault(shape, build_model("mlp", shape, 10))
+    model.load_state_dict({k: torch.from_numpy(v) for k, v in ctx.latest().items()})
+    model.zero_grad()
+    loss = F.cross_entropy(model(x), y)
+    loss.backward()
+    ctx.push_pull({name: p.grad.numpy() for name, p in model.named_parameters() if p.grad is not None})
+    return loss.item()
