@@ -30,6 +30,7 @@ from pshard.common.wire.dtypes import PARAM_DTYPES
 from pshard.coordinator import functions, values
 from pshard.coordinator.closures import Closure, ClosureQueue, RemoteValue
 from pshard.coordinator.dispatch import Dispatcher
+from pshard.worker import checkpoint_coordinator as checkpoints
 from pshard.worker.session import ClusterSession
 
 from pshard.api.v1 import coordinator_pb2 as pb
@@ -110,7 +111,8 @@ class ClusterCoordinator:
     """
 
     def __init__(self, job: JobConfig | None = None, *, session: ClusterSession | None = None,
-                 startup_timeout_s: float = 60.0, step_timeout_s: float = 120.0) -> None:
+                 startup_timeout_s: float = 60.0, step_timeout_s: float = 120.0,
+                 checkpoint_dir: str | None = None, keep_checkpoints: int | None = None) -> None:
         job = job or DEFAULT_JOB
         if job.mode != "async":
             raise InvalidArgumentError(f"job.mode: got {job.mode!r}, expected 'async': scheduled functions "
@@ -129,6 +131,9 @@ class ClusterCoordinator:
         self._dispatchers: dict[tuple[str, int], Dispatcher] = {}
         self._datasets = 0
         self._closed = False
+        # Global checkpoints (docs/guide/coordinator.md): restored before the Declare, saved on request.
+        self._checkpoint_dir, self._keep = checkpoint_dir, keep_checkpoints
+        self.restored_clock: int | None = None
         self._session.host_scheduler_if_needed()
         self._scheduler = self._session.register()
         # One heartbeat timeout with no worker after the scheduler declared the last one dead: two in all.
@@ -197,6 +202,23 @@ class ClusterCoordinator:
         """Whether every scheduled call has finished; raises a call's error as join() does."""
         return self._queue.done()
 
+    def save_checkpoint(self) -> str:
+        """Wait for every scheduled call (`join`), then write a global checkpoint of the variables under
+        `checkpoint_dir`, committed by its manifest; its directory. Its clock is the servers' lowest slice
+        version: in async mode, the updates the least-updated slice has had. A coordinator launched again
+        with the same `checkpoint_dir` on fresh servers restores the newest one at its first schedule."""
+        if not self._checkpoint_dir:
+            raise InvalidArgumentError("save_checkpoint: checkpoint_dir: got none, expected the directory "
+                                       "the servers share (their --global-checkpoint-dir)")
+        self.join()
+        client = self._client
+        assert client is not None and client.layout is not None  # join() started it
+        layout = client.layout
+        holding = [i for i in range(len(layout.servers)) if layout.slices_on(i)]
+        stats = client.stats()
+        clock = min(stats[i].min_version for i in holding)
+        return str(checkpoints.save(client, self._checkpoint_dir, clock, keep=self._keep).path)
+
     @property
     def redispatched(self) -> int:
         """Calls run again because the worker running them was lost."""
@@ -239,6 +261,8 @@ class ClusterCoordinator:
             layout = self._session.propose_layout(specs)
             client = self._session.connect(layout)
             with self._session.waiting_for_servers(layout):
+                if self._checkpoint_dir:  # before the Declare, which would start the servers fresh
+                    self.restored_clock = checkpoints.restore(client, self._checkpoint_dir, self.job)
                 client.declare(self._variables, self.job)
             self._client = client
         self._scheduler.add_view_callback(self._on_view)

@@ -9,6 +9,7 @@ import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Any
 
 from pshard.common.cluster.spec import ClusterSpec
 from pshard.common.job import JobConfig
@@ -57,16 +58,17 @@ class Cluster:
         self.threads.append(thread)
         return thread
 
-    def coordinator(self, job: JobConfig = DEFAULT_JOB) -> ClusterCoordinator:
+    def coordinator(self, job: JobConfig = DEFAULT_JOB, **kwargs: Any) -> ClusterCoordinator:
         session = ClusterSession(self.spec("chief", 0), startup_timeout_s=WAIT_S, step_timeout_s=WAIT_S)
-        return ClusterCoordinator(job, session=session)
+        return ClusterCoordinator(job, session=session, **kwargs)
 
 
 @contextmanager
-def cluster(workers: int = 2, servers: int = 1, heartbeat_timeout_s: float = 2.0) -> Iterator[Cluster]:
+def cluster(workers: int = 2, servers: int = 1, heartbeat_timeout_s: float = 2.0,
+            settings: ServerSettings | None = None) -> Iterator[Cluster]:
     scheduler = start_scheduler_thread(heartbeat_interval_s=heartbeat_timeout_s / 5,
                                        heartbeat_timeout_s=heartbeat_timeout_s)
-    ps = [start_server_thread(ServerSettings(), "127.0.0.1:0") for _ in range(servers)]
+    ps = [start_server_thread(settings or ServerSettings(), "127.0.0.1:0") for _ in range(servers)]
     c = Cluster(scheduler, ps, free_address(), [free_address() for _ in range(workers)])
     try:
         yield c

@@ -232,3 +232,39 @@ def test_a_coordinator_refuses_what_it_cannot_run_naming_the_field_and_the_value
             with pytest.raises(InvalidArgumentError, match=r"create_variable\('w'\): the variables are "):
                 coordinator.create_variable("w", np.zeros(1, np.float32))
             assert coordinator.read("v").tolist() == [0.0, 0.0]
+
+
+def test_a_coordinator_launched_again_on_fresh_servers_resumes_from_its_last_global_checkpoint(
+        tmp_path: Path) -> None:
+    from pshard.ps_server.settings import ServerSettings
+
+    settings = ServerSettings(global_checkpoint_dir=str(tmp_path))
+    with cluster(workers=1, settings=settings) as c:
+        c.start_worker(0)
+        with c.coordinator(checkpoint_dir=str(tmp_path)) as first:
+            v = first.create_variable("v", np.zeros(2, np.float32))
+            for x in (1.0, 2.0, 3.0):
+                first.schedule(f.add, args=(v, x))
+            saved = first.save_checkpoint()  # joins first: every call has landed
+            first.schedule(f.add, args=(v, 4.0)).fetch(WAIT_S)  # after the checkpoint: lost with the servers
+            assert first.restored_clock is None
+
+    # A fresh scheduler, servers and worker; the coordinator registers before the worker starts.
+    with cluster(workers=1, settings=settings) as c, c.coordinator(checkpoint_dir=str(tmp_path)) as second:
+        c.start_worker(0)
+        v = second.create_variable("v", np.zeros(2, np.float32))
+        second.schedule(f.add, args=(v, 10.0)).fetch(WAIT_S)
+
+        assert second.restored_clock == 3  # three updates of every slice when it was saved
+        assert v.read_value().tolist() == [16.0, 16.0]
+    assert Path(saved).parent == tmp_path
+
+
+def test_save_checkpoint_without_a_directory_is_refused_naming_it() -> None:
+    with cluster(workers=1) as c:
+        c.start_worker(0)
+        with c.coordinator() as coordinator:
+            coordinator.create_variable("v", np.zeros(1, np.float32))
+            coordinator.schedule(f.noop).fetch(WAIT_S)  # the layout its worker waits for
+            with pytest.raises(InvalidArgumentError, match="save_checkpoint: checkpoint_dir: got none"):
+                coordinator.save_checkpoint()
