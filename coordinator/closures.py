@@ -46,6 +46,10 @@ class RemoteValue:
     def done(self) -> bool:
         return self._ready.is_set()
 
+    def succeeded(self) -> bool:
+        """It has a result (no error)."""
+        return self._ready.is_set() and self._error is None
+
     def _settle(self, result: Any, error: PSError | None, worker: str) -> None:
         self._result, self._error, self.worker = result, error, worker
         self._ready.set()
@@ -111,12 +115,14 @@ class ClosureQueue:
             return not self._pending and not self._running
 
     def join(self, timeout_s: float | None = None) -> None:
-        """Wait until every call finished. Raises the first error (and forgets it: handled), NoWorkersError
-        when calls wait with no worker for `no_worker_s`, PullTimeoutError after `timeout_s`."""
+        """Wait until every call finished. Raises the first error once the calls running beside it have
+        ended too (and forgets it: handled, with theirs), NoWorkersError when calls wait with no worker for
+        `no_worker_s`, PullTimeoutError after `timeout_s`."""
         deadline = None if timeout_s is None else self._clock() + timeout_s
         with self._cond:
             while True:
-                self._raise_error()
+                if not self._running:
+                    self._raise_error()
                 if not self._pending and not self._running:
                     return
                 now = self._clock()

@@ -30,6 +30,7 @@ from pshard.common.wire.dtypes import PARAM_DTYPES
 from pshard.coordinator import functions, values
 from pshard.coordinator.closures import Closure, ClosureQueue, RemoteValue
 from pshard.coordinator.dispatch import Dispatcher
+from pshard.coordinator.shards import ShardQueue
 from pshard.worker import checkpoint_coordinator as checkpoints
 from pshard.worker.session import ClusterSession
 
@@ -134,6 +135,8 @@ class ClusterCoordinator:
         # Global checkpoints (docs/guide/coordinator.md): restored before the Declare, saved on request.
         self._checkpoint_dir, self._keep = checkpoint_dir, keep_checkpoints
         self.restored_clock: int | None = None
+        self._restored_state: dict[str, Any] = {}  # the restored checkpoint's coordinator state
+        self._shard_queues: dict[str, ShardQueue] = {}
         self._session.host_scheduler_if_needed()
         self._scheduler = self._session.register()
         # One heartbeat timeout with no worker after the scheduler declared the last one dead: two in all.
@@ -217,7 +220,25 @@ class ClusterCoordinator:
         holding = [i for i in range(len(layout.servers)) if layout.slices_on(i)]
         stats = client.stats()
         clock = min(stats[i].min_version for i in holding)
-        return str(checkpoints.save(client, self._checkpoint_dir, clock, keep=self._keep).path)
+        state = {"shards": {name: q.position() for name, q in self._shard_queues.items()}}
+        saved = checkpoints.save(client, self._checkpoint_dir, clock, keep=self._keep, coordinator=state)
+        return str(saved.path)
+
+    def shard_queue(self, name: str, num_shards: int) -> ShardQueue:
+        """Shards 0..num_shards-1 handed out dynamically (`ShardQueue.schedule(fn)`: one call per shard, to
+        whichever worker is free). Its position goes into every save_checkpoint; from a restored one, the
+        shards it had trained are not scheduled again. After the variables (it starts the coordinator)."""
+        if name in self._shard_queues:
+            raise InvalidArgumentError(f"shard_queue: {name!r} exists already")
+        self._start()
+        restored = self._restored_state.get("shards", {}).get(name)
+        if restored is not None and restored["num_shards"] != num_shards:
+            raise InvalidArgumentError(f"shard_queue({name!r}): num_shards: got {num_shards}, the restored "
+                                       f"checkpoint has {restored['num_shards']}")
+        queue = ShardQueue(name, num_shards, lambda fn, args, kwargs: self.schedule(fn, args, kwargs),
+                           restored["done"] if restored else ())
+        self._shard_queues[name] = queue
+        return queue
 
     @property
     def redispatched(self) -> int:
@@ -262,7 +283,9 @@ class ClusterCoordinator:
             client = self._session.connect(layout)
             with self._session.waiting_for_servers(layout):
                 if self._checkpoint_dir:  # before the Declare, which would start the servers fresh
-                    self.restored_clock = checkpoints.restore(client, self._checkpoint_dir, self.job)
+                    restored = checkpoints.restore_checkpoint_of(client, self._checkpoint_dir, self.job)
+                    if restored is not None:
+                        self.restored_clock, self._restored_state = restored.clock, restored.coordinator
                 client.declare(self._variables, self.job)
             self._client = client
         self._scheduler.add_view_callback(self._on_view)

@@ -124,3 +124,19 @@ def train_mlp(batches: Iterator[tuple[Any, Any]]) -> float:
     loss.backward()
     ctx.push_pull({name: p.grad.numpy() for name, p in model.named_parameters() if p.grad is not None})
     return loss.item()
+
+
+def add_shard(shard: int, v: RemoteVariable, poisoned: list[int]) -> int:
+    """Trains shard `shard`: adds shard + 1; a poisoned shard fails (a crash half-way through the data)."""
+    if shard in poisoned:
+        raise RuntimeError(f"shard {shard} is poisoned")
+    v.assign_add(shard + 1.0)
+    return shard
+
+
+def shard_on(shard: int, slow_worker: str, slow_s: float) -> str:
+    """Which worker trained `shard`; `slow_worker` takes `slow_s` per shard (a slower machine)."""
+    worker = current().client.worker_id
+    if worker == slow_worker:
+        time.sleep(slow_s)  # the workload of a slow worker, not a wait for a state
+    return worker

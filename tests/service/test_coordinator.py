@@ -268,3 +268,45 @@ def test_save_checkpoint_without_a_directory_is_refused_naming_it() -> None:
             coordinator.schedule(f.noop).fetch(WAIT_S)  # the layout its worker waits for
             with pytest.raises(InvalidArgumentError, match="save_checkpoint: checkpoint_dir: got none"):
                 coordinator.save_checkpoint()
+
+
+def test_a_fast_worker_takes_more_shards_than_a_slow_one() -> None:
+    with cluster(workers=2) as c:
+        for i in range(2):
+            c.start_worker(i)
+        with c.coordinator() as coordinator:
+            coordinator.create_variable("v", np.zeros(1, np.float32))
+            coordinator.schedule(f.noop).fetch(WAIT_S)  # the started workers are serving
+            taken = coordinator.shard_queue("train", 12).schedule(f.shard_on, args=("worker-1", 0.3))
+            coordinator.join()
+
+            by = [r.fetch() for r in taken.values()]
+            assert by.count("worker-0") > by.count("worker-1")
+
+
+def test_a_restored_shard_queue_trains_each_shard_once_across_a_restart(tmp_path: Path) -> None:
+    from pshard.ps_server.settings import ServerSettings
+
+    settings = ServerSettings(global_checkpoint_dir=str(tmp_path))
+    with cluster(workers=2, settings=settings) as c:
+        for i in range(2):
+            c.start_worker(i)
+        with c.coordinator(checkpoint_dir=str(tmp_path)) as first:
+            v = first.create_variable("v", np.zeros(1, np.float32))
+            shards = first.shard_queue("train", 10)
+            shards.schedule(f.add_shard, args=(v, [6, 7, 8, 9]))  # the run breaks at shard 6
+            with pytest.raises(ScheduledFunctionError, match="poisoned"):
+                first.join()
+            first.save_checkpoint()
+            assert shards.done() == [0, 1, 2, 3, 4, 5]
+
+    with cluster(workers=2, settings=settings) as c, c.coordinator(checkpoint_dir=str(tmp_path)) as second:
+        for i in range(2):
+            c.start_worker(i)
+        v = second.create_variable("v", np.zeros(1, np.float32))
+        shards = second.shard_queue("train", 10)
+
+        assert shards.pending() == [6, 7, 8, 9]
+        shards.schedule(f.add_shard, args=(v, []))
+        second.join()
+        assert v.read_value().tolist() == [float(sum(range(1, 11)))]  # 55: every shard once

@@ -142,3 +142,18 @@ def test_join_waits_the_start_up_time_for_the_first_worker_and_says_none_came() 
     clock.now += 30.0
     with pytest.raises(NoWorkersError, match="none ever registered"):
         q.join(0)
+
+
+def test_join_raises_the_first_error_once_the_calls_running_beside_it_have_ended() -> None:
+    q, _ = queue_with("m:a", "m:b", workers=("worker-0", "worker-1"))
+    q.take("worker-0", 0)
+    q.take("worker-1", 0)
+    q.fail(1, "worker-0", ScheduledFunctionError("first"))
+    with pytest.raises(PullTimeoutError):
+        q.join(0)  # call 2 still runs: its error, if any, belongs to this join too
+
+    q.fail(2, "worker-1", ScheduledFunctionError("second"))
+
+    with pytest.raises(ScheduledFunctionError, match="first"):
+        q.join(0)
+    q.join(0)  # both handled
