@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import re
 import time
 import zlib
@@ -76,6 +77,13 @@ class TableStats:
     admission_bytes: int = 0  # the admission counts' fixed size (0: no admission by count)
     admission_halvings: int = 0
     row_bytes: int = 0  # a row's values as stored and pulled (row_dtype), optimizer state not counted
+    # Tiers (memory_mb, ps_server/tables/disktier.py): rows and bytes in RAM and on disk, rows moved.
+    ram_rows: int = 0
+    ram_bytes: int = 0
+    disk_rows: int = 0
+    disk_bytes: int = 0
+    spilled: int = 0
+    fetched: int = 0
 
 
 class TableHandlers:
@@ -93,6 +101,7 @@ class TableHandlers:
         # push is acknowledged, and ids of row partitions served elsewhere are refused. Without, the
         # no-op of ps_server/replication/api.py: nothing to wait for, nothing refused.
         self.replication: RowReplication = NO_ROW_REPLICATION
+        self._table_dir = Path(settings.table_dir) if settings.table_dir else None
         if self._dir is not None:
             for table in load_tables(self._dir, settings.shard_name, self._make):
                 self._add(table)
@@ -114,7 +123,16 @@ class TableHandlers:
             path = self._dir / f"{self._settings.shard_name}.{_file_name(config.name)}.evicted.txt"
             self._dir.mkdir(parents=True, exist_ok=True)
             on_evict = lambda ids: append_ids(path, ids)  # noqa: E731
-        return SparseTable(config, now=self._now, on_evict=on_evict)
+        return SparseTable(config, now=self._now, on_evict=on_evict, store=self._store(config))
+
+    def _store(self, config: TableConfig) -> Path | None:
+        """The disk tier's directory of a table with memory_mb: under --table-dir, one per table."""
+        if config.memory_mb == 0:
+            return None
+        if self._table_dir is None:
+            raise InvalidArgumentError(f"table {config.name!r}: memory_mb {config.memory_mb:g} needs a "
+                                       "server started with --table-dir (the rows beyond it spill there)")
+        return self._table_dir / f"{self._settings.shard_name}.{_file_name(config.name)}.rows"
 
     def _table(self, name: str) -> SparseTable:
         table = self._tables.get(name)
@@ -348,7 +366,7 @@ class TableHandlers:
         return TableStats(rows=len(table), evicted=table.evicted, steps=table.step, admitted=table.admitted,
                           admission_bytes=sketch.nbytes if sketch else 0,
                           admission_halvings=sketch.epoch if sketch else 0,
-                          row_bytes=table.config.row_bytes)
+                          row_bytes=table.config.row_bytes, **dataclasses.asdict(table.tiers()))
 
     def all_stats(self) -> dict[str, TableStats]:
         """Every table's stats by name (the metrics endpoint reads them at scrape time)."""

@@ -103,7 +103,7 @@ def capture(table: SparseTable, ids: np.ndarray, pushes: dict[str, list[PushKey]
     """The state of `ids` (distinct) in `table` now: rows with every per-row array (gathered into
     `alloc`'s arrays, in column name order, when given), the rest as deletions with their admission
     sightings. Copies: the batch outlives the table's next request."""
-    rows = table.index.lookup(ids)
+    rows = table.rows_of(ids)  # spilled rows come back to RAM (ps_server.tables.disktier)
     live = rows >= 0
     taken = rows[live]
     columns = {}
@@ -140,7 +140,7 @@ def install(table: SparseTable, batch: RowBatch) -> None:
 
 def all_ids(table: SparseTable) -> np.ndarray:
     """Every live id of `table` (a new backup's copy ships them all)."""
-    parts = [ids for _, ids in table.chunks()]
+    parts = [ids for _, ids in table.chunks()] + [ids for ids, _ in table.spilled_chunks()]
     return np.concatenate(parts) if parts else np.zeros(0, np.int64)
 
 
@@ -151,6 +151,9 @@ def merge(into: SparseTable, replica: SparseTable) -> np.ndarray:
     for rows, ids in replica.chunks():
         into.restore_rows(ids, {name: array[rows] for name, (array, _) in replica.columns().items()})
         moved.append(ids.copy())
+    for ids, columns in replica.spilled_chunks():
+        into.restore_rows(ids, columns)
+        moved.append(ids)
     into.step = max(into.step, replica.step)
     into.clock = max(into.clock, replica.clock)
     into.evicted += replica.evicted
