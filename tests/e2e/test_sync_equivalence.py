@@ -21,7 +21,7 @@ from pshard.worker.data import batches, load_dataset, shard
 from pshard.worker.model import build_model
 from torch.nn import functional as F
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]  # runs bounded by TIMEOUT_S each
 
 ROOT = Path(__file__).resolve().parents[2]
 TIMEOUT_S = 100
