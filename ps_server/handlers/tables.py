@@ -28,6 +28,7 @@ import asyncio
 import contextlib
 import dataclasses
 import re
+import shutil
 import time
 import zlib
 from collections.abc import AsyncIterator, Callable, Collection
@@ -36,6 +37,7 @@ from pathlib import Path
 from typing import TypeVar
 
 import numpy as np
+from pshard.common.dirlock import DirectoryInUseError, DirectoryLock
 from pshard.common.errors import (
     InvalidArgumentError,
     LayoutConflictError,
@@ -66,6 +68,8 @@ MAX_TABLES = 1024
 # than the work (tens of microseconds); at 64 Ki ids the work is a few milliseconds, and a 2 Mi-id
 # pull held the loop, and every health probe, for seconds.
 OFF_LOOP_IDS = 1 << 16
+# Servers that may share one --table-dir (each takes a locked server-N under it).
+MAX_TABLE_DIR_SERVERS = 256
 
 
 @dataclass(frozen=True)
@@ -101,7 +105,10 @@ class TableHandlers:
         # push is acknowledged, and ids of row partitions served elsewhere are refused. Without, the
         # no-op of ps_server/replication/api.py: nothing to wait for, nothing refused.
         self.replication: RowReplication = NO_ROW_REPLICATION
-        self._table_dir = Path(settings.table_dir) if settings.table_dir else None
+        self._table_dir: Path | None = None  # this server's part of --table-dir (the disk tiers)
+        self._table_dir_lock: DirectoryLock | None = None
+        if settings.table_dir:
+            self._table_dir, self._table_dir_lock = _claim_table_dir(Path(settings.table_dir))
         if self._dir is not None:
             for table in load_tables(self._dir, settings.shard_name, self._make):
                 self._add(table)
@@ -132,7 +139,7 @@ class TableHandlers:
         if self._table_dir is None:
             raise InvalidArgumentError(f"table {config.name!r}: memory_mb {config.memory_mb:g} needs a "
                                        "server started with --table-dir (the rows beyond it spill there)")
-        return self._table_dir / f"{self._settings.shard_name}.{_file_name(config.name)}.rows"
+        return self._table_dir / f"{_file_name(config.name)}.rows"
 
     def _table(self, name: str) -> SparseTable:
         table = self._tables.get(name)
@@ -441,6 +448,24 @@ def _warm_kernels(dtype: np.dtype) -> None:
     from pshard.ps_server.tables import kernels  # numba is loaded by servers that hold a table only
 
     kernels.warm(dtype)
+
+
+def _claim_table_dir(table_dir: Path) -> tuple[Path, DirectoryLock]:
+    """The first `server-N` under --table-dir that no live process holds, locked, its old disk tiers
+    deleted: servers of one host may share a --table-dir (their checkpoint files are all named "shard"),
+    and a crashed server's tiers are caches that mean nothing now."""
+    for n in range(MAX_TABLE_DIR_SERVERS):
+        sub = table_dir / f"server-{n}"
+        sub.mkdir(parents=True, exist_ok=True)
+        try:
+            lock = DirectoryLock.acquire(sub, {"role": "ps"}, flag="--table-dir")
+        except DirectoryInUseError:
+            continue
+        for old in sub.glob("*.rows"):
+            shutil.rmtree(old, ignore_errors=True)
+        return sub, lock
+    raise DirectoryInUseError(f"--table-dir: {str(table_dir)!r} is in use by {MAX_TABLE_DIR_SERVERS} "
+                              "servers; give this one another directory")
 
 
 def _file_name(name: str) -> str:

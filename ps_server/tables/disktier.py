@@ -7,40 +7,44 @@ request works on RAM rows with the same arithmetic, and pulls and pushes give th
 bit whatever the tier of each row.
 
 A spilled row is one record: its stored values (row_dtype's bytes, as they are), its optimizer state and
-lazy Adam's step count, packed side by side (`RecordLayout`), in LMDB under the id's 8 big-endian bytes.
-Its touch and count stay in RAM, in a directory (an IdIndex of the spilled ids, and the two stamps by
-directory slot: about 27 bytes a row), so that eviction (ttl, max_rows) and the choice of what to spill
-read no disk, and an id that is on neither tier costs no disk read either.
+lazy Adam's step count, packed side by side (`RecordLayout`), in a slab: one file of fixed-size records,
+memory-mapped, the record of the row at directory slot s at s x record bytes. The directory is an
+IdIndex of the spilled ids (its row numbers are the slots, freed ones reused first) with each row's
+touch and count by slot, in RAM (about 27 bytes a row): eviction (ttl, max_rows) and the choice of what
+to spill read no disk, an id that is on neither tier costs no disk read, and a spill or a fetch of
+thousands of rows is one numpy scatter or gather into the map.
 
-Why LMDB (py-lmdb): a memory-mapped B+tree in one C library, with no background threads and no
-compaction to tune or to compete with the server for its cores; a batch of reads is one read
-transaction (getmulti) served from the page cache when the store is warm, a spill one write
-transaction (putmulti). RocksDB (rocksdict) takes random writes faster, but brings a 30 MB library,
-compaction threads and a write-ahead log that a cache has no use for.
+Why a slab of our own rather than LMDB or RocksDB: both were tried or weighed. py-lmdb (3.0.0) takes and
+returns a Python bytes object per row (getmulti, putmulti): in the disk tier's bench (bench.disk_tier, a
+table 4x its memory_mb, zipf ids) it moved 0.24x the rows/s of the same table in RAM, its servers spending
+22 ms of CPU a step against 3; rocksdict is the same per-key Python interface over a 30 MB library with
+compaction threads and a write-ahead log that a cache has no use for. A cache of fixed-size rows keyed
+by an index the table already has needs neither a B-tree nor an LSM tree: the slab is the records, the
+IdIndex the keys. Its blocks are allocated when it grows (posix_fallocate), so a full disk is an error
+at a spill (QuotaExceededError), not a SIGBUS at a write into the map.
 
-A cache, not durability: the store is written without fsync (sync=False) and wiped when the table is
-made, so a restart starts it empty and rebuilds the rows from the checkpoint. A fetched row's record
-stays on disk (a fetch costs a read, not a write) until the row is spilled again, which overwrites it,
-or evicted, which deletes it.
+A cache, not durability: nothing is fsync'ed, and the directory is wiped when the table is made, so a
+restart starts the tier empty and rebuilds the rows from the checkpoint.
 """
 
 from __future__ import annotations
 
+import os
 import shutil
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-import lmdb
 import numpy as np
 from pshard.common.errors import QuotaExceededError
+from pshard.common.sparse import put_rows, take_rows
 from pshard.ps_server.tables.rowhash import IdIndex
 
-# LMDB's address space for a store: a reservation, not an allocation (the file grows as rows are written).
-_MAP_BYTES = 1 << 40
 # RAM a spilled row keeps: its id (8), directory slots (int32 at <= 60% load: ~7), touch (8), count (4).
 DIRECTORY_BYTES = 27
 _STAMPS = ("touch", "count")
+# Records the slab file holds at first; it doubles when the spilled rows outgrow it.
+_FIRST_SLAB_ROWS = 1 << 12
 
 
 @dataclass(frozen=True)
@@ -80,7 +84,8 @@ class RecordLayout:
         """(len(rows), record_bytes) uint8: the columns' values of `rows`, side by side."""
         out = np.empty((len(rows), self.record_bytes), np.uint8)
         for name, _, _, start, stop in self.fields:
-            values = np.ascontiguousarray(columns[name][0][rows])
+            array = columns[name][0]
+            values = take_rows(array, rows) if array.ndim == 2 else array[rows]
             out[:, start:stop] = values.view(np.uint8).reshape(len(rows), -1)
         return out
 
@@ -92,7 +97,7 @@ class RecordLayout:
 
 
 class DiskTier:
-    """Spilled rows of one table: records in LMDB at `path` (wiped at creation), stamps in RAM."""
+    """Spilled rows of one table: records in a slab file at `path` (wiped at creation), stamps in RAM."""
 
     def __init__(self, path: Path, layout: RecordLayout) -> None:
         self.path = path
@@ -100,14 +105,14 @@ class DiskTier:
         shutil.rmtree(path, ignore_errors=True)  # a cache: what a previous process left means nothing
         try:
             path.mkdir(parents=True)
-            self._env = lmdb.open(str(path), map_size=_MAP_BYTES, subdir=True, sync=False, metasync=False,
-                                  readahead=False, lock=False, max_dbs=0)
-        except (OSError, lmdb.Error) as err:
-            raise QuotaExceededError(f"disk tier {path}: cannot create it ({type(err).__name__}: {err}); "
-                                     "check that --table-dir is writable and has room") from None
-        self.index = IdIndex()
+            self._file = open(path / "rows.slab", "w+b")  # noqa: SIM115 (held open until close())
+        except OSError as err:
+            raise QuotaExceededError(f"disk tier {path}: cannot create it ({err.strerror or err}); check "
+                                     "that --table-dir is writable and has room") from None
+        self.index = IdIndex()  # spilled id -> its slot: its record's place in the slab, its stamps'
         self.touch = np.zeros(self.index.row_capacity, np.float64)
         self.count = np.zeros(self.index.row_capacity, np.int32)
+        self._slab = np.zeros((0, layout.record_bytes), np.uint8)
         self.spilled = 0  # rows written here, ever
         self.fetched = 0  # rows read back into RAM, ever
 
@@ -116,7 +121,7 @@ class DiskTier:
 
     @property
     def bytes(self) -> int:
-        """Bytes of the records of the rows held here (the file also holds free pages and stale records)."""
+        """Bytes of the records of the rows held here (the slab is as large as the most ever held)."""
         return len(self.index) * self.layout.record_bytes
 
     def slots(self, ids: np.ndarray) -> np.ndarray:
@@ -125,38 +130,42 @@ class DiskTier:
 
     def put(self, ids: np.ndarray, records: np.ndarray, touch: np.ndarray, count: np.ndarray) -> None:
         """Hold `ids` (distinct, not here) with their records and stamps. QuotaExceededError naming the
-        store if the disk refuses the write; then nothing is held and the caller keeps its rows."""
-        keys = _keys(ids)
-        values = np.ascontiguousarray(records).view(f"V{self.layout.record_bytes}").ravel().tolist()
-        try:
-            with self._env.begin(write=True) as txn:
-                txn.cursor().putmulti(list(zip(keys, values, strict=True)))
-        except (OSError, lmdb.Error) as err:
-            raise QuotaExceededError(f"disk tier {self.path}: cannot write {len(ids)} rows "
-                                     f"({type(err).__name__}: {err}); give --table-dir more room, "
-                                     "or the table more memory_mb") from None
+        store if the disk has no room; then nothing is held and the caller keeps its rows."""
+        free = self.index.high - len(self.index)  # slots below `high` not held: reused first
+        self._reserve(self.index.high + max(0, len(ids) - free))
         slots = self.index.insert(ids)
         if len(self.touch) < self.index.row_capacity:
             self.touch = _grown(self.touch, self.index.row_capacity)
             self.count = _grown(self.count, self.index.row_capacity)
+        put_rows(self._slab, slots, np.ascontiguousarray(records))
         self.touch[slots] = touch
         self.count[slots] = count
         self.spilled += len(ids)
 
+    def _reserve(self, rows: int) -> None:
+        """A slab of at least `rows` records, doubling; its blocks allocated now (posix_fallocate), so that
+        a full disk refuses here, as an error, rather than as a SIGBUS at a write into the map."""
+        if rows <= len(self._slab):
+            return
+        size = max(rows, 2 * len(self._slab), _FIRST_SLAB_ROWS)
+        record = self.layout.record_bytes
+        try:
+            os.posix_fallocate(self._file.fileno(), 0, size * record)
+        except OSError as err:
+            raise QuotaExceededError(f"disk tier {self.path}: no room for {size} rows of {record} bytes "
+                                     f"({err.strerror or err}); give --table-dir more room, or the table "
+                                     "more memory_mb") from None
+        # A plain ndarray over the map: np.memmap's own indexing took 12x as long to gather a request's rows.
+        self._slab = np.memmap(self._file, np.uint8, "r+", shape=(size, record)).view(np.ndarray)
+
     def read(self, slots: np.ndarray) -> dict[str, np.ndarray]:
         """Every column of the rows at `slots`, stamps included, as the table's columns name them."""
-        keys = _keys(self.index.ids[slots])
-        with self._env.begin() as txn:
-            found = txn.cursor().getmulti(keys)
-        if len(found) != len(keys):  # the directory and the store disagree: a bug, not an input
-            raise RuntimeError(f"disk tier {self.path}: {len(keys) - len(found)} of {len(keys)} rows missing")
-        raw = np.frombuffer(b"".join(value for _, value in found), np.uint8)
-        columns = self.layout.unpack(raw.reshape(len(keys), self.layout.record_bytes))
+        columns = self.layout.unpack(take_rows(self._slab, slots))
         columns["touch"], columns["count"] = self.touch[slots], self.count[slots]
         return columns
 
     def take(self, slots: np.ndarray) -> tuple[np.ndarray, dict[str, np.ndarray]]:
-        """(ids, columns) of the rows at `slots`, which leave the directory (their records stay)."""
+        """(ids, columns) of the rows at `slots`, which leave the tier (their slots are reused)."""
         ids = self.index.ids[slots].copy()
         columns = self.read(slots)
         self.index.delete_rows(slots)
@@ -164,19 +173,10 @@ class DiskTier:
         return ids, columns
 
     def drop(self, slots: np.ndarray) -> np.ndarray:
-        """Forget the rows at `slots`, records too (evictions); their ids."""
+        """Forget the rows at `slots` (evictions); their ids."""
         ids = self.index.ids[slots].copy()
         self.index.delete_rows(slots)
-        self.forget(ids)
         return ids
-
-    def forget(self, ids: np.ndarray) -> None:
-        """Delete any record of `ids` (evicted rows: a fetched row's record stays until then)."""
-        if self.spilled == 0 or len(ids) == 0:
-            return
-        with self._env.begin(write=True) as txn:
-            for key in _keys(ids):
-                txn.delete(key)
 
     def chunks(self, rows: int) -> Iterator[tuple[np.ndarray, np.ndarray]]:
         """(slots, ids) of the rows held here, `rows` directory slots at a time."""
@@ -186,14 +186,10 @@ class DiskTier:
                 yield slots, self.index.ids[slots]
 
     def close(self) -> None:
-        """Close the store and delete its files."""
-        self._env.close()
+        """Unmap and delete the slab."""
+        self._slab = np.zeros((0, self.layout.record_bytes), np.uint8)
+        self._file.close()
         shutil.rmtree(self.path, ignore_errors=True)
-
-
-def _keys(ids: np.ndarray) -> list[bytes]:
-    """LMDB keys of `ids`: 8 big-endian bytes each (void items keep their zero bytes, unlike S8)."""
-    return np.ascontiguousarray(ids, ">i8").view("V8").tolist()  # type: ignore[no-any-return]
 
 
 def _grown(a: np.ndarray, need: int) -> np.ndarray:

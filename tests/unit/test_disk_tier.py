@@ -6,6 +6,8 @@ server set up without a usable --table-dir is refused, naming it."""
 from __future__ import annotations
 
 import asyncio
+import resource
+import signal
 import tempfile
 from pathlib import Path
 
@@ -168,25 +170,48 @@ def test_a_checkpoint_holds_both_tiers_and_a_restart_starts_the_store_empty(tmp_
 def test_a_store_left_by_another_process_is_wiped(tmp_path: Path) -> None:
     store = tmp_path / "emb.rows"
     store.mkdir()
-    (store / "data.mdb").write_bytes(b"left by a crashed server")
+    (store / "rows.slab").write_bytes(b"left by a crashed server")
     config = TableConfig("emb", DIM, memory_mb=0.001)
     table = SparseTable(config, store=store)
-    assert len(table) == 0 and (store / "data.mdb").stat().st_size != len(b"left by a crashed server")
+    assert len(table) == 0 and (store / "rows.slab").stat().st_size == 0
     np.testing.assert_array_equal(table.pull(np.arange(3, dtype=np.int64)),
                                   SparseTable(TableConfig("emb", DIM)).pull(np.arange(3, dtype=np.int64)))
 
 
-def test_a_refused_spill_keeps_the_rows_in_ram(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(disktier, "_MAP_BYTES", 64 * 1024)  # an LMDB map of 16 pages: full at once
+def test_a_full_disk_refuses_the_spill_and_keeps_the_rows_in_ram(tmp_path: Path) -> None:
     plain, tiered = pair(tmp_path, 10)
-    ids = np.arange(2000, dtype=np.int64)
-    grads = np.ones((2000, DIM), np.float32)
+    ids = np.arange(20_000, dtype=np.int64)
+    grads = np.ones((20_000, DIM), np.float32)
     plain.push(ids, grads)
     tiered.push(ids, grads)  # in RAM: the request's own rows are never spilled
-    with pytest.raises(QuotaExceededError, match=r"emb\.rows.*--table-dir"):
-        tiered.push(ids[:1], grads[:1])
+    # A file size limit stands in for a full disk: the slab's growth to 20,000 records (640 KB) is refused.
+    limits = resource.getrlimit(resource.RLIMIT_FSIZE)
+    previous = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # EFBIG, not the signal's default kill
+    resource.setrlimit(resource.RLIMIT_FSIZE, (256 * 1024, limits[1]))
+    try:
+        with pytest.raises(QuotaExceededError, match=r"emb\.rows: no room .*--table-dir"):
+            tiered.push(ids[:1], grads[:1])
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, limits)
+        signal.signal(signal.SIGXFSZ, previous)
+    plain.push(ids[:1], grads[:1])  # the refused push was applied; only its spill was not
+    assert len(tiered) == 20_000 and tiered.disk is not None and len(tiered.disk) == 0
+    np.testing.assert_array_equal(tiered.pull(ids), plain.pull(ids))
+    tiered.push(ids[:1], grads[:1])  # with room again, the spill goes through
     plain.push(ids[:1], grads[:1])
-    assert len(tiered) == 2000 and tiered.disk is not None and len(tiered.disk) == 0
+    assert len(tiered.disk) > 19_000
+    np.testing.assert_array_equal(tiered.pull(ids), plain.pull(ids))
+
+
+def test_a_slab_outgrowing_its_first_size_grows(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(disktier, "_FIRST_SLAB_ROWS", 16)
+    plain, tiered = pair(tmp_path, 10)
+    for start in range(0, 3000, 500):  # the slab doubles from 16 records past 2,500
+        ids = np.arange(start, start + 500, dtype=np.int64)
+        plain.push(ids, np.ones((500, DIM), np.float32))
+        tiered.push(ids, np.ones((500, DIM), np.float32))
+    assert tiered.disk is not None and len(tiered.disk) >= 2500
+    ids = np.arange(3000, dtype=np.int64)
     np.testing.assert_array_equal(tiered.pull(ids), plain.pull(ids))
 
 
@@ -209,10 +234,22 @@ def test_tier_metrics_count_rows_bytes_spills_and_fetches(tmp_path: Path) -> Non
     assert stats.ram_bytes == stats.ram_rows * (record + 12) and stats.disk_bytes == stats.disk_rows * record
     # The second push spilled 100..199, the pull fetched 150..199 back and spilled 0..99.
     assert (stats.ram_rows, stats.disk_rows, stats.spilled, stats.fetched) == (50, 150, 200, 50)
-    assert [p.name for p in tmp_path.glob("shard.emb-*.rows")] != []
+    assert [p.name for p in tmp_path.glob("server-0/emb-*.rows")] != []
+    # A second server of the host shares the directory: it takes its own part of it.
+    other = TableHandlers(ServerSettings(table_dir=str(tmp_path)))
+    asyncio.run(other.declare(config))
+    assert [p.name for p in tmp_path.glob("server-1/emb-*.rows")] != []
+    assert handlers._tables["emb"].pull(np.arange(200, dtype=np.int64)).any()  # its rows untouched
     plain = TableHandlers(ServerSettings())
     asyncio.run(plain.declare(TableConfig("emb", 4)))
     assert (plain.stats("emb").disk_rows, plain.stats("emb").spilled) == (0, 0)
+
+
+def test_a_restarted_server_finds_its_part_of_the_table_dir_wiped(tmp_path: Path) -> None:
+    stale = tmp_path / "server-0" / "gone-0.rows"
+    stale.mkdir(parents=True)  # a table of a server that crashed
+    handlers = TableHandlers(ServerSettings(table_dir=str(tmp_path)))
+    assert not stale.exists() and handlers._table_dir == tmp_path / "server-0"
 
 
 def test_memory_mb_without_a_table_dir_is_refused_naming_both() -> None:
