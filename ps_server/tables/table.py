@@ -44,18 +44,21 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
-from pshard.common.errors import InvalidArgumentError
+from pshard.common.errors import InvalidArgumentError, QuotaExceededError
 from pshard.common.sparse import TableConfig, mix64, put_rows, table_hash, take_rows
 from pshard.common.wire.sparse_codec import decode_rows
 from pshard.ps_server.tables import row_optim, rowcodec
 from pshard.ps_server.tables.admission import CountMinSketch
 from pshard.ps_server.tables.disktier import DIRECTORY_BYTES, DiskTier, RecordLayout, TierStats
 from pshard.ps_server.tables.rowhash import IdIndex
+
+log = logging.getLogger("pshard.ps")
 
 # Rows per chunk when a table is streamed out (checkpoint, export): bounds the temporary memory.
 CHUNK_ROWS = 1 << 16
@@ -123,6 +126,7 @@ class SparseTable:
         self.evict_hook: Callable[[np.ndarray], None] | None = None
         self._held: list[np.ndarray] | None = None  # evictions whose evict_hook waits (hooks_held)
         self.disk: DiskTier | None = None
+        self._spill_refused = False  # the last spill found no room (logged once)
         self.ram_rows = 0  # rows the arrays may keep (memory_mb); 0: all of them
         layout = RecordLayout.of(self.columns())
         self._ram_row_bytes = layout.record_bytes + 12  # and its touch (8) and count (4)
@@ -420,9 +424,19 @@ class SparseTable:
         out = live[_coldest(score, len(live) - (budget - int(budget * SPILL_SLACK)))]
         if len(out) == 0:
             return
-        # Written before the rows leave RAM: a refused write (a full disk) loses nothing.
-        self.disk.put(self.index.ids[out], self.disk.layout.pack(self.columns(), out), self.touch[out],
-                      self.count[out])
+        # Written before the rows leave RAM. A refused write (a full disk) fails neither this request, which
+        # is applied already (its client would retry it, and apply it twice), nor any later one: the rows
+        # stay in RAM, over the budget, and the server says so once until a spill goes through again.
+        try:
+            self.disk.put(self.index.ids[out], self.disk.layout.pack(self.columns(), out), self.touch[out],
+                          self.count[out])
+        except QuotaExceededError as err:
+            if not self._spill_refused:
+                log.warning("table %r keeps %d rows in RAM, over its memory_mb %g: %s", self.config.name,
+                            len(self.index), self.config.memory_mb, err)
+            self._spill_refused = True
+            return
+        self._spill_refused = False
         self.index.delete_rows(out)
 
     def rows_of(self, ids: np.ndarray) -> np.ndarray:

@@ -6,6 +6,8 @@ server set up without a usable --table-dir is refused, naming it."""
 from __future__ import annotations
 
 import asyncio
+import logging
+import re
 import resource
 import signal
 import tempfile
@@ -15,7 +17,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from pshard.common.errors import ClusterConfigError, InvalidArgumentError, QuotaExceededError
+from pshard.common.errors import ClusterConfigError, InvalidArgumentError
 from pshard.common.sparse import TableConfig
 from pshard.common.wire.sparse_codec import spec_from_proto, spec_to_proto
 from pshard.ps_server import __main__ as ps_main
@@ -178,7 +180,8 @@ def test_a_store_left_by_another_process_is_wiped(tmp_path: Path) -> None:
                                   SparseTable(TableConfig("emb", DIM)).pull(np.arange(3, dtype=np.int64)))
 
 
-def test_a_full_disk_refuses_the_spill_and_keeps_the_rows_in_ram(tmp_path: Path) -> None:
+def test_a_full_disk_keeps_the_rows_in_ram_and_says_so(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     plain, tiered = pair(tmp_path, 10)
     ids = np.arange(20_000, dtype=np.int64)
     grads = np.ones((20_000, DIM), np.float32)
@@ -189,12 +192,15 @@ def test_a_full_disk_refuses_the_spill_and_keeps_the_rows_in_ram(tmp_path: Path)
     previous = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # EFBIG, not the signal's default kill
     resource.setrlimit(resource.RLIMIT_FSIZE, (256 * 1024, limits[1]))
     try:
-        with pytest.raises(QuotaExceededError, match=r"emb\.rows: no room .*--table-dir"):
-            tiered.push(ids[:1], grads[:1])
+        with caplog.at_level(logging.WARNING, "pshard.ps"):
+            for _ in range(3):  # applied, not refused: a refusal would have the client apply it twice
+                assert tiered.push(ids[:1], grads[:1]) == plain.push(ids[:1], grads[:1]) == 1
     finally:
         resource.setrlimit(resource.RLIMIT_FSIZE, limits)
         signal.signal(signal.SIGXFSZ, previous)
-    plain.push(ids[:1], grads[:1])  # the refused push was applied; only its spill was not
+    warnings = [r.getMessage() for r in caplog.records if "over its memory_mb" in r.getMessage()]
+    assert len(warnings) == 1 and re.search(r"'emb' keeps 20000 rows .*emb\.rows: no room .*--table-dir",
+                                            warnings[0])
     assert len(tiered) == 20_000 and tiered.disk is not None and len(tiered.disk) == 0
     np.testing.assert_array_equal(tiered.pull(ids), plain.pull(ids))
     tiered.push(ids[:1], grads[:1])  # with room again, the spill goes through

@@ -50,7 +50,7 @@ def test_compiled_inserts_and_deletes_keep_the_index_the_numpy_probe_reads(
     """IdIndex's insert and delete_rows run kernels.insert and kernels.delete: rounds of both, on long
     collision runs full of tombstones, leave every id where the numpy probe finds it, the tombstones
     counted."""
-    index, held = IdIndex(), {}
+    index, held = IdIndex(), dict[int, int]()
     for added, removed in rounds:
         new = np.setdiff1d(np.array(added, np.int64), np.array(list(held), np.int64))
         for i, r in zip(new.tolist(), index.insert(new).tolist(), strict=True):
