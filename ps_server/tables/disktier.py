@@ -54,7 +54,7 @@ class TierStats:
     ram_rows: int
     ram_bytes: int  # the rows' values, optimizer state and stamps (the index not counted)
     disk_rows: int = 0
-    disk_bytes: int = 0  # the spilled rows' records (the store's file also holds free pages)
+    disk_bytes: int = 0  # the spilled rows' records (the slab also keeps the room of freed slots)
     spilled: int = 0
     fetched: int = 0
 
@@ -105,7 +105,7 @@ class DiskTier:
         shutil.rmtree(path, ignore_errors=True)  # a cache: what a previous process left means nothing
         try:
             path.mkdir(parents=True)
-            self._file = open(path / "rows.slab", "w+b")  # noqa: SIM115 (held open until close())
+            self._file = open(path / "rows.slab", "w+b")  # noqa: SIM115 (the map needs it: kept for the table's life)
         except OSError as err:
             raise QuotaExceededError(f"disk tier {path}: cannot create it ({err.strerror or err}); check "
                                      "that --table-dir is writable and has room") from None
@@ -184,12 +184,6 @@ class DiskTier:
             slots = self.index.live_rows(start, start + rows)
             if len(slots):
                 yield slots, self.index.ids[slots]
-
-    def close(self) -> None:
-        """Unmap and delete the slab."""
-        self._slab = np.zeros((0, self.layout.record_bytes), np.uint8)
-        self._file.close()
-        shutil.rmtree(self.path, ignore_errors=True)
 
 
 def _grown(a: np.ndarray, need: int) -> np.ndarray:

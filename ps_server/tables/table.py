@@ -462,11 +462,6 @@ class SparseTable:
         return dataclasses.replace(ram, disk_rows=len(self.disk), disk_bytes=self.disk.bytes,
                                    spilled=self.disk.spilled, fetched=self.disk.fetched)
 
-    def close(self) -> None:
-        """Delete the disk tier's files (the table is not used after)."""
-        if self.disk is not None:
-            self.disk.close()
-
     # ---- streaming out ----
 
     def chunks(self) -> Iterator[tuple[np.ndarray, np.ndarray]]:
