@@ -103,21 +103,31 @@ def capture(table: SparseTable, ids: np.ndarray, pushes: dict[str, list[PushKey]
     """The state of `ids` (distinct) in `table` now: rows with every per-row array (gathered into
     `alloc`'s arrays, in column name order, when given), the rest as deletions with their admission
     sightings. Copies: the batch outlives the table's next request."""
-    rows = table.rows_of(ids)  # spilled rows come back to RAM (ps_server.tables.disktier)
+    rows = table.index.lookup(ids)
     live = rows >= 0
     taken = rows[live]
+    # Rows on a disk tier (memory_mb) are read where they are: capture runs on the event loop, maybe beside
+    # a large request's thread on the table, so it must move nothing.
+    spilled_ids, spilled = table.spilled(ids[~live])
     columns = {}
     for name, (array, shape) in sorted(table.columns().items()):
-        out = alloc(array.dtype, (len(taken), *shape)) if alloc is not None else None
+        n = len(taken) + len(spilled_ids)
+        out = alloc(array.dtype, (n, *shape)) if alloc is not None else np.empty((n, *shape), array.dtype)
         if array.ndim == 2:
-            columns[name] = take_rows(array, taken, out)
+            take_rows(array, taken, out[:len(taken)])
         else:
-            columns[name] = np.take(array, taken, out=out)
+            np.take(array, taken, out=out[:len(taken)])
+        if len(spilled_ids):
+            out[len(taken):] = spilled[name]
+        columns[name] = out
     deleted = ids[~live]
+    if len(spilled_ids):
+        deleted = deleted[~np.isin(deleted, spilled_ids)]
     # Rows too: the sketch keeps counting admitted ids, and an evicted row's counts readmit it.
     counts = table.sightings(ids)
-    return RowBatch(table.config, ids[live].copy(), columns, deleted.copy(), table.step, table.clock,
-                    table.evicted, table.admitted, ids[counts > 0].copy(), counts[counts > 0],
+    return RowBatch(table.config, np.concatenate([ids[live], spilled_ids]), columns, deleted.copy(),
+                    table.step, table.clock, table.evicted, table.admitted, ids[counts > 0].copy(),
+                    counts[counts > 0],
                     json.dumps(table.rng_state) if table.config.admit_prob < 1.0 else "", pushes or {},
                     admit_epoch=table.admit_epoch)
 

@@ -440,12 +440,20 @@ class SparseTable:
         self.index.delete_rows(out)
 
     def rows_of(self, ids: np.ndarray) -> np.ndarray:
-        """RAM rows of `ids` (-1: no row), fetching spilled ones, their stamps unchanged (replication's
-        capture reads every column of a row where it is)."""
+        """RAM rows of `ids` (-1: no row), fetching spilled ones, their stamps unchanged (a restore)."""
         rows = self.index.lookup(ids)
         if self.disk is not None and len(self.disk):
             rows = self._fetch(ids, rows)
         return rows
+
+    def spilled(self, ids: np.ndarray) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+        """(those of `ids` on the disk tier, their columns as `columns()` names them), read where they are:
+        nothing moves (replication's capture)."""
+        if self.disk is None or len(self.disk) == 0:
+            return ids[:0], {}
+        slots = self.disk.slots(ids)
+        on = slots >= 0
+        return ids[on], self.disk.read(slots[on])
 
     def spilled_chunks(self) -> Iterator[tuple[np.ndarray, dict[str, np.ndarray]]]:
         """(ids, columns as `columns()` names them) of the rows on the disk tier, CHUNK_ROWS at a time:
