@@ -24,6 +24,7 @@ help:
 	@echo "make demo-ctr  train a CTR model with sparse embeddings on a synthetic click log (same cluster)"
 	@echo "make up        docker compose up (needs a Docker engine)"
 	@echo "make bench     run the benchmarks in bench/ and print JSON lines"
+	@echo "make bench-disk-tier  a table 4x its memory_mb (zipf ids) against the same table in RAM: rows/s ratio"
 	@echo "make bench-compression-accuracy  compressed vs uncompressed Fashion-MNIST accuracy (issue 19)"
 	@echo "make bench-links  W1 step time per compressor on a tc-shaped 1 Gbit/s link, compressors' CPU cost"
 	@echo "make bench-priority layer priority against FIFO, a 24-layer MLP over the same 1 Gbit/s link"
@@ -118,6 +119,11 @@ bench: install
 # COMPRESSION_EPOCHS epochs each). Exits 1 when a compressor ends more than 0.5 pp behind.
 # Measured within 0.5 pp after 15 epochs (sign at a tenth of the lr: see docs/guide/compression.md).
 COMPRESSION_EPOCHS ?= 15
+# The disk tier (issue 22): rows/s of a table 4x its memory_mb against the same table in RAM, same run.
+.PHONY: bench-disk-tier
+bench-disk-tier: install
+	$(PY) -m bench.disk_tier
+
 .PHONY: bench-compression-accuracy
 bench-compression-accuracy: install data
 	$(PY) -m bench.compression_accuracy --epochs $(COMPRESSION_EPOCHS) --sign-lr 0.005

@@ -105,6 +105,9 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
                         f"gradients, naming them; 0 = off (default {ServerSettings.hang_report_s:g})")
     p.add_argument("--checkpoint-dir", metavar="DIR",
                    help="save the shard here (weights, optimizer state, clocks) and restore it on start")
+    p.add_argument("--table-dir", metavar="DIR",
+                   help="local directory where tables declared with memory_mb spill the rows beyond it (a "
+                        "cache: wiped at start; use a local SSD); without it such tables are refused")
     p.add_argument("--global-checkpoint-dir", metavar="DIR",
                    default=os.environ.get("PSHARD_GLOBAL_CHECKPOINT_DIR") or None,
                    help="the only directory global checkpoints are written to and restored from: the "
@@ -189,9 +192,24 @@ def _check_checkpoint_dir(path: str, shard_name: str) -> None:
                                  f"({reason})") from None
 
 
+def _check_table_dir(path: str) -> None:
+    """Fail at start, naming the flag, rather than at the first spill of a table with memory_mb."""
+    if not os.path.isdir(path):
+        raise ClusterConfigError(f"--table-dir: {path!r} is not a directory (create it, on a local disk)")
+    try:
+        probe = os.path.join(path, ".pshard-write-test")
+        with open(probe, "w"):
+            pass
+        os.remove(probe)
+    except OSError as err:
+        raise ClusterConfigError(f"--table-dir: {path!r} is not writable ({err.strerror or err})") from None
+
+
 def _settings(args: argparse.Namespace) -> ServerSettings:
     if args.checkpoint_dir:
         _check_checkpoint_dir(args.checkpoint_dir, ServerSettings.shard_name)
+    if args.table_dir:
+        _check_table_dir(args.table_dir)
     default_job = None
     if args.mode:
         default_job = JobConfig(mode=args.mode, staleness=args.staleness,
@@ -199,6 +217,7 @@ def _settings(args: argparse.Namespace) -> ServerSettings:
                                                           momentum=args.momentum))
     return ServerSettings(default_job=default_job, static_quorum=_static_quorum(args),
                           pull_timeout_s=args.pull_timeout_s, checkpoint_dir=args.checkpoint_dir,
+                          table_dir=args.table_dir,
                           global_checkpoint_dir=args.global_checkpoint_dir,
                           transport=args.transport, shm_dir=args.shm_dir, fast_port=args.fast_port,
                           max_inflight_bytes=args.max_inflight_mb * 2**20, hang_report_s=args.hang_report_s,
