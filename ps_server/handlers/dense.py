@@ -480,7 +480,7 @@ class ParameterServerHandlers:
         limits.check_keys(what, (m.key.key for m in push))
         limits.check_keys(what, (k.key for k in pull))
         for meta in push:
-            limits.check_shape(f"slice {quote(str(meta.key))}", meta.shape)
+            limits.check_shape(lambda key=meta.key: f"slice {quote(str(key))}", meta.shape)
 
     def _compare_with_restored(self, stamp: Stamp) -> None:
         restored, self._restored_version = self._restored_version, None
