@@ -98,6 +98,9 @@ class ChunkPool:
         """np.copyto(dst, src) for C-contiguous arrays of the same size (dtype conversion allowed)."""
         if dst.size != src.size:
             raise ValueError(f"copy: destination has {dst.size} elements, source {src.size}")
+        if self._executor is None:  # one thread (the default): the whole copy, without asking how to cut it
+            np.copyto(dst, src.reshape(dst.shape), casting="unsafe")
+            return
         # A copy is one pass, cheaper per element than an update's several: chunks of as many bytes
         # as an update's chunk of float32 (byte views of network buffers count bytes).
         min_chunk = max(1, self.min_chunk * 4 // dst.itemsize)

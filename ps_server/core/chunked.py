@@ -22,7 +22,7 @@ def _chunkable(param: np.ndarray, arrays: list[np.ndarray], pool: ChunkPool) -> 
 def step(pool: ChunkPool, optimizer: Optimizer, param: np.ndarray, grad: np.ndarray,
          state: SliceState) -> None:
     """`optimizer.step(param, grad, state)`, chunk by chunk over `pool`."""
-    if not pool.splits(param.size):  # a small slice, or a pool of one: nothing to look at in the state
+    if pool.threads == 1 or not pool.splits(param.size):  # a pool of one, or a small slice: as it is
         optimizer.step(param, grad, state)
         return
     arrays = {k: v for k, v in state.items() if isinstance(v, np.ndarray)}
