@@ -502,9 +502,10 @@ class PSClient:
     # ---- internals ----
 
     def _need_layout(self) -> Layout:
-        if self.layout is None:
+        layout = self.connections.layout  # read once: every step asks three times
+        if layout is None:
             raise InvalidArgumentError("no layout yet: call declare() first (or pass the scheduler's layout)")
-        return self.layout
+        return layout
 
     @property
     def generation(self) -> int:
