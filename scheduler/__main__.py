@@ -62,6 +62,10 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
                              f"default {interval_ms})")
     parser.add_argument("--heartbeat-timeout-ms", metavar="MS", type=positive_int, default=timeout_ms,
                         help=f"a node silent for longer than this is declared dead (default {timeout_ms})")
+    parser.add_argument("--row-partitions-per-server", metavar="N", type=positive_int, default=1,
+                        help="hash each sparse table's ids into N row partitions per parameter server, "
+                             "so that a joining or draining server, or a rebalance, can move them one "
+                             "by one (default 1: one partition per server)")
     add_cluster_arguments(parser)
     add_security_arguments(parser)
     add_metrics_argument(parser)
@@ -84,14 +88,15 @@ def bind_address(args: argparse.Namespace, environ: Mapping[str, str], prog: str
 
 
 async def _run(bind: str, interval_s: float, timeout_s: float, metrics_port: int | None = None,
-               exit_when_done: float | None = None, security: SecurityConfig | None = None) -> None:
+               exit_when_done: float | None = None, security: SecurityConfig | None = None,
+               row_partitions_per_server: int = 1) -> None:
     # Handlers first: from here on a signal stops the scheduler gracefully, start-up included.
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in STOP_SIGNALS:
         loop.add_signal_handler(sig, stop.set)
     running = await start(bind, heartbeat_interval_s=interval_s, heartbeat_timeout_s=timeout_s,
-                          security=security)
+                          security=security, row_partitions_per_server=row_partitions_per_server)
     (security or SecurityConfig()).warn_if_open("pshard scheduler")
     metrics = None
     try:
@@ -135,7 +140,7 @@ def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = 
         check_can_listen(metrics_address(bind, args.metrics_port))
     try:
         asyncio.run(_run(bind, args.heartbeat_interval_ms / 1000, args.heartbeat_timeout_ms / 1000,
-                         args.metrics_port, args.exit_when_done, security))
+                         args.metrics_port, args.exit_when_done, security, args.row_partitions_per_server))
     except OSError as e:  # lost the port between the check and gRPC's bind
         print(f"{prog}: error: {e}", file=sys.stderr)
         return 2

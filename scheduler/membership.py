@@ -23,7 +23,14 @@ import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from pshard.common.cluster.layout import ITEMSIZE, Layout, LayoutSlice, ParamSpec, plan_layout
+from pshard.common.cluster.layout import (
+    ITEMSIZE,
+    MAX_ROW_PARTITIONS,
+    Layout,
+    LayoutSlice,
+    ParamSpec,
+    plan_layout,
+)
 from pshard.common.cluster.replicas import (
     NoInSyncCopyError,
     backups_of,
@@ -169,9 +176,16 @@ class _Barrier:
 
 class Membership:
     def __init__(self, heartbeat_timeout_s: float, clock: Clock | None = None,
-                 limits: MembershipLimits | None = None) -> None:
+                 limits: MembershipLimits | None = None, row_partitions_per_server: int = 1) -> None:
+        """`row_partitions_per_server`: table ids are hashed into that many row partitions per server
+        of the first layout, so that a join, a drain or a rebalance can move them one by one
+        (pshard.common.cluster.moves); 1 keeps one partition per server, as every older layout."""
         if heartbeat_timeout_s <= 0:
             raise InvalidArgumentError(f"heartbeat_timeout_s: got {heartbeat_timeout_s}, expected > 0")
+        if row_partitions_per_server < 1:
+            raise InvalidArgumentError(f"row_partitions_per_server: got {row_partitions_per_server}, "
+                                       "expected >= 1")
+        self.row_partitions_per_server = row_partitions_per_server
         self.heartbeat_timeout_s = heartbeat_timeout_s
         self.limits = limits or MembershipLimits()
         self._clock: Clock = clock or MonotonicClock()
@@ -565,7 +579,9 @@ class Membership:
         limits.check_int(f"layout slices (slice_bytes {slice_bytes})", slices, limits.max_layout_slices)
         limits.check_int(f"layout slices x servers ({slices} x {len(servers)})", slices * len(servers),
                          limits.max_layout_work)
-        return plan_layout(params, servers, slice_bytes, replicas)
+        per_server = self.row_partitions_per_server
+        return plan_layout(params, servers, slice_bytes, replicas,
+                           row_partitions=len(servers) * per_server if per_server > 1 else None)
 
     def propose_layout(self, layout: Layout) -> tuple[Layout, bool]:
         """Store the first proposal (with the next version); later ones must describe the same params.
@@ -594,7 +610,8 @@ class Membership:
                 return stored, False
         self.limits.check_int("restored layout version", layout.version, self.limits.max_generation)
         bad = next((sl for sl in layout.slices if sl.server >= len(layout.servers)), None)
-        owners_ok = not layout.row_owners or (len(layout.row_owners) == len(layout.servers)
+        owners_ok = not layout.row_owners or (len(layout.servers) <= len(layout.row_owners)
+                                              <= MAX_ROW_PARTITIONS
                                               and max(layout.row_owners) < len(layout.servers))
         if (bad is not None or not owners_ok or layout.version < 1
                 or not layout.replicas < max(1, len(layout.servers))):
