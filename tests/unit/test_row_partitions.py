@@ -7,6 +7,7 @@ carries whole partitions. One partition per server stays what every older layout
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -17,6 +18,7 @@ from pshard.common.checkpoint_store import Checkpoint, FileEntry
 from pshard.common.cluster.layout import Layout, ParamSpec, plan_layout
 from pshard.common.cluster.moves import plan_join
 from pshard.common.cluster.replicas import fail_over
+from pshard.common.cluster.view import ManualClock
 from pshard.common.errors import InvalidArgumentError
 from pshard.common.job import JobConfig
 from pshard.common.sparse import TableConfig, server_of
@@ -109,3 +111,17 @@ def test_a_join_takes_whole_partitions_and_keeps_their_count():
     assert len(plan.after.partitions_on(3)) == 3  # a quarter of the rows, one partition from each
     assert {m.source for m in plan.moves} == {0, 1, 2}
     assert json.dumps(plan.after.row_owners)  # plain ints: it travels as the layout's row_owners
+
+
+def test_a_restarted_scheduler_is_given_back_a_layout_of_more_partitions_and_refuses_a_bad_owner():
+    layout = dataclasses.replace(plan_layout(PARAMS, SERVERS, 4096, 1, row_partitions=12), version=2)
+    fresh = Membership(heartbeat_timeout_s=5, clock=ManualClock())
+    for address in SERVERS:
+        reg = fresh.register("ps", address)
+        fresh.heartbeat(reg.node_id, reg.generation, in_sync_layout=2)
+    before = fresh.view()
+    beyond = dataclasses.replace(layout, row_owners=(*layout.row_owners[:-1], 3))
+    with pytest.raises(InvalidArgumentError, match=r"restored layout version 2: 3 servers"):
+        fresh.restore_layout(beyond)
+    assert fresh.layout() is None and fresh.view() == before
+    assert fresh.restore_layout(layout) == (layout, True)
