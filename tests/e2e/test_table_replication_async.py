@@ -52,11 +52,12 @@ class ReplicatedJob(NamedTuple):
     clients: list[PSClient]
 
 
-def replicated_job(procs: Procs, workers: int) -> ReplicatedJob:
+def replicated_job(procs: Procs, workers: int, partitions_per_server: int = 1) -> ReplicatedJob:
     """A scheduler and three servers with `--replicas 1`, and `workers` registered clients that
     re-route on a failover; the job's layout (a tiny dense parameter) carries the replica count and
-    the row partitions."""
-    cluster = LocalCluster(procs, num_ps=3, num_workers=workers)
+    the row partitions (`partitions_per_server` each)."""
+    cluster = LocalCluster(procs, num_ps=3, num_workers=workers,
+                           scheduler_args=("--row-partitions-per-server", str(partitions_per_server)))
     started = cluster.start_servers("--replicas", "1")
     ps = [cluster.task(f"ps-{i}").address for i in range(3)]
     scheds = [SchedulerClient(cluster.plan.scheduler, "worker", node_id=f"worker-{i}", rank_hint=i,
