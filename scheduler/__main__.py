@@ -63,9 +63,9 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
     parser.add_argument("--heartbeat-timeout-ms", metavar="MS", type=positive_int, default=timeout_ms,
                         help=f"a node silent for longer than this is declared dead (default {timeout_ms})")
     parser.add_argument("--row-partitions-per-server", metavar="N", type=positive_int, default=1,
-                        help="hash each sparse table's ids into N row partitions per parameter server, "
-                             "so that a joining or draining server, or a rebalance, can move them one "
-                             "by one (default 1: one partition per server)")
+                        help="hash each sparse table's ids into N row partitions per parameter server: "
+                             "the unit that re-sharding moves (docs/operations/scaling.md; default 1: "
+                             "one partition per server)")
     add_cluster_arguments(parser)
     add_security_arguments(parser)
     add_metrics_argument(parser)
