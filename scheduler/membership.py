@@ -182,9 +182,9 @@ class Membership:
         (pshard.common.cluster.moves); 1 keeps one partition per server, as every older layout."""
         if heartbeat_timeout_s <= 0:
             raise InvalidArgumentError(f"heartbeat_timeout_s: got {heartbeat_timeout_s}, expected > 0")
-        if row_partitions_per_server < 1:
+        if not 1 <= row_partitions_per_server <= MAX_ROW_PARTITIONS:
             raise InvalidArgumentError(f"row_partitions_per_server: got {row_partitions_per_server}, "
-                                       "expected >= 1")
+                                       f"expected 1 to {MAX_ROW_PARTITIONS}")
         self.row_partitions_per_server = row_partitions_per_server
         self.heartbeat_timeout_s = heartbeat_timeout_s
         self.limits = limits or MembershipLimits()

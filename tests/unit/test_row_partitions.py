@@ -93,8 +93,12 @@ def test_the_scheduler_plans_its_row_partitions_per_server_and_restores_such_lay
     layout = members.plan(PARAMS, SERVERS, 4096)
     assert layout.partition_count == 12
     assert Membership(10.0).plan(PARAMS, SERVERS, 4096).row_owners == ()
-    with pytest.raises(InvalidArgumentError, match=r"row_partitions_per_server: got 0, expected >= 1"):
+    with pytest.raises(InvalidArgumentError, match=r"row_partitions_per_server: got 0, expected 1 to 4096"):
         Membership(10.0, row_partitions_per_server=0)
+    # More than a layout may carry for three servers: the proposal is refused, naming both values.
+    says = r"row_partitions: got 6000, expected 3 \(one per server\) to 4096"
+    with pytest.raises(InvalidArgumentError, match=says):
+        Membership(10.0, row_partitions_per_server=2000).plan(PARAMS, SERVERS, 4096)
 
 
 def test_a_failover_moves_every_partition_of_the_dead_server_to_its_heir():
