@@ -26,6 +26,7 @@ import sys
 from collections.abc import Mapping, Sequence
 
 from pshard.common.argtypes import listen_address, positive_int
+from pshard.common.cluster.layout import MAX_ROW_PARTITIONS
 from pshard.common.cluster.spec import (
     add_cluster_arguments,
     cluster_config_given,
@@ -128,6 +129,9 @@ def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = 
     if args.heartbeat_timeout_ms <= args.heartbeat_interval_ms:
         parser.error(f"--heartbeat-timeout-ms: got {args.heartbeat_timeout_ms}, expected more than "
                      f"--heartbeat-interval-ms ({args.heartbeat_interval_ms})")
+    if args.row_partitions_per_server > MAX_ROW_PARTITIONS:
+        parser.error(f"--row-partitions-per-server: got {args.row_partitions_per_server}, expected at most "
+                     f"{MAX_ROW_PARTITIONS}")
     configure_logging(args.log_level)
     env = os.environ if environ is None else environ
     bind = bind_address(args, env, prog)

@@ -27,6 +27,7 @@ from pshard.ps_server.checkpoints.global_part import restore_tables
 from pshard.ps_server.replication.table_rows import all_ids
 from pshard.ps_server.tables.files import save_tables
 from pshard.ps_server.tables.table import SparseTable
+from pshard.scheduler.__main__ import main as scheduler_main
 from pshard.scheduler.membership import Membership
 
 PARAMS = [ParamSpec("w", "float32", (64, 4))]
@@ -129,3 +130,10 @@ def test_a_restarted_scheduler_is_given_back_a_layout_of_more_partitions_and_ref
         fresh.restore_layout(beyond)
     assert fresh.layout() is None and fresh.view() == before
     assert fresh.restore_layout(layout) == (layout, True)
+
+
+def test_the_scheduler_command_refuses_too_many_row_partitions_before_it_starts(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        scheduler_main(["--row-partitions-per-server", "5000", "--bind", "127.0.0.1:0"], environ={})
+    assert exit_.value.code == 2
+    assert "--row-partitions-per-server: got 5000, expected at most 4096" in capsys.readouterr().err
