@@ -196,6 +196,7 @@ class Membership:
         self._barriers: dict[str, _Barrier] = {}
         self._layout: Layout | None = None
         self.failovers = 0  # primaries promoted (pshard_failovers_total)
+        self.drains = 0  # servers that left and handed what they served to a backup (leave)
         # Which backups hold a full copy of which primary (docs/architecture.md, 9 Failures).
         self.in_sync = InSyncCopies()
         # Server address -> when a live worker last said that server answered it (its heartbeats'
@@ -325,16 +326,59 @@ class Membership:
         return self.view()
 
     def leave(self, node_id: str, generation: int) -> ClusterView:
+        """A node leaves on purpose. A parameter server that serves slices or row partitions is a drain
+        (`pshard ps --drain-on-term`): they go to its in-sync backup under a new layout version first,
+        as a failover would move them, and the leave is refused with nothing changed while that cannot
+        be done (no replicas, or no backup holding a copy yet: NoInSyncCopyError, to retry)."""
         member = self._member(node_id)
         self._check_known_generation(generation, "leave")
         self._check_generation(member, generation, "leave")
         if member.state is not NodeState.LEFT:  # a retried leave changes nothing
+            handed = self._hand_over(member) if member.role == "ps" else None
             member.state = NodeState.LEFT
             self._bump()
+            if handed is not None:
+                self._install_hand_over(member, handed)
             if member.role == "ps":
                 self.in_sync.forget(member.address, "left the cluster")
                 self._ring_moved()
         return self.view()
+
+    def _hand_over(self, member: _Member) -> Layout | None:
+        """The layout with everything `member` serves on its first in-sync backup (None: it serves
+        nothing). Changes nothing: raises when the leave would lose what it serves."""
+        layout = self._layout
+        me = index_of(layout, member.address) if layout is not None else None
+        if layout is None or me is None:
+            return None
+        slices, partitions = layout.slices_on(me), layout.partitions_on(me)
+        if not (slices or partitions):
+            return None
+        if not layout.replicas:
+            raise InvalidArgumentError(
+                f"leave of server {me} ({member.address}): it serves {len(slices)} slices and row "
+                f"partitions {list(partitions)}, and the job has no replicas to hand them to (replicas 0); "
+                "they would be lost. Stop it instead, or run the job with --replicas 1")
+        live_addresses = {m.address for m in self._members.values()
+                          if m.role == "ps" and m.state is NodeState.LIVE and m is not member}
+        live = {i for i, a in enumerate(layout.servers) if a in live_addresses}
+        copies = self.in_sync.of(member.address)
+        moved, _ = fail_over(layout, me, live, {i for i, a in enumerate(layout.servers) if a in copies})
+        return moved
+
+    def _install_hand_over(self, member: _Member, moved: Layout) -> None:
+        before = self._layout
+        assert before is not None
+        me = before.servers.index(member.address)
+        heir = heir_of(before, moved, me)
+        new = self.replace_layout(moved)
+        self.drains += 1
+        if heir is not None:
+            self.in_sync.reset(before.servers[heir], "took over a drained server's slices")
+        log.warning("DRAIN: server %d (%s) left; its %d slices and row partitions %s now have server %s (%s) "
+                    "as primary (layout version %d)", me, member.address, len(before.slices_on(me)),
+                    list(before.partitions_on(me)), heir, before.servers[heir] if heir is not None else "-",
+                    new.version)
 
     def expire(self) -> list[Node]:
         """Declare DEAD every LIVE node silent for longer than the timeout; returns them.
