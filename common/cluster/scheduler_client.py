@@ -253,6 +253,15 @@ class SchedulerClient:
             return
         self._offer_view(view_from_proto(reply.view))
 
+    def hand_over(self) -> None:
+        """Leave as a parameter server that serves slices or rows (a drain): the scheduler first hands
+        them to an in-sync backup under a new layout. Heartbeats stop only once it has: a refusal (a
+        NoInSyncCopyError while the backup still copies) raises with this node still live, to retry."""
+        request = pb.LeaveRequest(node_id=self._node_id, generation=self._generation)
+        reply = self._call_registered("Leave", self._stub.Leave, request, self._rpc_timeout_s)
+        self._heartbeats_stopped.set()
+        self._offer_view(view_from_proto(reply.view))
+
     # ---- barriers and layout ----
 
     def barrier(self, name: str, count: int, timeout_s: float) -> int:
