@@ -31,6 +31,7 @@ from pshard.common.cluster.layout import (
     ParamSpec,
     plan_layout,
 )
+from pshard.common.cluster.moves import NowhereToMoveError
 from pshard.common.cluster.replicas import (
     NoInSyncCopyError,
     backups_of,
@@ -362,6 +363,10 @@ class Membership:
         live_addresses = {m.address for m in self._members.values()
                           if m.role == "ps" and m.state is NodeState.LIVE and m is not member}
         live = {i for i, a in enumerate(layout.servers) if a in live_addresses}
+        if not live:  # no copy can ever come: said at once, not after the drainer's retries
+            raise NowhereToMoveError(
+                f"leave of server {me} ({member.address}): it is the last live server; its {len(slices)} "
+                f"slices and row partitions {list(partitions)} would have no owner")
         copies = self.in_sync.of(member.address)
         moved, _ = fail_over(layout, me, live, {i for i, a in enumerate(layout.servers) if a in copies})
         return moved

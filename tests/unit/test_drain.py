@@ -5,6 +5,7 @@ slices or rows is refused and changes nothing."""
 from __future__ import annotations
 
 import pytest
+from pshard.common.cluster.moves import NowhereToMoveError
 from pshard.common.cluster.replicas import NoInSyncCopyError, fail_over
 from pshard.common.cluster.view import NodeState
 from pshard.common.errors import InvalidArgumentError
@@ -50,6 +51,18 @@ def test_a_server_of_a_job_without_replicas_cannot_leave_with_its_slices():
                                                    r"no replicas to hand them to \(replicas 0\)"):
         members.leave("ps-1", members.node("ps-1").generation)
     assert members.layout() == before and members.view() == view
+
+
+def test_the_last_live_server_is_refused_at_once_not_as_a_copy_to_wait_for():
+    members, _ = _job(replicas=1)
+    _all_in_sync(members)
+    members.leave("ps-1", members.node("ps-1").generation)
+    _report(members, "ps-2", "ps-0")  # the heir's backup holds its new slices
+    members.leave("ps-2", members.node("ps-2").generation)
+    before = members.layout()
+    with pytest.raises(NowhereToMoveError, match=r"leave of server 0 \(a:1\): it is the last live server"):
+        members.leave("ps-0", members.node("ps-0").generation)
+    assert members.layout() == before and members.node("ps-0").state is NodeState.LIVE
 
 
 def test_a_server_that_serves_nothing_leaves_as_any_node():
