@@ -60,7 +60,7 @@ from pshard.common.errors import (
     UnknownNodeError,
     quote,
 )
-from pshard.scheduler.in_sync import LOST, PROMOTED, InSyncCopies
+from pshard.scheduler.in_sync import DRAINED, LOST, PROMOTED, InSyncCopies
 
 log = logging.getLogger("pshard.scheduler")
 
@@ -197,7 +197,6 @@ class Membership:
         self._barriers: dict[str, _Barrier] = {}
         self._layout: Layout | None = None
         self.failovers = 0  # primaries promoted (pshard_failovers_total)
-        self.drains = 0  # servers that left and handed what they served to a backup (leave)
         # Which backups hold a full copy of which primary (docs/architecture.md, 9 Failures).
         self.in_sync = InSyncCopies()
         # Server address -> when a live worker last said that server answered it (its heartbeats'
@@ -377,7 +376,7 @@ class Membership:
         me = before.servers.index(member.address)
         heir = heir_of(before, moved, me)
         new = self.replace_layout(moved)
-        self.drains += 1
+        self.in_sync.changes[DRAINED] += 1
         if heir is not None:
             self.in_sync.reset(before.servers[heir], "took over a drained server's slices")
         log.warning("DRAIN: server %d (%s) left; its %d slices and row partitions %s now have server %s (%s) "

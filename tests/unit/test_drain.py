@@ -24,11 +24,11 @@ def test_a_leaving_server_hands_its_slices_and_partitions_to_its_in_sync_backup(
     assert after is not None and after.version == before.version + 1
     assert after.slices == expected.slices and after.owners() == expected.owners() == (0, 2, 2)
     assert members.node("ps-1").state is NodeState.LEFT and view.layout_version == after.version
-    assert members.drains == 1 and members.failovers == 0
+    assert members.in_sync.changes["drained"] == 1 and members.failovers == 0
     assert members.in_sync.of(before.servers[2]) == frozenset()  # the heir's backups copy its new slices
     # Leaving again changes nothing.
     members.leave("ps-1", members.node("ps-1").generation)
-    assert members.layout() == after and members.drains == 1
+    assert members.layout() == after and members.in_sync.changes["drained"] == 1
 
 
 def test_a_leave_before_the_backup_holds_a_copy_is_refused_and_changes_nothing():
