@@ -239,8 +239,17 @@ async def _run(args: argparse.Namespace, spec: ClusterSpec | None, settings: Ser
             raise
         print(f"pshard ps: metrics on port {metrics.port}", flush=True)
     follower = None
+    drained = asyncio.Event()  # an operator drained this server (`pshard drain`): it stops, exit 0
+
+    def left() -> None:
+        drained.set()
+        stop.set()
+
+    def on_left() -> None:  # on the scheduler client's thread
+        loop.call_soon_threadsafe(left)
+
     if spec is not None and not args.no_scheduler:
-        follower = follow_scheduler(running, spec, loop, security)
+        follower = follow_scheduler(running, spec, loop, security, on_left=on_left)
     elif settings.static_quorum is None:
         log.warning("NO SYNC QUORUM: this server has neither --workers nor a scheduler (TF_CONFIG or "
                     "--scheduler), so it cannot know whom a sync clock waits for: sync pulls fail after %gs "
@@ -255,7 +264,10 @@ async def _run(args: argparse.Namespace, spec: ClusterSpec | None, settings: Ser
                                                          args.exit_when_done)))
     await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
     status = 0
-    if args.drain_on_term and stop.is_set() and follower is not None:
+    if drained.is_set():
+        log.warning("DRAINED: the scheduler handed what this server served to its backup (pshard drain); "
+                    "leaving the job")
+    elif args.drain_on_term and stop.is_set() and follower is not None:
         status = await drain(follower, args.drain_timeout_s)
     log.info("stopping")
     if follower is not None:

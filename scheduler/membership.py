@@ -55,6 +55,7 @@ from pshard.common.errors import (
     EmptyRequestError,
     InvalidArgumentError,
     LayoutConflictError,
+    NodeLeftError,
     QuotaExceededError,
     StaleGenerationError,
     UnknownNodeError,
@@ -506,7 +507,7 @@ class Membership:
                 f"node {quote(node_id)}: declared dead (silent for more than "
                 f"{self.heartbeat_timeout_s:g} s); register again")
         if member.state is NodeState.LEFT:
-            raise UnknownNodeError(f"node {quote(node_id)}: has left the cluster; register again to rejoin")
+            raise NodeLeftError(f"node {quote(node_id)}: has left the cluster; register again to rejoin")
         return member
 
     def _check_known_generation(self, generation: int, what: str) -> None:

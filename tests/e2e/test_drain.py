@@ -46,8 +46,11 @@ def _batch(worker: int, clock: int) -> tuple[np.ndarray, np.ndarray]:
     return ids, rng.integers(-3, 4, size=(len(ids), DIM)).astype(np.float32)
 
 
-def test_a_server_drained_on_sigterm_hands_its_partitions_over_and_exits_0(procs: Procs) -> None:
-    started, scheds, layout, clients = replicated_job(procs, WORKERS, 4, ps_args={1: ("--drain-on-term",)})
+@pytest.mark.parametrize("trigger", ["sigterm", "pshard drain"])
+def test_a_drained_server_hands_its_partitions_over_and_exits_0(procs: Procs, trigger: str) -> None:
+    """Drained by a SIGTERM to a server started with --drain-on-term, or by an operator's `pshard drain`."""
+    args = ("--drain-on-term",) if trigger == "sigterm" else ()
+    started, scheds, layout, clients = replicated_job(procs, WORKERS, 4, ps_args={1: args})
     scheduler, drained = started[0], started[2]  # started: scheduler, ps-0, ps-1, ps-2
     pushed, stopping = threading.Event(), threading.Event()
 
@@ -65,7 +68,13 @@ def test_a_server_drained_on_sigterm_hands_its_partitions_over_and_exits_0(procs
         with ThreadPoolExecutor(WORKERS) as pool:
             futures = [pool.submit(run, w) for w in range(WORKERS)]
             assert pushed.wait(RUN_TIMEOUT_S), [f.exception() for f in futures if f.done()]
-            drained.signal_group(signal.SIGTERM)
+            if trigger == "sigterm":
+                drained.signal_group(signal.SIGTERM)
+            else:
+                operator = procs.python("drain", "-m", "pshard", "drain", "--scheduler", scheds[0].address,
+                                        "ps-1", "--insecure", "--timeout-s", "60")
+                assert operator.wait(RUN_TIMEOUT_S) == 0, operator.output()
+                assert any("ps-1" in line and "drained" in line for line in operator.lines)
             stopping.set()
             assert drained.wait(RUN_TIMEOUT_S) == 0, drained.output()
             for f in futures:
