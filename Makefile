@@ -26,6 +26,7 @@ help:
 	@echo "make bench     run the benchmarks in bench/ and print JSON lines"
 	@echo "make bench-compression-accuracy  compressed vs uncompressed Fashion-MNIST accuracy (issue 19)"
 	@echo "make bench-links  W1 step time per compressor on a tc-shaped 1 Gbit/s link, compressors' CPU cost"
+	@echo "make bench-priority layer priority against FIFO, a 24-layer MLP over the same 1 Gbit/s link"
 	@echo "make bench-tls one Python stream: clear, SSLSocket, the fast path's TlsStream (JSON lines)"
 	@echo "make bench-hosts  the benchmarks across hosts on the namespace bed (root): stream, W1 clear/TLS, p50, 1 Gbit/s"
 	@echo "make gpu-carry build .gpu-carry/ (pshard installed, stubs for the GPU machine's grpcio) to carry there"
@@ -129,6 +130,12 @@ LINK_MBIT ?= 1000
 bench-links: install
 	$(PY) -m bench.compression_link --mbit $(LINK_MBIT)
 	$(PY) -m bench.compression_cost
+	$(PY) -m bench.priority_link --mbit $(LINK_MBIT)
+
+# Layer priority against FIFO order alone: a 24-layer MLP, PSTrainer(overlap=True), on the bed (root).
+.PHONY: bench-priority
+bench-priority: install
+	$(PY) -m bench.priority_link --mbit $(LINK_MBIT)
 
 # One Python stream in clear, over an SSLSocket and over the fast path's TlsStream (issue 24).
 bench-tls: install

@@ -209,7 +209,8 @@ def main(argv: list[str] | None = None) -> int:
     ratios = [float(train[k]) for k in ("ratio_pstrainer_to_local", "ratio_overlap_to_local")]  # type: ignore[arg-type]
     print(f"training, demo CNN, 1 worker x 2 servers: local {train['local_steps_per_s']} steps/s, PSTrainer "
           f"{train['pstrainer_steps_per_s']} ({train['ratio_pstrainer_to_local']}x), with overlap "
-          f"{train['overlap_steps_per_s']} ({train['ratio_overlap_to_local']}x) "
+          f"{train['overlap_steps_per_s']} ({train['ratio_overlap_to_local']}x), with priority "
+          f"{train['priority_steps_per_s']} ({train['ratio_priority_to_local']}x) "
           f"[bar {TRAINING_BAR}x: {'ok' if max(ratios) >= TRAINING_BAR else 'below'}]")
     return 0
 

@@ -46,6 +46,7 @@ from pshard.common.errors import (
     checkpoint_write_error,
 )
 from pshard.common.sparse import TableConfig
+from pshard.common.wire.sparse_codec import decode_grads
 from pshard.ps_server.replication.api import NO_ROW_REPLICATION, RowReplication
 from pshard.ps_server.settings import ServerSettings
 from pshard.ps_server.tables.files import append_ids, export_table, load_tables, save_tables
@@ -379,14 +380,16 @@ class TableHandlers:
 
     def _grads(self, table: SparseTable, ids: np.ndarray, raw: Raw) -> np.ndarray:
         config = table.config
-        row_bytes = config.dim * config.np_dtype.itemsize
+        size = config.grad_dtype.itemsize
+        row_bytes = config.dim * size
         if len(raw) != len(ids) * row_bytes:
-            size = config.np_dtype.itemsize
             per_id = f" ({len(raw) / len(ids) / size:g} numbers per id)" if len(ids) else ""
+            sent = config.dtype if config.compression == "none" else f"{config.compression} (compression)"
             raise InvalidArgumentError(
                 f"push of table {config.name!r}: {len(ids)} ids need {len(ids)} rows of dim {config.dim} "
-                f"{config.dtype} ({len(ids) * row_bytes} bytes), got {len(raw)} bytes{per_id}")
-        grads = np.frombuffer(raw, config.np_dtype.newbyteorder("<")).reshape(len(ids), config.dim)
+                f"{sent} ({len(ids) * row_bytes} bytes), got {len(raw)} bytes{per_id}")
+        wire = np.frombuffer(raw, config.grad_dtype.newbyteorder("<")).reshape(len(ids), config.dim)
+        grads = decode_grads(config, wire)  # widened to float32: the update is exact in float32
         # One compiled pass over the bits (a third of numpy's sum, which was a third of a push's time);
         # only a refusal pays for finding the first id to blame.
         if not config.allow_nonfinite and not table.kernels.all_finite(grads):

@@ -28,7 +28,7 @@ from pshard.common.sparse import TableConfig, server_of
 from tests.e2e.harness import LocalCluster, Proc, Procs, wait_healthy, wait_until
 from tests.e2e.test_replication_async import _newer_layout
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]  # the run itself is bounded by RUN_TIMEOUT_S
 
 CLIENTS = 6
 PUSHES = 50  # per client

@@ -24,7 +24,7 @@ from pshard.common.sparse import TableConfig, server_of
 from tests.e2e.harness import Procs, wait_until
 from tests.e2e.test_table_replication_async import replicated_job
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]  # the run itself is bounded by RUN_TIMEOUT_S
 
 WORKERS = 2
 CLOCKS = 12
