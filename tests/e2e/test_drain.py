@@ -1,6 +1,7 @@
 """`pshard ps --drain-on-term` (issue 20): a server asked to stop hands what it serves to its backup
 first, leaves the job, and exits 0; nothing is lost or applied twice: a sync table's rows are exact,
-and a dense sync job drained mid-training ends bit-identical to an undisturbed run with the same seed.
+an async table's rows are minus the sum of every acknowledged push, and a dense sync job drained
+mid-training ends bit-identical to an undisturbed run with the same seed.
 
 Real processes: a scheduler planning 4 row partitions per server, three servers with `--replicas 1`,
 ps-1 started with `--drain-on-term`; two workers train a sync sparse table (SGD at lr 1, zero rows,
@@ -35,6 +36,10 @@ DIM = 8
 TABLE = TableConfig("emb", DIM, optimizer="sgd", lr=1.0, initializer="zeros", mode="sync")
 IDS = np.arange(0, 3000, 3, dtype=np.int64)
 RUN_TIMEOUT_S = 120.0
+ASYNC_TABLE = TableConfig("emb", DIM, optimizer="sgd", lr=1.0, initializer="zeros")
+ASYNC_CLIENTS = 4
+ASYNC_PUSHES = 40  # per client
+ASYNC_DRAIN_AFTER = 60  # acknowledged pushes in all, before the SIGTERM
 # Digits' 1437 training images in union batches of 2 x 32: 23 clocks an epoch (tests/e2e/test_elastic.py).
 DENSE_RUN = ("--epochs", "1", "--batch-size", "32", "--threads", "1")
 DENSE_CLOCKS = 23
@@ -139,3 +144,42 @@ def test_a_dense_sync_job_drained_mid_training_ends_bit_identical_to_an_undistur
     assert expected.keys() == got.keys()
     for key, value in expected.items():
         assert torch.equal(got[key], value), f"{key}: the drained run differs from the undisturbed one"
+
+
+def test_async_table_clients_lose_no_acknowledged_update_while_a_server_drains(procs: Procs) -> None:
+    """Conservation: four clients push integer gradients to an async table while ps-1 drains on SIGTERM;
+    the final rows are minus the sum of every acknowledged push, exactly (none lost, none twice)."""
+    started, scheds, layout, clients = replicated_job(procs, ASYNC_CLIENTS, 4,
+                                                      ps_args={1: ("--drain-on-term",)})
+    acked = np.zeros((len(IDS), DIM), np.float64)
+    lock = threading.Lock()
+    count = [0]
+
+    def run(i: int) -> None:
+        clients[i].declare_table(ASYNC_TABLE)
+        for push in range(ASYNC_PUSHES):
+            ids, grads = _batch(i, push)
+            clients[i].push_rows(ASYNC_TABLE.name, ids, grads)  # returns once acknowledged
+            with lock:
+                np.add.at(acked, np.searchsorted(IDS, ids), grads)
+                count[0] += 1
+
+    try:
+        with ThreadPoolExecutor(ASYNC_CLIENTS) as pool:
+            futures = [pool.submit(run, i) for i in range(ASYNC_CLIENTS)]
+            wait_until(lambda: count[0] >= ASYNC_DRAIN_AFTER or any(f.done() for f in futures), RUN_TIMEOUT_S,
+                       f"{ASYNC_DRAIN_AFTER} acknowledged pushes")
+            started[2].signal_group(signal.SIGTERM)  # started: scheduler, ps-0, ps-1, ps-2
+            assert started[2].wait(RUN_TIMEOUT_S) == 0, started[2].output()
+            for f in futures:
+                f.result(timeout=RUN_TIMEOUT_S)
+        assert count[0] == ASYNC_CLIENTS * ASYNC_PUSHES
+        final = clients[0].pull_rows(ASYNC_TABLE.name, IDS)
+        np.testing.assert_array_equal(final, -acked.astype(np.float32))
+        after = scheds[0].get_layout(timeout_s=5.0)
+        assert after.partitions_on(1) == () and after.version > layout.version
+    finally:
+        for c in clients:
+            c.close()
+        for s in scheds:
+            s.close()
