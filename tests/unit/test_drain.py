@@ -7,9 +7,10 @@ from __future__ import annotations
 import pytest
 from pshard.common.cluster.moves import NowhereToMoveError
 from pshard.common.cluster.replicas import NoInSyncCopyError, fail_over
-from pshard.common.cluster.view import NodeState
+from pshard.common.cluster.view import ClusterView, Node, NodeState
 from pshard.common.errors import InvalidArgumentError
 
+from pshard.drain_cli import pick
 from tests.unit.test_replicas import _all_in_sync, _job, _report
 
 
@@ -71,3 +72,15 @@ def test_a_server_that_serves_nothing_leaves_as_any_node():
     before = members.layout()
     members.leave(extra.node_id, extra.generation)
     assert members.layout() == before and members.node(extra.node_id).state is NodeState.LEFT
+
+
+def test_pshard_drain_names_the_server_by_node_id_or_address_and_refuses_others():
+    view = ClusterView(7, (Node("ps-0", "ps", 0, "a:1", NodeState.LIVE, 1),
+                           Node("ps-1", "ps", 1, "b:1", NodeState.LEFT, 2),
+                           Node("worker-0", "worker", 0, "w:1", NodeState.LIVE, 3)))
+    assert pick(view, "ps-0") == pick(view, "a:1") == view.nodes[0]
+    with pytest.raises(InvalidArgumentError, match=r"server: got 'worker-0', the job's servers are "
+                                                   r"\['ps-0 \(a:1\)', 'ps-1 \(b:1\)'\]"):
+        pick(view, "worker-0")
+    with pytest.raises(InvalidArgumentError, match=r"server ps-1 \(b:1\): it is left, not live"):
+        pick(view, "b:1")
