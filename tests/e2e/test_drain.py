@@ -27,7 +27,7 @@ from pshard.common.sparse import TableConfig
 from tests.e2e.harness import SYNC, TIMEOUTS, LocalCluster, Procs, wait_healthy, wait_until
 from tests.e2e.test_table_replication_async import replicated_job
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]  # two dense runs, each wait bounded by RUN_TIMEOUT_S
 
 WORKERS = 2
 CLOCKS = 10
