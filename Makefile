@@ -28,6 +28,7 @@ help:
 	@echo "make bench-compression-accuracy  compressed vs uncompressed Fashion-MNIST accuracy (issue 19)"
 	@echo "make bench-links  W1 step time per compressor on a tc-shaped 1 Gbit/s link, compressors' CPU cost"
 	@echo "make bench-priority layer priority against FIFO, a 24-layer MLP over the same 1 Gbit/s link"
+	@echo "make bench-drain  a server drained mid-training: longest step against the median (issue 20)"
 	@echo "make bench-tls one Python stream: clear, SSLSocket, the fast path's TlsStream (JSON lines)"
 	@echo "make bench-hosts  the benchmarks across hosts on the namespace bed (root): stream, W1 clear/TLS, p50, 1 Gbit/s"
 	@echo "make gpu-carry build .gpu-carry/ (pshard installed, stubs for the GPU machine's grpcio) to carry there"
@@ -142,6 +143,11 @@ bench-links: install
 .PHONY: bench-priority
 bench-priority: install
 	$(PY) -m bench.priority_link --mbit $(LINK_MBIT)
+
+# A server drained on SIGTERM mid-training (issue 20): the longest step while it hands over.
+.PHONY: bench-drain
+bench-drain: install
+	$(PY) -m bench.drain
 
 # One Python stream in clear, over an SSLSocket and over the fast path's TlsStream (issue 24).
 bench-tls: install
