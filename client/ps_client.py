@@ -304,10 +304,17 @@ class PSClient:
              out: Mapping[str, np.ndarray] | None = None) -> dict[str, np.ndarray]:
         """Fetch parameters as of `clock` (waiting as the consistency mode demands)."""
         wanted = list(keys) if keys is not None else None  # sent again after a failover
-        return self._rerouting(lambda layout: self._pull(layout, clock, wanted, out))
+        result, self.last_pull = self._rerouting(lambda layout: self._pull(layout, clock, wanted, out))
+        return result
+
+    def pull_into(self, clock: int, keys: Iterable[str], out: Mapping[str, np.ndarray]) -> PushResult:
+        """`pull` into `out`, returning the versions pulled (`last_pull` is left alone: threads that
+        pull side by side each get their own)."""
+        wanted = list(keys)
+        return self._rerouting(lambda layout: self._pull(layout, clock, wanted, out))[1]
 
     def _pull(self, layout: Layout, clock: int, keys: Iterable[str] | None,
-              out: Mapping[str, np.ndarray] | None) -> dict[str, np.ndarray]:
+              out: Mapping[str, np.ndarray] | None) -> tuple[dict[str, np.ndarray], PushResult]:
         wanted = list(keys) if keys is not None else [p.key for p in layout.params]
         result = self._outputs(wanted, out)
         wanted_set = set(wanted)
@@ -322,8 +329,7 @@ class PSClient:
             summary = self._fast_call(server, header, [], slices, result)
             return summary if summary is not None else self._exchange_call(server, header, [], slices, result)
 
-        self.last_pull = _result(self._all_servers(run))
-        return result
+        return result, _result(self._all_servers(run))
 
     def push_pull(self, grads: Mapping[str, np.ndarray], clock: int,
                   out: Mapping[str, np.ndarray] | None = None, *,
@@ -501,9 +507,10 @@ class PSClient:
     # ---- internals ----
 
     def _need_layout(self) -> Layout:
-        if self.layout is None:
+        layout = self.connections.layout  # read once: every step asks three times
+        if layout is None:
             raise InvalidArgumentError("no layout yet: call declare() first (or pass the scheduler's layout)")
-        return self.layout
+        return layout
 
     @property
     def generation(self) -> int:

@@ -112,6 +112,11 @@ class UnknownNodeError(PSError):
     status = "NOT_FOUND"
 
 
+class NodeLeftError(UnknownNodeError):
+    """A request from a node that left the cluster, or that an operator drained (`pshard drain`): a
+    node may register again to rejoin; a drained server stops instead."""
+
+
 class FutureClockError(PSError):
     """A push or pull stamped with a clock the server cannot have reached yet."""
 

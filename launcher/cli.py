@@ -81,6 +81,9 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
     parser.add_argument("--scheduler-timeout-ms", metavar="MS", type=positive_int, default=5000,
                         help="a node silent for this long is declared dead and leaves the sync quorum "
                              "(default 5000)")
+    parser.add_argument("--row-partitions-per-server", metavar="N", type=positive_int, default=1,
+                        help="the scheduler hashes each sparse table's ids into N row partitions per "
+                             "server: the unit that re-sharding moves (default 1)")
     parser.add_argument("--checkpoint-dir", metavar="DIR",
                         help="parameter servers checkpoint their shards to DIR/ps-<i>")
     parser.add_argument("--checkpoint-interval-s", metavar="S", type=non_negative_float, default=0.0,
@@ -197,6 +200,7 @@ def parse_options(argv: Sequence[str], prog: str = PROG) -> Options:
                    host=args.host, coordinator=args.coordinator,
                    heartbeat_interval_ms=args.scheduler_interval_ms,
                    heartbeat_timeout_ms=args.scheduler_timeout_ms, checkpoint_dir=args.checkpoint_dir,
+                   row_partitions_per_server=args.row_partitions_per_server,
                    worker_cmd=worker_cmd, worker_args=(*unknown, *argv[split + 1:]),
                    script=script[1][0] if script is not None else None,
                    startup_timeout_s=args.startup_timeout_s, grace_s=args.grace_s,

@@ -150,6 +150,8 @@ class Options:
     certs_dir: str | None = None
     # ps-i's raw TCP fast path listens on fast_port + i (ps --fast-port), to open in a firewall; 0: any.
     fast_port: int = 0
+    # scheduler --row-partitions-per-server: table row partitions per server in the layout.
+    row_partitions_per_server: int = 1
 
 
 @dataclass(frozen=True)
@@ -206,6 +208,8 @@ def child_specs(plan: ClusterPlan, options: Options, python: str = sys.executabl
             argv = [python, "-m", "pshard.scheduler", "--bind", task.address,
                     "--heartbeat-interval-ms", str(options.heartbeat_interval_ms),
                     "--heartbeat-timeout-ms", str(options.heartbeat_timeout_ms)]
+            if options.row_partitions_per_server > 1:
+                argv += ["--row-partitions-per-server", str(options.row_partitions_per_server)]
         else:
             argv = [python, "-m", "pshard.ps_server", "--bind", task.address]
             if options.replicas:

@@ -178,6 +178,10 @@ def build_parser(environ: Mapping[str, str], prog: str = PROG) -> argparse.Argum
                    help="push each bucket of gradients as soon as backward produces it and land the weights "
                         "layer by layer at the next forward (PSTrainer's overlap), instead of one exchange "
                         "after backward; it pays where compute and network do not share the same few cores")
+    p.add_argument("--priority", action="store_true",
+                   help="with --overlap: push the queued bucket nearest the model's input first and pull "
+                        "apart, first layers first, so the next forward starts before the whole model "
+                        "arrived (ByteScheduler's layer priority); it pays where the link bounds a step")
     p.add_argument("--shm-dir", metavar="DIR", default=D.SHM_DIR,
                    help=f"directory of shared-memory segments, shared with the servers (default {D.SHM_DIR})")
     p.add_argument("--serve", action="store_true", default=_serve_default(environ),
@@ -208,6 +212,9 @@ def _check_numbers(parser: argparse.ArgumentParser, args: argparse.Namespace) ->
     # Each number's range is its flag's type (common.argtypes); what is left spans flags.
     if args.join and args.model == CTR_MODEL:  # its click-log shards are static (worker.ctr)
         parser.error("--join: the CTR model's shards are fixed by TF_CONFIG's workers; join an image model")
+    if args.priority and not args.overlap:
+        parser.error("--priority: given without --overlap; layer priority orders the overlapped buckets, "
+                     "so add --overlap")
 
 
 def _check_writable(flag: str, path: str, *, create: bool) -> None:
@@ -286,6 +293,7 @@ def config_from_args(argv: Sequence[str] | None, environ: Mapping[str, str], pro
         progress_every_s=args.progress_every_s,
         startup_timeout_s=args.startup_timeout_s, step_timeout_s=args.step_timeout_s,
         eval_interval_s=args.eval_interval_s, transport=args.transport, overlap=args.overlap,
+        priority=args.priority,
         shm_dir=args.shm_dir, replicas=max(0, args.replicas),
         metrics_port=args.metrics_port, tensorboard=args.tensorboard,
         global_checkpoint_dir=args.global_checkpoint_dir,

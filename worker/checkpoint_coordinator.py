@@ -100,7 +100,8 @@ def restore_checkpoint_of(client: PSClient, root: str | Path, job: JobConfig, *,
     t = client.timeout_s
     replies = client.each_server(lambda i, stub: stub.RestoreCheckpoint(
         pb.RestoreCheckpointRequest(directory=str(checkpoint.path.resolve()), config=codec.job_to_proto(job),
-                                    ranges=_ranges(layout, i), server=i, servers=n, resume=resume),
+                                    ranges=_ranges(layout, i), server=i, servers=n, resume=resume,
+                                    row_owners=layout.row_owners),
         timeout=t + DEADLINE_SLACK_S, wait_for_ready=True))
     restored = sum(r.restored for r in replies)
     log.warning("checkpoint %s (clock %d, written by %d servers) restored onto %d of %d servers",

@@ -74,6 +74,7 @@ class TrainConfig:
     # where the communication thread and the servers compete with backward, it measured 0.79x of local
     # torch.optim against 0.97x without it (make bench's training figure).
     overlap: bool = False
+    priority: bool = False  # with overlap: layer priority (pshard.worker.priority)
     replicas: int = 0  # backups per slice, proposed with the layout (docs/architecture.md, 9 Failures)
     shm_dir: str = Defaults.SHM_DIR  # where shared-memory segments are created
     metrics_port: int | None = None  # serve Prometheus metrics on 0.0.0.0:PORT (0: a free port)

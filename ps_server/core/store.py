@@ -179,6 +179,7 @@ class ShardStore:
         self.policy: ConsistencyPolicy = make_policy(config)
         self._optimizer = optimizer if optimizer is not None else make_optimizer(config.optimizer)
         self._averaged = frozenset(config.averaged)
+        self._scheduled = False  # whether a push ever carried its own lr (a slice's step_lr is not None)
         self._averaging = make_optimizer(replace(config.optimizer, name="aggregate"))
         self._meta = threading.Lock()
         self._quorum_change = threading.Lock()  # one set_quorum at a time: re-checks see old -> new in order
@@ -359,7 +360,8 @@ class ShardStore:
             # A scheduled push's clock means nothing (its call may run on any worker): its record decides.
             verdicts = [None if self._repeated(slot, stamp) else True if stamp.schedule
                         else self.policy.admit_push(slot, clock) for slot in slots]
-            self._check_step_lr(stamp, slots, verdicts)
+            if stamp.lr is not None or self._scheduled:  # else every slice's step_lr is None too
+                self._check_step_lr(stamp, slots, verdicts)
             with self._meta:
                 self._record_stamp(stamp)
                 roster = self._roster
@@ -369,6 +371,7 @@ class ShardStore:
                     continue
                 if verdict:
                     slot.step_lr = stamp.lr
+                    self._scheduled = self._scheduled or stamp.lr is not None
                 if stamp.schedule:
                     self._record_scheduled(slot, stamp)
                 else:
