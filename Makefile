@@ -29,6 +29,8 @@ help:
 	@echo "make bench-links  W1 step time per compressor on a tc-shaped 1 Gbit/s link, compressors' CPU cost"
 	@echo "make bench-priority layer priority against FIFO, a 24-layer MLP over the same 1 Gbit/s link"
 	@echo "make bench-drain  a server drained mid-training: longest step against the median (issue 20)"
+	@echo "make bench-coordinator  a scheduled no-op's p50/p99, coordinator vs worker-driven training steps/s"
+	@echo "make demo-coordinator   Fashion-MNIST trained by a coordinator (examples/coordinator_mnist.py)"
 	@echo "make bench-tls one Python stream: clear, SSLSocket, the fast path's TlsStream (JSON lines)"
 	@echo "make bench-hosts  the benchmarks across hosts on the namespace bed (root): stream, W1 clear/TLS, p50, 1 Gbit/s"
 	@echo "make gpu-carry build .gpu-carry/ (pshard installed, stubs for the GPU machine's grpcio) to carry there"
@@ -115,6 +117,18 @@ up:
 bench: install
 	$(PY) -m bench.run_all
 
+# Issue 21: a scheduled no-op's p50/p99, and coordinator training steps/s against the worker-driven loop
+# (PSTrainer) in the same run; bar 0.8x.
+.PHONY: bench-coordinator
+bench-coordinator: install
+	$(PY) -m bench.coordinator
+
+# Issue 21: Fashion-MNIST trained by a coordinator (examples/coordinator_mnist.py); its last line is the
+# test accuracy (>= 0.85). A minute or two on the 2-core machine: not part of make test.
+.PHONY: demo-coordinator
+demo-coordinator: install data
+	$(VENV)/bin/pshard launch $(LAUNCH_SECURITY) --ps 2 --workers 2 --coordinator examples/coordinator_mnist.py
+
 # Issue 19: test accuracy with --compression topk:0.01 and sign (error feedback on) against uncompressed
 # training, same epochs and seed, 2 servers and 2 workers in sync mode (minutes: 3 trainings of
 # COMPRESSION_EPOCHS epochs each). Exits 1 when a compressor ends more than 0.5 pp behind.
@@ -170,7 +184,7 @@ fuzz: install
 
 lint: install
 	$(VENV)/bin/ruff check .
-	$(VENV)/bin/mypy common client ps_server scheduler worker launcher pshard
+	$(VENV)/bin/mypy common client ps_server scheduler worker launcher coordinator pshard
 	$(VENV)/bin/mypy --explicit-package-bases $$(git ls-files 'tests/*.py' 'bench/*.py')
 	$(VENV)/bin/buf lint proto
 	$(COMPOSE_BIN) -f docker-compose.yml config -q

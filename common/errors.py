@@ -234,6 +234,24 @@ class ForkedClientError(PSError):
     status = "FAILED_PRECONDITION"
 
 
+class ScheduledFunctionError(PSError):
+    """A function a ClusterCoordinator scheduled raised on its worker (pshard.coordinator). The message
+    carries the worker's traceback; facts: `function`, `schedule_id`, `worker`, `error_type` (the
+    exception's class on the worker, e.g. "builtins.ValueError")."""
+
+    status = "ABORTED"
+
+
+class NoWorkersError(UnavailableError):
+    """A coordinator has scheduled functions waiting and no serving worker left to run them."""
+
+
+class CancelledCallError(PSError):
+    """A scheduled call that never ran: an earlier call failed and the coordinator dropped the rest."""
+
+    status = "CANCELLED"
+
+
 def error_classes() -> dict[str, type[PSError]]:
     """Every PSError subclass by name, so a client can re-raise the server's class."""
     found: dict[str, type[PSError]] = {}

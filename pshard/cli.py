@@ -62,7 +62,9 @@ RUN_HELP = """usage: pshard run [flags of the role's command]
 
 Starts the role that TF_CONFIG's task.type names, so that one image serves every replica of a
 TFJob: scheduler -> 'pshard scheduler', ps -> 'pshard ps', chief, master, worker and evaluator ->
-'pshard worker'. Flags after 'run' go to that command; 'pshard <command> --help' lists them."""
+'pshard worker'. Flags after 'run' go to that command; 'pshard <command> --help' lists them.
+In a coordinator's job (docs/guide/coordinator.md) set PSHARD_SERVE=1 on the workers: they serve the
+functions the chief schedules ('pshard worker --serve'); the chief runs the coordinator's script."""
 
 
 def _usage() -> str:

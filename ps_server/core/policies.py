@@ -58,6 +58,9 @@ class Slot:
     # worker -> last clock it pushed to this slice (duplicates are clocks <= this).
     last_clock: dict[str, int] = field(default_factory=dict)
     max_clock: int = NO_CLOCK  # largest clock pushed here by anyone
+    # Scheduled calls (pshard.coordinator): schedule id -> last push number applied here, whichever
+    # worker ran it; a re-dispatched call's repeats are duplicates. Ids below the floor are forgotten.
+    scheduled: dict[int, int] = field(default_factory=dict)
     aggregate: Aggregate = field(default_factory=Aggregate)  # sync only
     # SSP only: worker -> clock it joined the quorum at; it is not waited for below it.
     floors: dict[str, int] = field(default_factory=dict)
