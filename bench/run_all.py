@@ -32,6 +32,7 @@ from bench import ceilings
 from bench.admission import admission_memory
 from bench.common import DEFAULT_SIZES, emit, load_average, machine, parse_sizes
 from bench.dense import dense
+from bench.disk_tier import disk_tier
 from bench.latency import latency
 from bench.narrow_rows import narrow_rows
 from bench.replication import replication
@@ -161,6 +162,10 @@ def main(argv: list[str] | None = None) -> int:
     admit = emit("admission_memory", **admission_memory(ids=2_000_000 if args.quick else 20_000_000))
     # 8- and 16-bit rows (issue 22): RSS per row and rows/s by row_dtype, float32 the same-run baseline.
     narrow = emit("narrow_rows", **narrow_rows(rows=250_000 if args.quick else 2_000_000))
+    # The disk tier (issue 22): a table 4x its memory_mb, zipf ids, against the same table in RAM.
+    tier = emit("disk_tier_rows", **disk_tier(rows=200_000 if args.quick else 1_000_000,
+                                              steps=20 if args.quick else 100,
+                                              repeats=1 if args.quick else 2))
     # Replication (issue 10): replicas 1 vs 0 on 3 servers, and the failover time after a SIGKILL.
     repl = emit("replication", **replication(sizes, steps=steps))
     # Training (issue 8): the demo CNN with 2 servers, with and without overlap, against local torch.optim.
@@ -206,6 +211,9 @@ def main(argv: list[str] | None = None) -> int:
     rss = {rd: narrow[rd]["rss_bytes_per_row"] for rd in ("float32", "float16", "bfloat16", "int8")}  # type: ignore[index]
     print(f"rows of dim {narrow['dim']} by row_dtype, RSS bytes per row: {rss} (int8: "
           f"{narrow['int8']['rss_ratio_float32_to_this']}x smaller than float32)")  # type: ignore[index]
+    print(f"disk tier, {tier['rows']} rows x {tier['dim']} at a quarter in RAM, zipf: "
+          f"{tier['rows_per_s_tiered']} rows/s against {tier['rows_per_s_ram']} in RAM ({tier['ratio']}x) "
+          f"[bar {tier['bar']}x: {'ok' if tier['passed'] else 'below'}]")
     ratios = [float(train[k]) for k in ("ratio_pstrainer_to_local", "ratio_overlap_to_local")]  # type: ignore[arg-type]
     print(f"training, demo CNN, 1 worker x 2 servers: local {train['local_steps_per_s']} steps/s, PSTrainer "
           f"{train['pstrainer_steps_per_s']} ({train['ratio_pstrainer_to_local']}x), with overlap "

@@ -156,6 +156,9 @@ class PSClient:
         self.overload_retries = 0
         self._declared = False
         self.reroutes = 0  # steps sent again after a failover moved slices
+        # (schedule id, push number, floor) stamped on pushes while a scheduled call runs
+        # (pshard.coordinator): the servers apply each of them once, whichever worker sends it.
+        self.scheduled: tuple[int, int, int] = (0, 0, 0)
         # The job's gradient compression (set by declare); None: every slice travels as it is.
         self.compression: PushEncoder | None = None
 
@@ -201,8 +204,10 @@ class PSClient:
 
         def run(server: int) -> None:
             slices = self.layout.slices_on(server)  # type: ignore[union-attr]
-            if not slices and self.layout.replicas:  # type: ignore[union-attr]
-                return  # a failover left it none (it is only a backup now): nothing to declare there
+            if not slices:
+                # A failover left it none (it is only a backup now), or the model has fewer slices than
+                # there are servers (a coordinator's one variable): nothing to declare there.
+                return
             header = pb.ExchangeHeader(
                 op=pb.EXCHANGE_OP_DECLARE, config=codec.job_to_proto(job),
                 push=[self._meta(s, self._dtypes[s.key]) for s in slices],
@@ -502,9 +507,10 @@ class PSClient:
     # ---- internals ----
 
     def _need_layout(self) -> Layout:
-        if self.layout is None:
+        layout = self.connections.layout  # read once: every step asks three times
+        if layout is None:
             raise InvalidArgumentError("no layout yet: call declare() first (or pass the scheduler's layout)")
-        return self.layout
+        return layout
 
     @property
     def generation(self) -> int:
@@ -516,7 +522,7 @@ class PSClient:
         self._generation = value
 
     def _stamp(self, clock: int, lr: float | None = None) -> pb.Stamp:
-        return codec.stamp_to_proto(Stamp(self.worker_id, self.generation, clock, lr))
+        return codec.stamp_to_proto(Stamp(self.worker_id, self.generation, clock, lr, *self.scheduled))
 
     @staticmethod
     def _packed_meta(s: LayoutSlice, packed: codec.WireArray) -> pb.SliceMeta:

@@ -160,7 +160,8 @@ class _Split:
     `inverse` maps each position of the call's ids to its row in `ids`."""
 
     def __init__(self, ids: np.ndarray, n_servers: int, owners: np.ndarray | None = None) -> None:
-        """`owners`: the server of each row partition, when a failover moved one (Layout.row_owners)."""
+        """`owners`: the server of each row partition, when a failover or a move placed them
+        (Layout.row_owners): its length is the number of partitions, which may exceed n_servers."""
         ids = np.asarray(ids)
         if ids.dtype.kind not in "iu":
             raise InvalidArgumentError(f"ids: got dtype {ids.dtype}, expected integers (int64)")
@@ -174,8 +175,9 @@ class _Split:
         np.not_equal(ordered[1:], ordered[:-1], out=new[1:])
         repeats = not new.all()
         unique = ordered[new] if repeats else ordered
-        owner = server_of(unique, n_servers)
-        counts = np.bincount(owner, minlength=n_servers)
+        partitions = len(owners) if owners is not None else n_servers
+        owner = server_of(unique, partitions)
+        counts = np.bincount(owner, minlength=partitions)
         self.partitions = set(np.flatnonzero(counts).tolist())  # the row partitions of the ids
         if owners is not None:
             owner = owners[owner]

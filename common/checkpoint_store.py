@@ -81,6 +81,9 @@ class Checkpoint:
     params: dict[str, tuple[str, tuple[int, ...]]]  # name -> (dtype, shape)
     files: tuple[FileEntry, ...]
     servers: int  # how many servers wrote it
+    # A coordinator's own state, committed with the weights (pshard.coordinator: its shard queues'
+    # positions); {} for a worker-driven job's.
+    coordinator: dict[str, Any] = dataclasses.field(default_factory=dict)
     parent: str | None = None  # incremental: the name of the checkpoint directory it completes
     depth: int = 0  # links to the full checkpoint at the end of its chain
 
@@ -149,22 +152,26 @@ def job_from_json(d: Mapping[str, Any]) -> JobConfig:
 # ---- the manifest ----
 
 def commit(directory: Path, clock: int, job: JobConfig, params: Mapping[str, tuple[str, tuple[int, ...]]],
-           parts: Sequence[Sequence[FileEntry]], parent: Checkpoint | None = None) -> Path:
-    """Write the manifest (last, atomically): from here on the checkpoint is committed. With `parent`,
-    an incremental checkpoint whose parts refer to it (a sibling directory under the same root)."""
+           parts: Sequence[Sequence[FileEntry]], coordinator: Mapping[str, Any] | None = None,
+           parent: Checkpoint | None = None) -> Path:
+    """Write the manifest (last, atomically): from here on the checkpoint is committed. `coordinator`: a
+    coordinator's own state (JSON), committed with the weights. With `parent`, an incremental checkpoint
+    whose parts refer to it (a sibling directory under the same root)."""
     chained: dict[str, Any] = {}
     if parent is not None:
         if parent.path.parent.resolve() != directory.parent.resolve():
             raise CheckpointError(f"checkpoint {directory}: its parent {parent.path} is not under the same "
                                   "root")
         chained = {"parent": parent.path.name, "depth": parent.depth + 1}
-    manifest = {
+    manifest: dict[str, Any] = {
         "format": FORMAT_CHAIN if chained else FORMAT, **chained, "clock": clock, "created": time.time(),
         "job": job_to_json(job),
         "servers": len(parts),
         "params": {k: {"dtype": d, "shape": list(s)} for k, (d, s) in params.items()},
         "files": [dataclasses.asdict(f) for part in parts for f in part],
     }
+    if coordinator:
+        manifest["coordinator"] = dict(coordinator)
     encoded = json.dumps(manifest, indent=1).encode()
     path = directory / MANIFEST
     write_atomically(path, lambda f: f.write(encoded))
@@ -215,7 +222,8 @@ def load_manifest(path: Path, verify: bool = False) -> Checkpoint:
     return Checkpoint(path=path, clock=int(raw["clock"]), created=float(raw["created"]),
                       job=job_from_json(raw["job"]),
                       params={k: (v["dtype"], tuple(v["shape"])) for k, v in raw["params"].items()},
-                      files=files, servers=int(raw["servers"]), parent=raw.get("parent"),
+                      files=files, servers=int(raw["servers"]),
+                      coordinator=dict(raw.get("coordinator") or {}), parent=raw.get("parent"),
                       depth=int(raw.get("depth", 0)))
 
 

@@ -144,6 +144,9 @@ class TableConfig:
     row_dtype: str = "float32"
     # How pushed gradient rows travel (TABLE_COMPRESSIONS); the servers apply them in float32.
     compression: str = "none"
+    # RAM for rows per server, in MiB (values, optimizer state and stamps; ps_server/tables/disktier.py):
+    # rows beyond it spill to the server's --table-dir and come back on touch. 0: every row in RAM.
+    memory_mb: float = 0.0
 
     def __post_init__(self) -> None:
         def bad(field: str, got: object, expected: str) -> InvalidArgumentError:
@@ -171,7 +174,8 @@ class TableConfig:
             ("beta1", self.betas[0], 0.0, 0.999999), ("beta2", self.betas[1], 0.0, 0.999999),
             ("admit_prob", self.admit_prob, 1e-9, 1.0), ("ttl", self.ttl, 0.0, 1e12),
             # A declaration allocates it at once: bounded, so that a hostile one cannot take the host.
-            ("admit_memory_mb", self.admit_memory_mb, 0.001, 1024.0))
+            ("admit_memory_mb", self.admit_memory_mb, 0.001, 1024.0),
+            ("memory_mb", self.memory_mb, 0.0, float(1 << 30)))
         for field, number, low, high in ranges:
             if not (math.isfinite(number) and low <= number <= high):
                 raise bad(field, number, f"a number in [{low}, {high}]")

@@ -190,6 +190,12 @@ def build_parser(environ: Mapping[str, str], prog: str = PROG) -> argparse.Argum
                         "arrived (ByteScheduler's layer priority); it pays where the link bounds a step")
     p.add_argument("--shm-dir", metavar="DIR", default=D.SHM_DIR,
                    help=f"directory of shared-memory segments, shared with the servers (default {D.SHM_DIR})")
+    p.add_argument("--serve", action="store_true", default=_serve_default(environ),
+                   help="run the functions a coordinator (the chief task, pshard.coordinator."
+                        "ClusterCoordinator) schedules, one at a time, until it leaves, instead of "
+                        "training on its own; the training flags are the coordinator's then "
+                        "(docs/guide/coordinator.md). Default: $PSHARD_SERVE (1 or 0), so that "
+                        "'pshard run' serves in a coordinator's job")
     limits = p.add_argument_group("timeouts")
     limits.add_argument("--startup-timeout-s", metavar="S", type=positive_float, default=D.STARTUP_TIMEOUT_S,
                         help="longest wait for the scheduler, the servers and the other workers "
@@ -198,6 +204,14 @@ def build_parser(environ: Mapping[str, str], prog: str = PROG) -> argparse.Argum
                         help="longest one push/pull may take, waiting for peers included "
                              f"(default {D.STEP_TIMEOUT_S:g})")
     return p
+
+
+def _serve_default(environ: Mapping[str, str]) -> bool:
+    raw = environ.get("PSHARD_SERVE", "").strip().lower()
+    if raw not in ("", "0", "1", "true", "false"):
+        raise ClusterConfigError(f"PSHARD_SERVE: got {raw!r}, expected 1 or 0 (a worker of a coordinator's "
+                                 "job serves its functions: pshard worker --serve)")
+    return raw in ("1", "true")
 
 
 def _check_numbers(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
@@ -291,7 +305,7 @@ def config_from_args(argv: Sequence[str] | None, environ: Mapping[str, str], pro
         global_checkpoint_dir=args.global_checkpoint_dir,
         checkpoint_every_steps=max(0, args.checkpoint_every_steps),
         keep_checkpoints=max(0, args.keep_checkpoints), checkpoint_background=args.checkpoint_background,
-        checkpoint_full_every=args.checkpoint_full_every, security=security, bind=args.bind,
+        checkpoint_full_every=args.checkpoint_full_every, security=security, bind=args.bind, serve=args.serve,
         **ctr_settings(args, spec))
 
 
@@ -301,6 +315,10 @@ def _main(argv: Sequence[str] | None, environ: Mapping[str, str], prog: str) -> 
     cfg.security.warn_if_open(prog)  # after every check: a refused start stays one line
     if cfg.spec.task_type == "evaluator":
         return run_evaluator(cfg)
+    if cfg.serve:
+        from pshard.worker.serve import run_serving  # grpc's server side, for this mode only
+
+        return run_serving(cfg)
     return run_ctr(cfg) if cfg.model == CTR_MODEL else run(cfg)
 
 

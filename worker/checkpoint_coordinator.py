@@ -23,7 +23,9 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import threading
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 from pshard.client.ps_client import DEADLINE_SLACK_S, PSClient
 from pshard.common import checkpoint_store as gc
@@ -63,16 +65,17 @@ def report_torn(torn: gc.Torn) -> None:
 
 
 def save(client: PSClient, root: str | Path, clock: int, *, keep: int | None = None,
-         parent: gc.Checkpoint | None = None) -> gc.Checkpoint:
+         parent: gc.Checkpoint | None = None, coordinator: Mapping[str, Any] | None = None) -> gc.Checkpoint:
     """Write a global checkpoint at `clock` under `root`; returns it once committed.
 
     `keep`: afterwards delete all but the newest `keep` committed checkpoints (None: keep all) and
     the links they need. `parent`: a committed checkpoint under `root` this one is incremental over.
+    `coordinator`: a coordinator's own state, committed in the manifest with the weights.
     """
     _job(client)
     directory = gc.new_directory(Path(root), clock)
     replies = _parts(client, directory, clock, parent, pb.CHECKPOINT_PHASE_UNSPECIFIED)
-    return _commit(client, root, directory, clock, replies, parent, keep)
+    return _commit(client, root, directory, clock, replies, parent, keep, coordinator)
 
 
 def save_in_background(client: PSClient, root: str | Path, clock: int, *, keep: int | None = None,
@@ -112,12 +115,12 @@ def _parts(client: PSClient, directory: Path, clock: int, parent: gc.Checkpoint 
 
 
 def _commit(client: PSClient, root: str | Path, directory: Path, clock: int,
-            replies: list[pb.SaveCheckpointPartResponse], parent: gc.Checkpoint | None, keep: int | None
-            ) -> gc.Checkpoint:
+            replies: list[pb.SaveCheckpointPartResponse], parent: gc.Checkpoint | None, keep: int | None,
+            coordinator: Mapping[str, Any] | None = None) -> gc.Checkpoint:
     layout = _layout(client)
     parts = [[gc.FileEntry(f.name, f.sha256, f.size) for f in r.files] for r in replies]
     params = {p.key: (p.dtype, p.shape) for p in layout.params}
-    gc.commit(directory, clock, _job(client), params, parts, parent=parent)
+    gc.commit(directory, clock, _job(client), params, parts, coordinator, parent=parent)
     log.info("checkpoint at clock %d committed: %s (%d parts%s)", clock, directory, len(parts),
              f", incremental over {parent.path.name}" if parent is not None else "")
     if keep is not None:
@@ -130,6 +133,13 @@ def restore(client: PSClient, root: str | Path, job: JobConfig, *, resume: bool 
     """Configure the servers from the newest committed checkpoint under `root` (torn ones are reported
     and skipped); the clock restored, or None when there is none. Servers that already hold a model
     keep it (a worker joining a running job restores nothing)."""
+    checkpoint = restore_checkpoint_of(client, root, job, resume=resume)
+    return checkpoint.clock if checkpoint is not None else None
+
+
+def restore_checkpoint_of(client: PSClient, root: str | Path, job: JobConfig, *,
+                          resume: bool = False) -> gc.Checkpoint | None:
+    """`restore`, returning the checkpoint restored (its manifest: a coordinator reads its state there)."""
     layout = _layout(client)
     checkpoint = gc.latest(Path(root), report=report_torn)
     if checkpoint is None:
@@ -139,12 +149,13 @@ def restore(client: PSClient, root: str | Path, job: JobConfig, *, resume: bool 
     t = client.timeout_s
     replies = client.each_server(lambda i, stub: stub.RestoreCheckpoint(
         pb.RestoreCheckpointRequest(directory=str(checkpoint.path.resolve()), config=codec.job_to_proto(job),
-                                    ranges=_ranges(layout, i), server=i, servers=n, resume=resume),
+                                    ranges=_ranges(layout, i), server=i, servers=n, resume=resume,
+                                    row_owners=layout.row_owners),
         timeout=t + DEADLINE_SLACK_S, wait_for_ready=True))
     restored = sum(r.restored for r in replies)
     log.warning("checkpoint %s (clock %d, written by %d servers) restored onto %d of %d servers",
                 checkpoint.path, checkpoint.clock, checkpoint.servers, restored, n)
-    return checkpoint.clock
+    return checkpoint
 
 
 # ---- in a training run (worker.train) ----

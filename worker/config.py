@@ -90,6 +90,7 @@ class TrainConfig:
     # TLS files or tokens of every channel (pshard.common.security.credentials); default plain.
     security: SecurityConfig = field(default_factory=SecurityConfig)
     bind: str | None = None  # where a chief hosting the scheduler listens (None: pshard.common.rpc.bind)
+    serve: bool = False  # --serve: run a coordinator's scheduled functions (pshard.worker.serve)
     # --model ctr: the synthetic click log (pshard.worker.ctr_data) and its table's learning rate.
     ctr: CtrSpec = field(default_factory=CtrSpec)
     table_lr: float = Defaults.TABLE_LR

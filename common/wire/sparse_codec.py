@@ -51,7 +51,8 @@ def spec_to_proto(config: TableConfig) -> pb.TableSpec:
         max_rows=config.max_rows, cap_policy=_back(_POLICIES)[config.cap_policy],  # type: ignore[arg-type]
         log_evictions=config.log_evictions, allow_nonfinite=config.allow_nonfinite,
         mode=_back(_MODES)[config.mode], admit_memory_mb=config.admit_memory_mb,  # type: ignore[arg-type]
-        row_dtype=config.row_dtype, compression="" if config.compression == "none" else config.compression)
+        row_dtype=config.row_dtype, compression="" if config.compression == "none" else config.compression,
+        memory_mb=config.memory_mb)
 
 
 def spec_from_proto(spec: pb.TableSpec) -> TableConfig:
@@ -69,7 +70,8 @@ def spec_from_proto(spec: pb.TableSpec) -> TableConfig:
         log_evictions=spec.log_evictions, allow_nonfinite=spec.allow_nonfinite,
         mode=_named(_MODES, spec.mode, _DEFAULT.mode),
         admit_memory_mb=spec.admit_memory_mb or _DEFAULT.admit_memory_mb,
-        row_dtype=spec.row_dtype or _DEFAULT.row_dtype, compression=spec.compression or _DEFAULT.compression)
+        row_dtype=spec.row_dtype or _DEFAULT.row_dtype, compression=spec.compression or _DEFAULT.compression,
+        memory_mb=spec.memory_mb)
 
 
 def encode_grads(config: TableConfig, rows: np.ndarray) -> np.ndarray:

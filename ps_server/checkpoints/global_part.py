@@ -206,10 +206,13 @@ def shard_snapshot(checkpoint: ckpt.Checkpoint, job: JobConfig, ranges: Mapping[
 
 
 def restore_tables(checkpoint: ckpt.Checkpoint, server: int, servers: int,
-                   make: Callable[[TableConfig], SparseTable], links: Sequence[ckpt.Checkpoint] = ()
-                   ) -> list[SparseTable]:
-    """The rows of every part's tables that server `server` of `servers` owns by row hash (an
-    incremental checkpoint's folded from its `links`, ckpt.chain)."""
+                   make: Callable[[TableConfig], SparseTable], row_owners: Sequence[int] = (),
+                   links: Sequence[ckpt.Checkpoint] = ()) -> list[SparseTable]:
+    """The rows of every part's tables that server `server` of `servers` owns by row hash: the ids
+    of the row partitions `row_owners` puts on it (empty: partition i on server i). The checkpoint
+    holds ids, not partitions, so any partitioning restores from any other. An incremental
+    checkpoint's are folded from its `links` (ckpt.chain)."""
+    owners = np.asarray(row_owners, np.int64) if len(row_owners) else None
     tables: dict[str, SparseTable] = {}
     folders = [c.path for c in links] or [checkpoint.path]
     for part in ckpt.table_parts(checkpoint):
@@ -219,7 +222,8 @@ def restore_tables(checkpoint: ckpt.Checkpoint, server: int, servers: int,
             if table is None:
                 table = tables[config.name] = make(config)
             for chunk_ids, chunk in chain_rows(table_chain(folders, part, name), list(table.columns())):
-                mine = server_of(chunk_ids, servers) == server
+                mine = (server_of(chunk_ids, servers) == server if owners is None
+                        else owners[server_of(chunk_ids, len(owners))] == server)
                 if mine.any():
                     table.restore_rows(chunk_ids[mine], {c: a[mine] for c, a in chunk.items()})
             table.step = max(table.step, int(meta["step"]))

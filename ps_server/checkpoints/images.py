@@ -99,7 +99,8 @@ def capture(table: SparseTable, parent: Mapping[str, Any] | None) -> TableImage:
     """What a part holds of `table` (its lock held). `parent`: the table.json of the same table in the
     parent part, or None; incremental only when it is this table object's and the eviction log
     still covers it, full otherwise. Advances the table's epoch: later changes go to the next one."""
-    since = _since(table, parent)
+    # A table with a disk tier (memory_mb) moves rows between RAM and disk: it is captured whole, now.
+    since = _since(table, parent) if table.disk is None else None
     epoch = table.epoch
     rows = table.index.live_rows()
     removed = np.zeros(0, np.int64)
@@ -114,11 +115,29 @@ def capture(table: SparseTable, parent: Mapping[str, Any] | None) -> TableImage:
     if table.admission is not None:
         counters, meta["admit_added"], meta["admit_epoch"] = table.admission.state()
         admission = counters.copy()
+    if table.disk is not None:
+        image = _whole(table, rows, meta, admission)
+        _advance(table, epoch, since)
+        return image
     columns = {c: np.empty((len(rows), *shape), a.dtype) for c, (a, shape) in table.columns().items()}
     image = TableImage(meta=meta, ids=table.index.ids[rows].astype(np.int64), columns=columns,
                        removed=removed, admission=admission, copier=Copier(table, rows, columns))
     _advance(table, epoch, since)
     return image
+
+
+def _whole(table: SparseTable, rows: np.ndarray, meta: dict[str, Any], admission: np.ndarray | None
+           ) -> TableImage:
+    """Every row of a table with a disk tier, RAM's then the disk's, copied now (its lock held)."""
+    ids = [table.index.ids[rows].astype(np.int64)]
+    columns = {c: [a[rows]] for c, (a, _) in table.columns().items()}
+    for spilled, values in table.spilled_chunks():
+        ids.append(spilled.astype(np.int64))
+        for c, parts in columns.items():
+            parts.append(values[c])
+    return TableImage(meta=meta, ids=np.concatenate(ids),
+                      columns={c: np.concatenate(p) for c, p in columns.items()},
+                      removed=np.zeros(0, np.int64), admission=admission)
 
 
 def _since(table: SparseTable, parent: Mapping[str, Any] | None) -> int | None:

@@ -24,7 +24,7 @@ import os
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from pathlib import Path
 
 from pshard.common import checkpoint_store as ckpt
@@ -154,13 +154,13 @@ class GlobalCheckpoints:
         return result
 
     async def restore(self, requested: str, job: JobConfig, ranges: Mapping[SliceKey, ckpt.Range],
-                      server: int, servers: int, resume: bool, listed: int | None = None
-                      ) -> tuple[bool, int, int, int]:
+                      server: int, servers: int, resume: bool, listed: int | None = None,
+                      row_owners: Sequence[int] = ()) -> tuple[bool, int, int, int]:
         """Configure this empty server from the committed checkpoint in `requested` (inside the root);
         (restored, clock, slices, table rows). False when it already holds a model: nothing changes."""
         directory = guard.confine(self._root, requested)
         guard.check_ranges(ranges, len(ranges) if listed is None else listed)
-        guard.check_servers(server, servers)
+        guard.check_servers(server, servers, row_owners)
         links = ckpt.chain(ckpt.load_manifest(directory))  # every link verified, or refused naming its file
         checkpoint = links[0]
         theirs = checkpoint.job
@@ -187,7 +187,7 @@ class GlobalCheckpoints:
         rows = 0
         if self._tables is not None:
             for table in await asyncio.get_running_loop().run_in_executor(
-                    None, restore_tables, checkpoint, server, servers, self._tables.make, links):
+                    None, restore_tables, checkpoint, server, servers, self._tables.make, row_owners, links):
                 rows += len(table)
                 self._tables.add(table)
         log.warning("restored the global checkpoint %s (clock %d, written by %d servers): %d slices, "

@@ -8,6 +8,7 @@ server's handler runs (ps_server.checkpoints.global_part), with table rows place
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
 import time
 from pathlib import Path
@@ -22,6 +23,7 @@ from pshard.ps_server.checkpoints.compaction import compact
 from pshard.ps_server.checkpoints.global_part import capture_part, restore_tables, shard_snapshot, write_image
 from pshard.ps_server.checkpoints.images import Pace, capture, save_npy
 from pshard.ps_server.core.store import ShardSnapshot, ShardStore
+from pshard.ps_server.tables import disktier
 from pshard.ps_server.tables.table import CHUNK_ROWS, SparseTable
 
 JOB = JobConfig(mode="async", optimizer=OptimizerConfig(name="adam", lr=0.01), job_id="inc")
@@ -81,7 +83,7 @@ def _restore(checkpoint: ckpt.Checkpoint, servers: int) -> tuple[list[ShardSnaps
         snaps.append(shard_snapshot(checkpoint, JOB, ranges, None, links))
     rows: dict[int, tuple] = {}
     for i in range(servers):
-        for table in restore_tables(checkpoint, i, servers, SparseTable, links):
+        for table in restore_tables(checkpoint, i, servers, SparseTable, links=links):
             rows.update(_rows(table))
     return snaps, rows
 
@@ -196,7 +198,7 @@ def test_a_server_that_did_not_write_the_parent_writes_a_full_part(
     restarted = [Server(0), Server(1)]  # other processes: their stamps and versions mean nothing to it
     for old, new in zip(servers, restarted, strict=True):
         new.writer = f"restarted-{old.index}"
-        for table in restore_tables(head, old.index, 2, SparseTable, ckpt.chain(head)):
+        for table in restore_tables(head, old.index, 2, SparseTable, links=ckpt.chain(head)):
             new.table = table
     after = _take(tmp_path / "root", restarted, 4, parent=head)
     assert '"parent": null' in (after.path / "part-0.json").read_text()
@@ -234,3 +236,19 @@ def test_a_paced_write_takes_at_least_its_bytes_over_the_pace_and_writes_the_sam
     assert paced == save_npy(tmp_path / "unpaced.npy", array)
     assert paced == ckpt.digest(tmp_path / "paced.npy")
     assert np.array_equal(np.load(tmp_path / "paced.npy"), array)
+
+
+def test_a_table_with_a_disk_tier_is_captured_whole_with_its_spilled_rows(tmp_path: Path) -> None:
+    plain = TableConfig("tiered", 4, optimizer="adagrad", lr=0.1)
+    probe = disktier.RecordLayout.of(SparseTable(plain).columns())
+    per_row = probe.record_bytes + disktier.DIRECTORY_BYTES
+    config = dataclasses.replace(plain, memory_mb=200 * per_row / 2**20)  # about 200 rows in RAM
+    table = SparseTable(config, store=tmp_path / "rows")
+    ids = np.arange(2000, dtype=np.int64)
+    for batch in np.split(ids, 10):  # a request's own rows stay in RAM: later ones spill earlier ones
+        table.push(batch, np.ones((len(batch), 4), np.float32), clock=1)
+    assert table.disk is not None and len(table.disk) > 0  # most rows are on disk
+    image = capture(table, {"token": table.token, "epoch": 0})  # never incremental with a disk tier
+    assert image.meta["since"] is None and image.copier is None
+    assert sorted(image.ids.tolist()) == ids.tolist()
+    np.testing.assert_array_equal(image.columns["values"][np.argsort(image.ids)], table.pull(ids))
