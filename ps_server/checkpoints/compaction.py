@@ -47,7 +47,7 @@ def compact(checkpoint: ckpt.Checkpoint) -> ckpt.Checkpoint:
             image = PartImage(name=name, meta={**meta, "parent": None, "slices": entries}, arrays=arrays,
                               tables=tables)
             parts.append(write_image(directory, image))
-    ckpt.commit(directory, checkpoint.clock, checkpoint.job, checkpoint.params, parts)
+    ckpt.commit(directory, checkpoint.clock, checkpoint.job, checkpoint.params, parts, checkpoint.coordinator)
     return ckpt.load_manifest(directory, verify=True)
 
 
