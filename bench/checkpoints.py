@@ -60,7 +60,7 @@ def main() -> None:
     p.add_argument("--dim", type=int, default=8, help="table row width")
     p.add_argument("--steps", type=int, default=15, help="steps timed before and after the checkpoint")
     p.add_argument("--dir", help="checkpoint root (default: a temporary directory, removed after)")
-    p.add_argument("--write-mb-s", type=float, default=64.0,
+    p.add_argument("--write-mb-s", type=float, default=32.0,
                    help="the server's --checkpoint-write-mb-s (0: unpaced)")
     args = p.parse_args()
     root = Path(args.dir or tempfile.mkdtemp(prefix="pshard-bench-ckpt-"))

@@ -86,7 +86,7 @@ def write_image(directory: Path, image: PartImage, between: Callable[[str], None
     name = image.name
     arrays = image.arrays
     for table in image.tables:  # first: until it is done, the tables' requests copy before they write
-        table.fill()
+        table.fill(pace)
     ckpt.write_atomically(directory / f"{name}.npz", lambda f: np.savez(f, allow_pickle=False, **arrays))
     if between is not None:
         between("dense")

@@ -52,10 +52,10 @@ class TableImage:
     def nbytes(self) -> int:
         return self.ids.nbytes + self.removed.nbytes + sum(a.nbytes for a in self.columns.values())
 
-    def fill(self) -> None:
-        """Copy the rows not copied yet (a request may still be copying one chunk: it is waited for)."""
+    def fill(self, pace: Pace | None = None) -> None:
+        """Copy the rows not copied yet (a request may still be copying some: it is waited for)."""
         if self.copier is not None:
-            self.copier.run()
+            self.copier.run(pace)
 
 
 class Copier:
@@ -85,11 +85,13 @@ class Copier:
                 self._out[name][at] = array[rows]
             self._copied[at] = True
 
-    def run(self) -> None:
+    def run(self, pace: Pace | None = None) -> None:
         try:
             for lo in range(0, len(self._rows), CHUNK_ROWS):
                 with self._lock:
                     self._copy(lo + np.flatnonzero(~self._copied[lo:lo + CHUNK_ROWS]))
+                if pace is not None:  # copying is most of a write's CPU: paced with it
+                    pace.wrote(sum(a[lo:lo + CHUNK_ROWS].nbytes for a in self._out.values()))
         finally:
             if self._table.before_write == self.before_write:
                 self._table.before_write = None
@@ -205,7 +207,7 @@ def write_images(directory: Path, name: str, images: Sequence[TableImage], token
     """Write `images` as part `name`'s tables (every file fsync'ed, the index last); the files written,
     relative to `directory`, with their SHA-256 and size (the rows' files hashed as they are written)."""
     for image in images:
-        image.fill()  # if the caller did not
+        image.fill(pace)  # if the caller did not
     folder = directory / f"{name}.tables-{token}"
     folder.mkdir()
     written: dict[str, tuple[str, int]] = {}
