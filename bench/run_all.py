@@ -31,6 +31,8 @@ import sys
 from bench import ceilings
 from bench.admission import admission_memory
 from bench.common import DEFAULT_SIZES, emit, load_average, machine, parse_sizes
+from bench.coordinator import BAR as COORDINATOR_BAR
+from bench.coordinator import coordinator_bench
 from bench.dense import dense
 from bench.disk_tier import disk_tier
 from bench.latency import latency
@@ -171,6 +173,12 @@ def main(argv: list[str] | None = None) -> int:
     # Training (issue 8): the demo CNN with 2 servers, with and without overlap, against local torch.optim.
     train = emit("training_steps", **training(steps=40 if args.quick else 200,
                                               repeats=1 if args.quick else 3))
+    # Coordinator-driven training (issue 21): a scheduled no-op's p50/p99, and scheduled training steps/s
+    # against the worker-driven loop in the same run (`make bench-coordinator` runs it at full length).
+    coord = emit("coordinator", **coordinator_bench(steps=40 if args.quick else 200,
+                                                    repeats=1 if args.quick else 2,
+                                                    calls=50 if args.quick else 300,
+                                                    burst=100 if args.quick else 1000))
 
     m = machine()
     print(f"\n# pshard bench on {m['cpu']} ({m['cores']} cores), Python {m['python']}, grpcio {m['grpcio']}; "
@@ -220,6 +228,11 @@ def main(argv: list[str] | None = None) -> int:
           f"{train['overlap_steps_per_s']} ({train['ratio_overlap_to_local']}x), with priority "
           f"{train['priority_steps_per_s']} ({train['ratio_priority_to_local']}x) "
           f"[bar {TRAINING_BAR}x: {'ok' if max(ratios) >= TRAINING_BAR else 'below'}]")
+    noop: dict[str, object] = coord["noop"]  # type: ignore[assignment]
+    print(f"coordinator, mlp on 2 serving workers x 2 servers: scheduled no-op p50 {noop['p50_ms']} ms, "
+          f"p99 {noop['p99_ms']} ms; {coord['coordinator_steps_per_s']} steps/s against worker-driven "
+          f"{coord['worker_driven_steps_per_s']} ({coord['ratio']}x) "
+          f"[bar {COORDINATOR_BAR}x: {'ok' if float(coord['ratio']) >= COORDINATOR_BAR else 'below'}]")  # type: ignore[arg-type]
     return 0
 
 

@@ -148,6 +148,8 @@ class SliceSnapshot:
     floors: dict[str, int]  # SSP join clocks
     pending: np.ndarray | None  # sync: sum of the gradients of clock `version` received so far
     contributors: tuple[str, ...]  # sync: who those gradients came from
+    # Scheduled calls (pshard.coordinator): schedule id -> last push number applied (Slot.scheduled).
+    scheduled: dict[int, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -158,6 +160,7 @@ class ShardSnapshot:
     quorum: dict[str, int] | None
     seen: tuple[str, ...]
     counters: dict[str, int] = field(default_factory=dict)
+    schedule_floor: int = 0  # the coordinators' floor: every scheduled call below it has finished
 
 
 def _copy_state(state: SliceState) -> SliceState:
@@ -711,7 +714,8 @@ class ShardStore:
                 slices=tuple(_slice_snapshot(s) for s in sorted(slots, key=lambda s: s.key)),
                 generations=dict(self._generations),
                 quorum=dict(self._quorum) if self._quorum is not None else None,
-                seen=tuple(sorted(self._seen)), counters=dict(self._counters))
+                seen=tuple(sorted(self._seen)), counters=dict(self._counters),
+                schedule_floor=self._schedule_floor)
 
     @classmethod
     def restore(cls, snap: ShardSnapshot, *, optimizer: Optimizer | None = None,
@@ -721,6 +725,7 @@ class ShardStore:
         store._seen.update(snap.seen)
         store._roster = Roster(store._roster.quorum, frozenset(store._seen))
         store._counters.update(snap.counters)
+        store._schedule_floor = snap.schedule_floor
         for s in snap.slices:
             value = np.array(s.value, order="C", copy=True)
             aggregate = Aggregate(None if s.pending is None else np.array(s.pending, copy=True),
@@ -729,7 +734,8 @@ class ShardStore:
                 key=s.key, dtype=np.dtype(s.dtype), value=value, optimizer=store._optimizer_for(s.key),
                 opt_state=_copy_state(s.opt_state), version=s.version, last_clock=dict(s.clocks),
                 max_clock=max(s.clocks.values(), default=NO_CLOCK), aggregate=aggregate,
-                floors=dict(s.floors), behind=True, on_step=store._on_step, pool=store._pool)
+                floors=dict(s.floors), scheduled=dict(s.scheduled), behind=True, on_step=store._on_step,
+                pool=store._pool)
             for worker, clock in s.clocks.items():
                 store._worker_clocks[worker] = max(store._worker_clocks.get(worker, NO_CLOCK), clock)
         return store
@@ -768,4 +774,4 @@ def _slice_snapshot(slot: Slot) -> SliceSnapshot:
         key=slot.key, dtype=slot.dtype.name, value=slot.value.copy(), version=slot.version,
         opt_state=_copy_state(slot.opt_state), clocks=dict(slot.last_clock), floors=dict(slot.floors),
         pending=agg.total.copy() if agg.contributors and agg.total is not None else None,
-        contributors=tuple(sorted(agg.contributors)))
+        contributors=tuple(sorted(agg.contributors)), scheduled=dict(slot.scheduled))
