@@ -15,6 +15,13 @@ and `MANIFEST.json`, written last by the coordinator (tmp file, fsync, rename): 
 job, the parameters' shapes and every part file with its size and SHA-256. A directory without
 a manifest, or whose files do not match it, is torn: never restored, reported and skipped.
 
+Incremental checkpoints (format 2, issue 22) name a `parent`: the committed checkpoint directory
+beside them that they complete. Their dense slices that did not change since the parent point at
+the npz that holds them (`"npz": "../ckpt-.../part-<i>.npz"`, an ancestor's), and their tables hold
+only the rows written or touched since, plus the ids removed (ps_server.checkpoints.images). The
+chain ends at a full checkpoint (no parent). Reading one verifies every link (`chain`): a missing
+or damaged link is refused naming the file, never skipped. Format 1 (full) is written as before.
+
 The format, shared by the servers (ps_server.checkpoints.global_part writes and restores parts), the
 coordinator (worker.checkpoint_coordinator) and `pshard checkpoint`. Pure: numpy, json and files.
 """
@@ -35,10 +42,12 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 import numpy as np
+from pshard.common import checkpoint_chain
 from pshard.common.errors import CheckpointError  # re-exported: callers catch ckpt.CheckpointError
 from pshard.common.job import JobConfig, OptimizerConfig
 
 FORMAT = 1
+FORMAT_CHAIN = 2  # a manifest with a parent: older readers refuse it rather than restore part of it
 MANIFEST = "MANIFEST.json"
 _DIR = re.compile(r"^ckpt-(\d{12})-([0-9a-f]{8})$")
 _TMP_SUFFIX = ".tmp"
@@ -75,6 +84,8 @@ class Checkpoint:
     # A coordinator's own state, committed with the weights (pshard.coordinator: its shard queues'
     # positions); {} for a worker-driven job's.
     coordinator: dict[str, Any] = dataclasses.field(default_factory=dict)
+    parent: str | None = None  # incremental: the name of the checkpoint directory it completes
+    depth: int = 0  # links to the full checkpoint at the end of its chain
 
 
 @dataclass(frozen=True)
@@ -141,11 +152,20 @@ def job_from_json(d: Mapping[str, Any]) -> JobConfig:
 # ---- the manifest ----
 
 def commit(directory: Path, clock: int, job: JobConfig, params: Mapping[str, tuple[str, tuple[int, ...]]],
-           parts: Sequence[Sequence[FileEntry]], coordinator: Mapping[str, Any] | None = None) -> Path:
+           parts: Sequence[Sequence[FileEntry]], coordinator: Mapping[str, Any] | None = None,
+           parent: Checkpoint | None = None) -> Path:
     """Write the manifest (last, atomically): from here on the checkpoint is committed. `coordinator`: a
-    coordinator's own state (JSON), committed with the weights."""
+    coordinator's own state (JSON), committed with the weights. With `parent`, an incremental checkpoint
+    whose parts refer to it (a sibling directory under the same root)."""
+    chained: dict[str, Any] = {}
+    if parent is not None:
+        if parent.path.parent.resolve() != directory.parent.resolve():
+            raise CheckpointError(f"checkpoint {directory}: its parent {parent.path} is not under the same "
+                                  "root")
+        chained = {"parent": parent.path.name, "depth": parent.depth + 1}
     manifest: dict[str, Any] = {
-        "format": FORMAT, "clock": clock, "created": time.time(), "job": job_to_json(job),
+        "format": FORMAT_CHAIN if chained else FORMAT, **chained, "clock": clock, "created": time.time(),
+        "job": job_to_json(job),
         "servers": len(parts),
         "params": {k: {"dtype": d, "shape": list(s)} for k, (d, s) in params.items()},
         "files": [dataclasses.asdict(f) for part in parts for f in part],
@@ -186,8 +206,9 @@ def load_manifest(path: Path, verify: bool = False) -> Checkpoint:
         raise CheckpointError(f"checkpoint {path}: no {MANIFEST} (torn: a part was never finished)") from None
     except (OSError, ValueError) as err:
         raise CheckpointError(f"checkpoint {path}: {MANIFEST} unreadable ({err})") from None
-    if raw.get("format") != FORMAT:
-        raise CheckpointError(f"checkpoint {path}: got format {raw.get('format')!r}, expected {FORMAT}")
+    if raw.get("format") not in (FORMAT, FORMAT_CHAIN):
+        raise CheckpointError(f"checkpoint {path}: got format {raw.get('format')!r}, expected {FORMAT} or "
+                              f"{FORMAT_CHAIN}")
     files = tuple(FileEntry(f["name"], f["sha256"], int(f["size"])) for f in raw["files"])
     for f in files:
         p = path / f.name
@@ -202,7 +223,26 @@ def load_manifest(path: Path, verify: bool = False) -> Checkpoint:
                       job=job_from_json(raw["job"]),
                       params={k: (v["dtype"], tuple(v["shape"])) for k, v in raw["params"].items()},
                       files=files, servers=int(raw["servers"]),
-                      coordinator=dict(raw.get("coordinator") or {}))
+                      coordinator=dict(raw.get("coordinator") or {}), parent=raw.get("parent"),
+                      depth=int(raw.get("depth", 0)))
+
+
+def chain(checkpoint: Checkpoint) -> list[Checkpoint]:
+    """`checkpoint` and its ancestors down to its full base, newest first, every link verified by
+    SHA-256; CheckpointError naming the link's missing or damaged file (a link is never skipped)."""
+    links = [load_manifest(checkpoint.path, verify=True)]
+    while (name := links[-1].parent) is not None:
+        child = links[-1]
+        parent = child.path.parent / name
+        if not _DIR.match(name) or len(links) > links[0].depth:
+            raise CheckpointError(f"checkpoint {child.path}: its parent {name!r} is not a checkpoint "
+                                  f"directory, or the chain is longer than the {links[0].depth} links "
+                                  f"{links[0].path / MANIFEST} says")
+        if not (parent / MANIFEST).is_file():
+            raise CheckpointError(f"checkpoint {child.path}: its parent's manifest {parent / MANIFEST} is "
+                                  "missing (the chain is broken: restore an older full checkpoint by name)")
+        links.append(load_manifest(parent, verify=True))
+    return links
 
 
 def latest(root: Path, report: Callable[[Torn], None] | None = None) -> Checkpoint | None:
@@ -233,8 +273,16 @@ def retain(root: Path, keep: int) -> list[Path]:
     kept = committed[-keep:]
     if not kept:
         return []
-    floor = kept[0].clock
-    doomed = [c.path for c in committed[:-keep]] + [t.path for t in torn if _clock_of(t.path) < floor]
+    # The links the kept ones need stay too.
+    by_name = {c.path.name: c for c in committed}
+    needed = {c.path.name for c in kept}
+    for c in kept:
+        while c.parent is not None and c.parent in by_name:
+            needed.add(c.parent)
+            c = by_name[c.parent]
+    floor = min(by_name[n].clock for n in needed)
+    doomed = ([c.path for c in committed if c.path.name not in needed]
+              + [t.path for t in torn if _clock_of(t.path) < floor])
     for path in doomed:
         shutil.rmtree(path, ignore_errors=True)
     return doomed
@@ -258,15 +306,17 @@ class Piece:
 class DenseReader:
     """Dense values and optimizer state of a committed checkpoint, by parameter and element range."""
 
-    def __init__(self, checkpoint: Checkpoint) -> None:
+    def __init__(self, checkpoint: Checkpoint, links: Sequence[Checkpoint] = ()) -> None:
+        """`links`: an incremental checkpoint's chain (`chain`), whose npz files its slices may name."""
         self.checkpoint = checkpoint
         self._pieces: dict[str, list[Piece]] = {}
         self._npz: dict[Path, Any] = {}
         parts = sorted({f.name for f in checkpoint.files if re.fullmatch(r"part-\d+\.json", f.name)})
         for part in parts:
             meta = json.loads((checkpoint.path / part).read_bytes())
-            npz = checkpoint.path / part.replace(".json", ".npz")
+            own = checkpoint.path / part.replace(".json", ".npz")
             for entry in meta["slices"]:
+                npz = own if "npz" not in entry else _linked(checkpoint, links, part, str(entry["npz"]))
                 self._pieces.setdefault(entry["key"], []).append(
                     Piece(int(entry["offset"]), int(entry["numel"]), npz, entry))
         for key, pieces in self._pieces.items():
@@ -337,19 +387,35 @@ class DenseReader:
         return value.astype(dtype).reshape(shape) if dtype != "bfloat16" else value.reshape(shape)
 
 
+def _linked(checkpoint: Checkpoint, links: Sequence[Checkpoint], part: str, name: str) -> Path:
+    """The npz of an ancestor that an incremental part's unchanged slice names, if its manifest lists it."""
+    folder, _, file = name.removeprefix("../").partition("/")
+    for link in links:
+        if link.path.name == folder and any(f.name == file for f in link.files):
+            return link.path / file
+    raise CheckpointError(f"checkpoint {checkpoint.path}: {part} names {name}, which is not a file of its "
+                          f"chain ({[c.path.name for c in links]}): read it with its chain")
+
+
 def table_parts(checkpoint: Checkpoint) -> list[str]:
     """The names under which the parts saved tables (for ps_server.tables.files.load_tables)."""
     return sorted(f.name[: -len(".tables.json")] for f in checkpoint.files if f.name.endswith(".tables.json"))
 
 
-def table_rows(checkpoint: Checkpoint) -> dict[str, list[tuple[np.ndarray, np.ndarray]]]:
-    """Every table's live rows, per part: name -> [(ids, values)] (for an export: no server needed)."""
+def table_rows(checkpoint: Checkpoint, links: Sequence[Checkpoint] = ()
+               ) -> dict[str, list[tuple[np.ndarray, np.ndarray]]]:
+    """Every table's live rows, per part: name -> [(ids, values)] (for an export: no server needed). An
+    incremental checkpoint's are folded from its `links` (`chain`)."""
     out: dict[str, list[tuple[np.ndarray, np.ndarray]]] = {}
+    folders = [c.path for c in links] or [checkpoint.path]
     for part in table_parts(checkpoint):
-        index = json.loads((checkpoint.path / f"{part}.tables.json").read_text())
-        folder = checkpoint.path / index["directory"]
-        for entry in index["tables"]:
-            sub = folder / entry
-            name = json.loads((sub / "table.json").read_text())["config"]["name"]
-            out.setdefault(name, []).append((np.load(sub / "ids.npy"), np.load(sub / "values.npy")))
+        for name in checkpoint_chain.part_tables(checkpoint.path, part):
+            chunks = list(checkpoint_chain.chain_rows(checkpoint_chain.table_chain(folders, part, name),
+                                                      ["values"]))
+            ids = np.concatenate([c[0] for c in chunks]) if chunks else np.zeros(0, np.int64)
+            values = np.concatenate([c[1]["values"] for c in chunks]) if chunks else None
+            if values is None:
+                sub = checkpoint_chain.part_tables(checkpoint.path, part)[name][0]
+                values = np.load(sub / "values.npy")[:0]
+            out.setdefault(name, []).append((ids, values))
     return out

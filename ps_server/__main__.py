@@ -122,6 +122,10 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
                    help="the only directory global checkpoints are written to and restored from: the "
                         "chief's --global-checkpoint-dir, on a file system both share (env "
                         "PSHARD_GLOBAL_CHECKPOINT_DIR); without it they are refused")
+    p.add_argument("--checkpoint-write-mb-s", type=non_negative_float, default=0.0, metavar="MB_S",
+                   help="write the tables of a global checkpoint taken in the background at most this many "
+                        "MiB/s, so that training beside it keeps the host's CPU and disk (default 0: as "
+                        "fast as the disk goes)")
     p.add_argument("--checkpoint-interval-s", type=non_negative_float, default=0.0,
                    help="also checkpoint every N seconds (default 0: only on request and at shutdown)")
     p.add_argument("--max-message-mb", type=int_range(1, MAX_MESSAGE_MB),
@@ -228,6 +232,7 @@ def _settings(args: argparse.Namespace) -> ServerSettings:
                           pull_timeout_s=args.pull_timeout_s, checkpoint_dir=args.checkpoint_dir,
                           table_dir=args.table_dir,
                           global_checkpoint_dir=args.global_checkpoint_dir,
+                          checkpoint_write_mb_s=args.checkpoint_write_mb_s,
                           transport=args.transport, shm_dir=args.shm_dir, fast_port=args.fast_port,
                           max_inflight_bytes=args.max_inflight_mb * 2**20, hang_report_s=args.hang_report_s,
                           waste_limit_bytes=args.waste_limit_mb * 2**20,

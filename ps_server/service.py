@@ -119,7 +119,8 @@ async def start(settings: ServerSettings, bind: str = "127.0.0.1:0",
     handlers.after_checkpoint = tables.checkpoint
     server.add_generic_rpc_handlers([table_rpc_handlers(SparseTablesServicer(tables), ps_servicer.unary)])
     server.add_generic_rpc_handlers([global_rpc_handlers(GlobalCheckpointServicer(GlobalCheckpoints(
-        handlers, tables, settings.checkpoint_pause_dir, settings.global_checkpoint_dir)), ps_servicer.unary,
+        handlers, tables, settings.checkpoint_pause_dir, settings.global_checkpoint_dir,
+        settings.checkpoint_write_mb_s)), ps_servicer.unary,
         SERVICE_NAME)])
     health_servicer = health.aio.HealthServicer()  # type: ignore[attr-defined]
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

@@ -41,6 +41,9 @@ class ServerSettings:
     # Global checkpoints (SaveCheckpointPart, RestoreCheckpoint) are written and read only inside this
     # directory, the chief's --global-checkpoint-dir on a shared file system; None: they are refused.
     global_checkpoint_dir: str | None = None
+    # A global checkpoint written in the background writes its tables at most this fast (0: unpaced),
+    # so that the training beside it keeps its share of the host (ps_server.checkpoints.images.Pace).
+    checkpoint_write_mb_s: float = 0.0
     # Fast paths offered to workers besides gRPC: auto (shm and tcp), shm, tcp or grpc (none).
     transport: str = "auto"
     # The raw TCP fast path's port on the bind host; 0: any free one. Pinned where a firewall between

@@ -5,6 +5,8 @@
                                                 state_dict (DIR/model.pt) and the sparse tables'
                                                 ids.npy / rows.npy (DIR/tables/<table>/)
     pshard checkpoint prune ROOT --keep-checkpoints K
+    pshard checkpoint compact ROOT              fold the newest (or --clock N) incremental checkpoint's
+                                                chain into a new full one beside it
 
 The format is pshard.common.checkpoint_store (docs/architecture.md, 9 Failures): the export needs no
 server and does not depend on how many servers wrote the checkpoint.
@@ -42,6 +44,10 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
     prune.add_argument("root", help="the checkpoint root")
     prune.add_argument("--keep-checkpoints", type=positive_int, required=True, metavar="K",
                        help="how many to keep")
+    compact = sub.add_parser("compact", help="fold an incremental checkpoint's chain into a new full one")
+    compact.add_argument("root", help="the checkpoint root, or one checkpoint's directory")
+    compact.add_argument("--clock", type=non_negative_int,
+                         help="the checkpoint at this clock (default: the newest)")
     return p
 
 
@@ -67,12 +73,13 @@ def export(checkpoint: ckpt.Checkpoint, out: Path) -> tuple[Path, dict[str, int]
     import torch  # only here: listing and pruning need no torch
 
     out.mkdir(parents=True, exist_ok=True)
-    with ckpt.DenseReader(checkpoint) as reader:
+    links = ckpt.chain(checkpoint)  # an incremental checkpoint is read with every link, all verified
+    with ckpt.DenseReader(checkpoint, links) as reader:
         state = {key: torch.from_numpy(np.ascontiguousarray(reader.full(key))) for key in reader.keys}
     model = out / "model.pt"
     torch.save(state, model)
     rows: dict[str, int] = {}
-    for name, chunks in ckpt.table_rows(checkpoint).items():
+    for name, chunks in ckpt.table_rows(checkpoint, links).items():
         folder = out / "tables" / _file_name(name)
         folder.mkdir(parents=True, exist_ok=True)
         ids = np.concatenate([c[0] for c in chunks]) if chunks else np.zeros(0, np.int64)
@@ -95,11 +102,14 @@ def main(argv: Sequence[str] | None = None, *, prog: str = PROG) -> int:
             committed, torn = ckpt.scan(root, verify=True)
             if args.json:
                 print(json.dumps({"committed": [{"path": str(c.path), "clock": c.clock, "servers": c.servers,
-                                                 "job_id": c.job.job_id} for c in committed],
+                                                 "job_id": c.job.job_id, "parent": c.parent}
+                                                for c in committed],
                                   "torn": [{"path": str(t.path), "reason": t.reason} for t in torn]}))
             else:
                 for c in committed:
-                    print(f"committed clock={c.clock} servers={c.servers} job={c.job.job_id or '-'} {c.path}")
+                    chained = f" incremental-over={c.parent}" if c.parent else ""
+                    print(f"committed clock={c.clock} servers={c.servers} job={c.job.job_id or '-'}{chained} "
+                          f"{c.path}")
                 for t in torn:
                     print(f"torn {t.path}: {t.reason}")
         elif args.action == "export":
@@ -107,6 +117,16 @@ def main(argv: Sequence[str] | None = None, *, prog: str = PROG) -> int:
             model, rows = export(checkpoint, Path(args.out))
             print(f"exported clock {checkpoint.clock} of {checkpoint.path}: {model}"
                   + "".join(f", table {n}: {r} rows" for n, r in rows.items()))
+        elif args.action == "compact":
+            from pshard.ps_server.checkpoints.compaction import compact  # the server's part writer
+
+            checkpoint = choose(root, args.clock)
+            if checkpoint.parent is None:
+                print(f"{checkpoint.path} is a full checkpoint already: nothing to fold")
+            else:
+                folded = compact(checkpoint)
+                print(f"folded the {checkpoint.depth + 1} links of {checkpoint.path} into {folded.path} "
+                      "(prune removes the chain)")
         else:
             for gone in ckpt.retain(root, args.keep_checkpoints):
                 print(f"removed {gone}")

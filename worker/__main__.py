@@ -159,7 +159,13 @@ def build_parser(environ: Mapping[str, str], prog: str = PROG) -> argparse.Argum
     out.add_argument("--checkpoint-every-steps", metavar="N", type=non_negative_int, default=0,
                      help="the chief takes a global checkpoint every N clocks (default 0: never)")
     out.add_argument("--keep-checkpoints", metavar="K", type=non_negative_int, default=0,
-                     help="keep the newest K global checkpoints (default 0: all)")
+                     help="keep the newest K global checkpoints (default 0: all), and the links they need")
+    out.add_argument("--checkpoint-background", action="store_true",
+                     help="the chief trains on while the servers write each global checkpoint (they copy "
+                          "their part in memory first: about the size of their shard and tables, once)")
+    out.add_argument("--checkpoint-full-every", metavar="K", type=positive_int, default=1,
+                     help="with K > 1, a full global checkpoint then K-1 incremental ones, each holding only "
+                          "the table rows and slices changed since the previous one (default 1: all full)")
     add_metrics_argument(out, host="0.0.0.0", environ=environ)
     add_ctr_arguments(p)
     add_log_level_argument(p)
@@ -298,7 +304,8 @@ def config_from_args(argv: Sequence[str] | None, environ: Mapping[str, str], pro
         metrics_port=args.metrics_port, tensorboard=args.tensorboard,
         global_checkpoint_dir=args.global_checkpoint_dir,
         checkpoint_every_steps=max(0, args.checkpoint_every_steps),
-        keep_checkpoints=max(0, args.keep_checkpoints), security=security, bind=args.bind, serve=args.serve,
+        keep_checkpoints=max(0, args.keep_checkpoints), checkpoint_background=args.checkpoint_background,
+        checkpoint_full_every=args.checkpoint_full_every, security=security, bind=args.bind, serve=args.serve,
         **ctr_settings(args, spec))
 
 

@@ -85,6 +85,8 @@ class TrainConfig:
     global_checkpoint_dir: str | None = None
     checkpoint_every_steps: int = 0
     keep_checkpoints: int = 0
+    checkpoint_background: bool = False  # the chief trains on while the servers write (issue 22)
+    checkpoint_full_every: int = 1  # K > 1: a full checkpoint, then K - 1 incremental ones
     # TLS files or tokens of every channel (pshard.common.security.credentials); default plain.
     security: SecurityConfig = field(default_factory=SecurityConfig)
     bind: str | None = None  # where a chief hosting the scheduler listens (None: pshard.common.rpc.bind)

@@ -23,6 +23,7 @@ from typing import IO
 
 import numpy as np
 import torch
+from pshard.client.ps_client import PSClient
 from pshard.common.metrics import (
     MetricsServer,
     WorkerMetrics,
@@ -30,7 +31,7 @@ from pshard.common.metrics import (
     new_registry,
     serve_metrics,
 )
-from pshard.worker.checkpoint_coordinator import restore_checkpoint, save_checkpoint
+from pshard.worker.checkpoint_coordinator import Checkpointer, restore_checkpoint
 from pshard.worker.config import StageError, Stopped, TrainConfig, stage
 from pshard.worker.data import Dataset, load_dataset
 from pshard.worker.device import select_device
@@ -155,6 +156,7 @@ class TrainingRun:
         self.progress = Progress(cfg.epochs, stream=sys.stderr, live_every_s=cfg.progress_every_s)
         self.trainer: PSTrainer | None = None
         self.data: Dataset | None = None
+        self.checkpointer: Checkpointer | None = None
 
     # ---- the run ----
 
@@ -163,6 +165,8 @@ class TrainingRun:
         self._join(self._prepare())
         with stage("training", "training"):
             self._train()
+        if self.checkpointer is not None:  # the last one written in the background is committed first
+            self.checkpointer.settle()
         self.session.leave()
         if self.cfg.is_chief:
             self._finish_chief()
@@ -241,8 +245,7 @@ class TrainingRun:
                 session.report_clock(trainer.clock)
                 every = cfg.checkpoint_every_steps
                 if cfg.is_chief and every and cfg.global_checkpoint_dir and trainer.clock % every == 0:
-                    save_checkpoint(trainer.client, cfg.global_checkpoint_dir, trainer.clock,
-                                    cfg.keep_checkpoints or None)
+                    self._checkpointer(trainer.client, cfg.global_checkpoint_dir).take(trainer.clock)
                 if self.prometheus is not None:
                     self.prometheus.step(time.perf_counter() - step_started, self._push_pull_s, trainer.clock,
                                          loss)
@@ -323,6 +326,13 @@ class TrainingRun:
                                                 f"{hint}"))
 
     # ---- the end ----
+
+    def _checkpointer(self, client: PSClient, root: str) -> Checkpointer:
+        if self.checkpointer is None:
+            cfg = self.cfg
+            self.checkpointer = Checkpointer(client, root, cfg.keep_checkpoints or None,
+                                             cfg.checkpoint_background, cfg.checkpoint_full_every)
+        return self.checkpointer
 
     def leave_quietly(self) -> None:
         self.session.leave_quietly()

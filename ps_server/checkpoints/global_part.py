@@ -1,39 +1,64 @@
 """A server's part of a global checkpoint: written by parameter and range, restored by the current layout.
 
 The format is pshard.common.checkpoint_store (docs/architecture.md, 9 Failures). Here: a shard's
-snapshot becomes a part (`write_part`), and a committed checkpoint becomes the snapshot one
-server of any layout restores (`shard_snapshot`: its slices re-cut from the pieces that cover
-them) plus the table rows it owns by row hash (`restore_tables`). Pure: numpy, json and files.
+snapshot and its tables' captures become a part in memory (`capture_part`, quick: copies), written
+later, in the background if the caller likes (`write_image`); a committed checkpoint, or an
+incremental one's chain, becomes the snapshot one server of any layout restores (`shard_snapshot`:
+its slices re-cut from the pieces that cover them) plus the table rows it owns by row hash
+(`restore_tables`). Pure: numpy, json and files.
+
+Incremental parts (issue 22): given the parent checkpoint, a slice whose version did not move since
+the parent's part (written by this same server process, `writer`) is not written again; its entry
+names the ancestor's npz that holds it. Tables hold their changed rows (ps_server.checkpoints.images).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import uuid
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 from pshard.common import checkpoint_store as ckpt
+from pshard.common.checkpoint_chain import chain_rows, part_tables, table_chain
 from pshard.common.checkpoint_store import CheckpointError
 from pshard.common.job import JobConfig
 from pshard.common.sparse import TableConfig, server_of
 from pshard.common.types import SliceKey
+from pshard.ps_server.checkpoints.images import Pace, TableImage, capture, write_images
 from pshard.ps_server.core.optimizers import SliceState
 from pshard.ps_server.core.store import ShardSnapshot, SliceSnapshot
 from pshard.ps_server.tables.files import restore_admission
-from pshard.ps_server.tables.table import CHUNK_ROWS, SparseTable
+from pshard.ps_server.tables.table import SparseTable
 
 
-def write_part(directory: Path, server: int, snapshot: ShardSnapshot, ranges: Mapping[SliceKey, ckpt.Range],
-               write_tables: Callable[[Path, str], Path | None] | None = None,
-               between: Callable[[str], None] | None = None) -> list[ckpt.FileEntry]:
-    """Write server `server`'s part; the files written, with their checksums.
+@dataclass(frozen=True)
+class PartImage:
+    """A part captured in memory, ready to be written: its json, its own arrays and its tables."""
 
-    `write_tables(directory, name)` saves the server's tables under `name` (None: none held).
-    `between(stage)` runs between the files (a test hook: a server killed there leaves a torn part).
-    """
+    name: str  # part-<server>
+    meta: dict[str, Any]
+    arrays: dict[str, np.ndarray]
+    tables: tuple[TableImage, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in self.arrays.values()) + sum(t.nbytes for t in self.tables)
+
+
+def capture_part(server: int, snapshot: ShardSnapshot, ranges: Mapping[SliceKey, ckpt.Range],
+                 tables: Sequence[SparseTable] = (), parent: Path | None = None, writer: str = ""
+                 ) -> PartImage:
+    """Server `server`'s part of `snapshot` (a copy already) and of `tables` (their locks held: their rows
+    are copied here). With `parent` (a committed checkpoint's directory) and `writer` (this server
+    process's name), what did not change since the parent's part by the same writer is referred to."""
     name = f"part-{server}"
+    previous = _parent_part(parent, name, writer)
+    refs = _refs(parent, name, previous)
     arrays: dict[str, Any] = {}  # Any: savez's stubs type **kwds like its allow_pickle flag
     entries = []
     for i, s in enumerate(snapshot.slices):
@@ -44,43 +69,87 @@ def write_part(directory: Path, server: int, snapshot: ShardSnapshot, ranges: Ma
         if s.value.size != r.numel:
             raise CheckpointError(f"checkpoint part {server}: slice {str(s.key)!r} holds {s.value.size} "
                                   f"elements, the layout says {r.numel}")
-        entries.append(_entry(i, s, r, arrays))
+        entries.append(_entry(i, s, r, arrays, refs.get((r.key, r.offset, r.numel))))
+    held = part_tables(parent, name) if previous is not None and parent is not None else {}
+    images = tuple(capture(t, held[t.config.name][1] if t.config.name in held else None) for t in tables)
+    meta = {"format": ckpt.FORMAT, "server": server, "config": ckpt.job_to_json(snapshot.config),
+            "counters": snapshot.counters, "writer": writer,
+            "parent": parent.name if previous is not None and parent is not None else None,
+            "slices": entries}
+    return PartImage(name=name, meta=meta, arrays=arrays, tables=images)
+
+
+def write_image(directory: Path, image: PartImage, between: Callable[[str], None] | None = None,
+                pace: Pace | None = None) -> list[ckpt.FileEntry]:
+    """Write a captured part, every file fsync'ed, its json last; the files, with their checksums.
+    `between(stage)` runs between the files (a test hook: a server killed there leaves a torn part)."""
+    name = image.name
+    arrays = image.arrays
+    for table in image.tables:  # first: until it is done, the tables' requests copy before they write
+        table.fill(pace)
     ckpt.write_atomically(directory / f"{name}.npz", lambda f: np.savez(f, allow_pickle=False, **arrays))
-    written = [f"{name}.npz"]
     if between is not None:
         between("dense")
-    if write_tables is not None:
-        pointer = write_tables(directory, name)
-        if pointer is not None:
-            index = json.loads(pointer.read_text())
-            folder = directory / index["directory"]
-            written += [str(p.relative_to(directory)) for p in sorted(folder.rglob("*")) if p.is_file()]
-            written.append(pointer.name)
+    hashed = write_images(directory, name, image.tables, uuid.uuid4().hex[:12], pace) if image.tables else {}
     if between is not None:
         between("tables")
-    meta = {"format": ckpt.FORMAT, "server": server, "config": ckpt.job_to_json(snapshot.config),
-            "counters": snapshot.counters, "slices": entries}
-    encoded = json.dumps(meta, indent=1).encode()
+    encoded = json.dumps(image.meta, indent=1).encode()
     ckpt.write_atomically(directory / f"{name}.json", lambda f: f.write(encoded))
-    written.append(f"{name}.json")
     ckpt.sync_directory(directory)
-    return [ckpt.FileEntry(n, *ckpt.digest(directory / n)) for n in written]
+    files = [ckpt.FileEntry(f"{name}.npz", *ckpt.digest(directory / f"{name}.npz"))]
+    files += [ckpt.FileEntry(n, sha, size) for n, (sha, size) in hashed.items()]
+    return [*files, ckpt.FileEntry(f"{name}.json", hashlib.sha256(encoded).hexdigest(), len(encoded))]
 
 
-def _entry(i: int, s: SliceSnapshot, r: ckpt.Range, arrays: dict[str, np.ndarray]) -> dict[str, Any]:
-    # Arrays by position: their names must be valid zip member names, and positions are unique.
-    arrays[f"s{i}.value"] = s.value.reshape(-1)
+def write_part(directory: Path, server: int, snapshot: ShardSnapshot, ranges: Mapping[SliceKey, ckpt.Range],
+               tables: Sequence[SparseTable] = (), between: Callable[[str], None] | None = None
+               ) -> list[ckpt.FileEntry]:
+    """Capture and write server `server`'s full part at once (the tables' locks held throughout)."""
+    return write_image(directory, capture_part(server, snapshot, ranges, tables), between)
+
+
+def _parent_part(parent: Path | None, name: str, writer: str) -> dict[str, Any] | None:
+    """The parent's json of part `name`, if this same server process wrote it (else the part is full)."""
+    if parent is None or not writer:
+        return None
+    try:
+        meta: dict[str, Any] = json.loads((parent / f"{name}.json").read_bytes())
+    except FileNotFoundError:
+        return None
+    return meta if meta.get("writer") == writer else None
+
+
+def _refs(parent: Path | None, name: str, previous: dict[str, Any] | None
+          ) -> dict[tuple[str, int, int], dict[str, Any]]:
+    """The parent part's slices by range, each with the npz that holds its arrays."""
+    if previous is None or parent is None:
+        return {}
+    own = f"../{parent.name}/{name}.npz"
+    return {(e["key"], int(e["offset"]), int(e["numel"])): {**e, "npz": e.get("npz", own)}
+            for e in previous["slices"]}
+
+
+def _entry(i: int, s: SliceSnapshot, r: ckpt.Range, arrays: dict[str, np.ndarray],
+           ref: dict[str, Any] | None = None) -> dict[str, Any]:
     state_arrays: list[str] = []
     scalars: dict[str, int | float] = {}
+    own: dict[str, np.ndarray] = {f"s{i}.value": s.value.reshape(-1)}
     for name, v in s.opt_state.items():
         if isinstance(v, np.ndarray):
-            arrays[f"s{i}.opt{len(state_arrays)}"] = v.reshape(-1)
+            own[f"s{i}.opt{len(state_arrays)}"] = v.reshape(-1)
             state_arrays.append(name)
         else:
             scalars[name] = v.item() if isinstance(v, np.generic) else v
-    return {"index": i, "key": r.key, "offset": r.offset, "numel": r.numel, "shape": list(r.shape),
-            "dtype": s.dtype, "version": s.version, "clocks": s.clocks, "floors": s.floors,
-            "state_arrays": state_arrays, "state_scalars": scalars}
+    entry = {"index": i, "key": r.key, "offset": r.offset, "numel": r.numel, "shape": list(r.shape),
+             "dtype": s.dtype, "version": s.version, "clocks": s.clocks, "floors": s.floors,
+             "state_arrays": state_arrays, "state_scalars": scalars}
+    if (ref is not None and int(ref["version"]) == s.version and ref["dtype"] == s.dtype
+            and ref["state_arrays"] == state_arrays):
+        # Unchanged since the parent: its arrays stay where they are (an ancestor's npz).
+        return {**entry, "index": ref["index"], "npz": ref["npz"]}
+    # Arrays by position: their names must be valid zip member names, and positions are unique.
+    arrays.update(own)
+    return entry
 
 
 def _slice_snapshot(reader: ckpt.DenseReader, slice_key: SliceKey, r: ckpt.Range, sync: bool
@@ -114,13 +183,14 @@ def _slice_snapshot(reader: ckpt.DenseReader, slice_key: SliceKey, r: ckpt.Range
 
 
 def shard_snapshot(checkpoint: ckpt.Checkpoint, job: JobConfig, ranges: Mapping[SliceKey, ckpt.Range],
-                   quorum: Mapping[str, int] | None) -> ShardSnapshot:
-    """What one server of the current layout restores: its slices, re-cut from the checkpoint.
+                   quorum: Mapping[str, int] | None, links: Sequence[ckpt.Checkpoint] = ()) -> ShardSnapshot:
+    """What one server of the current layout restores: its slices, re-cut from the checkpoint (an
+    incremental one's `links`: its verified chain, ckpt.chain).
 
     Generations are not restored: a restore starts a new incarnation of the job, whose workers
     register anew.
     """
-    with ckpt.DenseReader(checkpoint) as reader:
+    with ckpt.DenseReader(checkpoint, links) as reader:
         missing = sorted({r.key for r in ranges.values()} - set(reader.keys))
         if missing:
             raise CheckpointError(f"checkpoint {checkpoint.path}: the model's parameters {missing[:8]} are "
@@ -136,32 +206,26 @@ def shard_snapshot(checkpoint: ckpt.Checkpoint, job: JobConfig, ranges: Mapping[
 
 
 def restore_tables(checkpoint: ckpt.Checkpoint, server: int, servers: int,
-                   make: Callable[[TableConfig], SparseTable], row_owners: Sequence[int] = ()
-                   ) -> list[SparseTable]:
+                   make: Callable[[TableConfig], SparseTable], row_owners: Sequence[int] = (),
+                   links: Sequence[ckpt.Checkpoint] = ()) -> list[SparseTable]:
     """The rows of every part's tables that server `server` of `servers` owns by row hash: the ids
     of the row partitions `row_owners` puts on it (empty: partition i on server i). The checkpoint
-    holds ids, not partitions, so any partitioning restores from any other."""
+    holds ids, not partitions, so any partitioning restores from any other. An incremental
+    checkpoint's are folded from its `links` (ckpt.chain)."""
     owners = np.asarray(row_owners, np.int64) if len(row_owners) else None
     tables: dict[str, SparseTable] = {}
+    folders = [c.path for c in links] or [checkpoint.path]
     for part in ckpt.table_parts(checkpoint):
-        index = json.loads((checkpoint.path / f"{part}.tables.json").read_text())
-        folder = checkpoint.path / index["directory"]
-        for entry in index["tables"]:
-            sub = folder / entry
-            meta: dict[str, Any] = json.loads((sub / "table.json").read_text())
+        for name, (sub, meta) in part_tables(checkpoint.path, part).items():
             config = TableConfig(**{**meta["config"], "betas": tuple(meta["config"]["betas"])})
             table = tables.get(config.name)
             if table is None:
                 table = tables[config.name] = make(config)
-            ids = np.load(sub / "ids.npy", mmap_mode="r")
-            columns = {c: np.load(sub / f"{c}.npy", mmap_mode="r") for c in table.columns()}
-            for start in range(0, len(ids), CHUNK_ROWS):
-                chunk_ids = np.array(ids[start:start + CHUNK_ROWS])
+            for chunk_ids, chunk in chain_rows(table_chain(folders, part, name), list(table.columns())):
                 mine = (server_of(chunk_ids, servers) == server if owners is None
                         else owners[server_of(chunk_ids, len(owners))] == server)
                 if mine.any():
-                    chunk = {c: np.array(a[start:start + CHUNK_ROWS])[mine] for c, a in columns.items()}
-                    table.restore_rows(chunk_ids[mine], chunk)
+                    table.restore_rows(chunk_ids[mine], {c: a[mine] for c, a in chunk.items()})
             table.step = max(table.step, int(meta["step"]))
             table.clock = max(table.clock, float(meta["clock"]))
             restore_admission(table, sub, meta)

@@ -4,15 +4,26 @@ Transport-free handlers (GlobalCheckpoints); their thin gRPC servicer is
 ps_server/transport/global_checkpoint_servicer.py. The coordinator
 (worker.checkpoint_coordinator) asks every server for its part at a clock boundary, then commits the
 checkpoint with a manifest (ps_server.checkpoints.global_part, docs/architecture.md 9 Failures).
+
+Non-blocking parts (issue 22): in phase CAPTURE the server copies its slices and tables in memory
+(a snapshot at the clock, then the tables' rows under their locks) and answers; the files are
+written in the background while training goes on, and phase DURABLE waits for them and answers
+their checksums, for the coordinator's manifest. One part is captured or written at a time (each
+holds a copy of the shard): the next capture waits for the previous write.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import dataclasses
+import enum
 import logging
+import os
+import threading
 import time
+import uuid
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from pathlib import Path
 
@@ -21,37 +32,68 @@ from pshard.common.errors import InvalidArgumentError, LayoutConflictError, chec
 from pshard.common.job import JobConfig
 from pshard.common.types import SliceKey
 from pshard.ps_server.checkpoints import guard
-from pshard.ps_server.checkpoints.global_part import restore_tables, shard_snapshot, write_part
+from pshard.ps_server.checkpoints.global_part import (
+    PartImage,
+    capture_part,
+    restore_tables,
+    shard_snapshot,
+    write_image,
+)
+from pshard.ps_server.checkpoints.images import Pace
 from pshard.ps_server.core.store import ShardStore
 from pshard.ps_server.handlers.dense import ParameterServerHandlers
 from pshard.ps_server.handlers.tables import TableHandlers
-from pshard.ps_server.tables.files import save_tables
 from pshard.ps_server.tables.table import SparseTable
 
 log = logging.getLogger("pshard.ps")
 
+WRITER_NICE = 10  # the writer thread's nice, over the server's
 _PAUSE_LIMIT_S = 120.0  # the test hook's wait; the test SIGKILLs the server long before
+
+
+class Phase(enum.IntEnum):
+    """parameter_server.proto's CheckpointPhase."""
+
+    BOTH = 0  # capture and write, answer when durable
+    CAPTURE = 1  # answer once captured; written in the background
+    DURABLE = 2  # wait for the background write a CAPTURE started
 
 
 class GlobalCheckpoints:
     def __init__(self, handlers: ParameterServerHandlers, tables: TableHandlers | None,
-                 pause_dir: str | None = None, root: str | None = None) -> None:
+                 pause_dir: str | None = None, root: str | None = None, write_mb_s: float = 0.0) -> None:
         """`root`: the only directory checkpoints are written and read under (--global-checkpoint-dir);
-        None refuses them (ps_server.checkpoints.guard)."""
+        None refuses them (ps_server.checkpoints.guard). `write_mb_s`: the pace of background writes'
+        tables (0: unpaced)."""
+        self._write_mb_s = write_mb_s
         self._handlers = handlers
         self._root = root
         self._tables = tables
         self._pause_dir = Path(pause_dir) if pause_dir else None
         self._writing = asyncio.Lock()  # one part at a time: each holds a copy of the shard
+        # This server process's name in its parts: an incremental part refers only to its own writes.
+        self._writer = uuid.uuid4().hex
+        self._background: dict[Path, asyncio.Task[tuple[list[ckpt.FileEntry], int, int]]] = {}
+        # Parts are written on a thread of their own, at a lower CPU priority: on a busy host its
+        # hashing and copying yield to the requests of the training it runs beside.
+        self._writer_thread = concurrent.futures.ThreadPoolExecutor(1, "checkpoint-writer", _lower_priority)
 
     async def save_part(self, requested: str, clock: int, ranges: Mapping[SliceKey, ckpt.Range], server: int,
-                        timeout_s: float | None, listed: int | None = None
-                        ) -> tuple[list[ckpt.FileEntry], int, int]:
+                        timeout_s: float | None, listed: int | None = None, parent: str = "",
+                        phase: Phase = Phase.BOTH) -> tuple[list[ckpt.FileEntry], int, int]:
         """Write this server's part once every slice reached `clock`; (files, min and max version).
+        `parent`: a committed checkpoint the part completes (incremental); `phase`: see Phase (CAPTURE
+        answers no files).
 
         Everything the request names is checked first, so a refusal is immediate and writes nothing
         (`listed`: how many ranges the request gave, to refuse duplicates)."""
         directory = guard.confine(self._root, requested)
+        if phase == Phase.DURABLE:
+            return await self._durable(directory)
+        base = guard.confine(self._root, parent, "parent") if parent else None
+        if base is not None and not (base / ckpt.MANIFEST).is_file():
+            raise InvalidArgumentError(f"parent: {str(base)!r} holds no {ckpt.MANIFEST}: an incremental part "
+                                       "completes a committed checkpoint")
         guard.check_ranges(ranges, len(ranges) if listed is None else listed)
         store = self._handlers.store
         guard.check_held(ranges, {slot.key: slot.value.size for slot in store.slots()})
@@ -68,16 +110,48 @@ class GlobalCheckpoints:
             raise LayoutConflictError(
                 f"checkpoint at clock {clock}: slices are at versions {min(versions)}..{max(versions)}, "
                 "not at one clock boundary; take global checkpoints from the chief between its steps")
-        async with self._writing, self._locked_tables() as tables:
-            try:
-                files = await asyncio.get_running_loop().run_in_executor(
-                    None, lambda: write_part(directory, server, snap, ranges,
-                                             write_tables=_table_writer(tables), between=self._pause(server)))
-            except OSError as err:  # a full or read-only disk: its errno, not UNKNOWN
-                raise checkpoint_write_error(err, directory) from None
-        log.info("checkpoint part %d at clock %d written to %s (%d files)", server, clock, directory,
-                 len(files))
-        return files, min(versions), max(versions)
+        loop = asyncio.get_running_loop()
+        await self._writing.acquire()  # released once the part is written, in the background or not
+        try:
+            async with self._locked_tables() as tables:
+                image = await loop.run_in_executor(
+                    None, lambda: capture_part(server, snap, ranges, tables, base, self._writer))
+        except BaseException:
+            self._writing.release()
+            raise
+        pace = Pace(self._write_mb_s) if phase == Phase.CAPTURE and self._write_mb_s > 0 else None
+        write = self._write(directory, server, clock, image, (min(versions), max(versions)), pace)
+        if phase == Phase.CAPTURE:
+            self._background[directory] = task = asyncio.create_task(write)
+            task.add_done_callback(_log_failure)
+            log.info("checkpoint part %d at clock %d captured (%.1f MB), writing to %s in the background",
+                     server, clock, image.nbytes / 2**20, directory)
+            return [], min(versions), max(versions)
+        return await write
+
+    async def _write(self, directory: Path, server: int, clock: int, image: PartImage,
+                     versions: tuple[int, int], pace: Pace | None) -> tuple[list[ckpt.FileEntry], int, int]:
+        try:
+            files = await asyncio.get_running_loop().run_in_executor(
+                self._writer_thread, lambda: write_image(directory, image, self._pause(server), pace))
+        except OSError as err:  # a full or read-only disk: its errno, not UNKNOWN
+            raise checkpoint_write_error(err, directory) from None
+        finally:
+            self._writing.release()
+        log.info("checkpoint part %d at clock %d written to %s (%d files%s)", server, clock, directory,
+                 len(files), ", incremental" if image.meta["parent"] else "")
+        return files, *versions
+
+    async def _durable(self, directory: Path) -> tuple[list[ckpt.FileEntry], int, int]:
+        """The files of the background write into `directory`, once durable (asked once)."""
+        task = self._background.get(directory)
+        if task is None:
+            raise ckpt.CheckpointError(f"checkpoint part: no background write into {str(directory)!r} on "
+                                          "this server (ask with phase CAPTURE first; a restarted server "
+                                          "forgot it)")
+        result = await asyncio.shield(task)  # a caller's timeout leaves the write going
+        self._background.pop(directory, None)
+        return result
 
     async def restore(self, requested: str, job: JobConfig, ranges: Mapping[SliceKey, ckpt.Range],
                       server: int, servers: int, resume: bool, listed: int | None = None,
@@ -87,7 +161,8 @@ class GlobalCheckpoints:
         directory = guard.confine(self._root, requested)
         guard.check_ranges(ranges, len(ranges) if listed is None else listed)
         guard.check_servers(server, servers, row_owners)
-        checkpoint = ckpt.load_manifest(directory, verify=True)
+        links = ckpt.chain(ckpt.load_manifest(directory))  # every link verified, or refused naming its file
+        checkpoint = links[0]
         theirs = checkpoint.job
         if theirs.job_id != job.job_id:
             if not resume:
@@ -105,14 +180,14 @@ class GlobalCheckpoints:
         # Read and re-cut off the event loop; the install (under the config lock) re-checks that no
         # Declare or other restore got there first.
         store = await asyncio.get_running_loop().run_in_executor(
-            None, lambda: ShardStore.restore(shard_snapshot(checkpoint, job, ranges, quorum)))
+            None, lambda: ShardStore.restore(shard_snapshot(checkpoint, job, ranges, quorum, links)))
         restored = await self._handlers.install_restored(lambda: store)
         if not restored:
             return False, checkpoint.clock, 0, 0
         rows = 0
         if self._tables is not None:
             for table in await asyncio.get_running_loop().run_in_executor(
-                    None, restore_tables, checkpoint, server, servers, self._tables.make, row_owners):
+                    None, restore_tables, checkpoint, server, servers, self._tables.make, row_owners, links):
                 rows += len(table)
                 self._tables.add(table)
         log.warning("restored the global checkpoint %s (clock %d, written by %d servers): %d slices, "
@@ -147,7 +222,12 @@ def _without_id(job: JobConfig) -> JobConfig:
     return dataclasses.replace(job, job_id="")
 
 
-def _table_writer(tables: list[SparseTable]) -> Callable[[Path, str], Path | None] | None:
-    if not tables:
-        return None
-    return lambda directory, name: save_tables(directory, name, tables)
+def _lower_priority() -> None:
+    with contextlib.suppress(OSError, AttributeError):  # Linux sets a thread's nice by its id; elsewhere not
+        own = os.getpriority(os.PRIO_PROCESS, 0)
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), min(19, own + WRITER_NICE))
+
+
+def _log_failure(task: asyncio.Task[object]) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        log.error("background checkpoint part failed: %s", task.exception())

@@ -24,6 +24,13 @@ least often updated (lfu) rows, never the ones this request touched, down to the
 of it, so that a full table pays the O(rows) selection once per many requests, not on each.
 Evicted ids are counted and handed to `on_evict`.
 
+Changes, for incremental checkpoints (ps_server.checkpoints.images): every row a request writes or
+touches is stamped with the table's `epoch`, and every eviction is logged with it, so the rows changed
+since a checkpoint taken at epoch e are the live rows stamped after e plus the ids removed after e.
+`token` names this table object: stamps mean nothing to another one (a restart, a table dropped and
+declared again). `before_write`, while a checkpoint copies the table in the background, is told the rows
+a request is about to change, before it changes them (copy-on-write).
+
 Narrow rows (`row_dtype` float16, bfloat16 or int8, issue 22): `values` holds each row in its stored form,
 opaque bytes (TableConfig.row_layout); a push decodes the rows it touches to float32, applies the optimizer
 there with its float32 state, and encodes them once (ps_server.tables.rowcodec; int8 rounds stochastically
@@ -46,6 +53,7 @@ import contextlib
 import dataclasses
 import logging
 import time
+import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -68,6 +76,8 @@ SPILL_SLACK = 1 / 8
 # Numbers (rows x dim) up to which a push's temporaries live in buffers the table keeps (4 MB of float32).
 _BUFFER_NUMBERS = 1 << 20
 _UNIT = float(2**-53)
+# Evicted ids logged for incremental checkpoints at most (8 bytes each): past it, the next one is full.
+REMOVED_LOG_IDS = 1 << 22
 # Optimizers whose push updates rows in place in one compiled pass (ps_server.tables.kernels); adam's two
 # moments and bias correction stay with row_optim's numpy.
 _IN_PLACE = ("sgd", "adagrad")
@@ -106,6 +116,15 @@ class SparseTable:
         self.touch = np.zeros(cap, np.float64)
         self.count = np.zeros(cap, np.int32)
         self.row_step = np.zeros(cap if config.optimizer == "lazy_adam" else 0, np.int32)
+        self.stamp = np.zeros(cap, np.int32)  # the epoch of each row's last write or touch
+        self.epoch = 1  # advanced by each checkpoint's capture
+        self.token = uuid.uuid4().hex
+        # (epoch, evicted ids) since the first capture, pruned by later ones; None: not tracked (no capture
+        # yet, or more logged than REMOVED_LOG_IDS: the next capture is then a full one).
+        self.removed: list[tuple[int, np.ndarray]] | None = None
+        self.removed_ids = 0
+        self.removed_since = 0  # the log holds every eviction of the epochs after this one
+        self.before_write: Callable[[np.ndarray], None] | None = None
         self.step = 0  # pushes applied (adam's bias correction)
         self.clock = 0.0  # newest clock seen (ttl in clocks)
         self.evicted = 0
@@ -173,6 +192,8 @@ class SparseTable:
         now = self._time(clock)
         rows = self._live(ids, now)
         missing = rows < 0
+        if self.before_write is not None:
+            self.before_write(rows[~missing])
         if out is None:
             out = np.empty((len(ids), self.values.shape[1]), self.values.dtype)
         if missing.any():
@@ -186,6 +207,7 @@ class SparseTable:
             self.touch[rows] = now
         else:  # every id a row (the common case): one pass gathers them and stamps their touch
             self.kernels.gather_touch(self.values, self.touch, rows, float(now), out)
+        self.stamp[rows] = self.epoch  # a touch is a change: an incremental checkpoint restores it
         if self.disk is not None:
             self._spill(rows)
         return out
@@ -206,12 +228,15 @@ class SparseTable:
         r, g, n = rows, grads, len(rows)
         if n == 0:
             return 0
+        if self.before_write is not None:
+            self.before_write(r)
         self.step += 1
         # One compiled pass updates float rows where they are; narrow ones are decoded, updated, encoded.
         if self.config.optimizer in _IN_PLACE and not self.config.narrow:
             self._push_in_place(r, np.ascontiguousarray(g), now)
         else:
             self._push_gathered(r, g, now)
+        self.stamp[r] = self.epoch
         self._enforce_cap(r, now)
         if self.disk is not None:
             self._spill(r)
@@ -274,12 +299,15 @@ class SparseTable:
 
     def _create(self, ids: np.ndarray) -> np.ndarray:
         rows = self._allocate(ids)
+        if self.before_write is not None:
+            self.before_write(rows)
         self.values[rows] = self._initial(ids)
         for name, a in self.state.items():
             a[rows] = row_optim.initial_state(self.config, name)
         self.count[rows] = 0
         if len(self.row_step):
             self.row_step[rows] = 0
+        self.stamp[rows] = self.epoch
         return rows
 
     def _allocate(self, ids: np.ndarray) -> np.ndarray:
@@ -291,6 +319,7 @@ class SparseTable:
             self.state = {name: _grow(a, cap) for name, a in self.state.items()}
             self.touch = _grow(self.touch, cap)
             self.count = _grow(self.count, cap)
+            self.stamp = _grow(self.stamp, cap)
             if len(self.row_step):
                 self.row_step = _grow(self.row_step, cap)
         return rows
@@ -340,8 +369,13 @@ class SparseTable:
             self._gone(self.disk.drop(slots))
 
     def _gone(self, ids: np.ndarray) -> None:
-        """Count and announce the eviction of `ids`."""
+        """Count and announce the eviction of `ids`, and log it for incremental checkpoints."""
         self.evicted += len(ids)
+        if self.removed is not None:
+            self.removed.append((self.epoch, ids))
+            self.removed_ids += len(ids)
+            if self.removed_ids > REMOVED_LOG_IDS:
+                self.removed, self.removed_ids = None, 0
         if self._on_evict is not None:
             self._on_evict(ids)
         if self._held is not None:
@@ -399,6 +433,8 @@ class SparseTable:
             return rows
         back_ids, columns = self.disk.take(slots[back])
         new = self._allocate(back_ids)
+        if self.before_write is not None:
+            self.before_write(new)
         own = self.columns()
         for name, values in columns.items():
             if values.ndim == 2:
@@ -491,9 +527,12 @@ class SparseTable:
         """Load a chunk saved by a checkpoint: ids and their per-row arrays (names as `columns()`)."""
         rows = self.rows_of(ids)
         rows[rows < 0] = self._create(ids[rows < 0])
+        if self.before_write is not None:
+            self.before_write(rows)
         own = self.columns()
         for name, values in columns.items():
             own[name][0][rows] = values
+        self.stamp[rows] = self.epoch
         if self.disk is not None:
             self._spill(rows)
 

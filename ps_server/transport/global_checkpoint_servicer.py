@@ -8,9 +8,10 @@ from typing import Any
 
 import grpc
 from pshard.common import checkpoint_store as ckpt
+from pshard.common.errors import InvalidArgumentError
 from pshard.common.types import SliceKey
 from pshard.common.wire import codec
-from pshard.ps_server.handlers.global_checkpoints import GlobalCheckpoints
+from pshard.ps_server.handlers.global_checkpoints import GlobalCheckpoints, Phase
 
 from pshard.api.v1 import parameter_server_pb2 as pb
 
@@ -30,7 +31,8 @@ class GlobalCheckpointServicer:
         timeout_s = request.timeout_ms / 1000 if request.HasField("timeout_ms") else None
         files, lo, hi = await self._checkpoints.save_part(request.directory, request.clock,
                                                           ranges_from_proto(request.ranges), request.server,
-                                                          timeout_s, len(request.ranges))
+                                                          timeout_s, len(request.ranges), request.parent,
+                                                          _phase(request.phase))
         return pb.SaveCheckpointPartResponse(
             files=[pb.CheckpointFile(name=f.name, sha256=f.sha256, size=f.size) for f in files],
             min_version=lo, max_version=hi)
@@ -41,6 +43,14 @@ class GlobalCheckpointServicer:
             request.directory, codec.job_from_proto(request.config), ranges_from_proto(request.ranges),
             request.server, request.servers, request.resume, len(request.ranges), tuple(request.row_owners))
         return pb.RestoreCheckpointResponse(restored=restored, clock=clock, slices=slices, rows=rows)
+
+
+def _phase(value: int) -> Phase:
+    try:
+        return Phase(value)
+    except ValueError:
+        raise InvalidArgumentError(f"phase: got {value}, expected one of "
+                                   f"{[f'{p.name}={p.value}' for p in Phase]}") from None
 
 
 def rpc_handlers(servicer: GlobalCheckpointServicer, unary: Callable[..., Any], service: str

@@ -126,3 +126,25 @@ def test_without_a_root_global_checkpoints_are_refused_naming_the_flag(start_ser
         assert error.code() is grpc.StatusCode.FAILED_PRECONDITION, error
         assert "--global-checkpoint-dir" in error.details(), error.details()
     assert not list((dirs[0] / "ckpt-0").iterdir())
+
+
+def test_a_phase_parent_or_background_write_that_does_not_exist_is_refused_naming_it(server, wire, dirs):
+    directory = str(dirs[0] / "ckpt-0")
+
+    def save(**fields: object) -> pb.SaveCheckpointPartResponse:
+        return wire.stub(server).SaveCheckpointPart(pb.SaveCheckpointPartRequest(
+            directory=directory, clock=0, ranges=_ranges(), server=0, **fields), timeout=WAIT_S)
+
+    error = _refused(lambda: save(phase=7))
+    assert error.code() is grpc.StatusCode.INVALID_ARGUMENT and "phase: got 7" in error.details(), error
+    error = _refused(lambda: save(phase=pb.CHECKPOINT_PHASE_DURABLE))
+    assert error.code() is grpc.StatusCode.FAILED_PRECONDITION, error
+    assert "no background write into" in error.details(), error.details()
+    error = _refused(lambda: save(parent=str(dirs[1])))
+    assert error.code() is grpc.StatusCode.PERMISSION_DENIED and "parent:" in error.details(), error
+    error = _refused(lambda: save(parent=directory))  # inside the root, but no committed checkpoint
+    assert error.code() is grpc.StatusCode.INVALID_ARGUMENT and "holds no MANIFEST.json" in error.details()
+    assert not (dirs[0] / "ckpt-0" / "part-0.json").exists()  # nothing written
+    reply = save(phase=pb.CHECKPOINT_PHASE_CAPTURE)
+    assert not reply.files
+    assert {f.name for f in save(phase=pb.CHECKPOINT_PHASE_DURABLE).files} == {"part-0.npz", "part-0.json"}

@@ -60,6 +60,7 @@ CASES = [
     (PS, ["--update-threads", "-1"], "--update-threads"),
     (PS, ["--update-threads", "257"], "--update-threads"),
     (PS, ["--pull-timeout-s", "inf"], "--pull-timeout-s"),
+    (PS, ["--checkpoint-write-mb-s", "-1"], "--checkpoint-write-mb-s"),
     (PS, ["--task-index", "-1"], "--task-index"),
     (SCHEDULER, ["--heartbeat-interval-ms", "99999999999"], "--heartbeat-interval-ms"),
     (WORKER, ["--replicas", "-1"], "--replicas"),
@@ -72,6 +73,7 @@ CASES = [
     (WORKER, ["--threads", "-1"], "--threads"),
     (WORKER, ["--checkpoint-every-steps", "-1"], "--checkpoint-every-steps"),
     (WORKER, ["--keep-checkpoints", "-1"], "--keep-checkpoints"),
+    (WORKER, ["--checkpoint-full-every", "0"], "--checkpoint-full-every"),
     (LAUNCH, ["--workers", "-1"], "--workers"),
     (LAUNCH, ["--replicas", "-1"], "--replicas"),
     (LAUNCH, ["--checkpoint-interval-s", "-5"], "--checkpoint-interval-s"),
@@ -82,6 +84,7 @@ CASES = [
     ("pshard.status", ["--watch", "0"], "--watch"),
     ("pshard.checkpoint_cli", ["export", "root", "--out", "o", "--clock", "-1"], "--clock"),
     ("pshard.checkpoint_cli", ["prune", "root", "--keep-checkpoints", "0"], "--keep-checkpoints"),
+    ("pshard.checkpoint_cli", ["compact", "root", "--clock", "-1"], "--clock"),
     ("pshard.common.cluster.k8s_tfconfig", ["--job", "j", "--namespace", "n", "--task-type", "ps",
                                     "--task-index", "0", "--replicas", "ps=1", "--port", "70000"], "--port"),
 ]
