@@ -319,7 +319,7 @@ class ParameterServerHandlers:
                         100 * FRACTION)
         self._changes.notify()
 
-    async def _await_lease(self, what: str, deadline: float) -> None:
+    async def await_lease(self, what: str, deadline: float) -> None:
         """Let a write through only while the lease holds; one that finds it expired waits for a
         renewal until the lease lapses (a late answer on a loaded host), then is refused."""
         lease = self.lease
@@ -653,7 +653,7 @@ class ParameterServerHandlers:
         metas = _metas(items)
         self._check_limits("push-pull", stamp, metas, keys)
         if items:  # first: the ownership checked next may change with the renewal this waits for
-            await self._await_lease(f"push by {stamp.worker_id!r} at clock {stamp.clock}",
+            await self.await_lease(f"push by {stamp.worker_id!r} at clock {stamp.clock}",
                                     self._deadline(timeout_s))
         pushed = [k for k, _ in items]
         touched = [*pushed, *keys]
@@ -695,7 +695,7 @@ class ParameterServerHandlers:
             raise EmptyRequestError(f"exchange from {stamp.worker_id!r}: nothing to push or pull")
         self._check_limits("exchange", stamp, push, pull)
         if push:  # first: the ownership checked next may change with the renewal this waits for
-            await self._await_lease(f"push by {stamp.worker_id!r} at clock {stamp.clock}",
+            await self.await_lease(f"push by {stamp.worker_id!r} at clock {stamp.clock}",
                                     self._deadline(timeout_s))
         self._check_owned([*(m.key for m in push), *pull])
         self._promote([*(m.key for m in push), *pull])
