@@ -313,7 +313,8 @@ class FastPathServer:
     def _handshaken(self) -> None:
         """A TLS connection's handshake ended (from its relay's thread): it no longer counts as greeting;
         its Connection counts again until its hello."""
-        self._loop.call_soon_threadsafe(self.greeted)
+        with contextlib.suppress(RuntimeError):  # the loop closed: the server is gone, and its count
+            self._loop.call_soon_threadsafe(self.greeted)
 
     def _relayed(self, end: socket.socket, peer: object) -> None:
         """A TLS connection authenticated (from its relay's thread): the event loop serves its clear end."""
@@ -327,7 +328,10 @@ class FastPathServer:
             self._handoffs.add(task)
             task.add_done_callback(self._handoffs.discard)
 
-        self._loop.call_soon_threadsafe(adopt)
+        try:
+            self._loop.call_soon_threadsafe(adopt)
+        except RuntimeError:  # the loop closed: the server is gone
+            end.close()
 
     async def _accept_unix(self, listener: socket.socket) -> None:
         while not self._stopping:

@@ -259,6 +259,13 @@ def test_a_tls_connection_is_deciphered_in_threads_of_its_own_that_end_with_it(s
     assert c.transports == ["tcp"] and (weights["a"] == -1.0).all()
     # The worker's connection: its cipher runs in two threads named after its address, not on the loop.
     assert len(_relay_threads()) == len(before) + 2, _relay_threads()
+    # The server cuts it: the worker's TLS socket is closed, the threads end, the worker connects again.
+    assert server.running.fast.disconnect("w0") == 1
+    _wait(lambda: _relay_threads() == before, f"relay threads outlived a cut connection: {_relay_threads()}")
+    c.push_pull({"a": np.ones(1 << 18, np.float32)}, 1, out=weights)
+    assert (weights["a"] == -2.0).all()
+    c.push_pull({"a": np.ones(1 << 18, np.float32)}, 2, out=weights)
+    assert (weights["a"] == -3.0).all()
     c.close()
     _wait(lambda: _relay_threads() == before, f"relay threads outlived their connection: {_relay_threads()}")
     _wait(lambda: not server.running.fast.transports(), "the session outlived its connection")
