@@ -49,10 +49,13 @@ def handshake_failure(err: BaseException) -> str:
     certificate it refused)."""
     if isinstance(err, ssl.SSLCertVerificationError) and err.verify_message:
         return f"certificate verify failed: {err.verify_message}"
-    if isinstance(err, ssl.SSLError) and err.reason:
-        return str(err.reason).lower().replace("_", " ")
+    reason = getattr(err, "reason", None)  # OpenSSL's; an SSLError raised in Python has none
+    if isinstance(err, ssl.SSLError) and reason:
+        return str(reason).lower().replace("_", " ")
     if isinstance(err, TimeoutError | socket.timeout):
         return "no complete handshake in time"
+    if isinstance(err, ssl.SSLEOFError | ConnectionError):
+        return "the peer closed the connection during the handshake"
     return f"{type(err).__name__}: {err}"
 
 
@@ -97,11 +100,11 @@ class TlsRelay:
             stream = TlsStream.connect(self._sock, self._context, None)
             self._sock.settimeout(None)
         except (OSError, ValueError) as err:  # ssl.SSLError is an OSError
+            self._done()
+            self._sock.close()
             if not self._stopping:
                 log.warning("fast path: refused a TLS connection from %s: the handshake failed: %s",
                             describe(self.peer), handshake_failure(err))
-            self._done()
-            self._sock.close()
             return
         self._done()
         inner, outer = socket.socketpair()

@@ -288,3 +288,28 @@ def test_a_refused_handshake_is_logged_with_the_peer_address_and_the_reason(star
         _wait(lambda: "handshake failed" in caplog.text, f"no handshake failure logged: {caplog.text!r}")
     line = next(r.getMessage() for r in caplog.records if "handshake failed" in r.getMessage())
     assert peer in line and "certificate verify failed" in line, line
+
+
+def test_connections_in_their_handshake_count_against_the_cap_and_a_worker_still_gets_on(start_server,
+                                                                                        new_client):
+    """Each TLS connection holds a thread while it proves its certificate: past MAX_GREETING of them the
+    newest are closed at once, so a crowd of strangers cannot make the server start threads without end."""
+    from pshard.ps_server.transport.fastpath import MAX_GREETING
+
+    server = start_server(ServerSettings())
+    fast = server.running.fast
+    extra = 4
+    socks = [socket.create_connection(("127.0.0.1", fast.port), timeout=WAIT_S)
+             for _ in range(MAX_GREETING + extra)]
+    try:
+        _wait(lambda: fast.refused_greetings == extra, f"refused {fast.refused_greetings}, expected {extra}")
+        assert fast.greeting == MAX_GREETING and len(_relay_threads()) <= MAX_GREETING
+    finally:
+        for sock in socks:
+            sock.close()
+    # Gone before their handshake: their threads end and they count no more.
+    _wait(lambda: fast.greeting == 0 and not _relay_threads(), f"{fast.greeting} still greeting")
+    c = new_client([server], "w0", transport="tcp")
+    weights = c.declare({"a": np.zeros(8, np.float32)}, ASYNC)
+    c.push_pull({"a": np.ones(8, np.float32)}, 0, out=weights)
+    assert c.transports == ["tcp"] and (weights["a"] == -1.0).all()
