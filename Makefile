@@ -24,8 +24,13 @@ help:
 	@echo "make demo-ctr  train a CTR model with sparse embeddings on a synthetic click log (same cluster)"
 	@echo "make up        docker compose up (needs a Docker engine)"
 	@echo "make bench     run the benchmarks in bench/ and print JSON lines"
+	@echo "make bench-disk-tier  a table 4x its memory_mb (zipf ids) against the same table in RAM: rows/s ratio"
 	@echo "make bench-compression-accuracy  compressed vs uncompressed Fashion-MNIST accuracy (issue 19)"
 	@echo "make bench-links  W1 step time per compressor on a tc-shaped 1 Gbit/s link, compressors' CPU cost"
+	@echo "make bench-priority layer priority against FIFO, a 24-layer MLP over the same 1 Gbit/s link"
+	@echo "make bench-drain  a server drained mid-training: longest step against the median (issue 20)"
+	@echo "make bench-coordinator  a scheduled no-op's p50/p99, coordinator vs worker-driven training steps/s"
+	@echo "make demo-coordinator   Fashion-MNIST trained by a coordinator (examples/coordinator_mnist.py)"
 	@echo "make bench-tls one Python stream: clear, SSLSocket, the fast path's TlsStream (JSON lines)"
 	@echo "make bench-hosts  the benchmarks across hosts on the namespace bed (root): stream, W1 clear/TLS, p50, 1 Gbit/s"
 	@echo "make gpu-carry build .gpu-carry/ (pshard installed, stubs for the GPU machine's grpcio) to carry there"
@@ -112,11 +117,28 @@ up:
 bench: install
 	$(PY) -m bench.run_all
 
+# Issue 21: a scheduled no-op's p50/p99, and coordinator training steps/s against the worker-driven loop
+# (PSTrainer) in the same run; bar 0.8x.
+.PHONY: bench-coordinator
+bench-coordinator: install
+	$(PY) -m bench.coordinator
+
+# Issue 21: Fashion-MNIST trained by a coordinator (examples/coordinator_mnist.py); its last line is the
+# test accuracy (>= 0.85). A minute or two on the 2-core machine: not part of make test.
+.PHONY: demo-coordinator
+demo-coordinator: install data
+	$(VENV)/bin/pshard launch $(LAUNCH_SECURITY) --ps 2 --workers 2 --coordinator examples/coordinator_mnist.py
+
 # Issue 19: test accuracy with --compression topk:0.01 and sign (error feedback on) against uncompressed
 # training, same epochs and seed, 2 servers and 2 workers in sync mode (minutes: 3 trainings of
 # COMPRESSION_EPOCHS epochs each). Exits 1 when a compressor ends more than 0.5 pp behind.
 # Measured within 0.5 pp after 15 epochs (sign at a tenth of the lr: see docs/guide/compression.md).
 COMPRESSION_EPOCHS ?= 15
+# The disk tier (issue 22): rows/s of a table 4x its memory_mb against the same table in RAM, same run.
+.PHONY: bench-disk-tier
+bench-disk-tier: install
+	$(PY) -m bench.disk_tier
+
 .PHONY: bench-compression-accuracy
 bench-compression-accuracy: install data
 	$(PY) -m bench.compression_accuracy --epochs $(COMPRESSION_EPOCHS) --sign-lr 0.005
@@ -129,6 +151,17 @@ LINK_MBIT ?= 1000
 bench-links: install
 	$(PY) -m bench.compression_link --mbit $(LINK_MBIT)
 	$(PY) -m bench.compression_cost
+	$(PY) -m bench.priority_link --mbit $(LINK_MBIT)
+
+# Layer priority against FIFO order alone: a 24-layer MLP, PSTrainer(overlap=True), on the bed (root).
+.PHONY: bench-priority
+bench-priority: install
+	$(PY) -m bench.priority_link --mbit $(LINK_MBIT)
+
+# A server drained on SIGTERM mid-training (issue 20): the longest step while it hands over.
+.PHONY: bench-drain
+bench-drain: install
+	$(PY) -m bench.drain
 
 # One Python stream in clear, over an SSLSocket and over the fast path's TlsStream (issue 24).
 bench-tls: install
@@ -151,7 +184,7 @@ fuzz: install
 
 lint: install
 	$(VENV)/bin/ruff check .
-	$(VENV)/bin/mypy common client ps_server scheduler worker launcher pshard
+	$(VENV)/bin/mypy common client ps_server scheduler worker launcher coordinator pshard
 	$(VENV)/bin/mypy --explicit-package-bases $$(git ls-files 'tests/*.py' 'bench/*.py')
 	$(VENV)/bin/buf lint proto
 	$(COMPOSE_BIN) -f docker-compose.yml config -q

@@ -31,7 +31,10 @@ import sys
 from bench import ceilings
 from bench.admission import admission_memory
 from bench.common import DEFAULT_SIZES, emit, load_average, machine, parse_sizes
+from bench.coordinator import BAR as COORDINATOR_BAR
+from bench.coordinator import coordinator_bench
 from bench.dense import dense
+from bench.disk_tier import disk_tier
 from bench.latency import latency
 from bench.narrow_rows import narrow_rows
 from bench.replication import replication
@@ -161,11 +164,21 @@ def main(argv: list[str] | None = None) -> int:
     admit = emit("admission_memory", **admission_memory(ids=2_000_000 if args.quick else 20_000_000))
     # 8- and 16-bit rows (issue 22): RSS per row and rows/s by row_dtype, float32 the same-run baseline.
     narrow = emit("narrow_rows", **narrow_rows(rows=250_000 if args.quick else 2_000_000))
+    # The disk tier (issue 22): a table 4x its memory_mb, zipf ids, against the same table in RAM.
+    tier = emit("disk_tier_rows", **disk_tier(rows=200_000 if args.quick else 1_000_000,
+                                              steps=20 if args.quick else 100,
+                                              repeats=1 if args.quick else 2))
     # Replication (issue 10): replicas 1 vs 0 on 3 servers, and the failover time after a SIGKILL.
     repl = emit("replication", **replication(sizes, steps=steps))
     # Training (issue 8): the demo CNN with 2 servers, with and without overlap, against local torch.optim.
     train = emit("training_steps", **training(steps=40 if args.quick else 200,
                                               repeats=1 if args.quick else 3))
+    # Coordinator-driven training (issue 21): a scheduled no-op's p50/p99, and scheduled training steps/s
+    # against the worker-driven loop in the same run (`make bench-coordinator` runs it at full length).
+    coord = emit("coordinator", **coordinator_bench(steps=40 if args.quick else 200,
+                                                    repeats=1 if args.quick else 2,
+                                                    calls=50 if args.quick else 300,
+                                                    burst=100 if args.quick else 1000))
 
     m = machine()
     print(f"\n# pshard bench on {m['cpu']} ({m['cores']} cores), Python {m['python']}, grpcio {m['grpcio']}; "
@@ -206,11 +219,20 @@ def main(argv: list[str] | None = None) -> int:
     rss = {rd: narrow[rd]["rss_bytes_per_row"] for rd in ("float32", "float16", "bfloat16", "int8")}  # type: ignore[index]
     print(f"rows of dim {narrow['dim']} by row_dtype, RSS bytes per row: {rss} (int8: "
           f"{narrow['int8']['rss_ratio_float32_to_this']}x smaller than float32)")  # type: ignore[index]
+    print(f"disk tier, {tier['rows']} rows x {tier['dim']} at a quarter in RAM, zipf: "
+          f"{tier['rows_per_s_tiered']} rows/s against {tier['rows_per_s_ram']} in RAM ({tier['ratio']}x) "
+          f"[bar {tier['bar']}x: {'ok' if tier['passed'] else 'below'}]")
     ratios = [float(train[k]) for k in ("ratio_pstrainer_to_local", "ratio_overlap_to_local")]  # type: ignore[arg-type]
     print(f"training, demo CNN, 1 worker x 2 servers: local {train['local_steps_per_s']} steps/s, PSTrainer "
           f"{train['pstrainer_steps_per_s']} ({train['ratio_pstrainer_to_local']}x), with overlap "
-          f"{train['overlap_steps_per_s']} ({train['ratio_overlap_to_local']}x) "
+          f"{train['overlap_steps_per_s']} ({train['ratio_overlap_to_local']}x), with priority "
+          f"{train['priority_steps_per_s']} ({train['ratio_priority_to_local']}x) "
           f"[bar {TRAINING_BAR}x: {'ok' if max(ratios) >= TRAINING_BAR else 'below'}]")
+    noop: dict[str, object] = coord["noop"]  # type: ignore[assignment]
+    print(f"coordinator, mlp on 2 serving workers x 2 servers: scheduled no-op p50 {noop['p50_ms']} ms, "
+          f"p99 {noop['p99_ms']} ms; {coord['coordinator_steps_per_s']} steps/s against worker-driven "
+          f"{coord['worker_driven_steps_per_s']} ({coord['ratio']}x) "
+          f"[bar {COORDINATOR_BAR}x: {'ok' if float(coord['ratio']) >= COORDINATOR_BAR else 'below'}]")  # type: ignore[arg-type]
     return 0
 
 

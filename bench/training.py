@@ -6,7 +6,9 @@ parameter server processes in sync mode, SGD on the servers. Three loops over th
 - local: forward, backward, `torch.optim.SGD.step()`; no servers;
 - pstrainer: forward, backward, `PSTrainer.step()` (one fused push+pull after backward);
 - overlap: `PSTrainer(overlap=True)`: buckets pushed during backward, weights landed per layer at
-  the next forward.
+  the next forward;
+- priority: `PSTrainer(overlap=True, priority=True)`: the same, pushes by layer priority and pulls apart,
+  first layers first (issue 19).
 
 Each server loop is timed in blocks of `--block` steps alternating with blocks of the local loop (its
 own model), `--repeats` times, and its ratio is its steps/s over the local loop's in the same blocks.
@@ -91,7 +93,7 @@ def _interleaved(local: Callable[..., None], served: Callable[..., None],
 
 
 def with_servers(batches: list[tuple[object, object]], warmup: int, overlap: bool, transport: str,
-                 run: int, block: int) -> tuple[float, float, list[str]]:
+                 run: int, block: int, priority: bool = False) -> tuple[float, float, list[str]]:
     """(local seconds, PSTrainer seconds, transports) over the timed batches, interleaved."""
     import torch
     from pshard.client.ps_client import PSClient
@@ -105,7 +107,7 @@ def with_servers(batches: list[tuple[object, object]], warmup: int, overlap: boo
         model = _model()
         client = PSClient([s.address for s in servers], "w0", transport=transport)
         job = JobConfig(mode="sync", optimizer=OptimizerConfig(name="sgd", lr=LR))
-        with PSTrainer(model, client, job, overlap=overlap) as trainer:
+        with PSTrainer(model, client, job, overlap=overlap, priority=priority) as trainer:
 
             def step(x: torch.Tensor, y: torch.Tensor) -> None:
                 trainer.zero_grad()
@@ -126,12 +128,12 @@ def training(steps: int = 200, warmup: int = 20, repeats: int = 2, transport: st
 
     batches = _batches(warmup + steps)
     # Seconds per run, each server loop with the local blocks interleaved with it.
-    spent: dict[str, list[tuple[float, float]]] = {"pstrainer": [], "overlap": []}
+    spent: dict[str, list[tuple[float, float]]] = {"pstrainer": [], "overlap": [], "priority": []}
     transports: list[str] = []
     for run in range(repeats):
         for name in spent:
-            local_s, served_s, transports = with_servers(batches, warmup, name == "overlap", transport, run,
-                                                         block)
+            local_s, served_s, transports = with_servers(batches, warmup, name != "pstrainer", transport, run,
+                                                         block, priority=name == "priority")
             spent[name].append((local_s, served_s))
     rate = {name: steps * len(runs) / sum(s for _, s in runs) for name, runs in spent.items()}
     ratio = {name: sum(local for local, _ in runs) / sum(s for _, s in runs) for name, runs in spent.items()}
@@ -146,7 +148,8 @@ def training(steps: int = 200, warmup: int = 20, repeats: int = 2, transport: st
             "samples_ratio": {name: [round(local / s, 3) for local, s in runs]
                               for name, runs in spent.items()},
             "ratio_pstrainer_to_local": round(ratio["pstrainer"], 3),
-            "ratio_overlap_to_local": round(ratio["overlap"], 3), "bar": BAR}
+            "ratio_overlap_to_local": round(ratio["overlap"], 3),
+            "ratio_priority_to_local": round(ratio["priority"], 3), "bar": BAR}
 
 
 def build_parser() -> argparse.ArgumentParser:

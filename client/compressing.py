@@ -86,9 +86,9 @@ class PushEncoder:
         compressor = self.plan[key]
         acc = np.asarray(grad, dtype=np.float32).reshape(-1)
         residual = self._residuals.get(key)
-        if self.error_feedback and residual is not None:
-            acc = acc + residual  # a new array: the caller's gradient is left alone
-        sent = np.zeros_like(acc) if self.error_feedback else None
+        if self.error_feedback:
+            # A new array (the caller's gradient is left alone) that becomes the next residual in place.
+            acc = acc + residual if residual is not None else acc.copy()
         out = {}
         for s in cuts:
             part = acc[s.offset:s.offset + s.numel]
@@ -97,11 +97,11 @@ class PushEncoder:
             self.stats.slice_bytes[s.slice_key] = (s.numel * np.dtype(grad.dtype).itemsize, wire.array.nbytes)
             self.stats.bytes_before += s.numel * np.dtype(grad.dtype).itemsize
             self.stats.bytes_after += wire.array.nbytes
-            if sent is not None:
-                sent[s.offset:s.offset + s.numel] = compress.decode(wire, s.numel, s.slice_key, clock)
-        if sent is not None:
-            self._residuals[key] = acc - sent
-            self.stats.residual_norms[key] = float(np.linalg.norm(self._residuals[key]))
+            if self.error_feedback:
+                compress.subtract_sent(part, wire, s.slice_key, clock)  # part is now acc - sent
+        if self.error_feedback:
+            self._residuals[key] = acc
+            self.stats.residual_norms[key] = float(np.linalg.norm(acc))
         return out
 
     # ---- state ----

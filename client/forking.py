@@ -30,7 +30,14 @@ FORK_SUPPORT_ENV = "GRPC_ENABLE_FORK_SUPPORT"
 _FALSE = ("0", "false", "no", "off")
 
 
+# This process's id, kept by the fork hook below: os.getpid() is a system call, and every push+pull asks
+# whether its client is still in the process that made it (issue 18's latency drift).
+_pid = os.getpid()
+
+
 def _after_fork_in_child() -> None:
+    global _pid
+    _pid = os.getpid()
     # Objects that existed at the fork (the parent's gRPC calls, channels, fast-path sockets among
     # them) are never collected here: finalising one runs gRPC code on locks the parent's threads held.
     gc.freeze()
@@ -58,15 +65,15 @@ class ProcessOwned:
 
     def __init__(self, what: str) -> None:
         self._what = what
-        self._pid = os.getpid()
+        self._pid = _pid
 
     @property
     def here(self) -> bool:
         """Whether this is the process that made it."""
-        return os.getpid() == self._pid
+        return _pid == self._pid
 
     def check(self) -> None:
-        if not self.here:
+        if _pid != self._pid:
             raise ForkedClientError(
                 f"{self._what}: made in process {self._pid}, used in process {os.getpid()} forked from it "
                 f"(a DataLoader worker?); its channels belong to the parent: make a new one in this process")

@@ -156,6 +156,9 @@ class PSClient:
         self.overload_retries = 0
         self._declared = False
         self.reroutes = 0  # steps sent again after a failover moved slices
+        # (schedule id, push number, floor) stamped on pushes while a scheduled call runs
+        # (pshard.coordinator): the servers apply each of them once, whichever worker sends it.
+        self.scheduled: tuple[int, int, int] = (0, 0, 0)
         # The job's gradient compression (set by declare); None: every slice travels as it is.
         self.compression: PushEncoder | None = None
 
@@ -201,8 +204,10 @@ class PSClient:
 
         def run(server: int) -> None:
             slices = self.layout.slices_on(server)  # type: ignore[union-attr]
-            if not slices and self.layout.replicas:  # type: ignore[union-attr]
-                return  # a failover left it none (it is only a backup now): nothing to declare there
+            if not slices:
+                # A failover left it none (it is only a backup now), or the model has fewer slices than
+                # there are servers (a coordinator's one variable): nothing to declare there.
+                return
             header = pb.ExchangeHeader(
                 op=pb.EXCHANGE_OP_DECLARE, config=codec.job_to_proto(job),
                 push=[self._meta(s, self._dtypes[s.key]) for s in slices],
@@ -299,10 +304,17 @@ class PSClient:
              out: Mapping[str, np.ndarray] | None = None) -> dict[str, np.ndarray]:
         """Fetch parameters as of `clock` (waiting as the consistency mode demands)."""
         wanted = list(keys) if keys is not None else None  # sent again after a failover
-        return self._rerouting(lambda layout: self._pull(layout, clock, wanted, out))
+        result, self.last_pull = self._rerouting(lambda layout: self._pull(layout, clock, wanted, out))
+        return result
+
+    def pull_into(self, clock: int, keys: Iterable[str], out: Mapping[str, np.ndarray]) -> PushResult:
+        """`pull` into `out`, returning the versions pulled (`last_pull` is left alone: threads that
+        pull side by side each get their own)."""
+        wanted = list(keys)
+        return self._rerouting(lambda layout: self._pull(layout, clock, wanted, out))[1]
 
     def _pull(self, layout: Layout, clock: int, keys: Iterable[str] | None,
-              out: Mapping[str, np.ndarray] | None) -> dict[str, np.ndarray]:
+              out: Mapping[str, np.ndarray] | None) -> tuple[dict[str, np.ndarray], PushResult]:
         wanted = list(keys) if keys is not None else [p.key for p in layout.params]
         result = self._outputs(wanted, out)
         wanted_set = set(wanted)
@@ -317,8 +329,7 @@ class PSClient:
             summary = self._fast_call(server, header, [], slices, result)
             return summary if summary is not None else self._exchange_call(server, header, [], slices, result)
 
-        self.last_pull = _result(self._all_servers(run))
-        return result
+        return result, _result(self._all_servers(run))
 
     def push_pull(self, grads: Mapping[str, np.ndarray], clock: int,
                   out: Mapping[str, np.ndarray] | None = None, *,
@@ -496,9 +507,10 @@ class PSClient:
     # ---- internals ----
 
     def _need_layout(self) -> Layout:
-        if self.layout is None:
+        layout = self.connections.layout  # read once: every step asks three times
+        if layout is None:
             raise InvalidArgumentError("no layout yet: call declare() first (or pass the scheduler's layout)")
-        return self.layout
+        return layout
 
     @property
     def generation(self) -> int:
@@ -510,7 +522,7 @@ class PSClient:
         self._generation = value
 
     def _stamp(self, clock: int, lr: float | None = None) -> pb.Stamp:
-        return codec.stamp_to_proto(Stamp(self.worker_id, self.generation, clock, lr))
+        return codec.stamp_to_proto(Stamp(self.worker_id, self.generation, clock, lr, *self.scheduled))
 
     @staticmethod
     def _packed_meta(s: LayoutSlice, packed: codec.WireArray) -> pb.SliceMeta:

@@ -52,7 +52,7 @@ from pshard.common.types import Stamp
 from pshard.common.wire import codec
 from pshard.common.wire.fastwire import TransportBroken
 from pshard.common.wire.shm import align
-from pshard.common.wire.sparse_codec import decode_rows, spec_to_proto
+from pshard.common.wire.sparse_codec import decode_rows, encode_grads, spec_to_proto
 
 from pshard.api.v1 import parameter_server_pb2 as ps_pb
 from pshard.api.v1 import sparse_pb2 as pb
@@ -78,6 +78,8 @@ class _Sent(NamedTuple):
 log = logging.getLogger("pshard.worker")
 _SLACK_S = 5.0  # past the request's own timeout, as PSClient's calls allow
 _INT64 = codec.dtype_to_proto("int64")
+# Gradient rows cast to bfloat16 travel as its bits (uint16: numpy has no bfloat16).
+_GRAD_DTYPES = {"uint16": codec.dtype_to_proto("bfloat16")}
 # A server refuses ids of a row partition it does not serve with PartitionMovedError (re-route), and a sync
 # push routed with a layout it has not received yet with LayoutNotYetError (send it again after this).
 _NOT_YET_WAIT_S = 0.05
@@ -158,7 +160,8 @@ class _Split:
     `inverse` maps each position of the call's ids to its row in `ids`."""
 
     def __init__(self, ids: np.ndarray, n_servers: int, owners: np.ndarray | None = None) -> None:
-        """`owners`: the server of each row partition, when a failover moved one (Layout.row_owners)."""
+        """`owners`: the server of each row partition, when a failover or a move placed them
+        (Layout.row_owners): its length is the number of partitions, which may exceed n_servers."""
         ids = np.asarray(ids)
         if ids.dtype.kind not in "iu":
             raise InvalidArgumentError(f"ids: got dtype {ids.dtype}, expected integers (int64)")
@@ -172,8 +175,9 @@ class _Split:
         np.not_equal(ordered[1:], ordered[:-1], out=new[1:])
         repeats = not new.all()
         unique = ordered[new] if repeats else ordered
-        owner = server_of(unique, n_servers)
-        counts = np.bincount(owner, minlength=n_servers)
+        partitions = len(owners) if owners is not None else n_servers
+        owner = server_of(unique, partitions)
+        counts = np.bincount(owner, minlength=partitions)
         self.partitions = set(np.flatnonzero(counts).tolist())  # the row partitions of the ids
         if owners is not None:
             owner = owners[owner]
@@ -397,7 +401,7 @@ class TableClient:
         config = self._config(table)
         split = self._split(ids, layout)
         version = layout.version if layout is not None else 0
-        summed = self._coalesce(config, split, grads)
+        summed = encode_grads(config, self._coalesce(config, split, grads))
 
         parts = [split.part(s) for s in range(len(self._stubs))]
 
@@ -420,7 +424,7 @@ class TableClient:
         """The pulled rows, and the row partitions they were read from."""
         config = self._config(table)
         split = self._split(ids, layout)
-        summed = self._coalesce(config, split, grads)
+        summed = encode_grads(config, self._coalesce(config, split, grads))
         want = self._split(pull_ids, layout)
         version = layout.version if layout is not None else 0
         rows = self._buffer("pulled", config, len(want.ids), stored=True)
@@ -611,8 +615,8 @@ class TableClient:
                                                                  pull=pull_ids is not None, push_id=push_id,
                                                                  layout_version=layout_version),
             stamp=codec.stamp_to_proto(Stamp(self._client.worker_id, self._client.generation, clock)),
-            push=[ps_pb.SliceMeta(dtype=_INT64 if b.dtype == np.int64 else codec.dtype_to_proto(b.dtype.name),
-                                  shape=b.shape) for b in buffers])
+            push=[ps_pb.SliceMeta(dtype=_INT64 if b.dtype == np.int64 else _GRAD_DTYPES.get(
+                b.dtype.name) or codec.dtype_to_proto(b.dtype.name), shape=b.shape) for b in buffers])
         if rows is None:
             target = np.zeros(0, np.uint8)
         else:

@@ -72,6 +72,9 @@ class Checkpoint:
     params: dict[str, tuple[str, tuple[int, ...]]]  # name -> (dtype, shape)
     files: tuple[FileEntry, ...]
     servers: int  # how many servers wrote it
+    # A coordinator's own state, committed with the weights (pshard.coordinator: its shard queues'
+    # positions); {} for a worker-driven job's.
+    coordinator: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -138,14 +141,17 @@ def job_from_json(d: Mapping[str, Any]) -> JobConfig:
 # ---- the manifest ----
 
 def commit(directory: Path, clock: int, job: JobConfig, params: Mapping[str, tuple[str, tuple[int, ...]]],
-           parts: Sequence[Sequence[FileEntry]]) -> Path:
-    """Write the manifest (last, atomically): from here on the checkpoint is committed."""
-    manifest = {
+           parts: Sequence[Sequence[FileEntry]], coordinator: Mapping[str, Any] | None = None) -> Path:
+    """Write the manifest (last, atomically): from here on the checkpoint is committed. `coordinator`: a
+    coordinator's own state (JSON), committed with the weights."""
+    manifest: dict[str, Any] = {
         "format": FORMAT, "clock": clock, "created": time.time(), "job": job_to_json(job),
         "servers": len(parts),
         "params": {k: {"dtype": d, "shape": list(s)} for k, (d, s) in params.items()},
         "files": [dataclasses.asdict(f) for part in parts for f in part],
     }
+    if coordinator:
+        manifest["coordinator"] = dict(coordinator)
     encoded = json.dumps(manifest, indent=1).encode()
     path = directory / MANIFEST
     write_atomically(path, lambda f: f.write(encoded))
@@ -195,7 +201,8 @@ def load_manifest(path: Path, verify: bool = False) -> Checkpoint:
     return Checkpoint(path=path, clock=int(raw["clock"]), created=float(raw["created"]),
                       job=job_from_json(raw["job"]),
                       params={k: (v["dtype"], tuple(v["shape"])) for k, v in raw["params"].items()},
-                      files=files, servers=int(raw["servers"]))
+                      files=files, servers=int(raw["servers"]),
+                      coordinator=dict(raw.get("coordinator") or {}))
 
 
 def latest(root: Path, report: Callable[[Torn], None] | None = None) -> Checkpoint | None:

@@ -70,6 +70,13 @@ class ChunkPool:
         """How an operation over `n` elements is cut (one range: it runs inline)."""
         return split(n, self.threads, self.min_chunk if min_chunk is None else min_chunk)
 
+    def splits(self, n: int, min_chunk: int | None = None) -> bool:
+        """Whether an operation over `n` elements is cut in more than one range (`len(ranges) > 1`).
+        Answered without cutting for a pool of one thread or an array under two chunks: every small
+        push+pull asks it, where the cut cost more than the copy (issue 18's latency drift)."""
+        chunk = self.min_chunk if min_chunk is None else min_chunk
+        return self.threads > 1 and n >= 2 * chunk and len(split(n, self.threads, chunk)) > 1
+
     def run(self, fn: Callable[[int, int], None], n: int, min_chunk: int | None = None) -> None:
         """`fn(lo, hi)` for every chunk of range(n), all done when this returns; the first error raised."""
         ranges = self.ranges(n, min_chunk)
@@ -91,11 +98,14 @@ class ChunkPool:
         """np.copyto(dst, src) for C-contiguous arrays of the same size (dtype conversion allowed)."""
         if dst.size != src.size:
             raise ValueError(f"copy: destination has {dst.size} elements, source {src.size}")
+        if self._executor is None:  # one thread (the default): the whole copy, without asking how to cut it
+            np.copyto(dst, src.reshape(dst.shape), casting="unsafe")
+            return
         # A copy is one pass, cheaper per element than an update's several: chunks of as many bytes
         # as an update's chunk of float32 (byte views of network buffers count bytes).
         min_chunk = max(1, self.min_chunk * 4 // dst.itemsize)
         whole = not (dst.flags.c_contiguous and src.flags.c_contiguous)
-        if whole or len(self.ranges(dst.size, min_chunk)) == 1:
+        if whole or not self.splits(dst.size, min_chunk):
             np.copyto(dst, src.reshape(dst.shape), casting="unsafe")
             return
         d, s = dst.reshape(-1), src.reshape(-1)
@@ -119,6 +129,9 @@ def shared_pool() -> ChunkPool:
     (21.4 vs 22.9 ms), and PSTrainer's ratio to local torch.optim fell from 0.353 to 0.300; only
     Adam's update gained (83 -> 43 ms). So a pool is opt-in, where the cores are really free."""
     global _shared
+    pool = _shared  # set once, read on every small request: no lock once it is there
+    if pool is not None:
+        return pool
     with _shared_lock:
         if _shared is None:
             _shared = ChunkPool(1)

@@ -112,6 +112,11 @@ class UnknownNodeError(PSError):
     status = "NOT_FOUND"
 
 
+class NodeLeftError(UnknownNodeError):
+    """A request from a node that left the cluster, or that an operator drained (`pshard drain`): a
+    node may register again to rejoin; a drained server stops instead."""
+
+
 class FutureClockError(PSError):
     """A push or pull stamped with a clock the server cannot have reached yet."""
 
@@ -227,6 +232,24 @@ class ForkedClientError(PSError):
     its channels and threads belong to the parent."""
 
     status = "FAILED_PRECONDITION"
+
+
+class ScheduledFunctionError(PSError):
+    """A function a ClusterCoordinator scheduled raised on its worker (pshard.coordinator). The message
+    carries the worker's traceback; facts: `function`, `schedule_id`, `worker`, `error_type` (the
+    exception's class on the worker, e.g. "builtins.ValueError")."""
+
+    status = "ABORTED"
+
+
+class NoWorkersError(UnavailableError):
+    """A coordinator has scheduled functions waiting and no serving worker left to run them."""
+
+
+class CancelledCallError(PSError):
+    """A scheduled call that never ran: an earlier call failed and the coordinator dropped the rest."""
+
+    status = "CANCELLED"
 
 
 def error_classes() -> dict[str, type[PSError]]:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from pshard.common.errors import InvalidArgumentError, quote
@@ -56,20 +56,22 @@ class Limits:
         if self.max_dims > 64:
             raise InvalidArgumentError(f"limit max_dims: got {self.max_dims}, numpy allows at most 64")
 
-    def check_shape(self, what: str, shape: Sequence[int]) -> int:
-        """The element count of `shape`; InvalidArgumentError naming `what` past a limit."""
+    def check_shape(self, what: str | Callable[[], str], shape: Sequence[int]) -> int:
+        """The element count of `shape`; InvalidArgumentError naming `what` past a limit. `what` may be
+        a function that names it, called only then: a request checks every slice it pushes, and the
+        quoted name of each cost more than the check (issue 18's latency drift)."""
         if len(shape) > self.max_dims:
             raise InvalidArgumentError(
-                f"{what}: shape has {len(shape)} dimensions, expected at most {self.max_dims}")
-        if any(d < 0 for d in shape):
-            raise InvalidArgumentError(f"{what}: shape {tuple(shape)} has a negative dimension")
+                f"{_name(what)}: shape has {len(shape)} dimensions, expected at most {self.max_dims}")
+        if shape and min(shape) < 0:
+            raise InvalidArgumentError(f"{_name(what)}: shape {tuple(shape)} has a negative dimension")
         # Stops as soon as the count passes the limit: a shape of 32 dims of 2**62 costs no big ints.
         count = 1
         for d in shape:
             count *= max(d, 1)
             if count > self.max_slice_elements:
                 raise InvalidArgumentError(
-                    f"{what}: shape {_short(shape)} has more than {self.max_slice_elements} elements "
+                    f"{_name(what)}: shape {_short(shape)} has more than {self.max_slice_elements} elements "
                     f"(limit max_slice_elements)")
         return math.prod(shape)
 
@@ -103,6 +105,10 @@ def _check_chars(field: str, value: str, limit: int) -> None:
     if len(value) > limit:
         raise InvalidArgumentError(
             f"{field}: got {len(value)} characters ({value[:40]!r}...), expected at most {limit}")
+
+
+def _name(what: str | Callable[[], str]) -> str:
+    return what if isinstance(what, str) else what()
 
 
 def _short(shape: Sequence[int]) -> str:

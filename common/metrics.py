@@ -224,6 +224,12 @@ class _TableStats(Protocol):
     admission_bytes: int
     admission_halvings: int
     row_bytes: int
+    ram_rows: int
+    ram_bytes: int
+    disk_rows: int
+    disk_bytes: int
+    spilled: int
+    fetched: int
 
 
 class _Tables(Protocol):
@@ -403,14 +409,36 @@ def table_families(tables: Mapping[str, _TableStats]) -> Iterator[Any]:
         "Bytes of a sparse table's row values as stored and pulled (row_dtype; optimizer state not counted)",
         labels=["table"],
     )
+    tier_rows = GaugeMetricFamily(
+        "pshard_table_tier_rows", "Rows of a sparse table in RAM and on its disk tier (memory_mb)",
+        labels=["table", "tier"],
+    )
+    tier_bytes = GaugeMetricFamily(
+        "pshard_table_tier_bytes",
+        "Bytes of a sparse table's rows (values, optimizer state, stamps) in RAM and on its disk tier",
+        labels=["table", "tier"],
+    )
+    spilled = CounterMetricFamily(
+        "pshard_table_spilled_rows", "Rows a sparse table moved from RAM to its disk tier", labels=["table"]
+    )
+    fetched = CounterMetricFamily(
+        "pshard_table_fetched_rows", "Rows a sparse table read back from its disk tier on touch",
+        labels=["table"]
+    )
     for name, stats in sorted(tables.items()):
+        tier_rows.add_metric([name, "ram"], stats.ram_rows)
+        tier_rows.add_metric([name, "disk"], stats.disk_rows)
+        tier_bytes.add_metric([name, "ram"], stats.ram_bytes)
+        tier_bytes.add_metric([name, "disk"], stats.disk_bytes)
+        spilled.add_metric([name], stats.spilled)
+        fetched.add_metric([name], stats.fetched)
         rows.add_metric([name], stats.rows)
         row_bytes.add_metric([name], stats.row_bytes)
         admitted.add_metric([name], stats.admitted)
         evicted.add_metric([name], stats.evicted)
         sketch.add_metric([name], stats.admission_bytes)
         halvings.add_metric([name], stats.admission_halvings)
-    yield from (rows, admitted, evicted, sketch, halvings, row_bytes)
+    yield from (rows, admitted, evicted, sketch, halvings, row_bytes, tier_rows, tier_bytes, spilled, fetched)
 
 
 def request_families(requests: RequestMetrics, service: str) -> Iterator[Any]:

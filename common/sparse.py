@@ -15,6 +15,7 @@ import zlib
 from dataclasses import dataclass
 
 import numpy as np
+from pshard.common.compression import CASTS
 from pshard.common.errors import InvalidArgumentError
 
 TABLE_OPTIMIZERS = ("sgd", "adagrad", "adam", "lazy_adam")
@@ -23,6 +24,10 @@ TABLE_DTYPES = ("float32", "float64")
 # How a table stores and sends its rows' values (issue 22): float32 (the table's dtype, no narrowing), or
 # narrower, rounded once per push (ps_server/tables/rowcodec.py). int8 rows carry a float32 scale and offset.
 ROW_DTYPES = ("float32", "float16", "bfloat16", "int8")
+# How pushed gradient rows travel (issue 19): as the table's dtype, or cast to 2 bytes a value (the dense
+# compressors' casts, by the same names); servers widen them to float32 before applying. Top-k, random-k
+# and sign have no table form: a push of rows is sparse already, and the rows it names are those that moved.
+TABLE_COMPRESSIONS = ("none", *CASTS)
 TTL_UNITS = ("clocks", "seconds")
 CAP_POLICIES = ("lru", "lfu")
 TABLE_MODES = ("async", "sync")
@@ -137,6 +142,11 @@ class TableConfig:
     mode: str = "async"
     # Stored and pulled form of the values (ROW_DTYPES); optimizer state stays in `dtype`.
     row_dtype: str = "float32"
+    # How pushed gradient rows travel (TABLE_COMPRESSIONS); the servers apply them in float32.
+    compression: str = "none"
+    # RAM for rows per server, in MiB (values, optimizer state and stamps; ps_server/tables/disktier.py):
+    # rows beyond it spill to the server's --table-dir and come back on touch. 0: every row in RAM.
+    memory_mb: float = 0.0
 
     def __post_init__(self) -> None:
         def bad(field: str, got: object, expected: str) -> InvalidArgumentError:
@@ -153,7 +163,8 @@ class TableConfig:
                                       ("ttl_unit", self.ttl_unit, TTL_UNITS),
                                       ("cap_policy", self.cap_policy, CAP_POLICIES),
                                       ("mode", self.mode, TABLE_MODES),
-                                      ("row_dtype", self.row_dtype, ROW_DTYPES)):
+                                      ("row_dtype", self.row_dtype, ROW_DTYPES),
+                                      ("compression", self.compression, TABLE_COMPRESSIONS)):
             if value not in allowed:
                 raise bad(field, value, f"one of {allowed}")
         ranges: tuple[tuple[str, float, float, float], ...] = (
@@ -163,7 +174,8 @@ class TableConfig:
             ("beta1", self.betas[0], 0.0, 0.999999), ("beta2", self.betas[1], 0.0, 0.999999),
             ("admit_prob", self.admit_prob, 1e-9, 1.0), ("ttl", self.ttl, 0.0, 1e12),
             # A declaration allocates it at once: bounded, so that a hostile one cannot take the host.
-            ("admit_memory_mb", self.admit_memory_mb, 0.001, 1024.0))
+            ("admit_memory_mb", self.admit_memory_mb, 0.001, 1024.0),
+            ("memory_mb", self.memory_mb, 0.0, float(1 << 30)))
         for field, number, low, high in ranges:
             if not (math.isfinite(number) and low <= number <= high):
                 raise bad(field, number, f"a number in [{low}, {high}]")
@@ -176,6 +188,9 @@ class TableConfig:
         if self.narrow and self.dtype != "float32":
             raise bad("row_dtype", self.row_dtype, f"float32 with dtype {self.dtype!r} (narrower rows are "
                       "rounded from float32)")
+        if self.compression != "none" and self.dtype != "float32":
+            raise bad("compression", self.compression, f"'none' with dtype {self.dtype!r} (gradients are "
+                      "cast from float32)")
         if self.row_dtype == "int8" and self.allow_nonfinite:
             raise bad("row_dtype", self.row_dtype, "not int8 with allow_nonfinite (an int8 row cannot hold "
                       "a NaN or an infinity)")
@@ -183,6 +198,13 @@ class TableConfig:
     @property
     def np_dtype(self) -> np.dtype:
         return np.dtype(self.dtype)
+
+    @property
+    def grad_dtype(self) -> np.dtype:
+        """The dtype pushed gradient rows travel in: the table's, float16, or bfloat16's bits (uint16)."""
+        if self.compression == "bf16":
+            return np.dtype("<u2")
+        return np.dtype("<f2") if self.compression == "fp16" else self.np_dtype
 
     @property
     def narrow(self) -> bool:

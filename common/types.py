@@ -23,3 +23,9 @@ class Stamp(NamedTuple):
     clock: int
     # The learning rate of this clock's update (a worker's LR scheduler); None = the job's optimizer.lr.
     lr: float | None = None
+    # A scheduled call's pushes (pshard.coordinator): its schedule id (0: none), the push's number within
+    # the call, and the coordinator's floor (every id below it finished). The store applies each
+    # (schedule, seq, slice) once, whichever worker sends it.
+    schedule: int = 0
+    schedule_seq: int = 0
+    schedule_floor: int = 0

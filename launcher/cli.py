@@ -81,6 +81,9 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
     parser.add_argument("--scheduler-timeout-ms", metavar="MS", type=positive_int, default=5000,
                         help="a node silent for this long is declared dead and leaves the sync quorum "
                              "(default 5000)")
+    parser.add_argument("--row-partitions-per-server", metavar="N", type=positive_int, default=1,
+                        help="the scheduler hashes each sparse table's ids into N row partitions per "
+                             "server: the unit that re-sharding moves (default 1)")
     parser.add_argument("--checkpoint-dir", metavar="DIR",
                         help="parameter servers checkpoint their shards to DIR/ps-<i>")
     parser.add_argument("--checkpoint-interval-s", metavar="S", type=non_negative_float, default=0.0,
@@ -110,6 +113,12 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
                         default=Options.restart_backoff_s,
                         help="wait before a server's first restart, doubled for each further one, at most "
                              f"30 s (default {Options.restart_backoff_s:g})")
+    parser.add_argument("--coordinator", metavar="SCRIPT", default=None,
+                        help="coordinator-driven training (docs/guide/coordinator.md): SCRIPT runs as the "
+                             "chief task and schedules functions with pshard.coordinator's "
+                             "ClusterCoordinator; the M workers run 'pshard worker --serve'. Arguments after "
+                             "'--' go to SCRIPT. The exit status is the coordinator's; a serving worker that "
+                             "dies is not fatal")
     parser.add_argument("--worker-cmd", metavar="CMD", default=None,
                         help="command that runs one worker, split like a shell does "
                              f"(default: '{Path(sys.executable).name} -m pshard.worker' with this Python)")
@@ -158,6 +167,9 @@ def parse_options(argv: Sequence[str], prog: str = PROG) -> Options:
         what = "--worker-cmd" if args.worker_cmd is not None else f"{unknown[0]!r}"
         parser.error(f"{what}: got it with the script {script[1][0]!r}; arguments for the script go after "
                      "it, and a script replaces --worker-cmd")
+    if args.coordinator is not None and (script is not None or args.worker_cmd is not None):
+        parser.error(f"--coordinator: got it with {'a worker script' if script else '--worker-cmd'}; with a "
+                     "coordinator the workers serve its functions ('pshard worker --serve')")
     if args.workers == 0 and not args.chief:
         parser.error("--workers: got 0 without --chief, expected at least one training process")
     if args.scheduler_timeout_ms <= args.scheduler_interval_ms:
@@ -184,9 +196,11 @@ def parse_options(argv: Sequence[str], prog: str = PROG) -> Options:
         worker_cmd = (sys.executable, script[1][0])
     if not worker_cmd:
         parser.error("--worker-cmd: got an empty command")
-    return Options(ps=args.ps, workers=args.workers, chief=args.chief, host=args.host,
+    return Options(ps=args.ps, workers=args.workers, chief=args.chief or args.coordinator is not None,
+                   host=args.host, coordinator=args.coordinator,
                    heartbeat_interval_ms=args.scheduler_interval_ms,
                    heartbeat_timeout_ms=args.scheduler_timeout_ms, checkpoint_dir=args.checkpoint_dir,
+                   row_partitions_per_server=args.row_partitions_per_server,
                    worker_cmd=worker_cmd, worker_args=(*unknown, *argv[split + 1:]),
                    script=script[1][0] if script is not None else None,
                    startup_timeout_s=args.startup_timeout_s, grace_s=args.grace_s,
@@ -219,6 +233,8 @@ def check_startable(options: Options) -> None:
     program = options.worker_cmd[0]
     if options.script is not None and not Path(options.script).is_file():
         raise LaunchError(f"script: {options.script!r} is not a file")
+    if options.coordinator is not None and not Path(options.coordinator).is_file():
+        raise LaunchError(f"--coordinator: {options.coordinator!r} is not a file")
     if shutil.which(program) is None:
         raise LaunchError(f"--worker-cmd: {program!r} is not an executable program")
     # An unusable --checkpoint-dir is left to the parameter server, which names it (exit 2) and

@@ -128,6 +128,9 @@ class Options:
     worker_cmd: tuple[str, ...] = (sys.executable, "-m", "pshard.worker")
     worker_args: tuple[str, ...] = ()
     script: str | None = None  # `pshard launch ... train.py`: worker_cmd runs it (checked before start)
+    # `pshard launch --coordinator SCRIPT`: the chief runs SCRIPT (a ClusterCoordinator, with worker_args as
+    # its arguments) and the workers run `pshard worker --serve` (docs/guide/coordinator.md).
+    coordinator: str | None = None
     startup_timeout_s: float = 60.0
     grace_s: float = 10.0
     log_level: str = DEFAULT_LOG_LEVEL  # the launcher's, and its servers'
@@ -147,6 +150,8 @@ class Options:
     certs_dir: str | None = None
     # ps-i's raw TCP fast path listens on fast_port + i (ps --fast-port), to open in a firewall; 0: any.
     fast_port: int = 0
+    # scheduler --row-partitions-per-server: table row partitions per server in the layout.
+    row_partitions_per_server: int = 1
 
 
 @dataclass(frozen=True)
@@ -203,6 +208,8 @@ def child_specs(plan: ClusterPlan, options: Options, python: str = sys.executabl
             argv = [python, "-m", "pshard.scheduler", "--bind", task.address,
                     "--heartbeat-interval-ms", str(options.heartbeat_interval_ms),
                     "--heartbeat-timeout-ms", str(options.heartbeat_timeout_ms)]
+            if options.row_partitions_per_server > 1:
+                argv += ["--row-partitions-per-server", str(options.row_partitions_per_server)]
         else:
             argv = [python, "-m", "pshard.ps_server", "--bind", task.address]
             if options.replicas:
@@ -224,6 +231,9 @@ def child_specs(plan: ClusterPlan, options: Options, python: str = sys.executabl
         specs.append(ChildSpec(task.name, tuple(argv), env, task.address))
     for task in plan.trainers:
         args = [a.replace(TASK_PLACEHOLDER, task.name) for a in options.worker_args]
+        if options.coordinator is not None:
+            specs.append(_coordinated(plan, options, task, args, python))
+            continue
         env = _child_env(plan, task, options.job_id, options.certs_dir)
         if options.replicas:
             env = {**env, "PSHARD_REPLICAS": str(options.replicas)}
@@ -233,6 +243,22 @@ def child_specs(plan: ClusterPlan, options: Options, python: str = sys.executabl
             env = {**env, "OMP_WAIT_POLICY": "PASSIVE"}
         specs.append(ChildSpec(task.name, (*options.worker_cmd, *args), env))
     return specs
+
+
+def _coordinated(plan: ClusterPlan, options: Options, task: Task, args: Sequence[str],
+                 python: str) -> ChildSpec:
+    """The coordinator's job: the chief runs the script with `args`, every worker serves its functions."""
+    assert options.coordinator is not None
+    env = _child_env(plan, task, options.job_id, options.certs_dir)
+    if options.replicas:
+        env = {**env, "PSHARD_REPLICAS": str(options.replicas)}
+    env = {**env, "OMP_WAIT_POLICY": "PASSIVE"}  # as for a script: see child_specs
+    if task.task_type == "chief":
+        return ChildSpec(task.name, (python, options.coordinator, *args), env)
+    argv = [python, "-m", "pshard.worker", "--serve"]
+    if options.log_level != DEFAULT_LOG_LEVEL:
+        argv += ["--log-level", options.log_level]
+    return ChildSpec(task.name, tuple(argv), env)
 
 
 def global_checkpoint_dir(worker_args: Sequence[str]) -> str | None:

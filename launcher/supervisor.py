@@ -303,6 +303,10 @@ def _supervise(sup: Supervisor, specs: Sequence[ChildSpec], options: Options,
             _restart_later(sup, name, restarts[name], decision.delay_s)
             continue
         codes[name] = value
+        if value != 0 and options.coordinator is not None and not name.startswith("chief"):
+            sup.say(f"{name} exited ({describe_exit(value)}); the coordinator runs its calls on the other "
+                    "workers")
+            continue
         if value != 0:
             sup.say(f"{name} failed ({describe_exit(value)}); stopping everything")
             return status_of(value)

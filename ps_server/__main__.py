@@ -55,6 +55,7 @@ from pshard.common.rpc.bind import default_bind, own_hosts
 from pshard.common.rpc.options import DEFAULT_MAX_MESSAGE_BYTES
 from pshard.common.security.credentials import SecurityConfig, add_security_arguments, security_from_args
 from pshard.ps_server import service
+from pshard.ps_server.drain import DRAIN_TIMEOUT_S, drain
 from pshard.ps_server.follower import follow_scheduler
 from pshard.ps_server.handlers.dense import NO_QUORUM_GRACE_S
 from pshard.ps_server.heap import bound_heap
@@ -97,6 +98,14 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
                    help="backups per slice, the same on every server of the job: this server's slices are "
                         "copied to the next N live servers before a push is acknowledged, and one takes "
                         "over if it dies (default 0: none)")
+    p.add_argument("--drain-on-term", action="store_true",
+                   help="on SIGTERM, first hand every slice and table row partition this server serves to "
+                        "its in-sync backup (the scheduler switches the layout; workers re-route), then "
+                        "leave the job and exit 0; needs --replicas 1 or more and a scheduler "
+                        "(docs/operations/scaling.md)")
+    p.add_argument("--drain-timeout-s", type=positive_float, default=DRAIN_TIMEOUT_S,
+                   help="with --drain-on-term: how long to wait for a backup to hold a copy of everything "
+                        f"before giving up and stopping, exit 1 (default {DRAIN_TIMEOUT_S:g})")
     p.add_argument("--resume", action="store_true",
                    help="continue the checkpoint in --checkpoint-dir even if it is of another job (another "
                         "job id); without it such a checkpoint is set aside and the server starts fresh")
@@ -105,6 +114,9 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
                         f"gradients, naming them; 0 = off (default {ServerSettings.hang_report_s:g})")
     p.add_argument("--checkpoint-dir", metavar="DIR",
                    help="save the shard here (weights, optimizer state, clocks) and restore it on start")
+    p.add_argument("--table-dir", metavar="DIR",
+                   help="local directory where tables declared with memory_mb spill the rows beyond it (a "
+                        "cache: wiped at start; use a local SSD); without it such tables are refused")
     p.add_argument("--global-checkpoint-dir", metavar="DIR",
                    default=os.environ.get("PSHARD_GLOBAL_CHECKPOINT_DIR") or None,
                    help="the only directory global checkpoints are written to and restored from: the "
@@ -189,9 +201,24 @@ def _check_checkpoint_dir(path: str, shard_name: str) -> None:
                                  f"({reason})") from None
 
 
+def _check_table_dir(path: str) -> None:
+    """Fail at start, naming the flag, rather than at the first spill of a table with memory_mb."""
+    if not os.path.isdir(path):
+        raise ClusterConfigError(f"--table-dir: {path!r} is not a directory (create it, on a local disk)")
+    try:
+        probe = os.path.join(path, ".pshard-write-test")
+        with open(probe, "w"):
+            pass
+        os.remove(probe)
+    except OSError as err:
+        raise ClusterConfigError(f"--table-dir: {path!r} is not writable ({err.strerror or err})") from None
+
+
 def _settings(args: argparse.Namespace) -> ServerSettings:
     if args.checkpoint_dir:
         _check_checkpoint_dir(args.checkpoint_dir, ServerSettings.shard_name)
+    if args.table_dir:
+        _check_table_dir(args.table_dir)
     default_job = None
     if args.mode:
         default_job = JobConfig(mode=args.mode, staleness=args.staleness,
@@ -199,6 +226,7 @@ def _settings(args: argparse.Namespace) -> ServerSettings:
                                                           momentum=args.momentum))
     return ServerSettings(default_job=default_job, static_quorum=_static_quorum(args),
                           pull_timeout_s=args.pull_timeout_s, checkpoint_dir=args.checkpoint_dir,
+                          table_dir=args.table_dir,
                           global_checkpoint_dir=args.global_checkpoint_dir,
                           transport=args.transport, shm_dir=args.shm_dir, fast_port=args.fast_port,
                           max_inflight_bytes=args.max_inflight_mb * 2**20, hang_report_s=args.hang_report_s,
@@ -230,8 +258,17 @@ async def _run(args: argparse.Namespace, spec: ClusterSpec | None, settings: Ser
             raise
         print(f"pshard ps: metrics on port {metrics.port}", flush=True)
     follower = None
+    drained = asyncio.Event()  # an operator drained this server (`pshard drain`): it stops, exit 0
+
+    def left() -> None:
+        drained.set()
+        stop.set()
+
+    def on_left() -> None:  # on the scheduler client's thread
+        loop.call_soon_threadsafe(left)
+
     if spec is not None and not args.no_scheduler:
-        follower = follow_scheduler(running, spec, loop, security)
+        follower = follow_scheduler(running, spec, loop, security, on_left=on_left)
     elif settings.static_quorum is None:
         log.warning("NO SYNC QUORUM: this server has neither --workers nor a scheduler (TF_CONFIG or "
                     "--scheduler), so it cannot know whom a sync clock waits for: sync pulls fail after %gs "
@@ -245,10 +282,15 @@ async def _run(args: argparse.Namespace, spec: ClusterSpec | None, settings: Ser
         tasks.append(asyncio.ensure_future(watch_job_end(lambda: follower.view, lambda: requests.served,
                                                          args.exit_when_done)))
     await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+    status = 0
+    if drained.is_set():
+        log.warning("DRAINED: the scheduler handed what this server served to its backup (pshard drain); "
+                    "leaving the job")
+    elif args.drain_on_term and stop.is_set() and follower is not None:
+        status = await drain(follower, args.drain_timeout_s)
     log.info("stopping")
     if follower is not None:
         follower.close()
-    status = 0
     if args.checkpoint_dir and running.servicer.has_store:
         try:
             path, version = await running.servicer.checkpoint(0, 30.0)
@@ -266,7 +308,11 @@ async def _run(args: argparse.Namespace, spec: ClusterSpec | None, settings: Ser
 
 @exit_on_config_error(prog=PROG)
 def main(argv: Sequence[str] | None = None, *, prog: str = PROG) -> int:
-    args = build_parser(prog).parse_args(argv)
+    parser = build_parser(prog)
+    args = parser.parse_args(argv)
+    if args.drain_on_term and args.replicas < 1:
+        parser.error(f"--drain-on-term: needs --replicas 1 or more (got {args.replicas}): a drain hands this "
+                     "server's slices to a backup that holds a copy")
     configure_logging(args.log_level)
     bound_heap()  # before gRPC starts its threads: they take their arenas when they first allocate
     spec = None
@@ -276,6 +322,9 @@ def main(argv: Sequence[str] | None = None, *, prog: str = PROG) -> int:
             raise ClusterConfigError(
                 f"task.type: got {spec.task_type!r} (index {spec.task_index}), but {prog} runs 'ps' "
                 f"tasks; start a {spec.task_type!r} task with 'pshard run' or its own command")
+    if args.drain_on_term and (spec is None or args.no_scheduler):
+        parser.error("--drain-on-term: needs the job's scheduler (TF_CONFIG or --scheduler): it switches "
+                     "the layout")
     settings = _settings(args)
     configure_shared_pool(settings.update_threads)  # before any slice exists: every slice takes this pool
     security = security_from_args(args, os.environ, role="ps", node_id=spec.node_id if spec else "",

@@ -66,7 +66,8 @@ class SchedulerFollower:
     """
 
     def __init__(self, spec: ClusterSpec, loop: asyncio.AbstractEventLoop,
-                 security: SecurityConfig | None = None, last_generation: int = 0) -> None:
+                 security: SecurityConfig | None = None, last_generation: int = 0,
+                 on_left: Callable[[], None] | None = None) -> None:
         """`last_generation`: the newest worker generation a restored shard remembers; a fresh scheduler
         must hand out newer ones, or the restored fencing refuses the new incarnations."""
         self._spec = spec
@@ -81,7 +82,7 @@ class SchedulerFollower:
             rank_hint=spec.task_index, on_view=self._on_view, connect_timeout_s=300.0,
             last_generation=last_generation, security=security,
             scheduler_host="" if spec.scheduler else ("chief-0" if spec.chief else "worker-0"),
-            on_answer=self._on_answer)
+            on_answer=self._on_answer, on_left=on_left)
 
     def subscribe_views(self, consumer: ViewConsumer) -> None:
         self._views.append(consumer)
@@ -227,14 +228,16 @@ class ReplicaWiring:
 
 
 def follow_scheduler(running: RunningServer, spec: ClusterSpec, loop: asyncio.AbstractEventLoop,
-                     security: SecurityConfig | None = None) -> SchedulerClient:
-    """Register the running server with the scheduler and apply every cluster view to it."""
+                     security: SecurityConfig | None = None,
+                     on_left: Callable[[], None] | None = None) -> SchedulerClient:
+    """Register the running server with the scheduler and apply every cluster view to it. `on_left()`
+    (on the scheduler client's thread): an operator drained this server (`pshard drain`)."""
     handlers, tables, fast = running.handlers, running.tables, running.fast
     # A restored shard remembers the generations its workers had; a fresh scheduler must hand out newer
     # ones, or the restored fencing refuses the new incarnations (a resumed job's chief could not even
     # pull its final weights).
     restored = handlers.store.newest_generation() if handlers.has_store else 0
-    follower = SchedulerFollower(spec, loop, security, last_generation=restored)
+    follower = SchedulerFollower(spec, loop, security, last_generation=restored, on_left=on_left)
     if handlers.replicas_setting > 0:
         replicas = ReplicaWiring(handlers, tables, spec, loop, follower.client.report_in_sync, security)
         follower.subscribe_layouts(replicas.on_layout)

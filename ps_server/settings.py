@@ -34,6 +34,9 @@ class ServerSettings:
     # 0 = off.
     waste_limit_bytes: int = 4 * 2**20  # budget.DEFAULT_WASTE_LIMIT_BYTES says why this much
     checkpoint_dir: str | None = None
+    # The disk tiers of tables with memory_mb (ps_server/tables/disktier.py): a cache on local disk,
+    # wiped at start; None: such tables are refused.
+    table_dir: str | None = None
     shard_name: str = "shard"  # checkpoint file name
     # Global checkpoints (SaveCheckpointPart, RestoreCheckpoint) are written and read only inside this
     # directory, the chief's --global-checkpoint-dir on a shared file system; None: they are refused.

@@ -7,6 +7,7 @@
     pshard run ...         whatever role TF_CONFIG's task.type names (one image for every TFJob replica)
     pshard health ...      the gRPC health probe that containers and pods use
     pshard status ...      a running job at a glance (scheduler view and every server's stats)
+    pshard drain ...       hand a parameter server's slices to its backup; the server then leaves
     pshard plot ...        loss and accuracy curves from metrics JSON lines
     pshard evaluate ...    reload a saved model and print its test accuracy
     pshard certs ...       a development CA and a certificate per node (mTLS)
@@ -45,6 +46,7 @@ COMMANDS: dict[str, Command] = {
     "run": Command("", "run the role TF_CONFIG's task.type names"),
     "health": Command("pshard.common.rpc.health", "probe a service's gRPC health check"),
     "status": Command("pshard.status", "show a running job: members, clocks, lag, servers, who waits"),
+    "drain": Command("pshard.drain_cli", "hand a parameter server's slices to its backup; it then leaves"),
     "plot": Command("pshard.plot", "draw loss and accuracy curves from metrics JSON lines"),
     "evaluate": Command("pshard.evaluate", "reload a saved model and print its test accuracy"),
     "certs": Command("pshard.certs", "make a development CA and node certificates (kept once made)"),
@@ -60,7 +62,9 @@ RUN_HELP = """usage: pshard run [flags of the role's command]
 
 Starts the role that TF_CONFIG's task.type names, so that one image serves every replica of a
 TFJob: scheduler -> 'pshard scheduler', ps -> 'pshard ps', chief, master, worker and evaluator ->
-'pshard worker'. Flags after 'run' go to that command; 'pshard <command> --help' lists them."""
+'pshard worker'. Flags after 'run' go to that command; 'pshard <command> --help' lists them.
+In a coordinator's job (docs/guide/coordinator.md) set PSHARD_SERVE=1 on the workers: they serve the
+functions the chief schedules ('pshard worker --serve'); the chief runs the coordinator's script."""
 
 
 def _usage() -> str:

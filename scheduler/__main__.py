@@ -26,6 +26,7 @@ import sys
 from collections.abc import Mapping, Sequence
 
 from pshard.common.argtypes import listen_address, positive_int
+from pshard.common.cluster.layout import MAX_ROW_PARTITIONS
 from pshard.common.cluster.spec import (
     add_cluster_arguments,
     cluster_config_given,
@@ -62,6 +63,10 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
                              f"default {interval_ms})")
     parser.add_argument("--heartbeat-timeout-ms", metavar="MS", type=positive_int, default=timeout_ms,
                         help=f"a node silent for longer than this is declared dead (default {timeout_ms})")
+    parser.add_argument("--row-partitions-per-server", metavar="N", type=positive_int, default=1,
+                        help="hash each sparse table's ids into N row partitions per parameter server: "
+                             "the unit that re-sharding moves (docs/operations/scaling.md; default 1: "
+                             "one partition per server)")
     add_cluster_arguments(parser)
     add_security_arguments(parser)
     add_metrics_argument(parser)
@@ -84,14 +89,15 @@ def bind_address(args: argparse.Namespace, environ: Mapping[str, str], prog: str
 
 
 async def _run(bind: str, interval_s: float, timeout_s: float, metrics_port: int | None = None,
-               exit_when_done: float | None = None, security: SecurityConfig | None = None) -> None:
+               exit_when_done: float | None = None, security: SecurityConfig | None = None,
+               row_partitions_per_server: int = 1) -> None:
     # Handlers first: from here on a signal stops the scheduler gracefully, start-up included.
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in STOP_SIGNALS:
         loop.add_signal_handler(sig, stop.set)
     running = await start(bind, heartbeat_interval_s=interval_s, heartbeat_timeout_s=timeout_s,
-                          security=security)
+                          security=security, row_partitions_per_server=row_partitions_per_server)
     (security or SecurityConfig()).warn_if_open("pshard scheduler")
     metrics = None
     try:
@@ -123,6 +129,9 @@ def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = 
     if args.heartbeat_timeout_ms <= args.heartbeat_interval_ms:
         parser.error(f"--heartbeat-timeout-ms: got {args.heartbeat_timeout_ms}, expected more than "
                      f"--heartbeat-interval-ms ({args.heartbeat_interval_ms})")
+    if args.row_partitions_per_server > MAX_ROW_PARTITIONS:
+        parser.error(f"--row-partitions-per-server: got {args.row_partitions_per_server}, expected at most "
+                     f"{MAX_ROW_PARTITIONS}")
     configure_logging(args.log_level)
     env = os.environ if environ is None else environ
     bind = bind_address(args, env, prog)
@@ -135,7 +144,7 @@ def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = 
         check_can_listen(metrics_address(bind, args.metrics_port))
     try:
         asyncio.run(_run(bind, args.heartbeat_interval_ms / 1000, args.heartbeat_timeout_ms / 1000,
-                         args.metrics_port, args.exit_when_done, security))
+                         args.metrics_port, args.exit_when_done, security, args.row_partitions_per_server))
     except OSError as e:  # lost the port between the check and gRPC's bind
         print(f"{prog}: error: {e}", file=sys.stderr)
         return 2

@@ -23,8 +23,9 @@ from collections.abc import Callable, Collection, Mapping
 log = logging.getLogger("pshard.scheduler")
 
 # Role changes counted (pshard_scheduler_role_changes_total): a backup caught up, a copy stopped
-# counting, a backup was promoted, a primary's slices were lost for want of a copy.
-IN_SYNC, OUT_OF_SYNC, PROMOTED, LOST = "in_sync", "out_of_sync", "promoted", "lost"
+# counting, a backup was promoted, a primary's slices were lost for want of a copy, a server that left
+# handed its slices to its backup (a drain).
+IN_SYNC, OUT_OF_SYNC, PROMOTED, LOST, DRAINED = "in_sync", "out_of_sync", "promoted", "lost", "drained"
 
 
 class InSyncCopies:

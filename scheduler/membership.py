@@ -23,7 +23,15 @@ import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from pshard.common.cluster.layout import ITEMSIZE, Layout, LayoutSlice, ParamSpec, plan_layout
+from pshard.common.cluster.layout import (
+    ITEMSIZE,
+    MAX_ROW_PARTITIONS,
+    Layout,
+    LayoutSlice,
+    ParamSpec,
+    plan_layout,
+)
+from pshard.common.cluster.moves import NowhereToMoveError
 from pshard.common.cluster.replicas import (
     NoInSyncCopyError,
     backups_of,
@@ -47,12 +55,13 @@ from pshard.common.errors import (
     EmptyRequestError,
     InvalidArgumentError,
     LayoutConflictError,
+    NodeLeftError,
     QuotaExceededError,
     StaleGenerationError,
     UnknownNodeError,
     quote,
 )
-from pshard.scheduler.in_sync import LOST, PROMOTED, InSyncCopies
+from pshard.scheduler.in_sync import DRAINED, LOST, PROMOTED, InSyncCopies
 
 log = logging.getLogger("pshard.scheduler")
 
@@ -169,9 +178,16 @@ class _Barrier:
 
 class Membership:
     def __init__(self, heartbeat_timeout_s: float, clock: Clock | None = None,
-                 limits: MembershipLimits | None = None) -> None:
+                 limits: MembershipLimits | None = None, row_partitions_per_server: int = 1) -> None:
+        """`row_partitions_per_server`: table ids are hashed into that many row partitions per server
+        of the first layout, so that a join, a drain or a rebalance can move them one by one
+        (pshard.common.cluster.moves); 1 keeps one partition per server, as every older layout."""
         if heartbeat_timeout_s <= 0:
             raise InvalidArgumentError(f"heartbeat_timeout_s: got {heartbeat_timeout_s}, expected > 0")
+        if not 1 <= row_partitions_per_server <= MAX_ROW_PARTITIONS:
+            raise InvalidArgumentError(f"row_partitions_per_server: got {row_partitions_per_server}, "
+                                       f"expected 1 to {MAX_ROW_PARTITIONS}")
+        self.row_partitions_per_server = row_partitions_per_server
         self.heartbeat_timeout_s = heartbeat_timeout_s
         self.limits = limits or MembershipLimits()
         self._clock: Clock = clock or MonotonicClock()
@@ -311,16 +327,63 @@ class Membership:
         return self.view()
 
     def leave(self, node_id: str, generation: int) -> ClusterView:
+        """A node leaves on purpose. A parameter server that serves slices or row partitions is a drain
+        (`pshard ps --drain-on-term`): they go to its in-sync backup under a new layout version first,
+        as a failover would move them, and the leave is refused with nothing changed while that cannot
+        be done (no replicas, or no backup holding a copy yet: NoInSyncCopyError, to retry)."""
         member = self._member(node_id)
         self._check_known_generation(generation, "leave")
         self._check_generation(member, generation, "leave")
         if member.state is not NodeState.LEFT:  # a retried leave changes nothing
+            handed = self._hand_over(member) if member.role == "ps" else None
             member.state = NodeState.LEFT
             self._bump()
+            if handed is not None:
+                self._install_hand_over(member, handed)
             if member.role == "ps":
                 self.in_sync.forget(member.address, "left the cluster")
                 self._ring_moved()
         return self.view()
+
+    def _hand_over(self, member: _Member) -> Layout | None:
+        """The layout with everything `member` serves on its first in-sync backup (None: it serves
+        nothing). Changes nothing: raises when the leave would lose what it serves."""
+        layout = self._layout
+        me = index_of(layout, member.address) if layout is not None else None
+        if layout is None or me is None:
+            return None
+        slices, partitions = layout.slices_on(me), layout.partitions_on(me)
+        if not (slices or partitions):
+            return None
+        if not layout.replicas:
+            raise InvalidArgumentError(
+                f"leave of server {me} ({member.address}): it serves {len(slices)} slices and row "
+                f"partitions {list(partitions)}, and the job has no replicas to hand them to (replicas 0); "
+                "they would be lost. Stop it instead, or run the job with --replicas 1")
+        live_addresses = {m.address for m in self._members.values()
+                          if m.role == "ps" and m.state is NodeState.LIVE and m is not member}
+        live = {i for i, a in enumerate(layout.servers) if a in live_addresses}
+        if not live:  # no copy can ever come: said at once, not after the drainer's retries
+            raise NowhereToMoveError(
+                f"leave of server {me} ({member.address}): it is the last live server; its {len(slices)} "
+                f"slices and row partitions {list(partitions)} would have no owner")
+        copies = self.in_sync.of(member.address)
+        moved, _ = fail_over(layout, me, live, {i for i, a in enumerate(layout.servers) if a in copies})
+        return moved
+
+    def _install_hand_over(self, member: _Member, moved: Layout) -> None:
+        before = self._layout
+        assert before is not None
+        me = before.servers.index(member.address)
+        heir = heir_of(before, moved, me)
+        new = self.replace_layout(moved)
+        self.in_sync.changes[DRAINED] += 1
+        if heir is not None:
+            self.in_sync.reset(before.servers[heir], "took over a drained server's slices")
+        log.warning("DRAIN: server %d (%s) left; its %d slices and row partitions %s now have server %s (%s) "
+                    "as primary (layout version %d)", me, member.address, len(before.slices_on(me)),
+                    list(before.partitions_on(me)), heir, before.servers[heir] if heir is not None else "-",
+                    new.version)
 
     def expire(self) -> list[Node]:
         """Declare DEAD every LIVE node silent for longer than the timeout; returns them.
@@ -444,7 +507,7 @@ class Membership:
                 f"node {quote(node_id)}: declared dead (silent for more than "
                 f"{self.heartbeat_timeout_s:g} s); register again")
         if member.state is NodeState.LEFT:
-            raise UnknownNodeError(f"node {quote(node_id)}: has left the cluster; register again to rejoin")
+            raise NodeLeftError(f"node {quote(node_id)}: has left the cluster; register again to rejoin")
         return member
 
     def _check_known_generation(self, generation: int, what: str) -> None:
@@ -565,7 +628,9 @@ class Membership:
         limits.check_int(f"layout slices (slice_bytes {slice_bytes})", slices, limits.max_layout_slices)
         limits.check_int(f"layout slices x servers ({slices} x {len(servers)})", slices * len(servers),
                          limits.max_layout_work)
-        return plan_layout(params, servers, slice_bytes, replicas)
+        per_server = self.row_partitions_per_server
+        return plan_layout(params, servers, slice_bytes, replicas,
+                           row_partitions=len(servers) * per_server if per_server > 1 else None)
 
     def propose_layout(self, layout: Layout) -> tuple[Layout, bool]:
         """Store the first proposal (with the next version); later ones must describe the same params.
@@ -594,7 +659,8 @@ class Membership:
                 return stored, False
         self.limits.check_int("restored layout version", layout.version, self.limits.max_generation)
         bad = next((sl for sl in layout.slices if sl.server >= len(layout.servers)), None)
-        owners_ok = not layout.row_owners or (len(layout.row_owners) == len(layout.servers)
+        owners_ok = not layout.row_owners or (len(layout.servers) <= len(layout.row_owners)
+                                              <= MAX_ROW_PARTITIONS
                                               and max(layout.row_owners) < len(layout.servers))
         if (bad is not None or not owners_ok or layout.version < 1
                 or not layout.replicas < max(1, len(layout.servers))):

@@ -64,12 +64,14 @@ class RunningScheduler:
 async def start(bind: str = "127.0.0.1:0", *, heartbeat_interval_s: float = DEFAULT_HEARTBEAT_INTERVAL_S,
                 heartbeat_timeout_s: float = DEFAULT_HEARTBEAT_TIMEOUT_S,
                 clock: Clock | None = None, limits: MembershipLimits | None = None,
-                security: SecurityConfig | None = None) -> RunningScheduler:
+                security: SecurityConfig | None = None, row_partitions_per_server: int = 1
+                ) -> RunningScheduler:
     """Start serving on `bind` (port 0 picks a free port); raises OSError if it cannot listen.
 
-    `security`: TLS files and tokens (pshard.common.security.credentials); default: plain and open."""
+    `security`: TLS files and tokens (pshard.common.security.credentials); default: plain and open.
+    `row_partitions_per_server`: table row partitions per server in the layout (Membership)."""
     security = security or SecurityConfig()
-    membership = Membership(heartbeat_timeout_s, clock, limits)
+    membership = Membership(heartbeat_timeout_s, clock, limits, row_partitions_per_server)
     servicer = SchedulerServicer(membership, heartbeat_interval_s)
     refusals = AuthRefusals()
     server = grpc.aio.server(options=server_options(),
@@ -112,9 +114,11 @@ def start_scheduler_thread(bind: str = "127.0.0.1:0", *,
                            heartbeat_interval_s: float = DEFAULT_HEARTBEAT_INTERVAL_S,
                            heartbeat_timeout_s: float = DEFAULT_HEARTBEAT_TIMEOUT_S,
                            grace_s: float = 2.0, start_timeout_s: float = 10.0,
-                           security: SecurityConfig | None = None) -> SchedulerHandle:
+                           security: SecurityConfig | None = None,
+                           row_partitions_per_server: int = 1) -> SchedulerHandle:
     """Run a scheduler in a daemon thread; returns once it is serving (or raises why it is not)."""
     return start_in_thread(
         lambda: start(bind, heartbeat_interval_s=heartbeat_interval_s,
-                      heartbeat_timeout_s=heartbeat_timeout_s, security=security),
+                      heartbeat_timeout_s=heartbeat_timeout_s, security=security,
+                      row_partitions_per_server=row_partitions_per_server),
         name=f"scheduler-{bind}", grace_s=grace_s, start_timeout_s=start_timeout_s)

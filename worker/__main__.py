@@ -178,8 +178,18 @@ def build_parser(environ: Mapping[str, str], prog: str = PROG) -> argparse.Argum
                    help="push each bucket of gradients as soon as backward produces it and land the weights "
                         "layer by layer at the next forward (PSTrainer's overlap), instead of one exchange "
                         "after backward; it pays where compute and network do not share the same few cores")
+    p.add_argument("--priority", action="store_true",
+                   help="with --overlap: push the queued bucket nearest the model's input first and pull "
+                        "apart, first layers first, so the next forward starts before the whole model "
+                        "arrived (ByteScheduler's layer priority); it pays where the link bounds a step")
     p.add_argument("--shm-dir", metavar="DIR", default=D.SHM_DIR,
                    help=f"directory of shared-memory segments, shared with the servers (default {D.SHM_DIR})")
+    p.add_argument("--serve", action="store_true", default=_serve_default(environ),
+                   help="run the functions a coordinator (the chief task, pshard.coordinator."
+                        "ClusterCoordinator) schedules, one at a time, until it leaves, instead of "
+                        "training on its own; the training flags are the coordinator's then "
+                        "(docs/guide/coordinator.md). Default: $PSHARD_SERVE (1 or 0), so that "
+                        "'pshard run' serves in a coordinator's job")
     limits = p.add_argument_group("timeouts")
     limits.add_argument("--startup-timeout-s", metavar="S", type=positive_float, default=D.STARTUP_TIMEOUT_S,
                         help="longest wait for the scheduler, the servers and the other workers "
@@ -190,10 +200,21 @@ def build_parser(environ: Mapping[str, str], prog: str = PROG) -> argparse.Argum
     return p
 
 
+def _serve_default(environ: Mapping[str, str]) -> bool:
+    raw = environ.get("PSHARD_SERVE", "").strip().lower()
+    if raw not in ("", "0", "1", "true", "false"):
+        raise ClusterConfigError(f"PSHARD_SERVE: got {raw!r}, expected 1 or 0 (a worker of a coordinator's "
+                                 "job serves its functions: pshard worker --serve)")
+    return raw in ("1", "true")
+
+
 def _check_numbers(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     # Each number's range is its flag's type (common.argtypes); what is left spans flags.
     if args.join and args.model == CTR_MODEL:  # its click-log shards are static (worker.ctr)
         parser.error("--join: the CTR model's shards are fixed by TF_CONFIG's workers; join an image model")
+    if args.priority and not args.overlap:
+        parser.error("--priority: given without --overlap; layer priority orders the overlapped buckets, "
+                     "so add --overlap")
 
 
 def _check_writable(flag: str, path: str, *, create: bool) -> None:
@@ -272,11 +293,12 @@ def config_from_args(argv: Sequence[str] | None, environ: Mapping[str, str], pro
         progress_every_s=args.progress_every_s,
         startup_timeout_s=args.startup_timeout_s, step_timeout_s=args.step_timeout_s,
         eval_interval_s=args.eval_interval_s, transport=args.transport, overlap=args.overlap,
+        priority=args.priority,
         shm_dir=args.shm_dir, replicas=max(0, args.replicas),
         metrics_port=args.metrics_port, tensorboard=args.tensorboard,
         global_checkpoint_dir=args.global_checkpoint_dir,
         checkpoint_every_steps=max(0, args.checkpoint_every_steps),
-        keep_checkpoints=max(0, args.keep_checkpoints), security=security, bind=args.bind,
+        keep_checkpoints=max(0, args.keep_checkpoints), security=security, bind=args.bind, serve=args.serve,
         **ctr_settings(args, spec))
 
 
@@ -286,6 +308,10 @@ def _main(argv: Sequence[str] | None, environ: Mapping[str, str], prog: str) -> 
     cfg.security.warn_if_open(prog)  # after every check: a refused start stays one line
     if cfg.spec.task_type == "evaluator":
         return run_evaluator(cfg)
+    if cfg.serve:
+        from pshard.worker.serve import run_serving  # grpc's server side, for this mode only
+
+        return run_serving(cfg)
     return run_ctr(cfg) if cfg.model == CTR_MODEL else run(cfg)
 
 

@@ -15,7 +15,9 @@ table rows re-placed by row hash. The Declare that follows finds the slices and 
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 from pshard.client.ps_client import DEADLINE_SLACK_S, PSClient
 from pshard.common import checkpoint_store as gc
@@ -47,10 +49,12 @@ def report_torn(torn: gc.Torn) -> None:
     log.warning("IGNORING TORN CHECKPOINT %s: %s", torn.path, torn.reason)
 
 
-def save(client: PSClient, root: str | Path, clock: int, *, keep: int | None = None) -> gc.Checkpoint:
+def save(client: PSClient, root: str | Path, clock: int, *, keep: int | None = None,
+         coordinator: Mapping[str, Any] | None = None) -> gc.Checkpoint:
     """Write a global checkpoint at `clock` under `root`; returns it once committed.
 
     `keep`: afterwards delete all but the newest `keep` committed checkpoints (None: keep all).
+    `coordinator`: a coordinator's own state, committed in the manifest with the weights.
     """
     layout = _layout(client)
     if client.job is None:
@@ -69,7 +73,7 @@ def save(client: PSClient, root: str | Path, clock: int, *, keep: int | None = N
         raise
     parts = [[gc.FileEntry(f.name, f.sha256, f.size) for f in r.files] for r in replies]
     params = {p.key: (p.dtype, p.shape) for p in layout.params}
-    gc.commit(directory, clock, job, params, parts)
+    gc.commit(directory, clock, job, params, parts, coordinator)
     log.info("checkpoint at clock %d committed: %s (%d parts)", clock, directory, len(parts))
     if keep is not None:
         for gone in gc.retain(Path(root), keep):
@@ -81,6 +85,13 @@ def restore(client: PSClient, root: str | Path, job: JobConfig, *, resume: bool 
     """Configure the servers from the newest committed checkpoint under `root` (torn ones are reported
     and skipped); the clock restored, or None when there is none. Servers that already hold a model
     keep it (a worker joining a running job restores nothing)."""
+    checkpoint = restore_checkpoint_of(client, root, job, resume=resume)
+    return checkpoint.clock if checkpoint is not None else None
+
+
+def restore_checkpoint_of(client: PSClient, root: str | Path, job: JobConfig, *,
+                          resume: bool = False) -> gc.Checkpoint | None:
+    """`restore`, returning the checkpoint restored (its manifest: a coordinator reads its state there)."""
     layout = _layout(client)
     checkpoint = gc.latest(Path(root), report=report_torn)
     if checkpoint is None:
@@ -89,12 +100,13 @@ def restore(client: PSClient, root: str | Path, job: JobConfig, *, resume: bool 
     t = client.timeout_s
     replies = client.each_server(lambda i, stub: stub.RestoreCheckpoint(
         pb.RestoreCheckpointRequest(directory=str(checkpoint.path.resolve()), config=codec.job_to_proto(job),
-                                    ranges=_ranges(layout, i), server=i, servers=n, resume=resume),
+                                    ranges=_ranges(layout, i), server=i, servers=n, resume=resume,
+                                    row_owners=layout.row_owners),
         timeout=t + DEADLINE_SLACK_S, wait_for_ready=True))
     restored = sum(r.restored for r in replies)
     log.warning("checkpoint %s (clock %d, written by %d servers) restored onto %d of %d servers",
                 checkpoint.path, checkpoint.clock, checkpoint.servers, restored, n)
-    return checkpoint.clock
+    return checkpoint
 
 
 # ---- in a training run (worker.train) ----

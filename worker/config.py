@@ -74,6 +74,7 @@ class TrainConfig:
     # where the communication thread and the servers compete with backward, it measured 0.79x of local
     # torch.optim against 0.97x without it (make bench's training figure).
     overlap: bool = False
+    priority: bool = False  # with overlap: layer priority (pshard.worker.priority)
     replicas: int = 0  # backups per slice, proposed with the layout (docs/architecture.md, 9 Failures)
     shm_dir: str = Defaults.SHM_DIR  # where shared-memory segments are created
     metrics_port: int | None = None  # serve Prometheus metrics on 0.0.0.0:PORT (0: a free port)
@@ -87,6 +88,7 @@ class TrainConfig:
     # TLS files or tokens of every channel (pshard.common.security.credentials); default plain.
     security: SecurityConfig = field(default_factory=SecurityConfig)
     bind: str | None = None  # where a chief hosting the scheduler listens (None: pshard.common.rpc.bind)
+    serve: bool = False  # --serve: run a coordinator's scheduled functions (pshard.worker.serve)
     # --model ctr: the synthetic click log (pshard.worker.ctr_data) and its table's learning rate.
     ctr: CtrSpec = field(default_factory=CtrSpec)
     table_lr: float = Defaults.TABLE_LR

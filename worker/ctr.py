@@ -27,7 +27,9 @@ import numpy as np
 import torch
 from pshard.common.argtypes import positive_float, positive_int
 from pshard.common.cluster.spec import ClusterSpec
+from pshard.common.compression import CASTS
 from pshard.common.errors import ClusterConfigError, InvalidArgumentError
+from pshard.common.job import JobConfig
 from pshard.common.sparse import ROW_DTYPES
 from pshard.worker.config import Defaults, TrainConfig, stage
 from pshard.worker.ctr_data import CHUNK, ClickLog, Clicks, CtrSpec, auc
@@ -69,7 +71,15 @@ class CtrModel(nn.Module):
 def build_ctr_model(cfg: TrainConfig, fields: int) -> CtrModel:
     # Rows start near zero, as the planted weights' mean; Adagrad suits ids seen at very different rates.
     return CtrModel(fields, optimizer="adagrad", lr=cfg.table_lr, initializer="normal", init_scale=0.01,
-                    seed=cfg.seed, mode="async", row_dtype=cfg.table_row_dtype)
+                    seed=cfg.seed, mode="async", row_dtype=cfg.table_row_dtype,
+                    compression=table_compression(cfg.job))
+
+
+def table_compression(job: JobConfig) -> str:
+    """The table's row pushes take the job's cast (`--compression bf16` or `fp16`); top-k, random-k and
+    sign are for the dense parameters (a push of rows is sparse already)."""
+    name = job.compression.compressor.name
+    return name if name in CASTS else "none"
 
 
 def scores(model: nn.Module, ids: np.ndarray) -> np.ndarray:

@@ -13,7 +13,17 @@ scheduling:
   is ready first, also travels first. The order must be the same on every worker: in sync mode a
   bucket's fused push+pull waits for the other workers' pushes of that bucket, so a worker that
   sent the first layers' bucket ahead of its turn (BytePS's priority, tried) waits for a peer whose
-  one thread waits for it in turn. Priority needs pushes on a thread of their own, pulls apart.
+  one thread waits for it in turn.
+* Layer priority (`priority=True`, ByteScheduler's) therefore splits the exchange: pushes go on one
+  thread, the queued bucket nearest the model's input first (pshard.worker.priority), and pulls on
+  another, in one fixed order, the first layers' bucket first. A sync push never waits for the other
+  workers; a bucket's pull is sent after this worker's push of it. That cannot deadlock, even where a
+  fast path carries one request at a time per server and a waiting pull holds it from the pushes:
+  when this worker waits in its pull of bucket k, a peer either still has to push k (its pushes wait
+  for nothing but a pull of its own, which precedes k in the fixed order and so completes, since
+  this worker pulled it) or has already pulled k, so k's clock is complete. Pulls start when backward
+  ends (the first layer's gradient is its last), so priority pays where the link, not compute,
+  bounds a step.
 * `finish_step` (PSTrainer.step) queues what backward did not complete (unused parameters owe
   their slice a zero gradient, or a sync clock never completes) and returns without waiting.
 * The pulled weights land in host buffers, not in the parameters. A forward pre-hook on each module
@@ -44,6 +54,7 @@ import numpy as np
 import torch
 from pshard.client.ps_client import PSClient, PushResult
 from pshard.worker.device import HostStaging
+from pshard.worker.priority import PushQueue, take_one
 from torch import nn
 
 # A bucket is one exchange with every server, about 1.3 ms of fixed cost each (GPU check, ResNet-18 on an
@@ -62,8 +73,9 @@ class _Bucket:
     # This step's gradients so far: key -> (tensor, CUDA event or None).
     grads: dict[str, _Grad] = field(default_factory=dict)
     sent: bool = False  # this step's exchange is queued
-    # The last exchange whose pulled weights are not in the parameters yet.
+    # The last exchange whose pulled weights are not in the parameters yet (with priority: its pull).
     inflight: Future[PushResult] | None = None
+    pushed: Future[PushResult] | None = None  # with priority: this step's push, until its pull is queued
 
 
 def plan_buckets(params: Mapping[str, torch.Tensor], bucket_bytes: int) -> list[tuple[str, ...]]:
@@ -90,14 +102,15 @@ class BackwardOverlap:
     `next_clock()` gives the clock a step pushes for (the trainer settles the previous step's replies
     to know it); `landing(keys)` the host buffers the pulled weights land in, the same every step;
     `load(arrays)` copies them into the parameters; `zeros(key)` is the gradient of a parameter that
-    backward left without one.
+    backward left without one. `priority`: pushes by layer priority and pulls apart (the module docstring).
     """
 
     def __init__(self, model: nn.Module, params: Mapping[str, torch.Tensor], client: PSClient,
                  staging: HostStaging, next_clock: Callable[[], int],
                  landing: Callable[[Iterable[str]], dict[str, np.ndarray]],
                  load: Callable[[Mapping[str, np.ndarray]], None],
-                 zeros: Callable[[str], torch.Tensor], bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> None:
+                 zeros: Callable[[str], torch.Tensor], bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+                 priority: bool = False) -> None:
         if bucket_bytes <= 0:
             raise ValueError(f"bucket_bytes: got {bucket_bytes}, expected > 0")
         self._params = dict(params)
@@ -113,6 +126,10 @@ class BackwardOverlap:
         self._lock = threading.Lock()  # hooks run on autograd's threads, the rest on the caller's
         self._clock: int | None = None  # the clock this backward pushes for; None between steps
         self._comm = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pshard-overlap")
+        self.priority = priority
+        self._queue: PushQueue[Callable[[], None]] = PushQueue()
+        self._pulls = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pshard-overlap-pull") \
+            if priority else None
         self._cuda = staging.device.type == "cuda"
         self._copy_stream = torch.cuda.Stream(staging.device) if self._cuda else None
         self._handles = [p.register_post_accumulate_grad_hook(self._grad_ready(key))
@@ -135,7 +152,7 @@ class BackwardOverlap:
     def finish_step(self) -> list[Future[PushResult]]:
         """Queue every bucket backward did not complete; the futures of the whole step."""
         with self._lock:
-            self._begin()
+            clock = self._begin()
             for bucket in self.buckets:
                 if not bucket.sent:
                     for key in bucket.keys:
@@ -144,6 +161,8 @@ class BackwardOverlap:
                             bucket.grads[key] = (grad.detach() if grad is not None else self._zeros(key),
                                                  self._event())
                     self._send(bucket)
+            if self._pulls is not None:
+                self._queue_pulls(clock)
             futures = [b.inflight for b in self.buckets if b.inflight is not None]
             for bucket in self.buckets:
                 bucket.sent = False
@@ -167,6 +186,8 @@ class BackwardOverlap:
         for handle in self._handles:
             handle.remove()
         self._comm.shutdown(wait=True)
+        if self._pulls is not None:
+            self._pulls.shutdown(wait=True)
 
     # ---- hooks ----
 
@@ -211,10 +232,41 @@ class BackwardOverlap:
         grads, clock = dict(bucket.grads), self._clock
         bucket.grads.clear()
         bucket.sent = True
-        bucket.inflight = self._comm.submit(self._exchange, bucket.keys, grads, clock, self.step_lr)
+        if not self.priority:
+            bucket.inflight = self._comm.submit(self._exchange, bucket.keys, grads, clock, self.step_lr)
+            return
+        pushed: Future[PushResult] = Future()
+        bucket.pushed = pushed
+        keys, lr = bucket.keys, self.step_lr
 
-    def _exchange(self, keys: tuple[str, ...], grads: Mapping[str, _Grad], clock: int,
-                  lr: float | None) -> PushResult:
+        def send() -> None:
+            if pushed.set_running_or_notify_cancel():
+                try:
+                    pushed.set_result(self._push(keys, grads, clock, lr))
+                except BaseException as err:  # the pull that waits for it raises it
+                    pushed.set_exception(err)
+
+        self._queue.put(clock, bucket.index, send)
+        self._comm.submit(take_one, self._queue)  # one take per put: the most urgent send at that time
+
+    def _queue_pulls(self, clock: int) -> None:
+        """(The lock is held.) The step's pulls, first layers first: the same order on every worker."""
+        assert self._pulls is not None
+        for bucket in reversed(self.buckets):
+            if bucket.pushed is not None:
+                bucket.inflight = self._pulls.submit(self._pull, bucket.keys, bucket.pushed, clock)
+                bucket.pushed = None
+
+    def _pull(self, keys: tuple[str, ...], pushed: Future[PushResult], clock: int) -> PushResult:
+        push = self._client.wait(pushed)  # never before our own push of these keys (see the docstring)
+        pulled = self._client.pull_into(clock + 1, keys, self._landing(keys))
+        return PushResult(push.applied, push.dropped, pulled.min_version, pulled.max_version)
+
+    def _push(self, keys: tuple[str, ...], grads: Mapping[str, _Grad], clock: int,
+              lr: float | None) -> PushResult:
+        return self._client.wait(self._client.push(self._to_host(grads), clock, lr=lr))
+
+    def _to_host(self, grads: Mapping[str, _Grad]) -> dict[str, np.ndarray]:
         if self._copy_stream is not None:
             for tensor, event in grads.values():
                 assert event is not None
@@ -223,9 +275,12 @@ class BackwardOverlap:
                 # with zero_grad(set_to_none=True) the trainer drops its last reference meanwhile.
                 tensor.record_stream(self._copy_stream)
             with torch.cuda.stream(self._copy_stream):
-                host = self._staging.to_host({k: t for k, (t, _) in grads.items()})
-        else:
-            host = self._staging.to_host({k: t for k, (t, _) in grads.items()})
+                return self._staging.to_host({k: t for k, (t, _) in grads.items()})
+        return self._staging.to_host({k: t for k, (t, _) in grads.items()})
+
+    def _exchange(self, keys: tuple[str, ...], grads: Mapping[str, _Grad], clock: int,
+                  lr: float | None) -> PushResult:
+        host = self._to_host(grads)
         out = self._landing(keys)
         self._client.push_pull(host, clock, out=out, lr=lr)
         result = self._client.last_result

@@ -28,6 +28,8 @@ Overlap (`overlap=True`, what `python -m pshard.worker` uses): each bucket of gr
 as soon as backward has produced it, last layer first, and the next forward waits only for the
 layers it reaches (pshard.worker.overlap). `step()` then returns None at once; the step's outcome is
 `last_result` once `clock` (or `synchronize()`) has waited for it. One backward per step.
+With `priority=True` too, the queued bucket nearest the model's input is pushed first and the pulls
+go apart, first layers first (ByteScheduler's layer priority; pshard.worker.priority).
 
 Aggregate-only mode (optimizer "aggregate"): the servers return the mean gradient, the
 trainer writes it into `.grad` and steps the torch optimizer you pass as
@@ -99,13 +101,18 @@ class PSTrainer(torch.optim.Optimizer):
     def __init__(self, model: nn.Module, client: PSClient | None = None, job: JobConfig | None = None, *,
                  device: torch.device | str | None = None,
                  local_optimizer: torch.optim.Optimizer | None = None, clock: int | None = None,
-                 overlap: bool = False, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+                 overlap: bool = False, bucket_bytes: int = DEFAULT_BUCKET_BYTES, priority: bool = False,
                  buffers: str | None = None, session: ClusterSession | None = None) -> None:
-        """`buffers`: how the model's floating-point buffers follow the job, "average" (sync's default)
+        """`priority` (with `overlap`): pushes by layer priority, pulls apart (pshard.worker.priority); every
+        worker of a sync job must set it alike (a FIFO worker's fused calls can wait on a priority peer's).
+        `buffers`: how the model's floating-point buffers follow the job, "average" (sync's default)
         or "local" (async's and SSP's); see pshard.worker.buffers. `client` None: join the cluster
         through `session` (default: the one the environment describes,
         `ClusterSession.from_environment()`); the trainer then owns the session."""
         warn_if_fork_unsafe()
+        if priority and not overlap:
+            raise InvalidArgumentError("priority: got True with overlap False; layer priority orders the "
+                                       "overlapped buckets, so set overlap=True too")
         if job is None:
             raise InvalidArgumentError("job: got None, expected a JobConfig (the consistency mode and the "
                                        "server-side optimizer)")
@@ -158,7 +165,7 @@ class PSTrainer(torch.optim.Optimizer):
         self._pending: list[Future[PushResult]] = []  # overlap: the last step's buckets in flight
         self._overlap = BackwardOverlap(
             model, self.params, client, self._staging, self._settle, self._host_buffers,
-            self._load_overlapped, self._zero_grad_of, bucket_bytes) if overlap else None
+            self._load_overlapped, self._zero_grad_of, bucket_bytes, priority) if overlap else None
 
     # ---- the training-loop API ----
 

@@ -193,7 +193,7 @@ class TrainingRun:
                 restored = restore_checkpoint(client, cfg.global_checkpoint_dir, cfg.job)
             with session.waiting_for_servers(layout):
                 self.trainer = PSTrainer(model, client, cfg.job, local_optimizer=_local_optimizer(cfg, model),
-                                         overlap=cfg.overlap)
+                                         overlap=cfg.overlap, priority=cfg.priority)
         # A job that starts from a global checkpoint starts at its clock, and still at the start barrier:
         # only a worker whose job moved past it (restarted mid-job) skips the barrier everyone passed.
         clock = self.trainer.clock

@@ -25,6 +25,10 @@ DEFAULT_SLICE_BYTES = 4 * 2**20
 
 ITEMSIZE = {name: d.itemsize for name, d in DTYPES.items()}
 
+# Row partitions a layout may hash table ids into: every layout message and every server's served set
+# carries one entry per partition, and a few per server are all a move needs.
+MAX_ROW_PARTITIONS = 4096
+
 
 @dataclass(frozen=True)
 class ParamSpec:
@@ -94,6 +98,17 @@ class Layout:
     def slices_of(self, key: str) -> tuple[LayoutSlice, ...]:
         return self._by_key[key]
 
+    @property
+    def partition_count(self) -> int:
+        """How many row partitions table ids are hashed into (pshard.common.sparse.server_of): one per
+        server unless the layout was planned with more (so that they can move one by one)."""
+        return len(self.row_owners) if self.row_owners else len(self.servers)
+
+    def home_partitions(self, server: int) -> tuple[int, ...]:
+        """The row partitions plan_layout gave server `server` (before any failover or move)."""
+        n = len(self.servers)
+        return tuple(p for p in range(self.partition_count) if p % n == server)
+
     def row_owner(self, partition: int) -> int:
         """The server serving row partition `partition` (itself unless a failover moved it)."""
         return self.row_owners[partition] if self.row_owners else partition
@@ -129,9 +144,15 @@ class Layout:
 
 
 def plan_layout(params: Sequence[ParamSpec], servers: Sequence[str],
-                slice_bytes: int = DEFAULT_SLICE_BYTES, replicas: int = 0) -> Layout:
+                slice_bytes: int = DEFAULT_SLICE_BYTES, replicas: int = 0,
+                row_partitions: int | None = None) -> Layout:
+    """`row_partitions`: how many row partitions table ids are hashed into, partition p on server
+    p mod len(servers) (None: one per server, `row_owners` left empty as in every older layout)."""
     if not servers:
         raise EmptyRequestError("servers: got none, a layout needs at least one parameter server")
+    if row_partitions is not None and not len(servers) <= row_partitions <= MAX_ROW_PARTITIONS:
+        raise InvalidArgumentError(f"row_partitions: got {row_partitions}, expected {len(servers)} (one per "
+                                   f"server) to {MAX_ROW_PARTITIONS}")
     if slice_bytes < 64:
         raise InvalidArgumentError(f"slice_bytes: got {slice_bytes}, expected >= 64")
     if not 0 <= replicas < len(servers):
@@ -180,4 +201,6 @@ def plan_layout(params: Sequence[ParamSpec], servers: Sequence[str],
     for piece in sorted(pieces, key=lambda x: (-x[4], x[0], x[1])):
         place(piece, min(range(n), key=lambda i: (loads[i], i)))
     placed.sort(key=lambda s: (s.key, s.part))
-    return Layout(tuple(params), tuple(servers), slice_bytes, tuple(placed), replicas=replicas)
+    owners = () if row_partitions in (None, n) else tuple(p % n for p in range(row_partitions or n))
+    return Layout(tuple(params), tuple(servers), slice_bytes, tuple(placed), replicas=replicas,
+                  row_owners=owners)

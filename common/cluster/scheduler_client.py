@@ -28,6 +28,7 @@ import grpc
 from pshard.common.cluster.layout import DEFAULT_SLICE_BYTES, Layout, ParamSpec
 from pshard.common.cluster.view import ClusterView, Registration
 from pshard.common.errors import (
+    NodeLeftError,
     PermissionDeniedError,
     PSError,
     PullTimeoutError,
@@ -69,13 +70,16 @@ class SchedulerClient:
                  rpc_timeout_s: float = 5.0, connect_timeout_s: float = 30.0,
                  last_generation: int = 0, security: SecurityConfig | None = None,
                  scheduler_host: str | None = None,
-                 on_answer: Callable[[float, float], None] | None = None) -> None:
+                 on_answer: Callable[[float, float], None] | None = None,
+                 on_left: Callable[[], None] | None = None) -> None:
         """`security`: this node's TLS files or token (pshard.common.security.credentials); default plain.
         `scheduler_host`: with TLS, check once registered that the scheduler's certificate is a
         scheduler's, or that of this task ("chief-0", "worker-0") hosting it ("" when the cluster has a
         scheduler task); None: no check. `on_answer(sent_at, heartbeat_timeout_s)`: a heartbeat sent at
         `sent_at` (time.monotonic()) was answered, after the view it brought went through the view
-        callbacks (a server's lease)."""
+        callbacks (a server's lease). `on_left()`: the scheduler says this node left without its asking
+        (an operator drained it, `pshard drain`): heartbeats stop and it does not register again;
+        None: it registers again, as after any refusal naming it unknown."""
         self.address = address
         self.role = role
         self.own_address = own_address
@@ -105,6 +109,7 @@ class SchedulerClient:
         self._register_lock = threading.Lock()
         self._callbacks: list[ViewCallback] = [on_view] if on_view else []
         self._on_answer = on_answer
+        self._on_left = on_left
         self._closed = threading.Event()
         self._heartbeats_stopped = threading.Event()
         self._fenced: PSError | None = None
@@ -253,6 +258,15 @@ class SchedulerClient:
             return
         self._offer_view(view_from_proto(reply.view))
 
+    def hand_over(self) -> None:
+        """Leave as a parameter server that serves slices or rows (a drain): the scheduler first hands
+        them to an in-sync backup under a new layout. Heartbeats stop only once it has: a refusal (a
+        NoInSyncCopyError while the backup still copies) raises with this node still live, to retry."""
+        request = pb.LeaveRequest(node_id=self._node_id, generation=self._generation)
+        reply = self._call_registered("Leave", self._stub.Leave, request, self._rpc_timeout_s)
+        self._heartbeats_stopped.set()
+        self._offer_view(view_from_proto(reply.view))
+
     # ---- barriers and layout ----
 
     def barrier(self, name: str, count: int, timeout_s: float) -> int:
@@ -392,6 +406,12 @@ class SchedulerClient:
             except grpc.RpcError as e:
                 err = error_from_rpc_error(e)
             if self._heartbeats_stopped.is_set():
+                return
+            if isinstance(err, NodeLeftError) and self._on_left is not None:
+                log.warning("%s was made to leave the cluster (drained): not registering again",
+                            self._node_id)
+                self._heartbeats_stopped.set()
+                self._on_left()
                 return
             if isinstance(err, UnknownNodeError):
                 try:

@@ -83,6 +83,8 @@ ALLOWED: dict[str, frozenset[str]] = {
     _SPARSE + "ExportTable": OPERATORS,
     _SPARSE + "CheckpointTables": OPERATORS,
     _SPARSE + "GetTableStats": NODES,
+    # A serving worker runs what its coordinator, the chief, schedules (pshard.coordinator).
+    "/pshard.api.v1.WorkerService/Run": frozenset({"chief", "admin"}),
 }
 
 _caller: contextvars.ContextVar[Identity | None] = contextvars.ContextVar("pshard_caller", default=None)

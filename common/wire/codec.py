@@ -250,16 +250,17 @@ def slice_tensor_from_proto(s: tensor_pb.SliceTensor) -> tuple[SliceKey, WireArr
 
 def stamp_to_proto(stamp: Stamp) -> ps_pb.Stamp:
     return ps_pb.Stamp(worker_id=stamp.worker_id, generation=stamp.generation, clock=stamp.clock,
-                       lr=stamp.lr)
+                       lr=stamp.lr, schedule_id=stamp.schedule, schedule_seq=stamp.schedule_seq,
+                       schedule_floor=stamp.schedule_floor)
 
 
 def stamp_from_proto(s: ps_pb.Stamp) -> Stamp:
     if not s.worker_id:
         raise InvalidArgumentError("stamp.worker_id: got '', expected the worker's id")
-    if not s.HasField("lr"):
-        return Stamp(s.worker_id, s.generation, s.clock)
-    check_lr("stamp.lr", s.lr)
-    return Stamp(s.worker_id, s.generation, s.clock, s.lr)
+    if s.HasField("lr"):
+        check_lr("stamp.lr", s.lr)
+    return Stamp(s.worker_id, s.generation, s.clock, s.lr if s.HasField("lr") else None,
+                 s.schedule_id, s.schedule_seq, s.schedule_floor)
 
 
 def job_to_proto(job: JobConfig) -> ps_pb.JobConfig:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 from pshard.common.sparse import TableConfig
+from pshard.common.wire import codec
 
 from pshard.api.v1 import sparse_pb2 as pb
 
@@ -50,7 +51,8 @@ def spec_to_proto(config: TableConfig) -> pb.TableSpec:
         max_rows=config.max_rows, cap_policy=_back(_POLICIES)[config.cap_policy],  # type: ignore[arg-type]
         log_evictions=config.log_evictions, allow_nonfinite=config.allow_nonfinite,
         mode=_back(_MODES)[config.mode], admit_memory_mb=config.admit_memory_mb,  # type: ignore[arg-type]
-        row_dtype=config.row_dtype)
+        row_dtype=config.row_dtype, compression="" if config.compression == "none" else config.compression,
+        memory_mb=config.memory_mb)
 
 
 def spec_from_proto(spec: pb.TableSpec) -> TableConfig:
@@ -68,7 +70,27 @@ def spec_from_proto(spec: pb.TableSpec) -> TableConfig:
         log_evictions=spec.log_evictions, allow_nonfinite=spec.allow_nonfinite,
         mode=_named(_MODES, spec.mode, _DEFAULT.mode),
         admit_memory_mb=spec.admit_memory_mb or _DEFAULT.admit_memory_mb,
-        row_dtype=spec.row_dtype or _DEFAULT.row_dtype)
+        row_dtype=spec.row_dtype or _DEFAULT.row_dtype, compression=spec.compression or _DEFAULT.compression,
+        memory_mb=spec.memory_mb)
+
+
+def encode_grads(config: TableConfig, rows: np.ndarray) -> np.ndarray:
+    """Gradient rows as they travel (TableConfig.grad_dtype): cast to 2 bytes a value where the table
+    compresses its pushes (bfloat16 rounded to nearest even, as the dense cast), else `rows` itself."""
+    if config.compression == "bf16":
+        return codec.f32_to_bf16(np.asarray(rows, np.float32))
+    if config.compression == "fp16":
+        return rows.astype("<f2")
+    return rows
+
+
+def decode_grads(config: TableConfig, wire: np.ndarray) -> np.ndarray:
+    """float32 (or the table's dtype) rows of gradients as `encode_grads` sent them."""
+    if config.compression == "bf16":
+        return codec.bf16_to_f32(wire)
+    if config.compression == "fp16":
+        return wire.astype(np.float32)
+    return wire
 
 
 def decode_rows(config: TableConfig, stored: np.ndarray) -> np.ndarray:

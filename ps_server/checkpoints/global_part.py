@@ -9,7 +9,7 @@ them) plus the table rows it owns by row hash (`restore_tables`). Pure: numpy, j
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -136,8 +136,12 @@ def shard_snapshot(checkpoint: ckpt.Checkpoint, job: JobConfig, ranges: Mapping[
 
 
 def restore_tables(checkpoint: ckpt.Checkpoint, server: int, servers: int,
-                   make: Callable[[TableConfig], SparseTable]) -> list[SparseTable]:
-    """The rows of every part's tables that server `server` of `servers` owns by row hash."""
+                   make: Callable[[TableConfig], SparseTable], row_owners: Sequence[int] = ()
+                   ) -> list[SparseTable]:
+    """The rows of every part's tables that server `server` of `servers` owns by row hash: the ids
+    of the row partitions `row_owners` puts on it (empty: partition i on server i). The checkpoint
+    holds ids, not partitions, so any partitioning restores from any other."""
+    owners = np.asarray(row_owners, np.int64) if len(row_owners) else None
     tables: dict[str, SparseTable] = {}
     for part in ckpt.table_parts(checkpoint):
         index = json.loads((checkpoint.path / f"{part}.tables.json").read_text())
@@ -153,7 +157,8 @@ def restore_tables(checkpoint: ckpt.Checkpoint, server: int, servers: int,
             columns = {c: np.load(sub / f"{c}.npy", mmap_mode="r") for c in table.columns()}
             for start in range(0, len(ids), CHUNK_ROWS):
                 chunk_ids = np.array(ids[start:start + CHUNK_ROWS])
-                mine = server_of(chunk_ids, servers) == server
+                mine = (server_of(chunk_ids, servers) == server if owners is None
+                        else owners[server_of(chunk_ids, len(owners))] == server)
                 if mine.any():
                     chunk = {c: np.array(a[start:start + CHUNK_ROWS])[mine] for c, a in columns.items()}
                     table.restore_rows(chunk_ids[mine], chunk)

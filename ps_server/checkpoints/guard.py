@@ -15,11 +15,12 @@ no slice will ever reach holds the call for its whole timeout. Here, pure and be
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from pshard.common import checkpoint_store as ckpt
 from pshard.common.checkpoint_store import CheckpointError
+from pshard.common.cluster.layout import MAX_ROW_PARTITIONS
 from pshard.common.errors import FutureClockError, InvalidArgumentError, PermissionDeniedError
 from pshard.common.types import SliceKey
 
@@ -85,6 +86,13 @@ def check_clock(clock: int, newest_version: int, newest_clock: int) -> None:
                                f"{newest_clock}, so clock {reachable} is the furthest it can wait for")
 
 
-def check_servers(server: int, servers: int) -> None:
+def check_servers(server: int, servers: int, row_owners: Sequence[int] = ()) -> None:
     if not 0 <= server < servers:
         raise InvalidArgumentError(f"server: {server} is not an index among servers={servers}")
+    bad = next((p for p, o in enumerate(row_owners) if not 0 <= o < servers), None)
+    if bad is not None:
+        raise InvalidArgumentError(f"row_owners[{bad}]: {row_owners[bad]} is not an index among "
+                                   f"servers={servers}")
+    if len(row_owners) > MAX_ROW_PARTITIONS:
+        raise InvalidArgumentError(f"row_owners: got {len(row_owners)} partitions, at most "
+                                   f"{MAX_ROW_PARTITIONS}")

@@ -8,8 +8,8 @@ A checkpoint named `name` is two files in `directory`:
 
 - `<name>.ckpt-<token>.npz`: every array (values, optimizer state arrays, pending sync
   sums), written with `np.savez` and read with `allow_pickle=False`;
-- `<name>.json`: everything else (job config, keys, dtypes, versions, clocks, scalar
-  optimizer state), and the name of the npz it belongs to.
+- `<name>.json`: everything else (job config, keys, dtypes, versions, clocks, scheduled calls' push
+  numbers and floor (pshard.coordinator), scalar optimizer state), and the name of the npz it belongs to.
 
 Each file is written to a temporary name, fsync'ed and moved into place with
 `os.replace`; the json goes last. A fresh token per save means a new npz never
@@ -83,6 +83,7 @@ def _save(folder: Path, snapshot: ShardSnapshot, name: str) -> Path:
         "quorum": snapshot.quorum,
         "seen": list(snapshot.seen),
         "counters": snapshot.counters,
+        "schedule_floor": snapshot.schedule_floor,
         "slices": slices,
     }
     encoded = json.dumps(meta, indent=1).encode()
@@ -129,6 +130,7 @@ def load_shard(directory: str | os.PathLike[str], name: str) -> ShardSnapshot | 
             quorum=None if meta["quorum"] is None else {w: int(g) for w, g in meta["quorum"].items()},
             seen=tuple(meta["seen"]),
             counters={k: int(v) for k, v in meta["counters"].items()},
+            schedule_floor=int(meta.get("schedule_floor", 0)),  # absent from checkpoints of older servers
         )
     except _UNREADABLE as err:
         raise CheckpointError(f"checkpoint {meta_path}: does not match {arrays_path.name} or is damaged "
@@ -176,6 +178,7 @@ def _slice_meta(i: int, s: SliceSnapshot, arrays: dict[str, np.ndarray]) -> dict
         "key": s.key.key, "part": s.key.part, "dtype": s.dtype, "version": s.version,
         "clocks": s.clocks, "floors": s.floors, "contributors": list(s.contributors),
         "pending": s.pending is not None, "state_arrays": state_arrays, "state_scalars": scalars,
+        "scheduled": {str(sid): seq for sid, seq in s.scheduled.items()},  # JSON keys are strings
     }
 
 
@@ -189,6 +192,7 @@ def _slice_from_meta(i: int, m: dict[str, Any], arrays: dict[str, np.ndarray]) -
         floors={w: int(c) for w, c in m["floors"].items()},
         pending=arrays[f"s{i}.pending"] if m["pending"] else None,
         contributors=tuple(m["contributors"]),
+        scheduled={int(sid): int(seq) for sid, seq in m.get("scheduled", {}).items()},  # older: none
     )
 
 

@@ -15,13 +15,16 @@ from pshard.ps_server.core.optimizers import SGD, Optimizer, SliceState
 
 def _chunkable(param: np.ndarray, arrays: list[np.ndarray], pool: ChunkPool) -> bool:
     # Flat views of the value and state need C order; anything else (never made by the store) runs whole.
-    return (len(pool.ranges(param.size)) > 1 and param.flags.c_contiguous
+    return (pool.splits(param.size) and param.flags.c_contiguous
             and all(a.shape == param.shape and a.flags.c_contiguous for a in arrays))
 
 
 def step(pool: ChunkPool, optimizer: Optimizer, param: np.ndarray, grad: np.ndarray,
          state: SliceState) -> None:
     """`optimizer.step(param, grad, state)`, chunk by chunk over `pool`."""
+    if pool.threads == 1 or not pool.splits(param.size):  # a pool of one, or a small slice: as it is
+        optimizer.step(param, grad, state)
+        return
     arrays = {k: v for k, v in state.items() if isinstance(v, np.ndarray)}
     if not _chunkable(param, [*arrays.values(), grad], pool):
         optimizer.step(param, grad, state)

@@ -58,6 +58,9 @@ class Slot:
     # worker -> last clock it pushed to this slice (duplicates are clocks <= this).
     last_clock: dict[str, int] = field(default_factory=dict)
     max_clock: int = NO_CLOCK  # largest clock pushed here by anyone
+    # Scheduled calls (pshard.coordinator): schedule id -> last push number applied here, whichever
+    # worker ran it; a re-dispatched call's repeats are duplicates. Ids below the floor are forgotten.
+    scheduled: dict[int, int] = field(default_factory=dict)
     aggregate: Aggregate = field(default_factory=Aggregate)  # sync only
     # SSP only: worker -> clock it joined the quorum at; it is not waited for below it.
     floors: dict[str, int] = field(default_factory=dict)
@@ -84,7 +87,9 @@ class Slot:
     def _step(self, grad: np.ndarray) -> None:
         if grad.dtype != self.value.dtype:
             grad = grad.astype(self.value.dtype)  # float16 off the wire: optimizers work in master precision
-        chunked.step(self.pool, at_lr(self.optimizer, self.step_lr), self.value, grad, self.opt_state)
+        # Unscheduled (step_lr None, the common case) steps with the job's optimizer without asking at_lr.
+        optimizer = self.optimizer if self.step_lr is None else at_lr(self.optimizer, self.step_lr)
+        chunked.step(self.pool, optimizer, self.value, grad, self.opt_state)
         self.version += 1
         self.behind = False  # a restored slice is back in step once it applies an update
 
@@ -95,7 +100,7 @@ class Slot:
             return
         if self.on_step is not None:
             self.on_step(self, total, count)
-        optimizer = at_lr(self.optimizer, self.step_lr)
+        optimizer = self.optimizer if self.step_lr is None else at_lr(self.optimizer, self.step_lr)
         if total.dtype == self.value.dtype and fold_scale(optimizer):
             chunked.step_scaled(self.pool, optimizer, self.value, total, 1.0 / count)  # type: ignore[arg-type]
             self.version += 1

@@ -54,6 +54,8 @@ from pshard.ps_server.core.optimizers import Optimizer, SliceState, make_optimiz
 from pshard.ps_server.core.policies import NO_CLOCK, Aggregate, ConsistencyPolicy, Roster, Slot, make_policy
 from pshard.ps_server.core.steptimes import HangReport, StepTimes, StepTimeSummary
 
+# A slice forgets the records of finished scheduled calls once it holds this many (pshard.coordinator).
+_SCHEDULED_KEPT = 256
 # Slices hold floating point values only: gradients of anything else mean nothing.
 FLOAT_DTYPE_NAMES = PARAM_DTYPES
 _FLOAT_DTYPES = {np.dtype(name): name for name in FLOAT_DTYPE_NAMES}
@@ -146,6 +148,8 @@ class SliceSnapshot:
     floors: dict[str, int]  # SSP join clocks
     pending: np.ndarray | None  # sync: sum of the gradients of clock `version` received so far
     contributors: tuple[str, ...]  # sync: who those gradients came from
+    # Scheduled calls (pshard.coordinator): schedule id -> last push number applied (Slot.scheduled).
+    scheduled: dict[int, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -156,6 +160,7 @@ class ShardSnapshot:
     quorum: dict[str, int] | None
     seen: tuple[str, ...]
     counters: dict[str, int] = field(default_factory=dict)
+    schedule_floor: int = 0  # the coordinators' floor: every scheduled call below it has finished
 
 
 def _copy_state(state: SliceState) -> SliceState:
@@ -177,6 +182,7 @@ class ShardStore:
         self.policy: ConsistencyPolicy = make_policy(config)
         self._optimizer = optimizer if optimizer is not None else make_optimizer(config.optimizer)
         self._averaged = frozenset(config.averaged)
+        self._scheduled = False  # whether a push ever carried its own lr (a slice's step_lr is not None)
         self._averaging = make_optimizer(replace(config.optimizer, name="aggregate"))
         self._meta = threading.Lock()
         self._quorum_change = threading.Lock()  # one set_quorum at a time: re-checks see old -> new in order
@@ -188,6 +194,8 @@ class ShardStore:
         self._roster = Roster(None, frozenset())
         self.had_quorum = False  # whether any quorum was ever known (set_quorum, or `quorum` here)
         self._worker_clocks: dict[str, int] = {}
+        # The coordinators' schedule floor: every scheduled call below it has finished (pshard.coordinator).
+        self._schedule_floor = 0
         self._counters = {"pushes_applied": 0, "pushes_dropped": 0, "late_gradients_dropped": 0,
                           "nonfinite_dropped": 0}
         self._now = now
@@ -352,9 +360,11 @@ class ShardStore:
                 if slot.behind:
                     self.policy.catch_up(slot, clock)
             # None = duplicate, False = late, True = accept; FutureClockError leaves everything as it was.
-            verdicts = [None if clock <= slot.last_clock.get(worker, NO_CLOCK)
+            # A scheduled push's clock means nothing (its call may run on any worker): its record decides.
+            verdicts = [None if self._repeated(slot, stamp) else True if stamp.schedule
                         else self.policy.admit_push(slot, clock) for slot in slots]
-            self._check_step_lr(stamp, slots, verdicts)
+            if stamp.lr is not None or self._scheduled:  # else every slice's step_lr is None too
+                self._check_step_lr(stamp, slots, verdicts)
             with self._meta:
                 self._record_stamp(stamp)
                 roster = self._roster
@@ -364,8 +374,12 @@ class ShardStore:
                     continue
                 if verdict:
                     slot.step_lr = stamp.lr
-                slot.last_clock[worker] = clock
-                slot.max_clock = max(slot.max_clock, clock)
+                    self._scheduled = self._scheduled or stamp.lr is not None
+                if stamp.schedule:
+                    self._record_scheduled(slot, stamp)
+                else:
+                    slot.last_clock[worker] = clock
+                slot.max_clock = max(slot.max_clock, clock)  # scheduled: 0, so a fused pull at 1 is in order
                 if verdict and slot.key in poisoned:
                     skipped += 1
                     if self.config.mode == "sync":
@@ -390,6 +404,22 @@ class ShardStore:
         if applied or skipped:
             self._notify()
         return PushOutcome(applied=applied, dropped=dropped)
+
+    def _repeated(self, slot: Slot, stamp: Stamp) -> bool:
+        """A push this slice has applied already: this worker's clock again (a resend), or for a scheduled
+        call's push, (schedule id, push number) again whichever worker sends it (a re-dispatch), or any
+        push of a call its coordinator saw finish (a run cut off that comes back)."""
+        if not stamp.schedule:
+            return stamp.clock <= slot.last_clock.get(stamp.worker_id, NO_CLOCK)
+        return stamp.schedule < self._schedule_floor or stamp.schedule_seq <= slot.scheduled.get(
+            stamp.schedule, NO_CLOCK)
+
+    def _record_scheduled(self, slot: Slot, stamp: Stamp) -> None:
+        slot.scheduled[stamp.schedule] = stamp.schedule_seq
+        if len(slot.scheduled) > _SCHEDULED_KEPT:  # amortised: the record stays bounded by calls in flight
+            floor = self._schedule_floor
+            for finished in [s for s in slot.scheduled if s < floor]:
+                del slot.scheduled[finished]
 
     def _check_step_lr(self, stamp: Stamp, slots: Sequence[Slot], verdicts: Sequence[bool | None]) -> None:
         """Sync: a clock's update has one learning rate; a push that disagrees with the clock's earlier
@@ -618,6 +648,10 @@ class ShardStore:
         if writes and self._quorum is not None and worker not in self._quorum:
             raise StaleGenerationError(
                 f"worker {worker!r} is not a live member (quorum: {sorted(self._quorum)}); re-register")
+        if writes and stamp.schedule and self.config.mode != "async":
+            raise InvalidArgumentError(
+                f"stamp.schedule_id: worker {worker!r} pushed for scheduled call {stamp.schedule} to a "
+                f"{self.config.mode} job, expected an async one (a ClusterCoordinator's)")
 
     def _record_stamp(self, stamp: Stamp, reads: bool = False) -> None:
         # Only a write moves a worker's fencing stamp: a read names a generation nobody checked (any
@@ -626,6 +660,7 @@ class ShardStore:
         worker = stamp.worker_id
         if not reads:
             self._generations[worker] = max(self._generations.get(worker, stamp.generation), stamp.generation)
+            self._schedule_floor = max(self._schedule_floor, stamp.schedule_floor)
         if worker not in self._seen:
             self._seen.add(worker)
             self._roster = Roster(self._roster.quorum, frozenset(self._seen))
@@ -679,7 +714,8 @@ class ShardStore:
                 slices=tuple(_slice_snapshot(s) for s in sorted(slots, key=lambda s: s.key)),
                 generations=dict(self._generations),
                 quorum=dict(self._quorum) if self._quorum is not None else None,
-                seen=tuple(sorted(self._seen)), counters=dict(self._counters))
+                seen=tuple(sorted(self._seen)), counters=dict(self._counters),
+                schedule_floor=self._schedule_floor)
 
     @classmethod
     def restore(cls, snap: ShardSnapshot, *, optimizer: Optimizer | None = None,
@@ -689,6 +725,7 @@ class ShardStore:
         store._seen.update(snap.seen)
         store._roster = Roster(store._roster.quorum, frozenset(store._seen))
         store._counters.update(snap.counters)
+        store._schedule_floor = snap.schedule_floor
         for s in snap.slices:
             value = np.array(s.value, order="C", copy=True)
             aggregate = Aggregate(None if s.pending is None else np.array(s.pending, copy=True),
@@ -697,7 +734,8 @@ class ShardStore:
                 key=s.key, dtype=np.dtype(s.dtype), value=value, optimizer=store._optimizer_for(s.key),
                 opt_state=_copy_state(s.opt_state), version=s.version, last_clock=dict(s.clocks),
                 max_clock=max(s.clocks.values(), default=NO_CLOCK), aggregate=aggregate,
-                floors=dict(s.floors), behind=True, on_step=store._on_step, pool=store._pool)
+                floors=dict(s.floors), scheduled=dict(s.scheduled), behind=True, on_step=store._on_step,
+                pool=store._pool)
             for worker, clock in s.clocks.items():
                 store._worker_clocks[worker] = max(store._worker_clocks.get(worker, NO_CLOCK), clock)
         return store
@@ -736,4 +774,4 @@ def _slice_snapshot(slot: Slot) -> SliceSnapshot:
         key=slot.key, dtype=slot.dtype.name, value=slot.value.copy(), version=slot.version,
         opt_state=_copy_state(slot.opt_state), clocks=dict(slot.last_clock), floors=dict(slot.floors),
         pending=agg.total.copy() if agg.contributors and agg.total is not None else None,
-        contributors=tuple(sorted(agg.contributors)))
+        contributors=tuple(sorted(agg.contributors)), scheduled=dict(slot.scheduled))

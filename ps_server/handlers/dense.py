@@ -319,9 +319,19 @@ class ParameterServerHandlers:
                         100 * FRACTION)
         self._changes.notify()
 
+    async def _await_lease(self, stamp: Stamp, timeout_s: float | None) -> None:
+        """Let `stamp`'s push through only while the lease holds (`await_lease`). Its deadline and the words
+        of a refusal are made only when the lease has expired: every push asks (issue 18's latency drift)."""
+        lease = self.lease
+        if lease is None or not lease.expired():
+            return
+        await self.await_lease(f"push by {stamp.worker_id!r} at clock {stamp.clock}",
+                               self._deadline(timeout_s))
+
     async def await_lease(self, what: str, deadline: float) -> None:
         """Let a write through only while the lease holds; one that finds it expired waits for a
-        renewal until the lease lapses (a late answer on a loaded host), then is refused."""
+        renewal until the lease lapses (a late answer on a loaded host), then is refused. Sparse tables'
+        pushes ask here too (ps_server.handlers.tables.WriteFence)."""
         lease = self.lease
         if lease is None or not lease.expired():
             return
@@ -471,13 +481,14 @@ class ParameterServerHandlers:
         limits = self._limits
         if stamp is not None:
             limits.check_stamp(stamp.worker_id, stamp.generation, stamp.clock)
-            self._compare_with_restored(stamp)
+            if self._restored_version is not None:  # once, after a restore: not a call per request
+                self._compare_with_restored(stamp)
         limits.check_count(what, len(push))
         limits.check_count(what, len(pull))
         limits.check_keys(what, (m.key.key for m in push))
         limits.check_keys(what, (k.key for k in pull))
         for meta in push:
-            limits.check_shape(f"slice {quote(str(meta.key))}", meta.shape)
+            limits.check_shape(lambda key=meta.key: f"slice {quote(str(key))}", meta.shape)
 
     def _compare_with_restored(self, stamp: Stamp) -> None:
         restored, self._restored_version = self._restored_version, None
@@ -652,9 +663,8 @@ class ParameterServerHandlers:
             raise EmptyRequestError(f"push-pull from {stamp.worker_id!r}: nothing to push or pull")
         metas = _metas(items)
         self._check_limits("push-pull", stamp, metas, keys)
-        if items:  # first: the ownership checked next may change with the renewal this waits for
-            await self.await_lease(f"push by {stamp.worker_id!r} at clock {stamp.clock}",
-                                    self._deadline(timeout_s))
+        if items and self.lease is not None:  # first: the ownership checked next may change with the renewal
+            await self._await_lease(stamp, timeout_s)
         pushed = [k for k, _ in items]
         touched = [*pushed, *keys]
         self._check_owned(touched)
@@ -694,9 +704,8 @@ class ParameterServerHandlers:
         if not push and not pull:
             raise EmptyRequestError(f"exchange from {stamp.worker_id!r}: nothing to push or pull")
         self._check_limits("exchange", stamp, push, pull)
-        if push:  # first: the ownership checked next may change with the renewal this waits for
-            await self.await_lease(f"push by {stamp.worker_id!r} at clock {stamp.clock}",
-                                    self._deadline(timeout_s))
+        if push and self.lease is not None:  # first: the ownership checked next may change with the renewal
+            await self._await_lease(stamp, timeout_s)
         self._check_owned([*(m.key for m in push), *pull])
         self._promote([*(m.key for m in push), *pull])
         store = self._store_holding([m.key for m in push] or pull)

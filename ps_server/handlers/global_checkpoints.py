@@ -13,7 +13,7 @@ import contextlib
 import dataclasses
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from pathlib import Path
 
 from pshard.common import checkpoint_store as ckpt
@@ -80,13 +80,13 @@ class GlobalCheckpoints:
         return files, min(versions), max(versions)
 
     async def restore(self, requested: str, job: JobConfig, ranges: Mapping[SliceKey, ckpt.Range],
-                      server: int, servers: int, resume: bool, listed: int | None = None
-                      ) -> tuple[bool, int, int, int]:
+                      server: int, servers: int, resume: bool, listed: int | None = None,
+                      row_owners: Sequence[int] = ()) -> tuple[bool, int, int, int]:
         """Configure this empty server from the committed checkpoint in `requested` (inside the root);
         (restored, clock, slices, table rows). False when it already holds a model: nothing changes."""
         directory = guard.confine(self._root, requested)
         guard.check_ranges(ranges, len(ranges) if listed is None else listed)
-        guard.check_servers(server, servers)
+        guard.check_servers(server, servers, row_owners)
         checkpoint = ckpt.load_manifest(directory, verify=True)
         theirs = checkpoint.job
         if theirs.job_id != job.job_id:
@@ -112,7 +112,7 @@ class GlobalCheckpoints:
         rows = 0
         if self._tables is not None:
             for table in await asyncio.get_running_loop().run_in_executor(
-                    None, restore_tables, checkpoint, server, servers, self._tables.make):
+                    None, restore_tables, checkpoint, server, servers, self._tables.make, row_owners):
                 rows += len(table)
                 self._tables.add(table)
         log.warning("restored the global checkpoint %s (clock %d, written by %d servers): %d slices, "

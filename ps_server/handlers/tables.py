@@ -31,7 +31,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import re
+import shutil
 import time
 import zlib
 from collections.abc import AsyncIterator, Callable, Collection
@@ -40,6 +42,7 @@ from pathlib import Path
 from typing import Protocol, TypeVar
 
 import numpy as np
+from pshard.common.dirlock import DirectoryInUseError, DirectoryLock
 from pshard.common.errors import (
     InvalidArgumentError,
     LayoutConflictError,
@@ -51,6 +54,7 @@ from pshard.common.errors import (
     checkpoint_write_error,
 )
 from pshard.common.sparse import TableConfig
+from pshard.common.wire.sparse_codec import decode_grads
 from pshard.ps_server.core.lease import SchedulerLease
 from pshard.ps_server.replication.api import NO_ROW_REPLICATION, RowReplication
 from pshard.ps_server.settings import ServerSettings
@@ -89,6 +93,8 @@ MAX_TABLES = 1024
 # than the work (tens of microseconds); at 64 Ki ids the work is a few milliseconds, and a 2 Mi-id
 # pull held the loop, and every health probe, for seconds.
 OFF_LOOP_IDS = 1 << 16
+# Servers that may share one --table-dir (each takes a locked server-N under it).
+MAX_TABLE_DIR_SERVERS = 256
 
 
 @dataclass(frozen=True)
@@ -100,6 +106,13 @@ class TableStats:
     admission_bytes: int = 0  # the admission counts' fixed size (0: no admission by count)
     admission_halvings: int = 0
     row_bytes: int = 0  # a row's values as stored and pulled (row_dtype), optimizer state not counted
+    # Tiers (memory_mb, ps_server/tables/disktier.py): rows and bytes in RAM and on disk, rows moved.
+    ram_rows: int = 0
+    ram_bytes: int = 0
+    disk_rows: int = 0
+    disk_bytes: int = 0
+    spilled: int = 0
+    fetched: int = 0
 
 
 class TableHandlers:
@@ -120,6 +133,10 @@ class TableHandlers:
         # The dense handlers' lease, once the server is wired (ps_server.service): table writes are
         # fenced as theirs are.
         self.fence: WriteFence = _Unfenced()
+        self._table_dir: Path | None = None  # this server's part of --table-dir (the disk tiers)
+        self._table_dir_lock: DirectoryLock | None = None
+        if settings.table_dir:
+            self._table_dir, self._table_dir_lock = _claim_table_dir(Path(settings.table_dir))
         if self._dir is not None:
             for table in load_tables(self._dir, settings.shard_name, self._make):
                 self._add(table)
@@ -141,7 +158,16 @@ class TableHandlers:
             path = self._dir / f"{self._settings.shard_name}.{_file_name(config.name)}.evicted.txt"
             self._dir.mkdir(parents=True, exist_ok=True)
             on_evict = lambda ids: append_ids(path, ids)  # noqa: E731
-        return SparseTable(config, now=self._now, on_evict=on_evict)
+        return SparseTable(config, now=self._now, on_evict=on_evict, store=self._store(config))
+
+    def _store(self, config: TableConfig) -> Path | None:
+        """The disk tier's directory of a table with memory_mb: under --table-dir, one per table."""
+        if config.memory_mb == 0:
+            return None
+        if self._table_dir is None:
+            raise InvalidArgumentError(f"table {config.name!r}: memory_mb {config.memory_mb:g} needs a "
+                                       "server started with --table-dir (the rows beyond it spill there)")
+        return self._table_dir / f"{_file_name(config.name)}.rows"
 
     def _table(self, name: str) -> SparseTable:
         table = self._tables.get(name)
@@ -244,7 +270,10 @@ class TableHandlers:
 
     async def _await_lease(self, name: str, worker: str, clock: int) -> None:
         """A push goes on only while the server's lease holds (after validation: a refused request
-        waits for nothing)."""
+        waits for nothing). The words of a refusal are made only when it has expired: every push asks."""
+        lease = self.fence.lease
+        if lease is None or not lease.expired():
+            return
         await self.fence.await_lease(f"push to table {name!r} by {worker[:256]!r} at clock {clock}",
                                      time.monotonic() + self._settings.pull_timeout_s)
 
@@ -389,7 +418,7 @@ class TableHandlers:
         return TableStats(rows=len(table), evicted=table.evicted, steps=table.step, admitted=table.admitted,
                           admission_bytes=sketch.nbytes if sketch else 0,
                           admission_halvings=sketch.epoch if sketch else 0,
-                          row_bytes=table.config.row_bytes)
+                          row_bytes=table.config.row_bytes, **dataclasses.asdict(table.tiers()))
 
     def all_stats(self) -> dict[str, TableStats]:
         """Every table's stats by name (the metrics endpoint reads them at scrape time)."""
@@ -420,14 +449,16 @@ class TableHandlers:
 
     def _grads(self, table: SparseTable, ids: np.ndarray, raw: Raw) -> np.ndarray:
         config = table.config
-        row_bytes = config.dim * config.np_dtype.itemsize
+        size = config.grad_dtype.itemsize
+        row_bytes = config.dim * size
         if len(raw) != len(ids) * row_bytes:
-            size = config.np_dtype.itemsize
             per_id = f" ({len(raw) / len(ids) / size:g} numbers per id)" if len(ids) else ""
+            sent = config.dtype if config.compression == "none" else f"{config.compression} (compression)"
             raise InvalidArgumentError(
                 f"push of table {config.name!r}: {len(ids)} ids need {len(ids)} rows of dim {config.dim} "
-                f"{config.dtype} ({len(ids) * row_bytes} bytes), got {len(raw)} bytes{per_id}")
-        grads = np.frombuffer(raw, config.np_dtype.newbyteorder("<")).reshape(len(ids), config.dim)
+                f"{sent} ({len(ids) * row_bytes} bytes), got {len(raw)} bytes{per_id}")
+        wire = np.frombuffer(raw, config.grad_dtype.newbyteorder("<")).reshape(len(ids), config.dim)
+        grads = decode_grads(config, wire)  # widened to float32: the update is exact in float32
         # One compiled pass over the bits (a third of numpy's sum, which was a third of a push's time);
         # only a refusal pays for finding the first id to blame.
         if not config.allow_nonfinite and not table.kernels.all_finite(grads):
@@ -464,6 +495,24 @@ def _warm_kernels(dtype: np.dtype) -> None:
     from pshard.ps_server.tables import kernels  # numba is loaded by servers that hold a table only
 
     kernels.warm(dtype)
+
+
+def _claim_table_dir(table_dir: Path) -> tuple[Path, DirectoryLock]:
+    """The first `server-N` under --table-dir that no live process holds, locked, its old disk tiers
+    deleted: servers of one host may share a --table-dir (their checkpoint files are all named "shard"),
+    and a crashed server's tiers are caches that mean nothing now."""
+    for n in range(MAX_TABLE_DIR_SERVERS):
+        sub = table_dir / f"server-{n}"
+        sub.mkdir(parents=True, exist_ok=True)
+        try:
+            lock = DirectoryLock.acquire(sub, {"role": "ps"}, flag="--table-dir")
+        except DirectoryInUseError:
+            continue
+        for old in sub.glob("*.rows"):
+            shutil.rmtree(old, ignore_errors=True)
+        return sub, lock
+    raise DirectoryInUseError(f"--table-dir: {str(table_dir)!r} is in use by {MAX_TABLE_DIR_SERVERS} "
+                              "servers; give this one another directory")
 
 
 def _file_name(name: str) -> str:

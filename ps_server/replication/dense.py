@@ -2,11 +2,12 @@
 takes reach its backups before it acknowledges.
 
 What travels is the slice's state after its newest step (value, optimizer state, version, per-worker
-clocks, SSP floors), taken under the slice's lock: the backup's copy is the primary's bytes, so it
-is bit-identical, and a worker that resends after a failover is deduplicated by it exactly as by the
-primary. Steps taken while a state is on its way coalesce into the next one (async and SSP pushes
-are batched that way), and a backup that restarted or joined just gets every slice's state: a copy
-that catches up while training goes on.
+clocks, SSP floors, scheduled calls' push numbers), taken under the slice's lock: the backup's copy is
+the primary's bytes, so it is bit-identical, and a worker that resends after a failover, or a
+coordinator's call re-dispatched to another worker, is deduplicated by it exactly as by the primary.
+Steps taken while a state is on its way coalesce into the next one (async and SSP pushes are batched
+that way), and a backup that restarted or joined just gets every slice's state: a copy that catches up
+while training goes on.
 
 Where the bytes go is each backup's link (ps_server/replication/backends.py): with a backup on the
 same host, into shared-memory segments both map, so a call carries only metadata; with one that
@@ -117,6 +118,7 @@ class ReplicaSet:
                 # The primary's very step; a sum is scratch to it (divided in place), one gradient only read.
                 slot.apply_mean(np.array(r.value, copy=True) if r.summed > 1 else r.value, r.summed)
                 slot.last_clock = dict(r.clocks)
+                slot.scheduled.update(r.scheduled or {})  # an older primary's step record has none
                 slot.max_clock = max(slot.max_clock, max(r.clocks.values(), default=NO_CLOCK))
                 self.records_applied += 1
             if self._segments is not None:  # unmap what neither a copy nor the primary uses any more
@@ -142,7 +144,7 @@ class ReplicaSet:
         return Slot(key=r.key, dtype=np.dtype(r.dtype), value=np.ascontiguousarray(r.value),
                     optimizer=self._optimizer, opt_state=r.opt_state, version=r.version,
                     last_clock=dict(r.clocks), max_clock=max(r.clocks.values(), default=NO_CLOCK),
-                    floors=dict(r.floors or {}))
+                    floors=dict(r.floors or {}), scheduled=dict(r.scheduled or {}))
 
     def holds(self, key: SliceKey) -> bool:
         with self._lock:

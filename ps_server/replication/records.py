@@ -1,9 +1,10 @@
 """A dense slice's replication record and its wire form (docs/architecture.md, 9 Failures).
 
 What travels is the slice's state after its newest step (value, optimizer state, version, per-worker
-clocks, SSP floors), taken under the slice's lock, or (from older primaries) one step's update. A
-state's arrays go one of three ways (ps_server/replication/backends.py): encoded inline in the
-message, as the data of a raw TCP link's frame, or into shared-memory segments the backup maps.
+clocks, SSP floors, scheduled calls' push numbers), taken under the slice's lock, or (from older
+primaries) one step's update. A state's arrays go one of three ways (ps_server/replication/backends.py):
+encoded inline in the message, as the data of a raw TCP link's frame, or into shared-memory segments the
+backup maps.
 """
 
 from __future__ import annotations
@@ -37,19 +38,21 @@ class Record(NamedTuple):
     segment: str = ""
     offset: int = 0
     specs: tuple[ArraySpec, ...] = ()
+    # Schedule id -> last push number applied (Slot.scheduled): state: all of them; step: as after it.
+    scheduled: dict[int, int] | None = None
 
 
 def step_record(slot: Slot, update: np.ndarray, count: int, seq: int) -> Record:
     """Called under the slice's lock, before the step: `update` may be scratch or a network buffer."""
     return Record(seq, slot.key, slot.version + 1, False, np.array(update, copy=True), count,
-                  dict(slot.last_clock))
+                  dict(slot.last_clock), scheduled=dict(slot.scheduled))
 
 
 def state_record(slot: Slot, seq: int) -> Record:
     """The whole slice, under its lock."""
     state = {k: v.copy() if isinstance(v, np.ndarray) else v for k, v in slot.opt_state.items()}
     return Record(seq, slot.key, slot.version, True, slot.value.copy(), 0, dict(slot.last_clock),
-                  slot.dtype.name, state, dict(slot.floors))
+                  slot.dtype.name, state, dict(slot.floors), scheduled=dict(slot.scheduled))
 
 
 def _tensor(v: np.ndarray, inline: bool) -> tensor_pb.Tensor:
@@ -63,7 +66,7 @@ def record_to_proto(r: Record, inline: bool | None = None) -> pb.ReplicaRecord:
     inline = not r.segment if inline is None else inline
     msg = pb.ReplicaRecord(id=codec.slice_id_to_proto(r.key), version=r.version, state=r.state,
                            value=_tensor(r.value, inline), count=r.summed, clocks=r.clocks,
-                           segment=r.segment, offset=r.offset)
+                           segment=r.segment, offset=r.offset, scheduled=r.scheduled or {})
     if r.state:
         msg.dtype = codec.dtype_to_proto(r.dtype)
         msg.floors.update(r.floors or {})
@@ -91,16 +94,17 @@ def record_from_proto(msg: pb.ReplicaRecord) -> Record:
         scalars: SliceState = {**dict(msg.opt_ints), **dict(msg.opt_floats)}
         return Record(0, key, msg.version, True, np.empty(0), 0, dict(msg.clocks),
                       codec.dtype_from_proto(msg.dtype), scalars, dict(msg.floors), msg.segment, msg.offset,
-                      specs)
+                      specs, dict(msg.scheduled))
     value = codec.tensor_from_proto(msg.value, f"replica {key}").array
     if not msg.state:
-        return Record(0, key, msg.version, False, value, max(1, msg.count), dict(msg.clocks))
+        return Record(0, key, msg.version, False, value, max(1, msg.count), dict(msg.clocks),
+                      scheduled=dict(msg.scheduled))
     opt: SliceState = {n: np.array(codec.tensor_from_proto(t, f"replica {key} {n}").array, copy=True)
                        for n, t in msg.opt_arrays.items()}
     opt.update(dict(msg.opt_ints))
     opt.update(dict(msg.opt_floats))
     return Record(0, key, msg.version, True, np.array(value, copy=True), 0, dict(msg.clocks),
-                  codec.dtype_from_proto(msg.dtype), opt, dict(msg.floors))
+                  codec.dtype_from_proto(msg.dtype), opt, dict(msg.floors), scheduled=dict(msg.scheduled))
 
 
 def state_to_proto(slot: Slot, shm: SegmentWriter | None, arrays: list[np.ndarray] | None = None
@@ -108,7 +112,7 @@ def state_to_proto(slot: Slot, shm: SegmentWriter | None, arrays: list[np.ndarra
     """`slot`'s state as a record (under its lock): its arrays copied into `shm`, else appended to
     `arrays` (value, then optimizer arrays by name: the raw link's data), else encoded inline."""
     record = Record(0, slot.key, slot.version, True, slot.value, 0, dict(slot.last_clock), slot.dtype.name,
-                    dict(slot.opt_state), dict(slot.floors))
+                    dict(slot.opt_state), dict(slot.floors), scheduled=dict(slot.scheduled))
     if shm is None and arrays is not None:
         arrays.append(slot.value.copy())
         arrays.extend(np.array(v, copy=True) for n, v in sorted(slot.opt_state.items())

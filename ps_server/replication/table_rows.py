@@ -106,18 +106,28 @@ def capture(table: SparseTable, ids: np.ndarray, pushes: dict[str, list[PushKey]
     rows = table.index.lookup(ids)
     live = rows >= 0
     taken = rows[live]
+    # Rows on a disk tier (memory_mb) are read where they are: capture runs on the event loop, maybe beside
+    # a large request's thread on the table, so it must move nothing.
+    spilled_ids, spilled = table.spilled(ids[~live])
     columns = {}
     for name, (array, shape) in sorted(table.columns().items()):
-        out = alloc(array.dtype, (len(taken), *shape)) if alloc is not None else None
+        n = len(taken) + len(spilled_ids)
+        out = alloc(array.dtype, (n, *shape)) if alloc is not None else np.empty((n, *shape), array.dtype)
         if array.ndim == 2:
-            columns[name] = take_rows(array, taken, out)
+            take_rows(array, taken, out[:len(taken)])
         else:
-            columns[name] = np.take(array, taken, out=out)
+            np.take(array, taken, out=out[:len(taken)])
+        if len(spilled_ids):
+            out[len(taken):] = spilled[name]
+        columns[name] = out
     deleted = ids[~live]
+    if len(spilled_ids):
+        deleted = deleted[~np.isin(deleted, spilled_ids)]
     # Rows too: the sketch keeps counting admitted ids, and an evicted row's counts readmit it.
     counts = table.sightings(ids)
-    return RowBatch(table.config, ids[live].copy(), columns, deleted.copy(), table.step, table.clock,
-                    table.evicted, table.admitted, ids[counts > 0].copy(), counts[counts > 0],
+    return RowBatch(table.config, np.concatenate([ids[live], spilled_ids]), columns, deleted.copy(),
+                    table.step, table.clock, table.evicted, table.admitted, ids[counts > 0].copy(),
+                    counts[counts > 0],
                     json.dumps(table.rng_state) if table.config.admit_prob < 1.0 else "", pushes or {},
                     admit_epoch=table.admit_epoch)
 
@@ -140,7 +150,7 @@ def install(table: SparseTable, batch: RowBatch) -> None:
 
 def all_ids(table: SparseTable) -> np.ndarray:
     """Every live id of `table` (a new backup's copy ships them all)."""
-    parts = [ids for _, ids in table.chunks()]
+    parts = [ids for _, ids in table.chunks()] + [ids for ids, _ in table.spilled_chunks()]
     return np.concatenate(parts) if parts else np.zeros(0, np.int64)
 
 
@@ -151,6 +161,9 @@ def merge(into: SparseTable, replica: SparseTable) -> np.ndarray:
     for rows, ids in replica.chunks():
         into.restore_rows(ids, {name: array[rows] for name, (array, _) in replica.columns().items()})
         moved.append(ids.copy())
+    for ids, columns in replica.spilled_chunks():
+        into.restore_rows(ids, columns)
+        moved.append(ids)
     into.step = max(into.step, replica.step)
     into.clock = max(into.clock, replica.clock)
     into.evicted += replica.evicted

@@ -196,7 +196,7 @@ class TableReplication:
         for seen in self._checked:  # a push of the ids pulled a moment before: hashed once
             if len(seen) == len(ids) and seen[0] == first and seen[-1] == last and np.array_equal(seen, ids):
                 return
-        partition = server_of(ids, len(layout.servers))
+        partition = server_of(ids, layout.partition_count)
         if len(owned) == 1:
             bad = partition != next(iter(owned))
         else:
@@ -256,7 +256,7 @@ class TableReplication:
             return next(iter(owned))
         if layout is None:
             return -1
-        return server_of(ids, len(layout.servers))
+        return server_of(ids, layout.partition_count)
 
     def changed(self, name: str, ids: np.ndarray, worker: str = "", push_id: int = 0,
                 clocked: bool = False) -> None:
@@ -375,7 +375,10 @@ class TableReplication:
             return
         before, self._layout = self._layout, layout
         me = index_of(layout, self.own)
-        if me is not None and self._me is None:
+        if me is not None and self._me is None and layout.home_partitions(me) == (me,):
+            # Clocks kept before any layout (OWN) are of this one partition; a layout of more
+            # partitions than servers comes from the scheduler, whose workers route every push with
+            # its version, so none reaches a server that knows no layout (routed).
             self._tables.number_own(me)
         self._me = me
         if me is None:
@@ -384,14 +387,14 @@ class TableReplication:
             return
         owned = frozenset(layout.partitions_on(me))
         self._checked = []
-        gained = owned - (self._owned if self._owned is not None else frozenset({me}))
+        gained = owned - (self._owned if self._owned is not None else frozenset(layout.home_partitions(me)))
         self._owned = owned
         self._remember(layout.version)
         if not gained:
             return
         # Whose replicas hold the gained partitions: their previous servers (an earlier failover may
         # have moved one to a server that died since), or their own servers.
-        sources = {layout.servers[p] for p in gained}
+        sources = {layout.servers[p % len(layout.servers)] for p in gained}
         if before is not None and len(before.servers) == len(layout.servers):
             sources |= {before.servers[before.row_owner(p)] for p in gained}
         for primary in sorted(sources & self.replicas.primaries()):
@@ -440,10 +443,12 @@ class TableReplication:
             return False
         layout = self._layout
         p = index_of(layout, primary) if layout is not None else None
-        if layout is not None and p is not None and layout.row_owner(p) != p:
-            raise StaleGenerationError(f"replicate: {primary}'s row partition {p} has server "
-                                       f"{layout.row_owner(p)} as its primary since a failover (layout "
-                                       f"version {layout.version}); the sender was declared dead")
+        home = layout.home_partitions(p) if layout is not None and p is not None else ()
+        if layout is not None and home and all(layout.row_owner(q) != p for q in home):
+            raise StaleGenerationError(f"replicate: {primary}'s row partitions {list(home)} have servers "
+                                       f"{[layout.row_owner(q) for q in home]} as their primaries since a "
+                                       f"failover (layout version {layout.version}); the sender was declared "
+                                       "dead")
         arrays = iter(frame) if frame is not None else None
         try:
             batches = [batch_from_proto(t, self._maps, primary, arrays) for t in request.tables]

@@ -17,6 +17,7 @@ waiting for admission keep their sightings across a restart (`restore_admission`
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import logging
 import os
@@ -30,6 +31,7 @@ from typing import Any
 import numpy as np
 from pshard.common.errors import CheckpointError, PSError
 from pshard.common.sparse import TableConfig
+from pshard.common.wire.sparse_codec import decode_rows
 from pshard.ps_server.tables.table import CHUNK_ROWS, SparseTable
 
 log = logging.getLogger("pshard.ps")
@@ -57,22 +59,35 @@ def _write_npy(path: Path, dtype: np.dtype, shape: tuple[int, ...], chunks: Iter
 
 
 def _stream_column(table: SparseTable, path: Path, column: Callable[[np.ndarray, np.ndarray], np.ndarray],
-                   dtype: np.dtype, row_shape: tuple[int, ...]) -> None:
-    _write_npy(path, dtype, (len(table), *row_shape), (column(rows, ids) for rows, ids in table.chunks()))
+                   dtype: np.dtype, row_shape: tuple[int, ...],
+                   spilled: Callable[[np.ndarray, dict[str, np.ndarray]], np.ndarray]) -> None:
+    """The column of every row: RAM rows by `column(rows, ids)`, then the disk tier's (a table with
+    memory_mb) by `spilled(ids, columns)`."""
+    ram = (column(rows, ids) for rows, ids in table.chunks())
+    disk = (spilled(ids, columns) for ids, columns in table.spilled_chunks())
+    _write_npy(path, dtype, (len(table), *row_shape), itertools.chain(ram, disk))
 
 
 def _rows_of(array: np.ndarray) -> Callable[[np.ndarray, np.ndarray], np.ndarray]:
     return lambda rows, ids: array[rows]
 
 
+def _ids(ids: np.ndarray, *_: object) -> np.ndarray:
+    return ids
+
+
+def _column(name: str) -> Callable[[np.ndarray, dict[str, np.ndarray]], np.ndarray]:
+    return lambda ids, columns: columns[name]
+
+
 def export_table(table: SparseTable, folder: Path) -> tuple[Path, Path, int]:
     """`folder/ids.npy` (int64, n) and `folder/rows.npy` (n, dim) of the live rows, in the same order."""
     folder.mkdir(parents=True, exist_ok=True)
     ids_path, rows_path = folder / "ids.npy", folder / "rows.npy"
-    _stream_column(table, ids_path, lambda rows, ids: ids, np.dtype(np.int64), ())
+    _stream_column(table, ids_path, lambda rows, ids: ids, np.dtype(np.int64), (), _ids)
     # Narrow rows are exported decoded, float32: the file is read by tools that know no row_dtype.
     _stream_column(table, rows_path, lambda rows, ids: table.decoded(rows), table.config.np_dtype,
-                   (table.config.dim,))
+                   (table.config.dim,), lambda ids, columns: decode_rows(table.config, columns["values"]))
     return ids_path, rows_path, len(table)
 
 
@@ -106,9 +121,10 @@ def _save_tables(directory: Path, name: str, tables: list[SparseTable], pointer:
     for i, table in enumerate(tables):
         sub = folder / f"t{i}"
         sub.mkdir()
-        _stream_column(table, sub / "ids.npy", lambda rows, ids: ids, np.dtype(np.int64), ())
+        _stream_column(table, sub / "ids.npy", lambda rows, ids: ids, np.dtype(np.int64), (), _ids)
         for column, (array, row_shape) in table.columns().items():
-            _stream_column(table, sub / f"{column}.npy", _rows_of(array), array.dtype, row_shape)
+            _stream_column(table, sub / f"{column}.npy", _rows_of(array), array.dtype, row_shape,
+                           _column(column))
         meta: dict[str, Any] = {"config": dataclasses.asdict(table.config), "step": table.step,
                                 "clock": table.clock, "evicted": table.evicted}
         if table.admission is not None:

@@ -165,6 +165,55 @@ def lookup(slots, row_ids, query, shift, out):  # type: ignore[no-untyped-def]
 
 
 @_jit
+def insert(slots, row_ids, ids, rows, shift):  # type: ignore[no-untyped-def]
+    """Place each ids[i] (distinct, absent, and row_ids[rows[i]] == ids[i] already) in an IdIndex's
+    probe table as row rows[i]: at the first tombstone on its linear probe path from home, else at the
+    empty slot that ends it, where `lookup` finds it. Returns the tombstones reused, or -1 if an id is
+    found present (the caller's bug: the ids before it are placed). The index keeps empty slots (load
+    <= 60%), so every probe ends. One pass in order, so ids that share a path take successive slots."""
+    mask = len(slots) - 1
+    keys = ids.view(np.uint64)
+    reused = 0
+    for i in range(len(ids)):
+        q = ids[i]
+        p = np.int64(_mix64(keys[i]) >> uint64(shift))
+        free = np.int64(-1)
+        s = slots[p]
+        while s != 0:
+            if s < 0:
+                if free < 0:
+                    free = p
+            elif row_ids[s - 1] == q:
+                return -1
+            p = (p + 1) & mask
+            s = slots[p]
+        if free >= 0:
+            p = free
+            reused += 1
+        slots[p] = rows[i] + 1
+    return reused
+
+
+@_jit
+def delete(slots, row_ids, rows, shift):  # type: ignore[no-untyped-def]
+    """Tombstone (-1) the slot of each of `rows` (live, distinct) in an IdIndex's probe table, found from
+    its id's home; False if one is not there (the caller's bug: the rows before it are removed)."""
+    mask = len(slots) - 1
+    keys = row_ids.view(np.uint64)
+    for i in range(len(rows)):
+        r = rows[i]
+        p = np.int64(_mix64(keys[r]) >> uint64(shift))
+        s = slots[p]
+        while s != r + 1:
+            if s == 0:
+                return False
+            p = (p + 1) & mask
+            s = slots[p]
+        slots[p] = -1
+    return True
+
+
+@_jit
 def gather_touch(values, touch, rows, now, out):  # type: ignore[no-untyped-def]
     """out[i] = values[rows[i]] and touch[rows[i]] = now: a pull of rows that all exist."""
     dim, n = values.shape[1], len(rows)
@@ -258,6 +307,8 @@ def warm(dtype: np.dtype) -> None:
     frozen = ids.copy()
     frozen.flags.writeable = False
     lookup(slots, ids, frozen, 60, rows)
+    insert(np.zeros(16, np.int32), ids, ids, rows, 60)
+    delete(slots, ids, rows, 60)
     ascending(ids)
     ascending(frozen)
     values = np.zeros((1, 2), dtype)

@@ -2,9 +2,10 @@
 
 Every operation takes a whole batch of ids. Lookups, the hot path of every table request, run as
 one compiled loop (ps_server.tables.kernels.lookup, linear probing with the slots and ids prefetched);
-insertions and deletions probe with numpy (each round advances all still-unresolved ids by a
-window of slots), so a batch of 4,096 ids costs a handful of array operations, not 4,096 Python
-steps. Both find an id's home slot the same way (`_home`: mix64 of the id, its top bits).
+so do insertions and deletions (kernels.insert, kernels.delete: a disk tier moves thousands of rows in
+and out of an index per request, where numpy's probe rounds cost a millisecond a call). `_probe`, the
+numpy probe (each round advances all still-unresolved ids by a window of slots), is their reference in
+the tests. All find an id's home slot the same way (`_home`: mix64 of the id, its top bits).
 
 Memory is what the issue's 0.3x budget allows: the probe table holds only an int32 per slot
 (0 empty, -1 a tombstone left by a deletion, r+1 for row r); the id of row r lives once, in
@@ -52,6 +53,11 @@ class IdIndex:
     @property
     def row_capacity(self) -> int:
         return len(self.ids)
+
+    @property
+    def _shift(self) -> int:
+        """64 - log2(slots): an id's home slot is mix64(id) >> _shift (the kernels' argument)."""
+        return 64 - (len(self._slots).bit_length() - 1)
 
     def _home(self, ids: np.ndarray) -> np.ndarray:
         bits = len(self._slots).bit_length() - 1
@@ -135,25 +141,14 @@ class IdIndex:
         self._changes += 1
         rows = self._take_rows(n)
         self.ids[rows] = ids
-        mask = len(self._slots) - 1
-        slot = self._probe(ids, width=1)
-        if (slot >= 0).any():
+        # One compiled pass (ps_server.tables.kernels.insert), as for lookups: the numpy rounds cost a
+        # disk tier's fetch and spill of a few thousand rows a millisecond each (issue 22).
+        from pshard.ps_server.tables import kernels
+
+        reused = kernels.insert(self._slots, self.ids, self.ids[rows], rows, self._shift)
+        if reused < 0:
             raise ValueError("IdIndex.insert: an id is already present")
-        pos = -1 - slot
-        todo = np.arange(n)
-        while len(todo):
-            p = pos[todo]
-            free = self._slots[p] <= 0
-            cand = todo[free]
-            # Several ids may want one slot: the first of each takes it, the others probe on.
-            _, first = np.unique(p[free], return_index=True)
-            winners = cand[first]
-            self._tombs -= int((self._slots[pos[winners]] == _TOMB).sum())
-            self._slots[pos[winners]] = (rows[winners] + 1).astype(np.int32)
-            placed = np.zeros(n, bool)
-            placed[winners] = True
-            todo = todo[~placed[todo]]
-            pos[todo] = (pos[todo] + 1) & mask
+        self._tombs -= reused
         self.live += n
         return rows
 
@@ -161,14 +156,15 @@ class IdIndex:
         """Remove the ids of live `rows` (distinct); their rows go back to the free list."""
         if len(rows) == 0:
             return
-        slot = self._probe(self.ids[rows])
-        if (slot < 0).any():
+        from pshard.ps_server.tables import kernels
+
+        rows = np.ascontiguousarray(rows, np.int64)
+        if not kernels.delete(self._slots, self.ids, rows, self._shift):
             raise ValueError("IdIndex.delete_rows: a row is not live")
         self._changes += 1
-        self._slots[slot] = _TOMB
         self._tombs += len(rows)
         self.live -= len(rows)
-        self._free = np.concatenate([self._free, rows.astype(np.int64)])
+        self._free = np.concatenate([self._free, rows])
 
     def live_rows(self, start: int = 0, stop: int | None = None) -> np.ndarray:
         """The live rows in [start, stop), ascending (for streaming a table out a chunk at a time)."""

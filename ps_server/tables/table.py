@@ -30,25 +30,41 @@ there with its float32 state, and encodes them once (ps_server.tables.rowcodec; 
 with draws of the seed, the id and the row's update count, so a backup or a restart rounds alike). Pulls
 return the stored bytes as they are, which the client decodes (common.wire.sparse_codec.decode_rows).
 
+A disk tier (`memory_mb`, issue 22): given a store directory, a table keeps at most `ram_rows` rows
+(memory_mb over a row's bytes in RAM) in its arrays. After each request the coldest rows beyond that, by
+cap_policy's stamps and never the ones the request touched, spill to ps_server.tables.disktier (down to
+an eighth below the budget); a request fetches the spilled rows it names back first, stamps
+as they were, so the arithmetic and the values are those of an all-RAM table. ttl and max_rows count
+and evict rows on both tiers; `len()` and the streams out (`chunks` then `spilled_chunks`) cover both.
+
 Not thread-safe: ps_server.handlers.tables serialises requests per table.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import logging
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import numpy as np
-from pshard.common.errors import InvalidArgumentError
+from pshard.common.errors import InvalidArgumentError, QuotaExceededError
 from pshard.common.sparse import TableConfig, mix64, put_rows, table_hash, take_rows
 from pshard.common.wire.sparse_codec import decode_rows
 from pshard.ps_server.tables import row_optim, rowcodec
 from pshard.ps_server.tables.admission import CountMinSketch
+from pshard.ps_server.tables.disktier import DIRECTORY_BYTES, DiskTier, RecordLayout, TierStats
 from pshard.ps_server.tables.rowhash import IdIndex
+
+log = logging.getLogger("pshard.ps")
 
 # Rows per chunk when a table is streamed out (checkpoint, export): bounds the temporary memory.
 CHUNK_ROWS = 1 << 16
+# Fraction of ram_rows a spill frees below it (1/64 made a spill at nearly every request of the disk tier's
+# bench, each paying a selection over the RAM rows and the store's write: 1/8 spills every ~10th).
+SPILL_SLACK = 1 / 8
 # Numbers (rows x dim) up to which a push's temporaries live in buffers the table keeps (4 MB of float32).
 _BUFFER_NUMBERS = 1 << 20
 _UNIT = float(2**-53)
@@ -75,7 +91,9 @@ def initial_rows(config: TableConfig, ids: np.ndarray) -> np.ndarray:
 
 class SparseTable:
     def __init__(self, config: TableConfig, now: Callable[[], float] = time.monotonic,
-                 on_evict: Callable[[np.ndarray], None] | None = None, expected_rows: int = 0) -> None:
+                 on_evict: Callable[[np.ndarray], None] | None = None, expected_rows: int = 0,
+                 store: Path | None = None) -> None:
+        """`store`: the directory of the disk tier of a table with memory_mb (wiped); None: all in RAM."""
         self.config = config
         self._now = now
         self._on_evict = on_evict
@@ -107,6 +125,15 @@ class SparseTable:
         # Told the ids of every eviction too (ps_server/replication/tables.py: backups drop them).
         self.evict_hook: Callable[[np.ndarray], None] | None = None
         self._held: list[np.ndarray] | None = None  # evictions whose evict_hook waits (hooks_held)
+        self.disk: DiskTier | None = None
+        self._spill_refused = False  # the last spill found no room (logged once)
+        self.ram_rows = 0  # rows the arrays may keep (memory_mb); 0: all of them
+        layout = RecordLayout.of(self.columns())
+        self._ram_row_bytes = layout.record_bytes + 12  # and its touch (8) and count (4)
+        if store is not None and config.memory_mb > 0:
+            # A RAM row costs its record, its stamps (touch 8, count 4) and its place in the index (8 + ~7).
+            self.ram_rows = max(1, int(config.memory_mb * 2**20) // (layout.record_bytes + DIRECTORY_BYTES))
+            self.disk = DiskTier(store, layout)
 
     def _buffer(self, name: str, n: int) -> np.ndarray:
         """An (n, dim) array for a push's temporaries, kept between requests: a fresh one of a few
@@ -125,7 +152,8 @@ class SparseTable:
         return self.config.admit_after > 1 or self.config.admit_prob < 1.0
 
     def __len__(self) -> int:
-        return len(self.index)
+        """Rows on both tiers."""
+        return len(self.index) + (len(self.disk) if self.disk is not None else 0)
 
     def _time(self, clock: float | None) -> float:
         if self.config.ttl_unit == "seconds":
@@ -158,6 +186,8 @@ class SparseTable:
             self.touch[rows] = now
         else:  # every id a row (the common case): one pass gathers them and stamps their touch
             self.kernels.gather_touch(self.values, self.touch, rows, float(now), out)
+        if self.disk is not None:
+            self._spill(rows)
         return out
 
     def push(self, ids: np.ndarray, grads: np.ndarray, clock: float | None = None) -> int:
@@ -183,6 +213,8 @@ class SparseTable:
         else:
             self._push_gathered(r, g, now)
         self._enforce_cap(r, now)
+        if self.disk is not None:
+            self._spill(r)
         return len(r)
 
     def _push_in_place(self, rows: np.ndarray, grads: np.ndarray, now: float) -> None:
@@ -223,6 +255,8 @@ class SparseTable:
     def _live(self, ids: np.ndarray, now: float) -> np.ndarray:
         """Rows of `ids` (-1: absent); rows past their TTL are evicted first, so they read as absent."""
         rows = self.index.lookup(ids)
+        if self.disk is not None and len(self.disk):
+            rows = self._fetch(ids, rows)
         if self.config.ttl > 0:
             found = rows >= 0
             old = found & (self.touch[np.maximum(rows, 0)] < now - self.config.ttl)
@@ -233,9 +267,23 @@ class SparseTable:
                 self._next_sweep = now + self.config.ttl / 8
                 stale = self.index.live_rows()
                 self._evict(stale[self.touch[stale] < now - self.config.ttl])
+                if self.disk is not None:
+                    slots = self.disk.index.live_rows()
+                    self._evict_spilled(slots[self.disk.touch[slots] < now - self.config.ttl])
         return rows
 
     def _create(self, ids: np.ndarray) -> np.ndarray:
+        rows = self._allocate(ids)
+        self.values[rows] = self._initial(ids)
+        for name, a in self.state.items():
+            a[rows] = row_optim.initial_state(self.config, name)
+        self.count[rows] = 0
+        if len(self.row_step):
+            self.row_step[rows] = 0
+        return rows
+
+    def _allocate(self, ids: np.ndarray) -> np.ndarray:
+        """Rows for `ids` (distinct, absent), contents unset; the arrays grown to the index's capacity."""
         rows = self.index.insert(ids)
         cap = self.index.row_capacity
         if len(self.values) < cap:
@@ -245,12 +293,6 @@ class SparseTable:
             self.count = _grow(self.count, cap)
             if len(self.row_step):
                 self.row_step = _grow(self.row_step, cap)
-        self.values[rows] = self._initial(ids)
-        for name, a in self.state.items():
-            a[rows] = row_optim.initial_state(self.config, name)
-        self.count[rows] = 0
-        if len(self.row_step):
-            self.row_step[rows] = 0
         return rows
 
     def _encode(self, r: np.ndarray, updated: np.ndarray, versions: np.ndarray) -> np.ndarray:
@@ -291,7 +333,15 @@ class SparseTable:
             return
         ids = self.index.ids[rows].copy()
         self.index.delete_rows(rows)
-        self.evicted += len(rows)
+        self._gone(ids)
+
+    def _evict_spilled(self, slots: np.ndarray) -> None:
+        if len(slots) and self.disk is not None:
+            self._gone(self.disk.drop(slots))
+
+    def _gone(self, ids: np.ndarray) -> None:
+        """Count and announce the eviction of `ids`."""
+        self.evicted += len(ids)
         if self._on_evict is not None:
             self._on_evict(ids)
         if self._held is not None:
@@ -315,15 +365,110 @@ class SparseTable:
 
     def _enforce_cap(self, keep: np.ndarray, now: float) -> None:
         cap = self.config.max_rows
-        if cap == 0 or len(self.index) <= cap:
+        if cap == 0 or len(self) <= cap:
             return
-        target = cap - cap // 64
         live = self.index.live_rows()
-        score = (self.touch[live] if self.config.cap_policy == "lru" else self.count[live]).astype(np.float64)
+        score = self._score(self.touch, self.count, live)
         score[np.isin(live, keep)] = np.inf
-        excess = len(live) - target
-        order = np.argpartition(score, excess - 1)[:excess] if excess < len(live) else np.arange(len(live))
-        self._evict(live[order[np.isfinite(score[order])]])
+        if self.disk is None:
+            self._evict(live[_coldest(score, len(live) - (cap - cap // 64))])
+            return
+        # Both tiers compete on the same stamps: spilled rows first in line, as the colder ones.
+        slots = self.disk.index.live_rows()
+        both = np.concatenate([self._score(self.disk.touch, self.disk.count, slots), score])
+        out = _coldest(both, len(both) - (cap - cap // 64))
+        self._evict_spilled(slots[out[out < len(slots)]])
+        self._evict(live[out[out >= len(slots)] - len(slots)])
+
+    def _score(self, touch: np.ndarray, count: np.ndarray, rows: np.ndarray) -> np.ndarray:
+        """How warm each of `rows` is by cap_policy (lru: its last touch, lfu: its updates), float64."""
+        return (touch[rows] if self.config.cap_policy == "lru" else count[rows]).astype(np.float64)
+
+    # ---- the disk tier ----
+
+    def _fetch(self, ids: np.ndarray, rows: np.ndarray) -> np.ndarray:
+        """`rows` (of `ids`, -1 where not in RAM) with the spilled ones among them back in RAM, every
+        column and stamp as it was spilled."""
+        assert self.disk is not None
+        missing = np.flatnonzero(rows < 0)
+        if len(missing) == 0:
+            return rows
+        slots = self.disk.slots(ids[missing])
+        back = slots >= 0
+        if not back.any():
+            return rows
+        back_ids, columns = self.disk.take(slots[back])
+        new = self._allocate(back_ids)
+        own = self.columns()
+        for name, values in columns.items():
+            if values.ndim == 2:
+                put_rows(own[name][0], new, values)
+            else:
+                own[name][0][new] = values
+        rows[missing[back]] = new
+        return rows
+
+    def _spill(self, keep: np.ndarray) -> None:
+        """Past `ram_rows`, move the coldest rows but `keep` (this request's) to the disk tier, down to
+        SPILL_SLACK below it: the O(rows) choice and the store's write transaction are paid once per
+        many requests (a request of a zipf stream brings back rows by the thousand)."""
+        assert self.disk is not None
+        budget = self.ram_rows
+        if len(self.index) <= budget:
+            return
+        live = self.index.live_rows()
+        score = self._score(self.touch, self.count, live)
+        kept = np.zeros(self.index.high, bool)  # a mask, not np.isin: that sorts both
+        kept[keep[keep >= 0]] = True
+        score[kept[live]] = np.inf
+        out = live[_coldest(score, len(live) - (budget - int(budget * SPILL_SLACK)))]
+        if len(out) == 0:
+            return
+        # Written before the rows leave RAM. A refused write (a full disk) fails neither this request, which
+        # is applied already (its client would retry it, and apply it twice), nor any later one: the rows
+        # stay in RAM, over the budget, and the server says so once until a spill goes through again.
+        try:
+            self.disk.put(self.index.ids[out], self.disk.layout.pack(self.columns(), out), self.touch[out],
+                          self.count[out])
+        except QuotaExceededError as err:
+            if not self._spill_refused:
+                log.warning("table %r keeps %d rows in RAM, over its memory_mb %g: %s", self.config.name,
+                            len(self.index), self.config.memory_mb, err)
+            self._spill_refused = True
+            return
+        self._spill_refused = False
+        self.index.delete_rows(out)
+
+    def rows_of(self, ids: np.ndarray) -> np.ndarray:
+        """RAM rows of `ids` (-1: no row), fetching spilled ones, their stamps unchanged (a restore)."""
+        rows = self.index.lookup(ids)
+        if self.disk is not None and len(self.disk):
+            rows = self._fetch(ids, rows)
+        return rows
+
+    def spilled(self, ids: np.ndarray) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+        """(those of `ids` on the disk tier, their columns as `columns()` names them), read where they are:
+        nothing moves (replication's capture)."""
+        if self.disk is None or len(self.disk) == 0:
+            return ids[:0], {}
+        slots = self.disk.slots(ids)
+        on = slots >= 0
+        return ids[on], self.disk.read(slots[on])
+
+    def spilled_chunks(self) -> Iterator[tuple[np.ndarray, dict[str, np.ndarray]]]:
+        """(ids, columns as `columns()` names them) of the rows on the disk tier, CHUNK_ROWS at a time:
+        with `chunks()`, every row of the table."""
+        if self.disk is not None:
+            for slots, ids in self.disk.chunks(CHUNK_ROWS):
+                yield ids.copy(), self.disk.read(slots)
+
+    def tiers(self) -> TierStats:
+        """Rows and bytes in RAM and on the disk tier, rows spilled and fetched (metrics)."""
+        ram = TierStats(len(self.index), len(self.index) * self._ram_row_bytes)
+        if self.disk is None:
+            return ram
+        return dataclasses.replace(ram, disk_rows=len(self.disk), disk_bytes=self.disk.bytes,
+                                   spilled=self.disk.spilled, fetched=self.disk.fetched)
 
     # ---- streaming out ----
 
@@ -344,11 +489,13 @@ class SparseTable:
 
     def restore_rows(self, ids: np.ndarray, columns: dict[str, np.ndarray]) -> None:
         """Load a chunk saved by a checkpoint: ids and their per-row arrays (names as `columns()`)."""
-        rows = self.index.lookup(ids)
+        rows = self.rows_of(ids)
         rows[rows < 0] = self._create(ids[rows < 0])
         own = self.columns()
         for name, values in columns.items():
             own[name][0][rows] = values
+        if self.disk is not None:
+            self._spill(rows)
 
 
     # ---- admission state, for replicas (ps_server/replication/table_rows.py) ----
@@ -379,6 +526,14 @@ class SparseTable:
     @rng_state.setter
     def rng_state(self, state: dict[str, object]) -> None:
         self._rng.bit_generator.state = state
+
+
+def _coldest(score: np.ndarray, excess: int) -> np.ndarray:
+    """Positions of the `excess` lowest finite scores (fewer if fewer are finite), any order."""
+    if excess <= 0:
+        return np.zeros(0, np.int64)
+    order = np.argpartition(score, excess - 1)[:excess] if excess < len(score) else np.arange(len(score))
+    return order[np.isfinite(score[order])]
 
 
 def _grow(a: np.ndarray, cap: int) -> np.ndarray:

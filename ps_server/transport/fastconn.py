@@ -475,7 +475,10 @@ class Connection(asyncio.BufferedProtocol):
         except PSError as err:  # the answer is this error; its data (if any) is read and dropped
             error = err
             targets = Sink(data_len) if inline else []
-        self._pending = (header, metas, views, error, max(data_len, sum([v.nbytes for v in views])))
+        # Its bytes, for the tarpit: over TCP the data it announced (its views, when decoded, are that
+        # data); over shared memory the views of the segment.
+        nbytes = data_len if inline else sum([v.nbytes for v in views])
+        self._pending = (header, metas, views, error, nbytes)
         self._have = 0
         self._targets, self._target, self._filled = targets, 0, 0
         if (error is None and inline and header.op == pb.EXCHANGE_OP_PUSH_PULL

@@ -157,6 +157,7 @@ class _Session:
         self.secret = secrets.token_bytes(32)
         self.worker_id = worker_id
         self.kind = kind
+        self.peer = f"{kind}-session:{self.id}"  # its name in the tarpit: made once, not per request
         self.regions = regions
         self.encoder = _SlotEncoder(self)
         self.lender = _SlotEncoder(self, lend=True)  # a cache of its own: its payloads are not slots
@@ -547,12 +548,14 @@ class FastPathServer:
         if self.tarpit is None:
             return 0.0
         assert isinstance(session, _Session)
-        peer = f"{session.kind}-session:{session.id}"
-        if self.tarpit.served(peer, nbytes, wasted_reply(reply)):
+        peer = session.peer
+        wasted = wasted_reply(reply)
+        if self.tarpit.served(peer, nbytes, wasted):
             log.warning("worker %s: %s of fast-path requests in a row refused or changing nothing; not "
                         "reading its %s connection for a while", session.worker_id,
                         self.tarpit.describe(peer), session.kind)
-        return self.tarpit.hold_left(peer)
+        # A request that was not wasted has just cleared its peer's record: nothing holds it.
+        return self.tarpit.hold_left(peer) if wasted else 0.0
 
     async def _run(self, session: _Session, header: pb.ExchangeHeader, metas: Sequence[SliceMeta],
                    views: Sequence[np.ndarray], inflow: Inflow | None, write_slice: SliceWriter | None

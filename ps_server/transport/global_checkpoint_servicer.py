@@ -39,7 +39,7 @@ class GlobalCheckpointServicer:
                                 ) -> pb.RestoreCheckpointResponse:
         restored, clock, slices, rows = await self._checkpoints.restore(
             request.directory, codec.job_from_proto(request.config), ranges_from_proto(request.ranges),
-            request.server, request.servers, request.resume, len(request.ranges))
+            request.server, request.servers, request.resume, len(request.ranges), tuple(request.row_owners))
         return pb.RestoreCheckpointResponse(restored=restored, clock=clock, slices=slices, rows=rows)
 
 

@@ -226,7 +226,8 @@ def records_from_frame(request: pb.ReplicateRequest, metas: Sequence[SliceMeta],
             index += 1
         opt = {**dict(msg.opt_ints), **dict(msg.opt_floats), **{n: a for n, a in arrays.items() if n}}
         out.append(Record(0, key, msg.version, True, arrays[""], 0, dict(msg.clocks),
-                          codec.dtype_from_proto(msg.dtype), opt, dict(msg.floors)))
+                          codec.dtype_from_proto(msg.dtype), opt, dict(msg.floors),
+                          scheduled=dict(msg.scheduled)))
     if index != len(views):
         raise InvalidArgumentError(f"replicate: {len(views)} arrays, its records announce {index}")
     return out

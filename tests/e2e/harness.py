@@ -245,8 +245,10 @@ class LocalCluster:
     """
 
     def __init__(self, procs: Procs, num_ps: int = 2, num_workers: int = 2, *,
-                 heartbeat_interval_ms: int = 200, heartbeat_timeout_ms: int = 1500) -> None:
+                 heartbeat_interval_ms: int = 200, heartbeat_timeout_ms: int = 1500,
+                 scheduler_args: tuple[str, ...] = ()) -> None:
         self.procs = procs
+        self.scheduler_args = scheduler_args
         self.plan = ClusterPlan.allocate(num_ps, num_workers)
         self.heartbeat_ms = (heartbeat_interval_ms, heartbeat_timeout_ms)
         self.dir = procs.tmp_path
@@ -268,7 +270,8 @@ class LocalCluster:
         interval, timeout = self.heartbeat_ms
         return self.procs.python("scheduler", "-m", "pshard.scheduler", "--bind", task.address,
                                  "--heartbeat-interval-ms", str(interval),
-                                 "--heartbeat-timeout-ms", str(timeout), tf_config=self.plan.tf_config(task))
+                                 "--heartbeat-timeout-ms", str(timeout), *self.scheduler_args,
+                                 tf_config=self.plan.tf_config(task))
 
     def start_ps(self, index: int, *args: str) -> Proc:
         task = self.task(f"ps-{index}")

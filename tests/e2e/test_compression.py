@@ -14,7 +14,7 @@ import pytest
 
 from tests.e2e.harness import Procs, finals, start_launcher
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(360)]  # the run itself is bounded by TIMEOUT_S
 
 DATA_DIR = Path("/usr/share/datasets/fashion-mnist")
 TIMEOUT_S = 300

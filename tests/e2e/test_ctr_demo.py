@@ -19,7 +19,7 @@ import pytest
 
 from tests.e2e.harness import Procs, finals, read_metrics, start_launcher
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(660)]  # the full demo is bounded by FULL_DEMO_TIMEOUT_S
 
 REPO = Path(__file__).resolve().parents[2]
 SMALL = ("--ctr-samples", "524288", "--ctr-ids", "100000", "--ctr-test-samples", "50000")

@@ -17,7 +17,7 @@ import torch
 
 from tests.e2e.harness import Procs, finals, start_launcher
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(660)]  # the run itself is bounded by DEMO_TIMEOUT_S
 
 DATA_DIR = Path("/usr/share/datasets/fashion-mnist")
 REPO = Path(__file__).resolve().parents[2]

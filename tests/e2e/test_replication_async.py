@@ -25,7 +25,7 @@ from pshard.common.job import JobConfig, OptimizerConfig
 
 from tests.e2e.harness import LocalCluster, Procs, wait_until
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]  # the run itself is bounded by RUN_TIMEOUT_S
 
 CLIENTS = 8
 PUSHES = 60  # per client

@@ -20,7 +20,7 @@ import torch
 from tests.e2e.harness import Proc, Procs, finals
 from tests.e2e.test_launcher import _pid_serving
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(420)]  # two runs, each bounded by RUN_TIMEOUT_S
 
 RUN_TIMEOUT_S = 150
 QUICK_TIMEOUT_S = 45

@@ -21,7 +21,7 @@ from pshard.worker.data import batches, load_dataset, shard
 from pshard.worker.model import build_model
 from torch.nn import functional as F
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]  # runs bounded by TIMEOUT_S each
 
 ROOT = Path(__file__).resolve().parents[2]
 TIMEOUT_S = 100
@@ -90,7 +90,8 @@ def final_line(stdout: str) -> str:
     return lines[0]
 
 
-@pytest.mark.parametrize("overlap", [(), ("--overlap",)], ids=["one-exchange", "overlap"])
+@pytest.mark.parametrize("overlap", [(), ("--overlap",), ("--overlap", "--priority")],
+                         ids=["one-exchange", "overlap", "priority"])
 def test_sync_training_on_two_worker_processes_matches_single_process_on_union_batch(
         tmp_path: Path, overlap: tuple[str, ...]) -> None:
     empty_data_dir = tmp_path / "no-fashion-mnist"  # empty: the workers fall back to sklearn's digits

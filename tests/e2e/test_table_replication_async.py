@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import signal
 import threading
+from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import NamedTuple
 
@@ -24,10 +25,10 @@ from pshard.common.cluster.layout import Layout, ParamSpec
 from pshard.common.cluster.scheduler_client import SchedulerClient
 from pshard.common.sparse import TableConfig, server_of
 
-from tests.e2e.harness import LocalCluster, Proc, Procs, wait_until
+from tests.e2e.harness import LocalCluster, Proc, Procs, wait_healthy, wait_until
 from tests.e2e.test_replication_async import _newer_layout
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]  # the run itself is bounded by RUN_TIMEOUT_S
 
 CLIENTS = 6
 PUSHES = 50  # per client
@@ -52,12 +53,17 @@ class ReplicatedJob(NamedTuple):
     clients: list[PSClient]
 
 
-def replicated_job(procs: Procs, workers: int) -> ReplicatedJob:
-    """A scheduler and three servers with `--replicas 1`, and `workers` registered clients that
-    re-route on a failover; the job's layout (a tiny dense parameter) carries the replica count and
-    the row partitions."""
-    cluster = LocalCluster(procs, num_ps=3, num_workers=workers)
-    started = cluster.start_servers("--replicas", "1")
+def replicated_job(procs: Procs, workers: int, partitions_per_server: int = 1,
+                   ps_args: Mapping[int, tuple[str, ...]] | None = None) -> ReplicatedJob:
+    """A scheduler and three servers with `--replicas 1` (ps-i with `ps_args[i]` too), and `workers`
+    registered clients that re-route on a failover; the job's layout (a tiny dense parameter) carries
+    the replica count and the row partitions (`partitions_per_server` each)."""
+    cluster = LocalCluster(procs, num_ps=3, num_workers=workers,
+                           scheduler_args=("--row-partitions-per-server", str(partitions_per_server)))
+    started = [cluster.start_scheduler(),
+               *(cluster.start_ps(i, "--replicas", "1", *(ps_args or {}).get(i, ())) for i in range(3))]
+    for task, proc in zip(cluster.plan.servers, started, strict=True):
+        wait_healthy(task.address, proc=proc)
     ps = [cluster.task(f"ps-{i}").address for i in range(3)]
     scheds = [SchedulerClient(cluster.plan.scheduler, "worker", node_id=f"worker-{i}", rank_hint=i,
                               own_address=cluster.task(f"worker-{i}").address, connect_timeout_s=30.0)

@@ -24,7 +24,7 @@ from pshard.common.sparse import TableConfig, server_of
 from tests.e2e.harness import Procs, wait_until
 from tests.e2e.test_table_replication_async import replicated_job
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]  # the run itself is bounded by RUN_TIMEOUT_S
 
 WORKERS = 2
 CLOCKS = 12
@@ -41,9 +41,13 @@ def _batch(worker: int, clock: int) -> tuple[np.ndarray, np.ndarray]:
     return ids, rng.integers(-3, 4, size=(len(ids), DIM)).astype(np.float32)
 
 
+@pytest.mark.parametrize("partitions_per_server", [1, 4])
 def test_sync_table_workers_lose_no_update_when_a_server_with_a_pending_clock_is_sigkilled(
-        procs: Procs) -> None:
-    started, scheds, layout, clients = replicated_job(procs, WORKERS)
+        procs: Procs, partitions_per_server: int) -> None:
+    """With 4 row partitions per server (issue 20) the scheduler plans 12, each server serves four,
+    and the failover hands all four of ps-1's to its backup."""
+    started, scheds, layout, clients = replicated_job(procs, WORKERS, partitions_per_server)
+    assert layout.partition_count == 3 * partitions_per_server
     pushed = threading.Event()  # worker 0 pushed clock KILL_AT
     killed = threading.Event()
 
@@ -81,6 +85,7 @@ def test_sync_table_workers_lose_no_update_when_a_server_with_a_pending_clock_is
         np.testing.assert_array_equal(final, (-expected).astype(np.float32))
         after = scheds[0].get_layout(timeout_s=5.0)
         assert after.version > layout.version and after.row_owner(1) == 2, "no failover happened"
+        assert after.partitions_on(1) == () and after.partition_count == layout.partition_count
         assert clients[0].tables.resent > 0
     finally:
         for c in clients:

@@ -20,7 +20,7 @@ from bench.hostbed import HostBed
 from tests.e2e.harness import PYTHON, TIMEOUTS, Procs, read_metrics, wait_until
 from tests.hosts.conftest import Bed
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(420)]  # two waits of FINISH_TIMEOUT_S
 
 DATA_DIR = Path("/usr/share/datasets/fashion-mnist")
 # Each host is a fresh network namespace with nothing else listening, so fixed ports cannot collide: the

@@ -125,9 +125,10 @@ def assert_same(got: nn.Module, want: nn.Module) -> None:
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=_prefixed(key))
 
 
-@pytest.mark.parametrize("overlap", [False, True], ids=["no-overlap", "overlap"])
+@pytest.mark.parametrize("overlap", [{}, {"overlap": True}, {"overlap": True, "priority": True}],
+                         ids=["no-overlap", "overlap", "priority"])
 def test_sync_workers_end_with_the_same_averaged_buffers(servers, overlap) -> None:
-    got = two_workers(servers, overlap=overlap)
+    got = two_workers(servers, **overlap)
     assert_same(got[0], got[1])
     assert_same(got[0], averaged_reference())
 

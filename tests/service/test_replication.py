@@ -279,3 +279,29 @@ def test_a_primary_declared_dead_that_comes_back_refuses_and_the_workers_re_rout
         for key, expected in reference.items():
             assert result[worker][key].tobytes() == expected.tobytes(), (worker, key)
     assert {s.version for s in servers[1].running.handlers.store.slots()} == {4}
+
+
+def test_a_promoted_backup_drops_a_scheduled_call_re_dispatched_after_the_primary_died(start_server,
+                                                                                        new_client):
+    # A coordinator's call ran on w0 and its push was applied (and acknowledged, so replicated); the primary
+    # died before the call's result came back, so the coordinator runs it again on w1, same schedule id.
+    job = dataclasses.replace(ADAM, mode="async")
+    servers = _replicated(start_server, 3)
+    layout = _layout([s.address for s in servers], 1)
+    clients = {w: new_client(servers, w, layout=layout) for w in WORKERS}
+    for client in clients.values():
+        client.declare(_initial(), job)
+    call = ((1 << 32) + 5, 0, 1 << 32)  # (schedule id, push number, floor), as WorkerContext stamps them
+    clients["w0"].scheduled = call
+    first = clients["w0"].wait(clients["w0"].push(_grads("w0", 0), 0))
+    assert first.applied == len(layout.slices) and first.dropped == 0
+    before = clients["w0"].pull(0)
+    servers[1].stop(grace_s=0)
+    moved, _ = fail_over(layout, 1, {0, 2})
+    clients["w1"].set_layout(moved)
+    clients["w1"].scheduled = call
+    again = clients["w1"].wait(clients["w1"].push(_grads("w0", 0), 0))
+    assert (again.applied, again.dropped) == (0, len(layout.slices))  # the heir's slices included
+    after = clients["w1"].pull(0)
+    for key, value in before.items():
+        assert after[key].tobytes() == value.tobytes(), key

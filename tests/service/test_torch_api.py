@@ -7,6 +7,7 @@ torch optimizer, and the documentation's example (docs/guide/library.md), run ex
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -130,7 +131,8 @@ def grad_of(param: torch.Tensor) -> torch.Tensor:
 
 
 OVERLAP: dict[str, dict[str, object]] = {"one-bucket": {"overlap": True},
-                                         "bucket-per-tensor": {"overlap": True, "bucket_bytes": 1}}
+                                         "bucket-per-tensor": {"overlap": True, "bucket_bytes": 1},
+                                         "priority": {"overlap": True, "bucket_bytes": 1, "priority": True}}
 
 
 def land_by_forward(trainer: PSTrainer, x: torch.Tensor) -> None:
@@ -280,3 +282,97 @@ def test_library_page_example_runs_as_written(capsys) -> None:
     exec(compile(library_example(), str(LIBRARY_PAGE), "exec"), {"__name__": "docs_example"})
 
     assert capsys.readouterr().out == "clock 8\n"
+
+
+def test_priority_pushes_the_queued_first_layers_first_and_pulls_them_first(start_servers) -> None:
+    """While the link is busy with the first bucket backward produced, the rest queue up: with priority
+    the one nearest the input goes next (FIFO would send them in backward's order), and the pulls go
+    first layer first, so the next forward can start before the last layers' weights are back."""
+    servers = start_servers(1, quorum=("w0",))
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 4))
+    client = PSClient([servers[0].address], "w0", timeout_s=WAIT_S)
+    job = JobConfig(mode="sync", optimizer=OptimizerConfig(name="sgd", lr=0.1))
+    layer_order = [k for k, _ in model.named_parameters()]  # 0.weight, 0.bias, 2.weight, ...
+    pushes: list[str] = []
+    pulls: list[str] = []
+    link_free = threading.Event()
+    push, pull_into = client.push, client.pull_into
+
+    def busy_push(grads, clock, *, lr=None):  # type: ignore[no-untyped-def]
+        pushes.extend(grads)
+        if len(pushes) == 1:  # the link is busy with the first bucket until backward has queued the rest
+            assert link_free.wait(WAIT_S)
+        return push(grads, clock, lr=lr)
+
+    def noted_pull(clock, keys, out):  # type: ignore[no-untyped-def]
+        pulls.extend(keys)
+        return pull_into(clock, keys, out)
+
+    client.push, client.pull_into = busy_push, noted_pull  # type: ignore[method-assign]
+    x, y = make_data(seed=3, n=8)
+    with PSTrainer(model, client, job, overlap=True, bucket_bytes=1, priority=True) as trainer:
+        trainer.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        assert trainer.step() is None
+        link_free.set()
+        trainer.synchronize()
+        assert pushes[1:] == [k for k in layer_order if k != pushes[0]]
+        assert pulls == layer_order
+        assert trainer.clock == 1 and trainer.last_result is not None
+        assert trainer.last_result.applied == len(layer_order) and trainer.last_result.min_version == 1
+
+
+def test_priority_without_overlap_is_refused_naming_both(start_servers) -> None:
+    servers = start_servers(1, quorum=("w0",))
+    job = JobConfig(mode="sync", optimizer=OptimizerConfig(name="sgd", lr=0.1))
+    with pytest.raises(InvalidArgumentError, match="priority: got True with overlap False"):
+        PSTrainer(make_model(seed=0), PSClient([servers[0].address], "w0", timeout_s=WAIT_S), job,
+                  priority=True)
+
+
+def test_two_priority_workers_whose_push_orders_differ_wait_for_no_one(start_servers) -> None:
+    """Worker 0's link is busy with its first bucket until its backward ends, so it pushes the rest first
+    layer first; worker 1 pushes as backward goes. A fused push+pull per bucket in those orders waited for
+    each other until the deadline (each worker's one thread in a pull the other had not pushed yet); split
+    pushes and pulls in one pull order end as one process on the union batch would."""
+    servers = start_servers(2)
+    x, y = make_data(seed=7, n=STEPS * 32)
+    job = JobConfig(mode="sync", optimizer=OptimizerConfig(name="sgd", lr=0.2, momentum=0.9))
+    models = [make_model(seed=0) for _ in range(2)]
+    layer_order = [k for k, _ in models[0].named_parameters()]
+    backward_done = [threading.Event() for _ in range(STEPS)]
+    pushed: list[list[str]] = [[] for _ in range(STEPS)]  # worker 0's pushes, per clock
+
+    def train(rank: int) -> PSTrainer:
+        client = PSClient([s.address for s in servers], WORKERS[rank], timeout_s=WAIT_S)
+        push = client.push
+
+        def busy_push(grads, clock, *, lr=None):  # type: ignore[no-untyped-def]
+            pushed[clock].extend(grads)
+            if len(pushed[clock]) == len(grads):  # its first push of this clock holds the link
+                assert backward_done[clock].wait(WAIT_S)
+            return push(grads, clock, lr=lr)
+
+        if rank == 0:
+            client.push = busy_push  # type: ignore[method-assign]
+        trainer = PSTrainer(models[rank], client, job, overlap=True, bucket_bytes=1, priority=True)
+        for step in range(STEPS):
+            part = halves(step, 32, rank)
+            trainer.zero_grad()
+            F.cross_entropy(trainer.model(x[part]), y[part]).backward()
+            if rank == 0:
+                backward_done[step].set()
+            trainer.step()
+        trainer.synchronize()
+        return trainer
+
+    with ThreadPoolExecutor(2) as pool:
+        trainers = [f.result(timeout=WAIT_S * 3) for f in [pool.submit(train, rank) for rank in range(2)]]
+    for clock in range(STEPS):
+        assert pushed[clock][1:] == [k for k in layer_order if k != pushed[clock][0]]
+    want = reference(lambda m: torch.optim.SGD(m.parameters(), lr=0.2, momentum=0.9), x, y, batch=32)
+    for trainer in trainers:
+        assert trainer.clock == STEPS
+        assert_same_weights(trainer.model, want)
+        trainer.close()

@@ -13,6 +13,7 @@ def snapshot_diff(mine: ShardSnapshot, other: ShardSnapshot) -> list[str]:
         ("config", mine.config, other.config), ("generations", mine.generations, other.generations),
         ("quorum", mine.quorum, other.quorum), ("seen", mine.seen, other.seen),
         ("counters", mine.counters, other.counters),
+        ("schedule_floor", mine.schedule_floor, other.schedule_floor),
         ("keys", [s.key for s in mine.slices], [s.key for s in other.slices])) if a != b]
     for a, b in zip(mine.slices, other.slices, strict=False):
         out.extend(f"{a.key}: {d}" for d in _slice_diff(a, b))
@@ -31,7 +32,7 @@ def _same_array(a: object, b: object) -> bool:
 
 
 def _slice_diff(a: SliceSnapshot, b: SliceSnapshot) -> list[str]:
-    out = [name for name in ("dtype", "version", "clocks", "floors", "contributors")
+    out = [name for name in ("dtype", "version", "clocks", "floors", "contributors", "scheduled")
            if getattr(a, name) != getattr(b, name)]
     out += [name for name in ("value", "pending") if not _same_array(getattr(a, name), getattr(b, name))]
     if a.opt_state.keys() != b.opt_state.keys():

@@ -85,6 +85,25 @@ def test_a_restored_store_continues_exactly_like_the_original(tmp_path: Path) ->
     assert restored.read([W, H])[1][0].dtype == np.float16
 
 
+def test_a_restored_async_shard_drops_a_scheduled_call_it_had_applied(tmp_path: Path) -> None:
+    # A coordinator's call pushed to this server, which saved and crashed before the call's result came
+    # back: the call runs again on another worker, and the restored server must not apply it twice.
+    store = ShardStore(JobConfig(mode="async", optimizer=OptimizerConfig(lr=0.1)), quorum={"a": 0, "b": 0})
+    store.declare([(W, np.zeros((3, 2), np.float32))])
+    call = {"schedule": (1 << 32) + 3, "schedule_seq": 0, "schedule_floor": (1 << 32) + 1}
+    assert store.push(Stamp("a", 0, 0, **call), {W: np.ones((3, 2), np.float32)}).applied == 1
+    save_shard(tmp_path, store.snapshot(), "shard-0")
+    loaded = load_shard(tmp_path, "shard-0")
+    assert loaded is not None and snapshot_diff(loaded, store.snapshot()) == []
+    restored = ShardStore.restore(loaded)
+    assert restored.push(Stamp("b", 0, 0, **call), {W: np.ones((3, 2), np.float32)}).dropped == 1
+    # A call below the floor (it finished before the save) is dropped too; the next push number is new.
+    below = {**call, "schedule": 1 << 32}
+    assert restored.push(Stamp("b", 0, 0, **below), {W: np.ones((3, 2), np.float32)}).dropped == 1
+    assert restored.push(Stamp("b", 0, 0, **{**call, "schedule_seq": 1}),
+                         {W: np.ones((3, 2), np.float32)}).applied == 1
+
+
 def test_round_trip_with_the_servers_stateful_optimizers(tmp_path: Path) -> None:
     configs = [OptimizerConfig(name="adam", lr=0.01), OptimizerConfig(name="sgd", lr=0.1, momentum=0.9)]
     for opt in configs:

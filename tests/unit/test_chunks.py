@@ -42,6 +42,18 @@ def test_split_covers_every_element_once_in_aligned_chunks():
     assert split(1000, 8, 1000) == [(0, 1000)]  # too small to be worth a thread
 
 
+def test_splits_answers_whether_ranges_cuts_without_cutting_the_small_ones():
+    for threads, min_chunk in [(1, 500), (3, 500), (8, 1), (2, 64), (4, 128 * 1024)]:
+        pool = ChunkPool(threads, min_chunk=min_chunk)
+        try:
+            for n in [0, 1, 2, 63, 64, 65, 127, 128, 129, 999, 1000, 1001, 1500, 3737, 1 << 20]:
+                for chunk in (None, 1, 64, 1000):
+                    cut = len(pool.ranges(n, chunk)) > 1
+                    assert pool.splits(n, chunk) == cut, (threads, min_chunk, n, chunk)
+        finally:
+            pool.close()
+
+
 def test_default_threads_is_half_the_cores_within_1_to_8():
     assert [default_threads(c) for c in (1, 2, 3, 16, 64)] == [1, 1, 1, 8, 8]
     with pytest.raises(ValueError, match="threads: got 0"):

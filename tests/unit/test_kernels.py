@@ -42,6 +42,28 @@ def test_lookup_finds_what_the_numpy_probe_finds(inserted: list[int], deleted: l
     np.testing.assert_array_equal(out[np.isin(query, ids[gone])], -1)
 
 
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.tuples(st.lists(st.integers(-50, 50), max_size=30), st.lists(st.integers(-50, 50),
+                                                                                  max_size=30)), max_size=12))
+def test_compiled_inserts_and_deletes_keep_the_index_the_numpy_probe_reads(
+        rounds: list[tuple[list[int], list[int]]]) -> None:
+    """IdIndex's insert and delete_rows run kernels.insert and kernels.delete: rounds of both, on long
+    collision runs full of tombstones, leave every id where the numpy probe finds it, the tombstones
+    counted."""
+    index, held = IdIndex(), dict[int, int]()
+    for added, removed in rounds:
+        new = np.setdiff1d(np.array(added, np.int64), np.array(list(held), np.int64))
+        for i, r in zip(new.tolist(), index.insert(new).tolist(), strict=True):
+            held[i] = r
+        gone = [i for i in dict.fromkeys(removed) if i in held]
+        index.delete_rows(np.array([held.pop(i) for i in gone], np.int64))
+        query = np.arange(-60, 61, dtype=np.int64)
+        want = np.array([held.get(i, -1) for i in query.tolist()], np.int64)
+        np.testing.assert_array_equal(index.lookup(query), want)
+        np.testing.assert_array_equal(_probed(index, query), want)
+        assert index._tombs == int((index._slots == -1).sum()) and len(index) == len(held)
+
+
 def test_lookup_probes_past_a_crowded_home_and_tombstones() -> None:
     """A full-size table: most ids at home, some far along a run, half the run's slots tombstones."""
     rng = np.random.default_rng(3)

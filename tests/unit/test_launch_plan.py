@@ -97,6 +97,15 @@ def test_servers_bind_their_planned_address_and_get_the_scheduler_timings() -> N
     assert json.loads(specs["ps-1"].env["TF_CONFIG"])["task"] == {"type": "ps", "index": 1}
 
 
+def test_row_partitions_per_server_go_to_the_scheduler() -> None:
+    plan = ClusterPlan.allocate(2, 1, ports=fake_ports)
+    options = parse_options(["--row-partitions-per-server", "4", "--", "--mode", "sync"])
+    specs = {s.name: s for s in child_specs(plan, options, python="py")}
+    assert specs["scheduler"].argv[-2:] == ("--row-partitions-per-server", "4")
+    assert "--row-partitions-per-server" not in specs["ps-0"].argv
+    assert options.worker_args == ("--mode", "sync")
+
+
 def test_servers_start_before_workers_and_workers_have_no_health_check() -> None:
     specs = child_specs(ClusterPlan.allocate(1, 2, ports=fake_ports), Options())
     assert [s.name for s in specs] == ["scheduler", "ps-0", "worker-0", "worker-1"]

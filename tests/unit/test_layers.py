@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-TOP = ("common", "client", "ps_server", "worker", "scheduler", "launcher", "pshard")
+TOP = ("common", "client", "ps_server", "worker", "scheduler", "launcher", "coordinator", "pshard")
 
 
 @dataclass(frozen=True)
@@ -170,6 +170,12 @@ RULES: list[tuple[str, tuple[str, ...], tuple[str, ...], bool]] = [
     # it.
     ("the worker imports the scheduler service only inside a function", ("pshard.worker",),
      ("pshard.scheduler",), False),
+    # The coordinator is the chief's library: it uses the worker's session and the client, never a service.
+    ("the coordinator imports no server, scheduler service, launcher or torch", ("pshard.coordinator",),
+     ("pshard.ps_server", "pshard.scheduler", "pshard.launcher", "torch"), False),
+    ("only the coordinator and the worker import the coordinator",
+     ("pshard.common", "pshard.client", "pshard.ps_server", "pshard.scheduler", "pshard.launcher"),
+     ("pshard.coordinator",), True),
     ("the scheduler imports no other service", ("pshard.scheduler",),
      ("pshard.ps_server", "pshard.worker", "pshard.launcher", "torch"), True),
 ]

@@ -25,6 +25,21 @@ def test_shapes_past_the_limits_are_refused_naming_them(shape, words) -> None:
         assert word in str(info.value)
 
 
+@pytest.mark.parametrize("shape", [[1] * 33, [3, -1], [2**62] * 2])
+def test_a_shape_named_by_a_function_is_named_only_when_refused(shape) -> None:
+    asked: list[str] = []
+
+    def name() -> str:
+        asked.append("slice 'w'")
+        return asked[-1]
+
+    assert DEFAULT_LIMITS.check_shape(name, [3, 4]) == 12
+    assert asked == []  # the name of every pushed slice is not made on the way through
+    with pytest.raises(InvalidArgumentError, match="slice 'w': shape"):
+        DEFAULT_LIMITS.check_shape(name, shape)
+    assert asked == ["slice 'w'"]
+
+
 def test_element_counts_are_exact_within_the_limits() -> None:
     assert DEFAULT_LIMITS.check_shape("t", []) == 1
     assert DEFAULT_LIMITS.check_shape("t", [0, 5]) == 0

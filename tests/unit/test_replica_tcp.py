@@ -30,6 +30,8 @@ def _primary() -> ShardStore:
     for clock in range(3):
         store.push(Stamp("w0", 0, clock), {A: rng.standard_normal(50).astype(np.float32),
                                            B: rng.standard_normal((4, 3)).astype(np.float16)})
+    # A coordinator's call (pshard.coordinator): its record travels with the state.
+    store.push(Stamp("w0", 0, 0, schedule=9, schedule_seq=0), {A: np.ones(50, np.float32)})
     return store
 
 
@@ -51,6 +53,7 @@ def _assert_identical(store: ShardStore, backup: ReplicaSet) -> None:
     for slot in store.slots():
         copy = backup._slots[slot.key]
         assert (copy.version, copy.last_clock) == (slot.version, slot.last_clock)
+        assert copy.scheduled == slot.scheduled
         assert copy.value.tobytes() == slot.value.tobytes()
         for name, value in slot.opt_state.items():
             other = copy.opt_state[name]

@@ -138,3 +138,28 @@ def test_a_release_drops_only_that_primarys_copies():
     assert backup.release("p0") == 2
     assert backup.keys() == [SliceKey("c")]
     assert backup.release("p0") == 0
+
+
+@pytest.mark.parametrize("wire", ["state", "steps"])
+def test_a_promoted_backup_applies_a_redispatched_scheduled_call_once(wire):
+    # A coordinator's call ran on w0 and pushed; the primary died before the coordinator saw it finish, so
+    # the call runs again on w1 with the same schedule id: the heir must drop it as the primary would.
+    primary = _primary(ADAM_ASYNC, ("w0", "w1"))
+    recorder = Recorder(primary)
+    _train(primary, ("w0",), range(2))
+    call = {"schedule": (1 << 32) + 7, "schedule_seq": 0, "schedule_floor": 1 << 32}
+    grads = {A: np.ones(50, np.float32), B: np.ones((4, 3), np.float16)}
+    assert primary.push(Stamp("w0", 0, 0, **call), grads).applied == 2
+    records = [state_record(slot, 0) for slot in primary.slots()] if wire == "state" else recorder.records
+    backup = ReplicaSet()
+    assert backup.apply(ADAM_ASYNC, [record_from_proto(record_to_proto(r)) for r in records]) == []
+    heir = ShardStore(ADAM_ASYNC, quorum=dict.fromkeys(("w0", "w1"), 0))
+    heir.adopt(backup.take([A, B]))
+    for store in (primary, heir):
+        assert store.push(Stamp("w1", 0, 0, **call), grads).dropped == 2
+    # Its next push is new to both.
+    for store in (primary, heir):
+        assert store.push(Stamp("w1", 0, 0, **{**call, "schedule_seq": 1}), grads).applied == 2
+    for mine, theirs in zip(primary.slots(), heir.slots(), strict=True):
+        _same(mine, theirs)
+        assert mine.scheduled == theirs.scheduled

@@ -282,6 +282,16 @@ def test_a_push_whose_lr_disagrees_with_its_clock_is_refused_whole() -> None:
     assert value(store) == ([8.5, 17.0], 1)
 
 
+def test_an_unstamped_push_after_a_stamped_one_of_its_clock_is_refused_whole() -> None:
+    # The check is skipped while no push ever carried an lr (every step_lr is None): not past that.
+    store = sync_store("ab", lr=1.0)
+    store.push(Stamp("a", 1, 0, 0.5), {W: f64(2, 4)})
+    refused = r"stamp.lr: worker 'b' pushed clock 0 of slice 'w' with lr the job's 1.0, the clock's earlier"
+    with pytest.raises(InvalidArgumentError, match=refused):
+        store.push(Stamp("b", 1, 0), {W: f64(4, 8)})
+    assert store.pull_status(Stamp("b", 1, 1), [W]) is not None  # b's push did not count
+
+
 def test_an_averaged_slice_holds_the_mean_of_the_pushes_whatever_the_optimizer() -> None:
     config = JobConfig(mode="sync", optimizer=OptimizerConfig(name="sgd", lr=0.5, momentum=0.9),
                        averaged=("b",))

@@ -57,7 +57,7 @@ def test_each_table_is_one_label_of_the_rows_admissions_and_evictions_families()
     assert families["pshard_table_admissions"].type == "counter"
     assert families["pshard_table_evictions"].type == "counter"
     got = {(s.name, s.labels["table"]): s.value for f in families.values() for s in f.samples
-           if not s.name.endswith("_created")}
+           if not s.name.endswith("_created") and "tier" not in s.labels}
     assert got == {
         ("pshard_table_rows", "emb"): 5, ("pshard_table_rows", "ids"): 1,
         ("pshard_table_admissions_total", "emb"): 7, ("pshard_table_admissions_total", "ids"): 1,
@@ -66,4 +66,6 @@ def test_each_table_is_one_label_of_the_rows_admissions_and_evictions_families()
         ("pshard_table_admission_halvings_total", "emb"): 3,
         ("pshard_table_admission_halvings_total", "ids"): 0,
         ("pshard_table_row_bytes", "emb"): 72, ("pshard_table_row_bytes", "ids"): 0,
+        ("pshard_table_spilled_rows_total", "emb"): 0, ("pshard_table_spilled_rows_total", "ids"): 0,
+        ("pshard_table_fetched_rows_total", "emb"): 0, ("pshard_table_fetched_rows_total", "ids"): 0,
     }

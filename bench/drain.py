@@ -1,0 +1,165 @@
+"""A server drained mid-training (issue 20): the longest step while it hands over, against the median.
+
+Dense sync push_pull, 2 workers, 3 servers with `--replicas 1`, ps-1 started with `--drain-on-term`.
+After warm-up and the timed steps, worker 0 sends ps-1 SIGTERM and both workers go on stepping: ps-1
+asks the scheduler to hand its slices to its in-sync backup, the workers re-route at the switch and
+resend, and ps-1 exits. The figures: the median step before, the longest step from the SIGTERM on
+(bar: at most 2 s, issue 20's "no step waits longer than about two seconds during a move"), and the
+drain, from the SIGTERM to ps-1's exit. bench.replication's failover figure (a SIGKILL, found by the
+heartbeat timeout) is the same cluster without the drain.
+
+    python -m bench.drain [--sizes ...] [--steps 8] [--after 6] [--transport shm]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import time
+
+from bench.common import DEFAULT_SIZES, REPO, WorkerRun, emit, parse_sizes, run_workers
+
+HEARTBEAT_MS = (200, 1000)  # as bench.replication: a SIGKILLed server is found within 1 s
+BAR_S = 2.0
+
+
+def _worker(run: WorkerRun, scheduler: str, servers: list[str], sizes: list[int], warmup: int, steps: int,
+            after: int, victim_pid: int, transport: str) -> dict[str, object]:
+    import numpy as np
+    from pshard.client.ps_client import PSClient
+    from pshard.common.cluster.layout import Layout, ParamSpec
+    from pshard.common.cluster.scheduler_client import SchedulerClient
+    from pshard.common.errors import PullTimeoutError
+    from pshard.common.job import JobConfig, OptimizerConfig
+
+    node = f"worker-{run.index}"
+    sched = SchedulerClient(scheduler, "worker", node_id=node, rank_hint=run.index)
+    sched.register()
+
+    def relayout(layout: Layout, timeout_s: float) -> Layout | None:
+        try:
+            sched.wait_for_view(lambda view: view.layout_version > layout.version, timeout_s)
+        except PullTimeoutError:
+            return None
+        return sched.get_layout(timeout_s=max(1.0, timeout_s))
+
+    rng = np.random.default_rng(run.index)
+    params = {f"t{i:02d}": rng.standard_normal(n, dtype=np.float32) for i, n in enumerate(sizes)}
+    grads = {k: rng.standard_normal(v.size, dtype=np.float32) for k, v in params.items()}
+    layout = sched.propose_layout([ParamSpec(k, "float32", v.shape) for k, v in params.items()],
+                                  servers=servers, replicas=1)
+    job = JobConfig(mode="sync", optimizer=OptimizerConfig(name="sgd", lr=1e-4))
+    steps_s: list[float] = []
+    during_s: list[float] = []
+    try:
+        with PSClient(servers, node, layout=layout, generation=lambda: sched.generation, transport=transport,
+                      relayout=relayout, reroute_wait_s=10.0) as client:
+            weights = client.declare(params, job)
+            run.sync()
+            clock = 0
+            for _ in range(warmup):
+                client.push_pull(grads, clock, out=weights)
+                clock += 1
+            run.sync()
+            start = time.monotonic()
+            for _ in range(steps):
+                began = time.monotonic()
+                client.push_pull(grads, clock, out=weights)
+                clock += 1
+                steps_s.append(time.monotonic() - began)
+            end = time.monotonic()
+            run.sync()
+            termed_at = None
+            if run.index == 0:
+                termed_at = time.monotonic()
+                os.kill(victim_pid, signal.SIGTERM)
+            for _ in range(after):
+                began = time.monotonic()
+                client.push_pull(grads, clock, out=weights)
+                clock += 1
+                during_s.append(time.monotonic() - began)
+    finally:
+        sched.close()
+    return {"start": start, "end": end, "steps_s": steps_s, "during_s": during_s, "termed_at": termed_at}
+
+
+def _start(plan: object, task: object, argv: list[str]) -> subprocess.Popen[str]:
+    path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
+    env = {**os.environ, "PYTHONPATH": path, "TF_CONFIG": plan.tf_config(task)}  # type: ignore[attr-defined]
+    return subprocess.Popen([sys.executable, "-m", *argv, "--log-level", "WARNING"], cwd=REPO, env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, text=True)
+
+
+def drain(sizes: list[int], steps: int = 8, after: int = 6, warmup: int = 2,
+          transport: str = "shm") -> dict[str, object]:
+    from pshard.common.rpc.health import probe
+    from pshard.launcher.plan import ClusterPlan
+
+    plan = ClusterPlan.allocate(3, 2)
+    tasks = {t.name: t for t in [*plan.servers, *plan.trainers]}
+    procs = [_start(plan, tasks["scheduler"], ["pshard.scheduler", "--bind", plan.scheduler,
+                                               "--heartbeat-interval-ms", str(HEARTBEAT_MS[0]),
+                                               "--heartbeat-timeout-ms", str(HEARTBEAT_MS[1])])]
+    offers = "auto" if transport == "shm" else transport
+    drains = {1: ["--drain-on-term"]}
+    procs += [_start(plan, tasks[f"ps-{i}"], ["pshard.ps_server", "--bind", address, "--replicas", "1",
+                                              "--transport", offers, *drains.get(i, [])])
+              for i, address in enumerate(plan.ps)]
+    victim = procs[2]  # ps-1
+    try:
+        deadline = time.monotonic() + 60
+        for address in [plan.scheduler, *plan.ps]:
+            while not probe(address, timeout_s=1.0)[0]:
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"drain bench: {address} did not start")
+                time.sleep(0.1)
+        results = run_workers(_worker, 2, (plan.scheduler, list(plan.ps), sizes, warmup, steps, after,
+                                           victim.pid, transport))
+        code = victim.wait(timeout=60)
+        exited_at = time.monotonic()
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.terminate()
+        for proc in procs:
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+    termed_at = next(float(r["termed_at"]) for r in results if r["termed_at"] is not None)
+    before = [s for r in results for s in r["steps_s"]]  # type: ignore[attr-defined]
+    during = [s for r in results for s in r["during_s"]]  # type: ignore[attr-defined]
+    return {"transport": transport, "servers": 3, "workers": 2, "params": sum(sizes), "steps": steps,
+            "after": after, "median_step_s": round(statistics.median(before), 4),
+            "longest_step_during_drain_s": round(max(during), 4), "bar_s": BAR_S,
+            "drained_exit_code": code, "drain_to_exit_s": round(exited_at - termed_at, 3),
+            "steps_during_drain_s": [round(s, 4) for s in during]}
+
+
+def summary(fig: dict[str, object]) -> str:
+    ok = "ok" if float(fig["longest_step_during_drain_s"]) <= BAR_S else "above"  # type: ignore[arg-type]
+    return (f"drain of 1 of 3 servers ({fig['params']} float32 params, 2 workers, sync, {fig['transport']}): "
+            f"longest step {fig['longest_step_during_drain_s']} s against a median of "
+            f"{fig['median_step_s']} s "
+            f"[bar {BAR_S} s: {ok}]; ps-1 exited {fig['drained_exit_code']} "
+            f"(within {fig['drain_to_exit_s']} s of its SIGTERM, as measured after the workers)")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.drain", description=__doc__.split("\n\n")[0])
+    p.add_argument("--sizes", default=DEFAULT_SIZES, help="dense model's float32 tensor sizes")
+    p.add_argument("--steps", type=int, default=8, help="timed steps before the drain (default 8)")
+    p.add_argument("--after", type=int, default=6, help="steps from the SIGTERM on (default 6)")
+    p.add_argument("--transport", default="shm", choices=("shm", "tcp", "grpc"), help="worker transport")
+    args = p.parse_args(argv)
+    fig = emit("drain", **drain(parse_sizes(args.sizes), args.steps, args.after, transport=args.transport))
+    print(summary(fig))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,172 @@
+"""What a scheduled function sees on its worker: variables on the parameter servers, its own iterators.
+
+A serving worker runs one call at a time inside `WorkerContext.running(schedule_id, floor)`. Every push
+made through the context carries the call's schedule id and the push's number within the call
+(`PSClient.scheduled`), so when the call is run again elsewhere (its worker died or was cut off) the
+servers apply each of its pushes once. Pushes are waited for before the function goes on: the number
+must name the same push on every run, and a function that returns has landed all of its updates.
+
+Inside a function, `current()` is this context: `current().pull([...])`, `current().push({...})`, or the
+variables the coordinator passed as arguments (`RemoteVariable.read`, `push_gradient`, `assign_add`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import Any, TypeVar
+
+import numpy as np
+from pshard.client.ps_client import PSClient
+from pshard.common.cluster.layout import ParamSpec
+from pshard.common.errors import InvalidArgumentError, PSError
+from pshard.common.job import JobConfig
+from pshard.coordinator import functions
+from pshard.coordinator.values import IteratorRef
+
+_current = threading.local()
+T = TypeVar("T")
+
+
+def current() -> WorkerContext:
+    """The context of the scheduled call running on this thread; PSError outside one."""
+    ctx = getattr(_current, "ctx", None)
+    if ctx is None:
+        raise PSError("pshard.coordinator.current(): no scheduled call is running on this thread; it is for "
+                      "functions a ClusterCoordinator schedules")
+    return ctx  # type: ignore[no-any-return]
+
+
+class RemoteVariable:
+    """A variable on the parameter servers, as a scheduled function holds it."""
+
+    def __init__(self, name: str, ctx: WorkerContext) -> None:
+        self.name = name
+        self._ctx = ctx
+
+    def read(self) -> np.ndarray:
+        """Its value now (an async pull)."""
+        return self._ctx.pull([self.name])[self.name]
+
+    def push_gradient(self, grad: Any) -> None:
+        """One step of the job's server optimizer with `grad`, counted once per scheduled call."""
+        self._ctx.push({self.name: grad})
+
+    def assign_add(self, delta: Any) -> None:
+        """value += delta (broadcast to its shape): a gradient of -delta / lr, so it needs the job's
+        optimizer to be plain SGD."""
+        step = -np.asarray(delta, dtype=np.float64) / self._ctx.plain_sgd_lr(self.name)
+        self._ctx.push({self.name: np.broadcast_to(step, self._ctx.spec(self.name).shape)})
+
+    def __repr__(self) -> str:
+        return f"RemoteVariable({self.name!r})"
+
+
+class WorkerContext:
+    """A serving worker's state between calls: its PSClient, its clock, its per-worker iterators."""
+
+    def __init__(self, client: PSClient, job: JobConfig) -> None:
+        self.client = client
+        self.job = job
+        # Scheduled pushes and pulls go at clock 0: a call runs on any worker, so the servers key its pushes
+        # on (schedule id, push number) instead of a worker's clock, and async reads never wait.
+        self.clock = 0
+        self.schedule_id = 0
+        self._floor = 0
+        self._seq = 0
+        self._iterators: dict[int, Iterator[Any]] = {}
+        self._latest: dict[str, np.ndarray] | None = None
+        self.pushes_applied = 0
+        self.pushes_dropped = 0
+
+    # ---- the serving loop's side ----
+
+    @contextlib.contextmanager
+    def running(self, schedule_id: int, floor: int) -> Iterator[WorkerContext]:
+        self.schedule_id, self._floor, self._seq = schedule_id, floor, 0
+        self.pushes_applied = self.pushes_dropped = 0
+        _current.ctx = self
+        try:
+            yield self
+        finally:
+            _current.ctx = None
+            self.client.scheduled = (0, 0, 0)
+
+    def variable(self, name: str) -> RemoteVariable:
+        self.spec(name)
+        return RemoteVariable(name, self)
+
+    def iterator(self, ref: IteratorRef) -> Iterator[Any]:
+        """This worker's iterator of dataset `ref`, made by calling its function on first use and kept."""
+        it = self._iterators.get(ref.dataset_id)
+        if it is None:
+            dataset = functions.resolve(ref.dataset_fn, "dataset_fn")(*ref.args)
+            it = self._iterators[ref.dataset_id] = iter(dataset)
+        return it
+
+    # ---- the function's side ----
+
+    def pull(self, names: Iterable[str] | None = None) -> dict[str, np.ndarray]:
+        """The variables `names` (all when None) as the servers hold them now."""
+        return self.client.pull(self.clock, names)
+
+    def push(self, grads: Mapping[str, Any]) -> None:
+        """Gradients of variables, applied by the servers' optimizer once for this call and push number."""
+        arrays = {k: self._as_param(k, g) for k, g in grads.items()}
+        result = self._stamped(lambda: self.client.wait(self.client.push(arrays, self.clock)))
+        self.pushes_applied += result.applied
+        self.pushes_dropped += result.dropped
+
+    def push_pull(self, grads: Mapping[str, Any]) -> dict[str, np.ndarray]:
+        """Push gradients of every variable and get the weights back in the same round trip, as PSTrainer's
+        fused step: `latest()` answers the next call on this worker with them, without a pull."""
+        arrays = {k: self._as_param(k, g) for k, g in grads.items()}
+        weights = self._stamped(lambda: self.client.push_pull(arrays, self.clock))
+        result = self.client.last_result
+        if result is not None:
+            self.pushes_applied += result.applied
+            self.pushes_dropped += result.dropped
+        self._latest = weights
+        return weights
+
+    def latest(self) -> dict[str, np.ndarray]:
+        """The weights this worker got back with its last push_pull (async: as fresh as a pull at the end
+        of its last step, which is what a worker-driven loop trains on), else a pull of every variable."""
+        if self._latest is None:
+            self._latest = self.pull()
+        return self._latest
+
+    def _stamped(self, send: Callable[[], T]) -> T:
+        self.client.scheduled = (self.schedule_id, self._seq, self._floor)
+        try:
+            return send()
+        finally:
+            self.client.scheduled = (0, 0, 0)
+            self._seq += 1  # a failed push keeps its number: a re-run numbers its pushes the same way
+
+    def plain_sgd_lr(self, name: str) -> float:
+        o = self.job.optimizer
+        if o.name != "sgd" or o.momentum or o.weight_decay or o.lr <= 0:
+            raise InvalidArgumentError(
+                f"variable {name!r}: assign_add needs the job's optimizer to be plain SGD with lr > 0, got "
+                f"{o.name} (lr {o.lr}, momentum {o.momentum}, weight_decay {o.weight_decay}); push a "
+                "gradient with push_gradient instead")
+        return float(o.lr)
+
+    def spec(self, name: str) -> ParamSpec:
+        layout = self.client.layout
+        spec = next((p for p in layout.params if p.key == name), None) if layout else None
+        if spec is None:
+            raise InvalidArgumentError(f"variable {name!r}: not declared through the coordinator")
+        return spec
+
+    def _as_param(self, name: str, grad: Any) -> np.ndarray:
+        spec = self.spec(name)
+        if hasattr(grad, "detach"):
+            grad = grad.detach().cpu().numpy()
+        array = np.asarray(grad, dtype=spec.dtype)
+        if array.shape != tuple(spec.shape):
+            raise InvalidArgumentError(f"push: variable {name!r}: got shape {array.shape}, it has "
+                                       f"{tuple(spec.shape)}")
+        return array

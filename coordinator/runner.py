@@ -1,0 +1,65 @@
+"""A serving worker's handler of `Run`, transport-free: one scheduled call at a time, to a RunResponse.
+
+The function is resolved by name (pshard.coordinator.functions), its arguments decoded against this
+worker's context (variables, its own iterators), and whatever it raises comes back as a FunctionError
+with the worker's traceback: the coordinator re-raises it (ScheduledFunctionError), the worker goes on
+serving. The first call declares the coordinator's job on the servers from this worker too (a Declare
+is idempotent: the coordinator's values, declared first, stay), so its PSClient knows every variable.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import traceback
+
+import numpy as np
+from pshard.client.ps_client import PSClient
+from pshard.common.wire import codec
+from pshard.coordinator import functions, values
+from pshard.coordinator.context import WorkerContext
+
+from pshard.api.v1 import coordinator_pb2 as pb
+from pshard.api.v1 import parameter_server_pb2 as ps_pb
+
+log = logging.getLogger("pshard.worker")
+
+
+class CallRunner:
+    """Runs scheduled calls on `client`, one at a time, keeping the worker's context between them."""
+
+    def __init__(self, client: PSClient, worker_id: str) -> None:
+        self._client = client
+        self._worker_id = worker_id
+        self._lock = threading.Lock()
+        self._ctx: WorkerContext | None = None
+        self.calls = 0
+
+    def run(self, request: pb.RunRequest) -> pb.RunResponse:
+        with self._lock:
+            self.calls += 1
+            ctx = self._context(request.job)
+            try:
+                fn = functions.resolve(request.function, "function")
+                with ctx.running(request.schedule_id, request.schedule_floor):
+                    args, kwargs = values.decode_call(request, ctx)
+                    result = fn(*args, **kwargs)
+                answer = pb.RunResponse(result=values.encode(result, "result", handles=False))
+            except Exception as err:  # the function's own failure: reported, and this worker serves on
+                log.warning("schedule %d (%s) raised %s: %s", request.schedule_id, request.function,
+                            type(err).__name__, err)
+                answer = pb.RunResponse(error=pb.FunctionError(
+                    type=f"{type(err).__module__}.{type(err).__qualname__}", message=str(err),
+                    traceback=traceback.format_exc()))
+            answer.worker_id = self._worker_id
+            answer.pushes_applied, answer.pushes_dropped = ctx.pushes_applied, ctx.pushes_dropped
+            return answer
+
+    def _context(self, job: ps_pb.JobConfig) -> WorkerContext:
+        if self._ctx is None:
+            config = codec.job_from_proto(job)
+            layout = self._client.layout
+            assert layout is not None  # connected on the scheduler's layout before serving
+            self._client.declare({p.key: np.zeros(p.shape, p.dtype) for p in layout.params}, config)
+            self._ctx = WorkerContext(self._client, config)
+        return self._ctx

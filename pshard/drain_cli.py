@@ -1,0 +1,106 @@
+"""`pshard drain SERVER`: an operator drains a parameter server of a running job (issue 20).
+
+The scheduler hands everything the server serves to its in-sync backup under a new layout version (a
+planned failover, scheduler/membership.py `leave`), and the workers re-route; the server, told by its
+next heartbeat that it left, stops and exits 0 (ps_server/__main__.py). While its backup does not hold
+a copy of everything yet, the scheduler refuses and changes nothing, and this command asks again until
+--timeout-s. Needs a job run with --replicas 1 or more; with security on, an admin credential.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from collections.abc import Callable, Sequence
+
+from pshard.common.argtypes import positive_float
+from pshard.common.cluster.replicas import NoInSyncCopyError
+from pshard.common.cluster.view import ClusterView, Node, NodeState
+from pshard.common.errors import InvalidArgumentError, PSError
+from pshard.common.security.credentials import SecurityConfig, add_security_arguments, security_from_args
+from pshard.status import _launcher_security, _scheduler_address
+
+PROG = "pshard drain"
+# Between tries: a server's in-sync report rides on its heartbeats (ps_server/drain.py).
+_RETRY_S = 0.25
+
+
+def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=prog, description="Drain a parameter server of a running job: the "
+                                "scheduler hands its slices and table rows to its in-sync backup, the "
+                                "workers re-route, and the server leaves the job and exits 0. The job must "
+                                "run with --replicas 1 or more.")
+    p.add_argument("server", metavar="SERVER",
+                   help="the server to drain: its node id (ps-1) or its address (HOST:PORT), as 'pshard "
+                        "status' lists them")
+    p.add_argument("--scheduler", metavar="HOST:PORT",
+                   help="the scheduler (default: TF_CONFIG's, else the one 'pshard launch' is running)")
+    p.add_argument("--timeout-s", metavar="S", type=positive_float, default=60.0,
+                   help="how long to wait for the server's backup to hold a copy of everything (default 60)")
+    add_security_arguments(p)
+    return p
+
+
+def pick(view: ClusterView, server: str) -> Node:
+    """The live parameter server `server` names (node id or address) in `view`."""
+    servers = [n for n in view.nodes if n.role == "ps"]
+    node = next((n for n in servers if server in (n.node_id, n.address)), None)
+    if node is None:
+        raise InvalidArgumentError(f"server: got {server!r}, the job's servers are "
+                                   f"{[f'{n.node_id} ({n.address})' for n in servers]}")
+    if node.state is not NodeState.LIVE:
+        raise InvalidArgumentError(f"server {node.node_id} ({node.address}): it is "
+                                   f"{node.state.name.lower()}, not live; there is nothing to drain")
+    return node
+
+
+def drain(scheduler: str, server: str, timeout_s: float, security: SecurityConfig,
+          now: Callable[[], float] = time.monotonic) -> tuple[Node, int]:
+    """Drain `server`; the node drained and the layout version that moved what it served."""
+    import grpc
+
+    from pshard.api.v1 import scheduler_pb2, scheduler_pb2_grpc
+    from pshard.common.rpc.status import error_from_rpc_error
+    from pshard.common.wire.codec import view_from_proto
+
+    started = now()
+    with security.channel(scheduler) as channel:
+        stub = scheduler_pb2_grpc.SchedulerServiceStub(channel)
+        stream = stub.Watch(scheduler_pb2.WatchRequest(), timeout=timeout_s)
+        try:
+            view = view_from_proto(next(iter(stream)).view)
+        finally:
+            stream.cancel()
+        node = pick(view, server)
+        request = scheduler_pb2.LeaveRequest(node_id=node.node_id, generation=node.generation)
+        while True:
+            try:
+                reply = stub.Leave(request, timeout=timeout_s)
+            except grpc.RpcError as e:
+                err = error_from_rpc_error(e)
+                if isinstance(err, NoInSyncCopyError) and now() - started < timeout_s:
+                    time.sleep(_RETRY_S)
+                    continue
+                raise err from None
+            return node, view_from_proto(reply.view).layout_version
+
+
+def main(argv: Sequence[str] | None = None, *, prog: str = PROG) -> int:
+    args = build_parser(prog).parse_args(argv)
+    try:
+        scheduler = _scheduler_address(args, os.environ)
+        _launcher_security(args, scheduler, os.environ)
+        security = security_from_args(args, os.environ, role="admin")
+    except Exception as err:  # a bad TF_CONFIG names its field
+        print(f"{prog}: error: {err}", file=sys.stderr)
+        return 2
+    try:
+        node, version = drain(scheduler, args.server, args.timeout_s, security)
+    except PSError as err:
+        print(f"{prog}: error: {err}", file=sys.stderr)
+        return 1
+    print(f"{prog}: {node.node_id} ({node.address}) drained: layout version {version} has what it served on "
+          "its backup; it leaves the job and exits", flush=True)
+    return 0

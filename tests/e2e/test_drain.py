@@ -1,0 +1,185 @@
+"""`pshard ps --drain-on-term` (issue 20): a server asked to stop hands what it serves to its backup
+first, leaves the job, and exits 0; nothing is lost or applied twice: a sync table's rows are exact,
+an async table's rows are minus the sum of every acknowledged push, and a dense sync job drained
+mid-training ends bit-identical to an undisturbed run with the same seed.
+
+Real processes: a scheduler planning 4 row partitions per server, three servers with `--replicas 1`,
+ps-1 started with `--drain-on-term`; two workers train a sync sparse table (SGD at lr 1, zero rows,
+integer gradients, whose means over two workers are exact in float32). Worker 0 pushes clock K, then
+ps-1 gets SIGTERM before worker 1 pushed K: that clock is pending there, unreplicated. ps-1 asks the
+scheduler to hand its four partitions to its in-sync backup (a planned failover, logged DRAIN, not a
+death after a heartbeat timeout), exits 0, and the workers re-route and resend. The final rows must be
+minus the sum over clocks of the workers' mean gradients, exactly.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+import torch
+from pshard.common.cluster.view import NodeState
+from pshard.common.sparse import TableConfig
+
+from tests.e2e.harness import SYNC, TIMEOUTS, LocalCluster, Procs, wait_healthy, wait_until
+from tests.e2e.test_table_replication_async import replicated_job
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]  # two dense runs, each wait bounded by RUN_TIMEOUT_S
+
+WORKERS = 2
+CLOCKS = 10
+DRAIN_AT = 4  # the clock worker 0 pushed, and worker 1 not yet, when ps-1 is told to stop
+DIM = 8
+TABLE = TableConfig("emb", DIM, optimizer="sgd", lr=1.0, initializer="zeros", mode="sync")
+IDS = np.arange(0, 3000, 3, dtype=np.int64)
+RUN_TIMEOUT_S = 120.0
+ASYNC_TABLE = TableConfig("emb", DIM, optimizer="sgd", lr=1.0, initializer="zeros")
+ASYNC_CLIENTS = 4
+ASYNC_PUSHES = 40  # per client
+ASYNC_DRAIN_AFTER = 60  # acknowledged pushes in all, before the SIGTERM
+# Digits' 1437 training images in union batches of 2 x 32: 23 clocks an epoch (tests/e2e/test_elastic.py).
+DENSE_RUN = ("--epochs", "1", "--batch-size", "32", "--threads", "1")
+DENSE_CLOCKS = 23
+
+
+def _batch(worker: int, clock: int) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng([worker, clock, 7])
+    ids = rng.choice(IDS, size=300)  # repeats: the client sums them
+    return ids, rng.integers(-3, 4, size=(len(ids), DIM)).astype(np.float32)
+
+
+@pytest.mark.parametrize("trigger", ["sigterm", "pshard drain"])
+def test_a_drained_server_hands_its_partitions_over_and_exits_0(procs: Procs, trigger: str) -> None:
+    """Drained by a SIGTERM to a server started with --drain-on-term, or by an operator's `pshard drain`."""
+    args = ("--drain-on-term",) if trigger == "sigterm" else ()
+    started, scheds, layout, clients = replicated_job(procs, WORKERS, 4, ps_args={1: args})
+    scheduler, drained = started[0], started[2]  # started: scheduler, ps-0, ps-1, ps-2
+    pushed, stopping = threading.Event(), threading.Event()
+
+    def run(w: int) -> None:
+        clients[w].declare_table(TABLE)
+        for clock in range(CLOCKS):
+            if clock == DRAIN_AT and w == 1:
+                assert stopping.wait(RUN_TIMEOUT_S)
+            clients[w].push_rows(TABLE.name, *_batch(w, clock), clock=clock)
+            if clock == DRAIN_AT and w == 0:
+                pushed.set()
+            clients[w].pull_rows(TABLE.name, IDS, clock=clock + 1)
+
+    try:
+        with ThreadPoolExecutor(WORKERS) as pool:
+            futures = [pool.submit(run, w) for w in range(WORKERS)]
+            assert pushed.wait(RUN_TIMEOUT_S), [f.exception() for f in futures if f.done()]
+            if trigger == "sigterm":
+                drained.signal_group(signal.SIGTERM)
+            else:
+                operator = procs.python("drain", "-m", "pshard", "drain", "--scheduler", scheds[0].address,
+                                        "ps-1", "--insecure", "--timeout-s", "60")
+                assert operator.wait(RUN_TIMEOUT_S) == 0, operator.output()
+                assert any("ps-1" in line and "drained" in line for line in operator.lines)
+            stopping.set()
+            assert drained.wait(RUN_TIMEOUT_S) == 0, drained.output()
+            for f in futures:
+                f.result(timeout=RUN_TIMEOUT_S)
+        expected = np.zeros((len(IDS), DIM), np.float64)
+        for clock in range(CLOCKS):
+            for w in range(WORKERS):
+                ids, grads = _batch(w, clock)
+                np.add.at(expected, np.searchsorted(IDS, ids), grads / WORKERS)
+        final = clients[0].pull_rows(TABLE.name, IDS, clock=CLOCKS)
+        np.testing.assert_array_equal(final, (-expected).astype(np.float32))
+        after = scheds[0].get_layout(timeout_s=5.0)
+        assert after.partitions_on(1) == () and set(after.partitions_on(2)) >= set(layout.partitions_on(1))
+        assert any("DRAINED" in line for line in drained.lines), drained.output()
+        wait_until(lambda: any("DRAIN: server 1" in line for line in scheduler.lines), 10.0,
+                   "the scheduler's DRAIN line")
+        assert not any("FAILOVER" in line for line in scheduler.lines)  # planned, not a death
+        view = scheds[0].view
+        assert view is not None
+        assert [n.state for n in view.nodes if n.address == layout.servers[1]] == [NodeState.LEFT]
+    finally:
+        for c in clients:
+            c.close()
+        for s in scheds:
+            s.close()
+
+
+def _dense_run(procs: Procs, drain_at: int | None) -> dict[str, torch.Tensor]:
+    """A sync MLP on digits over three replicated servers and two workers; with `drain_at`, ps-1
+    (started with --drain-on-term) gets SIGTERM once worker 0 logged that many steps."""
+    cluster = LocalCluster(procs, num_ps=3)
+    for name in ("worker-0", "worker-1"):
+        cluster.metrics(name).unlink(missing_ok=True)  # a run before this one wrote its own
+    scheduler = cluster.start_scheduler()
+    servers = [cluster.start_ps(i, "--replicas", "1", *(("--drain-on-term",) if i == 1 else ()))
+               for i in range(3)]
+    for task, proc in zip(cluster.plan.servers, [scheduler, *servers], strict=True):
+        wait_healthy(task.address, proc=proc)
+    workers = [cluster.start_worker(i, *SYNC, *DENSE_RUN, *TIMEOUTS, "--replicas", "1") for i in (0, 1)]
+    if drain_at is not None:
+        wait_until(lambda: cluster.steps_logged("worker-0") >= drain_at, RUN_TIMEOUT_S,
+                   f"worker-0 to log {drain_at} steps")
+        ps1 = cluster.plan.ps[1]
+        wait_until(lambda: any(f"is an in-sync backup of {ps1}" in line for line in scheduler.lines),
+                   RUN_TIMEOUT_S, "the scheduler counting ps-1's backup in sync")
+        servers[1].signal_group(signal.SIGTERM)
+        assert servers[1].wait(RUN_TIMEOUT_S) == 0, servers[1].output()
+        assert cluster.steps_logged("worker-0") < DENSE_CLOCKS, "the drain came after the training"
+    for w in workers:
+        assert w.wait(RUN_TIMEOUT_S) == 0, w.output()
+    if drain_at is not None:
+        assert any("DRAIN: server 1" in line for line in scheduler.lines), scheduler.output()
+        assert not any("FAILOVER: server" in line for line in scheduler.lines)
+    state: dict[str, torch.Tensor] = torch.load(cluster.model_path, weights_only=True)["state_dict"]
+    cluster.model_path.unlink()
+    return state
+
+
+def test_a_dense_sync_job_drained_mid_training_ends_bit_identical_to_an_undisturbed_one(procs: Procs) -> None:
+    expected = _dense_run(procs, None)
+    got = _dense_run(procs, drain_at=8)
+    assert expected.keys() == got.keys()
+    for key, value in expected.items():
+        assert torch.equal(got[key], value), f"{key}: the drained run differs from the undisturbed one"
+
+
+def test_async_table_clients_lose_no_acknowledged_update_while_a_server_drains(procs: Procs) -> None:
+    """Conservation: four clients push integer gradients to an async table while ps-1 drains on SIGTERM;
+    the final rows are minus the sum of every acknowledged push, exactly (none lost, none twice)."""
+    started, scheds, layout, clients = replicated_job(procs, ASYNC_CLIENTS, 4,
+                                                      ps_args={1: ("--drain-on-term",)})
+    acked = np.zeros((len(IDS), DIM), np.float64)
+    lock = threading.Lock()
+    count = [0]
+
+    def run(i: int) -> None:
+        clients[i].declare_table(ASYNC_TABLE)
+        for push in range(ASYNC_PUSHES):
+            ids, grads = _batch(i, push)
+            clients[i].push_rows(ASYNC_TABLE.name, ids, grads)  # returns once acknowledged
+            with lock:
+                np.add.at(acked, np.searchsorted(IDS, ids), grads)
+                count[0] += 1
+
+    try:
+        with ThreadPoolExecutor(ASYNC_CLIENTS) as pool:
+            futures = [pool.submit(run, i) for i in range(ASYNC_CLIENTS)]
+            wait_until(lambda: count[0] >= ASYNC_DRAIN_AFTER or any(f.done() for f in futures), RUN_TIMEOUT_S,
+                       f"{ASYNC_DRAIN_AFTER} acknowledged pushes")
+            started[2].signal_group(signal.SIGTERM)  # started: scheduler, ps-0, ps-1, ps-2
+            assert started[2].wait(RUN_TIMEOUT_S) == 0, started[2].output()
+            for f in futures:
+                f.result(timeout=RUN_TIMEOUT_S)
+        assert count[0] == ASYNC_CLIENTS * ASYNC_PUSHES
+        final = clients[0].pull_rows(ASYNC_TABLE.name, IDS)
+        np.testing.assert_array_equal(final, -acked.astype(np.float32))
+        after = scheds[0].get_layout(timeout_s=5.0)
+        assert after.partitions_on(1) == () and after.version > layout.version
+    finally:
+        for c in clients:
+            c.close()
+        for s in scheds:
+            s.close()

@@ -1,0 +1,142 @@
+"""Module-level functions that the coordinator tests schedule: the workers import them by name."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from pshard.coordinator.context import RemoteVariable, current
+
+# A call told to hold waits at most this long for the test to kill or release its worker.
+HOLD_S = 60.0
+
+
+def add(v: RemoteVariable, x: float) -> float:
+    v.assign_add(x)
+    return float(x)
+
+
+def add_next(v: RemoteVariable, it: Iterator[Any]) -> int:
+    x = next(it)
+    v.assign_add(x)
+    return int(x)
+
+
+def count_to(n: int) -> Iterator[int]:
+    yield from range(1, n + 1)
+
+
+def echo(*args: Any, **kwargs: Any) -> Any:
+    return [list(args), sorted(kwargs.items())]
+
+
+def noop() -> None:
+    return None
+
+
+def worker_id() -> str:
+    return current().client.worker_id
+
+
+def fail(message: str) -> None:
+    raise ValueError(message)
+
+
+def read(v: RemoteVariable) -> np.ndarray:
+    return v.read()
+
+
+def hold_then_add(v: RemoteVariable, x: float, marker: str) -> float:
+    """The first run writes `marker` and waits for `marker`.release before it adds x (a run cut off from the
+    cluster, still going); any other run adds at once. Each run writes how many gradients the servers
+    applied to `marker`.<worker>."""
+    if _first_run(marker):
+        _hold(marker)
+    ctx = current()
+    v.assign_add(x)
+    Path(f"{marker}.{ctx.client.worker_id}").write_text(f"applied={ctx.pushes_applied}")
+    return float(x)
+
+
+def _first_run(marker: str) -> bool:
+    try:
+        fd = os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+    except FileExistsError:
+        return False
+    with os.fdopen(fd, "w") as f:
+        f.write(str(os.getpid()))
+    return True
+
+
+def _hold(marker: str) -> None:
+    release = Path(marker + ".release")
+    deadline = time.monotonic() + HOLD_S
+    while not release.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)  # a held run is the state under test: the test kills, cuts off or releases it
+
+
+def add_then_hold(v: RemoteVariable, x: float, marker: str) -> float:
+    """Adds x, then (the first run only) writes its pid to `marker` and waits to be killed or cut off: a
+    re-dispatched run finds the marker and returns at once, so only its push can double-count."""
+    v.assign_add(x)
+    if _first_run(marker):
+        _hold(marker)
+    return float(x)
+
+
+def add_fused(x: float) -> list[float]:
+    """Adds x to every variable (SGD, lr 1) in one push+pull; returns what `latest()` saw before and after."""
+    ctx = current()
+    before = ctx.latest()
+    after = ctx.push_pull({k: np.full_like(w, -x) for k, w in before.items()})
+    return [float(before["v"][0]), float(after["v"][0]), float(ctx.latest()["v"][0])]
+
+
+def synthetic_batches(shape: tuple[int, ...], seed: int) -> Iterator[tuple[Any, Any]]:
+    """Endless random batches of 32 images of `shape` (C, H, W) and labels in 0..9."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    while True:
+        yield torch.randn(32, *shape, generator=g), torch.randint(0, 10, (32,), generator=g)
+
+
+_mlps: dict[tuple[int, ...], Any] = {}
+
+
+def train_mlp(batches: Iterator[tuple[Any, Any]]) -> float:
+    """One step of the demo's MLP: the weights of this worker's last step, one push+pull."""
+    import torch
+    from pshard.worker.model import build_model
+    from torch.nn import functional as F
+
+    ctx = current()
+    x, y = next(batches)
+    shape = tuple(x.shape[1:])
+    model = _mlps.setdefault(shape, build_model("mlp", shape, 10))
+    model.load_state_dict({k: torch.from_numpy(v) for k, v in ctx.latest().items()})
+    model.zero_grad()
+    loss = F.cross_entropy(model(x), y)
+    loss.backward()
+    ctx.push_pull({name: p.grad.numpy() for name, p in model.named_parameters() if p.grad is not None})
+    return loss.item()
+
+
+def add_shard(shard: int, v: RemoteVariable, poisoned: list[int]) -> int:
+    """Trains shard `shard`: adds shard + 1; a poisoned shard fails (a crash half-way through the data)."""
+    if shard in poisoned:
+        raise RuntimeError(f"shard {shard} is poisoned")
+    v.assign_add(shard + 1.0)
+    return shard
+
+
+def shard_on(shard: int, slow_worker: str, slow_s: float) -> str:
+    """Which worker trained `shard`; `slow_worker` takes `slow_s` per shard (a slower machine)."""
+    worker = current().client.worker_id
+    if worker == slow_worker:
+        time.sleep(slow_s)  # the workload of a slow worker, not a wait for a state
+    return worker

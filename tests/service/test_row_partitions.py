@@ -1,0 +1,128 @@
+"""Twelve table row partitions on three real replicated servers (issue 20): each server serves the ids
+of its four partitions and refuses the others', its backup holds them byte for byte, and a failover
+hands all four to the heir, after which training goes on exactly as on one unsharded table, and a
+sync table's pending clock is applied once in each partition the heir adopts."""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+from pshard.common.cluster.layout import Layout, ParamSpec, plan_layout
+from pshard.common.cluster.replicas import fail_over
+from pshard.common.sparse import server_of
+from pshard.ps_server.replication.table_rows import all_ids
+from pshard.ps_server.settings import ServerSettings
+from pshard.ps_server.tables.table import SparseTable
+
+from pshard.api.v1 import sparse_pb2 as pb
+from pshard.api.v1 import sparse_pb2_grpc as pb_grpc
+from tests.service.test_table_replication import CONFIG, IDS, WAIT_S, _grads, _replicated, _rows, _state
+from tests.service.test_table_replication_sync import CLOCKS, PENDING, TABLE, _batch, _expected
+from tests.service.test_table_replication_sync import IDS as SYNC_IDS
+
+PARTITIONS = 12
+
+
+def _layout(addresses: list[str]) -> Layout:
+    layout = plan_layout([ParamSpec("w", "float32", (4,))], addresses, replicas=1, row_partitions=PARTITIONS)
+    return dataclasses.replace(layout, version=1)
+
+
+def test_more_partitions_than_servers_are_served_replicated_and_failed_over_whole(
+        start_server, new_client) -> None:
+    servers, layout = _replicated(start_server, _layout)
+    addresses = [s.address for s in servers]
+    owners = np.asarray(layout.row_owners)
+    moved, _ = fail_over(layout, 1, {0, 2})
+    moved = dataclasses.replace(moved, version=layout.version + 1)
+    published = threading.Event()
+
+    def relayout(current: Layout, timeout_s: float) -> Layout | None:
+        return moved if published.wait(timeout_s) and moved.version > current.version else None
+
+    client = new_client(servers, "w0", layout=layout, relayout=relayout, reroute_wait_s=WAIT_S,
+                        transport="grpc")
+    client.declare_table(CONFIG)
+    reference = SparseTable(CONFIG)
+    for step in range(3):
+        grads = _grads(step, len(IDS))
+        client.push_rows("emb", IDS, grads)
+        reference.push(IDS, grads)
+    partition = server_of(IDS, PARTITIONS)
+    for i, server in enumerate(servers):
+        table = server.running.tables.find("emb")
+        replica = _rows(servers[(i + 1) % 3]).replicas.table(addresses[i], "emb")
+        assert table is not None and replica is not None
+        held = np.sort(all_ids(table))
+        assert np.array_equal(held, np.sort(IDS[owners[partition] == i]))  # its four partitions' ids
+        assert _state(table, held) == _state(replica, held)
+    # Ids of partition 4 (server 1's) sent to server 0: refused, nothing created.
+    foreign = IDS[partition == 4][:3]
+    stub = pb_grpc.SparseTablesServiceStub(client._channels[0])
+    try:
+        stub.PullRows(pb.PullRowsRequest(table="emb", ids=foreign.tobytes()), timeout=WAIT_S)
+    except Exception as err:
+        assert "row partition 4" in str(err)
+    else:
+        raise AssertionError("server 0 served ids of another server's partition")
+
+    servers[1].stop(grace_s=0)
+    for i in (0, 2):
+        servers[i].call(lambda i=i: (_rows(servers[i]).set_backups([addresses[2 - i]]),
+                                     _rows(servers[i]).on_layout(moved)))
+    published.set()
+    assert client.pull_rows("emb", IDS).tobytes() == reference.pull(IDS).tobytes()
+    assert moved.partitions_on(2) == (1, 2, 4, 5, 7, 8, 10, 11)
+    for step in range(10, 12):  # training goes on with the heir serving eight partitions
+        grads = _grads(step, len(IDS))
+        client.push_rows("emb", IDS, grads)
+        reference.push(IDS, grads)
+    assert client.pull_rows("emb", IDS).tobytes() == reference.pull(IDS).tobytes()
+
+
+def test_a_sync_clock_pending_on_a_failed_server_of_four_partitions_is_applied_once_by_its_heir(
+        start_server, new_client) -> None:
+    """As test_table_replication_sync's failover, with each server serving four partitions: every
+    partition keeps its own clocks, and the heir applies the pending clock once in each it adopts."""
+    published = threading.Event()
+    settings = ServerSettings(replicas=1, static_quorum={"w0": 0, "w1": 0}, pull_timeout_s=WAIT_S)
+    servers, layout = _replicated(start_server, _layout, settings=settings)
+    addresses = [s.address for s in servers]
+    moved = dataclasses.replace(fail_over(layout, 1, {0, 2})[0], version=layout.version + 1)
+
+    def relayout(current: Layout, timeout_s: float) -> Layout | None:
+        return moved if published.wait(timeout_s) and moved.version > current.version else None
+
+    clients = [new_client(servers, f"w{w}", layout=layout, relayout=relayout, reroute_wait_s=WAIT_S,
+                          retry_budget_s=0.5, transport="grpc") for w in (0, 1)]
+    for c in clients:
+        c.declare_table(TABLE)
+    assert set(server_of(SYNC_IDS, PARTITIONS).tolist()) == set(range(PARTITIONS))
+
+    def step(w: int, clock: int, push: bool = True) -> None:
+        if push:
+            clients[w].push_rows(TABLE.name, *_batch(w, clock), clock=clock)
+        clients[w].pull_rows(TABLE.name, SYNC_IDS, clock=clock + 1)
+
+    with ThreadPoolExecutor(2) as pool:
+        for clock in range(PENDING):
+            for f in [pool.submit(step, w, clock) for w in (0, 1)]:
+                f.result(timeout=WAIT_S)
+        clients[0].push_rows(TABLE.name, *_batch(0, PENDING), clock=PENDING)  # acknowledged, pending
+        servers[1].stop(grace_s=0)
+        for i in (0, 2):
+            servers[i].call(lambda i=i: (_rows(servers[i]).set_backups([addresses[2 - i]]),
+                                         _rows(servers[i]).on_layout(moved)))
+        published.set()
+        futures = [pool.submit(step, 0, PENDING, False), pool.submit(step, 1, PENDING)]
+        for f in futures:
+            f.result(timeout=3 * WAIT_S)
+        for clock in range(PENDING + 1, CLOCKS):
+            for f in [pool.submit(step, w, clock) for w in (0, 1)]:
+                f.result(timeout=WAIT_S)
+    final = clients[0].pull_rows(TABLE.name, SYNC_IDS, clock=CLOCKS)
+    np.testing.assert_array_equal(final, _expected(CLOCKS))
+    assert clients[0].tables.resent >= 1 and clients[0].layout is moved

@@ -1,0 +1,86 @@
+"""A parameter server that leaves on purpose (a drain, issue 20): what it serves goes to its in-sync
+backup under a new layout version first, exactly as a failover would move it; a leave that would lose
+slices or rows is refused and changes nothing."""
+
+from __future__ import annotations
+
+import pytest
+from pshard.common.cluster.moves import NowhereToMoveError
+from pshard.common.cluster.replicas import NoInSyncCopyError, fail_over
+from pshard.common.cluster.view import ClusterView, Node, NodeState
+from pshard.common.errors import InvalidArgumentError
+
+from pshard.drain_cli import pick
+from tests.unit.test_replicas import _all_in_sync, _job, _report
+
+
+def test_a_leaving_server_hands_its_slices_and_partitions_to_its_in_sync_backup():
+    members, _ = _job(replicas=1)
+    _all_in_sync(members)
+    before = members.layout()
+    assert before is not None and before.slices_on(1)
+    view = members.leave("ps-1", members.node("ps-1").generation)
+    after = members.layout()
+    expected, _ = fail_over(before, 1, {0, 2}, {2})
+    assert after is not None and after.version == before.version + 1
+    assert after.slices == expected.slices and after.owners() == expected.owners() == (0, 2, 2)
+    assert members.node("ps-1").state is NodeState.LEFT and view.layout_version == after.version
+    assert members.in_sync.changes["drained"] == 1 and members.failovers == 0
+    assert members.in_sync.of(before.servers[2]) == frozenset()  # the heir's backups copy its new slices
+    # Leaving again changes nothing.
+    members.leave("ps-1", members.node("ps-1").generation)
+    assert members.layout() == after and members.in_sync.changes["drained"] == 1
+
+
+def test_a_leave_before_the_backup_holds_a_copy_is_refused_and_changes_nothing():
+    members, _ = _job(replicas=1)
+    _report(members, "ps-0", "ps-1")  # ps-1's own backup (ps-2) has not been reported in sync
+    before, view = members.layout(), members.view()
+    with pytest.raises(NoInSyncCopyError, match=r"fail over server 1: no live server holds an in-sync copy"):
+        members.leave("ps-1", members.node("ps-1").generation)
+    assert members.layout() == before and members.view() == view
+    assert members.node("ps-1").state is NodeState.LIVE
+    _report(members, "ps-1", "ps-2")
+    members.leave("ps-1", members.node("ps-1").generation)  # in sync now: the retry goes through
+    assert members.node("ps-1").state is NodeState.LEFT
+
+
+def test_a_server_of_a_job_without_replicas_cannot_leave_with_its_slices():
+    members, _ = _job(replicas=0)
+    before, view = members.layout(), members.view()
+    with pytest.raises(InvalidArgumentError, match=r"leave of server 1 \(b:1\): it serves \d+ slices .*"
+                                                   r"no replicas to hand them to \(replicas 0\)"):
+        members.leave("ps-1", members.node("ps-1").generation)
+    assert members.layout() == before and members.view() == view
+
+
+def test_the_last_live_server_is_refused_at_once_not_as_a_copy_to_wait_for():
+    members, _ = _job(replicas=1)
+    _all_in_sync(members)
+    members.leave("ps-1", members.node("ps-1").generation)
+    _report(members, "ps-2", "ps-0")  # the heir's backup holds its new slices
+    members.leave("ps-2", members.node("ps-2").generation)
+    before = members.layout()
+    with pytest.raises(NowhereToMoveError, match=r"leave of server 0 \(a:1\): it is the last live server"):
+        members.leave("ps-0", members.node("ps-0").generation)
+    assert members.layout() == before and members.node("ps-0").state is NodeState.LIVE
+
+
+def test_a_server_that_serves_nothing_leaves_as_any_node():
+    members, _ = _job(replicas=1)
+    extra = members.register("ps", "d:1")  # beyond the layout: it serves nothing
+    before = members.layout()
+    members.leave(extra.node_id, extra.generation)
+    assert members.layout() == before and members.node(extra.node_id).state is NodeState.LEFT
+
+
+def test_pshard_drain_names_the_server_by_node_id_or_address_and_refuses_others():
+    view = ClusterView(7, (Node("ps-0", "ps", 0, "a:1", NodeState.LIVE, 1),
+                           Node("ps-1", "ps", 1, "b:1", NodeState.LEFT, 2),
+                           Node("worker-0", "worker", 0, "w:1", NodeState.LIVE, 3)))
+    assert pick(view, "ps-0") == pick(view, "a:1") == view.nodes[0]
+    with pytest.raises(InvalidArgumentError, match=r"server: got 'worker-0', the job's servers are "
+                                                   r"\['ps-0 \(a:1\)', 'ps-1 \(b:1\)'\]"):
+        pick(view, "worker-0")
+    with pytest.raises(InvalidArgumentError, match=r"server ps-1 \(b:1\): it is left, not live"):
+        pick(view, "b:1")

@@ -1,0 +1,129 @@
+"""`pshard worker --serve`: a worker that runs the functions a ClusterCoordinator schedules on it.
+
+    register (its TF_CONFIG address is where it serves) -> serve WorkerService -> the coordinator's layout
+    -> a PSClient on it -> run scheduled calls one at a time (pshard.coordinator.runner) -> exit when the
+    coordinator (the chief task) has left or was declared dead
+
+The worker keeps its per-worker datasets between calls. It never trains on its own: what it does is what
+the coordinator's functions do. See docs/guide/coordinator.md.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from dataclasses import dataclass
+
+import grpc
+import grpc.aio
+from pshard.common.cluster.view import ClusterView, NodeState
+from pshard.common.errors import ClusterConfigError
+from pshard.common.rpc.bind import default_bind
+from pshard.common.rpc.interceptors import DecodeErrors
+from pshard.common.rpc.options import server_options
+from pshard.common.rpc.serving import ServerThread, start_in_thread
+from pshard.common.security.credentials import SecurityConfig
+from pshard.coordinator.runner import CallRunner
+from pshard.worker.config import TrainConfig, stage
+from pshard.worker.session import ClusterSession
+
+from pshard.api.v1 import coordinator_pb2 as pb
+from pshard.api.v1 import coordinator_pb2_grpc as pb_grpc
+
+log = logging.getLogger("pshard.worker")
+# How often the serving loop looks at the coordinator's state between view changes (the view callback
+# wakes it at once; this bounds a missed wake-up).
+_WATCH_S = 1.0
+
+
+class _Servicer(pb_grpc.WorkerServiceServicer):
+    """A five-line delegate: the runner is set once the worker holds a PSClient."""
+
+    def __init__(self, ready_timeout_s: float) -> None:
+        self.runner: CallRunner | None = None
+        self.ready = threading.Event()
+        self._ready_timeout_s = ready_timeout_s
+
+    async def Run(self, request: pb.RunRequest, context: grpc.aio.ServicerContext) -> pb.RunResponse:
+        if not await asyncio.to_thread(self.ready.wait, self._ready_timeout_s) or self.runner is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "worker: not connected to the servers yet")
+        assert self.runner is not None
+        return await asyncio.to_thread(self.runner.run, request)
+
+
+@dataclass
+class _Running:
+    server: grpc.aio.Server
+    port: int
+
+    async def stop(self, grace_s: float) -> None:
+        await self.server.stop(grace_s)
+
+
+def start_worker_service(bind: str, servicer: _Servicer, security: SecurityConfig) -> ServerThread[_Running]:
+    async def start() -> _Running:
+        server = grpc.aio.server(options=server_options(),
+                                 interceptors=[*security.server_interceptors(), DecodeErrors()])
+        pb_grpc.add_WorkerServiceServicer_to_server(servicer, server)  # type: ignore[no-untyped-call]
+        try:
+            port = security.add_port(server, bind)
+        except RuntimeError as e:
+            raise OSError(f"worker: cannot serve on {bind}: {e}") from None
+        await server.start()
+        return _Running(server, port)
+
+    return start_in_thread(start, name=f"worker-service-{bind}", grace_s=1.0)
+
+
+class CoordinatorWatch:
+    """Set once the coordinator (the chief task) has registered and then left or been declared dead; a
+    worker that starts after its coordinator is gone (a slow start) learns it from its first view."""
+
+    def __init__(self) -> None:
+        self.gone = threading.Event()
+        self.how = ""
+
+    def offer(self, view: ClusterView) -> None:
+        chiefs = [n for n in view.nodes if n.role == "chief"]
+        if chiefs and not any(n.state is NodeState.LIVE for n in chiefs):
+            self.how = chiefs[0].state.value
+            self.gone.set()
+
+
+def run_serving(cfg: TrainConfig) -> int:
+    """Serve until the coordinator is gone; 0 then (the job's end is the coordinator's to judge)."""
+    spec = cfg.spec
+    if not spec.chief:
+        raise ClusterConfigError("cluster.chief: got none; 'pshard worker --serve' runs the functions of "
+                                 "a coordinator, which is the chief task ('pshard launch --coordinator "
+                                 "SCRIPT')")
+    if spec.task_type != "worker":
+        raise ClusterConfigError(f"task.type: got {spec.task_type!r}, --serve is for worker tasks")
+    session = ClusterSession(spec, startup_timeout_s=cfg.startup_timeout_s, step_timeout_s=cfg.step_timeout_s,
+                             transport=cfg.transport, shm_dir=cfg.shm_dir, security=cfg.security,
+                             replicas=cfg.replicas)
+    servicer = _Servicer(cfg.startup_timeout_s)
+    bind = cfg.bind or default_bind(spec.listen_address, spec.own_address)
+    with stage("serve", f"serving scheduled functions on {bind}"):
+        service = start_worker_service(bind, servicer, cfg.security)
+    watch = CoordinatorWatch()
+    try:
+        sched = session.register()
+        sched.add_view_callback(watch.offer)
+        if sched.view is not None:
+            watch.offer(sched.view)
+        client = session.connect(session.await_layout())
+        servicer.runner = CallRunner(client, spec.node_id)
+        servicer.ready.set()
+        log.info("%s serving scheduled functions on %s", spec.node_id, bind)
+        while not watch.gone.wait(_WATCH_S):
+            if sched.closed:
+                break
+        log.info("%s: the coordinator %s; %d call(s) run, exiting", spec.node_id, watch.how or "is gone",
+                 servicer.runner.calls)
+        return 0
+    finally:
+        session.leave_quietly()
+        service.stop(timeout_s=5.0)
+        session.close()
