@@ -232,10 +232,12 @@ def rss_mb(pid: int) -> float:
     return 0.0
 
 
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU time of a process (all its threads) so far, from /proc; 0.0 elsewhere."""
+def cpu_seconds(pid: int, thread: int | None = None) -> float:
+    """User + system CPU time of a process (all its threads) so far, or of one of its threads (`thread`:
+    its id; the process id: the main thread, a server's event loop), from /proc; 0.0 elsewhere."""
+    path = f"/proc/{pid}/stat" if thread is None else f"/proc/{pid}/task/{thread}/stat"
     try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        fields = Path(path).read_text().rsplit(")", 1)[1].split()
     except OSError:
         return 0.0
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
@@ -247,29 +249,35 @@ class CpuMeter:
     def __init__(self, server_pids: Sequence[int]) -> None:
         self._pids = list(server_pids)
         self._servers = 0.0
+        self._loops = 0.0  # the servers' main threads: their event loops, each a serial bound of its own
         self._own = 0.0
 
     def start(self) -> None:
         self._servers = -sum(cpu_seconds(p) for p in self._pids)
+        self._loops = -sum(cpu_seconds(p, p) for p in self._pids)
         self._own = -time.process_time()
 
     def stop(self) -> None:
         self._servers += sum(cpu_seconds(p) for p in self._pids)
+        self._loops += sum(cpu_seconds(p, p) for p in self._pids)
         self._own += time.process_time()
 
     def result(self) -> dict[str, float]:
-        return {"server_cpu_s": self._servers, "own_cpu_s": self._own}
+        return {"server_cpu_s": self._servers, "server_loop_cpu_s": self._loops, "own_cpu_s": self._own}
 
 
 def cpu_figures(results: Sequence[dict], steps: int, elapsed_s: float) -> dict[str, object]:
-    """CPU seconds per step of the servers and the workers, and how busy that kept the machine.
+    """CPU seconds per step of the servers (and of their event-loop threads) and the workers, and how
+    busy that kept the machine.
 
     Every worker measured the servers over its own window; the windows are nearly the same,
     so their mean is used.
     """
     servers = statistics.fmean(r["server_cpu_s"] for r in results)
+    loops = statistics.fmean(r.get("server_loop_cpu_s", 0.0) for r in results)
     workers = sum(r["own_cpu_s"] for r in results)
     cores = os.cpu_count() or 1
     return {"server_cpu_s_per_step": round(servers / steps, 4),
+            "server_loop_cpu_s_per_step": round(loops / steps, 4),
             "worker_cpu_s_per_step": round(workers / steps, 4),
             "cpu_busy_fraction": round((servers + workers) / (elapsed_s * cores), 3)}

@@ -116,6 +116,7 @@ async def start(settings: ServerSettings, bind: str = "127.0.0.1:0",
     server.add_generic_rpc_handlers([_rpc_handlers(ps_servicer)])
     # Sparse tables share the port, the in-flight budget and the request wrapping of the dense service.
     tables = TableHandlers(settings)
+    tables.fence = handlers  # table writes are under the server's lease, as dense ones
     handlers.after_checkpoint = tables.checkpoint
     server.add_generic_rpc_handlers([table_rpc_handlers(SparseTablesServicer(tables), ps_servicer.unary)])
     server.add_generic_rpc_handlers([global_rpc_handlers(GlobalCheckpointServicer(GlobalCheckpoints(

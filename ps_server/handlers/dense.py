@@ -320,17 +320,25 @@ class ParameterServerHandlers:
         self._changes.notify()
 
     async def _await_lease(self, stamp: Stamp, timeout_s: float | None) -> None:
-        """Let `stamp`'s push through only while the lease holds; one that finds it expired waits for a
-        renewal until the lease lapses (a late answer on a loaded host), then is refused. Its deadline
-        and the words of a refusal are made only then: every push asks (issue 18's latency drift)."""
+        """Let `stamp`'s push through only while the lease holds (`await_lease`). Its deadline and the words
+        of a refusal are made only when the lease has expired: every push asks (issue 18's latency drift)."""
+        lease = self.lease
+        if lease is None or not lease.expired():
+            return
+        await self.await_lease(f"push by {stamp.worker_id!r} at clock {stamp.clock}",
+                               self._deadline(timeout_s))
+
+    async def await_lease(self, what: str, deadline: float) -> None:
+        """Let a write through only while the lease holds; one that finds it expired waits for a
+        renewal until the lease lapses (a late answer on a loaded host), then is refused. Sparse tables'
+        pushes ask here too (ps_server.handlers.tables.WriteFence)."""
         lease = self.lease
         if lease is None or not lease.expired():
             return
         lapses_at = lease.lapses_at
         assert lapses_at is not None
-        deadline = self._deadline(timeout_s)
         await self._changes.wait_for(lambda: True if not lease.expired() else None, min(deadline, lapses_at))
-        lease.check(f"push by {stamp.worker_id!r} at clock {stamp.clock}")
+        lease.check(what)
 
     def _check_lapsed(self, what: str) -> None:
         if self.lease is not None and self.lease.lapsed():

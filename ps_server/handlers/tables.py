@@ -20,6 +20,11 @@ Sync tables (ps_server.tables.sync) need the worker of each push and the quorum:
 static one (--workers) or the scheduler's, given to `set_quorum`. Their pulls wait, as coroutines,
 until the clock they read is applied in the row partitions of their ids. With replicas, a sync
 push also names the layout version it was routed with (TableReplication.routed).
+
+Writes are under the server's lease from the scheduler as dense ones are (ps_server/core/lease.py,
+`fence`): a push that finds it expired waits for a renewal until it lapses, then is refused with
+FencedError (the worker re-routes), and a sync pull waiting for a clock ends so once it has lapsed: a
+server failed over behind a partition takes no table row either.
 """
 
 from __future__ import annotations
@@ -34,7 +39,7 @@ import zlib
 from collections.abc import AsyncIterator, Callable, Collection
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TypeVar
+from typing import Protocol, TypeVar
 
 import numpy as np
 from pshard.common.dirlock import DirectoryInUseError, DirectoryLock
@@ -50,6 +55,7 @@ from pshard.common.errors import (
 )
 from pshard.common.sparse import TableConfig
 from pshard.common.wire.sparse_codec import decode_grads
+from pshard.ps_server.core.lease import SchedulerLease
 from pshard.ps_server.replication.api import NO_ROW_REPLICATION, RowReplication
 from pshard.ps_server.settings import ServerSettings
 from pshard.ps_server.tables.files import append_ids, export_table, load_tables, save_tables
@@ -60,6 +66,24 @@ _ID = np.dtype("<i8")
 # Ids and rows as the transports hand them: gRPC's bytes, or a fast path's view of its region.
 Raw = bytes | np.ndarray
 T = TypeVar("T")
+
+
+class WriteFence(Protocol):
+    """The server's lease (ps_server.handlers.dense.ParameterServerHandlers holds it, renews it and
+    signals its renewals): None while the server follows no scheduler with replicas."""
+
+    lease: SchedulerLease | None
+
+    async def await_lease(self, what: str, deadline: float) -> None:
+        """Until the lease holds (a write goes on), or FencedError once it lapsed."""
+        ...
+
+
+class _Unfenced:
+    lease: SchedulerLease | None = None
+
+    async def await_lease(self, what: str, deadline: float) -> None:
+        return None
 # Where the rows of a pull go: (table config, number of rows) -> a (rows, width) array of its row_layout.
 Into = Callable[[TableConfig, int], np.ndarray]
 # Tables per server: far more than any model has, few enough that hostile declarations cannot
@@ -106,6 +130,9 @@ class TableHandlers:
         # push is acknowledged, and ids of row partitions served elsewhere are refused. Without, the
         # no-op of ps_server/replication/api.py: nothing to wait for, nothing refused.
         self.replication: RowReplication = NO_ROW_REPLICATION
+        # The dense handlers' lease, once the server is wired (ps_server.service): table writes are
+        # fenced as theirs are.
+        self.fence: WriteFence = _Unfenced()
         self._table_dir: Path | None = None  # this server's part of --table-dir (the disk tiers)
         self._table_dir_lock: DirectoryLock | None = None
         if settings.table_dir:
@@ -197,6 +224,7 @@ class TableHandlers:
         keys = self._ids(table, ids, "push")
         rows = self._grads(table, keys, grads)
         quorum = self._sync_quorum(name, worker)
+        await self._await_lease(name, worker, clock)
         async with self._locks[name]:
             stored = await self._push(table, keys, rows, clock, worker, quorum, push_id, layout_version)
         # Acknowledged once the backups hold it.
@@ -212,6 +240,7 @@ class TableHandlers:
         rows = self._grads(table, keys, grads)
         wanted = self._ids(table, pull_ids, "pull")
         quorum = self._sync_quorum(name, worker)
+        await self._await_lease(name, worker, clock)
         async with self._locks[name]:
             stored = await self._push(table, keys, rows, clock, worker, quorum, push_id, layout_version)
         if name in self._sync:
@@ -238,6 +267,15 @@ class TableHandlers:
         self.replication.routed(name, layout_version)  # before anything is recorded
         self._apply(name, sync.push(clock, worker, keys, rows, *self._partitioned(keys), quorum))
         return len(keys)
+
+    async def _await_lease(self, name: str, worker: str, clock: int) -> None:
+        """A push goes on only while the server's lease holds (after validation: a refused request
+        waits for nothing). The words of a refusal are made only when it has expired: every push asks."""
+        lease = self.fence.lease
+        if lease is None or not lease.expired():
+            return
+        await self.fence.await_lease(f"push to table {name!r} by {worker[:256]!r} at clock {clock}",
+                                     time.monotonic() + self._settings.pull_timeout_s)
 
     def _apply(self, name: str, updates: list[tuple[np.ndarray, np.ndarray, int]]) -> None:
         table = self._tables[name]
@@ -287,10 +325,16 @@ class TableHandlers:
         deadline = time.monotonic() + self._settings.pull_timeout_s
         partitions = self._partitions(keys)
         while (behind := sync.behind(clock, partitions)) is not None:
-            left = deadline - time.monotonic()
+            lease = self.fence.lease
+            if lease is not None and lease.lapsed():  # fenced for good: no push completes the clock here
+                lease.check(f"pull of sync table {name!r} at clock {clock}")
+            lapses_at = lease.lapses_at if lease is not None else None
+            left = min(deadline, lapses_at if lapses_at is not None else deadline) - time.monotonic()
             try:
                 await asyncio.wait_for(self._changed[name].wait(), max(left, 0.0))
             except TimeoutError:
+                if lapses_at is not None and time.monotonic() < deadline:
+                    continue  # the lease's lapse, unless renewed meanwhile: checked above
                 partition, applied = behind
                 where = "" if partition == OWN else f" of row partition {partition}"
                 raise PullTimeoutError(

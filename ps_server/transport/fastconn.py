@@ -274,12 +274,16 @@ async def _resume(coro: Coroutine[Any, Any, None], waiting: Any) -> None:
 
 
 class Connection(asyncio.BufferedProtocol):
-    def __init__(self, sessions: Sessions, loop: asyncio.AbstractEventLoop, session: Session | None = None
-                 ) -> None:
+    def __init__(self, sessions: Sessions, loop: asyncio.AbstractEventLoop, session: Session | None = None,
+                 *, peer: object = None, relayed: bool = False) -> None:
         """`session`: already attached (shm, whose hello came with the segment), else the first frame
-        must name one with its secret."""
+        must name one with its secret. `relayed`: the clear end of a TLS connection whose cipher runs in
+        threads (ps_server/transport/tls_relay.py), a unix socket served as a plain TCP one; `peer`:
+        the worker's address, for the logs (else the socket's peer)."""
         self._sessions = sessions
         self._loop = loop
+        self._peer = peer
+        self._relayed = relayed
         self.transport: asyncio.Transport | None = None
         self.session: Session | None = session
         # Small until the hello: a connection that never authenticates holds 4 KiB, not 64.
@@ -317,20 +321,15 @@ class Connection(asyncio.BufferedProtocol):
         # A worker whose host is cut off ends its session (and what it holds) within the heartbeat
         # timeout, as its gRPC channel would, instead of when the kernel gives up after minutes.
         keep_alive(transport.get_extra_info("socket"), self._sessions.dead_after_s)
-        if transport.get_extra_info("sslcontext") is None:
-            transport.set_write_buffer_limits(high=0)  # pause_writing as soon as anything is queued
-            sock = transport.get_extra_info("socket")
-            if sock.family in (socket.AF_INET, socket.AF_INET6):
-                self._raw = socket.socket(sock.family, sock.type, fileno=os.dup(sock.fileno()))
-                self._raw.setblocking(False)
-        else:  # TLS copies anyway (into its records); and its flow control pauses at size >= high,
-            # so a high of 0 would pause on an empty buffer and never resume
-            transport.set_write_buffer_limits(high=_WRITE_CHUNK_BYTES)
+        transport.set_write_buffer_limits(high=0)  # pause_writing as soon as anything is queued
+        sock = transport.get_extra_info("socket")
+        if sock.family in (socket.AF_INET, socket.AF_INET6) or self._relayed:
+            self._raw = socket.socket(sock.family, sock.type, fileno=os.dup(sock.fileno()))
+            self._raw.setblocking(False)
         if self.session is None:
             if not self._sessions.greet():
-                peer = transport.get_extra_info("peername")
                 log.warning("fast path: refused a connection from %s: too many connections without a hello",
-                            peer)
+                            self._peer_name())
                 transport.abort()
                 return
             self._greeting = True
@@ -400,9 +399,13 @@ class Connection(asyncio.BufferedProtocol):
             self._greeting = False
             self._sessions.greeted()
 
+    def _peer_name(self) -> object:
+        if self._peer is not None or self.transport is None:
+            return self._peer
+        return self.transport.get_extra_info("peername")
+
     def _refuse_hello(self, why: str) -> None:
-        peer = self.transport.get_extra_info("peername") if self.transport is not None else None
-        log.warning("fast path: refused a connection from %s: %s", peer, why)
+        log.warning("fast path: refused a connection from %s: %s", self._peer_name(), why)
         raise TransportBroken(f"refused a connection: {why}")
 
     def _parse(self) -> None:

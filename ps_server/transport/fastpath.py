@@ -40,6 +40,7 @@ import socket
 import ssl
 import threading
 import time
+import weakref
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 
@@ -74,6 +75,7 @@ from pshard.ps_server.transport.fastconn import (
 from pshard.ps_server.transport.replica_tcp import serve_replicate
 from pshard.ps_server.transport.table_fast import serve_table
 from pshard.ps_server.transport.tarpit import wasted_reply
+from pshard.ps_server.transport.tls_relay import TlsRelay, describe
 
 from pshard.api.v1 import parameter_server_pb2 as pb
 
@@ -250,7 +252,9 @@ class FastPathServer:
         self._listener: socket.socket | None = None
         self._server: asyncio.Server | None = None
         self._unix: tuple[socket.socket, Path] | None = None
-        self._handoffs: set[asyncio.Task[None]] = set()
+        self._handoffs: set[asyncio.Task[object]] = set()
+        # TLS connections, each terminated in threads of its own (ps_server/transport/tls_relay.py).
+        self._relays: weakref.WeakSet[TlsRelay] = weakref.WeakSet()
         self.greeting = 0  # connections waiting for their hello (greet/greeted), at most max_greeting
         self.max_greeting = MAX_GREETING
         self.refused_greetings = 0  # connections closed because max_greeting others were waiting
@@ -287,9 +291,48 @@ class FastPathServer:
                  " (tcp over TLS)" if self.tls else "")
 
     async def _start(self, listener: socket.socket) -> None:
-        self._server = await self._loop.create_server(
-            lambda: Connection(self, self._loop), sock=listener, ssl=self._ssl,
-            ssl_handshake_timeout=_HANDSHAKE_TIMEOUT_S if self._ssl is not None else None)
+        if self._ssl is None:
+            self._server = await self._loop.create_server(lambda: Connection(self, self._loop), sock=listener)
+            return
+        listener.setblocking(False)
+        while not self._stopping:
+            try:
+                conn, peer = await self._loop.sock_accept(listener)
+            except OSError:
+                return  # closed
+            if not self.greet():
+                log.warning("fast path: refused a TLS connection from %s: too many connections without a "
+                            "hello", describe(peer))
+                conn.close()
+                continue
+            conn.setblocking(True)
+            relay = TlsRelay(conn, peer, self._ssl, _HANDSHAKE_TIMEOUT_S, self.dead_after_s,
+                             self._relayed, self._handshaken)
+            self._relays.add(relay)
+            relay.start()
+
+    def _handshaken(self) -> None:
+        """A TLS connection's handshake ended (from its relay's thread): it no longer counts as greeting;
+        its Connection counts again until its hello."""
+        with contextlib.suppress(RuntimeError):  # the loop closed: the server is gone, and its count
+            self._loop.call_soon_threadsafe(self.greeted)
+
+    def _relayed(self, end: socket.socket, peer: object) -> None:
+        """A TLS connection authenticated (from its relay's thread): the event loop serves its clear end."""
+        def adopt() -> None:
+            if self._stopping:
+                end.close()
+                return
+            end.setblocking(False)
+            task = self._loop.create_task(self._loop.connect_accepted_socket(
+                lambda: Connection(self, self._loop, peer=peer, relayed=True), end))
+            self._handoffs.add(task)
+            task.add_done_callback(self._handoffs.discard)
+
+        try:
+            self._loop.call_soon_threadsafe(adopt)
+        except RuntimeError:  # the loop closed: the server is gone
+            end.close()
 
     async def _accept_unix(self, listener: socket.socket) -> None:
         while not self._stopping:
@@ -354,11 +397,16 @@ class FastPathServer:
         """Close the listener and every session (removing their segments)."""
         self._stopping = True
         if self._listener is not None:
-            await self._starting
+            if self._ssl is not None:  # the accept loop (its socket is closed below)
+                self._starting.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._starting
         if self._server is not None:
             self._server.close()
         elif self._listener is not None:
             self._listener.close()
+        for relay in list(self._relays):
+            relay.close()
         with self._lock:
             sessions = list(self._sessions.values())
         for session in sessions:
@@ -368,8 +416,9 @@ class FastPathServer:
         if self._unix is not None:
             self._unix[0].close()
             remove(self._unix[1])
-            for task in [self._accepting, *self._handoffs]:
-                task.cancel()
+            self._accepting.cancel()
+        for task in self._handoffs:
+            task.cancel()
 
     def transports(self) -> dict[str, str]:
         """Worker id -> kind of its connected session."""

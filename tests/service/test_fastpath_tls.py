@@ -6,8 +6,11 @@ the TCP path even with the session's secret."""
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import ssl
+import threading
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -232,3 +235,81 @@ def test_a_session_pushes_table_rows_only_as_its_own_worker(start_server, new_cl
     assert replies[0].error_type == "PermissionDeniedError", replies[0]
     assert not replies[1].error_type and replies[1].summary.applied == 2, replies[1]
     np.testing.assert_array_equal(reader.pull_rows("emb", ids), np.full((2, 4), -1.0, np.float32))  # once
+
+
+# ---- the TLS path runs off the event loop (ps_server/transport/tls_relay.py) ----
+
+def _wait(condition: Callable[[], bool], what: str) -> None:
+    deadline = time.monotonic() + WAIT_S
+    while not condition():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.01)
+
+
+def _relay_threads() -> list[str]:
+    return [t.name for t in threading.enumerate() if t.name.startswith(("tls-relay-", "tls-out-"))]
+
+
+def test_a_tls_connection_is_deciphered_in_threads_of_its_own_that_end_with_it(start_server, new_client):
+    server = start_server(ServerSettings())
+    before = _relay_threads()
+    c = new_client([server], "w0", transport="tcp")
+    weights = c.declare({"a": np.zeros(1 << 18, np.float32)}, ASYNC)
+    c.push_pull({"a": np.ones(1 << 18, np.float32)}, 0, out=weights)
+    assert c.transports == ["tcp"] and (weights["a"] == -1.0).all()
+    # The worker's connection: its cipher runs in two threads named after its address, not on the loop.
+    assert len(_relay_threads()) == len(before) + 2, _relay_threads()
+    # The server cuts it: the worker's TLS socket is closed, the threads end, the worker connects again.
+    assert server.running.fast.disconnect("w0") == 1
+    _wait(lambda: _relay_threads() == before, f"relay threads outlived a cut connection: {_relay_threads()}")
+    c.push_pull({"a": np.ones(1 << 18, np.float32)}, 1, out=weights)
+    assert (weights["a"] == -2.0).all()
+    c.push_pull({"a": np.ones(1 << 18, np.float32)}, 2, out=weights)
+    assert (weights["a"] == -3.0).all()
+    c.close()
+    _wait(lambda: _relay_threads() == before, f"relay threads outlived their connection: {_relay_threads()}")
+    _wait(lambda: not server.running.fast.transports(), "the session outlived its connection")
+
+
+def test_a_refused_handshake_is_logged_with_the_peer_address_and_the_reason(start_server, pki, tmp_path,
+                                                                             caplog):
+    server = start_server(ServerSettings())
+    make_ca(tmp_path / "other")
+    stranger = issue(tmp_path / "other", Identity("worker", "w0"))
+    context = ssl.create_default_context(ssl.Purpose.SERVER_AUTH, cafile=str(pki / "ca.pem"))
+    context.load_cert_chain(str(stranger.cert), str(stranger.key))
+    with caplog.at_level("WARNING", logger="pshard.ps.transport"):
+        with socket.create_connection(("127.0.0.1", server.running.fast.port), timeout=WAIT_S) as raw:
+            host, port = raw.getsockname()[:2]
+            peer = f"{host}:{port}"
+            with contextlib.suppress(ssl.SSLError, ConnectionError), \
+                    context.wrap_socket(raw, server_hostname="127.0.0.1") as sock:
+                sock.recv(1)  # TLS 1.3: the server's refusal comes after our half of the handshake
+        _wait(lambda: "handshake failed" in caplog.text, f"no handshake failure logged: {caplog.text!r}")
+    line = next(r.getMessage() for r in caplog.records if "handshake failed" in r.getMessage())
+    assert peer in line and "certificate verify failed" in line, line
+
+
+def test_connections_in_their_handshake_count_against_the_cap_and_a_worker_still_gets_on(start_server,
+                                                                                        new_client):
+    """Each TLS connection holds a thread while it proves its certificate: past MAX_GREETING of them the
+    newest are closed at once, so a crowd of strangers cannot make the server start threads without end."""
+    from pshard.ps_server.transport.fastpath import MAX_GREETING
+
+    server = start_server(ServerSettings())
+    fast = server.running.fast
+    extra = 4
+    socks = [socket.create_connection(("127.0.0.1", fast.port), timeout=WAIT_S)
+             for _ in range(MAX_GREETING + extra)]
+    try:
+        _wait(lambda: fast.refused_greetings == extra, f"refused {fast.refused_greetings}, expected {extra}")
+        assert fast.greeting == MAX_GREETING and len(_relay_threads()) <= MAX_GREETING
+    finally:
+        for sock in socks:
+            sock.close()
+    # Gone before their handshake: their threads end and they count no more.
+    _wait(lambda: fast.greeting == 0 and not _relay_threads(), f"{fast.greeting} still greeting")
+    c = new_client([server], "w0", transport="tcp")
+    weights = c.declare({"a": np.zeros(8, np.float32)}, ASYNC)
+    c.push_pull({"a": np.ones(8, np.float32)}, 0, out=weights)
+    assert c.transports == ["tcp"] and (weights["a"] == -1.0).all()

@@ -28,6 +28,7 @@ from pshard.ps_server.core.lease import FRACTION
 from pshard.ps_server.follower import follow_scheduler
 from pshard.ps_server.service import ServerThread
 from pshard.ps_server.settings import ServerSettings
+from pshard.ps_server.tables.sync import OWN
 from pshard.scheduler.service import SchedulerHandle, start_scheduler_thread
 
 from tests.e2e.harness import wait_until
@@ -299,3 +300,52 @@ def test_a_write_that_finds_the_lease_expired_waits_for_a_late_answer_and_is_ref
     with pytest.raises(FencedError):
         client.push_pull(_ints(11), 1)
     assert time.monotonic() - started >= 1.0 and _versions(server) == before
+
+
+def test_a_sync_table_push_is_fenced_by_the_lease_as_a_dense_one_and_a_waiting_pull_ends_at_its_lapse(
+        start_server: Callable[..., ServerThread], new_client: Callable[..., PSClient]) -> None:
+    """The sparse-table half of the test above: a push that finds the lease expired waits for the late
+    answer and goes on; unanswered, it is refused at the lapse with the rows unchanged, and a pull
+    waiting for a clock no push can complete here any more is refused then too, not at its timeout."""
+    from pshard.common.sparse import TableConfig
+
+    server = start_server(ServerSettings(replicas=1, static_quorum={"w0": 0, "w1": 1}))
+    handlers = server.running.handlers
+    client = new_client([server], "w0", timeout_s=WAIT_S)
+    config = TableConfig("emb", 4, initializer="zeros", optimizer="sgd", lr=1.0, mode="sync")
+    client.declare_table(config)
+    ids = np.array([3, 7], np.int64)
+    grads = np.ones((2, 4), np.float32)
+
+    server.call(lambda: handlers.renew_lease(time.monotonic() - 1.7, TIMEOUT_S))  # expired, 1.9 s to lapse
+    assert _lease_expired(server)
+    done: list[int] = []
+    step = threading.Thread(target=lambda: done.append(client.push_rows("emb", ids, grads, 0)), daemon=True)
+    step.start()
+    wait_until(lambda: server.call(lambda: handlers._changes.waiting) > 0, WAIT_S, "the table push to wait")
+    assert not done
+    server.call(lambda: handlers.renew_lease(time.monotonic(), TIMEOUT_S))  # the late answer
+    step.join(WAIT_S)
+    assert done == [2]
+
+    wait_until(lambda: _lease_expired(server), WAIT_S, "the lease to run out again, unanswered")
+    started = time.monotonic()
+    with pytest.raises(FencedError):
+        client.push_rows("emb", ids, grads, 1)
+    assert time.monotonic() - started >= 1.0
+    # Clock 0 waits for w1's push, which can never complete here now: the pull is refused at the lapse.
+    with pytest.raises(FencedError):
+        client.pull_rows("emb", ids, clock=1)
+    assert time.monotonic() - started < WAIT_S / 2
+
+    # Answered again: w1's pushes complete clock 0 only. Had the refused push of clock 1 been kept, w1's
+    # would complete that clock too.
+    tables = server.running.tables
+    assert tables is not None
+    server.call(lambda: handlers.renew_lease(time.monotonic(), TIMEOUT_S))
+    other = new_client([server], "w1", timeout_s=WAIT_S)
+    other.declare_table(config)
+    other.push_rows("emb", ids, grads, 0)
+    other.push_rows("emb", ids, grads, 1)
+    np.testing.assert_array_equal(client.pull_rows("emb", ids, clock=1), np.full((2, 4), -1.0, np.float32))
+    assert server.call(lambda: tables._sync["emb"].behind(2, [OWN])) == (OWN, 1)  # clock 1 waits for w0
