@@ -163,6 +163,9 @@ class _Member:
     last_seen: float
     clock: int = 0
     layout_version: int = 0  # a server's: the layout it routes by, from its heartbeats' in_sync_layout
+    # Registered here after a restart of the scheduler forgot it (it had seen an earlier generation):
+    # a server of a job that may have a layout this scheduler has not been given back yet.
+    carried_over: bool = False
 
     def snapshot(self) -> Node:
         return Node(self.node_id, self.role, self.rank, self.address, self.state, self.generation, self.clock)
@@ -266,7 +269,8 @@ class Membership:
             self.in_sync.forget(address, "registered again (a new process holds nothing)")
         generation = self._bump()
         self._members[node_id] = _Member(node_id, role, rank, address, NodeState.LIVE, generation,
-                                         last_seen=self._clock.now())
+                                         last_seen=self._clock.now(),
+                                         carried_over=known is None and last_generation > 0)
         if role == "ps":
             self._ring_moved()
         return Registration(node_id, rank, generation, self.view())
@@ -349,6 +353,12 @@ class Membership:
         """The layout with everything `member` serves on its first in-sync backup (None: it serves
         nothing). Changes nothing: raises when the leave would lose what it serves."""
         layout = self._layout
+        if layout is None and member.carried_over:
+            # Letting it go would leave what it serves with no owner once the layout comes back.
+            raise NoInSyncCopyError(
+                f"leave of server {member.address}: this scheduler restarted and has not been given the "
+                "job's layout back yet (the chief or worker-0 does so as it registers again), so what the "
+                "server serves cannot be handed over yet")
         me = index_of(layout, member.address) if layout is not None else None
         if layout is None or me is None:
             return None
