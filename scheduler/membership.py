@@ -373,6 +373,13 @@ class Membership:
         live_addresses = {m.address for m in self._members.values()
                           if m.role == "ps" and m.state is NodeState.LIVE and m is not member}
         live = {i for i, a in enumerate(layout.servers) if a in live_addresses}
+        known = {m.address for m in self._members.values()}
+        returning = [a for i, a in enumerate(layout.servers) if i != me and a not in known]
+        if not live and member.carried_over and returning:
+            # A restarted scheduler: the others have not registered again yet, but they will.
+            raise NoInSyncCopyError(
+                f"leave of server {me} ({member.address}): this scheduler restarted and servers "
+                f"{', '.join(returning)} of the layout have not registered again yet")
         if not live:  # no copy can ever come: said at once, not after the drainer's retries
             raise NowhereToMoveError(
                 f"leave of server {me} ({member.address}): it is the last live server; its {len(slices)} "

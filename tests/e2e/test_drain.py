@@ -22,10 +22,11 @@ import numpy as np
 import pytest
 import torch
 from pshard.common.cluster.view import NodeState
+from pshard.common.errors import PSError
 from pshard.common.sparse import TableConfig
 
 from tests.e2e.harness import SYNC, TIMEOUTS, LocalCluster, Proc, Procs, wait_healthy, wait_until
-from tests.e2e.test_table_replication_async import replicated_job
+from tests.e2e.test_table_replication_async import job_cluster, replicated_job
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]  # each wait bounded by RUN_TIMEOUT_S
 
@@ -188,6 +189,75 @@ def test_async_table_clients_lose_no_acknowledged_update_while_a_server_drains(p
         np.testing.assert_array_equal(final, -acked.astype(np.float32))
         after = scheds[0].get_layout(timeout_s=5.0)
         assert after.partitions_on(1) == () and after.version > layout.version
+    finally:
+        for c in clients:
+            c.close()
+        for s in scheds:
+            s.close()
+
+
+def test_a_drain_whose_scheduler_is_sigkilled_completes_once_it_restarts(procs: Procs) -> None:
+    """A SIGKILL of the scheduler mid-drain (issue 20, item 4): ps-1 is told to stop while no scheduler
+    answers; it keeps serving and asking, registers again with the scheduler restarted at the same
+    address, whose refusal holds it until worker-0 has given the layout back (as a worker session does
+    when it registers again), and is then handed over as usual: it exits 0, and an async table's rows
+    are minus the sum of every acknowledged push, pushed before, during and after the outage."""
+    cluster = job_cluster(procs, ASYNC_CLIENTS, 4)
+    started, scheds, layout, clients = replicated_job(procs, ASYNC_CLIENTS, 4, cluster=cluster,
+                                                      ps_args={1: ("--drain-on-term",)})
+    scheduler, ps1 = started[0], started[2]  # started: scheduler, ps-0, ps-1, ps-2
+    half = ASYNC_PUSHES // 2
+    acked = np.zeros((len(IDS), DIM), np.float64)
+    lock = threading.Lock()
+    count = [0]
+    outage = threading.Event()
+
+    def run(i: int) -> None:
+        clients[i].declare_table(ASYNC_TABLE)
+        for push in range(ASYNC_PUSHES):
+            if push == half:
+                assert outage.wait(RUN_TIMEOUT_S)
+            ids, grads = _batch(i, push)
+            clients[i].push_rows(ASYNC_TABLE.name, ids, grads)  # returns once acknowledged
+            with lock:
+                np.add.at(acked, np.searchsorted(IDS, ids), grads)
+                count[0] += 1
+
+    def give_layout_back() -> bool:
+        try:
+            scheds[0].restore_layout(layout)
+        except PSError:  # not registered again yet, or the servers have not said what they route by
+            return False
+        return True
+
+    try:
+        with ThreadPoolExecutor(ASYNC_CLIENTS) as pool:
+            futures = [pool.submit(run, i) for i in range(ASYNC_CLIENTS)]
+            wait_until(lambda: count[0] >= ASYNC_CLIENTS * half or any(f.done() for f in futures),
+                       RUN_TIMEOUT_S, "the first half of the pushes")
+            backup_line = f"is an in-sync backup of {layout.servers[1]}"
+            wait_until(lambda: any(backup_line in line for line in scheduler.lines), RUN_TIMEOUT_S,
+                       "the scheduler counting ps-1's backup in sync")
+            scheduler.signal_group(signal.SIGKILL)
+            scheduler.wait(RUN_TIMEOUT_S)
+            ps1.signal_group(signal.SIGTERM)
+            ps1.wait_for_line(r"DRAIN: the scheduler is unreachable", RUN_TIMEOUT_S)
+            outage.set()  # the second half pushes through the outage and the hand-over
+            restarted = procs.start("scheduler-restarted", scheduler.argv,
+                                    tf_config=cluster.plan.tf_config(cluster.task("scheduler")))
+            restarted.wait_for_line(r"registered ps-1 ", RUN_TIMEOUT_S)
+            assert ps1.alive, ps1.output()  # refused while the restarted scheduler has no layout
+            wait_until(give_layout_back, RUN_TIMEOUT_S, "worker-0 giving the layout back")
+            assert ps1.wait(RUN_TIMEOUT_S) == 0, ps1.output()
+            for f in futures:
+                f.result(timeout=RUN_TIMEOUT_S)
+        assert count[0] == ASYNC_CLIENTS * ASYNC_PUSHES
+        final = clients[0].pull_rows(ASYNC_TABLE.name, IDS)
+        np.testing.assert_array_equal(final, -acked.astype(np.float32))
+        after = scheds[0].get_layout(timeout_s=5.0)
+        assert after.partitions_on(1) == () and after.version > layout.version
+        assert any("DRAIN: server 1" in line for line in restarted.lines), restarted.output()
+        assert not any("FAILOVER" in line for line in restarted.lines), restarted.output()
     finally:
         for c in clients:
             c.close()
