@@ -61,6 +61,7 @@ from pshard.common.errors import (
     UnknownNodeError,
     quote,
 )
+from pshard.scheduler.drains import DrainLog
 from pshard.scheduler.in_sync import DRAINED, LOST, PROMOTED, InSyncCopies
 
 log = logging.getLogger("pshard.scheduler")
@@ -210,10 +211,14 @@ class Membership:
         self.vouches = 0  # times a silent server was kept live on the workers' word
         self._isolated = False
         self.isolations = 0  # times this scheduler heard from no live node and so declared none dead
+        self.drains = DrainLog()  # for `pshard status`
 
     @property
     def generation(self) -> int:
         return self._generation
+
+    def clock_now(self) -> float:
+        return self._clock.now()
 
     def _bump(self) -> int:
         self._generation += 1
@@ -339,7 +344,11 @@ class Membership:
         self._check_known_generation(generation, "leave")
         self._check_generation(member, generation, "leave")
         if member.state is not NodeState.LEFT:  # a retried leave changes nothing
-            handed = self._hand_over(member) if member.role == "ps" else None
+            try:
+                handed = self._hand_over(member) if member.role == "ps" else None
+            except NoInSyncCopyError:
+                self.drains.refused(member.node_id, member.address, self._clock.now())
+                raise
             member.state = NodeState.LEFT
             self._bump()
             if handed is not None:
@@ -397,10 +406,15 @@ class Membership:
         self.in_sync.changes[DRAINED] += 1
         if heir is not None:
             self.in_sync.reset(before.servers[heir], "took over a drained server's slices")
+        drain = self.drains.handed_over(member.node_id, member.address,
+                                        before.servers[heir] if heir is not None else "",
+                                        len(before.slices_on(me)), before.partitions_on(me), new.version,
+                                        self._clock.now())
         log.warning("DRAIN: server %d (%s) left; its %d slices and row partitions %s now have server %s (%s) "
-                    "as primary (layout version %d)", me, member.address, len(before.slices_on(me)),
-                    list(before.partitions_on(me)), heir, before.servers[heir] if heir is not None else "-",
-                    new.version)
+                    "as primary (layout version %d), %.2f s after its first ask", me, member.address,
+                    len(before.slices_on(me)), list(before.partitions_on(me)), heir,
+                    before.servers[heir] if heir is not None else "-", new.version,
+                    drain.seconds(self._clock.now()))
 
     def expire(self) -> list[Node]:
         """Declare DEAD every LIVE node silent for longer than the timeout; returns them.

@@ -25,6 +25,7 @@ from pshard.common.cluster.view import NodeState
 from pshard.common.errors import PSError
 from pshard.common.sparse import TableConfig
 
+from pshard.status import fetch
 from tests.e2e.harness import SYNC, TIMEOUTS, LocalCluster, Proc, Procs, wait_healthy, wait_until
 from tests.e2e.test_table_replication_async import job_cluster, replicated_job
 
@@ -95,6 +96,10 @@ def test_a_drained_server_hands_its_partitions_over_and_exits_0(procs: Procs, tr
         np.testing.assert_array_equal(final, (-expected).astype(np.float32))
         after = scheds[0].get_layout(timeout_s=5.0)
         assert after.partitions_on(1) == () and set(after.partitions_on(2)) >= set(layout.partitions_on(1))
+        (drain,) = fetch(scheds[0].address, 10.0).drains  # what `pshard status` shows
+        assert drain.done and drain.node_id == "ps-1" and drain.seconds >= 0
+        assert (drain.address, drain.heir, drain.partitions, drain.layout_version) == (
+            layout.servers[1], layout.servers[2], layout.partitions_on(1), after.version)
         assert any("DRAINED" in line for line in drained.lines), drained.output()
         wait_until(lambda: any("DRAIN: server 1" in line for line in scheduler.lines), 10.0,
                    "the scheduler's DRAIN line")

@@ -125,3 +125,37 @@ def test_a_server_of_a_job_that_never_had_a_layout_leaves_at_once():
     node = members.register("ps", SERVERS[0])
     members.leave(node.node_id, node.generation)
     assert members.node(node.node_id).state is NodeState.LEFT
+
+
+def test_the_scheduler_keeps_each_drain_from_its_first_ask_to_its_hand_over():
+    """What `pshard status` shows: a drain in progress while its backup copies, then done (what, from
+    where, to where, how long)."""
+    members, clock = _job(replicas=1)
+    _report(members, "ps-0", "ps-1")
+    before = members.layout()
+    assert before is not None
+    with pytest.raises(NoInSyncCopyError):
+        members.leave("ps-1", members.node("ps-1").generation)
+    (waiting,) = members.drains.all()
+    assert (waiting.node_id, waiting.address, waiting.done, waiting.heir) == ("ps-1", "b:1", False, "")
+    clock.advance(2.5)
+    assert waiting.seconds(clock.now()) == 2.5
+    with pytest.raises(NoInSyncCopyError):  # asking again keeps the first ask's start
+        members.leave("ps-1", members.node("ps-1").generation)
+    clock.advance(0.5)
+    _report(members, "ps-1", "ps-2")
+    members.leave("ps-1", members.node("ps-1").generation)
+    (done,) = members.drains.all()
+    after = members.layout()
+    assert after is not None
+    assert (done.done, done.heir, done.slices, done.partitions, done.layout_version) == (
+        True, "c:1", len(before.slices_on(1)), before.partitions_on(1), after.version)
+    clock.advance(7)
+    assert done.seconds(clock.now()) == 3.0
+
+
+def test_a_leave_refused_for_good_is_no_drain_in_progress():
+    members, _ = _job(replicas=0)
+    with pytest.raises(InvalidArgumentError):
+        members.leave("ps-1", members.node("ps-1").generation)
+    assert members.drains.all() == ()
