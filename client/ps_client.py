@@ -432,9 +432,21 @@ class PSClient:
                        clock: int = 0) -> np.ndarray:
         return self.tables.push_pull(table, ids, grads, pull_ids, clock)
 
-    def stats(self) -> list[pb.GetStatsResponse]:
-        return self._all_servers(lambda i: self._unary(i, lambda stub: stub.GetStats(
-            pb.GetStatsRequest(), timeout=self._timeout_s, wait_for_ready=True)))
+    def stats(self, serving_only: bool = False) -> list[pb.GetStatsResponse]:
+        """Every server's stats, in server order; `serving_only`: only the servers the layout gives slices
+        or row partitions, for questions about the job's progress. A server drained or failed over is
+        gone, and asking it would wait out the whole deadline (a chief's last wait for its peers did)."""
+        def ask(i: int) -> pb.GetStatsResponse:
+            return self._unary(i, lambda stub: stub.GetStats(pb.GetStatsRequest(), timeout=self._timeout_s,
+                                                             wait_for_ready=True))
+
+        layout = self.layout
+        if not serving_only or layout is None:
+            return self._all_servers(ask)
+        serving = [i for i in range(len(self.servers)) if layout.slices_on(i) or layout.partitions_on(i)]
+        self._owner.check()
+        futures = [self._pool.submit(self._naming_unreachable, ask, i) for i in serving]
+        return [f.result() for f in futures]
 
     def checkpoint(self, at_version: int = 0) -> list[str]:
         """Each server writes its shard once every slice has reached `at_version`."""

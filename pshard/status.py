@@ -77,6 +77,19 @@ class MemberReport:
 
 
 @dataclass(frozen=True)
+class DrainReport:
+    """A drain the scheduler knows of (scheduler/drains.py): in progress while it waits for a copy."""
+    node_id: str
+    address: str  # from
+    heir: str  # to; "" while in progress
+    slices: int
+    partitions: tuple[int, ...]
+    layout_version: int
+    seconds: float  # from its first ask to the hand-over, or to now
+    done: bool
+
+
+@dataclass(frozen=True)
 class JobStatus:
     scheduler: str
     generation: int
@@ -87,6 +100,7 @@ class JobStatus:
     # worker -> server -> transport of that pair's pushes and pulls ("shm", "tcp" or "grpc"): chosen per
     # peer, so one worker may use shared memory with a server on its host and raw TCP with the others.
     pairs: Mapping[str, Mapping[str, str]] = field(default_factory=dict)
+    drains: tuple[DrainReport, ...] = ()
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2, sort_keys=True)
@@ -109,8 +123,8 @@ def waits_for(server: ServerReport, live_workers: Sequence[str]) -> tuple[str, .
     return ()
 
 
-def summarise(scheduler: str, view: ClusterView, servers: Sequence[ServerReport], now: float = 0.0
-              ) -> JobStatus:
+def summarise(scheduler: str, view: ClusterView, servers: Sequence[ServerReport], now: float = 0.0,
+              drains: Sequence[DrainReport] = ()) -> JobStatus:
     """The job's status from the scheduler's view and the servers' reports."""
     nodes = view.nodes
     live_trainers = [n.node_id for n in nodes if n.role in TRAINERS and n.state is NodeState.LIVE]
@@ -131,7 +145,7 @@ def summarise(scheduler: str, view: ClusterView, servers: Sequence[ServerReport]
                                     clock, lag, tuple(sorted(used.get(n.node_id, ())))))
     reports = tuple(ServerReport(**{**asdict(s), "waits_for": waits_for(s, live_trainers)}) for s in servers)
     return JobStatus(scheduler, view.generation, view.layout_version, tuple(members), reports, now,
-                     pairs=pair_transports(servers))
+                     pairs=pair_transports(servers), drains=tuple(drains))
 
 
 def pair_transports(servers: Sequence[ServerReport]) -> dict[str, dict[str, str]]:
@@ -163,6 +177,21 @@ def _size(n: int) -> str:
     return str(n)
 
 
+def _drain_lines(status: JobStatus) -> list[str]:
+    """What each drain moved, from where to where, and how long it took (or has taken so far)."""
+    if not status.drains:
+        return []
+    lines = ["", f"{'DRAIN':<14} {'STATE':<11} {'FROM':<21} {'TO':<21} {'SLICES':>6} {'LAYOUT':>6} "
+                 f"{'TIME':>8}  PARTITIONS"]
+    for d in status.drains:
+        state = "done" if d.done else "in progress"
+        layout = str(d.layout_version) if d.done else "-"
+        parts = ",".join(map(str, d.partitions)) if d.done else "-"
+        lines.append(f"{d.node_id:<14} {state:<11} {d.address:<21} {d.heir or '-':<21} {d.slices:>6} "
+                     f"{layout:>6} {f'{d.seconds:.2f} s':>8}  {parts or '-'}")
+    return lines
+
+
 def render(status: JobStatus) -> str:
     """The human form: members, then servers, then what waits on whom."""
     def dash(value: object) -> str:
@@ -183,6 +212,7 @@ def render(status: JobStatus) -> str:
         lines.append(f"{s.node_id:<14} {mode:<6} {s.slices:>6} {_size(s.bytes_stored):>10} "
                      f"{f'{s.min_version}-{s.max_version}':>14} {s.pulls_waiting:>7} {s.pushes_applied:>8}")
     lines += _pair_lines(status)
+    lines += _drain_lines(status)
     stuck = [s for s in status.servers if s.waits_for]
     if stuck:
         lines.append("")
@@ -212,9 +242,12 @@ def fetch(scheduler: str, timeout_s: float, security: SecurityConfig | None = No
         stub = scheduler_pb2_grpc.SchedulerServiceStub(channel)
         stream = stub.Watch(scheduler_pb2.WatchRequest(), timeout=timeout_s)
         try:
-            view = view_from_proto(next(iter(stream)).view)
+            first = next(iter(stream))
         finally:
             stream.cancel()
+    view = view_from_proto(first.view)
+    drains = [DrainReport(d.node_id, d.address, d.heir, d.slices, tuple(d.partitions), d.layout_version,
+                          d.seconds, d.done) for d in first.drains]
     reports = []
     for node in view.nodes:
         if node.role != "ps" or node.state is not NodeState.LIVE:
@@ -234,7 +267,7 @@ def fetch(scheduler: str, timeout_s: float, security: SecurityConfig | None = No
             max_version=s.max_version, pulls_waiting=s.pulls_waiting, pushes_applied=s.pushes_applied,
             pushes_dropped=s.pushes_dropped, quorum=tuple(s.quorum), worker_clocks=dict(s.worker_clocks),
             transports=dict(s.worker_transports)))
-    return summarise(scheduler, view, reports, time.time())
+    return summarise(scheduler, view, reports, time.time(), drains)
 
 
 def _scheduler_address(args: argparse.Namespace, environ: Mapping[str, str]) -> str:

@@ -61,6 +61,7 @@ from pshard.common.errors import (
     UnknownNodeError,
     quote,
 )
+from pshard.scheduler.drains import DrainLog
 from pshard.scheduler.in_sync import DRAINED, LOST, PROMOTED, InSyncCopies
 
 log = logging.getLogger("pshard.scheduler")
@@ -163,6 +164,9 @@ class _Member:
     last_seen: float
     clock: int = 0
     layout_version: int = 0  # a server's: the layout it routes by, from its heartbeats' in_sync_layout
+    # Registered here after a restart of the scheduler forgot it (it had seen an earlier generation):
+    # a server of a job that may have a layout this scheduler has not been given back yet.
+    carried_over: bool = False
 
     def snapshot(self) -> Node:
         return Node(self.node_id, self.role, self.rank, self.address, self.state, self.generation, self.clock)
@@ -207,10 +211,14 @@ class Membership:
         self.vouches = 0  # times a silent server was kept live on the workers' word
         self._isolated = False
         self.isolations = 0  # times this scheduler heard from no live node and so declared none dead
+        self.drains = DrainLog()  # for `pshard status`
 
     @property
     def generation(self) -> int:
         return self._generation
+
+    def clock_now(self) -> float:
+        return self._clock.now()
 
     def _bump(self) -> int:
         self._generation += 1
@@ -266,7 +274,8 @@ class Membership:
             self.in_sync.forget(address, "registered again (a new process holds nothing)")
         generation = self._bump()
         self._members[node_id] = _Member(node_id, role, rank, address, NodeState.LIVE, generation,
-                                         last_seen=self._clock.now())
+                                         last_seen=self._clock.now(),
+                                         carried_over=known is None and last_generation > 0)
         if role == "ps":
             self._ring_moved()
         return Registration(node_id, rank, generation, self.view())
@@ -335,7 +344,11 @@ class Membership:
         self._check_known_generation(generation, "leave")
         self._check_generation(member, generation, "leave")
         if member.state is not NodeState.LEFT:  # a retried leave changes nothing
-            handed = self._hand_over(member) if member.role == "ps" else None
+            try:
+                handed = self._hand_over(member) if member.role == "ps" else None
+            except NoInSyncCopyError:
+                self.drains.refused(member.node_id, member.address, self._clock.now())
+                raise
             member.state = NodeState.LEFT
             self._bump()
             if handed is not None:
@@ -349,6 +362,12 @@ class Membership:
         """The layout with everything `member` serves on its first in-sync backup (None: it serves
         nothing). Changes nothing: raises when the leave would lose what it serves."""
         layout = self._layout
+        if layout is None and member.carried_over:
+            # Letting it go would leave what it serves with no owner once the layout comes back.
+            raise NoInSyncCopyError(
+                f"leave of server {member.address}: this scheduler restarted and has not been given the "
+                "job's layout back yet (the chief or worker-0 does so as it registers again), so what the "
+                "server serves cannot be handed over yet")
         me = index_of(layout, member.address) if layout is not None else None
         if layout is None or me is None:
             return None
@@ -363,6 +382,13 @@ class Membership:
         live_addresses = {m.address for m in self._members.values()
                           if m.role == "ps" and m.state is NodeState.LIVE and m is not member}
         live = {i for i, a in enumerate(layout.servers) if a in live_addresses}
+        known = {m.address for m in self._members.values()}
+        returning = [a for i, a in enumerate(layout.servers) if i != me and a not in known]
+        if not live and member.carried_over and returning:
+            # A restarted scheduler: the others have not registered again yet, but they will.
+            raise NoInSyncCopyError(
+                f"leave of server {me} ({member.address}): this scheduler restarted and servers "
+                f"{', '.join(returning)} of the layout have not registered again yet")
         if not live:  # no copy can ever come: said at once, not after the drainer's retries
             raise NowhereToMoveError(
                 f"leave of server {me} ({member.address}): it is the last live server; its {len(slices)} "
@@ -380,10 +406,15 @@ class Membership:
         self.in_sync.changes[DRAINED] += 1
         if heir is not None:
             self.in_sync.reset(before.servers[heir], "took over a drained server's slices")
+        drain = self.drains.handed_over(member.node_id, member.address,
+                                        before.servers[heir] if heir is not None else "",
+                                        len(before.slices_on(me)), before.partitions_on(me), new.version,
+                                        self._clock.now())
         log.warning("DRAIN: server %d (%s) left; its %d slices and row partitions %s now have server %s (%s) "
-                    "as primary (layout version %d)", me, member.address, len(before.slices_on(me)),
-                    list(before.partitions_on(me)), heir, before.servers[heir] if heir is not None else "-",
-                    new.version)
+                    "as primary (layout version %d), %.2f s after its first ask", me, member.address,
+                    len(before.slices_on(me)), list(before.partitions_on(me)), heir,
+                    before.servers[heir] if heir is not None else "-", new.version,
+                    drain.seconds(self._clock.now()))
 
     def expire(self) -> list[Node]:
         """Declare DEAD every LIVE node silent for longer than the timeout; returns them.

@@ -149,8 +149,14 @@ class SchedulerServicer(pb_grpc.SchedulerServiceServicer):
         while not self._closed:
             view = await self._changes.wait_for(newer)
             if view is not None and view.generation > sent:
-                yield pb.WatchResponse(view=view_to_proto(view))
+                yield pb.WatchResponse(view=view_to_proto(view), drains=self._drains())
                 sent = view.generation
+
+    def _drains(self) -> list[pb.Drain]:
+        now = self._members.clock_now()
+        return [pb.Drain(node_id=d.node_id, address=d.address, heir=d.heir, slices=d.slices,
+                         partitions=d.partitions, layout_version=d.layout_version, seconds=d.seconds(now),
+                         done=d.done) for d in self._members.drains.all()]
 
     # ---- barriers ----
 

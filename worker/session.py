@@ -467,7 +467,7 @@ class ClusterSession:
     def _peer_clocks(self) -> dict[str, int]:
         clocks: dict[str, int] = {}
         with contextlib.suppress(PSError):
-            for stats in self._connected().stats():
+            for stats in self._connected().stats(serving_only=True):
                 for worker, clock in stats.worker_clocks.items():
                     clocks[worker] = max(clocks.get(worker, -1), clock)
         return clocks

@@ -262,8 +262,18 @@ class SchedulerClient:
         """Leave as a parameter server that serves slices or rows (a drain): the scheduler first hands
         them to an in-sync backup under a new layout. Heartbeats stop only once it has: a refusal (a
         NoInSyncCopyError while the backup still copies) raises with this node still live, to retry."""
-        request = pb.LeaveRequest(node_id=self._node_id, generation=self._generation)
-        reply = self._call_registered("Leave", self._stub.Leave, request, self._rpc_timeout_s)
+        self._check_usable()
+        generation = self._generation
+        try:
+            request = pb.LeaveRequest(node_id=self._node_id, generation=generation)
+            reply = self._call("Leave", self._stub.Leave, request, self._rpc_timeout_s)
+        except UnknownNodeError:
+            # A restarted scheduler forgot this server: the leave goes again from the new incarnation
+            # (the first request's generation would be refused as stale).
+            self._reregister(generation)
+            reply = self._call("Leave", self._stub.Leave,
+                               pb.LeaveRequest(node_id=self._node_id, generation=self._generation),
+                               self._rpc_timeout_s)
         self._heartbeats_stopped.set()
         self._offer_view(view_from_proto(reply.view))
 

@@ -241,17 +241,20 @@ class LocalCluster:
 
     Workers train on digits (an empty --data-dir), write metrics to `metrics(name)`, and the
     chief-to-be (worker 0) saves the model to `model_path`. The scheduler uses short heartbeats
-    so that a dead worker leaves the quorum within a couple of seconds.
+    so that a dead worker leaves the quorum within a couple of seconds. Two clusters of one test run
+    side by side when each has its own `workdir` (metrics and model), and its own `prefix` (process names).
     """
 
     def __init__(self, procs: Procs, num_ps: int = 2, num_workers: int = 2, *,
                  heartbeat_interval_ms: int = 200, heartbeat_timeout_ms: int = 1500,
-                 scheduler_args: tuple[str, ...] = ()) -> None:
+                 scheduler_args: tuple[str, ...] = (), workdir: Path | None = None, prefix: str = "") -> None:
         self.procs = procs
         self.scheduler_args = scheduler_args
         self.plan = ClusterPlan.allocate(num_ps, num_workers)
         self.heartbeat_ms = (heartbeat_interval_ms, heartbeat_timeout_ms)
-        self.dir = procs.tmp_path
+        self.prefix = prefix
+        self.dir = workdir if workdir is not None else procs.tmp_path
+        self.dir.mkdir(parents=True, exist_ok=True)
         self.data_dir = self.dir / "empty-data"
         self.data_dir.mkdir(exist_ok=True)
         self.model_path = self.dir / "model.pt"
@@ -268,15 +271,15 @@ class LocalCluster:
     def start_scheduler(self) -> Proc:
         task = self.task("scheduler")
         interval, timeout = self.heartbeat_ms
-        return self.procs.python("scheduler", "-m", "pshard.scheduler", "--bind", task.address,
+        return self.procs.python(self.prefix + "scheduler", "-m", "pshard.scheduler", "--bind", task.address,
                                  "--heartbeat-interval-ms", str(interval),
                                  "--heartbeat-timeout-ms", str(timeout), *self.scheduler_args,
                                  tf_config=self.plan.tf_config(task))
 
     def start_ps(self, index: int, *args: str) -> Proc:
         task = self.task(f"ps-{index}")
-        return self.procs.python(task.name, "-m", "pshard.ps_server", "--bind", task.address, *args,
-                                 tf_config=self.plan.tf_config(task))
+        return self.procs.python(self.prefix + task.name, "-m", "pshard.ps_server", "--bind", task.address,
+                                 *args, tf_config=self.plan.tf_config(task))
 
     def start_servers(self, *ps_args: str) -> list[Proc]:
         """The scheduler and every server, started together and awaited healthy."""
@@ -288,8 +291,8 @@ class LocalCluster:
     def start_worker(self, index: int, *args: str) -> Proc:
         task = self.task(f"worker-{index}")
         return self.procs.python(
-            task.name, "-m", "pshard.worker", "--data-dir", str(self.data_dir), "--model", "mlp",
-            "--seed", "0",
+            self.prefix + task.name, "-m", "pshard.worker", "--data-dir", str(self.data_dir),
+            "--model", "mlp", "--seed", "0",
             "--output", str(self.model_path), "--metrics", str(self.metrics(task.name)), "--log-every", "1",
             *args,
             tf_config=self.plan.tf_config(task))

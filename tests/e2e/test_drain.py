@@ -22,12 +22,14 @@ import numpy as np
 import pytest
 import torch
 from pshard.common.cluster.view import NodeState
+from pshard.common.errors import PSError
 from pshard.common.sparse import TableConfig
 
-from tests.e2e.harness import SYNC, TIMEOUTS, LocalCluster, Procs, wait_healthy, wait_until
-from tests.e2e.test_table_replication_async import replicated_job
+from pshard.status import fetch
+from tests.e2e.harness import SYNC, TIMEOUTS, LocalCluster, Proc, Procs, wait_healthy, wait_until
+from tests.e2e.test_table_replication_async import job_cluster, replicated_job
 
-pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]  # two dense runs, each wait bounded by RUN_TIMEOUT_S
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]  # each wait bounded by RUN_TIMEOUT_S
 
 WORKERS = 2
 CLOCKS = 10
@@ -43,6 +45,7 @@ ASYNC_DRAIN_AFTER = 60  # acknowledged pushes in all, before the SIGTERM
 # Digits' 1437 training images in union batches of 2 x 32: 23 clocks an epoch (tests/e2e/test_elastic.py).
 DENSE_RUN = ("--epochs", "1", "--batch-size", "32", "--threads", "1")
 DENSE_CLOCKS = 23
+DENSE_DRAIN_AT = 8  # worker 0's steps logged when ps-1 gets SIGTERM
 
 
 def _batch(worker: int, clock: int) -> tuple[np.ndarray, np.ndarray]:
@@ -93,6 +96,10 @@ def test_a_drained_server_hands_its_partitions_over_and_exits_0(procs: Procs, tr
         np.testing.assert_array_equal(final, (-expected).astype(np.float32))
         after = scheds[0].get_layout(timeout_s=5.0)
         assert after.partitions_on(1) == () and set(after.partitions_on(2)) >= set(layout.partitions_on(1))
+        (drain,) = fetch(scheds[0].address, 10.0).drains  # what `pshard status` shows
+        assert drain.done and drain.node_id == "ps-1" and drain.seconds >= 0
+        assert (drain.address, drain.heir, drain.partitions, drain.layout_version) == (
+            layout.servers[1], layout.servers[2], layout.partitions_on(1), after.version)
         assert any("DRAINED" in line for line in drained.lines), drained.output()
         wait_until(lambda: any("DRAIN: server 1" in line for line in scheduler.lines), 10.0,
                    "the scheduler's DRAIN line")
@@ -107,40 +114,49 @@ def test_a_drained_server_hands_its_partitions_over_and_exits_0(procs: Procs, tr
             s.close()
 
 
-def _dense_run(procs: Procs, drain_at: int | None) -> dict[str, torch.Tensor]:
-    """A sync MLP on digits over three replicated servers and two workers; with `drain_at`, ps-1
-    (started with --drain-on-term) gets SIGTERM once worker 0 logged that many steps."""
-    cluster = LocalCluster(procs, num_ps=3)
-    for name in ("worker-0", "worker-1"):
-        cluster.metrics(name).unlink(missing_ok=True)  # a run before this one wrote its own
-    scheduler = cluster.start_scheduler()
-    servers = [cluster.start_ps(i, "--replicas", "1", *(("--drain-on-term",) if i == 1 else ()))
-               for i in range(3)]
-    for task, proc in zip(cluster.plan.servers, [scheduler, *servers], strict=True):
-        wait_healthy(task.address, proc=proc)
-    workers = [cluster.start_worker(i, *SYNC, *DENSE_RUN, *TIMEOUTS, "--replicas", "1") for i in (0, 1)]
-    if drain_at is not None:
-        wait_until(lambda: cluster.steps_logged("worker-0") >= drain_at, RUN_TIMEOUT_S,
-                   f"worker-0 to log {drain_at} steps")
-        ps1 = cluster.plan.ps[1]
-        wait_until(lambda: any(f"is an in-sync backup of {ps1}" in line for line in scheduler.lines),
-                   RUN_TIMEOUT_S, "the scheduler counting ps-1's backup in sync")
-        servers[1].signal_group(signal.SIGTERM)
-        assert servers[1].wait(RUN_TIMEOUT_S) == 0, servers[1].output()
-        assert cluster.steps_logged("worker-0") < DENSE_CLOCKS, "the drain came after the training"
+def _start_dense(procs: Procs, name: str, num_ps: int, *ps_args: str,
+                 drain_on_term: int | None = None) -> tuple[LocalCluster, list[Proc]]:
+    """The scheduler and servers (awaited later) of a sync MLP job on digits, in its own directory."""
+    cluster = LocalCluster(procs, num_ps=num_ps, workdir=procs.tmp_path / name, prefix=f"{name}-")
+    started = [cluster.start_scheduler(), *(
+        cluster.start_ps(i, *ps_args, *(("--drain-on-term",) if i == drain_on_term else ()))
+        for i in range(num_ps))]
+    return cluster, started
+
+
+def _trained(cluster: LocalCluster, workers: list[Proc]) -> dict[str, torch.Tensor]:
     for w in workers:
         assert w.wait(RUN_TIMEOUT_S) == 0, w.output()
-    if drain_at is not None:
-        assert any("DRAIN: server 1" in line for line in scheduler.lines), scheduler.output()
-        assert not any("FAILOVER: server" in line for line in scheduler.lines)
     state: dict[str, torch.Tensor] = torch.load(cluster.model_path, weights_only=True)["state_dict"]
-    cluster.model_path.unlink()
     return state
 
 
 def test_a_dense_sync_job_drained_mid_training_ends_bit_identical_to_an_undisturbed_one(procs: Procs) -> None:
-    expected = _dense_run(procs, None)
-    got = _dense_run(procs, drain_at=8)
+    """Two workers train a sync MLP on digits over three replicated servers; ps-1 (started with
+    --drain-on-term) gets SIGTERM once worker 0 logged DENSE_DRAIN_AT steps. Beside it, in the same
+    time, the undisturbed reference trains with the same seed on one server without replicas: sync
+    training averages and updates each element alone, so its result does not depend on how the
+    parameters are sliced over servers, and the drained run must end bit for bit where it ends."""
+    reference, reference_started = _start_dense(procs, "reference", 1)
+    cluster, started = _start_dense(procs, "drained", 3, "--replicas", "1", drain_on_term=1)
+    for c, procs_of in ((reference, reference_started), (cluster, started)):
+        for task, proc in zip(c.plan.servers, procs_of, strict=True):
+            wait_healthy(task.address, proc=proc)
+    reference_workers = [reference.start_worker(i, *SYNC, *DENSE_RUN, *TIMEOUTS) for i in (0, 1)]
+    workers = [cluster.start_worker(i, *SYNC, *DENSE_RUN, *TIMEOUTS, "--replicas", "1") for i in (0, 1)]
+    scheduler, ps1 = started[0], started[2]
+    wait_until(lambda: cluster.steps_logged("worker-0") >= DENSE_DRAIN_AT, RUN_TIMEOUT_S,
+               f"worker-0 to log {DENSE_DRAIN_AT} steps")
+    backup_line = f"is an in-sync backup of {cluster.plan.ps[1]}"
+    wait_until(lambda: any(backup_line in line for line in scheduler.lines), RUN_TIMEOUT_S,
+               "the scheduler counting ps-1's backup in sync")
+    ps1.signal_group(signal.SIGTERM)
+    assert ps1.wait(RUN_TIMEOUT_S) == 0, ps1.output()
+    assert cluster.steps_logged("worker-0") < DENSE_CLOCKS, "the drain came after the training"
+    got = _trained(cluster, workers)
+    assert any("DRAIN: server 1" in line for line in scheduler.lines), scheduler.output()
+    assert not any("FAILOVER: server" in line for line in scheduler.lines)
+    expected = _trained(reference, reference_workers)
     assert expected.keys() == got.keys()
     for key, value in expected.items():
         assert torch.equal(got[key], value), f"{key}: the drained run differs from the undisturbed one"
@@ -178,6 +194,75 @@ def test_async_table_clients_lose_no_acknowledged_update_while_a_server_drains(p
         np.testing.assert_array_equal(final, -acked.astype(np.float32))
         after = scheds[0].get_layout(timeout_s=5.0)
         assert after.partitions_on(1) == () and after.version > layout.version
+    finally:
+        for c in clients:
+            c.close()
+        for s in scheds:
+            s.close()
+
+
+def test_a_drain_whose_scheduler_is_sigkilled_completes_once_it_restarts(procs: Procs) -> None:
+    """A SIGKILL of the scheduler mid-drain (issue 20, item 4): ps-1 is told to stop while no scheduler
+    answers; it keeps serving and asking, registers again with the scheduler restarted at the same
+    address, whose refusal holds it until worker-0 has given the layout back (as a worker session does
+    when it registers again), and is then handed over as usual: it exits 0, and an async table's rows
+    are minus the sum of every acknowledged push, pushed before, during and after the outage."""
+    cluster = job_cluster(procs, ASYNC_CLIENTS, 4)
+    started, scheds, layout, clients = replicated_job(procs, ASYNC_CLIENTS, 4, cluster=cluster,
+                                                      ps_args={1: ("--drain-on-term",)})
+    scheduler, ps1 = started[0], started[2]  # started: scheduler, ps-0, ps-1, ps-2
+    half = ASYNC_PUSHES // 2
+    acked = np.zeros((len(IDS), DIM), np.float64)
+    lock = threading.Lock()
+    count = [0]
+    outage = threading.Event()
+
+    def run(i: int) -> None:
+        clients[i].declare_table(ASYNC_TABLE)
+        for push in range(ASYNC_PUSHES):
+            if push == half:
+                assert outage.wait(RUN_TIMEOUT_S)
+            ids, grads = _batch(i, push)
+            clients[i].push_rows(ASYNC_TABLE.name, ids, grads)  # returns once acknowledged
+            with lock:
+                np.add.at(acked, np.searchsorted(IDS, ids), grads)
+                count[0] += 1
+
+    def give_layout_back() -> bool:
+        try:
+            scheds[0].restore_layout(layout)
+        except PSError:  # not registered again yet, or the servers have not said what they route by
+            return False
+        return True
+
+    try:
+        with ThreadPoolExecutor(ASYNC_CLIENTS) as pool:
+            futures = [pool.submit(run, i) for i in range(ASYNC_CLIENTS)]
+            wait_until(lambda: count[0] >= ASYNC_CLIENTS * half or any(f.done() for f in futures),
+                       RUN_TIMEOUT_S, "the first half of the pushes")
+            backup_line = f"is an in-sync backup of {layout.servers[1]}"
+            wait_until(lambda: any(backup_line in line for line in scheduler.lines), RUN_TIMEOUT_S,
+                       "the scheduler counting ps-1's backup in sync")
+            scheduler.signal_group(signal.SIGKILL)
+            scheduler.wait(RUN_TIMEOUT_S)
+            ps1.signal_group(signal.SIGTERM)
+            ps1.wait_for_line(r"DRAIN: the scheduler is unreachable", RUN_TIMEOUT_S)
+            outage.set()  # the second half pushes through the outage and the hand-over
+            restarted = procs.start("scheduler-restarted", scheduler.argv,
+                                    tf_config=cluster.plan.tf_config(cluster.task("scheduler")))
+            restarted.wait_for_line(r"registered ps-1 ", RUN_TIMEOUT_S)
+            assert ps1.alive, ps1.output()  # refused while the restarted scheduler has no layout
+            wait_until(give_layout_back, RUN_TIMEOUT_S, "worker-0 giving the layout back")
+            assert ps1.wait(RUN_TIMEOUT_S) == 0, ps1.output()
+            for f in futures:
+                f.result(timeout=RUN_TIMEOUT_S)
+        assert count[0] == ASYNC_CLIENTS * ASYNC_PUSHES
+        final = clients[0].pull_rows(ASYNC_TABLE.name, IDS)
+        np.testing.assert_array_equal(final, -acked.astype(np.float32))
+        after = scheds[0].get_layout(timeout_s=5.0)
+        assert after.partitions_on(1) == () and after.version > layout.version
+        assert any("DRAIN: server 1" in line for line in restarted.lines), restarted.output()
+        assert not any("FAILOVER" in line for line in restarted.lines), restarted.output()
     finally:
         for c in clients:
             c.close()

@@ -53,13 +53,19 @@ class ReplicatedJob(NamedTuple):
     clients: list[PSClient]
 
 
+def job_cluster(procs: Procs, workers: int, partitions_per_server: int = 1) -> LocalCluster:
+    return LocalCluster(procs, num_ps=3, num_workers=workers,
+                        scheduler_args=("--row-partitions-per-server", str(partitions_per_server)))
+
+
 def replicated_job(procs: Procs, workers: int, partitions_per_server: int = 1,
-                   ps_args: Mapping[int, tuple[str, ...]] | None = None) -> ReplicatedJob:
+                   ps_args: Mapping[int, tuple[str, ...]] | None = None,
+                   cluster: LocalCluster | None = None) -> ReplicatedJob:
     """A scheduler and three servers with `--replicas 1` (ps-i with `ps_args[i]` too), and `workers`
     registered clients that re-route on a failover; the job's layout (a tiny dense parameter) carries
-    the replica count and the row partitions (`partitions_per_server` each)."""
-    cluster = LocalCluster(procs, num_ps=3, num_workers=workers,
-                           scheduler_args=("--row-partitions-per-server", str(partitions_per_server)))
+    the replica count and the row partitions (`partitions_per_server` each). `cluster`: the caller's
+    (to start its scheduler again), made as `job_cluster` makes it."""
+    cluster = cluster or job_cluster(procs, workers, partitions_per_server)
     started = [cluster.start_scheduler(),
                *(cluster.start_ps(i, "--replicas", "1", *(ps_args or {}).get(i, ())) for i in range(3))]
     for task, proc in zip(cluster.plan.servers, started, strict=True):

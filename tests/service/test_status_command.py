@@ -14,7 +14,7 @@ from pshard.common.cluster.view import ClusterView, Node, NodeState
 
 from pshard.api.v1 import parameter_server_pb2 as pb
 from pshard.api.v1 import parameter_server_pb2_grpc as pb_grpc
-from pshard.status import ServerReport, render, summarise
+from pshard.status import DrainReport, ServerReport, render, summarise
 from tests.e2e.harness import ROOT, TIMEOUTS, LocalCluster, Procs, wait_until
 
 
@@ -116,3 +116,19 @@ def test_the_transport_of_each_worker_server_pair_is_shown() -> None:
     header = next(i for i, line in enumerate(text) if line.startswith("TRANSPORT"))
     assert [line.split() for line in text[header:header + 3]] == [
         ["TRANSPORT", "ps-0", "ps-1"], ["w0", "tcp", "tcp"], ["w1", "shm", "grpc"]]
+
+
+def test_drains_in_progress_and_done_are_shown_with_from_to_and_time() -> None:
+    view = ClusterView(9, (Node("ps-0", "ps", 0, "127.0.0.1:7101", NodeState.LIVE, 1),
+                           Node("ps-1", "ps", 1, "127.0.0.1:7102", NodeState.LEFT, 8)), layout_version=3)
+    drains = [DrainReport("ps-1", "127.0.0.1:7102", "127.0.0.1:7103", 4, (1, 4), 3, 0.42, True),
+              DrainReport("ps-2", "127.0.0.1:7103", "", 0, (), 0, 12.5, False)]
+    text = render(summarise("127.0.0.1:7000", view, [], drains=drains))
+    lines = text.splitlines()
+    header = next(i for i, line in enumerate(lines) if line.startswith("DRAIN "))
+    assert lines[header].split() == ["DRAIN", "STATE", "FROM", "TO", "SLICES", "LAYOUT", "TIME", "PARTITIONS"]
+    assert lines[header + 1].split() == ["ps-1", "done", "127.0.0.1:7102", "127.0.0.1:7103", "4", "3", "0.42",
+                                         "s", "1,4"]
+    assert lines[header + 2].split() == ["ps-2", "in", "progress", "127.0.0.1:7103", "-", "0", "-", "12.50",
+                                         "s", "-"]
+    assert "DRAIN" not in render(summarise("127.0.0.1:7000", view, []))

@@ -9,9 +9,10 @@ from pshard.common.cluster.moves import NowhereToMoveError
 from pshard.common.cluster.replicas import NoInSyncCopyError, fail_over
 from pshard.common.cluster.view import ClusterView, Node, NodeState
 from pshard.common.errors import InvalidArgumentError
+from pshard.scheduler.membership import Membership
 
 from pshard.drain_cli import pick
-from tests.unit.test_replicas import _all_in_sync, _job, _report
+from tests.unit.test_replicas import SERVERS, _all_in_sync, _job, _report
 
 
 def test_a_leaving_server_hands_its_slices_and_partitions_to_its_in_sync_backup():
@@ -84,3 +85,77 @@ def test_pshard_drain_names_the_server_by_node_id_or_address_and_refuses_others(
         pick(view, "worker-0")
     with pytest.raises(InvalidArgumentError, match=r"server ps-1 \(b:1\): it is left, not live"):
         pick(view, "b:1")
+
+
+def test_after_a_scheduler_restart_a_server_cannot_leave_before_the_layout_is_given_back():
+    """A SIGKILL of the scheduler mid-drain: the restarted one knows no layout until the chief (or
+    worker-0) gives it back, and a server that registers again and leaves before that would take
+    what it serves with it. Its leave is refused, changing nothing, as while its backup copies."""
+    members, _ = _job(replicas=1)
+    _all_in_sync(members)
+    layout = members.layout()
+    assert layout is not None and layout.slices_on(1)
+    restarted = Membership(heartbeat_timeout_s=5)
+    restarted.register("ps", SERVERS[1], node_id="ps-1", rank_hint=1, last_generation=members.generation)
+    view = restarted.view()
+    with pytest.raises(NoInSyncCopyError, match=r"leave of server b:1: this scheduler restarted and has not "
+                                                r"been given the job's layout back yet"):
+        restarted.leave("ps-1", restarted.node("ps-1").generation)
+    assert restarted.node("ps-1").state is NodeState.LIVE and restarted.view() == view
+    restarted.heartbeat("ps-1", restarted.node("ps-1").generation, in_sync_layout=layout.version)
+    restarted.restore_layout(layout)
+    view = restarted.view()
+    # The others are on their way back: not the last live server, a leave to retry.
+    with pytest.raises(NoInSyncCopyError, match=r"leave of server 1 \(b:1\): this scheduler restarted and "
+                                                r"servers a:1, c:1 of the layout have not registered again"):
+        restarted.leave("ps-1", restarted.node("ps-1").generation)
+    assert restarted.node("ps-1").state is NodeState.LIVE and restarted.view() == view
+    for i in (0, 2):
+        restarted.register("ps", SERVERS[i], node_id=f"ps-{i}", rank_hint=i,
+                           last_generation=members.generation)
+    _all_in_sync(restarted)
+    restarted.leave("ps-1", restarted.node("ps-1").generation)  # handed over, as before the restart
+    after = restarted.layout()
+    assert after is not None and after.version == layout.version + 1 and not after.slices_on(1)
+    assert restarted.node("ps-1").state is NodeState.LEFT
+
+
+def test_a_server_of_a_job_that_never_had_a_layout_leaves_at_once():
+    members = Membership(heartbeat_timeout_s=5)
+    node = members.register("ps", SERVERS[0])
+    members.leave(node.node_id, node.generation)
+    assert members.node(node.node_id).state is NodeState.LEFT
+
+
+def test_the_scheduler_keeps_each_drain_from_its_first_ask_to_its_hand_over():
+    """What `pshard status` shows: a drain in progress while its backup copies, then done (what, from
+    where, to where, how long)."""
+    members, clock = _job(replicas=1)
+    _report(members, "ps-0", "ps-1")
+    before = members.layout()
+    assert before is not None
+    with pytest.raises(NoInSyncCopyError):
+        members.leave("ps-1", members.node("ps-1").generation)
+    (waiting,) = members.drains.all()
+    assert (waiting.node_id, waiting.address, waiting.done, waiting.heir) == ("ps-1", "b:1", False, "")
+    clock.advance(2.5)
+    assert waiting.seconds(clock.now()) == 2.5
+    with pytest.raises(NoInSyncCopyError):  # asking again keeps the first ask's start
+        members.leave("ps-1", members.node("ps-1").generation)
+    clock.advance(0.5)
+    _report(members, "ps-1", "ps-2")
+    members.leave("ps-1", members.node("ps-1").generation)
+    (done,) = members.drains.all()
+    after = members.layout()
+    assert after is not None
+    assert (done.done, done.heir, done.slices, done.partitions, done.layout_version) == (
+        True, "c:1", len(before.slices_on(1)), before.partitions_on(1), after.version)
+    clock.advance(7)
+    assert done.seconds(clock.now()) == 3.0
+
+
+def test_a_leave_refused_for_good_is_no_drain_in_progress():
+    members, _ = _job(replicas=0)
+    with pytest.raises(InvalidArgumentError):
+        members.leave("ps-1", members.node("ps-1").generation)
+    assert members.drains.all() == ()
