@@ -409,7 +409,8 @@ class TableClient:
             ids, rows = split.ids[parts[s]], summed[parts[s]]
             reply = stub.PushRows(pb.PushRowsRequest(table=table, ids=ids.tobytes(), grads=rows.tobytes(),
                                                      clock=clock, worker_id=self._client.worker_id,
-                                                     push_id=push_id, layout_version=version),
+                                                     push_id=push_id, layout_version=version,
+                                                     **self._schedule()),
                                   timeout=self._conn.timeout_s)
             return int(reply.stored)
 
@@ -437,6 +438,7 @@ class TableClient:
             reply = stub.PushPullRows(pb.PushPullRowsRequest(
                 table=table, push_ids=split.ids[part].tobytes(), grads=summed[part].tobytes(),
                 pull_ids=pull_ids.tobytes(), clock=clock, worker_id=self._client.worker_id, push_id=push_id,
+                **self._schedule(),
                 layout_version=version),
                 timeout=self._conn.timeout_s)
             rows[wanted] = self._rows(config, reply.rows, len(pull_ids))
@@ -487,6 +489,11 @@ class TableClient:
         split = _Split(ids, len(self._stubs), np.array(owners, np.int64) if owners else None)
         self._splits = [(ids.copy(), split), *self._splits[:1]]
         return split
+
+    def _schedule(self) -> dict[str, int]:
+        """A scheduled call's push (pshard.coordinator sets PSClient.scheduled while it runs one)."""
+        schedule_id, seq, floor = self._client.scheduled
+        return {"schedule_id": schedule_id, "schedule_seq": seq, "schedule_floor": floor}
 
     def _config(self, table: str) -> TableConfig:
         config = self.configs.get(table)
@@ -614,7 +621,8 @@ class TableClient:
             op=ps_pb.EXCHANGE_OP_TABLE, table=ps_pb.TableRequest(table=table, push=bool(push),
                                                                  pull=pull_ids is not None, push_id=push_id,
                                                                  layout_version=layout_version),
-            stamp=codec.stamp_to_proto(Stamp(self._client.worker_id, self._client.generation, clock)),
+            stamp=codec.stamp_to_proto(Stamp(self._client.worker_id, self._client.generation, clock,
+                                             None, *self._client.scheduled)),
             push=[ps_pb.SliceMeta(dtype=_INT64 if b.dtype == np.int64 else _GRAD_DTYPES.get(
                 b.dtype.name) or codec.dtype_to_proto(b.dtype.name), shape=b.shape) for b in buffers])
         if rows is None:

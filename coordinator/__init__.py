@@ -11,14 +11,16 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from pshard.coordinator.closures import RemoteValue
-    from pshard.coordinator.context import RemoteVariable, WorkerContext, current
-    from pshard.coordinator.coordinator import ClusterCoordinator, PerWorkerDataset, Variable
+    from pshard.coordinator.context import RemoteTable, RemoteVariable, WorkerContext, current
+    from pshard.coordinator.coordinator import ClusterCoordinator, PerWorkerDataset, Table, Variable
 
-__all__ = ["ClusterCoordinator", "PerWorkerDataset", "RemoteValue", "RemoteVariable", "Variable",
-           "WorkerContext", "current"]
+__all__ = ["ClusterCoordinator", "PerWorkerDataset", "RemoteTable", "RemoteValue", "RemoteVariable", "Table",
+           "Variable", "WorkerContext", "current"]
 _PUBLIC = {"ClusterCoordinator": "pshard.coordinator.coordinator",
            "PerWorkerDataset": "pshard.coordinator.coordinator",
            "Variable": "pshard.coordinator.coordinator",
+           "Table": "pshard.coordinator.coordinator",
+           "RemoteTable": "pshard.coordinator.context",
            "RemoteValue": "pshard.coordinator.closures",
            "RemoteVariable": "pshard.coordinator.context",
            "WorkerContext": "pshard.coordinator.context",

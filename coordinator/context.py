@@ -7,7 +7,8 @@ servers apply each of its pushes once. Pushes are waited for before the function
 must name the same push on every run, and a function that returns has landed all of its updates.
 
 Inside a function, `current()` is this context: `current().pull([...])`, `current().push({...})`, or the
-variables the coordinator passed as arguments (`RemoteVariable.read`, `push_gradient`, `assign_add`).
+variables the coordinator passed as arguments (`RemoteVariable.read`, `push_gradient`, `assign_add`) and
+its sparse tables (`RemoteTable.pull`, `push`: table pushes are numbered and keyed the same way).
 """
 
 from __future__ import annotations
@@ -19,9 +20,11 @@ from typing import Any, TypeVar
 
 import numpy as np
 from pshard.client.ps_client import PSClient
+from pshard.client.tables import TableClient
 from pshard.common.cluster.layout import ParamSpec
 from pshard.common.errors import InvalidArgumentError, PSError
 from pshard.common.job import JobConfig
+from pshard.common.sparse import TableConfig
 from pshard.coordinator import functions
 from pshard.coordinator.values import IteratorRef
 
@@ -63,6 +66,34 @@ class RemoteVariable:
         return f"RemoteVariable({self.name!r})"
 
 
+class RemoteTable:
+    """A sparse table on the parameter servers, as a scheduled function holds it: rows by id."""
+
+    def __init__(self, config: TableConfig, ctx: WorkerContext) -> None:
+        self.config = config
+        self._ctx = ctx
+
+    @property
+    def name(self) -> str:
+        return self.config.name
+
+    def pull(self, ids: Any) -> np.ndarray:
+        """Rows of `ids` (any shape, repeats allowed): ids.shape + (dim,)."""
+        return self._ctx.tables.pull(self.name, np.asarray(ids, np.int64), self._ctx.clock)
+
+    def push(self, ids: Any, grads: Any) -> int:
+        """Row gradients (ids.shape + (dim,), repeated ids summed), applied by the table's optimizer once
+        for this call and push number; the rows stored."""
+        if hasattr(grads, "detach"):
+            grads = grads.detach().cpu().numpy()
+        keys = np.asarray(ids, np.int64)
+        return self._ctx._stamped(lambda: self._ctx.tables.push(self.name, keys, np.asarray(grads),
+                                                                 self._ctx.clock))
+
+    def __repr__(self) -> str:
+        return f"RemoteTable({self.name!r})"
+
+
 class WorkerContext:
     """A serving worker's state between calls: its PSClient, its clock, its per-worker iterators."""
 
@@ -77,6 +108,7 @@ class WorkerContext:
         self._seq = 0
         self._iterators: dict[int, Iterator[Any]] = {}
         self._latest: dict[str, np.ndarray] | None = None
+        self._tables: TableClient | None = None
         self.pushes_applied = 0
         self.pushes_dropped = 0
 
@@ -96,6 +128,18 @@ class WorkerContext:
     def variable(self, name: str) -> RemoteVariable:
         self.spec(name)
         return RemoteVariable(name, self)
+
+    def table(self, config: TableConfig) -> RemoteTable:
+        """Table `config`, which the coordinator declared on the servers before its first schedule."""
+        self.tables.configs[config.name] = config
+        return RemoteTable(config, self)
+
+    @property
+    def tables(self) -> TableClient:
+        """This worker's TableClient, over its PSClient's connections (made on first use)."""
+        if self._tables is None:
+            self._tables = TableClient(self.client)
+        return self._tables
 
     def iterator(self, ref: IteratorRef) -> Iterator[Any]:
         """This worker's iterator of dataset `ref`, made by calling its function on first use and kept."""

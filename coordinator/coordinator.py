@@ -21,10 +21,12 @@ from typing import Any
 
 import numpy as np
 from pshard.client.ps_client import PSClient
+from pshard.client.tables import TableClient
 from pshard.common.cluster.layout import ParamSpec
 from pshard.common.cluster.view import ClusterView
 from pshard.common.errors import ClusterConfigError, InvalidArgumentError, PSError
 from pshard.common.job import JobConfig, OptimizerConfig
+from pshard.common.sparse import TableConfig
 from pshard.common.wire import codec
 from pshard.common.wire.dtypes import PARAM_DTYPES
 from pshard.coordinator import functions, values
@@ -68,6 +70,29 @@ class Variable:
 
     def __repr__(self) -> str:
         return f"Variable({self.name!r}, shape={self.shape}, dtype={self.dtype})"
+
+
+class Table:
+    """A sparse table on the parameter servers, declared through the coordinator. Passed to a scheduled
+    function it arrives as a RemoteTable (pull rows, push row gradients: each push counted once per call)."""
+
+    def __init__(self, config: TableConfig, coordinator: ClusterCoordinator) -> None:
+        self.config = config
+        self._coordinator = coordinator
+
+    @property
+    def name(self) -> str:
+        return self.config.name
+
+    def read_rows(self, ids: Any) -> np.ndarray:
+        """The rows of `ids` on the servers now (ids.shape + (dim,)); after the first schedule."""
+        return self._coordinator._table_client().pull(self.name, np.asarray(ids, np.int64))
+
+    def __pshard_ref__(self) -> values.TableRef:
+        return values.TableRef(self.config)
+
+    def __repr__(self) -> str:
+        return f"Table({self.name!r}, dim={self.config.dim})"
 
 
 class PerWorkerDataset:
@@ -127,6 +152,8 @@ class ClusterCoordinator:
         self.job = self._session.job_of(job)
         self._job_proto = codec.job_to_proto(self.job)
         self._variables: dict[str, np.ndarray] = {}
+        self._tables: dict[str, TableConfig] = {}
+        self._tables_of: TableClient | None = None
         self._client: PSClient | None = None
         self._lock = threading.Lock()
         self._dispatchers: dict[tuple[str, int], Dispatcher] = {}
@@ -164,6 +191,20 @@ class ClusterCoordinator:
                                        f"{[d for d in PARAM_DTYPES if d != 'bfloat16']}")
         self._variables[name] = array.reshape(array.shape or (1,))
         return Variable(name, self._variables[name].shape, dtype, self)
+
+    def create_table(self, config: TableConfig) -> Table:
+        """A sparse table on the parameter servers (declared with the variables, at the first schedule);
+        async only: scheduled calls run whenever a worker is free."""
+        if self._client is not None:
+            raise InvalidArgumentError(f"create_table({config.name!r}): the tables are declared at the first "
+                                       "schedule; create them before")
+        if config.mode != "async":
+            raise InvalidArgumentError(f"create_table({config.name!r}): got mode {config.mode!r}, expected "
+                                       "'async': scheduled functions run whenever a worker is free")
+        if config.name in self._tables or config.name in self._variables:
+            raise InvalidArgumentError(f"create_table: {config.name!r} exists already")
+        self._tables[config.name] = config
+        return Table(config, self)
 
     def create_variables(self, state: Mapping[str, Any]) -> dict[str, Variable]:
         """One variable per entry (a torch `state_dict()`'s floating-point tensors, say)."""
@@ -287,11 +328,20 @@ class ClusterCoordinator:
                     if restored is not None:
                         self.restored_clock, self._restored_state = restored.clock, restored.coordinator
                 client.declare(self._variables, self.job)
+                if self._tables:
+                    self._tables_of = TableClient(client)
+                    for config in self._tables.values():
+                        self._tables_of.declare(config)
             self._client = client
         self._scheduler.add_view_callback(self._on_view)
         view = self._scheduler.view
         if view is not None:
             self._on_view(view)
+
+    def _table_client(self) -> TableClient:
+        if self._tables_of is None:
+            raise PSError("coordinator: its tables are declared at the first schedule; read them after it")
+        return self._tables_of
 
     def read(self, name: str) -> np.ndarray:
         """Variable `name`'s value on the servers now."""

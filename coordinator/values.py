@@ -1,9 +1,10 @@
 """Arguments and results of scheduled functions <-> `Value` messages; tensors through the one codec.
 
 What may travel: numpy arrays and torch tensors (as the codec's {dtype, shape, bytes}), Python's
-bool/int/float/str/None, tuples and lists of these, variables declared through the coordinator (by name)
-and per-worker iterators (by dataset). Anything else is refused, naming where it sits (`args[1]`,
-`kwargs['lr'][0]`) and its type, before anything is sent. Never pickle.
+bool/int/float/str/None, tuples and lists of these, variables declared through the coordinator (by name),
+sparse tables declared through it (by their TableConfig) and per-worker iterators (by dataset). Anything
+else is refused, naming where it sits (`args[1]`, `kwargs['lr'][0]`) and its type, before anything is
+sent. Never pickle.
 
 torch is not imported here: a tensor is recognised by its type's module, and a worker that decodes one
 already has torch (it runs torch functions).
@@ -17,14 +18,16 @@ from typing import Any, Protocol
 
 import numpy as np
 from pshard.common.errors import InvalidArgumentError, PSError
+from pshard.common.sparse import TableConfig
 from pshard.common.wire import codec
+from pshard.common.wire.sparse_codec import spec_from_proto, spec_to_proto
 
 from pshard.api.v1 import coordinator_pb2 as pb
 
 # A list nested deeper than this is refused: it is a structure, not an argument.
 MAX_DEPTH = 16
 _ALLOWED = "a numpy array, a torch tensor, a bool, int, float, str or None, a tuple or list of those, a " \
-           "coordinator variable or a per-worker iterator"
+           "coordinator variable or table, or a per-worker iterator"
 
 
 @dataclass(frozen=True)
@@ -32,6 +35,13 @@ class VariableRef:
     """A variable declared through a coordinator, as it travels: its name."""
 
     name: str
+
+
+@dataclass(frozen=True)
+class TableRef:
+    """A sparse table declared through a coordinator, as it travels: its config."""
+
+    config: TableConfig
 
 
 @dataclass(frozen=True)
@@ -50,17 +60,21 @@ class Handles(Protocol):
 
     def iterator(self, ref: IteratorRef) -> Any: ...
 
+    def table(self, config: TableConfig) -> Any: ...
+
 
 def encode(value: Any, where: str = "value", *, handles: bool = True, depth: int = 0) -> pb.Value:
     """`value` as a Value; InvalidArgumentError naming `where` and its type when it cannot travel.
     `handles`: variables and iterators may travel (arguments; not results)."""
     if hasattr(value, "__pshard_ref__"):
         value = value.__pshard_ref__()
-    if isinstance(value, (VariableRef, IteratorRef)) and not handles:
+    if isinstance(value, (VariableRef, IteratorRef, TableRef)) and not handles:
         raise InvalidArgumentError(f"{where}: got a {type(value).__name__}, which only travels as an "
                                    "argument")
     if isinstance(value, VariableRef):
         return pb.Value(variable=value.name)
+    if isinstance(value, TableRef):
+        return pb.Value(table=spec_to_proto(value.config))
     if isinstance(value, IteratorRef):
         return pb.Value(iterator=pb.IteratorHandle(
             dataset_id=value.dataset_id, dataset_fn=value.dataset_fn,
@@ -101,11 +115,13 @@ def decode(value: pb.Value, handles: Handles | None = None, where: str = "value"
     if kind == "list":
         items = [decode(v, handles, f"{where}[{i}]") for i, v in enumerate(value.list.items)]
         return tuple(items) if value.is_tuple else items
-    if kind in ("variable", "iterator"):
+    if kind in ("variable", "iterator", "table"):
         if handles is None:
             raise InvalidArgumentError(f"{where}: got a {kind} reference, which only travels as an argument")
         if kind == "variable":
             return handles.variable(value.variable)
+        if kind == "table":
+            return handles.table(spec_from_proto(value.table))
         it = value.iterator
         return handles.iterator(IteratorRef(it.dataset_id, it.dataset_fn, tuple(
             decode(a, None, f"{where}.args[{i}]") for i, a in enumerate(it.args))))

@@ -59,12 +59,16 @@ from pshard.ps_server.core.lease import SchedulerLease
 from pshard.ps_server.replication.api import NO_ROW_REPLICATION, RowReplication
 from pshard.ps_server.settings import ServerSettings
 from pshard.ps_server.tables.files import append_ids, export_table, load_tables, save_tables
+from pshard.ps_server.tables.scheduled import ScheduledPushes
 from pshard.ps_server.tables.sync import OWN, PartitionClocks
 from pshard.ps_server.tables.table import SparseTable
 
 _ID = np.dtype("<i8")
 # Ids and rows as the transports hand them: gRPC's bytes, or a fast path's view of its region.
 Raw = bytes | np.ndarray
+# A scheduled call's push (pshard.coordinator): (schedule id, push number, coordinator's floor); id 0: none.
+Schedule = tuple[int, int, int]
+NOT_SCHEDULED: Schedule = (0, 0, 0)
 T = TypeVar("T")
 
 
@@ -123,6 +127,8 @@ class TableHandlers:
         self._tables: dict[str, SparseTable] = {}
         self._locks: dict[str, asyncio.Lock] = {}
         self._sync: dict[str, PartitionClocks] = {}
+        # Per async table, the scheduled calls' pushes applied here (ps_server/tables/scheduled.py).
+        self._scheduled: dict[str, ScheduledPushes] = {}
         self._changed: dict[str, asyncio.Event] = {}  # set (and replaced) when a sync clock is applied
         self._quorum: dict[str, int] | None = dict(settings.static_quorum) if settings.static_quorum else None
         self._dir = Path(settings.checkpoint_dir) if settings.checkpoint_dir else None
@@ -217,32 +223,38 @@ class TableHandlers:
             return await _run(table, len(keys), table.pull, keys, clock or None, out)
 
     async def push(self, name: str, ids: Raw, grads: Raw, clock: int = 0, worker: str = "",
-                   push_id: int = 0, layout_version: int = 0) -> int:
+                   push_id: int = 0, layout_version: int = 0, schedule: Schedule = NOT_SCHEDULED) -> int:
         """`push_id`: the push's idempotence key per worker (0: none); a repeat is dropped, stored 0.
-        `layout_version`: the layout the worker routed the push with (0: none)."""
+        `layout_version`: the layout the worker routed the push with (0: none). `schedule`: a scheduled
+        call's push, applied once per (schedule id, push number) whichever worker sends it."""
         table = self._table(name)
         keys = self._ids(table, ids, "push")
         rows = self._grads(table, keys, grads)
         quorum = self._sync_quorum(name, worker)
+        self._check_scheduled(name, worker, schedule)
         await self._await_lease(name, worker, clock)
         async with self._locks[name]:
-            stored = await self._push(table, keys, rows, clock, worker, quorum, push_id, layout_version)
+            stored = await self._push(table, keys, rows, clock, worker, quorum, push_id, layout_version,
+                                      schedule)
         # Acknowledged once the backups hold it.
         await self.replication.settle(time.monotonic() + self._settings.pull_timeout_s)
         return stored
 
     async def push_pull(self, name: str, push_ids: Raw, grads: Raw, pull_ids: Raw, clock: int = 0,
                         worker: str = "", into: Into | None = None,
-                        push_id: int = 0, layout_version: int = 0) -> tuple[int, np.ndarray]:
+                        push_id: int = 0, layout_version: int = 0,
+                        schedule: Schedule = NOT_SCHEDULED) -> tuple[int, np.ndarray]:
         """Push for `clock`, then pull: at clock + 1 in a sync table (the clock just pushed, applied)."""
         table = self._table(name)
         keys = self._ids(table, push_ids, "push")
         rows = self._grads(table, keys, grads)
         wanted = self._ids(table, pull_ids, "pull")
         quorum = self._sync_quorum(name, worker)
+        self._check_scheduled(name, worker, schedule)
         await self._await_lease(name, worker, clock)
         async with self._locks[name]:
-            stored = await self._push(table, keys, rows, clock, worker, quorum, push_id, layout_version)
+            stored = await self._push(table, keys, rows, clock, worker, quorum, push_id, layout_version,
+                                      schedule)
         if name in self._sync:
             clock += 1
             await self._wait_applied(name, clock, wanted)
@@ -253,16 +265,22 @@ class TableHandlers:
             return stored, await _run(table, len(wanted), table.pull, wanted, clock or None, out)
 
     async def _push(self, table: SparseTable, keys: np.ndarray, rows: np.ndarray, clock: int, worker: str,
-              quorum: dict[str, int] | None, push_id: int = 0, layout_version: int = 0) -> int:
+              quorum: dict[str, int] | None, push_id: int = 0, layout_version: int = 0,
+              schedule: Schedule = NOT_SCHEDULED) -> int:
         name = table.config.name
         sync = self._sync.get(name)
         if sync is None or quorum is None:
+            record = self._scheduled.setdefault(name, ScheduledPushes()) if schedule[0] else None
+            if record is not None and record.repeated(*schedule):
+                return 0  # a re-dispatched call's push that landed on its first run: it counts once
             keep = self.replication.fresh(name, keys, worker, push_id)
             if keep is not None:  # applied before (a resend after a failover): those rows are done
                 keys, rows = keys[keep], rows[keep]
             stored = (await _run(table, len(keys), table.push, keys, rows, clock or None)
                       if keep is None or len(keys) else 0)
             self.replication.changed(name, keys, worker, push_id)
+            if record is not None:
+                record.record(schedule[0], schedule[1])
             return stored
         self.replication.routed(name, layout_version)  # before anything is recorded
         self._apply(name, sync.push(clock, worker, keys, rows, *self._partitioned(keys), quorum))
@@ -285,6 +303,13 @@ class TableHandlers:
         if updates:
             self._changed[name].set()
             self._changed[name] = asyncio.Event()
+
+    def _check_scheduled(self, name: str, worker: str, schedule: Schedule) -> None:
+        """Scheduled calls run on any worker, whenever one is free: only an async table takes their pushes."""
+        if schedule[0] and name in self._sync:
+            raise InvalidArgumentError(
+                f"schedule_id: worker {worker[:256]!r} pushed for scheduled call {schedule[0]} to sync table "
+                f"{name!r}; a ClusterCoordinator's tables are async (TableConfig mode 'async')")
 
     def _sync_quorum(self, name: str, worker: str) -> dict[str, int] | None:
         """The quorum a push to sync table `name` counts in (None: not a sync table); refusals name why."""

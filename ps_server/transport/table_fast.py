@@ -50,14 +50,16 @@ async def serve_table(tables: TableHandlers, header: pb.ExchangeHeader, metas: S
         return room.view(dtype).reshape(n, width)
 
     stamp = header.stamp
+    # A scheduled call's push (pshard.coordinator) carries its schedule in the stamp, as a dense one does.
+    schedule = (stamp.schedule_id, stamp.schedule_seq, stamp.schedule_floor)
     reply = pb.TransportReply()
     if request.push and request.pull:
         stored, _ = await tables.push_pull(request.table, views[0], views[1], views[2], stamp.clock,
                                            stamp.worker_id, into, request.push_id,
-                                           request.layout_version)
+                                           request.layout_version, schedule)
     elif request.push:
         stored = await tables.push(request.table, views[0], views[1], stamp.clock, stamp.worker_id,
-                                   request.push_id, request.layout_version)
+                                   request.push_id, request.layout_version, schedule)
     else:
         stored = 0
         await tables.pull(request.table, views[0], stamp.clock, stamp.worker_id, into)

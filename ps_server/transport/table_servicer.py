@@ -42,7 +42,7 @@ class SparseTablesServicer:
     async def PushRows(self, request: pb.PushRowsRequest, context: object) -> pb.PushRowsResponse:
         stored = await self._handlers.push(request.table, request.ids, request.grads, request.clock,
                                            request.worker_id, request.push_id,
-                                           request.layout_version)
+                                           request.layout_version, _schedule(request))
         return pb.PushRowsResponse(stored=stored)
 
     async def PushPullRows(self, request: pb.PushPullRowsRequest,
@@ -50,7 +50,8 @@ class SparseTablesServicer:
         stored, rows = await self._handlers.push_pull(request.table, request.push_ids, request.grads,
                                                       request.pull_ids, request.clock, request.worker_id,
                                                       push_id=request.push_id,
-                                                      layout_version=request.layout_version)
+                                                      layout_version=request.layout_version,
+                                                      schedule=_schedule(request))
         return await _reply(rows, lambda b: pb.PushPullRowsResponse(stored=stored, rows=b))
 
     async def ExportTable(self, request: pb.ExportTableRequest, context: object) -> pb.ExportTableResponse:
@@ -94,3 +95,8 @@ def rpc_handlers(servicer: SparseTablesServicer, wrap: Wrap) -> grpc.GenericRpcH
     return grpc.method_handlers_generic_handler(SERVICE_NAME, {
         name: grpc.unary_unary_rpc_method_handler(wrap(name, request, getattr(servicer, name)))
         for name, request in methods.items()})
+
+
+def _schedule(request: pb.PushRowsRequest | pb.PushPullRowsRequest) -> tuple[int, int, int]:
+    """A scheduled call's push (pshard.coordinator): (schedule id, push number, floor); id 0: none."""
+    return request.schedule_id, request.schedule_seq, request.schedule_floor

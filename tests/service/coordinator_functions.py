@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from pshard.coordinator.context import RemoteVariable, current
+from pshard.coordinator.context import RemoteTable, RemoteVariable, current
 
 # A call told to hold waits at most this long for the test to kill or release its worker.
 HOLD_S = 60.0
@@ -60,6 +60,21 @@ def hold_then_add(v: RemoteVariable, x: float, marker: str) -> float:
     v.assign_add(x)
     Path(f"{marker}.{ctx.client.worker_id}").write_text(f"applied={ctx.pushes_applied}")
     return float(x)
+
+
+def push_rows(t: RemoteTable, ids: list[int], step: float) -> list[float]:
+    """Pushes a gradient of -step to each row of `ids` (SGD, lr 1: row += step); returns the rows after."""
+    t.push(np.array(ids), np.full((len(ids), t.config.dim), -step, np.float32))
+    return [float(r[0]) for r in t.pull(np.array(ids))]
+
+
+def hold_then_push_rows(t: RemoteTable, ids: list[int], step: float, marker: str) -> float:
+    """hold_then_add for a table's rows: each run writes the rows the servers stored to `marker`.<worker>."""
+    if _first_run(marker):
+        _hold(marker)
+    stored = t.push(np.array(ids), np.full((len(ids), t.config.dim), -step, np.float32))
+    Path(f"{marker}.{current().client.worker_id}").write_text(f"stored={stored}")
+    return step
 
 
 def _first_run(marker: str) -> bool:

@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from pshard.common.errors import InvalidArgumentError, NoWorkersError, ScheduledFunctionError
+from pshard.common.sparse import TableConfig
 
 from tests.e2e.harness import wait_until
 from tests.service import coordinator_functions as f
@@ -150,6 +151,52 @@ def test_a_cut_off_workers_call_runs_elsewhere_and_its_late_push_counts_zero_tim
             assert late.read_text() == "applied=0"
             assert Path(marker + ".worker-1").read_text() == "applied=1"
             assert v.read_value().tolist() == [5.0]
+
+
+def _rows_table(name: str = "emb") -> TableConfig:
+    return TableConfig(name=name, dim=2, initializer="zeros", optimizer="sgd", lr=1.0)
+
+
+def test_a_table_declared_through_the_coordinator_takes_scheduled_row_pushes() -> None:
+    with cluster(workers=1) as c:
+        c.start_worker(0)
+        with c.coordinator() as coordinator:
+            coordinator.create_variable("v", np.zeros(1, np.float32))
+            t = coordinator.create_table(_rows_table())
+            with pytest.raises(InvalidArgumentError, match="expected 'async'"):
+                coordinator.create_table(TableConfig(name="s", dim=2, mode="sync"))
+
+            assert coordinator.schedule(f.push_rows, args=(t, [3, 7], 2.0)).fetch(WAIT_S) == [2.0, 2.0]
+            assert coordinator.schedule(f.push_rows, args=(t, [7], 1.0)).fetch(WAIT_S) == [3.0]
+            assert t.read_rows([3, 7, 9]).tolist() == [[2.0, 2.0], [3.0, 3.0], [0.0, 0.0]]
+            with pytest.raises(InvalidArgumentError, match="create them before"):
+                coordinator.create_table(_rows_table("late"))
+
+
+def test_a_cut_off_workers_table_push_counts_once_when_its_call_runs_elsewhere(tmp_path: Path) -> None:
+    marker = str(tmp_path / "call")
+    with cluster(workers=2, heartbeat_timeout_s=HEARTBEAT_TIMEOUT_S) as c, \
+            CuttableLink(c.scheduler.address) as link:
+        c.start_worker(0, scheduler=link.address)
+        with c.coordinator() as coordinator:
+            coordinator.create_variable("v", np.zeros(1, np.float32))
+            t = coordinator.create_table(_rows_table())
+            call = coordinator.schedule(f.hold_then_push_rows, args=(t, [4], 5.0, marker))
+            wait_until(lambda: Path(marker).exists(), WAIT_S, "worker-0 to hold the call")
+            c.start_worker(1)
+
+            link.cut()  # worker-0 goes on running the call, but the scheduler declares it dead
+            assert call.fetch(WAIT_S) == 5.0
+            assert call.worker == "worker-1"
+
+            link.heal()
+            Path(marker + ".release").touch()  # the cut-off run's push of that row comes after
+            late = Path(marker + ".worker-0")
+            wait_until(late.exists, WAIT_S, "worker-0's late run to push")
+
+            assert late.read_text() == "stored=0"
+            assert Path(marker + ".worker-1").read_text() == "stored=1"
+            assert t.read_rows([4]).tolist() == [[5.0, 5.0]]
 
 
 def test_join_fails_within_two_heartbeat_timeouts_naming_the_calls_when_no_worker_is_left(

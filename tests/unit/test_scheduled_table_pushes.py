@@ -1,0 +1,73 @@
+"""A sparse table applies each scheduled call's push once (ps_server/tables/scheduled.py), through the table
+handlers as both transports call them: a re-dispatched call's push is dropped whichever worker sends it."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+from pshard.common.errors import InvalidArgumentError
+from pshard.common.sparse import TableConfig
+from pshard.ps_server.handlers.tables import TableHandlers
+from pshard.ps_server.settings import ServerSettings
+from pshard.ps_server.tables.scheduled import KEPT, ScheduledPushes
+
+
+def test_a_push_number_is_repeated_once_applied_and_every_push_of_a_finished_call_is() -> None:
+    record = ScheduledPushes()
+    assert not record.repeated(10, 0, 0)
+    record.record(10, 0)
+    assert record.repeated(10, 0, 0)
+    assert not record.repeated(10, 1, 0)  # the call's next push
+    assert not record.repeated(11, 0, 0)  # another call
+    assert record.repeated(10, 5, 11)  # below the floor: finished, any push of it is a late repeat
+    assert not record.repeated(11, 0, 0)  # the floor only rises
+
+
+def test_the_record_forgets_finished_calls_once_it_holds_many() -> None:
+    record = ScheduledPushes()
+    for schedule in range(1, KEPT + 2):
+        record.record(schedule, 0)
+    record.repeated(KEPT + 2, 0, KEPT + 1)
+    record.record(KEPT + 2, 0)
+    assert sorted(record.last) == [KEPT + 1, KEPT + 2]
+
+
+def _ids(*ids: int) -> bytes:
+    return np.array(ids, np.int64).tobytes()
+
+
+def _grads(n: int, step: float) -> bytes:
+    return np.full((n, 2), -step, np.float32).tobytes()
+
+
+def test_a_scheduled_push_sent_again_by_another_worker_counts_once() -> None:
+    async def main() -> None:
+        handlers = TableHandlers(ServerSettings())
+        await handlers.declare(TableConfig("emb", 2, initializer="zeros", lr=1.0))
+        assert await handlers.push("emb", _ids(1, 2), _grads(2, 1.0), worker="worker-0",
+                                   schedule=(7, 0, 7)) == 2
+        assert await handlers.push("emb", _ids(1, 2), _grads(2, 1.0), worker="worker-1",
+                                   schedule=(7, 0, 7)) == 0
+        stored, rows = await handlers.push_pull("emb", _ids(1), _grads(1, 2.0), _ids(1, 2),
+                                                worker="worker-1", schedule=(7, 1, 7))
+        assert stored == 1
+        again, rows = await handlers.push_pull("emb", _ids(1), _grads(1, 2.0), _ids(1, 2),
+                                               worker="worker-0", schedule=(7, 1, 7))
+        assert again == 0
+        assert rows.tolist() == [[3.0, 3.0], [1.0, 1.0]]
+        assert await handlers.push("emb", _ids(1), _grads(1, 1.0), worker="worker-0") == 1  # unscheduled
+    asyncio.run(main())
+
+
+def test_a_sync_table_refuses_a_scheduled_push_and_stays_unchanged() -> None:
+    async def main() -> None:
+        handlers = TableHandlers(ServerSettings())
+        await handlers.declare(TableConfig("s", 2, initializer="zeros", mode="sync"))
+        handlers.set_quorum({"worker-0": 0})
+        with pytest.raises(InvalidArgumentError, match="schedule_id: worker 'worker-0' pushed for scheduled "
+                                                       "call 7 to sync table 's'"):
+            await handlers.push("s", _ids(1), _grads(1, 1.0), worker="worker-0", schedule=(7, 0, 7))
+        assert (await handlers.pull("s", _ids(1))).tolist() == [[0.0, 0.0]]
+    asyncio.run(main())
