@@ -112,7 +112,7 @@ def capture(table: SparseTable, parent: Mapping[str, Any] | None) -> TableImage:
         removed = np.concatenate(logged).astype(np.int64) if logged else removed
     meta: dict[str, Any] = {"config": dataclasses.asdict(table.config), "step": table.step,
                             "clock": table.clock, "evicted": table.evicted, "token": table.token,
-                            "epoch": epoch, "since": since}
+                            "epoch": epoch, "since": since, "scheduled": table.scheduled.state()}
     admission = None
     if table.admission is not None:
         counters, meta["admit_added"], meta["admit_epoch"] = table.admission.state()

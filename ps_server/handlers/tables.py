@@ -59,7 +59,6 @@ from pshard.ps_server.core.lease import SchedulerLease
 from pshard.ps_server.replication.api import NO_ROW_REPLICATION, RowReplication
 from pshard.ps_server.settings import ServerSettings
 from pshard.ps_server.tables.files import append_ids, export_table, load_tables, save_tables
-from pshard.ps_server.tables.scheduled import ScheduledPushes
 from pshard.ps_server.tables.sync import OWN, PartitionClocks
 from pshard.ps_server.tables.table import SparseTable
 
@@ -127,8 +126,6 @@ class TableHandlers:
         self._tables: dict[str, SparseTable] = {}
         self._locks: dict[str, asyncio.Lock] = {}
         self._sync: dict[str, PartitionClocks] = {}
-        # Per async table, the scheduled calls' pushes applied here (ps_server/tables/scheduled.py).
-        self._scheduled: dict[str, ScheduledPushes] = {}
         self._changed: dict[str, asyncio.Event] = {}  # set (and replaced) when a sync clock is applied
         self._quorum: dict[str, int] | None = dict(settings.static_quorum) if settings.static_quorum else None
         self._dir = Path(settings.checkpoint_dir) if settings.checkpoint_dir else None
@@ -270,7 +267,7 @@ class TableHandlers:
         name = table.config.name
         sync = self._sync.get(name)
         if sync is None or quorum is None:
-            record = self._scheduled.setdefault(name, ScheduledPushes()) if schedule[0] else None
+            record = table.scheduled if schedule[0] else None
             if record is not None and record.repeated(*schedule):
                 return 0  # a re-dispatched call's push that landed on its first run: it counts once
             keep = self.replication.fresh(name, keys, worker, push_id)
@@ -278,9 +275,9 @@ class TableHandlers:
                 keys, rows = keys[keep], rows[keep]
             stored = (await _run(table, len(keys), table.push, keys, rows, clock or None)
                       if keep is None or len(keys) else 0)
-            self.replication.changed(name, keys, worker, push_id)
-            if record is not None:
+            if record is not None:  # before `changed`: the record rides with the push's rows to the backups
                 record.record(schedule[0], schedule[1])
+            self.replication.changed(name, keys, worker, push_id)
             return stored
         self.replication.routed(name, layout_version)  # before anything is recorded
         self._apply(name, sync.push(clock, worker, keys, rows, *self._partitioned(keys), quorum))

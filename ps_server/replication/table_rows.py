@@ -87,6 +87,10 @@ class RowBatch:
     # Sync tables: per row partition, the first clock not applied when the rows were captured.
     applied: dict[int, int] | None = None
     admit_epoch: int = 0  # halvings of the primary's admission counts at capture
+    # The table's scheduled calls' record (ps_server/tables/scheduled.py): schedule id -> last push number,
+    # and its floor. None: not in this batch (an older primary's, or rows of a push not all shipped yet).
+    scheduled: dict[int, int] | None = None
+    schedule_floor: int = 0
 
     @property
     def nbytes(self) -> int:
@@ -129,7 +133,8 @@ def capture(table: SparseTable, ids: np.ndarray, pushes: dict[str, list[PushKey]
                     table.step, table.clock, table.evicted, table.admitted, ids[counts > 0].copy(),
                     counts[counts > 0],
                     json.dumps(table.rng_state) if table.config.admit_prob < 1.0 else "", pushes or {},
-                    admit_epoch=table.admit_epoch)
+                    admit_epoch=table.admit_epoch, scheduled=dict(table.scheduled.last),
+                    schedule_floor=table.scheduled.floor)
 
 
 def install(table: SparseTable, batch: RowBatch) -> None:
@@ -146,6 +151,8 @@ def install(table: SparseTable, batch: RowBatch) -> None:
         batch.admitted
     if batch.rng_state:
         table.rng_state = json.loads(batch.rng_state)
+    if batch.scheduled is not None:
+        table.scheduled.replace(batch.schedule_floor, batch.scheduled)
 
 
 def all_ids(table: SparseTable) -> np.ndarray:
@@ -168,6 +175,7 @@ def merge(into: SparseTable, replica: SparseTable) -> np.ndarray:
     into.clock = max(into.clock, replica.clock)
     into.evicted += replica.evicted
     into.admitted += replica.admitted
+    into.scheduled.merge(replica.scheduled.floor, replica.scheduled.last)
     return np.concatenate(moved) if moved else np.zeros(0, np.int64)
 
 

@@ -73,6 +73,10 @@ def batch_into_proto(b: RowBatch, msg: pb.TableReplica, segment: str = "", offse
         entry.partitions.extend(p for _, p in keys)
     if b.applied:
         msg.applied_clocks.update(b.applied)
+    if b.scheduled is not None:
+        msg.has_scheduled = True
+        msg.scheduled.update(b.scheduled)
+        msg.schedule_floor = b.schedule_floor
 
 
 def columns_into_proto(b: RowBatch, msg: pb.TableReplica) -> None:
@@ -136,7 +140,8 @@ def batch_from_proto(msg: pb.TableReplica, maps: SegmentMaps | None = None, prim
                     msg.admitted, np.frombuffer(msg.seen_ids, _ID), np.frombuffer(msg.seen_counts, "<i4"),
                     msg.rng_state,
                     {w: list(zip(p.ids, p.partitions, strict=True)) for w, p in msg.pushes.items()},
-                    dict(msg.applied_clocks) if config.mode == "sync" else None, msg.admit_epoch)
+                    dict(msg.applied_clocks) if config.mode == "sync" else None, msg.admit_epoch,
+                    dict(msg.scheduled) if msg.has_scheduled else None, msg.schedule_floor)
 
 
 def _from_frame(config: TableConfig, name: str, raw: np.ndarray | None, shape: tuple[int, ...],

@@ -533,6 +533,10 @@ class TableReplication:
             offset = segment.position if segment is not None else 0
             batch = capture(table, ids, pushes, alloc)
             batch.applied = self._tables.sync_applied(table.config.name)
+            if table.config.name in peer.dirty or any(n == table.config.name for n, _ in peer.backlog):
+                # The scheduled record goes with the table's last rows, as the push keys do: an heir that
+                # held it before the rest of a push's rows would drop the re-dispatched push's.
+                batch.scheduled = None
             batches.append((batch, segment.name if segment else "", offset))
         return _Call(seq, batches, drained, taken, peer.incarnation)
 

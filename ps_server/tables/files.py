@@ -126,7 +126,8 @@ def _save_tables(directory: Path, name: str, tables: list[SparseTable], pointer:
             _stream_column(table, sub / f"{column}.npy", _rows_of(array), array.dtype, row_shape,
                            _column(column))
         meta: dict[str, Any] = {"config": dataclasses.asdict(table.config), "step": table.step,
-                                "clock": table.clock, "evicted": table.evicted}
+                                "clock": table.clock, "evicted": table.evicted,
+                                "scheduled": table.scheduled.state()}
         if table.admission is not None:
             counters, meta["admit_added"], meta["admit_epoch"] = table.admission.state()
             _write_npy(sub / "admission.npy", counters.dtype, counters.shape, [counters])
@@ -178,6 +179,7 @@ def _load_tables(directory: Path, pointer: Path, make: Callable[[TableConfig], S
             chunk = {c: np.array(a[start:stop]) for c, a in columns.items()}
             table.restore_rows(np.array(ids[start:stop]), chunk)
         table.step, table.clock, table.evicted = int(meta["step"]), float(meta["clock"]), int(meta["evicted"])
+        table.scheduled.load(meta.get("scheduled"))  # an older checkpoint has none
         restore_admission(table, sub, meta)
         tables.append(table)
     return tables

@@ -6,9 +6,18 @@ the push's number within the call, the same on every run, so a table applies eac
 number) once, whichever worker sends it: the dense store's record (ps_server/core/store.py, `_repeated`)
 for table rows. A call's pushes are waited for one at a time, so the last number applied says which
 came before it. Ids below the coordinator's floor have finished: a push of one is a late repeat.
+
+The record is the table's (SparseTable.scheduled), so it travels where the rows do: to the backups with
+each batch (ps_server/replication/table_rows.py), into an heir on failover (`merge`), into the server's
+table checkpoint and a global checkpoint's part (`state` / `load`). An heir or a restore folding two
+servers' records keeps each call's larger push number: exact when a call's pushes reached both (the
+common case, one push per table per call); a push that reached one server and not the other before it
+died is dropped on the other's rows when re-dispatched (docs/guide/coordinator.md, "Not yet").
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 # A table forgets the records of finished calls once it holds this many (as the dense store does).
 KEPT = 1024
@@ -32,3 +41,22 @@ class ScheduledPushes:
         if len(self.last) > KEPT:  # amortised: the record stays bounded by the calls in flight
             for finished in [s for s in self.last if s < self.floor]:
                 del self.last[finished]
+
+    def state(self) -> dict[str, Any]:
+        """The record as json holds it (a checkpoint's table.json)."""
+        return {"floor": self.floor, "last": {str(s): n for s, n in self.last.items()}}  # keys: strings
+
+    def load(self, state: dict[str, Any] | None) -> None:
+        """Fold a saved record in (`state`: None from an older checkpoint, which has none)."""
+        if state:
+            self.merge(int(state.get("floor", 0)), {int(s): int(n) for s, n in state.get("last", {}).items()})
+
+    def merge(self, floor: int, last: dict[int, int]) -> None:
+        """Fold another server's record in (an heir's, a restore's): each call's larger push number."""
+        self.floor = max(self.floor, floor)
+        for schedule, seq in last.items():
+            self.last[schedule] = max(seq, self.last.get(schedule, -1))
+
+    def replace(self, floor: int, last: dict[int, int]) -> None:
+        """Hold a primary's record as it is (a backup's replica)."""
+        self.floor, self.last = floor, dict(last)

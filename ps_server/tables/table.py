@@ -65,6 +65,7 @@ from pshard.ps_server.tables import row_optim, rowcodec
 from pshard.ps_server.tables.admission import CountMinSketch
 from pshard.ps_server.tables.disktier import DIRECTORY_BYTES, DiskTier, RecordLayout, TierStats
 from pshard.ps_server.tables.rowhash import IdIndex
+from pshard.ps_server.tables.scheduled import ScheduledPushes
 
 log = logging.getLogger("pshard.ps")
 
@@ -129,6 +130,8 @@ class SparseTable:
         self.clock = 0.0  # newest clock seen (ttl in clocks)
         self.evicted = 0
         self.admitted = 0  # rows created by requests (restored ones are not admissions)
+        # Scheduled calls' pushes applied (pshard.coordinator): replicated and checkpointed with the rows.
+        self.scheduled = ScheduledPushes()
         # Sightings of ids that are not rows yet (admission by count): bounded memory, None without.
         self.admission = (CountMinSketch(int(config.admit_memory_mb * 2**20), config.admit_after, config.seed)
                           if config.admit_after > 1 else None)

@@ -4,14 +4,21 @@ handlers as both transports call them: a re-dispatched call's push is dropped wh
 from __future__ import annotations
 
 import asyncio
+import json
+from pathlib import Path
 
 import numpy as np
 import pytest
+from pshard.common import checkpoint_store as ckpt
 from pshard.common.errors import InvalidArgumentError
+from pshard.common.job import JobConfig, OptimizerConfig
 from pshard.common.sparse import TableConfig
+from pshard.ps_server.checkpoints.global_part import capture_part, restore_tables, write_image
+from pshard.ps_server.core.store import ShardSnapshot
 from pshard.ps_server.handlers.tables import TableHandlers
 from pshard.ps_server.settings import ServerSettings
 from pshard.ps_server.tables.scheduled import KEPT, ScheduledPushes
+from pshard.ps_server.tables.table import SparseTable
 
 
 def test_a_push_number_is_repeated_once_applied_and_every_push_of_a_finished_call_is() -> None:
@@ -71,3 +78,49 @@ def test_a_sync_table_refuses_a_scheduled_push_and_stays_unchanged() -> None:
             await handlers.push("s", _ids(1), _grads(1, 1.0), worker="worker-0", schedule=(7, 0, 7))
         assert (await handlers.pull("s", _ids(1))).tolist() == [[0.0, 0.0]]
     asyncio.run(main())
+
+
+def test_a_restored_server_drops_a_scheduled_push_its_checkpoint_holds_and_an_older_one_loads(
+        tmp_path: Path) -> None:
+    """The record is saved with the table (the server's own checkpoint): a call re-dispatched after a
+    restart counts once. A checkpoint from before the record loads, with an empty one."""
+    async def main() -> None:
+        settings = ServerSettings(checkpoint_dir=str(tmp_path), shard_name="server-0")
+        handlers = TableHandlers(settings)
+        await handlers.declare(TableConfig("emb", 2, initializer="zeros", lr=1.0))
+        assert await handlers.push("emb", _ids(1, 2), _grads(2, 1.0), worker="worker-0",
+                                   schedule=(7, 0, 5)) == 2
+        assert await handlers.checkpoint() is not None
+        restored = TableHandlers(settings)
+        assert await restored.push("emb", _ids(1, 2), _grads(2, 1.0), worker="worker-1",
+                                   schedule=(7, 0, 5)) == 0
+        assert await restored.push("emb", _ids(1), _grads(1, 1.0), worker="worker-1",
+                                   schedule=(7, 1, 5)) == 1  # the call's next push
+        assert (await restored.pull("emb", _ids(1, 2))).tolist() == [[2.0, 2.0], [1.0, 1.0]]
+        for meta in tmp_path.glob("server-0.tables-*/t0/table.json"):  # as an older server wrote it
+            saved = json.loads(meta.read_text())
+            del saved["scheduled"]
+            meta.write_text(json.dumps(saved))
+        older = TableHandlers(settings)
+        assert await older.push("emb", _ids(1), _grads(1, 1.0), worker="worker-1", schedule=(7, 0, 5)) == 1
+    asyncio.run(main())
+
+
+def test_a_global_checkpoint_part_restores_the_record_folded_over_servers(tmp_path: Path) -> None:
+    """Each server's part holds its tables' records; a restore onto any server count folds them (each
+    call's larger push number), so a re-dispatched push is dropped wherever its rows now live."""
+    config = TableConfig("emb", 2, initializer="zeros", lr=1.0)
+    job = JobConfig(mode="async", optimizer=OptimizerConfig(name="sgd", lr=0.1), job_id="sched")
+    tables = [SparseTable(config), SparseTable(config)]
+    for i, (schedule, seq) in enumerate([(7, 1), (7, 0)]):  # push 1 of call 7 reached server 0 only
+        tables[i].scheduled.repeated(schedule, seq, 3)
+        tables[i].scheduled.record(schedule, seq)
+    tables[1].scheduled.record(9, 2)
+    directory = ckpt.new_directory(tmp_path / "root", 1)
+    parts = [write_image(directory, capture_part(i, ShardSnapshot(job, (), {}, None, (), {}), {}, [t]))
+             for i, t in enumerate(tables)]
+    ckpt.commit(directory, 1, job, {}, parts)
+    checkpoint = ckpt.load_manifest(directory, verify=True)
+    [restored] = restore_tables(checkpoint, 0, 1, SparseTable)
+    assert (restored.scheduled.floor, restored.scheduled.last) == (3, {7: 1, 9: 2})
+    assert restored.scheduled.repeated(7, 1, 3) and not restored.scheduled.repeated(7, 2, 3)

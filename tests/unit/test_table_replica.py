@@ -154,3 +154,20 @@ def test_fail_over_moves_row_partitions_with_the_slices_and_again_after_a_second
     round_trip = codec.layout_from_proto(codec.layout_to_proto(dataclasses.replace(again, version=4)))
     assert round_trip.row_owners == (0, 0, 0) and round_trip.version == 4
     assert codec.layout_from_proto(codec.layout_to_proto(layout)).row_owners == ()
+
+
+def test_the_scheduled_record_reaches_the_replica_whole_and_a_batch_without_it_keeps_the_replicas() -> None:
+    primary, replica = _table(), _table()
+    primary.scheduled.repeated(7, 0, 5)
+    primary.scheduled.record(7, 0)
+    install(replica, batch_from_proto(batch_to_proto(capture(primary, _push(primary, [1, 2], 0)))))
+    assert (replica.scheduled.floor, replica.scheduled.last) == (5, {7: 0})
+    primary.scheduled.record(7, 1)
+    partial = capture(primary, _push(primary, [3], 1))
+    partial.scheduled = None  # rows of the table still to come (or an older primary's batch)
+    install(replica, batch_from_proto(batch_to_proto(partial)))
+    assert replica.scheduled.last == {7: 0}
+    heir = _table()
+    heir.scheduled.record(8, 3)
+    merge(heir, replica)
+    assert (heir.scheduled.floor, heir.scheduled.last) == (5, {7: 0, 8: 3})
