@@ -228,7 +228,8 @@ def restore_tables(checkpoint: ckpt.Checkpoint, server: int, servers: int,
                     table.restore_rows(chunk_ids[mine], {c: a[mine] for c, a in chunk.items()})
             table.step = max(table.step, int(meta["step"]))
             table.clock = max(table.clock, float(meta["clock"]))
-            table.scheduled.load(meta.get("scheduled"))  # each part's record folded in; older parts: none
+            # Each part's record folded in (older parts: none), over its partitions: they need not be ours.
+            table.scheduled.load(meta.get("scheduled"), partitioned=False)
             restore_admission(table, sub, meta)
     return list(tables.values())
 

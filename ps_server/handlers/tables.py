@@ -59,6 +59,7 @@ from pshard.ps_server.core.lease import SchedulerLease
 from pshard.ps_server.replication.api import NO_ROW_REPLICATION, RowReplication
 from pshard.ps_server.settings import ServerSettings
 from pshard.ps_server.tables.files import append_ids, export_table, load_tables, save_tables
+from pshard.ps_server.tables.scheduled import ALL
 from pshard.ps_server.tables.sync import OWN, PartitionClocks
 from pshard.ps_server.tables.table import SparseTable
 
@@ -268,15 +269,23 @@ class TableHandlers:
         sync = self._sync.get(name)
         if sync is None or quorum is None:
             record = table.scheduled if schedule[0] else None
-            if record is not None and record.repeated(*schedule):
-                return 0  # a re-dispatched call's push that landed on its first run: it counts once
+            partition = self.replication.partitions(keys) if record is not None else ALL
+            if record is not None:
+                # A re-dispatched call's push counts once per partition, as a resend does by its push key:
+                # the rows of a partition that applied it on the call's first run are dropped, the others
+                # (a partition the first run's push never reached before a failover) applied.
+                fresh = record.fresh(*schedule, partition)
+                if fresh is not None:
+                    if not fresh.any():
+                        return 0
+                    keys, rows = keys[fresh], rows[fresh]
             keep = self.replication.fresh(name, keys, worker, push_id)
             if keep is not None:  # applied before (a resend after a failover): those rows are done
                 keys, rows = keys[keep], rows[keep]
             stored = (await _run(table, len(keys), table.push, keys, rows, clock or None)
                       if keep is None or len(keys) else 0)
             if record is not None:  # before `changed`: the record rides with the push's rows to the backups
-                record.record(schedule[0], schedule[1])
+                record.record(schedule[0], schedule[1], partition)
             self.replication.changed(name, keys, worker, push_id)
             return stored
         self.replication.routed(name, layout_version)  # before anything is recorded

@@ -87,10 +87,12 @@ class RowBatch:
     # Sync tables: per row partition, the first clock not applied when the rows were captured.
     applied: dict[int, int] | None = None
     admit_epoch: int = 0  # halvings of the primary's admission counts at capture
-    # The table's scheduled calls' record (ps_server/tables/scheduled.py): schedule id -> last push number,
-    # and its floor. None: not in this batch (an older primary's, or rows of a push not all shipped yet).
+    # The table's scheduled calls' record (ps_server/tables/scheduled.py): schedule id -> last push number
+    # for every partition, its floor, and per row partition (`scheduled_parts`). None: not in this batch (an
+    # older primary's, or rows of a push not all shipped yet).
     scheduled: dict[int, int] | None = None
     schedule_floor: int = 0
+    scheduled_parts: dict[int, dict[int, int]] = field(default_factory=dict)  # per row partition
 
     @property
     def nbytes(self) -> int:
@@ -134,7 +136,8 @@ def capture(table: SparseTable, ids: np.ndarray, pushes: dict[str, list[PushKey]
                     counts[counts > 0],
                     json.dumps(table.rng_state) if table.config.admit_prob < 1.0 else "", pushes or {},
                     admit_epoch=table.admit_epoch, scheduled=dict(table.scheduled.last),
-                    schedule_floor=table.scheduled.floor)
+                    schedule_floor=table.scheduled.floor,
+                    scheduled_parts={p: dict(kept) for p, kept in table.scheduled.parts.items()})
 
 
 def install(table: SparseTable, batch: RowBatch) -> None:
@@ -152,7 +155,7 @@ def install(table: SparseTable, batch: RowBatch) -> None:
     if batch.rng_state:
         table.rng_state = json.loads(batch.rng_state)
     if batch.scheduled is not None:
-        table.scheduled.replace(batch.schedule_floor, batch.scheduled)
+        table.scheduled.replace(batch.schedule_floor, batch.scheduled, batch.scheduled_parts)
 
 
 def all_ids(table: SparseTable) -> np.ndarray:
@@ -175,7 +178,8 @@ def merge(into: SparseTable, replica: SparseTable) -> np.ndarray:
     into.clock = max(into.clock, replica.clock)
     into.evicted += replica.evicted
     into.admitted += replica.admitted
-    into.scheduled.merge(replica.scheduled.floor, replica.scheduled.last)
+    # The replica's partitions are the dead primary's: the heir takes its record for exactly those.
+    into.scheduled.merge(replica.scheduled.floor, replica.scheduled.last, replica.scheduled.parts)
     return np.concatenate(moved) if moved else np.zeros(0, np.int64)
 
 

@@ -77,6 +77,8 @@ def batch_into_proto(b: RowBatch, msg: pb.TableReplica, segment: str = "", offse
         msg.has_scheduled = True
         msg.scheduled.update(b.scheduled)
         msg.schedule_floor = b.schedule_floor
+        for p, kept in b.scheduled_parts.items():
+            msg.scheduled_partitions[p].last.update(kept)
 
 
 def columns_into_proto(b: RowBatch, msg: pb.TableReplica) -> None:
@@ -141,7 +143,8 @@ def batch_from_proto(msg: pb.TableReplica, maps: SegmentMaps | None = None, prim
                     msg.rng_state,
                     {w: list(zip(p.ids, p.partitions, strict=True)) for w, p in msg.pushes.items()},
                     dict(msg.applied_clocks) if config.mode == "sync" else None, msg.admit_epoch,
-                    dict(msg.scheduled) if msg.has_scheduled else None, msg.schedule_floor)
+                    dict(msg.scheduled) if msg.has_scheduled else None, msg.schedule_floor,
+                    {p: dict(kept.last) for p, kept in msg.scheduled_partitions.items()})
 
 
 def _from_frame(config: TableConfig, name: str, raw: np.ndarray | None, shape: tuple[int, ...],

@@ -114,7 +114,7 @@ def test_a_global_checkpoint_part_restores_the_record_folded_over_servers(tmp_pa
     tables = [SparseTable(config), SparseTable(config)]
     for i, (schedule, seq) in enumerate([(7, 1), (7, 0)]):  # push 1 of call 7 reached server 0 only
         tables[i].scheduled.repeated(schedule, seq, 3)
-        tables[i].scheduled.record(schedule, seq)
+        tables[i].scheduled.record(schedule, seq, i)  # each server's own partition: not the restore's
     tables[1].scheduled.record(9, 2)
     directory = ckpt.new_directory(tmp_path / "root", 1)
     parts = [write_image(directory, capture_part(i, ShardSnapshot(job, (), {}, None, (), {}), {}, [t]))
@@ -122,5 +122,40 @@ def test_a_global_checkpoint_part_restores_the_record_folded_over_servers(tmp_pa
     ckpt.commit(directory, 1, job, {}, parts)
     checkpoint = ckpt.load_manifest(directory, verify=True)
     [restored] = restore_tables(checkpoint, 0, 1, SparseTable)
-    assert (restored.scheduled.floor, restored.scheduled.last) == (3, {7: 1, 9: 2})
+    record = restored.scheduled
+    assert (record.floor, record.last, record.parts) == (3, {7: 1, 9: 2}, {})  # over the partitions
     assert restored.scheduled.repeated(7, 1, 3) and not restored.scheduled.repeated(7, 2, 3)
+
+
+def test_the_record_is_per_partition_and_a_push_spanning_partitions_keeps_the_rows_of_fresh_ones() -> None:
+    record = ScheduledPushes()
+    record.record(7, 0, np.array([2, 2, 2]))  # push 0 of call 7 reached partition 2 only
+    partition = np.array([1, 2, 1, 2])
+    keep = record.fresh(7, 0, 3, partition)
+    assert keep is not None and keep.tolist() == [True, False, True, False]
+    assert record.fresh(7, 1, 3, partition) is None  # the call's next push: new everywhere
+    record.record(7, 0, partition)
+    keep = record.fresh(7, 0, 3, partition)
+    assert keep is not None and not keep.any()
+    assert record.fresh(7, 0, 3, 1) is not None and record.fresh(7, 0, 3, 3) is None  # one partition served
+    assert record.parts == {1: {7: 0}, 2: {7: 0}} and record.last == {}
+    assert record.fresh(6, 9, 7, 3) is not None  # below the floor: finished, everywhere
+
+
+def test_a_saved_record_loads_per_partition_an_older_one_everywhere_and_heirs_fold_nothing_across() -> None:
+    record = ScheduledPushes()
+    record.record(7, 2, 1)
+    record.record(8, 0)  # before the layout was known: every partition's
+    saved = json.loads(json.dumps(record.state()))
+    loaded = ScheduledPushes()
+    loaded.load(saved)
+    assert (loaded.last, loaded.parts) == ({8: 0}, {1: {7: 2}})
+    older = ScheduledPushes()
+    older.load({"floor": 4, "last": {"7": 2}})  # from before partitions: applies to all of them
+    keep = older.fresh(7, 2, 4, np.array([0, 5]))
+    assert older.floor == 4 and keep is not None and not keep.any()
+    heir = ScheduledPushes()
+    heir.record(7, 5, 2)
+    heir.merge(record.floor, record.last, record.parts)  # the dead primary's partition 1
+    assert heir.parts == {1: {7: 2}, 2: {7: 5}}
+    assert heir.repeated(7, 2, 0, 1) and not heir.repeated(7, 3, 0, 1)

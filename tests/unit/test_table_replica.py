@@ -171,3 +171,14 @@ def test_the_scheduled_record_reaches_the_replica_whole_and_a_batch_without_it_k
     heir.scheduled.record(8, 3)
     merge(heir, replica)
     assert (heir.scheduled.floor, heir.scheduled.last) == (5, {7: 0, 8: 3})
+
+
+def test_the_record_per_partition_reaches_the_replica_and_the_heir_takes_it_for_those_only() -> None:
+    primary, replica, heir = _table(), _table(), _table()
+    primary.scheduled.record(7, 0, 1)  # call 7's push reached the primary's partition 1, not the heir's 2
+    install(replica, batch_from_proto(batch_to_proto(capture(primary, _push(primary, [1, 2], 0)))))
+    assert replica.scheduled.parts == {1: {7: 0}}
+    heir.scheduled.record(7, 1, 2)
+    merge(heir, replica)
+    assert heir.scheduled.parts == {1: {7: 0}, 2: {7: 1}}  # not folded: push 1 is new on partition 1
+    assert not heir.scheduled.repeated(7, 1, 0, 1) and heir.scheduled.repeated(7, 1, 0, 2)
