@@ -2,7 +2,8 @@
 (`pshard worker --serve`), the coordinator in this test. 200 scheduled increments of known sizes, one worker
 SIGKILLed right after a call's push landed: the call runs again elsewhere, and the variable ends at exactly
 the sum (the re-run's push is dropped by its schedule id, nothing is lost). An evaluator sidecar scoring the
-weights while the coordinator trains. And TensorFlow's sample through `pshard launch --coordinator`.
+weights while the coordinator trains. TensorFlow's sample, and the Fashion-MNIST example to the issue's
+accuracy, through `pshard launch --coordinator`.
 """
 
 from __future__ import annotations
@@ -119,3 +120,18 @@ def test_an_evaluator_sidecar_scores_the_weights_while_the_coordinator_trains(pr
     final = evaluator.final()
     assert final is not None and final["role"] == "evaluator" and int(final["evals"]) >= 3
     assert 0.0 <= float(final["test_accuracy"]) <= 1.0
+
+
+MNIST_BAR = 0.85  # the issue's bar; the example measured 0.8676 at its default 3000 steps
+MNIST_TIMEOUT_S = 240.0  # about 40 s of training on 2 busy cores, plus the data and start-ups
+
+
+@pytest.mark.timeout(300)
+def test_the_coordinator_mnist_example_reaches_the_issues_accuracy(procs: Procs) -> None:
+    launcher = start_launcher(procs, "--ps", "2", "--workers", "2", "--insecure",
+                              "--coordinator", "examples/coordinator_mnist.py")
+    assert launcher.wait(MNIST_TIMEOUT_S) == 0, launcher.output()
+
+    finals = [line for line in launcher.lines if line.startswith("[chief-0] final: test_accuracy=")]
+    assert len(finals) == 1, launcher.output()
+    assert float(finals[0].rsplit("=", 1)[1]) >= MNIST_BAR, finals[0]
