@@ -19,8 +19,8 @@ from pshard.common.argtypes import positive_float
 from pshard.common.cluster.replicas import NoInSyncCopyError
 from pshard.common.cluster.view import ClusterView, Node, NodeState
 from pshard.common.errors import InvalidArgumentError, PSError
-from pshard.common.security.credentials import SecurityConfig, add_security_arguments, security_from_args
-from pshard.status import _launcher_security, _scheduler_address
+from pshard.common.security.credentials import SecurityConfig, add_security_arguments
+from pshard.status import admin_target
 
 PROG = "pshard drain"
 # Between tries: a server's in-sync report rides on its heartbeats (ps_server/drain.py).
@@ -90,9 +90,7 @@ def drain(scheduler: str, server: str, timeout_s: float, security: SecurityConfi
 def main(argv: Sequence[str] | None = None, *, prog: str = PROG) -> int:
     args = build_parser(prog).parse_args(argv)
     try:
-        scheduler = _scheduler_address(args, os.environ)
-        _launcher_security(args, scheduler, os.environ)
-        security = security_from_args(args, os.environ, role="admin")
+        scheduler, security = admin_target(args, os.environ)
     except Exception as err:  # a bad TF_CONFIG names its field
         print(f"{prog}: error: {err}", file=sys.stderr)
         return 2

@@ -288,6 +288,15 @@ def _scheduler_address(args: argparse.Namespace, environ: Mapping[str, str]) -> 
 _SECURITY_FLAGS = ("tls_cert", "tls_key", "tls_ca", "token_file", "tls_dir", "insecure")
 
 
+def admin_target(args: argparse.Namespace, environ: Mapping[str, str]) -> tuple[str, SecurityConfig]:
+    """The scheduler an admin command (`pshard status`, `pshard drain`) talks to, and its credentials as
+    the `admin` role: from the flags, else TF_CONFIG, else the running `pshard launch`. Raises on a bad
+    TF_CONFIG, naming its field."""
+    scheduler = _scheduler_address(args, environ)
+    _launcher_security(args, scheduler, environ)
+    return scheduler, security_from_args(args, environ, role="admin")
+
+
 def _launcher_security(args: argparse.Namespace, scheduler: str, environ: Mapping[str, str]) -> None:
     """No credentials given, and `scheduler` is a running `pshard launch`'s: that launch's (its certificates'
     folder holds an admin's), or none for an --insecure launch (pshard.launcher.record). Anything given
@@ -321,9 +330,7 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None, *, prog: str = PROG) -> int:
     args = build_parser(prog).parse_args(argv)
     try:
-        scheduler = _scheduler_address(args, os.environ)
-        _launcher_security(args, scheduler, os.environ)
-        security = security_from_args(args, os.environ, role="admin")
+        scheduler, security = admin_target(args, os.environ)
     except Exception as err:  # a bad TF_CONFIG names its field
         print(f"{prog}: error: {err}", file=sys.stderr)
         return 2
