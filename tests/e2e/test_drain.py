@@ -251,7 +251,7 @@ def test_a_drain_whose_scheduler_is_sigkilled_completes_once_it_restarts(procs: 
             restarted = procs.start("scheduler-restarted", scheduler.argv,
                                     tf_config=cluster.plan.tf_config(cluster.task("scheduler")))
             restarted.wait_for_line(r"registered ps-1 ", RUN_TIMEOUT_S)
-            assert ps1.alive, ps1.output()  # refused while the restarted scheduler has no layout
+            assert ps1.alive(), ps1.output()  # refused while the restarted scheduler has no layout
             wait_until(give_layout_back, RUN_TIMEOUT_S, "worker-0 giving the layout back")
             assert ps1.wait(RUN_TIMEOUT_S) == 0, ps1.output()
             for f in futures:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
+from typing import Any
 
 import grpc
 import numpy as np
@@ -131,7 +132,7 @@ def test_without_a_root_global_checkpoints_are_refused_naming_the_flag(start_ser
 def test_a_phase_parent_or_background_write_that_does_not_exist_is_refused_naming_it(server, wire, dirs):
     directory = str(dirs[0] / "ckpt-0")
 
-    def save(**fields: object) -> pb.SaveCheckpointPartResponse:
+    def save(**fields: Any) -> pb.SaveCheckpointPartResponse:
         return wire.stub(server).SaveCheckpointPart(pb.SaveCheckpointPartRequest(
             directory=directory, clock=0, ranges=_ranges(), server=0, **fields), timeout=WAIT_S)
 
