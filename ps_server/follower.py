@@ -49,7 +49,7 @@ log = logging.getLogger("pshard.ps")
 
 # How often a primary recomputes which backups are in sync (sent with the next heartbeat).
 IN_SYNC_REPORT_S = 0.25
-# Workers a restarted scheduler forgot are waited for while they re-register (core/quorum.py): this
+# Workers a restarted scheduler forgot are waited for while they re-register (ps_server/core/quorum.py): this
 # long until registration tells the scheduler's heartbeat timeout, twice which it is from then on.
 _FIRST_GRACE_S = 10.0
 
