@@ -43,9 +43,11 @@ ASYNC_CLIENTS = 4
 ASYNC_PUSHES = 40  # per client
 ASYNC_DRAIN_AFTER = 60  # acknowledged pushes in all, before the SIGTERM
 # Digits' 1437 training images in union batches of 2 x 32: 23 clocks an epoch (tests/e2e/test_elastic.py).
-DENSE_RUN = ("--epochs", "1", "--batch-size", "32", "--threads", "1")
-DENSE_CLOCKS = 23
-DENSE_DRAIN_AT = 8  # worker 0's steps logged when ps-1 gets SIGTERM
+# Three epochs, so that the workers are still training when they are paused at DENSE_DRAIN_AT steps (one
+# epoch took 0.4 s, and a CI run once saw it end before the drain).
+DENSE_RUN = ("--epochs", "3", "--batch-size", "32", "--threads", "1")
+DENSE_CLOCKS = 3 * 23
+DENSE_DRAIN_AT = 8  # worker 0's steps logged when the workers are paused and ps-1 gets SIGTERM
 
 
 def _batch(worker: int, clock: int) -> tuple[np.ndarray, np.ndarray]:
@@ -116,8 +118,11 @@ def test_a_drained_server_hands_its_partitions_over_and_exits_0(procs: Procs, tr
 
 def _start_dense(procs: Procs, name: str, num_ps: int, *ps_args: str,
                  drain_on_term: int | None = None) -> tuple[LocalCluster, list[Proc]]:
-    """The scheduler and servers (awaited later) of a sync MLP job on digits, in its own directory."""
-    cluster = LocalCluster(procs, num_ps=num_ps, workdir=procs.tmp_path / name, prefix=f"{name}-")
+    """The scheduler and servers (awaited later) of a sync MLP job on digits, in its own directory.
+    Heartbeats outlast the pause of the workers while ps-1 drains: a paused worker must not be declared
+    dead meanwhile (that would change the union batches and the result)."""
+    cluster = LocalCluster(procs, num_ps=num_ps, workdir=procs.tmp_path / name, prefix=f"{name}-",
+                           heartbeat_timeout_ms=60_000)
     started = [cluster.start_scheduler(), *(
         cluster.start_ps(i, *ps_args, *(("--drain-on-term",) if i == drain_on_term else ()))
         for i in range(num_ps))]
@@ -147,12 +152,21 @@ def test_a_dense_sync_job_drained_mid_training_ends_bit_identical_to_an_undistur
     scheduler, ps1 = started[0], started[2]
     wait_until(lambda: cluster.steps_logged("worker-0") >= DENSE_DRAIN_AT, RUN_TIMEOUT_S,
                f"worker-0 to log {DENSE_DRAIN_AT} steps")
-    backup_line = f"is an in-sync backup of {cluster.plan.ps[1]}"
-    wait_until(lambda: any(backup_line in line for line in scheduler.lines), RUN_TIMEOUT_S,
-               "the scheduler counting ps-1's backup in sync")
-    ps1.signal_group(signal.SIGTERM)
-    assert ps1.wait(RUN_TIMEOUT_S) == 0, ps1.output()
-    assert cluster.steps_logged("worker-0") < DENSE_CLOCKS, "the drain came after the training"
+    # The workers are paused mid-training (each may be inside a step), so that the drain happens in the
+    # middle of the job however fast or slow the machine is; they go on once ps-1 has left.
+    for w in workers:
+        w.signal_group(signal.SIGSTOP)
+    try:
+        paused_at = cluster.steps_logged("worker-0")
+        assert paused_at < DENSE_CLOCKS - 5, f"the job was nearly over before the drain:\n{workers[0].output()}"
+        backup_line = f"is an in-sync backup of {cluster.plan.ps[1]}"
+        wait_until(lambda: any(backup_line in line for line in scheduler.lines), RUN_TIMEOUT_S,
+                   "the scheduler counting ps-1's backup in sync")
+        ps1.signal_group(signal.SIGTERM)
+        assert ps1.wait(RUN_TIMEOUT_S) == 0, ps1.output()
+    finally:
+        for w in workers:
+            w.signal_group(signal.SIGCONT)
     got = _trained(cluster, workers)
     assert any("DRAIN: server 1" in line for line in scheduler.lines), scheduler.output()
     assert not any("FAILOVER: server" in line for line in scheduler.lines)
