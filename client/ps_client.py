@@ -137,6 +137,7 @@ class PSClient:
             servers, worker_id, self.security, timeout_s=timeout_s, transport=transport, shm_dir=shm_dir,
             layout=layout, relayout=relayout, reroute_wait_s=reroute_wait_s, dead_after_s=dead_after_s,
             room=self._session_room)
+        self._channels = self.connections.channels  # the list itself: it grows with the layout's servers
         self._closed = self.connections.closed
         self._pool = self.connections.pool
         self._answered: dict[str, float] = {}  # server -> when it last answered a call (reached_servers)
