@@ -90,6 +90,20 @@ class DrainReport:
 
 
 @dataclass(frozen=True)
+class JoinReport:
+    """A join the scheduler knows of (scheduler/joins.py): in progress while the server catches up."""
+    node_id: str
+    address: str  # to
+    donor: str  # from; "" while in progress
+    slices: int
+    partitions: tuple[int, ...]
+    nbytes: int
+    layout_version: int
+    seconds: float  # from its registration to the switch, or to now
+    done: bool
+
+
+@dataclass(frozen=True)
 class JobStatus:
     scheduler: str
     generation: int
@@ -101,6 +115,7 @@ class JobStatus:
     # peer, so one worker may use shared memory with a server on its host and raw TCP with the others.
     pairs: Mapping[str, Mapping[str, str]] = field(default_factory=dict)
     drains: tuple[DrainReport, ...] = ()
+    joins: tuple[JoinReport, ...] = ()
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2, sort_keys=True)
@@ -124,7 +139,7 @@ def waits_for(server: ServerReport, live_workers: Sequence[str]) -> tuple[str, .
 
 
 def summarise(scheduler: str, view: ClusterView, servers: Sequence[ServerReport], now: float = 0.0,
-              drains: Sequence[DrainReport] = ()) -> JobStatus:
+              drains: Sequence[DrainReport] = (), joins: Sequence[JoinReport] = ()) -> JobStatus:
     """The job's status from the scheduler's view and the servers' reports."""
     nodes = view.nodes
     live_trainers = [n.node_id for n in nodes if n.role in TRAINERS and n.state is NodeState.LIVE]
@@ -145,7 +160,7 @@ def summarise(scheduler: str, view: ClusterView, servers: Sequence[ServerReport]
                                     clock, lag, tuple(sorted(used.get(n.node_id, ())))))
     reports = tuple(ServerReport(**{**asdict(s), "waits_for": waits_for(s, live_trainers)}) for s in servers)
     return JobStatus(scheduler, view.generation, view.layout_version, tuple(members), reports, now,
-                     pairs=pair_transports(servers), drains=tuple(drains))
+                     pairs=pair_transports(servers), drains=tuple(drains), joins=tuple(joins))
 
 
 def pair_transports(servers: Sequence[ServerReport]) -> dict[str, dict[str, str]]:
@@ -192,6 +207,22 @@ def _drain_lines(status: JobStatus) -> list[str]:
     return lines
 
 
+def _join_lines(status: JobStatus) -> list[str]:
+    """What each join took, from where, and how long its catch-up took (or has taken so far)."""
+    if not status.joins:
+        return []
+    lines = ["", f"{'JOIN':<14} {'STATE':<11} {'FROM':<21} {'TO':<21} {'SLICES':>6} {'BYTES':>9} "
+                 f"{'LAYOUT':>6} {'TIME':>8}  PARTITIONS"]
+    for j in status.joins:
+        state = "done" if j.done else "catching up"
+        layout = str(j.layout_version) if j.done else "-"
+        parts = ",".join(map(str, j.partitions)) if j.done else "-"
+        lines.append(f"{j.node_id:<14} {state:<11} {j.donor or '-':<21} {j.address:<21} {j.slices:>6} "
+                     f"{_size(j.nbytes) if j.done else '-':>9} {layout:>6} {f'{j.seconds:.2f} s':>8}  "
+                     f"{parts or '-'}")
+    return lines
+
+
 def render(status: JobStatus) -> str:
     """The human form: members, then servers, then what waits on whom."""
     def dash(value: object) -> str:
@@ -213,6 +244,7 @@ def render(status: JobStatus) -> str:
                      f"{f'{s.min_version}-{s.max_version}':>14} {s.pulls_waiting:>7} {s.pushes_applied:>8}")
     lines += _pair_lines(status)
     lines += _drain_lines(status)
+    lines += _join_lines(status)
     stuck = [s for s in status.servers if s.waits_for]
     if stuck:
         lines.append("")
@@ -248,6 +280,8 @@ def fetch(scheduler: str, timeout_s: float, security: SecurityConfig | None = No
     view = view_from_proto(first.view)
     drains = [DrainReport(d.node_id, d.address, d.heir, d.slices, tuple(d.partitions), d.layout_version,
                           d.seconds, d.done) for d in first.drains]
+    joins = [JoinReport(j.node_id, j.address, j.donor, j.slices, tuple(j.partitions), j.bytes,
+                        j.layout_version, j.seconds, j.done) for j in first.joins]
     reports = []
     for node in view.nodes:
         if node.role != "ps" or node.state is not NodeState.LIVE:
@@ -267,7 +301,7 @@ def fetch(scheduler: str, timeout_s: float, security: SecurityConfig | None = No
             max_version=s.max_version, pulls_waiting=s.pulls_waiting, pushes_applied=s.pushes_applied,
             pushes_dropped=s.pushes_dropped, quorum=tuple(s.quorum), worker_clocks=dict(s.worker_clocks),
             transports=dict(s.worker_transports)))
-    return summarise(scheduler, view, reports, time.time(), drains)
+    return summarise(scheduler, view, reports, time.time(), drains, joins)
 
 
 def _scheduler_address(args: argparse.Namespace, environ: Mapping[str, str]) -> str:
