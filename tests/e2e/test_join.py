@@ -60,10 +60,10 @@ def test_a_dense_sync_job_grown_mid_training_ends_bit_identical_to_an_undisturbe
     got = _trained(cluster, workers)
     assert joiner.alive(), joiner.output()
     assert not any("FAILOVER: server" in line for line in scheduler.lines), scheduler.output()
-    assert any(f"server {address} joined the layout" in line for line in workers[0].lines), (
-        workers[0].output())
     expected = _trained(reference, reference_workers)
     assert expected.keys() == got.keys()
     for key, value in expected.items():
         assert torch.equal(got[key], value), (
             f"{key}: the grown run differs from the undisturbed one by {(got[key] - value).abs().max()}")
+    assert any(f"server {address} joined the layout" in line for line in workers[0].lines), (
+        workers[0].output())
