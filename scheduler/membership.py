@@ -346,8 +346,15 @@ class Membership:
         the backup of the server before it in ring order (the rule every server applies to views) and
         catches up with its slices through replication before any of them is its own."""
         layout = self._layout
-        if layout is None or member.address in layout.servers or member.rank != len(layout.servers):
+        if layout is None or member.address in layout.servers:
             self.joins.dropped(member.node_id)
+            return
+        if member.rank != len(layout.servers):
+            self.joins.dropped(member.node_id)
+            log.warning("JOIN: server %s (%s) registered at rank %d, but the running job's next server is "
+                        "rank %d (layout version %d): it serves nothing; start it with --task-index %d",
+                        member.node_id, member.address, member.rank, len(layout.servers), layout.version,
+                        len(layout.servers))
             return
         if not layout.replicas:
             log.warning("JOIN: server %d (%s) registered for the running job, which has no replicas: it "
