@@ -2,7 +2,8 @@
 scheduler, becomes the backup of the server before it in ring order and catches up with it through the
 replication path (a state copy, then every acknowledged step), and once that server reports it in sync
 the scheduler moves the slices plan_join picks onto it under a new layout version (logged JOIN); workers
-re-route as after a failover, and connect to the server they had never heard of.
+re-route as after a failover, and connect to the server they had never heard of; the moved slices get a
+backup again (server 0, after the new one in ring order).
 
 A dense sync job grown 2 -> 3 servers mid-training ends bit-identical to an undisturbed run with the same
 seed (one server: see tests/e2e/test_drain.py for why). As there, the workers are paused (SIGSTOP) once
@@ -67,3 +68,7 @@ def test_a_dense_sync_job_grown_mid_training_ends_bit_identical_to_an_undisturbe
             f"{key}: the grown run differs from the undisturbed one by {(got[key] - value).abs().max()}")
     assert any(f"server {address} joined the layout" in line for line in workers[0].lines), (
         workers[0].output())
+    # The moved slices have a backup again: the server after the new one in ring order holds them in sync.
+    backup_line = f"{cluster.plan.ps[0]} is an in-sync backup of {address}"
+    wait_until(lambda: any(backup_line in line for line in scheduler.lines), RUN_TIMEOUT_S,
+               "the new server's slices counted in sync on its backup")
