@@ -535,7 +535,8 @@ class SchedulerCollector(Collector):
         if self._role_changes is not None:  # replication (docs/architecture.md, 9 Failures)
             changes = CounterMetricFamily(
                 "pshard_scheduler_role_changes",
-                "Replica role changes: a backup in or out of sync, promoted, or a primary lost with no copy",
+                "Replica role changes: a backup in or out of sync, promoted, a primary lost with no copy, a "
+                "drain or a join",
                 labels=["change"])
             for change, count in sorted(self._role_changes().items()):
                 changes.add_metric([change], count)
