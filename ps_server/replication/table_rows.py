@@ -194,8 +194,15 @@ class ReplicaTables:
         self._lock = threading.Lock()
         self.batches_applied = 0
 
-    def apply(self, primary: str, batches: Iterable[RowBatch]) -> None:
+    def apply(self, primary: str, batches: Iterable[RowBatch],
+              refuse: Callable[[RowBatch], None] | None = None) -> None:
+        """`refuse(batch)`: raises to refuse the call, nothing applied; run under the lock that `copy`
+        holds, so a batch is either refused or in the replica before a copy reads it."""
         with self._lock:
+            batches = list(batches)
+            if refuse is not None:
+                for batch in batches:
+                    refuse(batch)
             for batch in batches:
                 key = (primary, batch.config.name)
                 table = self._tables.get(key)
@@ -233,6 +240,34 @@ class ReplicaTables:
             for key in keys:
                 self._clocks.pop(key, None)
             return [(self._tables.pop(k), self._logs.pop(k)) for k in keys]
+
+    def copy(self, primary: str, keep: Callable[[np.ndarray], np.ndarray], before: Callable[[], None]
+             ) -> list[tuple[SparseTable, PushLog, dict[int, int] | None]]:
+        """Copies of `primary`'s replicas holding only the rows whose ids `keep` (a mask) selects, with its
+        push log and sync clocks (a row partition moving to this server while `primary` keeps the rest:
+        its replicas stay, a later failover of it takes what it still serves). `before()` runs first,
+        under the lock every batch is applied under."""
+        with self._lock:
+            before()
+            out = []
+            for key in sorted(k for k in self._tables if k[0] == primary):
+                replica = self._tables[key]
+                part = SparseTable(replica.config)
+                for rows, ids in replica.chunks():
+                    mask = keep(ids)
+                    if mask.any():
+                        part.restore_rows(ids[mask], {name: array[rows][mask]
+                                                      for name, (array, _) in replica.columns().items()})
+                for ids, columns in replica.spilled_chunks():
+                    mask = keep(ids)
+                    if mask.any():
+                        part.restore_rows(ids[mask], {name: c[mask] for name, c in columns.items()})
+                part.step, part.clock = replica.step, replica.clock
+                push_log = PushLog()
+                push_log.merge(self._logs[key])
+                clocks = self._clocks.get(key)
+                out.append((part, push_log, dict(clocks) if clocks is not None else None))
+            return out
 
     def primaries(self) -> set[str]:
         with self._lock:
