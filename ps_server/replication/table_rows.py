@@ -164,14 +164,27 @@ def all_ids(table: SparseTable) -> np.ndarray:
     return np.concatenate(parts) if parts else np.zeros(0, np.int64)
 
 
-def merge(into: SparseTable, replica: SparseTable) -> np.ndarray:
+def merge(into: SparseTable, replica: SparseTable, keep: Callable[[np.ndarray], np.ndarray] | None = None
+          ) -> np.ndarray:
     """Move every row of `replica` into `into` (the heir's serving table) with its whole state; the
-    ids moved. Their row partitions differ, so no id is in both."""
+    ids moved. Their row partitions differ, so no id is in both. `keep(ids)`: a mask of the rows to move
+    (None: all), so that rows of a partition a move took from the replica's primary earlier, which the
+    heir serves and has updated since, are not overwritten by their stale copy."""
     moved = []
     for rows, ids in replica.chunks():
+        if keep is not None:
+            mask = keep(ids)
+            rows, ids = rows[mask], ids[mask]
+            if not len(ids):
+                continue
         into.restore_rows(ids, {name: array[rows] for name, (array, _) in replica.columns().items()})
         moved.append(ids.copy())
     for ids, columns in replica.spilled_chunks():
+        if keep is not None:
+            mask = keep(ids)
+            ids, columns = ids[mask], {name: c[mask] for name, c in columns.items()}
+            if not len(ids):
+                continue
         into.restore_rows(ids, columns)
         moved.append(ids)
     into.step = max(into.step, replica.step)
