@@ -17,6 +17,7 @@ import grpc
 import grpc.aio
 from pshard.common.changes import ChangeSignal
 from pshard.common.cluster.layout import DEFAULT_SLICE_BYTES
+from pshard.common.cluster.loads import LoadMeter
 from pshard.common.cluster.view import ClusterView
 from pshard.common.errors import (
     EmptyRequestError,
@@ -125,10 +126,12 @@ class SchedulerServicer(pb_grpc.SchedulerServiceServicer):
     async def Heartbeat(self, request: pb.HeartbeatRequest, context: grpc.aio.ServicerContext
                         ) -> pb.HeartbeatResponse:
         check_acts_as(request.node_id, "Heartbeat")
+        counters = counters_from_proto(request)
+        LoadMeter.check(request.node_id, counters)  # a bad report is refused before the heartbeat counts
         view = self._members.heartbeat(request.node_id, request.generation, request.clock,
                                        dict(request.in_sync), request.in_sync_layout,
                                        list(request.reached_servers))
-        self._members.report_load(request.node_id, counters_from_proto(request), request.copy_bytes_left)
+        self._members.report_load(request.node_id, counters, request.copy_bytes_left)
         return pb.HeartbeatResponse(view=view_to_proto(view))
 
     @maps_errors

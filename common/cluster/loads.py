@@ -46,13 +46,18 @@ class LoadMeter:
         self._window_s = window_s
         self._reports: dict[str, deque[tuple[float, Counters]]] = {}
 
-    def report(self, address: str, counters: Counters, now: float) -> None:
-        """A server's heartbeat counters at `now` (the scheduler's clock)."""
+    @staticmethod
+    def check(address: str, counters: Counters) -> None:
+        """Refuse counters naming a row partition no layout can have (before anything is recorded)."""
         named = {*counters.rows, *counters.partition_bytes}
         bad = sorted(p for p in named if not 0 <= p < MAX_ROW_PARTITIONS)
         if bad:
             raise InvalidArgumentError(f"server {address} load: got row partitions {bad[:8]}, expected 0 to "
                                        f"{MAX_ROW_PARTITIONS - 1}")
+
+    def report(self, address: str, counters: Counters, now: float) -> None:
+        """A server's heartbeat counters at `now` (the scheduler's clock)."""
+        self.check(address, counters)
         kept = self._reports.setdefault(address, deque())
         if kept and _restarted(kept[-1][1], counters):
             kept.clear()
