@@ -39,6 +39,7 @@ def test_a_server_registering_for_a_running_job_takes_slices_of_the_server_it_ca
     assert (done.done, done.donor, done.slices, done.layout_version) == (
         True, "c:1", len(moved), after.version)
     assert done.nbytes == expected.nbytes > 0 and done.seconds(clock.now()) == 1.5
+    assert members.moves.finished["join"] == 1 and members.moves.seconds_sum == 1.5  # the moves metric
     _report(members, "ps-2", joiner.node_id)  # reported again: no second move
     assert members.layout() == after
 
