@@ -286,6 +286,23 @@ def test_a_capture_copied_while_requests_change_rows_between_its_chunks_is_the_t
     assert not np.array_equal(table.values[rows], before["values"])
 
 
+def test_a_request_during_a_capture_saves_its_rows_aside_and_leaves_the_image_to_the_writer() -> None:
+    # A request's writes into the image's fresh arrays were a page fault a row on the training's path.
+    table = SparseTable(TableConfig("aside", 2, optimizer="sgd", lr=0.1, seed=5))
+    ids = np.arange(1000, dtype=np.int64)
+    table.push(ids, np.ones((len(ids), 2), np.float32), clock=1)
+    rows = table.index.live_rows()
+    before = table.values[rows].copy()
+    image = capture(table, None)
+    for column in image.columns.values():
+        column.setflags(write=False)  # a request that wrote here would raise
+    table.push(ids[::3], np.full((len(ids[::3]), 2), 5, np.float32), clock=2)
+    for column in image.columns.values():
+        column.setflags(write=True)
+    image.fill()
+    assert np.array_equal(image.columns["values"], before)
+
+
 def test_a_table_with_a_disk_tier_is_captured_whole_with_its_spilled_rows(tmp_path: Path) -> None:
     plain = TableConfig("tiered", 4, optimizer="adagrad", lr=0.1)
     probe = disktier.RecordLayout.of(SparseTable(plain).columns())
