@@ -273,17 +273,27 @@ async def _resume(coro: Coroutine[Any, Any, None], waiting: Any) -> None:
             return
 
 
+class Relay(Protocol):
+    """The TLS connection a relayed Connection's pair leads to (ps_server/transport/tls_relay.py)."""
+
+    def send_direct(self, frame: bytes, written: int) -> bool:
+        """Encrypt and send a small `frame` from the loop, past the pair, if the relay has encrypted all
+        `written` bytes put in the pair so far (else, or when another thread sends, False: nothing taken)."""
+        ...
+
+
 class Connection(asyncio.BufferedProtocol):
     def __init__(self, sessions: Sessions, loop: asyncio.AbstractEventLoop, session: Session | None = None,
-                 *, peer: object = None, relayed: bool = False) -> None:
+                 *, peer: object = None, relay: Relay | None = None) -> None:
         """`session`: already attached (shm, whose hello came with the segment), else the first frame
-        must name one with its secret. `relayed`: the clear end of a TLS connection whose cipher runs in
-        threads (ps_server/transport/tls_relay.py), a unix socket served as a plain TCP one; `peer`:
-        the worker's address, for the logs (else the socket's peer)."""
+        must name one with its secret. `relay`: this is the clear end of a TLS connection whose cipher
+        runs in threads (ps_server/transport/tls_relay.py), a unix socket served as a plain TCP one;
+        `peer`: the worker's address, for the logs (else the socket's peer)."""
         self._sessions = sessions
         self._loop = loop
         self._peer = peer
-        self._relayed = relayed
+        self._relay = relay
+        self._written = 0  # bytes handed to the transport or the socket (a relay's pair: to encrypt)
         self.transport: asyncio.Transport | None = None
         self.session: Session | None = session
         # Small until the hello: a connection that never authenticates holds 4 KiB, not 64.
@@ -323,7 +333,7 @@ class Connection(asyncio.BufferedProtocol):
         keep_alive(transport.get_extra_info("socket"), self._sessions.dead_after_s)
         transport.set_write_buffer_limits(high=0)  # pause_writing as soon as anything is queued
         sock = transport.get_extra_info("socket")
-        if sock.family in (socket.AF_INET, socket.AF_INET6) or self._relayed:
+        if sock.family in (socket.AF_INET, socket.AF_INET6) or self._relay is not None:
             self._raw = socket.socket(sock.family, sock.type, fileno=os.dup(sock.fileno()))
             self._raw.setblocking(False)
         if self.session is None:
@@ -595,9 +605,14 @@ class Connection(asyncio.BufferedProtocol):
         size = sum([d.nbytes for d in data])
         head = encode_header(kind, len(meta), size) + meta
         if size <= _SCRATCH_BYTES:  # small: one system call for all of it
-            transport.write(b"".join([head, *[byte_view(d) for d in data]]) if data else head)
+            frame = b"".join([head, *[byte_view(d) for d in data]]) if data else head
+            # Over TLS, encrypted and sent from here: through the pair it would wait for the relay's
+            # thread to wake up, tens of microseconds of a small call's few hundred (issue 24).
+            if self._relay is not None and self._relay.send_direct(frame, self._written):
+                return
+            self._to_transport(frame)
             return
-        transport.write(head)
+        self._to_transport(head)
         for part in data:
             view = byte_view(part)
             if self._raw is not None:
@@ -607,7 +622,7 @@ class Connection(asyncio.BufferedProtocol):
                 if self._drained is not None:
                     await self._drained  # only what the socket did not take is ever copied
                     self._drained = None
-                transport.write(view[start:start + _WRITE_CHUNK_BYTES])
+                self._to_transport(view[start:start + _WRITE_CHUNK_BYTES])
 
     async def _send(self, view: memoryview) -> None:
         """`view` on the plain socket, straight from where it lies, as fast as the worker reads it."""
@@ -621,7 +636,9 @@ class Connection(asyncio.BufferedProtocol):
                 raise asyncio.CancelledError()  # the connection is gone: connection_lost cancels us
             if not transport.get_write_buffer_size():  # in order: nothing of ours is queued before
                 try:
-                    view = view[raw.send(view):]
+                    sent = raw.send(view)
+                    self._written += sent
+                    view = view[sent:]
                 except BlockingIOError:
                     pass
                 except OSError as err:
@@ -630,5 +647,10 @@ class Connection(asyncio.BufferedProtocol):
                     return
             # The socket is full: a small piece is queued (copied) by the transport, which waits
             # for room and resumes us once it sent the piece.
-            transport.write(view[:_NUDGE_BYTES])
+            self._to_transport(view[:_NUDGE_BYTES])
             view = view[_NUDGE_BYTES:]
+
+    def _to_transport(self, data: bytes | memoryview) -> None:
+        assert self.transport is not None
+        self.transport.write(data)
+        self._written += memoryview(data).nbytes
