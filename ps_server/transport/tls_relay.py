@@ -164,7 +164,7 @@ class TlsRelay:
                     inner.shutdown(socket.SHUT_WR)
                     break
                 inner.sendall(buf[:n])
-                if n < LEND_READ_BYTES and self._lend():
+                if n < LEND_READ_BYTES and not _readable_now(self._sock) and self._lend():
                     inner.sendall(self._leftover)
                     stream.flush()
         except OSError as err:
@@ -283,6 +283,11 @@ class TlsRelay:
         self._sock.close()
         if self._inner is not None:
             self._inner.close()
+
+
+def _readable_now(sock: socket.socket) -> bool:
+    """More has come already: a burst goes on (lending the socket to the loop then only costs wake-ups)."""
+    return bool(select.select([sock], [], [], 0)[0])
 
 
 def _shutdown(sock: socket.socket) -> None:
