@@ -201,11 +201,14 @@ class TlsRelay:
         if self._loop is None or self._stopping:
             return False
         self._back.clear()
+        self._leftover = b""
         try:
             self._loop.call_soon_threadsafe(self._watch)
         except RuntimeError:  # the loop closed: the server is gone
             return False
-        self._back.wait()
+        while not self._back.wait(1.0):
+            if self._loop.is_closed():  # it stopped without closing us: nothing reads for it any more
+                break
         return True
 
     def _watch(self) -> None:
