@@ -281,6 +281,11 @@ class Relay(Protocol):
         `written` bytes put in the pair so far (else, or when another thread sends, False: nothing taken)."""
         ...
 
+    def attach(self, connection: Connection | None) -> None:
+        """The Connection serving the pair (None once it is gone): what the loop decrypts may go straight
+        to it (`Connection.feed`)."""
+        ...
+
 
 class Connection(asyncio.BufferedProtocol):
     def __init__(self, sessions: Sessions, loop: asyncio.AbstractEventLoop, session: Session | None = None,
@@ -294,6 +299,8 @@ class Connection(asyncio.BufferedProtocol):
         self._peer = peer
         self._relay = relay
         self._written = 0  # bytes handed to the transport or the socket (a relay's pair: to encrypt)
+        self._received = 0  # bytes in: read by the transport, or fed by a relay past its pair
+        self._fed = 0
         self.transport: asyncio.Transport | None = None
         self.session: Session | None = session
         # Small until the hello: a connection that never authenticates holds 4 KiB, not 64.
@@ -327,6 +334,8 @@ class Connection(asyncio.BufferedProtocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         assert isinstance(transport, asyncio.Transport)
         self.transport = transport
+        if self._relay is not None:
+            self._relay.attach(self)
         tune(transport.get_extra_info("socket"))
         # A worker whose host is cut off ends its session (and what it holds) within the heartbeat
         # timeout, as its gRPC channel would, instead of when the kernel gives up after minutes.
@@ -355,6 +364,7 @@ class Connection(asyncio.BufferedProtocol):
         return self._scratch[self._have:]
 
     def buffer_updated(self, nbytes: int) -> None:
+        self._received += nbytes
         try:
             if self._targets:  # a request's data: it may arrive while the request is served
                 self._filled += nbytes
@@ -369,11 +379,34 @@ class Connection(asyncio.BufferedProtocol):
         except TransportBroken as err:
             self.abort(str(err))
 
+    @property
+    def from_pair(self) -> int:
+        """Bytes read from the socket (a relay's pair), not fed."""
+        return self._received - self._fed
+
+    def feed(self, data: memoryview) -> int:
+        """Bytes a relay decrypted on the loop, taken as the transport takes what it reads, without the
+        pair's two system calls and the loop's second pass; stops where the connection stops reading
+        (the tarpit, a refusal). How many were taken: the rest goes through the pair."""
+        transport = self.transport
+        taken = 0
+        while (taken < len(data) and transport is not None and transport.is_reading()
+               and not transport.is_closing()):
+            buf = self.get_buffer(len(data) - taken)
+            n = min(len(buf), len(data) - taken)
+            buf[:n] = data[taken:taken + n]
+            self._fed += n
+            taken += n
+            self.buffer_updated(n)
+        return taken
+
     def eof_received(self) -> bool:
         self.abort("the worker closed the connection")
         return False
 
     def connection_lost(self, exc: Exception | None) -> None:
+        if self._relay is not None:
+            self._relay.attach(None)
         if self._hello_timer is not None:
             self._hello_timer.cancel()
         self._greeted()

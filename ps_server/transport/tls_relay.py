@@ -22,12 +22,14 @@ against a few hundred for the whole call. So a small reply skips the encrypting 
 encrypts it and sends it without waiting (`send_direct`), provided the thread has encrypted everything
 the loop put in the pair before it (the records keep the order the loop wrote in) and is not sending;
 what the socket does not take at once is sent by a thread that may wait. Likewise a small request
-skips the decrypting thread: after a read that brought little (the end of a burst: a small request, or
-the tail of a large one), that thread lends the TCP socket to the event loop and waits; the loop
-decrypts what comes (a non-blocking read of at most 64 KiB) into the pair, whose other end it then
-reads on the same pass, with no thread woken. As soon as a read fills that much (bulk is coming), the
-pair has no room (the server is not reading), or the connection ends, the loop gives the socket back,
-with what the pair did not take, and the thread deciphers the bulk as before, beside the loop.
+skips the decrypting thread: after a read that brought little with nothing more waiting (the end of a
+burst: a small request, or the tail of a large one), that thread lends the TCP socket to the event loop
+and waits; the loop decrypts what comes (a non-blocking read of at most 64 KiB) and hands it straight
+to the Connection (`attach`, `Connection.feed`) once the Connection has read all the pair brought
+before, or else into the pair: no thread is woken, and no pair crossed. As soon as a read fills that
+much (bulk is coming), the pair has no room (the server is not reading), or the connection ends, the
+loop gives the socket back, with what the pair did not take, and the thread deciphers the bulk as
+before, beside the loop.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ import socket
 import ssl
 import threading
 from collections.abc import Callable
+from typing import Protocol
 
 from pshard.common.wire.fastwire import tune
 from pshard.common.wire.liveness import keep_alive
@@ -51,6 +54,15 @@ log = logging.getLogger("pshard.ps.transport")
 LEND_READ_BYTES = 64 * 1024
 
 Peer = tuple[object, ...] | str
+
+
+class Fed(Protocol):
+    """The Connection serving a relay's pair, as the loop feeds it (ps_server/transport/fastconn.py)."""
+
+    @property
+    def from_pair(self) -> int: ...
+
+    def feed(self, data: memoryview) -> int: ...
 
 
 def describe(peer: Peer) -> str:
@@ -108,6 +120,8 @@ class TlsRelay:
         self._back = threading.Event()
         self._leftover = b""
         self._small = memoryview(bytearray(LEND_READ_BYTES))  # the loop's reads, decrypted
+        self._paired = 0  # bytes put in the pair (by the decrypting thread, or the loop while lent)
+        self._connection: Fed | None = None  # the Connection serving the pair (on the loop)
 
     def start(self) -> None:
         threading.Thread(target=self._run, name=f"tls-relay-{describe(self.peer)}", daemon=True).start()
@@ -164,8 +178,10 @@ class TlsRelay:
                     inner.shutdown(socket.SHUT_WR)
                     break
                 inner.sendall(buf[:n])
+                self._paired += n
                 if n < LEND_READ_BYTES and not _readable_now(self._sock) and self._lend():
                     inner.sendall(self._leftover)
+                    self._paired += len(self._leftover)
                     stream.flush()
         except OSError as err:
             log.info("fast path: TLS connection from %s ended: %s", describe(self.peer), err)
@@ -234,9 +250,15 @@ class TlsRelay:
             self._give_back(b"")
             return
         sent = 0
-        if got:
+        connection = self._connection
+        if got and connection is not None and connection.from_pair == self._paired:
+            # Everything put in the pair has been read from it: straight to the Connection, in order.
+            sent = connection.feed(self._small[:got])
+        if sent < got:
             try:
-                sent = inner.send(self._small[:got], socket.MSG_DONTWAIT)
+                to_pair = inner.send(self._small[sent:got], socket.MSG_DONTWAIT)
+                self._paired += to_pair
+                sent += to_pair
             except BlockingIOError:
                 pass
             except OSError:
@@ -251,6 +273,10 @@ class TlsRelay:
         self._lent_fd = None
         self._leftover = bytes(leftover)
         self._back.set()
+
+    def attach(self, connection: Fed | None) -> None:
+        """On the loop: the Connection serving the pair (None: it is gone)."""
+        self._connection = connection
 
     def send_direct(self, frame: bytes, written: int) -> bool:
         """On the event loop: `frame` encrypted and sent here, past the pair, when the encrypting thread
