@@ -435,18 +435,39 @@ class PSClient:
     def stats(self, serving_only: bool = False) -> list[pb.GetStatsResponse]:
         """Every server's stats, in server order; `serving_only`: only the servers the layout gives slices
         or row partitions, for questions about the job's progress. A server drained or failed over is
-        gone, and asking it would wait out the whole deadline (a chief's last wait for its peers did)."""
-        def ask(i: int) -> pb.GetStatsResponse:
-            return self._unary(i, lambda stub: stub.GetStats(pb.GetStatsRequest(), timeout=self._timeout_s,
-                                                             wait_for_ready=True))
+        gone, and asking it would wait out the whole deadline (a chief's last wait for its peers did).
 
+        With a replicated layout, a serving server that does not answer within the job's dead-peer time
+        counts as gone, and the question goes to the layout the scheduler publishes once it failed the
+        server over: a chief whose last step ended just before a server's host was cut off still routes
+        by the old layout, and its wait for its peers asked the cut-off server for its whole step timeout
+        (45-120 s) before the final pull (issue 24)."""
         layout = self.layout
         if not serving_only or layout is None:
-            return self._all_servers(ask)
+            return self._all_servers(lambda i: self._ask_stats(i, self._timeout_s, True))
+        if not self._fail_fast:
+            return self._serving_stats(layout, self._timeout_s, True)
+        silent_s = min(self._timeout_s, 2 * self.connections.dead_after_s)  # as the raw TCP path's bound
+        return self._rerouting(lambda layout: self._serving_stats(layout, silent_s, False))
+
+    def _serving_stats(self, layout: Layout, timeout_s: float, wait: bool) -> list[pb.GetStatsResponse]:
         serving = [i for i in range(len(self.servers)) if layout.slices_on(i) or layout.partitions_on(i)]
         self._owner.check()
+        ask = functools.partial(self._ask_stats, timeout_s=timeout_s, wait=wait)
         futures = [self._pool.submit(self._naming_unreachable, ask, i) for i in serving]
         return [f.result() for f in futures]
+
+    def _ask_stats(self, server: int, timeout_s: float, wait: bool) -> pb.GetStatsResponse:
+        """`wait`: for a server that cannot be reached yet, until the deadline; else a deadline passed
+        is the server's silence (UnavailableError, which re-routes)."""
+        try:
+            return self._unary(server, lambda stub: stub.GetStats(pb.GetStatsRequest(), timeout=timeout_s,
+                                                                  wait_for_ready=wait))
+        except PullTimeoutError as err:
+            if wait:
+                raise
+            raise UnavailableError(f"server {self.servers[server]}: no answer in {timeout_s:g} s ({err})"
+                                   ) from err
 
     def checkpoint(self, at_version: int = 0) -> list[str]:
         """Each server writes its shard once every slice has reached `at_version`."""

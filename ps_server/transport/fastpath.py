@@ -307,7 +307,7 @@ class FastPathServer:
                 continue
             conn.setblocking(True)
             relay = TlsRelay(conn, peer, self._ssl, _HANDSHAKE_TIMEOUT_S, self.dead_after_s,
-                             self._relayed, self._handshaken)
+                             self._relayed, self._handshaken, self._loop)
             self._relays.add(relay)
             relay.start()
 
@@ -317,7 +317,7 @@ class FastPathServer:
         with contextlib.suppress(RuntimeError):  # the loop closed: the server is gone, and its count
             self._loop.call_soon_threadsafe(self.greeted)
 
-    def _relayed(self, end: socket.socket, peer: object) -> None:
+    def _relayed(self, end: socket.socket, peer: object, relay: TlsRelay) -> None:
         """A TLS connection authenticated (from its relay's thread): the event loop serves its clear end."""
         def adopt() -> None:
             if self._stopping:
@@ -325,7 +325,7 @@ class FastPathServer:
                 return
             end.setblocking(False)
             task = self._loop.create_task(self._loop.connect_accepted_socket(
-                lambda: Connection(self, self._loop, peer=peer, relayed=True), end))
+                lambda: Connection(self, self._loop, peer=peer, relay=relay), end))
             self._handoffs.add(task)
             task.add_done_callback(self._handoffs.discard)
 
