@@ -108,6 +108,40 @@ def subtract_sent(acc: np.ndarray, wire: WireArray, key: SliceKey, clock: int) -
     acc -= decode(wire, acc.size, key, clock)
 
 
+def add_sent(acc: np.ndarray, wire: WireArray, key: SliceKey, clock: int) -> None:
+    """acc += decode(wire), in place: how a compressed pull's change lands on the worker's copy of a slice
+    and on the server's copy of that copy, the same float32 additions in the same order on both. Top-k
+    touches only the elements it sent (x + 0 is x)."""
+    if wire.encoding == "topk":
+        raw = np.asarray(wire.array).reshape(-1).view(np.uint8)
+        k = payload_k("topk", acc.size, raw.nbytes, f"slice {str(key)!r}")
+        indices = raw[:k * _INDEX.itemsize].view(_INDEX)
+        if k and (indices[-1] >= acc.size or (k > 1 and not np.all(indices[1:] > indices[:-1]))):
+            raise InvalidArgumentError(f"slice {str(key)!r}: topk indices must be increasing and below "
+                                       f"{acc.size}")
+        acc[indices] += raw[k * _INDEX.itemsize:].view(_VALUE)
+        return
+    acc += decode(wire, acc.size, key, clock)
+
+
+def pack_topk(values: np.ndarray, k: int) -> WireArray:
+    """The k largest magnitudes of a float32 slice, packed as top-k (a count, where `encode` takes a
+    fraction: a compressed pull names its k)."""
+    return _packed(_topk(np.asarray(values, dtype=np.float32).reshape(-1), k), "topk")
+
+
+def pack_sign(values: np.ndarray) -> WireArray:
+    """A float32 slice packed as scaled sign."""
+    return _packed(_sign(np.asarray(values, dtype=np.float32).reshape(-1)), "sign")
+
+
+def packed_nbytes(encoding: str, numel: int, k: int) -> int:
+    """The size of a top-k payload of k elements, or of a sign payload, for a slice of `numel`."""
+    if encoding == "topk":
+        return (_INDEX.itemsize + _VALUE.itemsize) * k
+    return _VALUE.itemsize + -(-numel // 8)
+
+
 def _packed(parts: list[np.ndarray], encoding: str) -> WireArray:
     return WireArray(np.concatenate([p.reshape(-1).view(np.uint8) for p in parts]), "uint8", encoding)
 

@@ -1,0 +1,114 @@
+"""Compressed pulls on the server: per (worker, slice), a copy of what that worker holds.
+
+A worker that pulls a slice compressed (issue 19; docs/guide/compression.md, Compressed pulls) is sent
+`pack(value - copy)`, the change since what it holds, packed as a pushed gradient is (top-k or scaled
+sign); both sides then add the unpacked change to their copy, the same float32 additions in the same
+order, so the server's copy is the worker's bit for bit. What was not sent stays in `value - copy`, the
+server-side residual: the next pull's change starts from it (error feedback on the server), so nothing
+is dropped for good, only delayed. The slice's value itself is never touched: the server's state stays
+exact, the workers' copies are an approximation of it.
+
+Each copy carries a count of the pulls that made it, which the worker names as the request's base: a
+reply lost on the way (the server added a change the worker never saw) or a server with no copy (a
+restart, a failover's heir) is refused before anything of the request applies (PullBaseLostError), and
+the worker pulls the slice whole, which starts a new copy.
+
+Memory: one float32 copy of each compressed slice per worker that pulls it, so a server holding S bytes
+of compressed parameters keeps S more bytes per worker.
+
+Pure: numpy only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+import numpy as np
+from pshard.common.compression import PullPack
+from pshard.common.errors import InvalidArgumentError, PullBaseLostError, quote
+from pshard.common.types import SliceKey
+from pshard.common.wire import compress
+from pshard.common.wire.codec import WireArray
+
+_PULL_ENCODINGS = ("", "topk", "sign")
+
+
+class _Copy:
+    __slots__ = ("count", "values")
+
+    def __init__(self, values: np.ndarray) -> None:
+        self.values = values
+        self.count = 1
+
+
+class PullCopies:
+    """The copies of every (worker, slice) pulled compressed on this server."""
+
+    def __init__(self) -> None:
+        self._copies: dict[tuple[str, SliceKey], _Copy] = {}
+
+    def check(self, worker: str, keys: Sequence[SliceKey], packs: Sequence[PullPack],
+              numels: Sequence[int]) -> None:
+        """Refuse a request whose packing is malformed (InvalidArgumentError naming the slice and the
+        values) or whose bases are not this server's (PullBaseLostError naming the first such slice).
+        Called before anything of the request applies."""
+        if not packs:
+            return
+        if len(packs) != len(keys):
+            raise InvalidArgumentError(f"pull_packing: got {len(packs)} entries for {len(keys)} pulled "
+                                       "slices, expected one per pulled slice (or none)")
+        for key, pack, numel in zip(keys, packs, numels, strict=True):
+            if pack.encoding not in _PULL_ENCODINGS:
+                raise InvalidArgumentError(f"pull_packing of slice {quote(str(key))}: got encoding "
+                                           f"{pack.encoding!r}, expected topk or sign (or none)")
+            if pack.encoding == "topk" and not 1 <= pack.k <= numel:
+                raise InvalidArgumentError(f"pull_packing of slice {quote(str(key))}: got k={pack.k}, the "
+                                           f"slice has {numel} elements (expected 1 to {numel})")
+            if pack.encoding != "topk" and pack.k:
+                raise InvalidArgumentError(f"pull_packing of slice {quote(str(key))}: got k={pack.k} with "
+                                           f"encoding {pack.encoding or 'none'!r}, which takes none")
+            if not pack.packed or pack.base == 0:
+                continue
+            have = self._copies.get((worker, key))
+            if have is None or have.count != pack.base:
+                held = "no copy" if have is None else f"a copy after {have.count} pulls"
+                raise PullBaseLostError(f"compressed pull of slice {quote(str(key))} by {worker!r}: the "
+                                        f"worker applied {pack.base} pulls of it, this server holds {held}; "
+                                        "pull it whole")
+
+    def serve(self, worker: str, key: SliceKey, value: np.ndarray, pack: PullPack, clock: int) -> WireArray:
+        """What to send of `value` (the slice, float32, flat; read under its lock) to `worker`, and the
+        server's copy moved on with it. `check` has passed for this request."""
+        value = np.asarray(value, dtype=np.float32).reshape(-1)
+        if pack.base == 0:  # `value` is the live slice: the copy kept and the one sent are both new
+            held_values = value.copy()
+            self._copies[(worker, key)] = _Copy(held_values)
+            return WireArray(held_values.copy(), "float32")
+        held = self._copies[(worker, key)]
+        change = value - held.values  # the residual: the change since, plus what earlier pulls left
+        wire = compress.pack_topk(change, pack.k) if pack.encoding == "topk" else compress.pack_sign(change)
+        compress.add_sent(held.values, wire, key, clock)
+        held.count += 1
+        return wire
+
+    def residual(self, worker: str, key: SliceKey, value: np.ndarray) -> np.ndarray | None:
+        """`value - copy`: what `worker` has not been sent of the slice yet (None: no copy)."""
+        held = self._copies.get((worker, key))
+        return None if held is None else np.asarray(value, dtype=np.float32).reshape(-1) - held.values
+
+    def copy_of(self, worker: str, key: SliceKey) -> np.ndarray | None:
+        held = self._copies.get((worker, key))
+        return None if held is None else held.values.copy()
+
+    def forget(self, keys: Iterable[SliceKey] | None = None, workers: Iterable[str] | None = None) -> None:
+        """Drop the copies of `keys` (moved away), of `workers` (gone), or all (both None)."""
+        if keys is None and workers is None:
+            self._copies.clear()
+            return
+        drop_keys, drop_workers = set(keys or ()), set(workers or ())
+        for entry in [e for e in self._copies if e[1] in drop_keys or e[0] in drop_workers]:
+            del self._copies[entry]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(c.values.nbytes for c in self._copies.values())
