@@ -110,5 +110,9 @@ class PullCopies:
             del self._copies[entry]
 
     @property
+    def workers(self) -> set[str]:
+        return {worker for worker, _ in self._copies}
+
+    @property
     def nbytes(self) -> int:
         return sum(c.values.nbytes for c in self._copies.values())

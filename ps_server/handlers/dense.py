@@ -461,6 +461,8 @@ class ParameterServerHandlers:
     def set_quorum(self, quorum: Mapping[str, int], generation: int | None = None) -> None:
         """Membership changed (scheduler view): only live workers are waited for."""
         self._quorum = dict(quorum)
+        # A worker that left takes its pull copies' memory with it (back, it pulls whole: no copy here).
+        self.pull_copies.forget(workers=self.pull_copies.workers - set(quorum))
         if generation is not None:
             self._view_generation = max(generation, self._view_generation or 0)
         if self._store is not None:

@@ -171,3 +171,17 @@ def test_pshard_worker_takes_pull_compression(tmp_path) -> None:
     assert config_from_args([*base, "--pull-compression", "sign"], env).job.compression.pull == "sign"
     with pytest.raises(ClusterConfigError, match=r"compression.pull: got 'fp16'"):
         config_from_args([*base, "--pull-compression", "fp16"], env)
+
+
+def test_copies_go_with_their_worker_or_slice_and_their_memory_is_counted() -> None:
+    s, copies = _slice(), PullCopies()
+    value = np.ones(NUMEL, np.float32)
+    for worker in ("w0", "w1"):
+        copies.serve(worker, s.slice_key, value, PullPack("sign", 0, 0), 0)
+    assert copies.nbytes == 2 * 4 * NUMEL and copies.workers == {"w0", "w1"}  # a float32 copy per worker
+    copies.forget(workers=set())
+    assert copies.workers == {"w0", "w1"}
+    copies.forget(workers=["w1"])
+    assert copies.workers == {"w0"}
+    copies.forget(keys=[s.slice_key])
+    assert copies.nbytes == 0
