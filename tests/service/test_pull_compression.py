@@ -18,7 +18,8 @@ NUMEL = 300_000
 
 def _setup(start_server, new_client, tmp_path, transport):
     rng = np.random.default_rng(11)
-    params = {"a": rng.standard_normal(NUMEL, dtype=np.float32), "b": rng.standard_normal(7, dtype=np.float32)}
+    params = {"a": rng.standard_normal(NUMEL, dtype=np.float32),
+              "b": rng.standard_normal(7, dtype=np.float32)}
     server = start_server(ServerSettings(shm_dir=str(tmp_path)))
     client = new_client([server], "w0", transport=transport, shm_dir=str(tmp_path))
     client.declare(params, JOB, slice_bytes=400_000)  # "a" is cut in three slices, each pulled on its own
@@ -69,7 +70,7 @@ def test_a_lost_base_is_pulled_whole_and_the_push_applies_once(start_server, new
     assert decoder is not None
     # As if a reply had been lost: the worker's count is not the server's any more.
     for s in (s for s in client.layout.slices if s.key == "a"):
-        decoder._bases[s.slice_key] += 1  # noqa: SLF001
+        decoder._bases[s.slice_key] += 1
     grads2 = {k: rng.standard_normal(v.shape, dtype=np.float32) for k, v in params.items()}
     got = client.push_pull(grads2, 1)
 
