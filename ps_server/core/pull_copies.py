@@ -13,8 +13,14 @@ reply lost on the way (the server added a change the worker never saw) or a serv
 restart, a failover's heir) is refused before anything of the request applies (PullBaseLostError), and
 the worker pulls the slice whole, which starts a new copy.
 
-Memory: one float32 copy of each compressed slice per worker that pulls it, so a server holding S bytes
-of compressed parameters keeps S more bytes per worker.
+Workers with the same history share one copy: in sync mode every worker pulls the same versions, so
+after a whole pull at the same version their copies stay equal, and the change is packed once per slice
+and version for all of them (as sync mode shares a whole pull's encoding), not once per worker. A copy
+still held by another worker is copied before it moves on (copy on write): a worker that diverged (a
+lost reply, a rejoin, async mode's own versions) gets its own.
+
+Memory: one float32 copy of each compressed slice per distinct history: in sync mode about one, so a
+server holding S bytes of compressed parameters keeps S more (at most S per worker, async).
 
 Pure: numpy only.
 """
@@ -34,11 +40,17 @@ _PULL_ENCODINGS = ("", "topk", "sign")
 
 
 class _Copy:
-    __slots__ = ("count", "values")
+    """A copy of a slice as some workers hold it: `count` pulls made it; `users` workers hold it; `next`,
+    the one step taken from it so far ((version, encoding, k), the copy after it, what was sent), which
+    a worker with the same history takes without packing again."""
 
-    def __init__(self, values: np.ndarray) -> None:
+    __slots__ = ("count", "next", "users", "values")
+
+    def __init__(self, values: np.ndarray, count: int = 1) -> None:
         self.values = values
-        self.count = 1
+        self.count = count
+        self.users = 0
+        self.next: tuple[tuple[int, str, int], _Copy, WireArray] | None = None
 
 
 class PullCopies:
@@ -46,6 +58,9 @@ class PullCopies:
 
     def __init__(self) -> None:
         self._copies: dict[tuple[str, SliceKey], _Copy] = {}
+        # Per slice, the newest whole pull's copy and the version it was read at, for the next worker
+        # that pulls the slice whole at that version to share.
+        self._roots: dict[SliceKey, tuple[int, _Copy]] = {}
 
     def check(self, worker: str, keys: Sequence[SliceKey], packs: Sequence[PullPack],
               numels: Sequence[int]) -> None:
@@ -76,20 +91,49 @@ class PullCopies:
                                         f"worker applied {pack.base} pulls of it, this server holds {held}; "
                                         "pull it whole")
 
-    def serve(self, worker: str, key: SliceKey, value: np.ndarray, pack: PullPack, clock: int) -> WireArray:
-        """What to send of `value` (the slice, float32, flat; read under its lock) to `worker`, and the
-        server's copy moved on with it. `check` has passed for this request."""
+    def serve(self, worker: str, key: SliceKey, value: np.ndarray, pack: PullPack, clock: int,
+              version: int = -1) -> WireArray:
+        """What to send of `value` (the slice, float32, flat; read under its lock, at `version`; -1: never
+        shared) to `worker`, and the server's copy moved on with it. `check` has passed for this request.
+        The result may be shared with other workers: it must not be changed."""
         value = np.asarray(value, dtype=np.float32).reshape(-1)
         if pack.base == 0:  # `value` is the live slice: the copy kept and the one sent are both new
-            held_values = value.copy()
-            self._copies[(worker, key)] = _Copy(held_values)
-            return WireArray(held_values.copy(), "float32")
+            root = self._roots.get(key)
+            if root is None or root[0] != version or version < 0 or root[1].count != 1 or root[1].users == 0:
+                root = (version, _Copy(value.copy()))
+                self._roots[key] = root
+            self._hold(worker, key, root[1])
+            return WireArray(value.copy(), "float32")
         held = self._copies[(worker, key)]
+        step = (version, pack.encoding, pack.k)
+        taken = held.next
+        # The step's copy must not have moved on since (its only holder may take the next step in place).
+        if version >= 0 and taken is not None and taken[0] == step and taken[1].count == held.count + 1:
+            self._hold(worker, key, taken[1])  # another worker with this history packed it already
+            return taken[2]
         change = value - held.values  # the residual: the change since, plus what earlier pulls left
         wire = compress.pack_topk(change, pack.k) if pack.encoding == "topk" else compress.pack_sign(change)
-        compress.add_sent(held.values, wire, key, clock)
-        held.count += 1
+        if held.users == 1:  # this worker's alone: moved on in place
+            compress.add_sent(held.values, wire, key, clock)
+            held.count += 1
+            held.next = None
+            return wire
+        after = _Copy(held.values.copy(), held.count + 1)  # copy on write: the others still hold it
+        compress.add_sent(after.values, wire, key, clock)
+        held.next = (step, after, wire) if version >= 0 else None
+        self._hold(worker, key, after)
         return wire
+
+    def _hold(self, worker: str, key: SliceKey, copy: _Copy) -> None:
+        old = self._copies.get((worker, key))
+        if old is copy:
+            return
+        if old is not None:
+            old.users -= 1
+            if old.users == 0:
+                old.next = None  # nobody holds it: what it led to is reachable through its holders only
+        copy.users += 1
+        self._copies[(worker, key)] = copy
 
     def residual(self, worker: str, key: SliceKey, value: np.ndarray) -> np.ndarray | None:
         """`value - copy`: what `worker` has not been sent of the slice yet (None: no copy)."""
@@ -104,10 +148,16 @@ class PullCopies:
         """Drop the copies of `keys` (moved away), of `workers` (gone), or all (both None)."""
         if keys is None and workers is None:
             self._copies.clear()
+            self._roots.clear()
             return
         drop_keys, drop_workers = set(keys or ()), set(workers or ())
         for entry in [e for e in self._copies if e[1] in drop_keys or e[0] in drop_workers]:
-            del self._copies[entry]
+            held = self._copies.pop(entry)
+            held.users -= 1
+            if held.users == 0:
+                held.next = None
+        for key in drop_keys:
+            self._roots.pop(key, None)
 
     @property
     def workers(self) -> set[str]:
@@ -115,4 +165,9 @@ class PullCopies:
 
     @property
     def nbytes(self) -> int:
-        return sum(c.values.nbytes for c in self._copies.values())
+        """The copies' bytes (each shared copy once), and what the last steps keep for lagging workers."""
+        unique = {id(c): c for c in self._copies.values()}
+        for c in list(unique.values()):
+            if c.next is not None:
+                unique[id(c.next[1])] = c.next[1]
+        return sum(c.values.nbytes for c in unique.values())

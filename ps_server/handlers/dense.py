@@ -727,7 +727,10 @@ class ParameterServerHandlers:
         """(what `stamp.worker_id` is sent of `key`, its version): the change since its copy, packed, with
         the server's copy moved on under the slice's lock; never shared between workers."""
         def packed(value: np.ndarray, dtype: np.dtype, version: int) -> tuple[WireArray, int]:
-            return self.pull_copies.serve(stamp.worker_id, key, value, pack, stamp.clock), version
+            # Sync mode: every worker reads the same versions, so workers with the same history share the
+            # packing (async versions are each worker's own: not worth remembering).
+            shared = version if self._store is not None and self._store.config.mode == "sync" else -1
+            return self.pull_copies.serve(stamp.worker_id, key, value, pack, stamp.clock, shared), version
 
         return store.read_with(key, packed)
 

@@ -12,7 +12,7 @@ from pshard.ps_server.settings import ServerSettings
 SGD_1 = OptimizerConfig(name="sgd", lr=1.0)
 # topk:1 sends every element of a push as it is: the server's value is then exactly params - sum(grads).
 JOB = JobConfig(mode="async", optimizer=SGD_1,
-                compression=Compression("topk:1", (("b", "none"),), pull="topk:0.01"))
+                compression=Compression("topk:1", (("b", "none"),), pull="topk:0.05"))
 NUMEL = 300_000
 
 
@@ -51,12 +51,12 @@ def test_a_worker_gets_the_packed_change_and_the_server_stays_exact(start_server
         assert value.tobytes() == want["a"].tobytes()  # the server applied the pushes exactly
         assert got["a"].tobytes() == held.tobytes()  # the worker's copy is the server's copy of it
         assert got["b"].tobytes() == want["b"].tobytes()  # its rule: uncompressed, so pulled whole
-        assert not np.array_equal(got["a"], value)  # an approximation: 1 % of the change a pull
+        assert not np.array_equal(got["a"], value)  # an approximation: 5 % of the change a pull
     assert client.transports == [transport]
     decoder = client.pull_compression
-    assert decoder is not None and decoder.bytes_before / decoder.bytes_after > 4  # 50x after the first
+    assert decoder is not None and decoder.bytes_before / decoder.bytes_after > 3  # 10x after the first
     # What the worker lacks is on the server, not lost: enough pulls with no push bring it all.
-    for _ in range(150):
+    for _ in range(40):
         got = client.pull(4)
     assert np.abs(got["a"] - value).max() < 1e-5 * np.abs(value).max()
 
@@ -90,3 +90,30 @@ def test_a_job_without_pull_compression_pulls_whole(start_server, new_client, tm
     assert server.running.handlers.pull_copies.nbytes == 0
     [(value, _)] = server.running.handlers.store.read([client.layout.slices[0].slice_key])
     assert got["a"][:value.size].tobytes() == value.reshape(-1).tobytes()
+
+
+@pytest.mark.parametrize("transport", ["tcp", "grpc"])
+def test_sync_workers_share_the_servers_copy_and_train_on_the_same_weights(start_server, new_client, tmp_path,
+                                                                           transport):
+    """Sync mode: both workers pull every version, so one copy and one packing per slice serve both; each
+    worker's weights are that copy, and the server's own value is exactly the union batch's SGD."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    rng = np.random.default_rng(12)
+    params = {"a": rng.standard_normal(NUMEL, dtype=np.float32)}
+    server = start_server(ServerSettings(shm_dir=str(tmp_path), static_quorum={"w0": 0, "w1": 0}))
+    job = JobConfig(mode="sync", optimizer=SGD_1, compression=Compression("topk:1", pull="topk:0.01"))
+    clients = [new_client([server], w, transport=transport, shm_dir=str(tmp_path)) for w in ("w0", "w1")]
+    for client in clients:
+        client.declare(params, job, slice_bytes=400_000)
+    want = params["a"].copy()
+    with ThreadPoolExecutor(2) as pool:
+        for clock in range(3):
+            grads = [rng.standard_normal(NUMEL, dtype=np.float32) for _ in clients]
+            steps = [pool.submit(c.push_pull, {"a": g}, clock) for c, g in zip(clients, grads, strict=True)]
+            got = [step.result()["a"] for step in steps]
+            want = want - (grads[0] + grads[1]) / np.float32(2)
+            value, held = _server_state(server, clients[0])
+            np.testing.assert_allclose(value, want, rtol=1e-6, atol=1e-6)  # the union batch's mean
+            assert got[0].tobytes() == got[1].tobytes() == held.tobytes()
+            assert server.running.handlers.pull_copies.nbytes == 4 * NUMEL  # one copy, not one each

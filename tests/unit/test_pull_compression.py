@@ -185,3 +185,35 @@ def test_copies_go_with_their_worker_or_slice_and_their_memory_is_counted() -> N
     assert copies.workers == {"w0"}
     copies.forget(keys=[s.slice_key])
     assert copies.nbytes == 0
+
+
+def test_workers_with_the_same_history_share_one_copy_and_one_packing() -> None:
+    """Sync mode: both workers pull every version, so the server packs each change once and keeps one copy;
+    a worker that pulls whole at another version gets its own, and the shared one is copied, not changed."""
+    rng = np.random.default_rng(9)
+    s, copies = _slice(), PullCopies()
+    decoders = {w: PullDecoder(Compressor.parse("topk:0.01"), ["w"], {"w": NUMEL}) for w in ("w0", "w1")}
+    value = rng.standard_normal(NUMEL, dtype=np.float32)
+
+    def pull(worker: str, version: int) -> np.ndarray:
+        decoder = decoders[worker]
+        pack = decoder.pack(s)
+        copies.check(worker, [s.slice_key], [pack], [s.numel])
+        wire = copies.serve(worker, s.slice_key, value, pack, version, version)
+        return decoder.apply(s, pack, wire.array.reshape(-1).view(np.uint8), version)
+
+    for version in range(6):
+        got = {w: pull(w, version).copy() for w in ("w0", "w1")}
+        assert got["w0"].tobytes() == got["w1"].tobytes() == copies.copy_of("w1", s.slice_key).tobytes()
+        assert copies.nbytes <= 2 * 4 * NUMEL  # the copy, and at most the step before it for a lagging one
+        value = value - np.float32(0.01) * rng.standard_normal(NUMEL, dtype=np.float32)
+    assert copies.nbytes == 4 * NUMEL
+    decoders["w1"].lost([s])  # w1 diverges: whole at version 6, then on its own
+    pull("w0", 6)
+    pull("w1", 6)
+    value = value + 1
+    for w in ("w0", "w1"):
+        got = pull(w, 7)
+        assert got.tobytes() == copies.copy_of(w, s.slice_key).tobytes()
+    assert copies.copy_of("w0", s.slice_key).tobytes() != copies.copy_of("w1", s.slice_key).tobytes()
+    assert copies.nbytes == 2 * 4 * NUMEL
