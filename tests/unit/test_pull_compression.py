@@ -217,3 +217,18 @@ def test_workers_with_the_same_history_share_one_copy_and_one_packing() -> None:
         assert got.tobytes() == copies.copy_of(w, s.slice_key).tobytes()
     assert copies.copy_of("w0", s.slice_key).tobytes() != copies.copy_of("w1", s.slice_key).tobytes()
     assert copies.nbytes == 2 * 4 * NUMEL
+
+
+def test_sign_copies_agree_bit_for_bit_on_zeros_and_negative_zeros() -> None:
+    """The server adds sign's values from the change itself, the worker from the bits: the same floats."""
+    s, copies = _slice(), PullCopies()
+    decoder = PullDecoder(Compressor("sign"), ["w"], {"w": NUMEL})
+    value = np.zeros(NUMEL, np.float32)
+    value[::3] = -0.0
+    _pull(copies, decoder, s, value, 0)
+    value = value.copy()
+    value[1::7] = np.float32(2.5)
+    value[2::11] = np.float32(-1e-30)
+    for clock in range(1, 4):
+        got = _pull(copies, decoder, s, value, clock)
+        assert got.tobytes() == copies.copy_of("w0", s.slice_key).tobytes()
