@@ -50,14 +50,15 @@ def worker(servers: list[str], worker_id: str, compression: str, steps: int) -> 
         client.push_pull(grads, 0)  # warm-up: the fast path opens, buffers are made, the first pull is whole
         decoder = client.pull_compression
         pulled_before = (decoder.bytes_after, decoder.bytes_before) if decoder else (0, 0)
-        started = time.perf_counter()
+        started, cpu = time.perf_counter(), time.process_time()
         for clock in range(1, steps + 1):
             client.push_pull(grads, clock)
         step_s = (time.perf_counter() - started) / steps
+        cpu_s = (time.process_time() - cpu) / steps  # all its threads: a worker's CPU a step
         stats = client.compression.stats if client.compression else None
         sent = stats.bytes_after / stats.steps if stats else NUMEL * (2 if wire else 4)
         pulled = ((decoder.bytes_after - pulled_before[0]) / steps if decoder else NUMEL * (2 if wire else 4))
-        print(json.dumps({"step_s": step_s, "sent_bytes": sent, "pulled_bytes": pulled,
+        print(json.dumps({"step_s": step_s, "cpu_s": cpu_s, "sent_bytes": sent, "pulled_bytes": pulled,
                           "transports": client.transports}), flush=True)
 
 
@@ -117,6 +118,7 @@ def main(argv: list[str] | None = None) -> int:
                 # Uncompressed, each worker pushes and pulls 100 MB a step over its own link, both ways.
                 emit("compression_link", compression=compression, mbit=args.mbit, round=round_,
                      load=round(os.getloadavg()[0], 1), step_s=round(step_s, 3),
+                     worker_cpu_s=round(max(float(r["cpu_s"]) for r in results), 3),  # type: ignore[arg-type]
                      speedup_vs_first=round(base / step_s, 2), sent_mb_per_step=round(sent / 1e6, 2),
                      pulled_mb_per_step=round(pulled / 1e6, 2),
                      push_line_rate_fraction=round(sent * 8 / 1e6 / args.mbit / step_s, 2),
