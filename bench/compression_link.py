@@ -93,7 +93,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--rounds", type=int, default=1)
     p.add_argument("--compression", nargs="+",
-                   default=["none", "topk:0.01", "sign", "topk:0.01@bfloat16", "sign@bfloat16"])
+                   default=["none", "topk:0.01", "sign", "topk:0.01/topk:0.01", "sign/sign",
+                            "topk:0.01@bfloat16", "sign@bfloat16"])
     p.add_argument("--worker", help=argparse.SUPPRESS)
     p.add_argument("--servers", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
