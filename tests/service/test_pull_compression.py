@@ -117,3 +117,22 @@ def test_sync_workers_share_the_servers_copy_and_train_on_the_same_weights(start
             np.testing.assert_allclose(value, want, rtol=1e-6, atol=1e-6)  # the union batch's mean
             assert got[0].tobytes() == got[1].tobytes() == held.tobytes()
             assert server.running.handlers.pull_copies.nbytes == 4 * NUMEL  # one copy, not one each
+
+
+def test_a_worker_that_leaves_the_quorum_takes_its_copies_with_it(start_server, new_client, tmp_path):
+    rng = np.random.default_rng(13)
+    params = {"a": rng.standard_normal(NUMEL, dtype=np.float32)}
+    server = start_server(ServerSettings(shm_dir=str(tmp_path), static_quorum={"w0": 0, "w1": 0}))
+    job = JobConfig(mode="async", optimizer=SGD_1, compression=Compression("topk:1", pull="sign"))
+    clients = [new_client([server], w, transport="tcp") for w in ("w0", "w1")]
+    for client in clients:
+        client.declare(params, job, slice_bytes=400_000)
+        client.push_pull({"a": rng.standard_normal(NUMEL, dtype=np.float32)}, 0)
+    handlers = server.running.handlers
+    assert handlers.pull_copies.workers == {"w0", "w1"}
+    server.call(lambda: handlers.set_quorum({"w0": 0}))  # w1 left
+    assert handlers.pull_copies.workers == {"w0"}
+    got = clients[0].push_pull({"a": rng.standard_normal(NUMEL, dtype=np.float32)}, 1)  # w0 goes on, packed
+    assert got["a"].tobytes() == _server_state(server, clients[0])[1].tobytes()
+    assert clients[0].pull_compression is not None and clients[0].pull_compression.pack(
+        clients[0].layout.slices[0]).base == 2
