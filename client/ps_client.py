@@ -31,16 +31,18 @@ from typing import TypeVar
 
 import grpc
 import numpy as np
-from pshard.client.compressing import PushEncoder
+from pshard.client.compressing import PullDecoder, PushEncoder
 from pshard.client.connections import ServerConnections
 from pshard.client.fast_session import TABLE_ROOM_BYTES
 from pshard.client.forking import ProcessOwned
 from pshard.client.tables import TableClient
 from pshard.common.cluster.layout import DEFAULT_SLICE_BYTES, Layout, LayoutSlice, ParamSpec, plan_layout
+from pshard.common.compression import PullPack
 from pshard.common.errors import (
     InvalidArgumentError,
     OverloadedError,
     PSError,
+    PullBaseLostError,
     PullTimeoutError,
     ShapeMismatchError,
     StaleGenerationError,
@@ -161,6 +163,8 @@ class PSClient:
         self.scheduled: tuple[int, int, int] = (0, 0, 0)
         # The job's gradient compression (set by declare); None: every slice travels as it is.
         self.compression: PushEncoder | None = None
+        # Compressed pulls (JobConfig.compression.pull): this worker's copies; None: pulls come whole.
+        self.pull_compression: PullDecoder | None = None
 
     # ---- lifecycle ----
 
@@ -229,6 +233,10 @@ class PSClient:
             return
         encoder = PushEncoder(plan, sizes, job.compression.error_feedback)
         self.compression = encoder if encoder.plan else None
+        pull = job.compression.pull_compressor
+        # Float32 parameters only: the copies add in float32 on both sides (the server refuses others).
+        pulled = [k for k in encoder.plan if self._dtypes.get(k) == "float32"]
+        self.pull_compression = PullDecoder(pull, pulled, sizes) if pull.lossy and pulled else None
 
     # ---- failover (docs/architecture.md, 9 Failures) ----
 
@@ -326,8 +334,13 @@ class PSClient:
             header = pb.ExchangeHeader(op=pb.EXCHANGE_OP_PUSH_PULL, stamp=self._stamp(clock),
                                        pull=[codec.slice_id_to_proto(s.slice_key) for s in slices],
                                        timeout_ms=int(self._timeout_s * 1000))
-            summary = self._fast_call(server, header, [], slices, result)
-            return summary if summary is not None else self._exchange_call(server, header, [], slices, result)
+
+            def send() -> pb.ExchangeSummary:
+                summary = self._fast_call(server, header, [], slices, result)
+                return summary if summary is not None else self._exchange_call(server, header, [], slices,
+                                                                               result)
+
+            return self._pulling(server, slices, header, send)
 
         return result, _result(self._all_servers(run))
 
@@ -373,12 +386,18 @@ class PSClient:
                 return pb.ExchangeSummary()
             buffers = [packed[s.slice_key].array if s.slice_key in packed
                        else flat[s.key][s.offset:s.offset + s.numel] for s in slices]
-            summary = self._fast_call(server, header, buffers, slices if pull else [], out or {})
-            if summary is not None:
-                return summary
-            if sum(b.nbytes for b in buffers) <= SMALL_PAYLOAD_BYTES:
-                return self._unary_push_pull(server, header, buffers, slices if pull else [], out or {})
-            return self._exchange_call(server, header, buffers, slices if pull else [], out or {})
+            pulled = slices if pull else []
+
+            def send() -> pb.ExchangeSummary:
+                summary = self._fast_call(server, header, buffers, pulled, out or {})
+                if summary is not None:
+                    return summary
+                # The unary PushPull carries no pull packing: compressed pulls go as an Exchange.
+                if sum(b.nbytes for b in buffers) <= SMALL_PAYLOAD_BYTES and not header.pull_packing:
+                    return self._unary_push_pull(server, header, buffers, pulled, out or {})
+                return self._exchange_call(server, header, buffers, pulled, out or {})
+
+            return self._pulling(server, pulled, header, send)
 
         return _result(self._all_servers(run))
 
@@ -409,6 +428,38 @@ class PSClient:
         header.stamp.CopyFrom(self._stamp(clock, lr))
         header.timeout_ms = int(self._timeout_s * 1000)
         return slices, header
+
+    def _pulling(self, server: int, pulled: Sequence[LayoutSlice], header: pb.ExchangeHeader,
+                 send: Callable[[], pb.ExchangeSummary]) -> pb.ExchangeSummary:
+        """`send()` with the header's pull packing set from this worker's copies (compressed pulls); once
+        more with the slices whole when the server says it does not hold what the worker holds (a reply
+        lost on the way, a restarted server or a new primary: it applied nothing of the request)."""
+        decoder = self.pull_compression
+        if decoder is None or not any(decoder.pulls(s.key) for s in pulled):
+            return send()
+        self._set_packing(header, decoder, pulled)
+        try:
+            return send()
+        except PullBaseLostError as err:
+            log.info("server %s: %s; pulling those slices whole", self.servers[server], err)
+            decoder.lost(pulled)
+            self._set_packing(header, decoder, pulled)
+            return send()
+
+    @staticmethod
+    def _set_packing(header: pb.ExchangeHeader, decoder: PullDecoder, pulled: Sequence[LayoutSlice]) -> None:
+        del header.pull_packing[:]
+        header.pull_packing.extend(codec.pull_packs_to_proto([decoder.pack(s) for s in pulled]))
+
+    def _place_pulled(self, s: LayoutSlice, pack: PullPack | None, raw: np.ndarray, wire_dtype: str,
+                      clock: int, out: Mapping[str, np.ndarray]) -> None:
+        """A pulled slice's bytes into `out`: whole (cast back from the wire dtype), or a compressed pull's
+        landed on this worker's copy first."""
+        if pack is None or not pack.packed:
+            self._place(s, codec.WireArray(raw.view(codec.numpy_dtype(wire_dtype)), wire_dtype), out)
+            return
+        assert self.pull_compression is not None
+        out[s.key].reshape(-1)[s.offset:s.offset + s.numel] = self.pull_compression.apply(s, pack, raw, clock)
 
     # ---- operations ----
 
@@ -512,14 +563,14 @@ class PSClient:
         wire = (self.job.wire_dtype if self.job else "") or ""
         dtypes = [self._param_dtype(s.key) for s in pulled]
         wire_dtypes = [wire if wire and d in PARAM_DTYPES else d for d in dtypes]
+        packs = codec.pull_packs_from_proto(header) or [None] * len(pulled)
 
         def place(index: int, raw: np.ndarray) -> None:
-            values = raw.view(codec.numpy_dtype(wire_dtypes[index]))
-            self._place(pulled[index], codec.WireArray(values, wire_dtypes[index]), out)
+            self._place_pulled(pulled[index], packs[index], raw, wire_dtypes[index], header.stamp.clock, out)
 
         def direct(index: int) -> np.ndarray | None:
             s = pulled[index]
-            if wire_dtypes[index] != dtypes[index]:
+            if wire_dtypes[index] != dtypes[index] or (packs[index] is not None and packs[index].packed):
                 return None
             target = out[s.key].reshape(-1)[s.offset:s.offset + s.numel]
             return target.view(np.uint8) if target.dtype == codec.numpy_dtype(dtypes[index]) else None
@@ -748,13 +799,16 @@ class PSClient:
         wire = (self.job.wire_dtype if self.job else "") or ""
         dtypes = [self._param_dtype(s.key) for s in pulled]
         wire_dtypes = [wire if wire and d in PARAM_DTYPES else d for d in dtypes]
-        sizes = [s.numel * codec.numpy_dtype(d).itemsize for s, d in zip(pulled, wire_dtypes, strict=True)]
+        packs = codec.pull_packs_from_proto(header) or [None] * len(pulled)
+        sizes = [self.pull_compression.nbytes(s, p) if p is not None and p.packed and self.pull_compression
+                 else s.numel * codec.numpy_dtype(d).itemsize
+                 for s, d, p in zip(pulled, wire_dtypes, packs, strict=True)]
         reader = SliceReader(sizes, [str(s.slice_key) for s in pulled])
         summary: pb.ExchangeSummary | None = None
 
         def place(index: int, buf: memoryview) -> None:
-            values = np.frombuffer(buf, dtype=codec.numpy_dtype(wire_dtypes[index]))
-            self._place(pulled[index], codec.WireArray(values, wire_dtypes[index]), out)
+            raw = np.frombuffer(buf, dtype=np.uint8)
+            self._place_pulled(pulled[index], packs[index], raw, wire_dtypes[index], header.stamp.clock, out)
 
         for index, buf in reader.initial():
             place(index, buf)

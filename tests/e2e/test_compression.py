@@ -39,3 +39,24 @@ def test_topk_with_error_feedback_trains_fashion_mnist_on_two_servers(procs: Pro
     for name, fields in lines.items():  # 1 % of each slice, as an index and a value: 50x fewer bytes
         assert float(fields["compression_ratio"]) > 40, (name, fields)
     assert float(lines["worker-0"]["test_accuracy"]) >= BAR, lines
+
+
+@pytest.mark.skipif(not (DATA_DIR / "train-images-idx3-ubyte.gz").exists(),
+                    reason=f"Fashion-MNIST is not in {DATA_DIR} (apt-get install dataset-fashion-mnist)")
+def test_compressed_pulls_train_fashion_mnist_on_two_servers(procs: Procs) -> None:
+    """Pulls too as top-k 1 % of the change since each worker's copy: the workers train on approximate
+    weights, the servers keep the rest, and the model still learns (the full-length comparison with
+    uncompressed training: bench/compression_accuracy.py, topk:0.01/topk:0.01)."""
+    run = start_launcher(procs, "--ps", "2", "--workers", "2", "--", "--mode", "sync", "--model", "mlp",
+                         "--epochs", "1", "--max-steps", "150", "--seed", "0", "--lr", "0.05",
+                         "--data-dir", str(DATA_DIR), "--compression", "topk:0.01",
+                         "--compression-rule", "*.bias=none", "--pull-compression", "topk:0.01")
+
+    code = run.wait(TIMEOUT_S)
+
+    assert code == 0, run.output()
+    lines = finals(run)
+    assert set(lines) == {"worker-0", "worker-1"}, run.output()
+    for name, fields in lines.items():  # the first pull is whole, each later one 1 % as index and value
+        assert float(fields["pull_compression_ratio"]) > 20, (name, fields)
+    assert float(lines["worker-0"]["test_accuracy"]) >= BAR, lines
