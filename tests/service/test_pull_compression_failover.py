@@ -6,14 +6,17 @@ backup holds no pull copies (they are never replicated), so the next compressed 
 slices is refused with PullBaseLostError before anything of the step applies, and resent whole. The
 servers' weights must then be bit-identical to the same steps on servers that never failed (sync
 mode's union batch, each push applied once), and a whole pull gives every worker exactly those values.
+The same refusal and resend for one server SIGKILLed and started again from its checkpoint.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import re
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -26,7 +29,7 @@ from pshard.common.job import JobConfig, OptimizerConfig
 from pshard.ps_server.service import ServerThread
 from pshard.ps_server.settings import ServerSettings
 
-from tests.e2e.harness import LocalCluster, Procs
+from tests.e2e.harness import LocalCluster, Procs, wait_healthy
 
 WAIT_S = 20.0
 WORKERS = ("worker-0", "worker-1")
@@ -151,3 +154,41 @@ def _newer_layout(member: SchedulerClient) -> Callable[[Layout, float], Layout |
         return got if got.version > layout.version else None
     return newer
 
+
+
+def test_a_compressed_pull_from_a_server_restarted_from_its_checkpoint_is_resent_whole(
+        procs: Procs, new_client: Callable[..., PSClient], tmp_path: Path,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """A server SIGKILLed and started again at its address from its checkpoint holds no pull copies
+    (they are not checkpointed): the worker's next compressed pull is refused and resent whole."""
+    cluster = LocalCluster(procs, num_ps=1, num_workers=1)
+    args = ("--no-scheduler", "--workers", "w0", "--checkpoint-dir", str(tmp_path / "ckpt"))
+    address = cluster.task("ps-0").address
+    server = cluster.start_ps(0, *args)
+    wait_healthy(address, proc=server)
+    job = dataclasses.replace(JOB, mode="async", job_id="job", optimizer=OptimizerConfig(name="sgd", lr=1.0))
+    client = new_client([address], "w0", transport="grpc")
+    want = _initial()["a"]
+    client.declare({"a": want.copy()}, job)
+    for clock in range(4):
+        client.push_pull(_grads(0, clock), clock)
+        want = want - _grads(0, clock)["a"]
+        if clock == 2:
+            client.checkpoint()
+            saved = want
+    assert _bases(client, address) == [4] * len(client.layout.slices)
+    server.kill()
+    again = cluster.start_ps(0, *args)
+    again.wait_for_line(r"restoring checkpoint", WAIT_S)
+    wait_healthy(address, proc=again)
+
+    with caplog.at_level(logging.INFO, logger="pshard.client"):
+        got = client.push_pull(_grads(0, 4), 4)["a"]
+    said = [r.getMessage() for r in caplog.records if "pulling those slices whole" in r.getMessage()]
+    assert len(said) == 1 and "this server holds no copy" in said[0], said
+    assert _bases(client, address) == [1] * len(client.layout.slices)
+    # The step after the checkpoint is lost (the server says so); the one resent applied once, and the
+    # worker holds exactly the server's value, as a fresh whole pull shows.
+    assert got.tobytes() == (saved - _grads(0, 4)["a"]).tobytes()
+    with ThreadPoolExecutor(1) as pool:
+        assert _pull_whole(pool, [client], 4)[0].tobytes() == got.tobytes()
