@@ -34,8 +34,9 @@ a request is about to change, before it changes them (copy-on-write).
 Narrow rows (`row_dtype` float16, bfloat16 or int8, issue 22): `values` holds each row in its stored form,
 opaque bytes (TableConfig.row_layout); a push decodes the rows it touches to float32, applies the optimizer
 there with its float32 state, and encodes them once (ps_server.tables.rowcodec; int8 rounds stochastically
-with draws of the seed, the id and the row's update count, so a backup or a restart rounds alike). Pulls
-return the stored bytes as they are, which the client decodes (common.wire.sparse_codec.decode_rows).
+with draws of the seed, the id and the row's update count, so a backup or a restart rounds alike); sgd and
+adagrad do all three in one compiled pass (ps_server.tables.narrow_kernels), the same bytes as that numpy.
+Pulls return the stored bytes as they are, which the client decodes (common.wire.sparse_codec.decode_rows).
 
 A disk tier (`memory_mb`, issue 22): given a store directory, a table keeps at most `ram_rows` rows
 (memory_mb over a row's bytes in RAM) in its arrays. After each request the coldest rows beyond that, by
@@ -79,8 +80,8 @@ _BUFFER_NUMBERS = 1 << 20
 _UNIT = float(2**-53)
 # Evicted ids logged for incremental checkpoints at most (8 bytes each): past it, the next one is full.
 REMOVED_LOG_IDS = 1 << 22
-# Optimizers whose push updates rows in place in one compiled pass (ps_server.tables.kernels); adam's two
-# moments and bias correction stay with row_optim's numpy.
+# Optimizers whose push updates rows in place in one compiled pass (ps_server.tables.kernels, narrow rows
+# ps_server.tables.narrow_kernels); adam's two moments and bias correction stay with row_optim's numpy.
 _IN_PLACE = ("sgd", "adagrad")
 
 
