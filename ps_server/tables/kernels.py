@@ -330,7 +330,3 @@ def warm(dtype: np.dtype) -> None:
 if __name__ == "__main__":  # compile into numba's cache ahead of time (docker/Dockerfile.server)
     for _dtype in DTYPES:
         warm(_dtype)
-    from pshard.ps_server.tables import narrow_kernels  # the narrow rows' pushes (their module imports this)
-
-    for _row_dtype in ("float16", "bfloat16", "int8"):
-        narrow_kernels.warm(_row_dtype)

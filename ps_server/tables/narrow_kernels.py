@@ -257,3 +257,8 @@ def warm(row_dtype: str) -> None:
                 push16(np.zeros((1, 2), np.uint16), sums, touch, count, rows, g, one, one, 0.0,
                        row_dtype == "bfloat16")
     _warmed.add(row_dtype)
+
+
+if __name__ == "__main__":  # compile into numba's cache ahead of time (docker/Dockerfile.server)
+    for _row_dtype in ("float16", "bfloat16", "int8"):
+        warm(_row_dtype)
