@@ -497,15 +497,45 @@ class PSClient:
         if not serving_only or layout is None:
             return self._all_servers(lambda i: self._ask_stats(i, self._timeout_s, True))
         if not self._fail_fast:
-            return self._serving_stats(layout, self._timeout_s, True)
-        silent_s = min(self._timeout_s, 2 * self.connections.dead_after_s)  # as the raw TCP path's bound
-        return self._rerouting(lambda layout: self._serving_stats(layout, silent_s, False))
+            return self._each_of(self._serving(layout), lambda i: self._ask_stats(i, self._timeout_s, True))
+        return self._rerouting(self._live_stats)
 
-    def _serving_stats(self, layout: Layout, timeout_s: float, wait: bool) -> list[pb.GetStatsResponse]:
-        serving = [i for i in range(len(self.servers)) if layout.slices_on(i) or layout.partitions_on(i)]
+    def live_layout(self) -> Layout | None:
+        """The layout to route an admin call by: with a replicated layout, one whose serving servers all
+        answered within the dead-peer time (a newer one, the scheduler's failover, past a silent one);
+        else the client's. A checkpoint or table export sent by a layout the client has not caught up
+        on waits out its whole deadline on a server whose host was cut off (issue 24)."""
+        if not self._fail_fast:
+            return self.layout
+        return self._rerouting(self._live)
+
+    def _on_live_servers(self, ask: Callable[[int, bool], T]) -> list[T]:
+        """`ask(server, wait_for_ready)` on every server at once; with a replicated layout, on the serving
+        servers of `live_layout`'s layout only, and a server unreachable fails at once (re-routes)."""
+        if not self._fail_fast:
+            return self._all_servers(lambda i: ask(i, True))
+        return self._rerouting(lambda layout: self._each_of(
+            self._serving(self._live(layout)), lambda i: ask(i, False)))
+
+    def _live(self, layout: Layout) -> Layout:
+        """`layout`, once its serving servers all answered (`_live_stats`)."""
+        self._live_stats(layout)
+        return layout
+
+    def _live_stats(self, layout: Layout) -> list[pb.GetStatsResponse]:
+        """The stats of `layout`'s serving servers; one silent for twice the dead-peer time (as the raw
+        TCP path's bound) raises UnavailableError, which `_rerouting` takes to the failed-over layout."""
+        silent_s = min(self._timeout_s, 2 * self.connections.dead_after_s)
+        return self._each_of(self._serving(layout), lambda i: self._ask_stats(i, silent_s, False))
+
+    def _serving(self, layout: Layout) -> list[int]:
+        """The servers `layout` gives slices or row partitions: not a drained or failed-over one."""
+        return [i for i in range(len(self.servers)) if layout.slices_on(i) or layout.partitions_on(i)]
+
+    def _each_of(self, servers: Sequence[int], fn: Callable[[int], T]) -> list[T]:
+        """fn(server) for each of `servers` at once, in their order; the first error wins, after all ended."""
         self._owner.check()
-        ask = functools.partial(self._ask_stats, timeout_s=timeout_s, wait=wait)
-        futures = [self._pool.submit(self._naming_unreachable, ask, i) for i in serving]
+        futures = [self._pool.submit(self._naming_unreachable, fn, i) for i in servers]
         return [f.result() for f in futures]
 
     def _ask_stats(self, server: int, timeout_s: float, wait: bool) -> pb.GetStatsResponse:
@@ -523,9 +553,9 @@ class PSClient:
     def checkpoint(self, at_version: int = 0) -> list[str]:
         """Each server writes its shard once every slice has reached `at_version`."""
         t = self._timeout_s
-        return self._all_servers(lambda i: self._unary(i, lambda stub: stub.Checkpoint(
+        return self._on_live_servers(lambda i, wait: self._unary(i, lambda stub: stub.Checkpoint(
             pb.CheckpointRequest(at_version=at_version, timeout_ms=int(t * 1000)),
-            timeout=t + DEADLINE_SLACK_S, wait_for_ready=True).path))
+            timeout=t + DEADLINE_SLACK_S, wait_for_ready=wait).path))
 
     def each_server(self, call: Callable[[int, pb_grpc.ParameterServerServiceStub], T]) -> list[T]:
         """`call(index, stub)` on every server at once, in server order (worker.checkpoint_coordinator); gRPC
