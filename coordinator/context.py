@@ -30,6 +30,7 @@ from pshard.coordinator.values import IteratorRef
 
 _current = threading.local()
 T = TypeVar("T")
+_END = object()
 
 
 def current() -> WorkerContext:
@@ -111,13 +112,17 @@ class WorkerContext:
         self._tables: TableClient | None = None
         self.pushes_applied = 0
         self.pushes_dropped = 0
+        # The call's work as items (a shard's batches): those that count already, and how far it got.
+        self.resume_at = 0
+        self.progress = 0
 
     # ---- the serving loop's side ----
 
     @contextlib.contextmanager
-    def running(self, schedule_id: int, floor: int) -> Iterator[WorkerContext]:
+    def running(self, schedule_id: int, floor: int, resume_at: int = 0) -> Iterator[WorkerContext]:
         self.schedule_id, self._floor, self._seq = schedule_id, floor, 0
         self.pushes_applied = self.pushes_dropped = 0
+        self.resume_at = self.progress = resume_at
         _current.ctx = self
         try:
             yield self
@@ -173,6 +178,21 @@ class WorkerContext:
             self.pushes_dropped += result.dropped
         self._latest = weights
         return weights
+
+    def resume(self, items: Iterable[T]) -> Iterator[T]:
+        """`items` (a shard's batches, in the same order on every run) from where this call's work stands:
+        the first `resume_at` are skipped (a checkpoint's weights, or an earlier run that failed, have them).
+        An item counts once the loop asks for the next one or ends, so after its step and its pushes: an
+        exception or a `break` in its step leaves it to the next run. The coordinator gets the count
+        (`progress`) with the call's result or error; a shard queue resumes its shard there."""
+        it = iter(items)
+        for skipped in range(self.resume_at):
+            if next(it, _END) is _END:
+                raise InvalidArgumentError(f"resume: the call's work goes on at item {self.resume_at}, but "
+                                           f"its items end after {skipped} (not the same items as before?)")
+        for item in it:
+            yield item
+            self.progress += 1
 
     def latest(self) -> dict[str, np.ndarray]:
         """The weights this worker got back with its last push_pull (async: as fresh as a pull at the end

@@ -105,9 +105,10 @@ class Dispatcher:
                 f"schedule {closure.schedule_id} ({closure.remote.function}) raised on {self.node_id}: "
                 f"{e.type}: {e.message}\n--- the worker's traceback ---\n{e.traceback}",
                 function=closure.remote.function, schedule_id=closure.schedule_id, worker=self.node_id,
-                error_type=e.type))
+                error_type=e.type), response.progress)
             return
-        self._queue.finish(closure.schedule_id, self.node_id, values.decode(response.result, None, "result"))
+        self._queue.finish(closure.schedule_id, self.node_id, values.decode(response.result, None, "result"),
+                           response.progress)
 
     def _await_reachable(self) -> bool:
         try:

@@ -149,6 +149,22 @@ def add_shard(shard: int, v: RemoteVariable, poisoned: list[int]) -> int:
     return shard
 
 
+def shard_batches(shard: int) -> list[list[int]]:
+    """Shard `shard`'s samples as 4 batches of 3 sample ids: 12 * shard to 12 * shard + 11, in order."""
+    return [[12 * shard + 3 * b + i for i in range(3)] for b in range(4)]
+
+
+def train_shard_batches(shard: int, v: RemoteVariable, poisoned_at: list[int]) -> int:
+    """Trains shard `shard` batch by batch from where its work stands: adds each sample's id + 1, so the
+    variable ends at the sum over the samples trained, each as often as it was. Batch `poisoned_at[1]` of
+    shard `poisoned_at[0]` raises before its push (a crash half-way through the shard)."""
+    for batch in current().resume(shard_batches(shard)):
+        if [shard, (batch[0] - 12 * shard) // 3] == poisoned_at:
+            raise RuntimeError(f"shard {shard} is poisoned at sample {batch[0]}")
+        v.assign_add(float(sum(i + 1 for i in batch)))
+    return shard
+
+
 def shard_on(shard: int, slow_worker: str, slow_s: float) -> str:
     """Which worker trained `shard`; `slow_worker` takes `slow_s` per shard (a slower machine)."""
     worker = current().client.worker_id
