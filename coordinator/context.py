@@ -167,11 +167,14 @@ class WorkerContext:
         self.pushes_applied += result.applied
         self.pushes_dropped += result.dropped
 
-    def push_pull(self, grads: Mapping[str, Any]) -> dict[str, np.ndarray]:
+    def push_pull(self, grads: Mapping[str, Any],
+                  out: Mapping[str, np.ndarray] | None = None) -> dict[str, np.ndarray]:
         """Push gradients of every variable and get the weights back in the same round trip, as PSTrainer's
-        fused step: `latest()` answers the next call on this worker with them, without a pull."""
+        fused step: `latest()` answers the next call on this worker with them, without a pull. `out`:
+        contiguous arrays the weights land in instead of new ones; with numpy views of a CPU model's own
+        parameters (`p.detach().numpy()`) there is nothing left to load, as in PSTrainer's step."""
         arrays = {k: self._as_param(k, g) for k, g in grads.items()}
-        weights = self._stamped(lambda: self.client.push_pull(arrays, self.clock))
+        weights = self._stamped(lambda: self.client.push_pull(arrays, self.clock, out))
         result = self.client.last_result
         if result is not None:
             self.pushes_applied += result.applied
@@ -194,12 +197,20 @@ class WorkerContext:
             yield item
             self.progress += 1
 
-    def latest(self) -> dict[str, np.ndarray]:
+    def latest(self, out: Mapping[str, np.ndarray] | None = None) -> dict[str, np.ndarray]:
         """The weights this worker got back with its last push_pull (async: as fresh as a pull at the end
-        of its last step, which is what a worker-driven loop trains on), else a pull of every variable."""
+        of its last step, which is what a worker-driven loop trains on), else a pull of every variable.
+        `out`: arrays to put them in (views of a model's parameters): copied, unless the last push_pull
+        landed them in these very arrays, so a step that passes the same `out` to both loads nothing."""
         if self._latest is None:
-            self._latest = self.pull()
-        return self._latest
+            self._latest = self.client.pull(self.clock, None, out)
+        if out is None:
+            return self._latest
+        for name, into in out.items():
+            have = self._latest[name]
+            if have is not into:
+                np.copyto(into, have.reshape(into.shape))
+        return dict(out)
 
     def _stamped(self, send: Callable[[], T]) -> T:
         self.client.scheduled = (self.schedule_id, self._seq, self._floor)

@@ -111,6 +111,22 @@ def add_fused(x: float) -> list[float]:
     return [float(before["v"][0]), float(after["v"][0]), float(ctx.latest()["v"][0])]
 
 
+_landing: dict[str, np.ndarray] = {}  # this (one) worker's own array for v, as a model's parameter is
+
+
+def add_landing(x: float) -> list[Any]:
+    """Adds x to v in one push+pull whose weights land in the worker's own array; returns v there before
+    and after, whether push_pull returned that array, and v as latest(out=) copies it into another."""
+    ctx = current()
+    own = _landing.setdefault("v", np.full(1, -1.0, np.float32))
+    ctx.latest(out={"v": own})  # the worker's first call: pulled into it; later: there already
+    before = float(own[0])
+    got = ctx.push_pull({"v": np.full(1, -x, np.float32)}, out={"v": own})
+    other = np.zeros(1, np.float32)
+    ctx.latest(out={"v": other})
+    return [before, float(own[0]), got["v"] is own, float(other[0])]
+
+
 def synthetic_batches(shape: tuple[int, ...], seed: int) -> Iterator[tuple[Any, Any]]:
     """Endless random batches of 32 images of `shape` (C, H, W) and labels in 0..9."""
     import torch

@@ -66,6 +66,19 @@ def test_a_fused_push_pull_counts_once_and_its_weights_answer_the_workers_next_c
             assert v.read_value().tolist() == [5.0]
 
 
+def test_push_pull_lands_the_weights_in_the_arrays_given_and_latest_copies_them_only_elsewhere() -> None:
+    with cluster(workers=1) as c:
+        c.start_worker(0)
+        with c.coordinator() as coordinator:
+            v = coordinator.create_variable("v", np.zeros(1, np.float32))
+            first = coordinator.schedule(f.add_landing, args=(2.0,)).fetch(WAIT_S)
+            second = coordinator.schedule(f.add_landing, args=(3.0,)).fetch(WAIT_S)
+
+            assert first == [0.0, 2.0, True, 2.0]  # pulled into the worker's array, then landed there
+            assert second == [2.0, 5.0, True, 5.0]
+            assert v.read_value().tolist() == [5.0]
+
+
 def test_a_raising_function_reaches_join_with_the_workers_traceback_and_changes_nothing() -> None:
     with cluster(workers=1) as c:
         c.start_worker(0)
