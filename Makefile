@@ -66,8 +66,9 @@ data:
 			|| echo "dataset: apt-get install dataset-fashion-mnist failed; workers will use scikit-learn digits"; \
 	else echo "dataset: $(DATA_DIR) missing and cannot apt-get install dataset-fashion-mnist; the demo will use scikit-learn digits"; fi
 
+# The slowest tests are listed at the end, so that a CI log shows where the 30-minute budget goes.
 test: install data
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+	$(PY) -m pytest -q --durations=20 $(PYTEST_ARGS)
 
 test-unit: install
 	$(PY) -m pytest -q tests/unit $(PYTEST_ARGS)

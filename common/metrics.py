@@ -488,14 +488,35 @@ def _unpack_families(requests: RequestMetrics, service: str) -> Iterator[Any]:
 # ---- scheduler ----
 
 
+class _Move(Protocol):
+    partition: int
+    source: str
+    target: str
+    bytes_left: int
+
+    @property
+    def bytes_copied(self) -> int: ...
+
+
+class _MoveStats(Protocol):
+    """scheduler/partition_moves.py's MoveStats."""
+
+    finished: Mapping[str, int]
+    buckets: tuple[tuple[str, float], ...]
+    seconds_sum: float
+    in_progress: tuple[_Move, ...]
+
+
 class SchedulerCollector(Collector):
     """The scheduler's membership, read from its current view at scrape time."""
 
     def __init__(self, view: Callable[[], ClusterView], refusals: _Refusals | None = None,
-                 role_changes: Callable[[], Mapping[str, int]] | None = None) -> None:
+                 role_changes: Callable[[], Mapping[str, int]] | None = None,
+                 moves: Callable[[], _MoveStats] | None = None) -> None:
         self._view = view
         self._refusals = refusals
         self._role_changes = role_changes
+        self._moves = moves
 
     def collect(self) -> Iterator[Any]:
         if self._refusals is not None:
@@ -540,6 +561,35 @@ class SchedulerCollector(Collector):
             for change, count in sorted(self._role_changes().items()):
                 changes.add_metric([change], count)
             yield changes
+        if self._moves is not None:
+            yield from move_families(self._moves())
+
+
+def move_families(stats: _MoveStats) -> Iterator[Any]:
+    """Moves done and their durations (issue 20: partition moves of `pshard rebalance`, and drains), and
+    the bytes copied and left of each move in progress."""
+    done = CounterMetricFamily("pshard_scheduler_moves", "Moves done: row partitions moved to a backup "
+                               "(rebalance) and servers drained (drain)", labels=["kind"])
+    for kind in ("drain", "rebalance"):
+        done.add_metric([kind], stats.finished.get(kind, 0))
+    yield done
+    yield HistogramMetricFamily("pshard_scheduler_move_seconds", "Duration of each move done: a rebalance "
+                                "from its switch to its new server's backups holding it, a drain from its "
+                                "first ask to its hand-over", buckets=list(stats.buckets),
+                                sum_value=stats.seconds_sum)
+    labels = ["partition", "source", "target"]
+    copied = GaugeMetricFamily("pshard_scheduler_move_bytes_copied",
+                               "Bytes of a moving partition its new server's backups hold so far",
+                               labels=labels)
+    left = GaugeMetricFamily("pshard_scheduler_move_bytes_left",
+                             "Bytes of a moving partition its new server's backups still lack",
+                             labels=labels)
+    for move in stats.in_progress:
+        names = [str(move.partition), move.source, move.target]
+        copied.add_metric(names, move.bytes_copied)
+        left.add_metric(names, move.bytes_left)
+    yield copied
+    yield left
 
 
 def hosted_scheduler_collector(handle: Any) -> SchedulerCollector:
@@ -548,7 +598,8 @@ def hosted_scheduler_collector(handle: Any) -> SchedulerCollector:
     running = handle.running
     membership = running.servicer.membership
     return SchedulerCollector(lambda: on_loop(handle.loop, membership.view), running.refusals,
-                              lambda: on_loop(handle.loop, lambda: dict(membership.in_sync.changes)))
+                              lambda: on_loop(handle.loop, lambda: dict(membership.in_sync.changes)),
+                              lambda: on_loop(handle.loop, membership.moves.stats))
 
 
 # ---- worker ----
@@ -679,8 +730,10 @@ def serve_scheduler_metrics(
     port: int,
     refusals: _Refusals | None = None,
     role_changes: Callable[[], Mapping[str, int]] | None = None,
+    moves: Callable[[], _MoveStats] | None = None,
 ) -> MetricsServer:
     registry = new_registry()
     changes = (lambda: on_loop(loop, role_changes)) if role_changes is not None else None
-    registry.register(SchedulerCollector(lambda: on_loop(loop, view), refusals, changes))
+    stats = (lambda: on_loop(loop, moves)) if moves is not None else None
+    registry.register(SchedulerCollector(lambda: on_loop(loop, view), refusals, changes, stats))
     return serve_metrics(registry, bind_host(bind), port)

@@ -23,6 +23,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from pshard.common.cluster.layout import Layout
+from pshard.common.cluster.loads import Counters
 from pshard.common.cluster.scheduler_client import SchedulerClient
 from pshard.common.cluster.spec import ClusterSpec
 from pshard.common.cluster.view import ClusterView
@@ -49,6 +50,9 @@ log = logging.getLogger("pshard.ps")
 
 # How often a primary recomputes which backups are in sync (sent with the next heartbeat).
 IN_SYNC_REPORT_S = 0.25
+# How often a server's load counters are taken for its next heartbeats (the scheduler rates them over
+# about ten seconds, common/cluster/loads.py).
+LOAD_REPORT_S = 1.0
 # Workers a restarted scheduler forgot are waited for while they re-register (ps_server/core/quorum.py): this
 # long until registration tells the scheduler's heartbeat timeout, twice which it is from then on.
 _FIRST_GRACE_S = 10.0
@@ -227,6 +231,32 @@ class ReplicaWiring:
         self._loop.call_later(IN_SYNC_REPORT_S, self._report)
 
 
+class LoadReporter:
+    """Every LOAD_REPORT_S, the server's load counters for its next heartbeats (issue 20: `pshard status`,
+    `pshard rebalance`): bytes in and out over every transport, and with replicated tables the rows
+    each row partition served and the bytes a backup still lacks from its catch-up copy."""
+
+    def __init__(self, handlers: ParameterServerHandlers, rows: TableReplication | None,
+                 report: Callable[[Counters, int], None], loop: asyncio.AbstractEventLoop) -> None:
+        self._handlers = handlers
+        self._rows = rows
+        self._report = report
+        self._loop = loop
+        loop.call_soon_threadsafe(self._take)
+
+    def _take(self) -> None:
+        traffic = [t for _, t in self._handlers.requests.items()]
+        rows: dict[int, int] = {}
+        held: dict[int, int] = {}
+        left = 0
+        if self._rows is not None:
+            rows, held = self._rows.load(time.monotonic())
+            left = self._rows.copy_bytes_left()
+        bytes_in, bytes_out = sum(t.bytes_in for t in traffic), sum(t.bytes_out for t in traffic)
+        self._report(Counters(bytes_in, bytes_out, rows, held), left)
+        self._loop.call_later(LOAD_REPORT_S, self._take)
+
+
 def follow_scheduler(running: RunningServer, spec: ClusterSpec, loop: asyncio.AbstractEventLoop,
                      security: SecurityConfig | None = None,
                      on_left: Callable[[], None] | None = None) -> SchedulerClient:
@@ -238,12 +268,15 @@ def follow_scheduler(running: RunningServer, spec: ClusterSpec, loop: asyncio.Ab
     # pull its final weights).
     restored = handlers.store.newest_generation() if handlers.has_store else 0
     follower = SchedulerFollower(spec, loop, security, last_generation=restored, on_left=on_left)
+    rows: TableReplication | None = None
     if handlers.replicas_setting > 0:
         replicas = ReplicaWiring(handlers, tables, spec, loop, follower.client.report_in_sync, security)
         follower.subscribe_layouts(replicas.on_layout)
         follower.subscribe_views(replicas.on_view)
         follower.subscribe_heartbeat_timeout(replicas.set_heartbeat_timeout)
         follower.subscribe_answers(handlers.renew_lease)  # fenced when it may have been failed over
+        rows = replicas.rows
+    LoadReporter(handlers, rows, follower.client.report_load, loop)
     quorum = QuorumInstaller(handlers, tables, loop)
     follower.subscribe_views(quorum.on_view)
     follower.subscribe_heartbeat_timeout(quorum.set_heartbeat_timeout)

@@ -8,6 +8,7 @@
     pshard health ...      the gRPC health probe that containers and pods use
     pshard status ...      a running job at a glance (scheduler view and every server's stats)
     pshard drain ...       hand a parameter server's slices to its backup; the server then leaves
+    pshard rebalance ...   move hot table row partitions from the busiest servers to their backups
     pshard plot ...        loss and accuracy curves from metrics JSON lines
     pshard evaluate ...    reload a saved model and print its test accuracy
     pshard certs ...       a development CA and a certificate per node (mTLS)
@@ -47,6 +48,8 @@ COMMANDS: dict[str, Command] = {
     "health": Command("pshard.common.rpc.health", "probe a service's gRPC health check"),
     "status": Command("pshard.status", "show a running job: members, clocks, lag, servers, who waits"),
     "drain": Command("pshard.drain_cli", "hand a parameter server's slices to its backup; it then leaves"),
+    "rebalance": Command("pshard.rebalance_cli", "move hot table row partitions from the busiest servers to "
+                         "their backups"),
     "plot": Command("pshard.plot", "draw loss and accuracy curves from metrics JSON lines"),
     "evaluate": Command("pshard.evaluate", "reload a saved model and print its test accuracy"),
     "certs": Command("pshard.certs", "make a development CA and node certificates (kept once made)"),

@@ -90,6 +90,34 @@ class DrainReport:
 
 
 @dataclass(frozen=True)
+class LoadReport:
+    """A live server's load as the scheduler rates it from the server's heartbeats (issue 20)."""
+    node_id: str
+    address: str
+    bytes_in_per_s: float
+    bytes_out_per_s: float
+    rows_per_s: Mapping[int, float]  # row partition -> rows pulled or pushed per second
+    partition_bytes: Mapping[int, int]  # row partition -> bytes held
+
+
+@dataclass(frozen=True)
+class MoveReport:
+    """A row partition moved to a backup of its server (`pshard rebalance`), from the scheduler."""
+    partition: int
+    source: str
+    target: str
+    layout_version: int
+    nbytes: int
+    bytes_copied: int  # of nbytes, what the new server's backups hold so far
+    bytes_left: int
+    seconds: float
+    done: bool
+
+
+HOT_PARTITIONS = 5  # the hottest row partitions `pshard status` lists
+
+
+@dataclass(frozen=True)
 class JobStatus:
     scheduler: str
     generation: int
@@ -101,6 +129,8 @@ class JobStatus:
     # peer, so one worker may use shared memory with a server on its host and raw TCP with the others.
     pairs: Mapping[str, Mapping[str, str]] = field(default_factory=dict)
     drains: tuple[DrainReport, ...] = ()
+    loads: tuple[LoadReport, ...] = ()
+    moves: tuple[MoveReport, ...] = ()
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2, sort_keys=True)
@@ -124,7 +154,8 @@ def waits_for(server: ServerReport, live_workers: Sequence[str]) -> tuple[str, .
 
 
 def summarise(scheduler: str, view: ClusterView, servers: Sequence[ServerReport], now: float = 0.0,
-              drains: Sequence[DrainReport] = ()) -> JobStatus:
+              drains: Sequence[DrainReport] = (), loads: Sequence[LoadReport] = (),
+              moves: Sequence[MoveReport] = ()) -> JobStatus:
     """The job's status from the scheduler's view and the servers' reports."""
     nodes = view.nodes
     live_trainers = [n.node_id for n in nodes if n.role in TRAINERS and n.state is NodeState.LIVE]
@@ -145,7 +176,8 @@ def summarise(scheduler: str, view: ClusterView, servers: Sequence[ServerReport]
                                     clock, lag, tuple(sorted(used.get(n.node_id, ())))))
     reports = tuple(ServerReport(**{**asdict(s), "waits_for": waits_for(s, live_trainers)}) for s in servers)
     return JobStatus(scheduler, view.generation, view.layout_version, tuple(members), reports, now,
-                     pairs=pair_transports(servers), drains=tuple(drains))
+                     pairs=pair_transports(servers), drains=tuple(drains), loads=tuple(loads),
+                     moves=tuple(moves))
 
 
 def pair_transports(servers: Sequence[ServerReport]) -> dict[str, dict[str, str]]:
@@ -192,6 +224,43 @@ def _drain_lines(status: JobStatus) -> list[str]:
     return lines
 
 
+def _rate(n: float) -> str:
+    return f"{_size(round(n))}/s"
+
+
+def _load_lines(status: JobStatus) -> list[str]:
+    """Each live server's bytes in and out per second and rows per second, then the hottest partitions."""
+    if not status.loads:
+        return []
+    lines = ["", f"{'LOAD':<14} {'IN':>12} {'OUT':>12} {'ROWS/s':>10} {'PARTITIONS':>10}"]
+    for load in status.loads:
+        rates = f"{_rate(load.bytes_in_per_s):>12} {_rate(load.bytes_out_per_s):>12}"
+        lines.append(f"{load.node_id:<14} {rates} {sum(load.rows_per_s.values()):>10.1f} "
+                     f"{len(load.rows_per_s):>10}")
+    hot = sorted(((rate, p, load) for load in status.loads for p, rate in load.rows_per_s.items()
+                  if rate > 0), key=lambda t: (-t[0], t[1]))[:HOT_PARTITIONS]
+    if hot:
+        lines += ["", f"{'HOT PARTITION':<14} {'SERVER':<14} {'ROWS/s':>10} {'BYTES':>10}"]
+        for rate, p, load in hot:
+            held = _size(load.partition_bytes.get(p, 0))
+            lines.append(f"{p:<14} {load.node_id:<14} {rate:>10.1f} {held:>10}")
+    return lines
+
+
+def _move_lines(status: JobStatus) -> list[str]:
+    """Each partition move: from, to, the layout that switched it, bytes copied and left, how long."""
+    if not status.moves:
+        return []
+    lines = ["", f"{'MOVE':<14} {'STATE':<11} {'FROM':<21} {'TO':<21} {'LAYOUT':>6} {'COPIED':>10} "
+                 f"{'LEFT':>10} {'TIME':>8}"]
+    for m in status.moves:
+        state = "done" if m.done else "in progress"
+        lines.append(f"{f'partition {m.partition}':<14} {state:<11} {m.source:<21} {m.target:<21} "
+                     f"{m.layout_version:>6} {_size(m.bytes_copied):>10} {_size(m.bytes_left):>10} "
+                     f"{f'{m.seconds:.2f} s':>8}")
+    return lines
+
+
 def render(status: JobStatus) -> str:
     """The human form: members, then servers, then what waits on whom."""
     def dash(value: object) -> str:
@@ -212,7 +281,9 @@ def render(status: JobStatus) -> str:
         lines.append(f"{s.node_id:<14} {mode:<6} {s.slices:>6} {_size(s.bytes_stored):>10} "
                      f"{f'{s.min_version}-{s.max_version}':>14} {s.pulls_waiting:>7} {s.pushes_applied:>8}")
     lines += _pair_lines(status)
+    lines += _load_lines(status)
     lines += _drain_lines(status)
+    lines += _move_lines(status)
     stuck = [s for s in status.servers if s.waits_for]
     if stuck:
         lines.append("")
@@ -248,6 +319,12 @@ def fetch(scheduler: str, timeout_s: float, security: SecurityConfig | None = No
     view = view_from_proto(first.view)
     drains = [DrainReport(d.node_id, d.address, d.heir, d.slices, tuple(d.partitions), d.layout_version,
                           d.seconds, d.done) for d in first.drains]
+    names = {n.address: n.node_id for n in view.nodes if n.role == "ps"}
+    loads = [LoadReport(names.get(p.address, p.address), p.address, p.bytes_in_per_s, p.bytes_out_per_s,
+                        {q.partition: q.rows_per_s for q in p.partitions},
+                        {q.partition: q.bytes for q in p.partitions}) for p in first.loads]
+    moves = [MoveReport(m.partition, m.source, m.target, m.layout_version, m.bytes, m.bytes_copied,
+                        m.bytes_left, m.seconds, m.done) for m in first.moves]
     reports = []
     for node in view.nodes:
         if node.role != "ps" or node.state is not NodeState.LIVE:
@@ -267,7 +344,7 @@ def fetch(scheduler: str, timeout_s: float, security: SecurityConfig | None = No
             max_version=s.max_version, pulls_waiting=s.pulls_waiting, pushes_applied=s.pushes_applied,
             pushes_dropped=s.pushes_dropped, quorum=tuple(s.quorum), worker_clocks=dict(s.worker_clocks),
             transports=dict(s.worker_transports)))
-    return summarise(scheduler, view, reports, time.time(), drains)
+    return summarise(scheduler, view, reports, time.time(), drains, loads, moves)
 
 
 def _scheduler_address(args: argparse.Namespace, environ: Mapping[str, str]) -> str:

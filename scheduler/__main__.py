@@ -105,7 +105,8 @@ async def _run(bind: str, interval_s: float, timeout_s: float, metrics_port: int
             membership = running.servicer.membership
             metrics = serve_scheduler_metrics(membership.view, loop, bind, metrics_port,
                                               refusals=running.refusals,
-                                              role_changes=lambda: dict(membership.in_sync.changes))
+                                              role_changes=lambda: dict(membership.in_sync.changes),
+                                              moves=membership.moves.stats)
             print(f"pshard scheduler: metrics on port {metrics.port}", flush=True)
         waits = [asyncio.ensure_future(stop.wait())]
         if exit_when_done is not None:

@@ -31,7 +31,8 @@ from pshard.common.cluster.layout import (
     ParamSpec,
     plan_layout,
 )
-from pshard.common.cluster.moves import NowhereToMoveError
+from pshard.common.cluster.loads import Counters, LoadMeter
+from pshard.common.cluster.moves import NotABackupError, NowhereToMoveError
 from pshard.common.cluster.replicas import (
     NoInSyncCopyError,
     backups_of,
@@ -63,6 +64,7 @@ from pshard.common.errors import (
 )
 from pshard.scheduler.drains import DrainLog
 from pshard.scheduler.in_sync import DRAINED, LOST, PROMOTED, InSyncCopies
+from pshard.scheduler.partition_moves import MoveLog
 
 log = logging.getLogger("pshard.scheduler")
 
@@ -212,6 +214,8 @@ class Membership:
         self._isolated = False
         self.isolations = 0  # times this scheduler heard from no live node and so declared none dead
         self.drains = DrainLog()  # for `pshard status`
+        self.loads = LoadMeter()  # each server's load, from its heartbeats (`pshard rebalance`)
+        self.moves = MoveLog()  # partition moves, and every move's duration for the metrics
 
     @property
     def generation(self) -> int:
@@ -356,6 +360,7 @@ class Membership:
             if member.role == "ps":
                 self.in_sync.forget(member.address, "left the cluster")
                 self._ring_moved()
+                self._moves_gone(member.address, "left")
         return self.view()
 
     def _hand_over(self, member: _Member) -> Layout | None:
@@ -410,6 +415,7 @@ class Membership:
                                         before.servers[heir] if heir is not None else "",
                                         len(before.slices_on(me)), before.partitions_on(me), new.version,
                                         self._clock.now())
+        self.moves.drained(drain.seconds(self._clock.now()))
         log.warning("DRAIN: server %d (%s) left; its %d slices and row partitions %s now have server %s (%s) "
                     "as primary (layout version %d), %.2f s after its first ask", me, member.address,
                     len(before.slices_on(me)), list(before.partitions_on(me)), heir,
@@ -438,6 +444,7 @@ class Membership:
         for member in dead:
             if member.role == "ps":
                 self.in_sync.forget(member.address, "was declared dead")
+                self._moves_gone(member.address, "was declared dead")
         if any(m.role == "ps" for m in dead):
             self._ring_moved()
         return [m.snapshot() for m in dead]
@@ -769,3 +776,76 @@ class Membership:
 
     def _next_layout_version(self) -> int:
         return (self._layout.version if self._layout else 0) + 1
+
+    # ---- load and partition moves (issue 20: `pshard rebalance`) ----
+
+    def report_load(self, node_id: str, counters: Counters, copy_bytes_left: int = 0) -> None:
+        """A live server's heartbeat counters (after `heartbeat` took its in-sync report): its load, and
+        the progress of the moves to it (done once a backup of it is in sync again)."""
+        member = self._members.get(node_id)
+        if member is None or member.role != "ps" or member.state is not NodeState.LIVE:
+            return
+        now = self._clock.now()
+        self.loads.report(member.address, counters, now)
+        backed_up = bool(self.in_sync.of(member.address))
+        done = self.moves.progress(member.address, member.layout_version, copy_bytes_left, backed_up, now)
+        for move in done:
+            log.warning("MOVE: row partition %d from %s to %s (its backup) in %.2f s: switched at layout "
+                        "version %d, and %s's backups hold its %d bytes again", move.partition, move.source,
+                        move.target, move.seconds(now), move.layout_version, move.target, move.nbytes)
+
+    def move_partition(self, partition: int, target: str, layout_version: int = 0) -> Layout:
+        """Row partition `partition` to `target`, an in-sync backup of its server, under a new layout
+        version: a planned failover of that partition alone (the backup holds a copy, so nothing is copied
+        before the switch; the workers re-route on the source's PartitionMovedError). Changes nothing when
+        refused: NoInSyncCopyError while the backup is still copying (retry), NotABackupError when `target`
+        is not a backup (the join's catch-up copy would be needed), InvalidArgumentError otherwise."""
+        layout = self._layout
+        what = f"move of row partition {partition} to {target!r}"
+        if layout is None:
+            raise InvalidArgumentError(f"{what}: the job has no layout yet")
+        if layout_version and layout_version != layout.version:
+            raise LayoutConflictError(f"{what}: planned with layout version {layout_version}, the layout is "
+                                      f"version {layout.version} now; plan again")
+        if not 0 <= partition < layout.partition_count:
+            raise InvalidArgumentError(f"{what}: got partition {partition}, the layout (version "
+                                       f"{layout.version}) has partitions 0 to {layout.partition_count - 1}")
+        if target not in layout.servers:
+            raise InvalidArgumentError(f"{what}: got target {target!r}, the layout's servers are "
+                                       f"{list(layout.servers)}")
+        source_index, target_index = layout.row_owner(partition), layout.servers.index(target)
+        source = layout.servers[source_index]
+        if source_index == target_index:
+            raise InvalidArgumentError(f"{what}: server {target_index} serves it already")
+        if not layout.replicas:
+            raise NotABackupError(f"{what}: the job has no replicas (replicas 0), so no server holds a copy "
+                                  "of it; moving it needs the join's catch-up copy, not built yet")
+        members = {m.address: m for m in self._members.values() if m.role == "ps"}
+        if members.get(target) is None or members[target].state is not NodeState.LIVE:
+            raise InvalidArgumentError(f"{what}: server {target_index} ({target}) is not live")
+        owner = members.get(source)
+        backups = sorted(self._ring_backups(owner)) if owner is not None else []
+        if target not in backups:
+            raise NotABackupError(f"{what}: it is not a backup of server {source_index} ({source}), which "
+                                  f"serves it (its backups: {backups}); moving it there needs the join's "
+                                  "catch-up copy, not built yet")
+        if target not in self.in_sync.of(source):
+            raise NoInSyncCopyError(f"{what}: server {target_index} is a backup of server {source_index} "
+                                    f"({source}) but does not hold a copy of everything it serves yet; retry")
+        owners = list(layout.owners())
+        owners[partition] = target_index
+        row_owners = () if owners == list(range(len(layout.servers))) else tuple(owners)
+        new = self.replace_layout(dataclasses.replace(layout, row_owners=row_owners))
+        # Its backups hold none of the partition yet: they count once it reports them again.
+        self.in_sync.reset(target, f"took over row partition {partition}")
+        nbytes = self.loads.load(source).partition_bytes.get(partition, 0)
+        self.moves.switched(partition, source, target, new.version, nbytes, self._clock.now())
+        log.info("MOVING: row partition %d from server %d (%s) to its in-sync backup server %d (%s) at "
+                 "layout version %d (%d bytes); generation %d", partition, source_index, source, target_index,
+                 target, new.version, nbytes, self._generation)
+        return new
+
+    def _moves_gone(self, address: str, why: str) -> None:
+        for move in self.moves.gone(address, self._clock.now()):
+            log.warning("MOVE: row partition %d from %s to %s ended unfinished: %s %s before its backups "
+                        "held the partition again", move.partition, move.source, move.target, address, why)

@@ -17,6 +17,7 @@ import grpc
 import grpc.aio
 from pshard.common.changes import ChangeSignal
 from pshard.common.cluster.layout import DEFAULT_SLICE_BYTES
+from pshard.common.cluster.loads import LoadMeter
 from pshard.common.cluster.view import ClusterView
 from pshard.common.errors import (
     EmptyRequestError,
@@ -27,8 +28,10 @@ from pshard.common.errors import (
 from pshard.common.rpc.status import maps_errors
 from pshard.common.security.auth import caller, check_acts_as, refused
 from pshard.common.wire.codec import (
+    counters_from_proto,
     layout_from_proto,
     layout_to_proto,
+    load_to_proto,
     param_spec_from_proto,
     register_from_proto,
     timeout_ms_from_proto,
@@ -123,9 +126,12 @@ class SchedulerServicer(pb_grpc.SchedulerServiceServicer):
     async def Heartbeat(self, request: pb.HeartbeatRequest, context: grpc.aio.ServicerContext
                         ) -> pb.HeartbeatResponse:
         check_acts_as(request.node_id, "Heartbeat")
+        counters = counters_from_proto(request)
+        LoadMeter.check(request.node_id, counters)  # a bad report is refused before the heartbeat counts
         view = self._members.heartbeat(request.node_id, request.generation, request.clock,
                                        dict(request.in_sync), request.in_sync_layout,
                                        list(request.reached_servers))
+        self._members.report_load(request.node_id, counters, request.copy_bytes_left)
         return pb.HeartbeatResponse(view=view_to_proto(view))
 
     @maps_errors
@@ -149,7 +155,8 @@ class SchedulerServicer(pb_grpc.SchedulerServiceServicer):
         while not self._closed:
             view = await self._changes.wait_for(newer)
             if view is not None and view.generation > sent:
-                yield pb.WatchResponse(view=view_to_proto(view), drains=self._drains())
+                yield pb.WatchResponse(view=view_to_proto(view), drains=self._drains(),
+                                       loads=self._loads(view), moves=self._moves())
                 sent = view.generation
 
     def _drains(self) -> list[pb.Drain]:
@@ -157,6 +164,30 @@ class SchedulerServicer(pb_grpc.SchedulerServiceServicer):
         return [pb.Drain(node_id=d.node_id, address=d.address, heir=d.heir, slices=d.slices,
                          partitions=d.partitions, layout_version=d.layout_version, seconds=d.seconds(now),
                          done=d.done) for d in self._members.drains.all()]
+
+    def _loads(self, view: ClusterView) -> list[pb.ServerLoad]:
+        return [load_to_proto(self._members.loads.load(n.address)) for n in view.live("ps")]
+
+    def _moves(self) -> list[pb.PartitionMove]:
+        now = self._members.clock_now()
+        return [pb.PartitionMove(partition=m.partition, source=m.source, target=m.target,
+                                 layout_version=m.layout_version, bytes=m.nbytes, bytes_copied=m.bytes_copied,
+                                 bytes_left=m.bytes_left, seconds=m.seconds(now), done=m.done)
+                for m in self._members.moves.all()]
+
+    @maps_errors
+    async def MovePartition(self, request: pb.MovePartitionRequest, context: grpc.aio.ServicerContext
+                            ) -> pb.MovePartitionResponse:
+        who = caller()
+        if who is not None and who.role != "admin":  # an operator's `pshard rebalance`
+            refused("MovePartition")
+            raise PermissionDeniedError(f"MovePartition: credential {who} may not move partitions (an admin "
+                                        "may)")
+        limits = self._members.limits
+        limits.check_chars("move target", request.target, limits.max_address_chars)
+        layout = self._members.move_partition(request.partition, request.target, request.layout_version)
+        self._publish()
+        return pb.MovePartitionResponse(layout_version=layout.version)
 
     # ---- barriers ----
 

@@ -26,6 +26,7 @@ from typing import Any, TypeVar
 
 import grpc
 from pshard.common.cluster.layout import DEFAULT_SLICE_BYTES, Layout, ParamSpec
+from pshard.common.cluster.loads import Counters
 from pshard.common.cluster.view import ClusterView, Registration
 from pshard.common.errors import (
     NodeLeftError,
@@ -42,6 +43,7 @@ from pshard.common.rpc.status import ERROR_TYPE_KEY, error_from_rpc_error
 from pshard.common.security.credentials import SecurityConfig
 from pshard.common.security.identity import Identity, identity_from_pem, may_serve_scheduler
 from pshard.common.wire.codec import (
+    counters_into_proto,
     layout_from_proto,
     layout_to_proto,
     param_spec_to_proto,
@@ -94,6 +96,7 @@ class SchedulerClient:
         self._heartbeat_timeout_s = 5.0
         self._progress = 0
         self._in_sync: tuple[dict[str, int], int] = ({}, 0)
+        self._load: tuple[Counters, int] = (Counters(), 0)
         self._reached: Callable[[float], Sequence[str]] | None = None
         self._rpc_timeout_s = rpc_timeout_s
         self._connect_timeout_s = connect_timeout_s
@@ -163,6 +166,10 @@ class SchedulerClient:
         """A worker: `reached(within_s)` names the servers that answered it within `within_s`; sent with
         each heartbeat, so the scheduler keeps a server only it cannot hear (docs/architecture.md, 9)."""
         self._reached = reached
+
+    def report_load(self, counters: Counters, copy_bytes_left: int = 0) -> None:
+        """A server: its load counters and the bytes its backups lack, sent with the next heartbeats."""
+        self._load = (counters, copy_bytes_left)
 
     def report_in_sync(self, copies: dict[str, int], layout_version: int) -> None:
         """A server with replicas: its backups holding all the slices layout `layout_version` makes
@@ -401,6 +408,9 @@ class SchedulerClient:
             request = pb.HeartbeatRequest(node_id=self._node_id, generation=generation, clock=self._progress,
                                           in_sync=copies, in_sync_layout=layout_version,
                                           reached_servers=reached)
+            counters, copy_bytes_left = self._load
+            counters_into_proto(counters, request)
+            request.copy_bytes_left = copy_bytes_left
             sent_at = time.monotonic()
             try:
                 reply = self._stub.Heartbeat(request, timeout=min(self._rpc_timeout_s,

@@ -21,6 +21,7 @@ from typing import NamedTuple, Protocol
 import numpy as np
 from google.protobuf.message import DecodeError
 from pshard.common.cluster.layout import Layout, LayoutSlice, ParamSpec
+from pshard.common.cluster.loads import Counters, ServerLoad
 from pshard.common.cluster.view import ROLES, ClusterView, Node, NodeState
 from pshard.common.errors import EmptyRequestError, InvalidArgumentError, PayloadSizeError, quote
 from pshard.common.job import MODES, NONFINITE, OPTIMIZERS, JobConfig, OptimizerConfig, check_lr
@@ -426,6 +427,36 @@ def view_to_proto(view: ClusterView) -> sched_pb.ClusterView:
 
 def view_from_proto(p: sched_pb.ClusterView) -> ClusterView:
     return ClusterView(p.generation, tuple(node_from_proto(n) for n in p.nodes), p.layout_version)
+
+
+# ---- load (issue 20: `pshard status`, `pshard rebalance`) ----
+
+
+def counters_into_proto(counters: Counters, request: sched_pb.HeartbeatRequest) -> None:
+    """A server's load counters into its heartbeat."""
+    request.bytes_in, request.bytes_out = counters.bytes_in, counters.bytes_out
+    request.partitions.extend(
+        sched_pb.PartitionCounters(partition=p, rows=n, bytes=counters.partition_bytes.get(p, 0))
+        for p, n in sorted(counters.rows.items()))
+
+
+def counters_from_proto(request: sched_pb.HeartbeatRequest) -> Counters:
+    return Counters(request.bytes_in, request.bytes_out, {p.partition: p.rows for p in request.partitions},
+                    {p.partition: p.bytes for p in request.partitions})
+
+
+def load_to_proto(load: ServerLoad) -> sched_pb.ServerLoad:
+    return sched_pb.ServerLoad(
+        address=load.address, bytes_in_per_s=load.bytes_in_per_s, bytes_out_per_s=load.bytes_out_per_s,
+        partitions=[sched_pb.PartitionLoad(partition=p, rows_per_s=rate,
+                                           bytes=load.partition_bytes.get(p, 0))
+                    for p, rate in sorted(load.rows_per_s.items())])
+
+
+def load_from_proto(p: sched_pb.ServerLoad) -> ServerLoad:
+    return ServerLoad(p.address, p.bytes_in_per_s, p.bytes_out_per_s,
+                      {q.partition: q.rows_per_s for q in p.partitions},
+                      {q.partition: q.bytes for q in p.partitions})
 
 
 # ---- registration ----

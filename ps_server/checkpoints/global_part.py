@@ -29,7 +29,7 @@ from pshard.common.checkpoint_store import CheckpointError
 from pshard.common.job import JobConfig
 from pshard.common.sparse import TableConfig, server_of
 from pshard.common.types import SliceKey
-from pshard.ps_server.checkpoints.images import Pace, TableImage, capture, write_images
+from pshard.ps_server.checkpoints.images import Pace, PacedFile, TableImage, capture, write_images
 from pshard.ps_server.core.optimizers import SliceState
 from pshard.ps_server.core.store import ShardSnapshot, SliceSnapshot
 from pshard.ps_server.tables.files import restore_admission
@@ -89,7 +89,11 @@ def write_image(directory: Path, image: PartImage, between: Callable[[str], None
     arrays = image.arrays
     for table in image.tables:  # first: until it is done, the tables' requests copy before they write
         table.fill(pace)
-    ckpt.write_atomically(directory / f"{name}.npz", lambda f: np.savez(f, allow_pickle=False, **arrays))
+    # The dense npz is paced as it is written and as it is read back for its checksum, as the tables are
+    # (unpaced, its 100 MB of a 25 M-parameter model were a burst of writing and hashing mid-training).
+    ckpt.write_atomically(directory / f"{name}.npz", lambda f: np.savez(
+        f if pace is None else PacedFile(f, pace), allow_pickle=False, **arrays))
+    npz = ckpt.digest(directory / f"{name}.npz", None if pace is None else pace.wrote)
     if between is not None:
         between("dense")
     hashed = write_images(directory, name, image.tables, uuid.uuid4().hex[:12], pace) if image.tables else {}
@@ -98,7 +102,7 @@ def write_image(directory: Path, image: PartImage, between: Callable[[str], None
     encoded = json.dumps(image.meta, indent=1).encode()
     ckpt.write_atomically(directory / f"{name}.json", lambda f: f.write(encoded))
     ckpt.sync_directory(directory)
-    files = [ckpt.FileEntry(f"{name}.npz", *ckpt.digest(directory / f"{name}.npz"))]
+    files = [ckpt.FileEntry(f"{name}.npz", *npz)]
     files += [ckpt.FileEntry(n, sha, size) for n, (sha, size) in hashed.items()]
     return [*files, ckpt.FileEntry(f"{name}.json", hashlib.sha256(encoded).hexdigest(), len(encoded))]
 

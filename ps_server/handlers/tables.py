@@ -234,8 +234,9 @@ class TableHandlers:
         async with self._locks[name]:
             stored = await self._push(table, keys, rows, clock, worker, quorum, push_id, layout_version,
                                       schedule)
-        # Acknowledged once the backups hold it.
+        # Acknowledged once the backups hold it, and while its partitions are still served here.
         await self.replication.settle(time.monotonic() + self._settings.pull_timeout_s)
+        self.replication.kept(table, keys, "push")
         return stored
 
     async def push_pull(self, name: str, push_ids: Raw, grads: Raw, pull_ids: Raw, clock: int = 0,
@@ -258,6 +259,7 @@ class TableHandlers:
             await self._wait_applied(name, clock, wanted)
         else:
             await self.replication.settle(time.monotonic() + self._settings.pull_timeout_s)
+            self.replication.kept(table, keys, "push")
         async with self._locks[name]:
             out = into(table.config, len(wanted)) if into else None
             return stored, await _run(table, len(wanted), table.pull, wanted, clock or None, out)

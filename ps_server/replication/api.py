@@ -52,6 +52,10 @@ class RowReplication(Protocol):
     def fresh(self, name: str, ids: np.ndarray, worker: str, push_id: int) -> np.ndarray | None:
         """Which of a push's `ids` to apply: None, all; else a mask without the ones applied already."""
 
+    def kept(self, table: SparseTable, ids: np.ndarray, what: str) -> None:
+        """After the backups acknowledged a push: refuse it (PartitionMovedError) when a move took one of
+        its ids' partitions from this server meanwhile (its new server may lack the rows)."""
+
     def served(self) -> frozenset[int] | None:
         """The row partitions this server serves (None: it knows no layout, nothing is checked)."""
 
@@ -102,6 +106,9 @@ class _NoRowReplication:
 
     def fresh(self, name: str, ids: np.ndarray, worker: str, push_id: int) -> np.ndarray | None:
         return None  # no push is resent to an heir: each is applied once
+
+    def kept(self, table: SparseTable, ids: np.ndarray, what: str) -> None:
+        pass
 
     def served(self) -> frozenset[int] | None:
         return None

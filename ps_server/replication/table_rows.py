@@ -164,14 +164,27 @@ def all_ids(table: SparseTable) -> np.ndarray:
     return np.concatenate(parts) if parts else np.zeros(0, np.int64)
 
 
-def merge(into: SparseTable, replica: SparseTable) -> np.ndarray:
+def merge(into: SparseTable, replica: SparseTable, keep: Callable[[np.ndarray], np.ndarray] | None = None
+          ) -> np.ndarray:
     """Move every row of `replica` into `into` (the heir's serving table) with its whole state; the
-    ids moved. Their row partitions differ, so no id is in both."""
+    ids moved. Their row partitions differ, so no id is in both. `keep(ids)`: a mask of the rows to move
+    (None: all), so that rows of a partition a move took from the replica's primary earlier, which the
+    heir serves and has updated since, are not overwritten by their stale copy."""
     moved = []
     for rows, ids in replica.chunks():
+        if keep is not None:
+            mask = keep(ids)
+            rows, ids = rows[mask], ids[mask]
+            if not len(ids):
+                continue
         into.restore_rows(ids, {name: array[rows] for name, (array, _) in replica.columns().items()})
         moved.append(ids.copy())
     for ids, columns in replica.spilled_chunks():
+        if keep is not None:
+            mask = keep(ids)
+            ids, columns = ids[mask], {name: c[mask] for name, c in columns.items()}
+            if not len(ids):
+                continue
         into.restore_rows(ids, columns)
         moved.append(ids)
     into.step = max(into.step, replica.step)
@@ -194,8 +207,15 @@ class ReplicaTables:
         self._lock = threading.Lock()
         self.batches_applied = 0
 
-    def apply(self, primary: str, batches: Iterable[RowBatch]) -> None:
+    def apply(self, primary: str, batches: Iterable[RowBatch],
+              refuse: Callable[[RowBatch], None] | None = None) -> None:
+        """`refuse(batch)`: raises to refuse the call, nothing applied; run under the lock that `copy`
+        holds, so a batch is either refused or in the replica before a copy reads it."""
         with self._lock:
+            batches = list(batches)
+            if refuse is not None:
+                for batch in batches:
+                    refuse(batch)
             for batch in batches:
                 key = (primary, batch.config.name)
                 table = self._tables.get(key)
@@ -233,6 +253,34 @@ class ReplicaTables:
             for key in keys:
                 self._clocks.pop(key, None)
             return [(self._tables.pop(k), self._logs.pop(k)) for k in keys]
+
+    def copy(self, primary: str, keep: Callable[[np.ndarray], np.ndarray], before: Callable[[], None]
+             ) -> list[tuple[SparseTable, PushLog, dict[int, int] | None]]:
+        """Copies of `primary`'s replicas holding only the rows whose ids `keep` (a mask) selects, with its
+        push log and sync clocks (a row partition moving to this server while `primary` keeps the rest:
+        its replicas stay, a later failover of it takes what it still serves). `before()` runs first,
+        under the lock every batch is applied under."""
+        with self._lock:
+            before()
+            out = []
+            for key in sorted(k for k in self._tables if k[0] == primary):
+                replica = self._tables[key]
+                part = SparseTable(replica.config)
+                for rows, ids in replica.chunks():
+                    mask = keep(ids)
+                    if mask.any():
+                        part.restore_rows(ids[mask], {name: array[rows][mask]
+                                                      for name, (array, _) in replica.columns().items()})
+                for ids, columns in replica.spilled_chunks():
+                    mask = keep(ids)
+                    if mask.any():
+                        part.restore_rows(ids[mask], {name: c[mask] for name, c in columns.items()})
+                part.step, part.clock = replica.step, replica.clock
+                push_log = PushLog()
+                push_log.merge(self._logs[key])
+                clocks = self._clocks.get(key)
+                out.append((part, push_log, dict(clocks) if clocks is not None else None))
+            return out
 
     def primaries(self) -> set[str]:
         with self._lock:

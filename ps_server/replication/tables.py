@@ -181,7 +181,17 @@ class TableReplication:
         self._owned_at: dict[int, frozenset[int] | None] = {}  # layout version -> partitions served then
         self.promoted_rows = 0
         self._watched: dict[str, SparseTable] = {}  # the tables whose rows the backups are given
-        self._checked: list[np.ndarray] = []  # the last ids found served here (see `check`)
+        # The last ids found served here (see `check`), with their rows per partition.
+        self._checked: list[tuple[np.ndarray, dict[int, int]]] = []
+        # Load (issue 20, `pshard rebalance`): rows pulled or pushed per row partition since the start.
+        self.partition_rows: dict[int, int] = {}
+        self._partition_bytes: tuple[float, dict[int, int]] = (-float("inf"), {})  # (next count, bytes held)
+        # Partitions a move took from this server while it lived on (`pshard rebalance`): rows of them
+        # changed before it knew are no longer its to replicate (`_take`).
+        self._lost: frozenset[int] = frozenset()
+        # Primary -> the partitions a move gave this server from it while it lives on: its batches with
+        # rows of them are refused from then on (`apply`), as a dead primary's are after a failover.
+        self._taken: dict[str, frozenset[int]] = {}
 
     # ---- requests (TableHandlers' hooks, on the loop) ----
 
@@ -193,8 +203,9 @@ class TableReplication:
         if owned is None or layout is None or not len(ids):
             return
         first, last = ids[0], ids[-1]
-        for seen in self._checked:  # a push of the ids pulled a moment before: hashed once
+        for seen, counts in self._checked:  # a push of the ids pulled a moment before: hashed once
             if len(seen) == len(ids) and seen[0] == first and seen[-1] == last and np.array_equal(seen, ids):
+                self._count(counts)
                 return
         partition = server_of(ids, layout.partition_count)
         if len(owned) == 1:
@@ -209,7 +220,62 @@ class TableReplication:
                 f"layout version {layout.version} has on server {layout.row_owner(p)} "
                 f"({layout.servers[layout.row_owner(p)]}), not here; re-route",
                 table=table.config.name, partition=p, layout_version=layout.version)
-        self._checked = [ids.copy(), *self._checked[:_CHECKED - 1]]
+        found, hits = np.unique(partition, return_counts=True)
+        rows = dict(zip(found.tolist(), hits.tolist(), strict=True))
+        self._count(rows)
+        self._checked = [(ids.copy(), rows), *self._checked[:_CHECKED - 1]]
+
+    def kept(self, table: SparseTable, ids: np.ndarray, what: str) -> None:
+        """A push applied and acknowledged by the backups, while a move may have taken some of its
+        partitions from this server (`pshard rebalance`): their new server refused the rows, or took its
+        copy before they came, so the push is refused and the worker re-routes (idempotence keys drop what
+        reached either server already)."""
+        lost, layout = self._lost, self._layout
+        if not lost or layout is None or not len(ids):
+            return
+        partition = server_of(ids, layout.partition_count)
+        hit = np.isin(partition, np.fromiter(lost, np.int64))
+        if hit.any():
+            p = int(partition[hit][0])
+            raise PartitionMovedError(
+                f"{what} of table {table.config.name!r}: row partition {p} moved to server "
+                f"{layout.row_owner(p)} ({layout.servers[layout.row_owner(p)]}) while it was applied here "
+                f"(layout version {layout.version}); re-route", table=table.config.name, partition=p,
+                layout_version=layout.version)
+
+    def _count(self, rows: dict[int, int]) -> None:
+        for p, n in rows.items():
+            self.partition_rows[p] = self.partition_rows.get(p, 0) + n
+
+    def load(self, now: float) -> tuple[dict[int, int], dict[int, int]]:
+        """(rows pulled or pushed per partition served since the start, bytes held per partition served):
+        the heartbeat's load report. The bytes hash every id held on the event loop, so they are recounted
+        every 2 s at most, and at most 2 % of the time for large tables."""
+        owned = self._owned or frozenset()
+        when, held = self._partition_bytes
+        layout = self._layout
+        if now >= when and layout is not None:
+            started = time.monotonic()
+            held = {}
+            for table in self._tables.tables():
+                ids = all_ids(table)
+                if len(ids):
+                    found, counts = np.unique(server_of(ids, layout.partition_count), return_counts=True)
+                    for p, n in zip(found.tolist(), counts.tolist(), strict=True):
+                        held[p] = held.get(p, 0) + n * row_bytes(table.config)
+            self._partition_bytes = (now + max(2.0, 50 * (time.monotonic() - started)), held)
+        return ({p: self.partition_rows.get(p, 0) for p in owned}, {p: held.get(p, 0) for p in owned})
+
+    def copy_bytes_left(self) -> int:
+        """Bytes of table rows the slowest backup still lacks from its catch-up copy (a move's bytes left)."""
+        left = 0
+        for peer in self._peers.values():
+            nbytes = 0
+            for name, ids in peer.backlog:
+                table = self._tables.find(name)
+                nbytes += len(ids) * row_bytes(table.config) if table is not None else 0
+            left = max(left, nbytes)
+        return left
 
     def fresh(self, name: str, ids: np.ndarray, worker: str, push_id: int) -> np.ndarray | None:
         """Which of a push's `ids` to apply: None, all; else a mask without the ids of the partitions
@@ -392,8 +458,11 @@ class TableReplication:
             return
         owned = frozenset(layout.partitions_on(me))
         self._checked = []
-        gained = owned - (self._owned if self._owned is not None else frozenset(layout.home_partitions(me)))
+        previous = self._owned if self._owned is not None else frozenset(layout.home_partitions(me))
+        gained = owned - previous
         self._owned = owned
+        self._lost = (self._lost | (previous - owned)) - owned
+        self._taken = {a: t & owned for a, t in self._taken.items() if t & owned}
         self._remember(layout.version)
         if not gained:
             return
@@ -403,14 +472,63 @@ class TableReplication:
         if before is not None and len(before.servers) == len(layout.servers):
             sources |= {before.servers[before.row_owner(p)] for p in gained}
         for primary in sorted(sources & self.replicas.primaries()):
-            self._promote(primary)
+            index = index_of(layout, primary)
+            if index is not None and layout.partitions_on(index):
+                # A move of some partitions (`pshard rebalance`): the primary lives on with the rest.
+                moved = frozenset(p for p in gained if before is not None and len(before.servers) ==
+                                  len(layout.servers) and before.servers[before.row_owner(p)] == primary)
+                if moved:
+                    self._promote_moved(primary, moved, layout.partition_count)
+            else:
+                self._promote(primary, gained, layout.partition_count)
+
+    def _promote_moved(self, primary: str, moved: frozenset[int], partitions: int) -> None:
+        """Serve the rows of `moved`, row partitions a move took from `primary`, which serves the rest on:
+        copied from its replicas, which stay for a failover of it. Its batches with rows of them are
+        refused from the copy on (a write it applied before it knew is never acknowledged: the worker
+        resends it here)."""
+        wanted = np.fromiter(moved, np.int64)
+
+        def refuse_from_now() -> None:
+            self._taken[primary] = self._taken.get(primary, frozenset()) | moved
+
+        rows = 0
+        for part, push_log, clocks in self.replicas.copy(
+                primary, lambda ids: np.isin(server_of(ids, partitions), wanted), refuse_from_now):
+            name = part.config.name
+            table = self._tables.find(name)
+            if table is None:
+                table = self._tables.make(part.config)
+                self._tables.add(table)
+                self._hook(table)
+            copied = merge(table, part)
+            if clocks is not None:
+                self._tables.adopt_sync(name, {p: c for p, c in clocks.items() if p in moved})
+            self._logs.setdefault(name, PushLog()).merge(push_log)
+            rows += len(copied)
+            for peer in self._peers.values():  # they count in sync again once they hold these rows too
+                peer.copied = False
+                peer.backlog.append((name, copied))
+                peer.workers.setdefault(name, set()).update(push_log.workers())
+                peer.wake.set()
+        self.promoted_rows += rows
+        log.warning("MOVE: took over %d table rows of row partitions %s from %s", rows, sorted(moved),
+                    primary)
 
     def _remember(self, version: int) -> None:
         self._owned_at[version] = self._owned
         while len(self._owned_at) > _VERSIONS_KEPT:
             del self._owned_at[min(self._owned_at)]
 
-    def _promote(self, primary: str) -> None:
+    def _promote(self, primary: str, gained: frozenset[int], partitions: int) -> None:
+        """Serve the rows of `gained` that `primary`'s replicas hold (a failover or a drain of it): the
+        replicas are taken. Only the gained partitions' rows: a partition a move took from `primary`
+        earlier is served here or elsewhere already, and its copy here is stale."""
+        wanted = np.fromiter(gained, np.int64)
+
+        def keep(ids: np.ndarray) -> np.ndarray:
+            return np.isin(server_of(ids, partitions), wanted)
+
         rows = 0
         clocks = self.replicas.clocks(primary)
         for replica, push_log in self.replicas.take(primary):
@@ -420,7 +538,7 @@ class TableReplication:
                 table = self._tables.make(replica.config)
                 self._tables.add(table)
                 self._hook(table)  # its rows go to the backups below
-            moved = merge(table, replica)
+            moved = merge(table, replica, keep)
             if name in clocks:  # a sync table: its partitions go on from the clock the rows hold
                 self._tables.adopt_sync(name, clocks[name])
             self._logs.setdefault(name, PushLog()).merge(push_log)
@@ -467,8 +585,24 @@ class TableReplication:
         segments = {t.segment for t in request.tables if t.segment}
         if self._maps is not None and segments:
             self._maps.keep(primary, segments)  # a new segment replaces the old
-        self.replicas.apply(primary, batches)
+        taken = self._taken.get(primary)
+        self.replicas.apply(primary, batches, None if taken is None else
+                            lambda batch: self._refuse_taken(primary, batch))
         return False
+
+    def _refuse_taken(self, primary: str, batch: RowBatch) -> None:
+        """A batch of `primary`'s with rows of a partition a move gave this server: `primary` applied
+        them before it knew; refused, so it never acknowledges them and the worker resends them here."""
+        taken, layout = self._taken.get(primary), self._layout
+        if not taken or layout is None or not len(batch.ids):
+            return
+        partition = server_of(batch.ids, layout.partition_count)
+        hit = np.isin(partition, np.fromiter(taken, np.int64))
+        if hit.any():
+            raise StaleGenerationError(
+                f"replicate: row partition {int(partition[hit][0])} of table {batch.config.name!r} moved "
+                f"from {primary} to {self.own} (layout version {layout.version}); {primary} no longer "
+                "serves it")
 
     # ---- sending ----
 
@@ -484,7 +618,7 @@ class TableReplication:
             table = self._tables.find(name)
             if table is None:
                 continue
-            ids = np.unique(np.concatenate(parts))
+            ids = self._still_ours(np.unique(np.concatenate(parts)))
             fits = max(1, budget // row_bytes(table.config))
             keys = workers.pop(name, set())
             # A sync table's rows go whole: its applied clocks ride along and must match every row.
@@ -508,7 +642,7 @@ class TableReplication:
                 peer.backlog.pop(0)
                 continue
             fits = max(1, budget // row_bytes(table.config))
-            part, rest = ids[:fits], ids[fits:]
+            part, rest = self._still_ours(ids[:fits]), ids[fits:]
             if len(rest):
                 peer.backlog[0] = (name, rest)
             else:
@@ -585,6 +719,14 @@ class TableReplication:
             if not peer.copied and not peer.closed and not (peer.backlog or peer.dirty or peer.workers):
                 peer.copied = True  # every batch since the copy began is acknowledged
                 log.info("table replication: %s holds every table row of %s", peer.address, self.own)
+
+    def _still_ours(self, ids: np.ndarray) -> np.ndarray:
+        """`ids` without those of partitions a move took from this server (`pshard rebalance`): their new
+        server holds them, and refuses them from us."""
+        lost, layout = self._lost, self._layout
+        if not lost or layout is None or not len(ids):
+            return ids
+        return ids[~np.isin(server_of(ids, layout.partition_count), np.fromiter(lost, np.int64))]
 
     def _again(self, peer: _Peer, call: _Call) -> None:
         """A call that was not applied: its rows are due again."""

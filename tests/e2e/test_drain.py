@@ -158,7 +158,7 @@ def test_a_dense_sync_job_drained_mid_training_ends_bit_identical_to_an_undistur
         w.signal_group(signal.SIGSTOP)
     try:
         paused_at = cluster.steps_logged("worker-0")
-        assert paused_at < DENSE_CLOCKS - 5, f"the job was nearly over before the drain:\n{workers[0].output()}"
+        assert paused_at < DENSE_CLOCKS - 5, f"nearly over before the drain:\n{workers[0].output()}"
         backup_line = f"is an in-sync backup of {cluster.plan.ps[1]}"
         wait_until(lambda: any(backup_line in line for line in scheduler.lines), RUN_TIMEOUT_S,
                    "the scheduler counting ps-1's backup in sync")

@@ -46,6 +46,7 @@ from pshard.scheduler.__main__ import build_parser as scheduler_parser
 from pshard.worker.__main__ import build_parser as worker_parser
 
 from pshard.certs import main as certs_main
+from pshard.drain_cli import build_parser as drain_parser
 from tests.e2e.harness import (
     FINISH_TIMEOUT_S,
     PYTHON,
@@ -63,6 +64,7 @@ TFJOB = K8S / "tfjob" / "tfjob.yaml"
 TFJOB_GPU = K8S / "tfjob" / "tfjob-gpu.yaml"
 TFJOB_SCHEMA = K8S / "schemas" / "kubeflow.org_tfjobs_v1.yaml"
 PLAIN = K8S / "plain"
+REPLICATED = K8S / "replicated"  # the plain manifests for a job with --replicas 1 (issue 20)
 # The oldest release the manifests are for: they need gRPC probes (GA in 1.27) and the StatefulSet
 # pod-index label (1.28), and 1.28's schema still requires onPodConditions in every podFailurePolicy
 # rule. The newest schema the validator ships is checked too, for removed or renamed fields.
@@ -414,6 +416,54 @@ def test_the_plain_manifests_probe_budget_and_fence_the_job() -> None:
     assert policy["spec"]["policyTypes"] == ["Ingress"]
     # Only the job's own pods, from this namespace, and nothing else.
     assert policy["spec"]["ingress"] == [{"from": [{"podSelector": {"matchLabels": selector}}]}]
+
+
+def test_the_replicated_variant_drains_each_server_the_statefulset_scales_down(tmp_path: Path) -> None:
+    """deploy/k8s/replicated/ (issue 20): servers with --replicas 1 --drain-on-term, a preStop hook that
+    drains the pod's own server (run here for real, with a stand-in `pshard` that records what it got), and a
+    grace period that outlasts both drains; workers with --replicas 1; a scheduler planning row partitions
+    that can move one by one. The rest is the plain manifests' (links), and the existing validation test
+    checks every file strictly."""
+    files = {p.name for p in REPLICATED.glob("*.yaml")}
+    assert files == {p.name for p in PLAIN.glob("*.yaml")} and files <= {p.name for p in manifest_files()}
+    for name in files - {"servers.yaml", "workers.yaml", "scheduler.yaml"}:
+        assert (REPLICATED / name).resolve() == (PLAIN / name).resolve()
+    docs = [doc for path in sorted(REPLICATED.glob("*.yaml")) for doc in load(path)]
+    # A scale-down removes one server at a time, so two never drain into each other.
+    assert by_kind(docs, "StatefulSet")["pshard-ps"]["spec"]["podManagementPolicy"] == "OrderedReady"
+    pods = plain_pods(docs)
+    shim = tmp_path / "bin" / "pshard"
+    shim.parent.mkdir()
+    shim.write_text('#!/bin/sh\nprintf "%s\\n" "$@" > "$OUT"\nprintf "%s" "$TF_CONFIG" > "$OUT.tf"\n')
+    shim.chmod(0o755)
+    tf_config = tmp_path / "tf_config.json"
+    tf_config.write_text('{"cluster": {}, "task": {"type": "ps", "index": 1}}')
+    drained = []
+    for pod in pods:
+        (container,) = pod.spec["containers"]
+        args = argv_of(pod, container)[4:]  # sh -c SCRIPT pshard ARGS...
+        if pod.role == "scheduler":
+            assert scheduler_parser().parse_args(args).row_partitions_per_server == 4
+            continue
+        if pod.role != "ps":
+            assert worker_parser({}).parse_args(args).replicas == 1, pod.name
+            continue
+        ps = ps_parser().parse_args(args)
+        assert (ps.replicas, ps.drain_on_term, ps.drain_timeout_s) == (1, True, 60.0)
+        sh, dash_c, script = container["lifecycle"]["preStop"]["exec"]["command"]
+        env = container_env(pod, container)
+        assert (sh, dash_c) == ("sh", "-c") and expand(script, env) == script  # the same, expanded or not
+        out = tmp_path / f"{pod.name}.args"
+        subprocess.run([sh, dash_c, script.replace("/etc/pshard/tf-config/tf_config.json", str(tf_config))],
+                       env={**env, "PATH": f"{shim.parent}:/usr/bin:/bin", "OUT": str(out)}, check=True,
+                       timeout=30)
+        hook = out.read_text().split()
+        assert hook[0] == "drain" and Path(f"{out}.tf").read_text() == tf_config.read_text()
+        drain = drain_parser().parse_args(hook[1:])
+        assert drain.server == f"ps-{pod.index}" and drain.scheduler is None  # TF_CONFIG's scheduler
+        assert pod.spec["terminationGracePeriodSeconds"] > drain.timeout_s + ps.drain_timeout_s + 10
+        drained.append(pod.name)
+    assert drained == ["pshard-ps-0", "pshard-ps-1"]
 
 
 def test_the_init_step_names_the_field_it_cannot_build(tmp_path: Path,

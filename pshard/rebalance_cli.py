@@ -1,0 +1,205 @@
+"""`pshard rebalance`: move hot table row partitions off the busiest parameter servers (issue 20).
+
+    pshard rebalance [--scheduler HOST:PORT] [--dry-run] [--threshold 1.2]
+
+Reads each server's load from the scheduler (rows/s per row partition, from the servers' heartbeats), plans
+with `plan_rebalance` (pshard.common.cluster.moves: hottest server to coolest, until the hottest is within
+--threshold times the mean), prints the plan, and, unless --dry-run, makes each move whose target is a
+backup of the partition's server: the backup holds a copy, so the scheduler switches the partition to it at
+once (the MovePartition RPC, a planned failover of one partition) and the workers re-route. A move to a
+server that is not a backup would need the join's catch-up copy, which is not built yet: it is printed as
+such and skipped. Needs a job run with --replicas 1 or more and more row partitions than servers
+(`pshard scheduler --row-partitions-per-server N`); with security on, an admin credential.
+
+`plan_lines` is pure; `main` does the RPCs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from collections.abc import Callable, Collection, Sequence
+from dataclasses import dataclass
+
+from pshard.common.argtypes import positive_float
+from pshard.common.cluster.layout import Layout
+from pshard.common.cluster.loads import ServerLoad, partition_loads
+from pshard.common.cluster.moves import Move, MovePlan, NotABackupError, plan_rebalance
+from pshard.common.cluster.replicas import NoInSyncCopyError, backups_of
+from pshard.common.errors import PSError
+from pshard.common.security.credentials import SecurityConfig, add_security_arguments
+from pshard.status import admin_target
+
+PROG = "pshard rebalance"
+# Between tries of a move its backup cannot take yet: the in-sync report rides on the heartbeats.
+_RETRY_S = 0.25
+
+
+def threshold_type(text: str) -> float:
+    value = float(text)
+    if not value >= 1.0:
+        raise argparse.ArgumentTypeError(f"got {text}, expected a number >= 1.0 (times the mean load)")
+    return value
+
+
+def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=prog, description="Move hot table row partitions from the busiest "
+                                "parameter servers to the coolest, by the rows/s the servers report: each "
+                                "move to a backup of the partition's server is made at once; a move "
+                                "elsewhere needs the join's catch-up copy (not built yet) and is skipped. "
+                                "The job must run with --replicas 1 or more.")
+    p.add_argument("--scheduler", metavar="HOST:PORT",
+                   help="the scheduler (default: TF_CONFIG's, else the one 'pshard launch' is running)")
+    p.add_argument("--dry-run", action="store_true", help="print the plan, move nothing")
+    p.add_argument("--threshold", metavar="X", type=threshold_type, default=1.2,
+                   help="move until the hottest server is within X times the mean load (default 1.2)")
+    p.add_argument("--max-moves", metavar="N", type=int, default=None,
+                   help="plan at most N moves (default: as many as it takes)")
+    p.add_argument("--timeout-s", metavar="S", type=positive_float, default=60.0,
+                   help="per RPC, and how long a move waits for its backup to hold a copy (default 60)")
+    add_security_arguments(p)
+    return p
+
+
+@dataclass(frozen=True)
+class Planned:
+    plan: MovePlan
+    rates: list[float]  # rows/s of each row partition
+    live: frozenset[int]
+    to_backup: tuple[Move, ...]  # the moves that can be made now
+    need_copy: tuple[Move, ...]  # the moves that need the join's catch-up copy
+
+
+def plan(layout: Layout, loads: Sequence[ServerLoad], live_addresses: Collection[str], threshold: float,
+         max_moves: int | None = None) -> Planned:
+    """The rebalance of `layout` by the servers' `loads`, its moves split by whether the target is a backup
+    (in ring order among the live servers) of the partition's server."""
+    owners = [layout.servers[o] for o in layout.owners()]
+    rates, sizes = partition_loads(loads, owners)
+    live = frozenset(i for i, a in enumerate(layout.servers) if a in live_addresses)
+    made = plan_rebalance(layout, rates, sizes, live, tolerance=threshold, max_moves=max_moves)
+    n = len(layout.servers)
+    backup = [m for m in made.moves if m.target in backups_of(m.source, n, layout.replicas, live)]
+    return Planned(made, rates, live, tuple(backup), tuple(m for m in made.moves if m not in backup))
+
+
+def server_loads(layout: Layout, rates: Sequence[float], owners: Sequence[int]) -> list[float]:
+    loads = [0.0] * len(layout.servers)
+    for p, o in enumerate(owners):
+        loads[o] += rates[p]
+    return loads
+
+
+def plan_lines(planned: Planned) -> list[str]:
+    """The plan as `pshard rebalance` prints it: each server's load now, each move (which partition, from,
+    to, its rows/s and bytes, and whether it can be made), and the load expected after the moves made."""
+    layout, rates = planned.plan.before, planned.rates
+    now = server_loads(layout, rates, layout.owners())
+    owners = list(layout.owners())
+    for m in planned.to_backup:
+        owners[m.item] = m.target  # type: ignore[index]  # rebalance moves row partitions only
+    after = server_loads(layout, rates, owners)
+    counted = [now[i] for i in sorted(planned.live)]
+    mean = sum(counted) / len(counted) if counted else 0.0
+    lines = [f"layout version {layout.version}: {layout.partition_count} row partitions on "
+             f"{len(layout.servers)} servers, mean load {mean:.1f} rows/s", "",
+             f"{'SERVER':<24} {'NOW rows/s':>11} {'AFTER rows/s':>13} {'AFTER/MEAN':>10}"]
+    for i, address in enumerate(layout.servers):
+        if i not in planned.live:
+            continue
+        ratio = f"{after[i] / mean:.2f}" if mean else "-"
+        lines.append(f"{f'{i} {address}':<24} {now[i]:>11.1f} {after[i]:>13.1f} {ratio:>10}")
+    if not planned.plan.moves:
+        return [*lines, "", "nothing to move: the hottest server is within the threshold, or no single "
+                            "partition move lowers it"]
+    lines += ["", f"{'PARTITION':>9} {'FROM':<24} {'TO':<24} {'rows/s':>9} {'BYTES':>10}  MOVE"]
+    for m in planned.plan.moves:
+        how = ("to its backup" if m in planned.to_backup else
+               "skipped: not a backup of its server, needs the join's catch-up copy (not built yet)")
+        lines.append(f"{m.item:>9} {f'{m.source} {layout.servers[m.source]}':<24} "
+                     f"{f'{m.target} {layout.servers[m.target]}':<24} {rates[m.item]:>9.1f} "  # type: ignore[index]
+                     f"{m.nbytes:>10}  {how}")
+    return lines
+
+
+def fetch(scheduler: str, timeout_s: float, security: SecurityConfig
+          ) -> tuple[Layout, tuple[ServerLoad, ...], frozenset[str]]:
+    """The layout, the servers' loads and the live servers' addresses, from the scheduler."""
+    from pshard.api.v1 import scheduler_pb2, scheduler_pb2_grpc
+    from pshard.common.wire.codec import layout_from_proto, load_from_proto, view_from_proto
+
+    with security.channel(scheduler) as channel:
+        stub = scheduler_pb2_grpc.SchedulerServiceStub(channel)
+        stream = stub.Watch(scheduler_pb2.WatchRequest(), timeout=timeout_s)
+        try:
+            first = next(iter(stream))
+        finally:
+            stream.cancel()
+        layout = layout_from_proto(stub.GetLayout(scheduler_pb2.GetLayoutRequest(), timeout=timeout_s).layout)
+    live = frozenset(n.address for n in view_from_proto(first.view).live("ps"))
+    return layout, tuple(load_from_proto(p) for p in first.loads), live
+
+
+def move(scheduler: str, layout: Layout, moves: Sequence[Move], timeout_s: float, security: SecurityConfig,
+         say: Callable[[str], None], now: Callable[[], float] = time.monotonic) -> int:
+    """Make `moves` one by one, each planned on the layout the one before made; the moves made."""
+    import grpc
+
+    from pshard.api.v1 import scheduler_pb2, scheduler_pb2_grpc
+    from pshard.common.rpc.status import error_from_rpc_error
+
+    version, made = layout.version, 0
+    with security.channel(scheduler) as channel:
+        stub = scheduler_pb2_grpc.SchedulerServiceStub(channel)
+        for m in moves:
+            target = layout.servers[m.target]
+            request = scheduler_pb2.MovePartitionRequest(partition=m.item, target=target,  # type: ignore[arg-type]
+                                                         layout_version=version)
+            started = now()
+            while True:
+                try:
+                    version = stub.MovePartition(request, timeout=timeout_s).layout_version
+                except grpc.RpcError as e:
+                    err = error_from_rpc_error(e)
+                    if isinstance(err, NoInSyncCopyError) and now() - started < timeout_s:
+                        time.sleep(_RETRY_S)  # its backup is still copying (a move just before made it so)
+                        continue
+                    if isinstance(err, NotABackupError):
+                        say(f"row partition {m.item}: skipped: {err}")
+                        break
+                    raise err from None
+                made += 1
+                say(f"row partition {m.item}: moved from server {m.source} ({layout.servers[m.source]}) to "
+                    f"server {m.target} ({target}), layout version {version}")
+                break
+    return made
+
+
+def main(argv: Sequence[str] | None = None, *, prog: str = PROG) -> int:
+    args = build_parser(prog).parse_args(argv)
+    try:
+        scheduler, security = admin_target(args, os.environ)
+    except Exception as err:  # a bad TF_CONFIG names its field
+        print(f"{prog}: error: {err}", file=sys.stderr)
+        return 2
+    try:
+        layout, loads, live = fetch(scheduler, args.timeout_s, security)
+        planned = plan(layout, loads, live, args.threshold, args.max_moves)
+        print("\n".join(plan_lines(planned)), flush=True)
+        if args.dry_run or not planned.to_backup:
+            return 0
+        made = move(scheduler, layout, planned.to_backup, args.timeout_s, security,
+                    lambda line: print(f"{prog}: {line}", flush=True))
+    except PSError as err:
+        print(f"{prog}: error: {err}", file=sys.stderr)
+        return 1
+    except Exception as err:  # grpc.RpcError: the scheduler is not there
+        code = getattr(err, "code", None)
+        why = f"{code().name}: {err.details()}" if callable(code) else str(err)  # type: ignore[attr-defined]
+        print(f"{prog}: error: cannot talk to the scheduler at {scheduler}: {why}", file=sys.stderr)
+        return 1
+    skipped = len(planned.plan.moves) - made
+    print(f"{prog}: {made} row partition(s) moved" + (f", {skipped} skipped" if skipped else ""), flush=True)
+    return 0

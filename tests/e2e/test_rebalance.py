@@ -1,0 +1,129 @@
+"""`pshard rebalance` (issue 20, items 3 and 5): the scheduler rates each server's load from its heartbeats,
+and the command moves a hot row partition of the busiest server to that server's backup while clients keep
+pushing to it; no acknowledged update is lost or applied twice.
+
+Real processes: a scheduler planning 4 row partitions per server, three servers with `--replicas 1`, and
+four clients pushing integer gradients (SGD at lr 1, zero rows) to an async table, nearly all to ids of
+ps-1's partitions and a few to ps-0's (ps-0 holds the job's one dense slice, which no client declares, so
+its backup never counts in sync; ps-1 has none): ps-1 is the hottest server, ps-2 (its backup) the
+coolest, so the plan's first move goes to ps-2, and its second, to ps-0, is not a backup's and is skipped.
+The final rows must be minus the sum of every acknowledged push, exactly.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+import threading
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+from pshard.common.sparse import TableConfig, server_of
+
+from pshard.status import fetch, render
+from tests.e2e.harness import Procs, wait_until
+from tests.e2e.test_table_replication_async import replicated_job
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
+
+CLIENTS = 4
+DIM = 8
+TABLE = TableConfig("emb", DIM, optimizer="sgd", lr=1.0, initializer="zeros")
+RUN_TIMEOUT_S = 60.0
+PUSHES_AFTER = 20  # acknowledged pushes in all after the move, so some go to the partition's new server
+
+
+@contextlib.contextmanager
+def _stopping(stop: threading.Event) -> Iterator[None]:
+    """The clients stop before the pool waits for them, also when an assertion fails."""
+    try:
+        yield
+    finally:
+        stop.set()
+
+
+def _batch(hot: np.ndarray, warm: np.ndarray, client: int, push: int) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng([client, push, 11])
+    chosen = np.concatenate([rng.choice(hot, size=100), rng.choice(warm, size=3)])  # repeats: summed
+    return chosen, rng.integers(-3, 4, size=(len(chosen), DIM)).astype(np.float32)
+
+
+def test_rebalance_moves_a_hot_partition_to_its_backup_and_loses_no_acknowledged_update(procs: Procs) -> None:
+    started, scheds, layout, clients = replicated_job(procs, CLIENTS, 4)
+    scheduler = started[0]
+    address = scheds[0].address
+    every = np.arange(0, 6000, dtype=np.int64)
+    partition = server_of(every, layout.partition_count)
+    hot = every[np.isin(partition, layout.partitions_on(1))]
+    warm = every[np.isin(partition, layout.partitions_on(0))]
+    acked = np.zeros((len(every), DIM), np.float64)
+    lock = threading.Lock()
+    count = [0]
+    stop = threading.Event()
+
+    def run(i: int) -> None:
+        clients[i].declare_table(TABLE)
+        push = 0
+        while not stop.is_set():
+            ids, grads = _batch(hot, warm, i, push)
+            clients[i].push_rows(TABLE.name, ids, grads)  # returns once acknowledged
+            with lock:
+                np.add.at(acked, ids, grads)
+                count[0] += 1
+            push += 1
+
+    def loaded() -> bool:
+        loads = {load.node_id: load for load in fetch(address, 10.0).loads}
+        return len(loads) == 3 and all(sum(loads[f"ps-{i}"].rows_per_s.values()) > 0 for i in (0, 1))
+
+    try:
+        with ThreadPoolExecutor(CLIENTS) as pool, _stopping(stop):
+            futures = [pool.submit(run, i) for i in range(CLIENTS)]
+            wait_until(lambda: loaded() or any(f.done() for f in futures), RUN_TIMEOUT_S,
+                       "the scheduler rating the servers' load")
+            status = fetch(address, 10.0)
+            assert "HOT PARTITION" in render(status)
+            ps1 = next(load for load in status.loads if load.node_id == "ps-1")
+            assert set(ps1.rows_per_s) == set(layout.partitions_on(1))
+            operator = procs.python("rebalance", "-m", "pshard", "rebalance", "--scheduler", address,
+                                    "--insecure", "--timeout-s", "30")
+            assert operator.wait(RUN_TIMEOUT_S) == 0, operator.output()
+            at_move = count[0]
+            wait_until(lambda: count[0] >= at_move + PUSHES_AFTER or any(f.done() for f in futures),
+                       RUN_TIMEOUT_S, f"{PUSHES_AFTER} acknowledged pushes after the move")
+            # The move is done once ps-2's backup (ps-0) holds the partition: status and log say so.
+            wait_until(lambda: all(m.done for m in fetch(address, 10.0).moves), RUN_TIMEOUT_S,
+                       "the move done")
+            (move,) = fetch(address, 10.0).moves
+            wait_until(lambda: any("MOVE: row partition" in line for line in scheduler.lines), 10.0,
+                       "the scheduler's MOVE line")
+            assert not any("FAILOVER" in line for line in scheduler.lines)  # planned, not a death
+            # The source keeps its other partitions' copy on ps-2: a SIGKILL of it now loses nothing.
+            started[2].kill()  # started: scheduler, ps-0, ps-1, ps-2
+            at_kill = count[0]
+            wait_until(lambda: count[0] >= at_kill + PUSHES_AFTER or any(f.done() for f in futures),
+                       RUN_TIMEOUT_S, f"{PUSHES_AFTER} acknowledged pushes after ps-1's failover")
+            stop.set()
+            for f in futures:
+                f.result(timeout=RUN_TIMEOUT_S)
+        output = operator.output()
+        assert "to its backup" in output and "needs the join's catch-up copy" in output, output
+        assert "moved from server 1" in output, output
+        assert re.search(r"1 row partition\(s\) moved, \d+ skipped", output), output
+        moved = move.partition
+        assert layout.row_owner(moved) == 1 and (move.source, move.target, move.bytes_left) == (
+            layout.servers[1], layout.servers[2], 0)
+        assert move.nbytes > 0 and move.bytes_copied == move.nbytes
+        assert move.layout_version == layout.version + 1
+        final = clients[0].pull_rows(TABLE.name, every)
+        np.testing.assert_array_equal(final, -acked.astype(np.float32))
+        after = scheds[0].get_layout(timeout_s=5.0)
+        assert set(after.partitions_on(2)) == {moved, *layout.partitions_on(1), *layout.partitions_on(2)}
+    finally:
+        stop.set()
+        for c in clients:
+            c.close()
+        for s in scheds:
+            s.close()
