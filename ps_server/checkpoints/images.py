@@ -119,10 +119,11 @@ class Copier:
                 self._table.before_write = None
 
 
-def capture(table: SparseTable, parent: Mapping[str, Any] | None) -> TableImage:
+def capture(table: SparseTable, parent: Mapping[str, Any] | None, partition_count: int = 0) -> TableImage:
     """What a part holds of `table` (its lock held). `parent`: the table.json of the same table in the
     parent part, or None; incremental only when it is this table object's and the eviction log
-    still covers it, full otherwise. Advances the table's epoch: later changes go to the next one."""
+    still covers it, full otherwise. Advances the table's epoch: later changes go to the next one.
+    `partition_count`: what the scheduled record's partitions are numbered under (0: it has none)."""
     # A table with a disk tier (memory_mb) moves rows between RAM and disk: it is captured whole, now.
     since = _since(table, parent) if table.disk is None else None
     epoch = table.epoch
@@ -134,7 +135,8 @@ def capture(table: SparseTable, parent: Mapping[str, Any] | None) -> TableImage:
         removed = np.concatenate(logged).astype(np.int64) if logged else removed
     meta: dict[str, Any] = {"config": dataclasses.asdict(table.config), "step": table.step,
                             "clock": table.clock, "evicted": table.evicted, "token": table.token,
-                            "epoch": epoch, "since": since, "scheduled": table.scheduled.state()}
+                            "epoch": epoch, "since": since,
+                            "scheduled": table.scheduled.state(partition_count)}
     admission = None
     if table.admission is not None:
         counters, meta["admit_added"], meta["admit_epoch"] = table.admission.state()

@@ -276,7 +276,7 @@ class TableHandlers:
                 # A re-dispatched call's push counts once per partition, as a resend does by its push key:
                 # the rows of a partition that applied it on the call's first run are dropped, the others
                 # (a partition the first run's push never reached before a failover) applied.
-                fresh = record.fresh(*schedule, partition)
+                fresh = record.fresh(*schedule, partition, keys)
                 if fresh is not None:
                     if not fresh.any():
                         return 0
