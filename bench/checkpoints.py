@@ -7,8 +7,11 @@ One parameter server process (`--global-checkpoint-dir`), this process as its on
 
 - stall: the mean step time while the server writes a full checkpoint in the background
   (save_in_background: from its call until its manifest is committed, the capture's pause included),
-  over the mean step time of the steps just before and after it. The blocking checkpoint's time
-  (the server captures and writes before answering) is given for comparison.
+  over the mean step time of the steps just before and after it; the same with medians (the capture's
+  pause left out: a step another job on the host slowed moves a mean more than the write does); and
+  the server's CPU per step (every thread: the writer's share of a shared host) around and during the
+  write. The blocking checkpoint's time (the server captures and writes before answering) is given for
+  comparison.
 - incremental size: after pushes to 1 % of the rows (the dense parameters untouched), the bytes of an
   incremental checkpoint over that full one, over the full one's bytes; and the table's bytes alone.
 
@@ -18,6 +21,7 @@ One parameter server process (`--global-checkpoint-dir`), this process as its on
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
 import statistics
 import tempfile
@@ -47,6 +51,12 @@ def _step(client: PSClient, grads: dict[str, np.ndarray], clock: int, rng: np.ra
     client.pull_rows("emb", ids, clock)
     client.push_rows("emb", ids, np.full((len(ids), dim), 1e-3, np.float32), clock)
     return time.perf_counter() - started
+
+
+def _cpu_s(pid: int) -> float:
+    """CPU seconds (user and system, every thread) process `pid` used so far (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def _bytes(checkpoint: ckpt.Checkpoint, tables_only: bool = False) -> int:
@@ -92,11 +102,14 @@ def _run(args: argparse.Namespace, root: Path, address: str, pid: int) -> None:
             _step(client, grads, clock, rng, args.rows, args.dim)
             clock += 1
         before = []
+        cpu = _cpu_s(pid)
         for _ in range(args.steps):
             before.append(_step(client, grads, clock, rng, args.rows, args.dim))
             clock += 1
+        cpu_before = _cpu_s(pid) - cpu
 
         started = time.perf_counter()
+        cpu = _cpu_s(pid)
         pending = checkpoints.save_in_background(client, root, clock)
         capture_s = time.perf_counter() - started
         during = []
@@ -105,11 +118,14 @@ def _run(args: argparse.Namespace, root: Path, address: str, pid: int) -> None:
             clock += 1
         full = pending.result()
         window_s = time.perf_counter() - started
+        cpu_during = _cpu_s(pid) - cpu
 
         after = []
+        cpu = _cpu_s(pid)
         for _ in range(args.steps):
             after.append(_step(client, grads, clock, rng, args.rows, args.dim))
             clock += 1
+        cpu_around = cpu_before + _cpu_s(pid) - cpu
         started = time.perf_counter()
         blocking = checkpoints.save(client, root, clock)
         blocking_s = time.perf_counter() - started
@@ -120,6 +136,11 @@ def _run(args: argparse.Namespace, root: Path, address: str, pid: int) -> None:
              step_ms=round(around * 1e3, 1), steps_during=len(during),
              during_step_ms=round(window_s / max(1, len(during)) * 1e3, 1),
              ratio=round(window_s / max(1, len(during)) / around, 3),
+             # Medians: a step that another job on the host slowed moves a mean more than the write does.
+             median_ratio=round(statistics.median(during or [0.0]) / statistics.median(before + after), 3),
+             # The server's CPU a step, the writer's included: what the write takes from a shared host.
+             server_cpu_ms_per_step=round(cpu_around / len(before + after) * 1e3, 1),
+             server_cpu_ms_per_step_during=round(cpu_during / max(1, len(during)) * 1e3, 1),
              capture_ms=round(capture_s * 1e3, 1), background_write_s=round(window_s, 2),
              blocking_checkpoint_s=round(blocking_s, 2), checkpoint_mb=round(_bytes(full) / 2**20, 1),
              server_rss_mb=round(rss_mb(pid), 1))

@@ -5,6 +5,10 @@ worker spends packing 100 MB (25 M float32) and unpacking it for its residual, t
 spends unpacking it, and the bytes that travel instead. Divide the bytes saved by the seconds spent to
 get the link speed (in bytes/s) above which it stops paying. One process, one core; numpy only.
 
+A compressed pull (`pull topk:0.01`, `pull sign`) costs the server, per worker, the change since the
+worker's copy, its packing and its addition to the server's copy ("serve"), and the worker the addition
+to its own ("apply"): printed per 100 MB pulled, on a change as dense as the gradients.
+
     python -m bench.compression_cost [--numel 25000000] [--repeats 3]
 """
 
@@ -15,7 +19,7 @@ import sys
 import time
 
 import numpy as np
-from pshard.common.compression import Compressor
+from pshard.common.compression import Compressor, PullPack
 from pshard.common.types import SliceKey
 from pshard.common.wire import compress
 
@@ -56,7 +60,39 @@ def main(argv: list[str] | None = None) -> int:
              per_100mb_unpack_s=round(unpack_s * scale, 3), per_100mb_sent_mb=round(sent * scale / 1e6, 2),
              ratio=round(grads.nbytes / sent, 1),
              pays_below_gbit_s=round((grads.nbytes - sent) * 8 / 1e9 / (pack_s + 2 * unpack_s), 2))
+    for name in ("topk:0.01", "sign"):
+        pull_cost(name, grads, cuts, scale, args.repeats)
     return 0
+
+
+def pull_cost(name: str, grads: np.ndarray, cuts: list[tuple[SliceKey, np.ndarray]], scale: float,
+              repeats: int) -> None:
+    """A server's serving of one worker's compressed pull of every slice, and the worker's applying it."""
+    from pshard.client.compressing import PullDecoder
+    from pshard.common.cluster.layout import LayoutSlice
+    from pshard.ps_server.core.pull_copies import PullCopies
+
+    compressor = Compressor.parse(name)
+    copies, values = PullCopies(), [part + np.float32(1e-3) * part[::-1] for _, part in cuts]
+    layout = [LayoutSlice("w", key.part, 0, key.part * SLICE_NUMEL, part.size) for key, part in cuts]
+    decoder = PullDecoder(compressor, ["w"], {"w": grads.size})
+    for (key, part), s in zip(cuts, layout, strict=True):
+        copies.serve("w0", key, part, PullPack(), 0)  # the worker's copy: the old value
+        decoder.apply(s, decoder.pack(s), part.view(np.uint8), 0)
+    packs = [decoder.pack(s) for s in layout]
+    served: list[object] = []
+
+    def serve() -> None:
+        served[:] = [copies.serve("w0", key, value, pack, 1)
+                     for (key, _), value, pack in zip(cuts, values, packs, strict=True)]
+
+    serve_s = seconds(serve, repeats)
+    apply_s = seconds(lambda: [decoder.apply(s, pack, w.array.view(np.uint8), 1)  # type: ignore[attr-defined]
+                               for s, pack, w in zip(layout, packs, served, strict=True)], repeats)
+    sent = sum(w.array.nbytes for w in served)  # type: ignore[attr-defined]
+    emit("compression_cost", compressor=f"pull {name}", per_100mb_serve_s=round(serve_s * scale, 3),
+         per_100mb_apply_s=round(apply_s * scale, 3), per_100mb_sent_mb=round(sent * scale / 1e6, 2),
+         ratio=round(grads.nbytes / sent, 1))
 
 
 if __name__ == "__main__":

@@ -6,10 +6,12 @@ namespaces, tc tbf), every worker's link shaped to `--mbit` both ways, sync mode
 reports its mean step time and the gradient bytes it sent. One JSON line per compressor, with the ratio of
 its step time to uncompressed in the same run. Needs root (`HostBed`'s skip reason says why not).
 
-A compressor written NAME@bfloat16 also pulls in bfloat16 (the job's wire_dtype): pulls stay full precision
-otherwise, and 100 MB pulled at 1 Gbit/s bound a step at 0.8 s whatever the pushes cost.
+A compressor written NAME@bfloat16 also pulls in bfloat16 (the job's wire_dtype); one written NAME/PULL
+compresses pulls too (JobConfig.compression.pull: "topk:0.01/topk:0.01", "sign/sign"): pulls stay full
+precision otherwise, and 100 MB pulled at 1 Gbit/s bound a step at 0.8 s whatever the pushes cost.
+`--rounds N` runs the whole list N times, alternating, so that the machine's load drifts over all alike.
 
-    python -m bench.compression_link [--mbit 1000] [--steps 4] [--compression none topk:0.01 sign]
+    python -m bench.compression_link [--mbit 1000] [--steps 4] [--rounds 1] [--compression none sign/sign]
 """
 
 from __future__ import annotations
@@ -40,18 +42,24 @@ def worker(servers: list[str], worker_id: str, compression: str, steps: int) -> 
     params = {f"w{i}": np.zeros(NUMEL // TENSORS, np.float32) for i in range(TENSORS)}
     grads = {k: rng.standard_normal(v.size, dtype=np.float32) for k, v in params.items()}
     name, _, wire = compression.partition("@")
+    name, _, pull = name.partition("/")
     job = JobConfig(mode="sync", optimizer=OptimizerConfig(name="sgd", lr=1e-3),
-                    compression=Compression(name), wire_dtype=wire)
+                    compression=Compression(name, pull=pull or "none"), wire_dtype=wire)
     with PSClient(servers, worker_id, transport="tcp", timeout_s=300) as client:
         client.declare(params, job)
-        client.push_pull(grads, 0)  # warm-up: the fast path opens, buffers are made
-        started = time.perf_counter()
+        client.push_pull(grads, 0)  # warm-up: the fast path opens, buffers are made, the first pull is whole
+        decoder = client.pull_compression
+        pulled_before = (decoder.bytes_after, decoder.bytes_before) if decoder else (0, 0)
+        started, cpu = time.perf_counter(), time.process_time()
         for clock in range(1, steps + 1):
             client.push_pull(grads, clock)
         step_s = (time.perf_counter() - started) / steps
+        cpu_s = (time.process_time() - cpu) / steps  # all its threads: a worker's CPU a step
         stats = client.compression.stats if client.compression else None
         sent = stats.bytes_after / stats.steps if stats else NUMEL * (2 if wire else 4)
-        print(json.dumps({"step_s": step_s, "sent_bytes": sent, "transports": client.transports}), flush=True)
+        pulled = ((decoder.bytes_after - pulled_before[0]) / steps if decoder else NUMEL * (2 if wire else 4))
+        print(json.dumps({"step_s": step_s, "cpu_s": cpu_s, "sent_bytes": sent, "pulled_bytes": pulled,
+                          "transports": client.transports}), flush=True)
 
 
 def one_run(bed: object, compression: str, steps: int, mbit: float) -> list[dict[str, object]]:
@@ -83,8 +91,10 @@ def main(argv: list[str] | None = None) -> int:
                                 description=(__doc__ or "").split("\n")[0])
     p.add_argument("--mbit", type=float, default=1000.0)
     p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--rounds", type=int, default=1)
     p.add_argument("--compression", nargs="+",
-                   default=["none", "topk:0.01", "sign", "topk:0.01@bfloat16", "sign@bfloat16"])
+                   default=["none", "topk:0.01", "sign", "topk:0.01/topk:0.01", "sign/sign",
+                            "topk:0.01@bfloat16", "sign@bfloat16"])
     p.add_argument("--worker", help=argparse.SUPPRESS)
     p.add_argument("--servers", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -98,17 +108,22 @@ def main(argv: list[str] | None = None) -> int:
     with HostBed(["ps0", "ps1", "w0", "w1"]) as bed:
         for w in ("w0", "w1"):
             bed.shape(w, rate_mbit=args.mbit)
-        base: float | None = None
-        for compression in args.compression:
-            results = one_run(bed, compression, args.steps, args.mbit)
-            step_s = max(float(r["step_s"]) for r in results)  # type: ignore[arg-type]
-            sent = float(results[0]["sent_bytes"])  # type: ignore[arg-type]
-            base = step_s if base is None else base
-            # Uncompressed, each worker pushes and pulls 100 MB a step over its own link, both ways at once.
-            emit("compression_link", compression=compression, mbit=args.mbit, step_s=round(step_s, 3),
-                 speedup_vs_first=round(base / step_s, 2), sent_mb_per_step=round(sent / 1e6, 2),
-                 push_line_rate_fraction=round(sent * 8 / 1e6 / args.mbit / step_s, 2),
-                 transports=results[0]["transports"])
+        for round_ in range(args.rounds):
+            base: float | None = None
+            for compression in args.compression:
+                results = one_run(bed, compression, args.steps, args.mbit)
+                step_s = max(float(r["step_s"]) for r in results)  # type: ignore[arg-type]
+                sent = float(results[0]["sent_bytes"])  # type: ignore[arg-type]
+                pulled = float(results[0]["pulled_bytes"])  # type: ignore[arg-type]
+                base = step_s if base is None else base
+                # Uncompressed, each worker pushes and pulls 100 MB a step over its own link, both ways.
+                emit("compression_link", compression=compression, mbit=args.mbit, round=round_,
+                     load=round(os.getloadavg()[0], 1), step_s=round(step_s, 3),
+                     worker_cpu_s=round(max(float(r["cpu_s"]) for r in results), 3),  # type: ignore[arg-type]
+                     speedup_vs_first=round(base / step_s, 2), sent_mb_per_step=round(sent / 1e6, 2),
+                     pulled_mb_per_step=round(pulled / 1e6, 2),
+                     push_line_rate_fraction=round(sent * 8 / 1e6 / args.mbit / step_s, 2),
+                     transports=results[0]["transports"])
     return 0
 
 

@@ -43,7 +43,8 @@ BATCH = 64
 IMAGE = (1, 28, 28)
 LR = 0.05
 BAR = 0.8
-_models: dict[str, Any] = {}  # per serving worker process: the model it loads pulled weights into
+# Per serving worker process: the model, and numpy views of its parameters, where pulled weights land.
+_models: dict[str, Any] = {}
 
 
 def noop() -> None:
@@ -61,22 +62,24 @@ def synthetic_batches(seed: int) -> Iterator[tuple[Any, Any]]:
 
 
 def train_step(batches: Iterator[tuple[Any, Any]]) -> float:
-    """The scheduled step: pull every weight, forward and backward one batch, push the gradients."""
-    import torch
+    """The scheduled step: forward and backward one batch on the weights the worker's last step got back,
+    push the gradients and get the next weights in one round trip, landing in the model's parameters (as
+    PSTrainer's step: nothing to load)."""
     from pshard.coordinator.context import current
     from pshard.worker.model import build_model
     from torch.nn import functional as F
 
     ctx = current()
-    model = _models.get("mlp")
-    if model is None:
-        model = _models["mlp"] = build_model("mlp", IMAGE, 10)
-    model.load_state_dict({k: torch.from_numpy(v) for k, v in ctx.latest().items()})
+    if "mlp" not in _models:
+        _models["mlp"] = model = build_model("mlp", IMAGE, 10)
+        _models["views"] = {name: p.detach().numpy() for name, p in model.named_parameters()}
+    model, views = _models["mlp"], _models["views"]
+    ctx.latest(out=views)  # a copy only on the worker's first step
     x, y = next(batches)
     model.zero_grad()
     loss = F.cross_entropy(model(x), y)
     loss.backward()
-    ctx.push_pull({name: p.grad.numpy() for name, p in model.named_parameters()})  # one round trip
+    ctx.push_pull({name: p.grad.numpy() for name, p in model.named_parameters()}, out=views)
     return loss.item()
 
 

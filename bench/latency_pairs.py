@@ -10,8 +10,11 @@ host's load moves the blocks of one round alike, so the ratio holds where the fi
 
     python -m bench.latency_pairs [--transport tcp|shm] [--blocks 40] [--steps 500] TREE [TREE ...]
 
+A TREE written `PATH:tls` runs with mutual TLS on (a throw-away CA, bench.tls), so one run can pair the
+same checkout in clear and over TLS, before and after a change: `. .:tls /old /old:tls`.
+
 A checkout is driven by its own Python, from its own root, with this file's `--drive` mode (which needs
-only what every version of bench.common has: start_ps_servers and stop_processes).
+only what every version of bench.common has: start_ps_servers and stop_processes, and bench.tls for TLS).
 """
 
 from __future__ import annotations
@@ -52,7 +55,13 @@ def _thread_cpu_ns(pid: int, tid: int) -> int:
     return int(Path(f"/proc/{pid}/task/{tid}/schedstat").read_text().split()[0])
 
 
-def drive(transport: str) -> int:
+def split_tree(tree: str) -> tuple[str, bool]:
+    """"PATH:tls" -> (PATH, True); a plain PATH runs in clear."""
+    path, sep, suffix = tree.rpartition(":")
+    return (path, True) if sep and suffix == "tls" else (tree, False)
+
+
+def drive(transport: str, tls: bool = False) -> int:
     """One checkout's worker and server; blocks asked for on stdin, one JSON line each on stdout."""
     import numpy as np
     sys.path.insert(0, os.getcwd())  # the checkout's own bench and pshard
@@ -65,10 +74,16 @@ def drive(transport: str) -> int:
         from pshard.worker.client import PSClient  # type: ignore[no-redef]
 
     replies, sys.stdout = sys.stdout, sys.stderr  # stdout carries the blocks only
-    [server] = start_ps_servers(1, ["worker-0"], ["--transport", transport])
+    security, tls_args = None, []
+    if tls:
+        from bench.tls import make_pki, server_args, worker_security
+        pki = str(make_pki(1))
+        security, tls_args = worker_security(pki, "worker-0"), server_args(pki)
+    [server] = start_ps_servers(1, ["worker-0"], ["--transport", transport, *tls_args])
     pid = server.proc.pid  # its event loop runs on its main thread: tid == pid
     try:
-        with PSClient([server.address], "worker-0", transport=transport) as client:  # type: ignore[arg-type]
+        with PSClient([server.address], "worker-0", transport=transport,  # type: ignore[arg-type]
+                      security=security) as client:
             weights = client.declare({"w": np.zeros(1000, np.float32)},
                                      JobConfig(mode="sync", optimizer=OptimizerConfig("sgd", lr=0.1)))
             grads = {"w": np.ones(1000, np.float32)}
@@ -104,11 +119,14 @@ def run(trees: Sequence[str], transport: str, blocks: int, steps: int) -> dict[s
     procs = {}
     try:
         for tree in trees:
-            python = Path(tree) / ".venv" / "bin" / "python"
+            path, tls = split_tree(tree)
+            python = Path(path) / ".venv" / "bin" / "python"
             if not python.exists():
-                raise SystemExit(f"{tree}: no .venv/bin/python there (each checkout runs its own)")
-            procs[tree] = subprocess.Popen([str(python), str(Path(__file__).resolve()), "--drive", transport],
-                                           cwd=tree, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+                raise SystemExit(f"{path}: no .venv/bin/python there (each checkout runs its own)")
+            command = [str(python), str(Path(__file__).resolve()), "--drive", transport]
+            procs[tree] = subprocess.Popen(
+                command + (["--tls"] if tls else []), cwd=path, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                text=True)
         for tree, proc in procs.items():
             if proc.stdout is None or proc.stdout.readline().strip() != "ready":
                 raise RuntimeError(f"{tree}: its worker and server did not start (exit {proc.poll()})")
@@ -133,23 +151,29 @@ def run(trees: Sequence[str], transport: str, blocks: int, steps: int) -> dict[s
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m bench.latency_pairs", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
-    p.add_argument("trees", nargs="*", help="checkouts, each with its .venv; ratios are to the first")
+    p.add_argument("trees", nargs="*",
+                   help="checkouts, each with its .venv, PATH:tls for TLS on; ratios are to the first")
     p.add_argument("--transport", choices=("tcp", "shm"), default="tcp", help="fast path (default tcp)")
     p.add_argument("--blocks", type=int, default=40, help="blocks per checkout (default 40)")
     p.add_argument("--steps", type=int, default=500, help="push+pulls per block (default 500)")
     p.add_argument("--drive", metavar="TRANSPORT", help=argparse.SUPPRESS)
+    p.add_argument("--tls", action="store_true", help=argparse.SUPPRESS)  # with --drive
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.drive:
-        return drive(args.drive)
+        return drive(args.drive, args.tls)
     if len(args.trees) < 2 or args.blocks < 1 or args.steps < 1:
         build_parser().error("give two checkouts or more, --blocks >= 1 and --steps >= 1")
     results = run(args.trees, args.transport, args.blocks, args.steps)
     loads = [r["load1"] for rows in results.values() for r in rows]
     for tree, summary in paired_summary(results, args.trees[0]).items():
+        path, tls = split_tree(tree)
+        if tls and path in results:  # the same checkout in clear: TLS's cost, paired round by round
+            summary["tls_to_clear_p50"] = paired_summary({tree: results[tree], path: results[path]},
+                                                         path)[tree]["ratio_p50_us"]
         print(json.dumps({"figure": "latency_pairs", "tree": tree, "transport": args.transport,
                           "blocks": args.blocks, "steps": args.steps,
                           **{k: round(v, 3) for k, v in summary.items()},

@@ -1,11 +1,17 @@
 """8- and 16-bit rows (issue 22): RSS per row and rows/s of a table by row_dtype, in one run.
 
-For each row_dtype (float32 first: the same-run baseline) a fresh process makes a table (SGD) of
-`--rows` rows by pushing distinct ids, 65,536 per push, and reports its RSS growth per row, then times
-pulls and pushes of 2,048 random existing ids (rows/s). A row's RSS is its values as stored (4 x dim
-float32, 2 x dim float16/bfloat16, dim + 8 int8) plus what every row keeps whatever its dtype: its id
-(8 bytes), touch stamp (8), update count (4) and the index's slots (~10), so the ratio to float32
-grows with dim.
+For each row_dtype (float32 first: the same-run baseline) a fresh process makes a table (SGD) of `--rows`
+rows by pushing distinct ids, 65,536 per push, and reports its RSS growth per row, then times pulls and
+pushes of 2,048 random existing ids (rows/s; pushes best of 3, and for narrow rows also through the numpy
+path that the compiled pass replaced, push_rows_per_s_numpy_path, alternating with it). A row's RSS is its
+values as stored (4 x dim float32, 2 x dim float16/bfloat16, dim + 8 int8) plus what every row keeps
+whatever its dtype: its id (8 bytes), last touch (8), update count (4), change stamp (4) and the index's
+slots (4 to 10), so the ratio to float32 grows with dim; `fields` gives each array's bytes over the rows
+(capacity included: the arrays grow by doubling).
+
+The child sets glibc's malloc as `pshard ps` does at start (ps_server.heap.bound_heap: buffers of 1 MiB
+and more are mappings of their own, given back when freed), so the RSS is what a server holds: with
+glibc's defaults the pushes' freed temporaries stay in the heap, 40 to 60 bytes a row of this bench.
 
     python -m bench.narrow_rows [--rows 1000000] [--dim 64]
 """
@@ -18,16 +24,21 @@ import os
 import subprocess
 import sys
 import time
+from typing import Any
 
 from bench.common import REPO, emit, rss_mb
 
 BATCH = 1 << 16
 REQUEST = 2048
+ROUNDS = 3
 ROW_DTYPES = ("float32", "float16", "bfloat16", "int8")
 
 
 def _child(row_dtype: str, rows: int, dim: int) -> None:
     """Runs in a fresh process: fill a table of `row_dtype`, print JSON."""
+    from pshard.ps_server.heap import bound_heap
+
+    bound_heap()  # before any allocation, as the server's main does
     import numpy as np
     from pshard.common.sparse import TableConfig
     from pshard.ps_server.tables.table import SparseTable
@@ -46,14 +57,37 @@ def _child(row_dtype: str, rows: int, dim: int) -> None:
     for ids in requests:
         table.pull(ids)
     pull_s = time.monotonic() - start
-    start = time.monotonic()
-    for ids in requests:
-        table.push(ids, small)
-    push_s = time.monotonic() - start
+    push_s, numpy_s = _time_pushes(table, requests, small)
     moved = REQUEST * len(requests)
+    arrays = {"values": table.values, "touch": table.touch, "count": table.count, "stamp": table.stamp,
+              "index_ids": table.index.ids, **{f"state_{name}": a for name, a in table.state.items()}}
+    fields = {name: round(a.nbytes / rows, 1) for name, a in arrays.items()}
+    fields["index_slots"] = round(table.index.slot_bytes / rows, 1)
     print(json.dumps({"rss_bytes_per_row": round(grown * 2**20 / rows, 1),
-                      "stored_bytes_per_row": table.config.row_bytes,
-                      "pull_rows_per_s": round(moved / pull_s), "push_rows_per_s": round(moved / push_s)}))
+                      "stored_bytes_per_row": table.config.row_bytes, "fields": fields,
+                      "pull_rows_per_s": round(moved / pull_s), "push_rows_per_s": round(moved / push_s),
+                      **({"push_rows_per_s_numpy_path": round(moved / numpy_s)} if numpy_s else {})}))
+
+
+def _time_pushes(table: Any, requests: list[Any], grads: Any) -> tuple[float, float]:
+    """Seconds for the pushes of `requests`, best of ROUNDS, and for narrow rows the same pushes through
+    the numpy path the compiled pass replaced (SparseTable._push_gathered), rounds alternating so that the
+    shared machine's load weighs on both alike (0.0 for float32, which has no such path)."""
+    best, numpy_best = float("inf"), float("inf")
+    for _ in range(ROUNDS):
+        start = time.monotonic()
+        for ids in requests:
+            table.push(ids, grads)
+        best = min(best, time.monotonic() - start)
+        if not table.config.narrow:
+            continue
+        start = time.monotonic()
+        for ids in requests:  # what push does around its update: the lookup, the step, the update
+            rows = table.index.lookup(ids)
+            table.step += 1
+            table._push_gathered(rows, grads, time.monotonic())
+        numpy_best = min(numpy_best, time.monotonic() - start)
+    return best, numpy_best if table.config.narrow else 0.0
 
 
 def _run_child(row_dtype: str, rows: int, dim: int) -> dict[str, float]:

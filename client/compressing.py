@@ -21,8 +21,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 from pshard.common.cluster.layout import LayoutSlice
-from pshard.common.compression import Compressor
-from pshard.common.errors import InvalidArgumentError, ShapeMismatchError
+from pshard.common.compression import Compressor, PullPack
+from pshard.common.errors import InvalidArgumentError, PayloadSizeError, ShapeMismatchError
 from pshard.common.types import SliceKey
 from pshard.common.wire import compress
 from pshard.common.wire.codec import WireArray
@@ -124,3 +124,66 @@ class PushEncoder:
                                          f"parameter has {self._sizes[key]}")
             loaded[key] = flat.copy()
         self._residuals = loaded
+
+
+class PullDecoder:
+    """The worker's side of compressed pulls (docs/guide/compression.md, Compressed pulls): its copy of
+    each compressed parameter, and per slice how many pulls it applied since the copy came whole.
+
+    A slice's first pull comes whole, in float32 (base 0); each later one is the server's packed change
+    since the copy, added to it in float32 as the server adds it to its own copy of the copy, so the two
+    stay equal bit for bit. What a pull leaves unsent stays on the server (its value minus the copy) for
+    the next one. `lost` sends slices back to whole (a server that refused their base)."""
+
+    def __init__(self, compressor: Compressor, keys: Iterable[str], sizes: Mapping[str, int]) -> None:
+        self.compressor = compressor
+        self._copies = {k: np.zeros(sizes[k], dtype=np.float32) for k in keys}
+        self._bases: dict[SliceKey, int] = {}
+        self.bytes_before = 0
+        self.bytes_after = 0
+
+    def pulls(self, key: str) -> bool:
+        return key in self._copies
+
+    def pack(self, s: LayoutSlice) -> PullPack:
+        """How `s` is to be pulled now."""
+        if s.key not in self._copies:
+            return PullPack()
+        base = self._bases.get(s.slice_key, 0)
+        k = self.compressor.k(s.numel) if self.compressor.name == "topk" else 0
+        return PullPack(self.compressor.name, k, base)
+
+    def nbytes(self, s: LayoutSlice, pack: PullPack) -> int:
+        """The bytes the reply carries for `s` pulled as `pack` (a packed one; whole ones are float32)."""
+        if pack.base == 0:
+            return 4 * s.numel
+        return compress.packed_nbytes(pack.encoding, s.numel, pack.k)
+
+    def apply(self, s: LayoutSlice, pack: PullPack, raw: np.ndarray, clock: int) -> np.ndarray:
+        """Land a pulled slice's bytes on the copy; the copy's part of `s` (a view, to be copied out)."""
+        part = self._copies[s.key][s.offset:s.offset + s.numel]
+        raw = np.asarray(raw).reshape(-1).view(np.uint8)
+        expected = self.nbytes(s, pack)
+        if raw.nbytes != expected:
+            raise PayloadSizeError(f"pulled slice {str(s.slice_key)!r}: got {raw.nbytes} bytes, "
+                                   f"{pack.encoding} with base {pack.base} needs {expected}")
+        if pack.base == 0:
+            part[:] = raw.view(np.float32)
+        else:
+            compress.add_sent(part, WireArray(raw, "uint8", pack.encoding), s.slice_key, clock)
+        self._bases[s.slice_key] = pack.base + 1
+        self.bytes_before += 4 * s.numel
+        self.bytes_after += raw.nbytes
+        return part
+
+    def lost(self, slices: Iterable[LayoutSlice]) -> None:
+        """Pull these slices whole next time."""
+        for s in slices:
+            self._bases.pop(s.slice_key, None)
+
+    def copy_of(self, key: str) -> np.ndarray:
+        return self._copies[key].copy()
+
+    @property
+    def nbytes_held(self) -> int:
+        return sum(c.nbytes for c in self._copies.values())

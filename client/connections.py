@@ -155,6 +155,11 @@ class ServerConnections:
                 self._drop(server)
 
     @property
+    def dead_after_s(self) -> float:
+        """How long a server may stay silent before it counts as gone (the job's heartbeat timeout)."""
+        return self._dead_after_s
+
+    @property
     def can_reroute(self) -> bool:
         """A newer layout can be asked for (the client was given the scheduler's)."""
         return self._relayout is not None

@@ -31,16 +31,18 @@ from typing import TypeVar
 
 import grpc
 import numpy as np
-from pshard.client.compressing import PushEncoder
+from pshard.client.compressing import PullDecoder, PushEncoder
 from pshard.client.connections import ServerConnections
 from pshard.client.fast_session import TABLE_ROOM_BYTES
 from pshard.client.forking import ProcessOwned
 from pshard.client.tables import TableClient
 from pshard.common.cluster.layout import DEFAULT_SLICE_BYTES, Layout, LayoutSlice, ParamSpec, plan_layout
+from pshard.common.compression import PullPack
 from pshard.common.errors import (
     InvalidArgumentError,
     OverloadedError,
     PSError,
+    PullBaseLostError,
     PullTimeoutError,
     ShapeMismatchError,
     StaleGenerationError,
@@ -162,6 +164,8 @@ class PSClient:
         self.scheduled: tuple[int, int, int] = (0, 0, 0)
         # The job's gradient compression (set by declare); None: every slice travels as it is.
         self.compression: PushEncoder | None = None
+        # Compressed pulls (JobConfig.compression.pull): this worker's copies; None: pulls come whole.
+        self.pull_compression: PullDecoder | None = None
 
     @property
     def servers(self) -> tuple[str, ...]:
@@ -241,6 +245,10 @@ class PSClient:
             return
         encoder = PushEncoder(plan, sizes, job.compression.error_feedback)
         self.compression = encoder if encoder.plan else None
+        pull = job.compression.pull_compressor
+        # Float32 parameters only: the copies add in float32 on both sides (the server refuses others).
+        pulled = [k for k in encoder.plan if self._dtypes.get(k) == "float32"]
+        self.pull_compression = PullDecoder(pull, pulled, sizes) if pull.lossy and pulled else None
 
     # ---- failover (docs/architecture.md, 9 Failures) ----
 
@@ -338,8 +346,13 @@ class PSClient:
             header = pb.ExchangeHeader(op=pb.EXCHANGE_OP_PUSH_PULL, stamp=self._stamp(clock),
                                        pull=[codec.slice_id_to_proto(s.slice_key) for s in slices],
                                        timeout_ms=int(self._timeout_s * 1000))
-            summary = self._fast_call(server, header, [], slices, result)
-            return summary if summary is not None else self._exchange_call(server, header, [], slices, result)
+
+            def send() -> pb.ExchangeSummary:
+                summary = self._fast_call(server, header, [], slices, result)
+                return summary if summary is not None else self._exchange_call(server, header, [], slices,
+                                                                               result)
+
+            return self._pulling(server, slices, header, send)
 
         return result, _result(self._all_servers(run))
 
@@ -385,12 +398,18 @@ class PSClient:
                 return pb.ExchangeSummary()
             buffers = [packed[s.slice_key].array if s.slice_key in packed
                        else flat[s.key][s.offset:s.offset + s.numel] for s in slices]
-            summary = self._fast_call(server, header, buffers, slices if pull else [], out or {})
-            if summary is not None:
-                return summary
-            if sum(b.nbytes for b in buffers) <= SMALL_PAYLOAD_BYTES:
-                return self._unary_push_pull(server, header, buffers, slices if pull else [], out or {})
-            return self._exchange_call(server, header, buffers, slices if pull else [], out or {})
+            pulled = slices if pull else []
+
+            def send() -> pb.ExchangeSummary:
+                summary = self._fast_call(server, header, buffers, pulled, out or {})
+                if summary is not None:
+                    return summary
+                # The unary PushPull carries no pull packing: compressed pulls go as an Exchange.
+                if sum(b.nbytes for b in buffers) <= SMALL_PAYLOAD_BYTES and not header.pull_packing:
+                    return self._unary_push_pull(server, header, buffers, pulled, out or {})
+                return self._exchange_call(server, header, buffers, pulled, out or {})
+
+            return self._pulling(server, pulled, header, send)
 
         return _result(self._all_servers(run))
 
@@ -422,6 +441,38 @@ class PSClient:
         header.timeout_ms = int(self._timeout_s * 1000)
         return slices, header
 
+    def _pulling(self, server: int, pulled: Sequence[LayoutSlice], header: pb.ExchangeHeader,
+                 send: Callable[[], pb.ExchangeSummary]) -> pb.ExchangeSummary:
+        """`send()` with the header's pull packing set from this worker's copies (compressed pulls); once
+        more with the slices whole when the server says it does not hold what the worker holds (a reply
+        lost on the way, a restarted server or a new primary: it applied nothing of the request)."""
+        decoder = self.pull_compression
+        if decoder is None or not any(decoder.pulls(s.key) for s in pulled):
+            return send()
+        self._set_packing(header, decoder, pulled)
+        try:
+            return send()
+        except PullBaseLostError as err:
+            log.info("server %s: %s; pulling those slices whole", self.servers[server], err)
+            decoder.lost(pulled)
+            self._set_packing(header, decoder, pulled)
+            return send()
+
+    @staticmethod
+    def _set_packing(header: pb.ExchangeHeader, decoder: PullDecoder, pulled: Sequence[LayoutSlice]) -> None:
+        del header.pull_packing[:]
+        header.pull_packing.extend(codec.pull_packs_to_proto([decoder.pack(s) for s in pulled]))
+
+    def _place_pulled(self, s: LayoutSlice, pack: PullPack | None, raw: np.ndarray, wire_dtype: str,
+                      clock: int, out: Mapping[str, np.ndarray]) -> None:
+        """A pulled slice's bytes into `out`: whole (cast back from the wire dtype), or a compressed pull's
+        landed on this worker's copy first."""
+        if pack is None or not pack.packed:
+            self._place(s, codec.WireArray(raw.view(codec.numpy_dtype(wire_dtype)), wire_dtype), out)
+            return
+        assert self.pull_compression is not None
+        out[s.key].reshape(-1)[s.offset:s.offset + s.numel] = self.pull_compression.apply(s, pack, raw, clock)
+
     # ---- operations ----
 
     # ---- sparse tables: client.tables does the work over these channels ----
@@ -447,25 +498,76 @@ class PSClient:
     def stats(self, serving_only: bool = False) -> list[pb.GetStatsResponse]:
         """Every server's stats, in server order; `serving_only`: only the servers the layout gives slices
         or row partitions, for questions about the job's progress. A server drained or failed over is
-        gone, and asking it would wait out the whole deadline (a chief's last wait for its peers did)."""
-        def ask(i: int) -> pb.GetStatsResponse:
-            return self._unary(i, lambda stub: stub.GetStats(pb.GetStatsRequest(), timeout=self._timeout_s,
-                                                             wait_for_ready=True))
+        gone, and asking it would wait out the whole deadline (a chief's last wait for its peers did).
 
+        With a replicated layout, a serving server that does not answer within the job's dead-peer time
+        counts as gone, and the question goes to the layout the scheduler publishes once it failed the
+        server over: a chief whose last step ended just before a server's host was cut off still routes
+        by the old layout, and its wait for its peers asked the cut-off server for its whole step timeout
+        (45-120 s) before the final pull (issue 24)."""
         layout = self.layout
         if not serving_only or layout is None:
-            return self._all_servers(ask)
-        serving = [i for i in range(len(self.servers)) if layout.slices_on(i) or layout.partitions_on(i)]
+            return self._all_servers(lambda i: self._ask_stats(i, self._timeout_s, True))
+        if not self._fail_fast:
+            return self._each_of(self._serving(layout), lambda i: self._ask_stats(i, self._timeout_s, True))
+        return self._rerouting(self._live_stats)
+
+    def live_layout(self) -> Layout | None:
+        """The layout to route an admin call by: with a replicated layout, one whose serving servers all
+        answered within the dead-peer time (a newer one, the scheduler's failover, past a silent one);
+        else the client's. A checkpoint or table export sent by a layout the client has not caught up
+        on waits out its whole deadline on a server whose host was cut off (issue 24)."""
+        if not self._fail_fast:
+            return self.layout
+        return self._rerouting(self._live)
+
+    def _on_live_servers(self, ask: Callable[[int, bool], T]) -> list[T]:
+        """`ask(server, wait_for_ready)` on every server at once; with a replicated layout, on the serving
+        servers of `live_layout`'s layout only, and a server unreachable fails at once (re-routes)."""
+        if not self._fail_fast:
+            return self._all_servers(lambda i: ask(i, True))
+        return self._rerouting(lambda layout: self._each_of(
+            self._serving(self._live(layout)), lambda i: ask(i, False)))
+
+    def _live(self, layout: Layout) -> Layout:
+        """`layout`, once its serving servers all answered (`_live_stats`)."""
+        self._live_stats(layout)
+        return layout
+
+    def _live_stats(self, layout: Layout) -> list[pb.GetStatsResponse]:
+        """The stats of `layout`'s serving servers; one silent for twice the dead-peer time (as the raw
+        TCP path's bound) raises UnavailableError, which `_rerouting` takes to the failed-over layout."""
+        silent_s = min(self._timeout_s, 2 * self.connections.dead_after_s)
+        return self._each_of(self._serving(layout), lambda i: self._ask_stats(i, silent_s, False))
+
+    def _serving(self, layout: Layout) -> list[int]:
+        """The servers `layout` gives slices or row partitions: not a drained or failed-over one."""
+        return [i for i in range(len(self.servers)) if layout.slices_on(i) or layout.partitions_on(i)]
+
+    def _each_of(self, servers: Sequence[int], fn: Callable[[int], T]) -> list[T]:
+        """fn(server) for each of `servers` at once, in their order; the first error wins, after all ended."""
         self._owner.check()
-        futures = [self._pool.submit(self._naming_unreachable, ask, i) for i in serving]
+        futures = [self._pool.submit(self._naming_unreachable, fn, i) for i in servers]
         return [f.result() for f in futures]
+
+    def _ask_stats(self, server: int, timeout_s: float, wait: bool) -> pb.GetStatsResponse:
+        """`wait`: for a server that cannot be reached yet, until the deadline; else a deadline passed
+        is the server's silence (UnavailableError, which re-routes)."""
+        try:
+            return self._unary(server, lambda stub: stub.GetStats(pb.GetStatsRequest(), timeout=timeout_s,
+                                                                  wait_for_ready=wait))
+        except PullTimeoutError as err:
+            if wait:
+                raise
+            raise UnavailableError(f"server {self.servers[server]}: no answer in {timeout_s:g} s ({err})"
+                                   ) from err
 
     def checkpoint(self, at_version: int = 0) -> list[str]:
         """Each server writes its shard once every slice has reached `at_version`."""
         t = self._timeout_s
-        return self._all_servers(lambda i: self._unary(i, lambda stub: stub.Checkpoint(
+        return self._on_live_servers(lambda i, wait: self._unary(i, lambda stub: stub.Checkpoint(
             pb.CheckpointRequest(at_version=at_version, timeout_ms=int(t * 1000)),
-            timeout=t + DEADLINE_SLACK_S, wait_for_ready=True).path))
+            timeout=t + DEADLINE_SLACK_S, wait_for_ready=wait).path))
 
     def each_server(self, call: Callable[[int, pb_grpc.ParameterServerServiceStub], T]) -> list[T]:
         """`call(index, stub)` on every server at once, in server order (worker.checkpoint_coordinator); gRPC
@@ -503,14 +605,14 @@ class PSClient:
         wire = (self.job.wire_dtype if self.job else "") or ""
         dtypes = [self._param_dtype(s.key) for s in pulled]
         wire_dtypes = [wire if wire and d in PARAM_DTYPES else d for d in dtypes]
+        packs = codec.pull_packs_from_proto(header) or [None] * len(pulled)
 
         def place(index: int, raw: np.ndarray) -> None:
-            values = raw.view(codec.numpy_dtype(wire_dtypes[index]))
-            self._place(pulled[index], codec.WireArray(values, wire_dtypes[index]), out)
+            self._place_pulled(pulled[index], packs[index], raw, wire_dtypes[index], header.stamp.clock, out)
 
         def direct(index: int) -> np.ndarray | None:
             s = pulled[index]
-            if wire_dtypes[index] != dtypes[index]:
+            if wire_dtypes[index] != dtypes[index] or (packs[index] is not None and packs[index].packed):
                 return None
             target = out[s.key].reshape(-1)[s.offset:s.offset + s.numel]
             return target.view(np.uint8) if target.dtype == codec.numpy_dtype(dtypes[index]) else None
@@ -739,13 +841,16 @@ class PSClient:
         wire = (self.job.wire_dtype if self.job else "") or ""
         dtypes = [self._param_dtype(s.key) for s in pulled]
         wire_dtypes = [wire if wire and d in PARAM_DTYPES else d for d in dtypes]
-        sizes = [s.numel * codec.numpy_dtype(d).itemsize for s, d in zip(pulled, wire_dtypes, strict=True)]
+        packs = codec.pull_packs_from_proto(header) or [None] * len(pulled)
+        sizes = [self.pull_compression.nbytes(s, p) if p is not None and p.packed and self.pull_compression
+                 else s.numel * codec.numpy_dtype(d).itemsize
+                 for s, d, p in zip(pulled, wire_dtypes, packs, strict=True)]
         reader = SliceReader(sizes, [str(s.slice_key) for s in pulled])
         summary: pb.ExchangeSummary | None = None
 
         def place(index: int, buf: memoryview) -> None:
-            values = np.frombuffer(buf, dtype=codec.numpy_dtype(wire_dtypes[index]))
-            self._place(pulled[index], codec.WireArray(values, wire_dtypes[index]), out)
+            raw = np.frombuffer(buf, dtype=np.uint8)
+            self._place_pulled(pulled[index], packs[index], raw, wire_dtypes[index], header.stamp.clock, out)
 
         for index, buf in reader.initial():
             place(index, buf)

@@ -690,8 +690,10 @@ class TableClient:
     def _each(self, call: Callable[[int, pb_grpc.SparseTablesServiceStub], T]) -> list[T]:
         """call(s, stub) for every server serving rows at once (after a failover not the dead one: its
         heir serves its rows), the first on this thread (a hand-off to the pool and back costs two
-        thread wake-ups); the first error wins, after every call has ended."""
-        servers = sorted(self._serving(self._client.layout))
+        thread wake-ups); the first error wins, after every call has ended. Routed by the client's live
+        layout: one the client has not caught up on would send it to a server cut off since, for its
+        whole deadline (issue 24)."""
+        servers = sorted(self._serving(self._client.live_layout()))
         others = [self._conn.pool.submit(self._rpc, s, call) for s in servers[1:]]
         try:
             first = self._rpc(servers[0], call)

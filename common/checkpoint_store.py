@@ -103,12 +103,14 @@ def new_directory(root: Path, clock: int) -> Path:
 
 # ---- files ----
 
-def digest(path: Path) -> tuple[str, int]:
-    """(SHA-256 hex, size) of a file."""
+def digest(path: Path, each: Callable[[int], object] | None = None) -> tuple[str, int]:
+    """(SHA-256 hex, size) of a file; `each(n)` after each n bytes read (a background write's pace)."""
     h = hashlib.sha256()
     with open(path, "rb") as f:
         while chunk := f.read(1 << 20):
             h.update(chunk)
+            if each is not None:
+                each(len(chunk))
     return h.hexdigest(), path.stat().st_size
 
 

@@ -25,6 +25,8 @@ from pshard.common.errors import InvalidArgumentError, PayloadSizeError
 SPARSIFIERS = ("topk", "randomk")
 NAMES = ("none", "topk", "randomk", "sign", "bf16", "fp16")
 CASTS = {"bf16": "bfloat16", "fp16": "float16"}
+# What a pull may be compressed with: the change since the worker's last pull, as top-k or scaled sign.
+PULL_NAMES = ("none", "topk", "sign")
 # A tensor below this many elements is sent uncompressed unless the job says otherwise: top-k's
 # index costs as much as its value, and a bias of 10 floats gains nothing from 1 % of it.
 DEFAULT_MIN_NUMEL = 0
@@ -121,6 +123,21 @@ NONE = Compressor()
 
 
 @dataclass(frozen=True)
+class PullPack:
+    """How one slice is pulled (ExchangeHeader.pull_packing): `encoding` "" (whole, in the job's wire
+    dtype), "topk" (`k` elements of the change) or "sign"; `base` the worker's count of the pulls of the
+    slice it applied (0: it holds no copy, and the slice comes whole in float32)."""
+
+    encoding: str = ""
+    k: int = 0
+    base: int = 0
+
+    @property
+    def packed(self) -> bool:
+        return bool(self.encoding)
+
+
+@dataclass(frozen=True)
 class Compression:
     """The job's compression: a default, rules by parameter name, a size floor, and error feedback.
 
@@ -128,12 +145,16 @@ class Compression:
     matches a parameter's name decides it. `min_numel`: tensors of fewer elements go uncompressed.
     `error_feedback`: each worker adds what it did not send of a slice to its next gradient (EF-SGD);
     off, what a lossy compressor drops is lost.
+    `pull`: how the parameters whose pushes are compressed travel back ("none": whole; "topk:K" or
+    "sign": as the compressed change since this worker's last pull, with the server keeping what it did
+    not send, per worker and slice; docs/guide/compression.md, Compressed pulls).
     """
 
     default: str = "none"
     rules: tuple[tuple[str, str], ...] = ()
     min_numel: int = DEFAULT_MIN_NUMEL
     error_feedback: bool = True
+    pull: str = "none"
 
     def __post_init__(self) -> None:
         # JSON and protobuf give lists; a frozen dataclass keeps tuples.
@@ -147,10 +168,18 @@ class Compression:
         if not (isinstance(self.min_numel, int) and self.min_numel >= 0):
             raise InvalidArgumentError(f"compression.min_numel: got {self.min_numel!r}, expected an integer "
                                        ">= 0")
+        pull = Compressor.parse(self.pull, "compression.pull")
+        if pull.name not in PULL_NAMES:
+            raise InvalidArgumentError(f"compression.pull: got {self.pull!r}, expected none, topk:K or sign "
+                                       "(a cast is the job's wire_dtype, which pulls take already)")
+        if pull.lossy and not self.enabled:
+            raise InvalidArgumentError(f"compression.pull: got {self.pull!r} with compression "
+                                       f"{self.default!r} and no lossy rule: pulls are compressed for the "
+                                       "parameters whose pushes are, so compress pushes too")
 
     @classmethod
     def from_flags(cls, default: str, rules: Sequence[str] = (), min_numel: int = DEFAULT_MIN_NUMEL,
-                   error_feedback: bool = True) -> Compression:
+                   error_feedback: bool = True, pull: str = "none") -> Compression:
         """From the command line: `rules` as "PATTERN=COMPRESSOR" ("*.bias=none")."""
         parsed = []
         for i, text in enumerate(rules):
@@ -159,11 +188,15 @@ class Compression:
                 raise InvalidArgumentError(f"--compression-rule[{i}]: got {text!r}, expected "
                                            "PATTERN=COMPRESSOR, e.g. '*.bias=none'")
             parsed.append((pattern, name))
-        return cls(default, tuple(parsed), min_numel, error_feedback)
+        return cls(default, tuple(parsed), min_numel, error_feedback, pull)
 
     @property
     def compressor(self) -> Compressor:
         return Compressor.parse(self.default)
+
+    @property
+    def pull_compressor(self) -> Compressor:
+        return Compressor.parse(self.pull)
 
     @property
     def enabled(self) -> bool:

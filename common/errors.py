@@ -129,6 +129,14 @@ class StaleGenerationError(PSError):
     status = "FAILED_PRECONDITION"
 
 
+class PullBaseLostError(PSError):
+    """A compressed pull whose base (the worker's count of the slice's pulls it applied) is not the
+    server's: a reply lost on the way, or a server that never served this worker the slice (restarted, a
+    new primary). Nothing of the request was applied; the worker pulls the slice whole and goes on."""
+
+    status = "FAILED_PRECONDITION"
+
+
 class LayoutConflictError(PSError):
     """A proposed layout or declaration disagrees with the one already stored."""
 

@@ -25,13 +25,15 @@ from pshard.api.v1 import coordinator_pb2 as pb
 class RemoteValue:
     """The future result of a scheduled call (TensorFlow's RemoteValue): `fetch()` waits for it."""
 
-    def __init__(self, schedule_id: int, function: str) -> None:
+    def __init__(self, schedule_id: int, function: str, resume_at: int = 0) -> None:
         self.schedule_id = schedule_id
         self.function = function
         self._ready = threading.Event()
         self._result: Any = None
         self._error: PSError | None = None
         self.worker = ""  # the worker whose run gave the result
+        # How far the call's work got (WorkerContext.resume): from `resume_at`, as that run reported it.
+        self.progress = resume_at
 
     def fetch(self, timeout_s: float | None = None) -> Any:
         """The call's result once it has one; raises its error (the function's, or why it never ran).
@@ -50,8 +52,10 @@ class RemoteValue:
         """It has a result (no error)."""
         return self._ready.is_set() and self._error is None
 
-    def _settle(self, result: Any, error: PSError | None, worker: str) -> None:
+    def _settle(self, result: Any, error: PSError | None, worker: str, progress: int | None = None) -> None:
         self._result, self._error, self.worker = result, error, worker
+        if progress is not None:
+            self.progress = max(self.progress, progress)
         self._ready.set()
 
     def __repr__(self) -> str:
@@ -160,14 +164,15 @@ class ClosureQueue:
             ids = [c.schedule_id for c in self._pending] + list(self._running)
             return min(ids, default=self._next_id)
 
-    def finish(self, schedule_id: int, worker: str, result: Any) -> bool:
-        """A run of `schedule_id` on `worker` returned `result`; False if the call had a result already."""
-        return self._settle(schedule_id, worker, result, None)
+    def finish(self, schedule_id: int, worker: str, result: Any, progress: int | None = None) -> bool:
+        """A run of `schedule_id` on `worker` returned `result`; False if the call had a result already.
+        `progress`: how far the run's work got (RunResponse.progress)."""
+        return self._settle(schedule_id, worker, result, None, progress)
 
-    def fail(self, schedule_id: int, worker: str, error: PSError) -> bool:
+    def fail(self, schedule_id: int, worker: str, error: PSError, progress: int | None = None) -> bool:
         """A run raised: the call fails with `error`, which is kept for join() and schedule(), and the calls
         still waiting are cancelled (TensorFlow's rule: after an error some calls may not run)."""
-        if not self._settle(schedule_id, worker, None, error):
+        if not self._settle(schedule_id, worker, None, error, progress):
             return False
         with self._cond:
             if self._error is None:
@@ -203,14 +208,15 @@ class ClosureQueue:
 
     # ---- internals ----
 
-    def _settle(self, schedule_id: int, worker: str, result: Any, error: PSError | None) -> bool:
+    def _settle(self, schedule_id: int, worker: str, result: Any, error: PSError | None,
+                progress: int | None = None) -> bool:
         with self._cond:
             running = self._running.pop(schedule_id, None)
             closure = running[0] if running else self._take_pending(schedule_id)
             if closure is None:
                 return False
             self._cond.notify_all()
-        closure.remote._settle(result, error, worker)
+        closure.remote._settle(result, error, worker, progress)
         return True
 
     def _take_pending(self, schedule_id: int) -> Closure | None:

@@ -30,6 +30,7 @@ from pshard.coordinator.values import IteratorRef
 
 _current = threading.local()
 T = TypeVar("T")
+_END = object()
 
 
 def current() -> WorkerContext:
@@ -111,13 +112,17 @@ class WorkerContext:
         self._tables: TableClient | None = None
         self.pushes_applied = 0
         self.pushes_dropped = 0
+        # The call's work as items (a shard's batches): those that count already, and how far it got.
+        self.resume_at = 0
+        self.progress = 0
 
     # ---- the serving loop's side ----
 
     @contextlib.contextmanager
-    def running(self, schedule_id: int, floor: int) -> Iterator[WorkerContext]:
+    def running(self, schedule_id: int, floor: int, resume_at: int = 0) -> Iterator[WorkerContext]:
         self.schedule_id, self._floor, self._seq = schedule_id, floor, 0
         self.pushes_applied = self.pushes_dropped = 0
+        self.resume_at = self.progress = resume_at
         _current.ctx = self
         try:
             yield self
@@ -162,11 +167,14 @@ class WorkerContext:
         self.pushes_applied += result.applied
         self.pushes_dropped += result.dropped
 
-    def push_pull(self, grads: Mapping[str, Any]) -> dict[str, np.ndarray]:
+    def push_pull(self, grads: Mapping[str, Any],
+                  out: Mapping[str, np.ndarray] | None = None) -> dict[str, np.ndarray]:
         """Push gradients of every variable and get the weights back in the same round trip, as PSTrainer's
-        fused step: `latest()` answers the next call on this worker with them, without a pull."""
+        fused step: `latest()` answers the next call on this worker with them, without a pull. `out`:
+        contiguous arrays the weights land in instead of new ones; with numpy views of a CPU model's own
+        parameters (`p.detach().numpy()`) there is nothing left to load, as in PSTrainer's step."""
         arrays = {k: self._as_param(k, g) for k, g in grads.items()}
-        weights = self._stamped(lambda: self.client.push_pull(arrays, self.clock))
+        weights = self._stamped(lambda: self.client.push_pull(arrays, self.clock, out))
         result = self.client.last_result
         if result is not None:
             self.pushes_applied += result.applied
@@ -174,12 +182,35 @@ class WorkerContext:
         self._latest = weights
         return weights
 
-    def latest(self) -> dict[str, np.ndarray]:
+    def resume(self, items: Iterable[T]) -> Iterator[T]:
+        """`items` (a shard's batches, in the same order on every run) from where this call's work stands:
+        the first `resume_at` are skipped (a checkpoint's weights, or an earlier run that failed, have them).
+        An item counts once the loop asks for the next one or ends, so after its step and its pushes: an
+        exception or a `break` in its step leaves it to the next run. The coordinator gets the count
+        (`progress`) with the call's result or error; a shard queue resumes its shard there."""
+        it = iter(items)
+        for skipped in range(self.resume_at):
+            if next(it, _END) is _END:
+                raise InvalidArgumentError(f"resume: the call's work goes on at item {self.resume_at}, but "
+                                           f"its items end after {skipped} (not the same items as before?)")
+        for item in it:
+            yield item
+            self.progress += 1
+
+    def latest(self, out: Mapping[str, np.ndarray] | None = None) -> dict[str, np.ndarray]:
         """The weights this worker got back with its last push_pull (async: as fresh as a pull at the end
-        of its last step, which is what a worker-driven loop trains on), else a pull of every variable."""
+        of its last step, which is what a worker-driven loop trains on), else a pull of every variable.
+        `out`: arrays to put them in (views of a model's parameters): copied, unless the last push_pull
+        landed them in these very arrays, so a step that passes the same `out` to both loads nothing."""
         if self._latest is None:
-            self._latest = self.pull()
-        return self._latest
+            self._latest = self.client.pull(self.clock, None, out)
+        if out is None:
+            return self._latest
+        for name, into in out.items():
+            have = self._latest[name]
+            if have is not into:
+                np.copyto(into, have.reshape(into.shape))
+        return dict(out)
 
     def _stamped(self, send: Callable[[], T]) -> T:
         self.client.scheduled = (self.schedule_id, self._seq, self._floor)

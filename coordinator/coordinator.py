@@ -225,14 +225,19 @@ class ClusterCoordinator:
         """Run `fn(*args, **kwargs)` on some worker; returns at once. `fn` is a module-level function (or
         its "module:function" name) the workers import; refused here, before anything is sent, when it
         cannot be named or an argument cannot travel. Raises the first unhandled error of an earlier call."""
+        return self._schedule(fn, args, kwargs)
+
+    def _schedule(self, fn: Callable[..., Any] | str, args: tuple[Any, ...] = (),
+                  kwargs: Mapping[str, Any] | None = None, resume_at: int = 0) -> RemoteValue:
+        """schedule, its work resuming at item `resume_at` (a shard queue's offset: WorkerContext.resume)."""
         if self._closed:
             raise PSError("schedule: the coordinator is closed (it has left the cluster, its workers exit)")
         name = functions.name_of(fn, "schedule: fn")
         encoded_args, encoded_kwargs = values.encode_call(tuple(args), dict(kwargs or {}), name)
         self._start()
         request = pb.RunRequest(function=name, args=encoded_args, kwargs=encoded_kwargs,
-                                schedule_id=self._queue.next_id())
-        remote = RemoteValue(request.schedule_id, name)
+                                schedule_id=self._queue.next_id(), resume_at=resume_at)
+        remote = RemoteValue(request.schedule_id, name, resume_at)
         self._queue.put(Closure(request, remote))
         return remote
 
@@ -276,8 +281,8 @@ class ClusterCoordinator:
         if restored is not None and restored["num_shards"] != num_shards:
             raise InvalidArgumentError(f"shard_queue({name!r}): num_shards: got {num_shards}, the restored "
                                        f"checkpoint has {restored['num_shards']}")
-        queue = ShardQueue(name, num_shards, lambda fn, args, kwargs: self.schedule(fn, args, kwargs),
-                           restored["done"] if restored else ())
+        queue = ShardQueue(name, num_shards, self._schedule, restored["done"] if restored else (),
+                           restored.get("offsets") if restored else None)
         self._shard_queues[name] = queue
         return queue
 

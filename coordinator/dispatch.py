@@ -25,7 +25,6 @@ from pshard.api.v1 import parameter_server_pb2 as ps_pb
 
 log = logging.getLogger("pshard.coordinator")
 _TAKE_S = 0.5  # how long a dispatcher waits for a call before it looks at its worker's state again
-_POLL_S = 0.5  # how often a running call's dispatcher checks that its worker is still live
 # A broken call's gRPC codes that mean the worker, not the call, is the problem: run it elsewhere.
 _LOST = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
 
@@ -51,6 +50,9 @@ class Dispatcher:
 
     def stop(self) -> None:
         self.gone.set()
+        # Breaks a call in flight (CANCELLED): it is lost and runs again elsewhere. The call blocks rather
+        # than polling a future: each future of a channel with no other call started a thread of its own.
+        self._channel.close()
 
     def _loop(self) -> None:
         try:
@@ -70,20 +72,20 @@ class Dispatcher:
         request.CopyFrom(closure.request)
         request.schedule_floor = self._queue.floor()
         request.job.CopyFrom(self._job)
-        call = self._run.future(request)
-        ended = threading.Event()
-        call.add_done_callback(lambda _: ended.set())
-        while not ended.wait(_POLL_S):
-            if self.gone.is_set() and not call.done():
-                call.cancel()  # cut off: the scheduler declared it dead; its run may still push, counted once
+        try:
+            response = self._run(request)
+        except ValueError:  # stop() closed the channel before the call started
+            self._queue.lost(closure.schedule_id, self.node_id)
+            return
+        except grpc.RpcError as err:
+            code = err.code()  # type: ignore[attr-defined]
+            if self.gone.is_set():
+                # Cut off: the scheduler declared it dead (stop() broke the call); its run may still push,
+                # counted once.
                 log.warning("schedule %d: %s was declared dead while running it; running it again elsewhere",
                             closure.schedule_id, self.node_id)
                 self._queue.lost(closure.schedule_id, self.node_id)
                 return
-        try:
-            response = call.result()
-        except grpc.RpcError as err:
-            code = err.code()  # type: ignore[attr-defined]
             if code in _LOST:
                 log.warning("schedule %d: %s broke the call (%s); running it again elsewhere",
                             closure.schedule_id, self.node_id, code.name)
@@ -105,14 +107,15 @@ class Dispatcher:
                 f"schedule {closure.schedule_id} ({closure.remote.function}) raised on {self.node_id}: "
                 f"{e.type}: {e.message}\n--- the worker's traceback ---\n{e.traceback}",
                 function=closure.remote.function, schedule_id=closure.schedule_id, worker=self.node_id,
-                error_type=e.type))
+                error_type=e.type), response.progress)
             return
-        self._queue.finish(closure.schedule_id, self.node_id, values.decode(response.result, None, "result"))
+        self._queue.finish(closure.schedule_id, self.node_id, values.decode(response.result, None, "result"),
+                           response.progress)
 
     def _await_reachable(self) -> bool:
         try:
             grpc.channel_ready_future(self._channel).result(timeout=_TAKE_S)
-        except grpc.FutureTimeoutError:
+        except (grpc.FutureTimeoutError, ValueError):  # not ready yet, or stop() closed the channel
             return False
         self.reachable = True
         self._on_change()

@@ -39,9 +39,10 @@ class CallRunner:
         with self._lock:
             self.calls += 1
             ctx = self._context(request.job)
+            ctx.progress = request.resume_at  # what it reports if it fails before it runs
             try:
                 fn = functions.resolve(request.function, "function")
-                with ctx.running(request.schedule_id, request.schedule_floor):
+                with ctx.running(request.schedule_id, request.schedule_floor, request.resume_at):
                     args, kwargs = values.decode_call(request, ctx)
                     result = fn(*args, **kwargs)
                 answer = pb.RunResponse(result=values.encode(result, "result", handles=False))
@@ -53,6 +54,7 @@ class CallRunner:
                     traceback=traceback.format_exc()))
             answer.worker_id = self._worker_id
             answer.pushes_applied, answer.pushes_dropped = ctx.pushes_applied, ctx.pushes_dropped
+            answer.progress = ctx.progress
             return answer
 
     def _context(self, job: ps_pb.JobConfig) -> WorkerContext:

@@ -2,12 +2,21 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from tests.e2e.harness import Procs
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # As `pshard worker` and the launcher set it for trainers: torch's OpenMP threads otherwise spin
+    # after each parallel region, and in this process they spin against the servers and workers a
+    # test starts on the same cores (the digits MLP test took 4x as long on a busy machine). OpenMP
+    # reads it once, when torch loads: before any test module imports torch.
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
 @pytest.fixture

@@ -105,6 +105,10 @@ def build_parser(environ: Mapping[str, str], prog: str = PROG) -> argparse.Argum
                           "is refused")
     job.add_argument("--compression-min-numel", metavar="N", type=non_negative_int, default=0,
                      help="tensors of fewer than N elements travel uncompressed (default 0)")
+    job.add_argument("--pull-compression", metavar="COMPRESSOR", default="none",
+                     help="how the compressed parameters' weights come back: none (whole), topk:K or "
+                          "sign, as the change since this worker's last pull, the servers keeping what they "
+                          "did not send; see docs/guide/compression.md, Compressed pulls (default none)")
     job.add_argument("--no-error-feedback", dest="error_feedback", action="store_false",
                      help="drop what a lossy compressor does not send, instead of adding it to the next "
                           "gradient (error feedback is on by default)")
@@ -266,7 +270,8 @@ def _job(args: argparse.Namespace, spec: ClusterSpec) -> JobConfig:
         return JobConfig(mode=args.mode, staleness=args.staleness, wire_dtype=args.wire_dtype,
                          nonfinite=args.nonfinite, job_id=args.job_id or default_job_id(spec),
                          compression=Compression.from_flags(args.compression, args.compression_rule,
-                                                            args.compression_min_numel, args.error_feedback),
+                                                            args.compression_min_numel, args.error_feedback,
+                                                            args.pull_compression),
                          optimizer=OptimizerConfig(name=args.optimizer,
                                                    lr=DEFAULT_LR[local] if args.lr is None else args.lr,
                                                    momentum=args.momentum if sgd else 0.0,

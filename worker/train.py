@@ -63,6 +63,8 @@ class Outcome:
     loss_so_far: float = float("nan")  # mean over the epoch in progress, for a run stopped in mid-epoch
     # Gradient bytes before over bytes sent, with --compression (docs/guide/compression.md); None: off.
     compression_ratio: float | None = None
+    # Weight bytes before over bytes pulled, with --pull-compression; None: off.
+    pull_compression_ratio: float | None = None
     started: float = field(default_factory=time.monotonic)
 
     def final_line(self, role: str) -> str:
@@ -85,6 +87,8 @@ class Outcome:
         parts.append(f"time_s={time.monotonic() - self.started:.1f}")
         if self.compression_ratio is not None:
             parts.append(f"compression_ratio={self.compression_ratio:.1f}")
+        if self.pull_compression_ratio is not None:
+            parts.append(f"pull_compression_ratio={self.pull_compression_ratio:.1f}")
         if self.model_path is not None:
             parts.append(f"model={self.model_path}")
         return " ".join(parts)
@@ -362,6 +366,9 @@ class TrainingRun:
         encoder = self.trainer.client.compression if self.trainer is not None else None
         if encoder is not None and encoder.stats.steps:
             self.outcome.compression_ratio = encoder.stats.ratio
+        decoder = self.trainer.client.pull_compression if self.trainer is not None else None
+        if decoder is not None and decoder.bytes_after:
+            self.outcome.pull_compression_ratio = decoder.bytes_before / decoder.bytes_after
         if self._metrics_server is not None:
             self._metrics_server.close()
         self.progress.close()

@@ -23,6 +23,7 @@ from google.protobuf.message import DecodeError
 from pshard.common.cluster.layout import Layout, LayoutSlice, ParamSpec
 from pshard.common.cluster.loads import Counters, ServerLoad
 from pshard.common.cluster.view import ROLES, ClusterView, Node, NodeState
+from pshard.common.compression import PullPack
 from pshard.common.errors import EmptyRequestError, InvalidArgumentError, PayloadSizeError, quote
 from pshard.common.job import MODES, NONFINITE, OPTIMIZERS, JobConfig, OptimizerConfig, check_lr
 from pshard.common.limits import DEFAULT_LIMITS
@@ -132,6 +133,16 @@ def encoding_to_proto(encoding: str) -> tensor_pb.Encoding:
 
 def encoding_from_proto(value: int, field: str = "encoding") -> str:
     return "" if value == 0 else _from_proto(_ENCODINGS, value, field)
+
+
+def pull_packs_to_proto(packs: Sequence[PullPack]) -> list[ps_pb.PullPacking]:
+    return [ps_pb.PullPacking(encoding=encoding_to_proto(p.encoding), k=p.k, base=p.base) for p in packs]
+
+
+def pull_packs_from_proto(header: ps_pb.ExchangeHeader) -> list[PullPack]:
+    """ExchangeHeader.pull_packing ([] when the request pulls every slice whole)."""
+    return [PullPack(encoding_from_proto(p.encoding, "pull_packing.encoding"), p.k, p.base)
+            for p in header.pull_packing]
 
 
 def nonfinite_to_proto(policy: str) -> ps_pb.NonfinitePolicy:

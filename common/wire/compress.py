@@ -108,6 +108,40 @@ def subtract_sent(acc: np.ndarray, wire: WireArray, key: SliceKey, clock: int) -
     acc -= decode(wire, acc.size, key, clock)
 
 
+def add_sent(acc: np.ndarray, wire: WireArray, key: SliceKey, clock: int) -> None:
+    """acc += decode(wire), in place: how a compressed pull's change lands on the worker's copy of a slice
+    and on the server's copy of that copy, the same float32 additions in the same order on both. Top-k
+    touches only the elements it sent (x + 0 is x)."""
+    if wire.encoding == "topk":
+        raw = np.asarray(wire.array).reshape(-1).view(np.uint8)
+        k = payload_k("topk", acc.size, raw.nbytes, f"slice {str(key)!r}")
+        indices = raw[:k * _INDEX.itemsize].view(_INDEX)
+        if k and (indices[-1] >= acc.size or (k > 1 and not np.all(indices[1:] > indices[:-1]))):
+            raise InvalidArgumentError(f"slice {str(key)!r}: topk indices must be increasing and below "
+                                       f"{acc.size}")
+        acc[indices] += raw[k * _INDEX.itemsize:].view(_VALUE)
+        return
+    acc += decode(wire, acc.size, key, clock)
+
+
+def pack_topk(values: np.ndarray, k: int) -> WireArray:
+    """The k largest magnitudes of a float32 slice, packed as top-k (a count, where `encode` takes a
+    fraction: a compressed pull names its k)."""
+    return _packed(_topk(np.asarray(values, dtype=np.float32).reshape(-1), k), "topk")
+
+
+def pack_sign(values: np.ndarray) -> WireArray:
+    """A float32 slice packed as scaled sign."""
+    return _packed(_sign(np.asarray(values, dtype=np.float32).reshape(-1)), "sign")
+
+
+def packed_nbytes(encoding: str, numel: int, k: int) -> int:
+    """The size of a top-k payload of k elements, or of a sign payload, for a slice of `numel`."""
+    if encoding == "topk":
+        return (_INDEX.itemsize + _VALUE.itemsize) * k
+    return _VALUE.itemsize + -(-numel // 8)
+
+
 def _packed(parts: list[np.ndarray], encoding: str) -> WireArray:
     return WireArray(np.concatenate([p.reshape(-1).view(np.uint8) for p in parts]), "uint8", encoding)
 
@@ -133,9 +167,23 @@ def topk_indices(values: np.ndarray, k: int) -> np.ndarray:
     if n >= 4 * _SAMPLE and 4 * k <= n:
         sample = magnitudes[_sample_positions(n)]
         above = min(_SAMPLE - 1, 2 * -(-k * _SAMPLE // n) + 16)  # twice k's share of the sample, and some
-        threshold = np.partition(sample, _SAMPLE - above)[_SAMPLE - above]
-        # ~(m < t), not m >= t: a NaN is a candidate, as the partition would rank it.
-        candidates = np.flatnonzero(~(magnitudes < threshold))
+        # Zeros out of the partition: numpy's introselect slows down tenfold on a sample of ties.
+        positive = sample[~(sample <= 0)]
+        threshold = np.partition(positive, positive.size - above)[positive.size - above] \
+            if positive.size > above else 0
+        if threshold == 0:
+            # Mostly zeros (a compressed pull's change after sparse pushes): a threshold of 0 would keep
+            # every element as a candidate. The nonzero ones are the candidates, padded with zeros (ties).
+            candidates = np.flatnonzero(~(magnitudes <= 0))
+            if candidates.size <= k:
+                # The first k + c elements hold at least k zeros when only c are nonzero.
+                zeros = np.flatnonzero(magnitudes[:k + candidates.size] == 0)[:k - candidates.size]
+                chosen = np.concatenate([candidates, zeros])
+                chosen.sort()
+                return chosen
+        else:
+            # ~(m < t), not m >= t: a NaN is a candidate, as the partition would rank it.
+            candidates = np.flatnonzero(~(magnitudes < threshold))
         if candidates.size >= k:
             picked = np.argpartition(magnitudes[candidates], candidates.size - k)[candidates.size - k:]
             chosen = candidates[picked]

@@ -147,6 +147,25 @@ class TlsStream:
                 self._try_drain(None)
         return got
 
+    def recv_nowait(self, buffer: memoryview, limit: int) -> tuple[int, int]:
+        """From a thread that must not block (the server's event loop): one system call that does not
+        wait reads at most `limit` encrypted bytes, decrypted into `buffer`: (bytes decrypted, bytes
+        read), (0, 0) when the peer closed; BlockingIOError when nothing came. Only one thread may read
+        a stream at a time."""
+        n = self._sock.recv_into(self._raw, min(limit, len(self._raw)), socket.MSG_DONTWAIT)
+        if not n:
+            return 0, 0
+        with self._state:
+            self._incoming.write(memoryview(self._raw)[:n])
+            got = self._decrypt_into(memoryview(buffer).cast("B"))
+            self._take_encrypted()
+        return got, n
+
+    @property
+    def queued(self) -> bool:
+        """Encrypted bytes wait to be sent (TLS 1.3 may answer what it read): `flush` sends them."""
+        return bool(self._queue)
+
     def _decrypt_into(self, view: memoryview) -> int:
         got = 0
         while got < len(view):
@@ -170,6 +189,37 @@ class TlsStream:
                         self._tls.write(part[start:start + BATCH_BYTES])
                         self._take_encrypted()
                     self._drain(deadline)
+        self._try_drain(deadline)
+
+    def send_nowait(self, data: bytes | memoryview) -> bool | None:
+        """Encrypt and send `data` from a thread that must not block (the server's event loop): None
+        when another thread is sending (nothing was taken: the caller sends it some other way), True
+        when it all went out, False when the socket did not take all of it: the rest stays queued, in
+        order, for `flush` on a thread that may wait (or the next sender). A broken socket raises."""
+        if not self._sending.acquire(blocking=False):
+            return None
+        try:
+            with self._state:
+                self._tls.write(data)
+                self._take_encrypted()
+            while self._queue:
+                chunk = self._queue.popleft()
+                try:
+                    sent = self._sock.send(chunk, socket.MSG_DONTWAIT)
+                except BlockingIOError:
+                    sent = 0
+                except OSError:
+                    self._queue.appendleft(chunk)
+                    raise
+                if sent < len(chunk):
+                    self._queue.appendleft(chunk[sent:])
+                    return False
+            return True
+        finally:
+            self._sending.release()
+
+    def flush(self, deadline: float | None = None) -> None:
+        """Send what is queued (waiting for room), unless another thread is sending it."""
         self._try_drain(deadline)
 
     def _take_encrypted(self) -> bool:

@@ -29,7 +29,7 @@ from pshard.common.checkpoint_store import CheckpointError
 from pshard.common.job import JobConfig
 from pshard.common.sparse import TableConfig, server_of
 from pshard.common.types import SliceKey
-from pshard.ps_server.checkpoints.images import Pace, TableImage, capture, write_images
+from pshard.ps_server.checkpoints.images import Pace, PacedFile, TableImage, capture, write_images
 from pshard.ps_server.core.optimizers import SliceState
 from pshard.ps_server.core.store import ShardSnapshot, SliceSnapshot
 from pshard.ps_server.tables.files import restore_admission
@@ -51,11 +51,12 @@ class PartImage:
 
 
 def capture_part(server: int, snapshot: ShardSnapshot, ranges: Mapping[SliceKey, ckpt.Range],
-                 tables: Sequence[SparseTable] = (), parent: Path | None = None, writer: str = ""
-                 ) -> PartImage:
+                 tables: Sequence[SparseTable] = (), parent: Path | None = None, writer: str = "",
+                 partition_count: int = 0) -> PartImage:
     """Server `server`'s part of `snapshot` (a copy already) and of `tables` (their locks held: their rows
     are copied here). With `parent` (a committed checkpoint's directory) and `writer` (this server
-    process's name), what did not change since the parent's part by the same writer is referred to."""
+    process's name), what did not change since the parent's part by the same writer is referred to.
+    `partition_count`: the row partitions the tables' scheduled records are numbered under (0: none)."""
     name = f"part-{server}"
     previous = _parent_part(parent, name, writer)
     refs = _refs(parent, name, previous)
@@ -71,7 +72,8 @@ def capture_part(server: int, snapshot: ShardSnapshot, ranges: Mapping[SliceKey,
                                   f"elements, the layout says {r.numel}")
         entries.append(_entry(i, s, r, arrays, refs.get((r.key, r.offset, r.numel))))
     held = part_tables(parent, name) if previous is not None and parent is not None else {}
-    images = tuple(capture(t, held[t.config.name][1] if t.config.name in held else None) for t in tables)
+    images = tuple(capture(t, held[t.config.name][1] if t.config.name in held else None, partition_count)
+                   for t in tables)
     meta = {"format": ckpt.FORMAT, "server": server, "config": ckpt.job_to_json(snapshot.config),
             "counters": snapshot.counters, "writer": writer,
             "parent": parent.name if previous is not None and parent is not None else None,
@@ -87,7 +89,11 @@ def write_image(directory: Path, image: PartImage, between: Callable[[str], None
     arrays = image.arrays
     for table in image.tables:  # first: until it is done, the tables' requests copy before they write
         table.fill(pace)
-    ckpt.write_atomically(directory / f"{name}.npz", lambda f: np.savez(f, allow_pickle=False, **arrays))
+    # The dense npz is paced as it is written and as it is read back for its checksum, as the tables are
+    # (unpaced, its 100 MB of a 25 M-parameter model were a burst of writing and hashing mid-training).
+    ckpt.write_atomically(directory / f"{name}.npz", lambda f: np.savez(
+        f if pace is None else PacedFile(f, pace), allow_pickle=False, **arrays))
+    npz = ckpt.digest(directory / f"{name}.npz", None if pace is None else pace.wrote)
     if between is not None:
         between("dense")
     hashed = write_images(directory, name, image.tables, uuid.uuid4().hex[:12], pace) if image.tables else {}
@@ -96,7 +102,7 @@ def write_image(directory: Path, image: PartImage, between: Callable[[str], None
     encoded = json.dumps(image.meta, indent=1).encode()
     ckpt.write_atomically(directory / f"{name}.json", lambda f: f.write(encoded))
     ckpt.sync_directory(directory)
-    files = [ckpt.FileEntry(f"{name}.npz", *ckpt.digest(directory / f"{name}.npz"))]
+    files = [ckpt.FileEntry(f"{name}.npz", *npz)]
     files += [ckpt.FileEntry(n, sha, size) for n, (sha, size) in hashed.items()]
     return [*files, ckpt.FileEntry(f"{name}.json", hashlib.sha256(encoded).hexdigest(), len(encoded))]
 
@@ -221,15 +227,18 @@ def restore_tables(checkpoint: ckpt.Checkpoint, server: int, servers: int,
             table = tables.get(config.name)
             if table is None:
                 table = tables[config.name] = make(config)
+            taken = []
             for chunk_ids, chunk in chain_rows(table_chain(folders, part, name), list(table.columns())):
                 mine = (server_of(chunk_ids, servers) == server if owners is None
                         else owners[server_of(chunk_ids, len(owners))] == server)
                 if mine.any():
                     table.restore_rows(chunk_ids[mine], {c: a[mine] for c, a in chunk.items()})
+                    taken.append(chunk_ids[mine])
             table.step = max(table.step, int(meta["step"]))
             table.clock = max(table.clock, float(meta["clock"]))
-            # Each part's record folded in (older parts: none), over its partitions: they need not be ours.
-            table.scheduled.load(meta.get("scheduled"), partitioned=False)
+            # The part's record (older parts: none) holds for the rows taken from it, whatever our partitions.
+            table.scheduled.restore_part(meta.get("scheduled"),
+                                         np.concatenate(taken) if taken else np.zeros(0, np.int64))
             restore_admission(table, sub, meta)
     return list(tables.values())
 

@@ -29,6 +29,7 @@ from typing import Generic, NamedTuple, TypeVar
 
 import numpy as np
 from pshard.common.changes import ChangeSignal
+from pshard.common.compression import PullPack
 from pshard.common.errors import (
     EmptyRequestError,
     InvalidArgumentError,
@@ -48,6 +49,7 @@ from pshard.common.wire import compress
 from pshard.common.wire.codec import WireArray, cast
 from pshard.ps_server.checkpoints.shard import load_shard, save_shard
 from pshard.ps_server.core.lease import FRACTION, SchedulerLease
+from pshard.ps_server.core.pull_copies import PullCopies
 from pshard.ps_server.core.steptimes import HangReport
 from pshard.ps_server.core.store import (
     PushOutcome,
@@ -173,6 +175,9 @@ class ParameterServerHandlers:
         # Sync mode: every worker pulls the same version of a slice, so its encoding is made once
         # and shared: (encoder, slice) -> (version, payload). Costs one copy of the shard.
         self._encoded: dict[tuple[Hashable, SliceKey], tuple[int, object]] = {}
+        # Compressed pulls (issue 19): per (worker, slice), the copy that worker holds. A new job, or a
+        # slice moved away, drops them (the worker's next pull is refused and comes whole).
+        self.pull_copies = PullCopies()
         # Generation of the newest scheduler view applied; None when no scheduler is followed.
         self._view_generation: int | None = None
         self.pulls_served = 0
@@ -225,6 +230,7 @@ class ParameterServerHandlers:
             store.set_quorum(self._quorum)
         store.subscribe(self._changes.notify)
         self._store = store
+        self.pull_copies.forget()
         self.replication.attach(store)
         self._changes.notify()  # wakes wait_configured
 
@@ -289,6 +295,7 @@ class ParameterServerHandlers:
         if owned is None or store is None:
             return
         moved = [k for k in keys if k not in owned[1] and store.holds(k)]
+        self.pull_copies.forget(keys=moved)
         if moved and store.release(moved):
             self._released |= frozenset(moved)
             log.warning("ROLE: %d slices moved away from this server by layout version %d are dropped here; "
@@ -455,6 +462,8 @@ class ParameterServerHandlers:
     def set_quorum(self, quorum: Mapping[str, int], generation: int | None = None) -> None:
         """Membership changed (scheduler view): only live workers are waited for."""
         self._quorum = dict(quorum)
+        # A worker that left takes its pull copies' memory with it (back, it pulls whole: no copy here).
+        self.pull_copies.forget(workers=self.pull_copies.workers - set(quorum))
         if generation is not None:
             self._view_generation = max(generation, self._view_generation or 0)
         if self._store is not None:
@@ -660,9 +669,11 @@ class ParameterServerHandlers:
         return (await self.push_pull(stamp, [], keys, timeout_s)).slices
 
     async def push_pull(self, stamp: Stamp, items: Sequence[tuple[SliceKey, WireArray]],
-                        keys: Sequence[SliceKey], timeout_s: float | None = None) -> PushPullResult:
+                        keys: Sequence[SliceKey], timeout_s: float | None = None,
+                        packs: Sequence[PullPack] = ()) -> PushPullResult:
         """Push (the whole request atomically), then pull at the next clock (or at `stamp.clock`
-        when nothing was pushed). `timeout_s` None: the server's pull timeout."""
+        when nothing was pushed). `timeout_s` None: the server's pull timeout. `packs`: empty, or how
+        each of `keys` comes back (compressed pulls, core/pull_copies.py)."""
         if not items and not keys:
             raise EmptyRequestError(f"push-pull from {stamp.worker_id!r}: nothing to push or pull")
         metas = _metas(items)
@@ -679,24 +690,60 @@ class ParameterServerHandlers:
         await self._await_view(stamp, deadline)
         # The whole request, push and pull part, before any of it lands: a refused request changes nothing.
         specs = store.check_request(stamp, metas, keys)
+        self._check_packs(store, stamp, keys, packs)
         outcome = self._push_now(store, stamp, items, specs) if items else PushOutcome(0, 0)
         if not keys:
             await self._settle(pushed, deadline)  # acknowledged once on every backup
             return PushPullResult(outcome.applied, outcome.dropped, [])
         after = Stamp(stamp.worker_id, stamp.generation, stamp.clock + 1) if items else stamp
         await self._wait_readable(after, keys, deadline)
-        read = store.read(keys)
+        if packs and any(p.packed for p in packs):
+            pulled = [PulledSlice(k, *(self._read_packed(store, after, k, p) if p.packed
+                                       else self._read_whole(store, k)))
+                      for k, p in zip(keys, packs, strict=True)]
+        else:
+            pulled = [PulledSlice(k, self._to_wire(WireArray(v, dtype_name(v.dtype))), version)
+                      for k, (v, version) in zip(keys, store.read(keys), strict=True)]
         await self._settle(touched, deadline)  # the versions read live on the backups
         self.pulls_served += 1
-        return PushPullResult(outcome.applied, outcome.dropped, [
-            PulledSlice(k, self._to_wire(WireArray(v, dtype_name(v.dtype))), version)
-            for k, (v, version) in zip(keys, read, strict=True)])
+        return PushPullResult(outcome.applied, outcome.dropped, pulled)
+
+    def _read_whole(self, store: ShardStore, key: SliceKey) -> tuple[WireArray, int]:
+        [(value, version)] = store.read([key])
+        return self._to_wire(WireArray(value, dtype_name(value.dtype))), version
+
+    def _check_packs(self, store: ShardStore, stamp: Stamp, keys: Sequence[SliceKey],
+                     packs: Sequence[PullPack]) -> None:
+        """A compressed pull's packing, whole, before anything of the request applies: float32 slices
+        only (the copies add in float32), and bases that are this server's."""
+        if not packs:
+            return
+        specs = store.specs(keys)
+        for key, pack, spec in zip(keys, packs, specs, strict=False):
+            if pack.packed and spec.dtype != "float32":
+                raise InvalidArgumentError(f"pull_packing of slice {quote(str(key))}: got encoding "
+                                           f"{pack.encoding!r} for a {spec.dtype} slice, expected a float32 "
+                                           "one (compressed pulls add in float32)")
+        self.pull_copies.check(stamp.worker_id, keys, packs, [math.prod(spec.shape) for spec in specs])
+
+    def _read_packed(self, store: ShardStore, stamp: Stamp, key: SliceKey, pack: PullPack
+                     ) -> tuple[WireArray, int]:
+        """(what `stamp.worker_id` is sent of `key`, its version): the change since its copy, packed, with
+        the server's copy moved on under the slice's lock; never shared between workers."""
+        def packed(value: np.ndarray, dtype: np.dtype, version: int) -> tuple[WireArray, int]:
+            # Sync mode: every worker reads the same versions, so workers with the same history share the
+            # packing (async versions are each worker's own: not worth remembering).
+            shared = version if self._store is not None and self._store.config.mode == "sync" else -1
+            return self.pull_copies.serve(stamp.worker_id, key, value, pack, stamp.clock, shared), version
+
+        return store.read_with(key, packed)
 
     # ---- Exchange: a push streamed in, overlapped with the pull streamed out ----
 
     async def exchange(self, stamp: Stamp, push: Sequence[SliceMeta], pull: Sequence[SliceKey],
                        gradients: AsyncIterator[tuple[int, WireArray]], encode: Encoder[P],
-                       timeout_s: float | None = None) -> AsyncIterator[ExchangeEvent[P]]:
+                       timeout_s: float | None = None, packs: Sequence[PullPack] = ()
+                       ) -> AsyncIterator[ExchangeEvent[P]]:
         """Push the gradients announced in `push` as they arrive and pull `pull` (at the next clock
         when pushing), yielding each pulled slice as soon as it is ready.
 
@@ -718,6 +765,7 @@ class ParameterServerHandlers:
         deadline = self._deadline(timeout_s)
         await self._await_view(stamp, deadline)
         store.check_request(stamp, push, pull)  # the header, whole, before any gradient is read
+        self._check_packs(store, stamp, pull, packs)
         # The worker pushed step `clock`; what it pulls back is for its next step.
         pull_stamp = stamp._replace(clock=stamp.clock + 1) if push else stamp
         counts = [0, 0]
@@ -743,7 +791,12 @@ class ParameterServerHandlers:
                 if (own is not None and not own.is_set()) or store.pull_status(pull_stamp, [key]) is not None:
                     yield Stall()
                     await self._wait_ready_or_failed(pull_stamp, key, deadline, reader, own)
-                version, payload = self._encode(store, key, encode)
+                pack = packs[len(versions)] if packs else None
+                if pack is not None and pack.packed:
+                    wire, version = self._read_packed(store, pull_stamp, key, pack)
+                    payload = encode(wire)
+                else:
+                    version, payload = self._encode(store, key, encode)
                 await self._settle([key], deadline)  # the version sent lives on the backups
                 versions.append(version)
                 yield EncodedSlice(key, version, payload)

@@ -114,8 +114,9 @@ class GlobalCheckpoints:
         await self._writing.acquire()  # released once the part is written, in the background or not
         try:
             async with self._locked_tables() as tables:
+                count = self._tables.replication.partition_count() if self._tables is not None else 0
                 image = await loop.run_in_executor(
-                    None, lambda: capture_part(server, snap, ranges, tables, base, self._writer))
+                    None, lambda: capture_part(server, snap, ranges, tables, base, self._writer, count))
         except BaseException:
             self._writing.release()
             raise

@@ -187,7 +187,7 @@ class TableHandlers:
             # The first table of a dtype compiles its loops, or loads them from numba's cache
             # (ps_server.tables.kernels): seconds or a fraction of one, on a thread, so the event loop
             # serves meanwhile. The checks below come after, as another declaration may have won.
-            await asyncio.get_running_loop().run_in_executor(None, _warm_kernels, config.np_dtype)
+            await asyncio.get_running_loop().run_in_executor(None, _warm_kernels, config)
         existing = self._tables.get(config.name)
         if existing is not None:
             if existing.config != config:
@@ -276,7 +276,7 @@ class TableHandlers:
                 # A re-dispatched call's push counts once per partition, as a resend does by its push key:
                 # the rows of a partition that applied it on the call's first run are dropped, the others
                 # (a partition the first run's push never reached before a failover) applied.
-                fresh = record.fresh(*schedule, partition)
+                fresh = record.fresh(*schedule, partition, keys)
                 if fresh is not None:
                     if not fresh.any():
                         return 0
@@ -524,10 +524,14 @@ async def _run(table: SparseTable, n: int, work: Callable[..., T], *args: object
         return done.result()
 
 
-def _warm_kernels(dtype: np.dtype) -> None:
+def _warm_kernels(config: TableConfig) -> None:
     from pshard.ps_server.tables import kernels  # numba is loaded by servers that hold a table only
 
-    kernels.warm(dtype)
+    kernels.warm(config.np_dtype)
+    if config.narrow:  # the compiled pushes of narrow rows (SparseTable uses them for sgd and adagrad)
+        from pshard.ps_server.tables import narrow_kernels
+
+        narrow_kernels.warm(config.row_dtype)
 
 
 def _claim_table_dir(table_dir: Path) -> tuple[Path, DirectoryLock]:

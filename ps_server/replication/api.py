@@ -65,6 +65,9 @@ class RowReplication(Protocol):
     def partitions(self, ids: np.ndarray) -> int | np.ndarray:
         """The row partition of each of `ids` (one number when this server serves one)."""
 
+    def partition_count(self) -> int:
+        """How many row partitions `partitions` numbers ids into (0: none, every id is -1's)."""
+
     def changed(self, name: str, ids: np.ndarray, worker: str = "", push_id: int = 0,
                 clocked: bool = False) -> None:
         """Rows of `name` changed: every backup gets them (and the push's idempotence key)."""
@@ -115,6 +118,9 @@ class _NoRowReplication:
 
     def partitions(self, ids: np.ndarray) -> int | np.ndarray:
         return -1  # ps_server.tables.sync.OWN: not partitioned
+
+    def partition_count(self) -> int:
+        return 0
 
     def changed(self, name: str, ids: np.ndarray, worker: str = "", push_id: int = 0,
                 clocked: bool = False) -> None:

@@ -293,6 +293,11 @@ class TableReplication:
         """The row partitions this server serves (None: it knows no layout yet)."""
         return self._owned
 
+    def partition_count(self) -> int:
+        """How many row partitions `partitions` numbers ids into (0: no layout yet, every id is -1's)."""
+        layout = self._layout
+        return layout.partition_count if layout is not None else 0
+
     def routed(self, name: str, version: int) -> None:
         """Refuse a sync push routed with layout `version` unless that layout gave this server the
         partitions it serves: the push counts for each of them, empty parts too, so a worker routing

@@ -55,6 +55,11 @@ class IdIndex:
         return len(self.ids)
 
     @property
+    def slot_bytes(self) -> int:
+        """Bytes of the probe table (an int32 a slot): what the index costs beyond `ids`."""
+        return int(self._slots.nbytes)
+
+    @property
     def _shift(self) -> int:
         """64 - log2(slots): an id's home slot is mix64(id) >> _shift (the kernels' argument)."""
         return 64 - (len(self._slots).bit_length() - 1)

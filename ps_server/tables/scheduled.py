@@ -14,8 +14,16 @@ A record without a partition (`last`: written before the server knew its layout,
 checkpoint) applies to every partition. The record is the table's (SparseTable.scheduled), so it travels
 where the rows do: to the backups with each batch (ps_server/replication/table_rows.py), into an heir on
 failover (`merge`: partitions differ between servers, so nothing is folded across them), into the
-server's table checkpoint and a global checkpoint's part (`state` / `load`; a global checkpoint restores
-onto any partitioning, so its records are folded over partitions: docs/guide/coordinator.md, "Not yet").
+server's table checkpoint (`state` / `load`) and a global checkpoint's part (`state`, with the count its
+partitions are numbered under / `restore_part`).
+
+A global checkpoint restores onto any partitioning, so a part's record is restored over the rows this
+server took from it (`restored`: row ids and the record that holds for them; a partition's record for the
+part's rows in that partition), not over partitions: each row is checked against the record of the part and
+partition it came from. A row in no restored set was in no part, so no push the checkpoint holds reached
+it. Folding the parts' records into one would drop a push that had reached only some servers when the
+checkpoint was taken on the rows of the others. The restored records are dropped once the floor passes
+every call they name (the first push of a coordinator launched again does).
 """
 
 from __future__ import annotations
@@ -23,6 +31,7 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
+from pshard.common.sparse import server_of
 
 # The record that applies to every partition (ps_server.tables.sync.OWN: no layout known yet).
 ALL = -1
@@ -38,6 +47,9 @@ class ScheduledPushes:
         self.floor = 0  # every schedule id below it has finished on the coordinator
         self.last: dict[int, int] = {}  # every partition's (ALL)
         self.parts: dict[int, dict[int, int]] = {}  # partition -> its own
+        # A global checkpoint's records, each over the rows restored from its part (and partition): sorted
+        # ids, and schedule id -> the last push number applied to them.
+        self.restored: list[tuple[np.ndarray, dict[int, int]]] = []
 
     def repeated(self, schedule: int, seq: int, floor: int, partition: int = ALL) -> bool:
         """Whether push `seq` of call `schedule` was applied to `partition`'s rows here already (or the call
@@ -46,13 +58,31 @@ class ScheduledPushes:
         return (schedule < self.floor or seq <= self.last.get(schedule, -1)
                 or seq <= self.parts.get(partition, {}).get(schedule, -1))
 
-    def fresh(self, schedule: int, seq: int, floor: int, partition: int | np.ndarray) -> np.ndarray | None:
+    def fresh(self, schedule: int, seq: int, floor: int, partition: int | np.ndarray,
+              ids: np.ndarray | None = None) -> np.ndarray | None:
         """Which rows of a push to apply, `partition` the row partition of each (one number: all of
-        them): None, all; else a mask without the rows of the partitions that applied it already."""
+        them), `ids` their ids: None, all; else a mask without the rows of the partitions that applied it
+        already, and without the rows a restored global checkpoint holds it applied to."""
         if isinstance(partition, int):
-            return np.zeros(0, bool) if self.repeated(schedule, seq, floor, partition) else None
-        done = [p for p in np.unique(partition).tolist() if self.repeated(schedule, seq, floor, p)]
-        return ~np.isin(partition, done) if done else None
+            if self.repeated(schedule, seq, floor, partition):
+                return np.zeros(0 if ids is None else len(ids), bool)
+            done = None
+        else:
+            parts = [p for p in np.unique(partition).tolist() if self.repeated(schedule, seq, floor, p)]
+            done = np.isin(partition, parts) if parts else None
+        had = self._restored_had(schedule, seq, ids)
+        if had is not None:
+            done = had if done is None else done | had
+        return None if done is None else ~done
+
+    def _restored_had(self, schedule: int, seq: int, ids: np.ndarray | None) -> np.ndarray | None:
+        """The rows of `ids` that a restored checkpoint holds push `seq` of `schedule` applied to."""
+        if self.restored and all(max(kept) < self.floor for _, kept in self.restored):
+            self.restored = []  # every call they name has finished: nothing of theirs can come again
+        if ids is None or schedule < self.floor:
+            return None
+        had = [rows for rows, kept in self.restored if kept.get(schedule, -1) >= seq]
+        return np.isin(ids, np.concatenate(had)) if had else None
 
     def record(self, schedule: int, seq: int, partition: int | np.ndarray = ALL) -> None:
         """Push `seq` of call `schedule` was applied to the rows of `partition` (each of them)."""
@@ -63,27 +93,42 @@ class ScheduledPushes:
                 for finished in [s for s in kept if s < self.floor]:
                     del kept[finished]
 
-    def state(self) -> dict[str, Any]:
-        """The record as json holds it (a checkpoint's table.json); keys: strings."""
-        return {"floor": self.floor, "last": _strings(self.last),
-                "partitions": {str(p): _strings(kept) for p, kept in self.parts.items()}}
+    def state(self, partition_count: int = 0) -> dict[str, Any]:
+        """The record as json holds it (a checkpoint's table.json); keys: strings. `partition_count`: what
+        its partitions are numbered under (a global checkpoint's part: restore_part needs it)."""
+        state: dict[str, Any] = {"floor": self.floor, "last": _strings(self.last),
+                                 "partitions": {str(p): _strings(kept) for p, kept in self.parts.items()}}
+        if partition_count:
+            state["partition_count"] = partition_count
+        return state
 
-    def load(self, state: dict[str, Any] | None, partitioned: bool = True) -> None:
-        """Fold a saved record in (`state`: None from an older checkpoint, which has none; one without
-        "partitions", from before records were kept per partition, applies to every partition).
-        `partitioned`: False when the saved partitions may not be this cluster's (a global checkpoint
-        restores onto any partitioning): each call's larger push number then applies to every partition,
-        which drops a push that reached one partition only (rather than apply any twice)."""
+    def load(self, state: dict[str, Any] | None) -> None:
+        """Fold a saved record of this server's own in (`state`: None from an older checkpoint, which has
+        none; one without "partitions", from before records were kept per partition, applies to every
+        partition)."""
         if not state:
             return
         parts = {int(p): _ints(kept) for p, kept in state.get("partitions", {}).items()}
+        self.merge(int(state.get("floor", 0)), _ints(state.get("last", {})), parts)
+
+    def restore_part(self, state: dict[str, Any] | None, ids: np.ndarray) -> None:
+        """A global checkpoint part's record (`state`: None from an older part), over the rows `ids` this
+        server took from that part: its every-partition record holds for all of them, partition p's for
+        those of them in partition p (numbered under the part's "partition_count"; a part without one
+        but with partitions, from before it was saved, has its partitions' records fold over its rows)."""
+        if not state:
+            return
+        self.floor = max(self.floor, int(state.get("floor", 0)))
         last = _ints(state.get("last", {}))
-        if not partitioned:
-            for kept in parts.values():
-                for schedule, seq in kept.items():
-                    last[schedule] = max(seq, last.get(schedule, -1))
-            parts = {}
-        self.merge(int(state.get("floor", 0)), last, parts)
+        parts = {int(p): _ints(kept) for p, kept in state.get("partitions", {}).items()}
+        count = int(state.get("partition_count", 0))
+        ids = np.unique(np.asarray(ids, np.int64))  # sorted
+        if parts and count:
+            of = server_of(ids, count)
+            groups = [(ids[of == p], _larger(last, parts.get(p, {}))) for p in np.unique(of).tolist()]
+        else:
+            groups = [(ids, _larger(last, *parts.values()))]
+        self.restored += [(rows, kept) for rows, kept in groups if len(rows) and kept]
 
     def merge(self, floor: int, last: dict[int, int], parts: dict[int, dict[int, int]] | None = None) -> None:
         """Fold another server's record in (an heir's, a restore's). Its partitions are not this
@@ -99,6 +144,15 @@ class ScheduledPushes:
         """Hold a primary's record as it is (a backup's replica)."""
         self.floor, self.last = floor, dict(last)
         self.parts = {p: dict(kept) for p, kept in (parts or {}).items()}
+
+
+def _larger(*records: dict[int, int]) -> dict[int, int]:
+    """Each call's larger push number over `records`."""
+    out: dict[int, int] = {}
+    for kept in records:
+        for schedule, seq in kept.items():
+            out[schedule] = max(seq, out.get(schedule, -1))
+    return out
 
 
 def _strings(kept: dict[int, int]) -> dict[str, int]:

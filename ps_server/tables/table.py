@@ -34,8 +34,9 @@ a request is about to change, before it changes them (copy-on-write).
 Narrow rows (`row_dtype` float16, bfloat16 or int8, issue 22): `values` holds each row in its stored form,
 opaque bytes (TableConfig.row_layout); a push decodes the rows it touches to float32, applies the optimizer
 there with its float32 state, and encodes them once (ps_server.tables.rowcodec; int8 rounds stochastically
-with draws of the seed, the id and the row's update count, so a backup or a restart rounds alike). Pulls
-return the stored bytes as they are, which the client decodes (common.wire.sparse_codec.decode_rows).
+with draws of the seed, the id and the row's update count, so a backup or a restart rounds alike); sgd and
+adagrad do all three in one compiled pass (ps_server.tables.narrow_kernels), the same bytes as that numpy.
+Pulls return the stored bytes as they are, which the client decodes (common.wire.sparse_codec.decode_rows).
 
 A disk tier (`memory_mb`, issue 22): given a store directory, a table keeps at most `ram_rows` rows
 (memory_mb over a row's bytes in RAM) in its arrays. After each request the coldest rows beyond that, by
@@ -79,8 +80,8 @@ _BUFFER_NUMBERS = 1 << 20
 _UNIT = float(2**-53)
 # Evicted ids logged for incremental checkpoints at most (8 bytes each): past it, the next one is full.
 REMOVED_LOG_IDS = 1 << 22
-# Optimizers whose push updates rows in place in one compiled pass (ps_server.tables.kernels); adam's two
-# moments and bias correction stay with row_optim's numpy.
+# Optimizers whose push updates rows in place in one compiled pass (ps_server.tables.kernels, narrow rows
+# ps_server.tables.narrow_kernels); adam's two moments and bias correction stay with row_optim's numpy.
 _IN_PLACE = ("sgd", "adagrad")
 
 
@@ -144,6 +145,12 @@ class SparseTable:
         from pshard.ps_server.tables import kernels
         kernels.warm(config.np_dtype)
         self.kernels = kernels
+        if config.narrow and config.optimizer in _IN_PLACE:
+            from pshard.ps_server.tables import narrow_kernels
+            narrow_kernels.warm(config.row_dtype)
+            self.narrow_kernels = narrow_kernels
+        self.state_none = np.zeros((0, config.dim), np.float32)  # sgd's sums: an array of no rows
+        self._int8_key = mix64(np.array([config.seed], np.uint64))[0]  # rowcodec's draws: mix64(seed)
         # Told the ids of every eviction too (ps_server/replication/tables.py: backups drop them).
         self.evict_hook: Callable[[np.ndarray], None] | None = None
         self._held: list[np.ndarray] | None = None  # evictions whose evict_hook waits (hooks_held)
@@ -234,8 +241,10 @@ class SparseTable:
         if self.before_write is not None:
             self.before_write(r)
         self.step += 1
-        # One compiled pass updates float rows where they are; narrow ones are decoded, updated, encoded.
-        if self.config.optimizer in _IN_PLACE and not self.config.narrow:
+        # One compiled pass updates rows where they are (narrow ones decoded, updated and encoded in it).
+        if self.config.optimizer in _IN_PLACE and self.config.narrow:
+            self._push_narrow(r, np.ascontiguousarray(g, np.float32), now)
+        elif self.config.optimizer in _IN_PLACE:
             self._push_in_place(r, np.ascontiguousarray(g), now)
         else:
             self._push_gathered(r, g, now)
@@ -253,6 +262,25 @@ class SparseTable:
         # dtype scalars and a float: the types warm() compiled for, so no compilation here
         self.kernels.push_touch(self.values, sums, self.touch, self.count, rows, grads, dt(self.config.lr),
                                 dt(self.config.eps), float(now))
+
+    def _push_narrow(self, rows: np.ndarray, grads: np.ndarray, now: float) -> None:
+        """sgd or adagrad on narrow rows where they are (ps_server.tables.narrow_kernels: decode, update and
+        encode of _push_gathered's numpy, bit for bit). An int8 update that is not finite is refused with
+        nothing changed, as _encode refuses it."""
+        sums = self.state["sum"] if self.config.optimizer == "adagrad" else self.state_none
+        lr, eps = np.float32(self.config.lr), np.float32(self.config.eps)
+        if self.config.row_dtype != "int8":
+            self.narrow_kernels.push16(self.values.view("<u2"), sums, self.touch, self.count, rows, grads, lr,
+                                       eps, float(now), self.config.row_dtype == "bfloat16")
+            return
+        n = len(rows)
+        new_sums = self._buffer("sums", n) if self.config.optimizer == "adagrad" else self.state_none
+        bad = self.narrow_kernels.push_int8(self.values, sums, self.touch, self.count, rows, self.index.ids,
+                                            grads, lr, eps, float(now), self._int8_key,
+                                            self._buffer("scratch", n), new_sums)
+        if bad >= 0:
+            self.step -= 1
+            raise self._not_finite(int(self.index.ids[rows[bad]]))
 
     def _push_gathered(self, r: np.ndarray, g: np.ndarray, now: float) -> None:
         """row_optim.apply on gathered copies of the rows and their state, scattered back (adam's)."""
@@ -334,10 +362,12 @@ class SparseTable:
             return rowcodec.encode_rows(self.config, updated, self.index.ids[r], versions)
         except ValueError:
             self.step -= 1
-            bad = int(self.index.ids[r][~np.isfinite(updated).all(axis=1)][0])
-            raise InvalidArgumentError(
-                f"push of table {self.config.name!r}: the update of id {bad} is not finite, which an int8 "
-                "row cannot hold (lower lr, or clip the gradients)") from None
+            raise self._not_finite(int(self.index.ids[r][~np.isfinite(updated).all(axis=1)][0])) from None
+
+    def _not_finite(self, bad: int) -> InvalidArgumentError:
+        return InvalidArgumentError(
+            f"push of table {self.config.name!r}: the update of id {bad} is not finite, which an int8 "
+            "row cannot hold (lower lr, or clip the gradients)")
 
     def _initial(self, ids: np.ndarray) -> np.ndarray:
         """The initial rows of `ids` in the stored form (narrow: rounded as update count 0)."""

@@ -273,17 +273,34 @@ async def _resume(coro: Coroutine[Any, Any, None], waiting: Any) -> None:
             return
 
 
+class Relay(Protocol):
+    """The TLS connection a relayed Connection's pair leads to (ps_server/transport/tls_relay.py)."""
+
+    def send_direct(self, frame: bytes, written: int) -> bool:
+        """Encrypt and send a small `frame` from the loop, past the pair, if the relay has encrypted all
+        `written` bytes put in the pair so far (else, or when another thread sends, False: nothing taken)."""
+        ...
+
+    def attach(self, connection: Connection | None) -> None:
+        """The Connection serving the pair (None once it is gone): what the loop decrypts may go straight
+        to it (`Connection.feed`)."""
+        ...
+
+
 class Connection(asyncio.BufferedProtocol):
     def __init__(self, sessions: Sessions, loop: asyncio.AbstractEventLoop, session: Session | None = None,
-                 *, peer: object = None, relayed: bool = False) -> None:
+                 *, peer: object = None, relay: Relay | None = None) -> None:
         """`session`: already attached (shm, whose hello came with the segment), else the first frame
-        must name one with its secret. `relayed`: the clear end of a TLS connection whose cipher runs in
-        threads (ps_server/transport/tls_relay.py), a unix socket served as a plain TCP one; `peer`:
-        the worker's address, for the logs (else the socket's peer)."""
+        must name one with its secret. `relay`: this is the clear end of a TLS connection whose cipher
+        runs in threads (ps_server/transport/tls_relay.py), a unix socket served as a plain TCP one;
+        `peer`: the worker's address, for the logs (else the socket's peer)."""
         self._sessions = sessions
         self._loop = loop
         self._peer = peer
-        self._relayed = relayed
+        self._relay = relay
+        self._written = 0  # bytes handed to the transport or the socket (a relay's pair: to encrypt)
+        self._received = 0  # bytes in: read by the transport, or fed by a relay past its pair
+        self._fed = 0
         self.transport: asyncio.Transport | None = None
         self.session: Session | None = session
         # Small until the hello: a connection that never authenticates holds 4 KiB, not 64.
@@ -317,13 +334,15 @@ class Connection(asyncio.BufferedProtocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         assert isinstance(transport, asyncio.Transport)
         self.transport = transport
+        if self._relay is not None:
+            self._relay.attach(self)
         tune(transport.get_extra_info("socket"))
         # A worker whose host is cut off ends its session (and what it holds) within the heartbeat
         # timeout, as its gRPC channel would, instead of when the kernel gives up after minutes.
         keep_alive(transport.get_extra_info("socket"), self._sessions.dead_after_s)
         transport.set_write_buffer_limits(high=0)  # pause_writing as soon as anything is queued
         sock = transport.get_extra_info("socket")
-        if sock.family in (socket.AF_INET, socket.AF_INET6) or self._relayed:
+        if sock.family in (socket.AF_INET, socket.AF_INET6) or self._relay is not None:
             self._raw = socket.socket(sock.family, sock.type, fileno=os.dup(sock.fileno()))
             self._raw.setblocking(False)
         if self.session is None:
@@ -345,6 +364,7 @@ class Connection(asyncio.BufferedProtocol):
         return self._scratch[self._have:]
 
     def buffer_updated(self, nbytes: int) -> None:
+        self._received += nbytes
         try:
             if self._targets:  # a request's data: it may arrive while the request is served
                 self._filled += nbytes
@@ -359,11 +379,34 @@ class Connection(asyncio.BufferedProtocol):
         except TransportBroken as err:
             self.abort(str(err))
 
+    @property
+    def from_pair(self) -> int:
+        """Bytes read from the socket (a relay's pair), not fed."""
+        return self._received - self._fed
+
+    def feed(self, data: memoryview) -> int:
+        """Bytes a relay decrypted on the loop, taken as the transport takes what it reads, without the
+        pair's two system calls and the loop's second pass; stops where the connection stops reading
+        (the tarpit, a refusal). How many were taken: the rest goes through the pair."""
+        transport = self.transport
+        taken = 0
+        while (taken < len(data) and transport is not None and transport.is_reading()
+               and not transport.is_closing()):
+            buf = self.get_buffer(len(data) - taken)
+            n = min(len(buf), len(data) - taken)
+            buf[:n] = data[taken:taken + n]
+            self._fed += n
+            taken += n
+            self.buffer_updated(n)
+        return taken
+
     def eof_received(self) -> bool:
         self.abort("the worker closed the connection")
         return False
 
     def connection_lost(self, exc: Exception | None) -> None:
+        if self._relay is not None:
+            self._relay.attach(None)
         if self._hello_timer is not None:
             self._hello_timer.cancel()
         self._greeted()
@@ -595,9 +638,14 @@ class Connection(asyncio.BufferedProtocol):
         size = sum([d.nbytes for d in data])
         head = encode_header(kind, len(meta), size) + meta
         if size <= _SCRATCH_BYTES:  # small: one system call for all of it
-            transport.write(b"".join([head, *[byte_view(d) for d in data]]) if data else head)
+            frame = b"".join([head, *[byte_view(d) for d in data]]) if data else head
+            # Over TLS, encrypted and sent from here: through the pair it would wait for the relay's
+            # thread to wake up, tens of microseconds of a small call's few hundred (issue 24).
+            if self._relay is not None and self._relay.send_direct(frame, self._written):
+                return
+            self._to_transport(frame)
             return
-        transport.write(head)
+        self._to_transport(head)
         for part in data:
             view = byte_view(part)
             if self._raw is not None:
@@ -607,7 +655,7 @@ class Connection(asyncio.BufferedProtocol):
                 if self._drained is not None:
                     await self._drained  # only what the socket did not take is ever copied
                     self._drained = None
-                transport.write(view[start:start + _WRITE_CHUNK_BYTES])
+                self._to_transport(view[start:start + _WRITE_CHUNK_BYTES])
 
     async def _send(self, view: memoryview) -> None:
         """`view` on the plain socket, straight from where it lies, as fast as the worker reads it."""
@@ -621,7 +669,9 @@ class Connection(asyncio.BufferedProtocol):
                 raise asyncio.CancelledError()  # the connection is gone: connection_lost cancels us
             if not transport.get_write_buffer_size():  # in order: nothing of ours is queued before
                 try:
-                    view = view[raw.send(view):]
+                    sent = raw.send(view)
+                    self._written += sent
+                    view = view[sent:]
                 except BlockingIOError:
                     pass
                 except OSError as err:
@@ -630,5 +680,10 @@ class Connection(asyncio.BufferedProtocol):
                     return
             # The socket is full: a small piece is queued (copied) by the transport, which waits
             # for room and resumes us once it sent the piece.
-            transport.write(view[:_NUDGE_BYTES])
+            self._to_transport(view[:_NUDGE_BYTES])
             view = view[_NUDGE_BYTES:]
+
+    def _to_transport(self, data: bytes | memoryview) -> None:
+        assert self.transport is not None
+        self.transport.write(data)
+        self._written += memoryview(data).nbytes

@@ -48,6 +48,7 @@ import grpc.aio
 import numpy as np
 from google.protobuf.message import DecodeError
 from pshard.common.chunks import shared_pool
+from pshard.common.compression import PullPack
 from pshard.common.errors import InvalidArgumentError, PermissionDeniedError, PSError
 from pshard.common.rpc.options import EXCHANGE_METHOD
 from pshard.common.rpc.status import maps_errors
@@ -167,7 +168,7 @@ class _Session:
         self.closed = False
         # Opened by a server: may carry its replication (ps_server/transport/replica_tcp.py).
         self.replicates = False
-        self._slots: dict[SliceKey, tuple[int, int]] = {}
+        self._slots: dict[SliceKey, tuple[int, int, int]] = {}  # key -> (offset, last size, room)
         self._reply_end = 0
         self._pull: tuple[Sequence[object], list[SliceKey]] | None = None
         self._wires: tuple[Sequence[SliceMeta], list[WireArray], list[tuple[SliceKey, WireArray]], int
@@ -196,14 +197,16 @@ class _Session:
             raise TransportBroken(f"worker {self.worker_id}'s {self.kind} session closed while its request "
                                   "waited")
         slot = self._slots.get(key)
-        if slot is not None and slot[1] == nbytes:
+        if slot is not None and nbytes <= slot[2]:
+            # A compressed pull's slice changes size (whole, then packed): it keeps the room it has.
+            self._slots[key] = (slot[0], nbytes, slot[2])
             return slot[0]
         offset = self._reply_end
         if offset + nbytes > self.regions.reply_bytes:
             raise TransportBroken(f"reply region full: slice {str(key)!r} needs {nbytes} bytes at offset "
                                   f"{offset}, the region has {self.regions.reply_bytes}")
         self._reply_end = offset + align(nbytes)
-        self._slots[key] = (offset, nbytes)
+        self._slots[key] = (offset, nbytes, nbytes)
         return offset
 
     def reply_room(self, nbytes: int) -> tuple[int, np.ndarray]:
@@ -307,7 +310,7 @@ class FastPathServer:
                 continue
             conn.setblocking(True)
             relay = TlsRelay(conn, peer, self._ssl, _HANDSHAKE_TIMEOUT_S, self.dead_after_s,
-                             self._relayed, self._handshaken)
+                             self._relayed, self._handshaken, self._loop)
             self._relays.add(relay)
             relay.start()
 
@@ -317,7 +320,7 @@ class FastPathServer:
         with contextlib.suppress(RuntimeError):  # the loop closed: the server is gone, and its count
             self._loop.call_soon_threadsafe(self.greeted)
 
-    def _relayed(self, end: socket.socket, peer: object) -> None:
+    def _relayed(self, end: socket.socket, peer: object, relay: TlsRelay) -> None:
         """A TLS connection authenticated (from its relay's thread): the event loop serves its clear end."""
         def adopt() -> None:
             if self._stopping:
@@ -325,7 +328,7 @@ class FastPathServer:
                 return
             end.setblocking(False)
             task = self._loop.create_task(self._loop.connect_accepted_socket(
-                lambda: Connection(self, self._loop, peer=peer, relayed=True), end))
+                lambda: Connection(self, self._loop, peer=peer, relay=relay), end))
             self._handoffs.add(task)
             task.add_done_callback(self._handoffs.discard)
 
@@ -599,10 +602,11 @@ class FastPathServer:
         pull, wires, items, pushed = session.decoded(header, metas, views)
         timeout_ms = codec.timeout_ms_from_proto(header)
         timeout_s = timeout_ms / 1000 if timeout_ms is not None else None
+        packs = codec.pull_packs_from_proto(header)
         if pushed + session.pulled_bytes(pull) <= _SMALL_BYTES:
             if inflow is not None:
                 await inflow.wait(inflow.total)
-            return await self._push_pull(session, stamp, items, pull, timeout_s)
+            return await self._push_pull(session, stamp, items, pull, timeout_s, packs)
 
         async def gradients() -> AsyncIterator[tuple[int, WireArray]]:
             end = 0  # the slices' bytes arrive in push order, back to back
@@ -622,7 +626,7 @@ class FastPathServer:
         encoder.expect = pull[0] if pull else None
         reply = pb.TransportReply()
         events = self._handlers.exchange(codec.stamp_from_proto(stamp), metas, pull, gradients(),
-                                         encoder, timeout_s)
+                                         encoder, timeout_s, packs)
         async with contextlib.aclosing(events):
             async for event in events:
                 if isinstance(event, EncodedSlice):
@@ -648,10 +652,10 @@ class FastPathServer:
 
     async def _push_pull(self, session: _Session, stamp: pb.Stamp,
                          items: Sequence[tuple[SliceKey, WireArray]], pull: Sequence[SliceKey],
-                         timeout_s: float | None) -> pb.TransportReply:
+                         timeout_s: float | None, packs: Sequence[PullPack] = ()) -> pb.TransportReply:
         """A small request through the plain push_pull handler (as gRPC's unary PushPull): one
         coroutine, where the Exchange core's tasks and events would cost more than the bytes."""
-        result = await self._handlers.push_pull(codec.stamp_from_proto(stamp), items, pull, timeout_s)
+        result = await self._handlers.push_pull(codec.stamp_from_proto(stamp), items, pull, timeout_s, packs)
         reply = pb.TransportReply()
         reply.summary.applied, reply.summary.dropped = result.applied, result.dropped
         for pulled in result.slices:

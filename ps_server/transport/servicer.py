@@ -365,7 +365,8 @@ class ParameterServerServicer:
         pull = _unique([codec.slice_id_from_proto(s) for s in header.pull], "Exchange header.pull")
         events = self._handlers.exchange(
             codec.stamp_from_proto(header.stamp), metas, pull,
-            _read_slices(metas, frames), _frame_or_bytes, _seconds(header))
+            _read_slices(metas, frames), _frame_or_bytes, _seconds(header),
+            codec.pull_packs_from_proto(header))
         # aclosing: a cancelled call stops the handler's push side at once, not when collected.
         async with contextlib.aclosing(events):
             async for event in events:

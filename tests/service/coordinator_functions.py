@@ -111,6 +111,22 @@ def add_fused(x: float) -> list[float]:
     return [float(before["v"][0]), float(after["v"][0]), float(ctx.latest()["v"][0])]
 
 
+_landing: dict[str, np.ndarray] = {}  # this (one) worker's own array for v, as a model's parameter is
+
+
+def add_landing(x: float) -> list[Any]:
+    """Adds x to v in one push+pull whose weights land in the worker's own array; returns v there before
+    and after, whether push_pull returned that array, and v as latest(out=) copies it into another."""
+    ctx = current()
+    own = _landing.setdefault("v", np.full(1, -1.0, np.float32))
+    ctx.latest(out={"v": own})  # the worker's first call: pulled into it; later: there already
+    before = float(own[0])
+    got = ctx.push_pull({"v": np.full(1, -x, np.float32)}, out={"v": own})
+    other = np.zeros(1, np.float32)
+    ctx.latest(out={"v": other})
+    return [before, float(own[0]), got["v"] is own, float(other[0])]
+
+
 def synthetic_batches(shape: tuple[int, ...], seed: int) -> Iterator[tuple[Any, Any]]:
     """Endless random batches of 32 images of `shape` (C, H, W) and labels in 0..9."""
     import torch
@@ -146,6 +162,22 @@ def add_shard(shard: int, v: RemoteVariable, poisoned: list[int]) -> int:
     if shard in poisoned:
         raise RuntimeError(f"shard {shard} is poisoned")
     v.assign_add(shard + 1.0)
+    return shard
+
+
+def shard_batches(shard: int) -> list[list[int]]:
+    """Shard `shard`'s samples as 4 batches of 3 sample ids: 12 * shard to 12 * shard + 11, in order."""
+    return [[12 * shard + 3 * b + i for i in range(3)] for b in range(4)]
+
+
+def train_shard_batches(shard: int, v: RemoteVariable, poisoned_at: list[int]) -> int:
+    """Trains shard `shard` batch by batch from where its work stands: adds each sample's id + 1, so the
+    variable ends at the sum over the samples trained, each as often as it was. Batch `poisoned_at[1]` of
+    shard `poisoned_at[0]` raises before its push (a crash half-way through the shard)."""
+    for batch in current().resume(shard_batches(shard)):
+        if [shard, (batch[0] - 12 * shard) // 3] == poisoned_at:
+            raise RuntimeError(f"shard {shard} is poisoned at sample {batch[0]}")
+        v.assign_add(float(sum(i + 1 for i in batch)))
     return shard
 
 

@@ -66,6 +66,19 @@ def test_a_fused_push_pull_counts_once_and_its_weights_answer_the_workers_next_c
             assert v.read_value().tolist() == [5.0]
 
 
+def test_push_pull_lands_the_weights_in_the_arrays_given_and_latest_copies_them_only_elsewhere() -> None:
+    with cluster(workers=1) as c:
+        c.start_worker(0)
+        with c.coordinator() as coordinator:
+            v = coordinator.create_variable("v", np.zeros(1, np.float32))
+            first = coordinator.schedule(f.add_landing, args=(2.0,)).fetch(WAIT_S)
+            second = coordinator.schedule(f.add_landing, args=(3.0,)).fetch(WAIT_S)
+
+            assert first == [0.0, 2.0, True, 2.0]  # pulled into the worker's array, then landed there
+            assert second == [2.0, 5.0, True, 5.0]
+            assert v.read_value().tolist() == [5.0]
+
+
 def test_a_raising_function_reaches_join_with_the_workers_traceback_and_changes_nothing() -> None:
     with cluster(workers=1) as c:
         c.start_worker(0)
@@ -357,3 +370,33 @@ def test_a_restored_shard_queue_trains_each_shard_once_across_a_restart(tmp_path
         shards.schedule(f.add_shard, args=(v, []))
         second.join()
         assert v.read_value().tolist() == [float(sum(range(1, 11)))]  # 55: every shard once
+
+
+def test_a_shard_in_progress_at_a_checkpoint_resumes_at_its_offset_so_no_sample_counts_twice(
+        tmp_path: Path) -> None:
+    from pshard.ps_server.settings import ServerSettings
+
+    settings = ServerSettings(global_checkpoint_dir=str(tmp_path))
+    with cluster(workers=2, settings=settings) as c:
+        for i in range(2):
+            c.start_worker(i)
+        with c.coordinator(checkpoint_dir=str(tmp_path)) as first:
+            v = first.create_variable("v", np.zeros(1, np.float32))
+            shards = first.shard_queue("train", 3)
+            shards.schedule(f.train_shard_batches, args=(v, [1, 2]))  # shard 1 breaks after 2 batches
+            with pytest.raises(ScheduledFunctionError, match="poisoned at sample 18"):
+                first.join()
+            first.save_checkpoint()
+            assert shards.position()["offsets"]["1"] == 2
+
+    with cluster(workers=2, settings=settings) as c, c.coordinator(checkpoint_dir=str(tmp_path)) as second:
+        for i in range(2):
+            c.start_worker(i)
+        v = second.create_variable("v", np.zeros(1, np.float32))
+        shards = second.shard_queue("train", 3)
+
+        assert 1 in shards.pending() and shards.offset(1) == 2
+        shards.schedule(f.train_shard_batches, args=(v, []))
+        second.join()
+        # Every sample id + 1 once: 666. Shard 1 trained from its start again would add 13 + ... + 18 = 93.
+        assert v.read_value().tolist() == [float(sum(range(1, 37)))]

@@ -313,3 +313,37 @@ def test_connections_in_their_handshake_count_against_the_cap_and_a_worker_still
     weights = c.declare({"a": np.zeros(8, np.float32)}, ASYNC)
     c.push_pull({"a": np.ones(8, np.float32)}, 0, out=weights)
     assert c.transports == ["tcp"] and (weights["a"] == -1.0).all()
+
+
+def _times_run(names: tuple[str, ...]) -> int:
+    """How many times this process's threads named `names...` were put on a CPU (their wake-ups)."""
+    runs = 0
+    for t in threading.enumerate():
+        if t.name.startswith(names) and t.native_id is not None:
+            with contextlib.suppress(FileNotFoundError):  # ended meanwhile
+                runs += int(Path(f"/proc/self/task/{t.native_id}/schedstat").read_text().split()[2])
+    return runs
+
+
+def test_small_calls_wake_no_relay_thread_and_a_large_one_still_goes_through_them(start_server, new_client):
+    """A thread's wake-up costs tens of microseconds of a small call's few hundred: the event loop reads
+    and answers small requests on the TLS socket itself, and the relay's threads take the bulk."""
+    server = start_server(ServerSettings())
+    c = new_client([server], "w0", transport="tcp")
+    weights = c.declare({"a": np.zeros(1000, np.float32), "b": np.zeros(1 << 20, np.float32)}, ASYNC)
+    small, large = {"a": np.ones(1000, np.float32)}, {"b": np.ones(1 << 20, np.float32)}
+    c.push_pull(small, 0, out=weights)
+    relay = ("tls-relay-", "tls-out-")
+    before = _times_run(relay)
+    calls = 200
+    for clock in range(1, calls + 1):
+        c.push_pull(small, clock, out=weights)
+    woken = _times_run(relay) - before
+    assert (weights["a"] == -(calls + 1.0)).all()
+    # Through the relay each call woke both threads (2 x 200); a stray wake-up (a timer tick) may happen.
+    assert woken < calls // 10, f"the relay threads ran {woken} times for {calls} small calls"
+    # A 4 MiB push and pull: deciphered and enciphered by the threads, and small calls go on after it.
+    c.push_pull(large, 0, out=weights)
+    assert (weights["b"] == -1.0).all() and _times_run(relay) > before + woken
+    c.push_pull(small, calls + 1, out=weights)
+    assert (weights["a"] == -(calls + 2.0)).all() and c.transports == ["tcp"]

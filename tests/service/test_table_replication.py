@@ -260,12 +260,13 @@ def test_a_push_split_over_several_calls_sends_its_idempotence_key_with_its_last
     backup = _rows(servers[2])  # server 1's backup
     apply = backup.replicas.apply
 
-    def recording(primary: str, batches: Iterable[RowBatch]) -> None:
+    def recording(primary: str, batches: Iterable[RowBatch],
+                  refuse: Callable[[RowBatch], None] | None = None) -> None:
         taken = list(batches)
         with lock:
             for batch in taken:
                 calls.append((primary, batch.ids.copy(), bool(batch.pushes.get("w0"))))
-        apply(primary, taken)
+        apply(primary, taken, refuse)
 
     backup.replicas.apply = recording  # type: ignore[method-assign]
     client = new_client(servers, "w0", layout=layout, transport="grpc")

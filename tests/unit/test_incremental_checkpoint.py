@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import shutil
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -236,6 +237,70 @@ def test_a_paced_write_takes_at_least_its_bytes_over_the_pace_and_writes_the_sam
     assert paced == save_npy(tmp_path / "unpaced.npy", array)
     assert paced == ckpt.digest(tmp_path / "paced.npy")
     assert np.array_equal(np.load(tmp_path / "paced.npy"), array)
+
+
+class _Tally(Pace):
+    """A pace that counts the bytes it is told of, and runs `between` (a request) at each."""
+
+    def __init__(self, between: Callable[[], object] = lambda: None) -> None:
+        super().__init__(1e6)
+        self.bytes = 0
+        self._between = between
+
+    def wrote(self, n: int) -> None:
+        self.bytes += n
+        self._between()
+        super().wrote(n)
+
+
+def test_a_background_part_paces_its_dense_npz_as_it_writes_and_hashes_it(tmp_path: Path) -> None:
+    server = Server(0)
+    image = capture_part(0, server.store.snapshot(), LAYOUT[0], [], None, server.writer)
+    pace = _Tally()
+    files = write_image(tmp_path, image, pace=pace)
+    npz = next(f for f in files if f.name == "part-0.npz")
+    assert (npz.sha256, npz.size) == ckpt.digest(tmp_path / "part-0.npz")
+    # Written and read back for its checksum: each byte twice (before, the npz was not paced at all).
+    assert pace.bytes >= 2 * npz.size
+
+
+def test_a_capture_copied_while_requests_change_rows_between_its_chunks_is_the_table_as_it_was() -> None:
+    table = SparseTable(TableConfig("cow", 2, optimizer="adagrad", lr=0.1, seed=5))
+    ids = np.arange(3 * CHUNK_ROWS, dtype=np.int64)
+    table.push(ids, np.ones((len(ids), 2), np.float32), clock=1)
+    rows = table.index.live_rows()
+    before = {name: a[rows].copy() for name, (a, _) in table.columns().items()}
+    image = capture(table, None)
+    rng = np.random.default_rng(0)
+    clock = iter(range(2, 100))
+
+    def request() -> None:  # ids all over the table: chunks copied, being copied and not yet reached
+        if table.before_write is not None:
+            touched = np.unique(rng.choice(len(ids), 500, replace=False)).astype(np.int64)
+            table.push(touched, np.full((len(touched), 2), 3, np.float32), clock=next(clock))
+
+    image.fill(_Tally(request))
+    assert np.array_equal(image.ids, table.index.ids[rows])
+    for name, column in before.items():
+        assert np.array_equal(image.columns[name], column), name
+    assert not np.array_equal(table.values[rows], before["values"])
+
+
+def test_a_request_during_a_capture_saves_its_rows_aside_and_leaves_the_image_to_the_writer() -> None:
+    # A request's writes into the image's fresh arrays were a page fault a row on the training's path.
+    table = SparseTable(TableConfig("aside", 2, optimizer="sgd", lr=0.1, seed=5))
+    ids = np.arange(1000, dtype=np.int64)
+    table.push(ids, np.ones((len(ids), 2), np.float32), clock=1)
+    rows = table.index.live_rows()
+    before = table.values[rows].copy()
+    image = capture(table, None)
+    for column in image.columns.values():
+        column.setflags(write=False)  # a request that wrote here would raise
+    table.push(ids[::3], np.full((len(ids[::3]), 2), 5, np.float32), clock=2)
+    for column in image.columns.values():
+        column.setflags(write=True)
+    image.fill()
+    assert np.array_equal(image.columns["values"], before)
 
 
 def test_a_table_with_a_disk_tier_is_captured_whole_with_its_spilled_rows(tmp_path: Path) -> None:

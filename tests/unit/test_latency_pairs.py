@@ -35,3 +35,10 @@ def test_fewer_than_two_checkouts_is_a_usage_error(capsys: pytest.CaptureFixture
     assert info.value.code == 2
     assert "two checkouts or more" in capsys.readouterr().err
     assert build_parser().parse_args(["x", "y"]).blocks == 40
+
+
+def test_a_tree_written_with_tls_runs_the_same_checkout_over_tls() -> None:
+    from bench.latency_pairs import split_tree
+    assert split_tree("/src/old:tls") == ("/src/old", True)
+    assert split_tree("/src/old") == ("/src/old", False)
+    assert split_tree(".:tls") == (".", True)

@@ -76,7 +76,8 @@ def test_mlp_learns_digits_quickly() -> None:
     model = build_model("mlp", ds.image_shape, ds.num_classes)
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
     x, y = torch.from_numpy(ds.train_x), torch.from_numpy(ds.train_y)
-    for epoch in range(5):
+    # 2 epochs reach 0.967 (1 already 0.939) with this seed: the bar holds with margin, 5 were wasted work.
+    for epoch in range(2):
         for b in batches(shard(len(y), 0, 1, epoch, seed=0), 32):
             idx = torch.from_numpy(b)
             loss = torch.nn.functional.cross_entropy(model(x[idx]), y[idx])

@@ -12,13 +12,12 @@ import pytest
 from pshard.common import checkpoint_store as ckpt
 from pshard.common.errors import InvalidArgumentError
 from pshard.common.job import JobConfig, OptimizerConfig
-from pshard.common.sparse import TableConfig
+from pshard.common.sparse import TableConfig, server_of
 from pshard.ps_server.checkpoints.global_part import capture_part, restore_tables, write_image
 from pshard.ps_server.core.store import ShardSnapshot
 from pshard.ps_server.handlers.tables import TableHandlers
 from pshard.ps_server.settings import ServerSettings
 from pshard.ps_server.tables.scheduled import KEPT, ScheduledPushes
-from pshard.ps_server.tables.table import SparseTable
 
 
 def test_a_push_number_is_repeated_once_applied_and_every_push_of_a_finished_call_is() -> None:
@@ -106,25 +105,71 @@ def test_a_restored_server_drops_a_scheduled_push_its_checkpoint_holds_and_an_ol
     asyncio.run(main())
 
 
-def test_a_global_checkpoint_part_restores_the_record_folded_over_servers(tmp_path: Path) -> None:
-    """Each server's part holds its tables' records; a restore onto any server count folds them (each
-    call's larger push number), so a re-dispatched push is dropped wherever its rows now live."""
-    config = TableConfig("emb", 2, initializer="zeros", lr=1.0)
+def _global_checkpoint(root: Path, sources: list[TableHandlers], partition_count: int = 0) -> ckpt.Checkpoint:
+    """A committed global checkpoint of `sources`' tables, part i written by server i."""
     job = JobConfig(mode="async", optimizer=OptimizerConfig(name="sgd", lr=0.1), job_id="sched")
-    tables = [SparseTable(config), SparseTable(config)]
-    for i, (schedule, seq) in enumerate([(7, 1), (7, 0)]):  # push 1 of call 7 reached server 0 only
-        tables[i].scheduled.repeated(schedule, seq, 3)
-        tables[i].scheduled.record(schedule, seq, i)  # each server's own partition: not the restore's
-    tables[1].scheduled.record(9, 2)
-    directory = ckpt.new_directory(tmp_path / "root", 1)
-    parts = [write_image(directory, capture_part(i, ShardSnapshot(job, (), {}, None, (), {}), {}, [t]))
-             for i, t in enumerate(tables)]
+    directory = ckpt.new_directory(root, 1)
+    parts = [write_image(directory, capture_part(i, ShardSnapshot(job, (), {}, None, (), {}), {}, h.tables(),
+                                                 partition_count=partition_count))
+             for i, h in enumerate(sources)]
     ckpt.commit(directory, 1, job, {}, parts)
-    checkpoint = ckpt.load_manifest(directory, verify=True)
-    [restored] = restore_tables(checkpoint, 0, 1, SparseTable)
-    record = restored.scheduled
-    assert (record.floor, record.last, record.parts) == (3, {7: 1, 9: 2}, {})  # over the partitions
-    assert restored.scheduled.repeated(7, 1, 3) and not restored.scheduled.repeated(7, 2, 3)
+    return ckpt.load_manifest(directory, verify=True)
+
+
+def test_a_push_that_reached_some_servers_at_a_global_checkpoint_lands_once_on_every_row_after_a_restore(
+        tmp_path: Path) -> None:
+    """Push 0 of call 7 had reached server 0 and not yet server 1 when the global checkpoint was taken.
+    Re-dispatched after a restore onto the same two servers, onto one or onto three, it lands on the rows
+    of server 1's part only: every row holds it once. (The parts' records folded into one dropped it
+    there: an update lost.)"""
+    ids = np.arange(1, 13, dtype=np.int64)
+    home = server_of(ids, 2)
+
+    async def main() -> None:
+        sources = [TableHandlers(ServerSettings()) for _ in range(2)]
+        for i, h in enumerate(sources):
+            await h.declare(TableConfig("emb", 2, initializer="zeros", lr=1.0))
+            mine = ids[home == i].tobytes()
+            assert await h.push("emb", mine, _grads(int((home == i).sum()), 1.0), worker="worker-0",
+                                schedule=(5, 0, 3)) > 0  # an earlier call: every row at 1
+        assert await sources[0].push("emb", ids[home == 0].tobytes(), _grads(int((home == 0).sum()), 1.0),
+                                     worker="worker-1", schedule=(7, 0, 3)) > 0  # server 1: not yet
+        checkpoint = _global_checkpoint(tmp_path / "root", sources)
+        for servers in (2, 1, 3):
+            restored = [TableHandlers(ServerSettings()) for _ in range(servers)]
+            for s, h in enumerate(restored):
+                for table in restore_tables(checkpoint, s, servers, h.make):
+                    h.add(table)
+            now = server_of(ids, servers)
+            for s, h in enumerate(restored):  # the re-dispatch, each server its rows
+                mine = ids[now == s]
+                await h.push("emb", mine.tobytes(), _grads(len(mine), 1.0), worker="worker-2",
+                             schedule=(7, 0, 3))
+                await h.push("emb", mine.tobytes(), _grads(len(mine), 1.0), worker="worker-2",
+                             schedule=(5, 0, 3))  # call 5's push: every row had it
+            rows = np.concatenate([(await h.pull("emb", ids[now == s].tobytes()))[:, 0]
+                                   for s, h in enumerate(restored)])
+            assert rows.tolist() == [2.0] * len(ids), servers
+    asyncio.run(main())
+
+
+def test_a_parts_partition_records_hold_for_its_rows_of_each_partition_and_finished_calls_drop_them() -> None:
+    record = ScheduledPushes()
+    ids = np.arange(1, 41, dtype=np.int64)
+    of = server_of(ids, 4)
+    state = {"floor": 3, "last": {"8": 0}, "partitions": {"1": {"7": 1}, "2": {"7": 0}}, "partition_count": 4}
+    record.restore_part(state, ids[(of == 1) | (of == 2)])  # an heir's part: partitions 1 and 2
+    keep = record.fresh(7, 1, 3, -1, ids)
+    assert keep is not None and keep.tolist() == (of != 1).tolist()  # push 1 had reached partition 1 only
+    keep = record.fresh(8, 0, 3, -1, ids)
+    assert keep is not None and keep.tolist() == ((of != 1) & (of != 2)).tolist()  # the part's every-row one
+    assert record.fresh(9, 0, 3, -1, ids) is None  # a call it never saw
+    assert record.fresh(7, 2, 3, -1, ids) is None and record.restored
+    assert record.fresh(10, 0, 9, -1, ids) is None and not record.restored  # floor 9: 7 and 8 finished
+    older = ScheduledPushes()
+    older.restore_part({"floor": 3, "last": {}, "partitions": {"1": {"7": 1}}}, ids[:5])  # no count: its rows
+    keep = older.fresh(7, 1, 3, np.zeros(len(ids), np.int64), ids)
+    assert keep is not None and keep.tolist() == [False] * 5 + [True] * 35
 
 
 def test_the_record_is_per_partition_and_a_push_spanning_partitions_keeps_the_rows_of_fresh_ones() -> None:

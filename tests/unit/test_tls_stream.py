@@ -5,6 +5,8 @@ non-blocking socket's deadline."""
 
 from __future__ import annotations
 
+import contextlib
+import select
 import socket
 import ssl
 import threading
@@ -173,4 +175,74 @@ def test_a_send_that_finds_no_room_gives_up_at_its_deadline(pki) -> None:
     stream.close()
     for sock in accepted:
         sock.close()
+    listener.close()
+
+
+def _pair(pki: dict[Identity, CertFiles]) -> tuple[TlsStream, ssl.SSLSocket, socket.socket]:
+    """A TlsStream (the worker's side) and the SSLSocket it talks to; the listener, to close."""
+    context = _context(pki[SERVER], "ps", "ps-0", server=True)
+    listener = socket.create_server(("127.0.0.1", 0))
+    accepted: list[ssl.SSLSocket] = []
+
+    def accept() -> None:
+        raw, _ = listener.accept()
+        raw.settimeout(WAIT_S)
+        accepted.append(context.wrap_socket(raw, server_side=True))
+
+    thread = threading.Thread(target=accept)
+    thread.start()
+    stream = _connect(listener.getsockname()[1], _context(pki[WORKER], "worker", "worker-0", server=False))
+    thread.join(WAIT_S)
+    stream.settimeout(None)  # blocking, as the server's relay keeps it: the nowait calls must not wait
+    return stream, accepted[0], listener
+
+
+def test_sends_that_must_not_wait_keep_what_the_socket_refuses_in_order_for_flush(pki) -> None:
+    stream, peer, listener = _pair(pki)
+    frames = [np.full(16384, i % 251, np.uint8).tobytes() for i in range(2000)]  # 32 MiB: more than fits
+    results = []
+    for frame in frames:
+        start = time.monotonic()
+        results.append(stream.send_nowait(frame))
+        assert time.monotonic() - start < WAIT_S / 4  # never waits for room
+        if results[-1] is False:
+            break
+    assert results[-1] is False and all(results[:-1]) and stream.queued
+    sent = b"".join(frames[:len(results)])
+    flusher = threading.Thread(target=stream.flush)
+    flusher.start()
+    got = bytearray()
+    while len(got) < len(sent):
+        got += peer.recv(1 << 20)
+    flusher.join(WAIT_S)
+    assert bytes(got) == sent and not stream.queued
+    stream.close()
+    peer.close()
+    listener.close()
+
+
+def test_a_read_that_must_not_wait_decrypts_what_came_or_says_nothing_did(pki) -> None:
+    stream, peer, listener = _pair(pki)
+    buf = memoryview(bytearray(65536))
+    # TLS 1.3: the server's session tickets, sent with its handshake (in the kernel once it returned),
+    # are read and decrypt to nothing for the caller; then nothing is there.
+    assert stream.recv_nowait(buf, 65536)[0] == 0
+    with pytest.raises(BlockingIOError):
+        stream.recv_nowait(buf, 65536)
+    peer.sendall(b"x" * 5000)
+    got = bytearray()
+    while len(got) < 5000:
+        assert select.select([stream], [], [], WAIT_S)[0], f"{len(got)} of 5000 bytes came"
+        with contextlib.suppress(BlockingIOError):
+            n, read = stream.recv_nowait(buf, 65536)
+            assert read >= n
+            got += buf[:n]
+    assert bytes(got) == b"x" * 5000
+    peer.close()
+    while True:  # the peer's close_notify (nothing decrypted), then the EOF
+        assert select.select([stream], [], [], WAIT_S)[0], "no EOF"
+        with contextlib.suppress(BlockingIOError):
+            if stream.recv_nowait(buf, 65536) == (0, 0):
+                break
+    stream.close()
     listener.close()

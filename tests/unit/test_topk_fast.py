@@ -23,7 +23,11 @@ def slices() -> dict[str, np.ndarray]:
     heavy = rng.standard_cauchy(N).astype(np.float32)
     with_nan = rng.standard_normal(N, dtype=np.float32)
     with_nan[[3, 1000, N - 1]] = np.nan
+    # A compressed pull's change after sparse pushes: 2 % nonzero, so the sample's threshold would be 0.
+    sparse = np.where(rng.random(N) < 0.98, 0.0, rng.standard_normal(N)).astype(np.float32)
+    sparse[[5, N - 2]] = np.nan
     return {"normal": rng.standard_normal(N, dtype=np.float32),
+            "sparse-with-nan": sparse,
             "heavy-tailed": heavy,
             "mostly-zero": np.where(rng.random(N) < 0.995, 0.0, rng.standard_normal(N)).astype(np.float32),
             "with-nan": with_nan,
