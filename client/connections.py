@@ -5,6 +5,12 @@ when it is back), the fast-path session (client/fast_session.py: negotiated when
 when it breaks, gRPC meanwhile), the thread pool that calls every server at once, and the layout calls
 are routed by, with the way to a newer one a failover publishes. PSClient (client/ps_client.py) and
 TableClient (client/tables.py) are each handed it; neither reaches into the other.
+
+The servers are the routing layout's: a layout that lists a server this client has not heard of (one that
+joined the running job, issue 20) opens its connections before any call is routed by it, and the clients
+that keep per-server stubs are told (`on_server_added`). A layout whose list is not the servers known here
+followed by new ones (an index names another address) is refused: routing by it would send slices to
+the wrong server, and leaving them out would stop training them without a word.
 """
 
 from __future__ import annotations
@@ -20,7 +26,7 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 from pshard.client.fast_session import FastPath
 from pshard.common.cluster.layout import Layout
-from pshard.common.errors import PSError
+from pshard.common.errors import LayoutConflictError, PSError, UnavailableError
 from pshard.common.rpc.options import channel_options
 from pshard.common.rpc.retry import parameter_server_channel_options
 from pshard.common.security.credentials import SecurityConfig
@@ -37,6 +43,14 @@ FAST_PATH_RETRY_S = 10.0
 Relayout = Callable[[Layout, float], "Layout | None"]
 
 
+class GrowingPool(ThreadPoolExecutor):
+    """A thread pool whose bound can rise: a server added to the layout gets its threads too. The
+    executor reads the bound at each submit and starts threads only as calls need them."""
+
+    def at_least(self, max_workers: int) -> None:
+        self._max_workers = max(self._max_workers, max_workers)
+
+
 class ServerConnections:
     def __init__(self, servers: Sequence[str], worker_id: str, security: SecurityConfig, *, timeout_s: float,
                  transport: str, shm_dir: str, layout: Layout | None = None, relayout: Relayout | None = None,
@@ -46,39 +60,95 @@ class ServerConnections:
         fast-path session with that server must hold each way (asked when one is negotiated);
         `dead_after_s`: a server silent this long breaks its raw TCP session (common.wire.liveness)."""
         figures(dead_after_s)  # a bad figure fails here, not at the first step
-        self.servers = tuple(servers)
+        self.servers: tuple[str, ...] = ()
         self.worker_id = worker_id
         self.security = security
         self.timeout_s = timeout_s
-        self.layout = layout
         self._relayout = relayout
         self.reroute_wait_s = reroute_wait_s
         self._room = room
-        options = [*channel_options(), *parameter_server_channel_options()]
-        self.channels = [security.channel(a, options=options) for a in self.servers]
+        self._options = [*channel_options(), *parameter_server_channel_options()]
         # Before the subscriptions below: their callbacks may run at once, on gRPC's thread, and read it.
         self.closed = threading.Event()
         # gRPC retries unary calls silently; say once when a server drops out and when it is back.
         self.unreachable: set[str] = set()
-        self._watchers = [functools.partial(self._on_connectivity, a) for a in self.servers]
-        for channel, watcher in zip(self.channels, self._watchers, strict=True):
-            channel.subscribe(watcher, try_to_connect=False)
-        self._stubs = [pb_grpc.ParameterServerServiceStub(c) for c in self.channels]
-        # One thread per server drives its stream; a second set lets a push future overlap a pull.
-        self.pool = ThreadPoolExecutor(max_workers=2 * len(self.servers), thread_name_prefix="psclient")
-        # Fast paths, per server: the open one, when the next try is due, and what carries the calls.
+        # Per server, by its index in the layout: channel, connectivity watcher, stub, fast path (the open
+        # one, when the next try is due, its lock) and what carries its calls. Grown by _add only.
+        self.channels: list[grpc.Channel] = []
+        self._watchers: list[Callable[[grpc.ChannelConnectivity], None]] = []
+        self._stubs: list[pb_grpc.ParameterServerServiceStub] = []
+        self._fast: list[FastPath | None] = []
+        self._fast_retry_at: list[float] = []
+        self._fast_locks: list[threading.Lock] = []
+        self.transports: list[str] = []
         self._transport = transport
         self._shm_dir = shm_dir
         self._dead_after_s = dead_after_s
-        self._fast: list[FastPath | None] = [None] * len(self.servers)
-        self._fast_retry_at = [0.0] * len(self.servers)
-        self._fast_locks = [threading.Lock() for _ in self.servers]
-        self.transports = ["grpc"] * len(self.servers)
+        # One thread per server drives its stream; a second set lets a push future overlap a pull. A
+        # server added later raises the bound (the pool makes threads only as calls need them).
+        self.pool = GrowingPool(max_workers=2 * max(1, len(servers)), thread_name_prefix="psclient")
+        # Called with each server's index once its channel is open (PSClient's and TableClient's stubs).
+        self.on_server_added: list[Callable[[int], None]] = []
+        self._grow = threading.Lock()
+        for address in servers:
+            self._add(address)
+        self._layout: Layout | None = None
+        if layout is not None:
+            self.layout = layout
 
     # ---- routing ----
 
+    @property
+    def layout(self) -> Layout | None:
+        """The layout calls are routed by; setting one opens connections to the servers it adds."""
+        return self._layout
+
+    @layout.setter
+    def layout(self, layout: Layout | None) -> None:
+        if layout is not None:
+            self.serve(layout.servers, f"layout version {layout.version}")
+        self._layout = layout
+
+    def serve(self, servers: Sequence[str], what: str) -> None:
+        """Open connections to the servers of `servers` not connected yet, which must all come after the
+        known ones: LayoutConflictError naming the index and both addresses when one is not."""
+        with self._grow:
+            for index, (known, wanted) in enumerate(zip(self.servers, servers, strict=False)):
+                if known != wanted:
+                    raise LayoutConflictError(
+                        f"{what}: server {index} is {wanted}, this worker's server {index} is {known}; a "
+                        "layout may only add servers after the job's (a joining server), never re-order or "
+                        f"replace one (this worker knows {', '.join(self.servers)}, the layout lists "
+                        f"{', '.join(servers)})")
+            added = list(servers[len(self.servers):])
+            for address in added:
+                self._add(address)
+        for address in added:
+            log.warning("server %s joined the layout (%s): this worker connects to it as server %d", address,
+                        what, self.servers.index(address))
+
+    def _add(self, address: str) -> None:
+        if self.closed.is_set():
+            raise UnavailableError(f"server {address}: this client is closed")
+        channel = self.security.channel(address, options=self._options)
+        watcher = functools.partial(self._on_connectivity, address)
+        self.channels.append(channel)
+        self._watchers.append(watcher)
+        self._stubs.append(pb_grpc.ParameterServerServiceStub(channel))
+        self._fast.append(None)
+        self._fast_retry_at.append(0.0)
+        self._fast_locks.append(threading.Lock())
+        self.transports.append("grpc")
+        self.servers = (*self.servers, address)  # last: a reader of `servers` finds every list grown
+        channel.subscribe(watcher, try_to_connect=False)
+        self.pool.at_least(2 * len(self.servers))
+        index = len(self.servers) - 1
+        for added in self.on_server_added:
+            added(index)
+
     def set_layout(self, layout: Layout) -> None:
-        """Route by `layout` from now on (a failover moved slices to their backups' servers)."""
+        """Route by `layout` from now on (a failover moved slices to their backups' servers, or a join
+        to a new one)."""
         self.layout = layout
         for server in range(len(self.servers)):  # their buffers were sized for the old slices
             with self._fast_locks[server]:

@@ -121,7 +121,6 @@ class PSClient:
             raise InvalidArgumentError(f"transport: got {transport!r}, expected one of {TRANSPORTS}")
         if not servers:
             raise InvalidArgumentError("servers: got none, expected at least one parameter server address")
-        self.servers = tuple(servers)
         self.worker_id = worker_id
         self._owner = ProcessOwned(f"PSClient {worker_id!r}")  # a forked child must not use its channels
         # A callable (e.g. the SchedulerClient's `generation`) is read at every call, so requests
@@ -137,16 +136,18 @@ class PSClient:
         self._dtypes: dict[str, str] = {}
         # Channels, fast-path sessions, the thread pool and the routing layout: shared with the tables client.
         self.connections = ServerConnections(
-            self.servers, worker_id, self.security, timeout_s=timeout_s, transport=transport, shm_dir=shm_dir,
+            servers, worker_id, self.security, timeout_s=timeout_s, transport=transport, shm_dir=shm_dir,
             layout=layout, relayout=relayout, reroute_wait_s=reroute_wait_s, dead_after_s=dead_after_s,
             room=self._session_room)
-        self._channels = self.connections.channels
+        self._channels = self.connections.channels  # the list itself: it grows with the layout's servers
         self._closed = self.connections.closed
         self._pool = self.connections.pool
         self._answered: dict[str, float] = {}  # server -> when it last answered a call (reached_servers)
-        self._stubs = [pb_grpc.ParameterServerServiceStub(c) for c in self._channels]
-        self._exchange = [c.stream_stream(EXCHANGE_METHOD, request_serializer=identity,
-                                          response_deserializer=identity) for c in self._channels]
+        self._stubs: list[pb_grpc.ParameterServerServiceStub] = []
+        self._exchange: list[grpc.StreamStreamMultiCallable] = []
+        for server in range(len(self.servers)):
+            self._server_added(server)
+        self.connections.on_server_added.append(self._server_added)
         # What the last push_pull did (its versions are the sync clock to follow), and the last pull.
         self.last_result: PushResult | None = None
         self.last_pull: PushResult | None = None
@@ -165,6 +166,17 @@ class PSClient:
         self.compression: PushEncoder | None = None
         # Compressed pulls (JobConfig.compression.pull): this worker's copies; None: pulls come whole.
         self.pull_compression: PullDecoder | None = None
+
+    @property
+    def servers(self) -> tuple[str, ...]:
+        """The servers' addresses, by index: the start-up list, then those a newer layout added."""
+        return self.connections.servers
+
+    def _server_added(self, server: int) -> None:
+        channel = self.connections.channels[server]
+        self._stubs.append(pb_grpc.ParameterServerServiceStub(channel))
+        self._exchange.append(channel.stream_stream(EXCHANGE_METHOD, request_serializer=identity,
+                                                    response_deserializer=identity))
 
     # ---- lifecycle ----
 

@@ -224,10 +224,13 @@ class TableClient:
         """Tables over `client`'s connections (its channels, fast-path sessions, pool and routing layout)."""
         self._client = client
         self._conn = client.connections
-        self._stubs = [pb_grpc.SparseTablesServiceStub(c) for c in self._conn.channels]
+        self._stubs: list[pb_grpc.SparseTablesServiceStub] = []
         self.configs: dict[str, TableConfig] = {}
         # What each server's last table request used: "shm", "tcp" or "grpc".
-        self.transports = ["grpc"] * len(self._stubs)
+        self.transports: list[str] = []
+        for server in range(len(self._conn.servers)):
+            self._server_added(server)
+        self._conn.on_server_added.append(self._server_added)
         # The last few calls' ids and their splits: a push is most often of the ids just pulled.
         self._splits: list[tuple[np.ndarray, _Split]] = []
         self._split_owners: tuple[int, ...] = ()  # the row owners the splits were made for
@@ -240,6 +243,10 @@ class TableClient:
         self.not_yet = 0  # sync pushes refused by a server that had not received their layout yet
         # Per thread, arrays of rows kept between calls (see _buffer).
         self._local = threading.local()
+
+    def _server_added(self, server: int) -> None:
+        self._stubs.append(pb_grpc.SparseTablesServiceStub(self._conn.channels[server]))
+        self.transports.append("grpc")
 
     def declare(self, config: TableConfig) -> None:
         """Declare the table on every server (the first declaration wins; a different one is refused)."""

@@ -556,7 +556,8 @@ class SchedulerCollector(Collector):
         if self._role_changes is not None:  # replication (docs/architecture.md, 9 Failures)
             changes = CounterMetricFamily(
                 "pshard_scheduler_role_changes",
-                "Replica role changes: a backup in or out of sync, promoted, or a primary lost with no copy",
+                "Replica role changes: a backup in or out of sync, promoted, a primary lost with no copy, a "
+                "drain or a join",
                 labels=["change"])
             for change, count in sorted(self._role_changes().items()):
                 changes.add_metric([change], count)
@@ -566,11 +567,12 @@ class SchedulerCollector(Collector):
 
 
 def move_families(stats: _MoveStats) -> Iterator[Any]:
-    """Moves done and their durations (issue 20: partition moves of `pshard rebalance`, and drains), and
+    """Moves done and their durations (issue 20: partition moves of `pshard rebalance`, drains and joins), and
     the bytes copied and left of each move in progress."""
     done = CounterMetricFamily("pshard_scheduler_moves", "Moves done: row partitions moved to a backup "
-                               "(rebalance) and servers drained (drain)", labels=["kind"])
-    for kind in ("drain", "rebalance"):
+                               "(rebalance), servers drained (drain) and servers joined (join)",
+                               labels=["kind"])
+    for kind in ("drain", "join", "rebalance"):
         done.add_metric([kind], stats.finished.get(kind, 0))
     yield done
     yield HistogramMetricFamily("pshard_scheduler_move_seconds", "Duration of each move done: a rebalance "

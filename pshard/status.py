@@ -90,6 +90,20 @@ class DrainReport:
 
 
 @dataclass(frozen=True)
+class JoinReport:
+    """A join the scheduler knows of (scheduler/joins.py): in progress while the server catches up."""
+    node_id: str
+    address: str  # to
+    donor: str  # from; "" while in progress
+    slices: int
+    partitions: tuple[int, ...]
+    nbytes: int
+    layout_version: int
+    seconds: float  # from its registration to the switch, or to now
+    done: bool
+
+
+@dataclass(frozen=True)
 class LoadReport:
     """A live server's load as the scheduler rates it from the server's heartbeats (issue 20)."""
     node_id: str
@@ -131,6 +145,7 @@ class JobStatus:
     drains: tuple[DrainReport, ...] = ()
     loads: tuple[LoadReport, ...] = ()
     moves: tuple[MoveReport, ...] = ()
+    joins: tuple[JoinReport, ...] = ()
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2, sort_keys=True)
@@ -155,7 +170,7 @@ def waits_for(server: ServerReport, live_workers: Sequence[str]) -> tuple[str, .
 
 def summarise(scheduler: str, view: ClusterView, servers: Sequence[ServerReport], now: float = 0.0,
               drains: Sequence[DrainReport] = (), loads: Sequence[LoadReport] = (),
-              moves: Sequence[MoveReport] = ()) -> JobStatus:
+              moves: Sequence[MoveReport] = (), joins: Sequence[JoinReport] = ()) -> JobStatus:
     """The job's status from the scheduler's view and the servers' reports."""
     nodes = view.nodes
     live_trainers = [n.node_id for n in nodes if n.role in TRAINERS and n.state is NodeState.LIVE]
@@ -177,7 +192,7 @@ def summarise(scheduler: str, view: ClusterView, servers: Sequence[ServerReport]
     reports = tuple(ServerReport(**{**asdict(s), "waits_for": waits_for(s, live_trainers)}) for s in servers)
     return JobStatus(scheduler, view.generation, view.layout_version, tuple(members), reports, now,
                      pairs=pair_transports(servers), drains=tuple(drains), loads=tuple(loads),
-                     moves=tuple(moves))
+                     moves=tuple(moves), joins=tuple(joins))
 
 
 def pair_transports(servers: Sequence[ServerReport]) -> dict[str, dict[str, str]]:
@@ -221,6 +236,22 @@ def _drain_lines(status: JobStatus) -> list[str]:
         parts = ",".join(map(str, d.partitions)) if d.done else "-"
         lines.append(f"{d.node_id:<14} {state:<11} {d.address:<21} {d.heir or '-':<21} {d.slices:>6} "
                      f"{layout:>6} {f'{d.seconds:.2f} s':>8}  {parts or '-'}")
+    return lines
+
+
+def _join_lines(status: JobStatus) -> list[str]:
+    """What each join took, from where, and how long its catch-up took (or has taken so far)."""
+    if not status.joins:
+        return []
+    lines = ["", f"{'JOIN':<14} {'STATE':<11} {'FROM':<21} {'TO':<21} {'SLICES':>6} {'BYTES':>9} "
+                 f"{'LAYOUT':>6} {'TIME':>8}  PARTITIONS"]
+    for j in status.joins:
+        state = "done" if j.done else "catching up"
+        layout = str(j.layout_version) if j.done else "-"
+        parts = ",".join(map(str, j.partitions)) if j.done else "-"
+        lines.append(f"{j.node_id:<14} {state:<11} {j.donor or '-':<21} {j.address:<21} {j.slices:>6} "
+                     f"{_size(j.nbytes) if j.done else '-':>9} {layout:>6} {f'{j.seconds:.2f} s':>8}  "
+                     f"{parts or '-'}")
     return lines
 
 
@@ -284,6 +315,7 @@ def render(status: JobStatus) -> str:
     lines += _load_lines(status)
     lines += _drain_lines(status)
     lines += _move_lines(status)
+    lines += _join_lines(status)
     stuck = [s for s in status.servers if s.waits_for]
     if stuck:
         lines.append("")
@@ -325,6 +357,8 @@ def fetch(scheduler: str, timeout_s: float, security: SecurityConfig | None = No
                         {q.partition: q.bytes for q in p.partitions}) for p in first.loads]
     moves = [MoveReport(m.partition, m.source, m.target, m.layout_version, m.bytes, m.bytes_copied,
                         m.bytes_left, m.seconds, m.done) for m in first.moves]
+    joins = [JoinReport(j.node_id, j.address, j.donor, j.slices, tuple(j.partitions), j.bytes,
+                        j.layout_version, j.seconds, j.done) for j in first.joins]
     reports = []
     for node in view.nodes:
         if node.role != "ps" or node.state is not NodeState.LIVE:
@@ -344,7 +378,7 @@ def fetch(scheduler: str, timeout_s: float, security: SecurityConfig | None = No
             max_version=s.max_version, pulls_waiting=s.pulls_waiting, pushes_applied=s.pushes_applied,
             pushes_dropped=s.pushes_dropped, quorum=tuple(s.quorum), worker_clocks=dict(s.worker_clocks),
             transports=dict(s.worker_transports)))
-    return summarise(scheduler, view, reports, time.time(), drains, loads, moves)
+    return summarise(scheduler, view, reports, time.time(), drains, loads, moves, joins)
 
 
 def _scheduler_address(args: argparse.Namespace, environ: Mapping[str, str]) -> str:

@@ -24,8 +24,10 @@ log = logging.getLogger("pshard.scheduler")
 
 # Role changes counted (pshard_scheduler_role_changes_total): a backup caught up, a copy stopped
 # counting, a backup was promoted, a primary's slices were lost for want of a copy, a server that left
-# handed its slices to its backup (a drain).
-IN_SYNC, OUT_OF_SYNC, PROMOTED, LOST, DRAINED = "in_sync", "out_of_sync", "promoted", "lost", "drained"
+# handed its slices to its backup (a drain), a server that registered for a running job took slices of
+# the primary it had caught up with (a join).
+IN_SYNC, OUT_OF_SYNC, PROMOTED, LOST, DRAINED, JOINED = (
+    "in_sync", "out_of_sync", "promoted", "lost", "drained", "joined")
 
 
 class InSyncCopies:

@@ -32,7 +32,7 @@ from pshard.common.cluster.layout import (
     plan_layout,
 )
 from pshard.common.cluster.loads import Counters, LoadMeter
-from pshard.common.cluster.moves import NotABackupError, NowhereToMoveError
+from pshard.common.cluster.moves import NotABackupError, NowhereToMoveError, partition_count, plan_join
 from pshard.common.cluster.replicas import (
     NoInSyncCopyError,
     backups_of,
@@ -63,7 +63,8 @@ from pshard.common.errors import (
     quote,
 )
 from pshard.scheduler.drains import DrainLog
-from pshard.scheduler.in_sync import DRAINED, LOST, PROMOTED, InSyncCopies
+from pshard.scheduler.in_sync import DRAINED, JOINED, LOST, PROMOTED, InSyncCopies
+from pshard.scheduler.joins import JoinLog
 from pshard.scheduler.partition_moves import MoveLog
 
 log = logging.getLogger("pshard.scheduler")
@@ -214,6 +215,7 @@ class Membership:
         self._isolated = False
         self.isolations = 0  # times this scheduler heard from no live node and so declared none dead
         self.drains = DrainLog()  # for `pshard status`
+        self.joins = JoinLog()
         self.loads = LoadMeter()  # each server's load, from its heartbeats (`pshard rebalance`)
         self.moves = MoveLog()  # partition moves, and every move's duration for the metrics
 
@@ -282,6 +284,7 @@ class Membership:
                                          carried_over=known is None and last_generation > 0)
         if role == "ps":
             self._ring_moved()
+            self._join_started(self._members[node_id])
         return Registration(node_id, rank, generation, self.view())
 
     def _check_jump(self, node_id: str | None, known: _Member | None, last_generation: int) -> None:
@@ -337,7 +340,86 @@ class Membership:
         if (member.role == "ps" and layout is not None and layout.replicas
                 and in_sync_layout >= layout.version):
             self.in_sync.report(member.address, in_sync, self._is_current, self._ring_backups(member))
+            self._join_caught_up(member)
         return self.view()
+
+    # ---- joins (docs/architecture.md, 4 Layout: Moving slices and partitions) ----
+
+    def _join_started(self, member: _Member) -> None:
+        """A server registering beyond the running job's layout, at the next place in it, joins: it becomes
+        the backup of the server before it in ring order (the rule every server applies to views) and
+        catches up with its slices through replication before any of them is its own."""
+        layout = self._layout
+        if layout is None or member.address in layout.servers:
+            self.joins.dropped(member.node_id)
+            return
+        if member.rank != len(layout.servers):
+            self.joins.dropped(member.node_id)
+            log.warning("JOIN: server %s (%s) registered at rank %d, but the running job's next server is "
+                        "rank %d (layout version %d): it serves nothing; start it with --task-index %d",
+                        member.node_id, member.address, member.rank, len(layout.servers), layout.version,
+                        len(layout.servers))
+            return
+        if not layout.replicas:
+            log.warning("JOIN: server %d (%s) registered for the running job, which has no replicas: it "
+                        "serves nothing (a join copies through replication; run the job with --replicas 1)",
+                        member.rank, member.address)
+            return
+        self.joins.registered(member.node_id, member.address, self._clock.now())
+        log.warning("JOIN: server %d (%s) registered for the running job (layout version %d); it catches up "
+                    "with server %s's slices as its backup, then takes some of them", member.rank,
+                    member.address, layout.version, self._donor_of(member))
+
+    def _donor_of(self, joiner: _Member) -> int | None:
+        """The layout's server whose backup `joiner` is in the ring now (its live predecessor)."""
+        layout = self._layout
+        assert layout is not None
+        by_address = {m.address: m for m in self._members.values() if m.role == "ps"}
+        for index, address in enumerate(layout.servers):
+            member = by_address.get(address)
+            if member is not None and member.state is NodeState.LIVE \
+                    and joiner.address in self._ring_backups(member):
+                return index
+        return None
+
+    def _join_rolled_back(self, member: _Member) -> None:
+        if self.joins.in_progress(member.node_id) is not None:
+            self.joins.dropped(member.node_id)
+            log.warning("JOIN: server %d (%s) is gone before it took any slice; the job goes on on layout "
+                        "version %d", member.rank, member.address,
+                        self._layout.version if self._layout else 0)
+
+    def _join_caught_up(self, primary: _Member) -> None:
+        """`primary` reported its in-sync backups: a joining server among them holds everything `primary`
+        acknowledged, so the slices plan_join takes from `primary` for it switch owner under one new layout
+        version, as a drain hands over to a backup. Only from that donor: no other server's state was
+        copied to it (plan_join balances the two)."""
+        layout = self._layout
+        assert layout is not None
+        donor = index_of(layout, primary.address)
+        if donor is None:
+            return
+        copies = self.in_sync.of(primary.address)
+        for member in list(self._members.values()):
+            join = self.joins.in_progress(member.node_id)
+            if (join is None or member.state is not NodeState.LIVE or member.address not in copies
+                    or member.address in layout.servers or member.rank != len(layout.servers)):
+                continue
+            plan = plan_join(layout, member.address, [0] * partition_count(layout), live={donor})
+            if not plan.moves:
+                continue
+            new = self.replace_layout(plan.after)
+            self.in_sync.changes[JOINED] += 1
+            partitions = tuple(sorted(m.item for m in plan.moves if isinstance(m.item, int)))
+            done = self.joins.switched(member.node_id, primary.address, len(plan.moves) - len(partitions),
+                                       partitions, plan.nbytes, new.version, self._clock.now())
+            self.moves.joined(done.seconds(self._clock.now()))
+            log.warning("JOIN: server %d (%s) took %d slices and row partitions %s (%d bytes) from server "
+                        "%d (%s), of which it was an in-sync copy: layout version %d, %.2f s after it "
+                        "registered",
+                        member.rank, member.address, done.slices, list(partitions), plan.nbytes, donor,
+                        primary.address, new.version, done.seconds(self._clock.now()))
+            return
 
     def leave(self, node_id: str, generation: int) -> ClusterView:
         """A node leaves on purpose. A parameter server that serves slices or row partitions is a drain
@@ -360,6 +442,7 @@ class Membership:
             if member.role == "ps":
                 self.in_sync.forget(member.address, "left the cluster")
                 self._ring_moved()
+                self.joins.dropped(member.node_id)
                 self._moves_gone(member.address, "left")
         return self.view()
 
@@ -444,6 +527,7 @@ class Membership:
         for member in dead:
             if member.role == "ps":
                 self.in_sync.forget(member.address, "was declared dead")
+                self._join_rolled_back(member)
                 self._moves_gone(member.address, "was declared dead")
         if any(m.role == "ps" for m in dead):
             self._ring_moved()

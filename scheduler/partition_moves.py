@@ -20,7 +20,7 @@ KEEP_DONE = 64  # finished moves kept for status; older ones are dropped first
 # Move durations, in seconds (pshard_scheduler_move_seconds): a switch to a backup is immediate, a copy
 # of a large partition to the new server's backups takes seconds to minutes.
 MOVE_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0)
-REBALANCE, DRAIN = "rebalance", "drain"
+REBALANCE, DRAIN, JOIN = "rebalance", "drain", "join"
 
 
 @dataclass(frozen=True)
@@ -103,6 +103,10 @@ class MoveLog:
     def drained(self, seconds: float) -> None:
         """A drain handed a server's slices and partitions to its backup after `seconds`."""
         self._count(DRAIN, seconds)
+
+    def joined(self, seconds: float) -> None:
+        """A server that registered for the running job took slices `seconds` after it registered."""
+        self._count(JOIN, seconds)
 
     def all(self) -> tuple[PartitionMove, ...]:
         """In progress first, then done, each in the order they switched."""

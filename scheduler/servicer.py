@@ -156,7 +156,7 @@ class SchedulerServicer(pb_grpc.SchedulerServiceServicer):
             view = await self._changes.wait_for(newer)
             if view is not None and view.generation > sent:
                 yield pb.WatchResponse(view=view_to_proto(view), drains=self._drains(),
-                                       loads=self._loads(view), moves=self._moves())
+                                       loads=self._loads(view), moves=self._moves(), joins=self._joins())
                 sent = view.generation
 
     def _drains(self) -> list[pb.Drain]:
@@ -164,6 +164,12 @@ class SchedulerServicer(pb_grpc.SchedulerServiceServicer):
         return [pb.Drain(node_id=d.node_id, address=d.address, heir=d.heir, slices=d.slices,
                          partitions=d.partitions, layout_version=d.layout_version, seconds=d.seconds(now),
                          done=d.done) for d in self._members.drains.all()]
+
+    def _joins(self) -> list[pb.Join]:
+        now = self._members.clock_now()
+        return [pb.Join(node_id=j.node_id, address=j.address, donor=j.donor, slices=j.slices,
+                        partitions=j.partitions, bytes=j.nbytes, layout_version=j.layout_version,
+                        seconds=j.seconds(now), done=j.done) for j in self._members.joins.all()]
 
     def _loads(self, view: ClusterView) -> list[pb.ServerLoad]:
         return [load_to_proto(self._members.loads.load(n.address)) for n in view.live("ps")]

@@ -319,6 +319,11 @@ class ShardStore:
                 slot.on_step = self._on_step
                 slot.pool = self._pool
                 slot.aggregate = Aggregate()
+                if self.config.mode == "sync":
+                    # A copy taken while a clock was in progress (a joiner's catch-up state) counts the
+                    # pushes of it that waited in the primary's aggregate, which is not copied: their
+                    # resends must be taken here, not dropped as duplicates (completed clocks still are).
+                    slot.last_clock = {w: min(c, slot.version - 1) for w, c in slot.last_clock.items()}
                 self._slots[slot.key] = slot
                 for worker, clock in slot.last_clock.items():
                     self._worker_clocks[worker] = max(self._worker_clocks.get(worker, NO_CLOCK), clock)

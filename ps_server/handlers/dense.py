@@ -286,6 +286,7 @@ class ParameterServerHandlers:
                   if self.replica_set.holds(k) and (store is None or not store.holds(k))]
         if copies:
             self._promote(copies)
+        self._changes.notify()  # pulls parked on slices that moved away are refused now (_wait_readable)
 
     def _release_moved(self, keys: Sequence[SliceKey], primary: str) -> None:
         """Slices a failover moved away from this server while it was cut off, now copied to it by their
@@ -617,6 +618,9 @@ class ParameterServerHandlers:
         if store.policy.name == "sync" and not store.had_quorum:
             await self._await_first_quorum(store, stamp, keys, min(deadline, started + NO_QUORUM_GRACE_S))
         def readable() -> bool | None:
+            # A layout that moved the slices away (a join, a drain, a failover) ends the wait at once with
+            # the re-route error: the clock now completes on their new primary, never here.
+            self._check_owned(keys)
             if store.pull_status(stamp, keys) is None:
                 return True
             # Fenced for good: no push can complete the clock here any more; the worker re-routes.

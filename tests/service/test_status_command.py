@@ -14,7 +14,7 @@ from pshard.common.cluster.view import ClusterView, Node, NodeState
 
 from pshard.api.v1 import parameter_server_pb2 as pb
 from pshard.api.v1 import parameter_server_pb2_grpc as pb_grpc
-from pshard.status import DrainReport, ServerReport, render, summarise
+from pshard.status import DrainReport, JoinReport, ServerReport, render, summarise
 from tests.e2e.harness import ROOT, TIMEOUTS, LocalCluster, Procs, wait_until
 
 
@@ -132,3 +132,20 @@ def test_drains_in_progress_and_done_are_shown_with_from_to_and_time() -> None:
     assert lines[header + 2].split() == ["ps-2", "in", "progress", "127.0.0.1:7103", "-", "0", "-", "12.50",
                                          "s", "-"]
     assert "DRAIN" not in render(summarise("127.0.0.1:7000", view, []))
+
+
+def test_joins_catching_up_and_done_are_shown_with_from_to_bytes_and_time() -> None:
+    view = ClusterView(9, (Node("ps-0", "ps", 0, "127.0.0.1:7101", NodeState.LIVE, 1),
+                           Node("ps-1", "ps", 1, "127.0.0.1:7102", NodeState.LIVE, 1),
+                           Node("ps-2", "ps", 2, "127.0.0.1:7103", NodeState.LIVE, 7)), layout_version=4)
+    joins = [JoinReport("ps-2", "127.0.0.1:7103", "127.0.0.1:7102", 3, (5,), 3 * 2**20, 4, 1.25, True),
+             JoinReport("ps-3", "127.0.0.1:7104", "", 0, (), 0, 0, 2.5, False)]
+    lines = render(summarise("127.0.0.1:7000", view, [], joins=joins)).splitlines()
+    header = next(i for i, line in enumerate(lines) if line.startswith("JOIN "))
+    assert lines[header].split() == ["JOIN", "STATE", "FROM", "TO", "SLICES", "BYTES", "LAYOUT", "TIME",
+                                     "PARTITIONS"]
+    assert lines[header + 1].split() == ["ps-2", "done", "127.0.0.1:7102", "127.0.0.1:7103", "3", "3.0",
+                                         "MiB", "4", "1.25", "s", "5"]
+    assert lines[header + 2].split() == ["ps-3", "catching", "up", "-", "127.0.0.1:7104", "0", "-", "-",
+                                         "2.50", "s", "-"]
+    assert "JOIN" not in render(summarise("127.0.0.1:7000", view, []))

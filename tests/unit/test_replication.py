@@ -114,6 +114,27 @@ def test_promoted_copies_continue_as_the_store_would_have():
         _same(mine, theirs)
 
 
+def test_a_copy_taken_mid_clock_takes_the_resent_push_of_that_clock():
+    # A joining server's catch-up copy (issue 20) is the slices' state, taken while w0's push of clock 3
+    # waits in the primary's aggregate for w1's: the copy's clocks say w0 pushed 3, but the aggregate is
+    # not copied, so the heir must take w0's resend of clock 3 (else the clock never completes there).
+    workers = ("w0", "w1")
+    primary = _primary(ADAM_SYNC, workers)
+    _train(primary, workers, range(3))
+    primary.push(Stamp("w0", 0, 3), {A: np.ones(50, np.float32), B: np.ones((4, 3), np.float16)})
+    backup = ReplicaSet()
+    backup.apply(ADAM_SYNC, [record_from_proto(record_to_proto(state_record(s, 0))) for s in primary.slots()])
+    heir = ShardStore(ADAM_SYNC, quorum=dict.fromkeys(workers, 0))
+    heir.adopt(backup.take([A, B]))
+    assert heir.push(Stamp("w0", 0, 2), {A: np.ones(50, np.float32)}).dropped == 1  # completed: a duplicate
+    assert heir.push(Stamp("w0", 0, 3), {A: np.ones(50, np.float32), B: np.ones((4, 3), np.float16)}
+                     ).applied == 2
+    for store in (primary, heir):
+        store.push(Stamp("w1", 0, 3), {A: np.full(50, 2, np.float32), B: np.full((4, 3), 2, np.float16)})
+    for mine, theirs in zip(primary.slots(), heir.slots(), strict=True):
+        _same(mine, theirs)
+
+
 def test_another_jobs_copies_are_dropped():
     primary = _primary(ADAM_ASYNC, ("w0",))
     recorder = Recorder(primary)
