@@ -213,8 +213,8 @@ def test_workers_with_the_same_history_share_one_copy_and_one_packing() -> None:
     pull("w1", 6)
     value = value + 1
     for w in ("w0", "w1"):
-        got = pull(w, 7)
-        assert got.tobytes() == copies.copy_of(w, s.slice_key).tobytes()
+        pulled = pull(w, 7)
+        assert pulled.tobytes() == copies.copy_of(w, s.slice_key).tobytes()
     assert copies.copy_of("w0", s.slice_key).tobytes() != copies.copy_of("w1", s.slice_key).tobytes()
     assert copies.nbytes == 2 * 4 * NUMEL
 
