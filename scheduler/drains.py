@@ -6,11 +6,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pshard.scheduler.timed import Timed
+
 KEEP_DONE = 32  # finished drains kept for status; older ones are dropped first
 
 
 @dataclass(frozen=True)
-class Drain:
+class Drain(Timed):
     node_id: str
     address: str
     started: float  # the scheduler's clock at the first ask
@@ -19,14 +21,6 @@ class Drain:
     partitions: tuple[int, ...] = ()
     layout_version: int = 0  # the layout that made the hand-over
     ended: float | None = None  # None: in progress
-
-    @property
-    def done(self) -> bool:
-        return self.ended is not None
-
-    def seconds(self, now: float) -> float:
-        """From the first ask to the hand-over, or to `now` while in progress."""
-        return (self.ended if self.ended is not None else now) - self.started
 
 
 class DrainLog:

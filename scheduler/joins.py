@@ -7,11 +7,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pshard.scheduler.timed import Timed
+
 KEEP_DONE = 32  # finished joins kept for status; older ones are dropped first
 
 
 @dataclass(frozen=True)
-class Join:
+class Join(Timed):
     node_id: str
     address: str  # the joining server
     started: float  # the scheduler's clock at its registration
@@ -21,14 +23,6 @@ class Join:
     nbytes: int = 0  # the bytes of the slices and partitions it took
     layout_version: int = 0  # the layout that made the switch
     ended: float | None = None  # None: in progress
-
-    @property
-    def done(self) -> bool:
-        return self.ended is not None
-
-    def seconds(self, now: float) -> float:
-        """From the registration to the switch, or to `now` while in progress."""
-        return (self.ended if self.ended is not None else now) - self.started
 
 
 class JoinLog:
