@@ -75,8 +75,12 @@ def test_rebalance_moves_a_hot_partition_to_its_backup_and_loses_no_acknowledged
             push += 1
 
     def loaded() -> bool:
+        """Rates for the pushed servers, and ps-1's partitions sized: a server recounts its partitions'
+        bytes every 2 s at most, so its first reports may still carry the sizes from before any push
+        (a move's bytes come from them)."""
         loads = {load.node_id: load for load in fetch(address, 10.0).loads}
-        return len(loads) == 3 and all(sum(loads[f"ps-{i}"].rows_per_s.values()) > 0 for i in (0, 1))
+        return len(loads) == 3 and all(sum(loads[f"ps-{i}"].rows_per_s.values()) > 0 for i in (0, 1)) and all(
+            loads["ps-1"].partition_bytes.get(p, 0) > 0 for p in layout.partitions_on(1))
 
     try:
         with ThreadPoolExecutor(CLIENTS) as pool, _stopping(stop):
