@@ -92,22 +92,20 @@ class ServerConnections:
         self._grow = threading.Lock()
         for address in servers:
             self._add(address)
-        self._layout: Layout | None = None
+        # The layout calls are routed by. Set it through `use_layout`, which opens connections to the
+        # servers it adds first; a plain attribute for readers, since a step reads it several times and
+        # every Python call counts there (tests/service/test_hot_path_calls.py).
+        self.layout: Layout | None = None
         if layout is not None:
-            self.layout = layout
+            self.use_layout(layout)
 
     # ---- routing ----
 
-    @property
-    def layout(self) -> Layout | None:
-        """The layout calls are routed by; setting one opens connections to the servers it adds."""
-        return self._layout
-
-    @layout.setter
-    def layout(self, layout: Layout | None) -> None:
+    def use_layout(self, layout: Layout | None) -> None:
+        """Route calls by `layout` from now on, once connections to the servers it adds are open."""
         if layout is not None:
             self.serve(layout.servers, f"layout version {layout.version}")
-        self._layout = layout
+        self.layout = layout
 
     def serve(self, servers: Sequence[str], what: str) -> None:
         """Open connections to the servers of `servers` not connected yet, which must all come after the
@@ -149,7 +147,7 @@ class ServerConnections:
     def set_layout(self, layout: Layout) -> None:
         """Route by `layout` from now on (a failover moved slices to their backups' servers, or a join
         to a new one)."""
-        self.layout = layout
+        self.use_layout(layout)
         for server in range(len(self.servers)):  # their buffers were sized for the old slices
             with self._fast_locks[server]:
                 self._drop(server)

@@ -145,6 +145,9 @@ class PSClient:
         self._answered: dict[str, float] = {}  # server -> when it last answered a call (reached_servers)
         self._stubs: list[pb_grpc.ParameterServerServiceStub] = []
         self._exchange: list[grpc.StreamStreamMultiCallable] = []
+        # The servers' addresses, by index: the start-up list, then those a newer layout added (kept in
+        # step by _server_added; an attribute, not a property, since a step reads it).
+        self.servers: tuple[str, ...] = self.connections.servers
         for server in range(len(self.servers)):
             self._server_added(server)
         self.connections.on_server_added.append(self._server_added)
@@ -167,12 +170,8 @@ class PSClient:
         # Compressed pulls (JobConfig.compression.pull): this worker's copies; None: pulls come whole.
         self.pull_compression: PullDecoder | None = None
 
-    @property
-    def servers(self) -> tuple[str, ...]:
-        """The servers' addresses, by index: the start-up list, then those a newer layout added."""
-        return self.connections.servers
-
     def _server_added(self, server: int) -> None:
+        self.servers = self.connections.servers
         channel = self.connections.channels[server]
         self._stubs.append(pb_grpc.ParameterServerServiceStub(channel))
         self._exchange.append(channel.stream_stream(EXCHANGE_METHOD, request_serializer=identity,
@@ -259,7 +258,7 @@ class PSClient:
 
     @layout.setter
     def layout(self, layout: Layout | None) -> None:
-        self.connections.layout = layout
+        self.connections.use_layout(layout)
 
     @property
     def transports(self) -> list[str]:
@@ -352,7 +351,7 @@ class PSClient:
                 return summary if summary is not None else self._exchange_call(server, header, [], slices,
                                                                                result)
 
-            return self._pulling(server, slices, header, send)
+            return send() if self.pull_compression is None else self._pulling(server, slices, header, send)
 
         return result, _result(self._all_servers(run))
 
@@ -409,7 +408,7 @@ class PSClient:
                     return self._unary_push_pull(server, header, buffers, pulled, out or {})
                 return self._exchange_call(server, header, buffers, pulled, out or {})
 
-            return self._pulling(server, pulled, header, send)
+            return send() if self.pull_compression is None else self._pulling(server, pulled, header, send)
 
         return _result(self._all_servers(run))
 
@@ -605,7 +604,7 @@ class PSClient:
         wire = (self.job.wire_dtype if self.job else "") or ""
         dtypes = [self._param_dtype(s.key) for s in pulled]
         wire_dtypes = [wire if wire and d in PARAM_DTYPES else d for d in dtypes]
-        packs = codec.pull_packs_from_proto(header) or [None] * len(pulled)
+        packs = (codec.pull_packs_from_proto(header) if header.pull_packing else None) or [None] * len(pulled)
 
         def place(index: int, raw: np.ndarray) -> None:
             self._place_pulled(pulled[index], packs[index], raw, wire_dtypes[index], header.stamp.clock, out)
@@ -841,7 +840,7 @@ class PSClient:
         wire = (self.job.wire_dtype if self.job else "") or ""
         dtypes = [self._param_dtype(s.key) for s in pulled]
         wire_dtypes = [wire if wire and d in PARAM_DTYPES else d for d in dtypes]
-        packs = codec.pull_packs_from_proto(header) or [None] * len(pulled)
+        packs = (codec.pull_packs_from_proto(header) if header.pull_packing else None) or [None] * len(pulled)
         sizes = [self.pull_compression.nbytes(s, p) if p is not None and p.packed and self.pull_compression
                  else s.numel * codec.numpy_dtype(d).itemsize
                  for s, d, p in zip(pulled, wire_dtypes, packs, strict=True)]

@@ -690,7 +690,8 @@ class ParameterServerHandlers:
         await self._await_view(stamp, deadline)
         # The whole request, push and pull part, before any of it lands: a refused request changes nothing.
         specs = store.check_request(stamp, metas, keys)
-        self._check_packs(store, stamp, keys, packs)
+        if packs:  # compressed pulls only: a plain step makes no call here
+            self._check_packs(store, stamp, keys, packs)
         outcome = self._push_now(store, stamp, items, specs) if items else PushOutcome(0, 0)
         if not keys:
             await self._settle(pushed, deadline)  # acknowledged once on every backup
@@ -765,7 +766,8 @@ class ParameterServerHandlers:
         deadline = self._deadline(timeout_s)
         await self._await_view(stamp, deadline)
         store.check_request(stamp, push, pull)  # the header, whole, before any gradient is read
-        self._check_packs(store, stamp, pull, packs)
+        if packs:
+            self._check_packs(store, stamp, pull, packs)
         # The worker pushed step `clock`; what it pulls back is for its next step.
         pull_stamp = stamp._replace(clock=stamp.clock + 1) if push else stamp
         counts = [0, 0]

@@ -643,7 +643,8 @@ class Connection(asyncio.BufferedProtocol):
             # thread to wake up, tens of microseconds of a small call's few hundred (issue 24).
             if self._relay is not None and self._relay.send_direct(frame, self._written):
                 return
-            self._to_transport(frame)
+            transport.write(frame)  # not through _to_transport: a small step's calls count
+            self._written += len(frame)
             return
         self._to_transport(head)
         for part in data:

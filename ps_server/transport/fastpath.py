@@ -602,7 +602,7 @@ class FastPathServer:
         pull, wires, items, pushed = session.decoded(header, metas, views)
         timeout_ms = codec.timeout_ms_from_proto(header)
         timeout_s = timeout_ms / 1000 if timeout_ms is not None else None
-        packs = codec.pull_packs_from_proto(header)
+        packs = codec.pull_packs_from_proto(header) if header.pull_packing else ()  # a step's calls count
         if pushed + session.pulled_bytes(pull) <= _SMALL_BYTES:
             if inflow is not None:
                 await inflow.wait(inflow.total)

@@ -366,7 +366,7 @@ class ParameterServerServicer:
         events = self._handlers.exchange(
             codec.stamp_from_proto(header.stamp), metas, pull,
             _read_slices(metas, frames), _frame_or_bytes, _seconds(header),
-            codec.pull_packs_from_proto(header))
+            codec.pull_packs_from_proto(header) if header.pull_packing else ())
         # aclosing: a cancelled call stops the handler's push side at once, not when collected.
         async with contextlib.aclosing(events):
             async for event in events:
