@@ -439,6 +439,11 @@ class SchedulerClient:
                 except PSError as again:
                     log.warning("re-registering %s failed: %s", self._node_id, again)
             elif isinstance(err, StaleGenerationError):
+                if self._generation != generation:
+                    # This process registered again while the heartbeat was on its way (a drain's leave
+                    # to a restarted scheduler does): the newer incarnation is this one, and the next
+                    # heartbeat carries its generation.
+                    continue
                 # A newer incarnation of this node id exists: this process is fenced out for good.
                 log.error("%s is fenced out by a newer incarnation: %s", self._node_id, err)
                 with self._view_changed:  # waiters for a newer generation of ours: there will be none
