@@ -107,6 +107,12 @@ def test_async_table_clients_lose_no_acknowledged_update_when_a_server_is_sigkil
             futures = [pool.submit(run, i) for i in range(CLIENTS)]
             wait_until(lambda: count[0] >= KILL_AFTER or any(f.done() for f in futures), RUN_TIMEOUT_S,
                        f"{KILL_AFTER} acknowledged pushes")
+            # Only a copy the scheduler counts in sync is promoted: killed before that, ps-1's partition
+            # is refused a failover (FAILOVER IMPOSSIBLE) and every push to it waits out its deadline.
+            # Under load the report can come after the pushes counted above, so the kill waits for it.
+            in_sync = f"is an in-sync backup of {layout.servers[1]}"
+            wait_until(lambda: any(in_sync in line for line in started[0].lines), RUN_TIMEOUT_S,
+                       f"the scheduler counting a backup of ps-1 ({layout.servers[1]}) in sync")
             os.kill(started[2].pid, signal.SIGKILL)  # started: scheduler, ps-0, ps-1, ps-2: ps-1
             for f in futures:
                 f.result(timeout=RUN_TIMEOUT_S)
