@@ -41,6 +41,7 @@ from pshard.common.errors import (
     PullTimeoutError,
     UnavailableError,
 )
+from pshard.common.failpoints import failpoint
 from pshard.common.job import JobConfig
 from pshard.common.rpc.bind import default_bind
 from pshard.common.security.credentials import SecurityConfig, security_from_args
@@ -422,6 +423,7 @@ class ClusterSession:
     def await_peers(self) -> None:
         """The chief: until no other worker is live; gives up (saying so) when none progressed for a
         step timeout."""
+        failpoint("worker.before_await_peers")
         sched = self._registered()
         me = self.spec.node_id
 

@@ -1,0 +1,76 @@
+"""Failpoints (pshard.common.failpoints): parsed once, refused with the field and value when misspelt, and a
+`pause` holds a real process's thread, and only it, until SIGUSR1."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+from pshard.common.errors import InvalidArgumentError
+from pshard.common.failpoints import ENV, parse
+
+from tests.e2e.harness import wait_until
+
+
+def test_parse_reads_names_and_actions() -> None:
+    assert parse("") == {}
+    assert parse(" worker.before_await_peers=pause , ") == {"worker.before_await_peers": "pause"}
+
+
+@pytest.mark.parametrize("text", ["worker.before_await_peer=pause", "worker.before_await_peers=stop",
+                                  "worker.before_await_peers"])
+def test_a_misspelt_failpoint_is_refused_naming_the_variable_and_the_item(text: str) -> None:
+    with pytest.raises(InvalidArgumentError, match=rf"{ENV}: got '{text}'.*worker.before_await_peers"):
+        parse(text)
+
+
+def test_a_pause_holds_the_calling_thread_while_the_others_run_until_sigusr1() -> None:
+    code = ("import threading, time\n"
+            "from pshard.common.failpoints import failpoint\n"
+            "def tick():\n"
+            "    while True:\n"
+            "        print('tick', flush=True)\n"
+            "        time.sleep(0.05)\n"
+            "threading.Thread(target=tick, daemon=True).start()\n"
+            "failpoint('worker.before_await_peers')\n"
+            "print('after', flush=True)\n")
+    env = {**os.environ, ENV: "worker.before_await_peers=pause"}
+    proc = subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stderr is not None and proc.stdout is not None
+        line = proc.stderr.readline()  # blocks until the pause is announced
+        assert line == f"failpoint worker.before_await_peers: paused (pid {proc.pid}); SIGUSR1 resumes it\n"
+        ticks = [proc.stdout.readline() for _ in range(3)]  # the other thread goes on meanwhile
+        assert ticks == ["tick\n"] * 3 and proc.poll() is None
+        os.kill(proc.pid, signal.SIGUSR1)
+        wait_until(lambda: proc.stdout is not None and proc.stdout.readline() == "after\n", 30.0,
+                   "the paused thread going on")
+    finally:
+        proc.kill()
+        proc.communicate(timeout=30)
+
+
+def test_a_pause_off_the_main_thread_fails_saying_why() -> None:
+    code = ("import threading\n"
+            "from pshard.common.failpoints import failpoint\n"
+            "def run():\n"
+            "    try:\n"
+            "        failpoint('worker.before_await_peers')\n"
+            "    except RuntimeError as e:\n"
+            "        print(e)\n"
+            "t = threading.Thread(target=run, name='side'); t.start(); t.join()\n")
+    env = {**os.environ, ENV: "worker.before_await_peers=pause"}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=30)
+    assert "reached on thread 'side'; a pause needs the main thread" in done.stdout, done
+
+
+def test_without_the_variable_a_failpoint_does_nothing() -> None:
+    env = {k: v for k, v in os.environ.items() if k != ENV}
+    done = subprocess.run([sys.executable, "-c", "from pshard.common.failpoints import failpoint\n"
+                           "failpoint('worker.before_await_peers')\nprint('through')"],
+                          env=env, capture_output=True, text=True, timeout=30)
+    assert done.stdout == "through\n" and done.returncode == 0
