@@ -1,15 +1,16 @@
 """The joins a scheduler has seen (issue 20, `pshard status`): a parameter server that registers for a
 running job is a join in progress while it catches up, as the backup of the server before it in ring order,
-with that server's slices; it is done once they switched owner under a new layout version. Pure: the
-scheduler's clock comes in as `now`."""
+with that server's slices; it is done once they switched owner under a new layout version, or rolled back
+when the joiner is gone before the switch (nothing moved: the old layout stays). Pure: the scheduler's
+clock comes in as `now`."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from pshard.scheduler.timed import Timed
 
-KEEP_DONE = 32  # finished joins kept for status; older ones are dropped first
+KEEP_DONE = 32  # finished (switched or rolled back) joins kept for status; older ones are dropped first
 
 
 @dataclass(frozen=True)
@@ -23,38 +24,55 @@ class Join(Timed):
     nbytes: int = 0  # the bytes of the slices and partitions it took
     layout_version: int = 0  # the layout that made the switch
     ended: float | None = None  # None: in progress
+    rolled_back: str = ""  # why the joiner went before the switch; "" unless it did
+
+    @property
+    def over(self) -> bool:
+        """Switched or rolled back."""
+        return self.ended is not None
+
+    @property
+    def done(self) -> bool:
+        """The switch is made (a rolled-back join ended without one)."""
+        return self.ended is not None and not self.rolled_back
 
 
 class JoinLog:
     def __init__(self, keep_done: int = KEEP_DONE) -> None:
-        self._joins: dict[str, Join] = {}
+        self._joins: list[Join] = []  # in the order they registered; one in progress per node at most
         self._keep_done = keep_done
 
     def registered(self, node_id: str, address: str, now: float) -> None:
-        """A server beyond the layout registered: a join in progress (a new process starts it again)."""
-        self._joins.pop(node_id, None)
-        self._joins[node_id] = Join(node_id, address, now)
+        """A server beyond the layout registered: a join in progress. A new process of a joiner still
+        in progress holds nothing of the old one's copy: that join is rolled back and this one starts."""
+        self.rolled_back(node_id, now, "registered again (a new process holds nothing of the copy)")
+        self._joins.append(Join(node_id, address, now))
 
     def in_progress(self, node_id: str) -> Join | None:
-        join = self._joins.get(node_id)
-        return join if join is not None and not join.done else None
+        return next((j for j in self._joins if j.node_id == node_id and not j.over), None)
 
-    def dropped(self, node_id: str) -> None:
-        """The joiner died or left before the switch: nothing moved, the old layout stays (a roll back)."""
-        if self.in_progress(node_id) is not None:
-            del self._joins[node_id]
+    def rolled_back(self, node_id: str, now: float, why: str) -> Join | None:
+        """The joiner died or left before the switch: nothing moved, the old layout stays (a roll back,
+        kept for status with `why`). The join rolled back, None if none was in progress."""
+        current = self.in_progress(node_id)
+        if current is None:
+            return None
+        return self._end(current, replace(current, ended=now, rolled_back=why or "gone"))
 
     def switched(self, node_id: str, donor: str, slices: int, partitions: tuple[int, ...], nbytes: int,
                  layout_version: int, now: float) -> Join:
-        current = self._joins.pop(node_id)
-        join = Join(node_id, current.address, current.started, donor, slices, partitions, nbytes,
-                    layout_version, now)
-        self._joins[node_id] = join
-        done = [j.node_id for j in self._joins.values() if j.done]
-        for old in done[:max(0, len(done) - self._keep_done)]:
-            del self._joins[old]
-        return join
+        current = self.in_progress(node_id)
+        assert current is not None, node_id
+        return self._end(current, replace(current, donor=donor, slices=slices, partitions=partitions,
+                                          nbytes=nbytes, layout_version=layout_version, ended=now))
+
+    def _end(self, current: Join, ended: Join) -> Join:
+        self._joins[self._joins.index(current)] = ended
+        over = [j for j in self._joins if j.over]
+        for old in over[:max(0, len(over) - self._keep_done)]:
+            self._joins.remove(old)
+        return ended
 
     def all(self) -> tuple[Join, ...]:
         """In the order they registered."""
-        return tuple(self._joins.values())
+        return tuple(self._joins)
