@@ -18,13 +18,14 @@ class Join(Timed):
     node_id: str
     address: str  # the joining server
     started: float  # the scheduler's clock at its registration
-    donor: str = ""  # the server it copied from and took slices of; "" until known
+    donor: str = ""  # the server it copies from and took slices of; "" until that one reports
     slices: int = 0
     partitions: tuple[int, ...] = ()
     nbytes: int = 0  # the bytes of the slices and partitions it took
     layout_version: int = 0  # the layout that made the switch
     ended: float | None = None  # None: in progress
     rolled_back: str = ""  # why the joiner went before the switch; "" unless it did
+    bytes_left: int = 0  # of the copy, as the donor last reported them; 0 once switched
 
     @property
     def over(self) -> bool:
@@ -51,6 +52,13 @@ class JoinLog:
     def in_progress(self, node_id: str) -> Join | None:
         return next((j for j in self._joins if j.node_id == node_id and not j.over), None)
 
+    def copying(self, node_id: str, donor: str, bytes_left: int) -> None:
+        """The donor's report of the bytes its backups (the joiner among them) still lack from its copy."""
+        current = self.in_progress(node_id)
+        if current is not None:
+            self._joins[self._joins.index(current)] = replace(current, donor=donor,
+                                                              bytes_left=max(0, bytes_left))
+
     def rolled_back(self, node_id: str, now: float, why: str) -> Join | None:
         """The joiner died or left before the switch: nothing moved, the old layout stays (a roll back,
         kept for status with `why`). The join rolled back, None if none was in progress."""
@@ -64,7 +72,8 @@ class JoinLog:
         current = self.in_progress(node_id)
         assert current is not None, node_id
         return self._end(current, replace(current, donor=donor, slices=slices, partitions=partitions,
-                                          nbytes=nbytes, layout_version=layout_version, ended=now))
+                                          nbytes=nbytes, layout_version=layout_version, ended=now,
+                                          bytes_left=0))
 
     def _end(self, current: Join, ended: Join) -> Join:
         self._joins[self._joins.index(current)] = ended

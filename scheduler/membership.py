@@ -389,6 +389,18 @@ class Membership:
                         "registered; the job goes on on layout version %d", member.rank, member.address, why,
                         join.seconds(self._clock.now()), self._layout.version if self._layout else 0)
 
+    def _joins_copying(self, donor: _Member, copy_bytes_left: int) -> None:
+        """`donor`'s heartbeat counted the bytes its backups lack: a join copying from it has those left."""
+        layout = self._layout
+        if layout is None:
+            return
+        for member in list(self._members.values()):
+            if self.joins.in_progress(member.node_id) is None:
+                continue
+            index = self._donor_of(member)
+            if index is not None and layout.servers[index] == donor.address:
+                self.joins.copying(member.node_id, donor.address, copy_bytes_left)
+
     def _joins_resumed(self) -> None:
         """A restarted scheduler was given the layout back: a server that registered beyond it meanwhile
         (a join the old scheduler had in progress, or one started since) joins from here, as at its
@@ -888,6 +900,7 @@ class Membership:
         self.loads.report(member.address, counters, now)
         backed_up = bool(self.in_sync.of(member.address))
         done = self.moves.progress(member.address, member.layout_version, copy_bytes_left, backed_up, now)
+        self._joins_copying(member, copy_bytes_left)
         for move in done:
             log.warning("MOVE: row partition %d from %s to %s (its backup) in %.2f s: switched at layout "
                         "version %d, and %s's backups hold its %d bytes again", move.partition, move.source,

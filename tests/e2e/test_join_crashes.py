@@ -61,10 +61,14 @@ def _start_joiner(procs: Procs, cluster: LocalCluster, address: str, name: str, 
 
 
 def _catching_up(scheduler_address: str, address: str) -> JoinReport:
-    """The join `pshard status` shows in progress (a scheduler counts it from the joiner's registration)."""
-    joins = [j for j in fetch(scheduler_address, 10.0).joins if j.address == address and not j.rolled_back]
-    assert len(joins) == 1 and not joins[0].done, joins
-    return joins[0]
+    """The join `pshard status` shows in progress once its donor reported the copy it has left (with its
+    heartbeats' load, about every second): more than nothing, while the joiner holds it unapplied."""
+    def copying() -> JoinReport | None:
+        joins = [j for j in fetch(scheduler_address, 10.0).joins
+                 if j.address == address and not j.rolled_back]
+        assert len(joins) == 1 and not joins[0].done, joins
+        return joins[0] if joins[0].bytes_left > 0 else None
+    return wait_until(copying, RUN_TIMEOUT_S, f"the scheduler showing {address}'s copy under way")
 
 
 def _assert_bit_identical(reference: LocalCluster, reference_workers: list[Proc], cluster: LocalCluster,
@@ -89,7 +93,7 @@ def test_a_join_survives_a_sigkill_of_the_joiner_and_then_of_the_scheduler_mid_c
         # 1. The joiner SIGKILLed while its donor's copy is on its way: nothing moved.
         joiner = _start_joiner(procs, cluster, address, "grown-ps-2", paused=True)
         joiner.wait_for_line(PAUSED_COPY, RUN_TIMEOUT_S)  # the donor's copy reached it, not applied
-        _catching_up(scheduler_address, address)
+        assert _catching_up(scheduler_address, address).donor == cluster.plan.ps[1]
         joiner.signal_group(signal.SIGKILL)
         joiner.wait(RUN_TIMEOUT_S)
         # A new process of it registers: the old join is rolled back at once, this one catches up.

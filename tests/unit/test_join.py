@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+from pshard.common.cluster.loads import Counters
 from pshard.common.cluster.moves import partition_count, plan_join
 from pshard.common.cluster.view import NodeState
 from pshard.common.errors import LayoutConflictError
@@ -133,3 +134,19 @@ def test_a_restore_still_refuses_a_server_registered_at_another_place_of_the_lay
     with pytest.raises(LayoutConflictError, match=rf"servers\[1\] is '{layout.servers[1]}', but 'ps-1'"):
         restarted.restore_layout(dataclasses.replace(layout))
     assert restarted.layout() is None
+
+
+def test_a_join_in_progress_shows_the_bytes_its_donor_still_has_to_copy():
+    """`pshard status` shows a join's copy left: its donor's heartbeats count what its backups lack."""
+    members, _ = _job(replicas=1)
+    _all_in_sync(members)
+    joiner = members.register("ps", JOINER)
+    members.report_load("ps-0", Counters(), copy_bytes_left=999)  # not its donor
+    (join,) = members.joins.all()
+    assert (join.donor, join.bytes_left) == ("", 0)
+    members.report_load("ps-2", Counters(), copy_bytes_left=4096)
+    (join,) = members.joins.all()
+    assert (join.donor, join.bytes_left, join.done) == ("c:1", 4096, False)
+    _report(members, "ps-2", joiner.node_id)
+    (done,) = members.joins.all()
+    assert (done.done, done.bytes_left) == (True, 0)
