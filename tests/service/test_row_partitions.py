@@ -19,6 +19,7 @@ from pshard.ps_server.tables.table import SparseTable
 
 from pshard.api.v1 import sparse_pb2 as pb
 from pshard.api.v1 import sparse_pb2_grpc as pb_grpc
+from tests.e2e.harness import wait_until
 from tests.service.test_table_replication import CONFIG, IDS, WAIT_S, _grads, _replicated, _rows, _state
 from tests.service.test_table_replication_sync import CLOCKS, PENDING, TABLE, _batch, _expected
 from tests.service.test_table_replication_sync import IDS as SYNC_IDS
@@ -126,3 +127,48 @@ def test_a_sync_clock_pending_on_a_failed_server_of_four_partitions_is_applied_o
     final = clients[0].pull_rows(TABLE.name, SYNC_IDS, clock=CLOCKS)
     np.testing.assert_array_equal(final, _expected(CLOCKS))
     assert clients[0].tables.resent >= 1 and clients[0].layout is moved
+
+
+def test_a_sync_partition_moved_to_its_backup_is_served_there_from_its_own_applied_clock_only(
+        start_server, new_client) -> None:
+    """A move (`pshard rebalance`) takes over one partition of a live server: its rows and its applied
+    clock, never the clocks of the partitions the source keeps, which the target does not serve."""
+    settings = ServerSettings(replicas=1, static_quorum={"w0": 0, "w1": 0}, pull_timeout_s=WAIT_S)
+    servers, layout = _replicated(start_server, _layout, settings=settings)
+    addresses = [s.address for s in servers]
+    clients = [new_client(servers, f"w{w}", layout=layout, transport="grpc") for w in (0, 1)]
+    for c in clients:
+        c.declare_table(TABLE)
+
+    def step(w: int, clock: int) -> None:
+        clients[w].push_rows(TABLE.name, *_batch(w, clock), clock=clock)
+        clients[w].pull_rows(TABLE.name, SYNC_IDS, clock=clock + 1)
+
+    with ThreadPoolExecutor(2) as pool:
+        for clock in range(PENDING):
+            for f in [pool.submit(step, w, clock) for w in (0, 1)]:
+                f.result(timeout=WAIT_S)
+
+    def applied(i: int) -> dict[int, int]:
+        return servers[i].call(lambda: servers[i].running.tables.sync_applied(TABLE.name))
+
+    source = applied(0)
+    assert sorted(source) == list(layout.partitions_on(0)) and set(source.values()) == {PENDING}
+    # Server 1 backs up server 0: once its replica holds server 0's last clock, partition 3 moves to it.
+    wait_until(lambda: _rows(servers[1]).replicas.clocks(addresses[0]).get(TABLE.name) == source, WAIT_S,
+               "server 1's replica of server 0 holds its applied clocks")
+    moved = dataclasses.replace(layout, version=layout.version + 1,
+                                row_owners=tuple(1 if p == 3 else o for p, o in enumerate(layout.owners())))
+    for server in servers:
+        server.call(lambda server=server: _rows(server).on_layout(moved))
+    assert applied(1) == {p: PENDING for p in moved.partitions_on(1)} and 3 in moved.partitions_on(1)
+    mine = SYNC_IDS[server_of(SYNC_IDS, PARTITIONS) == 3]
+    table = servers[1].running.tables.find(TABLE.name)
+    source_table = servers[0].running.tables.find(TABLE.name)
+    assert table is not None and source_table is not None and len(mine)
+    held = np.intersect1d(all_ids(source_table), mine)
+
+    def rows(t: SparseTable) -> dict[str, bytes]:
+        return {name: b for name, b in _state(t, held).items() if name != "touch"}  # pulls touch unreplicated
+
+    assert rows(table) == rows(source_table)
