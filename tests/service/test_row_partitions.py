@@ -10,6 +10,7 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
+from pshard.client.ps_client import PSClient
 from pshard.common.cluster.layout import Layout, ParamSpec, plan_layout
 from pshard.common.cluster.replicas import fail_over
 from pshard.common.sparse import server_of
@@ -84,13 +85,29 @@ def test_more_partitions_than_servers_are_served_replicated_and_failed_over_whol
     assert client.pull_rows("emb", IDS).tobytes() == reference.pull(IDS).tobytes()
 
 
+SYNC_SETTINGS = ServerSettings(replicas=1, static_quorum={"w0": 0, "w1": 0}, pull_timeout_s=WAIT_S)
+
+
+def _step(client: PSClient, w: int, clock: int, push: bool = True) -> None:
+    """Worker `w`'s step of the sync table: its push of `clock`, then its pull of `clock` + 1."""
+    if push:
+        client.push_rows(TABLE.name, *_batch(w, clock), clock=clock)
+    client.pull_rows(TABLE.name, SYNC_IDS, clock=clock + 1)
+
+
+def _train(pool: ThreadPoolExecutor, clients: list[PSClient], clocks: range) -> None:
+    """Both workers' steps of `clocks`, side by side (a sync clock waits for both)."""
+    for clock in clocks:
+        for f in [pool.submit(_step, clients[w], w, clock) for w in (0, 1)]:
+            f.result(timeout=WAIT_S)
+
+
 def test_a_sync_clock_pending_on_a_failed_server_of_four_partitions_is_applied_once_by_its_heir(
         start_server, new_client) -> None:
     """As test_table_replication_sync's failover, with each server serving four partitions: every
     partition keeps its own clocks, and the heir applies the pending clock once in each it adopts."""
     published = threading.Event()
-    settings = ServerSettings(replicas=1, static_quorum={"w0": 0, "w1": 0}, pull_timeout_s=WAIT_S)
-    servers, layout = _replicated(start_server, _layout, settings=settings)
+    servers, layout = _replicated(start_server, _layout, settings=SYNC_SETTINGS)
     addresses = [s.address for s in servers]
     moved = dataclasses.replace(fail_over(layout, 1, {0, 2})[0], version=layout.version + 1)
 
@@ -103,27 +120,20 @@ def test_a_sync_clock_pending_on_a_failed_server_of_four_partitions_is_applied_o
         c.declare_table(TABLE)
     assert set(server_of(SYNC_IDS, PARTITIONS).tolist()) == set(range(PARTITIONS))
 
-    def step(w: int, clock: int, push: bool = True) -> None:
-        if push:
-            clients[w].push_rows(TABLE.name, *_batch(w, clock), clock=clock)
-        clients[w].pull_rows(TABLE.name, SYNC_IDS, clock=clock + 1)
-
     with ThreadPoolExecutor(2) as pool:
-        for clock in range(PENDING):
-            for f in [pool.submit(step, w, clock) for w in (0, 1)]:
-                f.result(timeout=WAIT_S)
+        _train(pool, clients, range(PENDING))
         clients[0].push_rows(TABLE.name, *_batch(0, PENDING), clock=PENDING)  # acknowledged, pending
         servers[1].stop(grace_s=0)
         for i in (0, 2):
             servers[i].call(lambda i=i: (_rows(servers[i]).set_backups([addresses[2 - i]]),
                                          _rows(servers[i]).on_layout(moved)))
         published.set()
-        futures = [pool.submit(step, 0, PENDING, False), pool.submit(step, 1, PENDING)]
+        # w0's push of PENDING was acknowledged before the stop: it pulls; w1 pushes it now.
+        futures = [pool.submit(_step, clients[0], 0, PENDING, False),
+                   pool.submit(_step, clients[1], 1, PENDING)]
         for f in futures:
             f.result(timeout=3 * WAIT_S)
-        for clock in range(PENDING + 1, CLOCKS):
-            for f in [pool.submit(step, w, clock) for w in (0, 1)]:
-                f.result(timeout=WAIT_S)
+        _train(pool, clients, range(PENDING + 1, CLOCKS))
     final = clients[0].pull_rows(TABLE.name, SYNC_IDS, clock=CLOCKS)
     np.testing.assert_array_equal(final, _expected(CLOCKS))
     assert clients[0].tables.resent >= 1 and clients[0].layout is moved
@@ -133,21 +143,13 @@ def test_a_sync_partition_moved_to_its_backup_is_served_there_from_its_own_appli
         start_server, new_client) -> None:
     """A move (`pshard rebalance`) takes over one partition of a live server: its rows and its applied
     clock, never the clocks of the partitions the source keeps, which the target does not serve."""
-    settings = ServerSettings(replicas=1, static_quorum={"w0": 0, "w1": 0}, pull_timeout_s=WAIT_S)
-    servers, layout = _replicated(start_server, _layout, settings=settings)
+    servers, layout = _replicated(start_server, _layout, settings=SYNC_SETTINGS)
     addresses = [s.address for s in servers]
     clients = [new_client(servers, f"w{w}", layout=layout, transport="grpc") for w in (0, 1)]
     for c in clients:
         c.declare_table(TABLE)
-
-    def step(w: int, clock: int) -> None:
-        clients[w].push_rows(TABLE.name, *_batch(w, clock), clock=clock)
-        clients[w].pull_rows(TABLE.name, SYNC_IDS, clock=clock + 1)
-
     with ThreadPoolExecutor(2) as pool:
-        for clock in range(PENDING):
-            for f in [pool.submit(step, w, clock) for w in (0, 1)]:
-                f.result(timeout=WAIT_S)
+        _train(pool, clients, range(PENDING))
 
     def applied(i: int) -> dict[int, int]:
         return servers[i].call(lambda: servers[i].running.tables.sync_applied(TABLE.name))
