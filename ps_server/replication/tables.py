@@ -492,10 +492,7 @@ class TableReplication:
             self._taken[primary] = self._taken.get(primary, frozenset()) | moved
 
         copies = self.replicas.copy(primary, _in_partitions(moved, partitions), refuse_from_now)
-        # Only the moved partitions' clocks: `primary` goes on applying the others.
-        rows = self._take_over([(part, push_log, None if clocks is None else
-                                 {p: c for p, c in clocks.items() if p in moved})
-                                for part, push_log, clocks in copies], keep=None)
+        rows = self._take_over(copies, moved, partitions)
         log.warning("MOVE: took over %d table rows of row partitions %s from %s", rows, sorted(moved),
                     primary)
 
@@ -510,15 +507,17 @@ class TableReplication:
         earlier is served here or elsewhere already, and its copy here is stale."""
         clocks = self.replicas.clocks(primary)
         rows = self._take_over([(replica, push_log, clocks.get(replica.config.name))
-                                for replica, push_log in self.replicas.take(primary)],
-                               keep=_in_partitions(gained, partitions))
+                                for replica, push_log in self.replicas.take(primary)], gained, partitions)
         log.warning("FAILOVER: promoted %d table rows of %s to serve them here", rows, primary)
 
     def _take_over(self, replicas: Iterable[tuple[SparseTable, PushLog, dict[int, int] | None]],
-                   keep: Callable[[np.ndarray], np.ndarray] | None) -> int:
-        """Serve the rows of `replicas` that `keep` selects (None: all), a move's or a failover's: each
-        merged into this server's table of its name, with its push log and, for a sync table, its
-        partitions' applied clocks. The rows taken over."""
+                   taken: frozenset[int], partitions: int) -> int:
+        """Serve row partitions `taken` (of `partitions`) from `replicas`, a move's or a failover's: their
+        rows merged into this server's table of the replica's name, with its push log and, for a sync
+        table, their applied clocks. Only theirs: the replicas' primary may hold other partitions, or
+        stale copies of partitions a move took from it earlier, which are served elsewhere or here
+        already. The rows taken over."""
+        keep = _in_partitions(taken, partitions)
         rows = 0
         for replica, push_log, clocks in replicas:
             name = replica.config.name
@@ -527,14 +526,14 @@ class TableReplication:
                 table = self._tables.make(replica.config)
                 self._tables.add(table)
                 self._hook(table)  # its rows go to the backups below
-            taken = merge(table, replica, keep)
+            ids = merge(table, replica, keep)
             if clocks is not None:  # a sync table: its partitions go on from the clock the rows hold
-                self._tables.adopt_sync(name, clocks)
+                self._tables.adopt_sync(name, {p: c for p, c in clocks.items() if p in taken})
             self._logs.setdefault(name, PushLog()).merge(push_log)
-            rows += len(taken)
+            rows += len(ids)
             for peer in self._peers.values():  # they count in sync again once they hold these rows too
                 peer.copied = False
-                peer.backlog.append((name, taken))
+                peer.backlog.append((name, ids))
                 peer.workers.setdefault(name, set()).update(push_log.workers())
                 peer.wake.set()
         self.promoted_rows += rows

@@ -13,6 +13,7 @@ import numpy as np
 from pshard.client.ps_client import PSClient
 from pshard.common.cluster.layout import Layout, ParamSpec, plan_layout
 from pshard.common.cluster.replicas import fail_over
+from pshard.common.rpc.serving import ServerThread
 from pshard.common.sparse import server_of
 from pshard.ps_server.replication.table_rows import all_ids
 from pshard.ps_server.settings import ServerSettings
@@ -139,31 +140,37 @@ def test_a_sync_clock_pending_on_a_failed_server_of_four_partitions_is_applied_o
     assert clients[0].tables.resent >= 1 and clients[0].layout is moved
 
 
+def _applied(server: ServerThread) -> dict[int, int]:
+    """The sync table's first clock not applied, per partition, on `server`."""
+    return server.call(lambda: server.running.tables.sync_applied(TABLE.name))
+
+
+def _move_to_backup(servers: list[ServerThread], layout: Layout, partition: int) -> Layout:
+    """Move `partition` from server 0 to server 1, its backup (`pshard rebalance`), once server 1's replica
+    holds server 0's applied clocks; every server learns the new layout."""
+    wait_until(lambda: _rows(servers[1]).replicas.clocks(servers[0].address).get(TABLE.name)
+               == _applied(servers[0]), WAIT_S, "server 1's replica of server 0 holds its applied clocks")
+    moved = dataclasses.replace(layout, version=layout.version + 1, row_owners=tuple(
+        1 if p == partition else o for p, o in enumerate(layout.owners())))
+    for server in servers:
+        server.call(lambda server=server: _rows(server).on_layout(moved))
+    return moved
+
+
 def test_a_sync_partition_moved_to_its_backup_is_served_there_from_its_own_applied_clock_only(
         start_server, new_client) -> None:
-    """A move (`pshard rebalance`) takes over one partition of a live server: its rows and its applied
-    clock, never the clocks of the partitions the source keeps, which the target does not serve."""
+    """A move takes over one partition of a live server: its rows and its applied clock, never the
+    clocks of the partitions the source keeps, which the target does not serve."""
     servers, layout = _replicated(start_server, _layout, settings=SYNC_SETTINGS)
-    addresses = [s.address for s in servers]
     clients = [new_client(servers, f"w{w}", layout=layout, transport="grpc") for w in (0, 1)]
     for c in clients:
         c.declare_table(TABLE)
     with ThreadPoolExecutor(2) as pool:
         _train(pool, clients, range(PENDING))
-
-    def applied(i: int) -> dict[int, int]:
-        return servers[i].call(lambda: servers[i].running.tables.sync_applied(TABLE.name))
-
-    source = applied(0)
-    assert sorted(source) == list(layout.partitions_on(0)) and set(source.values()) == {PENDING}
-    # Server 1 backs up server 0: once its replica holds server 0's last clock, partition 3 moves to it.
-    wait_until(lambda: _rows(servers[1]).replicas.clocks(addresses[0]).get(TABLE.name) == source, WAIT_S,
-               "server 1's replica of server 0 holds its applied clocks")
-    moved = dataclasses.replace(layout, version=layout.version + 1,
-                                row_owners=tuple(1 if p == 3 else o for p, o in enumerate(layout.owners())))
-    for server in servers:
-        server.call(lambda server=server: _rows(server).on_layout(moved))
-    assert applied(1) == {p: PENDING for p in moved.partitions_on(1)} and 3 in moved.partitions_on(1)
+    assert _applied(servers[0]) == {p: PENDING for p in layout.partitions_on(0)}
+    moved = _move_to_backup(servers, layout, 3)
+    assert 3 in moved.partitions_on(1)
+    assert _applied(servers[1]) == {p: PENDING for p in moved.partitions_on(1)}
     mine = SYNC_IDS[server_of(SYNC_IDS, PARTITIONS) == 3]
     table = servers[1].running.tables.find(TABLE.name)
     source_table = servers[0].running.tables.find(TABLE.name)
@@ -174,3 +181,46 @@ def test_a_sync_partition_moved_to_its_backup_is_served_there_from_its_own_appli
         return {name: b for name, b in _state(t, held).items() if name != "touch"}  # pulls touch unreplicated
 
     assert rows(table) == rows(source_table)
+
+
+def test_the_heir_of_a_server_a_sync_partition_moved_from_keeps_that_partitions_clock(
+        start_server, new_client) -> None:
+    """Partition 3 moves from server 0 to server 1 and trains on there; then server 0 dies and server 1,
+    its backup, is its heir. Server 0 still reports its stale clock of partition 3 with its rows: the heir
+    must not adopt it (it rewound partition 3 to the clock of the move, and the pulls waited in vain for
+    clocks the workers had already pushed), and training goes on exactly."""
+    servers, layout = _replicated(start_server, _layout, settings=SYNC_SETTINGS)
+    published = [layout]
+    changed = threading.Condition()
+
+    def relayout(current: Layout, timeout_s: float) -> Layout | None:
+        with changed:
+            changed.wait_for(lambda: published[-1].version > current.version, timeout_s)
+            return published[-1] if published[-1].version > current.version else None
+
+    def publish(new: Layout) -> None:
+        with changed:
+            published.append(new)
+            changed.notify_all()
+
+    clients = [new_client(servers, f"w{w}", layout=layout, relayout=relayout, reroute_wait_s=WAIT_S,
+                          retry_budget_s=0.5, transport="grpc") for w in (0, 1)]
+    for c in clients:
+        c.declare_table(TABLE)
+    with ThreadPoolExecutor(2) as pool:
+        _train(pool, clients, range(PENDING))
+        moved = _move_to_backup(servers, layout, 3)
+        publish(moved)
+        _train(pool, clients, range(PENDING, PENDING + 2))
+        assert _applied(servers[0])[3] == PENDING and _applied(servers[1])[3] == PENDING + 2
+        wait_until(lambda: _rows(servers[1]).replicas.clocks(servers[0].address).get(TABLE.name)
+                   == _applied(servers[0]), WAIT_S, "server 1's replica of server 0 holds its applied clocks")
+        failed = dataclasses.replace(fail_over(moved, 0, {1, 2})[0], version=moved.version + 1)
+        servers[0].stop(grace_s=0)
+        for i in (1, 2):
+            servers[i].call(lambda i=i: (_rows(servers[i]).set_backups([servers[3 - i].address]),
+                                         _rows(servers[i]).on_layout(failed)))
+        publish(failed)
+        assert _applied(servers[1]) == {p: PENDING + 2 for p in failed.partitions_on(1)}
+        _train(pool, clients, range(PENDING + 2, CLOCKS))
+    np.testing.assert_array_equal(clients[0].pull_rows(TABLE.name, SYNC_IDS, clock=CLOCKS), _expected(CLOCKS))
