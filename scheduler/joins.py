@@ -1,13 +1,14 @@
 """The joins a scheduler has seen (issue 20, `pshard status`): a parameter server that registers for a
 running job is a join in progress while it catches up, as the backup of the server before it in ring order,
-with that server's slices; it is done once they switched owner under a new layout version, or rolled back
-when the joiner is gone before the switch (nothing moved: the old layout stays). Pure: the scheduler's
-clock comes in as `now`."""
+with that server's slices; it is done once they switched owner under a new layout version, or once rolled
+back (`rolled_back` says why) when the joiner is gone before the switch: nothing moved, the old layout
+stays. Pure: the scheduler's clock comes in as `now`."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from pshard.scheduler.history import History
 from pshard.scheduler.timed import Timed
 
 KEEP_DONE = 32  # finished (switched or rolled back) joins kept for status; older ones are dropped first
@@ -28,36 +29,31 @@ class Join(Timed):
     bytes_left: int = 0  # of the copy, as the donor last reported them; 0 once switched
 
     @property
-    def over(self) -> bool:
-        """Switched or rolled back."""
-        return self.ended is not None
-
-    @property
-    def done(self) -> bool:
-        """The switch is made (a rolled-back join ended without one)."""
-        return self.ended is not None and not self.rolled_back
+    def took(self) -> bool:
+        """Done with the switch made (a rolled-back join is done without one)."""
+        return self.done and not self.rolled_back
 
 
 class JoinLog:
     def __init__(self, keep_done: int = KEEP_DONE) -> None:
-        self._joins: list[Join] = []  # in the order they registered; one in progress per node at most
-        self._keep_done = keep_done
+        # Keyed by registration: a joiner's rolled-back join stays listed beside its next one.
+        self._joins: History[tuple[str, float], Join] = History(keep_done)
 
     def registered(self, node_id: str, address: str, now: float) -> None:
         """A server beyond the layout registered: a join in progress. A new process of a joiner still
         in progress holds nothing of the old one's copy: that join is rolled back and this one starts."""
         self.rolled_back(node_id, now, "registered again (a new process holds nothing of the copy)")
-        self._joins.append(Join(node_id, address, now))
+        self._joins.add((node_id, now), Join(node_id, address, now))
 
     def in_progress(self, node_id: str) -> Join | None:
-        return next((j for j in self._joins if j.node_id == node_id and not j.over), None)
+        return next((j for j in self._joins.in_progress() if j.node_id == node_id), None)
 
     def copying(self, node_id: str, donor: str, bytes_left: int) -> None:
         """The donor's report of the bytes its backups (the joiner among them) still lack from its copy."""
         current = self.in_progress(node_id)
         if current is not None:
-            self._joins[self._joins.index(current)] = replace(current, donor=donor,
-                                                              bytes_left=max(0, bytes_left))
+            self._joins.replace((node_id, current.started),
+                                replace(current, donor=donor, bytes_left=max(0, bytes_left)))
 
     def rolled_back(self, node_id: str, now: float, why: str) -> Join | None:
         """The joiner died or left before the switch: nothing moved, the old layout stays (a roll back,
@@ -65,23 +61,18 @@ class JoinLog:
         current = self.in_progress(node_id)
         if current is None:
             return None
-        return self._end(current, replace(current, ended=now, rolled_back=why or "gone"))
+        return self._joins.replace((node_id, current.started),
+                                   replace(current, ended=now, rolled_back=why or "gone"))
 
     def switched(self, node_id: str, donor: str, slices: int, partitions: tuple[int, ...], nbytes: int,
                  layout_version: int, now: float) -> Join:
         current = self.in_progress(node_id)
-        assert current is not None, node_id
-        return self._end(current, replace(current, donor=donor, slices=slices, partitions=partitions,
-                                          nbytes=nbytes, layout_version=layout_version, ended=now,
-                                          bytes_left=0))
-
-    def _end(self, current: Join, ended: Join) -> Join:
-        self._joins[self._joins.index(current)] = ended
-        over = [j for j in self._joins if j.over]
-        for old in over[:max(0, len(over) - self._keep_done)]:
-            self._joins.remove(old)
-        return ended
+        if current is None:
+            raise KeyError(node_id)
+        return self._joins.replace((node_id, current.started), replace(
+            current, donor=donor, slices=slices, partitions=partitions, nbytes=nbytes,
+            layout_version=layout_version, ended=now, bytes_left=0))
 
     def all(self) -> tuple[Join, ...]:
         """In the order they registered."""
-        return tuple(self._joins)
+        return self._joins.all()

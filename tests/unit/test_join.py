@@ -62,7 +62,7 @@ def test_a_joiner_gone_before_it_caught_up_leaves_the_layout_as_it_was():
     assert [n.node_id for n in members.expire()] == [joiner.node_id]
     assert members.node(joiner.node_id).state is NodeState.DEAD
     (join,) = members.joins.all()  # what `pshard status` shows: rolled back, and why
-    assert (join.done, join.over, join.rolled_back, join.layout_version) == (
+    assert (join.took, join.done, join.rolled_back, join.layout_version) == (
         False, True, "was declared dead", 0)
     assert join.seconds(clock.now()) == 6 and members.layout() == before
     _report(members, "ps-2", "ps-0")
@@ -90,7 +90,7 @@ def test_a_new_process_of_a_joiner_rolls_its_join_back_and_joins_again():
     after = members.layout()
     assert after is not None and after.version == before.version + 1 and after.slices_on(3)
     rolled, done = members.joins.all()
-    assert (rolled.rolled_back, rolled.done, rolled.seconds(clock.now())) == (
+    assert (rolled.rolled_back, rolled.took, rolled.seconds(clock.now())) == (
         "registered again (a new process holds nothing of the copy)", False, 1)
     assert (done.node_id, done.done, done.layout_version, second.rank) == (
         first.node_id, True, after.version, 3)
