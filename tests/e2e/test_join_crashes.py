@@ -32,6 +32,7 @@ pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]  # each wait bounded by
 
 JOIN_AT = 8  # worker 0's steps logged when the workers are paused and the third server started
 PAUSED_COPY = r"failpoint ps\.before_replica_apply: paused"
+STATUS_TIMEOUT_S = 3.0  # per call of `pshard status` while the joiner is held (the scheduler answers in ms)
 
 
 def _start_jobs(procs: Procs) -> tuple[LocalCluster, list[Proc], list[Proc], LocalCluster, list[Proc]]:
@@ -62,9 +63,11 @@ def _start_joiner(procs: Procs, cluster: LocalCluster, address: str, name: str, 
 
 def _catching_up(scheduler_address: str, address: str) -> JoinReport:
     """The join `pshard status` shows in progress once its donor reported the copy it has left (with its
-    heartbeats' load, about every second): more than nothing, while the joiner holds it unapplied."""
+    heartbeats' load, about every second): more than nothing, while the joiner holds it unapplied. The
+    joiner's own stats may not answer meanwhile (a copy in shared memory is applied on its event loop,
+    which the failpoint holds): `pshard status` gives each server STATUS_TIMEOUT_S, not its default 10 s."""
     def copying() -> JoinReport | None:
-        joins = [j for j in fetch(scheduler_address, 10.0).joins
+        joins = [j for j in fetch(scheduler_address, STATUS_TIMEOUT_S).joins
                  if j.address == address and not j.rolled_back]
         assert len(joins) == 1 and not joins[0].done, joins
         return joins[0] if joins[0].bytes_left > 0 else None
