@@ -71,7 +71,9 @@ def _catching_up(scheduler_address: str, address: str) -> JoinReport:
                  if j.address == address and not j.rolled_back]
         assert len(joins) == 1 and not joins[0].done, joins
         return joins[0] if joins[0].bytes_left > 0 else None
-    return wait_until(copying, RUN_TIMEOUT_S, f"the scheduler showing {address}'s copy under way")
+    report = wait_until(copying, RUN_TIMEOUT_S, f"the scheduler showing {address}'s copy under way")
+    assert report is not None
+    return report
 
 
 def _assert_bit_identical(reference: LocalCluster, reference_workers: list[Proc], cluster: LocalCluster,
