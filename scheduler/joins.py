@@ -37,22 +37,27 @@ class Join(Timed):
 class JoinLog:
     def __init__(self, keep_done: int = KEEP_DONE) -> None:
         # Keyed by registration: a joiner's rolled-back join stays listed beside its next one.
-        self._joins: History[tuple[str, float], Join] = History(keep_done)
+        self._joins: History[tuple[str, int], Join] = History(keep_done)
+        self._latest: dict[str, tuple[str, int]] = {}  # each joiner's latest registration
+        self._registrations = 0
 
     def registered(self, node_id: str, address: str, now: float) -> None:
         """A server beyond the layout registered: a join in progress. A new process of a joiner still
         in progress holds nothing of the old one's copy: that join is rolled back and this one starts."""
         self.rolled_back(node_id, now, "registered again (a new process holds nothing of the copy)")
-        self._joins.add((node_id, now), Join(node_id, address, now))
+        self._registrations += 1
+        key = self._latest[node_id] = (node_id, self._registrations)
+        self._joins.add(key, Join(node_id, address, now))
 
     def in_progress(self, node_id: str) -> Join | None:
-        return next((j for j in self._joins.in_progress() if j.node_id == node_id), None)
+        key = self._latest.get(node_id)
+        return self._joins.current(key) if key is not None else None
 
     def copying(self, node_id: str, donor: str, bytes_left: int) -> None:
         """The donor's report of the bytes its backups (the joiner among them) still lack from its copy."""
         current = self.in_progress(node_id)
         if current is not None:
-            self._joins.replace((node_id, current.started),
+            self._joins.replace(self._latest[node_id],
                                 replace(current, donor=donor, bytes_left=max(0, bytes_left)))
 
     def rolled_back(self, node_id: str, now: float, why: str) -> Join | None:
@@ -61,15 +66,15 @@ class JoinLog:
         current = self.in_progress(node_id)
         if current is None:
             return None
-        return self._joins.replace((node_id, current.started),
-                                   replace(current, ended=now, rolled_back=why or "gone"))
+        ended = replace(current, ended=now, rolled_back=why or "gone")
+        return self._joins.replace(self._latest[node_id], ended)
 
     def switched(self, node_id: str, donor: str, slices: int, partitions: tuple[int, ...], nbytes: int,
                  layout_version: int, now: float) -> Join:
         current = self.in_progress(node_id)
         if current is None:
             raise KeyError(node_id)
-        return self._joins.replace((node_id, current.started), replace(
+        return self._joins.replace(self._latest[node_id], replace(
             current, donor=donor, slices=slices, partitions=partitions, nbytes=nbytes,
             layout_version=layout_version, ended=now, bytes_left=0))
 

@@ -12,6 +12,7 @@ from pshard.common.cluster.loads import Counters
 from pshard.common.cluster.moves import partition_count, plan_join
 from pshard.common.cluster.view import NodeState
 from pshard.common.errors import LayoutConflictError
+from pshard.scheduler.joins import JoinLog
 from pshard.scheduler.membership import Membership
 
 from tests.unit.test_replicas import _all_in_sync, _job, _report
@@ -150,3 +151,12 @@ def test_a_join_in_progress_shows_the_bytes_its_donor_still_has_to_copy():
     _report(members, "ps-2", joiner.node_id)
     (done,) = members.joins.all()
     assert (done.done, done.bytes_left) == (True, 0)
+
+
+def test_a_joiner_registering_twice_at_one_clock_reading_keeps_both_joins_listed():
+    log = JoinLog()
+    log.registered("ps-3", JOINER, 5.0)
+    log.registered("ps-3", JOINER, 5.0)  # a coarse clock: a key by time would have merged them
+    rolled, current = log.all()
+    assert (rolled.done, rolled.took, bool(rolled.rolled_back)) == (True, False, True)
+    assert log.in_progress("ps-3") is current and not current.done
