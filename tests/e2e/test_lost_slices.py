@@ -25,7 +25,8 @@ from pshard.common.errors import SlicesLostError
 from pshard.common.job import JobConfig, OptimizerConfig
 from pshard.common.sparse import TableConfig, server_of
 
-from tests.e2e.harness import LocalCluster, Procs
+from tests.e2e.harness import SYNC, LocalCluster, Procs
+from tests.e2e.test_failures import RESTART_RUN, kill_while_running, wait_for_progress
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(120)]
 
@@ -49,7 +50,7 @@ def test_a_refused_failover_fails_the_dense_and_the_table_pushes_at_once_naming_
     layout = sched.propose_layout(specs, slice_bytes=1 << 20, servers=ps, replicas=1)
     assert [[s.key for s in layout.slices_on(i)] for i in range(3)] == [["a"], ["b"], []]
     client = PSClient(ps, "worker-0", layout=layout, generation=lambda: sched.generation,
-                      timeout_s=STEP_TIMEOUT_S, transport="grpc", relayout=sched.newer_layout,
+                      timeout_s=STEP_TIMEOUT_S, transport="auto", relayout=sched.newer_layout,
                       reroute_wait_s=STEP_TIMEOUT_S)
     ids = np.arange(0, 300, dtype=np.int64)
     ids = ids[server_of(ids, 3) == 1][:16]  # rows of ps-1's partition only
@@ -82,3 +83,29 @@ def test_a_refused_failover_fails_the_dense_and_the_table_pushes_at_once_naming_
     finally:
         client.close()
         sched.close()
+
+
+def test_workers_exit_within_seconds_with_the_lost_slices_as_their_final_error(procs: Procs) -> None:
+    # `pshard worker` ended at its step timeout (here 120 s) after resending every second; now its step
+    # fails with SlicesLostError once the scheduler refuses the failover, and that is its last word.
+    cluster = LocalCluster(procs, num_ps=3, heartbeat_timeout_ms=round(HEARTBEAT_TIMEOUT_S * 1000))
+    servers = cluster.start_servers("--replicas", "1")  # the scheduler, ps-0, ps-1, ps-2
+    flags = ("--replicas", "1", "--step-timeout-s", "120", "--startup-timeout-s", "30")
+    workers = [cluster.start_worker(i, *SYNC, *RESTART_RUN, *flags) for i in (0, 1)]
+    wait_for_progress(cluster, "worker-0", "worker-1")
+
+    kill_while_running(servers[3])  # ps-2, the only backup of ps-1
+    kill_while_running(servers[2])  # ps-1
+    killed = time.monotonic()
+    codes = [w.wait(60) for w in workers]
+
+    assert time.monotonic() - killed < HEARTBEAT_TIMEOUT_S + 10, [w.output() for w in workers]
+    assert codes == [1, 1], [w.output() for w in workers]
+    lost = {cluster.task("ps-1").address, cluster.task("ps-2").address}
+    for worker in workers:
+        final = worker.final()
+        assert final is not None and final.get("failed") == "slices_lost", worker.output()
+        error = [line for line in worker.lines if "pshard.worker: error:" in line]
+        assert len(error) == 1 and "SlicesLostError: parameter server" in error[0], worker.output()
+        assert any(f"({address}) is lost" in error[0] for address in lost), error[0]
+        assert "--checkpoint-dir" in error[0], error[0]
