@@ -227,8 +227,9 @@ class SlicesLostError(PSError):
     """Slices or row partitions of a parameter server the job lost: it died before any live backup held
     an in-sync copy of them, so the scheduler refused their failover, and they and every update they
     received are gone (docs/architecture.md, 9 Failures). No resend can help: the job must resume from
-    a checkpoint or start again. Facts: `server` (its address), `layout_version` (the layout in which it
-    still serves them). Not an UnavailableError: nothing retries it."""
+    a checkpoint or start again. Facts: `server` (the lost servers' addresses, comma-separated),
+    `layout_version` (the newest layout in which one was lost). Not an UnavailableError: nothing retries
+    it."""
 
     status = "DATA_LOSS"
 
