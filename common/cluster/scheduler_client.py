@@ -116,6 +116,7 @@ class SchedulerClient:
         self._on_left = on_left
         self._closed = threading.Event()
         self._heartbeats_stopped = threading.Event()
+        self._leaving = False  # leave() began: never register again
         self._fenced: PSError | None = None
         self._watch_call: Any = None
         self._threads: list[threading.Thread] = []
@@ -245,25 +246,32 @@ class SchedulerClient:
     def _reregister(self, failed_generation: int) -> None:
         """Register again after NOT_FOUND, unless another thread already did."""
         with self._register_lock:
-            if self._generation == failed_generation and not self._closed.is_set():
+            # Not once leave() began: a heartbeat refused while the node was leaving must not bring it back.
+            if self._generation == failed_generation and not self._closed.is_set() and not self._leaving:
                 log.warning("scheduler %s forgot %s (restarted, or declared it dead): registering again",
                             self.address, self._node_id)
                 self._register(self._connect_timeout_s)
 
     def leave(self) -> None:
         """Leave the cluster on purpose (a worker that finished). Heartbeats stop first."""
+        self._leaving = True
         self._heartbeats_stopped.set()
         if self._rank is None:
             return
-        request = pb.LeaveRequest(node_id=self._node_id, generation=self._generation)
-        try:
-            reply = self._call("Leave", self._stub.Leave, request, self._rpc_timeout_s)
-        except UnknownNodeError:
-            # The scheduler restarted and we never re-registered: its views do not have us, so the
-            # servers no longer wait for us either. Leaving is already done.
-            log.info("leave: scheduler %s does not know %s (it restarted); nothing to leave",
-                     self.address, self._node_id)
-            return
+        # Under the registration lock: a re-registration the heartbeat thread has in flight (this node was
+        # declared dead while cut off, and came back) ends first, and the leave goes from the generation
+        # it got. Read before it answered, the generation is the one the scheduler just replaced: the
+        # leave was refused as stale and the worker failed at its very end (seen on the namespace hosts).
+        with self._register_lock:
+            request = pb.LeaveRequest(node_id=self._node_id, generation=self._generation)
+            try:
+                reply = self._call("Leave", self._stub.Leave, request, self._rpc_timeout_s)
+            except UnknownNodeError:
+                # The scheduler restarted and we never re-registered: its views do not have us, so the
+                # servers no longer wait for us either. Leaving is already done.
+                log.info("leave: scheduler %s does not know %s (it restarted); nothing to leave",
+                         self.address, self._node_id)
+                return
         self._offer_view(view_from_proto(reply.view))
 
     def hand_over(self) -> None:
