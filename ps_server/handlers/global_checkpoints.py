@@ -180,21 +180,35 @@ class GlobalCheckpoints:
         quorum = self._handlers.quorum
         # Read and re-cut off the event loop; the install (under the config lock) re-checks that no
         # Declare or other restore got there first.
-        store = await asyncio.get_running_loop().run_in_executor(
+        loop = asyncio.get_running_loop()
+        store = await loop.run_in_executor(
             None, lambda: ShardStore.restore(shard_snapshot(checkpoint, job, ranges, quorum, links)))
-        restored = await self._handlers.install_restored(lambda: store)
-        if not restored:
+        tables = [] if self._tables is None else await loop.run_in_executor(
+            None, restore_tables, checkpoint, server, servers, self._tables.make, row_owners, links)
+
+        def install() -> ShardStore:
+            # The tables with the slices, in one step of the loop: an in-sync report in between would
+            # count a backup holding the restored slices as a copy while the rows were still to come.
+            self._add_tables(tables)
+            return store
+
+        if not await self._handlers.install_restored(install):
             return False, checkpoint.clock, 0, 0
-        rows = 0
-        if self._tables is not None:
-            for table in await asyncio.get_running_loop().run_in_executor(
-                    None, restore_tables, checkpoint, server, servers, self._tables.make, row_owners, links):
-                rows += len(table)
-                self._tables.add(table)
+        rows = sum(len(table) for table in tables)
         log.warning("restored the global checkpoint %s (clock %d, written by %d servers): %d slices, "
                     "%d table rows as server %d of %d", directory, checkpoint.clock, checkpoint.servers,
                     len(ranges), rows, server, servers)
         return True, checkpoint.clock, len(ranges), rows
+
+    def _add_tables(self, tables: Sequence[SparseTable]) -> None:
+        """Hold restored `tables`: all of them, or (one of their names declared already) none."""
+        if self._tables is None:
+            return
+        for table in tables:
+            if self._tables.find(table.config.name) is not None:
+                raise InvalidArgumentError(f"table {table.config.name!r} is already declared on this server")
+        for table in tables:
+            self._tables.add(table)
 
     @contextlib.asynccontextmanager
     async def _locked_tables(self) -> AsyncIterator[list[SparseTable]]:
