@@ -135,6 +135,7 @@ def test_a_push_that_reached_some_servers_at_a_global_checkpoint_lands_once_on_e
         assert await sources[0].push("emb", ids[home == 0].tobytes(), _grads(int((home == 0).sum()), 1.0),
                                      worker="worker-1", schedule=(7, 0, 3)) > 0  # server 1: not yet
         checkpoint = _global_checkpoint(tmp_path / "root", sources)
+        assert ckpt.last_scheduled_call(checkpoint) == 7  # calls 5 and 7 (floor 3)
         for servers in (2, 1, 3):
             restored = [TableHandlers(ServerSettings()) for _ in range(servers)]
             for s, h in enumerate(restored):
