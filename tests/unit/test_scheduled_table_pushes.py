@@ -16,8 +16,11 @@ from pshard.common.sparse import TableConfig, server_of
 from pshard.ps_server.checkpoints.global_part import capture_part, restore_tables, write_image
 from pshard.ps_server.core.store import ShardSnapshot
 from pshard.ps_server.handlers.tables import TableHandlers
+from pshard.ps_server.replication.table_rows import capture, install, merge
+from pshard.ps_server.replication.table_wire import batch_from_proto, batch_to_proto
 from pshard.ps_server.settings import ServerSettings
 from pshard.ps_server.tables.scheduled import KEPT, ScheduledPushes
+from pshard.ps_server.tables.table import SparseTable
 
 
 def test_a_push_number_is_repeated_once_applied_and_every_push_of_a_finished_call_is() -> None:
@@ -205,3 +208,35 @@ def test_a_saved_record_loads_per_partition_an_older_one_everywhere_and_heirs_fo
     heir.merge(record.floor, record.last, record.parts)  # the dead primary's partition 1
     assert heir.parts == {1: {7: 2}, 2: {7: 5}}
     assert heir.repeated(7, 2, 0, 1) and not heir.repeated(7, 3, 0, 1)
+
+
+def test_a_restored_record_reaches_a_backup_with_its_rows_and_an_heir_drops_the_re_dispatch(
+        tmp_path: Path) -> None:
+    """Call 7's push is in a global checkpoint. The restored primary's rows reach a backup in two batches
+    (a new backup's copy, chunked), each with the record of its own rows; the heir that takes the replica
+    over drops the call's re-dispatch on every restored row, and applies it to a row the checkpoint lacks."""
+    ids = np.arange(1, 9, dtype=np.int64)
+    config = TableConfig("emb", 2, initializer="zeros", lr=1.0)
+
+    async def main() -> None:
+        source = TableHandlers(ServerSettings())
+        await source.declare(config)
+        assert await source.push("emb", ids.tobytes(), _grads(len(ids), 1.0), worker="worker-0",
+                                 schedule=(7, 0, 3)) == len(ids)
+        checkpoint = _global_checkpoint(tmp_path / "root", [source])
+        (primary,) = restore_tables(checkpoint, 0, 1, TableHandlers(ServerSettings()).make)
+        replica = SparseTable(config)
+        for rows in (ids[:3], ids[3:]):
+            batch = batch_from_proto(batch_to_proto(capture(primary, rows)))
+            assert [r.tolist() for r, _ in batch.restored] == [rows.tolist()]
+            install(replica, batch)
+        heir = TableHandlers(ServerSettings())
+        await heir.declare(config)
+        table = heir.find("emb")
+        assert table is not None
+        merge(table, replica)
+        with_new = np.append(ids, 99)
+        assert await heir.push("emb", with_new.tobytes(), _grads(len(with_new), 1.0), worker="worker-1",
+                               schedule=(7, 0, 3)) == 1
+        assert (await heir.pull("emb", with_new.tobytes()))[:, 0].tolist() == [1.0] * len(with_new)
+    asyncio.run(main())
