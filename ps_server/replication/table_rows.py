@@ -284,6 +284,13 @@ class ReplicaTables:
                     if mask.any():
                         part.restore_rows(ids[mask], {name: c[mask] for name, c in columns.items()})
                 part.step, part.clock = replica.step, replica.clock
+                # The scheduled record goes too (`merge` folds it in as a failover's does), with the records
+                # a global checkpoint restored over the rows copied: else the new server applies again a
+                # re-dispatched push that the moved rows had.
+                held = replica.scheduled
+                part.scheduled.merge(held.floor, held.last, held.parts)
+                if held.restored:
+                    part.scheduled.hold_restored(held.restored_over(all_ids(part)))
                 push_log = PushLog()
                 push_log.merge(self._logs[key])
                 clocks = self._clocks.get(key)

@@ -16,7 +16,7 @@ from pshard.common.sparse import TableConfig, server_of
 from pshard.ps_server.checkpoints.global_part import capture_part, restore_tables, write_image
 from pshard.ps_server.core.store import ShardSnapshot
 from pshard.ps_server.handlers.tables import TableHandlers
-from pshard.ps_server.replication.table_rows import capture, install, merge
+from pshard.ps_server.replication.table_rows import ReplicaTables, capture, install, merge
 from pshard.ps_server.replication.table_wire import batch_from_proto, batch_to_proto
 from pshard.ps_server.settings import ServerSettings
 from pshard.ps_server.tables.scheduled import KEPT, ScheduledPushes
@@ -239,4 +239,34 @@ def test_a_restored_record_reaches_a_backup_with_its_rows_and_an_heir_drops_the_
         assert await heir.push("emb", with_new.tobytes(), _grads(len(with_new), 1.0), worker="worker-1",
                                schedule=(7, 0, 3)) == 1
         assert (await heir.pull("emb", with_new.tobytes()))[:, 0].tolist() == [1.0] * len(with_new)
+    asyncio.run(main())
+
+
+def test_a_moved_partition_takes_its_scheduled_records_to_its_new_server(tmp_path: Path) -> None:
+    """A rebalance copies partition 1's rows from its primary's replica to the server taking it: call 7's
+    push (in the global checkpoint the primary was restored from) and call 9's (applied since) go with them,
+    so the call's re-dispatch to the new server applies nothing."""
+    ids = np.arange(1, 13, dtype=np.int64)
+    config = TableConfig("emb", 2, initializer="zeros", lr=1.0)
+
+    async def main() -> None:
+        source = TableHandlers(ServerSettings())
+        await source.declare(config)
+        await source.push("emb", ids.tobytes(), _grads(len(ids), 1.0), worker="worker-0", schedule=(7, 0, 3))
+        (primary,) = restore_tables(_global_checkpoint(tmp_path / "root", [source]), 0, 1,
+                                    TableHandlers(ServerSettings()).make)
+        primary.push(ids, np.ones((len(ids), 2), np.float32))
+        primary.scheduled.record(9, 0, 1)  # call 9's push, applied to partition 1's rows since
+        replicas = ReplicaTables()
+        replicas.apply("ps-0", [capture(primary, ids)])
+        (part, _, _), = replicas.copy("ps-0", lambda rows: server_of(rows, 2) == 1, lambda: None)
+        target = TableHandlers(ServerSettings())
+        await target.declare(config)
+        table = target.find("emb")
+        assert table is not None
+        merge(table, part)
+        moved = ids[server_of(ids, 2) == 1]
+        assert await target.push("emb", moved.tobytes(), _grads(len(moved), 1.0), worker="worker-1",
+                                 schedule=(7, 0, 3)) == 0
+        assert table.scheduled.repeated(9, 0, 3, 1)  # partition 1's own record
     asyncio.run(main())
