@@ -97,8 +97,9 @@ class ScheduledPushes:
         a re-dispatched push the row had before the checkpoint a second time."""
         self._forget_finished()
         out = []
+        ids = np.unique(np.asarray(ids, np.int64))
         for rows, kept in self.restored:
-            mine = rows[np.isin(rows, ids)]
+            mine = ids[_within(rows, ids)]  # by the (few) ids: a push's batch beside millions restored
             if len(mine):
                 out.append((mine, dict(kept)))
         return out
@@ -106,15 +107,19 @@ class ScheduledPushes:
     def hold_restored(self, records: list[tuple[np.ndarray, dict[int, int]]]) -> None:
         """Take restored records over rows (a replica's batch, or an heir's share of a dead primary's):
         rows under a record held already join it, so rows shipped again (after a push) add nothing."""
+        self._forget_finished()  # a backup's too, once the primary's floor (`replace`) passed them
         for ids, kept in records:
-            if not len(ids) or not kept:
+            if not len(ids) or not kept or max(kept) < self.floor:
                 continue
             at = next((i for i, (_, held) in enumerate(self.restored) if held == kept), None)
             ids = np.unique(np.asarray(ids, np.int64))
             if at is None:
                 self.restored.append((ids, dict(kept)))
-            else:
-                self.restored[at] = (np.union1d(self.restored[at][0], ids), kept)
+                continue
+            rows = self.restored[at][0]
+            new = ids[~_within(rows, ids)]  # rows shipped again after a push are held already
+            if len(new):
+                self.restored[at] = (np.union1d(rows, new), kept)
 
     def record(self, schedule: int, seq: int, partition: int | np.ndarray = ALL) -> None:
         """Push `seq` of call `schedule` was applied to the rows of `partition` (each of them)."""
@@ -176,6 +181,14 @@ class ScheduledPushes:
         """Hold a primary's record as it is (a backup's replica)."""
         self.floor, self.last = floor, dict(last)
         self.parts = {p: dict(kept) for p, kept in (parts or {}).items()}
+
+
+def _within(rows: np.ndarray, ids: np.ndarray) -> np.ndarray:
+    """Which of `ids` are in `rows` (sorted): a binary search per id."""
+    if not len(rows):
+        return np.zeros(len(ids), bool)
+    at = np.minimum(np.searchsorted(rows, ids), len(rows) - 1)
+    return np.asarray(rows[at] == ids)
 
 
 def _larger(*records: dict[int, int]) -> dict[int, int]:

@@ -270,3 +270,15 @@ def test_a_moved_partition_takes_its_scheduled_records_to_its_new_server(tmp_pat
                                  schedule=(7, 0, 3)) == 0
         assert table.scheduled.repeated(9, 0, 3, 1)  # partition 1's own record
     asyncio.run(main())
+
+
+def test_restored_records_join_by_record_hold_rows_once_and_go_once_their_calls_finished() -> None:
+    record = ScheduledPushes()
+    record.hold_restored([(np.array([5, 1, 3]), {7: 0}), (np.array([2]), {8: 1})])
+    record.hold_restored([(np.array([3, 9]), {7: 0})])  # row 3 again (a push re-shipped it), row 9 new
+    assert [(r.tolist(), k) for r, k in record.restored] == [([1, 3, 5, 9], {7: 0}), ([2], {8: 1})]
+    over = record.restored_over(np.array([9, 2, 4]))
+    assert [(r.tolist(), k) for r, k in over] == [([9], {7: 0}), ([2], {8: 1})]
+    record.replace(9, {}, {})  # the primary's floor passed calls 7 and 8 (a backup's replica)
+    record.hold_restored([(np.array([4]), {7: 0})])
+    assert record.restored == []
