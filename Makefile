@@ -19,7 +19,7 @@ help:
 	@echo "make install   create $(VENV) and install pshard with torch (CPU), grpc and the dev tools"
 	@echo "make proto     regenerate the gRPC stubs (pshard/api/v1) from proto/"
 	@echo "make test      run the whole test suite (unit, service, e2e)"
-	@echo "make soak      the replicated chaos test on seeds 1-8, one after the other (SEEDS=... to choose)"
+	@echo "make soak      the chaos tests (replicas and checkpoints) on seeds 1-8, one after the other (SEEDS=... to choose)"
 	@echo "make demo      train Fashion-MNIST with a local cluster: scheduler, 2 servers, 2 workers"
 	@echo "make demo-ctr  train a CTR model with sparse embeddings on a synthetic click log (same cluster)"
 	@echo "make up        docker compose up (needs a Docker engine)"
@@ -68,7 +68,7 @@ data:
 
 # The slowest tests are listed at the end, so that a CI log shows where the 30-minute budget goes.
 test: install data
-	$(PY) -m pytest -q --durations=20 $(PYTEST_ARGS)
+	$(PY) -m pytest -q --durations=40 $(PYTEST_ARGS)
 
 test-unit: install
 	$(PY) -m pytest -q tests/unit $(PYTEST_ARGS)
@@ -79,12 +79,13 @@ test-service: install
 test-e2e: install data
 	$(PY) -m pytest -q tests/e2e $(PYTEST_ARGS)
 
-# Chaos with --replicas 1 on more seeds than make test's one (2-4 min each): every seed must pass.
+# Chaos, with --replicas 1 and with checkpoints, on more seeds than make test's one (2-4 min each): every
+# seed must pass.
 SEEDS ?= 1 2 3 4 5 6 7 8
 soak: install data
 	for seed in $(SEEDS); do \
-		PSHARD_CHAOS_SEED=$$seed PSHARD_CHAOS_EPOCHS=800 $(PY) -m pytest -q "tests/e2e/test_chaos.py::test_a_job_survives_a_seeded_schedule_of_kills[replicas]" \
-			$(PYTEST_ARGS) || exit 1; \
+		PSHARD_SOAK=1 PSHARD_CHAOS_SEED=$$seed PSHARD_CHAOS_EPOCHS=800 $(PY) -m pytest -q \
+			"tests/e2e/test_chaos.py::test_a_job_survives_a_seeded_schedule_of_kills" $(PYTEST_ARGS) || exit 1; \
 	done
 
 # The demo's training flags; tests/e2e/test_demo.py runs exactly these (make demo-args prints them).

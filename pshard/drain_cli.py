@@ -10,17 +10,16 @@ a copy of everything yet, the scheduler refuses and changes nothing, and this co
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 from collections.abc import Callable, Sequence
 
+from pshard.admin import add_scheduler_argument, first_watch, parse_admin_args, scheduler_stub
 from pshard.common.argtypes import positive_float
 from pshard.common.cluster.replicas import NoInSyncCopyError
 from pshard.common.cluster.view import ClusterView, Node, NodeState
 from pshard.common.errors import InvalidArgumentError, PSError
 from pshard.common.security.credentials import SecurityConfig, add_security_arguments
-from pshard.status import admin_target
 
 PROG = "pshard drain"
 # Between tries: a server's in-sync report rides on its heartbeats (ps_server/drain.py).
@@ -35,8 +34,7 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
     p.add_argument("server", metavar="SERVER",
                    help="the server to drain: its node id (ps-1) or its address (HOST:PORT), as 'pshard "
                         "status' lists them")
-    p.add_argument("--scheduler", metavar="HOST:PORT",
-                   help="the scheduler (default: TF_CONFIG's, else the one 'pshard launch' is running)")
+    add_scheduler_argument(p)
     p.add_argument("--timeout-s", metavar="S", type=positive_float, default=60.0,
                    help="how long to wait for the server's backup to hold a copy of everything (default 60)")
     add_security_arguments(p)
@@ -61,18 +59,13 @@ def drain(scheduler: str, server: str, timeout_s: float, security: SecurityConfi
     """Drain `server`; the node drained and the layout version that moved what it served."""
     import grpc
 
-    from pshard.api.v1 import scheduler_pb2, scheduler_pb2_grpc
+    from pshard.api.v1 import scheduler_pb2
     from pshard.common.rpc.status import error_from_rpc_error
     from pshard.common.wire.codec import view_from_proto
 
     started = now()
-    with security.channel(scheduler) as channel:
-        stub = scheduler_pb2_grpc.SchedulerServiceStub(channel)
-        stream = stub.Watch(scheduler_pb2.WatchRequest(), timeout=timeout_s)
-        try:
-            view = view_from_proto(next(iter(stream)).view)
-        finally:
-            stream.cancel()
+    with scheduler_stub(scheduler, security) as stub:
+        view = view_from_proto(first_watch(stub, timeout_s).view)
         node = pick(view, server)
         request = scheduler_pb2.LeaveRequest(node_id=node.node_id, generation=node.generation)
         while True:
@@ -88,12 +81,7 @@ def drain(scheduler: str, server: str, timeout_s: float, security: SecurityConfi
 
 
 def main(argv: Sequence[str] | None = None, *, prog: str = PROG) -> int:
-    args = build_parser(prog).parse_args(argv)
-    try:
-        scheduler, security = admin_target(args, os.environ)
-    except Exception as err:  # a bad TF_CONFIG names its field
-        print(f"{prog}: error: {err}", file=sys.stderr)
-        return 2
+    args, scheduler, security = parse_admin_args(build_parser(prog), argv)
     try:
         node, version = drain(scheduler, args.server, args.timeout_s, security)
     except PSError as err:

@@ -17,12 +17,12 @@ such and skipped. Needs a job run with --replicas 1 or more and more row partiti
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 
+from pshard.admin import add_scheduler_argument, first_watch, parse_admin_args, rpc_failure, scheduler_stub
 from pshard.common.argtypes import positive_float
 from pshard.common.cluster.layout import Layout
 from pshard.common.cluster.loads import ServerLoad, partition_loads
@@ -30,7 +30,6 @@ from pshard.common.cluster.moves import Move, MovePlan, NotABackupError, plan_re
 from pshard.common.cluster.replicas import NoInSyncCopyError, backups_of
 from pshard.common.errors import PSError
 from pshard.common.security.credentials import SecurityConfig, add_security_arguments
-from pshard.status import admin_target
 
 PROG = "pshard rebalance"
 # Between tries of a move its backup cannot take yet: the in-sync report rides on the heartbeats.
@@ -50,8 +49,7 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
                                 "move to a backup of the partition's server is made at once; a move "
                                 "elsewhere needs the join's catch-up copy (not built yet) and is skipped. "
                                 "The job must run with --replicas 1 or more.")
-    p.add_argument("--scheduler", metavar="HOST:PORT",
-                   help="the scheduler (default: TF_CONFIG's, else the one 'pshard launch' is running)")
+    add_scheduler_argument(p)
     p.add_argument("--dry-run", action="store_true", help="print the plan, move nothing")
     p.add_argument("--threshold", metavar="X", type=threshold_type, default=1.2,
                    help="move until the hottest server is within X times the mean load (default 1.2)")
@@ -127,16 +125,11 @@ def plan_lines(planned: Planned) -> list[str]:
 def fetch(scheduler: str, timeout_s: float, security: SecurityConfig
           ) -> tuple[Layout, tuple[ServerLoad, ...], frozenset[str]]:
     """The layout, the servers' loads and the live servers' addresses, from the scheduler."""
-    from pshard.api.v1 import scheduler_pb2, scheduler_pb2_grpc
+    from pshard.api.v1 import scheduler_pb2
     from pshard.common.wire.codec import layout_from_proto, load_from_proto, view_from_proto
 
-    with security.channel(scheduler) as channel:
-        stub = scheduler_pb2_grpc.SchedulerServiceStub(channel)
-        stream = stub.Watch(scheduler_pb2.WatchRequest(), timeout=timeout_s)
-        try:
-            first = next(iter(stream))
-        finally:
-            stream.cancel()
+    with scheduler_stub(scheduler, security) as stub:
+        first = first_watch(stub, timeout_s)
         layout = layout_from_proto(stub.GetLayout(scheduler_pb2.GetLayoutRequest(), timeout=timeout_s).layout)
     live = frozenset(n.address for n in view_from_proto(first.view).live("ps"))
     return layout, tuple(load_from_proto(p) for p in first.loads), live
@@ -147,12 +140,11 @@ def move(scheduler: str, layout: Layout, moves: Sequence[Move], timeout_s: float
     """Make `moves` one by one, each planned on the layout the one before made; the moves made."""
     import grpc
 
-    from pshard.api.v1 import scheduler_pb2, scheduler_pb2_grpc
+    from pshard.api.v1 import scheduler_pb2
     from pshard.common.rpc.status import error_from_rpc_error
 
     version, made = layout.version, 0
-    with security.channel(scheduler) as channel:
-        stub = scheduler_pb2_grpc.SchedulerServiceStub(channel)
+    with scheduler_stub(scheduler, security) as stub:
         for m in moves:
             target = layout.servers[m.target]
             request = scheduler_pb2.MovePartitionRequest(partition=m.item, target=target,  # type: ignore[arg-type]
@@ -178,12 +170,7 @@ def move(scheduler: str, layout: Layout, moves: Sequence[Move], timeout_s: float
 
 
 def main(argv: Sequence[str] | None = None, *, prog: str = PROG) -> int:
-    args = build_parser(prog).parse_args(argv)
-    try:
-        scheduler, security = admin_target(args, os.environ)
-    except Exception as err:  # a bad TF_CONFIG names its field
-        print(f"{prog}: error: {err}", file=sys.stderr)
-        return 2
+    args, scheduler, security = parse_admin_args(build_parser(prog), argv)
     try:
         layout, loads, live = fetch(scheduler, args.timeout_s, security)
         planned = plan(layout, loads, live, args.threshold, args.max_moves)
@@ -196,9 +183,8 @@ def main(argv: Sequence[str] | None = None, *, prog: str = PROG) -> int:
         print(f"{prog}: error: {err}", file=sys.stderr)
         return 1
     except Exception as err:  # grpc.RpcError: the scheduler is not there
-        code = getattr(err, "code", None)
-        why = f"{code().name}: {err.details()}" if callable(code) else str(err)  # type: ignore[attr-defined]
-        print(f"{prog}: error: cannot talk to the scheduler at {scheduler}: {why}", file=sys.stderr)
+        print(f"{prog}: error: cannot talk to the scheduler at {scheduler}: {rpc_failure(err)}",
+              file=sys.stderr)
         return 1
     skipped = len(planned.plan.moves) - made
     print(f"{prog}: {made} row partition(s) moved" + (f", {skipped} skipped" if skipped else ""), flush=True)

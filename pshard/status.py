@@ -17,26 +17,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 
+from pshard.admin import add_scheduler_argument, first_watch, parse_admin_args, rpc_failure, scheduler_stub
 from pshard.common.argtypes import positive_float
-from pshard.common.cluster.view import ClusterView, NodeState
-from pshard.common.security.credentials import (
-    ENV_CA,
-    ENV_CERT,
-    ENV_INSECURE,
-    ENV_KEY,
-    ENV_TLS_DIR,
-    ENV_TOKEN,
-    SecurityConfig,
-    add_security_arguments,
-    security_from_args,
-)
-from pshard.launcher.record import find_record, records_dir
+from pshard.common.cluster.view import ClusterView, NodeState, ServerLoss
+from pshard.common.security.credentials import SecurityConfig, add_security_arguments
 
 PROG = "pshard status"
 
@@ -146,6 +135,8 @@ class JobStatus:
     loads: tuple[LoadReport, ...] = ()
     moves: tuple[MoveReport, ...] = ()
     joins: tuple[JoinReport, ...] = ()
+    # Servers whose failover the scheduler refused: their slices and row partitions are lost.
+    lost: tuple[ServerLoss, ...] = ()
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2, sort_keys=True)
@@ -192,7 +183,7 @@ def summarise(scheduler: str, view: ClusterView, servers: Sequence[ServerReport]
     reports = tuple(ServerReport(**{**asdict(s), "waits_for": waits_for(s, live_trainers)}) for s in servers)
     return JobStatus(scheduler, view.generation, view.layout_version, tuple(members), reports, now,
                      pairs=pair_transports(servers), drains=tuple(drains), loads=tuple(loads),
-                     moves=tuple(moves), joins=tuple(joins))
+                     moves=tuple(moves), joins=tuple(joins), lost=view.lost)
 
 
 def pair_transports(servers: Sequence[ServerReport]) -> dict[str, dict[str, str]]:
@@ -236,6 +227,16 @@ def _drain_lines(status: JobStatus) -> list[str]:
         parts = ",".join(map(str, d.partitions)) if d.done else "-"
         lines.append(f"{d.node_id:<14} {state:<11} {d.address:<21} {d.heir or '-':<21} {d.slices:>6} "
                      f"{layout:>6} {f'{d.seconds:.2f} s':>8}  {parts or '-'}")
+    return lines
+
+
+def _lost_lines(status: JobStatus) -> list[str]:
+    """The servers the job lost: what an operator must act on (restore from a checkpoint, or restart)."""
+    if not status.lost:
+        return []
+    lines = ["", f"{'LOST':<21} {'LAYOUT':>6}  WHY (failover refused: restore the job from a checkpoint, or "
+                 "restart it)"]
+    lines += [f"{loss.address:<21} {loss.layout_version:>6}  {loss.reason}" for loss in status.lost]
     return lines
 
 
@@ -316,6 +317,7 @@ def render(status: JobStatus) -> str:
     lines += _drain_lines(status)
     lines += _move_lines(status)
     lines += _join_lines(status)
+    lines += _lost_lines(status)
     stuck = [s for s in status.servers if s.waits_for]
     if stuck:
         lines.append("")
@@ -337,17 +339,11 @@ def fetch(scheduler: str, timeout_s: float, security: SecurityConfig | None = No
 
     from pshard.api.v1 import parameter_server_pb2 as pb
     from pshard.api.v1 import parameter_server_pb2_grpc as pb_grpc
-    from pshard.api.v1 import scheduler_pb2, scheduler_pb2_grpc
     from pshard.common.wire.codec import mode_from_proto, view_from_proto
 
     security = security or SecurityConfig()
-    with security.channel(scheduler) as channel:
-        stub = scheduler_pb2_grpc.SchedulerServiceStub(channel)
-        stream = stub.Watch(scheduler_pb2.WatchRequest(), timeout=timeout_s)
-        try:
-            first = next(iter(stream))
-        finally:
-            stream.cancel()
+    with scheduler_stub(scheduler, security) as stub:
+        first = first_watch(stub, timeout_s)
     view = view_from_proto(first.view)
     drains = [DrainReport(d.node_id, d.address, d.heir, d.slices, tuple(d.partitions), d.layout_version,
                           d.seconds, d.done) for d in first.drains]
@@ -381,54 +377,10 @@ def fetch(scheduler: str, timeout_s: float, security: SecurityConfig | None = No
     return summarise(scheduler, view, reports, time.time(), drains, loads, moves, joins)
 
 
-def _scheduler_address(args: argparse.Namespace, environ: Mapping[str, str]) -> str:
-    if args.scheduler:
-        return str(args.scheduler)
-    raw = environ.get("TF_CONFIG")
-    if raw:
-        from pshard.common.cluster.spec import ClusterSpec
-
-        return ClusterSpec.from_tf_config(raw).scheduler_address
-    record = find_record(environ)
-    if record is not None:
-        return record.scheduler
-    raise ValueError(f"no scheduler: pass --scheduler HOST:PORT or set TF_CONFIG (no 'pshard launch' is "
-                     f"running: a running one keeps a record in {records_dir(environ)})")
-
-
-_SECURITY_FLAGS = ("tls_cert", "tls_key", "tls_ca", "token_file", "tls_dir", "insecure")
-
-
-def admin_target(args: argparse.Namespace, environ: Mapping[str, str]) -> tuple[str, SecurityConfig]:
-    """The scheduler an admin command (`pshard status`, `pshard drain`) talks to, and its credentials as
-    the `admin` role: from the flags, else TF_CONFIG, else the running `pshard launch`. Raises on a bad
-    TF_CONFIG, naming its field."""
-    scheduler = _scheduler_address(args, environ)
-    _launcher_security(args, scheduler, environ)
-    return scheduler, security_from_args(args, environ, role="admin")
-
-
-def _launcher_security(args: argparse.Namespace, scheduler: str, environ: Mapping[str, str]) -> None:
-    """No credentials given, and `scheduler` is a running `pshard launch`'s: that launch's (its certificates'
-    folder holds an admin's), or none for an --insecure launch (pshard.launcher.record). Anything given
-    explicitly (flags or PSHARD_TLS_* / PSHARD_TOKEN_FILE / PSHARD_TLS_DIR / PSHARD_INSECURE) wins."""
-    if any(getattr(args, flag, None) is not None for flag in _SECURITY_FLAGS) or any(
-            environ.get(var) for var in (ENV_CERT, ENV_KEY, ENV_CA, ENV_TOKEN, ENV_TLS_DIR, ENV_INSECURE)):
-        return
-    record = find_record(environ, scheduler)
-    if record is None:
-        return
-    if record.certs_dir is None:
-        args.insecure = True
-    else:
-        args.tls_dir = record.certs_dir
-
-
 def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=prog, description="Show a running pshard job: members, clocks, lag, "
                                 "servers and what a stuck clock waits for.")
-    p.add_argument("--scheduler", metavar="HOST:PORT",
-                   help="the scheduler (default: TF_CONFIG's, else the one 'pshard launch' is running)")
+    add_scheduler_argument(p)
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")
     p.add_argument("--watch", metavar="SECONDS", type=positive_float, nargs="?", const=2.0, default=None,
                    help="refresh every SECONDS (default 2) until interrupted")
@@ -439,19 +391,13 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None, *, prog: str = PROG) -> int:
-    args = build_parser(prog).parse_args(argv)
-    try:
-        scheduler, security = admin_target(args, os.environ)
-    except Exception as err:  # a bad TF_CONFIG names its field
-        print(f"{prog}: error: {err}", file=sys.stderr)
-        return 2
+    args, scheduler, security = parse_admin_args(build_parser(prog), argv)
     while True:
         try:
             status = fetch(scheduler, args.timeout_s, security)
         except Exception as err:  # grpc.RpcError: the scheduler is not there
-            code = getattr(err, "code", None)
-            why = f"{code().name}: {err.details()}" if callable(code) else str(err)  # type: ignore[attr-defined]
-            print(f"{prog}: error: cannot read the scheduler at {scheduler}: {why}", file=sys.stderr)
+            print(f"{prog}: error: cannot read the scheduler at {scheduler}: {rpc_failure(err)}",
+                  file=sys.stderr)
             return 1
         text = status.to_json() if args.json else render(status)
         if args.watch is None:

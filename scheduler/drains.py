@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pshard.scheduler.history import History
 from pshard.scheduler.timed import Timed
 
 KEEP_DONE = 32  # finished drains kept for status; older ones are dropped first
@@ -25,27 +26,20 @@ class Drain(Timed):
 
 class DrainLog:
     def __init__(self, keep_done: int = KEEP_DONE) -> None:
-        self._drains: dict[str, Drain] = {}
-        self._keep_done = keep_done
+        self._drains: History[str, Drain] = History(keep_done)
 
     def refused(self, node_id: str, address: str, now: float) -> None:
         """A leave refused for now (no copy yet): the drain is in progress from its first ask on."""
-        current = self._drains.get(node_id)
-        if current is None or current.done:
-            self._drains.pop(node_id, None)
-            self._drains[node_id] = Drain(node_id, address, now)
+        if self._drains.current(node_id) is None:
+            self._drains.add(node_id, Drain(node_id, address, now))
 
     def handed_over(self, node_id: str, address: str, heir: str, slices: int, partitions: tuple[int, ...],
                     layout_version: int, now: float) -> Drain:
-        current = self._drains.pop(node_id, None)
-        started = current.started if current is not None and not current.done else now
-        drain = Drain(node_id, address, started, heir, slices, partitions, layout_version, now)
-        self._drains[node_id] = drain
-        done = [d.node_id for d in self._drains.values() if d.done]
-        for old in done[:max(0, len(done) - self._keep_done)]:
-            del self._drains[old]
-        return drain
+        current = self._drains.current(node_id)
+        started = current.started if current is not None else now
+        return self._drains.add(node_id, Drain(node_id, address, started, heir, slices, partitions,
+                                               layout_version, now))
 
     def all(self) -> tuple[Drain, ...]:
         """In the order they started asking (a server drained again counts from its new ask)."""
-        return tuple(self._drains.values())
+        return self._drains.all()

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pshard.scheduler.history import History
 from pshard.scheduler.timed import Timed
 
 KEEP_DONE = 32  # finished joins kept for status; older ones are dropped first
@@ -27,34 +28,26 @@ class Join(Timed):
 
 class JoinLog:
     def __init__(self, keep_done: int = KEEP_DONE) -> None:
-        self._joins: dict[str, Join] = {}
-        self._keep_done = keep_done
+        self._joins: History[str, Join] = History(keep_done)
 
     def registered(self, node_id: str, address: str, now: float) -> None:
         """A server beyond the layout registered: a join in progress (a new process starts it again)."""
-        self._joins.pop(node_id, None)
-        self._joins[node_id] = Join(node_id, address, now)
+        self._joins.add(node_id, Join(node_id, address, now))
 
     def in_progress(self, node_id: str) -> Join | None:
-        join = self._joins.get(node_id)
-        return join if join is not None and not join.done else None
+        return self._joins.current(node_id)
 
     def dropped(self, node_id: str) -> None:
         """The joiner died or left before the switch: nothing moved, the old layout stays (a roll back)."""
-        if self.in_progress(node_id) is not None:
-            del self._joins[node_id]
+        if self._joins.current(node_id) is not None:
+            self._joins.remove(node_id)
 
     def switched(self, node_id: str, donor: str, slices: int, partitions: tuple[int, ...], nbytes: int,
                  layout_version: int, now: float) -> Join:
-        current = self._joins.pop(node_id)
-        join = Join(node_id, current.address, current.started, donor, slices, partitions, nbytes,
-                    layout_version, now)
-        self._joins[node_id] = join
-        done = [j.node_id for j in self._joins.values() if j.done]
-        for old in done[:max(0, len(done) - self._keep_done)]:
-            del self._joins[old]
-        return join
+        current = self._joins.remove(node_id)
+        return self._joins.add(node_id, Join(node_id, current.address, current.started, donor, slices,
+                                             partitions, nbytes, layout_version, now))
 
     def all(self) -> tuple[Join, ...]:
         """In the order they registered."""
-        return tuple(self._joins.values())
+        return self._joins.all()

@@ -13,8 +13,12 @@ from __future__ import annotations
 
 import bisect
 import collections
+import itertools
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
+
+from pshard.scheduler.history import History
+from pshard.scheduler.timed import Timed
 
 KEEP_DONE = 64  # finished moves kept for status; older ones are dropped first
 # Move durations, in seconds (pshard_scheduler_move_seconds): a switch to a backup is immediate, a copy
@@ -24,7 +28,7 @@ REBALANCE, DRAIN, JOIN = "rebalance", "drain", "join"
 
 
 @dataclass(frozen=True)
-class PartitionMove:
+class PartitionMove(Timed):
     partition: int
     source: str  # addresses
     target: str
@@ -35,15 +39,8 @@ class PartitionMove:
     ended: float | None = None
 
     @property
-    def done(self) -> bool:
-        return self.ended is not None
-
-    @property
     def bytes_copied(self) -> int:
         return self.nbytes - self.bytes_left
-
-    def seconds(self, now: float) -> float:
-        return (self.ended if self.ended is not None else now) - self.started
 
 
 @dataclass(frozen=True)
@@ -58,8 +55,8 @@ class MoveStats:
 
 class MoveLog:
     def __init__(self, keep_done: int = KEEP_DONE) -> None:
-        self._moves: list[PartitionMove] = []
-        self._keep_done = keep_done
+        self._moves: History[int, PartitionMove] = History(keep_done)
+        self._switches = itertools.count()  # the moves' keys: a partition may move again
         self.finished: collections.Counter[str] = collections.Counter()  # kind -> moves done
         self.bucket_counts = [0] * (len(MOVE_BUCKETS) + 1)  # the last one is +Inf
         self.seconds_sum = 0.0
@@ -67,38 +64,30 @@ class MoveLog:
     def switched(self, partition: int, source: str, target: str, layout_version: int, nbytes: int,
                  now: float) -> PartitionMove:
         """A partition switched to `target`: in progress until the target's backups hold it again."""
-        move = PartitionMove(partition, source, target, layout_version, nbytes, now, bytes_left=nbytes)
-        self._moves.append(move)
-        return move
+        return self._moves.add(next(self._switches), PartitionMove(partition, source, target, layout_version,
+                                                                  nbytes, now, bytes_left=nbytes))
 
     def progress(self, target: str, reported_layout: int, bytes_left: int, backed_up: bool,
                  now: float) -> list[PartitionMove]:
         """What `target` reports with a heartbeat: the layout it routes by, the bytes its backups lack,
         and whether the scheduler counts a backup of it in sync now. Returns the moves it finished."""
         finished = []
-        for i, move in enumerate(self._moves):
+        for key, move in self._moves.items():
             if move.done or move.target != target or reported_layout < move.layout_version:
                 continue
             if backed_up:
-                move = replace(move, bytes_left=0, ended=now)
-                finished.append(move)
-                self._count(REBALANCE, move.seconds(now))
+                done = self._moves.replace(key, replace(move, bytes_left=0, ended=now))
+                self._count(REBALANCE, done.seconds(now))
+                finished.append(done)
             else:
-                move = replace(move, bytes_left=max(0, min(move.nbytes, bytes_left)))
-            self._moves[i] = move
-        if finished:
-            self._trim()
+                self._moves.replace(key, replace(move, bytes_left=max(0, min(move.nbytes, bytes_left))))
         return finished
 
     def gone(self, target: str, now: float) -> list[PartitionMove]:
         """`target` died or left before its backups held the moved partitions: those moves end there (a
         failover or a drain moved the partitions on); returned so the scheduler can say so."""
-        ended = []
-        for i, move in enumerate(self._moves):
-            if not move.done and move.target == target:
-                self._moves[i] = move = replace(move, ended=now)
-                ended.append(move)
-        return ended
+        return [self._moves.replace(key, replace(move, ended=now)) for key, move in self._moves.items()
+                if not move.done and move.target == target]
 
     def drained(self, seconds: float) -> None:
         """A drain handed a server's slices and partitions to its backup after `seconds`."""
@@ -110,11 +99,11 @@ class MoveLog:
 
     def all(self) -> tuple[PartitionMove, ...]:
         """In progress first, then done, each in the order they switched."""
-        return tuple([m for m in self._moves if not m.done] + [m for m in self._moves if m.done])
+        return (*self._moves.in_progress(), *self._moves.done())
 
     def stats(self) -> MoveStats:
         return MoveStats(dict(self.finished), tuple(self.cumulative()), self.seconds_sum,
-                         tuple(m for m in self._moves if not m.done))
+                         self._moves.in_progress())
 
     def cumulative(self) -> list[tuple[str, float]]:
         """The duration histogram's buckets as Prometheus wants them."""
@@ -128,8 +117,3 @@ class MoveLog:
         self.finished[kind] += 1
         self.bucket_counts[bisect.bisect_left(MOVE_BUCKETS, seconds)] += 1
         self.seconds_sum += seconds
-
-    def _trim(self) -> None:
-        done = [m for m in self._moves if m.done]
-        drop = {id(m) for m in done[:max(0, len(done) - self._keep_done)]}
-        self._moves = [m for m in self._moves if id(m) not in drop]

@@ -1,5 +1,6 @@
-"""What a drain and a join have in common for `pshard status` (issue 20): a start on the scheduler's clock
-and an end once the hand-over is made, so that both report `done` and their seconds the same way."""
+"""What a drain, a join and a partition move have in common for `pshard status` (issue 20): a start on the
+scheduler's clock and an end once the hand-over is made, so that all report `done` and their seconds the
+same way (and scheduler/history.py keeps them alike)."""
 
 from __future__ import annotations
 

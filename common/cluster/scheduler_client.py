@@ -27,6 +27,7 @@ from typing import Any, TypeVar
 import grpc
 from pshard.common.cluster.layout import DEFAULT_SLICE_BYTES, Layout, ParamSpec
 from pshard.common.cluster.loads import Counters
+from pshard.common.cluster.losses import lost_in, slices_lost_error
 from pshard.common.cluster.view import ClusterView, Registration
 from pshard.common.errors import (
     NodeLeftError,
@@ -313,6 +314,20 @@ class SchedulerClient:
         request = pb.ProposeLayoutRequest(restore=layout_to_proto(layout))
         reply = self._call("ProposeLayout", self._stub.ProposeLayout, request, self._rpc_timeout_s * 2)
         return layout_from_proto(reply.layout)
+
+    def newer_layout(self, layout: Layout, timeout_s: float) -> Layout | None:
+        """A PSClient's `relayout`: the scheduler's layout once it is newer than `layout` (a failover),
+        None at the timeout. SlicesLostError at once when the view names a server `layout` still routes
+        to as lost (its failover was refused): no newer layout will come for it."""
+        try:
+            view = self.wait_for_view(
+                lambda view: view.layout_version > layout.version or bool(lost_in(view, layout)), timeout_s)
+        except PullTimeoutError:
+            return None
+        if view.layout_version <= layout.version:
+            raise slices_lost_error(lost_in(view, layout), layout)
+        newer = self.get_layout(timeout_s=max(1.0, timeout_s))
+        return newer if newer.version > layout.version else None
 
     def get_layout(self, timeout_s: float) -> Layout:
         """The stored layout, waiting up to `timeout_s` for someone to propose one."""

@@ -39,7 +39,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from typing import NamedTuple, Protocol
@@ -487,31 +487,12 @@ class TableReplication:
         copied from its replicas, which stay for a failover of it. Its batches with rows of them are
         refused from the copy on (a write it applied before it knew is never acknowledged: the worker
         resends it here)."""
-        wanted = np.fromiter(moved, np.int64)
 
         def refuse_from_now() -> None:
             self._taken[primary] = self._taken.get(primary, frozenset()) | moved
 
-        rows = 0
-        for part, push_log, clocks in self.replicas.copy(
-                primary, lambda ids: np.isin(server_of(ids, partitions), wanted), refuse_from_now):
-            name = part.config.name
-            table = self._tables.find(name)
-            if table is None:
-                table = self._tables.make(part.config)
-                self._tables.add(table)
-                self._hook(table)
-            copied = merge(table, part)
-            if clocks is not None:
-                self._tables.adopt_sync(name, {p: c for p, c in clocks.items() if p in moved})
-            self._logs.setdefault(name, PushLog()).merge(push_log)
-            rows += len(copied)
-            for peer in self._peers.values():  # they count in sync again once they hold these rows too
-                peer.copied = False
-                peer.backlog.append((name, copied))
-                peer.workers.setdefault(name, set()).update(push_log.workers())
-                peer.wake.set()
-        self.promoted_rows += rows
+        copies = self.replicas.copy(primary, _in_partitions(moved, partitions), refuse_from_now)
+        rows = self._take_over(copies, moved, partitions)
         log.warning("MOVE: took over %d table rows of row partitions %s from %s", rows, sorted(moved),
                     primary)
 
@@ -524,32 +505,39 @@ class TableReplication:
         """Serve the rows of `gained` that `primary`'s replicas hold (a failover or a drain of it): the
         replicas are taken. Only the gained partitions' rows: a partition a move took from `primary`
         earlier is served here or elsewhere already, and its copy here is stale."""
-        wanted = np.fromiter(gained, np.int64)
-
-        def keep(ids: np.ndarray) -> np.ndarray:
-            return np.isin(server_of(ids, partitions), wanted)
-
-        rows = 0
         clocks = self.replicas.clocks(primary)
-        for replica, push_log in self.replicas.take(primary):
+        rows = self._take_over([(replica, push_log, clocks.get(replica.config.name))
+                                for replica, push_log in self.replicas.take(primary)], gained, partitions)
+        log.warning("FAILOVER: promoted %d table rows of %s to serve them here", rows, primary)
+
+    def _take_over(self, replicas: Iterable[tuple[SparseTable, PushLog, dict[int, int] | None]],
+                   taken: frozenset[int], partitions: int) -> int:
+        """Serve row partitions `taken` (of `partitions`) from `replicas`, a move's or a failover's: their
+        rows merged into this server's table of the replica's name, with its push log and, for a sync
+        table, their applied clocks. Only theirs: the replicas' primary may hold other partitions, or
+        stale copies of partitions a move took from it earlier, which are served elsewhere or here
+        already. The rows taken over."""
+        keep = _in_partitions(taken, partitions)
+        rows = 0
+        for replica, push_log, clocks in replicas:
             name = replica.config.name
             table = self._tables.find(name)
             if table is None:
                 table = self._tables.make(replica.config)
                 self._tables.add(table)
                 self._hook(table)  # its rows go to the backups below
-            moved = merge(table, replica, keep)
-            if name in clocks:  # a sync table: its partitions go on from the clock the rows hold
-                self._tables.adopt_sync(name, clocks[name])
+            ids = merge(table, replica, keep)
+            if clocks is not None:  # a sync table: its partitions go on from the clock the rows hold
+                self._tables.adopt_sync(name, {p: c for p, c in clocks.items() if p in taken})
             self._logs.setdefault(name, PushLog()).merge(push_log)
-            rows += len(moved)
+            rows += len(ids)
             for peer in self._peers.values():  # they count in sync again once they hold these rows too
                 peer.copied = False
-                peer.backlog.append((name, moved))
+                peer.backlog.append((name, ids))
                 peer.workers.setdefault(name, set()).update(push_log.workers())
                 peer.wake.set()
         self.promoted_rows += rows
-        log.warning("FAILOVER: promoted %d table rows of %s to serve them here", rows, primary)
+        return rows
 
     # ---- backup side (the Replicate call, on a thread) ----
 
@@ -777,6 +765,12 @@ class TableReplication:
 
     def close(self) -> None:
         self.set_backups([])
+
+
+def _in_partitions(chosen: frozenset[int], partitions: int) -> Callable[[np.ndarray], np.ndarray]:
+    """A mask of the ids whose row partition (of `partitions`) is one of `chosen`."""
+    wanted = np.fromiter(chosen, np.int64)
+    return lambda ids: np.isin(server_of(ids, partitions), wanted)
 
 
 async def hold_rows(rows: RowReplication, request: pb.ReplicateRequest,

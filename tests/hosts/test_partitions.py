@@ -19,7 +19,7 @@ import re
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import BinaryIO
 
@@ -41,8 +41,11 @@ RUN_TIMEOUT_S = 120.0
 class Job:
     """One job's processes on the bed, each writing its output to a file of its own."""
 
-    def __init__(self, bed: HostBed, tmp_path: Path, name: str) -> None:
+    def __init__(self, bed: HostBed, tmp_path: Path, name: str,
+                 env: Mapping[str, Mapping[str, str]] | None = None) -> None:
+        """`env`: more environment for some hosts' processes, by host (a failpoint, say)."""
         self.bed, self.dir = bed, tmp_path / name
+        self._env = env or {}
         self.dir.mkdir()
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
         self._files: list[BinaryIO] = []
@@ -71,6 +74,7 @@ class Job:
         tf_config = json.dumps({"cluster": self.cluster, "task": {"type": role, "index": index}})
         env.update(PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1", PSHARD_INSECURE="1",
                    PSHARD_JOB_ID=self.dir.name, PSHARD_REPLICAS="1", TF_CONFIG=tf_config)
+        env.update(self._env.get(host, {}))
         out = (self.dir / f"{host}.log").open("wb")
         self._files.append(out)  # open for the process's life
         self.procs[host] = self.bed.spawn(host, [sys.executable, *args], env=env, cwd=self.dir,

@@ -10,8 +10,10 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
+from pshard.client.ps_client import PSClient
 from pshard.common.cluster.layout import Layout, ParamSpec, plan_layout
 from pshard.common.cluster.replicas import fail_over
+from pshard.common.rpc.serving import ServerThread
 from pshard.common.sparse import server_of
 from pshard.ps_server.replication.table_rows import all_ids
 from pshard.ps_server.settings import ServerSettings
@@ -19,6 +21,7 @@ from pshard.ps_server.tables.table import SparseTable
 
 from pshard.api.v1 import sparse_pb2 as pb
 from pshard.api.v1 import sparse_pb2_grpc as pb_grpc
+from tests.e2e.harness import wait_until
 from tests.service.test_table_replication import CONFIG, IDS, WAIT_S, _grads, _replicated, _rows, _state
 from tests.service.test_table_replication_sync import CLOCKS, PENDING, TABLE, _batch, _expected
 from tests.service.test_table_replication_sync import IDS as SYNC_IDS
@@ -83,13 +86,29 @@ def test_more_partitions_than_servers_are_served_replicated_and_failed_over_whol
     assert client.pull_rows("emb", IDS).tobytes() == reference.pull(IDS).tobytes()
 
 
+SYNC_SETTINGS = ServerSettings(replicas=1, static_quorum={"w0": 0, "w1": 0}, pull_timeout_s=WAIT_S)
+
+
+def _step(client: PSClient, w: int, clock: int, push: bool = True) -> None:
+    """Worker `w`'s step of the sync table: its push of `clock`, then its pull of `clock` + 1."""
+    if push:
+        client.push_rows(TABLE.name, *_batch(w, clock), clock=clock)
+    client.pull_rows(TABLE.name, SYNC_IDS, clock=clock + 1)
+
+
+def _train(pool: ThreadPoolExecutor, clients: list[PSClient], clocks: range) -> None:
+    """Both workers' steps of `clocks`, side by side (a sync clock waits for both)."""
+    for clock in clocks:
+        for f in [pool.submit(_step, clients[w], w, clock) for w in (0, 1)]:
+            f.result(timeout=WAIT_S)
+
+
 def test_a_sync_clock_pending_on_a_failed_server_of_four_partitions_is_applied_once_by_its_heir(
         start_server, new_client) -> None:
     """As test_table_replication_sync's failover, with each server serving four partitions: every
     partition keeps its own clocks, and the heir applies the pending clock once in each it adopts."""
     published = threading.Event()
-    settings = ServerSettings(replicas=1, static_quorum={"w0": 0, "w1": 0}, pull_timeout_s=WAIT_S)
-    servers, layout = _replicated(start_server, _layout, settings=settings)
+    servers, layout = _replicated(start_server, _layout, settings=SYNC_SETTINGS)
     addresses = [s.address for s in servers]
     moved = dataclasses.replace(fail_over(layout, 1, {0, 2})[0], version=layout.version + 1)
 
@@ -102,27 +121,106 @@ def test_a_sync_clock_pending_on_a_failed_server_of_four_partitions_is_applied_o
         c.declare_table(TABLE)
     assert set(server_of(SYNC_IDS, PARTITIONS).tolist()) == set(range(PARTITIONS))
 
-    def step(w: int, clock: int, push: bool = True) -> None:
-        if push:
-            clients[w].push_rows(TABLE.name, *_batch(w, clock), clock=clock)
-        clients[w].pull_rows(TABLE.name, SYNC_IDS, clock=clock + 1)
-
     with ThreadPoolExecutor(2) as pool:
-        for clock in range(PENDING):
-            for f in [pool.submit(step, w, clock) for w in (0, 1)]:
-                f.result(timeout=WAIT_S)
+        _train(pool, clients, range(PENDING))
         clients[0].push_rows(TABLE.name, *_batch(0, PENDING), clock=PENDING)  # acknowledged, pending
         servers[1].stop(grace_s=0)
         for i in (0, 2):
             servers[i].call(lambda i=i: (_rows(servers[i]).set_backups([addresses[2 - i]]),
                                          _rows(servers[i]).on_layout(moved)))
         published.set()
-        futures = [pool.submit(step, 0, PENDING, False), pool.submit(step, 1, PENDING)]
+        # w0's push of PENDING was acknowledged before the stop: it pulls; w1 pushes it now.
+        futures = [pool.submit(_step, clients[0], 0, PENDING, False),
+                   pool.submit(_step, clients[1], 1, PENDING)]
         for f in futures:
             f.result(timeout=3 * WAIT_S)
-        for clock in range(PENDING + 1, CLOCKS):
-            for f in [pool.submit(step, w, clock) for w in (0, 1)]:
-                f.result(timeout=WAIT_S)
+        _train(pool, clients, range(PENDING + 1, CLOCKS))
     final = clients[0].pull_rows(TABLE.name, SYNC_IDS, clock=CLOCKS)
     np.testing.assert_array_equal(final, _expected(CLOCKS))
     assert clients[0].tables.resent >= 1 and clients[0].layout is moved
+
+
+def _applied(server: ServerThread) -> dict[int, int]:
+    """The sync table's first clock not applied, per partition, on `server`."""
+    return server.call(lambda: server.running.tables.sync_applied(TABLE.name))
+
+
+def _move_to_backup(servers: list[ServerThread], layout: Layout, partition: int) -> Layout:
+    """Move `partition` from server 0 to server 1, its backup (`pshard rebalance`), once server 1's replica
+    holds server 0's applied clocks; every server learns the new layout."""
+    wait_until(lambda: _rows(servers[1]).replicas.clocks(servers[0].address).get(TABLE.name)
+               == _applied(servers[0]), WAIT_S, "server 1's replica of server 0 holds its applied clocks")
+    moved = dataclasses.replace(layout, version=layout.version + 1, row_owners=tuple(
+        1 if p == partition else o for p, o in enumerate(layout.owners())))
+    for server in servers:
+        server.call(lambda server=server: _rows(server).on_layout(moved))
+    return moved
+
+
+def test_a_sync_partition_moved_to_its_backup_is_served_there_from_its_own_applied_clock_only(
+        start_server, new_client) -> None:
+    """A move takes over one partition of a live server: its rows and its applied clock, never the
+    clocks of the partitions the source keeps, which the target does not serve."""
+    servers, layout = _replicated(start_server, _layout, settings=SYNC_SETTINGS)
+    clients = [new_client(servers, f"w{w}", layout=layout, transport="grpc") for w in (0, 1)]
+    for c in clients:
+        c.declare_table(TABLE)
+    with ThreadPoolExecutor(2) as pool:
+        _train(pool, clients, range(PENDING))
+    assert _applied(servers[0]) == {p: PENDING for p in layout.partitions_on(0)}
+    moved = _move_to_backup(servers, layout, 3)
+    assert 3 in moved.partitions_on(1)
+    assert _applied(servers[1]) == {p: PENDING for p in moved.partitions_on(1)}
+    mine = SYNC_IDS[server_of(SYNC_IDS, PARTITIONS) == 3]
+    table = servers[1].running.tables.find(TABLE.name)
+    source_table = servers[0].running.tables.find(TABLE.name)
+    assert table is not None and source_table is not None and len(mine)
+    held = np.intersect1d(all_ids(source_table), mine)
+
+    def rows(t: SparseTable) -> dict[str, bytes]:
+        return {name: b for name, b in _state(t, held).items() if name != "touch"}  # pulls touch unreplicated
+
+    assert rows(table) == rows(source_table)
+
+
+def test_the_heir_of_a_server_a_sync_partition_moved_from_keeps_that_partitions_clock(
+        start_server, new_client) -> None:
+    """Partition 3 moves from server 0 to server 1 and trains on there; then server 0 dies and server 1,
+    its backup, is its heir. Server 0 still reports its stale clock of partition 3 with its rows: the heir
+    must not adopt it (it rewound partition 3 to the clock of the move, and the pulls waited in vain for
+    clocks the workers had already pushed), and training goes on exactly."""
+    servers, layout = _replicated(start_server, _layout, settings=SYNC_SETTINGS)
+    published = [layout]
+    changed = threading.Condition()
+
+    def relayout(current: Layout, timeout_s: float) -> Layout | None:
+        with changed:
+            changed.wait_for(lambda: published[-1].version > current.version, timeout_s)
+            return published[-1] if published[-1].version > current.version else None
+
+    def publish(new: Layout) -> None:
+        with changed:
+            published.append(new)
+            changed.notify_all()
+
+    clients = [new_client(servers, f"w{w}", layout=layout, relayout=relayout, reroute_wait_s=WAIT_S,
+                          retry_budget_s=0.5, transport="grpc") for w in (0, 1)]
+    for c in clients:
+        c.declare_table(TABLE)
+    with ThreadPoolExecutor(2) as pool:
+        _train(pool, clients, range(PENDING))
+        moved = _move_to_backup(servers, layout, 3)
+        publish(moved)
+        _train(pool, clients, range(PENDING, PENDING + 2))
+        assert _applied(servers[0])[3] == PENDING and _applied(servers[1])[3] == PENDING + 2
+        wait_until(lambda: _rows(servers[1]).replicas.clocks(servers[0].address).get(TABLE.name)
+                   == _applied(servers[0]), WAIT_S, "server 1's replica of server 0 holds its applied clocks")
+        failed = dataclasses.replace(fail_over(moved, 0, {1, 2})[0], version=moved.version + 1)
+        servers[0].stop(grace_s=0)
+        for i in (1, 2):
+            servers[i].call(lambda i=i: (_rows(servers[i]).set_backups([servers[3 - i].address]),
+                                         _rows(servers[i]).on_layout(failed)))
+        publish(failed)
+        assert _applied(servers[1]) == {p: PENDING + 2 for p in failed.partitions_on(1)}
+        _train(pool, clients, range(PENDING + 2, CLOCKS))
+    np.testing.assert_array_equal(clients[0].pull_rows(TABLE.name, SYNC_IDS, clock=CLOCKS), _expected(CLOCKS))

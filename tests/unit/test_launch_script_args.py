@@ -65,7 +65,8 @@ def test_a_running_launch_is_found_by_its_address_and_a_finished_or_killed_one_i
 
 
 def test_pshard_status_takes_the_credentials_of_the_launch_it_was_pointed_at(tmp_path: Path) -> None:
-    from pshard.status import _launcher_security, build_parser
+    from pshard.admin import _launcher_security
+    from pshard.status import build_parser
 
     env = {"PSHARD_CERTS_DIR": str(tmp_path / "certs")}
     write_record(LaunchRecord("127.0.0.1:7000", str(tmp_path / "certs"), "launch-1", pid=os.getpid()), env)

@@ -159,7 +159,7 @@ RULES: list[tuple[str, tuple[str, ...], tuple[str, ...], bool]] = [
     ("common imports no service and no CLI", ("pshard.common",),
      ("pshard.ps_server", "pshard.worker", "pshard.scheduler", "pshard.launcher", "pshard.client",
       "pshard.cli", "pshard.certs", "pshard.status", "pshard.plot", "pshard.evaluate",
-      "pshard.checkpoint_cli"),
+      "pshard.checkpoint_cli", "pshard.admin", "pshard.drain_cli", "pshard.rebalance_cli"),
      True),
     ("client imports no torch, no server and no scheduler service", ("pshard.client",),
      ("torch", "pshard.ps_server", "pshard.scheduler", "pshard.worker", "pshard.launcher"), True),

@@ -93,3 +93,11 @@ def test_moves_whose_target_is_gone_end_unfinished_and_drains_count_as_moves():
     moves.drained(0.3)
     assert moves.finished == {REBALANCE: 1, DRAIN: 1}
     assert dict(moves.cumulative())["+Inf"] == 2.0
+
+
+def test_moves_ended_by_their_targets_death_count_toward_the_done_moves_kept():
+    moves = MoveLog(keep_done=1)
+    for partition in range(3):
+        moves.switched(partition, "a:1", "b:1", 5 + partition, 10, now=0.0)
+    assert len(moves.gone("b:1", now=1.0)) == 3
+    assert [m.partition for m in moves.all()] == [2]
