@@ -147,7 +147,19 @@ def batch_from_proto(msg: pb.TableReplica, maps: SegmentMaps | None = None, prim
                     dict(msg.applied_clocks) if config.mode == "sync" else None, msg.admit_epoch,
                     dict(msg.scheduled) if msg.has_scheduled else None, msg.schedule_floor,
                     {p: dict(kept.last) for p, kept in msg.scheduled_partitions.items()},
-                    [(np.frombuffer(r.ids, _ID), dict(r.last)) for r in msg.restored_scheduled])
+                    _restored(config, msg))
+
+
+def _restored(config: TableConfig, msg: pb.TableReplica) -> list[tuple[np.ndarray, dict[int, int]]]:
+    """The batch's restored records (`restored_scheduled`), their ids checked to be whole int64s."""
+    out = []
+    for i, r in enumerate(msg.restored_scheduled):
+        if len(r.ids) % _ID.itemsize:
+            raise InvalidArgumentError(f"table replica {config.name!r}: restored_scheduled[{i}].ids: got "
+                                       f"{len(r.ids)} bytes, expected a multiple of {_ID.itemsize} "
+                                       "(int64 ids)")
+        out.append((np.frombuffer(r.ids, _ID), dict(r.last)))
+    return out
 
 
 def _from_frame(config: TableConfig, name: str, raw: np.ndarray | None, shape: tuple[int, ...],

@@ -282,3 +282,13 @@ def test_restored_records_join_by_record_hold_rows_once_and_go_once_their_calls_
     record.replace(9, {}, {})  # the primary's floor passed calls 7 and 8 (a backup's replica)
     record.hold_restored([(np.array([4]), {7: 0})])
     assert record.restored == []
+
+
+def test_a_replica_batch_with_a_torn_restored_record_is_refused_naming_the_field() -> None:
+    table = SparseTable(TableConfig("emb", 2, initializer="zeros"))
+    table.scheduled.hold_restored([(np.array([1, 2]), {7: 0})])
+    msg = batch_to_proto(capture(table, np.array([1, 2], np.int64)))
+    msg.restored_scheduled[0].ids = msg.restored_scheduled[0].ids[:-3]
+    with pytest.raises(InvalidArgumentError, match=r"'emb': restored_scheduled\[0\]\.ids: got 13 bytes, "
+                                                   r"expected a multiple of 8"):
+        batch_from_proto(msg)
