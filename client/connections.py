@@ -162,6 +162,14 @@ class ServerConnections:
         """A newer layout can be asked for (the client was given the scheduler's)."""
         return self._relayout is not None
 
+    @property
+    def fails_fast(self) -> bool:
+        """Re-routable under a replicated layout: a server that is down is not waited for. A step re-routed
+        to a layout that still names a dead server (its failover refused) must fail at once, not wait
+        for it in a fast path's negotiation (10 s per kind), so the scheduler's refusal reaches it."""
+        layout = self.layout
+        return self._relayout is not None and layout is not None and bool(layout.replicas)
+
     def newer_layout(self, layout: Layout, left_s: float) -> Layout | None:
         """A layout newer than `layout`, waited for up to `left_s` (at most `reroute_wait_s`); else None."""
         if self._relayout is None:
@@ -187,7 +195,8 @@ class ServerConnections:
                                          request_bytes=room, reply_bytes=room, shm_dir=self._shm_dir,
                                          timeout_s=min(self.timeout_s, 10.0),
                                          ssl_context=self.security.client_ssl_context() if self.security.tls
-                                         else None, dead_after_s=self._dead_after_s)
+                                         else None, dead_after_s=self._dead_after_s,
+                                         wait_for_ready=not self.fails_fast)
                 except FastPortSilent as err:
                     # Each try would block a step as long again (issue 24): this server's calls stay on
                     # gRPC for this client's life, said once.

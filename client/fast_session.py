@@ -161,14 +161,15 @@ class FastPath:
     def open(cls, kind: str, stub: pb_grpc.ParameterServerServiceStub, address: str, worker_id: str, *,
              request_bytes: int, reply_bytes: int, shm_dir: str, timeout_s: float,
              ssl_context: ssl.SSLContext | None = None,
-             dead_after_s: float = DEFAULT_DEAD_AFTER_S) -> FastPath:
+             dead_after_s: float = DEFAULT_DEAD_AFTER_S, wait_for_ready: bool = True) -> FastPath:
         """Negotiate and connect; a PSError says why this kind is not possible with this server.
 
         `ssl_context` (a client context: our certificate, the job's CA): TCP runs over TLS, the
         server authenticated by its certificate and the host name we reached it by, as gRPC does.
         Shared memory needs none: the bytes never leave the host, and the session's secret came
         over the authenticated gRPC channel. `dead_after_s`: a server silent this long (its host
-        cut off) breaks the TCP session (common.wire.liveness): the job's heartbeat timeout."""
+        cut off) breaks the TCP session (common.wire.liveness): the job's heartbeat timeout.
+        `wait_for_ready`: False fails at once on a server that is down instead of waiting for it."""
         segment = scratch = None
         sock: Stream | None = None
         try:
@@ -185,7 +186,7 @@ class FastPath:
             else:
                 scratch = Segment.private(0, reply_bytes)
             try:
-                reply = stub.OpenTransport(request, timeout=timeout_s, wait_for_ready=True)
+                reply = stub.OpenTransport(request, timeout=timeout_s, wait_for_ready=wait_for_ready)
             except grpc.RpcError as err:
                 raise error_from_rpc_error(err) from err
             hello = pb.TransportHello(session=reply.session, secret=reply.secret).SerializeToString()

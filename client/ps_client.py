@@ -111,7 +111,9 @@ class PSClient:
         """`security`: this worker's TLS files or token (pshard.common.security.credentials; default plain).
         `relayout(layout, timeout_s)`: a layout newer than `layout` once the scheduler publishes one
         (a failover), else None at the timeout; with it and a replicated layout, a step whose server
-        is gone waits up to `reroute_wait_s` for the failover and is sent again on the new layout.
+        is gone waits up to `reroute_wait_s` for the failover and is sent again on the new layout. It
+        raises SlicesLostError once the scheduler names a server `layout` needs as lost (its failover
+        refused), and the step ends with it at once (SchedulerClient.newer_layout does both).
         `transport`: how push and pull bytes travel (docs/architecture.md, 11 Transports): "auto"
         takes shared memory when the server proves it shares this host's `shm_dir`, else a raw TCP
         socket, else gRPC; "shm" or "tcp" only that one (else gRPC); "grpc" never negotiates.

@@ -399,6 +399,23 @@ def _linked(checkpoint: Checkpoint, links: Sequence[Checkpoint], part: str, name
                           f"chain ({[c.path.name for c in links]}): read it with its chain")
 
 
+def last_scheduled_call(checkpoint: Checkpoint) -> int:
+    """The highest schedule id (pshard.coordinator) the parts hold a record of, or below a floor they
+    saved: 0 if none. A coordinator that restores the checkpoint numbers its calls above it, since the
+    restored records would take a call of its own under one of those ids for that old one (a coordinator
+    launched again with a fresh scheduler has the same registration generation, and so the same ids)."""
+    top = 0
+    for part in sorted({f.name for f in checkpoint.files if re.fullmatch(r"part-\d+\.json", f.name)}):
+        for entry in json.loads((checkpoint.path / part).read_bytes())["slices"]:
+            top = max([top, *map(int, entry.get("scheduled", {}))])  # older parts: none
+    for part in table_parts(checkpoint):
+        for _, meta in checkpoint_chain.part_tables(checkpoint.path, part).values():
+            held = meta.get("scheduled") or {}
+            records = [held.get("last", {}), *held.get("partitions", {}).values()]
+            top = max([top, int(held.get("floor", 0)) - 1, *(int(s) for r in records for s in r)])
+    return top
+
+
 def table_parts(checkpoint: Checkpoint) -> list[str]:
     """The names under which the parts saved tables (for ps_server.tables.files.load_tables)."""
     return sorted(f.name[: -len(".tables.json")] for f in checkpoint.files if f.name.endswith(".tables.json"))

@@ -223,6 +223,21 @@ class FencedError(UnavailableError):
     status = "FAILED_PRECONDITION"
 
 
+class SlicesLostError(PSError):
+    """Slices or row partitions of a parameter server the job lost: it died before any live backup held
+    an in-sync copy of them, so the scheduler refused their failover, and they and every update they
+    received are gone (docs/architecture.md, 9 Failures). No resend can help: the job must resume from
+    a checkpoint or start again. Facts: `server` (the lost servers' addresses, comma-separated),
+    `layout_version` (the newest layout in which one was lost). Not an UnavailableError: nothing retries
+    it."""
+
+    status = "DATA_LOSS"
+
+    def __init__(self, message: str = "", *, server: str = "", layout_version: int = 0,
+                 **facts: Fact) -> None:
+        super().__init__(message, server=server, layout_version=layout_version, **facts)
+
+
 class UnauthenticatedError(PSError):
     """A request to a secured service carried no valid credential (certificate or token)."""
 

@@ -104,6 +104,12 @@ class ClosureQueue:
             self._next_id += 1
             return sid
 
+    def number_above(self, schedule_id: int) -> None:
+        """Number the calls to come above `schedule_id` (a restored checkpoint's last call: the servers'
+        records of its calls would drop the pushes of a call of ours under one of their ids)."""
+        with self._cond:
+            self._next_id = max(self._next_id, schedule_id + 1)
+
     def put(self, closure: Closure) -> None:
         """Queue a call; raises the first unhandled error of an earlier call instead (TensorFlow's rule)."""
         with self._cond:

@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 from pshard.client.ps_client import PSClient
 from pshard.client.tables import TableClient
+from pshard.common import checkpoint_store as gc
 from pshard.common.cluster.layout import ParamSpec
 from pshard.common.cluster.view import ClusterView
 from pshard.common.errors import ClusterConfigError, InvalidArgumentError, PSError
@@ -332,6 +333,7 @@ class ClusterCoordinator:
                     restored = checkpoints.restore_checkpoint_of(client, self._checkpoint_dir, self.job)
                     if restored is not None:
                         self.restored_clock, self._restored_state = restored.clock, restored.coordinator
+                        self._queue.number_above(gc.last_scheduled_call(restored))
                 client.declare(self._variables, self.job)
                 if self._tables:
                     self._tables_of = TableClient(client)

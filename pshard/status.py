@@ -24,7 +24,7 @@ from dataclasses import asdict, dataclass, field
 
 from pshard.admin import add_scheduler_argument, first_watch, parse_admin_args, rpc_failure, scheduler_stub
 from pshard.common.argtypes import positive_float
-from pshard.common.cluster.view import ClusterView, NodeState
+from pshard.common.cluster.view import ClusterView, NodeState, ServerLoss
 from pshard.common.security.credentials import SecurityConfig, add_security_arguments
 
 PROG = "pshard status"
@@ -137,6 +137,8 @@ class JobStatus:
     loads: tuple[LoadReport, ...] = ()
     moves: tuple[MoveReport, ...] = ()
     joins: tuple[JoinReport, ...] = ()
+    # Servers whose failover the scheduler refused: their slices and row partitions are lost.
+    lost: tuple[ServerLoss, ...] = ()
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2, sort_keys=True)
@@ -183,7 +185,7 @@ def summarise(scheduler: str, view: ClusterView, servers: Sequence[ServerReport]
     reports = tuple(ServerReport(**{**asdict(s), "waits_for": waits_for(s, live_trainers)}) for s in servers)
     return JobStatus(scheduler, view.generation, view.layout_version, tuple(members), reports, now,
                      pairs=pair_transports(servers), drains=tuple(drains), loads=tuple(loads),
-                     moves=tuple(moves), joins=tuple(joins))
+                     moves=tuple(moves), joins=tuple(joins), lost=view.lost)
 
 
 def pair_transports(servers: Sequence[ServerReport]) -> dict[str, dict[str, str]]:
@@ -227,6 +229,16 @@ def _drain_lines(status: JobStatus) -> list[str]:
         parts = ",".join(map(str, d.partitions)) if d.done else "-"
         lines.append(f"{d.node_id:<14} {state:<11} {d.address:<21} {d.heir or '-':<21} {d.slices:>6} "
                      f"{layout:>6} {f'{d.seconds:.2f} s':>8}  {parts or '-'}")
+    return lines
+
+
+def _lost_lines(status: JobStatus) -> list[str]:
+    """The servers the job lost: what an operator must act on (restore from a checkpoint, or restart)."""
+    if not status.lost:
+        return []
+    lines = ["", f"{'LOST':<21} {'LAYOUT':>6}  WHY (failover refused: restore the job from a checkpoint, or "
+                 "restart it)"]
+    lines += [f"{loss.address:<21} {loss.layout_version:>6}  {loss.reason}" for loss in status.lost]
     return lines
 
 
@@ -309,6 +321,7 @@ def render(status: JobStatus) -> str:
     lines += _drain_lines(status)
     lines += _move_lines(status)
     lines += _join_lines(status)
+    lines += _lost_lines(status)
     stuck = [s for s in status.servers if s.waits_for]
     if stuck:
         lines.append("")

@@ -32,6 +32,7 @@ from pshard.common.cluster.layout import (
     plan_layout,
 )
 from pshard.common.cluster.loads import Counters, LoadMeter
+from pshard.common.cluster.losses import serves
 from pshard.common.cluster.moves import NotABackupError, NowhereToMoveError, partition_count, plan_join
 from pshard.common.cluster.replicas import (
     NoInSyncCopyError,
@@ -50,6 +51,7 @@ from pshard.common.cluster.view import (
     Node,
     NodeState,
     Registration,
+    ServerLoss,
 )
 from pshard.common.errors import (
     BarrierTimeoutError,
@@ -205,6 +207,9 @@ class Membership:
         self._barriers: dict[str, _Barrier] = {}
         self._layout: Layout | None = None
         self.failovers = 0  # primaries promoted (pshard_failovers_total)
+        # Servers whose failover was refused, by address, while the layout still routes to them: the
+        # views name them so that workers needing them fail at once (pshard.common.cluster.losses).
+        self._losses: dict[str, ServerLoss] = {}
         # Which backups hold a full copy of which primary (docs/architecture.md, 9 Failures).
         self.in_sync = InSyncCopies()
         # Server address -> when a live worker last said that server answered it (its heartbeats'
@@ -626,7 +631,7 @@ class Membership:
     def view(self) -> ClusterView:
         nodes = sorted(self._members.values(), key=lambda m: (_SPACE_ORDER[RANK_SPACE[m.role]], m.rank))
         return ClusterView(self._generation, tuple(m.snapshot() for m in nodes),
-                           self._layout.version if self._layout else 0)
+                           self._layout.version if self._layout else 0, tuple(self._losses.values()))
 
     def live_workers(self) -> dict[str, int]:
         return self.view().live_workers()
@@ -814,6 +819,7 @@ class Membership:
                 f"{layout.replicas}" + (f", slice {quote(bad.key)} on server {bad.server}" if bad else ""))
         self._check_servers_hold(layout)
         self._layout = layout
+        self._keep_losses_served()
         self._bump()
         self._joins_resumed()
         return layout, True
@@ -842,6 +848,7 @@ class Membership:
     def replace_layout(self, layout: Layout) -> Layout:
         """Install a re-planned layout (e.g. after the server set changed) under a new version."""
         self._layout = dataclasses.replace(layout, version=self._next_layout_version())
+        self._keep_losses_served()
         self._bump()
         return self._layout
 
@@ -868,9 +875,11 @@ class Membership:
             self.in_sync.changes[LOST] += 1
             log.error("FAILOVER IMPOSSIBLE: server %d (%s) is gone and %s; those slices and their updates "
                       "are lost, and workers needing them fail", dead, address, e)
+            self._lose(address, layout, str(e))
             return ()
         except InvalidArgumentError as e:
             log.error("cannot fail over %s: %s; its slices are lost", address, e)
+            self._lose(address, layout, str(e))
             return ()
         heir = heir_of(layout, moved_layout, dead)
         if heir is not None:
@@ -884,6 +893,17 @@ class Membership:
                         len(moved), sorted(moved_partitions(layout, moved_layout)), heir,
                         layout.servers[heir], new.version, self._generation)
         return moved
+
+    def _lose(self, address: str, layout: Layout, reason: str) -> None:
+        """Name the server in the views from now on (a change of the view: a new generation)."""
+        self._losses[address] = ServerLoss(address, layout.version, reason)
+        self._bump()
+
+    def _keep_losses_served(self) -> None:
+        """Forget the losses of servers the layout no longer routes anything to (a re-planned layout)."""
+        layout = self._layout
+        self._losses = {address: loss for address, loss in self._losses.items()
+                        if layout is not None and serves(layout, address)}
 
     def _next_layout_version(self) -> int:
         return (self._layout.version if self._layout else 0) + 1

@@ -46,7 +46,9 @@ class _Servicer(pb_grpc.WorkerServiceServicer):
         self._ready_timeout_s = ready_timeout_s
 
     async def Run(self, request: pb.RunRequest, context: grpc.aio.ServicerContext) -> pb.RunResponse:
-        if not await asyncio.to_thread(self.ready.wait, self._ready_timeout_s) or self.runner is None:
+        # Ready is the rule once serving: waiting on a thread only before then spares each call a hop.
+        ready = self.ready.is_set() or await asyncio.to_thread(self.ready.wait, self._ready_timeout_s)
+        if not ready or self.runner is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "worker: not connected to the servers yet")
         assert self.runner is not None
         return await asyncio.to_thread(self.runner.run, request)

@@ -259,14 +259,9 @@ class ClusterSession:
         return self.client
 
     def _newer_layout(self, layout: Layout, timeout_s: float) -> Layout | None:
-        """The scheduler's layout once it is newer than `layout` (a failover), None at the timeout."""
-        sched = self._registered()
-        try:
-            sched.wait_for_view(lambda view: view.layout_version > layout.version, timeout_s)
-        except PullTimeoutError:
-            return None
-        newer = sched.get_layout(timeout_s=max(1.0, timeout_s))
-        return newer if newer.version > layout.version else None
+        """The scheduler's layout once it is newer than `layout` (a failover), None at the timeout;
+        SlicesLostError once the scheduler names a server `layout` needs as lost (SchedulerClient)."""
+        return self._registered().newer_layout(layout, timeout_s)
 
     @property
     def _restores(self) -> bool:

@@ -24,6 +24,7 @@ from typing import IO
 import numpy as np
 import torch
 from pshard.client.ps_client import PSClient
+from pshard.common.errors import SlicesLostError
 from pshard.common.metrics import (
     MetricsServer,
     WorkerMetrics,
@@ -112,7 +113,10 @@ def run(cfg: TrainConfig, stdout: IO[str] | None = None, runner: type[TrainingRu
         code = 0
     except StageError as e:
         lost = session.lost_server
-        if lost is not None:  # what the step in flight died of is only a consequence
+        if isinstance(e.__cause__, SlicesLostError):  # the scheduler refused the failover: the whole story
+            print(f"python -m pshard.worker: error: {e}", file=sys.stderr, flush=True)
+            job.outcome.failed = "slices_lost"
+        elif lost is not None:  # what the step in flight died of is only a consequence
             print(f"python -m pshard.worker: error: {lost.message} (while {e})", file=sys.stderr, flush=True)
             job.outcome.failed = "server_lost"
         elif session.fenced is not None:

@@ -27,6 +27,7 @@ from typing import Any, TypeVar
 import grpc
 from pshard.common.cluster.layout import DEFAULT_SLICE_BYTES, Layout, ParamSpec
 from pshard.common.cluster.loads import Counters
+from pshard.common.cluster.losses import lost_in, slices_lost_error
 from pshard.common.cluster.view import ClusterView, Registration
 from pshard.common.errors import (
     NodeLeftError,
@@ -115,6 +116,7 @@ class SchedulerClient:
         self._on_left = on_left
         self._closed = threading.Event()
         self._heartbeats_stopped = threading.Event()
+        self._leaving = False  # leave() began: never register again
         self._fenced: PSError | None = None
         self._watch_call: Any = None
         self._threads: list[threading.Thread] = []
@@ -244,25 +246,32 @@ class SchedulerClient:
     def _reregister(self, failed_generation: int) -> None:
         """Register again after NOT_FOUND, unless another thread already did."""
         with self._register_lock:
-            if self._generation == failed_generation and not self._closed.is_set():
+            # Not once leave() began: a heartbeat refused while the node was leaving must not bring it back.
+            if self._generation == failed_generation and not self._closed.is_set() and not self._leaving:
                 log.warning("scheduler %s forgot %s (restarted, or declared it dead): registering again",
                             self.address, self._node_id)
                 self._register(self._connect_timeout_s)
 
     def leave(self) -> None:
         """Leave the cluster on purpose (a worker that finished). Heartbeats stop first."""
+        self._leaving = True
         self._heartbeats_stopped.set()
         if self._rank is None:
             return
-        request = pb.LeaveRequest(node_id=self._node_id, generation=self._generation)
-        try:
-            reply = self._call("Leave", self._stub.Leave, request, self._rpc_timeout_s)
-        except UnknownNodeError:
-            # The scheduler restarted and we never re-registered: its views do not have us, so the
-            # servers no longer wait for us either. Leaving is already done.
-            log.info("leave: scheduler %s does not know %s (it restarted); nothing to leave",
-                     self.address, self._node_id)
-            return
+        # Under the registration lock: a re-registration the heartbeat thread has in flight (this node was
+        # declared dead while cut off, and came back) ends first, and the leave goes from the generation
+        # it got. Read before it answered, the generation is the one the scheduler just replaced: the
+        # leave was refused as stale and the worker failed at its very end (seen on the namespace hosts).
+        with self._register_lock:
+            request = pb.LeaveRequest(node_id=self._node_id, generation=self._generation)
+            try:
+                reply = self._call("Leave", self._stub.Leave, request, self._rpc_timeout_s)
+            except UnknownNodeError:
+                # The scheduler restarted and we never re-registered: its views do not have us, so the
+                # servers no longer wait for us either. Leaving is already done.
+                log.info("leave: scheduler %s does not know %s (it restarted); nothing to leave",
+                         self.address, self._node_id)
+                return
         self._offer_view(view_from_proto(reply.view))
 
     def hand_over(self) -> None:
@@ -313,6 +322,20 @@ class SchedulerClient:
         request = pb.ProposeLayoutRequest(restore=layout_to_proto(layout))
         reply = self._call("ProposeLayout", self._stub.ProposeLayout, request, self._rpc_timeout_s * 2)
         return layout_from_proto(reply.layout)
+
+    def newer_layout(self, layout: Layout, timeout_s: float) -> Layout | None:
+        """A PSClient's `relayout`: the scheduler's layout once it is newer than `layout` (a failover),
+        None at the timeout. SlicesLostError at once when the view names a server `layout` still routes
+        to as lost (its failover was refused): no newer layout will come for it."""
+        try:
+            view = self.wait_for_view(
+                lambda view: view.layout_version > layout.version or bool(lost_in(view, layout)), timeout_s)
+        except PullTimeoutError:
+            return None
+        if view.layout_version <= layout.version:
+            raise slices_lost_error(lost_in(view, layout), layout)
+        newer = self.get_layout(timeout_s=max(1.0, timeout_s))
+        return newer if newer.version > layout.version else None
 
     def get_layout(self, timeout_s: float) -> Layout:
         """The stored layout, waiting up to `timeout_s` for someone to propose one."""

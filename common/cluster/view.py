@@ -66,10 +66,23 @@ class Node:
 
 
 @dataclass(frozen=True)
+class ServerLoss:
+    """A parameter server whose slices and row partitions the scheduler could not fail over (no live
+    backup held an in-sync copy of them): they are lost, with every update they received."""
+
+    address: str
+    layout_version: int  # the layout in which it still serves them
+    reason: str  # why no failover was possible, as the scheduler logged it
+
+
+@dataclass(frozen=True)
 class ClusterView:
     generation: int
     nodes: tuple[Node, ...] = ()
     layout_version: int = 0
+    # The servers the job lost: a worker whose step needs one fails at once instead of waiting for a
+    # failover that will never come (pshard.common.cluster.losses).
+    lost: tuple[ServerLoss, ...] = ()
 
     def node(self, node_id: str) -> Node | None:
         return next((n for n in self.nodes if n.node_id == node_id), None)

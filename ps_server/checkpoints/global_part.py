@@ -148,7 +148,8 @@ def _entry(i: int, s: SliceSnapshot, r: ckpt.Range, arrays: dict[str, np.ndarray
             scalars[name] = v.item() if isinstance(v, np.generic) else v
     entry = {"index": i, "key": r.key, "offset": r.offset, "numel": r.numel, "shape": list(r.shape),
              "dtype": s.dtype, "version": s.version, "clocks": s.clocks, "floors": s.floors,
-             "state_arrays": state_arrays, "state_scalars": scalars}
+             "state_arrays": state_arrays, "state_scalars": scalars,
+             "scheduled": {str(sid): seq for sid, seq in s.scheduled.items()}}  # json keys are strings
     if (ref is not None and int(ref["version"]) == s.version and ref["dtype"] == s.dtype
             and ref["state_arrays"] == state_arrays):
         # Unchanged since the parent: its arrays stay where they are (an ancestor's npz).
@@ -185,7 +186,19 @@ def _slice_snapshot(reader: ckpt.DenseReader, slice_key: SliceKey, r: ckpt.Range
         clocks = {w: min(c, version - 1) for w, c in clocks.items()}
     return SliceSnapshot(
         key=slice_key, dtype=first["dtype"], value=reader.read(r.key, r.offset, r.numel),
-        version=version, opt_state=state, clocks=clocks, floors=floors, pending=None, contributors=())
+        version=version, opt_state=state, clocks=clocks, floors=floors, pending=None, contributors=(),
+        scheduled=_scheduled([p.meta.get("scheduled", {}) for p in pieces]))
+
+
+def _scheduled(pieces: Sequence[Mapping[str, Any]]) -> dict[int, int]:
+    """A slice's record of scheduled pushes from the records of the pieces it is cut from (an older part
+    has none): a push counts as applied only where every piece had it. On the layout the checkpoint was
+    taken on a slice is one piece, and its record is exact; a slice cut from pieces one push reached and
+    another not (a checkpoint taken while it was landing, restored on another server count) takes the
+    push again over all of it rather than lose it on the pieces that lacked it."""
+    records = [{int(sid): int(seq) for sid, seq in piece.items()} for piece in pieces]
+    common = set(records[0]).intersection(*records[1:]) if records else set()
+    return {sid: min(r[sid] for r in records) for sid in common}
 
 
 def shard_snapshot(checkpoint: ckpt.Checkpoint, job: JobConfig, ranges: Mapping[SliceKey, ckpt.Range],

@@ -71,6 +71,7 @@ class GlobalCheckpoints:
         self._tables = tables
         self._pause_dir = Path(pause_dir) if pause_dir else None
         self._writing = asyncio.Lock()  # one part at a time: each holds a copy of the shard
+        self._restoring = asyncio.Lock()
         # This server process's name in its parts: an incremental part refers only to its own writes.
         self._writer = uuid.uuid4().hex
         self._background: dict[Path, asyncio.Task[tuple[list[ckpt.FileEntry], int, int]]] = {}
@@ -175,26 +176,42 @@ class GlobalCheckpoints:
         if _without_id(theirs) != _without_id(job):
             raise LayoutConflictError(f"restore: the checkpoint in {directory} was taken with {theirs}, "
                                       f"this job runs {job}")
-        if self._handlers.has_store:  # already configured: spare reading the checkpoint
-            return False, checkpoint.clock, 0, 0
-        quorum = self._handlers.quorum
-        # Read and re-cut off the event loop; the install (under the config lock) re-checks that no
-        # Declare or other restore got there first.
-        store = await asyncio.get_running_loop().run_in_executor(
-            None, lambda: ShardStore.restore(shard_snapshot(checkpoint, job, ranges, quorum, links)))
-        restored = await self._handlers.install_restored(lambda: store)
-        if not restored:
-            return False, checkpoint.clock, 0, 0
-        rows = 0
-        if self._tables is not None:
-            for table in await asyncio.get_running_loop().run_in_executor(
-                    None, restore_tables, checkpoint, server, servers, self._tables.make, row_owners, links):
-                rows += len(table)
-                self._tables.add(table)
+        async with self._restoring:  # one at a time: a second finds the first's model and reads nothing
+            if self._handlers.has_store:  # already configured: spare reading the checkpoint
+                return False, checkpoint.clock, 0, 0
+            quorum = self._handlers.quorum
+            # Read and re-cut off the event loop, the tables too (two restores filling a disk-tier table's
+            # directory at once would clash: hence one at a time); the install (under the config lock)
+            # re-checks that no Declare got there first.
+            loop = asyncio.get_running_loop()
+            store = await loop.run_in_executor(
+                None, lambda: ShardStore.restore(shard_snapshot(checkpoint, job, ranges, quorum, links)))
+            tables = [] if self._tables is None else await loop.run_in_executor(
+                None, restore_tables, checkpoint, server, servers, self._tables.make, row_owners, links)
+
+            def install() -> ShardStore:
+                # The tables with the slices, in one step of the loop: an in-sync report in between would
+                # count a backup holding the restored slices as a copy while the rows were still to come.
+                self._add_tables(tables)
+                return store
+
+            if not await self._handlers.install_restored(install):
+                return False, checkpoint.clock, 0, 0
+        rows = sum(len(table) for table in tables)
         log.warning("restored the global checkpoint %s (clock %d, written by %d servers): %d slices, "
                     "%d table rows as server %d of %d", directory, checkpoint.clock, checkpoint.servers,
                     len(ranges), rows, server, servers)
         return True, checkpoint.clock, len(ranges), rows
+
+    def _add_tables(self, tables: Sequence[SparseTable]) -> None:
+        """Hold restored `tables`: all of them, or (one of their names declared already) none."""
+        if self._tables is None:
+            return
+        for table in tables:
+            if self._tables.find(table.config.name) is not None:
+                raise InvalidArgumentError(f"table {table.config.name!r} is already declared on this server")
+        for table in tables:
+            self._tables.add(table)
 
     @contextlib.asynccontextmanager
     async def _locked_tables(self) -> AsyncIterator[list[SparseTable]]:

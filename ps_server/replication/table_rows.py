@@ -93,6 +93,9 @@ class RowBatch:
     scheduled: dict[int, int] | None = None
     schedule_floor: int = 0
     scheduled_parts: dict[int, dict[int, int]] = field(default_factory=dict)  # per row partition
+    # Records restored from a global checkpoint over this batch's rows (ScheduledPushes.restored_over):
+    # they go with every batch of those rows, so a backup never holds a restored row without its record.
+    restored: list[tuple[np.ndarray, dict[int, int]]] = field(default_factory=list)
 
     @property
     def nbytes(self) -> int:
@@ -137,7 +140,8 @@ def capture(table: SparseTable, ids: np.ndarray, pushes: dict[str, list[PushKey]
                     json.dumps(table.rng_state) if table.config.admit_prob < 1.0 else "", pushes or {},
                     admit_epoch=table.admit_epoch, scheduled=dict(table.scheduled.last),
                     schedule_floor=table.scheduled.floor,
-                    scheduled_parts={p: dict(kept) for p, kept in table.scheduled.parts.items()})
+                    scheduled_parts={p: dict(kept) for p, kept in table.scheduled.parts.items()},
+                    restored=table.scheduled.restored_over(ids) if table.scheduled.restored else [])
 
 
 def install(table: SparseTable, batch: RowBatch) -> None:
@@ -156,6 +160,7 @@ def install(table: SparseTable, batch: RowBatch) -> None:
         table.rng_state = json.loads(batch.rng_state)
     if batch.scheduled is not None:
         table.scheduled.replace(batch.schedule_floor, batch.scheduled, batch.scheduled_parts)
+    table.scheduled.hold_restored(batch.restored)
 
 
 def all_ids(table: SparseTable) -> np.ndarray:
@@ -193,7 +198,10 @@ def merge(into: SparseTable, replica: SparseTable, keep: Callable[[np.ndarray], 
     into.admitted += replica.admitted
     # The replica's partitions are the dead primary's: the heir takes its record for exactly those.
     into.scheduled.merge(replica.scheduled.floor, replica.scheduled.last, replica.scheduled.parts)
-    return np.concatenate(moved) if moved else np.zeros(0, np.int64)
+    taken = np.concatenate(moved) if moved else np.zeros(0, np.int64)
+    # And the records a global checkpoint restored over the rows it takes (no other row's: see `keep`).
+    into.scheduled.hold_restored(replica.scheduled.restored_over(taken) if replica.scheduled.restored else [])
+    return taken
 
 
 class ReplicaTables:
@@ -276,6 +284,13 @@ class ReplicaTables:
                     if mask.any():
                         part.restore_rows(ids[mask], {name: c[mask] for name, c in columns.items()})
                 part.step, part.clock = replica.step, replica.clock
+                # The scheduled record goes too (`merge` folds it in as a failover's does), with the records
+                # a global checkpoint restored over the rows copied: else the new server applies again a
+                # re-dispatched push that the moved rows had.
+                held = replica.scheduled
+                part.scheduled.merge(held.floor, held.last, held.parts)
+                if held.restored:
+                    part.scheduled.hold_restored(held.restored_over(all_ids(part)))
                 push_log = PushLog()
                 push_log.merge(self._logs[key])
                 clocks = self._clocks.get(key)

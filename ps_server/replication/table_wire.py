@@ -79,6 +79,8 @@ def batch_into_proto(b: RowBatch, msg: pb.TableReplica, segment: str = "", offse
         msg.schedule_floor = b.schedule_floor
         for p, kept in b.scheduled_parts.items():
             msg.scheduled_partitions[p].last.update(kept)
+    for ids, kept in b.restored:
+        msg.restored_scheduled.add(ids=ids.astype(_ID, copy=False).tobytes(), last=kept)
 
 
 def columns_into_proto(b: RowBatch, msg: pb.TableReplica) -> None:
@@ -144,7 +146,20 @@ def batch_from_proto(msg: pb.TableReplica, maps: SegmentMaps | None = None, prim
                     {w: list(zip(p.ids, p.partitions, strict=True)) for w, p in msg.pushes.items()},
                     dict(msg.applied_clocks) if config.mode == "sync" else None, msg.admit_epoch,
                     dict(msg.scheduled) if msg.has_scheduled else None, msg.schedule_floor,
-                    {p: dict(kept.last) for p, kept in msg.scheduled_partitions.items()})
+                    {p: dict(kept.last) for p, kept in msg.scheduled_partitions.items()},
+                    _restored(config, msg))
+
+
+def _restored(config: TableConfig, msg: pb.TableReplica) -> list[tuple[np.ndarray, dict[int, int]]]:
+    """The batch's restored records (`restored_scheduled`), their ids checked to be whole int64s."""
+    out = []
+    for i, r in enumerate(msg.restored_scheduled):
+        if len(r.ids) % _ID.itemsize:
+            raise InvalidArgumentError(f"table replica {config.name!r}: restored_scheduled[{i}].ids: got "
+                                       f"{len(r.ids)} bytes, expected a multiple of {_ID.itemsize} "
+                                       "(int64 ids)")
+        out.append((np.frombuffer(r.ids, _ID), dict(r.last)))
+    return out
 
 
 def _from_frame(config: TableConfig, name: str, raw: np.ndarray | None, shape: tuple[int, ...],

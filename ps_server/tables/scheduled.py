@@ -23,7 +23,11 @@ part's rows in that partition), not over partitions: each row is checked against
 partition it came from. A row in no restored set was in no part, so no push the checkpoint holds reached
 it. Folding the parts' records into one would drop a push that had reached only some servers when the
 checkpoint was taken on the rows of the others. The restored records are dropped once the floor passes
-every call they name (the first push of a coordinator launched again does).
+every call they name (the first push of a coordinator launched again does). Until then they travel with
+the rows they hold for: each replica batch carries the records over its own rows (`restored_over`), which
+the backup, and an heir taking its replica over, hold (`hold_restored`). So a backup never holds a
+restored row without its record, and a primary SIGKILLed after a restore leaves an heir that drops a
+re-dispatched push the checkpoint holds.
 """
 
 from __future__ import annotations
@@ -77,12 +81,45 @@ class ScheduledPushes:
 
     def _restored_had(self, schedule: int, seq: int, ids: np.ndarray | None) -> np.ndarray | None:
         """The rows of `ids` that a restored checkpoint holds push `seq` of `schedule` applied to."""
-        if self.restored and all(max(kept) < self.floor for _, kept in self.restored):
-            self.restored = []  # every call they name has finished: nothing of theirs can come again
+        self._forget_finished()
         if ids is None or schedule < self.floor:
             return None
         had = [rows for rows, kept in self.restored if kept.get(schedule, -1) >= seq]
         return np.isin(ids, np.concatenate(had)) if had else None
+
+    def _forget_finished(self) -> None:
+        if self.restored and all(max(kept) < self.floor for _, kept in self.restored):
+            self.restored = []  # every call they name has finished: nothing of theirs can come again
+
+    def restored_over(self, ids: np.ndarray) -> list[tuple[np.ndarray, dict[int, int]]]:
+        """The restored records of the rows `ids` (a replica batch's): each record's rows among them,
+        sorted. A backup holding a restored row must hold its record too, or as an heir it would apply
+        a re-dispatched push the row had before the checkpoint a second time."""
+        self._forget_finished()
+        out = []
+        ids = np.unique(np.asarray(ids, np.int64))
+        for rows, kept in self.restored:
+            mine = ids[_within(rows, ids)]  # by the (few) ids: a push's batch beside millions restored
+            if len(mine):
+                out.append((mine, dict(kept)))
+        return out
+
+    def hold_restored(self, records: list[tuple[np.ndarray, dict[int, int]]]) -> None:
+        """Take restored records over rows (a replica's batch, or an heir's share of a dead primary's):
+        rows under a record held already join it, so rows shipped again (after a push) add nothing."""
+        self._forget_finished()  # a backup's too, once the primary's floor (`replace`) passed them
+        for ids, kept in records:
+            if not len(ids) or not kept or max(kept) < self.floor:
+                continue
+            at = next((i for i, (_, held) in enumerate(self.restored) if held == kept), None)
+            ids = np.unique(np.asarray(ids, np.int64))
+            if at is None:
+                self.restored.append((ids, dict(kept)))
+                continue
+            rows = self.restored[at][0]
+            new = ids[~_within(rows, ids)]  # rows shipped again after a push are held already
+            if len(new):
+                self.restored[at] = (np.union1d(rows, new), kept)
 
     def record(self, schedule: int, seq: int, partition: int | np.ndarray = ALL) -> None:
         """Push `seq` of call `schedule` was applied to the rows of `partition` (each of them)."""
@@ -144,6 +181,14 @@ class ScheduledPushes:
         """Hold a primary's record as it is (a backup's replica)."""
         self.floor, self.last = floor, dict(last)
         self.parts = {p: dict(kept) for p, kept in (parts or {}).items()}
+
+
+def _within(rows: np.ndarray, ids: np.ndarray) -> np.ndarray:
+    """Which of `ids` are in `rows` (sorted): a binary search per id."""
+    if not len(rows):
+        return np.zeros(len(ids), bool)
+    at = np.minimum(np.searchsorted(rows, ids), len(rows) - 1)
+    return np.asarray(rows[at] == ids)
 
 
 def _larger(*records: dict[int, int]) -> dict[int, int]:

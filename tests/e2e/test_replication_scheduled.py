@@ -54,6 +54,9 @@ def test_a_scheduled_call_re_dispatched_after_its_primary_was_sigkilled_counts_o
         clients[0].scheduled = CALL
         first = clients[0].wait(clients[0].push(grads, 0))  # acknowledged: its backups hold it
         assert (first.applied, first.dropped) == (len(layout.slices), 0)
+        # Worker 1 has reached every server before (as a serving worker has): its first call after the kill
+        # would negotiate a fast path with the dead server, and wait out that call's deadline (20 s).
+        clients[1].pull(0)
         # Only a copy the scheduler counts in sync is promoted (a kill before that tests the refusal).
         in_sync = f"is an in-sync backup of {layout.servers[1]}"
         wait_until(lambda: any(in_sync in line for line in started[0].lines), 60.0,

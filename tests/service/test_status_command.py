@@ -10,7 +10,7 @@ import sys
 from typing import Any
 
 import grpc
-from pshard.common.cluster.view import ClusterView, Node, NodeState
+from pshard.common.cluster.view import ClusterView, Node, NodeState, ServerLoss
 
 from pshard.api.v1 import parameter_server_pb2 as pb
 from pshard.api.v1 import parameter_server_pb2_grpc as pb_grpc
@@ -152,3 +152,17 @@ def test_joins_catching_up_done_and_rolled_back_are_shown_with_from_to_bytes_lef
     assert lines[header + 3].split() == ["ps-3", "rolled", "back", "-", "127.0.0.1:7104", "0", "-", "-", "-",
                                          "0.75", "s", "(was", "declared", "dead)"]
     assert "JOIN" not in render(summarise("127.0.0.1:7000", view, []))
+
+
+def test_servers_whose_failover_was_refused_are_shown_as_lost_with_why() -> None:
+    view = ClusterView(9, (Node("ps-0", "ps", 0, "127.0.0.1:7101", NodeState.LIVE, 1),
+                           Node("ps-1", "ps", 1, "127.0.0.1:7102", NodeState.DEAD, 2)), layout_version=2,
+                       lost=(ServerLoss("127.0.0.1:7102", 2, "no live server holds an in-sync copy"),))
+    status = summarise("127.0.0.1:7000", view, [])
+    lines = render(status).splitlines()
+    header = next(i for i, line in enumerate(lines) if line.startswith("LOST "))
+    assert lines[header + 1].split()[:3] == ["127.0.0.1:7102", "2", "no"]
+    assert lines[header + 1].endswith("no live server holds an in-sync copy")
+    assert json.loads(status.to_json())["lost"] == [
+        {"address": "127.0.0.1:7102", "layout_version": 2, "reason": "no live server holds an in-sync copy"}]
+    assert "LOST" not in render(summarise("127.0.0.1:7000", ClusterView(9, view.nodes, 2), []))

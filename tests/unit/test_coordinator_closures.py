@@ -157,3 +157,13 @@ def test_join_raises_the_first_error_once_the_calls_running_beside_it_have_ended
     with pytest.raises(ScheduledFunctionError, match="first"):
         q.join(0)
     q.join(0)  # both handled
+
+
+def test_calls_after_a_restore_are_numbered_above_the_checkpoints_calls_and_so_is_the_floor() -> None:
+    q, _ = queue_with("m:a")
+    q.take("worker-0", 0)
+    q.number_above(41)  # the restored checkpoint's last call
+    q.number_above(5)  # never lowers it
+    assert q.next_id() == 42 and q.floor() == 1  # call 1 is still running
+    q.finish(1, "worker-0", None)
+    assert q.floor() == 43

@@ -3,11 +3,15 @@ slice) is applied once, whichever worker sends it; a call below the coordinator'
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
+from pshard.common import checkpoint_store as ckpt
 from pshard.common.errors import InvalidArgumentError, StaleGenerationError
 from pshard.common.job import JobConfig, OptimizerConfig
 from pshard.common.types import SliceKey, Stamp
+from pshard.ps_server.checkpoints.global_part import shard_snapshot, write_part
 from pshard.ps_server.core import store as store_module
 from pshard.ps_server.core.store import PushOutcome, ShardStore
 
@@ -112,3 +116,43 @@ def test_a_coordinator_launched_again_numbers_its_calls_above_the_last_ones_floo
     assert add(store, "worker-0", 0, 2.0, schedule=new, floor=new).applied == 1
     assert add(store, "worker-1", 0, 4.0, schedule=old + 499).dropped == 1  # a straggler of the first
     assert value(store) == 3.0
+
+
+def _restored(checkpoint: ckpt.Checkpoint, cuts: list[tuple[int, int]]) -> list[ShardStore]:
+    """One store per cut (offset, numel) of parameter "p", restored from `checkpoint`."""
+    ranges = [{SliceKey("p", i): ckpt.Range("p", o, n, (10,))} for i, (o, n) in enumerate(cuts)]
+    return [ShardStore.restore(shard_snapshot(checkpoint, checkpoint.job, r, None)) for r in ranges]
+
+
+def _push_to(store: ShardStore, schedule: int) -> PushOutcome:
+    (key,) = [s.key for s in store.slots()]
+    n = store.read([key])[0][0].size
+    return store.push(Stamp("worker-2", 1, 0, None, schedule, 0, 5), {key: -np.arange(n, dtype=np.float32)})
+
+
+def test_a_global_checkpoint_keeps_each_slices_record_of_the_calls_it_holds(tmp_path: Path) -> None:
+    """Call 7's push had reached both pieces of "p" when the checkpoint was taken, call 8's only the first.
+    Re-dispatched after a restore on the same cut, each lands where it had not; on another cut, a slice
+    counts a push applied only where every piece it is cut from had it (call 8 lands again on its first
+    three elements rather than be lost on the rest)."""
+    job = JobConfig(mode="async", optimizer=OptimizerConfig(lr=1.0), job_id="sched")
+    directory = ckpt.new_directory(tmp_path, 1)
+    parts = []
+    for server, (offset, numel) in enumerate([(0, 6), (6, 4)]):
+        store = ShardStore(job)
+        key = SliceKey("p", server)
+        store.declare([(key, np.zeros(numel, np.float32))])
+        for schedule in (7, 8) if server == 0 else (7,):
+            assert _push_to(store, schedule).applied == 1
+        ranges = {key: ckpt.Range("p", offset, numel, (10,))}
+        parts.append(write_part(directory, server, store.snapshot(), ranges))
+    ckpt.commit(directory, 1, job, {"p": ("float32", (10,))}, parts)
+    checkpoint = ckpt.load_manifest(directory, verify=True)
+    assert ckpt.last_scheduled_call(checkpoint) == 8  # a coordinator restoring it numbers its calls above
+
+    same = _restored(checkpoint, [(0, 6), (6, 4)])
+    assert [_push_to(s, 7).applied for s in same] == [0, 0]
+    assert [_push_to(s, 8).applied for s in same] == [0, 1]
+    recut = _restored(checkpoint, [(0, 3), (3, 7)])
+    assert [_push_to(s, 7).applied for s in recut] == [0, 0]
+    assert [_push_to(s, 8).applied for s in recut] == [0, 1]

@@ -16,8 +16,11 @@ from pshard.common.sparse import TableConfig, server_of
 from pshard.ps_server.checkpoints.global_part import capture_part, restore_tables, write_image
 from pshard.ps_server.core.store import ShardSnapshot
 from pshard.ps_server.handlers.tables import TableHandlers
+from pshard.ps_server.replication.table_rows import ReplicaTables, capture, install, merge
+from pshard.ps_server.replication.table_wire import batch_from_proto, batch_to_proto
 from pshard.ps_server.settings import ServerSettings
 from pshard.ps_server.tables.scheduled import KEPT, ScheduledPushes
+from pshard.ps_server.tables.table import SparseTable
 
 
 def test_a_push_number_is_repeated_once_applied_and_every_push_of_a_finished_call_is() -> None:
@@ -135,6 +138,7 @@ def test_a_push_that_reached_some_servers_at_a_global_checkpoint_lands_once_on_e
         assert await sources[0].push("emb", ids[home == 0].tobytes(), _grads(int((home == 0).sum()), 1.0),
                                      worker="worker-1", schedule=(7, 0, 3)) > 0  # server 1: not yet
         checkpoint = _global_checkpoint(tmp_path / "root", sources)
+        assert ckpt.last_scheduled_call(checkpoint) == 7  # calls 5 and 7 (floor 3)
         for servers in (2, 1, 3):
             restored = [TableHandlers(ServerSettings()) for _ in range(servers)]
             for s, h in enumerate(restored):
@@ -204,3 +208,87 @@ def test_a_saved_record_loads_per_partition_an_older_one_everywhere_and_heirs_fo
     heir.merge(record.floor, record.last, record.parts)  # the dead primary's partition 1
     assert heir.parts == {1: {7: 2}, 2: {7: 5}}
     assert heir.repeated(7, 2, 0, 1) and not heir.repeated(7, 3, 0, 1)
+
+
+def test_a_restored_record_reaches_a_backup_with_its_rows_and_an_heir_drops_the_re_dispatch(
+        tmp_path: Path) -> None:
+    """Call 7's push is in a global checkpoint. The restored primary's rows reach a backup in two batches
+    (a new backup's copy, chunked), each with the record of its own rows; the heir that takes the replica
+    over drops the call's re-dispatch on every restored row, and applies it to a row the checkpoint lacks."""
+    ids = np.arange(1, 9, dtype=np.int64)
+    config = TableConfig("emb", 2, initializer="zeros", lr=1.0)
+
+    async def main() -> None:
+        source = TableHandlers(ServerSettings())
+        await source.declare(config)
+        assert await source.push("emb", ids.tobytes(), _grads(len(ids), 1.0), worker="worker-0",
+                                 schedule=(7, 0, 3)) == len(ids)
+        checkpoint = _global_checkpoint(tmp_path / "root", [source])
+        (primary,) = restore_tables(checkpoint, 0, 1, TableHandlers(ServerSettings()).make)
+        replica = SparseTable(config)
+        for rows in (ids[:3], ids[3:]):
+            batch = batch_from_proto(batch_to_proto(capture(primary, rows)))
+            assert [r.tolist() for r, _ in batch.restored] == [rows.tolist()]
+            install(replica, batch)
+        heir = TableHandlers(ServerSettings())
+        await heir.declare(config)
+        table = heir.find("emb")
+        assert table is not None
+        merge(table, replica)
+        with_new = np.append(ids, 99)
+        assert await heir.push("emb", with_new.tobytes(), _grads(len(with_new), 1.0), worker="worker-1",
+                               schedule=(7, 0, 3)) == 1
+        assert (await heir.pull("emb", with_new.tobytes()))[:, 0].tolist() == [1.0] * len(with_new)
+    asyncio.run(main())
+
+
+def test_a_moved_partition_takes_its_scheduled_records_to_its_new_server(tmp_path: Path) -> None:
+    """A rebalance copies partition 1's rows from its primary's replica to the server taking it: call 7's
+    push (in the global checkpoint the primary was restored from) and call 9's (applied since) go with them,
+    so the call's re-dispatch to the new server applies nothing."""
+    ids = np.arange(1, 13, dtype=np.int64)
+    config = TableConfig("emb", 2, initializer="zeros", lr=1.0)
+
+    async def main() -> None:
+        source = TableHandlers(ServerSettings())
+        await source.declare(config)
+        await source.push("emb", ids.tobytes(), _grads(len(ids), 1.0), worker="worker-0", schedule=(7, 0, 3))
+        (primary,) = restore_tables(_global_checkpoint(tmp_path / "root", [source]), 0, 1,
+                                    TableHandlers(ServerSettings()).make)
+        primary.push(ids, np.ones((len(ids), 2), np.float32))
+        primary.scheduled.record(9, 0, 1)  # call 9's push, applied to partition 1's rows since
+        replicas = ReplicaTables()
+        replicas.apply("ps-0", [capture(primary, ids)])
+        (part, _, _), = replicas.copy("ps-0", lambda rows: server_of(rows, 2) == 1, lambda: None)
+        target = TableHandlers(ServerSettings())
+        await target.declare(config)
+        table = target.find("emb")
+        assert table is not None
+        merge(table, part)
+        moved = ids[server_of(ids, 2) == 1]
+        assert await target.push("emb", moved.tobytes(), _grads(len(moved), 1.0), worker="worker-1",
+                                 schedule=(7, 0, 3)) == 0
+        assert table.scheduled.repeated(9, 0, 3, 1)  # partition 1's own record
+    asyncio.run(main())
+
+
+def test_restored_records_join_by_record_hold_rows_once_and_go_once_their_calls_finished() -> None:
+    record = ScheduledPushes()
+    record.hold_restored([(np.array([5, 1, 3]), {7: 0}), (np.array([2]), {8: 1})])
+    record.hold_restored([(np.array([3, 9]), {7: 0})])  # row 3 again (a push re-shipped it), row 9 new
+    assert [(r.tolist(), k) for r, k in record.restored] == [([1, 3, 5, 9], {7: 0}), ([2], {8: 1})]
+    over = record.restored_over(np.array([9, 2, 4]))
+    assert [(r.tolist(), k) for r, k in over] == [([9], {7: 0}), ([2], {8: 1})]
+    record.replace(9, {}, {})  # the primary's floor passed calls 7 and 8 (a backup's replica)
+    record.hold_restored([(np.array([4]), {7: 0})])
+    assert record.restored == []
+
+
+def test_a_replica_batch_with_a_torn_restored_record_is_refused_naming_the_field() -> None:
+    table = SparseTable(TableConfig("emb", 2, initializer="zeros"))
+    table.scheduled.hold_restored([(np.array([1, 2]), {7: 0})])
+    msg = batch_to_proto(capture(table, np.array([1, 2], np.int64)))
+    msg.restored_scheduled[0].ids = msg.restored_scheduled[0].ids[:-3]
+    with pytest.raises(InvalidArgumentError, match=r"'emb': restored_scheduled\[0\]\.ids: got 13 bytes, "
+                                                   r"expected a multiple of 8"):
+        batch_from_proto(msg)
