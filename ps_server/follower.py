@@ -234,12 +234,15 @@ class ReplicaWiring:
 class LoadReporter:
     """Every LOAD_REPORT_S, the server's load counters for its next heartbeats (issue 20: `pshard status`,
     `pshard rebalance`): bytes in and out over every transport, and with replicated tables the rows
-    each row partition served and the bytes a backup still lacks from its catch-up copy."""
+    each row partition served and the bytes (of rows and slice states) a backup still lacks from its
+    catch-up copy."""
 
     def __init__(self, handlers: ParameterServerHandlers, rows: TableReplication | None,
-                 report: Callable[[Counters, int], None], loop: asyncio.AbstractEventLoop) -> None:
+                 report: Callable[[Counters, int], None], loop: asyncio.AbstractEventLoop,
+                 slices: Replicator | None = None) -> None:
         self._handlers = handlers
         self._rows = rows
+        self._slices = slices
         self._report = report
         self._loop = loop
         loop.call_soon_threadsafe(self._take)
@@ -252,6 +255,8 @@ class LoadReporter:
         if self._rows is not None:
             rows, held = self._rows.load(time.monotonic())
             left = self._rows.copy_bytes_left()
+        if self._slices is not None:
+            left += self._slices.copy_bytes_left()
         bytes_in, bytes_out = sum(t.bytes_in for t in traffic), sum(t.bytes_out for t in traffic)
         self._report(Counters(bytes_in, bytes_out, rows, held), left)
         self._loop.call_later(LOAD_REPORT_S, self._take)
@@ -269,14 +274,15 @@ def follow_scheduler(running: RunningServer, spec: ClusterSpec, loop: asyncio.Ab
     restored = handlers.store.newest_generation() if handlers.has_store else 0
     follower = SchedulerFollower(spec, loop, security, last_generation=restored, on_left=on_left)
     rows: TableReplication | None = None
+    slices: Replicator | None = None
     if handlers.replicas_setting > 0:
         replicas = ReplicaWiring(handlers, tables, spec, loop, follower.client.report_in_sync, security)
         follower.subscribe_layouts(replicas.on_layout)
         follower.subscribe_views(replicas.on_view)
         follower.subscribe_heartbeat_timeout(replicas.set_heartbeat_timeout)
         follower.subscribe_answers(handlers.renew_lease)  # fenced when it may have been failed over
-        rows = replicas.rows
-    LoadReporter(handlers, rows, follower.client.report_load, loop)
+        rows, slices = replicas.rows, replicas.slices
+    LoadReporter(handlers, rows, follower.client.report_load, loop, slices)
     quorum = QuorumInstaller(handlers, tables, loop)
     follower.subscribe_views(quorum.on_view)
     follower.subscribe_heartbeat_timeout(quorum.set_heartbeat_timeout)

@@ -88,8 +88,10 @@ class JoinReport:
     partitions: tuple[int, ...]
     nbytes: int
     layout_version: int
-    seconds: float  # from its registration to the switch, or to now
+    seconds: float  # from its registration to the switch (or the roll back), or to now
     done: bool
+    rolled_back: str = ""  # why the joiner went before the switch; "" unless it did
+    bytes_left: int = 0  # of the copy, while it catches up
 
 
 @dataclass(frozen=True)
@@ -241,18 +243,20 @@ def _lost_lines(status: JobStatus) -> list[str]:
 
 
 def _join_lines(status: JobStatus) -> list[str]:
-    """What each join took, from where, and how long its catch-up took (or has taken so far)."""
+    """What each join took, from where, and how long its catch-up took (or has taken so far, with the bytes
+    of the copy left); a rolled-back one with why."""
     if not status.joins:
         return []
-    lines = ["", f"{'JOIN':<14} {'STATE':<11} {'FROM':<21} {'TO':<21} {'SLICES':>6} {'BYTES':>9} "
+    lines = ["", f"{'JOIN':<14} {'STATE':<11} {'FROM':<21} {'TO':<21} {'SLICES':>6} {'BYTES':>9} {'LEFT':>9} "
                  f"{'LAYOUT':>6} {'TIME':>8}  PARTITIONS"]
     for j in status.joins:
-        state = "done" if j.done else "catching up"
+        catching_up = not j.done and not j.rolled_back
+        state = "done" if j.done else "rolled back" if j.rolled_back else "catching up"
         layout = str(j.layout_version) if j.done else "-"
-        parts = ",".join(map(str, j.partitions)) if j.done else "-"
+        parts = ",".join(map(str, j.partitions)) if j.done else f"({j.rolled_back})" if j.rolled_back else "-"
+        nbytes, left = _size(j.nbytes) if j.done else "-", _size(j.bytes_left) if catching_up else "-"
         lines.append(f"{j.node_id:<14} {state:<11} {j.donor or '-':<21} {j.address:<21} {j.slices:>6} "
-                     f"{_size(j.nbytes) if j.done else '-':>9} {layout:>6} {f'{j.seconds:.2f} s':>8}  "
-                     f"{parts or '-'}")
+                     f"{nbytes:>9} {left:>9} {layout:>6} {f'{j.seconds:.2f} s':>8}  {parts or '-'}")
     return lines
 
 
@@ -354,7 +358,8 @@ def fetch(scheduler: str, timeout_s: float, security: SecurityConfig | None = No
     moves = [MoveReport(m.partition, m.source, m.target, m.layout_version, m.bytes, m.bytes_copied,
                         m.bytes_left, m.seconds, m.done) for m in first.moves]
     joins = [JoinReport(j.node_id, j.address, j.donor, j.slices, tuple(j.partitions), j.bytes,
-                        j.layout_version, j.seconds, j.done) for j in first.joins]
+                        j.layout_version, j.seconds, j.done, j.rolled_back, j.bytes_left)
+             for j in first.joins]
     reports = []
     for node in view.nodes:
         if node.role != "ps" or node.state is not NodeState.LIVE:

@@ -354,12 +354,11 @@ class Membership:
         """A server registering beyond the running job's layout, at the next place in it, joins: it becomes
         the backup of the server before it in ring order (the rule every server applies to views) and
         catches up with its slices through replication before any of them is its own."""
+        self._join_rolled_back(member, "registered again (a new process holds nothing of the copy)")
         layout = self._layout
         if layout is None or member.address in layout.servers:
-            self.joins.dropped(member.node_id)
             return
         if member.rank != len(layout.servers):
-            self.joins.dropped(member.node_id)
             log.warning("JOIN: server %s (%s) registered at rank %d, but the running job's next server is "
                         "rank %d (layout version %d): it serves nothing; start it with --task-index %d",
                         member.node_id, member.address, member.rank, len(layout.servers), layout.version,
@@ -387,12 +386,36 @@ class Membership:
                 return index
         return None
 
-    def _join_rolled_back(self, member: _Member) -> None:
-        if self.joins.in_progress(member.node_id) is not None:
-            self.joins.dropped(member.node_id)
-            log.warning("JOIN: server %d (%s) is gone before it took any slice; the job goes on on layout "
-                        "version %d", member.rank, member.address,
-                        self._layout.version if self._layout else 0)
+    def _join_rolled_back(self, member: _Member, why: str) -> None:
+        """A joiner gone before the switch: nothing moved, so the layout in force stays (a roll back)."""
+        join = self.joins.rolled_back(member.node_id, self._clock.now(), why)
+        if join is not None:
+            log.warning("JOIN ROLLED BACK: server %d (%s) %s before it took any slice, %.2f s after it "
+                        "registered; the job goes on on layout version %d", member.rank, member.address, why,
+                        join.seconds(self._clock.now()), self._layout.version if self._layout else 0)
+
+    def _joins_copying(self, donor: _Member, copy_bytes_left: int) -> None:
+        """`donor`'s heartbeat counted the bytes its backups lack: a join copying from it has those left."""
+        layout = self._layout
+        if layout is None:
+            return
+        for member in list(self._members.values()):
+            if self.joins.in_progress(member.node_id) is None:
+                continue
+            index = self._donor_of(member)
+            if index is not None and layout.servers[index] == donor.address:
+                self.joins.copying(member.node_id, donor.address, copy_bytes_left)
+
+    def _joins_resumed(self) -> None:
+        """A restarted scheduler was given the layout back: a server that registered beyond it meanwhile
+        (a join the old scheduler had in progress, or one started since) joins from here, as at its
+        registration; its copy goes on, as the donor's backup, whatever the scheduler's restart."""
+        layout = self._layout
+        for member in list(self._members.values()):
+            if (member.role == "ps" and member.state is NodeState.LIVE and layout is not None
+                    and member.address not in layout.servers
+                    and self.joins.in_progress(member.node_id) is None):
+                self._join_started(member)
 
     def _join_caught_up(self, primary: _Member) -> None:
         """`primary` reported its in-sync backups: a joining server among them holds everything `primary`
@@ -447,7 +470,7 @@ class Membership:
             if member.role == "ps":
                 self.in_sync.forget(member.address, "left the cluster")
                 self._ring_moved()
-                self.joins.dropped(member.node_id)
+                self._join_rolled_back(member, "left")
                 self._moves_gone(member.address, "left")
         return self.view()
 
@@ -532,7 +555,7 @@ class Membership:
         for member in dead:
             if member.role == "ps":
                 self.in_sync.forget(member.address, "was declared dead")
-                self._join_rolled_back(member)
+                self._join_rolled_back(member, "was declared dead")
                 self._moves_gone(member.address, "was declared dead")
         if any(m.role == "ps" for m in dead):
             self._ring_moved()
@@ -798,16 +821,20 @@ class Membership:
         self._layout = layout
         self._keep_losses_served()
         self._bump()
+        self._joins_resumed()
         return layout, True
 
     def _check_servers_hold(self, layout: Layout) -> None:
         """A restore must agree with the servers (issue 23, item 5): each registered server at its
         rank's place in the list, and a version no newer than the newest one a live server reports
         routing by (with its heartbeats). Until a server has reported, nothing can be checked: refused,
-        and the member tries again at its next look."""
+        and the member tries again at its next look. A server ranked beyond the list is a joiner whose
+        switch the layout has not made: it serves nothing by it, and joins once it is restored."""
         servers = [m for m in self._members.values() if m.role == "ps"]
         for member in servers:
-            listed = layout.servers[member.rank] if member.rank < len(layout.servers) else None
+            if member.rank >= len(layout.servers):
+                continue
+            listed = layout.servers[member.rank]
             if listed != member.address:
                 raise LayoutConflictError(
                     f"restored layout version {layout.version}: servers[{member.rank}] is {listed!r}, but "
@@ -893,6 +920,7 @@ class Membership:
         self.loads.report(member.address, counters, now)
         backed_up = bool(self.in_sync.of(member.address))
         done = self.moves.progress(member.address, member.layout_version, copy_bytes_left, backed_up, now)
+        self._joins_copying(member, copy_bytes_left)
         for move in done:
             log.warning("MOVE: row partition %d from %s to %s (its backup) in %.2f s: switched at layout "
                         "version %d, and %s's backups hold its %d bytes again", move.partition, move.source,

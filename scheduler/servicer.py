@@ -169,7 +169,9 @@ class SchedulerServicer(pb_grpc.SchedulerServiceServicer):
         now = self._members.clock_now()
         return [pb.Join(node_id=j.node_id, address=j.address, donor=j.donor, slices=j.slices,
                         partitions=j.partitions, bytes=j.nbytes, layout_version=j.layout_version,
-                        seconds=j.seconds(now), done=j.done) for j in self._members.joins.all()]
+                        seconds=j.seconds(now), done=j.took, rolled_back=j.rolled_back,
+                        bytes_left=j.bytes_left)
+                for j in self._members.joins.all()]
 
     def _loads(self, view: ClusterView) -> list[pb.ServerLoad]:
         return [load_to_proto(self._members.loads.load(n.address)) for n in view.live("ps")]

@@ -42,6 +42,7 @@ from pshard.common.errors import (
     checkpoint_write_error,
     quote,
 )
+from pshard.common.failpoints import failpoint
 from pshard.common.job import JobConfig
 from pshard.common.metrics import RequestMetrics
 from pshard.common.types import SliceKey, Stamp
@@ -264,6 +265,9 @@ class ParameterServerHandlers:
             dropped = self.replica_set.release(primary)
             log.info("replication: %s no longer forwards here; dropped its %d copies", primary, dropped)
             return []
+        if records:
+            # A test's SIGKILL lands here: the copy (a joiner's catch-up, say) is on its way, not applied.
+            failpoint("ps.before_replica_apply")
         return self.replica_set.apply(config, records, primary, segments)
 
     def set_ownership(self, version: int, owned: frozenset[SliceKey]) -> None:

@@ -353,6 +353,13 @@ class Replicator:
         with self._lock:
             return max((len(b.pending) for b in self._backups.values()), default=0)
 
+    def copy_bytes_left(self) -> int:
+        """Bytes of slice states the slowest backup still lacks: a joiner's catch-up copy left to come from
+        this server, its donor (`pshard status`), or, in steady state, the steps in flight."""
+        with self._lock:
+            return max((sum(self._sizes.get(k, 0) for k in b.pending) for b in self._backups.values()),
+                       default=0)
+
     def in_sync(self, keys: Iterable[SliceKey]) -> list[str]:
         """The backups holding an acknowledged copy of each of `keys` (this server's slices): from
         then on no step is acknowledged before they have it too (docs/architecture.md, 9 Failures)."""

@@ -134,20 +134,23 @@ def test_drains_in_progress_and_done_are_shown_with_from_to_and_time() -> None:
     assert "DRAIN" not in render(summarise("127.0.0.1:7000", view, []))
 
 
-def test_joins_catching_up_and_done_are_shown_with_from_to_bytes_and_time() -> None:
+def test_joins_catching_up_done_and_rolled_back_are_shown_with_from_to_bytes_left_and_time() -> None:
     view = ClusterView(9, (Node("ps-0", "ps", 0, "127.0.0.1:7101", NodeState.LIVE, 1),
                            Node("ps-1", "ps", 1, "127.0.0.1:7102", NodeState.LIVE, 1),
                            Node("ps-2", "ps", 2, "127.0.0.1:7103", NodeState.LIVE, 7)), layout_version=4)
     joins = [JoinReport("ps-2", "127.0.0.1:7103", "127.0.0.1:7102", 3, (5,), 3 * 2**20, 4, 1.25, True),
-             JoinReport("ps-3", "127.0.0.1:7104", "", 0, (), 0, 0, 2.5, False)]
+             JoinReport("ps-3", "127.0.0.1:7104", "127.0.0.1:7103", 0, (), 0, 0, 2.5, False, bytes_left=2048),
+             JoinReport("ps-3", "127.0.0.1:7104", "", 0, (), 0, 0, 0.75, False, "was declared dead")]
     lines = render(summarise("127.0.0.1:7000", view, [], joins=joins)).splitlines()
     header = next(i for i, line in enumerate(lines) if line.startswith("JOIN "))
-    assert lines[header].split() == ["JOIN", "STATE", "FROM", "TO", "SLICES", "BYTES", "LAYOUT", "TIME",
-                                     "PARTITIONS"]
+    assert lines[header].split() == ["JOIN", "STATE", "FROM", "TO", "SLICES", "BYTES", "LEFT", "LAYOUT",
+                                     "TIME", "PARTITIONS"]
     assert lines[header + 1].split() == ["ps-2", "done", "127.0.0.1:7102", "127.0.0.1:7103", "3", "3.0",
-                                         "MiB", "4", "1.25", "s", "5"]
-    assert lines[header + 2].split() == ["ps-3", "catching", "up", "-", "127.0.0.1:7104", "0", "-", "-",
-                                         "2.50", "s", "-"]
+                                         "MiB", "-", "4", "1.25", "s", "5"]
+    assert lines[header + 2].split() == ["ps-3", "catching", "up", "127.0.0.1:7103", "127.0.0.1:7104", "0",
+                                         "-", "2.0", "KiB", "-", "2.50", "s", "-"]
+    assert lines[header + 3].split() == ["ps-3", "rolled", "back", "-", "127.0.0.1:7104", "0", "-", "-", "-",
+                                         "0.75", "s", "(was", "declared", "dead)"]
     assert "JOIN" not in render(summarise("127.0.0.1:7000", view, []))
 
 

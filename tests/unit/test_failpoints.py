@@ -54,10 +54,55 @@ def test_a_pause_holds_the_calling_thread_while_the_others_run_until_sigusr1() -
         proc.communicate(timeout=30)
 
 
-def test_a_pause_off_the_main_thread_fails_saying_why() -> None:
+def test_a_pause_off_the_main_thread_holds_that_thread_until_sigusr1() -> None:
+    """A server replays a primary's copy on an executor thread (ps.before_replica_apply): it pauses too."""
     code = ("import threading\n"
             "from pshard.common.failpoints import failpoint\n"
             "def run():\n"
+            "    failpoint('ps.before_replica_apply')\n"
+            "    print('after', flush=True)\n"
+            "t = threading.Thread(target=run, name='side'); t.start(); t.join()\n")
+    env = {**os.environ, ENV: "ps.before_replica_apply=pause"}
+    proc = subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stderr is not None and proc.stdout is not None
+        line = proc.stderr.readline()  # blocks until the pause is announced
+        assert line == f"failpoint ps.before_replica_apply: paused (pid {proc.pid}); SIGUSR1 resumes it\n"
+        assert proc.poll() is None
+        os.kill(proc.pid, signal.SIGUSR1)
+        assert proc.stdout.readline() == "after\n"
+        assert proc.wait(timeout=30) == 0
+    finally:
+        proc.kill()
+        proc.communicate(timeout=30)
+
+
+def test_pause_once_holds_only_the_first_thread_that_reaches_it() -> None:
+    """A backup reaches ps.before_replica_apply with every batch: once resumed, the copy must go on."""
+    code = ("from pshard.common.failpoints import failpoint\n"
+            "failpoint('ps.before_replica_apply')\n"
+            "print('after one', flush=True)\n"
+            "failpoint('ps.before_replica_apply')\n"
+            "print('after two', flush=True)\n")
+    env = {**os.environ, ENV: "ps.before_replica_apply=pause-once"}
+    proc = subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stderr is not None and proc.stdout is not None
+        assert proc.stderr.readline().startswith("failpoint ps.before_replica_apply: paused")
+        os.kill(proc.pid, signal.SIGUSR1)
+        assert [proc.stdout.readline(), proc.stdout.readline()] == ["after one\n", "after two\n"]
+        assert proc.wait(timeout=30) == 0 and proc.stderr.read() == ""
+    finally:
+        proc.kill()
+        proc.communicate(timeout=30)
+
+
+def test_a_pause_in_a_process_that_imported_failpoints_off_the_main_thread_fails_saying_why() -> None:
+    code = ("import threading\n"
+            "def run():\n"
+            "    from pshard.common.failpoints import failpoint\n"
             "    try:\n"
             "        failpoint('worker.before_await_peers')\n"
             "    except RuntimeError as e:\n"
@@ -65,7 +110,8 @@ def test_a_pause_off_the_main_thread_fails_saying_why() -> None:
             "t = threading.Thread(target=run, name='side'); t.start(); t.join()\n")
     env = {**os.environ, ENV: "worker.before_await_peers=pause"}
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=30)
-    assert "reached on thread 'side'; a pause needs the main thread" in done.stdout, done
+    assert "reached on thread 'side', but pshard.common.failpoints was imported off the main thread" in (
+        done.stdout), done
 
 
 def test_without_the_variable_a_failpoint_does_nothing() -> None:

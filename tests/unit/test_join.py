@@ -5,8 +5,15 @@ that dies first leaves the layout as it was (a roll back)."""
 
 from __future__ import annotations
 
+import dataclasses
+
+import pytest
+from pshard.common.cluster.loads import Counters
 from pshard.common.cluster.moves import partition_count, plan_join
 from pshard.common.cluster.view import NodeState
+from pshard.common.errors import LayoutConflictError
+from pshard.scheduler.joins import JoinLog
+from pshard.scheduler.membership import Membership
 
 from tests.unit.test_replicas import _all_in_sync, _job, _report
 
@@ -55,7 +62,10 @@ def test_a_joiner_gone_before_it_caught_up_leaves_the_layout_as_it_was():
     clock.advance(2)
     assert [n.node_id for n in members.expire()] == [joiner.node_id]
     assert members.node(joiner.node_id).state is NodeState.DEAD
-    assert members.joins.all() == () and members.layout() == before
+    (join,) = members.joins.all()  # what `pshard status` shows: rolled back, and why
+    assert (join.took, join.done, join.rolled_back, join.layout_version) == (
+        False, True, "was declared dead", 0)
+    assert join.seconds(clock.now()) == 6 and members.layout() == before
     _report(members, "ps-2", "ps-0")
     assert members.layout() == before
 
@@ -65,3 +75,88 @@ def test_a_server_registering_for_a_job_without_replicas_serves_nothing():
     before = members.layout()
     members.register("ps", JOINER)
     assert members.joins.all() == () and members.layout() == before
+
+
+def test_a_new_process_of_a_joiner_rolls_its_join_back_and_joins_again():
+    """The joiner SIGKILLed mid-copy and started again: the new process holds nothing of the copy, so the
+    first join is rolled back at once (not after a heartbeat timeout) and the second one switches."""
+    members, clock = _job(replicas=1)
+    _all_in_sync(members)
+    before = members.layout()
+    first = members.register("ps", JOINER)
+    clock.advance(1)
+    second = members.register("ps", JOINER, node_id=first.node_id, last_generation=first.generation)
+    assert members.layout() == before  # nothing moved
+    _report(members, "ps-2", first.node_id)
+    after = members.layout()
+    assert after is not None and after.version == before.version + 1 and after.slices_on(3)
+    rolled, done = members.joins.all()
+    assert (rolled.rolled_back, rolled.took, rolled.seconds(clock.now())) == (
+        "registered again (a new process holds nothing of the copy)", False, 1)
+    assert (done.node_id, done.done, done.layout_version, second.rank) == (
+        first.node_id, True, after.version, 3)
+
+
+def test_a_join_in_progress_when_the_scheduler_restarts_goes_on_once_the_layout_is_given_back():
+    """A SIGKILL of the scheduler mid-join: the joiner registers again with the restarted scheduler before
+    worker-0 gives the layout back. The restore must not be refused for the joiner's place beyond the
+    layout (the job could never get its layout back), and the join goes on: the switch once its donor
+    reports it in sync."""
+    members, _ = _job(replicas=1)
+    _all_in_sync(members)
+    layout = members.layout()
+    assert layout is not None
+    joiner = members.register("ps", JOINER)
+    restarted = Membership(heartbeat_timeout_s=5)
+    for i, address in enumerate((*layout.servers, JOINER)):
+        reg = restarted.register("ps", address, node_id=f"ps-{i}", rank_hint=i,
+                                 last_generation=members.generation)
+        restarted.heartbeat(reg.node_id, reg.generation, in_sync_layout=layout.version)
+    assert restarted.joins.all() == ()  # no layout: nothing to join yet
+    assert restarted.restore_layout(layout) == (layout, True)
+    (join,) = restarted.joins.all()
+    assert (join.node_id, join.address, join.done) == (joiner.node_id, JOINER, False)
+    _report(restarted, "ps-2", joiner.node_id)
+    after = restarted.layout()
+    assert after is not None and after.version == layout.version + 1 and after.servers[3] == JOINER
+    assert after.slices == plan_join(layout, JOINER, [0] * partition_count(layout), live={2}).after.slices
+    (done,) = restarted.joins.all()
+    assert done.done and done.layout_version == after.version
+
+
+def test_a_restore_still_refuses_a_server_registered_at_another_place_of_the_layout():
+    """The joiner's exception is for places beyond the list only."""
+    members, _ = _job(replicas=1)
+    layout = members.layout()
+    assert layout is not None
+    restarted = Membership(heartbeat_timeout_s=5)
+    reg = restarted.register("ps", JOINER, node_id="ps-1", rank_hint=1, last_generation=members.generation)
+    restarted.heartbeat(reg.node_id, reg.generation, in_sync_layout=layout.version)
+    with pytest.raises(LayoutConflictError, match=rf"servers\[1\] is '{layout.servers[1]}', but 'ps-1'"):
+        restarted.restore_layout(dataclasses.replace(layout))
+    assert restarted.layout() is None
+
+
+def test_a_join_in_progress_shows_the_bytes_its_donor_still_has_to_copy():
+    """`pshard status` shows a join's copy left: its donor's heartbeats count what its backups lack."""
+    members, _ = _job(replicas=1)
+    _all_in_sync(members)
+    joiner = members.register("ps", JOINER)
+    members.report_load("ps-0", Counters(), copy_bytes_left=999)  # not its donor
+    (join,) = members.joins.all()
+    assert (join.donor, join.bytes_left) == ("", 0)
+    members.report_load("ps-2", Counters(), copy_bytes_left=4096)
+    (join,) = members.joins.all()
+    assert (join.donor, join.bytes_left, join.done) == ("c:1", 4096, False)
+    _report(members, "ps-2", joiner.node_id)
+    (done,) = members.joins.all()
+    assert (done.done, done.bytes_left) == (True, 0)
+
+
+def test_a_joiner_registering_twice_at_one_clock_reading_keeps_both_joins_listed():
+    log = JoinLog()
+    log.registered("ps-3", JOINER, 5.0)
+    log.registered("ps-3", JOINER, 5.0)  # a coarse clock: a key by time would have merged them
+    rolled, current = log.all()
+    assert (rolled.done, rolled.took, bool(rolled.rolled_back)) == (True, False, True)
+    assert log.in_progress("ps-3") is current and not current.done
