@@ -4,8 +4,6 @@ queueing, re-dispatch under the same schedule id, the first result winning, erro
 from __future__ import annotations
 
 import random
-import threading
-import time
 
 import pytest
 from pshard.common.errors import CancelledCallError, NoWorkersError, PullTimeoutError, ScheduledFunctionError
@@ -171,32 +169,6 @@ def test_calls_after_a_restore_are_numbered_above_the_checkpoints_calls_and_so_i
     assert q.next_id() == 42 and q.floor() == 1  # call 1 is still running
     q.finish(1, "worker-0", None)
     assert q.floor() == 43
-
-
-def test_a_busy_worker_takes_its_next_call_ahead_only_while_no_worker_waits_for_one() -> None:
-    """A dispatcher's second slot sends its worker the next call while it runs one (no dispatch round trip
-    between them), but never one that an idle worker's dispatcher is waiting for."""
-    q, _ = queue_with(workers=("worker-0", "worker-1"))
-    got: list[Closure | None] = []
-    idle = threading.Thread(target=lambda: got.append(q.take("worker-1", 10.0)))
-    idle.start()
-    deadline = time.monotonic() + 10.0
-    while q.idle != 1 and time.monotonic() < deadline:
-        time.sleep(0.001)  # waiting for the thread to wait in take(): a state, polled with a deadline
-    assert q.idle == 1
-
-    def put(name: str) -> None:
-        sid = q.next_id()
-        q.put(Closure(pb.RunRequest(schedule_id=sid, function=name), RemoteValue(sid, name)))
-
-    put("m:a")
-    assert q.take("worker-0", 0, ahead=True) is None  # worker-1 waits for it
-    idle.join(10.0)
-    assert [(c.schedule_id, c.runs) for c in got if c is not None] == [(1, ["worker-1"])]
-    put("m:b")
-    ahead = q.take("worker-0", 0, ahead=True)  # no worker waits now: worker-0 runs call 2 next
-    assert ahead is not None and ahead.schedule_id == 2 and q.floor() == 1
-    assert q.take("worker-0", 0, ahead=True) is None  # nothing left
 
 
 def test_the_floor_is_the_smallest_unfinished_id_through_takes_losses_finishes_and_a_failure() -> None:
