@@ -36,7 +36,6 @@ from pshard.common.argtypes import (
     positive_int,
     replicas,
 )
-from pshard.common.chunks import configure_shared_pool
 from pshard.common.cluster.spec import (
     ClusterSpec,
     add_cluster_arguments,
@@ -50,17 +49,12 @@ from pshard.common.errors import CheckpointError, ClusterConfigError, PSError
 from pshard.common.job import MODES, OPTIMIZERS, JobConfig, OptimizerConfig
 from pshard.common.jobend import add_exit_argument, watch_job_end
 from pshard.common.logs import add_log_level_argument, configure_logging
-from pshard.common.metrics import add_metrics_argument, serve_server_metrics
+from pshard.common.metrics import add_metrics_argument
 from pshard.common.rpc.bind import default_bind, own_hosts
 from pshard.common.rpc.options import DEFAULT_MAX_MESSAGE_BYTES
 from pshard.common.security.credentials import SecurityConfig, add_security_arguments, security_from_args
-from pshard.ps_server import service
-from pshard.ps_server.drain import DRAIN_TIMEOUT_S, drain
-from pshard.ps_server.follower import follow_scheduler
-from pshard.ps_server.handlers.dense import NO_QUORUM_GRACE_S
 from pshard.ps_server.heap import bound_heap
-from pshard.ps_server.settings import ServerSettings
-from pshard.ps_server.tables.files import pointer_path
+from pshard.ps_server.settings import DRAIN_TIMEOUT_S, ServerSettings
 
 log = logging.getLogger("pshard.ps")
 
@@ -243,6 +237,15 @@ def _settings(args: argparse.Namespace) -> ServerSettings:
 
 async def _run(args: argparse.Namespace, spec: ClusterSpec | None, settings: ServerSettings,
                bind: str, security: SecurityConfig) -> int:
+    # The server's modules (grpc, the generated code, numba's kernels) load only once the flags and the
+    # configuration are checked: --help and every usage error come first, within a fraction of a second.
+    from pshard.common.metrics import serve_server_metrics
+    from pshard.ps_server import service
+    from pshard.ps_server.drain import drain
+    from pshard.ps_server.follower import follow_scheduler
+    from pshard.ps_server.handlers.dense import NO_QUORUM_GRACE_S
+    from pshard.ps_server.tables.files import pointer_path
+
     # Handlers first: from here on a signal stops the server gracefully, start-up included.
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -331,6 +334,8 @@ def main(argv: Sequence[str] | None = None, *, prog: str = PROG) -> int:
         parser.error("--drain-on-term: needs the job's scheduler (TF_CONFIG or --scheduler): it switches "
                      "the layout")
     settings = _settings(args)
+    from pshard.common.chunks import configure_shared_pool  # numpy's: only for a server that starts
+
     configure_shared_pool(settings.update_threads)  # before any slice exists: every slice takes this pool
     security = security_from_args(args, os.environ, role="ps", node_id=spec.node_id if spec else "",
                                   hosts=own_hosts(spec.own_address) if spec else [])
