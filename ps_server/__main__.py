@@ -49,7 +49,7 @@ from pshard.common.errors import CheckpointError, ClusterConfigError, PSError
 from pshard.common.job import MODES, OPTIMIZERS, JobConfig, OptimizerConfig
 from pshard.common.jobend import add_exit_argument, watch_job_end
 from pshard.common.logs import add_log_level_argument, configure_logging
-from pshard.common.metrics import add_metrics_argument
+from pshard.common.metrics_flag import add_metrics_argument
 from pshard.common.rpc.bind import default_bind, own_hosts
 from pshard.common.rpc.options import DEFAULT_MAX_MESSAGE_BYTES
 from pshard.common.security.credentials import SecurityConfig, add_security_arguments, security_from_args

@@ -37,7 +37,7 @@ from pshard.common.entry import STOP_SIGNALS, check_can_listen, metrics_address
 from pshard.common.errors import ClusterConfigError
 from pshard.common.jobend import add_exit_argument, watch_job_end
 from pshard.common.logs import add_log_level_argument, configure_logging
-from pshard.common.metrics import add_metrics_argument
+from pshard.common.metrics_flag import add_metrics_argument
 from pshard.common.rpc.bind import default_bind, own_hosts
 from pshard.common.security.credentials import SecurityConfig, add_security_arguments, security_from_args
 from pshard.scheduler.settings import DEFAULT_HEARTBEAT_INTERVAL_S, DEFAULT_HEARTBEAT_TIMEOUT_S

@@ -55,7 +55,7 @@ from pshard.common.compression import Compression
 from pshard.common.errors import ClusterConfigError, InvalidArgumentError
 from pshard.common.job import MODES, NONFINITE, OPTIMIZERS, WIRE_DTYPES, JobConfig, OptimizerConfig
 from pshard.common.logs import add_log_level_argument, configure_logging
-from pshard.common.metrics import add_metrics_argument
+from pshard.common.metrics_flag import add_metrics_argument
 from pshard.common.rpc.bind import own_hosts
 from pshard.common.security.credentials import add_security_arguments, security_from_args
 from pshard.worker.config import (
