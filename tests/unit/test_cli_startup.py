@@ -17,8 +17,10 @@ import pytest
 
 from pshard.cli import COMMANDS
 
-# What no parser may need: each costs from a few hundred ms (grpc, protobuf) to seconds (torch, numba).
-HEAVY = ("torch", "numba", "grpc", "google.protobuf", "pshard.api", "tqdm", "sklearn", "matplotlib")
+# What no parser may need: each costs from a hundred ms (prometheus_client) or a few (grpc, protobuf) to
+# seconds (torch, numba) on a loaded host.
+HEAVY = ("torch", "numba", "grpc", "google.protobuf", "pshard.api", "tqdm", "sklearn", "matplotlib",
+         "prometheus_client")
 
 # One usage error per command, and the exit status it ends with (health: 1, Docker reserves 2).
 USAGE_ERRORS: dict[str, tuple[list[str], int]] = {
