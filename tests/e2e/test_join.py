@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from pshard.status import fetch
-from tests.e2e.harness import SYNC, TIMEOUTS, free_port, wait_healthy, wait_until
+from tests.e2e.harness import SYNC, TIMEOUTS, LocalCluster, Proc, Procs, free_port, wait_healthy, wait_until
 from tests.e2e.test_drain import DENSE_CLOCKS, DENSE_RUN, RUN_TIMEOUT_S, _start_dense, _trained
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]  # each wait bounded by RUN_TIMEOUT_S
@@ -27,7 +27,9 @@ pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]  # each wait bounded by
 JOIN_AT = 8  # worker 0's steps logged when the workers are paused and the third server started
 
 
-def test_a_dense_sync_job_grown_mid_training_ends_bit_identical_to_an_undisturbed_one(procs) -> None:
+def start_jobs(procs: Procs) -> tuple[LocalCluster, list[Proc], list[Proc], LocalCluster, list[Proc]]:
+    """The undisturbed reference (one server) and the job to grow (two, replicated), training; the grown
+    job's workers paused once worker 0 logged JOIN_AT steps. Returns the reference's workers too."""
     reference, reference_started = _start_dense(procs, "reference", 1)
     cluster, started = _start_dense(procs, "grown", 2, "--replicas", "1")
     for c, procs_of in ((reference, reference_started), (cluster, started)):
@@ -35,16 +37,20 @@ def test_a_dense_sync_job_grown_mid_training_ends_bit_identical_to_an_undisturbe
             wait_healthy(task.address, proc=proc)
     reference_workers = [reference.start_worker(i, *SYNC, *DENSE_RUN, *TIMEOUTS) for i in (0, 1)]
     workers = [cluster.start_worker(i, *SYNC, *DENSE_RUN, *TIMEOUTS, "--replicas", "1") for i in (0, 1)]
-    scheduler = started[0]
-    scheduler_address = cluster.task("scheduler").address
     wait_until(lambda: cluster.steps_logged("worker-0") >= JOIN_AT, RUN_TIMEOUT_S,
                f"worker-0 to log {JOIN_AT} steps")
     for w in workers:
         w.signal_group(signal.SIGSTOP)
+    assert cluster.steps_logged("worker-0") < DENSE_CLOCKS - 5, workers[0].output()  # not nearly over
+    return reference, reference_workers, started, cluster, workers
+
+
+def test_a_dense_sync_job_grown_mid_training_ends_bit_identical_to_an_undisturbed_one(procs) -> None:
+    reference, reference_workers, started, cluster, workers = start_jobs(procs)
+    scheduler = started[0]
+    scheduler_address = cluster.task("scheduler").address
     address = f"127.0.0.1:{free_port()}"
     try:
-        paused_at = cluster.steps_logged("worker-0")
-        assert paused_at < DENSE_CLOCKS - 5, workers[0].output()  # the job must not be nearly over
         joiner = procs.python("grown-ps-2", "-m", "pshard.ps_server", "--task-type", "ps",
                               "--task-index", "2", "--ps", ",".join([*cluster.plan.ps, address]),
                               "--bind", address, "--scheduler", scheduler_address, "--replicas", "1")

@@ -25,32 +25,14 @@ import torch
 from pshard.common.failpoints import ENV as FAILPOINTS
 
 from pshard.status import JoinReport, fetch
-from tests.e2e.harness import SYNC, TIMEOUTS, LocalCluster, Proc, Procs, free_port, wait_healthy, wait_until
-from tests.e2e.test_drain import DENSE_CLOCKS, DENSE_RUN, RUN_TIMEOUT_S, _start_dense, _trained
+from tests.e2e.harness import LocalCluster, Proc, Procs, free_port, wait_until
+from tests.e2e.test_drain import RUN_TIMEOUT_S, _trained
+from tests.e2e.test_join import start_jobs
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]  # each wait bounded by RUN_TIMEOUT_S
 
-JOIN_AT = 8  # worker 0's steps logged when the workers are paused and the third server started
 PAUSED_COPY = r"failpoint ps\.before_replica_apply: paused"
 STATUS_TIMEOUT_S = 3.0  # per call of `pshard status` while the joiner is held (the scheduler answers in ms)
-
-
-def _start_jobs(procs: Procs) -> tuple[LocalCluster, list[Proc], list[Proc], LocalCluster, list[Proc]]:
-    """The undisturbed reference (one server) and the job to grow (two, replicated), training; the grown
-    job's workers paused once worker 0 logged JOIN_AT steps. Returns the reference's workers too."""
-    reference, reference_started = _start_dense(procs, "reference", 1)
-    cluster, started = _start_dense(procs, "grown", 2, "--replicas", "1")
-    for c, procs_of in ((reference, reference_started), (cluster, started)):
-        for task, proc in zip(c.plan.servers, procs_of, strict=True):
-            wait_healthy(task.address, proc=proc)
-    reference_workers = [reference.start_worker(i, *SYNC, *DENSE_RUN, *TIMEOUTS) for i in (0, 1)]
-    workers = [cluster.start_worker(i, *SYNC, *DENSE_RUN, *TIMEOUTS, "--replicas", "1") for i in (0, 1)]
-    wait_until(lambda: cluster.steps_logged("worker-0") >= JOIN_AT, RUN_TIMEOUT_S,
-               f"worker-0 to log {JOIN_AT} steps")
-    for w in workers:
-        w.signal_group(signal.SIGSTOP)
-    assert cluster.steps_logged("worker-0") < DENSE_CLOCKS - 5, workers[0].output()  # not nearly over
-    return reference, reference_workers, started, cluster, workers
 
 
 def _start_joiner(procs: Procs, cluster: LocalCluster, address: str, name: str, *, paused: bool) -> Proc:
@@ -91,7 +73,7 @@ def test_a_join_survives_a_sigkill_of_the_joiner_and_then_of_the_scheduler_mid_c
     budget): the joiner is SIGKILLed mid-copy and started again, held mid-copy again, and then the
     scheduler is SIGKILLed and restarted. The first join is rolled back, the second completes on the
     restarted scheduler, and the job ends bit-identical to the undisturbed one."""
-    reference, reference_workers, started, cluster, workers = _start_jobs(procs)
+    reference, reference_workers, started, cluster, workers = start_jobs(procs)
     scheduler, scheduler_address = started[0], cluster.task("scheduler").address
     address = f"127.0.0.1:{free_port()}"
     try:

@@ -3,6 +3,8 @@ queueing, re-dispatch under the same schedule id, the first result winning, erro
 
 from __future__ import annotations
 
+import random
+
 import pytest
 from pshard.common.errors import CancelledCallError, NoWorkersError, PullTimeoutError, ScheduledFunctionError
 from pshard.coordinator.closures import Closure, ClosureQueue, RemoteValue
@@ -167,3 +169,23 @@ def test_calls_after_a_restore_are_numbered_above_the_checkpoints_calls_and_so_i
     assert q.next_id() == 42 and q.floor() == 1  # call 1 is still running
     q.finish(1, "worker-0", None)
     assert q.floor() == 43
+
+
+def test_the_floor_is_the_smallest_unfinished_id_through_takes_losses_finishes_and_a_failure() -> None:
+    """Kept as a heap rather than scanned per dispatch (a scan cost 2.5 ms a dispatch with 10,000 calls
+    waiting): checked against the calls' own state after each of a seeded random run's steps."""
+    rng = random.Random(21)
+    q, remotes = queue_with(*[f"m:f{i}" for i in range(60)], workers=("w",))
+    running: list[Closure] = []
+    for step in range(200):
+        op = rng.random()
+        if op < 0.45 and (c := q.take("w", 0)) is not None:
+            running.append(c)
+        elif op < 0.8 and running:
+            q.finish(running.pop(rng.randrange(len(running))).schedule_id, "w", None)
+        elif running:
+            q.lost(running.pop(rng.randrange(len(running))).schedule_id, "w")
+        if step == 150 and running:  # a failure: the waiting calls are cancelled, so they end too
+            q.fail(running.pop(0).schedule_id, "w", ScheduledFunctionError("boom"))
+        unfinished = [r.schedule_id for r in remotes if not r.done()]
+        assert q.floor() == min(unfinished, default=61), step
