@@ -36,6 +36,7 @@ from pshard.common.argtypes import (
     positive_int,
     replicas,
 )
+from pshard.common.chunks import configure_shared_pool
 from pshard.common.cluster.spec import (
     ClusterSpec,
     add_cluster_arguments,
@@ -334,8 +335,6 @@ def main(argv: Sequence[str] | None = None, *, prog: str = PROG) -> int:
         parser.error("--drain-on-term: needs the job's scheduler (TF_CONFIG or --scheduler): it switches "
                      "the layout")
     settings = _settings(args)
-    from pshard.common.chunks import configure_shared_pool  # numpy's: only for a server that starts
-
     configure_shared_pool(settings.update_threads)  # before any slice exists: every slice takes this pool
     security = security_from_args(args, os.environ, role="ps", node_id=spec.node_id if spec else "",
                                   hosts=own_hosts(spec.own_address) if spec else [])

@@ -347,7 +347,7 @@ def _main(argv: Sequence[str] | None, environ: Mapping[str, str], prog: str) -> 
     return run(cfg)
 
 
-def require_torch() -> None:
+def _require_torch() -> None:
     """ModuleNotFoundError naming torch when it is not installed (a server image), found without importing
     it: `pshard` then says which extra to install (pshard.cli.missing_extra), --help included, rather than
     take flags for a run that cannot start."""
@@ -357,7 +357,7 @@ def require_torch() -> None:
 
 def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None,
          prog: str = PROG) -> int:
-    require_torch()
+    _require_torch()
     with stop_on_signals():
         try:
             return _main(argv, os.environ if environ is None else environ, prog=prog)
