@@ -11,9 +11,9 @@ tests/e2e/test_join.py, though
 
 The copy is held by a failpoint (`ps.before_replica_apply`, pshard.common.failpoints) in the joiner, just
 before it applies the first batch of its donor's slices: the crash lands with the copy on its way, however
-fast or slow the machine, and the donor's steps wait for the joiner meanwhile. The workers are paused
-(SIGSTOP) from worker 0's JOIN_AT-th step until the crash is over, so that the join happens mid-training;
-heartbeats of 60 s outlast the pause (tests/e2e/test_drain.py's _start_dense).
+fast or slow the machine (the donor's steps do not wait for a joiner still catching up). The workers are
+paused (SIGSTOP) from worker 0's JOIN_AT-th step until the crash is over, so that the join happens
+mid-training; heartbeats of 60 s outlast the pause (tests/e2e/test_drain.py's _start_dense).
 """
 
 from __future__ import annotations
