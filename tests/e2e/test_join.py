@@ -25,17 +25,20 @@ import pytest
 import torch
 from pshard.common.failpoints import ENV as FAILPOINTS
 
-from pshard.status import fetch
+from pshard.status import JoinReport, fetch
 from tests.e2e.harness import SYNC, TIMEOUTS, LocalCluster, Proc, Procs, free_port, wait_healthy, wait_until
 from tests.e2e.test_drain import DENSE_CLOCKS, DENSE_RUN, RUN_TIMEOUT_S, _start_dense, _trained
-from tests.e2e.test_join_crashes import PAUSED_COPY, _catching_up
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]  # each wait bounded by RUN_TIMEOUT_S
 
 JOIN_AT = 8  # worker 0's steps logged when the workers are paused and the third server started
+PAUSED_COPY = r"failpoint ps\.before_replica_apply: paused"
+STATUS_TIMEOUT_S = 3.0  # per call of `pshard status` while a joiner is held (the scheduler answers in ms)
 
 
-def test_a_dense_sync_job_grown_mid_training_ends_bit_identical_to_an_undisturbed_one(procs) -> None:
+def start_jobs(procs: Procs) -> tuple[LocalCluster, list[Proc], list[Proc], LocalCluster, list[Proc]]:
+    """The undisturbed reference (one server) and the job to grow (two, replicated), training; the grown
+    job's workers paused once worker 0 logged JOIN_AT steps. Returns the reference's workers too."""
     reference, reference_started = _start_dense(procs, "reference", 1)
     cluster, started = _start_dense(procs, "grown", 2, "--replicas", "1")
     for c, procs_of in ((reference, reference_started), (cluster, started)):
@@ -43,17 +46,46 @@ def test_a_dense_sync_job_grown_mid_training_ends_bit_identical_to_an_undisturbe
             wait_healthy(task.address, proc=proc)
     reference_workers = [reference.start_worker(i, *SYNC, *DENSE_RUN, *TIMEOUTS) for i in (0, 1)]
     workers = [cluster.start_worker(i, *SYNC, *DENSE_RUN, *TIMEOUTS, "--replicas", "1") for i in (0, 1)]
-    scheduler = started[0]
-    scheduler_address = cluster.task("scheduler").address
     wait_until(lambda: cluster.steps_logged("worker-0") >= JOIN_AT, RUN_TIMEOUT_S,
                f"worker-0 to log {JOIN_AT} steps")
     for w in workers:
         w.signal_group(signal.SIGSTOP)
+    assert cluster.steps_logged("worker-0") < DENSE_CLOCKS - 5, workers[0].output()  # not nearly over
+    return reference, reference_workers, started, cluster, workers
+
+
+def start_joiner(procs: Procs, cluster: LocalCluster, servers: list[str], name: str, *,
+                 paused: bool = False) -> Proc:
+    """The server at the next place of `servers` (its last), for the running job; `paused`: held by the
+    failpoint before it applies its first copy."""
+    return procs.python(name, "-m", "pshard.ps_server", "--task-type", "ps", "--task-index",
+                        str(len(servers) - 1), "--ps", ",".join(servers), "--bind", servers[-1],
+                        "--scheduler", cluster.task("scheduler").address, "--replicas", "1",
+                        env={FAILPOINTS: "ps.before_replica_apply=pause-once"} if paused else None)
+
+
+def catching_up(scheduler_address: str, address: str) -> JoinReport:
+    """The join `pshard status` shows in progress once its donor reported the copy it has left (with its
+    heartbeats' load, about every second): more than nothing, while the joiner holds it unapplied. The
+    joiner's own stats may not answer meanwhile (a copy in shared memory is applied on its event loop,
+    which the failpoint holds): `pshard status` gives each server STATUS_TIMEOUT_S, not its default 10 s."""
+    def copying() -> JoinReport | None:
+        joins = [j for j in fetch(scheduler_address, STATUS_TIMEOUT_S).joins
+                 if j.address == address and not j.rolled_back]
+        assert len(joins) == 1 and not joins[0].done, joins
+        return joins[0] if joins[0].bytes_left > 0 else None
+    report = wait_until(copying, RUN_TIMEOUT_S, f"the scheduler showing {address}'s copy under way")
+    assert report is not None
+    return report
+
+
+def test_a_dense_sync_job_grown_mid_training_ends_bit_identical_to_an_undisturbed_one(procs) -> None:
+    reference, reference_workers, started, cluster, workers = start_jobs(procs)
+    scheduler = started[0]
+    scheduler_address = cluster.task("scheduler").address
     address = f"127.0.0.1:{free_port()}"
     try:
-        paused_at = cluster.steps_logged("worker-0")
-        assert paused_at < DENSE_CLOCKS - 5, workers[0].output()  # the job must not be nearly over
-        joiner = _joiner(procs, cluster, [*cluster.plan.ps, address], "grown-ps-2")
+        joiner = start_joiner(procs, cluster, [*cluster.plan.ps, address], "grown-ps-2")
         joined = f"JOIN: server 2 ({address}) took"
         wait_until(lambda: not joiner.alive() or any(joined in line for line in scheduler.lines),
                    RUN_TIMEOUT_S, "the scheduler moving slices onto the new server")
@@ -80,15 +112,6 @@ def test_a_dense_sync_job_grown_mid_training_ends_bit_identical_to_an_undisturbe
         workers[0].output())
 
 
-def _joiner(procs: Procs, cluster: LocalCluster, servers: list[str], name: str, paused: bool = False) -> Proc:
-    """The server at the next place of `servers` (its last), for the running job; `paused`: held by the
-    failpoint before it applies its first copy."""
-    return procs.python(name, "-m", "pshard.ps_server", "--task-type", "ps", "--task-index",
-                        str(len(servers) - 1), "--ps", ",".join(servers), "--bind", servers[-1],
-                        "--scheduler", cluster.task("scheduler").address, "--replicas", "1",
-                        env={FAILPOINTS: "ps.before_replica_apply=pause-once"} if paused else None)
-
-
 def _kill_a_donor_mid_join(procs: Procs, cluster: LocalCluster, scheduler: Proc, old: Proc) -> None:
     """Server 3 joins, copying from server 2 (`old`, the donor); server 2 is SIGKILLed mid-copy and started
     again. Its new process registering fails it over at once, to server 0, the in-sync backup it kept
@@ -96,12 +119,12 @@ def _kill_a_donor_mid_join(procs: Procs, cluster: LocalCluster, scheduler: Proc,
     scheduler_address = cluster.task("scheduler").address
     donor = old.argv[old.argv.index("--bind") + 1]
     servers = [*cluster.plan.ps, donor, f"127.0.0.1:{free_port()}"]
-    fourth = _joiner(procs, cluster, servers, "grown-ps-3", paused=True)
+    fourth = start_joiner(procs, cluster, servers, "grown-ps-3", paused=True)
     fourth.wait_for_line(PAUSED_COPY, RUN_TIMEOUT_S)  # the donor's copy reached it, not applied
-    assert _catching_up(scheduler_address, servers[3]).donor == donor
+    assert catching_up(scheduler_address, servers[3]).donor == donor
     old.signal_group(signal.SIGKILL)
     old.wait(RUN_TIMEOUT_S)
-    _joiner(procs, cluster, servers[:3], "grown-ps-2-again")
+    start_joiner(procs, cluster, servers[:3], "grown-ps-2-again")
     failover = f"FAILOVER: server 2 ({donor}) is gone"
     wait_until(lambda: any(failover in line or "FAILOVER IMPOSSIBLE" in line for line in scheduler.lines),
                RUN_TIMEOUT_S, "the scheduler failing the donor over")
