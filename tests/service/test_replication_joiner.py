@@ -4,7 +4,7 @@ A server joining a running job copies its donor's slices beside the donor's back
 replicas.joining_backups). While it catches up it is not a copy the workers' acknowledgements depend on:
 a joiner that is slow, held, or killed mid-copy stalls none of the donor's steps, and is not reported in
 sync. Once it holds every slice it counts as a backup does: from then on no step is acknowledged before it
-has it, so the scheduler may switch slices onto it.
+has it, so the scheduler may switch slices onto it. The same for a primary's table rows.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from pshard.ps_server.replication.link import grpc_sender
 from pshard.ps_server.settings import ServerSettings
 
 from tests.e2e.harness import free_port, wait_until
+from tests.service.test_table_replication import CONFIG, IDS, _grads, _layout, _replicated, _rows
 
 WAIT_S = 10.0
 STEP_S = 5.0  # far above a step on two local servers, far below the request's deadline
@@ -67,3 +68,22 @@ def test_a_joiner_gone_mid_copy_stalls_no_step_and_one_caught_up_holds_every_ack
         [copy] = [s for s in copies._slots.values() if s.key == slot.key]
         assert copy.version == slot.version == 4
         assert copy.value.tobytes() == slot.value.tobytes(), slot.key
+
+
+def test_a_joiner_gone_mid_copy_stalls_no_table_push_and_one_caught_up_counts_in_sync(start_server,
+                                                                                      new_client):
+    servers, layout = _replicated(start_server, _layout)
+    primary = servers[0]
+    client = new_client(servers, "w0", layout=layout)
+    client.declare_table(CONFIG)
+    client.push_rows("emb", IDS, _grads(0, len(IDS)))  # rows to copy: an empty copy is done at once
+    gone = f"127.0.0.1:{free_port()}"  # a joiner SIGKILLed mid-copy: nothing answers there
+    primary.call(lambda: _rows(primary).set_backups([servers[1].address, gone], catching_up=[gone]))
+    with ThreadPoolExecutor(1) as pool:
+        for step in range(1, 4):
+            pool.submit(client.push_rows, "emb", IDS, _grads(step, len(IDS))).result(timeout=STEP_S)
+    assert primary.call(lambda: _rows(primary).in_sync()) == {servers[1].address}
+    joining = [servers[2].address]
+    primary.call(lambda: _rows(primary).set_backups([servers[1].address, *joining], catching_up=joining))
+    wait_until(lambda: primary.call(lambda: _rows(primary).in_sync()) == {s.address for s in servers[1:]},
+               WAIT_S, "the joiner to copy server 0's rows")
