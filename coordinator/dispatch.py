@@ -151,27 +151,33 @@ class Dispatcher:
             pass
         except grpc.RpcError as err:
             self._broken(err, feed.close())
-        for closure in feed.close():  # the stream ended with calls out: gone with it
+        finally:
+            self.lose(feed.close())  # the stream ended with calls out: gone with it
+
+    def lose(self, out: list[Closure]) -> None:
+        """Calls out on a stream that ended, oldest first: back to the front of the queue in that order."""
+        for closure in reversed(out):
             self.queue.lost(closure.schedule_id, self.node_id)
 
     def _broken(self, err: grpc.RpcError, out: list[Closure]) -> None:
         code = err.code()  # type: ignore[attr-defined]
+        lost = self.gone.is_set() or code in _LOST
         for closure in out:
             if self.gone.is_set():
                 # Cut off: the scheduler declared it dead (stop() broke the stream); its run may still push,
                 # counted once.
                 log.warning("schedule %d: %s was declared dead while running it; running it again elsewhere",
                             closure.schedule_id, self.node_id)
-                self.queue.lost(closure.schedule_id, self.node_id)
-            elif code in _LOST:
+            elif lost:
                 log.warning("schedule %d: %s broke the call (%s); running it again elsewhere",
                             closure.schedule_id, self.node_id, code.name)
-                self.queue.lost(closure.schedule_id, self.node_id)
             else:
                 self.queue.fail(closure.schedule_id, self.node_id, ScheduledFunctionError(
                     f"schedule {closure.schedule_id} ({closure.remote.function}) on {self.node_id}: the call "
                     f"failed with {code.name}: {err.details()}",  # type: ignore[attr-defined]
                     function=closure.remote.function, schedule_id=closure.schedule_id, worker=self.node_id))
+        if lost:
+            self.lose(out)
         if code in _LOST and not self.gone.is_set():
             self.reachable = False
             self._on_change()

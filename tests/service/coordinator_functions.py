@@ -38,6 +38,13 @@ def noop() -> None:
     return None
 
 
+def thread_and_next(it: Iterator[Any]) -> list[Any]:
+    """The thread this call runs on, and the worker's iterator's next item."""
+    import threading
+
+    return [threading.current_thread().name, next(it)]
+
+
 def worker_id() -> str:
     return current().client.worker_id
 
