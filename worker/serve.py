@@ -80,6 +80,17 @@ class InOrder:
             return await asyncio.to_thread(fn, request)
 
 
+def off_loop(fn: Callable[[pb.RunRequest], T], request: pb.RunRequest) -> T:
+    """fn(request) on the loop's own thread as on a thread without one: a scheduled function that runs a
+    loop of its own (asyncio.run) finds none running, as it did when calls ran on a thread."""
+    loop = asyncio._get_running_loop()
+    asyncio._set_running_loop(None)
+    try:
+        return fn(request)
+    finally:
+        asyncio._set_running_loop(loop)
+
+
 class _Servicer(pb_grpc.WorkerServiceServicer):
     """A five-line delegate: the runner is set once the worker holds a PSClient."""
 
@@ -109,7 +120,7 @@ class _Servicer(pb_grpc.WorkerServiceServicer):
         call more CPU than gRPC's own work (docs/architecture.md, 15 Coordinator)."""
         runner = await self._runner(context)
         async for request in requests:
-            yield runner.run(request)
+            yield off_loop(runner.run, request)
 
 
 @dataclass

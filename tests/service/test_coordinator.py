@@ -60,12 +60,16 @@ def test_a_workers_calls_run_in_the_order_scheduled_on_its_service_thread_itself
         c.start_worker(0)
         with c.coordinator() as coordinator:
             coordinator.create_variable("v", np.zeros(1, np.float32))
-            it = iter(coordinator.create_per_worker_dataset(f.count_to, 30))
+            it = iter(coordinator.create_per_worker_dataset(f.count_to, 31))
             ran = [coordinator.schedule(f.thread_and_next, args=(it,)) for _ in range(30)]
             coordinator.join()
 
             assert [r.fetch()[1] for r in ran] == list(range(1, 31))
             assert {r.fetch()[0] for r in ran} == {f"worker-service-{c.workers[0]}"}
+            # ... as on a thread of its own: a function may run a loop of its own (asyncio.run), and the
+            # worker serves on after it.
+            assert coordinator.schedule(f.run_a_loop_of_its_own, args=(21,)).fetch(WAIT_S) == [42, True]
+            assert coordinator.schedule(f.thread_and_next, args=(it,)).fetch(WAIT_S)[1] == 31
 
 
 def test_a_fused_push_pull_counts_once_and_its_weights_answer_the_workers_next_call() -> None:
