@@ -5,9 +5,10 @@ rows by pushing distinct ids, 65,536 per push, and reports its RSS growth per ro
 pushes of 2,048 random existing ids (rows/s; pushes best of 3, and for narrow rows also through the numpy
 path that the compiled pass replaced, push_rows_per_s_numpy_path, alternating with it). A row's RSS is its
 values as stored (4 x dim float32, 2 x dim float16/bfloat16, dim + 8 int8) plus what every row keeps
-whatever its dtype: its id (8 bytes), last touch (8), update count (4), change stamp (4) and the index's
-slots (4 to 10), so the ratio to float32 grows with dim; `fields` gives each array's bytes over the rows
-(capacity included: the arrays grow by doubling).
+whatever its dtype: its id (8 bytes), update count (4) and the index's slots (4 to 10), so the ratio to
+float32 grows with dim (the last touch, 8, is kept only with ttl, max_rows or memory_mb, and the change
+stamp, 4, from a table's first checkpoint on: this bench's table has neither); `fields` gives each array's
+bytes over the rows (capacity included: the arrays grow by doubling).
 
 The child sets glibc's malloc as `pshard ps` does at start (ps_server.heap.bound_heap: buffers of 1 MiB
 and more are mappings of their own, given back when freed), so the RSS is what a server holds: with
@@ -61,7 +62,8 @@ def _child(row_dtype: str, rows: int, dim: int) -> None:
     moved = REQUEST * len(requests)
     arrays = {"values": table.values, "touch": table.touch, "count": table.count, "stamp": table.stamp,
               "index_ids": table.index.ids, **{f"state_{name}": a for name, a in table.state.items()}}
-    fields = {name: round(a.nbytes / rows, 1) for name, a in arrays.items()}
+    # A field the table does not keep is a sink of one element (ps_server.tables.table._sink): 0 bytes.
+    fields = {name: round((a.nbytes if a.strides[0] else a.itemsize) / rows, 1) for name, a in arrays.items()}
     fields["index_slots"] = round(table.index.slot_bytes / rows, 1)
     print(json.dumps({"rss_bytes_per_row": round(grown * 2**20 / rows, 1),
                       "stored_bytes_per_row": table.config.row_bytes, "fields": fields,

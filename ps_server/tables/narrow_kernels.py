@@ -21,9 +21,11 @@ tests/unit/test_narrow_kernels.py checks every dtype and optimizer against the n
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 from numba import uint64
-from pshard.ps_server.tables.kernels import AHEAD, _jit, _mix64, _prefetch, _prefetch_row
+from pshard.ps_server.tables.kernels import AHEAD, _jit, _mix64, _prefetch, _prefetch_row, touches
 
 _GOLDEN = uint64(0x9E3779B97F4A7C15)
 _UNIT = np.float32(2.0**-24)
@@ -243,19 +245,19 @@ def warm(row_dtype: str) -> None:
     if row_dtype in _warmed:
         return
     rows, ids = np.zeros(1, np.int64), np.array([7], np.int64)
-    touch, count = np.zeros(1, np.float64), np.zeros(1, np.int32)
+    count = np.zeros(1, np.int32)
     one, key = np.float32(1), np.uint64(1)
     grads = np.zeros((1, 2), np.float32)
     frozen = grads.copy()
     frozen.flags.writeable = False
-    for g in (grads, frozen):
-        for sums in (np.zeros((1, 2), np.float32), np.zeros((0, 2), np.float32)):
-            if row_dtype == "int8":
-                push_int8(np.zeros((1, 10), np.uint8), sums, touch, count, rows, ids, g, one, one, 0.0, key,
-                          np.zeros((1, 2), np.float32), np.zeros((1, 2), np.float32))
-            else:
-                push16(np.zeros((1, 2), np.uint16), sums, touch, count, rows, g, one, one, 0.0,
-                       row_dtype == "bfloat16")
+    for touch, g, sums in itertools.product(touches(), (grads, frozen),
+                                            (np.zeros((1, 2), np.float32), np.zeros((0, 2), np.float32))):
+        if row_dtype == "int8":
+            push_int8(np.zeros((1, 10), np.uint8), sums, touch, count, rows, ids, g, one, one, 0.0, key,
+                      np.zeros((1, 2), np.float32), np.zeros((1, 2), np.float32))
+        else:
+            push16(np.zeros((1, 2), np.uint16), sums, touch, count, rows, g, one, one, 0.0,
+                   row_dtype == "bfloat16")
     _warmed.add(row_dtype)
 
 

@@ -25,9 +25,10 @@ def _columns(table: SparseTable) -> dict[str, bytes]:
 def test_compiled_narrow_pushes_store_what_the_numpy_path_stores(row_dtype: str, optimizer: str) -> None:
     """Two tables alike; one pushes through the compiled pass (SparseTable.push), the other through the
     numpy path on the same rows: after rounds of random pushes of every size and scale, their stored
-    bytes, sums, touches and counts are equal."""
+    bytes, sums, touches and counts are equal. The adagrad tables keep their last touch (a ttl that
+    expires nothing), the sgd ones write it to a sink (ps_server.tables.table._sink)."""
     config = TableConfig("emb", 13, row_dtype=row_dtype, optimizer=optimizer, initializer="normal",
-                         init_scale=0.5, lr=0.3, seed=5)
+                         init_scale=0.5, lr=0.3, seed=5, ttl=1e9 if optimizer == "adagrad" else 0.0)
     compiled, reference = SparseTable(config), SparseTable(config)
     rng = np.random.default_rng(11)
     universe = np.arange(1000, 1400, dtype=np.int64)
