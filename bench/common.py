@@ -17,6 +17,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
 MB = 10**6  # figures are in decimal megabytes
@@ -281,3 +282,40 @@ def cpu_figures(results: Sequence[dict], steps: int, elapsed_s: float) -> dict[s
             "server_loop_cpu_s_per_step": round(loops / steps, 4),
             "worker_cpu_s_per_step": round(workers / steps, 4),
             "cpu_busy_fraction": round((servers + workers) / (elapsed_s * cores), 3)}
+
+
+def dense_job(run: WorkerRun, sched: Any, servers: Sequence[str], sizes: Sequence[int], replicas: int
+              ) -> tuple[dict[str, Any], dict[str, Any], Any, Any]:
+    """A sync SGD job of float32 tensors of `sizes` on `servers` with `replicas`, seeded by the worker's
+    index: (params, grads, the layout the scheduler `sched` planned, the JobConfig)."""
+    import numpy as np
+    from pshard.common.cluster.layout import ParamSpec
+    from pshard.common.job import JobConfig, OptimizerConfig
+
+    rng = np.random.default_rng(run.index)
+    params = {f"t{i:02d}": rng.standard_normal(n, dtype=np.float32) for i, n in enumerate(sizes)}
+    grads = {k: rng.standard_normal(v.size, dtype=np.float32) for k, v in params.items()}
+    layout = sched.propose_layout([ParamSpec(k, "float32", v.shape) for k, v in params.items()],
+                                  servers=list(servers), replicas=replicas)
+    return params, grads, layout, JobConfig(mode="sync", optimizer=OptimizerConfig(name="sgd", lr=1e-4))
+
+
+def timed_steps(client: Any, grads: dict[str, Any], weights: dict[str, Any], run: WorkerRun, warmup: int,
+                steps: int) -> tuple[int, list[float], float, float]:
+    """`warmup` fused steps, every worker lined up, then `steps` timed ones: (the next clock, each timed
+    step's seconds, when they started, when they ended)."""
+    run.sync()
+    clock = 0
+    for _ in range(warmup):
+        client.push_pull(grads, clock, out=weights)
+        clock += 1
+    run.sync()
+    steps_s: list[float] = []
+    start = time.monotonic()
+    for _ in range(steps):
+        began = time.monotonic()
+        client.push_pull(grads, clock, out=weights)
+        clock += 1
+        steps_s.append(time.monotonic() - began)
+    return clock, steps_s, start, time.monotonic()
+

@@ -21,7 +21,16 @@ import subprocess
 import sys
 import time
 
-from bench.common import DEFAULT_SIZES, REPO, WorkerRun, emit, parse_sizes, run_workers
+from bench.common import (
+    DEFAULT_SIZES,
+    REPO,
+    WorkerRun,
+    dense_job,
+    emit,
+    parse_sizes,
+    run_workers,
+    timed_steps,
+)
 
 HEARTBEAT_MS = (200, 1000)  # as bench.replication: a SIGKILLed server is found within 1 s
 BAR_S = 2.0
@@ -29,49 +38,20 @@ BAR_S = 2.0
 
 def _worker(run: WorkerRun, scheduler: str, servers: list[str], sizes: list[int], warmup: int, steps: int,
             after: int, victim_pid: int, transport: str) -> dict[str, object]:
-    import numpy as np
     from pshard.client.ps_client import PSClient
-    from pshard.common.cluster.layout import Layout, ParamSpec
     from pshard.common.cluster.scheduler_client import SchedulerClient
-    from pshard.common.errors import PullTimeoutError
-    from pshard.common.job import JobConfig, OptimizerConfig
 
     node = f"worker-{run.index}"
     sched = SchedulerClient(scheduler, "worker", node_id=node, rank_hint=run.index)
     sched.register()
 
-    def relayout(layout: Layout, timeout_s: float) -> Layout | None:
-        try:
-            sched.wait_for_view(lambda view: view.layout_version > layout.version, timeout_s)
-        except PullTimeoutError:
-            return None
-        return sched.get_layout(timeout_s=max(1.0, timeout_s))
-
-    rng = np.random.default_rng(run.index)
-    params = {f"t{i:02d}": rng.standard_normal(n, dtype=np.float32) for i, n in enumerate(sizes)}
-    grads = {k: rng.standard_normal(v.size, dtype=np.float32) for k, v in params.items()}
-    layout = sched.propose_layout([ParamSpec(k, "float32", v.shape) for k, v in params.items()],
-                                  servers=servers, replicas=1)
-    job = JobConfig(mode="sync", optimizer=OptimizerConfig(name="sgd", lr=1e-4))
-    steps_s: list[float] = []
+    params, grads, layout, job = dense_job(run, sched, servers, sizes, replicas=1)
     during_s: list[float] = []
     try:
         with PSClient(servers, node, layout=layout, generation=lambda: sched.generation, transport=transport,
-                      relayout=relayout, reroute_wait_s=10.0) as client:
+                      relayout=sched.newer_layout, reroute_wait_s=10.0) as client:
             weights = client.declare(params, job)
-            run.sync()
-            clock = 0
-            for _ in range(warmup):
-                client.push_pull(grads, clock, out=weights)
-                clock += 1
-            run.sync()
-            start = time.monotonic()
-            for _ in range(steps):
-                began = time.monotonic()
-                client.push_pull(grads, clock, out=weights)
-                clock += 1
-                steps_s.append(time.monotonic() - began)
-            end = time.monotonic()
+            clock, steps_s, start, end = timed_steps(client, grads, weights, run, warmup, steps)
             run.sync()
             termed_at = None
             if run.index == 0:

@@ -400,10 +400,11 @@ def _linked(checkpoint: Checkpoint, links: Sequence[Checkpoint], part: str, name
 
 
 def last_scheduled_call(checkpoint: Checkpoint) -> int:
-    """The highest schedule id (pshard.coordinator) the parts hold a record of, or below a floor they
-    saved: 0 if none. A coordinator that restores the checkpoint numbers its calls above it, since the
-    restored records would take a call of its own under one of those ids for that old one (a coordinator
-    launched again with a fresh scheduler has the same registration generation, and so the same ids)."""
+    """The highest schedule id (pshard.coordinator) the parts hold a record of (their restored ones too),
+    or below a floor they saved: 0 if none. A coordinator that restores the checkpoint numbers its calls
+    above it, since the restored records would take a call of its own under one of those ids for that
+    old one (a coordinator launched again with a fresh scheduler has the same registration generation,
+    and so the same ids)."""
     top = 0
     for part in sorted({f.name for f in checkpoint.files if re.fullmatch(r"part-\d+\.json", f.name)}):
         for entry in json.loads((checkpoint.path / part).read_bytes())["slices"]:
@@ -411,7 +412,8 @@ def last_scheduled_call(checkpoint: Checkpoint) -> int:
     for part in table_parts(checkpoint):
         for _, meta in checkpoint_chain.part_tables(checkpoint.path, part).values():
             held = meta.get("scheduled") or {}
-            records = [held.get("last", {}), *held.get("partitions", {}).values()]
+            records = [held.get("last", {}), *held.get("partitions", {}).values(),
+                       *(r["calls"] for r in held.get("restored", ()))]  # held from an earlier restore
             top = max([top, int(held.get("floor", 0)) - 1, *(int(s) for r in records for s in r)])
     return top
 

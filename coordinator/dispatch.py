@@ -1,4 +1,14 @@
-"""One dispatch thread per serving worker: take a call, run it there over gRPC, report how it ended.
+"""Dispatch threads per serving worker: take a call, run it there over gRPC, report how it ended.
+
+Two per worker (`DEPTH`): the worker runs calls one at a time, and a second call sent while the first
+runs waits there and starts as soon as the first returns, instead of a dispatch round trip later (the
+reply to the coordinator, its next Run): on a loaded machine that round trip is a process wakeup on
+each side, a third of a training step's gap to a worker-driven loop. The second thread takes a call only
+while no worker waits for one (ClosureQueue.take, `ahead`), so a queue shorter than the workers is
+spread over them as before. A worker lost with both calls loses both: each goes back to the queue. The
+two calls may reach the worker in either order, so each names the call taken for that worker before it
+(`RunRequest.after`) and the worker runs it only after that one (pshard.worker.serve): its calls run in
+the order they were taken, as with one call in flight (a per-worker iterator's items in order).
 
 A worker that breaks the call (UNAVAILABLE: SIGKILLed, restarted) or that the scheduler declares dead
 while the call runs (cut off) loses it: the call goes back to the front of the queue under its schedule
@@ -25,6 +35,7 @@ from pshard.api.v1 import parameter_server_pb2 as ps_pb
 
 log = logging.getLogger("pshard.coordinator")
 _TAKE_S = 0.5  # how long a dispatcher waits for a call before it looks at its worker's state again
+DEPTH = 2  # calls in flight per worker: the one it runs and the next
 # A broken call's gRPC codes that mean the worker, not the call, is the problem: run it elsewhere.
 _LOST = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
 
@@ -43,10 +54,13 @@ class Dispatcher:
         self.reachable = True
         self._channel = security.channel(address)
         self._run = pb_grpc.WorkerServiceStub(self._channel).Run
-        self.thread = threading.Thread(target=self._loop, name=f"dispatch-{node_id}", daemon=True)
+        # Slot 0 runs the worker's call; the others send the next ones ahead (`take(..., ahead=True)`).
+        self.threads = [threading.Thread(target=self._loop, args=(slot > 0,), daemon=True,
+                                         name=f"dispatch-{node_id}-{slot}") for slot in range(DEPTH)]
 
     def start(self) -> None:
-        self.thread.start()
+        for thread in self.threads:
+            thread.start()
 
     def stop(self) -> None:
         self.gone.set()
@@ -54,12 +68,12 @@ class Dispatcher:
         # than polling a future: each future of a channel with no other call started a thread of its own.
         self._channel.close()
 
-    def _loop(self) -> None:
+    def _loop(self, ahead: bool) -> None:
         try:
             while not self.gone.is_set():
                 if not self.reachable and not self._await_reachable():
                     continue
-                closure = self._queue.take(self.node_id, _TAKE_S)
+                closure = self._queue.take(self.node_id, _TAKE_S, ahead)
                 if closure is not None:
                     self._dispatch(closure)
         finally:
@@ -71,6 +85,7 @@ class Dispatcher:
         request = pb.RunRequest()
         request.CopyFrom(closure.request)
         request.schedule_floor = self._queue.floor()
+        request.after = closure.after
         request.job.CopyFrom(self._job)
         try:
             response = self._run(request)

@@ -42,7 +42,6 @@ from pshard.common.dirlock import DirectoryInUseError, DirectoryLock
 from pshard.common.logs import add_log_level_argument, configure_logging
 from pshard.launcher.plan import RESTART_POLICIES, TASK_PLACEHOLDER, ClusterPlan, Options, cert_names
 from pshard.launcher.record import default_certs_dir
-from pshard.launcher.supervisor import run
 
 PROG = "python -m pshard.launcher"
 log = logging.getLogger("pshard.launcher")
@@ -256,6 +255,10 @@ def main(argv: Sequence[str] | None = None, prog: str = PROG) -> int:
         else:
             _ensure_certs(options)
         lock = _lock_checkpoint_dir(options)
+        # The supervisor's health probes import grpc: only once the flags are checked, so that --help and
+        # usage errors come first, within a fraction of a second.
+        from pshard.launcher.supervisor import run
+
         try:
             return run(options)
         finally:

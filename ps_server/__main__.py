@@ -50,17 +50,12 @@ from pshard.common.errors import CheckpointError, ClusterConfigError, PSError
 from pshard.common.job import MODES, OPTIMIZERS, JobConfig, OptimizerConfig
 from pshard.common.jobend import add_exit_argument, watch_job_end
 from pshard.common.logs import add_log_level_argument, configure_logging
-from pshard.common.metrics import add_metrics_argument, serve_server_metrics
+from pshard.common.metrics_flag import add_metrics_argument
 from pshard.common.rpc.bind import default_bind, own_hosts
 from pshard.common.rpc.options import DEFAULT_MAX_MESSAGE_BYTES
 from pshard.common.security.credentials import SecurityConfig, add_security_arguments, security_from_args
-from pshard.ps_server import service
-from pshard.ps_server.drain import DRAIN_TIMEOUT_S, drain
-from pshard.ps_server.follower import follow_scheduler
-from pshard.ps_server.handlers.dense import NO_QUORUM_GRACE_S
 from pshard.ps_server.heap import bound_heap
-from pshard.ps_server.settings import ServerSettings
-from pshard.ps_server.tables.files import pointer_path
+from pshard.ps_server.settings import DRAIN_TIMEOUT_S, ServerSettings
 
 log = logging.getLogger("pshard.ps")
 
@@ -243,6 +238,15 @@ def _settings(args: argparse.Namespace) -> ServerSettings:
 
 async def _run(args: argparse.Namespace, spec: ClusterSpec | None, settings: ServerSettings,
                bind: str, security: SecurityConfig) -> int:
+    # The server's modules (grpc, the generated code, numba's kernels) load only once the flags and the
+    # configuration are checked: --help and every usage error come first, within a fraction of a second.
+    from pshard.common.metrics import serve_server_metrics
+    from pshard.ps_server import service
+    from pshard.ps_server.drain import drain
+    from pshard.ps_server.follower import follow_scheduler
+    from pshard.ps_server.handlers.dense import NO_QUORUM_GRACE_S
+    from pshard.ps_server.tables.files import pointer_path
+
     # Handlers first: from here on a signal stops the server gracefully, start-up included.
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

@@ -24,7 +24,6 @@ from pshard.common.errors import PSError, UnavailableError
 
 log = logging.getLogger("pshard.ps")
 
-DRAIN_TIMEOUT_S = 60.0
 # Between tries: a primary sends its in-sync report with every heartbeat, recomputed this often
 # (ps_server/follower.py IN_SYNC_REPORT_S); asking faster finds the scheduler unchanged.
 _RETRY_S = 0.25

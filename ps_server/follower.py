@@ -187,6 +187,8 @@ class ReplicaWiring:
         self._own = spec.own_address or ""
         self._replicas = handlers.replicas_setting
         self._loop = loop
+        self._view: ClusterView | None = None
+        self._layout: Layout | None = None  # the newest: which servers are placed, which are joining
         stubs = stub_cache(security)
         send = grpc_sender(security, stubs)
         self.links = links = tcp_links(spec.node_id, security, stubs)  # the slices' and the rows': one each
@@ -204,12 +206,22 @@ class ReplicaWiring:
         loop.call_soon_threadsafe(self._report)
 
     def on_view(self, view: ClusterView) -> None:
-        backups = backup_addresses(view, self._node_id, self._replicas)
-        self.slices.set_backups(backups)
+        self._view = view
+        self._set_backups()
         if self.rows is not None:
-            self.rows.set_backups(backups)
             self.rows.on_view(view)
         self.reporter.on_view(view)
+
+    def _set_backups(self) -> None:
+        """From the newest view and layout: a join's switch (a layout with the joiner) releases the
+        donor's old backup, which kept its copy while the joiner caught up."""
+        if self._view is None:
+            return
+        placed = len(self._layout.servers) if self._layout is not None else None
+        backups, joining = backup_addresses(self._view, self._node_id, self._replicas, placed)
+        self.slices.set_backups([*backups, *joining], catching_up=joining)
+        if self.rows is not None:
+            self.rows.set_backups([*backups, *joining], catching_up=joining)
 
     def on_layout(self, layout: Layout) -> None:
         # Each new layout says which slices are this server's: one a failover moved away (this server
@@ -218,6 +230,9 @@ class ReplicaWiring:
         owned = owned_slices(layout, self._own)
         if owned is not None:
             self._handlers.set_ownership(layout.version, owned)
+        if self._layout is None or layout.version > self._layout.version:
+            self._layout = layout
+            self._set_backups()
         if self.rows is not None:  # before the report: a promotion makes the backups copy again
             self.rows.on_layout(layout)
         self.reporter.on_layout(layout)

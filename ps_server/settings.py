@@ -13,6 +13,9 @@ from pshard.common.job import JobConfig
 from pshard.common.limits import DEFAULT_LIMITS, Limits
 from pshard.common.rpc.options import CHUNK_BYTES
 
+# Longest `pshard ps --drain-on-term` waits for the scheduler to hand its slices over (ps_server.drain).
+DRAIN_TIMEOUT_S = 60.0
+
 
 @dataclass(frozen=True)
 class ServerSettings:

@@ -37,10 +37,10 @@ from pshard.common.entry import STOP_SIGNALS, check_can_listen, metrics_address
 from pshard.common.errors import ClusterConfigError
 from pshard.common.jobend import add_exit_argument, watch_job_end
 from pshard.common.logs import add_log_level_argument, configure_logging
-from pshard.common.metrics import add_metrics_argument, serve_scheduler_metrics
+from pshard.common.metrics_flag import add_metrics_argument
 from pshard.common.rpc.bind import default_bind, own_hosts
 from pshard.common.security.credentials import SecurityConfig, add_security_arguments, security_from_args
-from pshard.scheduler.service import DEFAULT_HEARTBEAT_INTERVAL_S, DEFAULT_HEARTBEAT_TIMEOUT_S, start
+from pshard.scheduler.settings import DEFAULT_HEARTBEAT_INTERVAL_S, DEFAULT_HEARTBEAT_TIMEOUT_S
 
 PROG = "python -m pshard.scheduler"
 DEFAULT_PORT = 7000
@@ -91,6 +91,11 @@ def bind_address(args: argparse.Namespace, environ: Mapping[str, str], prog: str
 async def _run(bind: str, interval_s: float, timeout_s: float, metrics_port: int | None = None,
                exit_when_done: float | None = None, security: SecurityConfig | None = None,
                row_partitions_per_server: int = 1) -> None:
+    # The service's modules (grpc, the generated code) load only once the flags are checked: --help and
+    # every usage error come first, within a fraction of a second.
+    from pshard.common.metrics import serve_scheduler_metrics
+    from pshard.scheduler.service import start
+
     # Handlers first: from here on a signal stops the scheduler gracefully, start-up included.
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

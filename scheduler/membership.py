@@ -36,10 +36,10 @@ from pshard.common.cluster.losses import serves
 from pshard.common.cluster.moves import NotABackupError, NowhereToMoveError, partition_count, plan_join
 from pshard.common.cluster.replicas import (
     NoInSyncCopyError,
-    backups_of,
     fail_over,
     heir_of,
     index_of,
+    joining_backups,
     moved_partitions,
 )
 from pshard.common.cluster.view import (
@@ -221,6 +221,9 @@ class Membership:
         self.isolations = 0  # times this scheduler heard from no live node and so declared none dead
         self.drains = DrainLog()  # for `pshard status`
         self.joins = JoinLog()
+        # Each join in progress: the incarnation (address, generation) of the donor it copies from. A new
+        # donor (the old one went, or is a new process) means the copy so far is of a state that is gone.
+        self._donors: dict[str, tuple[str, int]] = {}
         self.loads = LoadMeter()  # each server's load, from its heartbeats (`pshard rebalance`)
         self.moves = MoveLog()  # partition moves, and every move's duration for the metrics
 
@@ -370,9 +373,12 @@ class Membership:
                         member.rank, member.address)
             return
         self.joins.registered(member.node_id, member.address, self._clock.now())
+        donor = self._donor_of(member)
+        if donor is not None:
+            self._donors[member.node_id] = self._incarnation(layout.servers[donor])
         log.warning("JOIN: server %d (%s) registered for the running job (layout version %d); it catches up "
                     "with server %s's slices as its backup, then takes some of them", member.rank,
-                    member.address, layout.version, self._donor_of(member))
+                    member.address, layout.version, donor)
 
     def _donor_of(self, joiner: _Member) -> int | None:
         """The layout's server whose backup `joiner` is in the ring now (its live predecessor)."""
@@ -386,8 +392,32 @@ class Membership:
                 return index
         return None
 
+    def _incarnation(self, address: str) -> tuple[str, int]:
+        member = next((m for m in self._members.values() if m.role == "ps" and m.address == address), None)
+        return address, member.generation if member is not None and member.state is NodeState.LIVE else -1
+
+    def _joins_lost_donors(self) -> None:
+        """The ring moved: a join whose donor went (declared dead, left, or a new process of it registered)
+        holds a copy of a state that is gone, and its donor's slices went to the donor's old backup (kept
+        in sync through the join, `joining_backups`). Rolled back, and started again from the joiner's new
+        donor, whose copy it gets from scratch."""
+        layout = self._layout
+        for member in list(self._members.values()):
+            donor = self._donors.get(member.node_id)
+            if (donor is None or self.joins.in_progress(member.node_id) is None
+                    or self._incarnation(donor[0]) == donor):
+                continue
+            gone = next((m.state for m in self._members.values() if m.role == "ps" and m.address == donor[0]),
+                        None)
+            why = {NodeState.DEAD: "was declared dead", NodeState.LEFT: "left"}.get(
+                gone, "registered again (a new process holds nothing)") if gone is not None else "went"
+            self._join_rolled_back(member, f"lost its donor: {donor[0]} {why}")
+            if layout is not None and member.state is NodeState.LIVE:
+                self._join_started(member)
+
     def _join_rolled_back(self, member: _Member, why: str) -> None:
         """A joiner gone before the switch: nothing moved, so the layout in force stays (a roll back)."""
+        self._donors.pop(member.node_id, None)
         join = self.joins.rolled_back(member.node_id, self._clock.now(), why)
         if join is not None:
             log.warning("JOIN ROLLED BACK: server %d (%s) %s before it took any slice, %.2f s after it "
@@ -437,6 +467,8 @@ class Membership:
             if not plan.moves:
                 continue
             new = self.replace_layout(plan.after)
+            self._donors.pop(member.node_id, None)
+            self._ring_moved()  # the donor's old backup is released: the joiner is its backup now
             self.in_sync.changes[JOINED] += 1
             partitions = tuple(sorted(m.item for m in plan.moves if isinstance(m.item, int)))
             done = self.joins.switched(member.node_id, primary.address, len(plan.moves) - len(partitions),
@@ -605,12 +637,16 @@ class Membership:
 
     def _ring_backups(self, primary: _Member) -> frozenset[str]:
         """`primary`'s backups now: the rule each server applies to the views it gets (ranks in ring
-        order, the next `replicas` live ones; ps_server/replication/link.py)."""
-        replicas = self._layout.replicas if self._layout is not None else 0
+        order, the next `replicas` live ones; ps_server/replication/link.py), and the joiners copying from
+        it beside its backups among the layout's servers (`joining_backups`)."""
+        layout = self._layout
+        if layout is None or not layout.replicas:
+            return frozenset()
         servers = self._ps_by_rank()
         live = {r for r, m in servers.items() if m.state is NodeState.LIVE} | {primary.rank}
-        ring = backups_of(primary.rank, max(servers) + 1, replicas, live) if replicas else ()
-        return frozenset(servers[r].address for r in ring)
+        kept, joining = joining_backups(primary.rank, max(servers) + 1, layout.replicas, live,
+                                        len(layout.servers))
+        return frozenset(servers[r].address for r in (*kept, *joining))
 
     def _is_current(self, address: str, generation: int) -> bool:
         """A live server's present incarnation is at `address` with `generation`."""
@@ -618,11 +654,13 @@ class Membership:
                    and m.state is NodeState.LIVE for m in self._members.values())
 
     def _ring_moved(self) -> None:
-        """Servers joined or went: each primary drops its copies on servers no longer its backups."""
+        """Servers joined or went: each primary drops its copies on servers no longer its backups, and a
+        join whose donor went starts again."""
         by_address = {m.address: m for m in self._members.values() if m.role == "ps"}
         for primary in self.in_sync.primaries():
             member = by_address.get(primary)
             self.in_sync.keep_only(primary, self._ring_backups(member) if member is not None else ())
+        self._joins_lost_donors()
 
     def silent_for(self, node_id: str) -> float:
         """Seconds since the node was last heard from (for logs)."""

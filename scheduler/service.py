@@ -24,14 +24,13 @@ from pshard.common.security.auth import AuthRefusals
 from pshard.common.security.credentials import SecurityConfig
 from pshard.scheduler.membership import Membership, MembershipLimits
 from pshard.scheduler.servicer import SchedulerServicer
+from pshard.scheduler.settings import DEFAULT_HEARTBEAT_INTERVAL_S, DEFAULT_HEARTBEAT_TIMEOUT_S
 
 from pshard.api.v1 import scheduler_pb2_grpc as pb_grpc
 
 log = logging.getLogger("pshard.scheduler")
 
 SERVICE_NAME = "pshard.api.v1.SchedulerService"
-DEFAULT_HEARTBEAT_INTERVAL_S = 1.0
-DEFAULT_HEARTBEAT_TIMEOUT_S = 5.0
 # Expiry runs at this fraction of the timeout, so a silent node is declared dead within 1.25x it.
 _EXPIRY_FRACTION = 0.25
 

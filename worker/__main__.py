@@ -30,6 +30,7 @@ import os
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import argparse
+import importlib.util
 import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -54,18 +55,22 @@ from pshard.common.compression import Compression
 from pshard.common.errors import ClusterConfigError, InvalidArgumentError
 from pshard.common.job import MODES, NONFINITE, OPTIMIZERS, WIRE_DTYPES, JobConfig, OptimizerConfig
 from pshard.common.logs import add_log_level_argument, configure_logging
-from pshard.common.metrics import add_metrics_argument
+from pshard.common.metrics_flag import add_metrics_argument
 from pshard.common.rpc.bind import own_hosts
 from pshard.common.security.credentials import add_security_arguments, security_from_args
-from pshard.worker.config import LOCAL_OPTIMIZERS, Defaults, Stopped, TrainConfig, stop_on_signals
-from pshard.worker.ctr import CTR_MODEL, add_ctr_arguments, ctr_settings, run_ctr
+from pshard.worker.config import (
+    CTR_MODEL,
+    DEVICES,
+    LOCAL_OPTIMIZERS,
+    MODELS,
+    Defaults,
+    Stopped,
+    TrainConfig,
+    default_job_id,
+    stop_on_signals,
+)
+from pshard.worker.ctr_flags import add_ctr_arguments, ctr_settings
 from pshard.worker.data import default_data_dir
-from pshard.worker.device import DEVICES, select_device
-from pshard.worker.evaluate import run_evaluator
-from pshard.worker.model import MODELS
-from pshard.worker.session import default_job_id
-from pshard.worker.tensorboard_log import run_dir
-from pshard.worker.train import run
 
 PROG = "python -m pshard.worker"
 # Learning rates that train the default CNN well, per optimizer (aggregate: per local optimizer).
@@ -288,12 +293,17 @@ def config_from_args(argv: Sequence[str] | None, environ: Mapping[str, str], pro
     spec = _cluster(args, environ, prog)
     security = security_from_args(args, environ, role=spec.task_type, node_id=spec.node_id,
                                   hosts=own_hosts(spec.own_address))
-    select_device(args.device)  # asking for CUDA where there is none is a configuration error
+    if args.device == "cuda":  # asking for CUDA where there is none is a configuration error
+        from pshard.worker.device import select_device  # torch, which auto and cpu need only to train
+
+        select_device(args.device)
     if args.output:
         _check_writable("--output", args.output, create=False)
     if args.metrics and args.metrics != "-":
         _check_writable("--metrics", args.metrics, create=True)
     if args.tensorboard:
+        from pshard.worker.tensorboard_log import run_dir  # its MetricsLog's tqdm: only with the flag
+
         probe = run_dir(args.tensorboard, spec.node_id) / "events"  # the run's directory is created and tried
         _check_writable("--tensorboard", str(probe), create=False)
     return TrainConfig(
@@ -318,17 +328,36 @@ def config_from_args(argv: Sequence[str] | None, environ: Mapping[str, str], pro
 def _main(argv: Sequence[str] | None, environ: Mapping[str, str], prog: str) -> int:
     cfg = config_from_args(argv, environ, prog)
     cfg.security.warn_if_open(prog)  # after every check: a refused start stays one line
+    # The runners import torch (seconds on a loaded host): only now, so that --help and every
+    # configuration error above come first, within a fraction of a second.
     if cfg.spec.task_type == "evaluator":
+        from pshard.worker.evaluate import run_evaluator
+
         return run_evaluator(cfg)
     if cfg.serve:
         from pshard.worker.serve import run_serving  # grpc's server side, for this mode only
 
         return run_serving(cfg)
-    return run_ctr(cfg) if cfg.model == CTR_MODEL else run(cfg)
+    if cfg.model == CTR_MODEL:
+        from pshard.worker.ctr import run_ctr
+
+        return run_ctr(cfg)
+    from pshard.worker.train import run
+
+    return run(cfg)
+
+
+def _require_torch() -> None:
+    """ModuleNotFoundError naming torch when it is not installed (a server image), found without importing
+    it: `pshard` then says which extra to install (pshard.cli.missing_extra), --help included, rather than
+    take flags for a run that cannot start."""
+    if importlib.util.find_spec("torch") is None:
+        raise ModuleNotFoundError("No module named 'torch'", name="torch")
 
 
 def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None,
          prog: str = PROG) -> int:
+    _require_torch()
     with stop_on_signals():
         try:
             return _main(argv, os.environ if environ is None else environ, prog=prog)

@@ -8,6 +8,8 @@ a failure in one becomes a `StageError` whose stage ends up in the task's `final
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import json
 import signal
 import threading
 from collections.abc import Iterator
@@ -21,6 +23,11 @@ from pshard.common.security.credentials import SecurityConfig
 from pshard.worker.ctr_data import CtrSpec
 
 LOCAL_OPTIMIZERS = ("sgd", "adam", "adamw", "adagrad")
+# What --model and --device accept, here rather than beside the torch code that builds them, so that the
+# worker's flags parse without importing torch (worker.model, worker.ctr, worker.device use these).
+MODELS = ("mlp", "cnn")
+CTR_MODEL = "ctr"
+DEVICES = ("auto", "cpu", "cuda")
 
 
 class Defaults:
@@ -102,6 +109,12 @@ class TrainConfig:
         spec = self.spec
         return spec.task_type == "chief" or (spec.task_type == "worker" and spec.task_index == 0
                                              and not spec.chief)
+
+
+def default_job_id(spec: ClusterSpec) -> str:
+    """The same on every task of one cluster: a digest of TF_CONFIG's cluster part."""
+    cluster = {job: list(spec.job(job)) for job in ("scheduler", "chief", "ps", "worker", "evaluator")}
+    return "tf-" + hashlib.sha256(json.dumps(cluster, sort_keys=True).encode()).hexdigest()[:12]
 
 
 class StageError(PSError):

@@ -12,8 +12,7 @@ from collections.abc import Mapping
 import numpy as np
 import torch
 from pshard.common.errors import ClusterConfigError, ShapeMismatchError
-
-DEVICES = ("auto", "cpu", "cuda")
+from pshard.worker.config import DEVICES
 
 
 def select_device(requested: str) -> torch.device:

@@ -12,11 +12,10 @@ from collections.abc import Sequence
 
 import torch
 from pshard.common.errors import InvalidArgumentError
+from pshard.worker.config import MODELS
 from pshard.worker.data import Dataset
 from torch import nn
 from torch.nn import functional as F
-
-MODELS = ("mlp", "cnn")
 
 
 def build_model(name: str, image_shape: Sequence[int], num_classes: int) -> nn.Module:

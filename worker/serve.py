@@ -13,7 +13,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import grpc
 import grpc.aio
@@ -35,6 +38,46 @@ log = logging.getLogger("pshard.worker")
 # How often the serving loop looks at the coordinator's state between view changes (the view callback
 # wakes it at once; this bounds a missed wake-up).
 _WATCH_S = 1.0
+# How long a call waits for the call the coordinator sent before it to arrive (they are sent together).
+ORDER_WAIT_S = 5.0
+T = TypeVar("T")
+
+
+class InOrder:
+    """Runs calls one at a time, each after the call it names (`RunRequest.after`), whichever arrived first.
+
+    The coordinator keeps two calls in flight per worker (pshard.coordinator.dispatch), and two concurrent
+    RPCs reach the handler in either order. Everything here runs on the server's event loop: a call marks
+    itself queued and takes its place in the asyncio lock's FIFO with no await in between, so a call that
+    waited for it to be queued lines up behind it. A call whose predecessor never comes (its RPC broke on
+    the way) waits `wait_s` and then runs: order is lost only where a call is.
+    """
+
+    KEEP = 64  # queued ids remembered for a follower that arrives after them
+
+    def __init__(self, wait_s: float) -> None:
+        self._wait_s = wait_s
+        self._lock = asyncio.Lock()  # FIFO: waiters get it in the order they asked
+        self._queued: OrderedDict[int, asyncio.Event] = OrderedDict()
+
+    def _event(self, schedule_id: int) -> asyncio.Event:
+        event = self._queued.get(schedule_id)
+        if event is None:
+            event = self._queued[schedule_id] = asyncio.Event()
+            while len(self._queued) > self.KEEP:
+                self._queued.popitem(last=False)
+        return event
+
+    async def run(self, request: pb.RunRequest, fn: Callable[[pb.RunRequest], T]) -> T:
+        if request.after:
+            try:
+                await asyncio.wait_for(self._event(request.after).wait(), self._wait_s)
+            except asyncio.TimeoutError:  # not the builtin before Python 3.11
+                log.warning("schedule %d: the call before it on this worker (%d) did not come within %g s; "
+                            "running it now", request.schedule_id, request.after, self._wait_s)
+        self._event(request.schedule_id).set()
+        async with self._lock:
+            return await asyncio.to_thread(fn, request)
 
 
 class _Servicer(pb_grpc.WorkerServiceServicer):
@@ -44,6 +87,7 @@ class _Servicer(pb_grpc.WorkerServiceServicer):
         self.runner: CallRunner | None = None
         self.ready = threading.Event()
         self._ready_timeout_s = ready_timeout_s
+        self._in_order = InOrder(ORDER_WAIT_S)
 
     async def Run(self, request: pb.RunRequest, context: grpc.aio.ServicerContext) -> pb.RunResponse:
         # Ready is the rule once serving: waiting on a thread only before then spares each call a hop.
@@ -51,7 +95,7 @@ class _Servicer(pb_grpc.WorkerServiceServicer):
         if not ready or self.runner is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "worker: not connected to the servers yet")
         assert self.runner is not None
-        return await asyncio.to_thread(self.runner.run, request)
+        return await self._in_order.run(request, self.runner.run)
 
 
 @dataclass

@@ -18,8 +18,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import hashlib
-import json
 import logging
 import os
 import threading
@@ -45,7 +43,7 @@ from pshard.common.failpoints import failpoint
 from pshard.common.job import JobConfig
 from pshard.common.rpc.bind import default_bind
 from pshard.common.security.credentials import SecurityConfig, security_from_args
-from pshard.worker.config import Defaults, stage
+from pshard.worker.config import Defaults, default_job_id, stage
 from pshard.worker.elastic import Roster
 from pshard.worker.server_watch import LostServer, ServerWatch
 from pshard.worker.waiting import Peer, PeerWait
@@ -58,12 +56,6 @@ _QUORUM_POLL_MAX_S = 0.5
 
 class _Stoppable(Protocol):
     def stop(self, timeout_s: float = ...) -> None: ...
-
-
-def default_job_id(spec: ClusterSpec) -> str:
-    """The same on every task of one cluster: a digest of TF_CONFIG's cluster part."""
-    cluster = {job: list(spec.job(job)) for job in ("scheduler", "chief", "ps", "worker", "evaluator")}
-    return "tf-" + hashlib.sha256(json.dumps(cluster, sort_keys=True).encode()).hexdigest()[:12]
 
 
 def training_over(view: ClusterView) -> bool:

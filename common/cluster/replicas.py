@@ -34,6 +34,25 @@ def backups_of(primary: int, servers: int, replicas: int, live: Collection[int])
     return tuple(s for s in ring if s in live)[:replicas]
 
 
+def joining_backups(primary: int, servers: int, replicas: int, live: Collection[int],
+                    placed: int | None) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """`primary`'s backups while servers ranked beyond the layout's `placed` ones join (issue 20): its
+    backups among the layout's servers, whose copies count (acknowledgements wait for them, a failover
+    promotes them), and the joiners it also copies to, which count for neither until they caught up.
+
+    A joiner is, by the ring over every server, the backup of the server before it (its donor), but that
+    server's old backup keeps its copy until the join's switch: were it released when the joiner
+    registers, a donor dying mid-copy would leave its slices with no in-sync copy. `placed` None (no
+    layout yet), or no server beyond it: the ring over every server, no joiner."""
+    everyone = backups_of(primary, servers, replicas, live)
+    if placed is None or not 0 < placed < servers or primary >= placed:
+        return everyone, ()
+    # The ring over the layout's servers keeps their order: its backups are `everyone`'s below `placed`
+    # and those the joiners displaced.
+    kept = backups_of(primary, placed, replicas, [r for r in live if r < placed])
+    return kept, tuple(r for r in everyone if r >= placed)
+
+
 def backed_up_by(backup: int, servers: int, replicas: int, live: Collection[int]) -> tuple[int, ...]:
     """The primaries `backup` holds copies for (the inverse of backups_of over the live servers)."""
     return tuple(p for p in range(servers) if p != backup and p in live

@@ -14,8 +14,6 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 from pshard.common.argtypes import positive_float
 from pshard.common.errors import PSError
 from pshard.common.security.credentials import SecurityConfig, add_security_arguments, security_from_args
@@ -28,6 +26,10 @@ def probe(target: str, service: str = "", timeout_s: float = DEFAULT_TIMEOUT_S,
     """(serving, one-line reason). `service` "" asks about the server as a whole. A TLS server needs
     `security` for the handshake (the container's PSHARD_TLS_* files); the health service itself
     asks for no role."""
+    # grpc loads here rather than with the module: `pshard health --help` and its usage errors come first.
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
     name = f"service {service!r}" if service else "server"
     with (security or SecurityConfig()).channel(target) as channel:
         stub = health_pb2_grpc.HealthStub(channel)

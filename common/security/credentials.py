@@ -28,6 +28,10 @@ What the rest of pshard uses (docs/architecture.md, 13 Security):
 - `server_interceptors()`: the `pshard.common.security.auth.Authorizer` that names each caller's role (and
   refuses a certificate the CRL revokes: gRPC Python cannot load a CRL, `pshard.common.security.revocation`).
 
+The gRPC objects are made in `pshard.common.security.grpc_credentials`, imported by these methods when a
+process first serves or dials: parsing the flags loads no grpc, so every command's --help and usage
+errors are quick.
+
 Certificates name their holder's role and node id in a URI SAN, ``spiffe://pshard/<role>/<id>``
 (`pshard certs` makes them; see `pshard.common.security.identity`).
 """
@@ -42,11 +46,13 @@ import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import grpc
 from pshard.common.errors import ClusterConfigError
 from pshard.common.security.identity import Identity, TokenTable
+
+if TYPE_CHECKING:
+    import grpc
 
 log = logging.getLogger("pshard.security")
 
@@ -57,8 +63,6 @@ ENV_INSECURE = "PSHARD_INSECURE"
 # A development CA's directory: without TLS files, a process makes (once) and uses its own certificate
 # there (`pshard certs`), so a compose file turns mTLS on with one shared volume.
 ENV_TLS_DIR = "PSHARD_TLS_DIR"
-TOKEN_METADATA_KEY = "authorization"
-_BEARER = "Bearer "
 
 
 def _read(path: Path, what: str) -> bytes:
@@ -80,7 +84,7 @@ def _check_tls_files(cert: Path, key: Path, ca: Path) -> None:
               (key, "--tls-key", "an unencrypted PEM private key",
                lambda: serialization.load_pem_private_key(key_pem, None)),
               (ca, "--tls-ca", "PEM certificates", lambda: x509.load_pem_x509_certificates(ca_pem)),
-              (key, "--tls-key", "the key of --tls-cert", lambda: _check_pair(cert_pem, key_pem)))
+              (key, "--tls-key", "the key of --tls-cert", lambda: check_pair(cert_pem, key_pem)))
     for path, flag, kind, load in checks:
         try:
             load()
@@ -175,10 +179,11 @@ class SecurityConfig:
     def server_credentials(self) -> grpc.ServerCredentials:
         """Dynamic server credentials: the key and chain are re-read when their files change."""
         assert self.cert is not None and self.key is not None and self.ca is not None
-        fetcher = _CertificateFetcher(self.cert, self.key, self.ca)
+        from pshard.common.security import grpc_credentials  # grpc: only once a server starts
+
         # A token file lets clients in that have no certificate (they still need the token).
-        return grpc.dynamic_ssl_server_credentials(
-            fetcher.initial(), fetcher, require_client_authentication=self.token_file is None)
+        return grpc_credentials.rotating_server_credentials(
+            self.cert, self.key, self.ca, require_client_certificate=self.token_file is None)
 
     def add_port(self, server: Any, bind: str) -> int:
         """Listen on `bind` (grpc or grpc.aio server) with TLS when configured; the port, 0 on failure."""
@@ -200,25 +205,19 @@ class SecurityConfig:
 
     def channel_credentials(self) -> grpc.ChannelCredentials:
         assert self.tls
-        creds = grpc.ssl_channel_credentials(
-            root_certificates=_read(self.ca, "--tls-ca"),  # type: ignore[arg-type]
-            private_key=_read(self.key, "--tls-key"),  # type: ignore[arg-type]
-            certificate_chain=_read(self.cert, "--tls-cert"))  # type: ignore[arg-type]
-        token = self.own_token()
-        if token is None:
-            return creds
-        return grpc.composite_channel_credentials(creds, grpc.metadata_call_credentials(_TokenPlugin(token)))
+        from pshard.common.security import grpc_credentials  # grpc: only once a channel is made
+
+        return grpc_credentials.tls_channel_credentials(
+            _read(self.ca, "--tls-ca"), _read(self.key, "--tls-key"),  # type: ignore[arg-type]
+            _read(self.cert, "--tls-cert"), self.own_token())  # type: ignore[arg-type]
 
     def channel(self, target: str, options: Sequence[tuple[str, Any]] = ()) -> grpc.Channel:
         """A synchronous channel to `target` with this process's credentials."""
+        from pshard.common.security import grpc_credentials  # grpc: only once a channel is made
+
         if self.tls:
-            return grpc.secure_channel(target, self.channel_credentials(), options=list(options))
-        channel = grpc.insecure_channel(target, options=list(options))
-        token = self.own_token()
-        if token is None:
-            return channel
-        # Call credentials need a secure channel; without TLS the token rides in plain metadata.
-        return grpc.intercept_channel(channel, _TokenMetadata(token))
+            return grpc_credentials.secure_channel(target, self.channel_credentials(), options)
+        return grpc_credentials.plain_channel(target, self.own_token(), options)
 
     # ---- ssl contexts for the raw TCP fast path ----
 
@@ -305,41 +304,7 @@ def _stamps(files: Sequence[Path]) -> tuple[tuple[int, int], ...]:
     return tuple(stamps)
 
 
-class _CertificateFetcher:
-    """gRPC asks at every handshake; a new configuration is returned only when a file's mtime moved."""
-
-    def __init__(self, cert: Path, key: Path, ca: Path) -> None:
-        self._files = (cert, key, ca)
-        self._lock = threading.Lock()
-        self._stamp = self._mtimes()
-
-    def _mtimes(self) -> tuple[int, ...]:
-        return tuple(p.stat().st_mtime_ns if p.exists() else 0 for p in self._files)
-
-    def _config(self) -> Any:
-        cert, key, ca = (p.read_bytes() for p in self._files)
-        _check_pair(cert, key)
-        return grpc.ssl_server_certificate_configuration([(key, cert)], root_certificates=ca)
-
-    def initial(self) -> Any:
-        return self._config()
-
-    def __call__(self) -> Any:
-        with self._lock:
-            stamp = self._mtimes()
-            if stamp == self._stamp:
-                return None
-            try:
-                config = self._config()
-            except (OSError, ValueError) as e:  # half-written files: keep serving the old ones
-                log.warning("TLS files changed but cannot be read yet (%s); keeping the current ones", e)
-                return None
-            self._stamp = stamp
-            log.info("TLS certificate files changed: new handshakes use them")
-            return config
-
-
-def _check_pair(cert_pem: bytes, key_pem: bytes) -> None:
+def check_pair(cert_pem: bytes, key_pem: bytes) -> None:
     """ValueError unless the key belongs to the certificate: a rotation writes two files, and a
     handshake between the two writes must keep the old pair rather than serve a broken one."""
     from cryptography import x509
@@ -350,46 +315,6 @@ def _check_pair(cert_pem: bytes, key_pem: bytes) -> None:
     spki = serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo
     if cert.public_key().public_bytes(*spki) != key.public_key().public_bytes(*spki):
         raise ValueError("the key does not belong to the certificate (yet)")
-
-
-class _TokenPlugin(grpc.AuthMetadataPlugin):  # type: ignore[misc]
-    def __init__(self, token: str) -> None:
-        self._metadata = ((TOKEN_METADATA_KEY, _BEARER + token),)
-
-    def __call__(self, context: Any, callback: Any) -> None:
-        callback(self._metadata, None)
-
-
-def _with_token(details: Any, token: str) -> Any:
-    metadata = [*(details.metadata or ()), (TOKEN_METADATA_KEY, _BEARER + token)]
-    return details._replace(metadata=metadata) if hasattr(details, "_replace") else _Details(
-        details.method, details.timeout, metadata, details.credentials, details.wait_for_ready,
-        getattr(details, "compression", None))
-
-
-class _Details(grpc.ClientCallDetails):  # type: ignore[misc]
-    def __init__(self, method: str, timeout: Any, metadata: Any, credentials: Any, wait_for_ready: Any,
-                 compression: Any) -> None:
-        self.method, self.timeout, self.metadata = method, timeout, metadata
-        self.credentials, self.wait_for_ready, self.compression = credentials, wait_for_ready, compression
-
-
-class _TokenMetadata(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor,  # type: ignore[misc]
-                     grpc.StreamUnaryClientInterceptor, grpc.StreamStreamClientInterceptor):
-    def __init__(self, token: str) -> None:
-        self._token = token
-
-    def intercept_unary_unary(self, continuation: Any, details: Any, request: Any) -> Any:
-        return continuation(_with_token(details, self._token), request)
-
-    def intercept_unary_stream(self, continuation: Any, details: Any, request: Any) -> Any:
-        return continuation(_with_token(details, self._token), request)
-
-    def intercept_stream_unary(self, continuation: Any, details: Any, requests: Any) -> Any:
-        return continuation(_with_token(details, self._token), requests)
-
-    def intercept_stream_stream(self, continuation: Any, details: Any, requests: Any) -> Any:
-        return continuation(_with_token(details, self._token), requests)
 
 
 # ---- entry points ----

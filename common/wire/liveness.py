@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 from pshard.common.errors import InvalidArgumentError
 
-# The scheduler's default heartbeat timeout (scheduler.service.DEFAULT_HEARTBEAT_TIMEOUT_S), for
+# The scheduler's default heartbeat timeout (scheduler.settings.DEFAULT_HEARTBEAT_TIMEOUT_S), for
 # sockets opened before the job's figure is known.
 DEFAULT_DEAD_AFTER_S = 5.0
 # Unanswered probes before the peer is declared gone: one lost probe is no verdict.

@@ -29,7 +29,7 @@ import asyncio
 import logging
 import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -104,7 +104,10 @@ class ReplicaSet:
                         continue
                     r = mapped
                 if r.state:
-                    if slot is None or r.version >= slot.version:
+                    # Another primary's copy (one that went, whose slices this one took over) is replaced
+                    # whatever its version: this server holds what its primary now has, never a newer
+                    # state the old one never got acknowledged.
+                    if slot is None or r.version >= slot.version or self._origin.get(r.key) != primary:
                         self._slots[r.key] = self._from_state(r)
                         self._origin[r.key] = primary
                         self._where[r.key] = r.segment
@@ -192,6 +195,10 @@ class _Backup:
     link_incarnation: int = 0
     flying: set[SliceKey] = field(default_factory=set)  # slices of the calls in flight
     failed: bool = False  # a call failed: reset and wait before the next
+    # A joiner (issue 20) copying beyond this server's backups: acknowledgements wait for it only once it
+    # holds every slice (`holds`), so a joiner that is slow, held or killed mid-copy stalls no step.
+    joining: bool = False
+    holds: bool = True  # acknowledgements wait for it (always for a backup; for a joiner once caught up)
 
     def due(self, key: SliceKey, seq: int) -> None:
         self.need[key] = seq
@@ -235,8 +242,9 @@ class Replicator:
         store.set_step_hook(self._on_step)
         self.seed([s.key for s in store.slots()])
 
-    def set_backups(self, addresses: Sequence[str]) -> None:
-        """The backups this server forwards to now (from the scheduler's view, ring order)."""
+    def set_backups(self, addresses: Sequence[str], catching_up: Collection[str] = ()) -> None:
+        """The backups this server forwards to now (from the scheduler's view, ring order); those in
+        `catching_up` are joiners, which acknowledgements wait for only once they hold every slice."""
         wanted = list(dict.fromkeys(addresses))
         with self._lock:
             gone = [b for a, b in self._backups.items() if a not in wanted]
@@ -247,6 +255,12 @@ class Replicator:
             for address in new:
                 self._backups[address] = _Backup(address, link_to(address, self.own, self._send, self._links,
                                                                   self._shm_dir))
+            for address, b in self._backups.items():
+                b.joining = address in catching_up
+                if not b.joining:
+                    b.holds = True
+                elif address in new:
+                    b.holds = False
         for b in gone:
             b.wake.set()
             log.warning("replication: %s is no longer a backup of %s (%d slices unsent)", b.address,
@@ -320,7 +334,7 @@ class Replicator:
 
     def _behind(self, targets: dict[SliceKey, int]) -> list[_Backup]:
         with self._lock:
-            return [b for b in self._backups.values() if b.behind(targets)]
+            return [b for b in self._backups.values() if b.holds and b.behind(targets)]
 
     async def settle(self, keys: Iterable[SliceKey] | None, deadline: float) -> None:
         """Return once every step so far of `keys` (None: of every slice) is on every backup."""
@@ -365,7 +379,7 @@ class Replicator:
         then on no step is acknowledged before they have it too (docs/architecture.md, 9 Failures)."""
         wanted = list(keys)
         with self._lock:
-            return [a for a, b in self._backups.items() if all(k in b.acked for k in wanted)]
+            return [a for a, b in self._backups.items() if b.holds and all(k in b.acked for k in wanted)]
 
     def restarted(self, address: str) -> None:
         """The backup at `address` is a new process: what its old one acknowledged is gone; copy
@@ -378,6 +392,7 @@ class Replicator:
             b.pending.clear()
             b.need.clear()
             b.incarnation += 1  # the sender drops an in-flight reply and starts fresh segments
+            b.holds = not b.joining
         log.info("replication: backup %s restarted; copying %s's slices to it again", address, self.own)
         if self._store is not None:
             self.seed([s.key for s in self._store.slots()])
@@ -503,6 +518,8 @@ class Replicator:
 
     def _shipped(self, b: _Backup, shipped: dict[SliceKey, int], need: Sequence[SliceKey]) -> None:
         refused = set(need)
+        # Read before the lock (the store's own lock is taken before ours where a step is recorded).
+        own = [s.key for s in self._store.slots()] if self._store is not None and not b.holds else []
         with self._lock:
             for key, seq in shipped.items():
                 if key in refused:
@@ -510,6 +527,12 @@ class Replicator:
                 b.acked[key] = max(b.acked.get(key, 0), seq)
                 if b.need.get(key, 0) <= b.acked[key]:
                     b.pending.pop(key, None)
+            if not b.holds and not b.pending and all(k in b.acked for k in own):
+                # Every step recorded so far is on it (under the lock no step is recorded meanwhile): from
+                # now on none is acknowledged before it has it too, so it counts as an in-sync copy.
+                b.holds = True
+                log.info("replication: joiner %s caught up with %s; acknowledgements wait for it from now on",
+                         b.address, self.own)
         b.link.acknowledged(k for k in shipped if k not in refused)
         if refused:
             b.link = b.link.refused()

@@ -14,7 +14,7 @@ import threading
 from collections.abc import Callable
 
 from pshard.common.cluster.layout import Layout
-from pshard.common.cluster.replicas import backups_of, index_of
+from pshard.common.cluster.replicas import index_of, joining_backups
 from pshard.common.cluster.view import ClusterView, NodeState
 from pshard.common.rpc.options import channel_options
 from pshard.common.security.credentials import SecurityConfig
@@ -29,15 +29,20 @@ from pshard.api.v1 import parameter_server_pb2_grpc as pb_grpc
 _CALL_TIMEOUT_S = 30.0
 
 
-def backup_addresses(view: ClusterView, node_id: str, replicas: int) -> list[str]:
-    """The addresses of this server's backups in `view` (none while it is not in the view)."""
+def backup_addresses(view: ClusterView, node_id: str, replicas: int,
+                     placed: int | None = None) -> tuple[list[str], list[str]]:
+    """The addresses of this server's backups in `view` (none while it is not in the view): those among
+    the layout's `placed` servers (None: no layout known, every server), and the joiners beyond them
+    that copy from it as well, which acknowledgements wait for only once they caught up
+    (pshard.common.cluster.replicas.joining_backups)."""
     servers = {n.rank: n for n in view.nodes if n.role == "ps"}
     me = next((n for n in servers.values() if n.node_id == node_id), None)
     if me is None or replicas <= 0:
-        return []
+        return [], []
     size = max(servers) + 1
     live = {rank for rank, n in servers.items() if n.state is NodeState.LIVE}
-    return [servers[rank].address for rank in backups_of(me.rank, size, replicas, live | {me.rank})]
+    kept, joining = joining_backups(me.rank, size, replicas, live | {me.rank}, placed)
+    return [servers[rank].address for rank in kept], [servers[rank].address for rank in joining]
 
 
 def owned_slices(layout: Layout, address: str) -> frozenset[SliceKey] | None:

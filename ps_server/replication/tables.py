@@ -39,7 +39,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from typing import NamedTuple, Protocol
@@ -137,6 +137,10 @@ class _Peer:
     backlog: list[tuple[str, np.ndarray]] = field(default_factory=list)  # the full copy still to ship
     acked: int = 0  # the mark sequence number every change up to which the backup holds
     copied: bool = False  # the full copy is acknowledged: in sync
+    # Acknowledgements wait for it: always for a backup, for a joiner (issue 20) once its copy is done, so
+    # that a joiner slow, held or killed mid-copy stalls no push.
+    holds: bool = True
+    joining: bool = False
     wake: asyncio.Event = field(default_factory=asyncio.Event)
     closed: bool = False
     incarnation: int = 0
@@ -363,11 +367,13 @@ class TableReplication:
                     f"not acknowledge {self.own}'s table rows before the request's deadline") from None
 
     def _behind(self, target: int) -> list[_Peer]:
-        return [p for p in self._peers.values() if p.acked < target]
+        return [p for p in self._peers.values() if p.holds and p.acked < target]
 
     # ---- backups (from the scheduler's views) ----
 
-    def set_backups(self, addresses: Sequence[str]) -> None:
+    def set_backups(self, addresses: Sequence[str], catching_up: Collection[str] = ()) -> None:
+        """The backups this server forwards to now; those in `catching_up` are joiners, which
+        acknowledgements wait for only once their copy is done."""
         wanted = list(dict.fromkeys(addresses))
         self._watch()  # a new backup's copy then covers every table once
         for address in [a for a in self._peers if a not in wanted]:
@@ -382,12 +388,16 @@ class TableReplication:
         for address in wanted:
             if address not in self._peers:
                 peer = self._peers[address] = _Peer(address, acked=self._seq)
+                peer.holds = address not in catching_up
                 if self._shm_dir is not None:
                     peer.segment = RowSegment(self._shm_dir)
                 self._copy_all(peer)
                 peer.wake.set()
                 peer.task = self._loop.create_task(self._sender(peer))
                 log.info("table replication: %s backs up %s; copying its table rows", address, self.own)
+        for address, peer in self._peers.items():
+            peer.joining = address in catching_up
+            peer.holds = peer.holds or not peer.joining
 
     def on_view(self, view: ClusterView) -> None:
         """A backup with a new incarnation holds nothing: copy every row to it again."""
@@ -401,6 +411,7 @@ class TableReplication:
                 peer.dirty.clear()
                 peer.workers.clear()
                 peer.acked = self._seq  # what it lacks comes in the copy, which marks it out of sync
+                peer.holds = not peer.joining
                 self._copy_all(peer)
                 peer.wake.set()
                 log.info("table replication: backup %s restarted; copying %s's rows to it again",
@@ -706,6 +717,7 @@ class TableReplication:
                 await self._notify()
             if not peer.copied and not peer.closed and not (peer.backlog or peer.dirty or peer.workers):
                 peer.copied = True  # every batch since the copy began is acknowledged
+                peer.holds = True  # a joiner: from now on no push is acknowledged before it has it
                 log.info("table replication: %s holds every table row of %s", peer.address, self.own)
 
     def _still_ours(self, ids: np.ndarray) -> np.ndarray:

@@ -27,11 +27,16 @@ every call they name (the first push of a coordinator launched again does). Unti
 the rows they hold for: each replica batch carries the records over its own rows (`restored_over`), which
 the backup, and an heir taking its replica over, hold (`hold_restored`). So a backup never holds a
 restored row without its record, and a primary SIGKILLed after a restore leaves an heir that drops a
-re-dispatched push the checkpoint holds.
+re-dispatched push the checkpoint holds. They also go into the server's next checkpoints (`state`, the
+rows' ids as little-endian int64 in base64: compact, and nothing executable), its own table checkpoint's
+and a global one's part, until their calls finish: a checkpoint taken after a restore and before the
+re-dispatch, restored in its turn, holds for each row what the first one did (`load`: as saved;
+`restore_part`: over the rows taken from the part).
 """
 
 from __future__ import annotations
 
+import base64
 from typing import Any
 
 import numpy as np
@@ -135,6 +140,10 @@ class ScheduledPushes:
         its partitions are numbered under (a global checkpoint's part: restore_part needs it)."""
         state: dict[str, Any] = {"floor": self.floor, "last": _strings(self.last),
                                  "partitions": {str(p): _strings(kept) for p, kept in self.parts.items()}}
+        self._forget_finished()
+        if self.restored:  # held until their calls finish: a restore from this checkpoint needs them too
+            state["restored"] = [{"ids": base64.b64encode(rows.astype("<i8").tobytes()).decode("ascii"),
+                                  "calls": _strings(kept)} for rows, kept in self.restored]
         if partition_count:
             state["partition_count"] = partition_count
         return state
@@ -147,6 +156,7 @@ class ScheduledPushes:
             return
         parts = {int(p): _ints(kept) for p, kept in state.get("partitions", {}).items()}
         self.merge(int(state.get("floor", 0)), _ints(state.get("last", {})), parts)
+        self.hold_restored(_saved_restored(state))
 
     def restore_part(self, state: dict[str, Any] | None, ids: np.ndarray) -> None:
         """A global checkpoint part's record (`state`: None from an older part), over the rows `ids` this
@@ -166,6 +176,8 @@ class ScheduledPushes:
         else:
             groups = [(ids, _larger(last, *parts.values()))]
         self.restored += [(rows, kept) for rows, kept in groups if len(rows) and kept]
+        # What the part's server held from an earlier restore, for the rows of it taken here.
+        self.hold_restored([(ids[_within(rows, ids)], kept) for rows, kept in _saved_restored(state)])
 
     def merge(self, floor: int, last: dict[int, int], parts: dict[int, dict[int, int]] | None = None) -> None:
         """Fold another server's record in (an heir's, a restore's). Its partitions are not this
@@ -189,6 +201,12 @@ def _within(rows: np.ndarray, ids: np.ndarray) -> np.ndarray:
         return np.zeros(len(ids), bool)
     at = np.minimum(np.searchsorted(rows, ids), len(rows) - 1)
     return np.asarray(rows[at] == ids)
+
+
+def _saved_restored(state: dict[str, Any]) -> list[tuple[np.ndarray, dict[int, int]]]:
+    """The restored records a checkpoint saved (`state`'s "restored"; none in an older one), ids sorted."""
+    return [(np.sort(np.frombuffer(base64.b64decode(saved["ids"], validate=True), "<i8").astype(np.int64)),
+             _ints(saved["calls"])) for saved in state.get("restored", ())]
 
 
 def _larger(*records: dict[int, int]) -> dict[int, int]:

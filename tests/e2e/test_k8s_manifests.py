@@ -40,7 +40,7 @@ import yaml
 from pshard.common.cluster.k8s_tfconfig import main as tfconfig_main
 from pshard.common.cluster.k8s_tfconfig import operator_tf_config
 from pshard.common.cluster.spec import ClusterSpec
-from pshard.common.metrics import METRICS_PORT_ENV
+from pshard.common.metrics_flag import METRICS_PORT_ENV
 from pshard.ps_server.__main__ import build_parser as ps_parser
 from pshard.scheduler.__main__ import build_parser as scheduler_parser
 from pshard.worker.__main__ import build_parser as worker_parser

@@ -20,6 +20,7 @@ from pshard.common.types import SliceKey, Stamp
 from pshard.common.wire import codec
 from pshard.ps_server.service import ServerThread, start_server_thread
 from pshard.ps_server.settings import ServerSettings
+from pshard.scheduler.service import SchedulerHandle, start_scheduler_thread
 
 from pshard.api.v1 import parameter_server_pb2 as pb
 from pshard.api.v1 import parameter_server_pb2_grpc as pb_grpc
@@ -27,6 +28,16 @@ from pshard.api.v1 import tensor_pb2
 
 # Upper bound for anything that should take milliseconds; only a hang ever uses it up.
 WAIT_S = 10.0
+
+
+@pytest.fixture
+def quick_scheduler() -> Iterator[SchedulerHandle]:
+    """A real scheduler in this process: heartbeats every 50 ms, nobody declared dead for 10 s."""
+    handle = start_scheduler_thread(heartbeat_interval_s=0.05, heartbeat_timeout_s=10.0)
+    try:
+        yield handle
+    finally:
+        handle.stop()
 
 
 @pytest.fixture

@@ -11,24 +11,13 @@ its own leftover; only one naming its current generation is a fence.
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
 
-import pytest
 from pshard.common.cluster.scheduler_client import SchedulerClient
-from pshard.scheduler.service import SchedulerHandle, start_scheduler_thread
+from pshard.scheduler.service import SchedulerHandle
 
 from pshard.api.v1 import scheduler_pb2 as pb
 
 from .conftest import WAIT_S
-
-
-@pytest.fixture
-def scheduler() -> Iterator[SchedulerHandle]:
-    handle = start_scheduler_thread(heartbeat_interval_s=0.05, heartbeat_timeout_s=10.0)
-    try:
-        yield handle
-    finally:
-        handle.stop()
 
 
 class RegistersBeforeTheHeartbeatLands:
@@ -57,7 +46,7 @@ class RegistersBeforeTheHeartbeatLands:
 
 
 def test_a_heartbeat_refused_for_the_generation_this_process_left_behind_does_not_fence_it(
-        scheduler: SchedulerHandle) -> None:
+        quick_scheduler: SchedulerHandle) -> None:
     answered: list[float] = []  # when each heartbeat answered was sent
     three = threading.Event()
 
@@ -66,7 +55,7 @@ def test_a_heartbeat_refused_for_the_generation_this_process_left_behind_does_no
         if len(answered) >= 3:
             three.set()
 
-    client = SchedulerClient(scheduler.address, "ps", "127.0.0.1:7100", node_id="ps-0", rank_hint=0,
+    client = SchedulerClient(quick_scheduler.address, "ps", "127.0.0.1:7100", node_id="ps-0", rank_hint=0,
                              on_answer=on_answer)
     try:
         proxy = RegistersBeforeTheHeartbeatLands(client._stub, client)

@@ -14,27 +14,16 @@ be sent. Every call goes to a real scheduler.
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
 
-import pytest
 from pshard.common.cluster.scheduler_client import SchedulerClient
 from pshard.common.cluster.view import ClusterView, NodeState
-from pshard.scheduler.service import SchedulerHandle, start_scheduler_thread
+from pshard.scheduler.service import SchedulerHandle
 
 from pshard.api.v1 import scheduler_pb2 as pb
 
 from .conftest import WAIT_S
 
 HOLD_S = 1.0
-
-
-@pytest.fixture
-def scheduler() -> Iterator[SchedulerHandle]:
-    handle = start_scheduler_thread(heartbeat_interval_s=0.05, heartbeat_timeout_s=10.0)
-    try:
-        yield handle
-    finally:
-        handle.stop()
 
 
 class RegistersSlowly:
@@ -66,8 +55,10 @@ def _state(view: ClusterView, node_id: str) -> NodeState | None:
     return node.state if node is not None else None
 
 
-def test_a_leave_racing_a_reregistration_leaves_from_the_new_incarnation(scheduler: SchedulerHandle) -> None:
-    client = SchedulerClient(scheduler.address, "worker", "127.0.0.1:7200", node_id="worker-1", rank_hint=1)
+def test_a_leave_racing_a_reregistration_leaves_from_the_new_incarnation(
+        quick_scheduler: SchedulerHandle) -> None:
+    client = SchedulerClient(quick_scheduler.address, "worker", "127.0.0.1:7200", node_id="worker-1",
+                             rank_hint=1)
     try:
         proxy = RegistersSlowly(client._stub)
         client._stub = proxy  # type: ignore[assignment]
@@ -89,8 +80,9 @@ def test_a_leave_racing_a_reregistration_leaves_from_the_new_incarnation(schedul
         client.close()
 
 
-def test_no_registration_follows_a_leave(scheduler: SchedulerHandle) -> None:
-    client = SchedulerClient(scheduler.address, "worker", "127.0.0.1:7201", node_id="worker-2", rank_hint=2)
+def test_no_registration_follows_a_leave(quick_scheduler: SchedulerHandle) -> None:
+    client = SchedulerClient(quick_scheduler.address, "worker", "127.0.0.1:7201", node_id="worker-2",
+                             rank_hint=2)
     try:
         client.register()
         first = client.generation

@@ -3,16 +3,35 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
 import sys
+from collections.abc import Iterator
 
 import pytest
 from pshard.common.errors import InvalidArgumentError
 from pshard.common.failpoints import ENV, parse
 
 from tests.e2e.harness import wait_until
+
+
+@contextlib.contextmanager
+def _paused(code: str, failpoints: str, name: str) -> Iterator[subprocess.Popen[str]]:
+    """`code` in a new Python process with PSHARD_FAILPOINTS=`failpoints`, its stdout and stderr piped,
+    once it announced its pause at failpoint `name`; killed at the end."""
+    env = {**os.environ, ENV: failpoints}
+    proc = subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stderr is not None and proc.stdout is not None
+        line = proc.stderr.readline()  # blocks until the pause is announced
+        assert line == f"failpoint {name}: paused (pid {proc.pid}); SIGUSR1 resumes it\n"
+        yield proc
+    finally:
+        proc.kill()
+        proc.communicate(timeout=30)
 
 
 def test_parse_reads_names_and_actions() -> None:
@@ -37,21 +56,13 @@ def test_a_pause_holds_the_calling_thread_while_the_others_run_until_sigusr1() -
             "threading.Thread(target=tick, daemon=True).start()\n"
             "failpoint('worker.before_await_peers')\n"
             "print('after', flush=True)\n")
-    env = {**os.environ, ENV: "worker.before_await_peers=pause"}
-    proc = subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
-    try:
+    with _paused(code, "worker.before_await_peers=pause", "worker.before_await_peers") as proc:
         assert proc.stderr is not None and proc.stdout is not None
-        line = proc.stderr.readline()  # blocks until the pause is announced
-        assert line == f"failpoint worker.before_await_peers: paused (pid {proc.pid}); SIGUSR1 resumes it\n"
         ticks = [proc.stdout.readline() for _ in range(3)]  # the other thread goes on meanwhile
         assert ticks == ["tick\n"] * 3 and proc.poll() is None
         os.kill(proc.pid, signal.SIGUSR1)
         wait_until(lambda: proc.stdout is not None and proc.stdout.readline() == "after\n", 30.0,
                    "the paused thread going on")
-    finally:
-        proc.kill()
-        proc.communicate(timeout=30)
 
 
 def test_a_pause_off_the_main_thread_holds_that_thread_until_sigusr1() -> None:
@@ -62,20 +73,12 @@ def test_a_pause_off_the_main_thread_holds_that_thread_until_sigusr1() -> None:
             "    failpoint('ps.before_replica_apply')\n"
             "    print('after', flush=True)\n"
             "t = threading.Thread(target=run, name='side'); t.start(); t.join()\n")
-    env = {**os.environ, ENV: "ps.before_replica_apply=pause"}
-    proc = subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
-    try:
+    with _paused(code, "ps.before_replica_apply=pause", "ps.before_replica_apply") as proc:
         assert proc.stderr is not None and proc.stdout is not None
-        line = proc.stderr.readline()  # blocks until the pause is announced
-        assert line == f"failpoint ps.before_replica_apply: paused (pid {proc.pid}); SIGUSR1 resumes it\n"
         assert proc.poll() is None
         os.kill(proc.pid, signal.SIGUSR1)
         assert proc.stdout.readline() == "after\n"
         assert proc.wait(timeout=30) == 0
-    finally:
-        proc.kill()
-        proc.communicate(timeout=30)
 
 
 def test_pause_once_holds_only_the_first_thread_that_reaches_it() -> None:
@@ -85,18 +88,11 @@ def test_pause_once_holds_only_the_first_thread_that_reaches_it() -> None:
             "print('after one', flush=True)\n"
             "failpoint('ps.before_replica_apply')\n"
             "print('after two', flush=True)\n")
-    env = {**os.environ, ENV: "ps.before_replica_apply=pause-once"}
-    proc = subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
-    try:
+    with _paused(code, "ps.before_replica_apply=pause-once", "ps.before_replica_apply") as proc:
         assert proc.stderr is not None and proc.stdout is not None
-        assert proc.stderr.readline().startswith("failpoint ps.before_replica_apply: paused")
         os.kill(proc.pid, signal.SIGUSR1)
         assert [proc.stdout.readline(), proc.stdout.readline()] == ["after one\n", "after two\n"]
         assert proc.wait(timeout=30) == 0 and proc.stderr.read() == ""
-    finally:
-        proc.kill()
-        proc.communicate(timeout=30)
 
 
 def test_a_pause_in_a_process_that_imported_failpoints_off_the_main_thread_fails_saying_why() -> None:

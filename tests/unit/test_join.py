@@ -10,6 +10,7 @@ import dataclasses
 import pytest
 from pshard.common.cluster.loads import Counters
 from pshard.common.cluster.moves import partition_count, plan_join
+from pshard.common.cluster.replicas import joining_backups
 from pshard.common.cluster.view import NodeState
 from pshard.common.errors import LayoutConflictError
 from pshard.scheduler.joins import JoinLog
@@ -160,3 +161,67 @@ def test_a_joiner_registering_twice_at_one_clock_reading_keeps_both_joins_listed
     rolled, current = log.all()
     assert (rolled.done, rolled.took, bool(rolled.rolled_back)) == (True, False, True)
     assert log.in_progress("ps-3") is current and not current.done
+
+
+def test_a_joiner_copies_beside_its_donors_backup_which_keeps_its_copy_until_the_switch():
+    """The ring over every server makes the joiner its predecessor's backup; the predecessor's backup
+    among the layout's servers stays one until the switch (issue 20: a join never leaves the donor
+    without a copy)."""
+    assert joining_backups(2, 4, 1, {0, 1, 2, 3}, placed=3) == ((0,), (3,))  # the donor
+    assert joining_backups(0, 4, 1, {0, 1, 2, 3}, placed=3) == ((1,), ())
+    assert joining_backups(3, 4, 1, {0, 1, 2, 3}, placed=3) == ((0,), ())  # the joiner itself
+    assert joining_backups(1, 4, 1, {0, 1, 3}, placed=3) == ((0,), (3,))  # server 2 dead: 1 donates
+    assert joining_backups(2, 4, 2, {0, 1, 2, 3}, placed=3) == ((0, 1), (3,))
+    assert joining_backups(2, 4, 1, {0, 1, 2, 3}, placed=4) == ((3,), ())  # switched: no joiner
+    assert joining_backups(2, 4, 1, {0, 1, 2, 3}, placed=None) == ((3,), ())  # no layout yet
+
+
+def test_a_donor_declared_dead_mid_join_fails_over_to_its_old_backup_and_the_join_starts_again():
+    members, clock = _job(replicas=1)
+    _all_in_sync(members)
+    before = members.layout()
+    assert before is not None
+    joiner = members.register("ps", JOINER)
+    _report(members, "ps-2", "ps-0")  # the donor's old backup still reported in sync: it still counts
+    assert members.in_sync.of("c:1") == {"a:1"}
+    clock.advance(4)
+    for node in ("ps-0", "ps-1", joiner.node_id):
+        members.heartbeat(node, members.node(node).generation)
+    clock.advance(2)
+    assert [n.node_id for n in members.expire()] == ["ps-2"]
+    after = members.layout()
+    assert after is not None and after.version == before.version + 1
+    assert {s.slice_key for s in after.slices_on(0)} == {
+        s.slice_key for s in (*before.slices_on(0), *before.slices_on(2))}  # a failover, not a loss
+    assert members.in_sync.changes["lost"] == 0 and members.view().lost == ()
+    rolled, again = members.joins.all()
+    assert (rolled.rolled_back, rolled.took) == ("lost its donor: c:1 was declared dead", False)
+    assert (again.node_id, again.done) == (joiner.node_id, False)
+    _report(members, "ps-1", joiner.node_id)  # its predecessor in the ring now, and its new donor
+    switched = members.layout()
+    assert switched is not None and switched.version == after.version + 1 and switched.slices_on(3)
+    moved = {a.slice_key for a, b in zip(after.slices, switched.slices, strict=True) if a.server != b.server}
+    assert moved and all(s.server == 1 for s in after.slices if s.slice_key in moved)  # from the new donor
+    assert members.joins.all()[-1].took
+
+
+def test_a_donor_restarted_mid_join_fails_over_at_once_and_the_switch_releases_the_old_backup():
+    members, _ = _job(replicas=1)
+    _all_in_sync(members)
+    before = members.layout()
+    assert before is not None
+    joiner = members.register("ps", JOINER)
+    donor = members.node("ps-2")
+    members.register("ps", "c:1", node_id="ps-2", last_generation=donor.generation)  # a new process
+    after = members.layout()
+    assert after is not None and after.version == before.version + 1 and not after.slices_on(2)
+    assert members.in_sync.changes["lost"] == 0
+    rolled, again = members.joins.all()
+    assert rolled.rolled_back == "lost its donor: c:1 registered again (a new process holds nothing)"
+    assert not again.done
+    # A join that switches releases its donor's old backup: the joiner is the donor's backup now.
+    members, _ = _job(replicas=1)
+    _all_in_sync(members)
+    joiner = members.register("ps", JOINER)
+    _report(members, "ps-2", "ps-0", joiner.node_id)
+    assert members.joins.all()[0].took and members.in_sync.of("c:1") == {JOINER}

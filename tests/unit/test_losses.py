@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from pshard.common.cluster.layout import ParamSpec, plan_layout
+from pshard.common.cluster.layout import plan_layout
 from pshard.common.cluster.losses import lost_in, slices_lost_error
 from pshard.common.cluster.view import ClusterView, ManualClock, ServerLoss
 from pshard.common.errors import PSError, SlicesLostError, UnavailableError, facts_json, rebuild
@@ -14,19 +14,7 @@ from pshard.common.wire import codec
 from pshard.scheduler.membership import Membership
 
 from pshard.api.v1 import scheduler_pb2 as sched_pb
-
-SERVERS = ("a:1", "b:1", "c:1")
-PARAMS = [ParamSpec("w", "float32", (4096, 8)), ParamSpec("b", "float32", (8,)),
-          ParamSpec("v", "float32", (64,))]
-
-
-def _job(replicas: int = 1) -> tuple[Membership, ManualClock]:
-    clock = ManualClock()
-    members = Membership(heartbeat_timeout_s=5, clock=clock)
-    for address in SERVERS:
-        members.register("ps", address)
-    members.propose_layout(members.plan(PARAMS, SERVERS, 4096, replicas))
-    return members, clock
+from tests.unit.test_replicas import PARAMS, SERVERS, _job
 
 
 def _report(members: Membership, primary: str, backup: str) -> None:
@@ -48,7 +36,7 @@ def _kill(members: Membership, clock: ManualClock, victim: str) -> None:
 
 
 def test_a_refused_failover_names_the_lost_server_in_every_later_view():
-    members, clock = _job()
+    members, clock = _job(1)
     _report(members, "ps-0", "ps-1")  # ps-1's backup (ps-2) never reported in sync
     layout = members.layout()
     assert layout is not None
@@ -65,7 +53,7 @@ def test_a_refused_failover_names_the_lost_server_in_every_later_view():
 
 
 def test_a_promoted_backup_names_no_loss():
-    members, clock = _job()
+    members, clock = _job(1)
     _report(members, "ps-1", "ps-2")
 
     _kill(members, clock, "ps-1")
@@ -74,7 +62,7 @@ def test_a_promoted_backup_names_no_loss():
 
 
 def test_a_layout_that_no_longer_routes_to_the_lost_server_forgets_the_loss():
-    members, clock = _job()
+    members, clock = _job(1)
     _kill(members, clock, "ps-1")
     layout = members.layout()
     assert layout is not None and members.view().lost

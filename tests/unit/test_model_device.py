@@ -9,8 +9,9 @@ import numpy as np
 import pytest
 import torch
 from pshard.common.errors import ClusterConfigError, InvalidArgumentError, ShapeMismatchError
+from pshard.worker.config import MODELS
 from pshard.worker.device import HostStaging, select_device
-from pshard.worker.model import MODELS, build_model
+from pshard.worker.model import build_model
 
 F = TypeVar("F", bound=Callable[..., object])
 

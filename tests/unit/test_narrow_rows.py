@@ -21,8 +21,9 @@ from pshard.ps_server.replication.table_wire import batch_from_proto, batch_to_p
 from pshard.ps_server.tables import row_optim, rowcodec
 from pshard.ps_server.tables.files import export_table, load_tables, save_tables
 from pshard.ps_server.tables.table import SparseTable, initial_rows
-from pshard.worker.config import TrainConfig
-from pshard.worker.ctr import CTR_MODEL, add_ctr_arguments, build_ctr_model, ctr_settings
+from pshard.worker.config import CTR_MODEL, TrainConfig
+from pshard.worker.ctr import build_ctr_model
+from pshard.worker.ctr_flags import add_ctr_arguments, ctr_settings
 
 from pshard.api.v1 import sparse_pb2 as pb
 

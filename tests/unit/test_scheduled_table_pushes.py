@@ -292,3 +292,63 @@ def test_a_replica_batch_with_a_torn_restored_record_is_refused_naming_the_field
     with pytest.raises(InvalidArgumentError, match=r"'emb': restored_scheduled\[0\]\.ids: got 13 bytes, "
                                                    r"expected a multiple of 8"):
         batch_from_proto(msg)
+
+
+def test_a_restored_record_goes_into_the_next_checkpoints_until_its_call_finishes(tmp_path: Path) -> None:
+    """Call 7's push had reached server 0's rows only when checkpoint A was taken. Restored from A, the
+    servers take global checkpoint B (and server 0 its own) before the call is re-dispatched: restored
+    from B (onto two servers or three) or from its own, the re-dispatch still lands only on the rows that
+    never had it, every row at 2. (B saved no restored record: server 0's rows got call 7 twice, at 3.)"""
+    ids = np.arange(1, 13, dtype=np.int64)
+    home = server_of(ids, 2)
+
+    async def main() -> None:
+        sources = [TableHandlers(ServerSettings()) for _ in range(2)]
+        for i, h in enumerate(sources):
+            await h.declare(TableConfig("emb", 2, initializer="zeros", lr=1.0))
+            mine = ids[home == i]
+            await h.push("emb", mine.tobytes(), _grads(len(mine), 1.0), worker="worker-0", schedule=(5, 0, 3))
+        mine = ids[home == 0]
+        await sources[0].push("emb", mine.tobytes(), _grads(len(mine), 1.0), worker="worker-1",
+                              schedule=(7, 0, 3))
+        first = _global_checkpoint(tmp_path / "a", sources)
+        middle = [TableHandlers(ServerSettings(checkpoint_dir=str(tmp_path / f"own{s}"), shard_name="ps"))
+                  for s in range(2)]
+        for s, h in enumerate(middle):
+            for table in restore_tables(first, s, 2, h.make):
+                h.add(table)
+            assert await h.checkpoint() is not None  # the server's own table checkpoint
+        second = _global_checkpoint(tmp_path / "b", middle)
+        assert ckpt.last_scheduled_call(second) == 7  # a relaunched coordinator numbers its calls above
+        restores: list[list[TableHandlers]] = [
+            [TableHandlers(ServerSettings(checkpoint_dir=str(tmp_path / f"own{s}"), shard_name="ps"))
+             for s in range(2)]]  # each loads its own checkpoint
+        for servers in (2, 3):
+            restores.append([TableHandlers(ServerSettings()) for _ in range(servers)])
+            for s, h in enumerate(restores[-1]):
+                for table in restore_tables(second, s, servers, h.make):
+                    h.add(table)
+        for restored in restores:
+            now = server_of(ids, len(restored))
+            for s, h in enumerate(restored):  # the re-dispatch, each server its rows
+                rows = ids[now == s]
+                await h.push("emb", rows.tobytes(), _grads(len(rows), 1.0), worker="worker-2",
+                             schedule=(7, 0, 3))
+            got = np.concatenate([(await h.pull("emb", ids[now == s].tobytes()))[:, 0]
+                                  for s, h in enumerate(restored)])
+            assert got.tolist() == [2.0] * len(ids), len(restored)
+    asyncio.run(main())
+
+
+def test_a_saved_restored_record_reloads_over_its_rows_and_a_finished_one_is_not_saved() -> None:
+    record = ScheduledPushes()
+    record.hold_restored([(np.array([1, 3, 5]), {7: 0}), (np.array([2]), {8: 1})])
+    saved = json.loads(json.dumps(record.state(4)))
+    part = ScheduledPushes()
+    part.restore_part(saved, np.array([2, 3, 4, 5]))  # a restore takes rows 2 to 5 from this part
+    assert [(r.tolist(), k) for r, k in part.restored] == [([3, 5], {7: 0}), ([2], {8: 1})]
+    own = ScheduledPushes()
+    own.load(saved)
+    assert [(r.tolist(), k) for r, k in own.restored] == [([1, 3, 5], {7: 0}), ([2], {8: 1})]
+    record.repeated(9, 0, 9)  # the floor passed calls 7 and 8
+    assert "restored" not in record.state()

@@ -15,8 +15,9 @@ from pshard.common.errors import InvalidArgumentError
 from pshard.common.job import JobConfig
 from pshard.common.sparse import TableConfig
 from pshard.common.wire.sparse_codec import decode_grads, encode_grads, spec_from_proto, spec_to_proto
-from pshard.worker.config import TrainConfig
-from pshard.worker.ctr import CTR_MODEL, add_ctr_arguments, build_ctr_model, ctr_settings
+from pshard.worker.config import CTR_MODEL, TrainConfig
+from pshard.worker.ctr import build_ctr_model
+from pshard.worker.ctr_flags import add_ctr_arguments, ctr_settings
 
 from pshard.api.v1 import sparse_pb2 as pb
 
