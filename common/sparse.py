@@ -215,11 +215,11 @@ class TableConfig:
     def row_layout(self) -> tuple[np.dtype, int]:
         """(dtype, width) of a row as stored and sent: (dtype, dim) when not narrow, else opaque bytes,
         (uint8, row_bytes): float16 and bfloat16 2 bytes a value (little-endian), int8 a byte a
-        value then its float32 scale and offset (ps_server/tables/rowcodec.py writes them,
+        value then its float16 scale and offset (ps_server/tables/rowcodec.py writes them,
         common/wire/sparse_codec.py reads them)."""
         if not self.narrow:
             return self.np_dtype, self.dim
-        return np.dtype(np.uint8), self.dim + 8 if self.row_dtype == "int8" else 2 * self.dim
+        return np.dtype(np.uint8), self.dim + 4 if self.row_dtype == "int8" else 2 * self.dim
 
     @property
     def row_bytes(self) -> int:

@@ -64,7 +64,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
-from pshard.common.errors import InvalidArgumentError, QuotaExceededError
+from pshard.common.errors import CheckpointError, InvalidArgumentError, QuotaExceededError
 from pshard.common.sparse import TableConfig, mix64, put_rows, table_hash, take_rows
 from pshard.common.wire.sparse_codec import decode_rows
 from pshard.ps_server.tables import row_optim, rowcodec
@@ -370,12 +370,13 @@ class SparseTable:
             return rowcodec.encode_rows(self.config, updated, self.index.ids[r], versions)
         except ValueError:
             self.step -= 1
-            raise self._not_finite(int(self.index.ids[r][~np.isfinite(updated).all(axis=1)][0])) from None
+            raise self._not_finite(int(self.index.ids[r][~rowcodec.representable(updated)][0])) from None
 
     def _not_finite(self, bad: int) -> InvalidArgumentError:
         return InvalidArgumentError(
-            f"push of table {self.config.name!r}: the update of id {bad} is not finite, which an int8 "
-            "row cannot hold (lower lr, or clip the gradients)")
+            f"push of table {self.config.name!r}: the update of id {bad} is not finite, or leaves a value "
+            "below -65504 or a range past 255 x 65504, which an int8 row (float16 scale and offset) cannot "
+            "hold (lower lr, or clip the gradients)")
 
     def _initial(self, ids: np.ndarray) -> np.ndarray:
         """The initial rows of `ids` in the stored form (narrow: rounded as update count 0)."""
@@ -576,6 +577,8 @@ class SparseTable:
         if self.before_write is not None:
             self.before_write(rows)
         own = self.columns()
+        if "values" in columns and columns["values"].shape[1:] != own["values"][1]:
+            columns = {**columns, "values": self._upgraded(ids, columns)}
         for name, values in columns.items():
             if name == "touch" and not self.keeps_touch:
                 continue  # kept by the sender (a primary with a ttl or a disk tier), read by no one here
@@ -585,6 +588,23 @@ class SparseTable:
         self.stamp[rows] = self.epoch
         if self.disk is not None:
             self._spill(rows)
+
+    def _upgraded(self, ids: np.ndarray, columns: dict[str, np.ndarray]) -> np.ndarray:
+        """Rows saved in an older layout (int8 layout 1: float32 scale and offset) in this table's, rounded
+        as their last push was (update count = the saved count); CheckpointError for any other width."""
+        values, (_, width) = columns["values"], self.config.row_layout
+        old_int8 = (self.config.dim + rowcodec.INT8_TAIL_BYTES_V1,)
+        if self.config.row_dtype == "int8" and values.shape[1:] == old_int8:
+            versions = columns.get("count", np.zeros(len(ids), np.int32))
+            try:
+                return rowcodec.upgrade_int8(self.config, values, ids, versions)
+            except ValueError as err:
+                raise CheckpointError(f"table {self.config.name!r}: int8 rows of layout 1 (float32 scale and "
+                                      f"offset): {err}") from None
+        raise CheckpointError(
+            f"table {self.config.name!r}: rows of shape {values.shape[1:]} ({values.dtype}), expected "
+            f"({width},) for row_dtype {self.config.row_dtype!r} and dim {self.config.dim} (int8 rows: "
+            "layout 2, a float16 scale and offset; layout 1, dim + 8 bytes, is re-rounded on load)")
 
     def track_changes(self) -> None:
         """Stamp changes from now on (the first checkpoint capture, ps_server.checkpoints.images): every row

@@ -34,7 +34,7 @@ def _filled(config: TableConfig, rows: int = 300) -> SparseTable:
 @pytest.mark.parametrize(("extra", "touch"), [({}, 0), ({"ttl": 5.0}, 8), ({"max_rows": 10_000}, 8)])
 def test_a_row_keeps_its_last_touch_only_where_the_table_reads_it(extra: dict[str, Any], touch: int) -> None:
     table = _filled(TableConfig("t", DIM, row_dtype="int8", **extra))
-    assert _bytes_per_row(table) == {"values": DIM + 8, "touch": touch, "count": 4, "stamp": 0}
+    assert _bytes_per_row(table) == {"values": DIM + 4, "touch": touch, "count": 4, "stamp": 0}
     assert ("touch" in table.columns()) == (touch > 0)
     capture(table, None)  # the first capture: stamps from now on
     assert _bytes_per_row(table)["stamp"] == 4
