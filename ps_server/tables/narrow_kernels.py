@@ -184,12 +184,15 @@ def _half_down(h):  # type: ignore[no-untyped-def]
 @_jit
 def _offset_and_scale(low, high, cell, bits):  # type: ignore[no-untyped-def]
     """float16 bits of rowcodec._offset_and_scale's offset (low rounded down) and scale ((high - offset)
-    / 255 rounded up, through float32 first as numpy's astype chain), for float32 `low` and `high`."""
+    / 255 rounded up, through float32 first as numpy's astype chain), for float32 `low` and `high`, and
+    the offset's value."""
     cell[0] = low
     offset = _bits_to_half(bits[0])
-    if _half_value(offset, cell, bits) > low:
+    at = _half_value(offset, cell, bits)
+    if at > low:
         offset = _half_down(offset)
-    exact = (np.float64(high) - np.float64(_half_value(offset, cell, bits))) / _LEVELS
+        at = _half_value(offset, cell, bits)
+    exact = (np.float64(high) - np.float64(at)) / _LEVELS
     cell[0] = np.float32(exact)
     scale = _bits_to_half(bits[0])
     if np.float64(_half_value(scale, cell, bits)) < exact:
@@ -216,6 +219,7 @@ def push_int8(values, acc, touch, count, rows, row_ids, grads, lr, eps, now, key
     adagrad = acc.shape[0] > 0
     cell = np.empty(1, np.float32)
     bits = cell.view(np.uint32)
+    halves = np.empty((n, 2), np.uint32)  # each row's float16 offset and scale, from the first loop
     for i in range(n):
         if i + AHEAD < n:
             ahead = rows[i + AHEAD]
@@ -249,6 +253,7 @@ def push_int8(values, acc, touch, count, rows, row_ids, grads, lr, eps, now, key
         half_offset, half_scale = _offset_and_scale(low, high, cell, bits)
         if not _holdable(half_offset, half_scale):
             return i
+        halves[i, 0], halves[i, 1] = half_offset, half_scale
     for i in range(n):
         if i + AHEAD < n:
             ahead = rows[i + AHEAD]
@@ -257,13 +262,7 @@ def push_int8(values, acc, touch, count, rows, row_ids, grads, lr, eps, now, key
             _prefetch(count, ahead)
         r = rows[i]
         version = count[r] + 1
-        low = scratch[i, 0] if dim else np.float32(0)
-        high = low
-        for j in range(1, dim):
-            x = scratch[i, j]
-            low = min(low, x)
-            high = max(high, x)
-        half_offset, half_scale = _offset_and_scale(low, high, cell, bits)
+        half_offset, half_scale = halves[i, 0], halves[i, 1]
         offset = np.float64(_half_value(half_offset, cell, bits))
         scale = np.float64(_half_value(half_scale, cell, bits))
         safe = scale if scale > 0 else 1.0
