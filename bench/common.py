@@ -15,6 +15,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -301,9 +302,11 @@ def dense_job(run: WorkerRun, sched: Any, servers: Sequence[str], sizes: Sequenc
 
 
 def timed_steps(client: Any, grads: dict[str, Any], weights: dict[str, Any], run: WorkerRun, warmup: int,
-                steps: int) -> tuple[int, list[float], float, float]:
-    """`warmup` fused steps, every worker lined up, then `steps` timed ones: (the next clock, each timed
-    step's seconds, when they started, when they ended)."""
+                steps: int, around: AbstractContextManager[object] | None = None
+                ) -> tuple[int, list[float], float, float]:
+    """`warmup` fused steps, every worker lined up, then `steps` timed ones, inside `around` when given
+    (what a bench measures over the timed steps only): (the next clock, each timed step's seconds, when
+    they started, when they ended)."""
     run.sync()
     clock = 0
     for _ in range(warmup):
@@ -311,11 +314,13 @@ def timed_steps(client: Any, grads: dict[str, Any], weights: dict[str, Any], run
         clock += 1
     run.sync()
     steps_s: list[float] = []
-    start = time.monotonic()
-    for _ in range(steps):
-        began = time.monotonic()
-        client.push_pull(grads, clock, out=weights)
-        clock += 1
-        steps_s.append(time.monotonic() - began)
-    return clock, steps_s, start, time.monotonic()
+    with around or nullcontext():
+        start = time.monotonic()
+        for _ in range(steps):
+            began = time.monotonic()
+            client.push_pull(grads, clock, out=weights)
+            clock += 1
+            steps_s.append(time.monotonic() - began)
+        end = time.monotonic()
+    return clock, steps_s, start, end
 
