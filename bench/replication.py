@@ -23,7 +23,18 @@ import subprocess
 import sys
 import time
 
-from bench.common import DEFAULT_SIZES, MB, REPO, WorkerRun, emit, parse_sizes, run_workers, span_s
+from bench.common import (
+    DEFAULT_SIZES,
+    MB,
+    REPO,
+    WorkerRun,
+    dense_job,
+    emit,
+    parse_sizes,
+    run_workers,
+    span_s,
+    timed_steps,
+)
 
 HEARTBEAT_MS = (200, 1000)  # interval, timeout: the scheduler declares a silent server dead after 1 s
 AFTER_KILL_STEPS = 3
@@ -32,12 +43,10 @@ AFTER_KILL_STEPS = 3
 def _worker(run: WorkerRun, scheduler: str, servers: list[str], address: str, sizes: list[int],
             replicas: int, warmup: int, steps: int, victim_pid: int | None,
             transport: str) -> dict[str, object]:
-    import numpy as np
     from pshard.client.ps_client import PSClient
-    from pshard.common.cluster.layout import Layout, ParamSpec
+    from pshard.common.cluster.layout import Layout
     from pshard.common.cluster.scheduler_client import SchedulerClient
     from pshard.common.errors import PullTimeoutError
-    from pshard.common.job import JobConfig, OptimizerConfig
 
     node = f"worker-{run.index}"
     sched = SchedulerClient(scheduler, "worker", own_address=address, node_id=node, rank_hint=run.index)
@@ -50,27 +59,12 @@ def _worker(run: WorkerRun, scheduler: str, servers: list[str], address: str, si
             return None
         return sched.get_layout(timeout_s=max(1.0, timeout_s))
 
-    rng = np.random.default_rng(run.index)
-    params = {f"t{i:02d}": rng.standard_normal(n, dtype=np.float32) for i, n in enumerate(sizes)}
-    grads = {k: rng.standard_normal(v.size, dtype=np.float32) for k, v in params.items()}
-    layout = sched.propose_layout([ParamSpec(k, "float32", v.shape) for k, v in params.items()],
-                                  servers=servers, replicas=replicas)
-    job = JobConfig(mode="sync", optimizer=OptimizerConfig(name="sgd", lr=1e-4))
+    params, grads, layout, job = dense_job(run, sched, servers, sizes, replicas)
     try:
         with PSClient(servers, node, layout=layout, generation=lambda: sched.generation, transport=transport,
                       relayout=relayout, reroute_wait_s=10.0) as client:
             weights = client.declare(params, job)
-            run.sync()
-            clock = 0
-            for _ in range(warmup):
-                client.push_pull(grads, clock, out=weights)
-                clock += 1
-            run.sync()
-            start = time.monotonic()
-            for _ in range(steps):
-                client.push_pull(grads, clock, out=weights)
-                clock += 1
-            end = time.monotonic()
+            clock, _, start, end = timed_steps(client, grads, weights, run, warmup, steps)
             killed_at, after = None, []
             if victim_pid is not None:
                 run.sync()
