@@ -44,25 +44,16 @@ def _worker(run: WorkerRun, scheduler: str, servers: list[str], address: str, si
             replicas: int, warmup: int, steps: int, victim_pid: int | None,
             transport: str) -> dict[str, object]:
     from pshard.client.ps_client import PSClient
-    from pshard.common.cluster.layout import Layout
     from pshard.common.cluster.scheduler_client import SchedulerClient
-    from pshard.common.errors import PullTimeoutError
 
     node = f"worker-{run.index}"
     sched = SchedulerClient(scheduler, "worker", own_address=address, node_id=node, rank_hint=run.index)
     sched.register()
 
-    def relayout(layout: Layout, timeout_s: float) -> Layout | None:
-        try:
-            sched.wait_for_view(lambda view: view.layout_version > layout.version, timeout_s)
-        except PullTimeoutError:
-            return None
-        return sched.get_layout(timeout_s=max(1.0, timeout_s))
-
     params, grads, layout, job = dense_job(run, sched, servers, sizes, replicas)
     try:
         with PSClient(servers, node, layout=layout, generation=lambda: sched.generation, transport=transport,
-                      relayout=relayout, reroute_wait_s=10.0) as client:
+                      relayout=sched.newer_layout, reroute_wait_s=10.0) as client:
             weights = client.declare(params, job)
             clock, _, start, end = timed_steps(client, grads, weights, run, warmup, steps)
             killed_at, after = None, []
