@@ -123,6 +123,28 @@ def start_ps_servers(count: int, workers: Sequence[str], extra: Sequence[str] = 
     return servers
 
 
+def start_task(plan: Any, task: Any, argv: Sequence[str]) -> subprocess.Popen[str]:
+    """`python -m ARGV` as `task` of the launcher's ClusterPlan `plan` (its TF_CONFIG), warnings only, its
+    output dropped."""
+    path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
+    env = {**os.environ, "PYTHONPATH": path, "TF_CONFIG": plan.tf_config(task)}
+    return subprocess.Popen([sys.executable, "-m", *argv, "--log-level", "WARNING"], cwd=REPO, env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, text=True)
+
+
+def await_serving(addresses: Sequence[str], what: str, timeout_s: float = 60.0) -> None:
+    """Until every one of `addresses` answers gRPC health checks; RuntimeError naming the first that did not
+    within `timeout_s`, `what` saying whose it is."""
+    from pshard.common.rpc.health import probe
+
+    deadline = time.monotonic() + timeout_s
+    for address in addresses:
+        while not probe(address, timeout_s=1.0)[0]:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{what}: {address} did not start")
+            time.sleep(0.1)
+
+
 def stop_processes(procs: Sequence[subprocess.Popen[str]], grace_s: float = 10.0) -> None:
     for proc in procs:
         if proc.poll() is None:

@@ -19,20 +19,21 @@ from __future__ import annotations
 import argparse
 import os
 import signal
-import subprocess
 import sys
 import time
 
 from bench.common import (
     DEFAULT_SIZES,
     MB,
-    REPO,
     WorkerRun,
+    await_serving,
     dense_job,
     emit,
     parse_sizes,
     run_workers,
     span_s,
+    start_task,
+    stop_processes,
     timed_steps,
 )
 
@@ -71,46 +72,26 @@ def _worker(run: WorkerRun, scheduler: str, servers: list[str], address: str, si
     return {"start": start, "end": end, "killed_at": killed_at, "after": after}
 
 
-def _start(plan: object, task: object, argv: list[str]) -> subprocess.Popen[str]:
-    path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
-    env = {**os.environ, "PYTHONPATH": path, "TF_CONFIG": plan.tf_config(task)}  # type: ignore[attr-defined]
-    return subprocess.Popen([sys.executable, "-m", *argv, "--log-level", "WARNING"], cwd=REPO, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-
-
 def run(sizes: list[int], replicas: int, steps: int = 8, warmup: int = 2, kill: bool = False,
         transport: str = "shm") -> dict[str, object]:
-    from pshard.common.rpc.health import probe
     from pshard.launcher.plan import ClusterPlan
 
     plan = ClusterPlan.allocate(3, 2)
     tasks = {t.name: t for t in [*plan.servers, *plan.trainers]}
-    procs = [_start(plan, tasks["scheduler"], ["pshard.scheduler", "--bind", plan.scheduler,
-                                               "--heartbeat-interval-ms", str(HEARTBEAT_MS[0]),
-                                               "--heartbeat-timeout-ms", str(HEARTBEAT_MS[1])])]
+    procs = [start_task(plan, tasks["scheduler"], ["pshard.scheduler", "--bind", plan.scheduler,
+                                                    "--heartbeat-interval-ms", str(HEARTBEAT_MS[0]),
+                                                    "--heartbeat-timeout-ms", str(HEARTBEAT_MS[1])])]
     offers = "auto" if transport == "shm" else transport  # what the servers offer (see the module doc)
-    procs += [_start(plan, tasks[f"ps-{i}"], ["pshard.ps_server", "--bind", address,
-                                              "--replicas", str(replicas), "--transport", offers])
+    procs += [start_task(plan, tasks[f"ps-{i}"], ["pshard.ps_server", "--bind", address,
+                                                   "--replicas", str(replicas), "--transport", offers])
               for i, address in enumerate(plan.ps)]
     try:
-        deadline = time.monotonic() + 60
-        for address in [plan.scheduler, *plan.ps]:
-            while not probe(address, timeout_s=1.0)[0]:
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"replication bench: {address} did not start")
-                time.sleep(0.1)
+        await_serving([plan.scheduler, *plan.ps], "replication bench")
         victim = procs[2].pid if kill else None  # ps-1
         results = run_workers(_worker, 2, (plan.scheduler, list(plan.ps), "", sizes, replicas, warmup, steps,
                                            victim, transport))
     finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.terminate()
-        for proc in procs:
-            try:
-                proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+        stop_processes(procs)
     elapsed = span_s(results)
     figure: dict[str, object] = {
         "replicas": replicas, "transport": transport, "servers": 3, "workers": 2, "params": sum(sizes),
