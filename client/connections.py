@@ -22,6 +22,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from typing import TypeGuard
 
 import grpc
 from pshard.client.fast_session import FastPath
@@ -163,16 +164,15 @@ class ServerConnections:
         return self._dead_after_s
 
     @property
-    def can_reroute(self) -> bool:
-        """A newer layout can be asked for (the client was given the scheduler's)."""
-        return self._relayout is not None
-
-    @property
     def fails_fast(self) -> bool:
-        """Re-routable under a replicated layout: a server that is down is not waited for. A step re-routed
-        to a layout that still names a dead server (its failover refused) must fail at once, not wait
-        for it in a fast path's negotiation (10 s per kind), so the scheduler's refusal reaches it."""
-        layout = self.layout
+        """`fails_fast_under` the layout calls are routed by now."""
+        return self.fails_fast_under(self.layout)
+
+    def fails_fast_under(self, layout: Layout | None) -> TypeGuard[Layout]:
+        """Re-routable under a replicated `layout`: a server that is down is not waited for, the call goes
+        to the newer layout the scheduler publishes once it failed the server over. A step re-routed to a
+        layout that still names a dead server (its failover refused) must fail at once, not wait for it in
+        a fast path's negotiation (10 s per kind), so the scheduler's refusal reaches it."""
         return self._relayout is not None and layout is not None and bool(layout.replicas)
 
     def newer_layout(self, layout: Layout, left_s: float) -> Layout | None:
