@@ -22,7 +22,7 @@ TABLE_OPTIMIZERS = ("sgd", "adagrad", "adam", "lazy_adam")
 INITIALIZERS = ("zeros", "uniform", "normal")
 TABLE_DTYPES = ("float32", "float64")
 # How a table stores and sends its rows' values (issue 22): float32 (the table's dtype, no narrowing), or
-# narrower, rounded once per push (ps_server/tables/rowcodec.py). int8 rows carry a float32 scale and offset.
+# narrower, rounded once per push (ps_server/tables/rowcodec.py). int8 rows carry a float16 scale and offset.
 ROW_DTYPES = ("float32", "float16", "bfloat16", "int8")
 # How pushed gradient rows travel (issue 19): as the table's dtype, or cast to 2 bytes a value (the dense
 # compressors' casts, by the same names); servers widen them to float32 before applying. Top-k, random-k
