@@ -273,8 +273,8 @@ class SparseTable:
 
     def _push_narrow(self, rows: np.ndarray, grads: np.ndarray, now: float) -> None:
         """sgd or adagrad on narrow rows where they are (ps_server.tables.narrow_kernels: decode, update and
-        encode of _push_gathered's numpy, bit for bit). An int8 update that is not finite is refused with
-        nothing changed, as _encode refuses it."""
+        encode of _push_gathered's numpy, bit for bit). An int8 update that an int8 row cannot hold (not
+        finite, or past its float16 scale and offset) is refused with nothing changed, as in _encode."""
         sums = self.state["sum"] if self.config.optimizer == "adagrad" else self.state_none
         lr, eps = np.float32(self.config.lr), np.float32(self.config.eps)
         if self.config.row_dtype != "int8":

@@ -191,6 +191,20 @@ def test_an_int8_push_whose_update_overflows_is_refused_and_changes_nothing() ->
     assert all(np.array_equal(a, table.columns()[name][0]) for name, a in before.items())
 
 
+@pytest.mark.parametrize("optimizer", ["sgd", "adam"])  # the compiled pass, and the numpy path
+def test_an_int8_push_past_float16_s_range_is_refused_and_changes_nothing(optimizer: str) -> None:
+    config = TableConfig("wide", 2, row_dtype="int8", optimizer=optimizer, lr=1000.0)
+    table = SparseTable(config)
+    ids = np.array([1, 2], np.int64)
+    near = np.array([[0.0, 0.0], [-65000.0, 0.0]], np.float32)  # id 2 a step from float16's -65504
+    table.restore_rows(ids, {"values": rowcodec.encode_rows(config, near, ids, np.ones(2, np.int64))})
+    before = {name: array.copy() for name, (array, _) in table.columns().items()}
+    with pytest.raises(InvalidArgumentError, match=r"table 'wide'.*id 2 .*below -65504"):
+        table.push(ids, np.array([[0, 0], [2, 0]], np.float32))  # finite, but id 2 goes past -66000
+    assert table.step == 0
+    assert all(np.array_equal(a, table.columns()[name][0]) for name, a in before.items())
+
+
 def test_row_dtype_travels_in_the_spec_and_an_unknown_one_is_refused_by_name() -> None:
     for row_dtype in ("float32", *NARROW):
         config = _config(row_dtype)
