@@ -4,8 +4,8 @@ today's worker-driven loop in the same run.
 A scheduler, 2 parameter servers and 2 serving workers (`pshard worker --serve`) run as processes; this
 process is the coordinator (the chief). Figures:
 
-- noop: `schedule(noop).fetch()` one at a time, p50 and p99 (dispatch, the Run RPC, the result);
-  and `--noops` no-ops scheduled at once, calls/s over the 2 workers;
+- noop: `schedule(noop).fetch()` one at a time, p50 and p99 (dispatch, the call on its worker's
+  Serve stream, the result); and `--noops` no-ops scheduled at once, calls/s over the 2 workers;
 - training: the demo's MLP (28x28, batch 64, synthetic batches), `--steps` scheduled steps (forward and
   backward on the weights the worker's last step got back, one fused push+pull) over the 2 workers,
   against the same model and steps trained by 2 worker processes that each run their own loop with

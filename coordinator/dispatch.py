@@ -1,26 +1,33 @@
-"""Dispatch threads per serving worker: take a call, run it there over gRPC, report how it ended.
+"""Dispatch per serving worker: one `Serve` stream to it, the calls taken for it sent down the stream, their
+answers read back in order and reported.
 
-Two per worker (`DEPTH`): the worker runs calls one at a time, and a second call sent while the first
-runs waits there and starts as soon as the first returns, instead of a dispatch round trip later (the
-reply to the coordinator, its next Run): on a loaded machine that round trip is a process wakeup on
-each side, a third of a training step's gap to a worker-driven loop. The second thread takes a call only
-while no worker waits for one (ClosureQueue.take, `ahead`), so a queue shorter than the workers is
-spread over them as before. A worker lost with both calls loses both: each goes back to the queue. The
-two calls may reach the worker in either order, so each names the call taken for that worker before it
-(`RunRequest.after`) and the worker runs it only after that one (pshard.worker.serve): its calls run in
-the order they were taken, as with one call in flight (a per-worker iterator's items in order).
+The stream carries two calls at a time (`DEPTH`): the worker runs calls one at a time, and the second,
+sent while the first runs, waits there and starts as soon as the first returns, instead of a dispatch
+round trip later (the reply, the coordinator's wakeup, its next call): on a loaded machine that round
+trip is a process wakeup on each side. The second call is taken only while no worker waits for one
+(ClosureQueue.take, `ahead`), so a queue shorter than the workers is spread over them. A stream runs its
+calls in the order they were sent, so a per-worker iterator's items come in order.
 
-A worker that breaks the call (UNAVAILABLE: SIGKILLed, restarted) or that the scheduler declares dead
-while the call runs (cut off) loses it: the call goes back to the front of the queue under its schedule
-id (ClosureQueue.lost) and another worker runs it. The servers count each of its pushes once whichever
-run sends it first (the schedule record). A worker that is unreachable but still live for the scheduler
-is retried once its channel is ready again.
+Why a stream and not a unary `Run` per call: each unary call opened an HTTP/2 stream, went through the
+server's interceptors and hopped from the worker's event loop to a thread and back; on 2 cores those
+microseconds are taken from training (docs/architecture.md, 15 Coordinator, has the figures). The
+worker runs a stream's calls on its service loop itself (pshard.worker.serve).
+
+Who does what: gRPC's request thread pulls `_Feed`, which takes the next call from the queue when fewer
+than DEPTH are out; the dispatcher's own thread opens the stream, reads the answers and settles them.
+
+A worker that breaks the stream (UNAVAILABLE: SIGKILLed, restarted) or that the scheduler declares dead
+while it runs calls (cut off) loses the calls out on it: each goes back to the front of the queue under
+its schedule id (ClosureQueue.lost) and another worker runs it. The servers count each of its pushes once
+whichever run sends it first (the schedule record). A worker that is unreachable but still live for the
+scheduler gets a new stream once its channel is ready again.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+from collections import OrderedDict
 from collections.abc import Callable
 
 import grpc
@@ -36,8 +43,59 @@ from pshard.api.v1 import parameter_server_pb2 as ps_pb
 log = logging.getLogger("pshard.coordinator")
 _TAKE_S = 0.5  # how long a dispatcher waits for a call before it looks at its worker's state again
 DEPTH = 2  # calls in flight per worker: the one it runs and the next
-# A broken call's gRPC codes that mean the worker, not the call, is the problem: run it elsewhere.
+# A broken stream's gRPC codes that mean the worker, not the call, is the problem: run its calls elsewhere.
 _LOST = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
+
+
+class _Feed:
+    """One stream's requests (gRPC's request thread iterates it) and the calls out on it, oldest first."""
+
+    def __init__(self, dispatcher: Dispatcher) -> None:
+        self._d = dispatcher
+        self._cond = threading.Condition()
+        self.out: OrderedDict[int, Closure] = OrderedDict()
+        self._open = True
+        self._first = True
+
+    def __iter__(self) -> _Feed:
+        return self
+
+    def __next__(self) -> pb.RunRequest:
+        d = self._d
+        while True:
+            with self._cond:
+                while self._open and len(self.out) >= DEPTH:
+                    self._cond.wait(_TAKE_S)
+                if not self._open or d.gone.is_set():
+                    raise StopIteration  # half-closes the stream: the worker answers what it has and ends it
+                ahead = bool(self.out)
+            closure = d.queue.take(d.node_id, _TAKE_S, ahead)
+            if closure is None:
+                continue
+            with self._cond:
+                if not self._open:  # the stream broke while the call was being taken
+                    d.queue.lost(closure.schedule_id, d.node_id)
+                    raise StopIteration
+                self.out[closure.schedule_id] = closure
+                first, self._first = self._first, False
+            return d.request(closure, first)
+
+    def answered(self, schedule_id: int) -> Closure:
+        """The oldest call out, which `schedule_id` answers (a stream answers in order)."""
+        with self._cond:
+            sid, closure = self.out.popitem(last=False)
+            self._cond.notify_all()
+        if sid != schedule_id:
+            raise RuntimeError(f"{self._d.node_id}: answered schedule {schedule_id}, expected {sid}")
+        return closure
+
+    def close(self) -> list[Closure]:
+        """No more calls on this stream; the calls still out (lost with it)."""
+        with self._cond:
+            self._open = False
+            out, self.out = list(self.out.values()), OrderedDict()
+            self._cond.notify_all()
+        return out
 
 
 class Dispatcher:
@@ -47,85 +105,94 @@ class Dispatcher:
                  security: SecurityConfig, on_change: Callable[[], None]) -> None:
         self.node_id = node_id
         self.address = address
-        self._queue = queue
+        self.queue = queue
         self._job = job
         self._on_change = on_change
         self.gone = threading.Event()  # the scheduler no longer has this incarnation live
         self.reachable = True
         self._channel = security.channel(address)
-        self._run = pb_grpc.WorkerServiceStub(self._channel).Run
-        # Slot 0 runs the worker's call; the others send the next ones ahead (`take(..., ahead=True)`).
-        self.threads = [threading.Thread(target=self._loop, args=(slot > 0,), daemon=True,
-                                         name=f"dispatch-{node_id}-{slot}") for slot in range(DEPTH)]
+        self._serve = pb_grpc.WorkerServiceStub(self._channel).Serve
+        self.thread = threading.Thread(target=self._loop, daemon=True, name=f"dispatch-{node_id}")
 
     def start(self) -> None:
-        for thread in self.threads:
-            thread.start()
+        self.thread.start()
 
     def stop(self) -> None:
         self.gone.set()
-        # Breaks a call in flight (CANCELLED): it is lost and runs again elsewhere. The call blocks rather
-        # than polling a future: each future of a channel with no other call started a thread of its own.
+        # Breaks the stream (CANCELLED): the calls out on it are lost and run again elsewhere.
         self._channel.close()
 
-    def _loop(self, ahead: bool) -> None:
+    def request(self, closure: Closure, first: bool) -> pb.RunRequest:
+        """The call as sent: the job with a stream's first call only (the worker declares it once)."""
+        request = pb.RunRequest()
+        request.CopyFrom(closure.request)
+        request.schedule_floor = self.queue.floor()
+        if first:
+            request.job.CopyFrom(self._job)
+        return request
+
+    def _loop(self) -> None:
         try:
             while not self.gone.is_set():
                 if not self.reachable and not self._await_reachable():
                     continue
-                closure = self._queue.take(self.node_id, _TAKE_S, ahead)
-                if closure is not None:
-                    self._dispatch(closure)
+                self._stream()
         finally:
             self.reachable = False
             self._channel.close()
             self._on_change()
 
-    def _dispatch(self, closure: Closure) -> None:
-        request = pb.RunRequest()
-        request.CopyFrom(closure.request)
-        request.schedule_floor = self._queue.floor()
-        request.after = closure.after
-        request.job.CopyFrom(self._job)
+    def _stream(self) -> None:
+        feed = _Feed(self)
         try:
-            response = self._run(request)
-        except ValueError:  # stop() closed the channel before the call started
-            self._queue.lost(closure.schedule_id, self.node_id)
-            return
+            for response in self._serve(feed):
+                self._settle(feed.answered(response.schedule_id), response)
+        except ValueError:  # stop() closed the channel before the stream started
+            pass
         except grpc.RpcError as err:
-            code = err.code()  # type: ignore[attr-defined]
+            self._broken(err, feed.close())
+        finally:
+            self.lose(feed.close())  # the stream ended with calls out: gone with it
+
+    def lose(self, out: list[Closure]) -> None:
+        """Calls out on a stream that ended, oldest first: back to the front of the queue in that order."""
+        for closure in reversed(out):
+            self.queue.lost(closure.schedule_id, self.node_id)
+
+    def _broken(self, err: grpc.RpcError, out: list[Closure]) -> None:
+        code = err.code()  # type: ignore[attr-defined]
+        lost = self.gone.is_set() or code in _LOST
+        for closure in out:
             if self.gone.is_set():
-                # Cut off: the scheduler declared it dead (stop() broke the call); its run may still push,
+                # Cut off: the scheduler declared it dead (stop() broke the stream); its run may still push,
                 # counted once.
                 log.warning("schedule %d: %s was declared dead while running it; running it again elsewhere",
                             closure.schedule_id, self.node_id)
-                self._queue.lost(closure.schedule_id, self.node_id)
-                return
-            if code in _LOST:
+            elif lost:
                 log.warning("schedule %d: %s broke the call (%s); running it again elsewhere",
                             closure.schedule_id, self.node_id, code.name)
-                self._queue.lost(closure.schedule_id, self.node_id)
-                self.reachable = False
-                self._on_change()
-                return
-            self._queue.fail(closure.schedule_id, self.node_id, ScheduledFunctionError(
-                f"schedule {closure.schedule_id} ({closure.remote.function}) on {self.node_id}: the call "
-                f"failed with {code.name}: {err.details()}",  # type: ignore[attr-defined]
-                function=closure.remote.function, schedule_id=closure.schedule_id, worker=self.node_id))
-            return
-        self._settle(closure, response)
+            else:
+                self.queue.fail(closure.schedule_id, self.node_id, ScheduledFunctionError(
+                    f"schedule {closure.schedule_id} ({closure.remote.function}) on {self.node_id}: the call "
+                    f"failed with {code.name}: {err.details()}",  # type: ignore[attr-defined]
+                    function=closure.remote.function, schedule_id=closure.schedule_id, worker=self.node_id))
+        if lost:
+            self.lose(out)
+        if code in _LOST and not self.gone.is_set():
+            self.reachable = False
+            self._on_change()
 
     def _settle(self, closure: Closure, response: pb.RunResponse) -> None:
         if response.WhichOneof("outcome") == "error":
             e = response.error
-            self._queue.fail(closure.schedule_id, self.node_id, ScheduledFunctionError(
+            self.queue.fail(closure.schedule_id, self.node_id, ScheduledFunctionError(
                 f"schedule {closure.schedule_id} ({closure.remote.function}) raised on {self.node_id}: "
                 f"{e.type}: {e.message}\n--- the worker's traceback ---\n{e.traceback}",
                 function=closure.remote.function, schedule_id=closure.schedule_id, worker=self.node_id,
                 error_type=e.type), response.progress)
             return
-        self._queue.finish(closure.schedule_id, self.node_id, values.decode(response.result, None, "result"),
-                           response.progress)
+        self.queue.finish(closure.schedule_id, self.node_id, values.decode(response.result, None, "result"),
+                          response.progress)
 
     def _await_reachable(self) -> bool:
         try:

@@ -15,12 +15,12 @@ import traceback
 
 import numpy as np
 from pshard.client.ps_client import PSClient
+from pshard.common.errors import InvalidArgumentError
 from pshard.common.wire import codec
 from pshard.coordinator import functions, values
 from pshard.coordinator.context import WorkerContext
 
 from pshard.api.v1 import coordinator_pb2 as pb
-from pshard.api.v1 import parameter_server_pb2 as ps_pb
 
 log = logging.getLogger("pshard.worker")
 
@@ -42,7 +42,7 @@ class CallRunner:
     def run(self, request: pb.RunRequest) -> pb.RunResponse:
         with self._lock:
             self.calls += 1
-            ctx = self._context(request.job)
+            ctx = self._context(request)
             ctx.progress = request.resume_at  # what it reports if it fails before it runs
             try:
                 fn = functions.resolve(request.function, "function")
@@ -56,13 +56,17 @@ class CallRunner:
                 answer = pb.RunResponse(error=pb.FunctionError(
                     type=f"{type(err).__module__}.{type(err).__qualname__}", message=str(err),
                     traceback=traceback.format_exc()))
-            answer.worker_id = self._worker_id
+            answer.worker_id, answer.schedule_id = self._worker_id, request.schedule_id
             answer.pushes_applied, answer.pushes_dropped = ctx.pushes_applied, ctx.pushes_dropped
             answer.progress = ctx.progress
             return answer
 
-    def _context(self, job: ps_pb.JobConfig) -> WorkerContext:
+    def _context(self, request: pb.RunRequest) -> WorkerContext:
         if self._ctx is None:
+            if not request.HasField("job"):
+                raise InvalidArgumentError(f"schedule {request.schedule_id}: RunRequest.job: got none on "
+                                           "this worker's first call, expected the coordinator's job")
+            job = request.job
             config = codec.job_from_proto(job)
             layout = self._client.layout
             assert layout is not None  # connected on the scheduler's layout before serving

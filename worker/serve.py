@@ -14,7 +14,7 @@ import asyncio
 import logging
 import threading
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -80,6 +80,17 @@ class InOrder:
             return await asyncio.to_thread(fn, request)
 
 
+def off_loop(fn: Callable[[pb.RunRequest], T], request: pb.RunRequest) -> T:
+    """fn(request) on the loop's own thread as on a thread without one: a scheduled function that runs a
+    loop of its own (asyncio.run) finds none running, as it did when calls ran on a thread."""
+    loop = asyncio._get_running_loop()
+    asyncio._set_running_loop(None)
+    try:
+        return fn(request)
+    finally:
+        asyncio._set_running_loop(loop)
+
+
 class _Servicer(pb_grpc.WorkerServiceServicer):
     """A five-line delegate: the runner is set once the worker holds a PSClient."""
 
@@ -89,13 +100,27 @@ class _Servicer(pb_grpc.WorkerServiceServicer):
         self._ready_timeout_s = ready_timeout_s
         self._in_order = InOrder(ORDER_WAIT_S)
 
-    async def Run(self, request: pb.RunRequest, context: grpc.aio.ServicerContext) -> pb.RunResponse:
+    async def _runner(self, context: grpc.aio.ServicerContext) -> CallRunner:
         # Ready is the rule once serving: waiting on a thread only before then spares each call a hop.
         ready = self.ready.is_set() or await asyncio.to_thread(self.ready.wait, self._ready_timeout_s)
         if not ready or self.runner is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "worker: not connected to the servers yet")
         assert self.runner is not None
-        return await self._in_order.run(request, self.runner.run)
+        return self.runner
+
+    async def Run(self, request: pb.RunRequest, context: grpc.aio.ServicerContext) -> pb.RunResponse:
+        runner = await self._runner(context)
+        return await self._in_order.run(request, runner.run)
+
+    async def Serve(self, requests: AsyncIterator[pb.RunRequest],
+                    context: grpc.aio.ServicerContext) -> AsyncIterator[pb.RunResponse]:
+        """The coordinator's calls in the order sent, each answered before the next starts. They run on
+        this loop itself, not on a thread: the loop serves only the coordinator, whose calls run one at a
+        time anyway (the next waits in gRPC's buffer meanwhile), and a hop to a thread and back cost a
+        call more CPU than gRPC's own work (docs/architecture.md, 15 Coordinator)."""
+        runner = await self._runner(context)
+        async for request in requests:
+            yield off_loop(runner.run, request)
 
 
 @dataclass

@@ -85,6 +85,7 @@ ALLOWED: dict[str, frozenset[str]] = {
     _SPARSE + "GetTableStats": NODES,
     # A serving worker runs what its coordinator, the chief, schedules (pshard.coordinator).
     "/pshard.api.v1.WorkerService/Run": frozenset({"chief", "admin"}),
+    "/pshard.api.v1.WorkerService/Serve": frozenset({"chief", "admin"}),  # Run's calls, on one stream
 }
 
 _caller: contextvars.ContextVar[Identity | None] = contextvars.ContextVar("pshard_caller", default=None)

@@ -38,6 +38,24 @@ def noop() -> None:
     return None
 
 
+def thread_and_next(it: Iterator[Any]) -> list[Any]:
+    """The thread this call runs on, and the worker's iterator's next item."""
+    import threading
+
+    return [threading.current_thread().name, next(it)]
+
+
+def run_a_loop_of_its_own(x: int) -> list[Any]:
+    """A function that runs asyncio code of its own, and what it sees of a running loop afterwards."""
+    import asyncio
+
+    async def double() -> int:
+        await asyncio.sleep(0)
+        return 2 * x
+
+    return [asyncio.run(double()), asyncio._get_running_loop() is None]
+
+
 def worker_id() -> str:
     return current().client.worker_id
 

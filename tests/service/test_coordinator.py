@@ -53,6 +53,25 @@ def test_a_workers_iterator_is_made_once_and_kept_between_calls() -> None:
             assert v.read_value().tolist() == [7.0]
 
 
+def test_a_workers_calls_run_in_the_order_scheduled_on_its_service_thread_itself() -> None:
+    """Two calls in flight per worker on one Serve stream: run in the order sent, with no hop to a thread
+    and back (the unary Run per call ran them on an executor thread, asyncio_N)."""
+    with cluster(workers=1) as c:
+        c.start_worker(0)
+        with c.coordinator() as coordinator:
+            coordinator.create_variable("v", np.zeros(1, np.float32))
+            it = iter(coordinator.create_per_worker_dataset(f.count_to, 31))
+            ran = [coordinator.schedule(f.thread_and_next, args=(it,)) for _ in range(30)]
+            coordinator.join()
+
+            assert [r.fetch()[1] for r in ran] == list(range(1, 31))
+            assert {r.fetch()[0] for r in ran} == {f"worker-service-{c.workers[0]}"}
+            # ... as on a thread of its own: a function may run a loop of its own (asyncio.run), and the
+            # worker serves on after it.
+            assert coordinator.schedule(f.run_a_loop_of_its_own, args=(21,)).fetch(WAIT_S) == [42, True]
+            assert coordinator.schedule(f.thread_and_next, args=(it,)).fetch(WAIT_S)[1] == 31
+
+
 def test_a_fused_push_pull_counts_once_and_its_weights_answer_the_workers_next_call() -> None:
     with cluster(workers=1) as c:
         c.start_worker(0)

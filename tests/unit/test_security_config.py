@@ -16,6 +16,7 @@ from pshard.common.security.ca import ensure
 from pshard.common.security.credentials import add_security_arguments, security_from_args
 from pshard.common.security.identity import Identity, TokenTable, identity_from_pem
 
+from pshard.api.v1 import coordinator_pb2
 from pshard.certs import main
 
 PS = "/pshard.api.v1.ParameterServerService/"
@@ -64,6 +65,11 @@ def test_the_role_table_matches_the_issue() -> None:
         assert allowed(PS + method, "chief") and allowed(PS + method, "admin")
     assert allowed("/grpc.health.v1.Health/Check", "nobody")
     assert not allowed(SCHED + "Register", "admin") and allowed(SCHED + "Register", "ps")
+    # Every method of a serving worker is the coordinator's (the chief's) to call, and no other node's.
+    methods = coordinator_pb2.DESCRIPTOR.services_by_name["WorkerService"].methods
+    for method in (f"/pshard.api.v1.WorkerService/{m.name}" for m in methods):
+        assert {r for r in ("chief", "worker", "ps", "scheduler", "evaluator", "admin")
+                if allowed(method, r)} == {"chief", "admin"}, method
     # A method nobody listed (added later) is an operator's only.
     assert allowed(PS + "SomethingNew", "admin") and not allowed(PS + "SomethingNew", "chief")
     assert all(method.startswith("/pshard.api.v1.") for method in ALLOWED)
