@@ -60,7 +60,7 @@ class _Feed:
     def __iter__(self) -> _Feed:
         return self
 
-    def __next__(self) -> pb.RunRequest:
+    def __next__(self) -> pb.ServeRequest:
         d = self._d
         while True:
             with self._cond:
@@ -122,14 +122,15 @@ class Dispatcher:
         # Breaks the stream (CANCELLED): the calls out on it are lost and run again elsewhere.
         self._channel.close()
 
-    def request(self, closure: Closure, first: bool) -> pb.RunRequest:
+    def request(self, closure: Closure, first: bool) -> pb.ServeRequest:
         """The call as sent: the job with a stream's first call only (the worker declares it once)."""
-        request = pb.RunRequest()
+        message = pb.ServeRequest()
+        request = message.call
         request.CopyFrom(closure.request)
         request.schedule_floor = self.queue.floor()
         if first:
             request.job.CopyFrom(self._job)
-        return request
+        return message
 
     def _loop(self) -> None:
         try:
@@ -146,7 +147,8 @@ class Dispatcher:
         feed = _Feed(self)
         try:
             for response in self._serve(feed):
-                self._settle(feed.answered(response.schedule_id), response)
+                answer = response.answer
+                self._settle(feed.answered(answer.schedule_id), answer)
         except ValueError:  # stop() closed the channel before the stream started
             pass
         except grpc.RpcError as err:

@@ -112,15 +112,17 @@ class _Servicer(pb_grpc.WorkerServiceServicer):
         runner = await self._runner(context)
         return await self._in_order.run(request, runner.run)
 
-    async def Serve(self, requests: AsyncIterator[pb.RunRequest],
-                    context: grpc.aio.ServicerContext) -> AsyncIterator[pb.RunResponse]:
+    async def Serve(self, requests: AsyncIterator[pb.ServeRequest],
+                    context: grpc.aio.ServicerContext) -> AsyncIterator[pb.ServeResponse]:
         """The coordinator's calls in the order sent, each answered before the next starts. They run on
         this loop itself, not on a thread: the loop serves only the coordinator, whose calls run one at a
         time anyway (the next waits in gRPC's buffer meanwhile), and a hop to a thread and back cost a
         call more CPU than gRPC's own work (docs/architecture.md, 15 Coordinator)."""
         runner = await self._runner(context)
         async for request in requests:
-            yield off_loop(runner.run, request)
+            response = pb.ServeResponse()
+            response.answer.CopyFrom(off_loop(runner.run, request.call))
+            yield response
 
 
 @dataclass

@@ -31,11 +31,11 @@ def test_a_serve_stream_refuses_bad_bytes_by_name_and_answers_an_unknown_functio
                 assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT  # type: ignore[attr-defined]
                 assert f"{SERVE}: not a valid request" in refused.value.details()  # type: ignore[attr-defined]
 
-                serve = channel.stream_stream(SERVE, pb.RunRequest.SerializeToString,
-                                              pb.RunResponse.FromString)
-                calls = [pb.RunRequest(schedule_id=FIRST, function="no_such_module_xyz:f"),
-                         pb.RunRequest(schedule_id=FIRST + 1, function=f"{f.__name__}:worker_id")]
-                answers = list(serve(iter(calls), timeout=WAIT_S))
+                serve = channel.stream_stream(SERVE, pb.ServeRequest.SerializeToString,
+                                              pb.ServeResponse.FromString)
+                named = ((FIRST, "no_such_module_xyz:f"), (FIRST + 1, f"{f.__name__}:worker_id"))
+                calls = [pb.ServeRequest(call=pb.RunRequest(schedule_id=i, function=fn)) for i, fn in named]
+                answers = [a.answer for a in serve(iter(calls), timeout=WAIT_S)]
             assert [a.schedule_id for a in answers] == [FIRST, FIRST + 1]
             assert answers[0].error.type.endswith("InvalidArgumentError")
             assert "cannot import module 'no_such_module_xyz'" in answers[0].error.message

@@ -44,12 +44,12 @@ def test_a_feed_sends_two_calls_ahead_and_the_next_once_one_is_answered(queue_an
     queue, d = queue_and_dispatcher
     ids = _put(queue, 3)
     feed = _Feed(d)
-    first, second = next(feed), next(feed)
+    first, second = next(feed).call, next(feed).call
     assert [first.schedule_id, second.schedule_id] == ids[:DEPTH]
     assert first.HasField("job") and not second.HasField("job")  # the stream's first call only
     assert first.schedule_floor == second.schedule_floor == ids[0]
 
-    third: list[pb.RunRequest] = []
+    third: list[pb.ServeRequest] = []
     sender = threading.Thread(target=lambda: third.append(next(feed)))
     sender.start()
     sender.join(0.3)
@@ -57,7 +57,7 @@ def test_a_feed_sends_two_calls_ahead_and_the_next_once_one_is_answered(queue_an
 
     assert feed.answered(ids[0]).schedule_id == ids[0]
     sender.join(WAIT_S)
-    assert [r.schedule_id for r in third] == [ids[2]]
+    assert [r.call.schedule_id for r in third] == [ids[2]]
 
 
 def test_an_answer_out_of_order_is_refused_naming_both_ids(queue_and_dispatcher) -> None:
@@ -80,6 +80,6 @@ def test_the_calls_out_on_a_closed_feed_are_handed_back_and_it_sends_no_more(que
     with pytest.raises(StopIteration):
         next(feed)
     again = _Feed(d)  # the next stream: the lost calls first, in their order, the job again
-    resent = [next(again), next(again)]
+    resent = [next(again).call, next(again).call]
     assert [r.schedule_id for r in resent] == ids[:2]
     assert resent[0].HasField("job")
