@@ -195,7 +195,9 @@ class SchedulerServicer(pb_grpc.SchedulerServiceServicer):
         limits.check_chars("move target", request.target, limits.max_address_chars)
         layout = self._members.move_partition(request.partition, request.target, request.layout_version)
         self._publish()
-        return pb.MovePartitionResponse(layout_version=layout.version)
+        # Not on the target yet: a catch-up copy runs first, and the switch comes with a later layout.
+        copying = layout.servers[layout.row_owner(request.partition)] != request.target
+        return pb.MovePartitionResponse(layout_version=layout.version, copying=copying)
 
     # ---- barriers ----
 
