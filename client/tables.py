@@ -358,8 +358,10 @@ class TableClient:
                     conn.closed.wait(min(_NOT_YET_WAIT_S, left))  # the server learns the layout soon
                     continue
                 moved = isinstance(err, UnavailableError | PartitionMovedError)
-                if (not moved or not conn.can_reroute or layout is None or not layout.replicas
-                        or left <= 0 or conn.closed.is_set()):
+                # Without replicas a server that went is not failed over, but a partition moved by
+                # `pshard rebalance` is served elsewhere all the same.
+                failover = layout is not None and (layout.replicas or isinstance(err, PartitionMovedError))
+                if not moved or not conn.can_reroute or not failover or left <= 0 or conn.closed.is_set():
                     raise
                 newer = conn.newer_layout(layout, left)
                 if newer is not None:
