@@ -67,6 +67,17 @@ T = TypeVar("T")
 _Request = tuple[Sequence[np.ndarray], "np.ndarray | None", "np.ndarray | None", "np.ndarray | None"]
 
 
+def _server_behind(err: Exception, layout: Layout | None) -> bool:
+    """A server refused a partition by an older layout than the one the request was routed with: it has
+    not received the newer one yet (a move switched it, `pshard rebalance`). No newer layout is coming,
+    so the request goes again in a moment, as a LayoutNotYetError's does; waiting for a newer one held
+    it for the whole re-route wait (10 s)."""
+    if not isinstance(err, PartitionMovedError) or layout is None:
+        return False
+    known = err.facts.get("layout_version", 0)
+    return isinstance(known, int) and 0 < known < layout.version
+
+
 class _Sent(NamedTuple):
     """A table request sent on a fast-path session, whose reply is still to read."""
 
@@ -353,7 +364,8 @@ class TableClient:
                 return call(layout)
             except (UnavailableError, UnknownKeyError) as err:
                 left = deadline - time.monotonic()
-                if isinstance(err, LayoutNotYetError) and left > 0 and not conn.closed.is_set():
+                if (isinstance(err, LayoutNotYetError) or _server_behind(err, layout)) and left > 0 \
+                        and not conn.closed.is_set():
                     self.not_yet += 1
                     conn.closed.wait(min(_NOT_YET_WAIT_S, left))  # the server learns the layout soon
                     continue
