@@ -55,6 +55,7 @@ from pshard.common.errors import (
     PullTimeoutError,
     StaleGenerationError,
 )
+from pshard.common.failpoints import failpoint
 from pshard.common.sparse import TableConfig, server_of
 from pshard.ps_server.replication.api import RowReplication
 from pshard.ps_server.replication.backends import Links, Send, over_link
@@ -633,6 +634,7 @@ class TableReplication:
                 self._maps.drop(primary)
             log.info("table replication: %s no longer forwards here; dropped %d rows", primary, dropped)
             return False
+        failpoint("ps.before_rows_apply")
         layout = self._layout
         p = index_of(layout, primary) if layout is not None else None
         home = layout.home_partitions(p) if layout is not None and p is not None else ()

@@ -21,8 +21,11 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
+from pshard.common.security.credentials import SecurityConfig
 from pshard.common.sparse import TableConfig, server_of
 
+from pshard.admin import scheduler_stub
+from pshard.api.v1 import scheduler_pb2
 from pshard.status import fetch, render
 from tests.e2e.harness import Procs, wait_until
 from tests.e2e.test_table_replication_async import replicated_job
@@ -194,6 +197,67 @@ def test_rebalance_without_replicas_copies_hot_partitions_to_other_servers_and_l
         assert {p: (layout.row_owner(p), after.row_owner(p)) for p in moved} == moved
         final = clients[0].pull_rows(TABLE.name, every)
         np.testing.assert_array_equal(final, -acked.astype(np.float32))
+    finally:
+        stop.set()
+        for c in clients:
+            c.close()
+        for s in scheds:
+            s.close()
+
+
+def test_a_move_whose_target_is_sigkilled_mid_copy_rolls_back_and_loses_no_acknowledged_update(
+        procs: Procs) -> None:
+    """No replicas, a move of one of ps-1's partitions to ps-2, whose copy ps-2 holds unapplied (a failpoint)
+    when it is SIGKILLed: the scheduler rolls the move back (the layout never named ps-2), ps-1 serves the
+    partition on, and the clients' pushes to it go on and keep every acknowledged update."""
+    started, scheds, layout, clients = replicated_job(
+        procs, 2, 4, replicas=0, ps_env={2: {"PSHARD_FAILPOINTS": "ps.before_rows_apply=pause-once"}})
+    scheduler, target = started[0], started[3]  # started: scheduler, ps-0, ps-1, ps-2
+    every = np.arange(0, 6000, dtype=np.int64)
+    hot = every[np.isin(server_of(every, layout.partition_count), layout.partitions_on(1))]
+    acked = np.zeros((len(every), DIM), np.float64)
+    lock = threading.Lock()
+    count = [0]
+    stop = threading.Event()
+
+    def run(i: int) -> None:
+        clients[i].declare_table(TABLE)
+        push = 0
+        while not stop.is_set():
+            rng = np.random.default_rng([i, push, 12])
+            ids = rng.choice(hot, size=100)
+            grads = rng.integers(-3, 4, size=(len(ids), DIM)).astype(np.float32)
+            clients[i].push_rows(TABLE.name, ids, grads)  # returns once acknowledged
+            with lock:
+                np.add.at(acked, ids, grads)
+                count[0] += 1
+            push += 1
+
+    moved = layout.partitions_on(1)[0]
+    try:
+        with ThreadPoolExecutor(2) as pool, _stopping(stop):
+            futures = [pool.submit(run, i) for i in range(2)]
+            wait_until(lambda: count[0] >= 10 or any(f.done() for f in futures), RUN_TIMEOUT_S,
+                       "10 acknowledged pushes")
+            with scheduler_stub(scheds[0].address, SecurityConfig()) as stub:
+                reply = stub.MovePartition(scheduler_pb2.MovePartitionRequest(
+                    partition=moved, target=layout.servers[2], layout_version=layout.version), timeout=10.0)
+            assert reply.copying and reply.layout_version == layout.version
+            target.wait_for_line("failpoint ps.before_rows_apply: paused", RUN_TIMEOUT_S)
+            target.kill()
+            wait_until(lambda: any("MOVE ROLLED BACK" in line for line in scheduler.lines), RUN_TIMEOUT_S,
+                       "the scheduler rolling the move back")
+            at_kill = count[0]
+            wait_until(lambda: count[0] >= at_kill + PUSHES_AFTER or any(f.done() for f in futures),
+                       RUN_TIMEOUT_S, f"{PUSHES_AFTER} acknowledged pushes after the roll-back")
+            stop.set()
+            for f in futures:
+                f.result(timeout=RUN_TIMEOUT_S)
+        after = scheds[0].get_layout(timeout_s=5.0)
+        assert after.version == layout.version and after.row_owner(moved) == 1  # never switched
+        assert not fetch(scheds[0].address, 10.0).moves
+        final = clients[0].pull_rows(TABLE.name, hot)
+        np.testing.assert_array_equal(final, -acked[np.searchsorted(every, hot)].astype(np.float32))
     finally:
         stop.set()
         for c in clients:
