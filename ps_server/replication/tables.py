@@ -693,8 +693,10 @@ class TableReplication:
             ids = self._for_peer(peer, self._still_ours(np.unique(np.concatenate(parts))))
             fits = max(1, budget // row_bytes(table.config))
             keys = workers.pop(name, set())
-            if peer.partitions is not None and not len(ids):
-                continue  # only rows of partitions it does not take: their push keys are not its either
+            if peer.partitions is not None and not len(ids) and table.config.mode != "sync":
+                # Only rows of partitions it does not take: their push keys are not its either. A sync
+                # table's batch goes all the same: it carries the applied clocks, the moving partition's too.
+                continue
             # A sync table's rows go whole: its applied clocks ride along and must match every row.
             if len(ids) > fits and table.config.mode != "sync":
                 drained = False

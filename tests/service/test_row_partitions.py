@@ -13,6 +13,7 @@ import numpy as np
 from pshard.client.ps_client import PSClient
 from pshard.common.cluster.layout import Layout, ParamSpec, plan_layout
 from pshard.common.cluster.replicas import fail_over
+from pshard.common.cluster.view import ClusterView, Node, NodeState, PartitionCopy
 from pshard.common.rpc.serving import ServerThread
 from pshard.common.sparse import server_of
 from pshard.ps_server.replication.table_rows import all_ids
@@ -223,4 +224,53 @@ def test_the_heir_of_a_server_a_sync_partition_moved_from_keeps_that_partitions_
         publish(failed)
         assert _applied(servers[1]) == {p: PENDING + 2 for p in failed.partitions_on(1)}
         _train(pool, clients, range(PENDING + 2, CLOCKS))
+    np.testing.assert_array_equal(clients[0].pull_rows(TABLE.name, SYNC_IDS, clock=CLOCKS), _expected(CLOCKS))
+
+
+def test_a_sync_partition_copied_to_a_server_that_is_no_backup_moves_with_its_clock_and_trains_on_exactly(
+        start_server, new_client) -> None:
+    """`pshard rebalance` to a server without a copy (issue 20): server 0 sends partition 3 alone to server 2
+    (server 1 is its backup), its rows and its applied clock, then every clock's change; once server 2 is
+    reported in sync the partition switches, server 2 serves it from that clock, and training goes on
+    exactly. Server 2 holds nothing else of server 0, and drops the copy once it took it over."""
+    servers, layout = _replicated(start_server, _layout, settings=SYNC_SETTINGS)
+    addresses = [s.address for s in servers]
+    published = [layout]
+    changed = threading.Condition()
+
+    def relayout(current: Layout, timeout_s: float) -> Layout | None:
+        with changed:
+            changed.wait_for(lambda: published[-1].version > current.version, timeout_s)
+            return published[-1] if published[-1].version > current.version else None
+
+    clients = [new_client(servers, f"w{w}", layout=layout, relayout=relayout, reroute_wait_s=WAIT_S,
+                          retry_budget_s=0.5, transport="grpc") for w in (0, 1)]
+    for c in clients:
+        c.declare_table(TABLE)
+    nodes = tuple(Node(f"ps-{i}", "ps", i, a, NodeState.LIVE, generation=i + 1)
+                  for i, a in enumerate(addresses))
+    copying = ClusterView(10, nodes, layout.version, copies=(PartitionCopy(3, addresses[0], addresses[2]),))
+    with ThreadPoolExecutor(2) as pool:
+        _train(pool, clients, range(PENDING))
+        for server in servers:
+            server.call(lambda server=server: _rows(server).on_view(copying))
+        _train(pool, clients, range(PENDING, PENDING + 1))  # a clock applied while it copies
+        wait_until(lambda: servers[0].call(lambda: _rows(servers[0]).copies_in_sync()) == {addresses[2]: 3},
+                   WAIT_S, "server 0 reporting server 2 in sync with partition 3")
+        assert servers[0].call(lambda: _rows(servers[0]).in_sync()) == {addresses[1]}  # its backup only
+        copy = _rows(servers[2]).replicas
+        assert copy.primaries() == {addresses[0], addresses[1]}  # server 2 backs up server 1
+        held = copy.copy(addresses[0], lambda ids: np.ones(len(ids), bool), lambda: None)
+        assert all(set(server_of(all_ids(t), PARTITIONS).tolist()) <= {3} for t, _, _ in held)
+        moved = dataclasses.replace(layout, version=layout.version + 1, row_owners=tuple(
+            2 if p == 3 else o for p, o in enumerate(layout.owners())))
+        for server in servers:
+            server.call(lambda server=server: _rows(server).on_layout(moved))
+        assert _applied(servers[2]) == {p: PENDING + 1 for p in moved.partitions_on(2)}
+        assert copy.primaries() == {addresses[1]}  # server 0's copy taken over, then dropped
+        with changed:
+            published.append(moved)
+            changed.notify_all()
+        _train(pool, clients, range(PENDING + 1, CLOCKS))
+    assert _applied(servers[0])[3] == PENDING + 1 and _applied(servers[2])[3] == CLOCKS
     np.testing.assert_array_equal(clients[0].pull_rows(TABLE.name, SYNC_IDS, clock=CLOCKS), _expected(CLOCKS))
