@@ -46,8 +46,8 @@ from typing import NamedTuple, Protocol
 
 import numpy as np
 from pshard.common.cluster.layout import Layout
-from pshard.common.cluster.replicas import index_of
-from pshard.common.cluster.view import ClusterView, ServerIncarnations
+from pshard.common.cluster.replicas import index_of, joining_backups
+from pshard.common.cluster.view import ClusterView, NodeState, ServerIncarnations
 from pshard.common.errors import (
     InvalidArgumentError,
     LayoutNotYetError,
@@ -208,6 +208,7 @@ class TableReplication:
         # Servers copying a partition to this one (the views' copies): their replica here is a move's copy
         # alone, dropped once taken over.
         self._copy_sources: frozenset[str] = frozenset()
+        self._view: ClusterView | None = None
 
     # ---- requests (TableHandlers' hooks, on the loop) ----
 
@@ -461,6 +462,7 @@ class TableReplication:
         """A backup with a new incarnation holds nothing: copy every row to it again. The view's copies
         are the moves this server sends or takes."""
         self._copy_sources = frozenset(c.source for c in view.copies if c.target == self.own)
+        self._view = view
         self.set_copies(view.copies_from(self.own))
         for address in self._incarnations.restarted(view):
             peer = self._peers.get(address)
@@ -575,8 +577,22 @@ class TableReplication:
         rows = self._take_over(copies, moved, partitions)
         log.warning("MOVE: took over %d table rows of row partitions %s from %s", rows, sorted(moved),
                     primary)
-        if primary in self._copy_sources:  # a move's copy, not a backup's: nothing else is kept of it
-            self.replicas.release(primary)
+        if primary in self._copy_sources and not self._backs_up(primary):
+            self.replicas.release(primary)  # a move's copy, not a backup's: nothing else is kept of it
+
+    def _backs_up(self, primary: str) -> bool:
+        """This server is a backup of `primary` in the newest view (the ring moved during a move's copy:
+        the copy became a backup's, which a failover of `primary` needs whole)."""
+        view, layout = self._view, self._layout
+        if view is None or layout is None or not layout.replicas:
+            return False
+        servers = {n.rank: n for n in view.nodes if n.role == "ps"}
+        rank = next((r for r, n in servers.items() if n.address == primary), None)
+        if rank is None:
+            return False
+        live = {r for r, n in servers.items() if n.state is NodeState.LIVE} | {rank}
+        kept, joining = joining_backups(rank, max(servers) + 1, layout.replicas, live, len(layout.servers))
+        return any(servers[r].address == self.own for r in (*kept, *joining))
 
     def _remember(self, version: int) -> None:
         self._owned_at[version] = self._owned
