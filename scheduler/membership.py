@@ -970,6 +970,7 @@ class Membership:
         backed_up = bool(self.in_sync.of(member.address)) or not (self._layout and self._layout.replicas)
         done = self.moves.progress(member.address, member.layout_version, copy_bytes_left, backed_up, now)
         self._joins_copying(member, copy_bytes_left)
+        self.copies.copying(member.address, copy_bytes_left)
         for move in done:
             log.warning("MOVE: row partition %d from %s to %s in %.2f s: switched at layout version %d, and "
                         "%s serves its %d bytes%s", move.partition, move.source, move.target,
@@ -1037,8 +1038,9 @@ class Membership:
         """A move to a server that holds no copy of the partition: the views name the copy, its source
         forwards the partition's rows to the target, and its in-sync report makes the switch
         (`_copies_reported`)."""
+        nbytes = self.loads.load(source.address).partition_bytes.get(partition, 0)
         if self.copies.start(partition, (source.address, source.generation),
-                             (target.address, target.generation), self._clock.now()):
+                             (target.address, target.generation), self._clock.now(), nbytes):
             self._bump()
             log.info("COPYING: row partition %d from %s to %s (not a backup of its server) before it moves; "
                      "generation %d", partition, source.address, target.address, self._generation)

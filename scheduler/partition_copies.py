@@ -36,6 +36,8 @@ class Copy:
     target_generation: int
     started: float
     switched_at: int = 0  # the layout version that switched it (0: copying)
+    nbytes: int = 0  # its rows' bytes when the copy began, as its source reported them
+    bytes_left: int = 0  # of the copy, as the source last reported them (`pshard status`)
 
     def wire(self) -> PartitionCopy:
         return PartitionCopy(self.partition, self.source, self.target, self.switched_at)
@@ -45,7 +47,8 @@ class PartitionCopies:
     def __init__(self) -> None:
         self._copies: dict[int, Copy] = {}  # partition -> its copy
 
-    def start(self, partition: int, source: tuple[str, int], target: tuple[str, int], now: float) -> bool:
+    def start(self, partition: int, source: tuple[str, int], target: tuple[str, int], now: float,
+              nbytes: int = 0) -> bool:
         """A copy of `partition` from `source` to `target` (address, generation each); False when that very
         copy runs already (a retried request). Another copy of the partition in progress is refused."""
         running = self._copies.get(partition)
@@ -55,8 +58,19 @@ class PartitionCopies:
             state = f"switched at layout version {running.switched_at}" if running.switched_at else "copying"
             raise InvalidArgumentError(f"move of row partition {partition} to {target[0]!r}: it is moving to "
                                        f"{running.target!r} already ({state}); wait for that move")
-        self._copies[partition] = Copy(partition, source[0], target[0], source[1], target[1], now)
+        self._copies[partition] = Copy(partition, source[0], target[0], source[1], target[1], now,
+                                       nbytes=nbytes, bytes_left=nbytes)
         return True
+
+    def copying(self, source: str, bytes_left: int) -> None:
+        """`source`'s report of the bytes its slowest copy still lacks: each of its copies' bytes left."""
+        for c in list(self._copies.values()):
+            if c.source == source and not c.switched_at:
+                self._copies[c.partition] = replace(c, bytes_left=max(0, min(c.nbytes, bytes_left)))
+
+    def in_progress(self) -> tuple[Copy, ...]:
+        """The copies not switched yet, for `pshard status` (the switched ones are moves in the MoveLog)."""
+        return tuple(c for c in sorted(self._copies.values(), key=lambda c: c.partition) if not c.switched_at)
 
     def caught_up(self, source: str, reported: Mapping[str, int],
                   current: Callable[[str, int], bool]) -> list[Copy]:

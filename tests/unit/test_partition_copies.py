@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import pytest
 from pshard.common.cluster.loads import Counters
-from pshard.common.cluster.view import ManualClock, PartitionCopy
+from pshard.common.cluster.view import ClusterView, ManualClock, PartitionCopy
 from pshard.common.errors import InvalidArgumentError
 from pshard.scheduler.membership import Membership
 
+from pshard.status import MoveReport, render, summarise
 from tests.unit.test_replicas import PARAMS, SERVERS, _all_in_sync
 
 
@@ -146,3 +147,21 @@ def test_a_restarted_scheduler_knows_no_copy_so_the_layout_in_force_stands():
     _beat(restarted, "ps-0", ("ps-1",))
     layout = restarted.layout()
     assert layout is not None and layout.owners()[3] == 0
+
+
+def test_a_copy_in_progress_shows_its_bytes_left_as_its_source_reports_them():
+    members, clock = _job()
+    members.report_load("ps-0", Counters(partition_bytes={3: 4000}))
+    members.move_partition(3, "b:1")
+    clock.advance(0.5)
+    members.report_load("ps-0", Counters(partition_bytes={3: 4000}), copy_bytes_left=1500)
+    (copy,) = members.copies.in_progress()
+    assert (copy.nbytes, copy.bytes_left, clock.now() - copy.started) == (4000, 1500, 0.5)
+    _beat(members, "ps-0", ("ps-1",))
+    assert members.copies.in_progress() == ()  # switched: a move in the MoveLog from now on
+    (move,) = members.moves.all()
+    assert move.nbytes == 4000 and not move.done
+    text = render(summarise("s:1", ClusterView(3, ()), [], moves=[
+        MoveReport(3, "a:1", "b:1", 0, 4000, 2500, 1500, 0.5, False)]))
+    (line,) = [line for line in text.splitlines() if line.startswith("partition 3")]
+    assert line.split()[:4] == ["partition", "3", "copying", "a:1"]
