@@ -372,8 +372,9 @@ class TableClient:
                 moved = isinstance(err, UnavailableError | PartitionMovedError)
                 # Without replicas a server that went is not failed over, but a partition moved by
                 # `pshard rebalance` is served elsewhere all the same.
-                failover = layout is not None and (layout.replicas or isinstance(err, PartitionMovedError))
-                if not moved or not conn.can_reroute or not failover or left <= 0 or conn.closed.is_set():
+                rerouted = conn.fails_fast_under(layout) or (
+                    conn.can_reroute and layout is not None and isinstance(err, PartitionMovedError))
+                if not moved or not rerouted or layout is None or left <= 0 or conn.closed.is_set():
                     raise
                 newer = conn.newer_layout(layout, left)
                 if newer is not None:
