@@ -30,6 +30,7 @@ help:
 	@echo "make bench-priority layer priority against FIFO, a 24-layer MLP over the same 1 Gbit/s link"
 	@echo "make bench-drain  a server drained mid-training: longest step against the median (issue 20)"
 	@echo "make bench-join-kill  a joining server SIGKILLed mid-copy: longest step against the median (issue 20)"
+	@echo "make bench-rebalance  a zipf(1.1) table on 3 servers: hottest/mean before and after pshard rebalance (issue 20)"
 	@echo "make bench-coordinator  a scheduled no-op's p50/p99, coordinator vs worker-driven training steps/s"
 	@echo "make demo-coordinator   Fashion-MNIST trained by a coordinator (examples/coordinator_mnist.py)"
 	@echo "make bench-checkpoints  steps during a background checkpoint, incremental checkpoint size (JSON lines)"
@@ -170,6 +171,10 @@ bench-drain: install
 .PHONY: bench-join-kill
 bench-join-kill: install
 	$(PY) -m bench.join_kill
+
+.PHONY: bench-rebalance
+bench-rebalance: install
+	$(PY) -m bench.rebalance
 
 # Global checkpoints (issue 22): the step time while a server writes a full checkpoint in the background
 # over the steps around it, and an incremental checkpoint's bytes after 1 % of the rows were pushed over

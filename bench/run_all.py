@@ -37,6 +37,8 @@ from bench.dense import dense
 from bench.disk_tier import disk_tier
 from bench.latency import latency
 from bench.narrow_rows import narrow_rows
+from bench.rebalance import rebalance
+from bench.rebalance import summary as rebalance_summary
 from bench.replication import replication
 from bench.replication import summary as replication_summary
 from bench.sparse import memory as sparse_memory
@@ -179,6 +181,9 @@ def main(argv: list[str] | None = None) -> int:
                                                     repeats=1 if args.quick else 2,
                                                     calls=50 if args.quick else 300,
                                                     burst=100 if args.quick else 1000))
+    # Rebalancing (issue 20): a zipf(1.1) table's hottest server against the mean, before and after
+    # `pshard rebalance` (about 50 s, mostly the two 12 s load windows; `make bench-rebalance` alone).
+    moved = emit("rebalance", **rebalance())
 
     m = machine()
     print(f"\n# pshard bench on {m['cpu']} ({m['cores']} cores), Python {m['python']}, grpcio {m['grpcio']}; "
@@ -235,6 +240,7 @@ def main(argv: list[str] | None = None) -> int:
           f"p99 {noop['p99_ms']} ms; {coord['coordinator_steps_per_s']} steps/s against worker-driven "
           f"{coord['worker_driven_steps_per_s']} ({coord['ratio']}x) "
           f"[bar {COORDINATOR_BAR}x: {'ok' if float(coord['ratio']) >= COORDINATOR_BAR else 'below'}]")  # type: ignore[arg-type]
+    print(rebalance_summary(moved))
     return 0
 
 

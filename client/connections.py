@@ -164,6 +164,12 @@ class ServerConnections:
         return self._dead_after_s
 
     @property
+    def can_reroute(self) -> bool:
+        """A newer layout can be asked for (the client was given the scheduler's): a partition that
+        `pshard rebalance` moved is re-routed to, with replicas or without."""
+        return self._relayout is not None
+
+    @property
     def fails_fast(self) -> bool:
         """`fails_fast_under` the layout calls are routed by now."""
         return self.fails_fast_under(self.layout)

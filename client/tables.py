@@ -15,8 +15,9 @@ session's table room, over gRPC. A session that breaks is dropped (the connectio
 after a pause); a pull then completes over gRPC, while a push fails with UnavailableError, since it may
 have been applied and async pushes are not idempotent.
 
-With replicas, a sync table's push is held by its server pending until every worker pushed that
-clock, and is not replicated meanwhile: the client keeps each sync push until pulls at a later clock
+With replicas, or with more row partitions than servers (`pshard rebalance` may move them), a sync
+table's push is held by its server pending until every worker pushed that clock, and is not replicated
+meanwhile: the client keeps each sync push until pulls at a later clock
 have read every row partition since (or, after a few clocks, asks the partitions it did not read,
 with a pull of no ids), and sends the pushes it keeps again, in clock order, to the servers of a
 new layout before anything else of that table (docs/architecture.md, 9 Failures). Servers drop
@@ -65,6 +66,24 @@ T = TypeVar("T")
 # What one server gets: pushed (ids, gradients) or (), pulled ids or None, and where pulled rows go:
 # that array, or when positions are given (last), rows `positions` of it.
 _Request = tuple[Sequence[np.ndarray], "np.ndarray | None", "np.ndarray | None", "np.ndarray | None"]
+
+
+def _movable(layout: Layout) -> bool:
+    """Row partitions of `layout` may change servers while a sync clock is pending on them: by a failover
+    (replicas), or by `pshard rebalance` (more partitions than servers, with replicas or without). The
+    pending sum is the old server's alone, so the workers keep their pushes to send them again."""
+    return bool(layout.replicas) or layout.partition_count > len(layout.servers)
+
+
+def _server_behind(err: Exception, layout: Layout | None) -> bool:
+    """A server refused a partition by an older layout than the one the request was routed with: it has
+    not received the newer one yet (a move switched it, `pshard rebalance`). No newer layout is coming,
+    so the request goes again in a moment, as a LayoutNotYetError's does; waiting for a newer one held
+    it for the whole re-route wait (10 s)."""
+    if not isinstance(err, PartitionMovedError) or layout is None:
+        return False
+    known = err.facts.get("layout_version", 0)
+    return isinstance(known, int) and 0 < known < layout.version
 
 
 class _Sent(NamedTuple):
@@ -291,9 +310,9 @@ class TableClient:
 
     def _keep(self, table: str, ids: np.ndarray, grads: np.ndarray, clock: int, push_id: int,
               layout: Layout | None) -> None:
-        """Keep an acknowledged sync push (replicated layouts only) until every partition applied it;
-        `layout`: the one it was sent with (a newer one gets it again, _resend)."""
-        if layout is None or not layout.replicas or self._config(table).mode != "sync":
+        """Keep an acknowledged sync push (layouts whose partitions may move) until every partition applied
+        it; `layout`: the one it was sent with (a newer one gets it again, _resend)."""
+        if layout is None or not _movable(layout) or self._config(table).mode != "sync":
             return
         kept = _Kept(clock, push_id, np.array(ids, copy=True), np.array(grads, copy=True),
                      set(range(len(layout.servers))), layout.version)
@@ -353,12 +372,17 @@ class TableClient:
                 return call(layout)
             except (UnavailableError, UnknownKeyError) as err:
                 left = deadline - time.monotonic()
-                if isinstance(err, LayoutNotYetError) and left > 0 and not conn.closed.is_set():
+                if (isinstance(err, LayoutNotYetError) or _server_behind(err, layout)) and left > 0 \
+                        and not conn.closed.is_set():
                     self.not_yet += 1
                     conn.closed.wait(min(_NOT_YET_WAIT_S, left))  # the server learns the layout soon
                     continue
                 moved = isinstance(err, UnavailableError | PartitionMovedError)
-                if not moved or not conn.fails_fast_under(layout) or left <= 0 or conn.closed.is_set():
+                # Without replicas a server that went is not failed over, but a partition moved by
+                # `pshard rebalance` is served elsewhere all the same.
+                rerouted = conn.fails_fast_under(layout) or (
+                    conn.can_reroute and layout is not None and isinstance(err, PartitionMovedError))
+                if not moved or not rerouted or layout is None or left <= 0 or conn.closed.is_set():
                     raise
                 newer = conn.newer_layout(layout, left)
                 if newer is not None:

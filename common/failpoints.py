@@ -35,6 +35,7 @@ ACTIONS = ("pause", "pause-once")
 NAMES = (
     "worker.before_await_peers",  # the chief, after its last step, before it asks the servers for clocks
     "ps.before_replica_apply",  # a backup (a joiner, say) holding a primary's copy, not applied yet
+    "ps.before_rows_apply",  # a backup or a move's target holding a primary's table rows, not applied yet
 )
 
 

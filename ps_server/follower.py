@@ -203,6 +203,7 @@ class ReplicaWiring:
                                          shm_dir=handlers.replica_shm_dir, links=links)
             tables.replication = handlers.table_replication = self.rows
             self.reporter.tables_in_sync = self.rows.in_sync
+            self.reporter.copies_in_sync = self.rows.copies_in_sync
         loop.call_soon_threadsafe(self._report)
 
     def on_view(self, view: ClusterView) -> None:
@@ -244,6 +245,38 @@ class ReplicaWiring:
     def _report(self) -> None:
         self.reporter.report()
         self._loop.call_later(IN_SYNC_REPORT_S, self._report)
+
+
+class RowMoveWiring:
+    """A job without replicas: its table row partitions move all the same (issue 20, `pshard rebalance`).
+    The layouts say which partitions are this server's (it refuses the others, and counts each one's
+    load), the views which it copies to a move's target or takes from a move's source, and each heartbeat
+    which of its copies are caught up. The rows travel by the replication of a job with replicas
+    (`TableReplication`, with no backups), over gRPC."""
+
+    def __init__(self, handlers: ParameterServerHandlers, tables: TableHandlers, spec: ClusterSpec,
+                 loop: asyncio.AbstractEventLoop, report: Callable[[dict[str, int], int], None],
+                 security: SecurityConfig | None = None) -> None:
+        self._report = report
+        self._loop = loop
+        send = grpc_sender(security, stub_cache(security))
+        self.rows = TableReplication(spec.own_address or spec.node_id, send, loop, tables)
+        tables.replication = handlers.table_replication = self.rows
+        loop.call_soon_threadsafe(self._tick)
+
+    def on_view(self, view: ClusterView) -> None:
+        self.rows.on_view(view)
+
+    def on_layout(self, layout: Layout) -> None:
+        self.rows.on_layout(layout)
+        self._send()
+
+    def _send(self) -> None:
+        self._report(self.rows.copies_in_sync(), self.rows.layout_version())
+
+    def _tick(self) -> None:
+        self._send()
+        self._loop.call_later(IN_SYNC_REPORT_S, self._tick)
 
 
 class LoadReporter:
@@ -297,6 +330,11 @@ def follow_scheduler(running: RunningServer, spec: ClusterSpec, loop: asyncio.Ab
         follower.subscribe_heartbeat_timeout(replicas.set_heartbeat_timeout)
         follower.subscribe_answers(handlers.renew_lease)  # fenced when it may have been failed over
         rows, slices = replicas.rows, replicas.slices
+    elif tables is not None:
+        moving = RowMoveWiring(handlers, tables, spec, loop, follower.client.report_in_sync, security)
+        follower.subscribe_layouts(moving.on_layout)
+        follower.subscribe_views(moving.on_view)
+        rows = moving.rows
     LoadReporter(handlers, rows, follower.client.report_load, loop, slices)
     quorum = QuorumInstaller(handlers, tables, loop)
     follower.subscribe_views(quorum.on_view)

@@ -290,7 +290,8 @@ def _move_lines(status: JobStatus) -> list[str]:
     lines = ["", f"{'MOVE':<14} {'STATE':<11} {'FROM':<21} {'TO':<21} {'LAYOUT':>6} {'COPIED':>10} "
                  f"{'LEFT':>10} {'TIME':>8}"]
     for m in status.moves:
-        state = "done" if m.done else "in progress"
+        # Layout 0: a catch-up copy to a server that is not a backup, before its switch.
+        state = "done" if m.done else "copying" if not m.layout_version else "in progress"
         lines.append(f"{f'partition {m.partition}':<14} {state:<11} {m.source:<21} {m.target:<21} "
                      f"{m.layout_version:>6} {_size(m.bytes_copied):>10} {_size(m.bytes_left):>10} "
                      f"{f'{m.seconds:.2f} s':>8}")

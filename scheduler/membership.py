@@ -33,7 +33,7 @@ from pshard.common.cluster.layout import (
 )
 from pshard.common.cluster.loads import Counters, LoadMeter
 from pshard.common.cluster.losses import serves
-from pshard.common.cluster.moves import NotABackupError, NowhereToMoveError, partition_count, plan_join
+from pshard.common.cluster.moves import NowhereToMoveError, partition_count, plan_join
 from pshard.common.cluster.replicas import (
     NoInSyncCopyError,
     fail_over,
@@ -67,6 +67,7 @@ from pshard.common.errors import (
 from pshard.scheduler.drains import DrainLog
 from pshard.scheduler.in_sync import DRAINED, JOINED, LOST, PROMOTED, InSyncCopies
 from pshard.scheduler.joins import JoinLog
+from pshard.scheduler.partition_copies import PartitionCopies
 from pshard.scheduler.partition_moves import MoveLog
 
 log = logging.getLogger("pshard.scheduler")
@@ -226,6 +227,7 @@ class Membership:
         self._donors: dict[str, tuple[str, int]] = {}
         self.loads = LoadMeter()  # each server's load, from its heartbeats (`pshard rebalance`)
         self.moves = MoveLog()  # partition moves, and every move's duration for the metrics
+        self.copies = PartitionCopies()  # moves to servers without a copy, while they catch up
 
     @property
     def generation(self) -> int:
@@ -286,6 +288,7 @@ class Membership:
             self.in_sync.forget(known.address, "registered again (a new process holds nothing)")
         if role == "ps":
             self.in_sync.forget(address, "registered again (a new process holds nothing)")
+            self._copies_gone(address, "registered again (a new process holds nothing of the copy)")
         generation = self._bump()
         self._members[node_id] = _Member(node_id, role, rank, address, NodeState.LIVE, generation,
                                          last_seen=self._clock.now(),
@@ -349,6 +352,8 @@ class Membership:
                 and in_sync_layout >= layout.version):
             self.in_sync.report(member.address, in_sync, self._is_current, self._ring_backups(member))
             self._join_caught_up(member)
+        if member.role == "ps" and layout is not None:
+            self._copies_reported(member, in_sync, in_sync_layout)
         return self.view()
 
     # ---- joins (docs/architecture.md, 4 Layout: Moving slices and partitions) ----
@@ -669,7 +674,8 @@ class Membership:
     def view(self) -> ClusterView:
         nodes = sorted(self._members.values(), key=lambda m: (_SPACE_ORDER[RANK_SPACE[m.role]], m.rank))
         return ClusterView(self._generation, tuple(m.snapshot() for m in nodes),
-                           self._layout.version if self._layout else 0, tuple(self._losses.values()))
+                           self._layout.version if self._layout else 0, tuple(self._losses.values()),
+                           self.copies.view())
 
     def live_workers(self) -> dict[str, int]:
         return self.view().live_workers()
@@ -885,8 +891,12 @@ class Membership:
 
     def replace_layout(self, layout: Layout) -> Layout:
         """Install a re-planned layout (e.g. after the server set changed) under a new version."""
-        self._layout = dataclasses.replace(layout, version=self._next_layout_version())
+        self._layout = new = dataclasses.replace(layout, version=self._next_layout_version())
         self._keep_losses_served()
+        for copy in self.copies.not_owned(lambda p: new.servers[new.row_owner(p)]):
+            log.warning("MOVE ROLLED BACK: row partition %d from %s to %s: layout version %d gives it to %s",
+                        copy.partition, copy.source, copy.target, new.version, new.servers[new.row_owner(
+                            copy.partition)])
         self._bump()
         return self._layout
 
@@ -956,20 +966,25 @@ class Membership:
             return
         now = self._clock.now()
         self.loads.report(member.address, counters, now)
-        backed_up = bool(self.in_sync.of(member.address))
+        # Without replicas a move is done once its target serves it; with them, once it is backed up again.
+        backed_up = bool(self.in_sync.of(member.address)) or not (self._layout and self._layout.replicas)
         done = self.moves.progress(member.address, member.layout_version, copy_bytes_left, backed_up, now)
         self._joins_copying(member, copy_bytes_left)
+        self.copies.copying(member.address, copy_bytes_left)
         for move in done:
-            log.warning("MOVE: row partition %d from %s to %s (its backup) in %.2f s: switched at layout "
-                        "version %d, and %s's backups hold its %d bytes again", move.partition, move.source,
-                        move.target, move.seconds(now), move.layout_version, move.target, move.nbytes)
+            log.warning("MOVE: row partition %d from %s to %s in %.2f s: switched at layout version %d, and "
+                        "%s serves its %d bytes%s", move.partition, move.source, move.target,
+                        move.seconds(now), move.layout_version, move.target, move.nbytes,
+                        ", backed up again" if self._layout and self._layout.replicas else "")
 
     def move_partition(self, partition: int, target: str, layout_version: int = 0) -> Layout:
-        """Row partition `partition` to `target`, an in-sync backup of its server, under a new layout
-        version: a planned failover of that partition alone (the backup holds a copy, so nothing is copied
-        before the switch; the workers re-route on the source's PartitionMovedError). Changes nothing when
-        refused: NoInSyncCopyError while the backup is still copying (retry), NotABackupError when `target`
-        is not a backup (the join's catch-up copy would be needed), InvalidArgumentError otherwise."""
+        """Row partition `partition` to `target` under a new layout version: a planned failover of that
+        partition alone (the workers re-route on the source's PartitionMovedError). An in-sync backup of its
+        server holds a copy, so it switches at once; any other live server first gets a catch-up copy of the
+        partition from its server, and the switch waits for its in-sync report (`_start_copy`): the layout
+        returned is then the one in force, which still has the partition on its server. Changes nothing
+        when refused: NoInSyncCopyError while a backup is still copying everything (retry),
+        InvalidArgumentError otherwise."""
         layout = self._layout
         what = f"move of row partition {partition} to {target!r}"
         if layout is None:
@@ -987,35 +1002,73 @@ class Membership:
         source = layout.servers[source_index]
         if source_index == target_index:
             raise InvalidArgumentError(f"{what}: server {target_index} serves it already")
-        if not layout.replicas:
-            raise NotABackupError(f"{what}: the job has no replicas (replicas 0), so no server holds a copy "
-                                  "of it; moving it needs the join's catch-up copy, not built yet")
         members = {m.address: m for m in self._members.values() if m.role == "ps"}
         if members.get(target) is None or members[target].state is not NodeState.LIVE:
             raise InvalidArgumentError(f"{what}: server {target_index} ({target}) is not live")
         owner = members.get(source)
-        backups = sorted(self._ring_backups(owner)) if owner is not None else []
+        if owner is None or owner.state is not NodeState.LIVE:
+            raise InvalidArgumentError(f"{what}: server {source_index} ({source}), which serves it, is not "
+                                       "live")
+        backups = sorted(self._ring_backups(owner)) if layout.replicas else []
         if target not in backups:
-            raise NotABackupError(f"{what}: it is not a backup of server {source_index} ({source}), which "
-                                  f"serves it (its backups: {backups}); moving it there needs the join's "
-                                  "catch-up copy, not built yet")
+            self._start_copy(partition, owner, members[target])
+            return layout
         if target not in self.in_sync.of(source):
             raise NoInSyncCopyError(f"{what}: server {target_index} is a backup of server {source_index} "
                                     f"({source}) but does not hold a copy of everything it serves yet; retry")
+        new = self._switch(layout, partition, source, target, self._clock.now())
+        log.info("MOVING: row partition %d from server %d (%s) to its in-sync backup server %d (%s) at "
+                 "layout version %d; generation %d", partition, source_index, source, target_index,
+                 target, new.version, self._generation)
+        return new
+
+    def _switch(self, layout: Layout, partition: int, source: str, target: str, started: float) -> Layout:
+        """Row partition `partition` to `target` under one new layout version."""
         owners = list(layout.owners())
-        owners[partition] = target_index
+        owners[partition] = layout.servers.index(target)
         row_owners = () if owners == list(range(len(layout.servers))) else tuple(owners)
         new = self.replace_layout(dataclasses.replace(layout, row_owners=row_owners))
         # Its backups hold none of the partition yet: they count once it reports them again.
         self.in_sync.reset(target, f"took over row partition {partition}")
         nbytes = self.loads.load(source).partition_bytes.get(partition, 0)
-        self.moves.switched(partition, source, target, new.version, nbytes, self._clock.now())
-        log.info("MOVING: row partition %d from server %d (%s) to its in-sync backup server %d (%s) at "
-                 "layout version %d (%d bytes); generation %d", partition, source_index, source, target_index,
-                 target, new.version, nbytes, self._generation)
+        self.moves.switched(partition, source, target, new.version, nbytes, started)
         return new
 
+    def _start_copy(self, partition: int, source: _Member, target: _Member) -> None:
+        """A move to a server that holds no copy of the partition: the views name the copy, its source
+        forwards the partition's rows to the target, and its in-sync report makes the switch
+        (`_copies_reported`)."""
+        nbytes = self.loads.load(source.address).partition_bytes.get(partition, 0)
+        if self.copies.start(partition, (source.address, source.generation),
+                             (target.address, target.generation), self._clock.now(), nbytes):
+            self._bump()
+            log.info("COPYING: row partition %d from %s to %s (not a backup of its server) before it moves; "
+                     "generation %d", partition, source.address, target.address, self._generation)
+
+    def _copies_reported(self, member: _Member, in_sync: Mapping[str, int], layout_version: int) -> None:
+        """A server's heartbeat: the copies it sends that its report says are caught up switch; the switched
+        copies to it that the layout it reports covers are done."""
+        layout = self._layout
+        for copy in self.copies.caught_up(member.address, in_sync, self._is_current):
+            if layout is None or layout.servers[layout.row_owner(copy.partition)] != member.address:
+                continue  # a layout that moved it elsewhere rolls the copy back (replace_layout)
+            self.copies.switched(copy.partition, self._next_layout_version())  # before the layout's check
+            layout = self._switch(layout, copy.partition, copy.source, copy.target, copy.started)
+            log.info("MOVING: row partition %d from %s to %s, which caught up with it, at layout version %d "
+                     "(%.2f s after the copy began); generation %d", copy.partition, copy.source, copy.target,
+                     layout.version, self._clock.now() - copy.started, self._generation)
+        if self.copies.taken(member.address, layout_version):
+            self._bump()  # the views stop naming the copies: their sources drop what is left of them
+
+    def _copies_gone(self, address: str, why: str) -> None:
+        for copy in self.copies.gone(address):
+            if copy.switched_at:
+                continue  # complete: the layout that switched it stands
+            log.warning("MOVE ROLLED BACK: row partition %d stays on %s: %s %s before it held a copy",
+                        copy.partition, copy.source, address, why)
+
     def _moves_gone(self, address: str, why: str) -> None:
+        self._copies_gone(address, why)
         for move in self.moves.gone(address, self._clock.now()):
             log.warning("MOVE: row partition %d from %s to %s ended unfinished: %s %s before its backups "
                         "held the partition again", move.partition, move.source, move.target, address, why)

@@ -1,12 +1,14 @@
 """The partition moves a scheduler has made (issue 20, `pshard rebalance`, `pshard status`, the metrics).
 Pure: the scheduler's clock comes in as `now`.
 
-A row partition moves to an in-sync backup of its server: the switch is one new layout version, made at
-once, because that backup holds a copy already. The move is done when the partition has a backup again:
-the new server reports, for a layout at least as new as the switch, a backup that holds every row it
-serves. In between, its backups are copying, and the bytes they still lack (its heartbeats'
-`copy_bytes_left`) are the move's bytes left. Drains are counted here too, as moves of their own kind,
-so that the metrics count every move and its duration in one place.
+A row partition moves to an in-sync backup of its server at once, because that backup holds a copy
+already, and to any other server after a catch-up copy (scheduler/partition_copies.py): either way the
+switch is one new layout version, and the move is kept here from its switch on, timed from the copy's
+start. It is done when the partition has a backup again: the new server reports, for a layout at least
+as new as the switch, a backup that holds every row it serves (in a job without replicas, once it
+reports that layout). In between, its backups are copying, and the bytes they still lack (its
+heartbeats' `copy_bytes_left`) are the move's bytes left. Drains are counted here too, as moves of their
+own kind, so that the metrics count every move and its duration in one place.
 """
 
 from __future__ import annotations

@@ -178,7 +178,11 @@ class SchedulerServicer(pb_grpc.SchedulerServiceServicer):
 
     def _moves(self) -> list[pb.PartitionMove]:
         now = self._members.clock_now()
-        return [pb.PartitionMove(partition=m.partition, source=m.source, target=m.target,
+        copying = [pb.PartitionMove(partition=c.partition, source=c.source, target=c.target, bytes=c.nbytes,
+                                    bytes_copied=c.nbytes - c.bytes_left, bytes_left=c.bytes_left,
+                                    seconds=now - c.started)
+                   for c in self._members.copies.in_progress()]
+        return copying + [pb.PartitionMove(partition=m.partition, source=m.source, target=m.target,
                                  layout_version=m.layout_version, bytes=m.nbytes, bytes_copied=m.bytes_copied,
                                  bytes_left=m.bytes_left, seconds=m.seconds(now), done=m.done)
                 for m in self._members.moves.all()]
@@ -195,7 +199,9 @@ class SchedulerServicer(pb_grpc.SchedulerServiceServicer):
         limits.check_chars("move target", request.target, limits.max_address_chars)
         layout = self._members.move_partition(request.partition, request.target, request.layout_version)
         self._publish()
-        return pb.MovePartitionResponse(layout_version=layout.version)
+        # Not on the target yet: a catch-up copy runs first, and the switch comes with a later layout.
+        copying = layout.servers[layout.row_owner(request.partition)] != request.target
+        return pb.MovePartitionResponse(layout_version=layout.version, copying=copying)
 
     # ---- barriers ----
 

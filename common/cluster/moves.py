@@ -38,10 +38,6 @@ class NowhereToMoveError(InvalidArgumentError):
     """A drain of the last server that could serve: its slices and rows would have no owner."""
 
 
-class NotABackupError(InvalidArgumentError):
-    """A move to a server that holds no copy of what moves: it needs a catch-up copy first (a join's)."""
-
-
 @dataclass(frozen=True)
 class Move:
     """One dense slice or row partition changing owner: copied to `target`, then switched."""

@@ -76,6 +76,18 @@ class ServerLoss:
 
 
 @dataclass(frozen=True)
+class PartitionCopy:
+    """A row partition its server (`source`) copies to `target`, a server that is not a backup of its own,
+    before a move switches it there (issue 20, `pshard rebalance`): the source forwards the partition's
+    rows to the target as to a backup until the target reports it holds them."""
+
+    partition: int
+    source: str  # addresses
+    target: str
+    switched_at: int = 0  # the layout version that switched it to `target` (0: still copying)
+
+
+@dataclass(frozen=True)
 class ClusterView:
     generation: int
     nodes: tuple[Node, ...] = ()
@@ -83,6 +95,16 @@ class ClusterView:
     # The servers the job lost: a worker whose step needs one fails at once instead of waiting for a
     # failover that will never come (pshard.common.cluster.losses).
     lost: tuple[ServerLoss, ...] = ()
+    copies: tuple[PartitionCopy, ...] = ()
+
+    def copies_from(self, source: str) -> dict[str, frozenset[int]]:
+        """The partitions `source` copies to each target (the switched ones too: their targets take them
+        over from the copy once they learn the layout that switched them)."""
+        out: dict[str, frozenset[int]] = {}
+        for c in self.copies:
+            if c.source == source:
+                out[c.target] = out.get(c.target, frozenset()) | {c.partition}
+        return out
 
     def node(self, node_id: str) -> Node | None:
         return next((n for n in self.nodes if n.node_id == node_id), None)

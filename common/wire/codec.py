@@ -22,7 +22,7 @@ import numpy as np
 from google.protobuf.message import DecodeError
 from pshard.common.cluster.layout import Layout, LayoutSlice, ParamSpec
 from pshard.common.cluster.loads import Counters, ServerLoad
-from pshard.common.cluster.view import ROLES, ClusterView, Node, NodeState, ServerLoss
+from pshard.common.cluster.view import ROLES, ClusterView, Node, NodeState, PartitionCopy, ServerLoss
 from pshard.common.compression import PullPack
 from pshard.common.errors import EmptyRequestError, InvalidArgumentError, PayloadSizeError, quote
 from pshard.common.job import MODES, NONFINITE, OPTIMIZERS, JobConfig, OptimizerConfig, check_lr
@@ -434,13 +434,17 @@ def node_from_proto(p: sched_pb.Node) -> Node:
 def view_to_proto(view: ClusterView) -> sched_pb.ClusterView:
     lost = [sched_pb.ServerLoss(address=loss.address, layout_version=loss.layout_version, reason=loss.reason)
             for loss in view.lost]
+    copies = [sched_pb.PartitionCopy(partition=c.partition, source=c.source, target=c.target,
+                                     switched_at=c.switched_at) for c in view.copies]
     return sched_pb.ClusterView(generation=view.generation, nodes=[node_to_proto(n) for n in view.nodes],
-                                layout_version=view.layout_version, lost=lost)
+                                layout_version=view.layout_version, lost=lost, copies=copies)
 
 
 def view_from_proto(p: sched_pb.ClusterView) -> ClusterView:
     lost = tuple(ServerLoss(loss.address, loss.layout_version, loss.reason) for loss in p.lost)
-    return ClusterView(p.generation, tuple(node_from_proto(n) for n in p.nodes), p.layout_version, lost)
+    copies = tuple(PartitionCopy(c.partition, c.source, c.target, c.switched_at) for c in p.copies)
+    nodes = tuple(node_from_proto(n) for n in p.nodes)
+    return ClusterView(p.generation, nodes, p.layout_version, lost, copies)
 
 
 # ---- load (issue 20: `pshard status`, `pshard rebalance`) ----

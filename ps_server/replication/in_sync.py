@@ -32,6 +32,9 @@ class InSyncReporter:
         self._layout: Layout | None = None
         # The backups holding every table row too (ps_server/replication/tables.py); None: no tables.
         self.tables_in_sync: Callable[[], set[str]] | None = None
+        # The targets of moves holding the row partitions they take (address -> generation), reported
+        # beside the backups: the scheduler switches those partitions to them (issue 20).
+        self.copies_in_sync: Callable[[], dict[str, int]] | None = None
 
     def on_view(self, view: ClusterView) -> None:
         """Note each server's incarnation; a backup with a new one is copied to from scratch."""
@@ -56,4 +59,6 @@ class InSyncReporter:
         if self.tables_in_sync is not None:
             rows = self.tables_in_sync()
             copies = {a: g for a, g in copies.items() if a in rows}
+        if self.copies_in_sync is not None:
+            copies.update(self.copies_in_sync())
         self._report(copies, layout.version)

@@ -21,7 +21,7 @@ from __future__ import annotations
 import json
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -62,10 +62,17 @@ class PushLog:
         """Hold `keys` for `worker` (a primary's list, oldest first), replacing what was there."""
         self._by_worker[worker] = OrderedDict((k, None) for k in list(keys)[-PUSHES_KEPT:])
 
-    def merge(self, other: PushLog) -> None:
+    def merge(self, other: PushLog, partitions: Collection[int] | None = None) -> None:
+        """Hold `other`'s keys too (of `partitions` only, when given: the ones a server takes over), the
+        newest PUSHES_KEPT per worker of both. By push id, not appended: a server taking a partition over
+        appended up to PUSHES_KEPT keys of its old server after its own, evicting its own newest, and
+        then applied again a push that a move's re-route resent to it (push ids grow per worker)."""
         for worker, keys in other._by_worker.items():
-            for key in keys:
-                self.add(worker, key)
+            mine = self._by_worker.get(worker, OrderedDict())
+            new = [k for k in keys if k not in mine and (partitions is None or k[1] in partitions)]
+            if new:
+                newest = sorted([*mine, *new])[-PUSHES_KEPT:]
+                self._by_worker[worker] = OrderedDict((k, None) for k in newest)
 
 
 @dataclass

@@ -39,15 +39,15 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Collection, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from typing import NamedTuple, Protocol
 
 import numpy as np
 from pshard.common.cluster.layout import Layout
-from pshard.common.cluster.replicas import index_of
-from pshard.common.cluster.view import ClusterView, ServerIncarnations
+from pshard.common.cluster.replicas import index_of, joining_backups
+from pshard.common.cluster.view import ClusterView, NodeState, ServerIncarnations
 from pshard.common.errors import (
     InvalidArgumentError,
     LayoutNotYetError,
@@ -55,6 +55,7 @@ from pshard.common.errors import (
     PullTimeoutError,
     StaleGenerationError,
 )
+from pshard.common.failpoints import failpoint
 from pshard.common.sparse import TableConfig, server_of
 from pshard.ps_server.replication.api import RowReplication
 from pshard.ps_server.replication.backends import Links, Send, over_link
@@ -141,6 +142,9 @@ class _Peer:
     # that a joiner slow, held or killed mid-copy stalls no push.
     holds: bool = True
     joining: bool = False
+    # None: a backup, given every row. A set: a move's target (issue 20, `pshard rebalance`), given only
+    # the rows of these row partitions, until the scheduler switches them to it.
+    partitions: frozenset[int] | None = None
     wake: asyncio.Event = field(default_factory=asyncio.Event)
     closed: bool = False
     incarnation: int = 0
@@ -196,6 +200,15 @@ class TableReplication:
         # Primary -> the partitions a move gave this server from it while it lives on: its batches with
         # rows of them are refused from then on (`apply`), as a dead primary's are after a failover.
         self._taken: dict[str, frozenset[int]] = {}
+        # The peers the views ask for: backups (and joiners among them), and the targets of this server's
+        # partitions being moved to a server that is not a backup of it, with those partitions.
+        self._backups: list[str] = []
+        self._catching_up: frozenset[str] = frozenset()
+        self._copies: dict[str, frozenset[int]] = {}
+        # Servers copying a partition to this one (the views' copies): their replica here is a move's copy
+        # alone, dropped once taken over.
+        self._copy_sources: frozenset[str] = frozenset()
+        self._view: ClusterView | None = None
 
     # ---- requests (TableHandlers' hooks, on the loop) ----
 
@@ -297,6 +310,10 @@ class TableReplication:
         """The row partitions this server serves (None: it knows no layout yet)."""
         return self._owned
 
+    def layout_version(self) -> int:
+        """The version of the newest layout this server knows (0: none yet)."""
+        return self._layout.version if self._layout is not None else 0
+
     def partition_count(self) -> int:
         """How many row partitions `partitions` numbers ids into (0: no layout yet, every id is -1's)."""
         layout = self._layout
@@ -374,33 +391,79 @@ class TableReplication:
     def set_backups(self, addresses: Sequence[str], catching_up: Collection[str] = ()) -> None:
         """The backups this server forwards to now; those in `catching_up` are joiners, which
         acknowledgements wait for only once their copy is done."""
-        wanted = list(dict.fromkeys(addresses))
+        self._backups, self._catching_up = list(dict.fromkeys(addresses)), frozenset(catching_up)
+        self._reconcile()
+
+    def set_copies(self, copies: Mapping[str, frozenset[int]]) -> None:
+        """The row partitions this server copies to each target now (`pshard rebalance` to a server that is
+        not a backup of it): a catch-up copy of their rows, then each change of them, as to a backup.
+        Acknowledgements wait for a target only once its copy is done, so a slow or dead target stalls no
+        push; from then on they do, which makes it a copy the scheduler can switch the partitions to."""
+        self._copies = {a: frozenset(p) for a, p in copies.items() if p and a != self.own}
+        self._reconcile()
+
+    def _reconcile(self) -> None:
+        """Peers for the backups and the copies wanted now: new ones start with a copy, gone ones stop."""
+        wanted: dict[str, frozenset[int] | None] = {a: p for a, p in self._copies.items()}
+        wanted.update((a, None) for a in self._backups)  # a backup gets every row, its copies' too
         self._watch()  # a new backup's copy then covers every table once
         for address in [a for a in self._peers if a not in wanted]:
-            peer = self._peers.pop(address)
-            peer.closed = True
-            peer.wake.set()
-            if peer.segment is not None:
-                peer.segment.close()
-            log.warning("table replication: %s is no longer a backup of %s", address, self.own)
-            self._loop.run_in_executor(None, self._release, address)
-            self._loop.create_task(self._notify())
-        for address in wanted:
-            if address not in self._peers:
-                peer = self._peers[address] = _Peer(address, acked=self._seq)
-                peer.holds = address not in catching_up
+            self._stop(self._peers.pop(address))
+        for address, partitions in wanted.items():
+            peer = self._peers.get(address)
+            if peer is None:
+                peer = self._peers[address] = _Peer(address, acked=self._seq, partitions=partitions)
+                peer.holds = partitions is None and address not in self._catching_up
                 if self._shm_dir is not None:
                     peer.segment = RowSegment(self._shm_dir)
                 self._copy_all(peer)
                 peer.wake.set()
                 peer.task = self._loop.create_task(self._sender(peer))
-                log.info("table replication: %s backs up %s; copying its table rows", address, self.own)
+                log.info("table replication: %s %s; copying its table rows", address,
+                         f"backs up {self.own}" if partitions is None else
+                         f"takes row partitions {sorted(partitions)} of {self.own} (a move)")
+            elif peer.partitions != partitions:
+                self._retarget(peer, partitions)
         for address, peer in self._peers.items():
-            peer.joining = address in catching_up
+            peer.joining = address in self._catching_up or peer.partitions is not None
             peer.holds = peer.holds or not peer.joining
 
+    def _retarget(self, peer: _Peer, partitions: frozenset[int] | None) -> None:
+        """A peer's rows change: a move's target that became a backup, or a move's that takes more
+        partitions, gets a copy of what it lacks; one that takes fewer (or a backup that is a move's
+        target only now) holds what it needs already."""
+        before, peer.partitions = peer.partitions, partitions
+        if before is not None and (partitions is None or partitions - before):
+            self._copy_all(peer)
+            peer.wake.set()
+
+    def _stop(self, peer: _Peer) -> None:
+        peer.closed = True
+        peer.wake.set()
+        if peer.segment is not None:
+            peer.segment.close()
+        owned = self._owned or frozenset()
+        if peer.partitions is None:
+            log.warning("table replication: %s is no longer a backup of %s", peer.address, self.own)
+        elif not peer.partitions <= owned:
+            # Switched to it: it drops the copy itself once it took it over (`_promote_moved`); a release
+            # from here could reach it before the layout that switched them.
+            log.info("table replication: %s took over row partitions %s of %s", peer.address,
+                     sorted(peer.partitions), self.own)
+            self._loop.create_task(self._notify())
+            return
+        else:
+            log.warning("table replication: the move of row partitions %s of %s to %s was rolled back",
+                        sorted(peer.partitions), self.own, peer.address)
+        self._loop.run_in_executor(None, self._release, peer.address)
+        self._loop.create_task(self._notify())
+
     def on_view(self, view: ClusterView) -> None:
-        """A backup with a new incarnation holds nothing: copy every row to it again."""
+        """A backup with a new incarnation holds nothing: copy every row to it again. The view's copies
+        are the moves this server sends or takes."""
+        self._copy_sources = frozenset(c.source for c in view.copies if c.target == self.own)
+        self._view = view
+        self.set_copies(view.copies_from(self.own))
         for address in self._incarnations.restarted(view):
             peer = self._peers.get(address)
             if peer is not None:
@@ -420,7 +483,15 @@ class TableReplication:
     def in_sync(self) -> set[str]:
         """The backups holding every row of this server's tables (the rest are still copying)."""
         self._watch()
-        return {a for a, p in self._peers.items() if p.copied}
+        return {a for a, p in self._peers.items() if p.copied and p.partitions is None}
+
+    def copies_in_sync(self) -> dict[str, int]:
+        """The targets of moves holding every row of the partitions they take (address -> the generation of
+        the incarnation the views showed): the scheduler switches those partitions to them."""
+        self._watch()
+        generations = self._incarnations.generations
+        return {a: generations[a] for a, p in self._peers.items()
+                if p.copied and p.partitions is not None and a in generations}
 
     def _watch(self) -> None:
         """Tables this server has gained since it last looked (declared, or restored by a global
@@ -445,7 +516,7 @@ class TableReplication:
 
     def _copy_all(self, peer: _Peer) -> None:
         peer.copied = False
-        peer.backlog = [(t.config.name, all_ids(t)) for t in self._tables.tables()]
+        peer.backlog = [(t.config.name, self._for_peer(peer, all_ids(t))) for t in self._tables.tables()]
         for name, push_log in self._logs.items():
             peer.workers.setdefault(name, set()).update(push_log.workers())
 
@@ -506,6 +577,22 @@ class TableReplication:
         rows = self._take_over(copies, moved, partitions)
         log.warning("MOVE: took over %d table rows of row partitions %s from %s", rows, sorted(moved),
                     primary)
+        if primary in self._copy_sources and not self._backs_up(primary):
+            self.replicas.release(primary)  # a move's copy, not a backup's: nothing else is kept of it
+
+    def _backs_up(self, primary: str) -> bool:
+        """This server is a backup of `primary` in the newest view (the ring moved during a move's copy:
+        the copy became a backup's, which a failover of `primary` needs whole)."""
+        view, layout = self._view, self._layout
+        if view is None or layout is None or not layout.replicas:
+            return False
+        servers = {n.rank: n for n in view.nodes if n.role == "ps"}
+        rank = next((r for r, n in servers.items() if n.address == primary), None)
+        if rank is None:
+            return False
+        live = {r for r, n in servers.items() if n.state is NodeState.LIVE} | {rank}
+        kept, joining = joining_backups(rank, max(servers) + 1, layout.replicas, live, len(layout.servers))
+        return any(servers[r].address == self.own for r in (*kept, *joining))
 
     def _remember(self, version: int) -> None:
         self._owned_at[version] = self._owned
@@ -540,7 +627,7 @@ class TableReplication:
             ids = merge(table, replica, keep)
             if clocks is not None:  # a sync table: its partitions go on from the clock the rows hold
                 self._tables.adopt_sync(name, {p: c for p, c in clocks.items() if p in taken})
-            self._logs.setdefault(name, PushLog()).merge(push_log)
+            self._logs.setdefault(name, PushLog()).merge(push_log, taken)
             rows += len(ids)
             for peer in self._peers.values():  # they count in sync again once they hold these rows too
                 peer.copied = False
@@ -563,10 +650,12 @@ class TableReplication:
                 self._maps.drop(primary)
             log.info("table replication: %s no longer forwards here; dropped %d rows", primary, dropped)
             return False
+        failpoint("ps.before_rows_apply")
         layout = self._layout
         p = index_of(layout, primary) if layout is not None else None
         home = layout.home_partitions(p) if layout is not None and p is not None else ()
-        if layout is not None and home and all(layout.row_owner(q) != p for q in home):
+        if (layout is not None and home and all(layout.row_owner(q) != p for q in home)
+                and p is not None and not layout.partitions_on(p)):
             raise StaleGenerationError(f"replicate: {primary}'s row partitions {list(home)} have servers "
                                        f"{[layout.row_owner(q) for q in home]} as their primaries since a "
                                        f"failover (layout version {layout.version}); the sender was declared "
@@ -617,9 +706,13 @@ class TableReplication:
             table = self._tables.find(name)
             if table is None:
                 continue
-            ids = self._still_ours(np.unique(np.concatenate(parts)))
+            ids = self._for_peer(peer, self._still_ours(np.unique(np.concatenate(parts))))
             fits = max(1, budget // row_bytes(table.config))
             keys = workers.pop(name, set())
+            if peer.partitions is not None and not len(ids) and table.config.mode != "sync":
+                # Only rows of partitions it does not take: their push keys are not its either. A sync
+                # table's batch goes all the same: it carries the applied clocks, the moving partition's too.
+                continue
             # A sync table's rows go whole: its applied clocks ride along and must match every row.
             if len(ids) > fits and table.config.mode != "sync":
                 drained = False
@@ -641,7 +734,7 @@ class TableReplication:
                 peer.backlog.pop(0)
                 continue
             fits = max(1, budget // row_bytes(table.config))
-            part, rest = self._still_ours(ids[:fits]), ids[fits:]
+            part, rest = self._for_peer(peer, self._still_ours(ids[:fits])), ids[fits:]
             if len(rest):
                 peer.backlog[0] = (name, rest)
             else:
@@ -652,7 +745,7 @@ class TableReplication:
                 budget -= len(part) * row_bytes(table.config)
         for name, names in workers.items():  # push ids alone (a duplicate dropped, nothing changed)
             table = self._tables.find(name)
-            if table is not None:
+            if table is not None and peer.partitions is None:
                 plan.append((table, np.zeros(0, np.int64), names))
         segment = peer.segment
         if segment is not None and plan:
@@ -727,6 +820,15 @@ class TableReplication:
         if not lost or layout is None or not len(ids):
             return ids
         return ids[~np.isin(server_of(ids, layout.partition_count), np.fromiter(lost, np.int64))]
+
+    def _for_peer(self, peer: _Peer, ids: np.ndarray) -> np.ndarray:
+        """`ids` without those of partitions `peer` does not take (all of them for a backup)."""
+        if peer.partitions is None or not len(ids):
+            return ids
+        layout = self._layout
+        if layout is None:
+            return ids[:0]
+        return ids[np.isin(server_of(ids, layout.partition_count), np.fromiter(peer.partitions, np.int64))]
 
     def _again(self, peer: _Peer, call: _Call) -> None:
         """A call that was not applied: its rows are due again."""

@@ -276,10 +276,10 @@ class LocalCluster:
                                  "--heartbeat-timeout-ms", str(timeout), *self.scheduler_args,
                                  tf_config=self.plan.tf_config(task))
 
-    def start_ps(self, index: int, *args: str) -> Proc:
+    def start_ps(self, index: int, *args: str, env: Mapping[str, str] | None = None) -> Proc:
         task = self.task(f"ps-{index}")
         return self.procs.python(self.prefix + task.name, "-m", "pshard.ps_server", "--bind", task.address,
-                                 *args, tf_config=self.plan.tf_config(task))
+                                 *args, tf_config=self.plan.tf_config(task), env=env)
 
     def start_servers(self, *ps_args: str) -> list[Proc]:
         """The scheduler and every server, started together and awaited healthy."""

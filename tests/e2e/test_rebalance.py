@@ -5,9 +5,10 @@ pushing to it; no acknowledged update is lost or applied twice.
 Real processes: a scheduler planning 4 row partitions per server, three servers with `--replicas 1`, and
 four clients pushing integer gradients (SGD at lr 1, zero rows) to an async table, nearly all to ids of
 ps-1's partitions and a few to ps-0's (ps-0 holds the job's one dense slice, which no client declares, so
-its backup never counts in sync; ps-1 has none): ps-1 is the hottest server, ps-2 (its backup) the
-coolest, so the plan's first move goes to ps-2, and its second, to ps-0, is not a backup's and is skipped.
-The final rows must be minus the sum of every acknowledged push, exactly.
+its backup never counts in sync, so no move to it could count done; ps-1 has none): ps-1 is the hottest
+server, ps-2 (its backup) the coolest, so the plan's first move goes to ps-2 (`--max-moves 1`). The final
+rows must be minus the sum of every acknowledged push, exactly. The second test runs the job without
+replicas: every move there makes a catch-up copy of the partition to its new server first.
 """
 
 from __future__ import annotations
@@ -20,8 +21,11 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
+from pshard.common.security.credentials import SecurityConfig
 from pshard.common.sparse import TableConfig, server_of
 
+from pshard.admin import scheduler_stub
+from pshard.api.v1 import scheduler_pb2
 from pshard.status import fetch, render
 from tests.e2e.harness import Procs, wait_until
 from tests.e2e.test_table_replication_async import replicated_job
@@ -92,7 +96,7 @@ def test_rebalance_moves_a_hot_partition_to_its_backup_and_loses_no_acknowledged
             ps1 = next(load for load in status.loads if load.node_id == "ps-1")
             assert set(ps1.rows_per_s) == set(layout.partitions_on(1))
             operator = procs.python("rebalance", "-m", "pshard", "rebalance", "--scheduler", address,
-                                    "--insecure", "--timeout-s", "30")
+                                    "--insecure", "--timeout-s", "30", "--max-moves", "1")
             assert operator.wait(RUN_TIMEOUT_S) == 0, operator.output()
             at_move = count[0]
             wait_until(lambda: count[0] >= at_move + PUSHES_AFTER or any(f.done() for f in futures),
@@ -113,9 +117,9 @@ def test_rebalance_moves_a_hot_partition_to_its_backup_and_loses_no_acknowledged
             for f in futures:
                 f.result(timeout=RUN_TIMEOUT_S)
         output = operator.output()
-        assert "to its backup" in output and "needs the join's catch-up copy" in output, output
+        assert "to its backup" in output and "after a catch-up copy" not in output, output
         assert "moved from server 1" in output, output
-        assert re.search(r"1 row partition\(s\) moved, \d+ skipped", output), output
+        assert re.search(r"1 row partition\(s\) moved in", output), output
         moved = move.partition
         assert layout.row_owner(moved) == 1 and (move.source, move.target, move.bytes_left) == (
             layout.servers[1], layout.servers[2], 0)
@@ -125,6 +129,135 @@ def test_rebalance_moves_a_hot_partition_to_its_backup_and_loses_no_acknowledged
         np.testing.assert_array_equal(final, -acked.astype(np.float32))
         after = scheds[0].get_layout(timeout_s=5.0)
         assert set(after.partitions_on(2)) == {moved, *layout.partitions_on(1), *layout.partitions_on(2)}
+    finally:
+        stop.set()
+        for c in clients:
+            c.close()
+        for s in scheds:
+            s.close()
+
+
+def test_rebalance_without_replicas_copies_hot_partitions_to_other_servers_and_loses_no_acknowledged_update(
+        procs: Procs) -> None:
+    """No server holds a copy of another's rows: each move first copies the partition to its new server
+    (its rows, then every change of them) while the clients keep pushing to it, then switches."""
+    started, scheds, layout, clients = replicated_job(procs, CLIENTS, 4, replicas=0)
+    scheduler = started[0]
+    address = scheds[0].address
+    every = np.arange(0, 6000, dtype=np.int64)
+    partition = server_of(every, layout.partition_count)
+    hot = every[np.isin(partition, layout.partitions_on(1))]
+    warm = every[np.isin(partition, layout.partitions_on(0))]
+    acked = np.zeros((len(every), DIM), np.float64)
+    lock = threading.Lock()
+    count = [0]
+    stop = threading.Event()
+
+    def run(i: int) -> None:
+        clients[i].declare_table(TABLE)
+        push = 0
+        while not stop.is_set():
+            ids, grads = _batch(hot, warm, i, push)
+            clients[i].push_rows(TABLE.name, ids, grads)  # returns once acknowledged
+            with lock:
+                np.add.at(acked, ids, grads)
+                count[0] += 1
+            push += 1
+
+    def loaded() -> bool:
+        loads = {load.node_id: load for load in fetch(address, 10.0).loads}
+        return len(loads) == 3 and all(sum(loads[f"ps-{i}"].rows_per_s.values()) > 0 for i in (0, 1))
+
+    try:
+        with ThreadPoolExecutor(CLIENTS) as pool, _stopping(stop):
+            futures = [pool.submit(run, i) for i in range(CLIENTS)]
+            wait_until(lambda: loaded() or any(f.done() for f in futures), RUN_TIMEOUT_S,
+                       "the scheduler rating the servers' load")
+            operator = procs.python("rebalance", "-m", "pshard", "rebalance", "--scheduler", address,
+                                    "--insecure", "--timeout-s", "30")
+            assert operator.wait(RUN_TIMEOUT_S) == 0, operator.output()
+            at_move = count[0]
+            wait_until(lambda: count[0] >= at_move + PUSHES_AFTER or any(f.done() for f in futures),
+                       RUN_TIMEOUT_S, f"{PUSHES_AFTER} acknowledged pushes after the moves")
+            wait_until(lambda: all(m.done for m in fetch(address, 10.0).moves), RUN_TIMEOUT_S,
+                       "the moves done")
+            stop.set()
+            for f in futures:
+                f.result(timeout=RUN_TIMEOUT_S)
+        output = operator.output()
+        assert "to its backup" not in output and "after a catch-up copy" in output, output
+        moved = {int(p): (int(a), int(b)) for p, a, b in re.findall(
+            r"row partition (\d+): moved from server (\d) \(\S+\) to server (\d) ", output)}
+        assert 1 in {a for a, _ in moved.values()}, output  # off the hottest server
+        assert re.search(rf"{len(moved)} row partition\(s\) moved in", output), output
+        assert any("which caught up with it" in line for line in scheduler.lines)
+        assert not any("FAILOVER" in line or "ROLLED BACK" in line for line in scheduler.lines)
+        after = scheds[0].get_layout(timeout_s=5.0)
+        assert after.version == layout.version + len(moved)  # one switch each, nothing else
+        assert {p: (layout.row_owner(p), after.row_owner(p)) for p in moved} == moved
+        final = clients[0].pull_rows(TABLE.name, every)
+        np.testing.assert_array_equal(final, -acked.astype(np.float32))
+    finally:
+        stop.set()
+        for c in clients:
+            c.close()
+        for s in scheds:
+            s.close()
+
+
+def test_a_move_whose_target_is_sigkilled_mid_copy_rolls_back_and_loses_no_acknowledged_update(
+        procs: Procs) -> None:
+    """No replicas, a move of one of ps-1's partitions to ps-2, whose copy ps-2 holds unapplied (a failpoint)
+    when it is SIGKILLed: the scheduler rolls the move back (the layout never named ps-2), ps-1 serves the
+    partition on, and the clients' pushes to it go on and keep every acknowledged update."""
+    started, scheds, layout, clients = replicated_job(
+        procs, 2, 4, replicas=0, ps_env={2: {"PSHARD_FAILPOINTS": "ps.before_rows_apply=pause-once"}})
+    scheduler, target = started[0], started[3]  # started: scheduler, ps-0, ps-1, ps-2
+    every = np.arange(0, 6000, dtype=np.int64)
+    hot = every[np.isin(server_of(every, layout.partition_count), layout.partitions_on(1))]
+    acked = np.zeros((len(every), DIM), np.float64)
+    lock = threading.Lock()
+    count = [0]
+    stop = threading.Event()
+
+    def run(i: int) -> None:
+        clients[i].declare_table(TABLE)
+        push = 0
+        while not stop.is_set():
+            rng = np.random.default_rng([i, push, 12])
+            ids = rng.choice(hot, size=100)
+            grads = rng.integers(-3, 4, size=(len(ids), DIM)).astype(np.float32)
+            clients[i].push_rows(TABLE.name, ids, grads)  # returns once acknowledged
+            with lock:
+                np.add.at(acked, ids, grads)
+                count[0] += 1
+            push += 1
+
+    moved = layout.partitions_on(1)[0]
+    try:
+        with ThreadPoolExecutor(2) as pool, _stopping(stop):
+            futures = [pool.submit(run, i) for i in range(2)]
+            wait_until(lambda: count[0] >= 10 or any(f.done() for f in futures), RUN_TIMEOUT_S,
+                       "10 acknowledged pushes")
+            with scheduler_stub(scheds[0].address, SecurityConfig()) as stub:
+                reply = stub.MovePartition(scheduler_pb2.MovePartitionRequest(
+                    partition=moved, target=layout.servers[2], layout_version=layout.version), timeout=10.0)
+            assert reply.copying and reply.layout_version == layout.version
+            target.wait_for_line("failpoint ps.before_rows_apply: paused", RUN_TIMEOUT_S)
+            target.kill()
+            wait_until(lambda: any("MOVE ROLLED BACK" in line for line in scheduler.lines), RUN_TIMEOUT_S,
+                       "the scheduler rolling the move back")
+            at_kill = count[0]
+            wait_until(lambda: count[0] >= at_kill + PUSHES_AFTER or any(f.done() for f in futures),
+                       RUN_TIMEOUT_S, f"{PUSHES_AFTER} acknowledged pushes after the roll-back")
+            stop.set()
+            for f in futures:
+                f.result(timeout=RUN_TIMEOUT_S)
+        after = scheds[0].get_layout(timeout_s=5.0)
+        assert after.version == layout.version and after.row_owner(moved) == 1  # never switched
+        assert not fetch(scheds[0].address, 10.0).moves
+        final = clients[0].pull_rows(TABLE.name, hot)
+        np.testing.assert_array_equal(final, -acked[np.searchsorted(every, hot)].astype(np.float32))
     finally:
         stop.set()
         for c in clients:

@@ -60,14 +60,18 @@ def job_cluster(procs: Procs, workers: int, partitions_per_server: int = 1) -> L
 
 def replicated_job(procs: Procs, workers: int, partitions_per_server: int = 1,
                    ps_args: Mapping[int, tuple[str, ...]] | None = None,
-                   cluster: LocalCluster | None = None) -> ReplicatedJob:
+                   cluster: LocalCluster | None = None, replicas: int = 1,
+                   ps_env: Mapping[int, Mapping[str, str]] | None = None) -> ReplicatedJob:
     """A scheduler and three servers with `--replicas 1` (ps-i with `ps_args[i]` too), and `workers`
     registered clients that re-route on a failover; the job's layout (a tiny dense parameter) carries
     the replica count and the row partitions (`partitions_per_server` each). `cluster`: the caller's
-    (to start its scheduler again), made as `job_cluster` makes it."""
+    (to start its scheduler again), made as `job_cluster` makes it. `replicas` 0: the same job without
+    replicas; `ps_env[i]`: environment variables of ps-i (a failpoint)."""
     cluster = cluster or job_cluster(procs, workers, partitions_per_server)
+    flags = ("--replicas", str(replicas)) if replicas else ()
     started = [cluster.start_scheduler(),
-               *(cluster.start_ps(i, "--replicas", "1", *(ps_args or {}).get(i, ())) for i in range(3))]
+               *(cluster.start_ps(i, *flags, *(ps_args or {}).get(i, ()), env=(ps_env or {}).get(i))
+                 for i in range(3))]
     for task, proc in zip(cluster.plan.servers, started, strict=True):
         wait_healthy(task.address, proc=proc)
     ps = [cluster.task(f"ps-{i}").address for i in range(3)]
@@ -76,8 +80,8 @@ def replicated_job(procs: Procs, workers: int, partitions_per_server: int = 1,
               for i in range(workers)]
     for s in scheds:
         s.register()
-    layout = scheds[0].propose_layout([ParamSpec("bias", "float32", (4,))], servers=ps, replicas=1)
-    assert layout.replicas == 1
+    layout = scheds[0].propose_layout([ParamSpec("bias", "float32", (4,))], servers=ps, replicas=replicas)
+    assert layout.replicas == replicas
     clients = [PSClient(ps, f"worker-{i}", layout=layout, generation=lambda s=scheds[i]: s.generation,
                         timeout_s=STEP_TIMEOUT_S, transport="auto", relayout=_newer_layout(scheds[i]),
                         reroute_wait_s=10.0) for i in range(workers)]

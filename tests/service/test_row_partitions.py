@@ -13,9 +13,12 @@ import numpy as np
 from pshard.client.ps_client import PSClient
 from pshard.common.cluster.layout import Layout, ParamSpec, plan_layout
 from pshard.common.cluster.replicas import fail_over
+from pshard.common.cluster.view import ClusterView, Node, NodeState, PartitionCopy
 from pshard.common.rpc.serving import ServerThread
 from pshard.common.sparse import server_of
+from pshard.ps_server.replication.link import grpc_sender
 from pshard.ps_server.replication.table_rows import all_ids
+from pshard.ps_server.replication.tables import TableReplication
 from pshard.ps_server.settings import ServerSettings
 from pshard.ps_server.tables.table import SparseTable
 
@@ -224,3 +227,107 @@ def test_the_heir_of_a_server_a_sync_partition_moved_from_keeps_that_partitions_
         assert _applied(servers[1]) == {p: PENDING + 2 for p in failed.partitions_on(1)}
         _train(pool, clients, range(PENDING + 2, CLOCKS))
     np.testing.assert_array_equal(clients[0].pull_rows(TABLE.name, SYNC_IDS, clock=CLOCKS), _expected(CLOCKS))
+
+
+def test_a_sync_partition_copied_to_a_server_that_is_no_backup_moves_with_its_clock_and_trains_on_exactly(
+        start_server, new_client) -> None:
+    """`pshard rebalance` to a server without a copy (issue 20): server 0 sends partition 3 alone to server 2
+    (server 1 is its backup), its rows and its applied clock, then every clock's change; once server 2 is
+    reported in sync the partition switches, server 2 serves it from that clock, and training goes on
+    exactly. Server 2 holds nothing else of server 0, and drops the copy once it took it over."""
+    servers, layout = _replicated(start_server, _layout, settings=SYNC_SETTINGS)
+    addresses = [s.address for s in servers]
+    published = [layout]
+    changed = threading.Condition()
+
+    def relayout(current: Layout, timeout_s: float) -> Layout | None:
+        with changed:
+            changed.wait_for(lambda: published[-1].version > current.version, timeout_s)
+            return published[-1] if published[-1].version > current.version else None
+
+    clients = [new_client(servers, f"w{w}", layout=layout, relayout=relayout, reroute_wait_s=WAIT_S,
+                          retry_budget_s=0.5, transport="grpc") for w in (0, 1)]
+    for c in clients:
+        c.declare_table(TABLE)
+    nodes = tuple(Node(f"ps-{i}", "ps", i, a, NodeState.LIVE, generation=i + 1)
+                  for i, a in enumerate(addresses))
+    copying = ClusterView(10, nodes, layout.version, copies=(PartitionCopy(3, addresses[0], addresses[2]),))
+    with ThreadPoolExecutor(2) as pool:
+        _train(pool, clients, range(PENDING))
+        for server in servers:
+            server.call(lambda server=server: _rows(server).on_view(copying))
+        _train(pool, clients, range(PENDING, PENDING + 1))  # a clock applied while it copies
+        wait_until(lambda: servers[0].call(lambda: _rows(servers[0]).copies_in_sync()) == {addresses[2]: 3},
+                   WAIT_S, "server 0 reporting server 2 in sync with partition 3")
+        assert servers[0].call(lambda: _rows(servers[0]).in_sync()) == {addresses[1]}  # its backup only
+        copy = _rows(servers[2]).replicas
+        assert copy.primaries() == {addresses[0], addresses[1]}  # server 2 backs up server 1
+        held = copy.copy(addresses[0], lambda ids: np.ones(len(ids), bool), lambda: None)
+        assert all(set(server_of(all_ids(t), PARTITIONS).tolist()) <= {3} for t, _, _ in held)
+        moved = dataclasses.replace(layout, version=layout.version + 1, row_owners=tuple(
+            2 if p == 3 else o for p, o in enumerate(layout.owners())))
+        for server in servers:
+            server.call(lambda server=server: _rows(server).on_layout(moved))
+        assert _applied(servers[2]) == {p: PENDING + 1 for p in moved.partitions_on(2)}
+        assert copy.primaries() == {addresses[1]}  # server 0's copy taken over, then dropped
+        with changed:
+            published.append(moved)
+            changed.notify_all()
+        _train(pool, clients, range(PENDING + 1, CLOCKS))
+    assert _applied(servers[0])[3] == PENDING + 1 and _applied(servers[2])[3] == CLOCKS
+    np.testing.assert_array_equal(clients[0].pull_rows(TABLE.name, SYNC_IDS, clock=CLOCKS), _expected(CLOCKS))
+
+
+def test_a_sync_partition_moved_in_a_job_without_replicas_applies_its_pending_clock_once_on_its_new_server(
+        start_server, new_client) -> None:
+    """No replicas (issue 20): w0 pushed clock PENDING, w1 not yet, when partition 3 moves from server 0 to
+    server 2 after a catch-up copy. Server 0's pending sum is not copied: w0's client kept its push (more
+    row partitions than servers: they may move) and sends it again to the new layout, so server 2 applies
+    clock PENDING once, with both workers' gradients, and training goes on exactly."""
+    servers = [start_server(dataclasses.replace(SYNC_SETTINGS, replicas=0)) for _ in range(3)]
+    addresses = [s.address for s in servers]
+    layout = dataclasses.replace(plan_layout([ParamSpec("w", "float32", (4,))], addresses,
+                                             row_partitions=PARTITIONS), version=1)
+    for server in servers:
+        def wire(server: ServerThread = server) -> None:
+            rows = TableReplication(server.address, grpc_sender(), server.loop, server.running.tables)
+            server.running.tables.replication = server.running.handlers.table_replication = rows
+            rows.on_layout(layout)
+        server.call(wire)
+    published = [layout]
+    changed = threading.Condition()
+
+    def relayout(current: Layout, timeout_s: float) -> Layout | None:
+        with changed:
+            changed.wait_for(lambda: published[-1].version > current.version, timeout_s)
+            return published[-1] if published[-1].version > current.version else None
+
+    clients = [new_client(servers, f"w{w}", layout=layout, relayout=relayout, reroute_wait_s=WAIT_S,
+                          retry_budget_s=0.5, transport="grpc") for w in (0, 1)]
+    for c in clients:
+        c.declare_table(TABLE)
+    nodes = tuple(Node(f"ps-{i}", "ps", i, a, NodeState.LIVE, generation=i + 1)
+                  for i, a in enumerate(addresses))
+    copying = ClusterView(10, nodes, layout.version, copies=(PartitionCopy(3, addresses[0], addresses[2]),))
+    with ThreadPoolExecutor(2) as pool:
+        _train(pool, clients, range(PENDING))
+        clients[0].push_rows(TABLE.name, *_batch(0, PENDING), clock=PENDING)  # acknowledged, pending
+        for server in servers:
+            server.call(lambda server=server: _rows(server).on_view(copying))
+        wait_until(lambda: servers[0].call(lambda: _rows(servers[0]).copies_in_sync()) == {addresses[2]: 3},
+                   WAIT_S, "server 0 reporting server 2 in sync with partition 3")
+        moved = dataclasses.replace(layout, version=layout.version + 1, row_owners=tuple(
+            2 if p == 3 else o for p, o in enumerate(layout.owners())))
+        for server in servers:
+            server.call(lambda server=server: _rows(server).on_layout(moved))
+        with changed:
+            published.append(moved)
+            changed.notify_all()
+        futures = [pool.submit(_step, clients[0], 0, PENDING, False),
+                   pool.submit(_step, clients[1], 1, PENDING)]
+        for f in futures:
+            f.result(timeout=3 * WAIT_S)
+        _train(pool, clients, range(PENDING + 1, CLOCKS))
+    assert _applied(servers[2])[3] == CLOCKS
+    np.testing.assert_array_equal(clients[0].pull_rows(TABLE.name, SYNC_IDS, clock=CLOCKS), _expected(CLOCKS))
+    assert clients[0].tables.resent >= 1

@@ -182,3 +182,18 @@ def test_the_record_per_partition_reaches_the_replica_and_the_heir_takes_it_for_
     merge(heir, replica)
     assert heir.scheduled.parts == {1: {7: 0}, 2: {7: 1}}  # not folded: push 1 is new on partition 1
     assert not heir.scheduled.repeated(7, 1, 0, 1) and heir.scheduled.repeated(7, 1, 0, 2)
+
+
+def test_a_server_taking_partitions_over_keeps_its_own_newest_push_keys_and_only_those_partitions_keys():
+    own = PushLog()
+    for push in range(1000, 1000 + PUSHES_KEPT):  # this server's: partition 3, the newest pushes
+        own.add("w0", (push, 3))
+    moved = PushLog()
+    for push in range(900, 900 + PUSHES_KEPT):  # its old server's, partitions 1 and 2, older and newer
+        moved.add("w0", (push, 1 + push % 2))
+    own.merge(moved, partitions={1})
+    # Appended, the old server's keys evicted this server's newest: a push a move's re-route resent
+    # here was applied twice.
+    assert own.seen("w0", (1000 + PUSHES_KEPT - 1, 3)) and own.seen("w0", (1154, 1))
+    assert not own.seen("w0", (1155, 2))  # a partition it does not take
+    assert not own.seen("w0", (1000, 3))  # the oldest go first, whoever's they are
