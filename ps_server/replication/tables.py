@@ -469,7 +469,10 @@ class TableReplication:
             return
         owned = frozenset(layout.partitions_on(me))
         self._checked = []
-        previous = self._owned if self._owned is not None else frozenset(layout.home_partitions(me))
+        # A server appended by a join served nothing before this layout (its copies are a backup's).
+        joined = before is not None and me >= len(before.servers)
+        previous = self._owned if self._owned is not None else frozenset(
+            () if joined else layout.home_partitions(me))
         gained = owned - previous
         self._owned = owned
         self._lost = (self._lost | (previous - owned)) - owned
@@ -480,14 +483,19 @@ class TableReplication:
         # Whose replicas hold the gained partitions: their previous servers (an earlier failover may
         # have moved one to a server that died since), or their own servers.
         sources = {layout.servers[p % len(layout.servers)] for p in gained}
-        if before is not None and len(before.servers) == len(layout.servers):
+        # The same places (a join only appends servers) and partitions: `before` names their servers.
+        kept = (before is not None and before.servers == layout.servers[:len(before.servers)]
+                and before.partition_count == layout.partition_count)
+        if kept:
+            assert before is not None
             sources |= {before.servers[before.row_owner(p)] for p in gained}
         for primary in sorted(sources & self.replicas.primaries()):
             index = index_of(layout, primary)
             if index is not None and layout.partitions_on(index):
-                # A move of some partitions (`pshard rebalance`): the primary lives on with the rest.
-                moved = frozenset(p for p in gained if before is not None and len(before.servers) ==
-                                  len(layout.servers) and before.servers[before.row_owner(p)] == primary)
+                # A move of some partitions (`pshard rebalance`, or a join taking some of its donor's):
+                # the primary lives on with the rest.
+                moved = frozenset(p for p in gained if kept and before is not None
+                                  and before.servers[before.row_owner(p)] == primary)
                 if moved:
                     self._promote_moved(primary, moved, layout.partition_count)
             else:
