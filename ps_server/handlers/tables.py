@@ -173,6 +173,11 @@ class TableHandlers:
                                        "server started with --table-dir (the rows beyond it spill there)")
         return self._table_dir / f"{_file_name(config.name)}.rows"
 
+    def _served(self, name: str, what: str) -> SparseTable:
+        """The table a pull or push of `name` reads or changes, once the layout places this server."""
+        self.replication.placed(name, what)
+        return self._table(name)
+
     def _table(self, name: str) -> SparseTable:
         table = self._tables.get(name)
         if table is None:
@@ -213,7 +218,7 @@ class TableHandlers:
     async def pull(self, name: str, ids: Raw, clock: int = 0, worker: str = "", into: Into | None = None
                    ) -> np.ndarray:
         """`into(config, n)`: where the n rows are written (a fast path's reply region), else a new array."""
-        table = self._table(name)
+        table = self._served(name, "pull")
         keys = self._ids(table, ids, "pull")
         await self._wait_applied(name, clock, keys)
         async with self._locks[name]:
@@ -225,7 +230,7 @@ class TableHandlers:
         """`push_id`: the push's idempotence key per worker (0: none); a repeat is dropped, stored 0.
         `layout_version`: the layout the worker routed the push with (0: none). `schedule`: a scheduled
         call's push, applied once per (schedule id, push number) whichever worker sends it."""
-        table = self._table(name)
+        table = self._served(name, "push")
         keys = self._ids(table, ids, "push")
         rows = self._grads(table, keys, grads)
         quorum = self._sync_quorum(name, worker)
@@ -244,7 +249,7 @@ class TableHandlers:
                         push_id: int = 0, layout_version: int = 0,
                         schedule: Schedule = NOT_SCHEDULED) -> tuple[int, np.ndarray]:
         """Push for `clock`, then pull: at clock + 1 in a sync table (the clock just pushed, applied)."""
-        table = self._table(name)
+        table = self._served(name, "push")
         keys = self._ids(table, push_ids, "push")
         rows = self._grads(table, keys, grads)
         wanted = self._ids(table, pull_ids, "pull")

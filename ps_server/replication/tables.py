@@ -199,6 +199,18 @@ class TableReplication:
 
     # ---- requests (TableHandlers' hooks, on the loop) ----
 
+    def placed(self, name: str, what: str) -> None:
+        """Refuse a request while the layout this server knows does not list it: a joiner before its
+        switch. Only a worker that knows the switch sends it one, so the joiner is about to learn it; it
+        must not apply the request meanwhile (its tables hold no rows of its own yet: the partitions it
+        takes are merged from its copy at the switch, and a push applied before would be overwritten)."""
+        layout = self._layout
+        if layout is not None and self._me is None:
+            raise LayoutNotYetError(
+                f"{what} of table {name!r}: this server is not in the layout it knows (version "
+                f"{layout.version}), it has not received the one that gives it row partitions yet; retry",
+                table=name, known_version=layout.version)
+
     def check(self, table: SparseTable, ids: np.ndarray, what: str) -> None:
         """Refuse ids of partitions this server does not serve (moved by a failover, or not yet here)."""
         owned, layout = self._owned, self._layout
