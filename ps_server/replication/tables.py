@@ -44,6 +44,7 @@ from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from typing import NamedTuple, Protocol
 
+import grpc
 import numpy as np
 from pshard.common.cluster.layout import Layout
 from pshard.common.cluster.replicas import index_of
@@ -52,9 +53,12 @@ from pshard.common.errors import (
     InvalidArgumentError,
     LayoutNotYetError,
     PartitionMovedError,
+    PartitionTakenError,
+    PSError,
     PullTimeoutError,
     StaleGenerationError,
 )
+from pshard.common.rpc.status import error_from_rpc_error
 from pshard.common.sparse import TableConfig, server_of
 from pshard.ps_server.replication.api import RowReplication
 from pshard.ps_server.replication.backends import Links, Send, over_link
@@ -148,6 +152,9 @@ class _Peer:
     failing_since: float | None = None
     segment: RowSegment | None = None  # same host: the columns go through shared memory
     shm_worked: bool = False  # the backup took a call through `segment`
+    # Partitions moved from this server whose new server (this backup) refused their rows: it took its
+    # copy, so their changed rows go to it no more (TableReplication._take).
+    taken: frozenset[int] = frozenset()
 
     def mark(self, name: str, ids: np.ndarray, worker: str) -> None:
         self.dirty.setdefault(name, []).append(ids)
@@ -618,7 +625,7 @@ class TableReplication:
         partition = server_of(batch.ids, layout.partition_count)
         hit = np.isin(partition, np.fromiter(taken, np.int64))
         if hit.any():
-            raise StaleGenerationError(
+            raise PartitionTakenError(
                 f"replicate: row partition {int(partition[hit][0])} of table {batch.config.name!r} moved "
                 f"from {primary} to {self.own} (layout version {layout.version}); {primary} no longer "
                 "serves it")
@@ -637,7 +644,11 @@ class TableReplication:
             table = self._tables.find(name)
             if table is None:
                 continue
-            ids = self._still_ours(np.unique(np.concatenate(parts)))
+            # Changed rows of a partition a move took go on until its new server refuses them: before
+            # it took its copy they must reach it, with their pushes' keys, or it would hold the keys
+            # of pushes whose rows it lacks (applied here before this server learnt of the move) and
+            # drop the workers' resends of them.
+            ids = self._still_ours(np.unique(np.concatenate(parts)), peer.taken)
             fits = max(1, budget // row_bytes(table.config))
             keys = workers.pop(name, set())
             # A sync table's rows go whole: its applied clocks ride along and must match every row.
@@ -712,6 +723,9 @@ class TableReplication:
                     inline = await self._loop.run_in_executor(None, self._ship, peer.address, call.batches)
                 except Exception as e:  # unreachable, restarting, refusing: the rows stay due
                     self._again(peer, call)
+                    if isinstance(_as_ps_error(e), PartitionTakenError) and self._lost - peer.taken:
+                        peer.taken = peer.taken | self._lost
+                        continue  # at once, without the partitions it took (else once this server knows)
                     if peer.failing_since is None:
                         peer.failing_since = time.monotonic()
                         log.warning("table replication: backup %s unreachable (%s); retrying until it is "
@@ -740,10 +754,11 @@ class TableReplication:
                 peer.holds = True  # a joiner: from now on no push is acknowledged before it has it
                 log.info("table replication: %s holds every table row of %s", peer.address, self.own)
 
-    def _still_ours(self, ids: np.ndarray) -> np.ndarray:
-        """`ids` without those of partitions a move took from this server (`pshard rebalance`): their new
-        server holds them, and refuses them from us."""
-        lost, layout = self._lost, self._layout
+    def _still_ours(self, ids: np.ndarray, lost: frozenset[int] | None = None) -> np.ndarray:
+        """`ids` without those of partitions a move took from this server (`pshard rebalance`, a join), or
+        of those of them in `lost`: their new server holds them, and refuses them from us."""
+        lost = self._lost if lost is None else lost & self._lost
+        layout = self._layout
         if not lost or layout is None or not len(ids):
             return ids
         return ids[~np.isin(server_of(ids, layout.partition_count), np.fromiter(lost, np.int64))]
@@ -797,6 +812,11 @@ class TableReplication:
 
     def close(self) -> None:
         self.set_backups([])
+
+
+def _as_ps_error(e: Exception) -> PSError | Exception:
+    """A backup's refusal as its type, over gRPC (its status and metadata) or a raw link (raised as is)."""
+    return error_from_rpc_error(e) if isinstance(e, grpc.RpcError) else e
 
 
 def _in_partitions(chosen: frozenset[int], partitions: int) -> Callable[[np.ndarray], np.ndarray]:
