@@ -15,6 +15,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -120,6 +121,28 @@ def start_ps_servers(count: int, workers: Sequence[str], extra: Sequence[str] = 
         stop_processes(procs)
         raise
     return servers
+
+
+def start_task(plan: Any, task: Any, argv: Sequence[str]) -> subprocess.Popen[str]:
+    """`python -m ARGV` as `task` of the launcher's ClusterPlan `plan` (its TF_CONFIG), warnings only, its
+    output dropped."""
+    path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
+    env = {**os.environ, "PYTHONPATH": path, "TF_CONFIG": plan.tf_config(task)}
+    return subprocess.Popen([sys.executable, "-m", *argv, "--log-level", "WARNING"], cwd=REPO, env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, text=True)
+
+
+def await_serving(addresses: Sequence[str], what: str, timeout_s: float = 60.0) -> None:
+    """Until every one of `addresses` answers gRPC health checks; RuntimeError naming the first that did not
+    within `timeout_s`, `what` saying whose it is."""
+    from pshard.common.rpc.health import probe
+
+    deadline = time.monotonic() + timeout_s
+    for address in addresses:
+        while not probe(address, timeout_s=1.0)[0]:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{what}: {address} did not start")
+            time.sleep(0.1)
 
 
 def stop_processes(procs: Sequence[subprocess.Popen[str]], grace_s: float = 10.0) -> None:
@@ -301,9 +324,11 @@ def dense_job(run: WorkerRun, sched: Any, servers: Sequence[str], sizes: Sequenc
 
 
 def timed_steps(client: Any, grads: dict[str, Any], weights: dict[str, Any], run: WorkerRun, warmup: int,
-                steps: int) -> tuple[int, list[float], float, float]:
-    """`warmup` fused steps, every worker lined up, then `steps` timed ones: (the next clock, each timed
-    step's seconds, when they started, when they ended)."""
+                steps: int, around: AbstractContextManager[object] | None = None
+                ) -> tuple[int, list[float], float, float]:
+    """`warmup` fused steps, every worker lined up, then `steps` timed ones, inside `around` when given
+    (what a bench measures over the timed steps only): (the next clock, each timed step's seconds, when
+    they started, when they ended)."""
     run.sync()
     clock = 0
     for _ in range(warmup):
@@ -311,11 +336,13 @@ def timed_steps(client: Any, grads: dict[str, Any], weights: dict[str, Any], run
         clock += 1
     run.sync()
     steps_s: list[float] = []
-    start = time.monotonic()
-    for _ in range(steps):
-        began = time.monotonic()
-        client.push_pull(grads, clock, out=weights)
-        clock += 1
-        steps_s.append(time.monotonic() - began)
-    return clock, steps_s, start, time.monotonic()
+    with around or nullcontext():
+        start = time.monotonic()
+        for _ in range(steps):
+            began = time.monotonic()
+            client.push_pull(grads, clock, out=weights)
+            clock += 1
+            steps_s.append(time.monotonic() - began)
+        end = time.monotonic()
+    return clock, steps_s, start, end
 

@@ -14,9 +14,9 @@ that transport's, and a worker that ends up on another one fails the run).
 from __future__ import annotations
 
 import argparse
+import cProfile
 import os
 import sys
-import time
 from pathlib import Path
 
 from bench.common import (
@@ -32,8 +32,35 @@ from bench.common import (
     span_s,
     start_ps_servers,
     stop_processes,
+    timed_steps,
 )
 from bench.tls import make_pki, server_args, worker_id, worker_security
+
+
+class _Watched:
+    """Over the timed steps: the CPU seconds of this worker and of the servers (bench.common.CpuMeter), how
+    much each one's RSS grew, and this worker's profile when it is given a profiler."""
+
+    def __init__(self, server_pids: list[int], profiler: cProfile.Profile | None) -> None:
+        self._pids = (os.getpid(), *server_pids)
+        self._profiler = profiler
+        self.meter = CpuMeter(server_pids)
+        self._rss_before: list[float] = []
+        self.rss_growth_mb: list[float] = []
+
+    def __enter__(self) -> None:
+        if self._profiler is not None:
+            self._profiler.enable()
+        # Steady state allocates no model-sized buffer per step: RSS must stay flat over the steps.
+        self._rss_before = [rss_mb(pid) for pid in self._pids]
+        self.meter.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.meter.stop()
+        self.rss_growth_mb = [rss_mb(pid) - before for pid, before in zip(self._pids, self._rss_before,
+                                                                          strict=True)]
+        if self._profiler is not None:
+            self._profiler.disable()
 
 
 def _dense_worker(run: WorkerRun, addresses: list[str], sizes: list[int], lr: float, warmup: int,
@@ -48,43 +75,21 @@ def _dense_worker(run: WorkerRun, addresses: list[str], sizes: list[int], lr: fl
     grads = {k: rng.standard_normal(v.size, dtype=np.float32) for k, v in params.items()}
     job = JobConfig(mode="sync", optimizer=OptimizerConfig(name="sgd", lr=lr))
     node = worker_id(run.index)
+    profiler = cProfile.Profile() if profile_dir else None
+    watched = _Watched(server_pids, profiler)
     with PSClient(addresses, node, transport=transport,
                   security=worker_security(pki, node)) as client:  # type: ignore[arg-type]
         weights = client.declare(params, job)
         first = weights["t00"][:4].copy()
-        run.sync()
-        clock = 0
-        for _ in range(warmup):
-            client.push_pull(grads, clock, out=weights)
-            clock += 1
-        run.sync()
-        profiler = None
-        if profile_dir:
-            import cProfile
-
-            profiler = cProfile.Profile()
-            profiler.enable()
-        meter = CpuMeter(server_pids)
-        # Steady state allocates no model-sized buffer per step: RSS must stay flat over the steps.
-        rss_before = [rss_mb(pid) for pid in (os.getpid(), *server_pids)]
-        meter.start()
-        start = time.monotonic()
-        for _ in range(steps):
-            client.push_pull(grads, clock, out=weights)
-            clock += 1
-        end = time.monotonic()
-        meter.stop()
-        rss_growth = [rss_mb(pid) - before for pid, before in zip((os.getpid(), *server_pids), rss_before,
-                                                                  strict=True)]
+        _, _, start, end = timed_steps(client, grads, weights, run, warmup, steps, around=watched)
         if client.transports != [transport] * len(addresses):
             raise RuntimeError(f"dense: asked for {transport}, the steps went over {client.transports}")
         if profiler is not None and profile_dir:
-            profiler.disable()
             profiler.dump_stats(str(Path(profile_dir) / f"worker{run.index}.prof"))
     # Sanity: every step moved the weights (sum of both workers' gradients, times lr).
     if np.array_equal(first, weights["t00"][:4]) or not np.isfinite(weights["t00"]).all():
         raise RuntimeError("dense: the weights did not change as SGD should have changed them")
-    return {"start": start, "end": end, "rss_growth_mb": rss_growth, **meter.result()}
+    return {"start": start, "end": end, "rss_growth_mb": watched.rss_growth_mb, **watched.meter.result()}
 
 
 def dense(sizes: list[int], servers: int = 2, workers: int = 2, warmup: int = 2, steps: int = 8,

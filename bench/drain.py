@@ -17,18 +17,19 @@ import argparse
 import os
 import signal
 import statistics
-import subprocess
 import sys
 import time
 
 from bench.common import (
     DEFAULT_SIZES,
-    REPO,
     WorkerRun,
+    await_serving,
     dense_job,
     emit,
     parse_sizes,
     run_workers,
+    start_task,
+    stop_processes,
     timed_steps,
 )
 
@@ -67,49 +68,29 @@ def _worker(run: WorkerRun, scheduler: str, servers: list[str], sizes: list[int]
     return {"start": start, "end": end, "steps_s": steps_s, "during_s": during_s, "termed_at": termed_at}
 
 
-def _start(plan: object, task: object, argv: list[str]) -> subprocess.Popen[str]:
-    path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
-    env = {**os.environ, "PYTHONPATH": path, "TF_CONFIG": plan.tf_config(task)}  # type: ignore[attr-defined]
-    return subprocess.Popen([sys.executable, "-m", *argv, "--log-level", "WARNING"], cwd=REPO, env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, text=True)
-
-
 def drain(sizes: list[int], steps: int = 8, after: int = 6, warmup: int = 2,
           transport: str = "shm") -> dict[str, object]:
-    from pshard.common.rpc.health import probe
     from pshard.launcher.plan import ClusterPlan
 
     plan = ClusterPlan.allocate(3, 2)
     tasks = {t.name: t for t in [*plan.servers, *plan.trainers]}
-    procs = [_start(plan, tasks["scheduler"], ["pshard.scheduler", "--bind", plan.scheduler,
-                                               "--heartbeat-interval-ms", str(HEARTBEAT_MS[0]),
-                                               "--heartbeat-timeout-ms", str(HEARTBEAT_MS[1])])]
+    procs = [start_task(plan, tasks["scheduler"], ["pshard.scheduler", "--bind", plan.scheduler,
+                                                    "--heartbeat-interval-ms", str(HEARTBEAT_MS[0]),
+                                                    "--heartbeat-timeout-ms", str(HEARTBEAT_MS[1])])]
     offers = "auto" if transport == "shm" else transport
     drains = {1: ["--drain-on-term"]}
-    procs += [_start(plan, tasks[f"ps-{i}"], ["pshard.ps_server", "--bind", address, "--replicas", "1",
-                                              "--transport", offers, *drains.get(i, [])])
+    procs += [start_task(plan, tasks[f"ps-{i}"], ["pshard.ps_server", "--bind", address, "--replicas", "1",
+                                                   "--transport", offers, *drains.get(i, [])])
               for i, address in enumerate(plan.ps)]
     victim = procs[2]  # ps-1
     try:
-        deadline = time.monotonic() + 60
-        for address in [plan.scheduler, *plan.ps]:
-            while not probe(address, timeout_s=1.0)[0]:
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"drain bench: {address} did not start")
-                time.sleep(0.1)
+        await_serving([plan.scheduler, *plan.ps], "drain bench")
         results = run_workers(_worker, 2, (plan.scheduler, list(plan.ps), sizes, warmup, steps, after,
                                            victim.pid, transport))
         code = victim.wait(timeout=60)
         exited_at = time.monotonic()
     finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.terminate()
-        for proc in procs:
-            try:
-                proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+        stop_processes(procs)
     termed_at = next(float(r["termed_at"]) for r in results if r["termed_at"] is not None)
     before = [s for r in results for s in r["steps_s"]]  # type: ignore[attr-defined]
     during = [s for r in results for s in r["during_s"]]  # type: ignore[attr-defined]

@@ -30,10 +30,13 @@ from bench.common import (
     DEFAULT_SIZES,
     REPO,
     WorkerRun,
+    await_serving,
     dense_job,
     emit,
     parse_sizes,
     run_workers,
+    start_task,
+    stop_processes,
     timed_steps,
 )
 
@@ -117,45 +120,25 @@ def _worker(run: WorkerRun, scheduler: str, servers: list[str], joiner: str, wor
     return {"start": start, "end": end, "steps_s": steps_s, "during_s": during_s, "killed_at": killed_at}
 
 
-def _start(plan: object, task: object, argv: list[str]) -> subprocess.Popen[str]:
-    path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
-    env = {**os.environ, "PYTHONPATH": path, "TF_CONFIG": plan.tf_config(task)}  # type: ignore[attr-defined]
-    return subprocess.Popen([sys.executable, "-m", *argv, "--log-level", "WARNING"], cwd=REPO, env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, text=True)
-
-
 def join_kill(sizes: list[int], steps: int = 8, after: int = 20, warmup: int = 2,
               transport: str = "shm") -> dict[str, object]:
-    from pshard.common.rpc.health import probe
     from pshard.launcher.plan import ClusterPlan
 
     plan = ClusterPlan.allocate(2, 2)
     tasks = {t.name: t for t in [*plan.servers, *plan.trainers]}
-    procs = [_start(plan, tasks["scheduler"], ["pshard.scheduler", "--bind", plan.scheduler])]
+    procs = [start_task(plan, tasks["scheduler"], ["pshard.scheduler", "--bind", plan.scheduler])]
     offers = "auto" if transport == "shm" else transport
-    procs += [_start(plan, tasks[f"ps-{i}"], ["pshard.ps_server", "--bind", address, "--replicas", "1",
-                                              "--transport", offers])
+    procs += [start_task(plan, tasks[f"ps-{i}"], ["pshard.ps_server", "--bind", address, "--replicas", "1",
+                                                   "--transport", offers])
               for i, address in enumerate(plan.ps)]
     joiner = _free_address()
     try:
-        deadline = time.monotonic() + 60
-        for address in [plan.scheduler, *plan.ps]:
-            while not probe(address, timeout_s=1.0)[0]:
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"join-kill bench: {address} did not start")
-                time.sleep(0.1)
+        await_serving([plan.scheduler, *plan.ps], "join-kill bench")
         with tempfile.TemporaryDirectory(prefix="pshard-join-kill-") as workdir:
             results = run_workers(_worker, 2, (plan.scheduler, list(plan.ps), joiner, workdir, sizes, warmup,
                                                steps, after, transport))
     finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.terminate()
-        for proc in procs:
-            try:
-                proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+        stop_processes(procs)
     before = [s for r in results for s in r["steps_s"]]  # type: ignore[attr-defined]
     during = [s for r in results for s in r["during_s"]]  # type: ignore[attr-defined]
     return {"transport": transport, "servers": 2, "workers": 2, "params": sum(sizes), "steps": steps,

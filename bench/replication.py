@@ -19,11 +19,23 @@ from __future__ import annotations
 import argparse
 import os
 import signal
-import subprocess
 import sys
 import time
 
-from bench.common import DEFAULT_SIZES, MB, REPO, WorkerRun, emit, parse_sizes, run_workers, span_s
+from bench.common import (
+    DEFAULT_SIZES,
+    MB,
+    WorkerRun,
+    await_serving,
+    dense_job,
+    emit,
+    parse_sizes,
+    run_workers,
+    span_s,
+    start_task,
+    stop_processes,
+    timed_steps,
+)
 
 HEARTBEAT_MS = (200, 1000)  # interval, timeout: the scheduler declares a silent server dead after 1 s
 AFTER_KILL_STEPS = 3
@@ -32,45 +44,19 @@ AFTER_KILL_STEPS = 3
 def _worker(run: WorkerRun, scheduler: str, servers: list[str], address: str, sizes: list[int],
             replicas: int, warmup: int, steps: int, victim_pid: int | None,
             transport: str) -> dict[str, object]:
-    import numpy as np
     from pshard.client.ps_client import PSClient
-    from pshard.common.cluster.layout import Layout, ParamSpec
     from pshard.common.cluster.scheduler_client import SchedulerClient
-    from pshard.common.errors import PullTimeoutError
-    from pshard.common.job import JobConfig, OptimizerConfig
 
     node = f"worker-{run.index}"
     sched = SchedulerClient(scheduler, "worker", own_address=address, node_id=node, rank_hint=run.index)
     sched.register()
 
-    def relayout(layout: Layout, timeout_s: float) -> Layout | None:
-        try:
-            sched.wait_for_view(lambda view: view.layout_version > layout.version, timeout_s)
-        except PullTimeoutError:
-            return None
-        return sched.get_layout(timeout_s=max(1.0, timeout_s))
-
-    rng = np.random.default_rng(run.index)
-    params = {f"t{i:02d}": rng.standard_normal(n, dtype=np.float32) for i, n in enumerate(sizes)}
-    grads = {k: rng.standard_normal(v.size, dtype=np.float32) for k, v in params.items()}
-    layout = sched.propose_layout([ParamSpec(k, "float32", v.shape) for k, v in params.items()],
-                                  servers=servers, replicas=replicas)
-    job = JobConfig(mode="sync", optimizer=OptimizerConfig(name="sgd", lr=1e-4))
+    params, grads, layout, job = dense_job(run, sched, servers, sizes, replicas)
     try:
         with PSClient(servers, node, layout=layout, generation=lambda: sched.generation, transport=transport,
-                      relayout=relayout, reroute_wait_s=10.0) as client:
+                      relayout=sched.newer_layout, reroute_wait_s=10.0) as client:
             weights = client.declare(params, job)
-            run.sync()
-            clock = 0
-            for _ in range(warmup):
-                client.push_pull(grads, clock, out=weights)
-                clock += 1
-            run.sync()
-            start = time.monotonic()
-            for _ in range(steps):
-                client.push_pull(grads, clock, out=weights)
-                clock += 1
-            end = time.monotonic()
+            clock, _, start, end = timed_steps(client, grads, weights, run, warmup, steps)
             killed_at, after = None, []
             if victim_pid is not None:
                 run.sync()
@@ -86,46 +72,26 @@ def _worker(run: WorkerRun, scheduler: str, servers: list[str], address: str, si
     return {"start": start, "end": end, "killed_at": killed_at, "after": after}
 
 
-def _start(plan: object, task: object, argv: list[str]) -> subprocess.Popen[str]:
-    path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
-    env = {**os.environ, "PYTHONPATH": path, "TF_CONFIG": plan.tf_config(task)}  # type: ignore[attr-defined]
-    return subprocess.Popen([sys.executable, "-m", *argv, "--log-level", "WARNING"], cwd=REPO, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-
-
 def run(sizes: list[int], replicas: int, steps: int = 8, warmup: int = 2, kill: bool = False,
         transport: str = "shm") -> dict[str, object]:
-    from pshard.common.rpc.health import probe
     from pshard.launcher.plan import ClusterPlan
 
     plan = ClusterPlan.allocate(3, 2)
     tasks = {t.name: t for t in [*plan.servers, *plan.trainers]}
-    procs = [_start(plan, tasks["scheduler"], ["pshard.scheduler", "--bind", plan.scheduler,
-                                               "--heartbeat-interval-ms", str(HEARTBEAT_MS[0]),
-                                               "--heartbeat-timeout-ms", str(HEARTBEAT_MS[1])])]
+    procs = [start_task(plan, tasks["scheduler"], ["pshard.scheduler", "--bind", plan.scheduler,
+                                                    "--heartbeat-interval-ms", str(HEARTBEAT_MS[0]),
+                                                    "--heartbeat-timeout-ms", str(HEARTBEAT_MS[1])])]
     offers = "auto" if transport == "shm" else transport  # what the servers offer (see the module doc)
-    procs += [_start(plan, tasks[f"ps-{i}"], ["pshard.ps_server", "--bind", address,
-                                              "--replicas", str(replicas), "--transport", offers])
+    procs += [start_task(plan, tasks[f"ps-{i}"], ["pshard.ps_server", "--bind", address,
+                                                   "--replicas", str(replicas), "--transport", offers])
               for i, address in enumerate(plan.ps)]
     try:
-        deadline = time.monotonic() + 60
-        for address in [plan.scheduler, *plan.ps]:
-            while not probe(address, timeout_s=1.0)[0]:
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"replication bench: {address} did not start")
-                time.sleep(0.1)
+        await_serving([plan.scheduler, *plan.ps], "replication bench")
         victim = procs[2].pid if kill else None  # ps-1
         results = run_workers(_worker, 2, (plan.scheduler, list(plan.ps), "", sizes, replicas, warmup, steps,
                                            victim, transport))
     finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.terminate()
-        for proc in procs:
-            try:
-                proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+        stop_processes(procs)
     elapsed = span_s(results)
     figure: dict[str, object] = {
         "replicas": replicas, "transport": transport, "servers": 3, "workers": 2, "params": sum(sizes),

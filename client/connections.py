@@ -22,6 +22,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from typing import TypeGuard
 
 import grpc
 from pshard.client.fast_session import FastPath
@@ -39,6 +40,7 @@ log = logging.getLogger("pshard.client")
 
 # After a fast path failed to open or broke, gRPC carries the calls for this long before a new try.
 FAST_PATH_RETRY_S = 10.0
+_CLOSE_WATCH_WAIT_S = 1.0  # at most, for every channel of a client together (see `close`)
 # (layout, timeout_s) -> a layout newer than `layout` once the scheduler publishes one, else None.
 Relayout = Callable[[Layout, float], "Layout | None"]
 
@@ -76,6 +78,8 @@ class ServerConnections:
         # one, when the next try is due, its lock) and what carries its calls. Grown by _add only.
         self.channels: list[grpc.Channel] = []
         self._watchers: list[Callable[[grpc.ChannelConnectivity], None]] = []
+        # Set by each channel's first connectivity callback: see `close`.
+        self._watching: list[threading.Event] = []
         self._stubs: list[pb_grpc.ParameterServerServiceStub] = []
         self._fast: list[FastPath | None] = []
         self._fast_retry_at: list[float] = []
@@ -129,9 +133,11 @@ class ServerConnections:
         if self.closed.is_set():
             raise UnavailableError(f"server {address}: this client is closed")
         channel = self.security.channel(address, options=self._options)
-        watcher = functools.partial(self._on_connectivity, address)
+        watching = threading.Event()
+        watcher = functools.partial(self._on_connectivity, address, watching)
         self.channels.append(channel)
         self._watchers.append(watcher)
+        self._watching.append(watching)
         self._stubs.append(pb_grpc.ParameterServerServiceStub(channel))
         self._fast.append(None)
         self._fast_retry_at.append(0.0)
@@ -158,16 +164,15 @@ class ServerConnections:
         return self._dead_after_s
 
     @property
-    def can_reroute(self) -> bool:
-        """A newer layout can be asked for (the client was given the scheduler's)."""
-        return self._relayout is not None
-
-    @property
     def fails_fast(self) -> bool:
-        """Re-routable under a replicated layout: a server that is down is not waited for. A step re-routed
-        to a layout that still names a dead server (its failover refused) must fail at once, not wait
-        for it in a fast path's negotiation (10 s per kind), so the scheduler's refusal reaches it."""
-        layout = self.layout
+        """`fails_fast_under` the layout calls are routed by now."""
+        return self.fails_fast_under(self.layout)
+
+    def fails_fast_under(self, layout: Layout | None) -> TypeGuard[Layout]:
+        """Re-routable under a replicated `layout`: a server that is down is not waited for, the call goes
+        to the newer layout the scheduler publishes once it failed the server over. A step re-routed to a
+        layout that still names a dead server (its failover refused) must fail at once, not wait for it in
+        a fast path's negotiation (10 s per kind), so the scheduler's refusal reaches it."""
         return self._relayout is not None and layout is not None and bool(layout.replicas)
 
     def newer_layout(self, layout: Layout, left_s: float) -> Layout | None:
@@ -233,7 +238,9 @@ class ServerConnections:
 
     # ---- lifecycle ----
 
-    def _on_connectivity(self, address: str, state: grpc.ChannelConnectivity) -> None:
+    def _on_connectivity(self, address: str, watching: threading.Event,
+                         state: grpc.ChannelConnectivity) -> None:
+        watching.set()
         if self.closed.is_set():
             return
         if state is grpc.ChannelConnectivity.TRANSIENT_FAILURE and address not in self.unreachable:
@@ -256,7 +263,16 @@ class ServerConnections:
             self._drop(server)
         # Channels first: closing one cancels its calls, so a pool thread blocked in a sync pull
         # (a stop, SIGTERM, in mid-step) ends now instead of at its deadline.
-        for channel, watcher in zip(self.channels, self._watchers, strict=True):
+        # grpcio's connectivity poller (one thread per subscribed channel) reads the channel's state once
+        # before its first callback; a channel closed before that read makes the thread die with
+        # "Cannot monitor channel state: Channel closed!" on stderr (most clients closed within a
+        # millisecond of being made did). Its first callback means the read is done: wait for it, bounded.
+        deadline = time.monotonic() + _CLOSE_WATCH_WAIT_S
+        # Every poller is told first, then the channels close: a close waits for its poller's 0.2 s turn,
+        # so one channel after the other cost 0.2 s a server.
+        for channel, watcher, watching in zip(self.channels, self._watchers, self._watching, strict=True):
+            watching.wait(max(0.0, deadline - time.monotonic()))
             channel.unsubscribe(watcher)
+        for channel in self.channels:
             channel.close()
         self.pool.shutdown(wait=True, cancel_futures=True)

@@ -275,7 +275,7 @@ class PSClient:
     def _fail_fast(self) -> bool:
         """Replicated and able to re-route: a call to a dead server fails at once instead of waiting
         for it to come back, and the step goes to the slice's new primary."""
-        return self._declared and self.connections.can_reroute and bool(self.layout and self.layout.replicas)
+        return self._declared and self.connections.fails_fast
 
     def _rerouting(self, step: Callable[[Layout], T]) -> T:
         """`step(layout)`, again on each newer layout the scheduler publishes after a server failed it.

@@ -358,8 +358,7 @@ class TableClient:
                     conn.closed.wait(min(_NOT_YET_WAIT_S, left))  # the server learns the layout soon
                     continue
                 moved = isinstance(err, UnavailableError | PartitionMovedError)
-                if (not moved or not conn.can_reroute or layout is None or not layout.replicas
-                        or left <= 0 or conn.closed.is_set()):
+                if not moved or not conn.fails_fast_under(layout) or left <= 0 or conn.closed.is_set():
                     raise
                 newer = conn.newer_layout(layout, left)
                 if newer is not None:

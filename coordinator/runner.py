@@ -31,6 +31,10 @@ class CallRunner:
     def __init__(self, client: PSClient, worker_id: str) -> None:
         self._client = client
         self._worker_id = worker_id
+        # Not redundant beside InOrder's asyncio FIFO (pshard.worker.serve): a Run cancelled mid-call (the
+        # coordinator closed its channel, or its RPC broke) leaves that FIFO at once, while its function goes
+        # on in its thread, which cannot be cancelled. The next call (re-dispatched once the worker is
+        # reachable again) would then run beside it on the same WorkerContext; this lock makes it wait.
         self._lock = threading.Lock()
         self._ctx: WorkerContext | None = None
         self.calls = 0

@@ -8,10 +8,11 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+from pshard.common.cluster.layout import Layout
 from pshard.common.cluster.loads import Counters
 from pshard.common.cluster.moves import partition_count, plan_join
 from pshard.common.cluster.replicas import joining_backups
-from pshard.common.cluster.view import NodeState
+from pshard.common.cluster.view import ManualClock, NodeState, Registration
 from pshard.common.errors import LayoutConflictError
 from pshard.scheduler.joins import JoinLog
 from pshard.scheduler.membership import Membership
@@ -21,12 +22,18 @@ from tests.unit.test_replicas import _all_in_sync, _job, _report
 JOINER = "d:1"
 
 
-def test_a_server_registering_for_a_running_job_takes_slices_of_the_server_it_caught_up_with():
+def _joining() -> tuple[Membership, ManualClock, Layout | None, Registration]:
+    """A replicated job of three servers, each one's backup in sync, and JOINER registered for it: (the
+    scheduler's membership, its clock, the layout before the join, the joiner's registration)."""
     members, clock = _job(replicas=1)
     _all_in_sync(members)
     before = members.layout()
+    return members, clock, before, members.register("ps", JOINER)
+
+
+def test_a_server_registering_for_a_running_job_takes_slices_of_the_server_it_caught_up_with():
+    members, clock, before, joiner = _joining()
     assert before is not None
-    joiner = members.register("ps", JOINER)
     assert joiner.rank == 3
     (join,) = members.joins.all()
     assert (join.node_id, join.address, join.done) == (joiner.node_id, JOINER, False)
@@ -93,10 +100,7 @@ def test_a_join_takes_row_partitions_of_its_donor_by_the_bytes_the_servers_repor
 
 
 def test_a_joiner_gone_before_it_caught_up_leaves_the_layout_as_it_was():
-    members, clock = _job(replicas=1)
-    _all_in_sync(members)
-    before = members.layout()
-    joiner = members.register("ps", JOINER)
+    members, clock, before, joiner = _joining()
     clock.advance(4)
     for node in ("ps-0", "ps-1", "ps-2"):
         members.heartbeat(node, members.node(node).generation)
@@ -121,10 +125,7 @@ def test_a_server_registering_for_a_job_without_replicas_serves_nothing():
 def test_a_new_process_of_a_joiner_rolls_its_join_back_and_joins_again():
     """The joiner SIGKILLed mid-copy and started again: the new process holds nothing of the copy, so the
     first join is rolled back at once (not after a heartbeat timeout) and the second one switches."""
-    members, clock = _job(replicas=1)
-    _all_in_sync(members)
-    before = members.layout()
-    first = members.register("ps", JOINER)
+    members, clock, before, first = _joining()
     clock.advance(1)
     second = members.register("ps", JOINER, node_id=first.node_id, last_generation=first.generation)
     assert members.layout() == before  # nothing moved
@@ -143,11 +144,8 @@ def test_a_join_in_progress_when_the_scheduler_restarts_goes_on_once_the_layout_
     worker-0 gives the layout back. The restore must not be refused for the joiner's place beyond the
     layout (the job could never get its layout back), and the join goes on: the switch once its donor
     reports it in sync."""
-    members, _ = _job(replicas=1)
-    _all_in_sync(members)
-    layout = members.layout()
+    members, _, layout, joiner = _joining()
     assert layout is not None
-    joiner = members.register("ps", JOINER)
     restarted = Membership(heartbeat_timeout_s=5)
     for i, address in enumerate((*layout.servers, JOINER)):
         reg = restarted.register("ps", address, node_id=f"ps-{i}", rank_hint=i,
@@ -180,9 +178,7 @@ def test_a_restore_still_refuses_a_server_registered_at_another_place_of_the_lay
 
 def test_a_join_in_progress_shows_the_bytes_its_donor_still_has_to_copy():
     """`pshard status` shows a join's copy left: its donor's heartbeats count what its backups lack."""
-    members, _ = _job(replicas=1)
-    _all_in_sync(members)
-    joiner = members.register("ps", JOINER)
+    members, _, _, joiner = _joining()
     members.report_load("ps-0", Counters(), copy_bytes_left=999)  # not its donor
     (join,) = members.joins.all()
     assert (join.donor, join.bytes_left) == ("", 0)
@@ -217,11 +213,8 @@ def test_a_joiner_copies_beside_its_donors_backup_which_keeps_its_copy_until_the
 
 
 def test_a_donor_declared_dead_mid_join_fails_over_to_its_old_backup_and_the_join_starts_again():
-    members, clock = _job(replicas=1)
-    _all_in_sync(members)
-    before = members.layout()
+    members, clock, before, joiner = _joining()
     assert before is not None
-    joiner = members.register("ps", JOINER)
     _report(members, "ps-2", "ps-0")  # the donor's old backup still reported in sync: it still counts
     assert members.in_sync.of("c:1") == {"a:1"}
     clock.advance(4)
@@ -246,11 +239,8 @@ def test_a_donor_declared_dead_mid_join_fails_over_to_its_old_backup_and_the_joi
 
 
 def test_a_donor_restarted_mid_join_fails_over_at_once_and_the_switch_releases_the_old_backup():
-    members, _ = _job(replicas=1)
-    _all_in_sync(members)
-    before = members.layout()
+    members, _, before, joiner = _joining()
     assert before is not None
-    joiner = members.register("ps", JOINER)
     donor = members.node("ps-2")
     members.register("ps", "c:1", node_id="ps-2", last_generation=donor.generation)  # a new process
     after = members.layout()
@@ -260,9 +250,7 @@ def test_a_donor_restarted_mid_join_fails_over_at_once_and_the_switch_releases_t
     assert rolled.rolled_back == "lost its donor: c:1 registered again (a new process holds nothing)"
     assert not again.done
     # A join that switches releases its donor's old backup: the joiner is the donor's backup now.
-    members, _ = _job(replicas=1)
-    _all_in_sync(members)
-    joiner = members.register("ps", JOINER)
+    members, _, _, joiner = _joining()
     _report(members, "ps-2", "ps-0", joiner.node_id)
     assert members.joins.all()[0].took and members.in_sync.of("c:1") == {JOINER}
 

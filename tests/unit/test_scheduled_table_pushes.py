@@ -119,6 +119,56 @@ def _global_checkpoint(root: Path, sources: list[TableHandlers], partition_count
     return ckpt.load_manifest(directory, verify=True)
 
 
+async def _call_7_half_pushed(ids: np.ndarray) -> tuple[list[TableHandlers], list[int]]:
+    """Two servers, each with its rows of `ids`: call 5 pushed every row, push 0 of call 7 has reached
+    server 0 and not yet server 1. (The servers, the rows each of those three pushes stored.)"""
+    home = server_of(ids, 2)
+    sources = [TableHandlers(ServerSettings()) for _ in range(2)]
+    stored = []
+    for i, h in enumerate(sources):
+        await h.declare(TableConfig("emb", 2, initializer="zeros", lr=1.0))
+        mine = ids[home == i]
+        stored.append(await h.push("emb", mine.tobytes(), _grads(len(mine), 1.0), worker="worker-0",
+                                   schedule=(5, 0, 3)))
+    mine = ids[home == 0]
+    stored.append(await sources[0].push("emb", mine.tobytes(), _grads(len(mine), 1.0), worker="worker-1",
+                                        schedule=(7, 0, 3)))
+    return sources, stored
+
+
+def _restore(checkpoint: ckpt.Checkpoint, servers: list[TableHandlers]) -> list[TableHandlers]:
+    """`servers`, server s of them given its rows of every table of `checkpoint`."""
+    for s, h in enumerate(servers):
+        for table in restore_tables(checkpoint, s, len(servers), h.make):
+            h.add(table)
+    return servers
+
+
+async def _redispatched(servers: list[TableHandlers], ids: np.ndarray, *calls: int) -> list[float]:
+    """Push 0 of each of `calls` sent again, to each of `servers` with its rows of `ids`: then every row's
+    first value, server by server."""
+    now = server_of(ids, len(servers))
+    for s, h in enumerate(servers):
+        mine = ids[now == s]
+        for call in calls:
+            await h.push("emb", mine.tobytes(), _grads(len(mine), 1.0), worker="worker-2",
+                         schedule=(call, 0, 3))
+    rows = [(await h.pull("emb", ids[now == s].tobytes()))[:, 0] for s, h in enumerate(servers)]
+    return np.concatenate(rows).tolist()
+
+
+async def _restored_after_call_7(root: Path, config: TableConfig, ids: np.ndarray) -> tuple[SparseTable, int]:
+    """Call 7's push of every row of `ids` in a global checkpoint under `root`, and the table restored from
+    it onto one server: (that table, the rows the push stored)."""
+    source = TableHandlers(ServerSettings())
+    await source.declare(config)
+    stored = await source.push("emb", ids.tobytes(), _grads(len(ids), 1.0), worker="worker-0",
+                               schedule=(7, 0, 3))
+    (restored,) = restore_tables(_global_checkpoint(root, [source]), 0, 1,
+                                 TableHandlers(ServerSettings()).make)
+    return restored, stored
+
+
 def test_a_push_that_reached_some_servers_at_a_global_checkpoint_lands_once_on_every_row_after_a_restore(
         tmp_path: Path) -> None:
     """Push 0 of call 7 had reached server 0 and not yet server 1 when the global checkpoint was taken.
@@ -126,34 +176,16 @@ def test_a_push_that_reached_some_servers_at_a_global_checkpoint_lands_once_on_e
     of server 1's part only: every row holds it once. (The parts' records folded into one dropped it
     there: an update lost.)"""
     ids = np.arange(1, 13, dtype=np.int64)
-    home = server_of(ids, 2)
 
     async def main() -> None:
-        sources = [TableHandlers(ServerSettings()) for _ in range(2)]
-        for i, h in enumerate(sources):
-            await h.declare(TableConfig("emb", 2, initializer="zeros", lr=1.0))
-            mine = ids[home == i].tobytes()
-            assert await h.push("emb", mine, _grads(int((home == i).sum()), 1.0), worker="worker-0",
-                                schedule=(5, 0, 3)) > 0  # an earlier call: every row at 1
-        assert await sources[0].push("emb", ids[home == 0].tobytes(), _grads(int((home == 0).sum()), 1.0),
-                                     worker="worker-1", schedule=(7, 0, 3)) > 0  # server 1: not yet
+        sources, stored = await _call_7_half_pushed(ids)  # call 5 before: every row at 1
+        assert all(n > 0 for n in stored)
         checkpoint = _global_checkpoint(tmp_path / "root", sources)
         assert ckpt.last_scheduled_call(checkpoint) == 7  # calls 5 and 7 (floor 3)
         for servers in (2, 1, 3):
-            restored = [TableHandlers(ServerSettings()) for _ in range(servers)]
-            for s, h in enumerate(restored):
-                for table in restore_tables(checkpoint, s, servers, h.make):
-                    h.add(table)
-            now = server_of(ids, servers)
-            for s, h in enumerate(restored):  # the re-dispatch, each server its rows
-                mine = ids[now == s]
-                await h.push("emb", mine.tobytes(), _grads(len(mine), 1.0), worker="worker-2",
-                             schedule=(7, 0, 3))
-                await h.push("emb", mine.tobytes(), _grads(len(mine), 1.0), worker="worker-2",
-                             schedule=(5, 0, 3))  # call 5's push: every row had it
-            rows = np.concatenate([(await h.pull("emb", ids[now == s].tobytes()))[:, 0]
-                                   for s, h in enumerate(restored)])
-            assert rows.tolist() == [2.0] * len(ids), servers
+            restored = _restore(checkpoint, [TableHandlers(ServerSettings()) for _ in range(servers)])
+            rows = await _redispatched(restored, ids, 7, 5)  # call 5's push too: every row had it
+            assert rows == [2.0] * len(ids), servers
     asyncio.run(main())
 
 
@@ -219,12 +251,8 @@ def test_a_restored_record_reaches_a_backup_with_its_rows_and_an_heir_drops_the_
     config = TableConfig("emb", 2, initializer="zeros", lr=1.0)
 
     async def main() -> None:
-        source = TableHandlers(ServerSettings())
-        await source.declare(config)
-        assert await source.push("emb", ids.tobytes(), _grads(len(ids), 1.0), worker="worker-0",
-                                 schedule=(7, 0, 3)) == len(ids)
-        checkpoint = _global_checkpoint(tmp_path / "root", [source])
-        (primary,) = restore_tables(checkpoint, 0, 1, TableHandlers(ServerSettings()).make)
+        primary, stored = await _restored_after_call_7(tmp_path / "root", config, ids)
+        assert stored == len(ids)
         replica = SparseTable(config)
         for rows in (ids[:3], ids[3:]):
             batch = batch_from_proto(batch_to_proto(capture(primary, rows)))
@@ -250,11 +278,7 @@ def test_a_moved_partition_takes_its_scheduled_records_to_its_new_server(tmp_pat
     config = TableConfig("emb", 2, initializer="zeros", lr=1.0)
 
     async def main() -> None:
-        source = TableHandlers(ServerSettings())
-        await source.declare(config)
-        await source.push("emb", ids.tobytes(), _grads(len(ids), 1.0), worker="worker-0", schedule=(7, 0, 3))
-        (primary,) = restore_tables(_global_checkpoint(tmp_path / "root", [source]), 0, 1,
-                                    TableHandlers(ServerSettings()).make)
+        primary, _ = await _restored_after_call_7(tmp_path / "root", config, ids)
         primary.push(ids, np.ones((len(ids), 2), np.float32))
         primary.scheduled.record(9, 0, 1)  # call 9's push, applied to partition 1's rows since
         replicas = ReplicaTables()
@@ -300,43 +324,25 @@ def test_a_restored_record_goes_into_the_next_checkpoints_until_its_call_finishe
     from B (onto two servers or three) or from its own, the re-dispatch still lands only on the rows that
     never had it, every row at 2. (B saved no restored record: server 0's rows got call 7 twice, at 3.)"""
     ids = np.arange(1, 13, dtype=np.int64)
-    home = server_of(ids, 2)
+
+    def own() -> list[TableHandlers]:  # two servers, each with a checkpoint of its own
+        return [TableHandlers(ServerSettings(checkpoint_dir=str(tmp_path / f"own{s}"), shard_name="ps"))
+                for s in range(2)]
 
     async def main() -> None:
-        sources = [TableHandlers(ServerSettings()) for _ in range(2)]
-        for i, h in enumerate(sources):
-            await h.declare(TableConfig("emb", 2, initializer="zeros", lr=1.0))
-            mine = ids[home == i]
-            await h.push("emb", mine.tobytes(), _grads(len(mine), 1.0), worker="worker-0", schedule=(5, 0, 3))
-        mine = ids[home == 0]
-        await sources[0].push("emb", mine.tobytes(), _grads(len(mine), 1.0), worker="worker-1",
-                              schedule=(7, 0, 3))
+        sources, _ = await _call_7_half_pushed(ids)
         first = _global_checkpoint(tmp_path / "a", sources)
-        middle = [TableHandlers(ServerSettings(checkpoint_dir=str(tmp_path / f"own{s}"), shard_name="ps"))
-                  for s in range(2)]
-        for s, h in enumerate(middle):
-            for table in restore_tables(first, s, 2, h.make):
-                h.add(table)
+        middle = _restore(first, own())
+        for h in middle:
             assert await h.checkpoint() is not None  # the server's own table checkpoint
         second = _global_checkpoint(tmp_path / "b", middle)
         assert ckpt.last_scheduled_call(second) == 7  # a relaunched coordinator numbers its calls above
-        restores: list[list[TableHandlers]] = [
-            [TableHandlers(ServerSettings(checkpoint_dir=str(tmp_path / f"own{s}"), shard_name="ps"))
-             for s in range(2)]]  # each loads its own checkpoint
+        restores = [own()]  # each loads its own checkpoint
         for servers in (2, 3):
-            restores.append([TableHandlers(ServerSettings()) for _ in range(servers)])
-            for s, h in enumerate(restores[-1]):
-                for table in restore_tables(second, s, servers, h.make):
-                    h.add(table)
+            restores.append(_restore(second, [TableHandlers(ServerSettings()) for _ in range(servers)]))
         for restored in restores:
-            now = server_of(ids, len(restored))
-            for s, h in enumerate(restored):  # the re-dispatch, each server its rows
-                rows = ids[now == s]
-                await h.push("emb", rows.tobytes(), _grads(len(rows), 1.0), worker="worker-2",
-                             schedule=(7, 0, 3))
-            got = np.concatenate([(await h.pull("emb", ids[now == s].tobytes()))[:, 0]
-                                  for s, h in enumerate(restored)])
-            assert got.tolist() == [2.0] * len(ids), len(restored)
+            got = await _redispatched(restored, ids, 7)
+            assert got == [2.0] * len(ids), len(restored)
     asyncio.run(main())
 
 

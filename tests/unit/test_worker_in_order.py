@@ -63,3 +63,32 @@ def test_calls_without_a_predecessor_run_one_at_a_time() -> None:
 
     asyncio.run(main())
     assert most[0] == 1
+
+
+def test_a_cancelled_call_leaves_the_fifo_while_its_function_still_runs() -> None:
+    """Why pshard.coordinator.runner.CallRunner keeps a threading lock of its own: a Run cancelled
+    mid-call (its RPC broke) frees InOrder's FIFO at once, though its function's thread cannot be
+    stopped, so the next call starts beside it."""
+    running, release = threading.Event(), threading.Event()
+    started: list[int] = []
+
+    def fn(request: pb.RunRequest) -> int:
+        started.append(request.schedule_id)
+        if request.schedule_id == 1:
+            running.set()
+            release.wait(10.0)  # still running after its RPC was cancelled
+        return request.schedule_id
+
+    order = InOrder(wait_s=1.0)
+
+    async def main() -> bool:
+        first = asyncio.create_task(order.run(pb.RunRequest(schedule_id=1), fn))
+        assert await asyncio.to_thread(running.wait, 10.0)
+        first.cancel()
+        second = await order.run(pb.RunRequest(schedule_id=2, after=1), fn)
+        beside = not release.is_set()
+        release.set()
+        return second == 2 and beside
+
+    assert asyncio.run(main())
+    assert started == [1, 2]
