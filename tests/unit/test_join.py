@@ -258,9 +258,7 @@ def test_a_donor_restarted_mid_join_fails_over_at_once_and_the_switch_releases_t
 def test_a_joiner_declared_dead_while_backing_up_ends_its_join_without_a_roll_back():
     """After the switch the joiner serves what it took: a death then is a failover of it, not a roll back,
     and the join ends there (took, done, not rolled back)."""
-    members, clock = _job(replicas=1)
-    _all_in_sync(members)
-    joiner = members.register("ps", JOINER)
+    members, clock, _, joiner = _joining()
     _report(members, "ps-2", joiner.node_id)
     switched = members.layout()
     assert switched is not None and members.joins.all()[0].backing_up
