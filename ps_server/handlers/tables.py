@@ -362,7 +362,10 @@ class TableHandlers:
             return
         deadline = time.monotonic() + self._settings.pull_timeout_s
         partitions = self._partitions(keys)
+        table = self._tables.get(name)
         while (behind := sync.behind(clock, partitions)) is not None:
+            if table is not None:  # moved away while it waited: the worker pushes that clock elsewhere
+                self.replication.kept(table, keys, f"pull at clock {clock}")
             lease = self.fence.lease
             if lease is not None and lease.lapsed():  # fenced for good: no push completes the clock here
                 lease.check(f"pull of sync table {name!r} at clock {clock}")
@@ -380,6 +383,11 @@ class TableHandlers:
                     f"{sync.waiting_for(partition, applied, self._quorum or {})} after "
                     f"{self._settings.pull_timeout_s:.1f}s") from None
         await self.replication.settle(deadline)  # a clock's update is read once its backups hold it
+        if table is not None:
+            # A partition a move or a join took meanwhile: this server may have applied a clock its new
+            # server's copy lacks (it refused the rows). Refused, so the worker keeps its pushes of that
+            # clock, re-routes and sends them there again, rather than reading them here and dropping them.
+            self.replication.kept(table, keys, f"pull at clock {clock}")
 
     async def export(self, name: str) -> tuple[Path, Path, int]:
         table = self._table(name)
@@ -411,6 +419,13 @@ class TableHandlers:
         """The layout told this server its partition's number (ps_server/replication/tables.py)."""
         for sync in self._sync.values():
             sync.number_own(partition)
+
+    def moved_away(self) -> None:
+        """Row partitions moved from this server (a layout): the sync pulls waiting for a clock look again,
+        and those of a moved partition are refused (`_wait_applied`), since no push of it comes here now."""
+        for name, changed in list(self._changed.items()):
+            changed.set()
+            self._changed[name] = asyncio.Event()
 
     def make(self, config: TableConfig) -> SparseTable:
         """An empty table as a Declare would create it (a global checkpoint's restore fills it)."""

@@ -122,6 +122,10 @@ class TableSource(Protocol):
     def number_own(self, partition: int) -> None:
         ...
 
+    def moved_away(self) -> None:
+        """Partitions this server served moved to another: wake the pulls waiting for their clocks."""
+        ...
+
 
 # ---- primary side ----
 
@@ -495,6 +499,8 @@ class TableReplication:
         gained = owned - previous
         self._owned = owned
         self._lost = (self._lost | (previous - owned)) - owned
+        if previous - owned:
+            self._tables.moved_away()  # a sync pull parked for one of them re-routes now, not at its deadline
         self._taken = {a: t & owned for a, t in self._taken.items() if t & owned}
         self._remember(layout.version)
         if not gained:
