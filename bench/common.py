@@ -123,13 +123,30 @@ def start_ps_servers(count: int, workers: Sequence[str], extra: Sequence[str] = 
     return servers
 
 
-def start_task(plan: Any, task: Any, argv: Sequence[str]) -> subprocess.Popen[str]:
+def start_task(plan: Any, task: Any, argv: Sequence[str], log: Path | None = None) -> subprocess.Popen[str]:
     """`python -m ARGV` as `task` of the launcher's ClusterPlan `plan` (its TF_CONFIG), warnings only, its
-    output dropped."""
+    output dropped; with `log`, its INFO log goes to that file (for `await_log_line`)."""
     path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
     env = {**os.environ, "PYTHONPATH": path, "TF_CONFIG": plan.tf_config(task)}
-    return subprocess.Popen([sys.executable, "-m", *argv, "--log-level", "WARNING"], cwd=REPO, env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, text=True)
+    out = subprocess.DEVNULL if log is None else log.open("w")
+    level = "WARNING" if log is None else "INFO"
+    try:
+        return subprocess.Popen([sys.executable, "-m", *argv, "--log-level", level], cwd=REPO, env=env,
+                                stdout=out, stderr=subprocess.STDOUT, text=True)
+    finally:
+        if log is not None:
+            out.close()  # type: ignore[union-attr]  # the child holds its own copy
+
+
+def await_log_line(log: Path, text: str, timeout_s: float = 60.0) -> None:
+    """Until a line of the file `log` (start_task's) contains `text`; RuntimeError after `timeout_s`. A
+    bench that must act once a state is reached waits for the line that reports it, not for a count of
+    steps that usually comes after it."""
+    deadline = time.monotonic() + timeout_s
+    while text not in log.read_text(errors="replace"):
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{log}: no line with {text!r} within {timeout_s:g} s")
+        time.sleep(0.05)
 
 
 def await_serving(addresses: Sequence[str], what: str, timeout_s: float = 60.0) -> None:

@@ -1,13 +1,22 @@
 """8- and 16-bit rows (issue 22): RSS per row and rows/s of a table by row_dtype, in one run.
 
 For each row_dtype (float32 first: the same-run baseline) a fresh process makes a table (SGD) of `--rows`
-rows by pushing distinct ids, 65,536 per push, and reports its RSS growth per row, then times pulls and
-pushes of 2,048 random existing ids (rows/s; pushes best of 3, and for narrow rows also through the numpy
-path that the compiled pass replaced, push_rows_per_s_numpy_path, alternating with it). A row's RSS is its
-values as stored (4 x dim float32, 2 x dim float16/bfloat16, dim + 8 int8) plus what every row keeps
-whatever its dtype: its id (8 bytes), last touch (8), update count (4), change stamp (4) and the index's
-slots (4 to 10), so the ratio to float32 grows with dim; `fields` gives each array's bytes over the rows
-(capacity included: the arrays grow by doubling).
+rows by pushing distinct ids, 65,536 per push, and reports its RSS growth per row two ways: the whole
+growth over the rows (`rss_bytes_per_row`, what the table costs, fixed parts included), and the slope
+between the table at half its rows and at all of them (`rss_slope_bytes_per_row`, what one more row
+costs: the fixed parts, the same at both sizes, cancel). The fixed parts are the index's memory of its
+last four lookups (4 MB at 65,536 ids a push) and the heap's odds and ends. RSS is read after the
+heap's free pages go back (malloc_trim, what a server's ps_server.heap.HeapTrimmer does once a burst
+of large requests ends). It then times pulls and pushes of 2,048 random existing ids (rows/s; pushes
+best of 3, and for narrow rows also through the numpy path that the compiled pass replaced,
+push_rows_per_s_numpy_path, alternating with it).
+
+A row's RSS is its values as stored (4 x dim float32, 2 x dim float16/bfloat16, dim + 4 int8: a float16
+scale and offset) plus what every row keeps whatever its dtype: its id (8 bytes), update count (4) and
+the index's slots (4 to 10; a slope taken across one of the index's doublings counts that doubling), so
+the ratio to float32 grows with dim (the last touch, 8, is kept only with ttl, max_rows or memory_mb,
+and the change stamp, 4, from a table's first checkpoint on: this bench's table has neither); `fields`
+gives each array's bytes over the rows (capacity included: the arrays grow by doubling).
 
 The child sets glibc's malloc as `pshard ps` does at start (ps_server.heap.bound_heap: buffers of 1 MiB
 and more are mappings of their own, given back when freed), so the RSS is what a server holds: with
@@ -45,11 +54,16 @@ def _child(row_dtype: str, rows: int, dim: int) -> None:
 
     table = SparseTable(TableConfig("emb", dim, row_dtype=row_dtype))  # warms the kernels
     grads = np.full((BATCH, dim), 0.01, np.float32)
-    before = rss_mb(os.getpid())
+    before = _settled_rss_mb()
+    half = max(BATCH, rows // 2 // BATCH * BATCH)  # a push's worth of rows: the slope's first point
+    at_half = before
     for first in range(0, rows, BATCH):
         chunk = np.arange(first, min(first + BATCH, rows), dtype=np.int64)
         table.push(chunk, grads[: len(chunk)])
-    grown = rss_mb(os.getpid()) - before
+        if first + len(chunk) == half:
+            at_half = _settled_rss_mb()
+    grown = _settled_rss_mb() - before
+    slope = (before + grown - at_half) * 2**20 / (rows - half) if rows > half else 0.0
     rng = np.random.default_rng(0)
     requests = [np.sort(rng.choice(rows, REQUEST, replace=False)).astype(np.int64) for _ in range(50)]
     small = grads[:REQUEST]
@@ -61,12 +75,25 @@ def _child(row_dtype: str, rows: int, dim: int) -> None:
     moved = REQUEST * len(requests)
     arrays = {"values": table.values, "touch": table.touch, "count": table.count, "stamp": table.stamp,
               "index_ids": table.index.ids, **{f"state_{name}": a for name, a in table.state.items()}}
-    fields = {name: round(a.nbytes / rows, 1) for name, a in arrays.items()}
+    # A field the table does not keep is a sink of one element (ps_server.tables.table._sink): 0 bytes.
+    fields = {name: round((a.nbytes if a.strides[0] else a.itemsize) / rows, 1) for name, a in arrays.items()}
     fields["index_slots"] = round(table.index.slot_bytes / rows, 1)
     print(json.dumps({"rss_bytes_per_row": round(grown * 2**20 / rows, 1),
+                      "rss_slope_bytes_per_row": round(slope, 1), "slope_from_rows": half,
                       "stored_bytes_per_row": table.config.row_bytes, "fields": fields,
                       "pull_rows_per_s": round(moved / pull_s), "push_rows_per_s": round(moved / push_s),
                       **({"push_rows_per_s_numpy_path": round(moved / numpy_s)} if numpy_s else {})}))
+
+
+def _settled_rss_mb() -> float:
+    """RSS (MiB) once glibc's free pages went back to the kernel (malloc_trim, as a server does after a
+    burst of large requests: ps_server.heap.HeapTrimmer); as it is where there is no glibc."""
+    from pshard.common.malloc import libc
+
+    trim = getattr(libc(), "malloc_trim", None)
+    if trim is not None:
+        trim(0)
+    return rss_mb(os.getpid())
 
 
 def _time_pushes(table: Any, requests: list[Any], grads: Any) -> tuple[float, float]:
@@ -100,10 +127,12 @@ def _run_child(row_dtype: str, rows: int, dim: int) -> dict[str, float]:
 
 def narrow_rows(rows: int = 1_000_000, dim: int = 64) -> dict[str, object]:
     results = {rd: _run_child(rd, rows, dim) for rd in ROW_DTYPES}
-    base = results["float32"]["rss_bytes_per_row"]
+    base = results["float32"]
     out: dict[str, object] = {"rows": rows, "dim": dim}
     for rd, r in results.items():
-        out[rd] = {**r, "rss_ratio_float32_to_this": round(base / max(r["rss_bytes_per_row"], 0.1), 2)}
+        out[rd] = {**r, **{f"{key}_ratio_float32_to_this": round(base[f"{key}_bytes_per_row"]
+                                                                  / max(r[f"{key}_bytes_per_row"], 0.1), 2)
+                           for key in ("rss", "rss_slope")}}
     return out
 
 

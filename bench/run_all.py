@@ -218,8 +218,9 @@ def main(argv: list[str] | None = None) -> int:
           f"+{admit['exact_rss_growth_mb']} MB ({admit['ratio_exact_to_sketch']}x) [bar 16 MiB: {ok}]")
     rss = {rd: narrow[rd]["rss_bytes_per_row"] for rd in ("float32", "float16", "bfloat16", "int8")}  # type: ignore[index]
     ratio = float(narrow["int8"]["rss_ratio_float32_to_this"])  # type: ignore[index]
+    slope = float(narrow["int8"]["rss_slope_ratio_float32_to_this"])  # type: ignore[index]
     print(f"rows of dim {narrow['dim']} by row_dtype, RSS bytes per row: {rss} (int8: "
-          f"{ratio}x smaller than float32) [bar 3x: {'ok' if ratio >= 3 else 'below'}]")
+          f"{ratio}x smaller than float32, {slope}x a row more) [bar 3x: {'ok' if ratio >= 3 else 'below'}]")
     print(f"disk tier, {tier['rows']} rows x {tier['dim']} at a quarter in RAM, zipf: "
           f"{tier['rows_per_s_tiered']} rows/s against {tier['rows_per_s_ram']} in RAM ({tier['ratio']}x) "
           f"[bar {tier['bar']}x: {'ok' if tier['passed'] else 'below'}]")

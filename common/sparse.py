@@ -22,7 +22,7 @@ TABLE_OPTIMIZERS = ("sgd", "adagrad", "adam", "lazy_adam")
 INITIALIZERS = ("zeros", "uniform", "normal")
 TABLE_DTYPES = ("float32", "float64")
 # How a table stores and sends its rows' values (issue 22): float32 (the table's dtype, no narrowing), or
-# narrower, rounded once per push (ps_server/tables/rowcodec.py). int8 rows carry a float32 scale and offset.
+# narrower, rounded once per push (ps_server/tables/rowcodec.py). int8 rows carry a float16 scale and offset.
 ROW_DTYPES = ("float32", "float16", "bfloat16", "int8")
 # How pushed gradient rows travel (issue 19): as the table's dtype, or cast to 2 bytes a value (the dense
 # compressors' casts, by the same names); servers widen them to float32 before applying. Top-k, random-k
@@ -215,11 +215,11 @@ class TableConfig:
     def row_layout(self) -> tuple[np.dtype, int]:
         """(dtype, width) of a row as stored and sent: (dtype, dim) when not narrow, else opaque bytes,
         (uint8, row_bytes): float16 and bfloat16 2 bytes a value (little-endian), int8 a byte a
-        value then its float32 scale and offset (ps_server/tables/rowcodec.py writes them,
+        value then its float16 scale and offset (ps_server/tables/rowcodec.py writes them,
         common/wire/sparse_codec.py reads them)."""
         if not self.narrow:
             return self.np_dtype, self.dim
-        return np.dtype(np.uint8), self.dim + 8 if self.row_dtype == "int8" else 2 * self.dim
+        return np.dtype(np.uint8), self.dim + 4 if self.row_dtype == "int8" else 2 * self.dim
 
     @property
     def row_bytes(self) -> int:

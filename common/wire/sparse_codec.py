@@ -6,7 +6,7 @@ another language may send only the name and dim.
 
 Rows of a table with a narrow `row_dtype` are stored and pulled as opaque bytes (TableConfig.row_layout),
 little-endian: float16 values; bfloat16 values (the top 16 bits of a float32); int8, dim unsigned bytes q
-then the row's float32 scale and offset, a value being offset + scale * q. `decode_rows` reads them
+then the row's float16 scale and offset, a value being offset + scale * q. `decode_rows` reads them
 back as float32, exactly what the server computes with (ps_server/tables/rowcodec.py writes them).
 """
 
@@ -104,7 +104,7 @@ def decode_rows(config: TableConfig, stored: np.ndarray) -> np.ndarray:
         return raw.view("<f2").astype(np.float32)
     if config.row_dtype == "bfloat16":
         return (raw.view("<u2").astype(np.uint32) << np.uint32(16)).view(np.float32)
-    tail = np.ascontiguousarray(raw[:, dim:]).view("<f4")  # (n, 2): scale, offset
-    # In float64, clipped to float32's range, rounded once: the server's rowcodec.decode_int8, bit for bit.
+    tail = np.ascontiguousarray(raw[:, dim:]).view("<f2")  # (n, 2): scale, offset
+    # In float64 (exact), clipped to float32's range, rounded once: the server's rowcodec.decode_int8.
     scale, offset = tail[:, 0:1].astype(np.float64), tail[:, 1:2].astype(np.float64)
     return np.clip(offset + scale * raw[:, :dim], -_FLOAT32_MAX, _FLOAT32_MAX).astype(np.float32)

@@ -177,6 +177,7 @@ def _advance(table: SparseTable, epoch: int, since: int | None) -> None:
     table.epoch = epoch + 1
     if table.removed is None:  # the log starts now: complete for every epoch after this capture's
         table.removed, table.removed_ids, table.removed_since = [], 0, epoch
+        table.track_changes()
     elif since is not None:  # a later part's parent is this one's parent or newer: older entries go
         table.removed = [(e, ids) for e, ids in table.removed if e > since]
         table.removed_ids = sum(len(ids) for _, ids in table.removed)

@@ -312,19 +312,27 @@ def warm(dtype: np.dtype) -> None:
     ascending(ids)
     ascending(frozen)
     values = np.zeros((1, 2), dtype)
-    touch, count = np.zeros(1, np.float64), np.zeros(1, np.int32)
-    gather_touch(values, touch, rows, 0.0, np.empty_like(values))
+    count = np.zeros(1, np.int32)
     one = dtype.type(1)
     grads = np.zeros((1, 2), dtype)
+    frozen_grads = grads.copy()
+    frozen_grads.flags.writeable = False
+    all_finite(grads)
+    all_finite(frozen_grads)
     no_sums = values[:0]
-    all_finite(grads)
-    push_touch(values, values.copy(), touch, count, rows, grads, one, one, 0.0)
-    push_touch(values, no_sums, touch, count, rows, grads, one, one, 0.0)
-    grads.flags.writeable = False
-    all_finite(grads)
-    push_touch(values, values.copy(), touch, count, rows, grads, one, one, 0.0)
-    push_touch(values, no_sums, touch, count, rows, grads, one, one, 0.0)
+    for touch in touches():
+        gather_touch(values, touch, rows, 0.0, np.empty_like(values))
+        for g in (grads, frozen_grads):
+            push_touch(values, values.copy(), touch, count, rows, g, one, one, 0.0)
+            push_touch(values, no_sums, touch, count, rows, g, one, one, 0.0)
     _warmed.add(dtype)
+
+
+def touches() -> tuple[np.ndarray, np.ndarray]:
+    """A table's last-touch array as the kernels get it: kept (contiguous float64), or not kept (a sink:
+    one float64 at stride 0, ps_server.tables.table), which numba compiles apart (not contiguous: of two
+    elements, as numpy calls any array of one element contiguous)."""
+    return np.zeros(1, np.float64), np.lib.stride_tricks.as_strided(np.zeros(1, np.float64), (2,), (0,))
 
 
 if __name__ == "__main__":  # compile into numba's cache ahead of time (docker/Dockerfile.server)

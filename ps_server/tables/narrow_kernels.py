@@ -11,19 +11,23 @@ row_optim.apply), with the same float operations in the same order and precision
 
 - float16: numpy's float32 -> half conversion spelled out on the bits (round to nearest, ties to even,
   overflow to inf; npy_floatbits_to_halfbits) and its exact inverse; bfloat16: rowcodec.to_bfloat16's.
-- int8: the row's min and max, the float32 scale rounded up, floor(steps + u) in float64 with the same
-  counter-based draws of (seed, id, version, column): rowcodec.encode_int8's unbiased rounding, unchanged.
+- int8: the row's min and max, its float16 offset rounded down and scale rounded up (on the half bits,
+  as numpy's astype and nextafter), floor(steps + u) in float64 with the same counter-based draws of
+  (seed, id, version, column): rowcodec.encode_int8's unbiased rounding.
 
-An int8 row cannot hold a NaN or an infinity, and such a push must be refused with nothing changed, so
-`push_int8` updates into scratch rows first and writes none if one is not finite (two loops, one call).
+An int8 row cannot hold a NaN, an infinity or a row beyond its float16 pair, and such a push must be
+refused with nothing changed, so `push_int8` updates into scratch rows first and writes none if one
+cannot be held (two loops, one call).
 tests/unit/test_narrow_kernels.py checks every dtype and optimizer against the numpy path on random pushes.
 """
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 from numba import uint64
-from pshard.ps_server.tables.kernels import AHEAD, _jit, _mix64, _prefetch, _prefetch_row
+from pshard.ps_server.tables.kernels import AHEAD, _jit, _mix64, _prefetch, _prefetch_row, touches
 
 _GOLDEN = uint64(0x9E3779B97F4A7C15)
 _UNIT = np.float32(2.0**-24)
@@ -143,33 +147,79 @@ def push16(values, acc, touch, count, rows, grads, lr, eps, now, bfloat):  # typ
 
 
 @_jit
-def _read_f32(values, r, at, bits):  # type: ignore[no-untyped-def]
-    """The little-endian float32 at byte `at` of row r, through bits (a uint32 view of a float32 cell)."""
-    b = np.uint32(0)
-    for k in range(4):
-        b |= np.uint32(values[r, at + k]) << np.uint32(8 * k)
-    bits[0] = b
+def _read_half(values, r, at):  # type: ignore[no-untyped-def]
+    """The float16 bits (uint32) at byte `at` of row r, little-endian."""
+    return np.uint32(values[r, at]) | (np.uint32(values[r, at + 1]) << np.uint32(8))
 
 
 @_jit
-def _write_f32(values, r, at, bits):  # type: ignore[no-untyped-def]
-    b = bits[0]
-    for k in range(4):
-        values[r, at + k] = np.uint8((b >> np.uint32(8 * k)) & np.uint32(0xFF))
+def _write_half(values, r, at, h):  # type: ignore[no-untyped-def]
+    values[r, at] = np.uint8(h & np.uint32(0xFF))
+    values[r, at + 1] = np.uint8(h >> np.uint32(8))
+
+
+@_jit
+def _half_value(h, cell, bits):  # type: ignore[no-untyped-def]
+    """float16 bits `h` as a float32, exactly (through `bits`, a uint32 view of the float32 `cell`)."""
+    bits[0] = _half_to_bits(h)
+    return cell[0]
+
+
+@_jit
+def _half_up(h):  # type: ignore[no-untyped-def]
+    """The float16 just above finite `h` (np.nextafter towards +inf): from either zero the least one."""
+    if h == np.uint32(0) or h == np.uint32(0x8000):
+        return np.uint32(1)
+    return h - np.uint32(1) if h & np.uint32(0x8000) else h + np.uint32(1)
+
+
+@_jit
+def _half_down(h):  # type: ignore[no-untyped-def]
+    """The float16 just below `h` (np.nextafter towards -inf): from either zero minus the least one."""
+    if h == np.uint32(0) or h == np.uint32(0x8000):
+        return np.uint32(0x8001)
+    return h + np.uint32(1) if h & np.uint32(0x8000) else h - np.uint32(1)
+
+
+@_jit
+def _offset_and_scale(low, high, cell, bits):  # type: ignore[no-untyped-def]
+    """float16 bits of rowcodec._offset_and_scale's offset (low rounded down) and scale ((high - offset)
+    / 255 rounded up, through float32 first as numpy's astype chain), for float32 `low` and `high`, and
+    the offset's value."""
+    cell[0] = low
+    offset = _bits_to_half(bits[0])
+    at = _half_value(offset, cell, bits)
+    if at > low:
+        offset = _half_down(offset)
+        at = _half_value(offset, cell, bits)
+    exact = (np.float64(high) - np.float64(at)) / _LEVELS
+    cell[0] = np.float32(exact)
+    scale = _bits_to_half(bits[0])
+    if np.float64(_half_value(scale, cell, bits)) < exact:
+        scale = _half_up(scale)
+    return offset, scale
+
+
+@_jit
+def _holdable(offset, scale):  # type: ignore[no-untyped-def]
+    """Whether both halves are finite (rowcodec.representable)."""
+    inf = np.uint32(0x7C00)
+    return (offset & inf) != inf and (scale & inf) != inf
 
 
 @_jit
 def push_int8(values, acc, touch, count, rows, row_ids, grads, lr, eps, now, key,  # type: ignore[no-untyped-def]
               scratch, sums):
-    """A push of int8 rows, `values` their bytes (cap, dim + 8: q, then float32 scale and offset): each
-    row decoded (float64, clipped, rounded once to float32), updated as kernels.push_touch into
-    scratch[i] (adagrad's sums into sums[i]); if a row is not finite, returns its index i and changes
-    nothing; else encodes every row as rowcodec.encode_int8 with the draws of (key = mix64(seed), id,
-    version = count + 1), writes rows, sums, touch and count, and returns -1."""
+    """A push of int8 rows, `values` their bytes (cap, dim + 4: q, then float16 scale and offset): each
+    row decoded (float64, exact, rounded once to float32), updated as kernels.push_touch into
+    scratch[i] (adagrad's sums into sums[i]); if a row cannot be held (rowcodec.representable), returns
+    its index i and changes nothing; else encodes every row as rowcodec.encode_int8 with the draws of
+    (key = mix64(seed), id, version = count + 1), writes rows, sums, touch and count, and returns -1."""
     n, dim = len(rows), scratch.shape[1]
     adagrad = acc.shape[0] > 0
     cell = np.empty(1, np.float32)
     bits = cell.view(np.uint32)
+    halves = np.empty((n, 2), np.uint32)  # each row's float16 offset and scale, from the first loop
     for i in range(n):
         if i + AHEAD < n:
             ahead = rows[i + AHEAD]
@@ -177,10 +227,8 @@ def push_int8(values, acc, touch, count, rows, row_ids, grads, lr, eps, now, key
             if adagrad:
                 _prefetch_row(acc, ahead)
         r = rows[i]
-        _read_f32(values, r, dim, bits)
-        scale = np.float64(cell[0])
-        _read_f32(values, r, dim + 4, bits)
-        offset = np.float64(cell[0])
+        scale = np.float64(_half_value(_read_half(values, r, dim), cell, bits))
+        offset = np.float64(_half_value(_read_half(values, r, dim + 2), cell, bits))
         for j in range(dim):
             exact = offset + scale * np.float64(values[r, j])
             scratch[i, j] = np.float32(min(max(exact, -_FLOAT32_MAX), _FLOAT32_MAX))
@@ -194,9 +242,18 @@ def push_int8(values, acc, touch, count, rows, row_ids, grads, lr, eps, now, key
         else:
             for j in range(dim):
                 scratch[i, j] -= grads[i, j] * lr
+        low = scratch[i, 0] if dim else np.float32(0)
+        high = low
         for j in range(dim):
-            if not np.isfinite(scratch[i, j]):
+            x = scratch[i, j]
+            if not np.isfinite(x):
                 return i
+            low = min(low, x)
+            high = max(high, x)
+        half_offset, half_scale = _offset_and_scale(low, high, cell, bits)
+        if not _holdable(half_offset, half_scale):
+            return i
+        halves[i, 0], halves[i, 1] = half_offset, half_scale
     for i in range(n):
         if i + AHEAD < n:
             ahead = rows[i + AHEAD]
@@ -205,27 +262,18 @@ def push_int8(values, acc, touch, count, rows, row_ids, grads, lr, eps, now, key
             _prefetch(count, ahead)
         r = rows[i]
         version = count[r] + 1
-        low = scratch[i, 0] if dim else np.float32(0)
-        high = low
-        for j in range(1, dim):
-            x = scratch[i, j]
-            low = min(low, x)
-            high = max(high, x)
-        exact = (np.float64(high) - np.float64(low)) / _LEVELS
-        scale32 = np.float32(exact)
-        if np.float64(scale32) < exact:
-            scale32 = np.float32(np.nextafter(scale32, np.float32(np.inf)))
-        safe = np.float64(scale32) if scale32 > 0 else 1.0
+        half_offset, half_scale = halves[i, 0], halves[i, 1]
+        offset = np.float64(_half_value(half_offset, cell, bits))
+        scale = np.float64(_half_value(half_scale, cell, bits))
+        safe = scale if scale > 0 else 1.0
         base = _mix64(uint64(row_ids[r]) ^ key) + uint64(version) * _GOLDEN
         h = _mix64(base)
         for j in range(dim):
             u = np.float32(_mix64(h + uint64(j)) >> uint64(40)) * _UNIT
-            q = np.floor((np.float64(scratch[i, j]) - np.float64(low)) / safe + np.float64(u))
+            q = np.floor((np.float64(scratch[i, j]) - offset) / safe + np.float64(u))
             values[r, j] = np.uint8(min(max(q, 0.0), 255.0))
-        cell[0] = scale32
-        _write_f32(values, r, dim, bits)
-        cell[0] = low
-        _write_f32(values, r, dim + 4, bits)
+        _write_half(values, r, dim, half_scale)
+        _write_half(values, r, dim + 2, half_offset)
         if adagrad:
             for j in range(dim):
                 acc[r, j] = sums[i, j]
@@ -243,19 +291,19 @@ def warm(row_dtype: str) -> None:
     if row_dtype in _warmed:
         return
     rows, ids = np.zeros(1, np.int64), np.array([7], np.int64)
-    touch, count = np.zeros(1, np.float64), np.zeros(1, np.int32)
+    count = np.zeros(1, np.int32)
     one, key = np.float32(1), np.uint64(1)
     grads = np.zeros((1, 2), np.float32)
     frozen = grads.copy()
     frozen.flags.writeable = False
-    for g in (grads, frozen):
-        for sums in (np.zeros((1, 2), np.float32), np.zeros((0, 2), np.float32)):
-            if row_dtype == "int8":
-                push_int8(np.zeros((1, 10), np.uint8), sums, touch, count, rows, ids, g, one, one, 0.0, key,
-                          np.zeros((1, 2), np.float32), np.zeros((1, 2), np.float32))
-            else:
-                push16(np.zeros((1, 2), np.uint16), sums, touch, count, rows, g, one, one, 0.0,
-                       row_dtype == "bfloat16")
+    for touch, g, sums in itertools.product(touches(), (grads, frozen),
+                                            (np.zeros((1, 2), np.float32), np.zeros((0, 2), np.float32))):
+        if row_dtype == "int8":
+            push_int8(np.zeros((1, 6), np.uint8), sums, touch, count, rows, ids, g, one, one, 0.0, key,
+                      np.zeros((1, 2), np.float32), np.zeros((1, 2), np.float32))
+        else:
+            push16(np.zeros((1, 2), np.uint16), sums, touch, count, rows, g, one, one, 0.0,
+                   row_dtype == "bfloat16")
     _warmed.add(row_dtype)
 
 

@@ -7,12 +7,19 @@ checkpoints save, and common/wire/sparse_codec.decode_rows reads them back.
 - float16: IEEE half, numpy's conversion (round to nearest, ties to even; overflow to inf).
 - bfloat16: the top 16 bits of the float32, rounded to nearest, ties to even (as torch's conversion);
   stored as uint16, numpy having no bfloat16. NaN stays NaN.
-- int8 (row-wise, as FBGEMM's and Monolith's fixed_r8): each row keeps a float32 `scale` and `offset`
-  (its min), a value is `offset + scale * q` with q in 0..255 stored as uint8, and
-  scale = (max - min) / 255. The rounding is stochastic and unbiased (E[decode] = the value): q is
-  floor(x + u) with u uniform in [0, 1) drawn from a counter-based hash of (seed, id, version, column),
-  not from a generator's state, so a backup, a restart or another batch order rounds a row's push the
-  same way: `version` is the row's update count.
+- int8 (row-wise, as FBGEMM's fused 8-bit rows and Monolith's fixed_r8): each row keeps a float16
+  `scale` and `offset`, a value is `offset + scale * q` with q in 0..255 stored as uint8. The offset is
+  the row's minimum rounded down to a float16 and the scale (max - offset) / 255 rounded up, so the 255
+  levels cover every value of the row (a scale below float16's least, 2**-24, is that least). The
+  rounding is stochastic and unbiased (E[decode] = the value): q is floor(x + u) with u uniform in
+  [0, 1) drawn from a counter-based hash of (seed, id, version, column), not from a generator's state,
+  so a backup, a restart or another batch order rounds a row's push the same way: `version` is the
+  row's update count. float16 halves the 8 bytes a float32 pair took (a tenth of a 64-value row's RSS),
+  and bounds what a row may hold: a minimum below -65504, or a range past 255 x 65504, is refused as a
+  NaN is (`representable`).
+
+Layout 1 (before issue 22's float16 pair: a float32 scale and offset, dim + 8 bytes) is read by
+`upgrade_int8`, which re-rounds such rows into this layout (a restore of an older checkpoint).
 """
 
 from __future__ import annotations
@@ -20,15 +27,19 @@ from __future__ import annotations
 import numpy as np
 from pshard.common.sparse import ROW_DTYPES, TableConfig, mix64
 
-__all__ = ["ROW_DTYPES", "decode16", "decode_int8", "encode16", "encode_int8", "encode_rows"]
+__all__ = ["ROW_DTYPES", "decode16", "decode_int8", "encode16", "encode_int8", "encode_rows", "representable",
+           "upgrade_int8"]
 _LEVELS = 255
 _UNIT = float(2**-24)
 _FLOAT32_MAX = float(np.finfo(np.float32).max)
+INT8_TAIL_BYTES = 4  # a float16 scale and offset
+INT8_TAIL_BYTES_V1 = 8  # layout 1: a float32 scale and offset
 
 
 def stored_bytes_per_row(row_dtype: str, dim: int) -> int:
     """Bytes a row of `dim` values takes in `row_dtype` (int8: with its scale and offset)."""
-    return {"float32": 4 * dim, "float16": 2 * dim, "bfloat16": 2 * dim, "int8": dim + 8}[row_dtype]
+    return {"float32": 4 * dim, "float16": 2 * dim, "bfloat16": 2 * dim,
+            "int8": dim + INT8_TAIL_BYTES}[row_dtype]
 
 
 def to_bfloat16(x: np.ndarray) -> np.ndarray:
@@ -54,34 +65,65 @@ def _uniform(seed: int, ids: np.ndarray, versions: np.ndarray, dim: int) -> np.n
     return ((words >> np.uint64(40)).astype(np.float32) * np.float32(_UNIT)).astype(np.float32)
 
 
-def encode_int8(rows: np.ndarray, ids: np.ndarray, versions: np.ndarray, seed: int
-                ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """float32 rows (n, dim) -> (q uint8 (n, dim), scale float32 (n,), offset float32 (n,)),
-    rounded stochastically with the counter-based draws of (seed, id, version). ValueError if a row
-    holds a NaN or an infinity (an int8 row cannot hold one)."""
-    rows = np.asarray(rows, np.float32)
-    if not np.isfinite(rows).all():
-        bad = int(np.flatnonzero(~np.isfinite(rows).all(axis=1))[0])
-        raise ValueError(f"int8 rows: row of id {int(ids[bad])} holds a NaN or an infinity")
+def _offset_and_scale(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Each row's float16 offset (its minimum rounded down) and scale ((max - offset) / 255 rounded up):
+    -inf or inf where the row cannot be held (narrow_kernels.push_int8 computes the same bits)."""
     low = rows.min(axis=1) if rows.shape[1] else np.zeros(len(rows), np.float32)
     high = rows.max(axis=1) if rows.shape[1] else np.zeros(len(rows), np.float32)
-    # In float64: a range near float32's limits would overflow. The float32 scale is rounded up, so that
-    # 255 levels reach the row's maximum (a subnormal one, rounded to nearest, fell short or to 0).
-    span = high.astype(np.float64) - low.astype(np.float64)
-    exact = span / _LEVELS
-    scale = exact.astype(np.float32)
-    scale = np.where(scale.astype(np.float64) < exact, np.nextafter(scale, np.float32(np.inf)), scale)
-    safe = np.where(scale > 0, scale, np.float32(1)).astype(np.float64)
-    steps = (rows.astype(np.float64) - low[:, None]) / safe[:, None]
+    with np.errstate(over="ignore", invalid="ignore"):
+        offset = low.astype(np.float16)
+        offset = np.where(offset.astype(np.float32) > low, np.nextafter(offset, np.float16(-np.inf)), offset)
+        # In float64: exact for any float16 offset and float32 maximum. Rounded to float32 first (as the
+        # compiled pass does), then to float16 and up where short: that is the float16 ceiling still.
+        exact = (high.astype(np.float64) - offset.astype(np.float64)) / _LEVELS
+        scale = exact.astype(np.float32).astype(np.float16)
+        scale = np.where(scale.astype(np.float64) < exact, np.nextafter(scale, np.float16(np.inf)), scale)
+    return offset.astype(np.float16), scale.astype(np.float16)
+
+
+def representable(rows: np.ndarray) -> np.ndarray:
+    """Which float32 rows (n, dim) an int8 row can hold: finite, minimum at least -65504 and range at
+    most 255 x 65504 (float16's largest, the scale's and the offset's)."""
+    rows = np.asarray(rows, np.float32)
+    finite = np.isfinite(rows).all(axis=1)
+    offset, scale = _offset_and_scale(np.where(finite[:, None], rows, np.float32(0)))
+    return finite & np.isfinite(offset) & np.isfinite(scale)
+
+
+def encode_int8(rows: np.ndarray, ids: np.ndarray, versions: np.ndarray, seed: int
+                ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """float32 rows (n, dim) -> (q uint8 (n, dim), scale float16 (n,), offset float16 (n,)),
+    rounded stochastically with the counter-based draws of (seed, id, version). ValueError naming the
+    first id whose row an int8 row cannot hold (`representable`: a NaN, an infinity, or beyond float16)."""
+    rows = np.asarray(rows, np.float32)
+    ok = representable(rows)
+    if not ok.all():
+        bad = int(np.flatnonzero(~ok)[0])
+        raise ValueError(f"int8 rows: row of id {int(ids[bad])} holds a NaN, an infinity, or a value below "
+                         "-65504 or a range past 255 x 65504 (float16 scale and offset)")
+    offset, scale = _offset_and_scale(rows)
+    safe = np.where(scale > 0, scale, np.float16(1)).astype(np.float64)
+    steps = (rows.astype(np.float64) - offset.astype(np.float64)[:, None]) / safe[:, None]
     q = np.floor(steps + _uniform(seed, ids, versions, rows.shape[1]))
-    return np.clip(q, 0, _LEVELS).astype(np.uint8), scale, low.astype(np.float32)
+    return np.clip(q, 0, _LEVELS).astype(np.uint8), scale, offset
 
 
 def decode_int8(q: np.ndarray, scale: np.ndarray, offset: np.ndarray) -> np.ndarray:
-    """The float32 rows an int8 encoding stands for: offset + scale * q."""
-    # Clipped to float32's range: a scale rounded up can take a row's top level past float32's maximum.
+    """The float32 rows an int8 encoding stands for: offset + scale * q, exact in float64, rounded once.
+    Clipped to float32's range: layout 1's float32 scale, rounded up, could take a top level past it."""
     exact = offset[:, None].astype(np.float64) + scale[:, None].astype(np.float64) * q
     return np.clip(exact, -_FLOAT32_MAX, _FLOAT32_MAX).astype(np.float32)
+
+
+def upgrade_int8(config: TableConfig, stored: np.ndarray, ids: np.ndarray, versions: np.ndarray
+                 ) -> np.ndarray:
+    """int8 rows in layout 1 (uint8 (n, dim + 8): q, then a float32 scale and offset, as saved before the
+    float16 pair) in this layout: decoded, then rounded as a push of update count `versions` rounds
+    them. ValueError if a row is beyond what a float16 pair holds (an older row could hold any float32)."""
+    dim = config.dim
+    raw = np.ascontiguousarray(stored, np.uint8)
+    tail = np.ascontiguousarray(raw[:, dim:]).view("<f4")
+    return encode_rows(config, decode_int8(raw[:, :dim], tail[:, 0], tail[:, 1]), ids, versions)
 
 
 def encode16(rows: np.ndarray, row_dtype: str) -> np.ndarray:
@@ -105,8 +147,8 @@ def decode16(stored: np.ndarray, row_dtype: str) -> np.ndarray:
 
 def encode_rows(config: TableConfig, rows: np.ndarray, ids: np.ndarray, versions: np.ndarray) -> np.ndarray:
     """float32 rows (n, dim) -> their stored form, uint8 (n, config.row_bytes) (TableConfig.row_layout):
-    float16 or bfloat16 little-endian, or int8's bytes then its float32 scale and offset. `versions`:
-    each row's update count, int8's draws. ValueError if an int8 row holds a NaN or an infinity."""
+    float16 or bfloat16 little-endian, or int8's bytes then its float16 scale and offset. `versions`:
+    each row's update count, int8's draws. ValueError if an int8 row cannot hold a row (`representable`)."""
     n, dim = len(rows), config.dim
     out = np.empty((n, config.row_bytes), np.uint8)
     if config.row_dtype in ("float16", "bfloat16"):
@@ -114,6 +156,6 @@ def encode_rows(config: TableConfig, rows: np.ndarray, ids: np.ndarray, versions
         return out
     q, scale, offset = encode_int8(rows, ids, versions, config.seed)
     out[:, :dim] = q
-    tail = np.stack([scale, offset], axis=1).astype("<f4")
+    tail = np.stack([scale, offset], axis=1).astype("<f2")
     out[:, dim:] = tail.view(np.uint8)
     return out

@@ -3,7 +3,12 @@
 Rows live in flat numpy arrays indexed by the row numbers of an `IdIndex` (ps_server.tables.rowhash):
 `values` (rows, dim), one (rows, dim) array per optimizer state, and per row its last touch
 (a clock or a time, float64), its count of updates, and for lazy Adam its step count. Arrays
-grow by doubling into fresh zeroed memory, whose untouched pages cost no RSS.
+grow by doubling into fresh zeroed memory, whose untouched pages cost no RSS. Only the fields a
+table reads take memory (issue 22: int8 rows of dim 64 are 72 bytes, so 12 bytes of stamps are a
+tenth of a row): the last touch is kept where ttl, max_rows or a disk tier read it, the change
+stamps from the table's first checkpoint capture on (`track_changes`); until then each is a sink,
+one element at stride 0 that every row's write lands on, so the code and the compiled loops that
+write them per row run unchanged.
 
 A row that does not exist yet has a deterministic initial value, a function of (seed, table
 name, id, column) only (`initial_rows`), so any server, restart or replica makes the same row.
@@ -59,7 +64,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
-from pshard.common.errors import InvalidArgumentError, QuotaExceededError
+from pshard.common.errors import CheckpointError, InvalidArgumentError, QuotaExceededError
 from pshard.common.sparse import TableConfig, mix64, put_rows, table_hash, take_rows
 from pshard.common.wire.sparse_codec import decode_rows
 from pshard.ps_server.tables import row_optim, rowcodec
@@ -115,10 +120,13 @@ class SparseTable:
         self.values = np.zeros((cap, width), dtype)
         self.state = {name: np.zeros((cap, config.dim), config.np_dtype)
                       for name in row_optim.STATE_NAMES[config.optimizer]}
-        self.touch = np.zeros(cap, np.float64)
+        # The last touch is read only by ttl, max_rows and the disk tier, the change stamps only once a
+        # checkpoint capture tracks changes: until then each is a sink (_sink), 12 bytes a row not spent.
+        self.keeps_touch = config.ttl > 0 or config.max_rows > 0 or config.memory_mb > 0
+        self.touch = np.zeros(cap, np.float64) if self.keeps_touch else _sink(cap, np.float64)
         self.count = np.zeros(cap, np.int32)
         self.row_step = np.zeros(cap if config.optimizer == "lazy_adam" else 0, np.int32)
-        self.stamp = np.zeros(cap, np.int32)  # the epoch of each row's last write or touch
+        self.stamp = _sink(cap, np.int32)  # the epoch of each row's last write or touch (track_changes)
         self.epoch = 1  # advanced by each checkpoint's capture
         self.token = uuid.uuid4().hex
         # (epoch, evicted ids) since the first capture, pruned by later ones; None: not tracked (no capture
@@ -158,7 +166,7 @@ class SparseTable:
         self._spill_refused = False  # the last spill found no room (logged once)
         self.ram_rows = 0  # rows the arrays may keep (memory_mb); 0: all of them
         layout = RecordLayout.of(self.columns())
-        self._ram_row_bytes = layout.record_bytes + 12  # and its touch (8) and count (4)
+        self._ram_row_bytes = layout.record_bytes + 4 + 8 * self.keeps_touch  # and its count and touch
         if store is not None and config.memory_mb > 0:
             # A RAM row costs its record, its stamps (touch 8, count 4) and its place in the index (8 + ~7).
             self.ram_rows = max(1, int(config.memory_mb * 2**20) // (layout.record_bytes + DIRECTORY_BYTES))
@@ -265,8 +273,8 @@ class SparseTable:
 
     def _push_narrow(self, rows: np.ndarray, grads: np.ndarray, now: float) -> None:
         """sgd or adagrad on narrow rows where they are (ps_server.tables.narrow_kernels: decode, update and
-        encode of _push_gathered's numpy, bit for bit). An int8 update that is not finite is refused with
-        nothing changed, as _encode refuses it."""
+        encode of _push_gathered's numpy, bit for bit). An int8 update that an int8 row cannot hold (not
+        finite, or past its float16 scale and offset) is refused with nothing changed, as in _encode."""
         sums = self.state["sum"] if self.config.optimizer == "adagrad" else self.state_none
         lr, eps = np.float32(self.config.lr), np.float32(self.config.eps)
         if self.config.row_dtype != "int8":
@@ -362,12 +370,13 @@ class SparseTable:
             return rowcodec.encode_rows(self.config, updated, self.index.ids[r], versions)
         except ValueError:
             self.step -= 1
-            raise self._not_finite(int(self.index.ids[r][~np.isfinite(updated).all(axis=1)][0])) from None
+            raise self._not_finite(int(self.index.ids[r][~rowcodec.representable(updated)][0])) from None
 
     def _not_finite(self, bad: int) -> InvalidArgumentError:
         return InvalidArgumentError(
-            f"push of table {self.config.name!r}: the update of id {bad} is not finite, which an int8 "
-            "row cannot hold (lower lr, or clip the gradients)")
+            f"push of table {self.config.name!r}: the update of id {bad} is not finite, or leaves a value "
+            "below -65504 or a range past 255 x 65504, which an int8 row (float16 scale and offset) cannot "
+            "hold (lower lr, or clip the gradients)")
 
     def _initial(self, ids: np.ndarray) -> np.ndarray:
         """The initial rows of `ids` in the stored form (narrow: rounded as update count 0)."""
@@ -549,26 +558,59 @@ class SparseTable:
                 yield rows, self.index.ids[rows]
 
     def columns(self) -> dict[str, tuple[np.ndarray, tuple[int, ...]]]:
-        """Every per-row array a checkpoint saves: name -> (array over row numbers, row shape)."""
+        """Every per-row array a checkpoint saves: name -> (array over row numbers, row shape); the last
+        touch only where the table keeps it (an older checkpoint's touch.npy is then not read)."""
         cols = {"values": self.values, "touch": self.touch, "count": self.count}
+        if not self.keeps_touch:
+            del cols["touch"]
         cols.update({f"state_{name}": a for name, a in self.state.items()})
         if len(self.row_step):
             cols["row_step"] = self.row_step
         return {name: (a, a.shape[1:]) for name, a in cols.items()}
 
     def restore_rows(self, ids: np.ndarray, columns: dict[str, np.ndarray]) -> None:
-        """Load a chunk saved by a checkpoint: ids and their per-row arrays (names as `columns()`)."""
+        """Load a chunk saved by a checkpoint or sent by a primary: ids and their per-row arrays (names as
+        `columns()`; a last touch this table does not keep is dropped, one it keeps and the chunk lacks is
+        the restore's time)."""
         rows = self.rows_of(ids)
         rows[rows < 0] = self._create(ids[rows < 0])
         if self.before_write is not None:
             self.before_write(rows)
         own = self.columns()
+        if "values" in columns and columns["values"].shape[1:] != own["values"][1]:
+            columns = {**columns, "values": self._upgraded(ids, columns)}
         for name, values in columns.items():
+            if name == "touch" and not self.keeps_touch:
+                continue  # kept by the sender (a primary with a ttl or a disk tier), read by no one here
             own[name][0][rows] = values
+        if self.keeps_touch and "touch" not in columns:
+            self.touch[rows] = self._time(None)  # a sender that keeps none: touched by this restore
         self.stamp[rows] = self.epoch
         if self.disk is not None:
             self._spill(rows)
 
+    def _upgraded(self, ids: np.ndarray, columns: dict[str, np.ndarray]) -> np.ndarray:
+        """Rows saved in an older layout (int8 layout 1: float32 scale and offset) in this table's, rounded
+        as their last push was (update count = the saved count); CheckpointError for any other width."""
+        values, (_, width) = columns["values"], self.config.row_layout
+        old_int8 = (self.config.dim + rowcodec.INT8_TAIL_BYTES_V1,)
+        if self.config.row_dtype == "int8" and values.shape[1:] == old_int8:
+            versions = columns.get("count", np.zeros(len(ids), np.int32))
+            try:
+                return rowcodec.upgrade_int8(self.config, values, ids, versions)
+            except ValueError as err:
+                raise CheckpointError(f"table {self.config.name!r}: int8 rows of layout 1 (float32 scale and "
+                                      f"offset): {err}") from None
+        raise CheckpointError(
+            f"table {self.config.name!r}: rows of shape {values.shape[1:]} ({values.dtype}), expected "
+            f"({width},) for row_dtype {self.config.row_dtype!r} and dim {self.config.dim} (int8 rows: "
+            "layout 2, a float16 scale and offset; layout 1, dim + 8 bytes, is re-rounded on load)")
+
+    def track_changes(self) -> None:
+        """Stamp changes from now on (the first checkpoint capture, ps_server.checkpoints.images): every row
+        counts as unchanged (stamp 0, before any epoch) until a request writes or touches it."""
+        if _is_sink(self.stamp):
+            self.stamp = np.zeros(len(self.stamp), np.int32)
 
     # ---- admission state, for replicas (ps_server/replication/table_rows.py) ----
 
@@ -609,6 +651,18 @@ def _coldest(score: np.ndarray, excess: int) -> np.ndarray:
 
 
 def _grow(a: np.ndarray, cap: int) -> np.ndarray:
+    if _is_sink(a):
+        return _sink(cap, a.dtype)
     out = np.zeros((cap, *a.shape[1:]), a.dtype)
     out[: len(a)] = a
     return out
+
+
+def _sink(n: int, dtype: type[np.generic] | np.dtype) -> np.ndarray:
+    """A per-row field the table does not keep: `n` elements that are one (stride 0), so that the code and
+    the compiled loops that write it per row run as they are, each write landing on the same 8 bytes."""
+    return np.lib.stride_tricks.as_strided(np.zeros(1, dtype), (n,), (0,))
+
+
+def _is_sink(a: np.ndarray) -> bool:
+    return a.ndim == 1 and a.strides[0] == 0

@@ -122,7 +122,7 @@ def test_an_evaluator_sidecar_scores_the_weights_while_the_coordinator_trains(pr
     assert 0.0 <= float(final["test_accuracy"]) <= 1.0
 
 
-MNIST_BAR = 0.85  # the bar; async training: 0.847-0.872 at 3000 steps under load, so the example runs 4000
+MNIST_BAR = 0.85  # the bar; async: 0.847-0.872 at 3000 steps under load, so the example runs 4000
 MNIST_TIMEOUT_S = 240.0  # about 40 s of training on 2 busy cores, plus the data and start-ups
 
 

@@ -56,7 +56,7 @@ def test_bfloat16_and_int8_rows_are_pulled_as_stored_and_decoded_as_a_numpy_refe
             for clock, g in enumerate(grads):
                 assert client.push_rows(config.name, ids, g, clock=clock) == len(ids)
         order = np.argsort(ids)
-        for rd, row_bytes in (("float32", 4 * DIM), ("bfloat16", 2 * DIM), ("int8", DIM + 8)):
+        for rd, row_bytes in (("float32", 4 * DIM), ("bfloat16", 2 * DIM), ("int8", DIM + 4)):
             config = configs[rd]
             pulled = client.pull_rows(config.name, ids, clock=3)  # the client's fast path (shm here)
             assert pulled.dtype == np.float32 and pulled.shape == (len(ids), DIM)

@@ -6,13 +6,15 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from pshard.common.sparse import TableConfig
-from pshard.ps_server.tables import narrow_kernels
+from pshard.ps_server.tables import narrow_kernels, rowcodec
 from pshard.ps_server.tables.kernels import AHEAD
 from pshard.ps_server.tables.table import SparseTable
 
 # Request sizes around the prefetch distance, and values from subnormal to past float16's range.
 _SIZES = (1, AHEAD - 1, AHEAD, AHEAD + 1, 300)
 _SCALES = (1e-6, 0.01, 1.0, 300.0, 1e6)
+# int8 rows hold a minimum down to -65504 and a range up to 255 x 65504 (float16 offset and scale).
+_INT8_SCALES = (1e-6, 0.01, 1.0, 300.0, 3000.0)
 
 
 def _columns(table: SparseTable) -> dict[str, bytes]:
@@ -25,9 +27,10 @@ def _columns(table: SparseTable) -> dict[str, bytes]:
 def test_compiled_narrow_pushes_store_what_the_numpy_path_stores(row_dtype: str, optimizer: str) -> None:
     """Two tables alike; one pushes through the compiled pass (SparseTable.push), the other through the
     numpy path on the same rows: after rounds of random pushes of every size and scale, their stored
-    bytes, sums, touches and counts are equal."""
+    bytes, sums, touches and counts are equal. The adagrad tables keep their last touch (a ttl that
+    expires nothing), the sgd ones write it to a sink (ps_server.tables.table._sink)."""
     config = TableConfig("emb", 13, row_dtype=row_dtype, optimizer=optimizer, initializer="normal",
-                         init_scale=0.5, lr=0.3, seed=5)
+                         init_scale=0.5, lr=0.3, seed=5, ttl=1e9 if optimizer == "adagrad" else 0.0)
     compiled, reference = SparseTable(config), SparseTable(config)
     rng = np.random.default_rng(11)
     universe = np.arange(1000, 1400, dtype=np.int64)
@@ -35,7 +38,7 @@ def test_compiled_narrow_pushes_store_what_the_numpy_path_stores(row_dtype: str,
         table.push(universe, np.zeros((len(universe), config.dim), np.float32), clock=0.0)
     assert _columns(compiled) == _columns(reference)
     clock = 1.0
-    for scale in _SCALES:
+    for scale in _INT8_SCALES if row_dtype == "int8" else _SCALES:
         for n in _SIZES:
             ids = np.sort(rng.choice(universe, n, replace=False))
             grads = (rng.standard_normal((n, config.dim)) * scale).astype(np.float32)
@@ -70,3 +73,31 @@ def test_half_conversions_match_numpy_on_every_half_and_the_float32_edges() -> N
     numbers = ~np.isnan(probes.view(np.float32))
     assert np.array_equal(narrowed[numbers], reference[numbers])
     assert (narrowed[~numbers] & 0x7C00 == 0x7C00).all() and (narrowed[~numbers] & 0x3FF != 0).all()
+
+
+def test_int8_offset_and_scale_match_numpy_at_the_float16_edges() -> None:
+    """The compiled float16 offset (the minimum rounded down) and scale ((max - offset) / 255 rounded up)
+    are rowcodec's bits for minima and maxima around every float16, subnormal ones included, zeros, and
+    past float16's largest (where both mark the row as one an int8 row cannot hold)."""
+    halves = np.arange(1 << 16, dtype=np.uint16).view(np.float16).astype(np.float32)
+    edges = np.unique(halves[np.isfinite(halves)]).view(np.int32).astype(np.int64)
+    near = np.concatenate([edges + d for d in (-1, 0, 1)])
+    near = near[(near > -(1 << 31)) & (near < 1 << 31)].astype(np.int32).view(np.float32)
+    rng = np.random.default_rng(3)
+    values = np.concatenate([near, np.float32([0.0, -0.0, 1e-30, -1e-30, 65504, 65520, -65520, 1e7, 3e38]),
+                             rng.standard_normal(2000).astype(np.float32)])
+    values = values[np.isfinite(values)]
+    low = rng.choice(values, 40_000)
+    high = low + np.abs(rng.choice(values, 40_000))
+    high = np.where(np.isfinite(high), high, low).astype(np.float32)
+    rows = np.stack([low, high], axis=1)
+    want_offset, want_scale = rowcodec._offset_and_scale(rows)
+    cell = np.empty(1, np.float32)
+    bits = cell.view(np.uint32)
+    got = np.array([narrow_kernels._offset_and_scale(lo, hi, cell, bits)
+                    for lo, hi in zip(low.tolist(), high.tolist(), strict=True)], np.uint32)
+    assert np.array_equal(got[:, 0], want_offset.view(np.uint16).astype(np.uint32))
+    assert np.array_equal(got[:, 1], want_scale.view(np.uint16).astype(np.uint32))
+    held = rowcodec.representable(rows)
+    assert not held.all() and held.any()  # both kinds were probed
+    assert np.array_equal(held, [narrow_kernels._holdable(o, c) for o, c in got.tolist()])

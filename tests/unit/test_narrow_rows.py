@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 from pshard.common.cluster.spec import ClusterSpec
-from pshard.common.errors import InvalidArgumentError
+from pshard.common.errors import CheckpointError, InvalidArgumentError
 from pshard.common.job import JobConfig
 from pshard.common.sparse import TableConfig
 from pshard.common.wire.sparse_codec import decode_rows, spec_from_proto, spec_to_proto
@@ -96,7 +96,7 @@ def test_adam_updates_the_decoded_rows_with_float32_moments(row_dtype: str, opti
 
 
 @pytest.mark.parametrize(("row_dtype", "row_bytes"), [("float32", 4 * DIM), ("float16", 2 * DIM),
-                                                      ("bfloat16", 2 * DIM), ("int8", DIM + 8)])
+                                                      ("bfloat16", 2 * DIM), ("int8", DIM + 4)])
 def test_a_row_takes_its_stored_bytes(row_dtype: str, row_bytes: int) -> None:
     table = SparseTable(_config(row_dtype, optimizer="adagrad"))
     ids = np.arange(1000, dtype=np.int64)
@@ -118,7 +118,7 @@ def test_a_pull_of_an_absent_id_reads_the_row_a_push_would_start_from(row_dtype:
     if row_dtype != "int8":  # rounding a rounded row again is exact
         assert decoded.tobytes() == decode_rows(config, before).tobytes()
     else:  # int8 draws again (update count 1): within one level of the row's scale
-        scale = table.pull(ids)[:, DIM:DIM + 4].copy().view("<f4")
+        scale = table.pull(ids)[:, DIM:DIM + 2].copy().view("<f2").astype(np.float32)
         assert np.all(np.abs(decoded - decode_rows(config, before)) <= scale * 1.0001)
 
 
@@ -148,6 +148,37 @@ def test_replicas_and_checkpoints_hold_the_primary_s_stored_bytes(row_dtype: str
     assert np.array_equal(np.sort(exported, axis=0), np.sort(decode_rows(config, primary.pull(ids)), axis=0))
 
 
+def test_a_checkpoint_of_int8_rows_in_layout_1_loads_re_rounded_and_another_width_is_refused(
+        tmp_path: Path) -> None:
+    """int8 rows saved before the float16 pair (layout 1: q, then a float32 scale and offset, dim + 8
+    bytes) load as rows of this layout within one of its levels of what they stood for, their counts
+    kept; rows of a width no layout has are refused naming the table, the shape and the expected one."""
+    config = _config("int8", optimizer="adagrad")
+    table = SparseTable(config)
+    ids = np.arange(40, dtype=np.int64) * 5
+    table.push(ids, np.ones((len(ids), DIM), np.float32))
+    save_tables(tmp_path, "shard", [table])
+    (values_path,) = tmp_path.glob("shard.tables-*/t0/values.npy")
+    rng = np.random.default_rng(4)
+    old = np.empty((len(ids), DIM + 8), np.uint8)
+    old[:, :DIM] = rng.integers(0, 256, (len(ids), DIM))
+    tail = np.stack([rng.uniform(1e-4, 0.1, len(ids)), rng.uniform(-5, 5, len(ids))], axis=1)
+    old[:, DIM:] = tail.astype("<f4").view(np.uint8)
+    np.save(values_path, old)
+    meant = rowcodec.decode_int8(old[:, :DIM], tail[:, 0].astype(np.float32), tail[:, 1].astype(np.float32))
+    (loaded,) = load_tables(tmp_path, "shard", SparseTable)
+    rows = loaded.index.lookup(ids)
+    stored = loaded.values[rows]
+    assert stored.shape == (len(ids), DIM + 4)
+    level = stored[:, DIM:DIM + 2].copy().view("<f2").astype(np.float32)
+    assert np.all(np.abs(decode_rows(config, stored) - meant) <= level * 1.0001)
+    assert (loaded.count[rows] == 1).all()
+    np.save(values_path, old[:, :DIM + 6])
+    refusal = rf"table 'emb': rows of shape \({DIM + 6},\).*expected \({DIM + 4},\)"
+    with pytest.raises(CheckpointError, match=refusal):
+        load_tables(tmp_path, "shard", SparseTable)
+
+
 def test_an_int8_push_whose_update_overflows_is_refused_and_changes_nothing() -> None:
     table = SparseTable(TableConfig("big", 2, row_dtype="int8", lr=1000.0))
     ids = np.array([1, 2], np.int64)
@@ -157,6 +188,20 @@ def test_an_int8_push_whose_update_overflows_is_refused_and_changes_nothing() ->
     with pytest.raises(InvalidArgumentError, match=r"table 'big'.*id 2 is not finite"):
         table.push(ids, huge)
     assert table.step == 1
+    assert all(np.array_equal(a, table.columns()[name][0]) for name, a in before.items())
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adam"])  # the compiled pass, and the numpy path
+def test_an_int8_push_past_float16_s_range_is_refused_and_changes_nothing(optimizer: str) -> None:
+    config = TableConfig("wide", 2, row_dtype="int8", optimizer=optimizer, lr=1000.0)
+    table = SparseTable(config)
+    ids = np.array([1, 2], np.int64)
+    near = np.array([[0.0, 0.0], [-65000.0, 0.0]], np.float32)  # id 2 a step from float16's -65504
+    table.restore_rows(ids, {"values": rowcodec.encode_rows(config, near, ids, np.ones(2, np.int64))})
+    before = {name: array.copy() for name, (array, _) in table.columns().items()}
+    with pytest.raises(InvalidArgumentError, match=r"table 'wide'.*id 2 .*below -65504"):
+        table.push(ids, np.array([[0, 0], [2, 0]], np.float32))  # finite, but id 2 goes past -66000
+    assert table.step == 0
     assert all(np.array_equal(a, table.columns()[name][0]) for name, a in before.items())
 
 

@@ -16,6 +16,7 @@ from pshard.ps_server.tables.rowcodec import (
     encode16,
     encode_int8,
     from_bfloat16,
+    representable,
     stored_bytes_per_row,
     to_bfloat16,
 )
@@ -48,19 +49,26 @@ def test_bfloat16_keeps_nan_and_rounds_ties_to_even() -> None:
 
 @settings(max_examples=60, deadline=None)
 @given(rows=hnp.arrays(np.float32, st.tuples(st.integers(1, 8), st.integers(1, 16)),
-                       elements=st.floats(width=32, allow_nan=False, allow_infinity=False)),
+                       elements=st.floats(-65504, 1e6, width=32)),
        seed=st.integers(0, 2**32), version=st.integers(0, 1000))
-# A top level past float32's maximum (the scale rounded up) decoded to inf: hypothesis found it.
-@example(rows=np.array([[1.0141205e31, 3.4028233e38]], np.float32), seed=0, version=0)
+@example(rows=np.array([[-65504.0, 65504.0 * 254]], np.float32), seed=0, version=0)  # float16 edges
+@example(rows=np.array([[3e-8, 3.1e-8, 0.0]], np.float32), seed=0, version=0)  # a subnormal scale
 def test_int8_rows_are_within_one_step_and_the_same_for_the_same_id_and_version(
         rows: np.ndarray, seed: int, version: int) -> None:
     ids = np.arange(len(rows), dtype=np.int64) * 7 - 3
     versions = np.full(len(rows), version, np.int32)
     q, scale, offset = encode_int8(rows, ids, versions, seed)
+    assert scale.dtype == offset.dtype == np.float16
     back = decode_int8(q, scale, offset)
-    step = scale[:, None] * np.float32(1.0001) + np.float32(1e-6) * np.abs(rows).max(axis=1, keepdims=True)
+    step = scale.astype(np.float32)[:, None] * np.float32(1.0001) + np.float32(1e-6) * np.abs(rows).max(
+        axis=1, keepdims=True)
     assert (np.abs(back - rows) <= step).all()
-    assert (offset == rows.min(axis=1)).all()
+    # The offset is the largest float16 at most the minimum, and the levels reach the maximum.
+    low, high = rows.min(axis=1).astype(np.float64), rows.max(axis=1).astype(np.float64)
+    assert (offset.astype(np.float64) <= low).all()
+    with np.errstate(over="ignore"):  # the float16 after 65504 is inf
+        assert (np.nextafter(offset, np.float16(np.inf)).astype(np.float64) > low).all()
+    assert (offset.astype(np.float64) + 255 * scale.astype(np.float64) >= high).all()
     # Counter-based: the same (seed, id, version) rounds alike, whatever else is in the batch.
     again = encode_int8(rows[::-1], ids[::-1], versions, seed)[0][::-1]
     assert np.array_equal(q, again)
@@ -75,14 +83,20 @@ def test_int8_rounding_is_unbiased_over_versions() -> None:
     assert len({tuple(d) for d in decoded}) > 1  # it does draw: not round-to-nearest
 
 
-def test_int8_refuses_non_finite_rows_naming_the_id() -> None:
+def test_int8_refuses_non_finite_rows_and_rows_beyond_float16_naming_the_id() -> None:
     rows = np.array([[1.0, 2.0], [np.inf, 0.0]], np.float32)
-    with pytest.raises(ValueError, match="row of id 42 holds a NaN or an infinity"):
+    with pytest.raises(ValueError, match="row of id 42 holds a NaN, an infinity"):
         encode_int8(rows, np.array([7, 42], np.int64), np.zeros(2, np.int32), 0)
+    # A minimum below -65504 (the offset's float16) or a range past 255 x 65504 (the scale's).
+    edges = np.array([[-65504.0, 0.0], [-65520.0, 0.0], [0.0, 65504.0 * 255], [0.0, 65520.0 * 256]],
+                     np.float32)
+    assert representable(edges).tolist() == [True, False, True, False]
+    with pytest.raises(ValueError, match="row of id 1 holds"):
+        encode_int8(edges, np.arange(4, dtype=np.int64), np.zeros(4, np.int32), 0)
 
 
 def test_a_narrow_row_takes_a_quarter_or_half_of_float32s_bytes() -> None:
     sizes = [stored_bytes_per_row(d, 64) for d in ("float32", "float16", "bfloat16", "int8")]
-    assert sizes == [256, 128, 128, 72]
+    assert sizes == [256, 128, 128, 68]  # int8: 64 bytes, a float16 scale and offset
     with pytest.raises(ValueError, match="row_dtype: got 'int4'"):
         encode16(np.zeros((1, 1), np.float32), "int4")
