@@ -598,12 +598,15 @@ class TableReplication:
             return False
         layout = self._layout
         p = index_of(layout, primary) if layout is not None else None
-        home = layout.home_partitions(p) if layout is not None and p is not None else ()
-        if layout is not None and home and all(layout.row_owner(q) != p for q in home):
-            raise StaleGenerationError(f"replicate: {primary}'s row partitions {list(home)} have servers "
-                                       f"{[layout.row_owner(q) for q in home]} as their primaries since a "
-                                       f"failover (layout version {layout.version}); the sender was declared "
-                                       "dead")
+        # A sender serving no row partition was failed over (declared dead). Not "none of its home
+        # partitions" (p mod n): a server appended by a join serves others only, and its backup refused
+        # every row it took, so its pushes were never acknowledged.
+        if layout is not None and p is not None and not layout.partitions_on(p):
+            home = layout.home_partitions(p)
+            raise StaleGenerationError(
+                f"replicate: {primary} serves no row partition since a failover (layout version "
+                f"{layout.version}: its row partitions {list(home)} have servers "
+                f"{[layout.row_owner(q) for q in home]}); the sender was declared dead")
         arrays = iter(frame) if frame is not None else None
         try:
             batches = [batch_from_proto(t, self._maps, primary, arrays) for t in request.tables]

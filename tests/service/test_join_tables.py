@@ -47,10 +47,14 @@ def test_a_joiner_takes_sync_partitions_of_its_donor_with_their_clocks_and_train
         _train(pool, clients, range(PENDING))
         wait_until(lambda: _rows(servers[2]).replicas.clocks(servers[1].address).get(TABLE.name)
                    == _applied(servers[1]), WAIT_S, "the joiner's replica of server 1 holding its clocks")
-        plan = plan_join(layout, joiner, [100] * layout.partition_count, live={1})
+        # Partitions 5 and 11 (server 2's "home" ones, p mod 3) weigh nothing: it takes others only, which
+        # its backup refused from it as from a failed-over server (none of its home partitions its own).
+        sizes = [0 if p in (5, 11) else 100 for p in range(layout.partition_count)]
+        plan = plan_join(layout, joiner, sizes, live={1})
         taken = {m.item for m in plan.moves if isinstance(m.item, int)}
         assert taken and taken < set(layout.partitions_on(1)) and {m.source for m in plan.moves} == {1}
         grown = plan.after
+        assert not taken & set(grown.home_partitions(2))
         for server in servers:
             server.call(lambda server=server: _rows(server).on_layout(grown))
         servers[2].call(lambda: _rows(servers[2]).set_backups([servers[0].address]))
