@@ -7,17 +7,15 @@ exactly. Real servers over gRPC; the layouts are made by hand here, as the sched
 
 from __future__ import annotations
 
-import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
-from pshard.common.cluster.layout import Layout
 from pshard.common.cluster.moves import plan_join
 from pshard.common.sparse import server_of
 from pshard.ps_server.replication.table_rows import all_ids
 
 from tests.e2e.harness import wait_until
-from tests.service.test_row_partitions import SYNC_SETTINGS, _applied, _layout, _train
+from tests.service.test_row_partitions import SYNC_SETTINGS, Published, _applied, _layout, _train
 from tests.service.test_table_replication import WAIT_S, _replicated, _rows
 from tests.service.test_table_replication_sync import CLOCKS, PENDING, TABLE, _expected
 from tests.service.test_table_replication_sync import IDS as SYNC_IDS
@@ -31,16 +29,9 @@ def test_a_joiner_takes_sync_partitions_of_its_donor_with_their_clocks_and_train
     servers, layout = _replicated(start_server, lambda addresses: _layout(addresses[:2]),
                                   settings=SYNC_SETTINGS)
     joiner = servers[2].address
-    published = [layout]
-    changed = threading.Condition()
-
-    def relayout(current: Layout, timeout_s: float) -> Layout | None:
-        with changed:
-            changed.wait_for(lambda: published[-1].version > current.version, timeout_s)
-            return published[-1] if published[-1].version > current.version else None
-
-    clients = [new_client(servers[:2], f"w{w}", layout=layout, relayout=relayout, reroute_wait_s=WAIT_S,
-                          retry_budget_s=0.5, transport="grpc") for w in (0, 1)]
+    layouts = Published(layout)
+    clients = [new_client(servers[:2], f"w{w}", layout=layout, relayout=layouts.relayout,
+                          reroute_wait_s=WAIT_S, retry_budget_s=0.5, transport="grpc") for w in (0, 1)]
     for c in clients:
         c.declare_table(TABLE)
     with ThreadPoolExecutor(2) as pool:
@@ -58,9 +49,7 @@ def test_a_joiner_takes_sync_partitions_of_its_donor_with_their_clocks_and_train
         for server in servers:
             server.call(lambda server=server: _rows(server).on_layout(grown))
         servers[2].call(lambda: _rows(servers[2]).set_backups([servers[0].address]))
-        with changed:
-            published.append(grown)
-            changed.notify_all()
+        layouts.publish(grown)
         assert _applied(servers[2]) == {p: PENDING for p in taken}  # theirs only, from the copy
         _train(pool, clients, range(PENDING, CLOCKS))
     np.testing.assert_array_equal(clients[0].pull_rows(TABLE.name, SYNC_IDS, clock=CLOCKS), _expected(CLOCKS))
