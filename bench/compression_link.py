@@ -6,6 +6,14 @@ namespaces, tc tbf), every worker's link shaped to `--mbit` both ways, sync mode
 reports its mean step time and the gradient bytes it sent. One JSON line per compressor, with the ratio of
 its step time to uncompressed in the same run. Needs root (`HostBed`'s skip reason says why not).
 
+The line rate is the tbf rate, `--mbit` / 8 MB/s, headers included (a TCP payload can move at most about
+0.94 of it with 1500-byte frames). A worker's link carries its push up and its pull down each step, at
+once, so what a step moved is the busier way's bytes over the step time (100 MB / step_s uncompressed).
+Each round first measures the link itself, in the same bed, load and shaping: a plain Python TCP stream
+w0 -> ps0 (one way), then w0 -> ps0 and ps1 -> w0 at once (both ways); every figure is also given against
+those (`ratio_to_stream`, `ratio_to_both_ways`), with tc's drops on w0's link and each process's CPU and
+run-queue wait (bench.link_ceiling).
+
 A compressor written NAME@bfloat16 also pulls in bfloat16 (the job's wire_dtype); one written NAME/PULL
 compresses pulls too (JobConfig.compression.pull: "topk:0.01/topk:0.01", "sign/sign"): pulls stay full
 precision otherwise, and 100 MB pulled at 1 Gbit/s bound a step at 0.8 s whatever the pushes cost.
