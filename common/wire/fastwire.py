@@ -240,7 +240,7 @@ def tune(sock: socket.socket) -> None:
     value, at most net.core.*mem_max), and a locked 4 MiB held 30 to 60 ms of a 1 Gbit/s link, so a process
     that waited that long for a CPU stalled its flows (zero windows). Autotuning grows them with the
     bandwidth-delay product, up to net.ipv4.tcp_rmem/tcp_wmem's limits (issue 19: W1 on the test bed's
-    1 Gbit/s links, median 1.48 s a step against 2.08 s locked, five alternating pairs at load 11 to 28)."""
+    1 Gbit/s links, median 1.42 s a step against 2.08 s locked, nine alternating pairs at load 11 to 28)."""
     if sock.family in (socket.AF_INET, socket.AF_INET6):
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         return
