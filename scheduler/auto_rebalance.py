@@ -12,7 +12,10 @@ partitions the layout gives it (`partition_loads`). A move is started only when
 - the cool-down since the last move has passed (`cooldown_s`): its loads settle on the new layout first;
 - every live server's load samples span a full window (`window_s`): a server that just started, restarted
   or took a partition has rates over too short a time to act on;
-- the hottest live server is above `threshold` times the mean;
+- the hottest live server is above `threshold` times the mean, and has been for a full window of
+  decisions (`above_since`: hysteresis; a server's first reports after traffic starts, or after a move,
+  may rate it alone while the others' reports are on their way, which moved a partition and moved it back
+  two decisions later);
 - `plan_rebalance` (the same pure planner) has a move, and its first move lowers the hottest load by at
   least `min_gain` of the mean (hysteresis: no move for noise), and its partition has not moved within the
   cool-down (no ping-pong of one partition between two servers).
@@ -66,10 +69,12 @@ class Decision:
 
 def decide(policy: RebalancePolicy, layout: Layout, loads: Sequence[ServerLoad], live: Collection[str],
            sampled_s: Mapping[str, float], busy: str, last_move_at: float | None,
-           moved_at: Mapping[int, float], now: float) -> Decision:
+           moved_at: Mapping[int, float], now: float, above_since: float | None = None) -> Decision:
     """Whether to move one row partition now. `live`: the live servers' addresses; `sampled_s`: how many
     seconds each server's load samples span; `busy`: what is in progress ("" when nothing); `last_move_at`:
-    when the last move ended (None: none yet); `moved_at`: partition -> when it last moved."""
+    when the last move ended (None: none yet); `moved_at`: partition -> when it last moved; `above_since`:
+    since when every decision found the hottest server above the threshold (None: the last one did not;
+    `still_above` keeps it)."""
     if busy:
         return Decision(None, f"waiting: {busy}")
     if last_move_at is not None and now < last_move_at + policy.cooldown_s:
@@ -93,6 +98,11 @@ def decide(policy: RebalancePolicy, layout: Layout, loads: Sequence[ServerLoad],
     if ratio <= policy.threshold:
         return Decision(None, f"balanced: the hottest server {hottest} is at {ratio:.2f}x the mean load, "
                               f"threshold {policy.threshold:g}x", per_server, ratio)
+    if above_since is None or now - above_since < policy.window_s:
+        held = 0.0 if above_since is None else now - above_since
+        return Decision(None, f"rising: the hottest server {hottest} is at {ratio:.2f}x the mean load, above "
+                              f"the threshold for {held:.1f} s; a move needs {policy.window_s:g} s of it",
+                        per_server, ratio)
     plan = plan_rebalance(layout, rates, sizes, servers, tolerance=policy.threshold, max_moves=1)
     if not plan.moves:
         return Decision(None, f"no single partition move lowers the hottest server {hottest} "
@@ -110,6 +120,16 @@ def decide(policy: RebalancePolicy, layout: Layout, loads: Sequence[ServerLoad],
                               f"minimum {policy.min_gain:g}", per_server, ratio)
     return Decision(move, f"server {hottest} at {ratio:.2f}x the mean load, threshold {policy.threshold:g}x",
                     per_server, ratio)
+
+
+def still_above(policy: RebalancePolicy, decision: Decision, above_since: float | None,
+                now: float) -> float | None:
+    """`above_since` for the next decision: kept (or started now) while decisions weigh the hottest server
+    above the threshold, forgotten at one that does not (balanced, or nothing weighed: busy, cooling down,
+    sampling), so that a move needs a full window of them after every interruption."""
+    if decision.move is not None or decision.ratio <= policy.threshold:
+        return None
+    return now if above_since is None else above_since
 
 
 def _server_loads(layout: Layout, rates: Sequence[float], servers: Sequence[int]) -> dict[int, float]:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from pshard.common.cluster.layout import Layout
 from pshard.common.errors import PSError
-from pshard.scheduler.auto_rebalance import Decision, RebalancePolicy, decide
+from pshard.scheduler.auto_rebalance import Decision, RebalancePolicy, decide, still_above
 from pshard.scheduler.membership import Membership
 
 log = logging.getLogger("pshard.scheduler")
@@ -41,6 +41,7 @@ class AutoRebalancer:
         self._last_move = ""
         self._last_started: float | None = None
         self._last: Decision | None = None
+        self._above_since: float | None = None
 
     def tick(self) -> bool:
         """Decide once, and start the move decided on; True when one started (the view changed)."""
@@ -49,6 +50,7 @@ class AutoRebalancer:
             self._last = Decision(None, "waiting: the job has no layout yet")
             return False
         decision = self._decide(layout)
+        self._above_since = still_above(self.policy, decision, self._above_since, self._members.clock_now())
         if decision.move is None:
             if self._last is None or _kind(self._last.reason) != _kind(decision.reason):
                 log.debug("auto-rebalance: no move: %s", decision.reason)
@@ -84,7 +86,7 @@ class AutoRebalancer:
         meter = members.loads
         sampled = {a: meter.sampled_s(a) for a in live}
         return decide(self.policy, layout, meter.loads(), live, sampled, self.busy(layout, live),
-                      self._last_move_at(), self._moved_at(), now)
+                      self._last_move_at(), self._moved_at(), now, self._above_since)
 
     def busy(self, layout: Layout, live: set[str]) -> str:
         """What is in progress that a move must wait for ("" when nothing)."""

@@ -18,7 +18,7 @@ from pshard.common.cluster.moves import plan_rebalance
 from pshard.common.cluster.view import ManualClock
 from pshard.common.errors import InvalidArgumentError
 from pshard.common.metrics import SchedulerCollector
-from pshard.scheduler.auto_rebalance import RebalancePolicy, decide
+from pshard.scheduler.auto_rebalance import RebalancePolicy, decide, still_above
 from pshard.scheduler.auto_rebalancer import AutoRebalancer
 from pshard.scheduler.membership import Membership
 
@@ -45,9 +45,11 @@ def _loads(layout: Layout, rates: Mapping[int, float]) -> list[ServerLoad]:
 
 def _decide(layout: Layout, rates: Mapping[int, float], *, policy: RebalancePolicy = POLICY,
             live: Sequence[str] = SERVERS, sampled: Mapping[str, float] = FULL, busy: str = "",
-            last_move_at: float | None = None, moved_at: Mapping[int, float] | None = None):
+            last_move_at: float | None = None, moved_at: Mapping[int, float] | None = None,
+            above_since: float | None = NOW - 10.0):
+    """By default the hottest server has been above the threshold for a full window already."""
     return decide(policy, layout, _loads(layout, rates), live, sampled, busy, last_move_at, moved_at or {},
-                  NOW)
+                  NOW, above_since)
 
 
 SKEWED = {0: 400.0, 3: 300.0, 6: 100.0, 9: 100.0, 1: 100.0, 2: 100.0}  # a:1 at 900 of a 1100 total
@@ -68,6 +70,20 @@ def test_a_balanced_job_moves_nothing_and_says_so():
     decision = _decide(layout, {p: 100.0 for p in range(12)} | {0: 115.0})
     assert decision.move is None and decision.reason.startswith("balanced:")
     assert "1.2x" in decision.reason
+
+
+def test_a_move_needs_the_hottest_server_above_the_threshold_for_a_full_window():
+    layout = _layout()
+    first = _decide(layout, SKEWED, above_since=None)
+    assert first.move is None and first.reason.startswith("rising: the hottest server 0 is at 2.45x")
+    since = still_above(POLICY, first, None, NOW)
+    assert since == NOW
+    assert _decide(layout, SKEWED, above_since=NOW - 9.0).move is None
+    assert _decide(layout, SKEWED, above_since=NOW - 10.0).move is not None
+    # One decision below it (or one that weighed nothing: busy, cooling down) starts the window over.
+    balanced = _decide(layout, {p: 100.0 for p in range(12)})
+    assert still_above(POLICY, balanced, since, NOW + 1) is None
+    assert still_above(POLICY, _decide(layout, SKEWED, busy="a move"), since, NOW + 1) is None
 
 
 def test_nothing_moves_while_anything_else_moves():
@@ -147,7 +163,8 @@ def test_repeated_decisions_settle_and_never_raise_the_hottest_load(rates, thres
                 / min_gain) + 1 if total > 0 else 0
     hottest = float("inf")
     for _ in range(bound + 1):
-        decision = decide(policy, layout, _loads(layout, by_partition), SERVERS, FULL, "", None, {}, NOW)
+        decision = decide(policy, layout, _loads(layout, by_partition), SERVERS, FULL, "", None, {}, NOW,
+                          NOW - 1.0)
         if decision.move is None:
             break
         assert decision.loads is not None and max(decision.loads.values()) <= hottest
@@ -191,6 +208,8 @@ def test_the_scheduler_starts_one_move_off_a_hot_server_logs_counts_and_shows_it
     _run(members, clock, SKEWED, 5)
     assert not rebalancer.tick() and rebalancer.status().reason.startswith("sampling:")
     _run(members, clock, SKEWED, 6)
+    assert not rebalancer.tick() and rebalancer.status().reason.startswith("rising:")
+    _run(members, clock, SKEWED, 10)
     before = members.layout()
     with caplog.at_level(logging.WARNING, logger="pshard.scheduler"):
         assert rebalancer.tick()
