@@ -18,6 +18,7 @@ from pshard.common.cluster.moves import plan_rebalance
 from pshard.common.cluster.view import ManualClock
 from pshard.common.errors import InvalidArgumentError
 from pshard.common.metrics import SchedulerCollector
+from pshard.scheduler.__main__ import build_parser, policy_from_args
 from pshard.scheduler.auto_rebalance import RebalancePolicy, decide, still_above
 from pshard.scheduler.auto_rebalancer import AutoRebalancer
 from pshard.scheduler.membership import Membership
@@ -175,6 +176,31 @@ def test_repeated_decisions_settle_and_never_raise_the_hottest_load(rates, thres
                         version=layout.version + 1, row_owners=tuple(owners))
     else:
         pytest.fail(f"still moving after {bound + 1} decisions")
+
+
+# ---- the scheduler's flags ----
+
+
+def test_the_scheduler_flags_parse_once_into_the_policy_which_is_off_by_default():
+    parser = build_parser()
+    assert policy_from_args(parser, parser.parse_args([])) is None
+    args = parser.parse_args(["--rebalance-auto", "1.3", "--rebalance-cooldown", "30",
+                              "--load-window-s", "5"])
+    assert policy_from_args(parser, args) == RebalancePolicy(1.3, cooldown_s=30.0, window_s=5.0)
+    default = policy_from_args(parser, parser.parse_args(["--rebalance-auto", "1.3"]))
+    assert default is not None and (default.cooldown_s, default.window_s) == (60.0, 10.0)
+    assert "--rebalance-auto THRESHOLD" in parser.format_help() and "default 60" in parser.format_help()
+
+
+@pytest.mark.parametrize(("argv", "error"), [
+    (["--rebalance-auto", "0.9"], "--rebalance-auto: got '0.9', expected a number >= 1"),
+    (["--rebalance-cooldown", "30"], "--rebalance-cooldown: got 30, but the automatic rebalance is off"),
+])
+def test_bad_rebalance_flags_are_usage_errors_naming_the_flag(argv, error, capsys):
+    parser = build_parser()
+    with pytest.raises(SystemExit) as exit_:
+        policy_from_args(parser, parser.parse_args(argv))
+    assert exit_.value.code == 2 and error in capsys.readouterr().err
 
 
 # ---- the adapter, on the scheduler's membership table ----
