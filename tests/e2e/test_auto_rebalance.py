@@ -19,7 +19,7 @@ from pshard.common.sparse import server_of
 
 from pshard.status import fetch
 from tests.e2e.harness import LocalCluster, Procs, wait_until
-from tests.e2e.test_rebalance import DIM, IDS, RUN_TIMEOUT_S, TABLE, _Pushers, _stopping
+from tests.e2e.test_rebalance import DIM, EVERY, RUN_TIMEOUT_S, TABLE, _Pushers, _stopping
 from tests.e2e.test_table_replication_async import replicated_job
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(120)]
@@ -34,13 +34,12 @@ def test_the_scheduler_moves_a_partition_off_a_hot_server_on_its_own_and_none_wh
                            scheduler_args=("--row-partitions-per-server", "4", *POLICY))
     started, scheds, layout, clients = replicated_job(procs, CLIENTS, cluster=cluster, replicas=0)
     scheduler, address = started[0], scheds[0].address
-    every = np.arange(0, IDS, dtype=np.int64)
-    hot = every[np.isin(server_of(every, layout.partition_count), layout.partitions_on(1))]
+    hot = EVERY[np.isin(server_of(EVERY, layout.partition_count), layout.partitions_on(1))]
     skewed = threading.Event()
 
     def batch(client: int, push: int) -> tuple[np.ndarray, np.ndarray]:
         rng = np.random.default_rng([client, push, 13])
-        ids = rng.choice(hot if skewed.is_set() else every, size=100)  # repeats: summed
+        ids = rng.choice(hot if skewed.is_set() else EVERY, size=100)  # repeats: summed
         return ids, rng.integers(-3, 4, size=(len(ids), DIM)).astype(np.float32)
 
     pushers = _Pushers(clients, batch)
@@ -72,7 +71,7 @@ def test_the_scheduler_moves_a_partition_off_a_hot_server_on_its_own_and_none_wh
         assert moved in layout.partitions_on(1)
         status = fetch(address, 10.0).auto_rebalance
         assert status is not None and status.enabled and status.moves >= 1 and status.threshold == 1.2
-        final = clients[0].pull_rows(TABLE.name, every)
+        final = clients[0].pull_rows(TABLE.name, EVERY)
         np.testing.assert_array_equal(final, -pushers.acked.astype(np.float32))
     finally:
         pushers.stop.set()
