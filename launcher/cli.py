@@ -43,6 +43,7 @@ from pshard.common.dirlock import DirectoryInUseError, DirectoryLock
 from pshard.common.logs import add_log_level_argument, configure_logging
 from pshard.launcher.plan import RESTART_POLICIES, TASK_PLACEHOLDER, ClusterPlan, Options, cert_names
 from pshard.launcher.record import default_certs_dir
+from pshard.scheduler.settings import DEFAULT_REBALANCE_COOLDOWN_S
 
 PROG = "python -m pshard.launcher"
 log = logging.getLogger("pshard.launcher")
@@ -89,8 +90,8 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
                              "load is above THRESHOLD times the mean (`pshard scheduler --help`; default "
                              "off)")
     parser.add_argument("--rebalance-cooldown", metavar="SECONDS", type=non_negative_float, default=None,
-                        help="with --rebalance-auto: seconds between automatic moves (default: the "
-                             "scheduler's, `pshard scheduler --help`)")
+                        help="with --rebalance-auto: seconds between automatic moves (default "
+                             f"{DEFAULT_REBALANCE_COOLDOWN_S:g})")
     parser.add_argument("--checkpoint-dir", metavar="DIR",
                         help="parameter servers checkpoint their shards to DIR/ps-<i>")
     parser.add_argument("--checkpoint-interval-s", metavar="S", type=non_negative_float, default=0.0,

@@ -46,13 +46,12 @@ from pshard.common.logs import add_log_level_argument, configure_logging
 from pshard.common.metrics_flag import add_metrics_argument
 from pshard.common.rpc.bind import default_bind, own_hosts
 from pshard.common.security.credentials import SecurityConfig, add_security_arguments, security_from_args
-from pshard.scheduler.auto_rebalance import RebalancePolicy
+from pshard.scheduler.auto_rebalance import RebalancePolicy, rebalance_policy
 from pshard.scheduler.settings import (
     DEFAULT_HEARTBEAT_INTERVAL_S,
     DEFAULT_HEARTBEAT_TIMEOUT_S,
     DEFAULT_LOAD_WINDOW_S,
     DEFAULT_REBALANCE_COOLDOWN_S,
-    rebalance_policy,
 )
 
 PROG = "python -m pshard.scheduler"

@@ -30,8 +30,8 @@ from pshard.common.cluster.layout import Layout
 from pshard.common.cluster.loads import WINDOW_S, ServerLoad, partition_loads
 from pshard.common.cluster.moves import Move, plan_rebalance
 from pshard.common.errors import InvalidArgumentError
+from pshard.scheduler.settings import DEFAULT_LOAD_WINDOW_S, DEFAULT_REBALANCE_COOLDOWN_S
 
-DEFAULT_COOLDOWN_S = 60.0
 # A move must lower the hottest server's load by this much of the mean load: less is noise, and a move
 # is a catch-up copy over the network.
 DEFAULT_MIN_GAIN = 0.05
@@ -42,7 +42,7 @@ class RebalancePolicy:
     """The automatic rebalance's settings, parsed once (scheduler/settings.py, the scheduler's flags)."""
 
     threshold: float  # move when the hottest live server is above threshold x the mean load
-    cooldown_s: float = DEFAULT_COOLDOWN_S  # after a move, before the next one may start
+    cooldown_s: float = DEFAULT_REBALANCE_COOLDOWN_S  # after a move, before the next one may start
     window_s: float = WINDOW_S  # load samples every live server must span first
     min_gain: float = DEFAULT_MIN_GAIN  # of the mean: what a move must take off the hottest load
 
@@ -65,6 +65,16 @@ class Decision:
     reason: str
     loads: Mapping[int, float] | None = None
     ratio: float = 0.0
+
+
+def rebalance_policy(threshold: float | None, cooldown_s: float | None,
+                     window_s: float = DEFAULT_LOAD_WINDOW_S) -> RebalancePolicy | None:
+    """`--rebalance-auto THRESHOLD`, `--rebalance-cooldown SECONDS` and `--load-window-s` as the policy,
+    parsed once; None (off) without a threshold."""
+    if threshold is None:
+        return None
+    cooldown = DEFAULT_REBALANCE_COOLDOWN_S if cooldown_s is None else cooldown_s
+    return RebalancePolicy(threshold, cooldown_s=cooldown, window_s=window_s)
 
 
 def decide(policy: RebalancePolicy, layout: Layout, loads: Sequence[ServerLoad], live: Collection[str],

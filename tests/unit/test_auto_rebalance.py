@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from pshard.common.cluster.layout import Layout, ParamSpec, plan_layout
-from pshard.common.cluster.loads import Counters, ServerLoad, partition_loads
+from pshard.common.cluster.loads import WINDOW_S, Counters, ServerLoad, partition_loads
 from pshard.common.cluster.moves import plan_rebalance
 from pshard.common.cluster.view import ManualClock
 from pshard.common.errors import InvalidArgumentError
@@ -22,6 +22,7 @@ from pshard.scheduler.__main__ import build_parser, policy_from_args
 from pshard.scheduler.auto_rebalance import RebalancePolicy, decide, still_above
 from pshard.scheduler.auto_rebalancer import AutoRebalancer
 from pshard.scheduler.membership import Membership
+from pshard.scheduler.settings import DEFAULT_LOAD_WINDOW_S
 
 from pshard.status import AutoRebalanceReport, render, summarise
 
@@ -190,6 +191,10 @@ def test_the_scheduler_flags_parse_once_into_the_policy_which_is_off_by_default(
     default = policy_from_args(parser, parser.parse_args(["--rebalance-auto", "1.3"]))
     assert default is not None and (default.cooldown_s, default.window_s) == (60.0, 10.0)
     assert "--rebalance-auto THRESHOLD" in parser.format_help() and "default 60" in parser.format_help()
+
+
+def test_the_scheduler_default_load_window_is_the_load_meters():
+    assert DEFAULT_LOAD_WINDOW_S == WINDOW_S == RebalancePolicy(1.2).window_s
 
 
 @pytest.mark.parametrize(("argv", "error"), [
