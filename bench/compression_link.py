@@ -10,9 +10,9 @@ The line rate is the tbf rate, `--mbit` / 8 MB/s, headers included (a TCP payloa
 0.94 of it with 1500-byte frames). A worker's link carries its push up and its pull down each step, at
 once, so what a step moved is the busier way's bytes over the step time (100 MB / step_s uncompressed).
 Each round first measures the link itself, in the same bed, load and shaping: a plain Python TCP stream
-w0 -> ps0 (one way), then w0 -> ps0 and ps1 -> w0 at once (both ways); every figure is also given against
-those (`ratio_to_stream`, `ratio_to_both_ways`), with tc's drops on w0's link and each process's CPU and
-run-queue wait (bench.link_ceiling).
+w0 -> ps0 (one way), then w0 -> ps0 and ps1 -> w0 at once (both ways: the slower of the two); every figure
+is also given against those (`ratio_to_stream`, `ratio_to_both_ways`), with tc's bytes and drops on w0's
+link and each process's CPU and run-queue wait (bench.link_ceiling).
 
 A compressor written NAME@bfloat16 also pulls in bfloat16 (the job's wire_dtype); one written NAME/PULL
 compresses pulls too (JobConfig.compression.pull: "topk:0.01/topk:0.01", "sign/sign"): pulls stay full
@@ -164,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
                      ratio_to_line=round(moved / line_mb_per_s, 2),
                      ratio_to_stream=round(moved / ceiling["one_way"], 2),
                      ratio_to_both_ways=round(moved / ceiling["both_ways"], 2),
-                     w0_link_mb=({way: round(c["bytes"] / 1e6, 1) for way, c in wire.items()}),
+                     w0_link_mb={way: round(c["bytes"] / 1e6, 1) for way, c in wire.items()},
                      w0_link_drops={way: c["drops"] for way, c in wire.items()},
                      cpu_cores=results[0]["cpu"], transports=results[0]["transports"])
     return 0
