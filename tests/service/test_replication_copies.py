@@ -1,0 +1,75 @@
+"""A targeted catch-up copy of dense slices through real servers and channels (issue 20: a drain without
+replicas moves each slice to a server that is not a backup of its own).
+
+The source copies only the chosen slices to the target, as to a joiner: their states, then each of their
+steps. A target that is gone mid-copy stalls no step and is not reported in sync; one that caught up is
+(`copies_in_sync`), and from then on no step of its slices is acknowledged before it has it. A copy taken
+out of the view before a switch is released: the target drops it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+from pshard.common.cluster.layout import ParamSpec, plan_layout
+from pshard.common.job import JobConfig, OptimizerConfig
+from pshard.ps_server.replication.dense import Replicator
+from pshard.ps_server.replication.link import grpc_sender
+from pshard.ps_server.settings import ServerSettings
+
+from tests.e2e.harness import free_port, wait_until
+
+WAIT_S = 10.0
+STEP_S = 5.0  # far above a step on two local servers, far below the request's deadline
+SGD = JobConfig(mode="sync", optimizer=OptimizerConfig(name="sgd", lr=0.1))
+SHAPES = {"a": (300,), "b": (64, 8), "c": (5,)}
+
+
+def test_a_targeted_copy_takes_only_its_slices_and_counts_in_sync_once_caught_up(start_server, new_client):
+    source, target = (start_server(ServerSettings(static_quorum={"w0": 0})) for _ in range(2))
+    layout = plan_layout([ParamSpec(k, "float32", s) for k, s in SHAPES.items()], [source.address],
+                         slice_bytes=512)  # the worker's routing: every slice on the source
+    layout = dataclasses.replace(layout, version=1)
+    gone = f"127.0.0.1:{free_port()}"  # a target SIGKILLed mid-copy: nothing answers there
+    holder: list[Replicator] = []
+
+    def wire() -> None:
+        replicator = Replicator(source.address, grpc_sender(), source.loop)
+        source.running.handlers.enable_replication(replicator)
+        holder.append(replicator)
+
+    source.call(wire)
+    replicator = holder[0]
+    client = new_client([source], "w0", layout=layout)
+    rng = np.random.default_rng(0)
+    client.declare({k: rng.standard_normal(s).astype(np.float32) for k, s in SHAPES.items()}, SGD)
+    ones = {k: np.ones(s, np.float32) for k, s in SHAPES.items()}
+    keys = [s.key for s in source.running.handlers.store.slots()]
+    moving = frozenset(k for k in keys if k.key == "b")
+    assert moving and len(moving) < len(keys)
+    source.call(lambda: replicator.set_copies({gone: moving}))
+    with ThreadPoolExecutor(1) as pool:
+        for clock in range(3):  # acknowledged at once: the dead target's copy is not caught up
+            pool.submit(client.push_pull, ones, clock).result(timeout=STEP_S)
+    assert source.call(replicator.copies_in_sync) == []
+    assert source.call(lambda: replicator.in_sync(keys)) == []  # a copy's target is no backup
+    assert source.call(replicator.copy_bytes_left) > 0
+
+    source.call(lambda: replicator.set_copies({target.address: moving}))
+    wait_until(lambda: source.call(replicator.copies_in_sync) == [target.address], WAIT_S,
+               "the copy's target to catch up")
+    client.push_pull(ones, 3)  # acknowledged only once the target has it too
+    copies = target.running.handlers.replica_set
+    assert sorted(map(str, copies.keys())) == sorted(map(str, moving))  # only the chosen slices
+    for slot in source.running.handlers.store.slots():
+        if slot.key in moving:
+            [copy] = [s for s in copies._slots.values() if s.key == slot.key]
+            assert copy.version == slot.version == 4
+            assert copy.value.tobytes() == slot.value.tobytes(), slot.key
+
+    # Rolled back (taken out of the view before any switch): the target drops what it holds.
+    source.call(lambda: replicator.set_copies({}))
+    wait_until(lambda: copies.empty, WAIT_S, "the target to drop the rolled-back copy")
+    client.push_pull(ones, 4)  # and no step waits for it any more
