@@ -240,6 +240,7 @@ class Replicator:
         self._wanted: list[str] = []
         self._catching_up: frozenset[str] = frozenset()
         self._copies: dict[str, frozenset[SliceKey]] = {}
+        self._switched: frozenset[str] = frozenset()  # copy targets the layout switched their slices to
         self._store: ShardStore | None = None
         # Requests waiting for acknowledgements: what each needs, and the future to resolve (True: held).
         self._waiters: list[tuple[dict[SliceKey, int], asyncio.Future[bool]]] = []
@@ -259,13 +260,16 @@ class Replicator:
         self._wanted, self._catching_up = list(dict.fromkeys(addresses)), frozenset(catching_up)
         self._reconcile()
 
-    def set_copies(self, copies: Mapping[str, Collection[SliceKey]]) -> None:
+    def set_copies(self, copies: Mapping[str, Collection[SliceKey]], switched: Collection[str] = ()) -> None:
         """The slices this server copies to each target now, a server that is not a backup of it (issue 20:
         a drain without replicas): a catch-up copy of their states, then each of their steps, as to a
         joiner. Acknowledgements wait for a target only once it holds them all, so a slow or dead target
         stalls no step; from then on they do, which makes it a copy the scheduler can switch them to. A
-        backup takes every slice already: a copy to it adds nothing."""
+        backup takes every slice already: a copy to it adds nothing. `switched`: the targets the layout
+        gave their slices to (the views name those copies until the targets took them over); their copies
+        are theirs, never released from here."""
         self._copies = {a: frozenset(k) for a, k in copies.items() if k and a != self.own}
+        self._switched |= frozenset(switched) & frozenset(self._copies)
         self._reconcile()
 
     def _reconcile(self) -> None:
@@ -295,8 +299,8 @@ class Replicator:
             if b.slices is None:
                 log.warning("replication: %s is no longer a backup of %s (%d slices unsent)", b.address,
                             self.own, len(b.pending))
-            elif self._store is not None and not any(self._store.holds(k) for k in b.slices):
-                # Switched to it: it took its copies over at the layout that moved them (`set_ownership`);
+            elif b.address in self._switched:
+                # Switched to it: it takes its copies over at the layout that moved them (`set_ownership`);
                 # a release from here could reach it before that layout, and drop them.
                 log.info("replication: %s took over %d slices of %s", b.address, len(b.slices), self.own)
                 b.link.close()
@@ -305,6 +309,7 @@ class Replicator:
                 log.warning("replication: the copy of %d slices of %s to %s was rolled back", len(b.slices),
                             self.own, b.address)
             self._loop.run_in_executor(None, self._release, b)
+        self._switched &= frozenset(self._copies)
         for address in new:
             backup = self._backups.get(address)
             if backup is not None:
@@ -321,6 +326,9 @@ class Replicator:
             return tuple(self._backups)
 
     def close(self) -> None:
+        # A copy in progress is the scheduler's to roll back (this server is gone); a switched one is its
+        # target's: neither is released from here.
+        self._switched |= frozenset(self._copies)
         self._copies = {}
         self.set_backups([])
 

@@ -10,6 +10,7 @@ out of the view before a switch is released: the target drops it.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -73,3 +74,43 @@ def test_a_targeted_copy_takes_only_its_slices_and_counts_in_sync_once_caught_up
     source.call(lambda: replicator.set_copies({}))
     wait_until(lambda: copies.empty, WAIT_S, "the target to drop the rolled-back copy")
     client.push_pull(ones, 4)  # and no step waits for it any more
+
+
+def test_a_switched_copy_is_the_targets_and_never_released(start_server, new_client, caplog):
+    source, target = (start_server(ServerSettings(static_quorum={"w0": 0})) for _ in range(2))
+    replicator, _, moving = _copying(source, target, new_client)
+    # The layout switched the slices to the target: the views name the copy until it took it over.
+    source.call(lambda: replicator.set_copies({target.address: moving}, switched=[target.address]))
+    handlers = target.running.handlers
+    target.call(lambda: handlers.set_ownership(2, moving))  # the target learns the switched layout
+    with caplog.at_level(logging.INFO, logger="pshard.ps.replication"):
+        source.call(lambda: replicator.set_copies({}))  # then the views stop naming the copy
+    assert "took over" in caplog.text and "rolled back" not in caplog.text
+    for slot in source.running.handlers.store.slots():
+        if slot.key in moving:  # the target serves the source's bytes, at the source's version
+            [mine] = handlers.store.find([slot.key]).values()
+            assert (mine.version, mine.value.tobytes()) == (slot.version, slot.value.tobytes())
+
+
+def _copying(source, target, new_client):
+    """A copy of the slices of "b" from `source` to `target`, caught up after two steps."""
+    layout = dataclasses.replace(plan_layout([ParamSpec(k, "float32", s) for k, s in SHAPES.items()],
+                                             [source.address], slice_bytes=512), version=1)
+    holder: list[Replicator] = []
+
+    def wire() -> None:
+        holder.append(Replicator(source.address, grpc_sender(), source.loop))
+        source.running.handlers.enable_replication(holder[0])
+
+    source.call(wire)
+    client = new_client([source], "w0", layout=layout)
+    rng = np.random.default_rng(0)
+    client.declare({k: rng.standard_normal(s).astype(np.float32) for k, s in SHAPES.items()}, SGD)
+    ones = {k: np.ones(s, np.float32) for k, s in SHAPES.items()}
+    client.push_pull(ones, 0)
+    moving = frozenset(s.key for s in source.running.handlers.store.slots() if s.key.key == "b")
+    source.call(lambda: holder[0].set_copies({target.address: moving}))
+    wait_until(lambda: source.call(holder[0].copies_in_sync) == [target.address], WAIT_S,
+               "the copy's target to catch up")
+    client.push_pull(ones, 1)
+    return holder[0], client, moving
