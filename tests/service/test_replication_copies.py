@@ -114,3 +114,15 @@ def _copying(source, target, new_client):
                "the copy's target to catch up")
     client.push_pull(ones, 1)
     return holder[0], client, moving
+
+
+def test_a_copy_target_that_becomes_a_backup_gets_every_slice(start_server, new_client):
+    source, target = (start_server(ServerSettings(static_quorum={"w0": 0})) for _ in range(2))
+    replicator, _, moving = _copying(source, target, new_client)
+    keys = [s.key for s in source.running.handlers.store.slots()]
+    assert source.call(lambda: replicator.in_sync(keys)) == [] and len(moving) < len(keys)
+    source.call(lambda: replicator.set_backups([target.address]))  # a backup takes the other slices too
+    wait_until(lambda: source.call(lambda: replicator.in_sync(keys)) == [target.address], WAIT_S,
+               "the new backup to hold every slice")
+    assert sorted(map(str, target.running.handlers.replica_set.keys())) == sorted(map(str, keys))
+    assert source.call(replicator.copies_in_sync) == []  # a backup, not a copy's target
