@@ -129,6 +129,12 @@ class StaleGenerationError(PSError):
     status = "FAILED_PRECONDITION"
 
 
+class PartitionTakenError(StaleGenerationError):
+    """A primary's replication batch with rows of a row partition that a move or a join gave the backup
+    since: the primary applied them before it knew. Refused whole, so the primary never acknowledges them
+    (the worker resends them to the new server); the primary forwards that partition's rows no more."""
+
+
 class PullBaseLostError(PSError):
     """A compressed pull whose base (the worker's count of the slice's pulls it applied) is not the
     server's: a reply lost on the way, or a server that never served this worker the slice (restarted, a

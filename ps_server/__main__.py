@@ -23,6 +23,7 @@ import json
 import logging
 import os
 import sys
+import tempfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
@@ -205,10 +206,10 @@ def _check_table_dir(path: str) -> None:
     if not os.path.isdir(path):
         raise ClusterConfigError(f"--table-dir: {path!r} is not a directory (create it, on a local disk)")
     try:
-        probe = os.path.join(path, ".pshard-write-test")
-        with open(probe, "w"):
+        # A probe of its own name: servers that share one --table-dir start at once, and a shared probe
+        # name let one server remove the file another was about to remove (FileNotFoundError: "not writable").
+        with tempfile.TemporaryFile(dir=path, prefix=".pshard-write-test-"):
             pass
-        os.remove(probe)
     except OSError as err:
         raise ClusterConfigError(f"--table-dir: {path!r} is not writable ({err.strerror or err})") from None
 

@@ -80,18 +80,25 @@ class DrainReport:
 
 @dataclass(frozen=True)
 class JoinReport:
-    """A join the scheduler knows of (scheduler/joins.py): in progress while the server catches up."""
+    """A join the scheduler knows of (scheduler/joins.py): in progress while the server catches up, then,
+    once it took slices and row partitions (`layout_version`), while its backups copy them."""
     node_id: str
     address: str  # to
     donor: str  # from; "" while in progress
     slices: int
     partitions: tuple[int, ...]
     nbytes: int
-    layout_version: int
-    seconds: float  # from its registration to the switch (or the roll back), or to now
+    layout_version: int  # of the switch; 0 before it
+    seconds: float  # from its registration to its end (backed up, or the roll back), or to now
     done: bool
     rolled_back: str = ""  # why the joiner went before the switch; "" unless it did
-    bytes_left: int = 0  # of the copy, while it catches up
+    bytes_left: int = 0  # of the copy to it while it catches up, then of the copy to its backups
+
+    @property
+    def state(self) -> str:
+        if self.rolled_back:
+            return "rolled back"
+        return "done" if self.done else "backing up" if self.layout_version else "catching up"
 
 
 @dataclass(frozen=True)
@@ -243,18 +250,20 @@ def _lost_lines(status: JobStatus) -> list[str]:
 
 
 def _join_lines(status: JobStatus) -> list[str]:
-    """What each join took, from where, and how long its catch-up took (or has taken so far, with the bytes
-    of the copy left); a rolled-back one with why."""
+    """What each join took (dense slices, and which row partitions), from where, and how long it took (or
+    has taken so far, with the bytes of the copy left: to the joiner, then to its backups); a rolled-back
+    one with why."""
     if not status.joins:
         return []
     lines = ["", f"{'JOIN':<14} {'STATE':<11} {'FROM':<21} {'TO':<21} {'SLICES':>6} {'BYTES':>9} {'LEFT':>9} "
                  f"{'LAYOUT':>6} {'TIME':>8}  PARTITIONS"]
     for j in status.joins:
-        catching_up = not j.done and not j.rolled_back
-        state = "done" if j.done else "rolled back" if j.rolled_back else "catching up"
-        layout = str(j.layout_version) if j.done else "-"
-        parts = ",".join(map(str, j.partitions)) if j.done else f"({j.rolled_back})" if j.rolled_back else "-"
-        nbytes, left = _size(j.nbytes) if j.done else "-", _size(j.bytes_left) if catching_up else "-"
+        took = bool(j.layout_version) and not j.rolled_back
+        layout = str(j.layout_version) if took else "-"
+        parts = ",".join(map(str, j.partitions)) if took else f"({j.rolled_back})" if j.rolled_back else "-"
+        nbytes = _size(j.nbytes) if took else "-"
+        left = _size(j.bytes_left) if not j.done and not j.rolled_back else "-"
+        state = j.state
         lines.append(f"{j.node_id:<14} {state:<11} {j.donor or '-':<21} {j.address:<21} {j.slices:>6} "
                      f"{nbytes:>9} {left:>9} {layout:>6} {f'{j.seconds:.2f} s':>8}  {parts or '-'}")
     return lines

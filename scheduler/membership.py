@@ -31,9 +31,9 @@ from pshard.common.cluster.layout import (
     ParamSpec,
     plan_layout,
 )
-from pshard.common.cluster.loads import Counters, LoadMeter
+from pshard.common.cluster.loads import Counters, LoadMeter, partition_loads
 from pshard.common.cluster.losses import serves
-from pshard.common.cluster.moves import NowhereToMoveError, partition_count, plan_join
+from pshard.common.cluster.moves import NowhereToMoveError, plan_join
 from pshard.common.cluster.replicas import (
     NoInSyncCopyError,
     fail_over,
@@ -428,6 +428,10 @@ class Membership:
             log.warning("JOIN ROLLED BACK: server %d (%s) %s before it took any slice, %.2f s after it "
                         "registered; the job goes on on layout version %d", member.rank, member.address, why,
                         join.seconds(self._clock.now()), self._layout.version if self._layout else 0)
+        for ended in self.joins.gone(member.address, self._clock.now()):
+            log.warning("JOIN: server %d (%s) ended unfinished: it %s before its backups held the %d bytes "
+                        "it took at layout version %d", member.rank, member.address, why, ended.nbytes,
+                        ended.layout_version)
 
     def _joins_copying(self, donor: _Member, copy_bytes_left: int) -> None:
         """`donor`'s heartbeat counted the bytes its backups lack: a join copying from it has those left."""
@@ -468,23 +472,44 @@ class Membership:
             if (join is None or member.state is not NodeState.LIVE or member.address not in copies
                     or member.address in layout.servers or member.rank != len(layout.servers)):
                 continue
-            plan = plan_join(layout, member.address, [0] * partition_count(layout), live={donor})
+            plan = plan_join(layout, member.address, self._partition_bytes(layout), live={donor})
             if not plan.moves:
                 continue
             new = self.replace_layout(plan.after)
             self._donors.pop(member.node_id, None)
             self._ring_moved()  # the donor's old backup is released: the joiner is its backup now
+            # Its backups hold none of what it took yet: they count once it reports them again.
+            self.in_sync.reset(member.address, "took slices and row partitions of its donor")
             self.in_sync.changes[JOINED] += 1
             partitions = tuple(sorted(m.item for m in plan.moves if isinstance(m.item, int)))
-            done = self.joins.switched(member.node_id, primary.address, len(plan.moves) - len(partitions),
-                                       partitions, plan.nbytes, new.version, self._clock.now())
-            self.moves.joined(done.seconds(self._clock.now()))
+            join = self.joins.switched(member.node_id, primary.address, len(plan.moves) - len(partitions),
+                                       partitions, plan.nbytes, new.version)
             log.warning("JOIN: server %d (%s) took %d slices and row partitions %s (%d bytes) from server "
                         "%d (%s), of which it was an in-sync copy: layout version %d, %.2f s after it "
                         "registered",
-                        member.rank, member.address, done.slices, list(partitions), plan.nbytes, donor,
-                        primary.address, new.version, done.seconds(self._clock.now()))
+                        member.rank, member.address, join.slices, list(partitions), plan.nbytes, donor,
+                        primary.address, new.version, join.seconds(self._clock.now()))
             return
+
+    def _joins_backing_up(self, joiner: _Member, copy_bytes_left: int) -> None:
+        """`joiner`'s heartbeat: once a backup of it holds what it took, the join is done (a moved slice
+        or partition has a backup again), and counted."""
+        now = self._clock.now()
+        backed_up = bool(self.in_sync.of(joiner.address))
+        for join in self.joins.backing_up(joiner.address, joiner.layout_version, copy_bytes_left, backed_up,
+                                          now):
+            self.moves.joined(join.seconds(now))
+            log.warning("JOIN: server %d (%s) is backed up: %s holds the %d slices and row partitions %s it "
+                        "took at layout version %d (%d bytes), %.2f s after it registered", joiner.rank,
+                        joiner.address, ", ".join(sorted(self.in_sync.of(joiner.address))), join.slices,
+                        list(join.partitions), join.layout_version, join.nbytes, join.seconds(now))
+
+    def _partition_bytes(self, layout: Layout) -> list[int]:
+        """Each row partition's bytes, as its server last reported them with its heartbeats (0 before it
+        did). Reported, not planned: a table's rows are made as ids are first pushed, so only the server
+        knows how many a partition holds, and only servers with backups count them, which a join needs."""
+        _, sizes = partition_loads(self.loads.loads(), [layout.servers[o] for o in layout.owners()])
+        return sizes
 
     def leave(self, node_id: str, generation: int) -> ClusterView:
         """A node leaves on purpose. A parameter server that serves slices or row partitions is a drain
@@ -970,6 +995,7 @@ class Membership:
         backed_up = bool(self.in_sync.of(member.address)) or not (self._layout and self._layout.replicas)
         done = self.moves.progress(member.address, member.layout_version, copy_bytes_left, backed_up, now)
         self._joins_copying(member, copy_bytes_left)
+        self._joins_backing_up(member, copy_bytes_left)
         self.copies.copying(member.address, copy_bytes_left)
         for move in done:
             log.warning("MOVE: row partition %d from %s to %s in %.2f s: switched at layout version %d, and "

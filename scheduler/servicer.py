@@ -169,7 +169,7 @@ class SchedulerServicer(pb_grpc.SchedulerServiceServicer):
         now = self._members.clock_now()
         return [pb.Join(node_id=j.node_id, address=j.address, donor=j.donor, slices=j.slices,
                         partitions=j.partitions, bytes=j.nbytes, layout_version=j.layout_version,
-                        seconds=j.seconds(now), done=j.took, rolled_back=j.rolled_back,
+                        seconds=j.seconds(now), done=j.done and j.took, rolled_back=j.rolled_back,
                         bytes_left=j.bytes_left)
                 for j in self._members.joins.all()]
 

@@ -191,8 +191,10 @@ def _balance(sizes: dict[Item, float], owner: dict[Item, int], loads: list[float
         if move is None:
             break
         item, source, target = move
+        # An item moves once a plan: a second move of it is never better than one straight to its last
+        # server, and an item too small to change a load in floating point (1e-300 beside 1000) moved to
+        # and fro for ever.
         held[source].remove(item)
-        held.setdefault(target, []).append(item)
         loads[source] -= sizes[item]
         loads[target] += sizes[item]
         owner[item] = target

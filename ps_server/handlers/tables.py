@@ -173,6 +173,11 @@ class TableHandlers:
                                        "server started with --table-dir (the rows beyond it spill there)")
         return self._table_dir / f"{_file_name(config.name)}.rows"
 
+    def _served(self, name: str, what: str) -> SparseTable:
+        """The table a pull or push of `name` reads or changes, once the layout places this server."""
+        self.replication.placed(name, what)
+        return self._table(name)
+
     def _table(self, name: str) -> SparseTable:
         table = self._tables.get(name)
         if table is None:
@@ -213,7 +218,7 @@ class TableHandlers:
     async def pull(self, name: str, ids: Raw, clock: int = 0, worker: str = "", into: Into | None = None
                    ) -> np.ndarray:
         """`into(config, n)`: where the n rows are written (a fast path's reply region), else a new array."""
-        table = self._table(name)
+        table = self._served(name, "pull")
         keys = self._ids(table, ids, "pull")
         await self._wait_applied(name, clock, keys)
         async with self._locks[name]:
@@ -225,7 +230,7 @@ class TableHandlers:
         """`push_id`: the push's idempotence key per worker (0: none); a repeat is dropped, stored 0.
         `layout_version`: the layout the worker routed the push with (0: none). `schedule`: a scheduled
         call's push, applied once per (schedule id, push number) whichever worker sends it."""
-        table = self._table(name)
+        table = self._served(name, "push")
         keys = self._ids(table, ids, "push")
         rows = self._grads(table, keys, grads)
         quorum = self._sync_quorum(name, worker)
@@ -244,7 +249,7 @@ class TableHandlers:
                         push_id: int = 0, layout_version: int = 0,
                         schedule: Schedule = NOT_SCHEDULED) -> tuple[int, np.ndarray]:
         """Push for `clock`, then pull: at clock + 1 in a sync table (the clock just pushed, applied)."""
-        table = self._table(name)
+        table = self._served(name, "push")
         keys = self._ids(table, push_ids, "push")
         rows = self._grads(table, keys, grads)
         wanted = self._ids(table, pull_ids, "pull")
@@ -357,7 +362,10 @@ class TableHandlers:
             return
         deadline = time.monotonic() + self._settings.pull_timeout_s
         partitions = self._partitions(keys)
+        table = self._tables.get(name)
         while (behind := sync.behind(clock, partitions)) is not None:
+            if table is not None:  # moved away while it waited: the worker pushes that clock elsewhere
+                self.replication.kept(table, keys, f"pull at clock {clock}")
             lease = self.fence.lease
             if lease is not None and lease.lapsed():  # fenced for good: no push completes the clock here
                 lease.check(f"pull of sync table {name!r} at clock {clock}")
@@ -375,6 +383,11 @@ class TableHandlers:
                     f"{sync.waiting_for(partition, applied, self._quorum or {})} after "
                     f"{self._settings.pull_timeout_s:.1f}s") from None
         await self.replication.settle(deadline)  # a clock's update is read once its backups hold it
+        if table is not None:
+            # A partition a move or a join took meanwhile: this server may have applied a clock its new
+            # server's copy lacks (it refused the rows). Refused, so the worker keeps its pushes of that
+            # clock, re-routes and sends them there again, rather than reading them here and dropping them.
+            self.replication.kept(table, keys, f"pull at clock {clock}")
 
     async def export(self, name: str) -> tuple[Path, Path, int]:
         table = self._table(name)
@@ -406,6 +419,13 @@ class TableHandlers:
         """The layout told this server its partition's number (ps_server/replication/tables.py)."""
         for sync in self._sync.values():
             sync.number_own(partition)
+
+    def moved_away(self) -> None:
+        """Row partitions moved from this server (a layout): the sync pulls waiting for a clock look again,
+        and those of a moved partition are refused (`_wait_applied`), since no push of it comes here now."""
+        for name, changed in list(self._changed.items()):
+            changed.set()
+            self._changed[name] = asyncio.Event()
 
     def make(self, config: TableConfig) -> SparseTable:
         """An empty table as a Declare would create it (a global checkpoint's restore fills it)."""

@@ -46,6 +46,10 @@ class SliceReplication(Protocol):
 class RowReplication(Protocol):
     """What the table handlers ask of the replication of this server's table rows (both sides)."""
 
+    def placed(self, name: str, what: str) -> None:
+        """Refuse a request while the layout this server knows does not list it (a joiner before its
+        switch, which a worker knowing the switch already reaches): LayoutNotYetError, sent again soon."""
+
     def check(self, table: SparseTable, ids: np.ndarray, what: str) -> None:
         """Refuse ids of partitions this server does not serve (PartitionMovedError)."""
 
@@ -100,6 +104,9 @@ class _NoSliceReplication:
 
 class _NoRowReplication:
     """A job without replicas: this server serves every id it is sent, and holds no one's rows."""
+
+    def placed(self, name: str, what: str) -> None:
+        pass
 
     def check(self, table: SparseTable, ids: np.ndarray, what: str) -> None:
         pass

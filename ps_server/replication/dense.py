@@ -427,7 +427,18 @@ class Replicator:
         """The backups holding an acknowledged copy of each of `keys` (this server's slices): from
         then on no step is acknowledged before they have it too (docs/architecture.md, 9 Failures)."""
         wanted = list(keys)
+        # Read before the lock, as `_shipped` does.
+        own = list(self._store.slots()) if self._store is not None else []
         with self._lock:
+            if not wanted and not own:
+                # A server without slices (a table's rows only, say) has no state or step a joiner could
+                # lack, and no copy would ever ship to make it hold: it holds now (else its join never
+                # switched). A slice declared later is then copied to it as to any backup.
+                for b in self._backups.values():
+                    if b.joining and b.slices is None and not b.holds and not b.pending:
+                        b.holds = True
+                        log.info("replication: joiner %s holds %s's slices (it has none)", b.address,
+                                 self.own)
             return [a for a, b in self._backups.items()
                     if b.slices is None and b.holds and all(k in b.acked for k in wanted)]
 

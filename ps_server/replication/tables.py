@@ -44,6 +44,7 @@ from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from typing import NamedTuple, Protocol
 
+import grpc
 import numpy as np
 from pshard.common.cluster.layout import Layout
 from pshard.common.cluster.replicas import index_of, joining_backups
@@ -52,10 +53,13 @@ from pshard.common.errors import (
     InvalidArgumentError,
     LayoutNotYetError,
     PartitionMovedError,
+    PartitionTakenError,
+    PSError,
     PullTimeoutError,
     StaleGenerationError,
 )
 from pshard.common.failpoints import failpoint
+from pshard.common.rpc.status import error_from_rpc_error
 from pshard.common.sparse import TableConfig, server_of
 from pshard.ps_server.replication.api import RowReplication
 from pshard.ps_server.replication.backends import Links, Send, over_link
@@ -119,6 +123,10 @@ class TableSource(Protocol):
     def number_own(self, partition: int) -> None:
         ...
 
+    def moved_away(self) -> None:
+        """Partitions this server served moved to another: wake the pulls waiting for their clocks."""
+        ...
+
 
 # ---- primary side ----
 
@@ -152,6 +160,9 @@ class _Peer:
     failing_since: float | None = None
     segment: RowSegment | None = None  # same host: the columns go through shared memory
     shm_worked: bool = False  # the backup took a call through `segment`
+    # Partitions moved from this server whose new server (this backup) refused their rows: it took its
+    # copy, so their changed rows go to it no more (TableReplication._take).
+    taken: frozenset[int] = frozenset()
 
     def mark(self, name: str, ids: np.ndarray, worker: str) -> None:
         self.dirty.setdefault(name, []).append(ids)
@@ -211,6 +222,18 @@ class TableReplication:
         self._view: ClusterView | None = None
 
     # ---- requests (TableHandlers' hooks, on the loop) ----
+
+    def placed(self, name: str, what: str) -> None:
+        """Refuse a request while the layout this server knows does not list it: a joiner before its
+        switch. Only a worker that knows the switch sends it one, so the joiner is about to learn it; it
+        must not apply the request meanwhile (its tables hold no rows of its own yet: the partitions it
+        takes are merged from its copy at the switch, and a push applied before would be overwritten)."""
+        layout = self._layout
+        if layout is not None and self._me is None:
+            raise LayoutNotYetError(
+                f"{what} of table {name!r}: this server is not in the layout it knows (version "
+                f"{layout.version}), it has not received the one that gives it row partitions yet; retry",
+                table=name, known_version=layout.version)
 
     def check(self, table: SparseTable, ids: np.ndarray, what: str) -> None:
         """Refuse ids of partitions this server does not serve (moved by a failover, or not yet here)."""
@@ -540,10 +563,15 @@ class TableReplication:
             return
         owned = frozenset(layout.partitions_on(me))
         self._checked = []
-        previous = self._owned if self._owned is not None else frozenset(layout.home_partitions(me))
+        # A server appended by a join served nothing before this layout (its copies are a backup's).
+        joined = before is not None and me >= len(before.servers)
+        previous = self._owned if self._owned is not None else frozenset(
+            () if joined else layout.home_partitions(me))
         gained = owned - previous
         self._owned = owned
         self._lost = (self._lost | (previous - owned)) - owned
+        if previous - owned:
+            self._tables.moved_away()  # a sync pull parked for one of them re-routes now, not at its deadline
         self._taken = {a: t & owned for a, t in self._taken.items() if t & owned}
         self._remember(layout.version)
         if not gained:
@@ -551,14 +579,19 @@ class TableReplication:
         # Whose replicas hold the gained partitions: their previous servers (an earlier failover may
         # have moved one to a server that died since), or their own servers.
         sources = {layout.servers[p % len(layout.servers)] for p in gained}
-        if before is not None and len(before.servers) == len(layout.servers):
+        # The same places (a join only appends servers) and partitions: `before` names their servers.
+        kept = (before is not None and before.servers == layout.servers[:len(before.servers)]
+                and before.partition_count == layout.partition_count)
+        if kept:
+            assert before is not None
             sources |= {before.servers[before.row_owner(p)] for p in gained}
         for primary in sorted(sources & self.replicas.primaries()):
             index = index_of(layout, primary)
             if index is not None and layout.partitions_on(index):
-                # A move of some partitions (`pshard rebalance`): the primary lives on with the rest.
-                moved = frozenset(p for p in gained if before is not None and len(before.servers) ==
-                                  len(layout.servers) and before.servers[before.row_owner(p)] == primary)
+                # A move of some partitions (`pshard rebalance`, or a join taking some of its donor's):
+                # the primary lives on with the rest.
+                moved = frozenset(p for p in gained if kept and before is not None
+                                  and before.servers[before.row_owner(p)] == primary)
                 if moved:
                     self._promote_moved(primary, moved, layout.partition_count)
             else:
@@ -653,13 +686,15 @@ class TableReplication:
         failpoint("ps.before_rows_apply")
         layout = self._layout
         p = index_of(layout, primary) if layout is not None else None
-        home = layout.home_partitions(p) if layout is not None and p is not None else ()
-        if (layout is not None and home and all(layout.row_owner(q) != p for q in home)
-                and p is not None and not layout.partitions_on(p)):
-            raise StaleGenerationError(f"replicate: {primary}'s row partitions {list(home)} have servers "
-                                       f"{[layout.row_owner(q) for q in home]} as their primaries since a "
-                                       f"failover (layout version {layout.version}); the sender was declared "
-                                       "dead")
+        # A sender serving no row partition was failed over (declared dead). Not "none of its home
+        # partitions" (p mod n): a server appended by a join serves others only, and its backup refused
+        # every row it took, so its pushes were never acknowledged.
+        if layout is not None and p is not None and not layout.partitions_on(p):
+            home = layout.home_partitions(p)
+            raise StaleGenerationError(
+                f"replicate: {primary} serves no row partition since a failover (layout version "
+                f"{layout.version}: its row partitions {list(home)} have servers "
+                f"{[layout.row_owner(q) for q in home]}); the sender was declared dead")
         arrays = iter(frame) if frame is not None else None
         try:
             batches = [batch_from_proto(t, self._maps, primary, arrays) for t in request.tables]
@@ -687,7 +722,7 @@ class TableReplication:
         partition = server_of(batch.ids, layout.partition_count)
         hit = np.isin(partition, np.fromiter(taken, np.int64))
         if hit.any():
-            raise StaleGenerationError(
+            raise PartitionTakenError(
                 f"replicate: row partition {int(partition[hit][0])} of table {batch.config.name!r} moved "
                 f"from {primary} to {self.own} (layout version {layout.version}); {primary} no longer "
                 "serves it")
@@ -706,7 +741,12 @@ class TableReplication:
             table = self._tables.find(name)
             if table is None:
                 continue
-            ids = self._for_peer(peer, self._still_ours(np.unique(np.concatenate(parts))))
+            # Changed rows of a partition a move took go on until its new server refuses them: before
+            # it took its copy they must reach it, with their pushes' keys, or it would hold the keys
+            # of pushes whose rows it lacks (applied here before this server learnt of the move) and
+            # drop the workers' resends of them. A peer that takes only some partitions (a move's
+            # target) gets only their rows.
+            ids = self._for_peer(peer, self._still_ours(np.unique(np.concatenate(parts)), peer.taken))
             fits = max(1, budget // row_bytes(table.config))
             keys = workers.pop(name, set())
             if peer.partitions is not None and not len(ids) and table.config.mode != "sync":
@@ -785,6 +825,9 @@ class TableReplication:
                     inline = await self._loop.run_in_executor(None, self._ship, peer.address, call.batches)
                 except Exception as e:  # unreachable, restarting, refusing: the rows stay due
                     self._again(peer, call)
+                    if isinstance(_as_ps_error(e), PartitionTakenError) and self._lost - peer.taken:
+                        peer.taken = peer.taken | self._lost
+                        continue  # at once, without the partitions it took (else once this server knows)
                     if peer.failing_since is None:
                         peer.failing_since = time.monotonic()
                         log.warning("table replication: backup %s unreachable (%s); retrying until it is "
@@ -813,10 +856,11 @@ class TableReplication:
                 peer.holds = True  # a joiner: from now on no push is acknowledged before it has it
                 log.info("table replication: %s holds every table row of %s", peer.address, self.own)
 
-    def _still_ours(self, ids: np.ndarray) -> np.ndarray:
-        """`ids` without those of partitions a move took from this server (`pshard rebalance`): their new
-        server holds them, and refuses them from us."""
-        lost, layout = self._lost, self._layout
+    def _still_ours(self, ids: np.ndarray, lost: frozenset[int] | None = None) -> np.ndarray:
+        """`ids` without those of partitions a move took from this server (`pshard rebalance`, a join), or
+        of those of them in `lost`: their new server holds them, and refuses them from us."""
+        lost = self._lost if lost is None else lost & self._lost
+        layout = self._layout
         if not lost or layout is None or not len(ids):
             return ids
         return ids[~np.isin(server_of(ids, layout.partition_count), np.fromiter(lost, np.int64))]
@@ -879,6 +923,11 @@ class TableReplication:
 
     def close(self) -> None:
         self.set_backups([])
+
+
+def _as_ps_error(e: Exception) -> PSError | Exception:
+    """A backup's refusal as its type, over gRPC (its status and metadata) or a raw link (raised as is)."""
+    return error_from_rpc_error(e) if isinstance(e, grpc.RpcError) else e
 
 
 def _in_partitions(chosen: frozenset[int], partitions: int) -> Callable[[np.ndarray], np.ndarray]:

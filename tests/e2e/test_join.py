@@ -90,13 +90,14 @@ def test_a_dense_sync_job_grown_mid_training_ends_bit_identical_to_an_undisturbe
         wait_until(lambda: not joiner.alive() or any(joined in line for line in scheduler.lines),
                    RUN_TIMEOUT_S, "the scheduler moving slices onto the new server")
         assert joiner.alive(), joiner.output()
+        # The moved slices have a backup again: the server after the new one in ring order holds them,
+        # and only then is the join done.
+        backed_up = f"JOIN: server 2 ({address}) is backed up: {cluster.plan.ps[0]} holds"
+        wait_until(lambda: any(backed_up in line for line in scheduler.lines), RUN_TIMEOUT_S,
+                   "the new server's slices counted in sync on its backup")
         (join,) = fetch(scheduler_address, 10.0).joins  # what `pshard status` shows
         assert (join.address, join.donor, join.done) == (address, cluster.plan.ps[1], True)
         assert join.slices > 0 and join.nbytes > 0 and join.seconds > 0
-        # The moved slices have a backup again: the server after the new one in ring order holds them.
-        backup_line = f"{cluster.plan.ps[0]} is an in-sync backup of {address}"
-        wait_until(lambda: any(backup_line in line for line in scheduler.lines), RUN_TIMEOUT_S,
-                   "the new server's slices counted in sync on its backup")
         _kill_a_donor_mid_join(procs, cluster, scheduler, joiner)
     finally:
         for w in workers:

@@ -80,6 +80,8 @@ def test_a_join_survives_a_sigkill_of_the_joiner_and_then_of_the_scheduler_mid_c
                                                 for line in restarted.lines),
                RUN_TIMEOUT_S, "the restarted scheduler moving slices onto the joiner")
     assert again.alive(), again.output()
+    wait_until(lambda: any(f"JOIN: server 2 ({address}) is backed up" in line for line in restarted.lines),
+               RUN_TIMEOUT_S, "the joiner's backup holding what it took")
     (join,) = fetch(scheduler_address, 10.0).joins
     assert (join.address, join.donor, join.done) == (address, cluster.plan.ps[1], True)
     assert join.slices > 0 and join.layout_version > 0

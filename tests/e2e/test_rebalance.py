@@ -16,7 +16,7 @@ from __future__ import annotations
 import contextlib
 import re
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -36,6 +36,7 @@ CLIENTS = 4
 DIM = 8
 TABLE = TableConfig("emb", DIM, optimizer="sgd", lr=1.0, initializer="zeros")
 RUN_TIMEOUT_S = 60.0
+IDS = 6000
 PUSHES_AFTER = 20  # acknowledged pushes in all after the move, so some go to the partition's new server
 
 
@@ -48,6 +49,29 @@ def _stopping(stop: threading.Event) -> Iterator[None]:
         stop.set()
 
 
+class _Pushers:
+    """Clients pushing `batch(client, push)` (ids and integer gradients) to TABLE until `stop`: `acked` sums
+    every acknowledged push by id (the final rows must be minus it, exactly), `count` counts them."""
+
+    def __init__(self, clients: list, batch: Callable[[int, int], tuple[np.ndarray, np.ndarray]]) -> None:
+        self.clients, self.batch = clients, batch
+        self.acked = np.zeros((IDS, DIM), np.float64)
+        self.lock = threading.Lock()
+        self.count = 0
+        self.stop = threading.Event()
+
+    def run(self, i: int) -> None:
+        self.clients[i].declare_table(TABLE)
+        push = 0
+        while not self.stop.is_set():
+            ids, grads = self.batch(i, push)
+            self.clients[i].push_rows(TABLE.name, ids, grads)  # returns once acknowledged
+            with self.lock:
+                np.add.at(self.acked, ids, grads)
+                self.count += 1
+            push += 1
+
+
 def _batch(hot: np.ndarray, warm: np.ndarray, client: int, push: int) -> tuple[np.ndarray, np.ndarray]:
     rng = np.random.default_rng([client, push, 11])
     chosen = np.concatenate([rng.choice(hot, size=100), rng.choice(warm, size=3)])  # repeats: summed
@@ -58,25 +82,12 @@ def test_rebalance_moves_a_hot_partition_to_its_backup_and_loses_no_acknowledged
     started, scheds, layout, clients = replicated_job(procs, CLIENTS, 4)
     scheduler = started[0]
     address = scheds[0].address
-    every = np.arange(0, 6000, dtype=np.int64)
+    every = np.arange(0, IDS, dtype=np.int64)
     partition = server_of(every, layout.partition_count)
     hot = every[np.isin(partition, layout.partitions_on(1))]
     warm = every[np.isin(partition, layout.partitions_on(0))]
-    acked = np.zeros((len(every), DIM), np.float64)
-    lock = threading.Lock()
-    count = [0]
-    stop = threading.Event()
-
-    def run(i: int) -> None:
-        clients[i].declare_table(TABLE)
-        push = 0
-        while not stop.is_set():
-            ids, grads = _batch(hot, warm, i, push)
-            clients[i].push_rows(TABLE.name, ids, grads)  # returns once acknowledged
-            with lock:
-                np.add.at(acked, ids, grads)
-                count[0] += 1
-            push += 1
+    pushers = _Pushers(clients, lambda i, push: _batch(hot, warm, i, push))
+    acked, stop = pushers.acked, pushers.stop
 
     def loaded() -> bool:
         """Rates for the pushed servers, and ps-1's partitions sized: a server recounts its partitions'
@@ -88,7 +99,7 @@ def test_rebalance_moves_a_hot_partition_to_its_backup_and_loses_no_acknowledged
 
     try:
         with ThreadPoolExecutor(CLIENTS) as pool, _stopping(stop):
-            futures = [pool.submit(run, i) for i in range(CLIENTS)]
+            futures = [pool.submit(pushers.run, i) for i in range(CLIENTS)]
             wait_until(lambda: loaded() or any(f.done() for f in futures), RUN_TIMEOUT_S,
                        "the scheduler rating the servers' load")
             status = fetch(address, 10.0)
@@ -98,8 +109,8 @@ def test_rebalance_moves_a_hot_partition_to_its_backup_and_loses_no_acknowledged
             operator = procs.python("rebalance", "-m", "pshard", "rebalance", "--scheduler", address,
                                     "--insecure", "--timeout-s", "30", "--max-moves", "1")
             assert operator.wait(RUN_TIMEOUT_S) == 0, operator.output()
-            at_move = count[0]
-            wait_until(lambda: count[0] >= at_move + PUSHES_AFTER or any(f.done() for f in futures),
+            at_move = pushers.count
+            wait_until(lambda: pushers.count >= at_move + PUSHES_AFTER or any(f.done() for f in futures),
                        RUN_TIMEOUT_S, f"{PUSHES_AFTER} acknowledged pushes after the move")
             # The move is done once ps-2's backup (ps-0) holds the partition: status and log say so.
             wait_until(lambda: all(m.done for m in fetch(address, 10.0).moves), RUN_TIMEOUT_S,
@@ -110,8 +121,8 @@ def test_rebalance_moves_a_hot_partition_to_its_backup_and_loses_no_acknowledged
             assert not any("FAILOVER" in line for line in scheduler.lines)  # planned, not a death
             # The source keeps its other partitions' copy on ps-2: a SIGKILL of it now loses nothing.
             started[2].kill()  # started: scheduler, ps-0, ps-1, ps-2
-            at_kill = count[0]
-            wait_until(lambda: count[0] >= at_kill + PUSHES_AFTER or any(f.done() for f in futures),
+            at_kill = pushers.count
+            wait_until(lambda: pushers.count >= at_kill + PUSHES_AFTER or any(f.done() for f in futures),
                        RUN_TIMEOUT_S, f"{PUSHES_AFTER} acknowledged pushes after ps-1's failover")
             stop.set()
             for f in futures:
@@ -144,25 +155,12 @@ def test_rebalance_without_replicas_copies_hot_partitions_to_other_servers_and_l
     started, scheds, layout, clients = replicated_job(procs, CLIENTS, 4, replicas=0)
     scheduler = started[0]
     address = scheds[0].address
-    every = np.arange(0, 6000, dtype=np.int64)
+    every = np.arange(0, IDS, dtype=np.int64)
     partition = server_of(every, layout.partition_count)
     hot = every[np.isin(partition, layout.partitions_on(1))]
     warm = every[np.isin(partition, layout.partitions_on(0))]
-    acked = np.zeros((len(every), DIM), np.float64)
-    lock = threading.Lock()
-    count = [0]
-    stop = threading.Event()
-
-    def run(i: int) -> None:
-        clients[i].declare_table(TABLE)
-        push = 0
-        while not stop.is_set():
-            ids, grads = _batch(hot, warm, i, push)
-            clients[i].push_rows(TABLE.name, ids, grads)  # returns once acknowledged
-            with lock:
-                np.add.at(acked, ids, grads)
-                count[0] += 1
-            push += 1
+    pushers = _Pushers(clients, lambda i, push: _batch(hot, warm, i, push))
+    acked, stop = pushers.acked, pushers.stop
 
     def loaded() -> bool:
         loads = {load.node_id: load for load in fetch(address, 10.0).loads}
@@ -170,14 +168,14 @@ def test_rebalance_without_replicas_copies_hot_partitions_to_other_servers_and_l
 
     try:
         with ThreadPoolExecutor(CLIENTS) as pool, _stopping(stop):
-            futures = [pool.submit(run, i) for i in range(CLIENTS)]
+            futures = [pool.submit(pushers.run, i) for i in range(CLIENTS)]
             wait_until(lambda: loaded() or any(f.done() for f in futures), RUN_TIMEOUT_S,
                        "the scheduler rating the servers' load")
             operator = procs.python("rebalance", "-m", "pshard", "rebalance", "--scheduler", address,
                                     "--insecure", "--timeout-s", "30")
             assert operator.wait(RUN_TIMEOUT_S) == 0, operator.output()
-            at_move = count[0]
-            wait_until(lambda: count[0] >= at_move + PUSHES_AFTER or any(f.done() for f in futures),
+            at_move = pushers.count
+            wait_until(lambda: pushers.count >= at_move + PUSHES_AFTER or any(f.done() for f in futures),
                        RUN_TIMEOUT_S, f"{PUSHES_AFTER} acknowledged pushes after the moves")
             wait_until(lambda: all(m.done for m in fetch(address, 10.0).moves), RUN_TIMEOUT_S,
                        "the moves done")
@@ -213,31 +211,22 @@ def test_a_move_whose_target_is_sigkilled_mid_copy_rolls_back_and_loses_no_ackno
     started, scheds, layout, clients = replicated_job(
         procs, 2, 4, replicas=0, ps_env={2: {"PSHARD_FAILPOINTS": "ps.before_rows_apply=pause-once"}})
     scheduler, target = started[0], started[3]  # started: scheduler, ps-0, ps-1, ps-2
-    every = np.arange(0, 6000, dtype=np.int64)
+    every = np.arange(0, IDS, dtype=np.int64)
     hot = every[np.isin(server_of(every, layout.partition_count), layout.partitions_on(1))]
-    acked = np.zeros((len(every), DIM), np.float64)
-    lock = threading.Lock()
-    count = [0]
-    stop = threading.Event()
 
-    def run(i: int) -> None:
-        clients[i].declare_table(TABLE)
-        push = 0
-        while not stop.is_set():
-            rng = np.random.default_rng([i, push, 12])
-            ids = rng.choice(hot, size=100)
-            grads = rng.integers(-3, 4, size=(len(ids), DIM)).astype(np.float32)
-            clients[i].push_rows(TABLE.name, ids, grads)  # returns once acknowledged
-            with lock:
-                np.add.at(acked, ids, grads)
-                count[0] += 1
-            push += 1
+    def batch(i: int, push: int) -> tuple[np.ndarray, np.ndarray]:
+        rng = np.random.default_rng([i, push, 12])
+        ids = rng.choice(hot, size=100)
+        return ids, rng.integers(-3, 4, size=(len(ids), DIM)).astype(np.float32)
+
+    pushers = _Pushers(clients, batch)
+    acked, stop = pushers.acked, pushers.stop
 
     moved = layout.partitions_on(1)[0]
     try:
         with ThreadPoolExecutor(2) as pool, _stopping(stop):
-            futures = [pool.submit(run, i) for i in range(2)]
-            wait_until(lambda: count[0] >= 10 or any(f.done() for f in futures), RUN_TIMEOUT_S,
+            futures = [pool.submit(pushers.run, i) for i in range(2)]
+            wait_until(lambda: pushers.count >= 10 or any(f.done() for f in futures), RUN_TIMEOUT_S,
                        "10 acknowledged pushes")
             with scheduler_stub(scheds[0].address, SecurityConfig()) as stub:
                 reply = stub.MovePartition(scheduler_pb2.MovePartitionRequest(
@@ -247,8 +236,8 @@ def test_a_move_whose_target_is_sigkilled_mid_copy_rolls_back_and_loses_no_ackno
             target.kill()
             wait_until(lambda: any("MOVE ROLLED BACK" in line for line in scheduler.lines), RUN_TIMEOUT_S,
                        "the scheduler rolling the move back")
-            at_kill = count[0]
-            wait_until(lambda: count[0] >= at_kill + PUSHES_AFTER or any(f.done() for f in futures),
+            at_kill = pushers.count
+            wait_until(lambda: pushers.count >= at_kill + PUSHES_AFTER or any(f.done() for f in futures),
                        RUN_TIMEOUT_S, f"{PUSHES_AFTER} acknowledged pushes after the roll-back")
             stop.set()
             for f in futures:

@@ -87,3 +87,19 @@ def test_a_joiner_gone_mid_copy_stalls_no_table_push_and_one_caught_up_counts_in
     primary.call(lambda: _rows(primary).set_backups([servers[1].address, *joining], catching_up=joining))
     wait_until(lambda: primary.call(lambda: _rows(primary).in_sync()) == {s.address for s in servers[1:]},
                WAIT_S, "the joiner to copy server 0's rows")
+
+
+def test_a_joiner_of_a_server_without_slices_counts_in_sync_at_once(start_server) -> None:
+    """A server serving table rows only (its job's dense slices are on others) has no slice to copy: its
+    joiner holds everything at once, else it was never reported in sync and its join never switched."""
+    primary, joiner = start_server(ServerSettings(replicas=1)), start_server(ServerSettings(replicas=1))
+    holder: list[Replicator] = []
+
+    def wire() -> None:
+        replicator = Replicator(primary.address, grpc_sender(), primary.loop)
+        primary.running.handlers.enable_replication(replicator)
+        replicator.set_backups([joiner.address], catching_up=[joiner.address])
+        holder.append(replicator)
+
+    primary.call(wire)
+    assert primary.call(lambda: holder[0].in_sync([])) == [joiner.address]

@@ -99,6 +99,25 @@ def _step(client: PSClient, w: int, clock: int, push: bool = True) -> None:
     client.pull_rows(TABLE.name, SYNC_IDS, clock=clock + 1)
 
 
+class Published:
+    """Layouts as a scheduler publishes them: `relayout` (a PSClient's) waits for one newer than its own."""
+
+    def __init__(self, layout: Layout) -> None:
+        self._layouts = [layout]
+        self._changed = threading.Condition()
+
+    def publish(self, layout: Layout) -> None:
+        with self._changed:
+            self._layouts.append(layout)
+            self._changed.notify_all()
+
+    def relayout(self, current: Layout, timeout_s: float) -> Layout | None:
+        with self._changed:
+            self._changed.wait_for(lambda: self._layouts[-1].version > current.version, timeout_s)
+            newest = self._layouts[-1]
+            return newest if newest.version > current.version else None
+
+
 def _train(pool: ThreadPoolExecutor, clients: list[PSClient], clocks: range) -> None:
     """Both workers' steps of `clocks`, side by side (a sync clock waits for both)."""
     for clock in clocks:
@@ -193,27 +212,15 @@ def test_the_heir_of_a_server_a_sync_partition_moved_from_keeps_that_partitions_
     must not adopt it (it rewound partition 3 to the clock of the move, and the pulls waited in vain for
     clocks the workers had already pushed), and training goes on exactly."""
     servers, layout = _replicated(start_server, _layout, settings=SYNC_SETTINGS)
-    published = [layout]
-    changed = threading.Condition()
-
-    def relayout(current: Layout, timeout_s: float) -> Layout | None:
-        with changed:
-            changed.wait_for(lambda: published[-1].version > current.version, timeout_s)
-            return published[-1] if published[-1].version > current.version else None
-
-    def publish(new: Layout) -> None:
-        with changed:
-            published.append(new)
-            changed.notify_all()
-
-    clients = [new_client(servers, f"w{w}", layout=layout, relayout=relayout, reroute_wait_s=WAIT_S,
+    layouts = Published(layout)
+    clients = [new_client(servers, f"w{w}", layout=layout, relayout=layouts.relayout, reroute_wait_s=WAIT_S,
                           retry_budget_s=0.5, transport="grpc") for w in (0, 1)]
     for c in clients:
         c.declare_table(TABLE)
     with ThreadPoolExecutor(2) as pool:
         _train(pool, clients, range(PENDING))
         moved = _move_to_backup(servers, layout, 3)
-        publish(moved)
+        layouts.publish(moved)
         _train(pool, clients, range(PENDING, PENDING + 2))
         assert _applied(servers[0])[3] == PENDING and _applied(servers[1])[3] == PENDING + 2
         wait_until(lambda: _rows(servers[1]).replicas.clocks(servers[0].address).get(TABLE.name)
@@ -223,7 +230,7 @@ def test_the_heir_of_a_server_a_sync_partition_moved_from_keeps_that_partitions_
         for i in (1, 2):
             servers[i].call(lambda i=i: (_rows(servers[i]).set_backups([servers[3 - i].address]),
                                          _rows(servers[i]).on_layout(failed)))
-        publish(failed)
+        layouts.publish(failed)
         assert _applied(servers[1]) == {p: PENDING + 2 for p in failed.partitions_on(1)}
         _train(pool, clients, range(PENDING + 2, CLOCKS))
     np.testing.assert_array_equal(clients[0].pull_rows(TABLE.name, SYNC_IDS, clock=CLOCKS), _expected(CLOCKS))
@@ -237,15 +244,8 @@ def test_a_sync_partition_copied_to_a_server_that_is_no_backup_moves_with_its_cl
     exactly. Server 2 holds nothing else of server 0, and drops the copy once it took it over."""
     servers, layout = _replicated(start_server, _layout, settings=SYNC_SETTINGS)
     addresses = [s.address for s in servers]
-    published = [layout]
-    changed = threading.Condition()
-
-    def relayout(current: Layout, timeout_s: float) -> Layout | None:
-        with changed:
-            changed.wait_for(lambda: published[-1].version > current.version, timeout_s)
-            return published[-1] if published[-1].version > current.version else None
-
-    clients = [new_client(servers, f"w{w}", layout=layout, relayout=relayout, reroute_wait_s=WAIT_S,
+    layouts = Published(layout)
+    clients = [new_client(servers, f"w{w}", layout=layout, relayout=layouts.relayout, reroute_wait_s=WAIT_S,
                           retry_budget_s=0.5, transport="grpc") for w in (0, 1)]
     for c in clients:
         c.declare_table(TABLE)
@@ -270,9 +270,7 @@ def test_a_sync_partition_copied_to_a_server_that_is_no_backup_moves_with_its_cl
             server.call(lambda server=server: _rows(server).on_layout(moved))
         assert _applied(servers[2]) == {p: PENDING + 1 for p in moved.partitions_on(2)}
         assert copy.primaries() == {addresses[1]}  # server 0's copy taken over, then dropped
-        with changed:
-            published.append(moved)
-            changed.notify_all()
+        layouts.publish(moved)
         _train(pool, clients, range(PENDING + 1, CLOCKS))
     assert _applied(servers[0])[3] == PENDING + 1 and _applied(servers[2])[3] == CLOCKS
     np.testing.assert_array_equal(clients[0].pull_rows(TABLE.name, SYNC_IDS, clock=CLOCKS), _expected(CLOCKS))
@@ -294,15 +292,8 @@ def test_a_sync_partition_moved_in_a_job_without_replicas_applies_its_pending_cl
             server.running.tables.replication = server.running.handlers.table_replication = rows
             rows.on_layout(layout)
         server.call(wire)
-    published = [layout]
-    changed = threading.Condition()
-
-    def relayout(current: Layout, timeout_s: float) -> Layout | None:
-        with changed:
-            changed.wait_for(lambda: published[-1].version > current.version, timeout_s)
-            return published[-1] if published[-1].version > current.version else None
-
-    clients = [new_client(servers, f"w{w}", layout=layout, relayout=relayout, reroute_wait_s=WAIT_S,
+    layouts = Published(layout)
+    clients = [new_client(servers, f"w{w}", layout=layout, relayout=layouts.relayout, reroute_wait_s=WAIT_S,
                           retry_budget_s=0.5, transport="grpc") for w in (0, 1)]
     for c in clients:
         c.declare_table(TABLE)
@@ -320,9 +311,7 @@ def test_a_sync_partition_moved_in_a_job_without_replicas_applies_its_pending_cl
             2 if p == 3 else o for p, o in enumerate(layout.owners())))
         for server in servers:
             server.call(lambda server=server: _rows(server).on_layout(moved))
-        with changed:
-            published.append(moved)
-            changed.notify_all()
+        layouts.publish(moved)
         futures = [pool.submit(_step, clients[0], 0, PENDING, False),
                    pool.submit(_step, clients[1], 1, PENDING)]
         for f in futures:

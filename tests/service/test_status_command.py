@@ -134,13 +134,15 @@ def test_drains_in_progress_and_done_are_shown_with_from_to_and_time() -> None:
     assert "DRAIN" not in render(summarise("127.0.0.1:7000", view, []))
 
 
-def test_joins_catching_up_done_and_rolled_back_are_shown_with_from_to_bytes_left_and_time() -> None:
+def test_joins_catching_up_backing_up_done_and_rolled_back_are_shown_with_bytes_left_and_time() -> None:
     view = ClusterView(9, (Node("ps-0", "ps", 0, "127.0.0.1:7101", NodeState.LIVE, 1),
                            Node("ps-1", "ps", 1, "127.0.0.1:7102", NodeState.LIVE, 1),
                            Node("ps-2", "ps", 2, "127.0.0.1:7103", NodeState.LIVE, 7)), layout_version=4)
     joins = [JoinReport("ps-2", "127.0.0.1:7103", "127.0.0.1:7102", 3, (5,), 3 * 2**20, 4, 1.25, True),
              JoinReport("ps-3", "127.0.0.1:7104", "127.0.0.1:7103", 0, (), 0, 0, 2.5, False, bytes_left=2048),
-             JoinReport("ps-3", "127.0.0.1:7104", "", 0, (), 0, 0, 0.75, False, "was declared dead")]
+             JoinReport("ps-3", "127.0.0.1:7104", "", 0, (), 0, 0, 0.75, False, "was declared dead"),
+             JoinReport("ps-4", "127.0.0.1:7105", "127.0.0.1:7101", 2, (0, 6), 4096, 5, 3.5, False,
+                        bytes_left=1024)]
     lines = render(summarise("127.0.0.1:7000", view, [], joins=joins)).splitlines()
     header = next(i for i, line in enumerate(lines) if line.startswith("JOIN "))
     assert lines[header].split() == ["JOIN", "STATE", "FROM", "TO", "SLICES", "BYTES", "LEFT", "LAYOUT",
@@ -151,6 +153,9 @@ def test_joins_catching_up_done_and_rolled_back_are_shown_with_from_to_bytes_lef
                                          "-", "2.0", "KiB", "-", "2.50", "s", "-"]
     assert lines[header + 3].split() == ["ps-3", "rolled", "back", "-", "127.0.0.1:7104", "0", "-", "-", "-",
                                          "0.75", "s", "(was", "declared", "dead)"]
+    # Switched, its backups still copying what it took: the partitions it took, and the bytes left.
+    assert lines[header + 4].split() == ["ps-4", "backing", "up", "127.0.0.1:7101", "127.0.0.1:7105", "2",
+                                         "4.0", "KiB", "1.0", "KiB", "5", "3.50", "s", "0,6"]
     assert "JOIN" not in render(summarise("127.0.0.1:7000", view, []))
 
 

@@ -11,6 +11,7 @@ import re
 import resource
 import signal
 import tempfile
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -286,6 +287,29 @@ def test_a_missing_or_unwritable_table_dir_is_named_at_start(tmp_path: Path) -> 
         settings_of(Path("/proc"))  # refused even to root
     assert settings_of(tmp_path).table_dir == str(tmp_path)
     assert "--table-dir" in ps_main.build_parser().format_help()
+
+
+def test_servers_sharing_a_table_dir_check_it_at_once(tmp_path: Path) -> None:
+    """Servers of one host may share a --table-dir and start together: each one's write probe must not
+    trip over another's (a shared probe name failed a server start as "not writable")."""
+    start = threading.Barrier(4)
+    failures: list[BaseException] = []
+
+    def check() -> None:
+        start.wait(timeout=10)
+        try:
+            for _ in range(300):
+                ps_main._check_table_dir(str(tmp_path))
+        except ClusterConfigError as err:
+            failures.append(err)
+
+    threads = [threading.Thread(target=check) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    assert failures == []
+    assert list(tmp_path.iterdir()) == []  # no probe left behind
 
 
 def test_replication_captures_and_copies_spilled_rows_whole(tmp_path: Path) -> None:

@@ -50,13 +50,53 @@ def test_a_server_registering_for_a_running_job_takes_slices_of_the_server_it_ca
     assert moved == {s.slice_key for s in after.slices_on(3)}
     assert all(s.server == 2 for s in before.slices if s.slice_key in moved)  # only from the donor
     assert members.in_sync.changes["joined"] == 1
-    (done,) = members.joins.all()
-    assert (done.done, done.donor, done.slices, done.layout_version) == (
-        True, "c:1", len(moved), after.version)
-    assert done.nbytes == expected.nbytes > 0 and done.seconds(clock.now()) == 1.5
-    assert members.moves.finished["join"] == 1 and members.moves.seconds_sum == 1.5  # the moves metric
+    (switched,) = members.joins.all()
+    assert (switched.took, switched.done, switched.donor, switched.slices, switched.layout_version) == (
+        True, False, "c:1", len(moved), after.version)
+    assert switched.nbytes == expected.nbytes > 0 and switched.bytes_left == switched.nbytes
     _report(members, "ps-2", joiner.node_id)  # reported again: no second move
     assert members.layout() == after
+    # Done once its backup (server 0, next in the ring) holds what it took: the moved slices are backed up.
+    clock.advance(1.0)
+    members.report_load(joiner.node_id, Counters(), copy_bytes_left=512)  # of the layout before: nothing
+    assert members.joins.all()[0].bytes_left == switched.nbytes
+    _report(members, joiner.node_id)  # it routes by the new layout, its backups copying
+    members.report_load(joiner.node_id, Counters(), copy_bytes_left=512)
+    assert members.joins.all()[0].bytes_left == 512 and members.moves.finished["join"] == 0
+    _report(members, joiner.node_id, "ps-0")
+    members.report_load(joiner.node_id, Counters())
+    (done,) = members.joins.all()
+    assert (done.done, done.bytes_left, done.seconds(clock.now())) == (True, 0, 2.5)
+    assert members.moves.finished["join"] == 1 and members.moves.seconds_sum == 2.5  # the moves metric
+
+
+def test_a_join_takes_row_partitions_of_its_donor_by_the_bytes_the_servers_report():
+    """Row partitions weigh what their servers report they hold (heartbeats): a donor of big partitions
+    gives some of them, whole, and nothing of another server."""
+    members, _ = _job(replicas=1, row_partitions_per_server=4)
+    _all_in_sync(members)
+    before = members.layout()
+    assert before is not None and before.partitions_on(2) == (2, 5, 8, 11)
+    for i in range(3):
+        members.report_load(f"ps-{i}", Counters(partition_bytes={p: 50_000 for p in before.partitions_on(i)}))
+    joiner = members.register("ps", JOINER)
+    _report(members, "ps-2", joiner.node_id)
+    after = members.layout()
+    assert after is not None and after.version == before.version + 1
+    taken = set(after.partitions_on(3))
+    assert taken and taken < {2, 5, 8, 11} and set(after.partitions_on(2)) == {2, 5, 8, 11} - taken
+    assert all(after.row_owner(p) == before.row_owner(p) for p in range(12) if p not in taken)
+    expected = plan_join(before, JOINER, [50_000] * 12, live={2})
+    assert after == expected.after
+    (join,) = members.joins.all()
+    assert join.partitions == tuple(sorted(taken)) and join.nbytes == expected.nbytes
+    # Unreported partitions weigh nothing: the same join before any report moves dense slices only.
+    members, _ = _job(replicas=1, row_partitions_per_server=4)
+    _all_in_sync(members)
+    joiner = members.register("ps", JOINER)
+    _report(members, "ps-2", joiner.node_id)
+    after = members.layout()
+    assert after is not None and not after.partitions_on(3) and after.slices_on(3)
 
 
 def test_a_joiner_gone_before_it_caught_up_leaves_the_layout_as_it_was():
@@ -92,10 +132,10 @@ def test_a_new_process_of_a_joiner_rolls_its_join_back_and_joins_again():
     _report(members, "ps-2", first.node_id)
     after = members.layout()
     assert after is not None and after.version == before.version + 1 and after.slices_on(3)
-    rolled, done = members.joins.all()
+    rolled, switched = members.joins.all()
     assert (rolled.rolled_back, rolled.took, rolled.seconds(clock.now())) == (
         "registered again (a new process holds nothing of the copy)", False, 1)
-    assert (done.node_id, done.done, done.layout_version, second.rank) == (
+    assert (switched.node_id, switched.took, switched.layout_version, second.rank) == (
         first.node_id, True, after.version, 3)
 
 
@@ -119,8 +159,8 @@ def test_a_join_in_progress_when_the_scheduler_restarts_goes_on_once_the_layout_
     after = restarted.layout()
     assert after is not None and after.version == layout.version + 1 and after.servers[3] == JOINER
     assert after.slices == plan_join(layout, JOINER, [0] * partition_count(layout), live={2}).after.slices
-    (done,) = restarted.joins.all()
-    assert done.done and done.layout_version == after.version
+    (switched,) = restarted.joins.all()
+    assert switched.took and switched.layout_version == after.version
 
 
 def test_a_restore_still_refuses_a_server_registered_at_another_place_of_the_layout():
@@ -146,8 +186,8 @@ def test_a_join_in_progress_shows_the_bytes_its_donor_still_has_to_copy():
     (join,) = members.joins.all()
     assert (join.donor, join.bytes_left, join.done) == ("c:1", 4096, False)
     _report(members, "ps-2", joiner.node_id)
-    (done,) = members.joins.all()
-    assert (done.done, done.bytes_left) == (True, 0)
+    (switched,) = members.joins.all()
+    assert (switched.took, switched.done, switched.bytes_left) == (True, False, switched.nbytes)
 
 
 def test_a_joiner_registering_twice_at_one_clock_reading_keeps_both_joins_listed():
@@ -213,3 +253,21 @@ def test_a_donor_restarted_mid_join_fails_over_at_once_and_the_switch_releases_t
     members, _, _, joiner = _joining()
     _report(members, "ps-2", "ps-0", joiner.node_id)
     assert members.joins.all()[0].took and members.in_sync.of("c:1") == {JOINER}
+
+
+def test_a_joiner_declared_dead_while_backing_up_ends_its_join_without_a_roll_back():
+    """After the switch the joiner serves what it took: a death then is a failover of it, not a roll back,
+    and the join ends there (took, done, not rolled back)."""
+    members, clock, _, joiner = _joining()
+    _report(members, "ps-2", joiner.node_id)
+    switched = members.layout()
+    assert switched is not None and members.joins.all()[0].backing_up
+    clock.advance(4)
+    for node in ("ps-0", "ps-1", "ps-2"):
+        members.heartbeat(node, members.node(node).generation)
+    clock.advance(2)
+    assert [n.node_id for n in members.expire()] == [joiner.node_id]
+    (ended,) = members.joins.all()
+    assert (ended.took, ended.done, ended.rolled_back, ended.layout_version) == (
+        True, True, "", switched.version)
+    assert members.moves.finished["join"] == 0  # not counted as a finished join

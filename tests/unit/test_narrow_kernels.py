@@ -84,8 +84,8 @@ def test_int8_offset_and_scale_match_numpy_at_the_float16_edges() -> None:
     near = np.concatenate([edges + d for d in (-1, 0, 1)])
     near = near[(near > -(1 << 31)) & (near < 1 << 31)].astype(np.int32).view(np.float32)
     rng = np.random.default_rng(3)
-    values = np.concatenate([near, np.float32([0.0, -0.0, 1e-30, -1e-30, 65504, 65520, -65520, 1e7, 3e38]),
-                             rng.standard_normal(2000).astype(np.float32)])
+    special = np.array([0.0, -0.0, 1e-30, -1e-30, 65504, 65520, -65520, 1e7, 3e38], np.float32)
+    values = np.concatenate([near, special, rng.standard_normal(2000).astype(np.float32)])
     values = values[np.isfinite(values)]
     low = rng.choice(values, 40_000)
     high = low + np.abs(rng.choice(values, 40_000))

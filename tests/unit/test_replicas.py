@@ -59,9 +59,10 @@ def test_without_replicas_nothing_fails_over():
     assert fail_over(layout, 1, {0, 2}) == (layout, ())
 
 
-def _job(replicas: int) -> tuple[Membership, ManualClock]:
+def _job(replicas: int, row_partitions_per_server: int = 1) -> tuple[Membership, ManualClock]:
     clock = ManualClock()
-    members = Membership(heartbeat_timeout_s=5, clock=clock)
+    members = Membership(heartbeat_timeout_s=5, clock=clock,
+                         row_partitions_per_server=row_partitions_per_server)
     for address in SERVERS:
         members.register("ps", address)
     members.propose_layout(members.plan(PARAMS, SERVERS, 4096, replicas))
