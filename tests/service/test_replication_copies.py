@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
-from pshard.common.cluster.layout import ParamSpec, plan_layout
+from pshard.common.cluster.layout import Layout, ParamSpec, plan_layout
 from pshard.common.job import JobConfig, OptimizerConfig
 from pshard.ps_server.replication.dense import Replicator
 from pshard.ps_server.replication.link import grpc_sender
@@ -92,10 +93,15 @@ def test_a_switched_copy_is_the_targets_and_never_released(start_server, new_cli
             assert (mine.version, mine.value.tobytes()) == (slot.version, slot.value.tobytes())
 
 
-def _copying(source, target, new_client):
+def _layout(source) -> Layout:
+    """Every slice on `source` (the worker's routing before a switch)."""
+    return dataclasses.replace(plan_layout([ParamSpec(k, "float32", s) for k, s in SHAPES.items()],
+                                           [source.address], slice_bytes=512), version=1)
+
+
+def _copying(source, target, new_client, **client_args):
     """A copy of the slices of "b" from `source` to `target`, caught up after two steps."""
-    layout = dataclasses.replace(plan_layout([ParamSpec(k, "float32", s) for k, s in SHAPES.items()],
-                                             [source.address], slice_bytes=512), version=1)
+    layout = _layout(source)
     holder: list[Replicator] = []
 
     def wire() -> None:
@@ -103,7 +109,7 @@ def _copying(source, target, new_client):
         source.running.handlers.enable_replication(holder[0])
 
     source.call(wire)
-    client = new_client([source], "w0", layout=layout)
+    client = new_client([source], "w0", layout=layout, **client_args)
     rng = np.random.default_rng(0)
     client.declare({k: rng.standard_normal(s).astype(np.float32) for k, s in SHAPES.items()}, SGD)
     ones = {k: np.ones(s, np.float32) for k, s in SHAPES.items()}
@@ -126,3 +132,53 @@ def test_a_copy_target_that_becomes_a_backup_gets_every_slice(start_server, new_
                "the new backup to hold every slice")
     assert sorted(map(str, target.running.handlers.replica_set.keys())) == sorted(map(str, keys))
     assert source.call(replicator.copies_in_sync) == []  # a backup, not a copy's target
+
+
+def test_a_push_that_waited_across_the_switch_is_refused_and_re_routed(start_server, new_client):
+    """The source acknowledges a step of a slice only while it still owns it once the copies have it: one
+    that waited for the target across a switch (the copy then leaves the views, and the source stops
+    waiting) would be acknowledged by the old owner and lost. It is refused with the re-route error, and
+    the worker, without replicas, sends the step again by the switched layout: applied once."""
+    source, target = (start_server(ServerSettings(static_quorum={"w0": 0})) for _ in range(2))
+    published: list[Layout] = []
+    switched = threading.Event()
+
+    def relayout(layout: Layout, timeout_s: float) -> Layout | None:  # the scheduler's GetLayout, in short
+        return published[0] if switched.wait(timeout_s) and published[0].version > layout.version else None
+
+    replicator, client, moving = _copying(source, target, new_client, relayout=relayout)
+    before = _layout(source)
+    published.append(dataclasses.replace(
+        before, version=2, servers=(source.address, target.address),
+        slices=tuple(dataclasses.replace(s, server=int(s.slice_key in moving)) for s in before.slices)))
+    handlers = target.running.handlers
+    reached, go_on = threading.Event(), threading.Event()
+    apply = handlers.replicate
+
+    def held(*args, **kwargs):  # the target's copy of the next step waits here (the source's ack with it)
+        reached.set()
+        go_on.wait(WAIT_S)
+        return apply(*args, **kwargs)
+
+    handlers.replicate = held
+    ones = {k: np.ones(s, np.float32) for k, s in SHAPES.items()}
+    keys = frozenset(s.key for s in source.running.handlers.store.slots())
+    with ThreadPoolExecutor(1) as pool:
+        step = pool.submit(client.push_pull, ones, 2)
+        assert reached.wait(WAIT_S), "the step's copy to reach the target"
+        # The switch: the layout moves the slices to the target, which takes them over; the views then
+        # stop naming the copy, so the source waits for its target no more.
+        source.call(lambda: source.running.handlers.set_ownership(2, keys - moving))
+        source.call(lambda: replicator.set_copies({target.address: moving}, switched=[target.address]))
+        target.call(lambda: handlers.set_ownership(2, moving))
+        source.call(lambda: replicator.set_copies({}))
+        switched.set()
+        try:
+            step.result(timeout=STEP_S)
+        finally:
+            go_on.set()
+    assert client.reroutes == 1  # refused by the source, sent again to the target
+    for key in moving:  # steps 0, 1 and 2 on the target, each once
+        [mine] = handlers.store.find([key]).values()
+        assert mine.version == 3, key
+    client.push_pull(ones, 3)  # and training goes on by the new layout
