@@ -13,6 +13,7 @@ import pytest
 from pshard.common.cluster.layout import Layout, ParamSpec, plan_layout
 from pshard.common.cluster.moves import plan_drain
 from pshard.common.errors import InvalidArgumentError
+from pshard.ps_server.replication.in_sync import copies_caught_up
 from pshard.scheduler.drain_copies import DrainCopies
 
 SERVERS = ("a:1", "b:1", "c:1")
@@ -137,3 +138,14 @@ def test_a_drain_onto_a_server_that_is_not_live_is_refused():
     with pytest.raises(InvalidArgumentError, match=r"targets \['c:1'\] are not live"):
         drains.start(("b:1", 2), plan, _live, {"a:1": 1, "c:1": 7}, now=0.0)
     assert drains.all() == ()
+
+
+def test_a_source_reports_a_target_caught_up_only_once_it_holds_its_rows_and_its_slices():
+    generations = {"a:1": 3, "c:1": 5}
+    # a:1 takes rows and slices, c:1 slices only; the rows' report carries its own generations.
+    assert copies_caught_up({"a:1"}, {}, {"a:1", "c:1"}, {"a:1", "c:1"}, generations) == {"c:1": 5}
+    assert copies_caught_up({"a:1"}, {"a:1": 3}, {"a:1", "c:1"}, {"c:1"}, generations) == {"c:1": 5}
+    assert copies_caught_up({"a:1"}, {"a:1": 3}, {"a:1", "c:1"}, {"a:1", "c:1"}, generations) == {
+        "a:1": 3, "c:1": 5}
+    assert copies_caught_up({"b:1"}, {"b:1": 2}, set(), set(), generations) == {"b:1": 2}  # a rebalance's
+    assert copies_caught_up(set(), {}, {"d:1"}, {"d:1"}, generations) == {}  # not in the view: no incarnation
