@@ -294,7 +294,7 @@ async def _run(args: argparse.Namespace, spec: ClusterSpec | None, settings: Ser
     await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
     status = 0
     if drained.is_set():
-        log.warning("DRAINED: the scheduler handed what this server served to its backup (pshard drain); "
+        log.warning("DRAINED: the scheduler handed what this server served to other servers (pshard drain); "
                     "leaving the job")
     elif args.drain_on_term and stop.is_set() and follower is not None:
         status = await drain(follower, args.drain_timeout_s)

@@ -90,5 +90,5 @@ def main(argv: Sequence[str] | None = None, *, prog: str = PROG) -> int:
         print(f"{prog}: error: {err}", file=sys.stderr)
         return 1
     print(f"{prog}: {node.node_id} ({node.address}) drained: layout version {version} has what it served on "
-          "its backup; it leaves the job and exits", flush=True)
+          "other servers; it leaves the job and exits", flush=True)
     return 0
