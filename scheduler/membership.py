@@ -31,7 +31,7 @@ from pshard.common.cluster.layout import (
     ParamSpec,
     plan_layout,
 )
-from pshard.common.cluster.loads import Counters, LoadMeter, partition_loads
+from pshard.common.cluster.loads import WINDOW_S, Counters, LoadMeter, partition_loads
 from pshard.common.cluster.losses import serves
 from pshard.common.cluster.moves import NowhereToMoveError, plan_drain, plan_join
 from pshard.common.cluster.replicas import (
@@ -191,10 +191,12 @@ class _Barrier:
 
 class Membership:
     def __init__(self, heartbeat_timeout_s: float, clock: Clock | None = None,
-                 limits: MembershipLimits | None = None, row_partitions_per_server: int = 1) -> None:
+                 limits: MembershipLimits | None = None, row_partitions_per_server: int = 1,
+                 load_window_s: float = WINDOW_S) -> None:
         """`row_partitions_per_server`: table ids are hashed into that many row partitions per server
         of the first layout, so that a join, a drain or a rebalance can move them one by one
-        (pshard.common.cluster.moves); 1 keeps one partition per server, as every older layout."""
+        (pshard.common.cluster.moves); 1 keeps one partition per server, as every older layout.
+        `load_window_s`: the servers' loads are rates over about that many seconds of their reports."""
         if heartbeat_timeout_s <= 0:
             raise InvalidArgumentError(f"heartbeat_timeout_s: got {heartbeat_timeout_s}, expected > 0")
         if not 1 <= row_partitions_per_server <= MAX_ROW_PARTITIONS:
@@ -228,7 +230,7 @@ class Membership:
         # Each join in progress: the incarnation (address, generation) of the donor it copies from. A new
         # donor (the old one went, or is a new process) means the copy so far is of a state that is gone.
         self._donors: dict[str, tuple[str, int]] = {}
-        self.loads = LoadMeter()  # each server's load, from its heartbeats (`pshard rebalance`)
+        self.loads = LoadMeter(load_window_s)  # each server's load, from its heartbeats (`pshard rebalance`)
         self.moves = MoveLog()  # partition moves, and every move's duration for the metrics
         self.copies = PartitionCopies()  # moves to servers without a copy, while they catch up
         self.drain_copies = DrainCopies()  # drains without replicas, while their targets catch up
