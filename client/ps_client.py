@@ -45,6 +45,7 @@ from pshard.common.errors import (
     PullBaseLostError,
     PullTimeoutError,
     ShapeMismatchError,
+    SliceMovedError,
     StaleGenerationError,
     UnavailableError,
     UnknownKeyError,
@@ -289,7 +290,9 @@ class PSClient:
             try:
                 return step(layout)
             except (UnavailableError, UnknownKeyError) as err:
-                if not self._fail_fast or self._closed.is_set():
+                # A slice a layout switch moved (a drain, a join) is re-routed with replicas or without.
+                moved = isinstance(err, SliceMovedError) and self.connections.can_reroute
+                if not (self._fail_fast or moved) or self._closed.is_set():
                     raise
                 left = deadline - time.monotonic()
                 if left <= 0:
