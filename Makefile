@@ -31,6 +31,7 @@ help:
 	@echo "make bench-drain  a server drained mid-training: longest step against the median (issue 20)"
 	@echo "make bench-join-kill  a joining server SIGKILLed mid-copy: longest step against the median (issue 20)"
 	@echo "make bench-rebalance  a zipf(1.1) table on 3 servers: hottest/mean before and after pshard rebalance (issue 20)"
+	@echo "make bench-rebalance-auto  the same, moved by the scheduler's --rebalance-auto policy, and its time to settle"
 	@echo "make bench-coordinator  a scheduled no-op's p50/p99, coordinator vs worker-driven training steps/s"
 	@echo "make demo-coordinator   Fashion-MNIST trained by a coordinator (examples/coordinator_mnist.py)"
 	@echo "make bench-checkpoints  steps during a background checkpoint, incremental checkpoint size (JSON lines)"
@@ -175,6 +176,10 @@ bench-join-kill: install
 .PHONY: bench-rebalance
 bench-rebalance: install
 	$(PY) -m bench.rebalance
+
+.PHONY: bench-rebalance-auto
+bench-rebalance-auto: install
+	$(PY) -m bench.rebalance --auto
 
 # Global checkpoints (issue 22): the step time while a server writes a full checkpoint in the background
 # over the steps around it, and an incremental checkpoint's bytes after 1 % of the rows were pushed over

@@ -31,6 +31,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as python -m pshard.worke
 from bench.common import (
     REPO,
     WorkerRun,
+    cpu_seconds,
     emit,
     percentile,
     run_workers,
@@ -85,20 +86,20 @@ def train_step(batches: Iterator[tuple[Any, Any]]) -> float:
 
 # ---- the coordinator's cluster ----
 
-def start_cluster(workers: int) -> tuple[list[subprocess.Popen[str]], dict[str, str], str]:
-    """Scheduler, 2 servers and `workers` serving workers as processes; (processes, env, the chief's
-    TF_CONFIG)."""
+def start_cluster(workers: int) -> tuple[dict[str, subprocess.Popen[str]], dict[str, str], str]:
+    """Scheduler, 2 servers and `workers` serving workers as processes; (processes by task name, env, the
+    chief's TF_CONFIG)."""
     from pshard.common.rpc.health import probe
     from pshard.launcher.plan import ClusterPlan
 
     plan = ClusterPlan.allocate(2, workers, chief=True)
     path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
     env = {**os.environ, "PYTHONPATH": path}
-    procs: list[subprocess.Popen[str]] = []
+    procs: dict[str, subprocess.Popen[str]] = {}
 
     def start(task: Any, *argv: str) -> None:
-        procs.append(subprocess.Popen([sys.executable, *argv, "--log-level", "WARNING"], cwd=REPO,
-                                      env={**env, "TF_CONFIG": plan.tf_config(task)}, text=True))
+        procs[task.name] = subprocess.Popen([sys.executable, *argv, "--log-level", "WARNING"], cwd=REPO,
+                                            env={**env, "TF_CONFIG": plan.tf_config(task)}, text=True)
 
     for task in plan.servers:
         module = "pshard.scheduler" if task.task_type == "scheduler" else "pshard.ps_server"
@@ -107,7 +108,7 @@ def start_cluster(workers: int) -> tuple[list[subprocess.Popen[str]], dict[str, 
     for task in plan.servers:
         while not probe(task.address, timeout_s=1.0)[0]:
             if time.monotonic() > deadline:
-                stop_processes(procs)
+                stop_processes(list(procs.values()))
                 raise RuntimeError(f"{task.name} did not become healthy")
             time.sleep(0.1)  # polling a health check that has its own timeout
     for task in plan.trainers:
@@ -134,16 +135,50 @@ def noop_figures(coordinator: Any, calls: int, burst: int) -> dict[str, object]:
             "burst_calls_per_s": round(burst / took, 1)}
 
 
-def coordinator_steps(coordinator: Any, iterator: Any, steps: int) -> float:
+class CpuTimes:
+    """CPU seconds (user + system, every thread, from /proc) of named processes over timed windows, summed
+    over the windows: the evidence of what a step costs whatever else the machine runs."""
+
+    def __init__(self, pids: dict[str, int]) -> None:
+        self.pids = pids
+        self.seconds = dict.fromkeys(pids, 0.0)
+        self._at: dict[str, float] = {}
+
+    def _now(self) -> dict[str, float]:
+        return {role: time.process_time() if pid == os.getpid() else cpu_seconds(pid)
+                for role, pid in self.pids.items()}
+
+    def start(self) -> None:
+        self._at = self._now()
+
+    def stop(self) -> None:
+        for role, now in self._now().items():
+            self.seconds[role] += now - self._at[role]
+
+
+def cpu_ms_per_step(seconds: dict[str, float], steps: int) -> dict[str, float]:
+    """Per role, and `total` over every process: ms of CPU per training step."""
+    table = {role: round(s * 1e3 / steps, 3) for role, s in sorted(seconds.items())}
+    table["total"] = round(sum(seconds.values()) * 1e3 / steps, 3)
+    return table
+
+
+def coordinator_steps(coordinator: Any, iterator: Any, steps: int, cpu: CpuTimes | None = None) -> float:
+    if cpu is not None:
+        cpu.start()
     start = time.perf_counter()
     for r in [coordinator.schedule(train_step, args=(iterator,)) for _ in range(steps)]:
         r.fetch()
-    return steps / (time.perf_counter() - start)
+    took = time.perf_counter() - start
+    if cpu is not None:
+        cpu.stop()
+    return steps / took
 
 
 # ---- today's worker-driven loop ----
 
-def _own_loop(run: WorkerRun, servers: list[str], steps: int, warmup: int) -> dict[str, float]:
+def _own_loop(run: WorkerRun, servers: list[str], steps: int, warmup: int,
+              server_pids: list[int]) -> dict[str, Any]:
     import torch
     from pshard.client.ps_client import PSClient
     from pshard.common.job import JobConfig, OptimizerConfig
@@ -167,21 +202,33 @@ def _own_loop(run: WorkerRun, servers: list[str], steps: int, warmup: int) -> di
         for _ in range(warmup):
             step()
         run.sync()
+        cpu = CpuTimes({"own": os.getpid(), **{f"ps-{i}": pid for i, pid in enumerate(server_pids)}})
+        cpu.start()
         start = time.monotonic()
         for _ in range(steps):
             step()
         trainer.synchronize()
-        return {"start": start, "end": time.monotonic()}
+        end = time.monotonic()
+        cpu.stop()
+        return {"start": start, "end": end, "cpu_s": cpu.seconds}
 
 
-def worker_driven_steps(workers: int, steps: int) -> float:
+def worker_driven_steps(workers: int, steps: int, cpu_s: dict[str, float]) -> float:
+    """Steps/s of `workers` PSTrainer loops on 2 servers of their own; adds each process's CPU seconds over
+    the timed steps to `cpu_s` (the servers' as the mean of the workers' windows, nearly the same)."""
     ids = [f"w{i}" for i in range(workers)]
     servers = start_ps_servers(2, ids, ["--mode", "async", "--lr", str(LR)])
     try:
-        results = run_workers(_own_loop, workers, ([s.address for s in servers], steps // workers, 20))
-        return (steps // workers) * workers / span_s(results)
+        results = run_workers(_own_loop, workers, ([s.address for s in servers], steps // workers, 20,
+                                                   [s.proc.pid for s in servers]))
     finally:
         stop_processes([s.proc for s in servers])
+    for i, r in enumerate(results):
+        cpu_s[f"worker-{i}"] = cpu_s.get(f"worker-{i}", 0.0) + r["cpu_s"]["own"]
+    for i in range(len(servers)):
+        role = f"ps-{i}"
+        cpu_s[role] = cpu_s.get(role, 0.0) + sum(r["cpu_s"][role] for r in results) / len(results)
+    return (steps // workers) * workers / span_s(results)
 
 
 def coordinator_bench(steps: int, repeats: int, calls: int, burst: int,
@@ -194,6 +241,8 @@ def coordinator_bench(steps: int, repeats: int, calls: int, burst: int,
     from pshard.worker.session import ClusterSession
 
     procs, _, chief = start_cluster(workers)
+    cpu = CpuTimes({"coordinator": os.getpid(), **{name: p.pid for name, p in procs.items()}})
+    own_cpu: dict[str, float] = {}
     try:
         session = ClusterSession.from_environment({"TF_CONFIG": chief}, startup_timeout_s=60.0)
         job = JobConfig(mode="async", optimizer=OptimizerConfig(name="sgd", lr=LR))
@@ -205,8 +254,8 @@ def coordinator_bench(steps: int, repeats: int, calls: int, burst: int,
             coordinator_steps(coordinator, iterator, 20 * workers)  # warm-up: models built, paths negotiated
             runs: list[tuple[float, float]] = []
             for _ in range(repeats):
-                coordinated = coordinator_steps(coordinator, iterator, steps)
-                runs.append((coordinated, worker_driven_steps(workers, steps)))
+                coordinated = coordinator_steps(coordinator, iterator, steps, cpu)
+                runs.append((coordinated, worker_driven_steps(workers, steps, own_cpu)))
             coord_rate = float(np.mean([c for c, _ in runs]))
             own_rate = float(np.mean([w for _, w in runs]))
             return {"noop": noops, "workers": workers, "servers": 2, "model": "mlp", "batch": BATCH,
@@ -214,9 +263,12 @@ def coordinator_bench(steps: int, repeats: int, calls: int, burst: int,
                     "worker_driven_steps_per_s": round(own_rate, 1),
                     "samples": [[round(c, 1), round(w, 1)] for c, w in runs],
                     "ratio": round(coord_rate / own_rate, 3), "bar": BAR,
+                    "cpu_ms_per_step": {"coordinator": cpu_ms_per_step(cpu.seconds, steps * repeats),
+                                        "worker_driven": cpu_ms_per_step(own_cpu, steps * repeats)},
+                    "cpu_ratio": round(sum(own_cpu.values()) / sum(cpu.seconds.values()), 3),
                     "redispatched": coordinator.redispatched}
     finally:
-        stop_processes(procs)
+        stop_processes(list(procs.values()))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -234,7 +286,10 @@ def main(argv: list[str] | None = None) -> int:
     record = emit("coordinator", **coordinator_bench(args.steps, args.repeats, args.calls, args.noops))
     print(f"no-op p50 {record['noop']['p50_ms']} ms, p99 {record['noop']['p99_ms']} ms; "  # type: ignore[index]
           f"training {record['coordinator_steps_per_s']} steps/s vs worker-driven "
-          f"{record['worker_driven_steps_per_s']}: {record['ratio']}x (bar {BAR})", file=sys.stderr)
+          f"{record['worker_driven_steps_per_s']}: {record['ratio']}x (bar {BAR}); CPU ms per step "
+          f"{record['cpu_ms_per_step']['coordinator']['total']} vs "  # type: ignore[index]
+          f"{record['cpu_ms_per_step']['worker_driven']['total']}: "  # type: ignore[index]
+          f"{record['cpu_ratio']}x", file=sys.stderr)
     return 0
 
 

@@ -13,7 +13,12 @@ windows). After the moves and a new 10 s window, the load again (bar: the hottes
 mean). The clients then check that nothing was lost: the rows must be minus the sum of every
 acknowledged gradient, exactly.
 
-    python -m bench.rebalance [--partitions-per-server 8] [--clients 2]      (make bench-rebalance)
+With --auto, no command: the scheduler runs with --rebalance-auto 1.1 --rebalance-cooldown 10 and moves
+the partitions one by one on its own; the figures are the loads it rated last before its first move, the
+loads once its decision says nothing is left to move, and the time from the first push to then.
+
+    python -m bench.rebalance [--partitions-per-server 8] [--clients 2] [--auto]  (make bench-rebalance,
+                                                                                    make bench-rebalance-auto)
 """
 
 from __future__ import annotations
@@ -36,6 +41,9 @@ BAR = 1.2
 # next (a plan to 1.2 measured 1.203 after), so the plan aims lower than the figure is held to.
 THRESHOLD = 1.1
 WINDOW_S = 12.0  # the scheduler rates loads over about 10 s of reports: a window after each change
+# --auto: the scheduler's cool-down between its moves, about a rating window (its default, 60 s, suits a
+# long job better than a bench: fewer moves made on rates a move just changed).
+AUTO_COOLDOWN_S = 10.0
 ZIPF_S = 1.1
 DIM = 8
 IDS_PER_PARTITION = 4000
@@ -157,25 +165,8 @@ class Pushers:
 
 def rebalance(partitions_per_server: int = 8, clients: int = 2, threshold: float = THRESHOLD
               ) -> dict[str, object]:
-    from pshard.common.rpc.health import probe
-    from pshard.launcher.plan import ClusterPlan
-
-    plan = ClusterPlan.allocate(3, clients)
-    tasks = {t.name: t for t in [*plan.servers, *plan.trainers]}
-    procs = [_start(plan, tasks["scheduler"], ["pshard.scheduler", "--bind", plan.scheduler,
-                                               "--row-partitions-per-server", str(partitions_per_server)])]
-    procs += [_start(plan, tasks[f"ps-{i}"], ["pshard.ps_server", "--bind", address, "--transport", "auto"])
-              for i, address in enumerate(plan.ps)]
-    pushers = None
-    try:
-        deadline = time.monotonic() + 60
-        for address in [plan.scheduler, *plan.ps]:
-            while not probe(address, timeout_s=1.0)[0]:
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"rebalance bench: {address} did not start")
-                time.sleep(0.1)
-        pushers = Pushers(plan, clients, partitions_per_server)
-        pushers.start()
+    with _Cluster(partitions_per_server, clients) as cluster:
+        plan, pushers = cluster.plan, cluster.start_pushing()
         _wait("every server rated", lambda: all(server_loads(plan.scheduler, plan.ps)), 60)
         time.sleep(WINDOW_S)  # a full rating window of pushes
         before = server_loads(plan.scheduler, plan.ps)
@@ -193,17 +184,6 @@ def rebalance(partitions_per_server: int = 8, clients: int = 2, threshold: float
         pushers.stop()
         conserved = pushers.conserved()
         pushes = pushers.pushes
-    finally:
-        if pushers is not None:
-            pushers.close()
-        for proc in procs:
-            if proc.poll() is None:
-                proc.terminate()
-        for proc in procs:
-            try:
-                proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
     return {"servers": 3, "replicas": 0, "row_partitions": 3 * partitions_per_server, "clients": clients,
             "zipf_s": ZIPF_S, "loads_before_rows_per_s": [round(x, 1) for x in before],
             "hottest_over_mean_before": round(max(before) / (sum(before) / 3), 3),
@@ -214,9 +194,113 @@ def rebalance(partitions_per_server: int = 8, clients: int = 2, threshold: float
             "pushes": pushes, "conserved": conserved}
 
 
+# What the automatic policy's status says once it has nothing left to move (scheduler/auto_rebalance.py).
+SETTLED = ("balanced:", "no single partition move", "the best move")
+
+
+def auto_rebalance(partitions_per_server: int = 8, clients: int = 2, threshold: float = THRESHOLD,
+                   cooldown_s: float = AUTO_COOLDOWN_S, timeout_s: float = 600.0) -> dict[str, object]:
+    """The same job with `pshard scheduler --rebalance-auto THRESHOLD --rebalance-cooldown S`: no command,
+    the scheduler moves partitions one by one on its own. `before`: the loads the scheduler rated last on
+    the first layout (what its first move acted on); `after`: once its decision says there is nothing left
+    to move, on a full window of samples; `settle_s`: from the clients' first push to then."""
+    from pshard.status import fetch
+
+    with _Cluster(partitions_per_server, clients, ("--rebalance-auto", str(threshold),
+                                                  "--rebalance-cooldown", f"{cooldown_s:g}")) as cluster:
+        plan, pushers = cluster.plan, cluster.start_pushing()
+        started = time.monotonic()
+        before: list[float] = []
+        first_move_s = 0.0
+        while True:
+            status = fetch(plan.scheduler, 10.0)
+            auto = status.auto_rebalance
+            if auto is None or not auto.enabled:
+                raise RuntimeError("rebalance bench: the scheduler runs no automatic rebalance")
+            if status.layout_version == pushers.layout.version:
+                before = server_loads(plan.scheduler, plan.ps)
+            elif not first_move_s:
+                first_move_s = time.monotonic() - started
+            if auto.moves and auto.reason.startswith(SETTLED) and not auto.eligible_in_s:
+                break
+            if time.monotonic() - started > timeout_s:
+                raise RuntimeError(f"rebalance bench: the automatic rebalance did not settle within "
+                                   f"{timeout_s} s: {auto.reason}")
+            time.sleep(0.5)
+        settle_s = time.monotonic() - started
+        after = server_loads(plan.scheduler, plan.ps)
+        pushers.stop()
+        conserved = pushers.conserved()
+    return {"servers": 3, "replicas": 0, "row_partitions": 3 * partitions_per_server, "clients": clients,
+            "zipf_s": ZIPF_S, "loads_before_rows_per_s": [round(x, 1) for x in before],
+            "hottest_over_mean_before": round(max(before) / (sum(before) / 3), 3),
+            "loads_after_rows_per_s": [round(x, 1) for x in after],
+            "hottest_over_mean_after": round(max(after) / (sum(after) / 3), 3), "bar": BAR,
+            "threshold": threshold, "cooldown_s": cooldown_s, "moves": auto.moves,
+            "first_move_s": round(first_move_s, 1), "settle_s": round(settle_s, 1),
+            "pushes": pushers.pushes, "conserved": conserved}
+
+
+class _Cluster:
+    """A scheduler (`scheduler_args` added) and 3 servers as processes, and the clients once pushing."""
+
+    def __init__(self, partitions_per_server: int, clients: int,
+                 scheduler_args: tuple[str, ...] = ()) -> None:
+        from pshard.launcher.plan import ClusterPlan
+
+        self.plan = ClusterPlan.allocate(3, clients)
+        self.partitions_per_server, self.clients = partitions_per_server, clients
+        self.scheduler_args = scheduler_args
+        self.pushers: Pushers | None = None
+        self.procs: list[subprocess.Popen[str]] = []
+
+    def __enter__(self) -> _Cluster:
+        from pshard.common.rpc.health import probe
+
+        plan = self.plan
+        tasks = {t.name: t for t in [*plan.servers, *plan.trainers]}
+        partitions = ["--row-partitions-per-server", str(self.partitions_per_server)]
+        self.procs = [_start(plan, tasks["scheduler"], ["pshard.scheduler", "--bind", plan.scheduler,
+                                                        *partitions, *self.scheduler_args])]
+        self.procs += [_start(plan, tasks[f"ps-{i}"], ["pshard.ps_server", "--bind", address, "--transport",
+                                                       "auto"]) for i, address in enumerate(plan.ps)]
+        deadline = time.monotonic() + 60
+        for address in [plan.scheduler, *plan.ps]:
+            while not probe(address, timeout_s=1.0)[0]:
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"rebalance bench: {address} did not start")
+                time.sleep(0.1)
+        return self
+
+    def start_pushing(self) -> Pushers:
+        self.pushers = Pushers(self.plan, self.clients, self.partitions_per_server)
+        self.pushers.start()
+        return self.pushers
+
+    def __exit__(self, *exc: object) -> None:
+        if self.pushers is not None:
+            self.pushers.close()
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.terminate()
+        for proc in self.procs:
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+
 def summary(fig: dict[str, object]) -> str:
     after = float(fig["hottest_over_mean_after"])  # type: ignore[arg-type]
     ok = "ok" if after <= BAR else "above"
+    if "settle_s" in fig:
+        return (f"zipf({ZIPF_S}) async table on 3 servers, {fig['row_partitions']} row partitions, no "
+                f"replicas: hottest/mean {fig['hottest_over_mean_before']} before, {after} after "
+                f"`pshard scheduler --rebalance-auto {fig['threshold']} --rebalance-cooldown "
+                f"{fig['cooldown_s']:g}` settled "
+                f"[bar {BAR}: {ok}]; {fig['moves']} automatic moves, the first {fig['first_move_s']} s and "
+                f"settled {fig['settle_s']} s after the first push, while {fig['clients']} clients pushed; "
+                f"every acknowledged push {'kept' if fig['conserved'] else 'NOT kept'}")
     return (f"zipf({ZIPF_S}) async table on 3 servers, {fig['row_partitions']} row partitions, no replicas: "
             f"hottest/mean {fig['hottest_over_mean_before']} before, {after} after `pshard rebalance "
             f"--threshold {fig['threshold']}` "
@@ -232,9 +316,18 @@ def main(argv: list[str] | None = None) -> int:
                    help="row partitions per server (default 8)")
     p.add_argument("--clients", type=int, default=2, help="clients pushing (default 2)")
     p.add_argument("--threshold", type=float, default=THRESHOLD,
-                   help=f"pshard rebalance --threshold (default {THRESHOLD}, below the bar {BAR})")
+                   help=f"pshard rebalance --threshold, or with --auto the scheduler's --rebalance-auto "
+                        f"(default {THRESHOLD}, below the bar {BAR})")
+    p.add_argument("--auto", action="store_true",
+                   help="no `pshard rebalance`: the scheduler's automatic policy moves the partitions")
+    p.add_argument("--cooldown-s", type=float, default=AUTO_COOLDOWN_S,
+                   help=f"with --auto: the scheduler's --rebalance-cooldown (default {AUTO_COOLDOWN_S:g})")
     args = p.parse_args(argv)
-    fig = emit("rebalance", **rebalance(args.partitions_per_server, args.clients, args.threshold))
+    if args.auto:
+        fig = emit("rebalance_auto", **auto_rebalance(args.partitions_per_server, args.clients,
+                                                      args.threshold, args.cooldown_s))
+    else:
+        fig = emit("rebalance", **rebalance(args.partitions_per_server, args.clients, args.threshold))
     print(summary(fig))
     return 0 if fig["conserved"] else 1
 

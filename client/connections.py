@@ -27,7 +27,13 @@ from typing import TypeGuard
 import grpc
 from pshard.client.fast_session import FastPath
 from pshard.common.cluster.layout import Layout
-from pshard.common.errors import LayoutConflictError, PSError, UnavailableError
+from pshard.common.errors import (
+    LayoutConflictError,
+    PartitionMovedError,
+    PSError,
+    SliceMovedError,
+    UnavailableError,
+)
 from pshard.common.rpc.options import channel_options
 from pshard.common.rpc.retry import parameter_server_channel_options
 from pshard.common.security.credentials import SecurityConfig
@@ -35,6 +41,22 @@ from pshard.common.wire.fastwire import FastPortSilent
 from pshard.common.wire.liveness import DEFAULT_DEAD_AFTER_S, figures
 
 from pshard.api.v1 import parameter_server_pb2_grpc as pb_grpc
+
+# A server refuses a row partition or a dense slice that a newer layout than it knows moved to it
+# (server_behind), and a sync table push routed with a layout it has not received yet (LayoutNotYetError):
+# the request goes again after this.
+NOT_YET_WAIT_S = 0.05
+
+
+def server_behind(err: Exception, layout: Layout | None) -> bool:
+    """A server refused a row partition or a dense slice by an older layout than the one the request was
+    routed with: it has not received the newer one yet (a move, a drain or a join switched it). No newer
+    layout is coming, so the request goes again in a moment, as a LayoutNotYetError's does; waiting for a
+    newer one held it for the whole re-route wait, and a dense step gave up."""
+    if not isinstance(err, (PartitionMovedError, SliceMovedError)) or layout is None:
+        return False
+    known = err.facts.get("layout_version", 0)
+    return isinstance(known, int) and 0 < known < layout.version
 
 log = logging.getLogger("pshard.client")
 

@@ -32,7 +32,7 @@ from typing import TypeVar
 import grpc
 import numpy as np
 from pshard.client.compressing import PullDecoder, PushEncoder
-from pshard.client.connections import ServerConnections
+from pshard.client.connections import NOT_YET_WAIT_S, ServerConnections, server_behind
 from pshard.client.fast_session import TABLE_ROOM_BYTES
 from pshard.client.forking import ProcessOwned
 from pshard.client.tables import TableClient
@@ -45,6 +45,7 @@ from pshard.common.errors import (
     PullBaseLostError,
     PullTimeoutError,
     ShapeMismatchError,
+    SliceMovedError,
     StaleGenerationError,
     UnavailableError,
     UnknownKeyError,
@@ -164,6 +165,7 @@ class PSClient:
         self.overload_retries = 0
         self._declared = False
         self.reroutes = 0  # steps sent again after a failover moved slices
+        self.not_yet = 0  # steps sent again to a server that had not learned the layout switch yet
         # (schedule id, push number, floor) stamped on pushes while a scheduled call runs
         # (pshard.coordinator): the servers apply each of them once, whichever worker sends it.
         self.scheduled: tuple[int, int, int] = (0, 0, 0)
@@ -289,11 +291,18 @@ class PSClient:
             try:
                 return step(layout)
             except (UnavailableError, UnknownKeyError) as err:
-                if not self._fail_fast or self._closed.is_set():
+                # A slice a layout switch moved (a drain, a join) is re-routed with replicas or without.
+                moved = isinstance(err, SliceMovedError) and self.connections.can_reroute
+                if not (self._fail_fast or moved) or self._closed.is_set():
                     raise
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise
+                if server_behind(err, layout):  # re-routed there before the server learned the switch
+                    self.not_yet += 1
+                    if self._closed.wait(min(NOT_YET_WAIT_S, left)):
+                        raise
+                    continue
                 newer = self.connections.newer_layout(layout, left)
                 if newer is None:
                     if isinstance(err, UnknownKeyError):

@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
 import grpc
 import numpy as np
 import numpy.typing as npt
+from pshard.client.connections import NOT_YET_WAIT_S, server_behind
 from pshard.client.fast_session import TABLE_ROOM_BYTES, FastPath
 from pshard.common.cluster.layout import Layout
 from pshard.common.errors import (
@@ -75,17 +76,6 @@ def _movable(layout: Layout) -> bool:
     return bool(layout.replicas) or layout.partition_count > len(layout.servers)
 
 
-def _server_behind(err: Exception, layout: Layout | None) -> bool:
-    """A server refused a partition by an older layout than the one the request was routed with: it has
-    not received the newer one yet (a move switched it, `pshard rebalance`). No newer layout is coming,
-    so the request goes again in a moment, as a LayoutNotYetError's does; waiting for a newer one held
-    it for the whole re-route wait (10 s)."""
-    if not isinstance(err, PartitionMovedError) or layout is None:
-        return False
-    known = err.facts.get("layout_version", 0)
-    return isinstance(known, int) and 0 < known < layout.version
-
-
 class _Sent(NamedTuple):
     """A table request sent on a fast-path session, whose reply is still to read."""
 
@@ -99,9 +89,6 @@ _SLACK_S = 5.0  # past the request's own timeout, as PSClient's calls allow
 _INT64 = codec.dtype_to_proto("int64")
 # Gradient rows cast to bfloat16 travel as its bits (uint16: numpy has no bfloat16).
 _GRAD_DTYPES = {"uint16": codec.dtype_to_proto("bfloat16")}
-# A server refuses ids of a row partition it does not serve with PartitionMovedError (re-route), and a sync
-# push routed with a layout it has not received yet with LayoutNotYetError (send it again after this).
-_NOT_YET_WAIT_S = 0.05
 # Sync pushes kept per table past which the oldest is confirmed by a pull of no ids (see _Kept).
 _KEPT_CLOCKS = 4
 # Numbers (rows x dim) up to which a call's rows pass through buffers kept per thread (8 MB of float32).
@@ -372,10 +359,10 @@ class TableClient:
                 return call(layout)
             except (UnavailableError, UnknownKeyError) as err:
                 left = deadline - time.monotonic()
-                if (isinstance(err, LayoutNotYetError) or _server_behind(err, layout)) and left > 0 \
+                if (isinstance(err, LayoutNotYetError) or server_behind(err, layout)) and left > 0 \
                         and not conn.closed.is_set():
                     self.not_yet += 1
-                    conn.closed.wait(min(_NOT_YET_WAIT_S, left))  # the server learns the layout soon
+                    conn.closed.wait(min(NOT_YET_WAIT_S, left))  # the server learns the layout soon
                     continue
                 moved = isinstance(err, UnavailableError | PartitionMovedError)
                 # Without replicas a server that went is not failed over, but a partition moved by

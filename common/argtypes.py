@@ -56,6 +56,7 @@ _replicas = int_range(0, MAX_REPLICAS)
 _non_negative_int = int_range(0)
 _positive_float = float_range(0.0, above_low=True)
 _non_negative_float = float_range(0.0)
+_load_ratio = float_range(1.0, 1e6)
 
 
 def positive_int(text: str) -> int:
@@ -76,6 +77,11 @@ def positive_float(text: str) -> float:
 def non_negative_float(text: str) -> float:
     """A finite number in [0, MAX_SECONDS] (seconds where 0 means off; decays)."""
     return _non_negative_float(text)
+
+
+def load_ratio(text: str) -> float:
+    """A finite number >= 1 (times the mean load: a rebalance threshold)."""
+    return _load_ratio(text)
 
 
 def replicas(text: str) -> int:

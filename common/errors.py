@@ -98,6 +98,15 @@ class PartitionMovedError(UnknownKeyError):
         super().__init__(message, table=table, partition=partition, layout_version=layout_version, **facts)
 
 
+class SliceMovedError(UnknownKeyError):
+    """A dense slice that this server no longer owns: a layout switch (a drain, a join) moved it away while
+    the request waited for its copies to settle, or before it came. Never acknowledged here: the client
+    re-routes with a newer layout and sends the step again (the new owner drops what it already has)."""
+
+    def __init__(self, message: str = "", *, key: str = "", layout_version: int = 0, **facts: Fact) -> None:
+        super().__init__(message, key=key, layout_version=layout_version, **facts)
+
+
 class LayoutNotYetError(UnknownKeyError):
     """A request routed with a layout newer than this server has received: the client sends it again in a
     moment, once the scheduler's view has reached the server."""

@@ -503,6 +503,7 @@ class _MoveStats(Protocol):
     buckets: tuple[tuple[str, float], ...]
     seconds_sum: float
     in_progress: tuple[_Move, ...]
+    automatic: int
 
 
 class SchedulerCollector(Collector):
@@ -573,6 +574,8 @@ def move_families(stats: _MoveStats) -> Iterator[Any]:
     for kind in ("drain", "join", "rebalance"):
         done.add_metric([kind], stats.finished.get(kind, 0))
     yield done
+    yield CounterMetricFamily("pshard_scheduler_auto_rebalance_moves", "Row partition moves the automatic "
+                              "rebalance started (pshard scheduler --rebalance-auto)", value=stats.automatic)
     yield HistogramMetricFamily("pshard_scheduler_move_seconds", "Duration of each move done: a rebalance "
                                 "from its switch to its new server's backups holding it, a drain from its "
                                 "first ask to its hand-over", buckets=list(stats.buckets),

@@ -71,8 +71,6 @@ class Closure:
     request: pb.RunRequest
     remote: RemoteValue
     runs: list[str] = field(default_factory=list)  # the workers it was dispatched to, in order
-    # The call its worker has to run first: the one taken for that worker just before, if still running.
-    after: int = 0
 
     @property
     def schedule_id(self) -> int:
@@ -102,7 +100,6 @@ class ClosureQueue:
         self._no_worker_since: float | None = clock()
         self._seen_workers: set[str] = set()
         self._idle = 0  # dispatchers waiting in take() for a call of their own (not ahead)
-        self._last_taken: dict[str, int] = {}  # by worker: the schedule id taken for it last
         self.redispatched = 0
 
     # ---- the user's side ----
@@ -185,10 +182,6 @@ class ClosureQueue:
             closure.runs.append(worker)
             if len(closure.runs) > 1:
                 self.redispatched += 1
-            # Taken under the lock, so the order of takes is the order the worker must run them in.
-            before = self._running.get(self._last_taken.get(worker, 0))
-            closure.after = before[0].schedule_id if before is not None and before[1] == worker else 0
-            self._last_taken[worker] = closure.schedule_id
             self._running[closure.schedule_id] = (closure, worker)
             return closure
 

@@ -39,7 +39,10 @@ class CallRunner:
         self._ctx: WorkerContext | None = None
         self.calls = 0
 
-    def run(self, request: pb.RunRequest) -> pb.RunResponse:
+    def run(self, request: pb.RunRequest, answer: pb.RunResponse | None = None) -> pb.RunResponse:
+        """The call's outcome, in `answer` when given (a Serve stream's response's own, spared a copy)."""
+        if answer is None:
+            answer = pb.RunResponse()
         with self._lock:
             self.calls += 1
             ctx = self._context(request)
@@ -49,11 +52,11 @@ class CallRunner:
                 with ctx.running(request.schedule_id, request.schedule_floor, request.resume_at):
                     args, kwargs = values.decode_call(request, ctx)
                     result = fn(*args, **kwargs)
-                answer = pb.RunResponse(result=values.encode(result, "result", handles=False))
+                answer.result.CopyFrom(values.encode(result, "result", handles=False))
             except Exception as err:  # the function's own failure: reported, and this worker serves on
                 log.warning("schedule %d (%s) raised %s: %s", request.schedule_id, request.function,
                             type(err).__name__, err)
-                answer = pb.RunResponse(error=pb.FunctionError(
+                answer.error.CopyFrom(pb.FunctionError(
                     type=f"{type(err).__module__}.{type(err).__qualname__}", message=str(err),
                     traceback=traceback.format_exc()))
             answer.worker_id, answer.schedule_id = self._worker_id, request.schedule_id

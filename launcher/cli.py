@@ -32,6 +32,7 @@ from pathlib import Path
 
 from pshard.common.argtypes import (
     int_range,
+    load_ratio,
     non_negative_float,
     non_negative_int,
     positive_float,
@@ -42,6 +43,7 @@ from pshard.common.dirlock import DirectoryInUseError, DirectoryLock
 from pshard.common.logs import add_log_level_argument, configure_logging
 from pshard.launcher.plan import RESTART_POLICIES, TASK_PLACEHOLDER, ClusterPlan, Options, cert_names
 from pshard.launcher.record import default_certs_dir
+from pshard.scheduler.settings import DEFAULT_REBALANCE_COOLDOWN_S
 
 PROG = "python -m pshard.launcher"
 log = logging.getLogger("pshard.launcher")
@@ -83,6 +85,13 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
     parser.add_argument("--row-partitions-per-server", metavar="N", type=positive_int, default=1,
                         help="the scheduler hashes each sparse table's ids into N row partitions per "
                              "server: the unit that re-sharding moves (default 1)")
+    parser.add_argument("--rebalance-auto", metavar="THRESHOLD", type=load_ratio, default=None,
+                        help="the scheduler moves row partitions on its own when the hottest server's "
+                             "load is above THRESHOLD times the mean (`pshard scheduler --help`; default "
+                             "off)")
+    parser.add_argument("--rebalance-cooldown", metavar="SECONDS", type=non_negative_float, default=None,
+                        help="with --rebalance-auto: seconds between automatic moves (default "
+                             f"{DEFAULT_REBALANCE_COOLDOWN_S:g})")
     parser.add_argument("--checkpoint-dir", metavar="DIR",
                         help="parameter servers checkpoint their shards to DIR/ps-<i>")
     parser.add_argument("--checkpoint-interval-s", metavar="S", type=non_negative_float, default=0.0,
@@ -181,6 +190,9 @@ def parse_options(argv: Sequence[str], prog: str = PROG) -> Options:
                      f"{args.fast_port + args.ps - 1}; expected at most {65536 - args.ps} for --ps {args.ps}")
     if args.checkpoint_interval_s > 0 and not args.checkpoint_dir:
         parser.error("--checkpoint-interval-s: needs --checkpoint-dir")
+    if args.rebalance_cooldown is not None and args.rebalance_auto is None:
+        parser.error(f"--rebalance-cooldown: got {args.rebalance_cooldown:g}, but the automatic rebalance is "
+                     "off; add --rebalance-auto THRESHOLD")
     if args.checkpoint_dir:  # each server's would fail alone, after the scheduler started
         try:
             os.makedirs(args.checkpoint_dir, exist_ok=True)
@@ -200,6 +212,7 @@ def parse_options(argv: Sequence[str], prog: str = PROG) -> Options:
                    heartbeat_interval_ms=args.scheduler_interval_ms,
                    heartbeat_timeout_ms=args.scheduler_timeout_ms, checkpoint_dir=args.checkpoint_dir,
                    row_partitions_per_server=args.row_partitions_per_server,
+                   rebalance_auto=args.rebalance_auto, rebalance_cooldown_s=args.rebalance_cooldown,
                    worker_cmd=worker_cmd, worker_args=(*unknown, *argv[split + 1:]),
                    script=script[1][0] if script is not None else None,
                    startup_timeout_s=args.startup_timeout_s, grace_s=args.grace_s,

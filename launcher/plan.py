@@ -152,6 +152,9 @@ class Options:
     fast_port: int = 0
     # scheduler --row-partitions-per-server: table row partitions per server in the layout.
     row_partitions_per_server: int = 1
+    # scheduler --rebalance-auto and --rebalance-cooldown (None: off, and the scheduler's default).
+    rebalance_auto: float | None = None
+    rebalance_cooldown_s: float | None = None
 
 
 @dataclass(frozen=True)
@@ -210,6 +213,10 @@ def child_specs(plan: ClusterPlan, options: Options, python: str = sys.executabl
                     "--heartbeat-timeout-ms", str(options.heartbeat_timeout_ms)]
             if options.row_partitions_per_server > 1:
                 argv += ["--row-partitions-per-server", str(options.row_partitions_per_server)]
+            if options.rebalance_auto is not None:
+                argv += ["--rebalance-auto", f"{options.rebalance_auto:g}"]
+            if options.rebalance_cooldown_s is not None:
+                argv += ["--rebalance-cooldown", f"{options.rebalance_cooldown_s:g}"]
         else:
             argv = [python, "-m", "pshard.ps_server", "--bind", task.address]
             if options.replicas:

@@ -96,9 +96,9 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
                         "over if it dies (default 0: none)")
     p.add_argument("--drain-on-term", action="store_true",
                    help="on SIGTERM, first hand every slice and table row partition this server serves to "
-                        "its in-sync backup (the scheduler switches the layout; workers re-route), then "
-                        "leave the job and exit 0; needs --replicas 1 or more and a scheduler "
-                        "(docs/operations/scaling.md)")
+                        "its in-sync backup, or without replicas to the other servers once they hold copies "
+                        "(the scheduler switches the layout; workers re-route), then leave the job and exit "
+                        "0; needs a scheduler (docs/operations/scaling.md)")
     p.add_argument("--drain-timeout-s", type=positive_float, default=DRAIN_TIMEOUT_S,
                    help="with --drain-on-term: how long to wait for a backup to hold a copy of everything "
                         f"before giving up and stopping, exit 1 (default {DRAIN_TIMEOUT_S:g})")
@@ -294,7 +294,7 @@ async def _run(args: argparse.Namespace, spec: ClusterSpec | None, settings: Ser
     await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
     status = 0
     if drained.is_set():
-        log.warning("DRAINED: the scheduler handed what this server served to its backup (pshard drain); "
+        log.warning("DRAINED: the scheduler handed what this server served to other servers (pshard drain); "
                     "leaving the job")
     elif args.drain_on_term and stop.is_set() and follower is not None:
         status = await drain(follower, args.drain_timeout_s)
@@ -320,9 +320,6 @@ async def _run(args: argparse.Namespace, spec: ClusterSpec | None, settings: Ser
 def main(argv: Sequence[str] | None = None, *, prog: str = PROG) -> int:
     parser = build_parser(prog)
     args = parser.parse_args(argv)
-    if args.drain_on_term and args.replicas < 1:
-        parser.error(f"--drain-on-term: needs --replicas 1 or more (got {args.replicas}): a drain hands this "
-                     "server's slices to a backup that holds a copy")
     configure_logging(args.log_level)
     bound_heap()  # before gRPC starts its threads: they take their arenas when they first allocate
     spec = None

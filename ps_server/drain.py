@@ -55,6 +55,6 @@ async def drain(client: SchedulerClient, timeout_s: float,
         except PSError as err:
             log.error("DRAIN FAILED: %s", err)
             return 1
-        log.warning("DRAINED: the scheduler handed what this server served to its backup in %.2f s; "
+        log.warning("DRAINED: the scheduler handed what this server served to other servers in %.2f s; "
                     "leaving the job", now() - started)
         return 0

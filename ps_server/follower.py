@@ -26,13 +26,13 @@ from pshard.common.cluster.layout import Layout
 from pshard.common.cluster.loads import Counters
 from pshard.common.cluster.scheduler_client import SchedulerClient
 from pshard.common.cluster.spec import ClusterSpec
-from pshard.common.cluster.view import ClusterView
+from pshard.common.cluster.view import ClusterView, ServerIncarnations
 from pshard.common.security.credentials import SecurityConfig
 from pshard.ps_server.core.quorum import QuorumFollower
 from pshard.ps_server.handlers.dense import ParameterServerHandlers
 from pshard.ps_server.handlers.tables import TableHandlers
 from pshard.ps_server.replication.dense import Replicator
-from pshard.ps_server.replication.in_sync import InSyncReporter
+from pshard.ps_server.replication.in_sync import InSyncReporter, copies_caught_up
 from pshard.ps_server.replication.link import (
     backup_addresses,
     grpc_sender,
@@ -247,35 +247,70 @@ class ReplicaWiring:
         self._loop.call_later(IN_SYNC_REPORT_S, self._report)
 
 
-class RowMoveWiring:
-    """A job without replicas: its table row partitions move all the same (issue 20, `pshard rebalance`).
-    The layouts say which partitions are this server's (it refuses the others, and counts each one's
-    load), the views which it copies to a move's target or takes from a move's source, and each heartbeat
-    which of its copies are caught up. The rows travel by the replication of a job with replicas
-    (`TableReplication`, with no backups), over gRPC."""
+class MoveWiring:
+    """A job without replicas: its table row partitions and dense slices move all the same (issue 20:
+    `pshard rebalance`, a drain). The layouts say which slices and partitions are this server's (it
+    refuses the others, and counts each partition's load), the views which it copies to a move's or a
+    drain's target or takes from a source, and each heartbeat which of its copies are caught up. The rows
+    travel by the replication of a job with replicas (`TableReplication`, with no backups), the slices by a
+    `Replicator` made at the first copy this server sends (a job that never moves one pays nothing), over
+    gRPC."""
 
-    def __init__(self, handlers: ParameterServerHandlers, tables: TableHandlers, spec: ClusterSpec,
+    def __init__(self, handlers: ParameterServerHandlers, tables: TableHandlers | None, spec: ClusterSpec,
                  loop: asyncio.AbstractEventLoop, report: Callable[[dict[str, int], int], None],
                  security: SecurityConfig | None = None) -> None:
+        self._handlers = handlers
         self._report = report
         self._loop = loop
-        send = grpc_sender(security, stub_cache(security))
-        self.rows = TableReplication(spec.own_address or spec.node_id, send, loop, tables)
-        tables.replication = handlers.table_replication = self.rows
+        self._own = spec.own_address or spec.node_id
+        self._send = grpc_sender(security, stub_cache(security))
+        self._incarnations = ServerIncarnations(self._own)
+        self._view: ClusterView | None = None
+        self._layout_version = 0
+        self.rows: TableReplication | None = None
+        if tables is not None:
+            self.rows = TableReplication(self._own, self._send, loop, tables)
+            tables.replication = handlers.table_replication = self.rows
+        self.slices: Replicator | None = None
         loop.call_soon_threadsafe(self._tick)
 
     def on_view(self, view: ClusterView) -> None:
-        self.rows.on_view(view)
+        self._view = view
+        if self.rows is not None:
+            self.rows.on_view(view)
+        copies, switched = view.slice_copies_from(self._own)
+        if copies and self.slices is None:
+            self.slices = Replicator(self._own, self._send, self._loop)
+            self._handlers.enable_replication(self.slices)
+        restarted = self._incarnations.restarted(view)
+        if self.slices is not None:
+            for address in restarted:  # a new process holds nothing of its copy
+                self.slices.restarted(address)
+            self.slices.set_copies(copies, switched)
 
     def on_layout(self, layout: Layout) -> None:
-        self.rows.on_layout(layout)
-        self._send()
+        # A layout that moved slices away (a drain) makes this server refuse them, and one that gave it
+        # slices it holds a copy of makes it take them over (`set_ownership`), as after a failover.
+        owned = owned_slices(layout, self._own)
+        if owned is not None:
+            self._handlers.set_ownership(layout.version, owned)
+        self._layout_version = max(self._layout_version, layout.version)
+        if self.rows is not None:
+            self.rows.on_layout(layout)
+        self._send_report()
 
-    def _send(self) -> None:
-        self._report(self.rows.copies_in_sync(), self.rows.layout_version())
+    def _send_report(self) -> None:
+        view = self._view
+        rows = self.rows.copies_in_sync() if self.rows is not None else {}
+        if view is not None:
+            dense, _ = view.slice_copies_from(self._own)
+            rows = copies_caught_up(view.copies_from(self._own), rows, dense,
+                                    self.slices.copies_in_sync() if self.slices is not None else (),
+                                    {n.address: n.generation for n in view.nodes if n.role == "ps"})
+        self._report(rows, self._layout_version)
 
     def _tick(self) -> None:
-        self._send()
+        self._send_report()
         self._loop.call_later(IN_SYNC_REPORT_S, self._tick)
 
 
@@ -330,8 +365,8 @@ def follow_scheduler(running: RunningServer, spec: ClusterSpec, loop: asyncio.Ab
         follower.subscribe_heartbeat_timeout(replicas.set_heartbeat_timeout)
         follower.subscribe_answers(handlers.renew_lease)  # fenced when it may have been failed over
         rows, slices = replicas.rows, replicas.slices
-    elif tables is not None:
-        moving = RowMoveWiring(handlers, tables, spec, loop, follower.client.report_in_sync, security)
+    else:
+        moving = MoveWiring(handlers, tables, spec, loop, follower.client.report_in_sync, security)
         follower.subscribe_layouts(moving.on_layout)
         follower.subscribe_views(moving.on_view)
         rows = moving.rows

@@ -2,9 +2,10 @@
 
 The scheduler hands everything the server serves to its in-sync backup under a new layout version (a
 planned failover, scheduler/membership.py `leave`), and the workers re-route; the server, told by its
-next heartbeat that it left, stops and exits 0 (ps_server/__main__.py). While its backup does not hold
-a copy of everything yet, the scheduler refuses and changes nothing, and this command asks again until
---timeout-s. Needs a job run with --replicas 1 or more; with security on, an admin credential.
+next heartbeat that it left, stops and exits 0 (ps_server/__main__.py). Without replicas, it first copies
+everything to the servers `plan_drain` spreads it over, then switches it all under one layout version
+(scheduler/drain_copies.py). While no copy holds everything yet, the scheduler refuses and changes
+nothing, and this command asks again until --timeout-s. With security on, it needs an admin credential.
 """
 
 from __future__ import annotations
@@ -28,15 +29,16 @@ _RETRY_S = 0.25
 
 def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=prog, description="Drain a parameter server of a running job: the "
-                                "scheduler hands its slices and table rows to its in-sync backup, the "
-                                "workers re-route, and the server leaves the job and exits 0. The job must "
-                                "run with --replicas 1 or more.")
+                                "scheduler hands its slices and table rows to its in-sync backup (without "
+                                "replicas: copies them to the other servers first, then switches them all "
+                                "at once), the workers re-route, and the server leaves the job and exits 0.")
     p.add_argument("server", metavar="SERVER",
                    help="the server to drain: its node id (ps-1) or its address (HOST:PORT), as 'pshard "
                         "status' lists them")
     add_scheduler_argument(p)
     p.add_argument("--timeout-s", metavar="S", type=positive_float, default=60.0,
-                   help="how long to wait for the server's backup to hold a copy of everything (default 60)")
+                   help="how long to wait for a copy of everything the server serves to be held (its "
+                        "backup's, or the other servers' without replicas; default 60)")
     add_security_arguments(p)
     return p
 
@@ -88,5 +90,5 @@ def main(argv: Sequence[str] | None = None, *, prog: str = PROG) -> int:
         print(f"{prog}: error: {err}", file=sys.stderr)
         return 1
     print(f"{prog}: {node.node_id} ({node.address}) drained: layout version {version} has what it served on "
-          "its backup; it leaves the job and exits", flush=True)
+          "other servers; it leaves the job and exits", flush=True)
     return 0

@@ -126,6 +126,20 @@ class MoveReport:
     done: bool
 
 
+@dataclass(frozen=True)
+class AutoRebalanceReport:
+    """The scheduler's automatic rebalance (`pshard scheduler --rebalance-auto`): on or off, and where it
+    stands (scheduler/auto_rebalancer.py's AutoRebalanceStatus, field for field)."""
+    enabled: bool
+    threshold: float = 0.0
+    cooldown_s: float = 0.0
+    moves: int = 0  # automatic moves started
+    last_move: str = ""  # "" before the first
+    since_last_move_s: float | None = None  # None before the first
+    eligible_in_s: float = 0.0  # until the cool-down lets the next move start
+    reason: str = ""  # the last decision's
+
+
 HOT_PARTITIONS = 5  # the hottest row partitions `pshard status` lists
 
 
@@ -146,6 +160,7 @@ class JobStatus:
     joins: tuple[JoinReport, ...] = ()
     # Servers whose failover the scheduler refused: their slices and row partitions are lost.
     lost: tuple[ServerLoss, ...] = ()
+    auto_rebalance: AutoRebalanceReport | None = None  # None: the scheduler did not say
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2, sort_keys=True)
@@ -170,7 +185,8 @@ def waits_for(server: ServerReport, live_workers: Sequence[str]) -> tuple[str, .
 
 def summarise(scheduler: str, view: ClusterView, servers: Sequence[ServerReport], now: float = 0.0,
               drains: Sequence[DrainReport] = (), loads: Sequence[LoadReport] = (),
-              moves: Sequence[MoveReport] = (), joins: Sequence[JoinReport] = ()) -> JobStatus:
+              moves: Sequence[MoveReport] = (), joins: Sequence[JoinReport] = (),
+              auto_rebalance: AutoRebalanceReport | None = None) -> JobStatus:
     """The job's status from the scheduler's view and the servers' reports."""
     nodes = view.nodes
     live_trainers = [n.node_id for n in nodes if n.role in TRAINERS and n.state is NodeState.LIVE]
@@ -192,7 +208,7 @@ def summarise(scheduler: str, view: ClusterView, servers: Sequence[ServerReport]
     reports = tuple(ServerReport(**{**asdict(s), "waits_for": waits_for(s, live_trainers)}) for s in servers)
     return JobStatus(scheduler, view.generation, view.layout_version, tuple(members), reports, now,
                      pairs=pair_transports(servers), drains=tuple(drains), loads=tuple(loads),
-                     moves=tuple(moves), joins=tuple(joins), lost=view.lost)
+                     moves=tuple(moves), joins=tuple(joins), lost=view.lost, auto_rebalance=auto_rebalance)
 
 
 def pair_transports(servers: Sequence[ServerReport]) -> dict[str, dict[str, str]]:
@@ -307,6 +323,21 @@ def _move_lines(status: JobStatus) -> list[str]:
     return lines
 
 
+def _auto_rebalance_lines(status: JobStatus) -> list[str]:
+    """The automatic rebalance: off, or its settings, its moves, and what it waits for."""
+    auto = status.auto_rebalance
+    if auto is None:
+        return []
+    if not auto.enabled:
+        return ["", "AUTO-REBALANCE  off (pshard scheduler --rebalance-auto THRESHOLD turns it on)"]
+    last = (f"last {auto.last_move}, {auto.since_last_move_s:.1f} s ago"
+            if auto.last_move and auto.since_last_move_s is not None else "none yet")
+    return ["", f"AUTO-REBALANCE  on: above {auto.threshold:g}x the mean load, cool-down "
+                f"{auto.cooldown_s:g} s; {auto.moves} move(s), {last}; next move eligible "
+                + (f"in {auto.eligible_in_s:.1f} s" if auto.eligible_in_s > 0 else "now"),
+            f"{'':<16}{auto.reason}"]
+
+
 def render(status: JobStatus) -> str:
     """The human form: members, then servers, then what waits on whom."""
     def dash(value: object) -> str:
@@ -331,6 +362,7 @@ def render(status: JobStatus) -> str:
     lines += _drain_lines(status)
     lines += _move_lines(status)
     lines += _join_lines(status)
+    lines += _auto_rebalance_lines(status)
     lines += _lost_lines(status)
     stuck = [s for s in status.servers if s.waits_for]
     if stuck:
@@ -370,6 +402,9 @@ def fetch(scheduler: str, timeout_s: float, security: SecurityConfig | None = No
     joins = [JoinReport(j.node_id, j.address, j.donor, j.slices, tuple(j.partitions), j.bytes,
                         j.layout_version, j.seconds, j.done, j.rolled_back, j.bytes_left)
              for j in first.joins]
+    a = first.auto_rebalance
+    auto = AutoRebalanceReport(a.enabled, a.threshold, a.cooldown_s, a.moves, a.last_move,
+                               a.since_last_move_s if a.last_move else None, a.eligible_in_s, a.reason)
     reports = []
     for node in view.nodes:
         if node.role != "ps" or node.state is not NodeState.LIVE:
@@ -389,7 +424,7 @@ def fetch(scheduler: str, timeout_s: float, security: SecurityConfig | None = No
             max_version=s.max_version, pulls_waiting=s.pulls_waiting, pushes_applied=s.pushes_applied,
             pushes_dropped=s.pushes_dropped, quorum=tuple(s.quorum), worker_clocks=dict(s.worker_clocks),
             transports=dict(s.worker_transports)))
-    return summarise(scheduler, view, reports, time.time(), drains, loads, moves, joins)
+    return summarise(scheduler, view, reports, time.time(), drains, loads, moves, joins, auto)
 
 
 def build_parser(prog: str = PROG) -> argparse.ArgumentParser:

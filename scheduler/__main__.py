@@ -25,7 +25,13 @@ import os
 import sys
 from collections.abc import Mapping, Sequence
 
-from pshard.common.argtypes import listen_address, positive_int
+from pshard.common.argtypes import (
+    listen_address,
+    load_ratio,
+    non_negative_float,
+    positive_float,
+    positive_int,
+)
 from pshard.common.cluster.layout import MAX_ROW_PARTITIONS
 from pshard.common.cluster.spec import (
     add_cluster_arguments,
@@ -40,7 +46,13 @@ from pshard.common.logs import add_log_level_argument, configure_logging
 from pshard.common.metrics_flag import add_metrics_argument
 from pshard.common.rpc.bind import default_bind, own_hosts
 from pshard.common.security.credentials import SecurityConfig, add_security_arguments, security_from_args
-from pshard.scheduler.settings import DEFAULT_HEARTBEAT_INTERVAL_S, DEFAULT_HEARTBEAT_TIMEOUT_S
+from pshard.scheduler.auto_rebalance import RebalancePolicy, rebalance_policy
+from pshard.scheduler.settings import (
+    DEFAULT_HEARTBEAT_INTERVAL_S,
+    DEFAULT_HEARTBEAT_TIMEOUT_S,
+    DEFAULT_LOAD_WINDOW_S,
+    DEFAULT_REBALANCE_COOLDOWN_S,
+)
 
 PROG = "python -m pshard.scheduler"
 DEFAULT_PORT = 7000
@@ -67,12 +79,39 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
                         help="hash each sparse table's ids into N row partitions per parameter server: "
                              "the unit that re-sharding moves (docs/operations/scaling.md; default 1: "
                              "one partition per server)")
+    add_rebalance_arguments(parser)
     add_cluster_arguments(parser)
     add_security_arguments(parser)
     add_metrics_argument(parser)
     add_exit_argument(parser)
     add_log_level_argument(parser)
     return parser
+
+
+def add_rebalance_arguments(parser: argparse.ArgumentParser) -> None:
+    """The automatic rebalance (docs/operations/scaling.md), also `pshard launch`'s."""
+    parser.add_argument("--rebalance-auto", metavar="THRESHOLD", type=load_ratio, default=None,
+                        help="move table row partitions on its own: when the hottest live server's load "
+                             "(rows/s, as `pshard rebalance` weighs it) is above THRESHOLD times the mean, "
+                             "and nothing else moves, start the first move `pshard rebalance` would make, "
+                             "then wait --rebalance-cooldown (default: off; 1.2 is a good start; needs "
+                             "--row-partitions-per-server above 1)")
+    parser.add_argument("--rebalance-cooldown", metavar="SECONDS", type=non_negative_float, default=None,
+                        help="with --rebalance-auto: seconds after a move before the next one may start, "
+                             "and before a moved partition may move again "
+                             f"(default {DEFAULT_REBALANCE_COOLDOWN_S:g})")
+    parser.add_argument("--load-window-s", metavar="SECONDS", type=positive_float,
+                        default=DEFAULT_LOAD_WINDOW_S,
+                        help="servers' loads are rates over about this many seconds of their heartbeats; "
+                             "--rebalance-auto waits for that much from every server before a move "
+                             f"(default {DEFAULT_LOAD_WINDOW_S:g})")
+
+
+def policy_from_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> RebalancePolicy | None:
+    if args.rebalance_cooldown is not None and args.rebalance_auto is None:
+        parser.error(f"--rebalance-cooldown: got {args.rebalance_cooldown:g}, but the automatic rebalance is "
+                     "off; add --rebalance-auto THRESHOLD")
+    return rebalance_policy(args.rebalance_auto, args.rebalance_cooldown, args.load_window_s)
 
 
 def bind_address(args: argparse.Namespace, environ: Mapping[str, str], prog: str = PROG) -> str:
@@ -90,7 +129,8 @@ def bind_address(args: argparse.Namespace, environ: Mapping[str, str], prog: str
 
 async def _run(bind: str, interval_s: float, timeout_s: float, metrics_port: int | None = None,
                exit_when_done: float | None = None, security: SecurityConfig | None = None,
-               row_partitions_per_server: int = 1) -> None:
+               row_partitions_per_server: int = 1, rebalance: RebalancePolicy | None = None,
+               load_window_s: float = DEFAULT_LOAD_WINDOW_S) -> None:
     # The service's modules (grpc, the generated code) load only once the flags are checked: --help and
     # every usage error come first, within a fraction of a second.
     from pshard.common.metrics import serve_scheduler_metrics
@@ -102,7 +142,8 @@ async def _run(bind: str, interval_s: float, timeout_s: float, metrics_port: int
     for sig in STOP_SIGNALS:
         loop.add_signal_handler(sig, stop.set)
     running = await start(bind, heartbeat_interval_s=interval_s, heartbeat_timeout_s=timeout_s,
-                          security=security, row_partitions_per_server=row_partitions_per_server)
+                          security=security, row_partitions_per_server=row_partitions_per_server,
+                          rebalance=rebalance, load_window_s=load_window_s)
     (security or SecurityConfig()).warn_if_open("pshard scheduler")
     metrics = None
     try:
@@ -138,6 +179,7 @@ def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = 
     if args.row_partitions_per_server > MAX_ROW_PARTITIONS:
         parser.error(f"--row-partitions-per-server: got {args.row_partitions_per_server}, expected at most "
                      f"{MAX_ROW_PARTITIONS}")
+    policy = policy_from_args(parser, args)
     configure_logging(args.log_level)
     env = os.environ if environ is None else environ
     bind = bind_address(args, env, prog)
@@ -150,7 +192,8 @@ def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = 
         check_can_listen(metrics_address(bind, args.metrics_port))
     try:
         asyncio.run(_run(bind, args.heartbeat_interval_ms / 1000, args.heartbeat_timeout_ms / 1000,
-                         args.metrics_port, args.exit_when_done, security, args.row_partitions_per_server))
+                         args.metrics_port, args.exit_when_done, security, args.row_partitions_per_server,
+                         policy, args.load_window_s))
     except OSError as e:  # lost the port between the check and gRPC's bind
         print(f"{prog}: error: {e}", file=sys.stderr)
         return 2

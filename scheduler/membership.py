@@ -31,9 +31,9 @@ from pshard.common.cluster.layout import (
     ParamSpec,
     plan_layout,
 )
-from pshard.common.cluster.loads import Counters, LoadMeter, partition_loads
+from pshard.common.cluster.loads import WINDOW_S, Counters, LoadMeter, partition_loads
 from pshard.common.cluster.losses import serves
-from pshard.common.cluster.moves import NowhereToMoveError, plan_join
+from pshard.common.cluster.moves import NowhereToMoveError, plan_drain, plan_join
 from pshard.common.cluster.replicas import (
     NoInSyncCopyError,
     fail_over,
@@ -50,8 +50,10 @@ from pshard.common.cluster.view import (
     MonotonicClock,
     Node,
     NodeState,
+    PartitionCopy,
     Registration,
     ServerLoss,
+    SliceCopy,
 )
 from pshard.common.errors import (
     BarrierTimeoutError,
@@ -64,6 +66,7 @@ from pshard.common.errors import (
     UnknownNodeError,
     quote,
 )
+from pshard.scheduler.drain_copies import DrainCopies, DrainCopy
 from pshard.scheduler.drains import DrainLog
 from pshard.scheduler.in_sync import DRAINED, JOINED, LOST, PROMOTED, InSyncCopies
 from pshard.scheduler.joins import JoinLog
@@ -188,10 +191,12 @@ class _Barrier:
 
 class Membership:
     def __init__(self, heartbeat_timeout_s: float, clock: Clock | None = None,
-                 limits: MembershipLimits | None = None, row_partitions_per_server: int = 1) -> None:
+                 limits: MembershipLimits | None = None, row_partitions_per_server: int = 1,
+                 load_window_s: float = WINDOW_S) -> None:
         """`row_partitions_per_server`: table ids are hashed into that many row partitions per server
         of the first layout, so that a join, a drain or a rebalance can move them one by one
-        (pshard.common.cluster.moves); 1 keeps one partition per server, as every older layout."""
+        (pshard.common.cluster.moves); 1 keeps one partition per server, as every older layout.
+        `load_window_s`: the servers' loads are rates over about that many seconds of their reports."""
         if heartbeat_timeout_s <= 0:
             raise InvalidArgumentError(f"heartbeat_timeout_s: got {heartbeat_timeout_s}, expected > 0")
         if not 1 <= row_partitions_per_server <= MAX_ROW_PARTITIONS:
@@ -225,9 +230,10 @@ class Membership:
         # Each join in progress: the incarnation (address, generation) of the donor it copies from. A new
         # donor (the old one went, or is a new process) means the copy so far is of a state that is gone.
         self._donors: dict[str, tuple[str, int]] = {}
-        self.loads = LoadMeter()  # each server's load, from its heartbeats (`pshard rebalance`)
+        self.loads = LoadMeter(load_window_s)  # each server's load, from its heartbeats (`pshard rebalance`)
         self.moves = MoveLog()  # partition moves, and every move's duration for the metrics
         self.copies = PartitionCopies()  # moves to servers without a copy, while they catch up
+        self.drain_copies = DrainCopies()  # drains without replicas, while their targets catch up
 
     @property
     def generation(self) -> int:
@@ -354,6 +360,7 @@ class Membership:
             self._join_caught_up(member)
         if member.role == "ps" and layout is not None:
             self._copies_reported(member, in_sync, in_sync_layout)
+            self._drain_reported(member, in_sync, in_sync_layout)
         return self.view()
 
     # ---- joins (docs/architecture.md, 4 Layout: Moving slices and partitions) ----
@@ -552,11 +559,6 @@ class Membership:
         slices, partitions = layout.slices_on(me), layout.partitions_on(me)
         if not (slices or partitions):
             return None
-        if not layout.replicas:
-            raise InvalidArgumentError(
-                f"leave of server {me} ({member.address}): it serves {len(slices)} slices and row "
-                f"partitions {list(partitions)}, and the job has no replicas to hand them to (replicas 0); "
-                "they would be lost. Stop it instead, or run the job with --replicas 1")
         live_addresses = {m.address for m in self._members.values()
                           if m.role == "ps" and m.state is NodeState.LIVE and m is not member}
         live = {i for i, a in enumerate(layout.servers) if a in live_addresses}
@@ -571,6 +573,8 @@ class Membership:
             raise NowhereToMoveError(
                 f"leave of server {me} ({member.address}): it is the last live server; its {len(slices)} "
                 f"slices and row partitions {list(partitions)} would have no owner")
+        if not layout.replicas:
+            self._drain_by_copies(member, layout, me, live)
         copies = self.in_sync.of(member.address)
         moved, _ = fail_over(layout, me, live, {i for i, a in enumerate(layout.servers) if a in copies})
         return moved
@@ -700,7 +704,7 @@ class Membership:
         nodes = sorted(self._members.values(), key=lambda m: (_SPACE_ORDER[RANK_SPACE[m.role]], m.rank))
         return ClusterView(self._generation, tuple(m.snapshot() for m in nodes),
                            self._layout.version if self._layout else 0, tuple(self._losses.values()),
-                           self.copies.view())
+                           (*self.copies.view(), *self._drain_partition_copies()), self._drain_slice_copies())
 
     def live_workers(self) -> dict[str, int]:
         return self.view().live_workers()
@@ -922,6 +926,8 @@ class Membership:
             log.warning("MOVE ROLLED BACK: row partition %d from %s to %s: layout version %d gives it to %s",
                         copy.partition, copy.source, copy.target, new.version, new.servers[new.row_owner(
                             copy.partition)])
+        for drain in self.drain_copies.stale(new.version):
+            self._drain_rolled_back(drain, f"layout version {new.version} came in force under its plan")
         self._bump()
         return self._layout
 
@@ -1087,6 +1093,8 @@ class Membership:
             self._bump()  # the views stop naming the copies: their sources drop what is left of them
 
     def _copies_gone(self, address: str, why: str) -> None:
+        for drain in self.drain_copies.gone(address):
+            self._drain_rolled_back(drain, f"{address} {why} before the switch")
         for copy in self.copies.gone(address):
             if copy.switched_at:
                 continue  # complete: the layout that switched it stands
@@ -1098,3 +1106,77 @@ class Membership:
         for move in self.moves.gone(address, self._clock.now()):
             log.warning("MOVE: row partition %d from %s to %s ended unfinished: %s %s before its backups "
                         "held the partition again", move.partition, move.source, move.target, address, why)
+
+    # ---- drains without replicas (issue 20; scheduler/drain_copies.py) ----
+
+    def _drain_by_copies(self, member: _Member, layout: Layout, me: int, live: set[int]) -> None:
+        """A drain of a job without replicas: nothing holds a copy of what `member` serves, so the views
+        name targeted copies of it to the servers `plan_drain` spreads it over, and the leave is refused
+        (NoInSyncCopyError, to retry) until every target caught up and ONE layout version switched it all
+        (`_drain_reported`); the retried leave then finds the server serving nothing."""
+        drain = self.drain_copies.get(member.address)
+        if drain is None or drain.source_generation != member.generation:
+            plan = plan_drain(layout, me, self._partition_bytes(layout), live)
+            generations = {m.address: m.generation for m in self._members.values()
+                           if m.role == "ps" and m.state is NodeState.LIVE}
+            try:
+                started = self.drain_copies.start((member.address, member.generation), plan, self._is_current,
+                                                  generations, self._clock.now())
+            except InvalidArgumentError as err:  # another drain takes or gives this server's items
+                raise NoInSyncCopyError(f"leave of server {me} ({member.address}): {err}; retry") from None
+            if started:
+                self._bump()
+                log.info("DRAINING: server %d (%s) without replicas: copying %d slices and row partitions %s "
+                         "(%d bytes) to %s before one switch; generation %d", me, member.address,
+                         len(layout.slices_on(me)), list(layout.partitions_on(me)), plan.nbytes,
+                         ", ".join(sorted({layout.servers[m.target] for m in plan.moves})), self._generation)
+            drain = self.drain_copies.get(member.address)
+        assert drain is not None
+        behind = ", ".join(sorted(set(drain.targets) - drain.caught_up)) or "their targets"
+        raise NoInSyncCopyError(
+            f"leave of server {me} ({member.address}): the job has no replicas, so its "
+            f"{len(drain.plan.moves)} slices and row partitions are being copied to {behind} first "
+            f"({drain.nbytes} bytes); it leaves once they all hold them, under one layout switch; retry")
+
+    def _drain_reported(self, member: _Member, in_sync: Mapping[str, int], layout_version: int) -> None:
+        """A server's heartbeat: its drain switches once every target holds its copy (its report names
+        them, as the incarnations the copies went to); a switched drain whose every target reports the
+        switched layout has been taken over, and leaves the views."""
+        drain = self.drain_copies.reported(member.address, in_sync, self._is_current)
+        layout = self._layout
+        if drain is not None and layout is not None:
+            try:
+                moved = self.drain_copies.switch(member.address, layout, self._next_layout_version())
+            except InvalidArgumentError as err:  # a layout that changed under the plan rolls back
+                log.warning("DRAIN: server %s not switched: %s", member.address, err)
+            else:
+                new = self.replace_layout(moved)
+                self.in_sync.changes[DRAINED] += 1
+                me = layout.servers.index(member.address)
+                targets = ", ".join(sorted(drain.targets))
+                handed = self.drains.handed_over(member.node_id, member.address, targets,
+                                                 len(layout.slices_on(me)), layout.partitions_on(me),
+                                                 new.version, self._clock.now())
+                self.moves.drained(handed.seconds(self._clock.now()))
+                log.warning("DRAIN: server %d (%s)'s %d slices and row partitions %s are switched to %s, "
+                            "which hold their copies, at layout version %d, %.2f s after its first ask; "
+                            "generation %d", me, member.address, len(layout.slices_on(me)),
+                            list(layout.partitions_on(me)), targets, new.version,
+                            handed.seconds(self._clock.now()), self._generation)
+        if self.drain_copies.took(member.address, layout_version):
+            self._bump()  # the views stop naming the copies
+
+    def _drain_rolled_back(self, drain: DrainCopy, why: str) -> None:
+        log.warning("DRAIN ROLLED BACK: server %s keeps its %d slices and row partitions: %s", drain.source,
+                    len(drain.plan.moves), why)
+        self._bump()  # the views stop naming the copies: the sources drop them
+
+    def _drain_slice_copies(self) -> tuple[SliceCopy, ...]:
+        return tuple(SliceCopy(d.source, t, d.slices_to(t), d.switched_at)
+                     for d in self.drain_copies.all() for t in sorted(d.targets) if d.slices_to(t))
+
+    def _drain_partition_copies(self) -> tuple[PartitionCopy, ...]:
+        """A drain's row partitions, copied as a rebalance's (`TableReplication.set_copies`), but switched
+        with the drain's slices: never one by one (`_copies_reported` knows only `self.copies`)."""
+        return tuple(PartitionCopy(p, d.source, t, d.switched_at) for d in self.drain_copies.all()
+                     for t in sorted(d.targets) for p in sorted(d.partitions_to(t)))

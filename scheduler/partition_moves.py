@@ -53,6 +53,7 @@ class MoveStats:
     buckets: tuple[tuple[str, float], ...]  # the duration histogram, cumulative, as Prometheus wants it
     seconds_sum: float
     in_progress: tuple[PartitionMove, ...]
+    automatic: int = 0  # moves the automatic rebalance started (`pshard scheduler --rebalance-auto`)
 
 
 class MoveLog:
@@ -62,6 +63,7 @@ class MoveLog:
         self.finished: collections.Counter[str] = collections.Counter()  # kind -> moves done
         self.bucket_counts = [0] * (len(MOVE_BUCKETS) + 1)  # the last one is +Inf
         self.seconds_sum = 0.0
+        self.automatic = 0  # moves the automatic rebalance started (scheduler/auto_rebalancer.py)
 
     def switched(self, partition: int, source: str, target: str, layout_version: int, nbytes: int,
                  now: float) -> PartitionMove:
@@ -105,7 +107,7 @@ class MoveLog:
 
     def stats(self) -> MoveStats:
         return MoveStats(dict(self.finished), tuple(self.cumulative()), self.seconds_sum,
-                         self._moves.in_progress())
+                         self._moves.in_progress(), self.automatic)
 
     def cumulative(self) -> list[tuple[str, float]]:
         """The duration histogram's buckets as Prometheus wants them."""

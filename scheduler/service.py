@@ -22,9 +22,15 @@ from pshard.common.rpc.options import server_options
 from pshard.common.rpc.serving import ServerThread, start_in_thread
 from pshard.common.security.auth import AuthRefusals
 from pshard.common.security.credentials import SecurityConfig
+from pshard.scheduler.auto_rebalance import RebalancePolicy
+from pshard.scheduler.auto_rebalancer import AutoRebalancer
 from pshard.scheduler.membership import Membership, MembershipLimits
 from pshard.scheduler.servicer import SchedulerServicer
-from pshard.scheduler.settings import DEFAULT_HEARTBEAT_INTERVAL_S, DEFAULT_HEARTBEAT_TIMEOUT_S
+from pshard.scheduler.settings import (
+    DEFAULT_HEARTBEAT_INTERVAL_S,
+    DEFAULT_HEARTBEAT_TIMEOUT_S,
+    DEFAULT_LOAD_WINDOW_S,
+)
 
 from pshard.api.v1 import scheduler_pb2_grpc as pb_grpc
 
@@ -45,6 +51,7 @@ class RunningScheduler:
     stopped: asyncio.Event = field(default_factory=asyncio.Event)
     # Calls refused UNAUTHENTICATED or PERMISSION_DENIED (security on).
     refusals: AuthRefusals = field(default_factory=AuthRefusals)
+    rebalance: asyncio.Task[None] | None = None  # the automatic rebalance's loop (--rebalance-auto)
 
     async def stop(self, grace_s: float = 2.0) -> None:
         """NOT_SERVING first (load balancers stop routing), end the Watch streams, then drain RPCs."""
@@ -52,9 +59,11 @@ class RunningScheduler:
             return
         await self.health.enter_graceful_shutdown()
         self.servicer.close()
-        self.expiry.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await self.expiry
+        for task in (self.expiry, self.rebalance):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
         await self.server.stop(grace_s)
         self.stopped.set()
         log.info("scheduler on port %d stopped", self.port)
@@ -63,15 +72,19 @@ class RunningScheduler:
 async def start(bind: str = "127.0.0.1:0", *, heartbeat_interval_s: float = DEFAULT_HEARTBEAT_INTERVAL_S,
                 heartbeat_timeout_s: float = DEFAULT_HEARTBEAT_TIMEOUT_S,
                 clock: Clock | None = None, limits: MembershipLimits | None = None,
-                security: SecurityConfig | None = None, row_partitions_per_server: int = 1
+                security: SecurityConfig | None = None, row_partitions_per_server: int = 1,
+                rebalance: RebalancePolicy | None = None, load_window_s: float = DEFAULT_LOAD_WINDOW_S
                 ) -> RunningScheduler:
     """Start serving on `bind` (port 0 picks a free port); raises OSError if it cannot listen.
 
     `security`: TLS files and tokens (pshard.common.security.credentials); default: plain and open.
-    `row_partitions_per_server`: table row partitions per server in the layout (Membership)."""
+    `row_partitions_per_server`: table row partitions per server in the layout (Membership).
+    `rebalance`: the automatic rebalance policy (None: off), decided on every heartbeat interval;
+    `load_window_s`: the servers' loads are rates over that many seconds."""
     security = security or SecurityConfig()
-    membership = Membership(heartbeat_timeout_s, clock, limits, row_partitions_per_server)
-    servicer = SchedulerServicer(membership, heartbeat_interval_s)
+    membership = Membership(heartbeat_timeout_s, clock, limits, row_partitions_per_server, load_window_s)
+    rebalancer = AutoRebalancer(membership, rebalance) if rebalance is not None else None
+    servicer = SchedulerServicer(membership, heartbeat_interval_s, rebalancer)
     refusals = AuthRefusals()
     server = grpc.aio.server(options=server_options(),
                              interceptors=[*security.server_interceptors(refusals), DecodeErrors()])
@@ -88,9 +101,15 @@ async def start(bind: str = "127.0.0.1:0", *, heartbeat_interval_s: float = DEFA
     for service in ("", SERVICE_NAME):
         await health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
     expiry = asyncio.create_task(servicer.run_expiry(max(heartbeat_timeout_s * _EXPIRY_FRACTION, 0.01)))
+    balancing = asyncio.create_task(servicer.run_auto_rebalance(heartbeat_interval_s)) if rebalancer else None
     log.info("scheduler listening on %s (port %d); heartbeat every %g s, timeout %g s; %s",
              bind, port, heartbeat_interval_s, heartbeat_timeout_s, security.describe())
-    return RunningScheduler(server, servicer, health_servicer, port, expiry, refusals=refusals)
+    if rebalance is not None:
+        log.info("automatic rebalance on: a row partition moves when the hottest server is above %gx the "
+                 "mean load (over %g s of samples), at most one move each %g s", rebalance.threshold,
+                 rebalance.window_s, rebalance.cooldown_s)
+    return RunningScheduler(server, servicer, health_servicer, port, expiry, refusals=refusals,
+                            rebalance=balancing)
 
 
 async def serve(bind: str, stop: asyncio.Event, *, heartbeat_interval_s: float = DEFAULT_HEARTBEAT_INTERVAL_S,
@@ -114,10 +133,12 @@ def start_scheduler_thread(bind: str = "127.0.0.1:0", *,
                            heartbeat_timeout_s: float = DEFAULT_HEARTBEAT_TIMEOUT_S,
                            grace_s: float = 2.0, start_timeout_s: float = 10.0,
                            security: SecurityConfig | None = None,
-                           row_partitions_per_server: int = 1) -> SchedulerHandle:
+                           row_partitions_per_server: int = 1, rebalance: RebalancePolicy | None = None,
+                           load_window_s: float = DEFAULT_LOAD_WINDOW_S) -> SchedulerHandle:
     """Run a scheduler in a daemon thread; returns once it is serving (or raises why it is not)."""
     return start_in_thread(
         lambda: start(bind, heartbeat_interval_s=heartbeat_interval_s,
                       heartbeat_timeout_s=heartbeat_timeout_s, security=security,
-                      row_partitions_per_server=row_partitions_per_server),
+                      row_partitions_per_server=row_partitions_per_server, rebalance=rebalance,
+                      load_window_s=load_window_s),
         name=f"scheduler-{bind}", grace_s=grace_s, start_timeout_s=start_timeout_s)

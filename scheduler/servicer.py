@@ -37,6 +37,7 @@ from pshard.common.wire.codec import (
     timeout_ms_from_proto,
     view_to_proto,
 )
+from pshard.scheduler.auto_rebalancer import AutoRebalancer
 from pshard.scheduler.membership import Membership
 
 from pshard.api.v1 import scheduler_pb2 as pb
@@ -54,8 +55,10 @@ PROPOSERS = frozenset({"chief", "worker", "admin"})
 RESTORERS = frozenset({"ps", "chief", "admin"})
 
 class SchedulerServicer(pb_grpc.SchedulerServiceServicer):
-    def __init__(self, membership: Membership, heartbeat_interval_s: float) -> None:
+    def __init__(self, membership: Membership, heartbeat_interval_s: float,
+                 rebalancer: AutoRebalancer | None = None) -> None:
         self._members = membership
+        self._rebalancer = rebalancer
         self._heartbeat_interval_s = heartbeat_interval_s
         self._changes = ChangeSignal()
         self._closed = False
@@ -93,6 +96,15 @@ class SchedulerServicer(pb_grpc.SchedulerServiceServicer):
                          node.node_id, node.role, node.rank, node.address or "-",
                          self._members.silent_for(node.node_id), self._members.generation)
             if dead:
+                self._publish()
+
+    async def run_auto_rebalance(self, period_s: float) -> None:
+        """Decide on an automatic move every `period_s` (a heartbeat interval: the loads change no faster)
+        and publish the view when one started. Runs until cancelled."""
+        assert self._rebalancer is not None
+        while not self._closed:
+            await asyncio.sleep(period_s)
+            if self._rebalancer.tick():
                 self._publish()
 
     # ---- membership ----
@@ -156,7 +168,8 @@ class SchedulerServicer(pb_grpc.SchedulerServiceServicer):
             view = await self._changes.wait_for(newer)
             if view is not None and view.generation > sent:
                 yield pb.WatchResponse(view=view_to_proto(view), drains=self._drains(),
-                                       loads=self._loads(view), moves=self._moves(), joins=self._joins())
+                                       loads=self._loads(view), moves=self._moves(), joins=self._joins(),
+                                       auto_rebalance=self._auto_rebalance())
                 sent = view.generation
 
     def _drains(self) -> list[pb.Drain]:
@@ -172,6 +185,14 @@ class SchedulerServicer(pb_grpc.SchedulerServiceServicer):
                         seconds=j.seconds(now), done=j.done and j.took, rolled_back=j.rolled_back,
                         bytes_left=j.bytes_left)
                 for j in self._members.joins.all()]
+
+    def _auto_rebalance(self) -> pb.AutoRebalance:
+        if self._rebalancer is None:
+            return pb.AutoRebalance(enabled=False)
+        s = self._rebalancer.status()
+        return pb.AutoRebalance(enabled=True, threshold=s.threshold, cooldown_s=s.cooldown_s, moves=s.moves,
+                                last_move=s.last_move, since_last_move_s=s.since_last_move_s or 0.0,
+                                eligible_in_s=s.eligible_in_s, reason=s.reason)
 
     def _loads(self, view: ClusterView) -> list[pb.ServerLoad]:
         return [load_to_proto(self._members.loads.load(n.address)) for n in view.live("ps")]

@@ -16,6 +16,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import TypeVar
 
 import grpc
@@ -80,13 +81,15 @@ class InOrder:
             return await asyncio.to_thread(fn, request)
 
 
-def off_loop(fn: Callable[[pb.RunRequest], T], request: pb.RunRequest) -> T:
-    """fn(request) on the loop's own thread as on a thread without one: a scheduled function that runs a
-    loop of its own (asyncio.run) finds none running, as it did when calls ran on a thread."""
+def off_loop(fn: Callable[[], T]) -> T:
+    """fn() on the loop's own thread as on a thread without one: a scheduled function that runs a loop of
+    its own (asyncio.run) finds none running, as it did when calls ran on a thread. asyncio's underscored
+    pair is the only way: there is no public call that hides the running loop from the code it runs (the
+    public get_running_loop only reads it), and asyncio.run refuses to start beside a running loop."""
     loop = asyncio._get_running_loop()
     asyncio._set_running_loop(None)
     try:
-        return fn(request)
+        return fn()
     finally:
         asyncio._set_running_loop(loop)
 
@@ -121,7 +124,7 @@ class _Servicer(pb_grpc.WorkerServiceServicer):
         runner = await self._runner(context)
         async for request in requests:
             response = pb.ServeResponse()
-            response.answer.CopyFrom(off_loop(runner.run, request.call))
+            off_loop(partial(runner.run, request.call, response.answer))  # filled in place: no copy
             yield response
 
 
@@ -176,6 +179,10 @@ def run_serving(cfg: TrainConfig) -> int:
     session = ClusterSession(spec, startup_timeout_s=cfg.startup_timeout_s, step_timeout_s=cfg.step_timeout_s,
                              transport=cfg.transport, shm_dir=cfg.shm_dir, security=cfg.security,
                              replicas=cfg.replicas)
+    if cfg.threads:  # as a training worker does (pshard.worker.train): the functions run torch here
+        import torch
+
+        torch.set_num_threads(cfg.threads)
     servicer = _Servicer(cfg.startup_timeout_s)
     bind = cfg.bind or default_bind(spec.listen_address, spec.own_address)
     with stage("serve", f"serving scheduled functions on {bind}"):

@@ -91,6 +91,16 @@ class LoadMeter:
     def loads(self) -> tuple[ServerLoad, ...]:
         return tuple(self.load(a) for a in self._reports)
 
+    @property
+    def window_s(self) -> float:
+        return self._window_s
+
+    def sampled_s(self, address: str) -> float:
+        """How many seconds the server's kept reports span (0 before two): its rates are over that long,
+        which is at least the window once it has reported for longer (a restart starts it over)."""
+        kept = self._reports.get(address)
+        return kept[-1][0] - kept[0][0] if kept else 0.0
+
 
 def _restarted(before: Counters, after: Counters) -> bool:
     return (after.bytes_in < before.bytes_in or after.bytes_out < before.bytes_out

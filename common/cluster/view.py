@@ -11,6 +11,8 @@ import time
 from dataclasses import dataclass
 from typing import Protocol
 
+from pshard.common.types import SliceKey
+
 ROLES = ("scheduler", "ps", "chief", "worker", "evaluator")
 # The data-parallel ranks: they push gradients and form the sync quorum.
 TRAINER_ROLES = ("chief", "worker")
@@ -88,6 +90,18 @@ class PartitionCopy:
 
 
 @dataclass(frozen=True)
+class SliceCopy:
+    """Dense slices their server (`source`) copies to `target`, a server that is not a backup of its own,
+    before a drain without replicas switches them there (issue 20): the source forwards their states, then
+    their steps, as to a joiner until the target holds them."""
+
+    source: str  # addresses
+    target: str
+    slices: frozenset[SliceKey]
+    switched_at: int = 0  # the layout version that switched them to `target` (0: still copying)
+
+
+@dataclass(frozen=True)
 class ClusterView:
     generation: int
     nodes: tuple[Node, ...] = ()
@@ -96,6 +110,7 @@ class ClusterView:
     # failover that will never come (pshard.common.cluster.losses).
     lost: tuple[ServerLoss, ...] = ()
     copies: tuple[PartitionCopy, ...] = ()
+    slice_copies: tuple[SliceCopy, ...] = ()
 
     def copies_from(self, source: str) -> dict[str, frozenset[int]]:
         """The partitions `source` copies to each target (the switched ones too: their targets take them
@@ -105,6 +120,11 @@ class ClusterView:
             if c.source == source:
                 out[c.target] = out.get(c.target, frozenset()) | {c.partition}
         return out
+
+    def slice_copies_from(self, source: str) -> tuple[dict[str, frozenset[SliceKey]], list[str]]:
+        """({target: the slices `source` copies to it}, the targets whose copies are switched)."""
+        copies = {c.target: c.slices for c in self.slice_copies if c.source == source}
+        return copies, [c.target for c in self.slice_copies if c.source == source and c.switched_at]
 
     def node(self, node_id: str) -> Node | None:
         return next((n for n in self.nodes if n.node_id == node_id), None)

@@ -22,7 +22,15 @@ import numpy as np
 from google.protobuf.message import DecodeError
 from pshard.common.cluster.layout import Layout, LayoutSlice, ParamSpec
 from pshard.common.cluster.loads import Counters, ServerLoad
-from pshard.common.cluster.view import ROLES, ClusterView, Node, NodeState, PartitionCopy, ServerLoss
+from pshard.common.cluster.view import (
+    ROLES,
+    ClusterView,
+    Node,
+    NodeState,
+    PartitionCopy,
+    ServerLoss,
+    SliceCopy,
+)
 from pshard.common.compression import PullPack
 from pshard.common.errors import EmptyRequestError, InvalidArgumentError, PayloadSizeError, quote
 from pshard.common.job import MODES, NONFINITE, OPTIMIZERS, JobConfig, OptimizerConfig, check_lr
@@ -436,15 +444,21 @@ def view_to_proto(view: ClusterView) -> sched_pb.ClusterView:
             for loss in view.lost]
     copies = [sched_pb.PartitionCopy(partition=c.partition, source=c.source, target=c.target,
                                      switched_at=c.switched_at) for c in view.copies]
+    slice_copies = [sched_pb.SliceCopy(source=c.source, target=c.target, switched_at=c.switched_at,
+                                       slices=[slice_id_to_proto(k) for k in sorted(c.slices)])
+                    for c in view.slice_copies]
     return sched_pb.ClusterView(generation=view.generation, nodes=[node_to_proto(n) for n in view.nodes],
-                                layout_version=view.layout_version, lost=lost, copies=copies)
+                                layout_version=view.layout_version, lost=lost, copies=copies,
+                                slice_copies=slice_copies)
 
 
 def view_from_proto(p: sched_pb.ClusterView) -> ClusterView:
     lost = tuple(ServerLoss(loss.address, loss.layout_version, loss.reason) for loss in p.lost)
     copies = tuple(PartitionCopy(c.partition, c.source, c.target, c.switched_at) for c in p.copies)
+    slice_copies = tuple(SliceCopy(c.source, c.target, frozenset(slice_id_from_proto(k) for k in c.slices),
+                                   c.switched_at) for c in p.slice_copies)
     nodes = tuple(node_from_proto(n) for n in p.nodes)
-    return ClusterView(p.generation, nodes, p.layout_version, lost, copies)
+    return ClusterView(p.generation, nodes, p.layout_version, lost, copies, slice_copies)
 
 
 # ---- load (issue 20: `pshard status`, `pshard rebalance`) ----

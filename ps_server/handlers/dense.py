@@ -37,6 +37,7 @@ from pshard.common.errors import (
     LayoutConflictError,
     PermissionDeniedError,
     PullTimeoutError,
+    SliceMovedError,
     StaleGenerationError,
     UnknownKeyError,
     checkpoint_write_error,
@@ -364,9 +365,24 @@ class ParameterServerHandlers:
             return
         for key in keys:
             if key not in owned[1] and (store.holds(key) or key in self._released):
-                raise UnknownKeyError(f"slice {quote(str(key))} moved: layout version {owned[0]} has it on "
+                raise SliceMovedError(f"slice {quote(str(key))} moved: layout version {owned[0]} has it on "
                                       "another server (a failover); re-route", key=str(key),
                                       layout_version=owned[0])
+
+    def _check_kept(self, before: tuple[int, frozenset[SliceKey]] | None, keys: Iterable[SliceKey],
+                    what: str) -> None:
+        """Refuse a request whose slices a layout switch (a drain, a join) moved away while it waited for
+        its copies to settle (`before`: the ownership it started under), as a table's `kept` does: the
+        step may have reached the new owner's copy or not, so it is never acknowledged here; the worker
+        re-routes and sends it again, and the new owner drops what it has already."""
+        now = self._owned
+        if now is None or now is before:
+            return
+        for key in keys:
+            if key not in now[1] and (before is None or key in before[1]):
+                raise SliceMovedError(f"{what}: slice {quote(str(key))} moved to another server by layout "
+                                      f"version {now[0]} while it was applied here; re-route", key=str(key),
+                                      layout_version=now[0])
 
     def check_adds_nothing(self, metas: Sequence[SliceMeta], who: str) -> None:
         """Once the job is set, only the chief adds parameters (docs/architecture.md, 13 Security):
@@ -687,6 +703,7 @@ class ParameterServerHandlers:
         pushed = [k for k, _ in items]
         touched = [*pushed, *keys]
         self._check_owned(touched)
+        owned = self._owned
         self._promote(touched)
         store = self._store_holding(pushed or keys)
         store.specs(keys)
@@ -699,6 +716,7 @@ class ParameterServerHandlers:
         outcome = self._push_now(store, stamp, items, specs) if items else PushOutcome(0, 0)
         if not keys:
             await self._settle(pushed, deadline)  # acknowledged once on every backup
+            self._check_kept(owned, pushed, f"push by {stamp.worker_id!r} at clock {stamp.clock}")
             return PushPullResult(outcome.applied, outcome.dropped, [])
         after = Stamp(stamp.worker_id, stamp.generation, stamp.clock + 1) if items else stamp
         await self._wait_readable(after, keys, deadline)
@@ -710,6 +728,7 @@ class ParameterServerHandlers:
             pulled = [PulledSlice(k, self._to_wire(WireArray(v, dtype_name(v.dtype))), version)
                       for k, (v, version) in zip(keys, store.read(keys), strict=True)]
         await self._settle(touched, deadline)  # the versions read live on the backups
+        self._check_kept(owned, touched, f"push-pull by {stamp.worker_id!r} at clock {stamp.clock}")
         self.pulls_served += 1
         return PushPullResult(outcome.applied, outcome.dropped, pulled)
 
@@ -763,6 +782,7 @@ class ParameterServerHandlers:
         if push and self.lease is not None:  # first: the ownership checked next may change with the renewal
             await self._await_lease(stamp, timeout_s)
         self._check_owned([*(m.key for m in push), *pull])
+        owned = self._owned
         self._promote([*(m.key for m in push), *pull])
         store = self._store_holding([m.key for m in push] or pull)
         store.check_push(push)
@@ -808,6 +828,8 @@ class ParameterServerHandlers:
                 yield EncodedSlice(key, version, payload)
             await reader  # the push side must be complete (and its errors raised) before the summary
             await self._settle([m.key for m in push], deadline)
+            self._check_kept(owned, [*(m.key for m in push), *pull],
+                             f"exchange by {stamp.worker_id!r} at clock {stamp.clock}")
             self.pulls_served += bool(pull)
             yield ExchangeDone(versions, counts[0], counts[1])
         finally:

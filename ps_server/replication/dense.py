@@ -29,7 +29,7 @@ import asyncio
 import logging
 import threading
 import time
-from collections.abc import Collection, Iterable, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -199,6 +199,12 @@ class _Backup:
     # holds every slice (`holds`), so a joiner that is slow, held or killed mid-copy stalls no step.
     joining: bool = False
     holds: bool = True  # acknowledgements wait for it (always for a backup; for a joiner once caught up)
+    # A targeted copy's target (issue 20, a drain without replicas): it takes only these slices, as a
+    # joiner does (None: a backup, which takes every slice).
+    slices: frozenset[SliceKey] | None = None
+
+    def takes(self, key: SliceKey) -> bool:
+        return self.slices is None or key in self.slices
 
     def due(self, key: SliceKey, seq: int) -> None:
         self.need[key] = seq
@@ -229,6 +235,12 @@ class Replicator:
         self._last_seq: dict[SliceKey, int] = {}
         self._sizes: dict[SliceKey, int] = {}  # bytes of a slice's state
         self._backups: dict[str, _Backup] = {}
+        # What the scheduler's view asks for: the backups (ring order), the joiners among them, and the
+        # targeted copies (target -> the slices it takes); `_reconcile` makes `_backups` of them.
+        self._wanted: list[str] = []
+        self._catching_up: frozenset[str] = frozenset()
+        self._copies: dict[str, frozenset[SliceKey]] = {}
+        self._switched: frozenset[str] = frozenset()  # copy targets the layout switched their slices to
         self._store: ShardStore | None = None
         # Requests waiting for acknowledgements: what each needs, and the future to resolve (True: held).
         self._waiters: list[tuple[dict[SliceKey, int], asyncio.Future[bool]]] = []
@@ -245,10 +257,30 @@ class Replicator:
     def set_backups(self, addresses: Sequence[str], catching_up: Collection[str] = ()) -> None:
         """The backups this server forwards to now (from the scheduler's view, ring order); those in
         `catching_up` are joiners, which acknowledgements wait for only once they hold every slice."""
-        wanted = list(dict.fromkeys(addresses))
+        self._wanted, self._catching_up = list(dict.fromkeys(addresses)), frozenset(catching_up)
+        self._reconcile()
+
+    def set_copies(self, copies: Mapping[str, Collection[SliceKey]], switched: Collection[str] = ()) -> None:
+        """The slices this server copies to each target now, a server that is not a backup of it (issue 20:
+        a drain without replicas): a catch-up copy of their states, then each of their steps, as to a
+        joiner. Acknowledgements wait for a target only once it holds them all, so a slow or dead target
+        stalls no step; from then on they do, which makes it a copy the scheduler can switch them to. A
+        backup takes every slice already: a copy to it adds nothing. `switched`: the targets the layout
+        gave their slices to (the views name those copies until the targets took them over); their copies
+        are theirs, never released from here."""
+        self._copies = {a: frozenset(k) for a, k in copies.items() if k and a != self.own}
+        self._switched |= frozenset(switched) & frozenset(self._copies)
+        self._reconcile()
+
+    def _reconcile(self) -> None:
+        """Peers for the backups and the copies wanted now: new ones start with a copy, gone ones stop."""
+        wanted: dict[str, frozenset[SliceKey] | None] = dict(self._copies)
+        wanted.update((a, None) for a in self._wanted)
+        catching_up = self._catching_up | frozenset(self._copies)
         with self._lock:
             gone = [b for a, b in self._backups.items() if a not in wanted]
             new = [a for a in wanted if a not in self._backups]
+            grown = {a for a, b in self._backups.items() if a in wanted and _grows(b.slices, wanted[a])}
             for b in gone:
                 b.closed = True
                 del self._backups[b.address]
@@ -256,24 +288,36 @@ class Replicator:
                 self._backups[address] = _Backup(address, link_to(address, self.own, self._send, self._links,
                                                                   self._shm_dir))
             for address, b in self._backups.items():
+                b.slices = wanted[address]
                 b.joining = address in catching_up
                 if not b.joining:
                     b.holds = True
-                elif address in new:
+                elif address in new or address in grown:
                     b.holds = False
         for b in gone:
             b.wake.set()
-            log.warning("replication: %s is no longer a backup of %s (%d slices unsent)", b.address,
-                        self.own, len(b.pending))
+            if b.slices is None:
+                log.warning("replication: %s is no longer a backup of %s (%d slices unsent)", b.address,
+                            self.own, len(b.pending))
+            elif b.address in self._switched:
+                # Switched to it: it takes its copies over at the layout that moved them (`set_ownership`);
+                # a release from here could reach it before that layout, and drop them.
+                log.info("replication: %s took over %d slices of %s", b.address, len(b.slices), self.own)
+                b.link.close()
+                continue
+            else:
+                log.warning("replication: the copy of %d slices of %s to %s was rolled back", len(b.slices),
+                            self.own, b.address)
             self._loop.run_in_executor(None, self._release, b)
+        self._switched &= frozenset(self._copies)
         for address in new:
             backup = self._backups.get(address)
             if backup is not None:
                 backup.task = self._loop.create_task(self._sender(backup))
                 log.info("replication: %s backs up %s; copying its slices", address, self.own)
-        if new and self._store is not None:
+        if (new or grown) and self._store is not None:
             self.seed([s.key for s in self._store.slots()])
-        if gone:
+        if gone or grown:
             self._wake()
 
     @property
@@ -282,6 +326,10 @@ class Replicator:
             return tuple(self._backups)
 
     def close(self) -> None:
+        # A copy in progress is the scheduler's to roll back (this server is gone); a switched one is its
+        # target's: neither is released from here.
+        self._switched |= frozenset(self._copies)
+        self._copies = {}
         self.set_backups([])
 
     # ---- recording ----
@@ -297,6 +345,7 @@ class Replicator:
             if slot.key not in self._sizes:
                 self._sizes[slot.key] = specs_bytes(state_specs(slot))
             backups = list(self._backups.values())
+            backups = [b for b in backups if b.takes(slot.key)]
             for b in backups:
                 b.due(slot.key, self._seq)
         for b in backups:
@@ -315,7 +364,7 @@ class Replicator:
             with slot.lock, self._lock:
                 self._sizes[slot.key] = specs_bytes(state_specs(slot))
                 for b in self._backups.values():
-                    if slot.key in b.acked or slot.key in b.pending:
+                    if slot.key in b.acked or slot.key in b.pending or not b.takes(slot.key):
                         continue
                     self._seq += 1
                     b.due(slot.key, self._seq)
@@ -386,11 +435,18 @@ class Replicator:
                 # lack, and no copy would ever ship to make it hold: it holds now (else its join never
                 # switched). A slice declared later is then copied to it as to any backup.
                 for b in self._backups.values():
-                    if b.joining and not b.holds and not b.pending:
+                    if b.joining and b.slices is None and not b.holds and not b.pending:
                         b.holds = True
                         log.info("replication: joiner %s holds %s's slices (it has none)", b.address,
                                  self.own)
-            return [a for a, b in self._backups.items() if b.holds and all(k in b.acked for k in wanted)]
+            return [a for a, b in self._backups.items()
+                    if b.slices is None and b.holds and all(k in b.acked for k in wanted)]
+
+    def copies_in_sync(self) -> list[str]:
+        """The targets of targeted copies holding an acknowledged copy of each slice they take (from then
+        on no step of those is acknowledged before they have it too): the scheduler may switch them."""
+        with self._lock:
+            return [a for a, b in self._backups.items() if b.slices is not None and b.holds]
 
     def restarted(self, address: str) -> None:
         """The backup at `address` is a new process: what its old one acknowledged is gone; copy
@@ -530,7 +586,8 @@ class Replicator:
     def _shipped(self, b: _Backup, shipped: dict[SliceKey, int], need: Sequence[SliceKey]) -> None:
         refused = set(need)
         # Read before the lock (the store's own lock is taken before ours where a step is recorded).
-        own = [s.key for s in self._store.slots()] if self._store is not None and not b.holds else []
+        own = [s.key for s in self._store.slots() if b.takes(s.key)] \
+            if self._store is not None and not b.holds else []
         with self._lock:
             for key, seq in shipped.items():
                 if key in refused:
@@ -542,8 +599,8 @@ class Replicator:
                 # Every step recorded so far is on it (under the lock no step is recorded meanwhile): from
                 # now on none is acknowledged before it has it too, so it counts as an in-sync copy.
                 b.holds = True
-                log.info("replication: joiner %s caught up with %s; acknowledgements wait for it from now on",
-                         b.address, self.own)
+                log.info("replication: %s %s caught up with %s; acknowledgements wait for it from now on",
+                         "joiner" if b.slices is None else "copy target", b.address, self.own)
         b.link.acknowledged(k for k in shipped if k not in refused)
         if refused:
             b.link = b.link.refused()
@@ -556,6 +613,12 @@ class Replicator:
             self._send(b.address, pb.ReplicateRequest(primary=self.own, release=True))
         except Exception as e:
             log.debug("replication: could not release %s: %s", b.address, e)
+
+
+def _grows(before: frozenset[SliceKey] | None, after: frozenset[SliceKey] | None) -> bool:
+    """A peer that takes more slices than before (a copy's target that became a backup, or that takes
+    more): it lacks their copies, and is caught up again only once it holds them."""
+    return before is not None and (after is None or bool(after - before))
 
 
 def _expire(held: asyncio.Future[bool]) -> None:

@@ -11,7 +11,7 @@ incarnation acknowledged is gone, so every slice is copied to it again before it
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection, Mapping
 
 from pshard.common.cluster.layout import Layout
 from pshard.common.cluster.view import ClusterView, ServerIncarnations
@@ -62,3 +62,23 @@ class InSyncReporter:
         if self.copies_in_sync is not None:
             copies.update(self.copies_in_sync())
         self._report(copies, layout.version)
+
+
+def copies_caught_up(row_copies: Collection[str], rows_caught_up: Mapping[str, int],
+                     slice_copies: Collection[str], slices_caught_up: Collection[str],
+                     generations: Mapping[str, int]) -> dict[str, int]:
+    """The targets of this server's copies (a drain without replicas, a rebalance) holding everything it
+    copies to them, row partitions and dense slices alike, each with the generation of the incarnation the
+    copy went to: a target with both kinds counts only once both caught up, since a drain switches all
+    of them at once (scheduler/drain_copies.py). `rows_caught_up` carries its own generations (the
+    table replication's); a dense copy's is the view's, whose change restarts the copy (`restarted`)."""
+    out: dict[str, int] = {}
+    for target in sorted({*row_copies, *slice_copies}):
+        if target in row_copies and target not in rows_caught_up:
+            continue
+        if target in slice_copies and target not in slices_caught_up:
+            continue
+        generation = rows_caught_up.get(target, generations.get(target))
+        if generation is not None:
+            out[target] = generation
+    return out

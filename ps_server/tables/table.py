@@ -69,6 +69,7 @@ from pshard.common.sparse import TableConfig, mix64, put_rows, table_hash, take_
 from pshard.common.wire.sparse_codec import decode_rows
 from pshard.ps_server.tables import row_optim, rowcodec
 from pshard.ps_server.tables.admission import CountMinSketch
+from pshard.ps_server.tables.coldest import coldest
 from pshard.ps_server.tables.disktier import DIRECTORY_BYTES, DiskTier, RecordLayout, TierStats
 from pshard.ps_server.tables.rowhash import IdIndex
 from pshard.ps_server.tables.scheduled import ScheduledPushes
@@ -447,12 +448,12 @@ class SparseTable:
         score = self._score(self.touch, self.count, live)
         score[np.isin(live, keep)] = np.inf
         if self.disk is None:
-            self._evict(live[_coldest(score, len(live) - (cap - cap // 64))])
+            self._evict(live[coldest(score, len(live) - (cap - cap // 64))])
             return
         # Both tiers compete on the same stamps: spilled rows first in line, as the colder ones.
         slots = self.disk.index.live_rows()
         both = np.concatenate([self._score(self.disk.touch, self.disk.count, slots), score])
-        out = _coldest(both, len(both) - (cap - cap // 64))
+        out = coldest(both, len(both) - (cap - cap // 64))
         self._evict_spilled(slots[out[out < len(slots)]])
         self._evict(live[out[out >= len(slots)] - len(slots)])
 
@@ -499,7 +500,7 @@ class SparseTable:
         kept = np.zeros(self.index.high, bool)  # a mask, not np.isin: that sorts both
         kept[keep[keep >= 0]] = True
         score[kept[live]] = np.inf
-        out = live[_coldest(score, len(live) - (budget - int(budget * SPILL_SLACK)))]
+        out = live[coldest(score, len(live) - (budget - int(budget * SPILL_SLACK)))]
         if len(out) == 0:
             return
         # Written before the rows leave RAM. A refused write (a full disk) fails neither this request, which
@@ -640,14 +641,6 @@ class SparseTable:
     @rng_state.setter
     def rng_state(self, state: dict[str, object]) -> None:
         self._rng.bit_generator.state = state
-
-
-def _coldest(score: np.ndarray, excess: int) -> np.ndarray:
-    """Positions of the `excess` lowest finite scores (fewer if fewer are finite), any order."""
-    if excess <= 0:
-        return np.zeros(0, np.int64)
-    order = np.argpartition(score, excess - 1)[:excess] if excess < len(score) else np.arange(len(score))
-    return order[np.isfinite(score[order])]
 
 
 def _grow(a: np.ndarray, cap: int) -> np.ndarray:

@@ -21,6 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
+from pshard.common.cluster.layout import Layout
 from pshard.common.security.credentials import SecurityConfig
 from pshard.common.sparse import TableConfig, server_of
 
@@ -37,6 +38,7 @@ DIM = 8
 TABLE = TableConfig("emb", DIM, optimizer="sgd", lr=1.0, initializer="zeros")
 RUN_TIMEOUT_S = 60.0
 IDS = 6000
+EVERY = np.arange(0, IDS, dtype=np.int64)  # the table's ids
 PUSHES_AFTER = 20  # acknowledged pushes in all after the move, so some go to the partition's new server
 
 
@@ -78,15 +80,19 @@ def _batch(hot: np.ndarray, warm: np.ndarray, client: int, push: int) -> tuple[n
     return chosen, rng.integers(-3, 4, size=(len(chosen), DIM)).astype(np.float32)
 
 
+def _hot_on_ps1(clients: list, layout: Layout) -> _Pushers:
+    """Pushers loading ps-1's partitions (100 ids a push) far more than ps-0's (3), and ps-2's not at all."""
+    partition = server_of(EVERY, layout.partition_count)
+    hot = EVERY[np.isin(partition, layout.partitions_on(1))]
+    warm = EVERY[np.isin(partition, layout.partitions_on(0))]
+    return _Pushers(clients, lambda i, push: _batch(hot, warm, i, push))
+
+
 def test_rebalance_moves_a_hot_partition_to_its_backup_and_loses_no_acknowledged_update(procs: Procs) -> None:
     started, scheds, layout, clients = replicated_job(procs, CLIENTS, 4)
     scheduler = started[0]
     address = scheds[0].address
-    every = np.arange(0, IDS, dtype=np.int64)
-    partition = server_of(every, layout.partition_count)
-    hot = every[np.isin(partition, layout.partitions_on(1))]
-    warm = every[np.isin(partition, layout.partitions_on(0))]
-    pushers = _Pushers(clients, lambda i, push: _batch(hot, warm, i, push))
+    pushers = _hot_on_ps1(clients, layout)
     acked, stop = pushers.acked, pushers.stop
 
     def loaded() -> bool:
@@ -136,7 +142,7 @@ def test_rebalance_moves_a_hot_partition_to_its_backup_and_loses_no_acknowledged
             layout.servers[1], layout.servers[2], 0)
         assert move.nbytes > 0 and move.bytes_copied == move.nbytes
         assert move.layout_version == layout.version + 1
-        final = clients[0].pull_rows(TABLE.name, every)
+        final = clients[0].pull_rows(TABLE.name, EVERY)
         np.testing.assert_array_equal(final, -acked.astype(np.float32))
         after = scheds[0].get_layout(timeout_s=5.0)
         assert set(after.partitions_on(2)) == {moved, *layout.partitions_on(1), *layout.partitions_on(2)}
@@ -155,11 +161,7 @@ def test_rebalance_without_replicas_copies_hot_partitions_to_other_servers_and_l
     started, scheds, layout, clients = replicated_job(procs, CLIENTS, 4, replicas=0)
     scheduler = started[0]
     address = scheds[0].address
-    every = np.arange(0, IDS, dtype=np.int64)
-    partition = server_of(every, layout.partition_count)
-    hot = every[np.isin(partition, layout.partitions_on(1))]
-    warm = every[np.isin(partition, layout.partitions_on(0))]
-    pushers = _Pushers(clients, lambda i, push: _batch(hot, warm, i, push))
+    pushers = _hot_on_ps1(clients, layout)
     acked, stop = pushers.acked, pushers.stop
 
     def loaded() -> bool:
@@ -193,7 +195,7 @@ def test_rebalance_without_replicas_copies_hot_partitions_to_other_servers_and_l
         after = scheds[0].get_layout(timeout_s=5.0)
         assert after.version == layout.version + len(moved)  # one switch each, nothing else
         assert {p: (layout.row_owner(p), after.row_owner(p)) for p in moved} == moved
-        final = clients[0].pull_rows(TABLE.name, every)
+        final = clients[0].pull_rows(TABLE.name, EVERY)
         np.testing.assert_array_equal(final, -acked.astype(np.float32))
     finally:
         stop.set()
@@ -211,8 +213,7 @@ def test_a_move_whose_target_is_sigkilled_mid_copy_rolls_back_and_loses_no_ackno
     started, scheds, layout, clients = replicated_job(
         procs, 2, 4, replicas=0, ps_env={2: {"PSHARD_FAILPOINTS": "ps.before_rows_apply=pause-once"}})
     scheduler, target = started[0], started[3]  # started: scheduler, ps-0, ps-1, ps-2
-    every = np.arange(0, IDS, dtype=np.int64)
-    hot = every[np.isin(server_of(every, layout.partition_count), layout.partitions_on(1))]
+    hot = EVERY[np.isin(server_of(EVERY, layout.partition_count), layout.partitions_on(1))]
 
     def batch(i: int, push: int) -> tuple[np.ndarray, np.ndarray]:
         rng = np.random.default_rng([i, push, 12])
@@ -246,7 +247,7 @@ def test_a_move_whose_target_is_sigkilled_mid_copy_rolls_back_and_loses_no_ackno
         assert after.version == layout.version and after.row_owner(moved) == 1  # never switched
         assert not fetch(scheds[0].address, 10.0).moves
         final = clients[0].pull_rows(TABLE.name, hot)
-        np.testing.assert_array_equal(final, -acked[np.searchsorted(every, hot)].astype(np.float32))
+        np.testing.assert_array_equal(final, -acked[np.searchsorted(EVERY, hot)].astype(np.float32))
     finally:
         stop.set()
         for c in clients:

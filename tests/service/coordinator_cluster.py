@@ -44,11 +44,11 @@ class Cluster:
                            chief=(self.chief,), ps=tuple(s.address for s in self.servers),
                            worker=tuple(self.workers))
 
-    def start_worker(self, index: int, scheduler: str | None = None) -> threading.Thread:
+    def start_worker(self, index: int, scheduler: str | None = None, threads: int = 0) -> threading.Thread:
         """Serving worker `index` on a thread; `scheduler`: the address it reaches the scheduler at (a
-        CuttableLink's, to cut it off)."""
+        CuttableLink's, to cut it off); `threads`: its --threads (torch's, which are this process's)."""
         cfg = TrainConfig(spec=self.spec("worker", index, scheduler), job=JobConfig(), data_dir="",
-                          startup_timeout_s=WAIT_S, step_timeout_s=WAIT_S)
+                          startup_timeout_s=WAIT_S, step_timeout_s=WAIT_S, threads=threads)
 
         def serve() -> None:
             self.exits[cfg.spec.node_id] = run_serving(cfg)

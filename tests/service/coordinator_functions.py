@@ -56,6 +56,12 @@ def run_a_loop_of_its_own(x: int) -> list[Any]:
     return [asyncio.run(double()), asyncio._get_running_loop() is None]
 
 
+def torch_threads() -> int:
+    import torch
+
+    return int(torch.get_num_threads())
+
+
 def worker_id() -> str:
     return current().client.worker_id
 

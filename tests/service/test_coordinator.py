@@ -37,6 +37,21 @@ def test_tensorflows_sample_adds_one_to_five_on_the_servers() -> None:
     assert c.exits == {"worker-0": 0, "worker-1": 0}  # the coordinator left: its workers exit
 
 
+def test_a_serving_worker_sets_torchs_threads_from_its_threads_flag_as_a_training_worker_does() -> None:
+    import torch
+
+    before = torch.get_num_threads()
+    wanted = 1 if before != 1 else 2
+    try:
+        with cluster(workers=1) as c:
+            c.start_worker(0, threads=wanted)  # on a thread: torch's threads are this process's
+            with c.coordinator() as coordinator:
+                coordinator.create_variable("v", np.zeros(1, np.float32))
+                assert coordinator.schedule(f.torch_threads).fetch(WAIT_S) == wanted
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_a_workers_iterator_is_made_once_and_kept_between_calls() -> None:
     with cluster(workers=1) as c:
         c.start_worker(0)

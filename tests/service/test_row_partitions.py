@@ -167,16 +167,40 @@ def _applied(server: ServerThread) -> dict[int, int]:
     return server.call(lambda: server.running.tables.sync_applied(TABLE.name))
 
 
+def _switch(servers: list[ServerThread], layout: Layout, partition: int, target: int) -> Layout:
+    """`partition` to server `target` under the next layout version, which every server learns."""
+    moved = dataclasses.replace(layout, version=layout.version + 1, row_owners=tuple(
+        target if p == partition else o for p, o in enumerate(layout.owners())))
+    for server in servers:
+        server.call(lambda server=server: _rows(server).on_layout(moved))
+    return moved
+
+
 def _move_to_backup(servers: list[ServerThread], layout: Layout, partition: int) -> Layout:
     """Move `partition` from server 0 to server 1, its backup (`pshard rebalance`), once server 1's replica
     holds server 0's applied clocks; every server learns the new layout."""
     wait_until(lambda: _rows(servers[1]).replicas.clocks(servers[0].address).get(TABLE.name)
                == _applied(servers[0]), WAIT_S, "server 1's replica of server 0 holds its applied clocks")
-    moved = dataclasses.replace(layout, version=layout.version + 1, row_owners=tuple(
-        1 if p == partition else o for p, o in enumerate(layout.owners())))
+    return _switch(servers, layout, partition, 1)
+
+
+def _copy(servers: list[ServerThread], layout: Layout, partition: int, target: int) -> None:
+    """The scheduler's view naming a catch-up copy of `partition` from its server to server `target`, as
+    every server gets it."""
+    addresses = [s.address for s in servers]
+    nodes = tuple(Node(f"ps-{i}", "ps", i, a, NodeState.LIVE, generation=i + 1)
+                  for i, a in enumerate(addresses))
+    copy = PartitionCopy(partition, addresses[layout.row_owner(partition)], addresses[target])
+    view = ClusterView(10, nodes, layout.version, copies=(copy,))
     for server in servers:
-        server.call(lambda server=server: _rows(server).on_layout(moved))
-    return moved
+        server.call(lambda server=server: _rows(server).on_view(view))
+
+
+def _await_copy(servers: list[ServerThread], partition: int, target: int) -> None:
+    """Until server 0 reports server `target` caught up with `partition` (its in-sync report)."""
+    address = servers[target].address
+    wait_until(lambda: servers[0].call(lambda: _rows(servers[0]).copies_in_sync()) == {address: partition},
+               WAIT_S, f"server 0 reporting server {target} in sync with partition {partition}")
 
 
 def test_a_sync_partition_moved_to_its_backup_is_served_there_from_its_own_applied_clock_only(
@@ -249,25 +273,17 @@ def test_a_sync_partition_copied_to_a_server_that_is_no_backup_moves_with_its_cl
                           retry_budget_s=0.5, transport="grpc") for w in (0, 1)]
     for c in clients:
         c.declare_table(TABLE)
-    nodes = tuple(Node(f"ps-{i}", "ps", i, a, NodeState.LIVE, generation=i + 1)
-                  for i, a in enumerate(addresses))
-    copying = ClusterView(10, nodes, layout.version, copies=(PartitionCopy(3, addresses[0], addresses[2]),))
     with ThreadPoolExecutor(2) as pool:
         _train(pool, clients, range(PENDING))
-        for server in servers:
-            server.call(lambda server=server: _rows(server).on_view(copying))
+        _copy(servers, layout, 3, 2)
         _train(pool, clients, range(PENDING, PENDING + 1))  # a clock applied while it copies
-        wait_until(lambda: servers[0].call(lambda: _rows(servers[0]).copies_in_sync()) == {addresses[2]: 3},
-                   WAIT_S, "server 0 reporting server 2 in sync with partition 3")
+        _await_copy(servers, 3, 2)
         assert servers[0].call(lambda: _rows(servers[0]).in_sync()) == {addresses[1]}  # its backup only
         copy = _rows(servers[2]).replicas
         assert copy.primaries() == {addresses[0], addresses[1]}  # server 2 backs up server 1
         held = copy.copy(addresses[0], lambda ids: np.ones(len(ids), bool), lambda: None)
         assert all(set(server_of(all_ids(t), PARTITIONS).tolist()) <= {3} for t, _, _ in held)
-        moved = dataclasses.replace(layout, version=layout.version + 1, row_owners=tuple(
-            2 if p == 3 else o for p, o in enumerate(layout.owners())))
-        for server in servers:
-            server.call(lambda server=server: _rows(server).on_layout(moved))
+        moved = _switch(servers, layout, 3, 2)
         assert _applied(servers[2]) == {p: PENDING + 1 for p in moved.partitions_on(2)}
         assert copy.primaries() == {addresses[1]}  # server 0's copy taken over, then dropped
         layouts.publish(moved)
@@ -297,21 +313,12 @@ def test_a_sync_partition_moved_in_a_job_without_replicas_applies_its_pending_cl
                           retry_budget_s=0.5, transport="grpc") for w in (0, 1)]
     for c in clients:
         c.declare_table(TABLE)
-    nodes = tuple(Node(f"ps-{i}", "ps", i, a, NodeState.LIVE, generation=i + 1)
-                  for i, a in enumerate(addresses))
-    copying = ClusterView(10, nodes, layout.version, copies=(PartitionCopy(3, addresses[0], addresses[2]),))
     with ThreadPoolExecutor(2) as pool:
         _train(pool, clients, range(PENDING))
         clients[0].push_rows(TABLE.name, *_batch(0, PENDING), clock=PENDING)  # acknowledged, pending
-        for server in servers:
-            server.call(lambda server=server: _rows(server).on_view(copying))
-        wait_until(lambda: servers[0].call(lambda: _rows(servers[0]).copies_in_sync()) == {addresses[2]: 3},
-                   WAIT_S, "server 0 reporting server 2 in sync with partition 3")
-        moved = dataclasses.replace(layout, version=layout.version + 1, row_owners=tuple(
-            2 if p == 3 else o for p, o in enumerate(layout.owners())))
-        for server in servers:
-            server.call(lambda server=server: _rows(server).on_layout(moved))
-        layouts.publish(moved)
+        _copy(servers, layout, 3, 2)
+        _await_copy(servers, 3, 2)
+        layouts.publish(_switch(servers, layout, 3, 2))
         futures = [pool.submit(_step, clients[0], 0, PENDING, False),
                    pool.submit(_step, clients[1], 1, PENDING)]
         for f in futures:

@@ -217,21 +217,3 @@ def test_the_floor_is_the_smallest_unfinished_id_through_takes_losses_finishes_a
             q.fail(running.pop(0).schedule_id, "w", ScheduledFunctionError("boom"))
         unfinished = [r.schedule_id for r in remotes if not r.done()]
         assert q.floor() == min(unfinished, default=61), step
-
-
-def test_each_call_names_the_call_taken_for_its_worker_before_it_while_that_one_runs() -> None:
-    """Two calls in flight to one worker reach it in either order: each names its predecessor there
-    (RunRequest.after), and the worker runs them in the order they were taken."""
-    q, _ = queue_with("m:a", "m:b", "m:c", "m:d", workers=("worker-0", "worker-1"))
-    first = q.take("worker-0", 0)
-    second = q.take("worker-0", 0, ahead=True)
-    other = q.take("worker-1", 0)
-    assert first is not None and second is not None and other is not None
-    assert (first.after, second.after, other.after) == (0, first.schedule_id, 0)
-    q.finish(first.schedule_id, "worker-0", None)
-    q.finish(second.schedule_id, "worker-0", None)
-    third = q.take("worker-0", 0)  # its predecessor finished: nothing to wait for
-    assert third is not None and third.after == 0
-    q.lost(third.schedule_id, "worker-0")  # back to the queue, and taken again by the other worker
-    again = q.take("worker-1", 0, ahead=True)
-    assert again is not None and again.schedule_id == third.schedule_id and again.after == other.schedule_id

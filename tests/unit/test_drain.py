@@ -46,13 +46,51 @@ def test_a_leave_before_the_backup_holds_a_copy_is_refused_and_changes_nothing()
     assert members.node("ps-1").state is NodeState.LEFT
 
 
-def test_a_server_of_a_job_without_replicas_cannot_leave_with_its_slices():
+def test_a_server_of_a_job_without_replicas_leaves_once_copies_of_all_it_serves_switched_at_once():
     members, _ = _job(replicas=0)
-    before, view = members.layout(), members.view()
-    with pytest.raises(InvalidArgumentError, match=r"leave of server 1 \(b:1\): it serves \d+ slices .*"
-                                                   r"no replicas to hand them to \(replicas 0\)"):
+    before = members.layout()
+    assert before is not None and before.slices_on(1)
+    with pytest.raises(NoInSyncCopyError, match=r"leave of server 1 \(b:1\): the job has no replicas, so "
+                                                r"its \d+ slices and row partitions are being copied to "
+                                                r"a:1, c:1"):
         members.leave("ps-1", members.node("ps-1").generation)
-    assert members.layout() == before and members.view() == view
+    assert members.layout() == before and members.node("ps-1").state is NodeState.LIVE
+    view = members.view()  # the views name the copies: the slices and the partition, to their targets
+    assert {c.source for c in view.slice_copies} == {"b:1"} and view.copies
+    moved = frozenset().union(*(c.slices for c in view.slice_copies))
+    assert moved == {s.slice_key for s in before.slices_on(1)}
+    assert not any(c.switched_at for c in view.slice_copies)
+    _report(members, "ps-1", "ps-0")  # one target caught up: no switch yet, the leave still waits
+    assert members.layout() == before
+    with pytest.raises(NoInSyncCopyError, match="being copied to c:1 first"):
+        members.leave("ps-1", members.node("ps-1").generation)
+    _report(members, "ps-1", "ps-0", "ps-2")  # every target: ONE new layout version switches it all
+    after = members.layout()
+    assert after is not None and after.version == before.version + 1
+    assert not after.slices_on(1) and not after.partitions_on(1) and after.servers == before.servers
+    assert {s.slice_key for s in after.slices if s.server != 1} == {s.slice_key for s in before.slices}
+    assert all(c.switched_at == after.version for c in members.view().slice_copies)
+    members.leave("ps-1", members.node("ps-1").generation)  # it serves nothing now
+    assert members.node("ps-1").state is NodeState.LEFT and members.layout() == after
+    assert [d.layout_version for d in members.drains.all()] == [after.version]
+
+
+def test_a_drain_without_replicas_whose_target_goes_before_the_switch_rolls_back_whole():
+    members, _ = _job(replicas=0)
+    before = members.layout()
+    with pytest.raises(NoInSyncCopyError):
+        members.leave("ps-1", members.node("ps-1").generation)
+    _report(members, "ps-1", "ps-0")  # a's copy caught up, c's not yet
+    members.register("ps", "c:1", node_id="ps-2")  # c restarted: its new process holds nothing of its copy
+    assert members.layout() == before and members.view().slice_copies == ()  # rolled back: no copy named
+    _report(members, "ps-1", "ps-0", "ps-2")  # a report of the old copies switches nothing
+    assert members.layout() == before
+    with pytest.raises(NoInSyncCopyError):  # the retried leave plans the drain again, from scratch
+        members.leave("ps-1", members.node("ps-1").generation)
+    assert {c.target for c in members.view().slice_copies} == {"a:1", "c:1"}
+    _report(members, "ps-1", "ps-0", "ps-2")
+    after = members.layout()
+    assert after is not None and after.version == before.version + 1 and not after.slices_on(1)
 
 
 def test_the_last_live_server_is_refused_at_once_not_as_a_copy_to_wait_for():
@@ -155,7 +193,11 @@ def test_the_scheduler_keeps_each_drain_from_its_first_ask_to_its_hand_over():
 
 
 def test_a_leave_refused_for_good_is_no_drain_in_progress():
-    members, _ = _job(replicas=0)
-    with pytest.raises(InvalidArgumentError):
-        members.leave("ps-1", members.node("ps-1").generation)
-    assert members.drains.all() == ()
+    members, _ = _job(replicas=1)
+    _all_in_sync(members)
+    members.leave("ps-1", members.node("ps-1").generation)
+    _report(members, "ps-2", "ps-0")
+    members.leave("ps-2", members.node("ps-2").generation)
+    with pytest.raises(InvalidArgumentError):  # the last live server
+        members.leave("ps-0", members.node("ps-0").generation)
+    assert [d.node_id for d in members.drains.all()] == ["ps-1", "ps-2"]

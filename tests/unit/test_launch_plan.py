@@ -106,6 +106,23 @@ def test_row_partitions_per_server_go_to_the_scheduler() -> None:
     assert options.worker_args == ("--mode", "sync")
 
 
+def test_the_automatic_rebalance_goes_to_the_scheduler_and_is_off_by_default() -> None:
+    plan = ClusterPlan.allocate(2, 1, ports=fake_ports)
+    options = parse_options(["--row-partitions-per-server", "4", "--rebalance-auto", "1.3",
+                             "--rebalance-cooldown", "30"])
+    specs = {s.name: s for s in child_specs(plan, options, python="py")}
+    assert specs["scheduler"].argv[-4:] == ("--rebalance-auto", "1.3", "--rebalance-cooldown", "30")
+    off = {s.name: s for s in child_specs(plan, parse_options([]), python="py")}
+    assert not any(a.startswith("--rebalance") for a in off["scheduler"].argv)
+
+
+def test_a_rebalance_cooldown_without_the_policy_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        parse_options(["--rebalance-cooldown", "30"])
+    assert exit_.value.code == 2
+    assert "--rebalance-cooldown: got 30, but the automatic rebalance is off" in capsys.readouterr().err
+
+
 def test_servers_start_before_workers_and_workers_have_no_health_check() -> None:
     specs = child_specs(ClusterPlan.allocate(1, 2, ports=fake_ports), Options())
     assert [s.name for s in specs] == ["scheduler", "ps-0", "worker-0", "worker-1"]

@@ -8,21 +8,13 @@ from __future__ import annotations
 
 import pytest
 from pshard.common.cluster.loads import Counters
-from pshard.common.cluster.view import ClusterView, ManualClock, PartitionCopy
+from pshard.common.cluster.view import ClusterView, PartitionCopy
 from pshard.common.errors import InvalidArgumentError
 from pshard.scheduler.membership import Membership
 
 from pshard.status import MoveReport, render, summarise
-from tests.unit.test_replicas import PARAMS, SERVERS, _all_in_sync
-
-
-def _job(replicas: int = 0) -> tuple[Membership, ManualClock]:
-    clock = ManualClock()
-    members = Membership(heartbeat_timeout_s=5, clock=clock, row_partitions_per_server=2)
-    for address in SERVERS:
-        members.register("ps", address)
-    members.propose_layout(members.plan(PARAMS, SERVERS, 4096, replicas))
-    return members, clock
+from tests.unit.test_partition_moves import _job
+from tests.unit.test_replicas import _all_in_sync
 
 
 def _beat(members: Membership, node: str, copies: tuple[str, ...] = (), layout_version: int | None = None
@@ -36,7 +28,7 @@ def _beat(members: Membership, node: str, copies: tuple[str, ...] = (), layout_v
 
 
 def test_a_move_without_replicas_copies_first_then_switches_once_the_target_caught_up():
-    members, clock = _job()
+    members, clock = _job(replicas=0)
     before = members.layout()
     assert before is not None and before.owners() == (0, 1, 2, 0, 1, 2)
     generation = members.generation
@@ -75,7 +67,7 @@ def test_a_move_to_a_server_that_is_no_backup_of_its_own_copies_first_with_repli
 
 @pytest.mark.parametrize("who", ["ps-0", "ps-1"])
 def test_a_source_or_target_gone_before_the_switch_rolls_the_move_back(who):
-    members, clock = _job()
+    members, clock = _job(replicas=0)
     before = members.layout()
     members.move_partition(3, "b:1")
     clock.advance(6)
@@ -89,7 +81,7 @@ def test_a_source_or_target_gone_before_the_switch_rolls_the_move_back(who):
 
 
 def test_a_target_registered_again_mid_copy_holds_nothing_of_it_and_the_move_rolls_back():
-    members, _ = _job()
+    members, _ = _job(replicas=0)
     before = members.layout()
     members.move_partition(3, "b:1")
     old = members.node("ps-1").generation
@@ -102,7 +94,7 @@ def test_a_target_registered_again_mid_copy_holds_nothing_of_it_and_the_move_rol
 
 
 def test_a_target_gone_after_the_switch_leaves_the_move_complete():
-    members, clock = _job()
+    members, clock = _job(replicas=0)
     members.move_partition(3, "b:1")
     _beat(members, "ps-0", ("ps-1",))
     switched = members.layout()
@@ -116,7 +108,7 @@ def test_a_target_gone_after_the_switch_leaves_the_move_complete():
 
 
 def test_a_retried_move_starts_no_second_copy_and_another_target_waits_for_the_first():
-    members, _ = _job()
+    members, _ = _job(replicas=0)
     members.move_partition(3, "b:1")
     generation = members.generation
     members.move_partition(3, "b:1")  # the operator's retry
@@ -140,9 +132,9 @@ def test_a_failover_that_gives_a_copying_partition_elsewhere_rolls_the_copy_back
 
 
 def test_a_restarted_scheduler_knows_no_copy_so_the_layout_in_force_stands():
-    members, _ = _job()
+    members, _ = _job(replicas=0)
     members.move_partition(3, "b:1")
-    restarted, _ = _job()  # soft state: a new scheduler hears of no copy, and its views name none
+    restarted, _ = _job(replicas=0)  # soft state: a new scheduler hears of no copy, and its views name none
     assert restarted.view().copies == ()
     _beat(restarted, "ps-0", ("ps-1",))
     layout = restarted.layout()
@@ -150,7 +142,7 @@ def test_a_restarted_scheduler_knows_no_copy_so_the_layout_in_force_stands():
 
 
 def test_a_copy_in_progress_shows_its_bytes_left_as_its_source_reports_them():
-    members, clock = _job()
+    members, clock = _job(replicas=0)
     members.report_load("ps-0", Counters(partition_bytes={3: 4000}))
     members.move_partition(3, "b:1")
     clock.advance(0.5)
