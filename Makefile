@@ -19,7 +19,7 @@ help:
 	@echo "make install   create $(VENV) and install pshard with torch (CPU), grpc and the dev tools"
 	@echo "make proto     regenerate the gRPC stubs (pshard/api/v1) from proto/"
 	@echo "make test      run the whole test suite (unit, service, e2e)"
-	@echo "make soak      the chaos tests (replicas and checkpoints) on seeds 1-8, one after the other (SEEDS=... to choose)"
+	@echo "make soak      the chaos tests (replicas and checkpoints) on seeds 1-8, one after the other (SEEDS=... to choose), and a chief killed with the scheduler"
 	@echo "make demo      train Fashion-MNIST with a local cluster: scheduler, 2 servers, 2 workers"
 	@echo "make demo-ctr  train a CTR model with sparse embeddings on a synthetic click log (same cluster)"
 	@echo "make up        docker compose up (needs a Docker engine)"
@@ -86,6 +86,9 @@ test-e2e: install data
 # seed must pass.
 SEEDS ?= 1 2 3 4 5 6 7 8
 soak: install data
+	PSHARD_SOAK=1 $(PY) -m pytest -q \
+		"tests/e2e/test_chaos.py::test_a_chief_restarted_just_before_the_scheduler_joins_the_layout_its_servers_hold" \
+		$(PYTEST_ARGS)
 	for seed in $(SEEDS); do \
 		PSHARD_SOAK=1 PSHARD_CHAOS_SEED=$$seed PSHARD_CHAOS_EPOCHS=800 $(PY) -m pytest -q \
 			"tests/e2e/test_chaos.py::test_a_job_survives_a_seeded_schedule_of_kills" $(PYTEST_ARGS) || exit 1; \

@@ -141,6 +141,9 @@ def _run(args: argparse.Namespace, root: Path, address: str, pid: int) -> None:
              # The server's CPU a step, the writer's included: what the write takes from a shared host.
              server_cpu_ms_per_step=round(cpu_around / len(before + after) * 1e3, 1),
              server_cpu_ms_per_step_during=round(cpu_during / max(1, len(during)) * 1e3, 1),
+             first_step_ms_during=round((during or [0.0])[0] * 1e3, 1),
+             longest_step_ms_during=round(max(during or [0.0]) * 1e3, 1),
+             longest_step_ms_around=round(max(before + after) * 1e3, 1),
              capture_ms=round(capture_s * 1e3, 1), background_write_s=round(window_s, 2),
              blocking_checkpoint_s=round(blocking_s, 2), checkpoint_mb=round(_bytes(full) / 2**20, 1),
              server_rss_mb=round(rss_mb(pid), 1))

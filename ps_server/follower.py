@@ -81,12 +81,15 @@ class SchedulerFollower:
         self._grace_subscribers: list[Callable[[float], None]] = []
         self._answers: list[Callable[[float, float], None]] = []
         self._layout_seen = 0
+        # The newest layout read (the one this server routes by): offered when it registers again, so a
+        # restarted scheduler adopts it rather than planning a fresh one over servers that hold this one.
+        self.layout: Layout | None = None
         self.client = SchedulerClient(
             spec.scheduler_address, "ps", own_address=spec.own_address or "", node_id=spec.node_id,
             rank_hint=spec.task_index, on_view=self._on_view, connect_timeout_s=300.0,
             last_generation=last_generation, security=security,
             scheduler_host="" if spec.scheduler else ("chief-0" if spec.chief else "worker-0"),
-            on_answer=self._on_answer, on_left=on_left)
+            on_answer=self._on_answer, on_left=on_left, offer_layout=lambda: self.layout)
 
     def subscribe_views(self, consumer: ViewConsumer) -> None:
         self._views.append(consumer)
@@ -118,6 +121,7 @@ class SchedulerFollower:
                 log.warning("could not read layout version %d: %s", view.layout_version, e)
             else:
                 self._layout_seen = layout.version
+                self.layout = layout
                 for on_layout in self._layouts:
                     self._loop.call_soon_threadsafe(on_layout, layout)
         for on_view in self._views:

@@ -249,9 +249,13 @@ class Membership:
     # ---- membership ----
 
     def register(self, role: str, address: str, node_id: str | None = None, rank_hint: int | None = None,
-                 last_generation: int = 0) -> Registration:
-        """Admit a node, or a new incarnation of a known one (which keeps its rank)."""
+                 last_generation: int = 0, layout: Layout | None = None) -> Registration:
+        """Admit a node, or a new incarnation of a known one (which keeps its rank). `layout` (a server
+        only): the layout it routes by, adopted when this scheduler has none as new (`_adopt_offered`)."""
         limits = self.limits
+        if layout is not None and role != "ps":
+            raise InvalidArgumentError(f"layout: offered by role {role!r} (version {layout.version}); only a "
+                                       "parameter server offers the layout it routes by")
         limits.check_chars("role", role, limits.max_role_chars)
         limits.check_chars("address", address, limits.max_address_chars)
         limits.check_chars("node_id", node_id or "", limits.max_node_id_chars)
@@ -300,9 +304,33 @@ class Membership:
                                          last_seen=self._clock.now(),
                                          carried_over=known is None and last_generation > 0)
         if role == "ps":
+            member = self._members[node_id]
+            if layout is not None:
+                member.layout_version = layout.version
             self._ring_moved()
-            self._join_started(self._members[node_id])
+            self._join_started(member)
+            if layout is not None:
+                self._adopt_offered(member, layout)
         return Registration(node_id, rank, generation, self.view())
+
+    def _adopt_offered(self, member: _Member, layout: Layout) -> None:
+        """A server's layout, offered as it registers again: after a restart this scheduler knows no
+        failover, and planning afresh over servers that route by a later layout split them (issue hlay).
+        Adopted through `restore_layout`'s checks when newer than the stored one; a refused offer is
+        logged and leaves the registration standing: `propose_layout` still plans nothing fresh."""
+        stored = self._layout
+        if stored is not None and stored.version >= layout.version:
+            return
+        try:
+            kept, adopted = self.restore_layout(layout)
+        except (LayoutConflictError, InvalidArgumentError) as e:
+            log.warning("LAYOUT: not adopting layout version %d offered by %s (%s): %s", layout.version,
+                        member.node_id, member.address, e)
+            return
+        if adopted:
+            log.warning("LAYOUT: adopted layout version %d from %s (%s), the layout the servers route by "
+                        "(this scheduler restarted); generation %d", kept.version, member.node_id,
+                        member.address, self._generation)
 
     def _check_jump(self, node_id: str | None, known: _Member | None, last_generation: int) -> None:
         """A node may carry the scheduler above its generation only when a restart forgot the node, and
@@ -865,9 +893,24 @@ class Membership:
             if difference is not None:
                 raise LayoutConflictError(f"layout version {self._layout.version}: {difference}")
             return self._layout, False
+        held = self.held_layout()
+        if held is not None:
+            raise LayoutConflictError(
+                f"layout: server {held.node_id[:40]!r} at {held.address[:80]!r} routes by layout version "
+                f"{held.layout_version}, and this scheduler (restarted) has none; a fresh plan (version 1) "
+                "would split the servers: the layout comes back from the servers or the chief")
         self._layout = dataclasses.replace(layout, version=self._next_layout_version())
         self._bump()
         return self._layout, True
+
+    def held_layout(self) -> _Member | None:
+        """With no layout stored: the live server reporting the newest layout it routes by (None when
+        none holds one). A restarted scheduler waits for that layout to come back instead of planning."""
+        if self._layout is not None:
+            return None
+        holders = [m for m in self._members.values()
+                   if m.role == "ps" and m.state is NodeState.LIVE and m.layout_version > 0]
+        return max(holders, key=lambda m: m.layout_version, default=None)
 
     def restore_layout(self, layout: Layout) -> tuple[Layout, bool]:
         """A member's copy of the job's layout, after a scheduler restart forgot it: kept, with its

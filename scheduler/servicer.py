@@ -16,7 +16,7 @@ from collections.abc import AsyncIterator
 import grpc
 import grpc.aio
 from pshard.common.changes import ChangeSignal
-from pshard.common.cluster.layout import DEFAULT_SLICE_BYTES
+from pshard.common.cluster.layout import DEFAULT_SLICE_BYTES, Layout
 from pshard.common.cluster.loads import LoadMeter
 from pshard.common.cluster.view import ClusterView
 from pshard.common.errors import (
@@ -124,7 +124,7 @@ class SchedulerServicer(pb_grpc.SchedulerServiceServicer):
             if args.node_id:
                 check_acts_as(args.node_id, "Register")
         before = self._members.view().node(args.node_id) if args.node_id else None
-        reg = self._members.register(**args._asdict())
+        reg = self._members.register(**args._asdict(), layout=self._offered_layout(request))
         log.info("%s %s (%s rank %d at %s); generation %d",
                  "re-registered" if before else "registered", reg.node_id, args.role, reg.rank,
                  args.address or "-", reg.generation)
@@ -247,6 +247,16 @@ class SchedulerServicer(pb_grpc.SchedulerServiceServicer):
             raise
         return pb.BarrierResponse(generation=self._members.generation)
 
+    def _offered_layout(self, request: pb.RegisterRequest) -> Layout | None:
+        """A registering server's layout, its counts checked before it is decoded (as a restore's)."""
+        if not request.HasField("layout"):
+            return None
+        proto = request.layout
+        limits = self._members.limits
+        self._members.check_layout_request(len(proto.params), proto.servers)
+        limits.check_int("offered layout slices", len(proto.slices), limits.max_layout_slices)
+        return layout_from_proto(proto)
+
     # ---- layout ----
 
     @maps_errors
@@ -264,6 +274,12 @@ class SchedulerServicer(pb_grpc.SchedulerServiceServicer):
         if not params:
             raise EmptyRequestError("params: got none, a layout needs at least one parameter")
         servers = list(request.servers) or [n.address for n in self._members.view().live("ps")]
+        if self._members.held_layout() is not None:
+            # Restarted, with servers that route by a layout this scheduler lost: the layout comes back
+            # (a server's offer, the chief's restore), and the proposer gets it as a joining worker does.
+            await self._changes.wait_for(
+                lambda: self._members.held_layout() is None or (False if self._closed else None),
+                time.monotonic() + self._wait_budget(None, context))
         existing = self._members.layout()
         if not servers and existing is not None:
             servers = list(existing.servers)  # only compared, never re-planned

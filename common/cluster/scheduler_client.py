@@ -74,7 +74,8 @@ class SchedulerClient:
                  last_generation: int = 0, security: SecurityConfig | None = None,
                  scheduler_host: str | None = None,
                  on_answer: Callable[[float, float], None] | None = None,
-                 on_left: Callable[[], None] | None = None) -> None:
+                 on_left: Callable[[], None] | None = None,
+                 offer_layout: Callable[[], Layout | None] | None = None) -> None:
         """`security`: this node's TLS files or token (pshard.common.security.credentials); default plain.
         `scheduler_host`: with TLS, check once registered that the scheduler's certificate is a
         scheduler's, or that of this task ("chief-0", "worker-0") hosting it ("" when the cluster has a
@@ -82,7 +83,9 @@ class SchedulerClient:
         `sent_at` (time.monotonic()) was answered, after the view it brought went through the view
         callbacks (a server's lease). `on_left()`: the scheduler says this node left without its asking
         (an operator drained it, `pshard drain`): heartbeats stop and it does not register again;
-        None: it registers again, as after any refusal naming it unknown."""
+        None: it registers again, as after any refusal naming it unknown. `offer_layout()` (a server):
+        the layout it routes by, offered with each registration, so that a restarted scheduler gets
+        back the layout in force, failovers included (None: it holds none)."""
         self.address = address
         self.role = role
         self.own_address = own_address
@@ -114,6 +117,7 @@ class SchedulerClient:
         self._callbacks: list[ViewCallback] = [on_view] if on_view else []
         self._on_answer = on_answer
         self._on_left = on_left
+        self._offer_layout = offer_layout
         self._closed = threading.Event()
         self._heartbeats_stopped = threading.Event()
         self._leaving = False  # leave() began: never register again
@@ -206,7 +210,8 @@ class SchedulerClient:
     def _register(self, timeout_s: float) -> Registration:
         rank_hint = self._rank if self._rank is not None else self._rank_hint
         request = register_to_proto(self.role, self.own_address, node_id=self._node_id or None,
-                                    rank_hint=rank_hint, last_generation=self._max_generation)
+                                    rank_hint=rank_hint, last_generation=self._max_generation,
+                                    layout=self._offer_layout() if self._offer_layout is not None else None)
         reply = self._call("Register", self._stub.Register, request, timeout_s)
         self._check_scheduler_identity()
         with self._view_changed:

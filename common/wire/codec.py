@@ -504,10 +504,11 @@ class RegisterArgs(NamedTuple):
 
 
 def register_to_proto(role: str, address: str, node_id: str | None = None, rank_hint: int | None = None,
-                      last_generation: int = 0) -> sched_pb.RegisterRequest:
+                      last_generation: int = 0, layout: Layout | None = None) -> sched_pb.RegisterRequest:
     # None leaves an optional field absent; proto3 presence tells "no hint" from rank 0.
     return sched_pb.RegisterRequest(role=role_to_proto(role), address=address, node_id=node_id,
-                                    rank_hint=rank_hint, last_generation=last_generation)
+                                    rank_hint=rank_hint, last_generation=last_generation,
+                                    layout=layout_to_proto(layout) if layout is not None else None)
 
 
 def register_from_proto(p: sched_pb.RegisterRequest) -> RegisterArgs:

@@ -29,7 +29,7 @@ from pshard.common.checkpoint_store import CheckpointError
 from pshard.common.job import JobConfig
 from pshard.common.sparse import TableConfig, server_of
 from pshard.common.types import SliceKey
-from pshard.ps_server.checkpoints.images import Pace, PacedFile, TableImage, capture, write_images
+from pshard.ps_server.checkpoints.images import Pace, TableImage, capture, save_npz, write_images
 from pshard.ps_server.core.optimizers import SliceState
 from pshard.ps_server.core.store import ShardSnapshot, SliceSnapshot
 from pshard.ps_server.tables.files import restore_admission
@@ -89,11 +89,9 @@ def write_image(directory: Path, image: PartImage, between: Callable[[str], None
     arrays = image.arrays
     for table in image.tables:  # first: until it is done, the tables' requests copy before they write
         table.fill(pace)
-    # The dense npz is paced as it is written and as it is read back for its checksum, as the tables are
-    # (unpaced, its 100 MB of a 25 M-parameter model were a burst of writing and hashing mid-training).
-    ckpt.write_atomically(directory / f"{name}.npz", lambda f: np.savez(
-        f if pace is None else PacedFile(f, pace), allow_pickle=False, **arrays))
-    npz = ckpt.digest(directory / f"{name}.npz", None if pace is None else pace.wrote)
+    # The dense npz is paced and hashed as it is written, as the tables are (unpaced, its 100 MB of a
+    # 25 M-parameter model were a burst of writing and hashing mid-training).
+    npz = save_npz(directory / f"{name}.npz", arrays, pace)
     if between is not None:
         between("dense")
     hashed = write_images(directory, name, image.tables, uuid.uuid4().hex[:12], pace) if image.tables else {}

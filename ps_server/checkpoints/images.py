@@ -24,7 +24,8 @@ import json
 import os
 import threading
 import time
-from collections.abc import Mapping, Sequence
+import zipfile
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -59,62 +60,81 @@ class TableImage:
 
 
 class Copier:
-    """Copy-on-write of a table's `rows` (ascending row numbers) into `out`: installed as the table's
-    `before_write` until every row is copied. A request copies the rows it is about to change and no
-    other (its ids are spread over the whole table: copying their chunks would copy the table); the
-    writer copies every row a chunk at a time, then puts the rows requests copied back over them.
+    """Copy-on-write of a table's rows into `out`, installed as the table's `before_write` until every
+    row is copied. The rows are `rows` (ascending row numbers), or, when `rows` is None, every row
+    number below `len(next(iter(out.values())))` (a table without freed rows: nothing to list). A
+    request copies the rows it is about to change and no other (its ids are spread over the whole
+    table: copying their chunks would copy the table); the writer copies every row a chunk at a time,
+    then puts the rows requests copied back over them.
 
-    What a request pays is what it cannot avoid, under the table's lock. Which of its rows are still to
-    copy, and where they go, is one read each of `_pending` (a row number's position in `rows`, -1 once
-    copied): a binary search of `rows` cost a request of 4,096 ids over a 10 M-row table 10 to 50 ms.
-    Its copies go to small arrays of their own (`_saved`), which the writer moves into `out` after its
-    chunks: written in place, each of a request's rows was a page fault of `out`'s fresh memory, 4,096
-    of them, another 15 ms."""
+    What a request pays is what it cannot avoid, under the table's lock: which of its rows are still to
+    copy, and where they go, is one read each of `_at` (a row number's position in `rows`, -1 for a
+    row not captured; the row number itself without `rows`) and `_done` (a binary search of `rows`
+    cost a request of 4,096 ids over a 10 M-row table 10 to 50 ms). Its copies go to small arrays of
+    their own (`_saved`), which the writer moves into `out` after its chunks: written in place, each
+    of a request's rows was a page fault of `out`'s fresh memory, 4,096 of them, another 15 ms.
 
-    def __init__(self, table: SparseTable, rows: np.ndarray, out: dict[str, np.ndarray]) -> None:
+    A request never waits for the writer's copy: the writer copies a chunk without `_lock` and takes
+    it only to mark the chunk done. That is safe because a request saves a row before it changes it,
+    and what it saved is put over the chunk at the end, so a row read mid-change is overwritten. (Copied
+    under the lock, a request on the server's event loop waited for the writer's chunk, 30 to 350 ms at
+    a time, for as long as the writer thread, at a lower priority on a busy host, took to be scheduled.)"""
+
+    def __init__(self, table: SparseTable, rows: np.ndarray | None, out: dict[str, np.ndarray]) -> None:
         self._table, self._rows, self._out = table, rows, out
-        self._pending = np.full(int(rows[-1]) + 1 if len(rows) else 0, -1, np.int32)  # rows < 2**31
-        self._pending[rows] = np.arange(len(rows), dtype=np.int32)
+        n = len(next(iter(out.values())))
+        self._at: np.ndarray | None = None  # None: a row's position is its number
+        if rows is not None:
+            self._at = np.full(int(rows[-1]) + 1 if len(rows) else 0, -1, np.int32)  # rows < 2**31
+            self._at[rows] = np.arange(len(rows), dtype=np.int32)
+        self._limit = len(self._at) if self._at is not None else n  # rows from here on: made after
+        self._done = np.zeros(n, bool)  # by position: copied (by the writer or a request); lazily zeroed
         self._saved: list[tuple[np.ndarray, dict[str, np.ndarray]]] = []  # (positions, their columns)
         self._lock = threading.Lock()
         table.before_write = self.before_write
 
     def before_write(self, rows: np.ndarray) -> None:
         with self._lock:
-            if len(rows) == 0 or len(self._pending) == 0:
+            if len(rows) == 0 or self._limit == 0:
                 return
-            rows = rows[rows < len(self._pending)]  # rows made since the capture: none
-            at = self._pending[rows]
-            mine = at >= 0
+            rows = rows[rows < self._limit]  # rows made since the capture: none
+            at = rows if self._at is None else self._at[rows]
+            mine = ~self._done[at] if self._at is None else at >= 0
+            if self._at is not None:
+                mine[mine] = ~self._done[at[mine]]
             if mine.any():
-                rows = rows[mine]
-                self._saved.append((at[mine], {name: array[rows] for name, (array, _) in
-                                               self._table.columns().items()}))
-                self._pending[rows] = -1
+                rows, at = rows[mine], at[mine]
+                self._saved.append((at, {name: array[rows] for name, (array, _) in
+                                         self._table.columns().items()}))
+                self._done[at] = True
 
     def run(self, pace: Pace | None = None) -> None:
         if self._table.before_write != self.before_write:
-            return  # done already: `_pending` is gone
+            return  # done already
         try:
-            for lo in range(0, len(self._rows), CHUNK_ROWS):
-                hi = min(lo + CHUNK_ROWS, len(self._rows))
+            n = len(self._done)
+            for lo in range(0, n, CHUNK_ROWS):
+                hi = min(lo + CHUNK_ROWS, n)
+                # The whole chunk, straight into place (a quarter of a masked copy's time), without the
+                # lock: the rows a request saved before they changed are put back over it at the end.
+                for name, (array, _) in self._table.columns().items():
+                    if self._rows is None:
+                        self._out[name][lo:hi] = array[lo:hi]
+                    else:
+                        np.take(array, self._rows[lo:hi], axis=0, out=self._out[name][lo:hi], mode="clip")
                 with self._lock:
-                    # The whole chunk, straight into place (a quarter of a masked copy's time): the rows
-                    # a request saved before they changed are put back over it after the last chunk.
-                    rows = self._rows[lo:hi]
-                    for name, (array, _) in self._table.columns().items():
-                        np.take(array, rows, axis=0, out=self._out[name][lo:hi], mode="clip")
-                    self._pending[rows] = -1
+                    self._done[lo:hi] = True
                 if pace is not None:  # copying is most of a write's CPU: paced with it
                     pace.wrote(sum(a[lo:hi].nbytes for a in self._out.values()))
-            with self._lock:  # nothing is pending any more: no request saves rows from here on
+            with self._lock:  # everything is done: no request saves rows from here on
                 saved, self._saved = self._saved, []
+                self._limit = 0
             for at, columns in saved:
                 for name, values in columns.items():
                     self._out[name][at] = values
         finally:
             with self._lock:
-                self._pending = self._pending[:0]  # done: every row is copied (or the write failed)
+                self._limit = 0  # done: every row is copied (or the write failed)
             if self._table.before_write == self.before_write:
                 self._table.before_write = None
 
@@ -127,9 +147,12 @@ def capture(table: SparseTable, parent: Mapping[str, Any] | None, partition_coun
     # A table with a disk tier (memory_mb) moves rows between RAM and disk: it is captured whole, now.
     since = _since(table, parent) if table.disk is None else None
     epoch = table.epoch
-    rows = table.index.live_rows()
+    index = table.index
+    # Every row number below `high` live (no row freed): the rows need no list, and their ids are one
+    # slice's copy (a list of 10 M rows, the ids gathered by it and a map back took 0.2 to 5 s, loaded).
+    rows: np.ndarray | None = None if since is None and index.live == index.high else index.live_rows()
     removed = np.zeros(0, np.int64)
-    if since is not None:
+    if since is not None and rows is not None:
         rows = rows[table.stamp[rows] > since]
         logged = [ids for e, ids in table.removed or () if e > since]
         removed = np.concatenate(logged).astype(np.int64) if logged else removed
@@ -142,12 +165,14 @@ def capture(table: SparseTable, parent: Mapping[str, Any] | None, partition_coun
         counters, meta["admit_added"], meta["admit_epoch"] = table.admission.state()
         admission = counters.copy()
     if table.disk is not None:
-        image = _whole(table, rows, meta, admission)
+        image = _whole(table, index.live_rows() if rows is None else rows, meta, admission)
         _advance(table, epoch, since)
         return image
-    columns = {c: np.empty((len(rows), *shape), a.dtype) for c, (a, shape) in table.columns().items()}
-    image = TableImage(meta=meta, ids=table.index.ids[rows].astype(np.int64), columns=columns,
-                       removed=removed, admission=admission, copier=Copier(table, rows, columns))
+    n = index.high if rows is None else len(rows)
+    ids = index.ids[:n].copy() if rows is None else index.ids[rows].astype(np.int64, copy=False)
+    columns = {c: np.empty((n, *shape), a.dtype) for c, (a, shape) in table.columns().items()}
+    image = TableImage(meta=meta, ids=ids, columns=columns, removed=removed, admission=admission,
+                       copier=Copier(table, rows, columns))
     _advance(table, epoch, since)
     return image
 
@@ -206,44 +231,85 @@ class Pace:
             time.sleep(ahead)  # rate limiting: what the pace is for
 
 
-class PacedFile:
-    """A binary file whose writes are paced (np.savez's, which writes a dense part's npz in 16 MiB
-    pieces); everything else is the file's own (zipfile seeks back to its headers)."""
+def _npy_header(array: np.ndarray) -> bytes:
+    header = io.BytesIO()
+    np.lib.format.write_array_header_2_0(header, np.lib.format.header_data_from_array_1_0(array))
+    return header.getvalue()
 
-    def __init__(self, f: BinaryIO, pace: Pace) -> None:
-        self._f, self._pace = f, pace
 
-    def write(self, data: bytes | memoryview) -> int:
-        written = self._f.write(data)
-        self._pace.wrote(memoryview(data).nbytes)
-        return written
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._f, name)
+def _pieces(array: np.ndarray) -> Iterator[memoryview]:
+    """A C-contiguous array's bytes, _PIECE at a time, without a copy: each piece's write and hash
+    release the GIL (np.savez's 16 MiB `tobytes` held it, a copy each, on the server's one GIL)."""
+    flat = array.reshape(-1).view(np.uint8).data
+    for start in range(0, len(flat), _PIECE):
+        yield flat[start:start + _PIECE]
 
 
 def save_npy(path: Path, array: np.ndarray, pace: Pace | None = None) -> tuple[str, int]:
     """`array` as an .npy file, atomically; its (SHA-256, size). The bytes are hashed from memory, not
     read back, and written from it in pieces (no copy; the GIL is released while each is written)."""
     array = np.ascontiguousarray(array)
-    header = io.BytesIO()
-    np.lib.format.write_array_header_2_0(header, np.lib.format.header_data_from_array_1_0(array))
-    head = header.getvalue()
+    head = _npy_header(array)
     sha = hashlib.sha256(head)
 
     def save(f: BinaryIO) -> None:
         f.write(head)
-        flat = array.reshape(-1).view(np.uint8).data
         # Each piece hashed as it is written, so the hashing is paced too (hashing the whole array
         # first was a burst of CPU as long as the array's write, beside the training).
-        for start in range(0, len(flat), _PIECE):
-            piece = flat[start:start + _PIECE]
+        for piece in _pieces(array):
             sha.update(piece)
             f.write(piece)
             if pace is not None:
                 pace.wrote(len(piece))
     write_atomically(path, save)
     return sha.hexdigest(), len(head) + array.nbytes
+
+
+class _Stream:
+    """The bytes of a file as they are written: hashed, counted and paced. It has no `tell`, so zipfile
+    takes it for a stream that cannot seek and writes each member's sizes after its bytes instead of
+    going back for them: the file is then exactly the bytes hashed, and needs no reading back."""
+
+    def __init__(self, f: BinaryIO, pace: Pace | None) -> None:
+        self._f, self._pace = f, pace
+        self.sha = hashlib.sha256()
+        self.size = 0
+
+    def write(self, data: bytes, /) -> int:  # zipfile writes bytes and memoryviews
+        written = self._f.write(data)
+        self.sha.update(data)
+        n = memoryview(data).nbytes
+        self.size += n
+        if self._pace is not None:
+            self._pace.wrote(n)
+        return written
+
+    def flush(self) -> None:
+        self._f.flush()
+
+    def close(self) -> None:
+        """The file is the caller's (write_atomically fsyncs and closes it)."""
+
+
+def save_npz(path: Path, arrays: Mapping[str, np.ndarray], pace: Pace | None = None) -> tuple[str, int]:
+    """`arrays` as an uncompressed .npz (what np.savez writes, np.load reads), atomically; its (SHA-256,
+    size), hashed as it is written. Written from the arrays' memory in pieces, paced: np.savez copied
+    each 16 MiB with the GIL held, and the file was read back for its checksum, 100 MB of a 25 M
+    parameter model each time, beside the training."""
+    digest: list[tuple[str, int]] = []
+
+    def save(f: BinaryIO) -> None:
+        stream = _Stream(f, pace)
+        with zipfile.ZipFile(stream, mode="w", compression=zipfile.ZIP_STORED, allowZip64=True) as z:
+            for key, value in arrays.items():
+                array = np.ascontiguousarray(value)
+                with z.open(f"{key}.npy", "w", force_zip64=True) as member:
+                    member.write(_npy_header(array))
+                    for piece in _pieces(array):
+                        member.write(piece)
+        digest.append((stream.sha.hexdigest(), stream.size))
+    write_atomically(path, save)
+    return digest[0]
 
 
 def write_images(directory: Path, name: str, images: Sequence[TableImage], token: str,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import queue
@@ -16,7 +17,8 @@ from pathlib import Path
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from pshard.common.cluster.layout import ParamSpec
+from pshard.common.cluster.layout import Layout, ParamSpec
+from pshard.common.cluster.replicas import fail_over
 from pshard.common.cluster.scheduler_client import SchedulerClient
 from pshard.common.cluster.view import NodeState
 from pshard.common.errors import (
@@ -240,6 +242,48 @@ def test_clients_reregister_after_a_scheduler_restart_keeping_ranks():
         assert (w0.rank, w1.rank) == (0, 1)
         assert after.generation > before
         assert [n.rank for n in after.live("worker")] == [0, 1]
+    finally:
+        for client in made:
+            client.close()
+        if second is not None:
+            second.stop()
+        first.stop()
+
+
+def test_a_restarted_scheduler_gets_the_layout_back_from_its_servers_not_a_fresh_plan():
+    """The chief restarted just before the scheduler (issue hlay): no member could give the layout back,
+    and the new chief's proposal was planned afresh (version 1) over servers at a later version."""
+    first = start_scheduler_thread(heartbeat_interval_s=0.05, heartbeat_timeout_s=1.0)
+    made: list[SchedulerClient] = []
+    second: SchedulerHandle | None = None
+    held: list[Layout | None] = [None]  # what the servers route by (a fresh server holds none)
+    try:
+        servers = []
+        for i in range(2):
+            client = SchedulerClient(first.address, "ps", own_address=f"127.0.0.1:{7100 + i}",
+                                     node_id=f"ps-{i}", rank_hint=i, connect_timeout_s=WAIT_S,
+                                     offer_layout=lambda: held[0])
+            made.append(client)
+            client.register()
+            servers.append(client)
+        planned = new_client(made, first.address, "worker", 0).propose_layout(PARAMS, replicas=1)
+        moved, _ = fail_over(planned, 0, {1})  # as the scheduler's failovers left it
+        held[0] = dataclasses.replace(moved, version=3)
+        for client in servers:
+            client.report_in_sync({}, 3)
+
+        first.stop()
+        second = start_scheduler_thread(f"127.0.0.1:{first.port}", heartbeat_interval_s=0.05,
+                                        heartbeat_timeout_s=1.0)
+        for client in servers:  # each registers again with the new scheduler, offering its layout
+            client.wait_for_view(lambda v: v.layout_version == 3, timeout_s=WAIT_S)
+        chief = SchedulerClient(second.address, "chief", own_address="127.0.0.1:7200", node_id="chief-0",
+                                connect_timeout_s=WAIT_S)  # a fresh process: it holds no layout
+        made.append(chief)
+        chief.register()
+
+        assert chief.propose_layout(PARAMS, replicas=1) == held[0]
+        assert chief.get_layout(timeout_s=WAIT_S) == held[0]
     finally:
         for client in made:
             client.close()

@@ -241,6 +241,70 @@ def test_a_restore_newer_than_the_servers_hold_is_refused_and_changes_nothing():
     assert fresh.layout() is None and fresh.view() == before
 
 
+def _failed_over() -> tuple[Membership, object]:
+    """A job whose ps-1 restarted: its slices failed over to ps-2 under layout version 2."""
+    members, _ = _job(replicas=1)
+    _all_in_sync(members)
+    members.register("ps", "b:1", node_id="ps-1")
+    layout = members.layout()
+    assert layout is not None and layout.version == 2
+    return members, layout
+
+
+def test_a_restarted_scheduler_adopts_the_newest_layout_its_servers_offer_and_plans_none_afresh():
+    """The chaos failure (issue hlay): the chief restarted just before the scheduler, so no member gave the
+    layout back; the new chief's proposal was planned afresh (version 1) over servers at version 2+."""
+    members, failed_over = _failed_over()
+    stale = dataclasses.replace(members.plan(PARAMS, SERVERS, 4096, 1), version=1)
+    fresh = Membership(heartbeat_timeout_s=5, clock=ManualClock())
+    # ps-0 was cut off before the failover and still routes by version 1: it registers first.
+    offers = {"a:1": stale, "b:1": failed_over, "c:1": failed_over}
+    for rank, address in enumerate(SERVERS):
+        fresh.register("ps", address, node_id=f"ps-{rank}", rank_hint=rank, layout=offers[address])
+
+    assert fresh.layout() == failed_over and fresh.view().layout_version == 2
+    assert fresh.held_layout() is None
+    # The new chief's proposal gets the servers' layout, failovers included, as a joining worker does.
+    assert fresh.propose_layout(fresh.plan(PARAMS, SERVERS, 4096, 1)) == (failed_over, False)
+    # A later offer of an older layout (a server back from a partition) changes nothing.
+    fresh.register("ps", "a:1", node_id="ps-0", layout=stale)
+    assert fresh.layout() is not None and fresh.layout().version >= 2
+
+
+def test_servers_reporting_a_layout_stop_a_restarted_scheduler_from_planning_a_fresh_one():
+    _, failed_over = _failed_over()
+    fresh = _restarted_scheduler(held=2)  # they report version 2 and offered none (an older release)
+    before = fresh.view()
+
+    with pytest.raises(LayoutConflictError, match="routes by layout version 2, and this scheduler"):
+        fresh.propose_layout(fresh.plan(PARAMS, SERVERS, 4096, 1))
+
+    assert fresh.layout() is None and fresh.view() == before
+    assert fresh.restore_layout(failed_over) == (failed_over, True)  # the chief's restore still lands
+    assert fresh.propose_layout(fresh.plan(PARAMS, SERVERS, 4096, 1)) == (failed_over, False)
+
+
+def test_an_offer_that_disagrees_with_the_servers_is_not_adopted_and_the_server_still_registers():
+    _, failed_over = _failed_over()
+    swapped = dataclasses.replace(failed_over, servers=(SERVERS[1], SERVERS[0], SERVERS[2]))
+    fresh = Membership(heartbeat_timeout_s=5, clock=ManualClock())
+    fresh.register("ps", "a:1", node_id="ps-0", rank_hint=0)
+    reg = fresh.register("ps", "b:1", node_id="ps-1", rank_hint=1, layout=swapped)
+
+    assert fresh.layout() is None and fresh.node(reg.node_id).address == "b:1"
+    with pytest.raises(LayoutConflictError):  # it still holds a layout: nothing is planned over it
+        fresh.propose_layout(fresh.plan(PARAMS, SERVERS, 4096, 1))
+
+
+def test_only_a_server_offers_its_layout_when_it_registers():
+    _, failed_over = _failed_over()
+    fresh = Membership(heartbeat_timeout_s=5, clock=ManualClock())
+    before = fresh.view()
+    with pytest.raises(InvalidArgumentError, match=r"layout: offered by role 'worker' \(version 2\)"):
+        fresh.register("worker", "w:1", node_id="worker-1", layout=failed_over)
+    assert fresh.view() == before and fresh.layout() is None
+
+
 def test_role_changes_are_exported_as_scheduler_metrics():
     members, _ = _job(replicas=1)
     _all_in_sync(members)
