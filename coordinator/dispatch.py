@@ -1,20 +1,24 @@
 """Dispatch per serving worker: one `Serve` stream to it, the calls taken for it sent down the stream, their
 answers read back in order and reported.
 
-The stream carries two calls at a time (`DEPTH`): the worker runs calls one at a time, and the second,
-sent while the first runs, waits there and starts as soon as the first returns, instead of a dispatch
-round trip later (the reply, the coordinator's wakeup, its next call): on a loaded machine that round
-trip is a process wakeup on each side. The second call is taken only while no worker waits for one
-(ClosureQueue.take, `ahead`), so a queue shorter than the workers is spread over them. A stream runs its
-calls in the order they were sent, so a per-worker iterator's items come in order.
+The stream carries up to four calls at a time (`DEPTH`), sent two to a message (`BATCH`): the worker runs
+calls one at a time, and answers a message's calls in one message once it ran them all. While it runs one
+batch the next waits there, so it starts as soon as the first is answered instead of a dispatch round
+trip later (the reply, the coordinator's wakeup, its next call): on a loaded machine that round trip is a
+process wakeup on each side. Two calls to a message halve the messages each way, and a message costs
+both processes more CPU in gRPC than the Python around a call (docs/architecture.md, 15 Coordinator, has
+the figures). A call beyond the first of a batch, or beyond the first batch out, is taken only while no
+worker waits for one (ClosureQueue.take, `ahead`), so a queue shorter than the workers is spread over
+them, and a lone call goes at once, alone. A stream runs its calls in the order they were sent, so a
+per-worker iterator's items come in order.
 
 Why a stream and not a unary `Run` per call: each unary call opened an HTTP/2 stream, went through the
 server's interceptors and hopped from the worker's event loop to a thread and back; on 2 cores those
 microseconds are taken from training (docs/architecture.md, 15 Coordinator, has the figures). The
 worker runs a stream's calls on its service loop itself (pshard.worker.serve).
 
-Who does what: gRPC's request thread pulls `_Feed`, which takes the next call from the queue when fewer
-than DEPTH are out; the dispatcher's own thread opens the stream, reads the answers and settles them.
+Who does what: gRPC's request thread pulls `_Feed`, which takes the next calls from the queue when a
+batch fits under DEPTH; the dispatcher's own thread opens the stream, reads the answers and settles them.
 
 A worker that breaks the stream (UNAVAILABLE: SIGKILLed, restarted) or that the scheduler declares dead
 while it runs calls (cut off) loses the calls out on it: each goes back to the front of the queue under
@@ -42,7 +46,8 @@ from pshard.api.v1 import parameter_server_pb2 as ps_pb
 
 log = logging.getLogger("pshard.coordinator")
 _TAKE_S = 0.5  # how long a dispatcher waits for a call before it looks at its worker's state again
-DEPTH = 2  # calls in flight per worker: the one it runs and the next
+DEPTH = 4  # calls in flight per worker: the batch it runs and the next
+BATCH = 2  # calls in one message at most
 # A broken stream's gRPC codes that mean the worker, not the call, is the problem: run its calls elsewhere.
 _LOST = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
 
@@ -64,7 +69,7 @@ class _Feed:
         d = self._d
         while True:
             with self._cond:
-                while self._open and len(self.out) >= DEPTH:
+                while self._open and len(self.out) > DEPTH - BATCH:
                     self._cond.wait(_TAKE_S)
                 if not self._open or d.gone.is_set():
                     raise StopIteration  # half-closes the stream: the worker answers what it has and ends it
@@ -72,13 +77,20 @@ class _Feed:
             closure = d.queue.take(d.node_id, _TAKE_S, ahead)
             if closure is None:
                 continue
+            batch = [closure]
+            while len(batch) < BATCH:  # what is queued already, never a wait for more
+                more = d.queue.take(d.node_id, 0.0, ahead=True)
+                if more is None:
+                    break
+                batch.append(more)
             with self._cond:
-                if not self._open:  # the stream broke while the call was being taken
-                    d.queue.lost(closure.schedule_id, d.node_id)
+                if not self._open:  # the stream broke while the calls were being taken
+                    d.lose(batch)
                     raise StopIteration
-                self.out[closure.schedule_id] = closure
+                for taken in batch:
+                    self.out[taken.schedule_id] = taken
                 first, self._first = self._first, False
-            return d.request(closure, first)
+            return d.request(batch, first)
 
     def answered(self, schedule_id: int) -> Closure:
         """The oldest call out, which `schedule_id` answers (a stream answers in order)."""
@@ -122,14 +134,17 @@ class Dispatcher:
         # Breaks the stream (CANCELLED): the calls out on it are lost and run again elsewhere.
         self._channel.close()
 
-    def request(self, closure: Closure, first: bool) -> pb.ServeRequest:
-        """The call as sent: the job with a stream's first call only (the worker declares it once)."""
+    def request(self, batch: list[Closure], first: bool) -> pb.ServeRequest:
+        """The calls as sent, in order: the job with a stream's first call only (the worker declares it
+        once)."""
         message = pb.ServeRequest()
-        request = message.call
-        request.CopyFrom(closure.request)
-        request.schedule_floor = self.queue.floor()
+        floor = self.queue.floor()
+        for i, closure in enumerate(batch):
+            request = message.more.add() if i else message.call
+            request.CopyFrom(closure.request)
+            request.schedule_floor = floor
         if first:
-            request.job.CopyFrom(self._job)
+            message.call.job.CopyFrom(self._job)
         return message
 
     def _loop(self) -> None:
@@ -147,8 +162,9 @@ class Dispatcher:
         feed = _Feed(self)
         try:
             for response in self._serve(feed):
-                answer = response.answer
-                self._settle(feed.answered(answer.schedule_id), answer)
+                self._settle(feed.answered(response.answer.schedule_id), response.answer)
+                for answer in response.more:
+                    self._settle(feed.answered(answer.schedule_id), answer)
         except ValueError:  # stop() closed the channel before the stream started
             pass
         except grpc.RpcError as err:

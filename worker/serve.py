@@ -117,14 +117,16 @@ class _Servicer(pb_grpc.WorkerServiceServicer):
 
     async def Serve(self, requests: AsyncIterator[pb.ServeRequest],
                     context: grpc.aio.ServicerContext) -> AsyncIterator[pb.ServeResponse]:
-        """The coordinator's calls in the order sent, each answered before the next starts. They run on
-        this loop itself, not on a thread: the loop serves only the coordinator, whose calls run one at a
-        time anyway (the next waits in gRPC's buffer meanwhile), and a hop to a thread and back cost a
-        call more CPU than gRPC's own work (docs/architecture.md, 15 Coordinator)."""
+        """The coordinator's calls in the order sent, one at a time, a message's calls answered together once
+        they all ran. They run on this loop itself, not on a thread: the loop serves only the coordinator,
+        whose calls run one at a time anyway (the next waits in gRPC's buffer meanwhile), and a hop to a
+        thread and back cost a call more CPU than gRPC's own work (docs/architecture.md, 15 Coordinator)."""
         runner = await self._runner(context)
         async for request in requests:
             response = pb.ServeResponse()
             off_loop(partial(runner.run, request.call, response.answer))  # filled in place: no copy
+            for call in request.more:  # a batch: answered together, one message (pshard.coordinator.dispatch)
+                off_loop(partial(runner.run, call, response.more.add()))
             yield response
 
 
