@@ -135,11 +135,17 @@ class CpuSampler:
 
     def _run(self) -> None:
         while True:
-            for name, pid in self._pids.items():
-                if (used := cpu_seconds(pid)) is not None:
-                    self._samples[name].append((time.monotonic(), *used))
+            self._sample()
             if self._stop.wait(self._every_s):
+                # The span ends at stop() whatever this thread's last wake-up: on a loaded host it may
+                # have had no second one, and a process then had no figures at all.
+                self._sample()
                 return
+
+    def _sample(self) -> None:
+        for name, pid in self._pids.items():
+            if (used := cpu_seconds(pid)) is not None:
+                self._samples[name].append((time.monotonic(), *used))
 
     def stop(self) -> dict[str, dict[str, float]]:
         self._stop.set()

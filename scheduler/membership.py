@@ -1086,6 +1086,13 @@ class Membership:
                                        "live")
         backups = sorted(self._ring_backups(owner)) if layout.replicas else []
         if target not in backups:
+            earlier = self.copies.between(source, target)
+            if earlier is not None and earlier.partition != partition:
+                state = (f"switched at layout version {earlier.switched_at}, not yet taken over"
+                         if earlier.switched_at else "still copying")
+                raise NoInSyncCopyError(f"{what}: row partition {earlier.partition} is moving from server "
+                                        f"{source_index} to server {target_index} already ({state}); one "
+                                        "copy between two servers at a time: retry")
             self._start_copy(partition, owner, members[target])
             return layout
         if target not in self.in_sync.of(source):

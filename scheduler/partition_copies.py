@@ -62,6 +62,13 @@ class PartitionCopies:
                                        nbytes=nbytes, bytes_left=nbytes)
         return True
 
+    def between(self, source: str, target: str) -> Copy | None:
+        """A copy from `source` to `target` not done yet (copying, or switched and not yet taken over). The
+        target keeps one replica of its source for all the partitions copied to it, and drops it whole
+        once it took a switched copy over: a second copy from the same source begun before that lost the
+        rows it had sent (an acknowledged push lost, seen in tests/e2e/test_rebalance.py under load)."""
+        return next((c for c in self._copies.values() if (c.source, c.target) == (source, target)), None)
+
     def copying(self, source: str, bytes_left: int) -> None:
         """`source`'s report of the bytes its slowest copy still lacks: each of its copies' bytes left."""
         for c in list(self._copies.values()):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 from pshard.common.cluster.loads import Counters
+from pshard.common.cluster.replicas import NoInSyncCopyError
 from pshard.common.cluster.view import ClusterView, PartitionCopy
 from pshard.common.errors import InvalidArgumentError
 from pshard.scheduler.membership import Membership
@@ -117,6 +118,26 @@ def test_a_retried_move_starts_no_second_copy_and_another_target_waits_for_the_f
                                                    r"already \(copying\); wait for that move"):
         members.move_partition(3, "c:1")
     assert members.view().copies == (PartitionCopy(3, "a:1", "b:1"),)
+
+
+def test_a_second_copy_between_the_same_two_servers_waits_until_the_first_is_taken_over():
+    """The target keeps one replica of its source for every partition copied to it and drops it whole when
+    it takes a switched copy over: a second copy begun before that lost the rows it had sent already."""
+    members, _ = _job(replicas=0)
+    members.move_partition(3, "b:1")
+    views = members.generation
+    with pytest.raises(NoInSyncCopyError, match=r"row partition 0 to 'b:1': row partition 3 is moving from "
+                                                r"server 0 to server 1 already \(still copying\)"):
+        members.move_partition(0, "b:1")
+    _beat(members, "ps-0", ("ps-1",))  # partition 3 switches
+    switched = members.layout()
+    assert switched is not None and switched.owners()[3] == 1
+    with pytest.raises(NoInSyncCopyError, match=r"\(switched at layout version \d+, not yet taken over\)"):
+        members.move_partition(0, "b:1")
+    assert members.layout() == switched and members.generation == views + 1  # nothing started
+    _beat(members, "ps-1", layout_version=switched.version)  # b took partition 3 over: done
+    members.move_partition(0, "b:1")
+    assert members.view().copies == (PartitionCopy(0, "a:1", "b:1"),)
 
 
 def test_a_failover_that_gives_a_copying_partition_elsewhere_rolls_the_copy_back():
